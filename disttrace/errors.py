@@ -1,0 +1,33 @@
+"""The exit-code contract in one place (see DESIGN.md, "Command line contract")."""
+
+EXIT_OK = 0
+EXIT_DIVERGED = 1  # a divergence was found, or a gate/check failed
+EXIT_BAD_INPUT = 2  # unreadable/invalid manifest, incompatible runs, unknown fault, corrupt checkpoint
+EXIT_JOB_FAILED = 3  # the distributed job itself failed (a rank died, a collective timed out)
+
+
+class DisttraceError(Exception):
+    exit_code = EXIT_BAD_INPUT
+
+
+class BadInput(DisttraceError):
+    """Bad input: a one-line reason that names the file and, where there is one, the field."""
+
+    exit_code = EXIT_BAD_INPUT
+
+    def __init__(self, where: str, reason: str, field: str | None = None):
+        self.where = str(where)
+        self.field = field
+        self.reason = reason
+        loc = f"{self.where}: {field}" if field else self.where
+        super().__init__(f"{loc}: {reason}")
+
+
+class JobFailed(DisttraceError):
+    """The distributed job failed after writing what it could."""
+
+    exit_code = EXIT_JOB_FAILED
+
+    def __init__(self, reason: str, run_dir: str | None = None):
+        self.run_dir = run_dir
+        super().__init__(reason)
