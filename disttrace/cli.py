@@ -1,0 +1,228 @@
+"""disttrace command line. Human output goes to stderr (rich); stdout carries what pipelines consume:
+the run directory as the last line of a run command, or exactly one JSON document with --json.
+
+Exit codes: 0 ok/equal/pass, 1 divergence or failed gate, 2 bad input, 3 the distributed job failed.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import orjson
+import typer
+from rich.console import Console
+
+from .errors import EXIT_BAD_INPUT, BadInput, DisttraceError, JobFailed
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    rich_markup_mode=None,
+    help="Reproducibility harness for distributed PyTorch training: freeze a manifest, run the reference, "
+    "inject one fault, recover, diff to the first divergence, and gate the result.",
+)
+err = Console(stderr=True, no_color=bool(os.environ.get("NO_COLOR")) or None, highlight=False)
+
+ManifestArg = typer.Argument(None, help="manifest TOML (default: manifests/default.toml)", show_default=False)
+SetOpt = typer.Option(None, "--set", help="override a manifest key: section.key=value (repeatable)")
+OutOpt = typer.Option(Path("runs"), "--out", help="runs root directory")
+JsonOpt = typer.Option(False, "--json", help="print exactly one JSON document on stdout")
+
+
+def emit_json(obj) -> None:
+    sys.stdout.write(orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode() + "\n")
+    sys.stdout.flush()
+
+
+def handled(fn):
+    """Turn our errors into the exit-code contract with a one-line message; never a traceback for bad input."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except JobFailed as e:
+            err.print(f"[red]job failed:[/red] {e}", soft_wrap=True)
+            if e.run_dir:
+                print(e.run_dir)
+            raise typer.Exit(e.exit_code)
+        except DisttraceError as e:
+            err.print(f"[red]error:[/red] {e}", soft_wrap=True, markup=True)
+            raise typer.Exit(e.exit_code)
+        except KeyboardInterrupt:
+            err.print("interrupted")
+            raise typer.Exit(130)
+
+    return wrapper
+
+
+def _freeze(manifest: Optional[Path], sets: Optional[List[str]]):
+    from .manifest import freeze
+
+    return freeze(manifest, sets or [])
+
+
+# ---------------------------------------------------------------- freeze
+
+
+@app.command()
+@handled
+def freeze(manifest: Optional[Path] = ManifestArg, set_: Optional[List[str]] = SetOpt,
+           output: Optional[Path] = typer.Option(None, "-o", "--output", help="write the lock JSON here"),
+           json_: bool = JsonOpt):
+    """Validate a manifest, check data and tokenizer hashes, and print its canonical lock and manifest id."""
+    from .store import write_json_atomic
+
+    frozen = _freeze(manifest, set_)
+    doc = frozen.model_dump()
+    if output:
+        write_json_atomic(output, doc)
+    if json_:
+        emit_json(doc)
+    else:
+        m = frozen.manifest
+        err.print(f"[bold]{m['experiment']['name']}[/bold] edition {m['experiment']['edition']}  "
+                  f"world {m['parallelism']['world_size']} (dp={m['parallelism']['dp']} tp={m['parallelism']['tp']} "
+                  f"pp={m['parallelism']['pp']} zero={m['parallelism']['zero_stage']})")
+        err.print(f"data sha256 {m['data']['sha256']}\ntokenizer sha256 {m['tokenizer']['sha256']}")
+        print(frozen.manifest_id)
+
+
+# ---------------------------------------------------------------- the three paths
+
+
+def _launch_and_report(run_dir: Path, json_: bool, nnodes=1, node_rank=0, rdzv_endpoint=None):
+    from .launch import launch
+
+    err.print(f"[dim]launching {run_dir} ...[/dim]")
+    try:
+        launch(run_dir, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
+    except JobFailed:
+        if json_:
+            from .show import summary
+
+            emit_json({"run_dir": str(run_dir), "complete": False, **summary(run_dir)})
+            raise typer.Exit(3)
+        raise
+    from .show import render_summary, summary
+
+    if json_:
+        emit_json({"run_dir": str(run_dir), **summary(run_dir)})
+    else:
+        render_summary(run_dir, err, brief=True)
+        print(run_dir)
+
+
+@app.command()
+@handled
+def run(manifest: Optional[Path] = ManifestArg, set_: Optional[List[str]] = SetOpt, out: Path = OutOpt,
+        json_: bool = JsonOpt,
+        nnodes: int = typer.Option(1, help="number of nodes (one `disttrace run` per node)"),
+        node_rank: int = typer.Option(0, help="this node's rank among --nnodes"),
+        rdzv_endpoint: Optional[str] = typer.Option(None, help="HOST:PORT of the rendezvous (multi-node)")):
+    """Run the reference path: a real multi-process torch.distributed job that records the full evidence."""
+    from .launch import prepare
+
+    frozen = _freeze(manifest, set_)
+    run_dir = prepare(frozen, out, "reference")
+    _launch_and_report(run_dir, json_, nnodes, node_rank, rdzv_endpoint)
+
+
+def parse_params(params: Optional[List[str]]) -> dict:
+    out = {}
+    for p in params or []:
+        if "=" not in p:
+            raise BadInput("--param", f"'{p}' is not of the form key=value")
+        k, v = p.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
+
+
+@app.command()
+@handled
+def inject(manifest: Optional[Path] = ManifestArg,
+           fault: str = typer.Option(..., "--fault", help="fault name (see `disttrace faults`)"),
+           step: int = typer.Option(..., "--step", help="the step it fires at (steps count from 1)"),
+           rank: int = typer.Option(..., "--rank", help="the global rank it fires on"),
+           param: Optional[List[str]] = typer.Option(None, "--param", help="fault parameter key=value (repeatable)"),
+           set_: Optional[List[str]] = SetOpt, out: Path = OutOpt, json_: bool = JsonOpt):
+    """Run the fault path: the same experiment with exactly one fault injected at (step, rank)."""
+    from . import faults
+    from .launch import prepare
+
+    frozen = _freeze(manifest, set_)
+    spec = faults.get(fault).spec(step, rank, parse_params(param), frozen.manifest)
+    run_dir = prepare(frozen, out, "fault", fault=spec)
+    _launch_and_report(run_dir, json_)
+
+
+@app.command()
+@handled
+def recover(fault_run: Path = typer.Argument(..., help="the run to recover (usually a fault run)"),
+            from_step: Optional[int] = typer.Option(None, "--from-step", help="resume from this checkpoint step"),
+            out: Optional[Path] = typer.Option(None, "--out", help="runs root (default: the fault run's)"),
+            json_: bool = JsonOpt):
+    """Run the recovered path: resume from the last checkpoint that verifies and precedes the fault, fault removed."""
+    from .launch import prepare
+    from .recovery import choose_checkpoint
+
+    frozen, ckpt, why = choose_checkpoint(fault_run, from_step)
+    err.print(f"resuming from {ckpt} ({why})")
+    root = out if out is not None else fault_run.resolve().parent.parent
+    run_dir = prepare(frozen, root, "recovered",
+                      resume={"checkpoint": os.path.relpath(ckpt.resolve(), (root / frozen.manifest_id[:12]).resolve()),
+                              "step": int(ckpt.name.split("-")[1]), "from_run": str(fault_run.resolve())})
+    _launch_and_report(run_dir, json_)
+
+
+# ---------------------------------------------------------------- reading runs
+
+
+@app.command()
+@handled
+def show(run_dir: Path = typer.Argument(..., help="a run directory"),
+         view: str = typer.Argument("summary", help="summary | checkpoints | topology | collectives | memory | events"),
+         json_: bool = JsonOpt):
+    """Show a run: manifest, topology, loss per step, record counts, completeness, or one evidence view."""
+    from . import show as views
+
+    result = views.show(run_dir, view, err)
+    if json_:
+        emit_json(result)
+
+
+@app.command("faults")
+@handled
+def faults_cmd(json_: bool = JsonOpt):
+    """List the fault catalog: name, hook point, expected first divergence, parameters."""
+    from rich.table import Table
+
+    from .faults import catalog
+
+    cat = catalog()
+    if json_:
+        emit_json(cat)
+        return
+    t = Table(title="fault catalog")
+    for col in ("name", "hook point", "first divergence", "parameters", "what it does"):
+        t.add_column(col)
+    for f in cat:
+        t.add_row(f["name"], f["point"], f["expect"], ", ".join(f"{k}={v}" for k, v in f["params"].items()),
+                  f["description"])
+    Console(no_color=bool(os.environ.get("NO_COLOR")) or None).print(t)
+
+
+def main():
+    try:
+        app()
+    except BadInput as e:  # raised outside a command (should not happen, but never a traceback)
+        err.print(f"error: {e}")
+        sys.exit(EXIT_BAD_INPUT)
+
+
+if __name__ == "__main__":
+    main()

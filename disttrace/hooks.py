@@ -1,0 +1,46 @@
+"""Named hook points: the only way observation (the recorder) and perturbation (faults) reach training.
+
+The training loop and the strategies `emit` at these points; they never know who listens. Handlers run
+in `order` (faults at 10 act before the recorder at 90 observes, so the record shows what was done).
+A handler may mutate the payload in place or replace entries of it; `emit` returns the payload.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+POINTS = (
+    "step_start",        # process: kill-rank, slow-rank live here
+    "data",              # payload: batch (inputs, targets, sample_ids), fetch(dp_rank) for another shard
+    "forward",           # payload: name, index, tensor (a module output)
+    "loss",              # payload: loss (micro-batch mean), scale (1/accum)
+    "backward",          # payload: grads [(index, name, tensor)] local, accumulated, before any reduce
+    "reduce",            # payload: grads [(index, name, tensor)] after the data-parallel reduce
+    "before_optimizer",  # payload: optimizer, params
+    "optimizer",         # payload: params [(index, name, tensor)], state [(index, name, tensor)]
+    "before_checkpoint", # payload: state (the dict about to be saved)
+    "checkpoint",        # payload: path (the published checkpoint directory)
+    "step_end",
+)
+
+
+class HookBus:
+    def __init__(self, rank: int = 0):
+        self.rank = rank
+        self.step = -1
+        self.micro_batch = 0
+        self._handlers: dict[str, list[tuple[int, Callable]]] = {p: [] for p in POINTS}
+
+    def on(self, point: str, fn: Callable[["HookBus", dict], Any], order: int = 50) -> None:
+        if point not in self._handlers:
+            raise KeyError(f"unknown hook point {point!r}; known: {', '.join(POINTS)}")
+        self._handlers[point].append((order, fn))
+        self._handlers[point].sort(key=lambda x: x[0])
+
+    def emit(self, point: str, **payload: Any) -> dict:
+        for _, fn in self._handlers[point]:
+            fn(self, payload)
+        return payload
+
+    def listening(self, point: str) -> bool:
+        return bool(self._handlers[point])

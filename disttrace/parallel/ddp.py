@@ -1,0 +1,92 @@
+"""Data parallel through DistributedDataParallel, with gradient accumulation.
+
+Every rank holds the whole model; after the last micro-batch's backward, DDP all-reduces the gradient
+buckets and averages them. A communication hook (DDP's own extension point) lets the `backward` hook
+point see each bucket's local gradients *before* the all-reduce, which is where a gradient fault must
+act to reach the other ranks. Earlier micro-batches run under `no_sync()` and accumulate locally.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .common import build_optimizer, optimizer_state_list
+
+
+def apply_ddp(model, group, bus, names: dict[int, tuple[int, str]]):
+    """Wrap `model` in DDP and route each bucket through the `backward` hook point before its all-reduce."""
+    with warnings.catch_warnings():  # broadcast_buffers is deprecated in 2.13, its successor absent in 2.5
+        warnings.simplefilter("ignore", FutureWarning)
+        # our only buffers are RoPE tables, identical everywhere: no per-forward buffer broadcast
+        ddp = DDP(model, process_group=group, broadcast_buffers=False,
+                  device_ids=None if model.rope_cos.device.type == "cpu" else [model.rope_cos.device])
+    world = dist.get_world_size(group)
+
+    def allreduce_with_hook(_state, bucket):
+        grads = [(*names[id(p)], g) for p, g in zip(bucket.parameters(), bucket.gradients())]
+        bus.emit("backward", grads=grads, before_collective=True)
+        buf = bucket.buffer()
+        # gradients() are views into buffer(); re-copy in case a handler replaced a view's storage
+        offset = 0
+        for _, _, g in grads:
+            n = g.numel()
+            if g.data_ptr() != buf[offset:offset + n].data_ptr():
+                buf[offset:offset + n].copy_(g.reshape(-1))
+            offset += n
+        buf.div_(world)
+        fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0])
+
+    ddp.register_comm_hook(None, allreduce_with_hook)
+    return ddp
+
+
+class DataParallel:
+    name = "ddp"
+
+    def __init__(self, manifest: dict, model, mesh, bus):
+        self.plain = model
+        self.bus = bus
+        self.named = [(i, n, p) for i, (n, p) in enumerate(model.named_parameters())]
+        names = {id(p): (i, n) for i, n, p in self.named}
+        self.group = mesh.get_group("dp")
+        self.model = apply_ddp(model, self.group, bus, names)
+        self.optimizer = build_optimizer(manifest, model.parameters())
+
+    def micro_batch(self, last: bool):
+        return contextlib.nullcontext() if last else self.model.no_sync()
+
+    def backward(self, loss, last: bool):
+        loss.backward()
+        grads = [(i, n, p.grad) for i, n, p in self.named]
+        if not last:
+            self.bus.emit("backward", grads=grads)  # accumulated local gradient, nothing reduced yet
+        else:
+            self.bus.emit("reduce", grads=grads)  # DDP has averaged the buckets into p.grad
+
+    def step(self):
+        self.bus.emit("before_optimizer", optimizer=self.optimizer, params=self.named)
+        self.optimizer.step()
+        self.bus.emit("optimizer", params=self.named, state=optimizer_state_list(self.optimizer, self.named),
+                      optimizer=self.optimizer)
+
+    def zero_grad(self):
+        self.optimizer.zero_grad(set_to_none=False)
+
+    # checkpoint state, through DCP's state-dict helpers (they know DDP and FSDP alike)
+    def state_dict(self, with_optimizer: bool = True) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(self.model, self.optimizer)
+        return {"model": msd, "optim": osd} if with_optimizer else {"model": msd}
+
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state.get("optim", {}))

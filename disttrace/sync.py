@@ -1,0 +1,104 @@
+"""Cross-rank collective check, read from the run store only: within every process group, all members must
+issue the same sequence of (op, shapes, dtype). The first disagreement is reported the way a desync
+should be: group, sequence number, the minority rank(s) and both sides.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from .store import Run, iter_jsonl
+
+
+def load_traces(run: Run) -> tuple[dict[int, dict[str, list[dict]]], list[str]]:
+    """rank -> group -> issued ops in order (with 'end' merged in when the op completed)."""
+    traces: dict[int, dict[str, list[dict]]] = {}
+    warnings: list[str] = []
+    for rank in run.ranks("collectives"):
+        torn: list = []
+        groups: dict[str, list[dict]] = {}
+        by_key: dict = {}
+        for rec in iter_jsonl(run.rank_path("collectives", rank), torn):
+            if "op" in rec:
+                groups.setdefault(rec["group"], []).append(rec)
+                by_key[(rec["group"], rec["seq"])] = rec
+            elif "end" in rec and (rec.get("group"), rec.get("seq")) in by_key:
+                by_key[(rec["group"], rec["seq"])]["end"] = rec["end"]
+        traces[rank] = groups
+        warnings += torn
+    return traces, warnings
+
+
+def fingerprint(rec: dict) -> tuple:
+    return (rec["op"], tuple(tuple(s) for s in rec.get("shapes", [])), rec.get("dtype"))
+
+
+def describe(rec: dict | None) -> str:
+    if rec is None:
+        return "nothing"
+    shapes = ",".join("x".join(map(str, s)) or "scalar" for s in rec.get("shapes", []))
+    return f"{rec['op']} [{shapes}] {rec.get('dtype')}"
+
+
+def check_sync(run: Run) -> dict:
+    traces, warnings = load_traces(run)
+    groups: dict[str, dict] = {}
+    mismatches = []
+    for gkey in sorted({g for t in traces.values() for g in t}):
+        members = [int(r) for r in gkey.split(",")] if gkey != "?" else sorted(traces)
+        present = [r for r in members if r in traces]
+        seqs = {r: traces[r].get(gkey, []) for r in present}
+        n = max((len(v) for v in seqs.values()), default=0)
+        groups[gkey] = {"ranks": members, "ops": n, "bytes": sum(x.get("bytes", 0) for x in seqs[present[0]])
+                        if present else 0}
+        for k in range(n):
+            recs = {r: (seqs[r][k] if k < len(seqs[r]) else None) for r in present}
+            prints = {r: (fingerprint(v) if v else None) for r, v in recs.items()}
+            if len(set(prints.values())) <= 1:
+                continue
+            majority, _ = Counter(prints.values()).most_common(1)[0]
+            minority = sorted(r for r, p in prints.items() if p != majority)
+            agree = sorted(r for r, p in prints.items() if p == majority)
+            example = next(recs[r] for r in agree) if agree else None
+            odd = recs[minority[0]]
+            start = min((v["start"] for v in recs.values() if v), default=0.0)
+            mismatches.append({
+                "group": members, "seq": k, "ranks": minority, "majority_ranks": agree,
+                "minority": describe(odd), "majority": describe(example), "start": start,
+                "step": (odd or example or {}).get("step"),
+                "message": f"collective desync in group {members} at sequence {k}: rank(s) {minority} issued "
+                           f"{describe(odd)}, rank(s) {agree} issued {describe(example)}",
+            })
+            break  # later ops of a desynced group are noise
+    unfinished = sorted({(r, g, rec["seq"], rec["op"]) for r, t in traces.items() for g, lst in t.items()
+                         for rec in lst if "end" not in rec})
+    first = min(mismatches, key=lambda m: m["start"]) if mismatches else None
+    return {
+        "ok": first is None,
+        "groups": groups,
+        "first_mismatch": first,
+        "mismatches": mismatches,
+        "unfinished": [{"rank": r, "group": g, "seq": s, "op": o} for r, g, s, o in unfinished],
+        "warnings": warnings,
+    }
+
+
+def find_stragglers(run: Run, min_seconds: float = 0.1, factor: float = 2.0) -> list[dict]:
+    """A straggler makes everyone wait: per step, compare each rank's time from step start to issuing its
+    first gradient collective with the other ranks'. Numerics cannot show this; timing does."""
+    per_step: dict[int, dict[int, float]] = {}
+    for rank in run.ranks():
+        for entry in run.step_index(rank).records:
+            t = entry.get("time") or {}
+            if "collective_issue" in t and "start" in t:
+                per_step.setdefault(entry["step"], {})[rank] = t["collective_issue"] - t["start"]
+    out = []
+    for step, times in sorted(per_step.items()):
+        if len(times) < 2:
+            continue
+        for rank, t in times.items():
+            others = sorted(v for r, v in times.items() if r != rank)
+            median = others[len(others) // 2]
+            if t - median > min_seconds and t > factor * median:
+                out.append({"step": step, "rank": rank, "seconds": round(t, 4), "others_median": round(median, 4)})
+    return out

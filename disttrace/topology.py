@@ -1,0 +1,75 @@
+"""Rank topology: rank -> node, local rank, mesh coordinates, and the process groups each rank is in.
+
+Every rank derives the whole table on its own; the tables are gathered and must agree, because a rank that
+believes in another layout would put its collectives in the wrong groups without any error.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+MESH_DIMS = ("pp", "dp", "tp")  # outermost first: tp innermost keeps its heavy traffic within a node
+
+
+def mesh_shape(manifest: dict) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    p = manifest["parallelism"]
+    return tuple(p[d] for d in MESH_DIMS), MESH_DIMS
+
+
+def coords_of(rank: int, shape: tuple[int, ...]) -> dict[str, int]:
+    out, rest = {}, rank
+    for dim, size in zip(reversed(MESH_DIMS), reversed(shape)):
+        out[dim] = rest % size
+        rest //= size
+    return {d: out[d] for d in MESH_DIMS}
+
+
+def groups_of(manifest: dict) -> dict[str, list[list[int]]]:
+    """For each mesh dimension, the list of rank groups along it (same coordinates on every other dim)."""
+    shape, dims = mesh_shape(manifest)
+    world = 1
+    for s in shape:
+        world *= s
+    groups: dict[str, list[list[int]]] = {}
+    for i, d in enumerate(dims):
+        seen: dict[tuple, list[int]] = {}
+        for r in range(world):
+            c = coords_of(r, shape)
+            key = tuple(c[x] for x in dims if x != d)
+            seen.setdefault(key, []).append(r)
+        groups[d] = sorted(seen.values())
+    return groups
+
+
+def local_view(manifest: dict, rank: int) -> dict:
+    shape, _ = mesh_shape(manifest)
+    return {
+        "rank": rank,
+        "host": socket.gethostname(),
+        "node_rank": int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", 0))),
+        "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+        "pid": os.getpid(),
+        "coords": coords_of(rank, shape),
+        "mesh_shape": dict(zip(MESH_DIMS, shape)),
+        "groups": groups_of(manifest),
+    }
+
+
+def merge(views: list[dict]) -> dict:
+    """Check every rank's view agrees on the mesh and the groups; return the topology document.
+    Raises RuntimeError naming the disagreeing ranks."""
+    ref = views[0]
+    bad = [v["rank"] for v in views if v["groups"] != ref["groups"] or v["mesh_shape"] != ref["mesh_shape"]]
+    if bad:
+        raise RuntimeError(f"rank topology disagrees: ranks {bad} see a different mesh or groups than rank 0")
+    for i, v in enumerate(views):
+        if v["rank"] != i:
+            raise RuntimeError(f"rank {v['rank']} answered in slot {i}")
+    return {
+        "world_size": len(views),
+        "mesh_dims": list(MESH_DIMS),
+        "mesh_shape": ref["mesh_shape"],
+        "groups": ref["groups"],
+        "ranks": [{k: v[k] for k in ("rank", "host", "node_rank", "local_rank", "pid", "coords")} for v in views],
+    }

@@ -1,0 +1,48 @@
+"""The training loop. It emits hook points and knows nothing of recorders, faults or strategies' insides."""
+
+from __future__ import annotations
+
+from .model import lm_loss
+
+
+def emit_module_outputs(model, bus) -> list:
+    """Emit each block's output (and the final norm and logits) at the `forward` point: layer-by-layer
+    state, the evidence a LLaMA-style comparison needs beyond a final loss."""
+    watched = [(f"layers.{k}", m) for k, m in model.layers.items()]
+    watched += [("norm", model.norm), ("output", model.output)]
+    handles = []
+    for index, (name, module) in enumerate(watched):
+        if module is None:
+            continue
+
+        def hook(_mod, _inp, out, name=name, index=index):
+            bus.emit("forward", name=name, index=index, tensor=out)
+
+        handles.append(module.register_forward_hook(hook))
+    return handles
+
+
+def train(ctx) -> None:
+    """ctx: a worker Context with manifest, strategy, data, bus, dp_rank, checkpointing."""
+    m, strategy, data, bus = ctx.manifest, ctx.strategy, ctx.data, ctx.bus
+    steps = m["training"]["steps"]
+    accum = m["training"]["grad_accum_steps"]
+    interval = m["checkpoint"]["interval"]
+    for step in range(ctx.start_step + 1, steps + 1):  # steps are numbered from 1
+        bus.step, bus.micro_batch = step, 0
+        bus.emit("step_start")
+        strategy.zero_grad()
+        for mb in range(accum):
+            bus.micro_batch = mb
+            last = mb == accum - 1
+            batch = bus.emit("data", batch=data.batch(step, mb, ctx.dp_rank),
+                             fetch=lambda r, step=step, mb=mb: data.batch(step, mb, r))["batch"]
+            inputs, targets = batch["inputs"].to(ctx.device), batch["targets"].to(ctx.device)
+            with strategy.micro_batch(last):
+                loss = lm_loss(strategy.model(inputs), targets)
+                loss = bus.emit("loss", loss=loss, tokens=targets.numel())["loss"]
+                strategy.backward(loss / accum, last)
+        strategy.step()
+        if interval and step % interval == 0:
+            ctx.save_checkpoint(step)
+        bus.emit("step_end")
