@@ -22,7 +22,8 @@ INPUT_ARG = {
     "allreduce_": 0, "allreduce_coalesced_": 0, "broadcast_": 0, "reduce_": 0, "send": 0, "recv_": 0,
     "recv_any_source_": 0, "allgather_": 1, "_allgather_base_": 1, "allgather_into_tensor_coalesced_": 1,
     "reduce_scatter_": 1, "_reduce_scatter_base_": 1, "reduce_scatter_tensor_coalesced_": 1,
-    "alltoall_base_": 1, "alltoall_": 1, "gather_": 1, "scatter_": 1,
+    "alltoall_base_": 1, "alltoall_": 1, "gather_": 1,
+    "scatter_": 0,  # scatter: only the source has inputs; every rank has an output of the same shape
     # functional collectives (DTensor, FSDP2 internals)
     "all_reduce": 0, "all_reduce_coalesced": 0, "all_gather_into_tensor": 0, "all_gather_into_tensor_coalesced": 0,
     "reduce_scatter_tensor": 0, "reduce_scatter_tensor_coalesced": 0, "all_to_all_single": 0, "broadcast": 0,

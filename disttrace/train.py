@@ -43,6 +43,6 @@ def train(ctx) -> None:
                 loss = bus.emit("loss", loss=loss, tokens=targets.numel())["loss"]
                 strategy.backward(loss / accum, last)
         strategy.step()
-        if interval and step % interval == 0:
+        if interval and (step % interval == 0 or step == steps):  # the last step too: the gate evaluates it
             ctx.save_checkpoint(step)
         bus.emit("step_end")
