@@ -22,6 +22,7 @@ app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     rich_markup_mode=None,
+    pretty_exceptions_enable=False,
     help="Reproducibility harness for distributed PyTorch training: freeze a manifest, run the reference, "
     "inject one fault, recover, diff to the first divergence, and gate the result.",
 )
@@ -214,6 +215,120 @@ def faults_cmd(json_: bool = JsonOpt):
         t.add_row(f["name"], f["point"], f["expect"], ", ".join(f"{k}={v}" for k, v in f["params"].items()),
                   f["description"])
     Console(no_color=bool(os.environ.get("NO_COLOR")) or None).print(t)
+
+
+@app.command()
+@handled
+def diff(run_a: Path = typer.Argument(..., help="first run (usually the reference)"),
+         run_b: Path = typer.Argument(..., help="second run (fault, recovered, or another topology)"),
+         mode: Optional[str] = typer.Option(None, "--mode", help="bitwise | numeric (default: bitwise when the "
+                                            "topologies are equal, numeric otherwise)"),
+         rtol: Optional[float] = typer.Option(None, "--rtol", help="numeric: override the derived bound (relative)"),
+         atol: Optional[float] = typer.Option(None, "--atol", help="numeric: absolute part of an explicit bound"),
+         allow_edition_mismatch: bool = typer.Option(False, "--allow-edition-mismatch",
+                                                     help="compare runs of different editions anyway"),
+         json_: bool = JsonOpt, md: bool = typer.Option(False, "--md", help="print a Markdown table (PR comment)")):
+    """Find the first divergence (step, micro-batch, phase, rank, tensor) between two runs and how it spread.
+    Exit 0 equal, 1 divergent, 2 incompatible or unreadable runs."""
+    from .diff import diff_runs, render_md, render_rich
+
+    if mode not in (None, "bitwise", "numeric"):
+        raise BadInput("--mode", f"'{mode}' is not bitwise or numeric")
+    result = diff_runs(run_a, run_b, mode=mode, rtol=rtol, atol=atol, allow_edition_mismatch=allow_edition_mismatch)
+    if json_:
+        emit_json(result)
+    elif md:
+        print(render_md(result))
+    else:
+        render_rich(result, Console(stderr=False, no_color=bool(os.environ.get("NO_COLOR")) or None))
+    raise typer.Exit(0 if result["equal"] else 1)
+
+
+@app.command()
+@handled
+def gate(run_dir: Path = typer.Argument(..., help="the run to judge"),
+         reference: Optional[Path] = typer.Option(None, "--reference", help="the reference run to compare with"),
+         json_: bool = JsonOpt):
+    """The independent evaluation gate: checkpoint integrity, collective sync, gradient equivalence, the eval
+    metric scored by a fresh process on the held-out split, completeness. Exit 0 pass, 1 fail, 2 bad input."""
+    from . import gate as gate_mod
+
+    verdict = gate_mod.gate(run_dir, reference)
+    if json_:
+        emit_json(verdict)
+    else:
+        gate_mod.render(verdict, err)
+    raise typer.Exit(0 if verdict["pass"] else 1)
+
+
+@app.command()
+@handled
+def lab(manifest: Optional[Path] = ManifestArg,
+        fault: Optional[str] = typer.Option(None, "--fault", help="the single fault (see `disttrace faults`)"),
+        step: Optional[int] = typer.Option(None, "--step"), rank: Optional[int] = typer.Option(None, "--rank"),
+        param: Optional[List[str]] = typer.Option(None, "--param", help="fault parameter key=value"),
+        predict: Optional[str] = typer.Option(None, "--predict", help="your prediction, written before the run: "
+                                              "PHASE[@STEP[:RANK]], e.g. backward@3:1"),
+        list_: bool = typer.Option(False, "--list", help="list the curriculum's labs and which can run"),
+        set_: Optional[List[str]] = SetOpt, out: Path = OutOpt, json_: bool = JsonOpt):
+    """The whole method in one command: reference (reused if verified), one fault, recover, diff, gate.
+    Exit 0 when the attribution is accepted, 1 when not."""
+    if list_:
+        from .labs import list_labs, render_labs
+
+        labs = list_labs()
+        emit_json(labs) if json_ else render_labs(labs, err)
+        return
+    if fault is None or step is None or rank is None:
+        raise BadInput("lab", "--fault, --step and --rank are required (or --list)")
+    from . import lab as lab_mod
+
+    result = lab_mod.run_lab(manifest, fault, step, rank, parse_params(param), set_ or [], out, predict,
+                             progress=lambda msg: err.print(msg, soft_wrap=True))
+    if json_:
+        emit_json(result)
+    else:
+        lab_mod.render(result, err)
+        print(result["paths"]["fault"]["run_dir"])
+    raise typer.Exit(0 if result["accepted"] else 1)
+
+
+@app.command()
+@handled
+def plan(manifest: Optional[Path] = typer.Argument(None, help="plan this manifest's model and topology"),
+         set_: Optional[List[str]] = SetOpt,
+         params: Optional[str] = typer.Option(None, "--params", help="parameter count, e.g. 7.5B (instead of a manifest)"),
+         dp: int = typer.Option(1, "--dp"), tp: int = typer.Option(1, "--tp"), pp: int = typer.Option(1, "--pp"),
+         zero_stage: int = typer.Option(0, "--zero-stage"),
+         optimizer: str = typer.Option("adam", "--optimizer"),
+         precision: str = typer.Option("mixed", "--precision", help="mixed | fp32"),
+         seq: Optional[int] = typer.Option(None, "--seq"), micro_batch: int = typer.Option(1, "--micro-batch"),
+         hidden: Optional[int] = typer.Option(None, "--hidden"), heads: Optional[int] = typer.Option(None, "--heads"),
+         layers: Optional[int] = typer.Option(None, "--layers"),
+         micro_batches: int = typer.Option(1, "--micro-batches", help="pipeline micro-batches per step"),
+         json_: bool = JsonOpt):
+    """Predict without running: model-state memory per device for ZeRO 0-3, activation memory per layer,
+    pipeline bubble, communication volume per device. Instant even for a 1T-parameter manifest."""
+    from . import plan as plan_mod
+
+    if params is not None:
+        result = plan_mod.plan_cli_args(params, dp, tp, pp, zero_stage, optimizer, precision, seq, micro_batch,
+                                        hidden, heads, layers, micro_batches)
+    else:
+        frozen_doc = _plan_manifest(manifest, set_)
+        result = plan_mod.plan_from_manifest(frozen_doc)
+    if json_:
+        emit_json(result)
+    else:
+        plan_mod.render_plan(result, err)
+
+
+def _plan_manifest(manifest, sets):
+    """A plan needs the shapes, not the data: validate without hashing files."""
+    from .manifest import DEFAULT_MANIFEST, apply_overrides, read_toml, validate
+
+    path = Path(manifest) if manifest else DEFAULT_MANIFEST
+    return validate(apply_overrides(read_toml(path), sets or []), path).model_dump(mode="json")
 
 
 def main():
