@@ -331,6 +331,47 @@ def _plan_manifest(manifest, sets):
     return validate(apply_overrides(read_toml(path), sets or []), path).model_dump(mode="json")
 
 
+@app.command()
+@handled
+def trace(run_dir: Path = typer.Argument(..., help="a run directory"),
+          output: Path = typer.Option(Path("trace.json"), "-o", "--output", help="where to write the trace")):
+    """Write a Chrome trace-event timeline (Perfetto, chrome://tracing): one process per rank, compute and
+    one track per process group, collectives with their sizes."""
+    from .store import Run, write_json_atomic
+    from .timeline import build_trace
+
+    doc = build_trace(Run(run_dir))
+    write_json_atomic(output, doc)
+    err.print(f"{len(doc['traceEvents'])} events -> {output}")
+    print(output)
+
+
+@app.command()
+@handled
+def check(run_dir: Path = typer.Argument(..., help="a run directory"), json_: bool = JsonOpt):
+    """Within one run, no reference needed: copies that must be identical across ranks (replicas) are, and
+    shards that must differ do. Exit 0 consistent, 1 inconsistent, 2 bad input."""
+    from .consistency import check_run
+    from .store import Run
+
+    res = check_run(Run(run_dir))
+    if json_:
+        emit_json(res)
+    else:
+        f = res["first"]
+        if res["consistent"] is None:
+            err.print(f"[yellow]{res['reason']}[/yellow]")
+        elif f is None:
+            err.print(f"[green]consistent[/green]: {res['steps_checked']} steps, every replica group agrees")
+        else:
+            err.print(f"[red]inconsistent[/red] at step {f['step']} micro-batch {f['micro_batch']} {f['phase']} "
+                      f"tensor {f['tensor']}: {f['message']}; minority rank(s) {f['minority']} vs majority "
+                      f"{f['majority']} in group {f['group']}")
+            for s in res["spread"][:20]:
+                err.print(f"  step {s['step']}: {s['inconsistent']} inconsistent, minority {s['minority_ranks']}")
+    raise typer.Exit(0 if res["consistent"] is not False else 1)
+
+
 def main():
     try:
         app()

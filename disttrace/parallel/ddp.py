@@ -58,6 +58,14 @@ class DataParallel:
         self.model = apply_ddp(model, self.group, bus, names)
         self.optimizer = build_optimizer(manifest, model.parameters())
 
+    def replicas(self) -> list[dict]:
+        """Which copies must agree across the data-parallel group (and which must differ)."""
+        return [
+            {"phase": "data", "dim": "dp", "relation": "differ"},
+            {"phase": "reduce", "dim": "dp", "relation": "agree"},
+            {"phase": "optimizer", "dim": "dp", "relation": "agree"},
+        ]
+
     def micro_batch(self, last: bool):
         return contextlib.nullcontext() if last else self.model.no_sync()
 

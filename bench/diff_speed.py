@@ -1,0 +1,210 @@
+"""diff throughput: records per second to the first divergence on a large trajectory (DESIGN.md, "Figures").
+
+Writes two synthetic run stores (default 2 ranks x 500 steps x 1000 records = 1,000,000 records each, in the
+recorder's exact format: trajectory JSONL + step index with byte offsets and digest of digests), identical
+except one record's digest (bits changed, statistics equal) near the end. Then, each in a fresh process:
+
+  index   diff_runs(a, b, propagate=False): equal steps are skipped on the step index's digests; only
+          the divergent step is read (by seeking to its byte range)
+  scan    diff_runs(a, b, use_index=False, propagate=False): the step index is ignored; the trajectory
+          files are scanned for step boundaries and every record up to the divergence is parsed and
+          compared (the baseline: what diff would cost without the index)
+  full    diff_runs(a, b): index mode plus propagation over every later step (what `disttrace diff` runs)
+
+and prints wall seconds, records/second (records of both runs up to and including the divergent step,
+divided by the wall time), peak RSS of the child (ru_maxrss) and the peak of Python allocations
+(tracemalloc, measured in a separate untimed pass).
+
+    .venv/bin/python bench/diff_speed.py [--ranks 2] [--steps 500] [--records 1000] [--plant-step 490]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import orjson
+import xxhash
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+PHASE_PLAN = [("data", 1), ("forward", 24), ("loss", 1), ("backward", 300), ("reduce", 300), ("optimizer", 374)]
+
+
+def manifest(ranks: int, steps: int) -> dict:
+    return {
+        "experiment": {"name": "bench", "edition": "v1", "seed": 0, "description": ""},
+        "data": {"path": "corpus.jsonl", "sha256": "a" * 64, "eval_percent": 10, "split_salt": "disttrace-v1"},
+        "tokenizer": {"kind": "byte", "path": None, "sha256": "b" * 64},
+        "model": {"dim": 256, "n_layers": 24, "n_heads": 8, "n_kv_heads": 8, "vocab_size": 4096, "max_seq_len": 256,
+                  "multiple_of": 32, "ffn_hidden": 704, "norm_eps": 1e-5, "rope_theta": 10000.0},
+        "parallelism": {"dp": ranks, "tp": 1, "pp": 1, "zero_stage": 0, "pp_schedule": "gpipe",
+                        "architecture": "allreduce", "staleness": 0, "world_size": ranks, "backend": "auto"},
+        "training": {"steps": steps, "micro_batch_size": 4, "grad_accum_steps": 1, "lr": 1e-3, "optimizer": "adamw",
+                     "weight_decay": 0.0, "beta1": 0.9, "beta2": 0.95, "dtype": "float32"},
+        "checkpoint": {"interval": 0},
+        "debug": {"deterministic": True, "collective_timeout_s": 60.0},
+        "eval": {"max_batches": 16, "batch_size": 4, "loss_rtol": 0.02},
+    }
+
+
+def step_records(step: int, rank: int, n: int) -> list[dict]:
+    """n records of one rank and step, in the recorder's order, with realistic names, shapes and sizes."""
+    recs = []
+    plan, total = [], 0
+    scale = n / sum(k for _, k in PHASE_PLAN)
+    for phase, k in PHASE_PLAN:
+        k = max(1, round(k * scale))
+        plan.append((phase, k))
+        total += k
+    plan[-1] = (plan[-1][0], plan[-1][1] + n - total)
+    for phase, k in plan:
+        for i in range(k):
+            name = f"layers.{i % 24}.attention.w{'qkvo'[i % 4]}.weight" if phase != "data" else "inputs"
+            x = ((step * 1_000_003 + rank * 7919 + i * 104_729) % 1_000_000) / 1e6
+            rec = {"step": step, "micro_batch": 0, "phase": phase, "rank": rank, "index": i, "tensor": name,
+                   "dtype": "float32", "shape": [256, 256], "numel": 65536,
+                   "digest": xxhash.xxh3_128_hexdigest(f"{step}/{rank}/{phase}/{i}".encode()),
+                   "sum": x * 3.0 - 1.5, "norm": 10.0 + x, "nonfinite": 0}
+            recs.append(rec)
+    return recs
+
+
+def write_pair(root: Path, ranks: int, steps: int, n: int, plant: tuple[int, int, int]):
+    """Two run dirs with identical bytes except one record's digest (same length: offsets are unchanged)."""
+    m = manifest(ranks, steps)
+    lock = orjson.dumps({"manifest": m, "manifest_id": "f" * 64, "source": "bench", "overrides": [], "resolved": {}})
+    dirs = [root / "reference", root / "fault"]
+    for d in dirs:
+        (d / "trajectory").mkdir(parents=True)
+        (d / "manifest.lock.json").write_bytes(lock)
+        (d / "COMPLETE").write_bytes(b"{}\n")
+    (dirs[0] / "run.json").write_bytes(orjson.dumps({"path": "reference", "fault": None, "resume": None}))
+    (dirs[1] / "run.json").write_bytes(orjson.dumps({"path": "fault", "fault": {"kind": "bench"}, "resume": None}))
+    p_step, p_rank, p_pos = plant
+    planted = None
+    for rank in range(ranks):
+        fa = open(dirs[0] / f"trajectory/rank-{rank:05d}.jsonl", "wb")
+        fb = open(dirs[1] / f"trajectory/rank-{rank:05d}.jsonl", "wb")
+        ia, ib = bytearray(), bytearray()
+        offset = 0
+        for step in range(1, steps + 1):
+            recs = step_records(step, rank, n)
+            blob = b"".join(orjson.dumps(r) + b"\n" for r in recs)
+            digests = [r["digest"] for r in recs]
+            fa.write(blob)
+            entry = {"step": step, "offset": offset, "length": len(blob), "records": len(recs),
+                     "digest": _dod(digests), "time": {"start": 0.0, "end": 0.0}}
+            ia += orjson.dumps(entry) + b"\n"
+            if (step, rank) == (p_step, p_rank):
+                r = recs[p_pos]
+                planted = (step, rank, r["phase"], r["index"])
+                flipped = format(int(r["digest"], 16) ^ 1, "032x")  # one bit
+                r["digest"] = flipped
+                digests[p_pos] = flipped
+                blob = b"".join(orjson.dumps(r) + b"\n" for r in recs)
+                entry = dict(entry, length=len(blob), digest=_dod(digests))
+            fb.write(blob)
+            ib += orjson.dumps(entry) + b"\n"
+            offset += len(blob)
+        fa.close()
+        fb.close()
+        (dirs[0] / f"trajectory/rank-{rank:05d}.steps.jsonl").write_bytes(bytes(ia))
+        (dirs[1] / f"trajectory/rank-{rank:05d}.steps.jsonl").write_bytes(bytes(ib))
+    return dirs[0], dirs[1], planted
+
+
+def _dod(digests: list[str]) -> str:
+    h = xxhash.xxh3_128()
+    for d in digests:
+        h.update(d.encode())
+    return h.hexdigest()
+
+
+def child(a: str, b: str, mode: str, trace: bool) -> None:
+    """Run one diff in this (fresh) process and print one JSON line."""
+    from disttrace.diff import diff_runs
+
+    kw = {"index": dict(propagate=False), "scan": dict(use_index=False, propagate=False), "full": {}}[mode]
+    if trace:
+        import tracemalloc
+
+        tracemalloc.start()
+    t0 = time.perf_counter()
+    r = diff_runs(a, b, **kw)
+    dt = time.perf_counter() - t0
+    out = {"seconds": dt, "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+           "first_divergence": r["first_divergence"], "steps_read": r["stats"]["steps_read"]}
+    if trace:
+        out["traced_peak_mib"] = tracemalloc.get_traced_memory()[1] / 2 ** 20
+    print(json.dumps(out))
+
+
+def run_child(a: Path, b: Path, mode: str, trace: bool = False) -> dict:
+    p = subprocess.run([sys.executable, __file__, "--child", mode, str(a), str(b)] + (["--trace"] if trace else []),
+                       capture_output=True, text=True, check=True, cwd=ROOT)
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=500)
+    ap.add_argument("--records", type=int, default=1000, help="records per rank and step")
+    ap.add_argument("--plant-step", type=int, default=None, help="default: steps - 10")
+    ap.add_argument("--dir", default=None, help="where to write the runs (default: a temporary directory)")
+    ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--child", nargs=3, metavar=("MODE", "A", "B"), help=argparse.SUPPRESS)
+    ap.add_argument("--trace", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args.child[1], args.child[2], args.child[0], args.trace)
+        return
+
+    plant_step = args.plant_step or max(1, args.steps - 10)
+    plant = (plant_step, args.ranks - 1, args.records // 2)
+    root = Path(args.dir or tempfile.mkdtemp(prefix="disttrace-bench-"))
+    try:
+        t0 = time.perf_counter()
+        a, b, planted = write_pair(root, args.ranks, args.steps, args.records, plant)
+        size = sum(p.stat().st_size for p in (a / "trajectory").iterdir())
+        n_run = args.ranks * args.steps * args.records
+        print(f"wrote 2 runs x {n_run:,} records ({size / 2**20:.0f} MiB each) in {time.perf_counter() - t0:.1f} s; "
+              f"planted: step {planted[0]} rank {planted[1]} {planted[2]} index {planted[3]}")
+        base = subprocess.run([sys.executable, "-c", "import resource, disttrace.diff; "
+                               "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)"],
+                              capture_output=True, text=True, check=True, cwd=ROOT)
+        print(f"a fresh process importing disttrace.diff: {float(base.stdout):.0f} MiB RSS")
+        covered = 2 * args.ranks * plant_step * args.records  # both runs, every rank, steps 1..divergent
+        results = {}
+        for mode in ("index", "scan", "full"):
+            r = run_child(a, b, mode)
+            r["traced_peak_mib"] = run_child(a, b, mode, trace=True)["traced_peak_mib"]
+            results[mode] = r
+            f = r["first_divergence"]
+            print(f"{mode:>5}: {r['seconds']:7.3f} s  {covered / r['seconds']:>14,.0f} records/s  steps read "
+                  f"{r['steps_read']:>5}  peak RSS {r['maxrss_mib']:6.0f} MiB  traced peak {r['traced_peak_mib']:7.1f} MiB"
+                  f"  -> step {f['step']} rank {f['rank']} {f['phase']} index {f['index']}")
+            assert (f["step"], f["rank"], f["phase"], f["index"]) == planted, f"wrong divergence {f}"
+        ratio = results["scan"]["seconds"] / results["index"]["seconds"]
+        print(f"index vs scan: {ratio:,.0f}x faster to the first divergence "
+              f"({'meets' if results['index']['seconds'] < 2 else 'MISSES'} the 2 s target)")
+    finally:
+        if not args.keep and not args.dir:
+            shutil.rmtree(root, ignore_errors=True)
+        elif args.keep:
+            print(f"kept {root}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    main()

@@ -1,0 +1,90 @@
+"""`disttrace check RUN`: silent bugs inside one run, no reference needed.
+
+Copies of a tensor that must be identical on several ranks (data-parallel replicas of reduced gradients,
+parameters, optimizer state) stop being identical: that one signature covers a skipped all-reduce, a
+flipped parameter bit, a skewed learning rate on one rank, a parameter replaced after wrapping. And shards
+that must differ (each data-parallel rank reads its own data) must not be equal. The strategy writes the
+map of which copies must agree (`replicas.json`); this module reads only the run store.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections import Counter
+
+from .store import PHASE_ORDER, Run, read_json
+
+
+def load_rules(run: Run) -> dict | None:
+    p = run.path / "replicas.json"
+    return read_json(p) if p.exists() else None
+
+
+def _rule_applies(rule: dict, rec: dict) -> bool:
+    return rec["phase"] == rule["phase"] and fnmatch.fnmatchcase(rec["tensor"], rule.get("tensors", "*"))
+
+
+def check_run(run: Run) -> dict:
+    rules = load_rules(run)
+    if rules is None:
+        return {"consistent": None, "reason": "no replicas.json: the strategy states no replica map",
+                "first": None, "spread": []}
+    groups = rules["groups"]
+    ranks = run.ranks()
+    indexes = {r: {e["step"]: e for e in run.step_index(r).records} for r in ranks}
+    steps = sorted(set().union(*[set(v) for v in indexes.values()])) if indexes else []
+    findings, spread = [], []
+    for step in steps:
+        by_rank = {r: run.records_of_step(r, indexes[r][step]) for r in ranks if step in indexes[r]}
+        step_bad: list[dict] = []
+        for rule in rules["rules"]:
+            for members in groups[rule["dim"]]:
+                present = [r for r in members if r in by_rank]
+                if len(present) < 2:
+                    continue
+                table: dict[tuple, dict[int, dict]] = {}
+                for r in present:
+                    for rec in by_rank[r]:
+                        if _rule_applies(rule, rec):
+                            table.setdefault((rec["micro_batch"], rec["index"], rec["tensor"]), {})[r] = rec
+                for (mb, index, tensor), recs in sorted(table.items()):
+                    digests = {r: rec["digest"] for r, rec in recs.items()}
+                    bad = _judge(rule["relation"], digests)
+                    if bad:
+                        step_bad.append({"step": step, "micro_batch": mb, "phase": rule["phase"], "index": index,
+                                         "tensor": tensor, "group": members, "relation": rule["relation"], **bad})
+        if step_bad:
+            step_bad.sort(key=lambda f: (f["micro_batch"], PHASE_ORDER[f["phase"]], f["index"]))
+            findings.append(step_bad[0])
+            spread.append({"step": step, "inconsistent": len(step_bad),
+                           "minority_ranks": sorted({r for f in step_bad for r in f["minority"]})})
+    first = findings[0] if findings else None
+    return {"consistent": first is None, "first": first, "spread": spread, "rules": rules["rules"],
+            "steps_checked": len(steps)}
+
+
+def _judge(relation: str, digests: dict[int, str]) -> dict | None:
+    if relation == "agree":
+        if len(set(digests.values())) <= 1:
+            return None
+        counts = Counter(digests.values())
+        top = max(counts.values())
+        # majority: the most common digest; on a tie, the one the lowest rank holds
+        majority = min((d for d, c in counts.items() if c == top), key=lambda d: min(r for r, x in digests.items() if x == d))
+        return {"majority": sorted(r for r, d in digests.items() if d == majority),
+                "minority": sorted(r for r, d in digests.items() if d != majority),
+                "digests": {str(r): d for r, d in digests.items()},
+                "message": "copies that must be identical differ"}
+    # "differ": each member must hold its own data; a later rank holding an earlier rank's is the odd one
+    seen: dict[str, int] = {}
+    dup = []
+    for r in sorted(digests):
+        if digests[r] in seen:
+            dup.append(r)
+        else:
+            seen[digests[r]] = r
+    if not dup:
+        return None
+    return {"majority": sorted(set(digests) - set(dup)), "minority": dup,
+            "digests": {str(r): d for r, d in digests.items()},
+            "message": f"rank(s) {dup} read the same data as rank {seen[digests[dup[0]]]}: shards must differ"}
