@@ -64,27 +64,28 @@ def check_run(run: Run) -> dict:
 
 
 def _judge(relation: str, digests: dict[int, str]) -> dict | None:
+    """Name the odd rank(s) out. With two copies (or a tie) there is no majority to trust: every
+    disagreeing rank is a suspect and the finding says so."""
     if relation == "agree":
         if len(set(digests.values())) <= 1:
             return None
         counts = Counter(digests.values())
         top = max(counts.values())
-        # majority: the most common digest; on a tie, the one the lowest rank holds
-        majority = min((d for d, c in counts.items() if c == top), key=lambda d: min(r for r, x in digests.items() if x == d))
+        leaders = [d for d, c in counts.items() if c == top]
+        if len(leaders) > 1:
+            return {"majority": [], "minority": sorted(digests), "tie": True,
+                    "digests": {str(r): d for r, d in digests.items()},
+                    "message": f"copies that must be identical differ, with no majority among {len(digests)} copies"}
+        majority = leaders[0]
         return {"majority": sorted(r for r, d in digests.items() if d == majority),
-                "minority": sorted(r for r, d in digests.items() if d != majority),
+                "minority": sorted(r for r, d in digests.items() if d != majority), "tie": False,
                 "digests": {str(r): d for r, d in digests.items()},
                 "message": "copies that must be identical differ"}
-    # "differ": each member must hold its own data; a later rank holding an earlier rank's is the odd one
-    seen: dict[str, int] = {}
-    dup = []
-    for r in sorted(digests):
-        if digests[r] in seen:
-            dup.append(r)
-        else:
-            seen[digests[r]] = r
-    if not dup:
+    # "differ": each member must hold its own data; ranks that share one are the suspects
+    counts = Counter(digests.values())
+    shared = sorted(r for r, d in digests.items() if counts[d] > 1)
+    if not shared:
         return None
-    return {"majority": sorted(set(digests) - set(dup)), "minority": dup,
+    return {"majority": sorted(set(digests) - set(shared)), "minority": shared, "tie": False,
             "digests": {str(r): d for r, d in digests.items()},
-            "message": f"rank(s) {dup} read the same data as rank {seen[digests[dup[0]]]}: shards must differ"}
+            "message": f"ranks {shared} read identical data: data-parallel shards must differ"}

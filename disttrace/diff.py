@@ -71,7 +71,14 @@ class _Side:
         self.resume_checkpoint = resume.get("checkpoint") if isinstance(resume, dict) else None
         self.complete = self.run.complete
         self.ranks = self.run.ranks()
-        self.index: dict[int, dict[int, dict]] = {r: self._load_index(r, use_index) for r in self.ranks}
+        self.use_index = use_index
+        self.index: dict[int, dict[int, dict]] = {}
+        self.steps: list[int] = []
+
+    def load(self) -> None:
+        """Read (or rebuild) the step index of every rank; called after the compatibility check."""
+        label, warnings = self.label, self.warnings
+        self.index = {r: self._load_index(r, self.use_index) for r in self.ranks}
         if not self.ranks:
             warnings.append(f"run {label} ({self.path}) has no trajectory files")
         world = self.run.world_size
@@ -263,6 +270,12 @@ class _Tol:
             self._cache[k] = tolerance.bound(self.ma, self.mb, step, phase, since=self.since)
         return self._cache[k]
 
+    def compare_bound(self, step: int, phase: str) -> float | None:
+        """The relative bound at (step, phase); None where a user's atol makes it depend on the scale."""
+        if self.user:
+            return self.rtol if not self.atol else None
+        return self.derived(step, phase)
+
     def compare(self, step: int, phase: str, ra: dict, rb: dict) -> tuple[float | None, float, bool, str | None]:
         """-> (rel_err, bound, diverged, note) for two records (or logical values) that are not bit-equal."""
         numel = max(int(ra.get("numel") or 0), int(rb.get("numel") or 0), 1)
@@ -433,6 +446,18 @@ class _Logical:
         return v, min(r.get("rank", 0) for r in self.recs), covered == numel
 
 
+def _replica_mismatches(recs: list[dict]) -> list[tuple[dict, dict]]:
+    """(record, the lowest rank's record) for copies of one tensor or shard (same offset) that differ."""
+    first: dict[tuple, dict] = {}
+    out = []
+    for r in recs:
+        k = tuple((r.get("shard") or {}).get("offset") or ())
+        r0 = first.setdefault(k, r)
+        if r0 is not r and not _same_bits(r, r0):
+            out.append((r, r0))
+    return out
+
+
 def _logicals(recs_by_rank: dict[int, list[dict]], phases) -> dict[tuple[str, str], _Logical]:
     out: dict[tuple[str, str], _Logical] = {}
     for rank in sorted(recs_by_rank):
@@ -474,12 +499,16 @@ def _compare_logical_step(step: int, a: _Side, b: _Side, tol: _Tol, warnings: li
         else:
             rank = vb[1] if vb else va[1]
             units = [(rank, va[0] if va else None, vb[0] if vb else None)]
-        if xa is not None and va is not None and not any("shard" in r for r in xa.recs) and len(xa.recs) > 1:
-            for r in xa.recs[1:]:
-                if not _same_bits(r, xa.recs[0]) and warned.setdefault("replica", 0) < MAX_WARNINGS_OF_A_KIND:
+        # replicas inside one run must be bit-identical; B's whole-tensor replicas are compared one by one
+        # above, the others (A's, and replicated shards on either side) are only represented by the lowest rank
+        for side, x in (("A", xa), ("B", xb)):
+            if x is None or (side == "B" and len(units) > 1):
+                continue
+            for r, r0 in _replica_mismatches(x.recs):
+                if warned.setdefault("replica", 0) < MAX_WARNINGS_OF_A_KIND:
                     warned["replica"] += 1
-                    warnings.append(f"run A: step {step} {phase} {name}: rank {r.get('rank')}'s copy differs from "
-                                    f"rank {xa.recs[0].get('rank')}'s (replicas should be bit-identical)")
+                    warnings.append(f"run {side}: step {step} {phase} {name}: rank {r.get('rank')}'s copy differs "
+                                    f"from rank {r0.get('rank')}'s (replicas should be bit-identical)")
         for side, v in (("A", va), ("B", vb)):
             if v is not None and not v[2] and warned.setdefault("cover", 0) < MAX_WARNINGS_OF_A_KIND:
                 warned["cover"] += 1
@@ -579,6 +608,8 @@ def diff_runs(a: str | Path, b: str | Path, mode: str | None = None, rtol: float
     side_a = _Side("A", a, use_index, warnings)
     side_b = _Side("B", b, use_index, warnings)
     _check_compatible(side_a, side_b, allow_edition_mismatch, warnings)
+    side_a.load()
+    side_b.load()
     ma, mb = side_a.manifest, side_b.manifest
     topo = _field_diffs(ma, mb, TOPOLOGY_FIELDS)
     same_topology = not topo
@@ -653,6 +684,9 @@ def diff_runs(a: str | Path, b: str | Path, mode: str | None = None, rtol: float
         entry = {"step": step, "equal": not diverged_here,
                  "differing": sum(rs.differing for rs in per_rank.values()),
                  "ranks": {str(r): per_rank[r].as_dict() for r in sorted(per_rank)}}
+        if mode == "numeric":  # the bound each phase's errors at this step are held to
+            phases = sorted({p for rs in per_rank.values() for p in rs.max_rel}, key=_phase_order)
+            entry["bound_by_phase"] = {p: tol.compare_bound(step, p) for p in phases}
         if first_step is not None:
             propagation.append(entry)
             if not diverged_here:
@@ -865,8 +899,10 @@ def render_md(result: dict) -> str:
             rk = [r for r, v in e["ranks"].items() if v["differing"]]
             tot = sum(v["total"] for v in e["ranks"].values())
             rels = [v.get("max_rel_err") for v in e["ranks"].values() if v.get("max_rel_err")]
+            bounds = [b for b in (e.get("bound_by_phase") or {}).values() if b is not None]
             lines.append(f"| {e['step']} | {', '.join(rk) or '-'} | {e['differing']} / {tot} | "
-                         f"{_fmt(max(rels), '.2e') if rels else '-'} |")
+                         f"{_fmt(max(rels), '.2e') if rels else '-'}"
+                         + (f" (bound {max(bounds):.2e})" if bounds else "") + " |")
         if len(result["propagation"]) > len(shown):
             lines.append(f"| … | | {len(result['propagation']) - len(shown)} more steps | |")
         if result["recovered_steps"]:

@@ -501,9 +501,12 @@ def test_sharded_records_combine_into_the_logical_tensor(tmp_path):
         if rank == 1 and sh["step"] == 2 and sh["index"] == 1:
             sh["sum"] += 1.0
     b2 = write_run(tmp_path / "b2", mb, shard_records(mb, range(1, 4), {0: 0, 1: 1, 2: 0, 3: 1}, tamper))
-    f = diff_runs(a, b2)["first_divergence"]
+    r2 = diff_runs(a, b2)
+    f = r2["first_divergence"]
     assert (f["step"], f["phase"], f["index"], f["rank"]) == (2, "optimizer", 1, 0)
     assert f["b"]["digest"].startswith("shards:") and f["b"]["shape"] == SHAPES[1]
+    # rank 3's copy of the same shard was not tampered: the replicas disagree, and diff says so
+    assert any("rank 3's copy differs from rank 1's" in w for w in r2["warnings"])
 
 
 def test_missing_shard_is_reported(tmp_path):
@@ -523,7 +526,7 @@ def test_tolerance_formula():
     m = manifest()
     u = 2.0 ** -24
     T = 8 * 64
-    eps1 = 2 * u * math.sqrt(T) * math.sqrt(192)
+    eps1 = 2 * u * (math.sqrt(T) + math.sqrt(192))
     assert tolerance.bound(m, m, 1, "reduce") == pytest.approx(eps1)
     assert tolerance.bound(m, m, 5, "optimizer") == pytest.approx(5 * eps1)
     assert tolerance.bound(m, m, 5, "optimizer", since=3) == pytest.approx(2 * eps1)
@@ -531,7 +534,7 @@ def test_tolerance_formula():
     m64 = manifest(**{"training.dtype": "float64"})
     assert tolerance.bound(m64, m64, 1, "reduce") == pytest.approx(eps1 * 2.0 ** -29)
     assert tolerance.bound(m, m64, 1, "reduce") == pytest.approx(eps1)  # the coarser dtype counts
-    assert 1e-6 < eps1 < 1e-4  # float32 differences of ~1e-7 relative fit, within three orders of magnitude
+    assert 1e-6 < eps1 < 1e-5  # measured float32 differences of 4e-8..4e-7: 1 to 3 orders of magnitude below
 
 
 # ---------------------------------------------------------------- rendering
@@ -571,3 +574,11 @@ def test_grid_is_capped(tmp_path):
     render_rich(r, Console(file=buf, width=200, color_system=None))
     out = buf.getvalue()
     assert "steps 85..100" in out and "grid shows 16 of 100" in out
+
+
+def test_diff_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, disttrace.diff; sys.exit(1 if 'torch' in sys.modules else 0)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -56,14 +56,27 @@ def test_diff_cli_contract(runs):
     assert md.returncode == 1 and "|" in md.stdout
 
 
-def test_check_finds_replica_faults_without_a_reference(runs):
-    for name, step, rank in (("skip-allreduce", 3, 1), ("bitflip-param", 3, 0), ("lr-skew", 3, 0),
-                             ("data-swap", 3, 1)):
-        fault = runs.fault(name, step, rank) if name != "lr-skew" else runs.fault(name, step, rank, "--param", "k=3")
-        proc = cli("check", fault, "--json")
-        assert proc.returncode == 1, (name, proc.stderr)
-        first = orjson.loads(proc.stdout)["first"]
-        assert first["step"] == step and first["minority"] == [rank], (name, first)
+def check_first(run_dir):
+    proc = cli("check", run_dir, "--json")
+    assert proc.returncode == 1, proc.stderr
+    return orjson.loads(proc.stdout)["first"]
+
+
+@pytest.mark.parametrize("name,rank,params", [("skip-allreduce", 1, []), ("bitflip-param", 0, []),
+                                              ("lr-skew", 0, ["--param", "k=3"]), ("data-swap", 1, [])])
+def test_check_finds_replica_faults_without_a_reference(runs, name, rank, params):
+    """dp=2: two copies, no majority; the faulty rank is among the named suspects at the injected step."""
+    first = check_first(runs.fault(name, 3, rank, *params))
+    assert first["step"] == 3 and rank in first["minority"], first
+
+
+def test_check_names_the_minority_rank_with_four_replicas(runs):
+    first = check_first(runs.fault("bitflip-param", 3, 2, "--set", "parallelism.dp=4",
+                                   "--set", "training.grad_accum_steps=1"))
+    assert (first["step"], first["phase"], first["minority"], first["majority"]) == (3, "optimizer", [2], [0, 1, 3])
+
+
+def test_check_is_quiet_on_a_clean_run(runs):
     clean = cli("check", runs.reference(), "--json")
     assert clean.returncode == 0 and orjson.loads(clean.stdout)["consistent"] is True
 

@@ -94,7 +94,9 @@ class DataParallel:
         return {"model": msd, "optim": osd} if with_optimizer else {"model": msd}
 
     def load_state_dict(self, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state.get("optim", {}))
+        if "optim" in state:
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        else:  # a checkpoint saved without optimizer state: the optimizer starts fresh (and diff will say so)
+            set_model_state_dict(self.model, state["model"])
