@@ -21,7 +21,8 @@ def load_rules(run: Run) -> dict | None:
 
 
 def _rule_applies(rule: dict, rec: dict) -> bool:
-    return rec["phase"] == rule["phase"] and fnmatch.fnmatchcase(rec["tensor"], rule.get("tensors", "*"))
+    return (rec["phase"] == rule["phase"] and fnmatch.fnmatchcase(rec["tensor"], rule.get("tensors", "*"))
+            and not ("exclude" in rule and fnmatch.fnmatchcase(rec["tensor"], rule["exclude"])))
 
 
 def check_run(run: Run) -> dict:

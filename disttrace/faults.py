@@ -35,6 +35,7 @@ class Fault:
     defaults: dict = {}
     needs_dp2 = False
     needs_checkpoint_step = False
+    requires: frozenset = frozenset()  # hook capabilities the strategy must offer (see `capabilities`)
 
     def __init__(self, step: int, rank: int, params: dict):
         self.step, self.rank, self.params = step, rank, params
@@ -56,6 +57,10 @@ class Fault:
         if cls.needs_dp2 and manifest["parallelism"]["dp"] < 2:
             raise BadInput(where, f"'{cls.name}' needs data parallelism (dp >= 2); this manifest has dp = "
                            f"{manifest['parallelism']['dp']}")
+        missing = cls.requires - capabilities(manifest)
+        if missing:
+            raise BadInput(where, f"'{cls.name}' needs the {', '.join(sorted(missing))} hook point, which the "
+                           f"{strategy_name(manifest)} strategy does not offer")
         interval = manifest["checkpoint"]["interval"]
         if cls.needs_checkpoint_step and (not interval or step % interval):
             raise BadInput("--step", f"'{cls.name}' acts on a checkpoint, but no checkpoint is written at step "
@@ -93,6 +98,25 @@ class Fault:
               rank=bus.rank, point=self.point, params=self.params, **detail)
 
 
+def strategy_name(manifest: dict) -> str:
+    p = manifest["parallelism"]
+    if p["tp"] > 1:
+        return "tensor-parallel" + (" x FSDP2" if p["dp"] > 1 else "")
+    return {0: "DDP", 1: "ZeRO-1 (DDP + ZeroRedundancyOptimizer)", 2: "ZeRO-2 (FSDP2)", 3: "ZeRO-3 (FSDP2)"}[p["zero_stage"]]
+
+
+def capabilities(manifest: dict) -> set[str]:
+    """Which hook points carry what under this manifest's strategy:
+    'backward': the local gradient before any data-parallel reduce is handed to the `backward` point;
+    'collective_hook': that point runs right before the gradient collective is issued (DDP's comm hook)."""
+    p = manifest["parallelism"]
+    if p["tp"] > 1:
+        return {"backward"} if p["dp"] == 1 else set()
+    if p["zero_stage"] >= 2:
+        return set()  # FSDP2 reduce-scatters inside its own post-backward
+    return {"backward", "collective_hook"}
+
+
 def catalog() -> list[dict]:
     return [{"name": c.name, "point": c.point, "expect": c.expect, "description": c.description,
              "params": c.defaults} for c in REGISTRY.values()]
@@ -117,6 +141,8 @@ def flip_bit(t, element: int, bit: int) -> tuple[float, float]:
     """Flip one bit of one element in place; returns (before, after)."""
     import torch
 
+    if hasattr(t, "to_local"):  # a DTensor: flip a bit of the shard this rank holds
+        t = t.to_local()
     flat = t.detach().view(-1)
     if not 0 <= element < flat.numel():
         element = element % flat.numel()
@@ -150,6 +176,7 @@ class BitflipGrad(Fault):
     name, point, expect = "bitflip-grad", "backward", "backward"
     description = "flips one bit of one element of a local gradient before the reduce"
     defaults = {"tensor": "layers.0.attention.wq.weight", "element": 0, "bit": 30, "micro_batch": -1}
+    requires = frozenset({"backward"})
 
     @classmethod
     def check(cls, step, params, manifest):
@@ -196,6 +223,7 @@ class SkipAllreduce(Fault):
     name, point, expect = "skip-allreduce", "reduce", "reduce"
     description = "the rank keeps its local gradient instead of the reduced one (the collective still runs)"
     needs_dp2 = True
+    requires = frozenset({"collective_hook"})
 
     def install(self, bus):
         self.local: dict = {}
@@ -392,6 +420,7 @@ class SlowRank(Fault):
     name, point, expect = "slow-rank", "backward", "none"
     description = "the rank sleeps before its collectives; numerics stay equal, the run flags it as straggler"
     defaults = {"seconds": 0.5}
+    requires = frozenset({"collective_hook"})
 
     def install(self, bus):
         def handler(bus, p):
@@ -408,6 +437,7 @@ class CollectiveMismatch(Fault):
     description = "the rank issues an all-reduce of a different shape; the job ends with exit 3 naming it"
     defaults = {"extra": 1}
     needs_dp2 = True
+    requires = frozenset({"collective_hook"})
 
     def install(self, bus):
         def handler(bus, p):

@@ -142,11 +142,15 @@ class Manifest(Section):
 def _not_supported_yet(m: Manifest) -> tuple[str, str] | None:
     p = m.parallelism
     if p.tp > 1:
-        return "parallelism.tp", f"tensor parallel (tp={p.tp}) is not supported yet; use tp = 1"
+        md = m.model
+        for name, value in (("model.n_heads", md.n_heads), ("model.n_kv_heads", md.n_kv_heads),
+                            ("model.ffn_hidden", md.ffn_hidden), ("model.vocab_size", md.vocab_size)):
+            if value % p.tp:
+                return name, f"{value} is not divisible by parallelism.tp = {p.tp} (tensor parallel splits it)"
     if p.pp > 1:
         return "parallelism.pp", f"pipeline parallel (pp={p.pp}) is not supported yet; use pp = 1"
-    if p.zero_stage > 0:
-        return "parallelism.zero_stage", f"ZeRO stage {p.zero_stage} is not supported yet; use zero_stage = 0"
+    if p.zero_stage > 0 and p.tp > 1:
+        return "parallelism.zero_stage", "ZeRO with tensor parallel: dp x tp shards over dp with FSDP2 already; use zero_stage = 0"
     if p.architecture != "allreduce":
         return "parallelism.architecture", f"'{p.architecture}' is not supported yet; use 'allreduce'"
     return None

@@ -68,11 +68,9 @@ class MemoryLedger:
         s = self.strategy
         params = sum(_local_bytes(p) for p in s.plain.parameters())
         grads = sum(_local_bytes(p.grad) for p in s.plain.parameters())
-        optim = 0
-        for st in s.optimizer.state.values():
-            for v in st.values():
-                if torch.is_tensor(v):
-                    optim += _local_bytes(v)
+        from .parallel.common import local_optimizer_state_tensors
+
+        optim = sum(_local_bytes(v) for v in local_optimizer_state_tensors(s.optimizer))
         model_state = params + grads + optim
         rec = {"step": bus.step, "rank": self.rank, "params": params, "grads": grads, "optimizer": optim,
                "model_state": model_state, "activations_saved": self._peak_act,

@@ -17,6 +17,19 @@ from .hooks import HookBus
 from .store import PHASE_ORDER, JsonlWriter, rank_file
 
 
+def shard_info(t) -> dict:
+    """For a DTensor that is sharded, where this rank's piece sits in the logical tensor (diff combines the
+    pieces' sums and norms into the logical tensor's, so a shard compares with its full tensor)."""
+    if not hasattr(t, "to_local") or not hasattr(t, "placements"):
+        return {}
+    if all(p.is_replicate() for p in t.placements):
+        return {}
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return {"shard": {"offset": list(offset), "logical_shape": list(t.shape)}}
+
+
 class Recorder:
     ORDER = 90  # after faults (10): the record shows what the fault did
 
@@ -40,6 +53,7 @@ class Recorder:
 
     # ---------------------------------------------------------- records
     def add(self, bus: HookBus, phase: str, index: int, name: str, tensor, micro_batch: int | None = None, **extra):
+        extra.update(shard_info(tensor))
         rec = {
             "step": bus.step,
             "micro_batch": bus.micro_batch if micro_batch is None else micro_batch,

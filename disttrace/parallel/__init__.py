@@ -1,16 +1,33 @@
 """Strategies: how a plain model is made parallel, each on torch.distributed's own engine.
 
 A strategy owns the wrapped model and the optimizer and exposes the few things the training loop needs:
-`micro_batch(last)` (a context: accumulate locally or synchronise), `backward(loss, bus, last)` (emits the
-`backward` and `reduce` hook points), `step(bus)` (emits `before_optimizer` and `optimizer`) and the
-state for checkpoints. The loop never asks which strategy it has.
-"""
+`micro_batch(last)` (a context: accumulate locally or synchronise), `backward(loss, last)` (emits the
+`backward` and `reduce` hook points), `step()` (emits `before_optimizer` and `optimizer`), the state for
+checkpoints and `replicas()` (which copies must agree across ranks). The loop never asks which it has.
 
-from .ddp import DataParallel
+| manifest | strategy | engine |
+| --- | --- | --- |
+| zero_stage 0 | DataParallel | DistributedDataParallel (+ comm hook) |
+| zero_stage 1 | ZeroStage1 | DDP + ZeroRedundancyOptimizer |
+| zero_stage 2, 3 | FullyShardedZero | FSDP2 fully_shard (reshard_after_forward False / True) |
+| tp > 1 | TensorParallel | DTensor parallelize_module (+ FSDP2 over dp when dp > 1) |
+"""
 
 
 def build_strategy(manifest: dict, model, mesh, bus):
     par = manifest["parallelism"]
-    if par["tp"] == 1 and par["pp"] == 1 and par["zero_stage"] == 0 and par["architecture"] == "allreduce":
-        return DataParallel(manifest, model, mesh, bus)
-    raise NotImplementedError(f"no strategy for parallelism {par}")  # freeze refuses these earlier
+    if par["tp"] > 1:
+        from .tp import TensorParallel
+
+        return TensorParallel(manifest, model, mesh, bus)
+    if par["zero_stage"] in (2, 3):
+        from .fsdp import FullyShardedZero
+
+        return FullyShardedZero(manifest, model, mesh, bus, stage=par["zero_stage"])
+    if par["zero_stage"] == 1:
+        from .zero import ZeroStage1
+
+        return ZeroStage1(manifest, model, mesh, bus)
+    from .ddp import DataParallel
+
+    return DataParallel(manifest, model, mesh, bus)

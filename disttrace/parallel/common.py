@@ -5,19 +5,34 @@ from __future__ import annotations
 import torch
 
 
-def build_optimizer(manifest: dict, params):
+def optimizer_class_and_kwargs(manifest: dict):
     t = manifest["training"]
     if t["optimizer"] == "sgd":
-        return torch.optim.SGD(params, lr=t["lr"], weight_decay=t["weight_decay"], foreach=False)
-    return torch.optim.AdamW(params, lr=t["lr"], betas=(t["beta1"], t["beta2"]), weight_decay=t["weight_decay"],
-                             foreach=False)
+        return torch.optim.SGD, {"lr": t["lr"], "weight_decay": t["weight_decay"], "foreach": False}
+    return torch.optim.AdamW, {"lr": t["lr"], "betas": (t["beta1"], t["beta2"]), "weight_decay": t["weight_decay"],
+                               "foreach": False}
+
+
+def build_optimizer(manifest: dict, params):
+    cls, kwargs = optimizer_class_and_kwargs(manifest)
+    return cls(params, **kwargs)
 
 
 def optimizer_state_list(optimizer, named: list[tuple[int, str, torch.Tensor]]):
-    """Optimizer state as (index, 'param:key', tensor): index = param index * 4 + key slot, stable order."""
+    """Optimizer state this rank holds, as (index, 'param:key', tensor): index = param index * 4 + key slot.
+    Under ZeRO-1 only the owner of a parameter's partition holds its state."""
+    local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard's optimizer here
     out = []
     for index, name, p in named:
-        st = optimizer.state.get(p, {})
+        st = local.state.get(p, {})
         for slot, key in enumerate(sorted(k for k, v in st.items() if torch.is_tensor(v) and v.numel() > 1)):
             out.append((index * 4 + slot, f"{name}:{key}", st[key]))
     return out
+
+
+def local_optimizer_state_tensors(optimizer):
+    local = getattr(optimizer, "optim", optimizer)
+    for st in local.state.values():
+        for v in st.values():
+            if torch.is_tensor(v):
+                yield v

@@ -1,0 +1,111 @@
+"""Tensor parallel (Megatron-style) with DTensor's `parallelize_module`, and dp x tp with FSDP2 over dp.
+
+The plan is data: module path -> style. Column-wise splits the output features (q/k/v heads, the SwiGLU
+gate and up projections), row-wise splits the input features and all-reduces the output (wo, w2), so each
+block costs two all-reduces forward and two backward. The embedding is vocab-parallel (row-wise over the
+vocabulary), the output head column-wise with its logits gathered for the loss. Norm weights stay whole
+and replicated on every tp rank: their gradients must agree across the tp group (checked by `check`).
+
+Composition order (torchtitan's): TP first, inside each block, then FSDP2 over the dp mesh dimension,
+which shards the already TP-sharded DTensors further along dp. DDP + TP is avoided: TP-sharded
+weights drop out of DDP's `named_parameters()` after a forward (PYTORCH-NOTES).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from .common import build_optimizer, optimizer_state_list
+
+
+def tp_plan(n_layers: int) -> dict:
+    plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "output": ColwiseParallel(output_layouts=Replicate()),
+    }
+    for i in range(n_layers):
+        plan.update({
+            f"layers.{i}.attention.wq": ColwiseParallel(),
+            f"layers.{i}.attention.wk": ColwiseParallel(),
+            f"layers.{i}.attention.wv": ColwiseParallel(),
+            f"layers.{i}.attention.wo": RowwiseParallel(),
+            f"layers.{i}.feed_forward.w1": ColwiseParallel(),
+            f"layers.{i}.feed_forward.w3": ColwiseParallel(),
+            f"layers.{i}.feed_forward.w2": RowwiseParallel(),
+        })
+    return plan
+
+
+def apply_tp(model, tp_mesh):
+    return parallelize_module(model, tp_mesh, tp_plan(len(model.layers)))
+
+
+class TensorParallel:
+    engine = "DTensor parallelize_module"
+
+    def __init__(self, manifest: dict, model, mesh, bus):
+        self.name = "tp"
+        self.plain = model
+        self.bus = bus
+        self.group = mesh.get_group("dp")
+        self.dp = manifest["parallelism"]["dp"]
+        names = [n for n, _ in model.named_parameters()]
+        apply_tp(model, mesh["tp"])
+        if self.dp > 1:
+            from .fsdp import apply_fsdp
+
+            apply_fsdp(model, mesh["dp"], reshard_after_forward=True)
+            self.engine += " + FSDP2 over dp"
+        params = dict(model.named_parameters())
+        self.named = [(i, n, params[n]) for i, n in enumerate(names)]
+        self.model = model
+        self.optimizer = build_optimizer(manifest, model.parameters())
+
+    def replicas(self) -> list[dict]:
+        rules = [{"phase": p, "dim": "tp", "relation": "agree", "tensors": "*norm.weight*"}
+                 for p in ("reduce", "optimizer")]
+        rules.append({"phase": "data", "dim": "tp", "relation": "agree"})  # a tp group reads one batch
+        if self.dp > 1:
+            rules.append({"phase": "data", "dim": "dp", "relation": "differ"})
+        return rules
+
+    def micro_batch(self, last: bool):
+        if self.dp > 1:
+            self.model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
+    def backward(self, loss, last: bool):
+        loss.backward()
+        grads = [(i, n, p.grad) for i, n, p in self.named]
+        if not last or self.dp == 1:
+            self.bus.emit("backward", grads=grads)
+        if last:
+            self.bus.emit("reduce", grads=grads)  # tp's reductions ran inside backward; dp's (if any) just now
+
+    def step(self):
+        self.bus.emit("before_optimizer", optimizer=self.optimizer, params=self.named)
+        self.optimizer.step()
+        self.bus.emit("optimizer", params=self.named, state=optimizer_state_list(self.optimizer, self.named),
+                      optimizer=self.optimizer)
+
+    def zero_grad(self):
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def state_dict(self, with_optimizer: bool = True) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        if not with_optimizer:
+            return {"model": get_model_state_dict(self.model)}
+        msd, osd = get_state_dict(self.model, self.optimizer)
+        return {"model": msd, "optim": osd}
+
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        if "optim" in state:
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        else:
+            set_model_state_dict(self.model, state["model"])
