@@ -34,6 +34,7 @@ class MemoryLedger:
         self._saved: dict = {}
         self._peak_act = 0
         self._hooks = None
+        self.predicted = predict_model_state(manifest, strategy)
 
     def attach(self, bus):
         bus.on("step_start", self._start, self.ORDER)
@@ -72,9 +73,12 @@ class MemoryLedger:
 
         optim = sum(_local_bytes(v) for v in local_optimizer_state_tensors(s.optimizer))
         model_state = params + grads + optim
+        pred = self.predicted
         rec = {"step": bus.step, "rank": self.rank, "params": params, "grads": grads, "optimizer": optim,
                "model_state": model_state, "activations_saved": self._peak_act,
-               "peak_tracked": model_state + self._peak_act}
+               "peak_tracked": model_state + self._peak_act,
+               "predicted": pred, "ratio_model_state": round(model_state / pred["total"], 4) if pred["total"] else None,
+               "gap": explain_gap(self.manifest, params, grads, optim, pred)}
         if torch.cuda.is_available():
             rec["peak_allocator"] = int(torch.cuda.max_memory_allocated())
         self.out.write(rec)
@@ -82,3 +86,30 @@ class MemoryLedger:
 
     def close(self):
         self.out.close()
+
+
+def predict_model_state(manifest: dict, strategy) -> dict:
+    """The ZeRO formula for this strategy, in the dtype actually used (disttrace.plan)."""
+    from .plan import model_state_bytes
+
+    par, tr = manifest["parallelism"], manifest["training"]
+    psi = sum(p.numel() for p in strategy.plain.parameters())  # a DTensor's numel is the logical one
+    psi = -(-psi // par["tp"])  # tensor parallel divides the model before ZeRO shards it
+    precision = {"float32": "fp32", "float64": "fp64"}.get(tr["dtype"], "mixed")
+    optimizer = "adam" if tr["optimizer"] == "adamw" else tr["optimizer"]
+    stage = par["zero_stage"] if par["tp"] == 1 else 3  # dp x tp shards over dp with FSDP2 (ZeRO-3 style)
+    return model_state_bytes(psi, par["dp"], stage, optimizer, precision)
+
+
+def explain_gap(manifest: dict, params: int, grads: int, optim: int, pred: dict) -> list[str]:
+    """Name the differences between measured and predicted that we can explain."""
+    notes = []
+    if optim > pred["optimizer"]:
+        notes.append(f"optimizer +{optim - pred['optimizer']} B: Adam's per-parameter step counters (scalars) "
+                     "are not in the formula")
+    if params < pred["params"] and manifest["parallelism"]["zero_stage"] == 2:
+        notes.append("params: FSDP2 frees the gathered parameters after backward; ZeRO-2's resident copy exists "
+                     "during forward+backward only, and this line is measured after the optimizer step")
+    if grads < pred["grads"]:
+        notes.append(f"grads -{pred['grads'] - grads} B: gradients freed or not yet allocated when measured")
+    return notes
