@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from . import faults
 from .errors import BadInput
 from .manifest import DEFAULT_MANIFEST
 
@@ -32,7 +33,10 @@ def list_labs(directory: Path = LABS_DIR) -> list[dict]:
     for path in sorted(directory.glob("*.toml")):
         lab = header(path)
         try:
-            freeze(path)
+            frozen = freeze(path)
+            name, *rest = lab.get("fault", "").split()
+            opts = dict(zip(rest[::2], rest[1::2]))
+            faults.get(name).spec(int(opts.get("--step", 1)), int(opts.get("--rank", 0)), {}, frozen.manifest)
             lab["status"] = "runnable"
         except BadInput as e:
             lab["status"] = "not runnable yet"

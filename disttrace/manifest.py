@@ -245,7 +245,39 @@ class Frozen(BaseModel):
 def freeze(path: Path | str | None, overrides: list[str] | None = None) -> Frozen:
     """Load, override, validate, resolve and check hashes; refuse anything that cannot run."""
     path = Path(path) if path else DEFAULT_MANIFEST
-    doc = apply_overrides(read_toml(path), overrides or [])
+    return freeze_doc(read_toml(path), path, overrides)
+
+
+# Fields that make two manifests different experiments (diff refuses them) vs a different topology of
+# one experiment (diff compares them numerically).
+EXPERIMENT_FIELDS = (
+    "experiment.edition", "experiment.seed", "data.sha256", "data.eval_percent", "data.split_salt",
+    "tokenizer.sha256", "model", "training.steps", "training.lr", "training.optimizer", "training.weight_decay",
+    "training.beta1", "training.beta2",
+)
+TOPOLOGY_FIELDS = ("parallelism", "training.micro_batch_size", "training.grad_accum_steps", "training.dtype")
+
+
+def get_field(manifest: dict, dotted: str) -> Any:
+    cur: Any = manifest
+    for part in dotted.split("."):
+        if not isinstance(cur, dict):
+            return None
+        cur = cur.get(part)
+    return cur
+
+
+def global_batch(manifest: dict) -> int:
+    p, t = manifest.get("parallelism", {}), manifest.get("training", {})
+    return int(p.get("dp", 1)) * int(t.get("micro_batch_size", 1)) * int(t.get("grad_accum_steps", 1))
+
+
+def freeze_doc(doc: dict, where: Path | str, overrides: list[str] | None = None) -> Frozen:
+    """`freeze` after the TOML is read: `doc` is a manifest document in the TOML's shape (e.g. built from a
+    DeepSpeed config), `where` the manifest file it stands for (errors name it; data and tokenizer paths
+    resolve against its folder)."""
+    path = Path(where)
+    doc = apply_overrides(doc, overrides or [])
     m = validate(doc, path)
     base = path.resolve().parent
 
@@ -291,27 +323,3 @@ def freeze(path: Path | str | None, overrides: list[str] | None = None) -> Froze
         overrides=list(overrides or []),
         resolved={"data_path": str(data_path), "tokenizer_path": str(tok_path) if tok_path else None},
     )
-
-
-# Fields that make two manifests different experiments (diff refuses them) vs a different topology of
-# one experiment (diff compares them numerically).
-EXPERIMENT_FIELDS = (
-    "experiment.edition", "experiment.seed", "data.sha256", "data.eval_percent", "data.split_salt",
-    "tokenizer.sha256", "model", "training.steps", "training.lr", "training.optimizer", "training.weight_decay",
-    "training.beta1", "training.beta2",
-)
-TOPOLOGY_FIELDS = ("parallelism", "training.micro_batch_size", "training.grad_accum_steps", "training.dtype")
-
-
-def get_field(manifest: dict, dotted: str) -> Any:
-    cur: Any = manifest
-    for part in dotted.split("."):
-        if not isinstance(cur, dict):
-            return None
-        cur = cur.get(part)
-    return cur
-
-
-def global_batch(manifest: dict) -> int:
-    p, t = manifest.get("parallelism", {}), manifest.get("training", {})
-    return int(p.get("dp", 1)) * int(t.get("micro_batch_size", 1)) * int(t.get("grad_accum_steps", 1))
