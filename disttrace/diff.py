@@ -613,6 +613,13 @@ def diff_runs(a: str | Path, b: str | Path, mode: str | None = None, rtol: float
     ma, mb = side_a.manifest, side_b.manifest
     topo = _field_diffs(ma, mb, TOPOLOGY_FIELDS)
     same_topology = not topo
+    algorithm = [(k, x, y) for k, x, y in _field_diffs(ma, mb, ("parallelism.architecture", "parallelism.staleness"))
+                 if k != "parallelism.architecture" or ma.get("parallelism", {}).get("staleness")
+                 or mb.get("parallelism", {}).get("staleness")]
+    if algorithm:
+        warnings.append("different algorithms, not a bug: " + "; ".join(f"{k} {_short(x)} vs {_short(y)}"
+                        for k, x, y in algorithm) + " (a stale parameter server computes other updates; "
+                        "a divergence here is expected)")
     if mode is None:
         mode = "bitwise" if same_topology and rtol is None and atol is None else "numeric"
     if mode not in MODES:

@@ -61,6 +61,10 @@ class Fault:
         if missing:
             raise BadInput(where, f"'{cls.name}' needs the {', '.join(sorted(missing))} hook point, which the "
                            f"{strategy_name(manifest)} strategy does not offer")
+        if (manifest["parallelism"]["architecture"] == "parameter-server" and cls.point == "optimizer"
+                and rank != 0):
+            raise BadInput("--rank", f"under the parameter server only rank 0 steps the optimizer: "
+                           f"'{cls.name}' must target --rank 0")
         interval = manifest["checkpoint"]["interval"]
         if cls.needs_checkpoint_step and (not interval or step % interval):
             raise BadInput("--step", f"'{cls.name}' acts on a checkpoint, but no checkpoint is written at step "
@@ -100,6 +104,8 @@ class Fault:
 
 def strategy_name(manifest: dict) -> str:
     p = manifest["parallelism"]
+    if p["architecture"] == "parameter-server":
+        return f"parameter-server (staleness {p['staleness']})"
     if p["tp"] > 1:
         return "tensor-parallel" + (" x FSDP2" if p["dp"] > 1 else "")
     return {0: "DDP", 1: "ZeRO-1 (DDP + ZeroRedundancyOptimizer)", 2: "ZeRO-2 (FSDP2)", 3: "ZeRO-3 (FSDP2)"}[p["zero_stage"]]
@@ -110,6 +116,8 @@ def capabilities(manifest: dict) -> set[str]:
     'backward': the local gradient before any data-parallel reduce is handed to the `backward` point;
     'collective_hook': that point runs right before the gradient collective is issued (DDP's comm hook)."""
     p = manifest["parallelism"]
+    if p["architecture"] == "parameter-server":
+        return {"backward"}  # the push is point-to-point, not a collective
     if p["tp"] > 1:
         return {"backward"} if p["dp"] == 1 else set()
     if p["zero_stage"] >= 2:

@@ -151,8 +151,10 @@ def _not_supported_yet(m: Manifest) -> tuple[str, str] | None:
         return "parallelism.pp", f"pipeline parallel (pp={p.pp}) is not supported yet; use pp = 1"
     if p.zero_stage > 0 and p.tp > 1:
         return "parallelism.zero_stage", "ZeRO with tensor parallel: dp x tp shards over dp with FSDP2 already; use zero_stage = 0"
-    if p.architecture != "allreduce":
-        return "parallelism.architecture", f"'{p.architecture}' is not supported yet; use 'allreduce'"
+    if p.architecture == "parameter-server" and (p.tp > 1 or p.pp > 1 or p.zero_stage > 0):
+        return "parallelism.architecture", "the parameter server is data parallel only (tp = pp = 1, zero_stage = 0)"
+    if p.architecture == "allreduce" and p.staleness:
+        return "parallelism.staleness", "staleness applies to the parameter server only"
     return None
 
 

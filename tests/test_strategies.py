@@ -76,3 +76,23 @@ def test_sharded_checkpoint_resumes_bit_identically(runs, name):
     d = diff_runs(ref, rec)
     assert d["mode"] == "bitwise" and d["equal"], d["first_divergence"]
     assert d["compared_steps"]["first"] == 3
+
+
+PS = ["--set", 'parallelism.architecture="parameter-server"']
+
+
+def test_parameter_server_staleness_0_equals_allreduce_and_staleness_1_is_another_algorithm(runs):
+    ddp = runs.reference()
+    sync = diff_runs(ddp, runs.reference(*PS))
+    assert sync["equal"], sync["first_divergence"]
+    stale = diff_runs(ddp, runs.reference(*PS, "--set", "parallelism.staleness=1"))
+    assert not stale["equal"]
+    assert any("different algorithms" in w and "staleness" in w for w in stale["warnings"])
+
+
+def test_parameter_server_fault_on_a_worker_is_located(runs):
+    ref = runs.reference(*PS)
+    f = diff_runs(ref, runs.fault("bitflip-grad", 3, 1, *PS))["first_divergence"]
+    assert (f["step"], f["phase"], f["rank"]) == (3, "backward", 1)
+    rec = runs.get("recover", ref, "--from-step", 2)
+    assert diff_runs(ref, rec)["equal"]

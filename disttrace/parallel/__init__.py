@@ -10,12 +10,17 @@ checkpoints and `replicas()` (which copies must agree across ranks). The loop ne
 | zero_stage 0 | DataParallel | DistributedDataParallel (+ comm hook) |
 | zero_stage 1 | ZeroStage1 | DDP + ZeroRedundancyOptimizer |
 | zero_stage 2, 3 | FullyShardedZero | FSDP2 fully_shard (reshard_after_forward False / True) |
+| architecture parameter-server | ParameterServer | ours: send/recv to rank 0 (no engine offers one) |
 | tp > 1 | TensorParallel | DTensor parallelize_module (+ FSDP2 over dp when dp > 1) |
 """
 
 
 def build_strategy(manifest: dict, model, mesh, bus):
     par = manifest["parallelism"]
+    if par["architecture"] == "parameter-server":
+        from .ps import ParameterServer
+
+        return ParameterServer(manifest, model, mesh, bus)
     if par["tp"] > 1:
         from .tp import TensorParallel
 
