@@ -267,8 +267,13 @@ def manifest_from_deepspeed(ds_path: Path | str, base_manifest: Path | str | Non
     Raises BadInput naming the DeepSpeed file and key for what cannot be mapped: fp16/bf16/amp enabled,
     an optimizer the manifest has no name for, a batch that fails DeepSpeed's own assertion (DeepSpeed's
     message, field train_batch_size), a value of the wrong type."""
-    ds_path = Path(ds_path)
-    base_path = Path(base_manifest) if base_manifest else DEFAULT_MANIFEST
+    doc, warnings, _, _ = _build(Path(ds_path), Path(base_manifest) if base_manifest else DEFAULT_MANIFEST,
+                                 world_size)
+    return doc, warnings
+
+
+def _build(ds_path: Path, base_path: Path, world_size: int | None) -> tuple[dict, list[str], dict, dict]:
+    """(doc, warnings, provenance: manifest field -> DeepSpeed key, the config's stated batch values)."""
     cfg = read_ds_config(ds_path)
     doc = read_toml(base_path)
     base = validate(copy.deepcopy(doc), base_path)  # the base must stand on its own; errors name the base
@@ -321,7 +326,7 @@ def manifest_from_deepspeed(ds_path: Path | str, base_manifest: Path | str | Non
     if base.training.dtype != "float32":
         warnings.append(f"training.dtype: the base manifest's {base.training.dtype} is replaced by float32 "
                         "(DeepSpeed trains in fp32 when fp16/bf16 are off)")
-    put("training.dtype", "float32", "fp16.enabled")
+    _set(doc, "training.dtype", "float32")
 
     # -- ZeRO
     zero = cfg.get("zero_optimization")
@@ -383,18 +388,13 @@ def manifest_from_deepspeed(ds_path: Path | str, base_manifest: Path | str | Non
             continue
         if key in _TOP_LEVEL:
             kind, why = _TOP_LEVEL[key]
-            if kind == "unsupported" and key in _HARMLESS and any(v == h and type(v) is type(h)
-                                                                   or (v is None and h is None)
-                                                                   for h in _HARMLESS[key]):
+            if kind == "unsupported" and any(type(v) is type(h) and v == h for h in _HARMLESS.get(key, ())):
                 kind, why = "ignored", "DeepSpeed's default (off)"
             warnings.append(f"{key}: {kind}: {why}")
         else:
             warnings.append(f"{key}: unknown: not a DeepSpeed key disttrace knows; ignored")
 
-    doc.setdefault("_deepspeed", None)  # placeholder removed below; keeps `put` provenance local
-    doc.pop("_deepspeed")
-    manifest_from_deepspeed.provenance = provenance  # type: ignore[attr-defined]  (see freeze_from_deepspeed)
-    return doc, warnings
+    return doc, warnings, provenance, vals
 
 
 def _map_optimizer(ds_path: Path, raw: Any, put, warnings: list[str]) -> None:
@@ -503,32 +503,26 @@ def freeze_from_deepspeed(ds_path: Path | str, base_manifest: Path | str | None 
     `manifest.freeze` does (validation, data and tokenizer hashes, unsupported features). Writes nothing.
 
     Errors about a field the DeepSpeed config supplied name the DeepSpeed file and key; the others name the
-    base manifest (or `--set`). After the overrides the DeepSpeed batch identity must still hold: a frozen
-    manifest that DeepSpeed would refuse with this config is refused, in DeepSpeed's words."""
+    base manifest (or `--set`). After the overrides, the frozen manifest must still be what DeepSpeed would
+    run with this config: DeepSpeed's batch rules at the frozen parallelism.dp must give the frozen micro
+    batch and accumulation, else it is refused in DeepSpeed's words (field train_batch_size)."""
     ds_path = Path(ds_path)
     base_path = Path(base_manifest) if base_manifest else DEFAULT_MANIFEST
-    doc, warnings = manifest_from_deepspeed(ds_path, base_path, world_size)
-    provenance: dict[str, str] = manifest_from_deepspeed.provenance  # type: ignore[attr-defined]
+    doc, warnings, provenance, stated = _build(ds_path, base_path, world_size)
     overrides = list(overrides or [])
     try:
         frozen = freeze_doc(doc, base_path, overrides)
     except BadInput as e:
-        if e.where == str(base_path) and e.field in provenance:
+        overridden = {o.split("=", 1)[0].strip() for o in overrides}
+        if e.where == str(base_path) and e.field in provenance and e.field not in overridden:
             raise BadInput(ds_path, f"{e.reason} (as {e.field})", field=provenance[e.field]) from None
         raise
     m = frozen.model()
-    cfg_train = _stated_or_inferred_train(ds_path, m.parallelism.dp)
-    if m.global_batch != cfg_train:
-        raise BadInput(ds_path, identity_message(cfg_train, m.training.micro_batch_size, m.training.grad_accum_steps,
-                                                 m.parallelism.dp), field=TRAIN_BATCH)
+    dp, micro, accum = m.parallelism.dp, m.training.micro_batch_size, m.training.grad_accum_steps
+    try:
+        train, ds_micro, ds_accum, _ = resolve_batch(stated[TRAIN_BATCH], stated[MICRO_BATCH], stated[GRAD_ACC], dp)
+    except BatchAssertion as e:
+        raise BadInput(ds_path, str(e), field=e.field) from None
+    if (ds_micro, ds_accum) != (micro, accum):
+        raise BadInput(ds_path, identity_message(train, micro, accum, dp), field=TRAIN_BATCH)
     return frozen.model_copy(update={"source": str(ds_path)}), warnings
-
-
-def _stated_or_inferred_train(ds_path: Path, dp: int) -> int:
-    cfg = read_ds_config(ds_path)
-    vals = {k: cfg.get(k) for k in (TRAIN_BATCH, MICRO_BATCH, GRAD_ACC)}
-    if vals[TRAIN_BATCH] is not None:
-        return vals[TRAIN_BATCH]
-    # the config left the train batch to DeepSpeed: it is micro * accum * world at whatever world it runs on
-    train, _, _, _ = resolve_batch(None, vals[MICRO_BATCH], vals[GRAD_ACC], dp)
-    return train

@@ -106,6 +106,8 @@ def strategy_name(manifest: dict) -> str:
     p = manifest["parallelism"]
     if p["architecture"] == "parameter-server":
         return f"parameter-server (staleness {p['staleness']})"
+    if p["pp"] > 1:
+        return f"pipeline ({p['pp_schedule']})"
     if p["tp"] > 1:
         return "tensor-parallel" + (" x FSDP2" if p["dp"] > 1 else "")
     return {0: "DDP", 1: "ZeRO-1 (DDP + ZeroRedundancyOptimizer)", 2: "ZeRO-2 (FSDP2)", 3: "ZeRO-3 (FSDP2)"}[p["zero_stage"]]
@@ -118,6 +120,8 @@ def capabilities(manifest: dict) -> set[str]:
     p = manifest["parallelism"]
     if p["architecture"] == "parameter-server":
         return {"backward"}  # the push is point-to-point, not a collective
+    if p["pp"] > 1:
+        return {"backward"}  # after the schedule: the stage's accumulated gradient (there is no dp reduce)
     if p["tp"] > 1:
         return {"backward"} if p["dp"] == 1 else set()
     if p["zero_stage"] >= 2:

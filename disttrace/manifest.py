@@ -148,7 +148,12 @@ def _not_supported_yet(m: Manifest) -> tuple[str, str] | None:
             if value % p.tp:
                 return name, f"{value} is not divisible by parallelism.tp = {p.tp} (tensor parallel splits it)"
     if p.pp > 1:
-        return "parallelism.pp", f"pipeline parallel (pp={p.pp}) is not supported yet; use pp = 1"
+        if p.dp > 1 or p.tp > 1 or p.zero_stage or p.architecture != "allreduce":
+            return "parallelism.pp", "pipeline parallel combined with dp, tp or ZeRO is not supported yet; use dp = tp = 1"
+        if m.model.n_layers < p.pp:
+            return "parallelism.pp", f"{p.pp} stages need at least {p.pp} layers (model.n_layers = {m.model.n_layers})"
+        if p.pp_schedule == "1f1b" and m.training.grad_accum_steps < p.pp:
+            return "training.grad_accum_steps", f"1F1B needs at least pp = {p.pp} micro-batches"
     if p.zero_stage > 0 and p.tp > 1:
         return "parallelism.zero_stage", "ZeRO with tensor parallel: dp x tp shards over dp with FSDP2 already; use zero_stage = 0"
     if p.architecture == "parameter-server" and (p.tp > 1 or p.pp > 1 or p.zero_stage > 0):

@@ -271,5 +271,6 @@ class Run:
         for rank in self.ranks():
             for rec in self.records(rank, torn=[]):
                 if rec.get("phase") == "loss" and rec.get("tensor") == "loss":
-                    acc.setdefault(rec["step"], []).append(rec["sum"])
+                    value = rec["sum"] if rec.get("sum") is not None else float("nan")  # a non-finite loss
+                    acc.setdefault(rec["step"], []).append(value)
         return {s: sum(v) / len(v) for s, v in sorted(acc.items())}

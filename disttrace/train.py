@@ -32,7 +32,16 @@ def train(ctx) -> None:
         bus.step, bus.micro_batch = step, 0
         bus.emit("step_start")
         strategy.zero_grad()
-        for mb in range(accum):
+        if hasattr(strategy, "train_step"):
+            # a pipeline schedule owns the micro-batch loop (it interleaves stages' forwards and backwards):
+            # hand it every micro-batch's data at once
+            batches = []
+            for mb in range(accum):
+                bus.micro_batch = mb
+                batches.append(bus.emit("data", batch=data.batch(step, mb, ctx.dp_rank),
+                                        fetch=lambda r, step=step, mb=mb: data.batch(step, mb, r))["batch"])
+            strategy.train_step(batches)
+        for mb in range(accum if not hasattr(strategy, "train_step") else 0):
             bus.micro_batch = mb
             last = mb == accum - 1
             batch = bus.emit("data", batch=data.batch(step, mb, ctx.dp_rank),

@@ -119,6 +119,8 @@ def run(run_dir: Path) -> None:
                     event(run_dir, "resumed", step=ctx.start_step, checkpoint=resume["checkpoint"],
                           with_optimizer=progress["with_optimizer"])
             train(ctx)
+            if hasattr(strategy, "close"):
+                strategy.close()
             recorder.close()
             ledger.close()
         tracer.close()

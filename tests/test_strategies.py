@@ -16,6 +16,9 @@ STRATEGIES = {
     "zero2": ["--set", "parallelism.zero_stage=2"],
     "zero3": ["--set", "parallelism.zero_stage=3"],
     "tp2": ["--set", "parallelism.dp=1", "--set", "parallelism.tp=2", "--set", "training.grad_accum_steps=4"],
+    "pp2-gpipe": ["--set", "parallelism.dp=1", "--set", "parallelism.pp=2", "--set", "training.grad_accum_steps=4"],
+    "pp2-1f1b": ["--set", "parallelism.dp=1", "--set", "parallelism.pp=2", "--set", 'parallelism.pp_schedule="1f1b"',
+                 "--set", "training.grad_accum_steps=4"],
 }
 
 
@@ -30,7 +33,7 @@ def test_strategy_matches_ddp_numerically_and_is_consistent(runs, name):
     assert {"reduce", "optimizer"} <= set(d["compared_phases"]) and d["stats"]["tensors_compared"] > 100
     # sharded records were really combined: the strategy stored shards, not full tensors
     recs = [r for r in Run(other).records(0) if r["step"] == 1 and r["phase"] == "optimizer"]
-    if name != "zero1":
+    if name in ("zero2", "zero3", "tp2"):
         assert any("shard" in r for r in recs)
     check = cli("check", other, "--json")
     assert check.returncode == 0, check.stdout
@@ -96,3 +99,15 @@ def test_parameter_server_fault_on_a_worker_is_located(runs):
     assert (f["step"], f["phase"], f["rank"]) == (3, "backward", 1)
     rec = runs.get("recover", ref, "--from-step", 2)
     assert diff_runs(ref, rec)["equal"]
+
+
+def test_pipeline_fault_on_the_last_stage_and_resume(runs):
+    pp = STRATEGIES["pp2-1f1b"]
+    ref = runs.reference(*pp)
+    f = diff_runs(ref, runs.fault("drop-microbatch", 3, 1, *pp, "--param", "micro_batch=2"))["first_divergence"]
+    assert (f["step"], f["micro_batch"], f["phase"], f["rank"]) == (3, 2, "loss", 1)
+    rec = runs.get("recover", ref, "--from-step", 2)
+    assert diff_runs(ref, rec)["equal"]
+    trace = orjson.loads(cli("trace", ref, "-o", ref / "trace.json", check=0) and (ref / "trace.json").read_bytes())
+    p2p = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["name"] in ("send", "recv_")]
+    assert len(p2p) >= 2 * 4 * 4  # per step: 4 micro-batches' activations forward and gradients back

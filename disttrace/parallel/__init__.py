@@ -11,6 +11,7 @@ checkpoints and `replicas()` (which copies must agree across ranks). The loop ne
 | zero_stage 1 | ZeroStage1 | DDP + ZeroRedundancyOptimizer |
 | zero_stage 2, 3 | FullyShardedZero | FSDP2 fully_shard (reshard_after_forward False / True) |
 | architecture parameter-server | ParameterServer | ours: send/recv to rank 0 (no engine offers one) |
+| pp > 1 | PipelineParallel | torch.distributed.pipelining (GPipe, 1F1B), hand-built stages |
 | tp > 1 | TensorParallel | DTensor parallelize_module (+ FSDP2 over dp when dp > 1) |
 """
 
@@ -21,6 +22,10 @@ def build_strategy(manifest: dict, model, mesh, bus):
         from .ps import ParameterServer
 
         return ParameterServer(manifest, model, mesh, bus)
+    if par["pp"] > 1:
+        from .pp import PipelineParallel
+
+        return PipelineParallel(manifest, model, mesh, bus)
     if par["tp"] > 1:
         from .tp import TensorParallel
 

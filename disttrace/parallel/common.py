@@ -36,3 +36,19 @@ def local_optimizer_state_tensors(optimizer):
         for v in st.values():
             if torch.is_tensor(v):
                 yield v
+
+
+def optimizer_bytes(optimizer):
+    """An optimizer's state as one opaque blob, for state that is private to a rank (a ZeRO-1 partition,
+    a pipeline stage): DCP stores it under that rank's own key and hands it back to the same rank."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save(optimizer.state_dict(), buf)
+    buf.seek(0)
+    return buf
+
+
+def load_optimizer_bytes(optimizer, buf) -> None:
+    buf.seek(0)
+    optimizer.load_state_dict(torch.load(buf, weights_only=False))

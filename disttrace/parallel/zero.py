@@ -10,7 +10,7 @@ import io
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from .common import optimizer_class_and_kwargs
+from .common import load_optimizer_bytes, optimizer_bytes, optimizer_class_and_kwargs
 from .ddp import DataParallel
 
 
@@ -41,10 +41,7 @@ class ZeroStage1(DataParallel):
 
         state = {"model": get_model_state_dict(self.model)}
         if with_optimizer:
-            buf = io.BytesIO()
-            torch.save(self.optimizer.optim.state_dict(), buf)
-            buf.seek(0)
-            state["optim"] = {self._key(): buf}
+            state["optim"] = {self._key(): optimizer_bytes(self.optimizer.optim)}
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -52,9 +49,7 @@ class ZeroStage1(DataParallel):
 
         set_model_state_dict(self.model, state["model"])
         if "optim" in state:
-            buf = state["optim"][self._key()]
-            buf.seek(0)
-            self.optimizer.optim.load_state_dict(torch.load(buf, weights_only=False))
+            load_optimizer_bytes(self.optimizer.optim, state["optim"][self._key()])
 
     def empty_state(self, with_optimizer: bool) -> dict:
         state = self.state_dict(with_optimizer=False)

@@ -1,0 +1,517 @@
+"""Property-based fuzzing of what disttrace reads: manifest TOML, manifest.lock.json, run.json, the JSONL
+trajectory, step-index and event files. Driven through the real CLI in-process (typer's CliRunner), so the
+whole path from bytes on disk to the exit code and the stderr line is exercised.
+
+The contract under test (README, "Exit codes"): never a traceback; exit 0, 1 or 2; exit 2 is bad input,
+reported as exactly one stderr line naming the file (and the field where there is one) -- the very
+`BadInput` the reading function raises, printed as `error: <file>: <field>: <reason>`; with --json, stdout
+is exactly one JSON document whenever a result is reported (exit 0 or 1).
+
+Deterministic by default (hypothesis derandomize); DISTTRACE_FUZZ_SEED=random explores new inputs and
+DISTTRACE_FUZZ_SCALE=4 tries four times as many. `pytest -s tests/test_fuzz.py` prints the case counts.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import re
+import shutil
+import traceback
+from collections import Counter
+from pathlib import Path
+
+import orjson
+import pytest
+import xxhash
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from rich.console import Console
+from typer.testing import CliRunner
+
+from disttrace import show as show_mod
+from disttrace.cli import app
+from disttrace.diff import diff_runs
+from disttrace.errors import BadInput
+from disttrace.manifest import DEFAULT_MANIFEST, freeze
+
+SCALE = float(os.environ.get("DISTTRACE_FUZZ_SCALE", "1"))
+RANDOM = os.environ.get("DISTTRACE_FUZZ_SEED") == "random"
+
+
+def fuzz(n: int):
+    return settings(max_examples=max(1, int(n * SCALE)), deadline=None, derandomize=not RANDOM, database=None,
+                    suppress_health_check=list(HealthCheck), print_blob=True)
+
+
+COUNTS: Counter = Counter()  # (test, outcome) -> cases
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report_counts():
+    yield
+    if COUNTS:
+        tests = sorted({t for t, _ in COUNTS})
+        print("\nfuzz cases tried:")
+        for t in tests:
+            outcomes = {o: n for (tt, o), n in sorted(COUNTS.items()) if tt == t}
+            print(f"  {t}: {sum(outcomes.values())} cases, {outcomes}")
+        print(f"  total: {sum(COUNTS.values())} cases")
+
+
+runner = CliRunner()
+
+
+def invoke(args: list) -> "object":
+    return runner.invoke(app, [str(a) for a in args], env={"NO_COLOR": "1", "COLUMNS": "200"})
+
+
+def crash_report(result, args) -> str:
+    tb = "".join(traceback.format_exception(*result.exc_info)) if result.exc_info else ""
+    return f"disttrace {' '.join(map(str, args))} -> exit {result.exit_code}\n{tb}\nstderr: {result.stderr[-2000:]}"
+
+
+def check_contract(test: str, args: list, result, expected_error, allowed: set[int]) -> None:
+    """The exit-code contract. `expected_error()` calls the reading function itself and returns the
+    BadInput it raises (or None), to compare with what the command printed."""
+    exc = result.exception
+    assert exc is None or isinstance(exc, SystemExit), crash_report(result, args)
+    code = result.exit_code
+    COUNTS[(test, f"exit {code}")] += 1
+    assert code in allowed, crash_report(result, args)
+    if code == 2:
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1, f"exit 2 must print one line, printed {len(lines)}:\n{result.stderr}\n{args}"
+        e = expected_error()
+        assert isinstance(e, BadInput), f"the command said bad input, the reader did not raise: {lines[0]}"
+        assert lines[0] == f"error: {e}", f"printed {lines[0]!r}\nraised  {'error: ' + str(e)!r}"
+        assert e.where in lines[0] and (e.field is None or f"{e.where}: {e.field}: " in lines[0])
+    elif "--json" in args:
+        try:
+            orjson.loads(result.stdout)
+        except orjson.JSONDecodeError:
+            raise AssertionError(f"--json printed no single JSON document:\n{result.stdout[:2000]}") from None
+
+
+def raised(fn):
+    def call():
+        try:
+            fn()
+        except BadInput as e:
+            return e
+        return None
+    return call
+
+
+# ---------------------------------------------------------------- value pools
+
+# strings that have broken CLIs before: markup, emoji codes, newlines, paths, format specs
+NASTY = ["[/x]", "[bold]", "[red]x[/red]", ":smile:", "a\nb", "\r", "\t", "%s", "{0}", "", " ", "..", "../../x",
+         "data/corpus.jsonl", "data/tokenizer.json", "byte", "bpe", "nan", "\x00", "\u202e", "\U0001F600",
+         "reference", "fault_fired", "job_failed", "rank_failed", "loss", "backward", "trajectory"]
+
+json_scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2 ** 70), 2 ** 70), st.integers(-3, 3),
+    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=20), st.sampled_from(NASTY))
+json_values = st.recursive(json_scalars, lambda c: st.lists(c, max_size=4) | st.dictionaries(
+    st.text(max_size=8) | st.sampled_from(["step", "offset", "length", "records", "digest", "time", "rank",
+                                           "phase", "event", "manifest", "manifest_id", "path", "resume"]),
+    c, max_size=4), max_leaves=10)
+
+
+def dumps(v) -> str:
+    return json.dumps(v, allow_nan=True, ensure_ascii=False)  # NaN/Infinity/2**70 on purpose: not orjson's JSON
+
+
+def toml_str(s: str) -> str:
+    out = []
+    for c in s:
+        o = ord(c)
+        if c in '"\\' or o < 0x20 or o == 0x7F:
+            out.append(f"\\u{o:04x}")
+        else:
+            out.append(c)
+    return '"' + "".join(out) + '"'
+
+
+def toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf") if math.isinf(v) else repr(v)
+    if isinstance(v, str):
+        return toml_str(v)
+    if v is None:
+        return '""'  # TOML has no null
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    return "{ " + ", ".join(f"{toml_str(str(k))} = {toml_value(x)}" for k, x in v.items()) + " }"
+
+
+toml_values = st.one_of(
+    json_values.map(toml_value),
+    st.sampled_from(["1979-05-27T07:32:00Z", "1979-05-27", "07:32:00", "0x10", "0o7", "0b1", "1_000", "-0", "+inf",
+                     "1e400", "'literal'", "'''multi\nline'''", '"""a\nb"""', "[1, 'a', [2]]", "{ a = { b = 1 } }",
+                     "1" * 5000, "[" * 3000 + "]" * 3000, "", "=", "[", '"unterminated', "tru", "1.", ".5"]))
+
+# ---------------------------------------------------------------- manifest TOML
+
+DEFAULT_TEXT = DEFAULT_MANIFEST.read_text(encoding="utf-8")
+KEY_LINE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*=")
+
+
+@st.composite
+def mutated_toml(draw) -> str:
+    lines = DEFAULT_TEXT.splitlines()
+    for _ in range(draw(st.integers(1, 4))):
+        op = draw(st.sampled_from(["delete_line", "duplicate_line", "swap_lines", "char", "insert", "cut",
+                                   "value", "value", "value", "rename_key", "new_key", "new_table"]))
+        i = draw(st.integers(0, len(lines) - 1)) if lines else 0
+        keyed = [n for n, ln in enumerate(lines) if KEY_LINE.match(ln)]
+        if op == "delete_line" and lines:
+            del lines[i]
+        elif op == "duplicate_line" and lines:
+            lines.insert(i, lines[i])
+        elif op == "swap_lines" and lines:
+            j = draw(st.integers(0, len(lines) - 1))
+            lines[i], lines[j] = lines[j], lines[i]
+        elif op in ("char", "insert", "cut"):
+            text = "\n".join(lines)
+            pos = draw(st.integers(0, len(text)))
+            if op == "char" and text:
+                pos = min(pos, len(text) - 1)
+                text = text[:pos] + draw(st.characters()) + text[pos + 1:]
+            elif op == "insert":
+                text = text[:pos] + draw(st.text(max_size=12) | st.sampled_from(NASTY)) + text[pos:]
+            else:
+                text = text[:pos] + text[pos + draw(st.integers(1, 40)):]
+            lines = text.split("\n")
+        elif op == "value" and keyed:
+            n = draw(st.sampled_from(keyed))
+            key = KEY_LINE.match(lines[n]).group(1)
+            lines[n] = f"{key} = {draw(toml_values)}"
+        elif op == "rename_key" and keyed:
+            n = draw(st.sampled_from(keyed))
+            lines[n] = KEY_LINE.sub(draw(st.sampled_from(["bogus", '"[/x]"', '"a.b"', '"a\\nb"', "seed", "dp"]))
+                                    + " =", lines[n], count=1)
+        elif op == "new_key":
+            lines.insert(i, f"{draw(st.sampled_from(['extra', 'max_grad_norm', 'world_size', 'zero_stage']))} = "
+                            f"{draw(toml_values)}")
+        elif op == "new_table":
+            lines.insert(i, draw(st.sampled_from(["[bogus]", "[training]", "[[experiment]]", "[model.sub]", "[]"])))
+    return "\n".join(lines) + "\n"
+
+
+@st.composite
+def random_manifest_doc(draw) -> str:
+    """A manifest-shaped document whose values are drawn at random, written as TOML."""
+    from disttrace.manifest import read_toml
+
+    doc = read_toml(DEFAULT_MANIFEST)
+    out = []
+    for section, table in doc.items():
+        if draw(st.integers(0, 9)) == 0:
+            continue  # a section left out
+        out.append(f"[{section}]")
+        for key, value in table.items():
+            r = draw(st.integers(0, 5))
+            if r == 0:
+                continue
+            out.append(f"{key} = {toml_value(value) if r > 2 else draw(toml_values)}")
+    return "\n".join(out) + "\n"
+
+
+@pytest.fixture(scope="module")
+def manifest_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("manifests")
+    (d / "data").symlink_to(DEFAULT_MANIFEST.parent / "data")  # so a surviving data.path still resolves
+    return d
+
+
+def _freeze_case(test: str, path: Path, data: bytes) -> None:
+    path.write_bytes(data)
+    args = ["freeze", path, "--json"]
+    check_contract(test, args, invoke(args), raised(lambda: freeze(path)), allowed={0, 2})
+
+
+@fuzz(400)
+@given(text=mutated_toml())
+def test_fuzz_mutated_manifest(manifest_dir, text):
+    _freeze_case("mutated manifest TOML", manifest_dir / "m.toml", text.encode("utf-8", "surrogatepass"))
+
+
+@fuzz(150)
+@given(text=random_manifest_doc())
+def test_fuzz_random_manifest_values(manifest_dir, text):
+    _freeze_case("random-valued manifest TOML", manifest_dir / "r.toml", text.encode("utf-8", "surrogatepass"))
+
+
+@fuzz(150)
+@given(data=st.one_of(st.binary(max_size=300), st.text(max_size=300).map(lambda s: s.encode("utf-8", "surrogatepass")),
+                      st.binary(max_size=50).map(lambda b: DEFAULT_TEXT.encode()[:400] + b)))
+def test_fuzz_random_bytes_as_manifest(manifest_dir, data):
+    _freeze_case("random bytes as manifest", manifest_dir / "b.toml", data)
+
+
+# ---------------------------------------------------------------- a run directory to mutate
+
+PARAMS = [("tok_embeddings.weight", [512, 64]), ("norm.weight", [64])]
+
+
+def _digest(r: dict) -> str:
+    return xxhash.xxh3_128_hexdigest(orjson.dumps([r["tensor"], r["shape"], r["sum"], r["norm"]]))
+
+
+def _rec(step, mb, phase, rank, index, tensor, shape, value, **extra) -> dict:
+    r = {"step": step, "micro_batch": mb, "phase": phase, "rank": rank, "index": index, "tensor": tensor,
+         "dtype": "float32", "shape": shape, "numel": math.prod(shape), "sum": value, "norm": abs(value) + 1.0,
+         "nonfinite": 0, **extra}
+    r["digest"] = _digest(r)
+    return r
+
+
+def build_run(path: Path, lock: dict) -> Path:
+    """A complete two-rank, two-step reference run in the recorder's layout."""
+    path.mkdir(parents=True)
+    (path / "manifest.lock.json").write_bytes(orjson.dumps(lock, option=orjson.OPT_INDENT_2))
+    (path / "run.json").write_bytes(orjson.dumps({"path": "reference", "fault": None, "resume": None}))
+    (path / "trajectory").mkdir()
+    accum = lock["manifest"]["training"]["grad_accum_steps"]
+    for rank in range(lock["manifest"]["parallelism"]["world_size"]):
+        data, index = bytearray(), bytearray()
+        for step in (1, 2):
+            recs = []
+            for mb in range(accum):
+                recs.append(_rec(step, mb, "data", rank, 0, "inputs", [4, 64], step + mb + rank))
+                recs.append(_rec(step, mb, "loss", rank, 0, "loss", [], 6.0 - step / 10 + rank / 100, tokens=256))
+                recs += [_rec(step, mb, "backward", rank, i, n, s, 0.1 * (i + mb + rank)) for i, (n, s) in
+                         enumerate(PARAMS)]
+            recs += [_rec(step, accum - 1, "reduce", rank, i, n, s, 0.2 * i) for i, (n, s) in enumerate(PARAMS)]
+            recs += [_rec(step, accum - 1, "optimizer", rank, i, n, s, 0.3 * i + step) for i, (n, s) in
+                     enumerate(PARAMS)]
+            lines = b"".join(orjson.dumps(r) + b"\n" for r in recs)
+            h = xxhash.xxh3_128()
+            for r in recs:
+                h.update(r["digest"].encode())
+            index += orjson.dumps({"step": step, "offset": len(data), "length": len(lines), "records": len(recs),
+                                   "digest": h.hexdigest(),
+                                   "time": {"start": 0.0, "collective_issue": 0.01, "end": 0.02}}) + b"\n"
+            data += lines
+        (path / f"trajectory/rank-{rank:05d}.jsonl").write_bytes(bytes(data))
+        (path / f"trajectory/rank-{rank:05d}.steps.jsonl").write_bytes(bytes(index))
+    events = [{"event": "run_started", "time": 1.0}, {"event": "checkpoint_saved", "time": 2.0, "step": 2},
+              {"event": "run_complete", "time": 3.0}]
+    (path / "events.jsonl").write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in events))
+    (path / "COMPLETE").write_bytes(orjson.dumps({"completed": 3.0, "steps": 2}) + b"\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(pristine reference, a copy that each case mutates and restores)."""
+    root = tmp_path_factory.mktemp("runs")
+    lock = freeze(None).model_dump()
+    ref = build_run(root / "reference", lock)
+    work = root / "work"
+    shutil.copytree(ref, work)
+    return ref, work
+
+
+def _run_cases(test: str, ref: Path, work: Path) -> None:
+    con = Console(file=io.StringIO(), width=200)
+    cases = [
+        (["show", work, "--json"], raised(lambda: show_mod.show(work, "summary", con)), {0, 2}),
+        (["show", work, "events", "--json"], raised(lambda: show_mod.show(work, "events", con)), {0, 2}),
+        (["diff", ref, work, "--json"], raised(lambda: diff_runs(ref, work)), {0, 1, 2}),
+        (["diff", work, ref, "--json"], raised(lambda: diff_runs(work, ref)), {0, 1, 2}),
+    ]
+    for args, expected, allowed in cases:
+        check_contract(test, args, invoke(args), expected, allowed)
+
+
+class Mutated:
+    """Write mutated bytes over one file of the working run for one case, then put the original back."""
+
+    def __init__(self, ref: Path, work: Path, rel: str):
+        self.ref, self.work, self.rel = ref, work, rel
+
+    def __enter__(self):
+        return self.work / self.rel
+
+    def __exit__(self, *exc):
+        target, orig = self.work / self.rel, self.ref / self.rel
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        elif target.exists() or target.is_symlink():
+            target.unlink()
+        if orig.exists():
+            shutil.copyfile(orig, target)
+        return False
+
+
+def test_pristine_run_is_read_cleanly(runs):
+    ref, work = runs
+    for args in (["show", work, "--json"], ["diff", ref, work, "--json"]):
+        r = invoke(args)
+        assert r.exit_code == 0, crash_report(r, args)
+        assert orjson.loads(r.stdout)
+
+
+# -- manifest.lock.json and run.json: random JSON, mutated documents, mutated bytes
+
+def _paths(v, prefix=()):
+    yield prefix
+    if isinstance(v, dict):
+        for k, x in v.items():
+            yield from _paths(x, prefix + (k,))
+    elif isinstance(v, list):
+        for i, x in enumerate(v):
+            yield from _paths(x, prefix + (i,))
+
+
+@st.composite
+def mutated_json(draw, doc) -> bytes:
+    kind = draw(st.sampled_from(["random", "replace", "replace", "replace", "delete", "bytes"]))
+    if kind == "random":
+        return dumps(draw(json_values)).encode("utf-8", "surrogatepass")
+    if kind == "bytes":
+        raw = bytearray(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
+        for _ in range(draw(st.integers(1, 3))):
+            pos = draw(st.integers(0, len(raw) - 1))
+            op = draw(st.sampled_from(["set", "delete", "insert", "truncate"]))
+            if op == "set":
+                raw[pos] = draw(st.integers(0, 255))
+            elif op == "delete":
+                del raw[pos:pos + draw(st.integers(1, 20))]
+            elif op == "insert":
+                raw[pos:pos] = draw(st.binary(min_size=1, max_size=8))
+            else:
+                del raw[pos:]
+            if not raw:
+                break
+        return bytes(raw)
+    doc = json.loads(json.dumps(doc))
+    paths = [p for p in _paths(doc) if p]
+    for _ in range(draw(st.integers(1, 3))):
+        p = draw(st.sampled_from(paths))
+        parent = doc
+        try:
+            for k in p[:-1]:
+                parent = parent[k]
+            if kind == "delete" and isinstance(parent, dict):
+                parent.pop(p[-1], None)
+            else:
+                parent[p[-1]] = draw(json_values)
+        except (KeyError, IndexError, TypeError):
+            pass  # an earlier mutation changed the shape under this path
+    return dumps(doc).encode("utf-8", "surrogatepass")
+
+
+LOCK_DOC = None
+
+
+def _lock_doc():
+    global LOCK_DOC
+    if LOCK_DOC is None:
+        LOCK_DOC = freeze(None).model_dump()
+    return LOCK_DOC
+
+
+@fuzz(250)
+@given(data=st.data())
+def test_fuzz_lock_json(runs, data):
+    ref, work = runs
+    raw = data.draw(mutated_json(_lock_doc()))
+    with Mutated(ref, work, "manifest.lock.json") as target:
+        target.write_bytes(raw)
+        _run_cases("manifest.lock.json", ref, work)
+
+
+@fuzz(120)
+@given(data=st.data())
+def test_fuzz_run_json(runs, data):
+    ref, work = runs
+    raw = data.draw(mutated_json({"path": "reference", "fault": None, "resume": {"checkpoint": "c", "step": 2}}))
+    with Mutated(ref, work, "run.json") as target:
+        target.write_bytes(raw)
+        _run_cases("run.json", ref, work)
+
+
+# -- the JSONL files
+
+JSONL_FILES = ["trajectory/rank-00000.jsonl", "trajectory/rank-00001.jsonl", "trajectory/rank-00000.steps.jsonl",
+               "trajectory/rank-00001.steps.jsonl", "events.jsonl"]
+
+
+@st.composite
+def mutated_jsonl(draw, raw: bytes) -> bytes:
+    lines = raw.split(b"\n")[:-1]
+    for _ in range(draw(st.integers(1, 3))):
+        if not lines:
+            lines = [b""]
+        i = draw(st.integers(0, len(lines) - 1))
+        op = draw(st.sampled_from(["field", "field", "field", "drop_field", "line", "delete", "duplicate", "swap",
+                                   "bytes", "blank"]))
+        if op in ("field", "drop_field"):
+            try:
+                obj = json.loads(lines[i])
+            except ValueError:
+                continue
+            if isinstance(obj, dict) and obj:
+                key = draw(st.sampled_from(sorted(obj)))
+                if op == "drop_field":
+                    del obj[key]
+                else:
+                    obj[key] = draw(json_values | st.sampled_from([-1, 0, 10 ** 9, 2 ** 63, "1", [], {}]))
+                lines[i] = dumps(obj).encode("utf-8", "surrogatepass")
+        elif op == "line":
+            lines[i] = dumps(draw(json_values)).encode("utf-8", "surrogatepass")
+        elif op == "delete":
+            del lines[i]
+        elif op == "duplicate":
+            lines.insert(i, lines[i])
+        elif op == "swap":
+            j = draw(st.integers(0, len(lines) - 1))
+            lines[i], lines[j] = lines[j], lines[i]
+        elif op == "bytes":
+            b = bytearray(lines[i])
+            pos = draw(st.integers(0, len(b)))
+            b[pos:pos + draw(st.integers(0, 4))] = draw(st.binary(max_size=4))
+            lines[i] = bytes(b)
+        else:
+            lines.insert(i, b"")
+    out = b"\n".join(lines) + b"\n"
+    if draw(st.integers(0, 5)) == 0:
+        out = out[:draw(st.integers(0, len(out)))]  # torn: a crash mid-write
+    return out
+
+
+@fuzz(400)
+@given(data=st.data())
+def test_fuzz_jsonl_files(runs, data):
+    ref, work = runs
+    rel = data.draw(st.sampled_from(JSONL_FILES))
+    raw = data.draw(mutated_jsonl((ref / rel).read_bytes()))
+    with Mutated(ref, work, rel) as target:
+        target.write_bytes(raw)
+        _run_cases(rel, ref, work)
+
+
+# -- files missing, empty, or replaced by a directory
+
+@fuzz(60)
+@given(rel=st.sampled_from(["manifest.lock.json", "run.json", "COMPLETE", "events.jsonl", *JSONL_FILES]),
+       how=st.sampled_from(["missing", "empty", "directory"]))
+def test_fuzz_run_files_missing_or_odd(runs, rel, how):
+    ref, work = runs
+    with Mutated(ref, work, rel) as target:
+        target.unlink()
+        if how == "empty":
+            target.write_bytes(b"")
+        elif how == "directory":
+            target.mkdir()
+        _run_cases(f"{how} file", ref, work)
