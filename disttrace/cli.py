@@ -372,6 +372,17 @@ def check(run_dir: Path = typer.Argument(..., help="a run directory"), json_: bo
     raise typer.Exit(0 if res["consistent"] is not False else 1)
 
 
+@app.command()
+@handled
+def report(runs: List[Path] = typer.Argument(..., help="runs; the first is the reference"),
+           output: Path = typer.Option(Path("report.html"), "-o", "--output", help="the HTML file to write")):
+    """One self-contained HTML page (no network needed): manifest, topology, loss curves of every path,
+    divergence grid, memory ledger against theory, collectives, checkpoints, gate verdict."""
+    from .report import build_report
+
+    print(build_report(runs, output))
+
+
 def main():
     try:
         app()
