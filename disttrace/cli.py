@@ -124,12 +124,20 @@ def run(manifest: Optional[Path] = ManifestArg, set_: Optional[List[str]] = SetO
         json_: bool = JsonOpt,
         nnodes: int = typer.Option(1, help="number of nodes (one `disttrace run` per node)"),
         node_rank: int = typer.Option(0, help="this node's rank among --nnodes"),
-        rdzv_endpoint: Optional[str] = typer.Option(None, help="HOST:PORT of the rendezvous (multi-node)")):
-    """Run the reference path: a real multi-process torch.distributed job that records the full evidence."""
-    from .launch import prepare
+        rdzv_endpoint: Optional[str] = typer.Option(None, help="HOST:PORT of the rendezvous (multi-node)"),
+        run_id: Optional[str] = typer.Option(None, "--run-id", help="multi-node: the same name on every node, so all "
+                                             "nodes write one run dir (<out>/<id12>/reference-<run-id>)")):
+    """Run the reference path: a real multi-process torch.distributed job that records the full evidence.
+    Multi-node: start one `disttrace run` per node with the same --nnodes, --rdzv-endpoint and --run-id."""
+    from .launch import prepare, prepare_shared
 
     frozen = _freeze(manifest, set_)
-    run_dir = prepare(frozen, out, "reference")
+    if nnodes > 1:
+        if not run_id or not rdzv_endpoint:
+            raise BadInput("--nnodes", "a multi-node run needs --rdzv-endpoint HOST:PORT and --run-id NAME")
+        run_dir = prepare_shared(frozen, out, "reference", run_id)
+    else:
+        run_dir = prepare(frozen, out, "reference")
     _launch_and_report(run_dir, json_, nnodes, node_rank, rdzv_endpoint)
 
 

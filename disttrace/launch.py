@@ -30,6 +30,25 @@ def prepare(frozen: Frozen, out: Path, path_kind: str, fault: dict | None = None
     return run_dir
 
 
+def prepare_shared(frozen: Frozen, out: Path, path_kind: str, run_id: str) -> Path:
+    """Multi-node: every node's launcher names the same directory (<path>-<run_id>), so the per-rank files of
+    all nodes land in one run dir on a shared filesystem (on separate disks, copy each node's rank files into
+    one directory: they never collide, one file per global rank)."""
+    run_dir = Path(out) / frozen.manifest_id[:12] / f"{path_kind}-{run_id}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not (run_dir / LOCK).exists():
+        write_json_atomic(run_dir / LOCK, frozen.model_dump())
+    elif read_json(run_dir / LOCK)["manifest_id"] != frozen.manifest_id:
+        from .errors import BadInput
+
+        raise BadInput(run_dir / LOCK, "this run id already holds another manifest", field="manifest_id")
+    if not (run_dir / "run.json").exists():
+        write_json_atomic(run_dir / "run.json", {"path": path_kind, "fault": None, "resume": None,
+                                                 "origin": None, "created": time.time(), "run_id": run_id})
+    event(run_dir, "created", path=path_kind, pid=os.getpid())
+    return run_dir
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -54,7 +73,7 @@ def launch(run_dir: Path, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: st
     endpoint = rdzv_endpoint or f"127.0.0.1:{free_port()}"
     config = LaunchConfig(
         min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc_per_node,
-        rdzv_backend="c10d", rdzv_endpoint=endpoint, rdzv_configs={"rank": node_rank} if nnodes > 1 else {},
+        rdzv_backend="c10d", rdzv_endpoint=endpoint,
         run_id=f"disttrace-{run_dir.parent.name}-{run_dir.name}" if nnodes > 1 else uuid.uuid4().hex,
         max_restarts=0, monitor_interval=0.1, start_method="spawn",
     )
@@ -70,7 +89,11 @@ def launch(run_dir: Path, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: st
     except Exception as e:  # rendezvous errors and the like
         event(run_dir, "job_failed", reason=f"{type(e).__name__}: {e}")
         raise JobFailed(f"launch failed: {type(e).__name__}: {e}", str(run_dir)) from None
-    if node_rank == 0 and not (run_dir / COMPLETE).exists():
+    for _ in range(50):  # on a multi-node job, global rank 0 may live on another node: give it a moment
+        if (run_dir / COMPLETE).exists() or nnodes == 1:
+            break
+        time.sleep(0.1)
+    if not (run_dir / COMPLETE).exists():
         event(run_dir, "job_failed", reason="every rank exited 0 but COMPLETE was not written")
         raise JobFailed("every rank exited 0 but the run was not marked complete", str(run_dir))
 

@@ -203,7 +203,7 @@ def read_toml(path: Path) -> dict:
         raise BadInput(path, "is a directory, not a manifest file") from None
     except UnicodeDecodeError:
         raise BadInput(path, "not UTF-8 text") from None
-    except tomllib.TOMLDecodeError as e:
+    except (ValueError, RecursionError) as e:  # TOMLDecodeError; an int past Python's digit limit; deep nesting
         raise BadInput(path, f"invalid TOML ({e})") from None
 
 

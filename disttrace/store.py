@@ -151,6 +151,8 @@ def iter_jsonl(path: Path | str, torn: list | None = None) -> Iterator[dict]:
         f = open(path, "rb")
     except FileNotFoundError:
         raise BadInput(path, "file not found") from None
+    except OSError as e:  # a directory in its place, no permission
+        raise BadInput(path, f"cannot read ({e.strerror})") from None
     with f:
         prev = None
         lineno = 0

@@ -50,7 +50,8 @@ def fuzz(n: int):
                     suppress_health_check=list(HealthCheck), print_blob=True)
 
 
-COUNTS: Counter = Counter()  # (test, outcome) -> cases
+COUNTS: Counter = Counter()  # (input kind, outcome) -> CLI invocations
+EXAMPLES: Counter = Counter()  # test -> hypothesis examples (generated inputs)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -58,11 +59,12 @@ def report_counts():
     yield
     if COUNTS:
         tests = sorted({t for t, _ in COUNTS})
-        print("\nfuzz cases tried:")
+        print(f"\nfuzz inputs generated: {sum(EXAMPLES.values())} ({dict(sorted(EXAMPLES.items()))})")
+        print("CLI invocations on them, by input kind and exit code:")
         for t in tests:
             outcomes = {o: n for (tt, o), n in sorted(COUNTS.items()) if tt == t}
-            print(f"  {t}: {sum(outcomes.values())} cases, {outcomes}")
-        print(f"  total: {sum(COUNTS.values())} cases")
+            print(f"  {t}: {sum(outcomes.values())}, {outcomes}")
+        print(f"  total: {sum(COUNTS.values())} invocations")
     if FAILURES:
         print(f"\n{len(FAILURES)} distinct failures:")
         for sig, example in FAILURES.items():
@@ -117,13 +119,17 @@ def _check_contract(test: str, args: list, result, expected_error, allowed: set[
         assert len(lines) == 1, f"exit 2 must print one line, printed {len(lines)}:\n{result.stderr}\n{args}"
         e = expected_error()
         assert isinstance(e, BadInput), f"the command said bad input, the reader did not raise: {lines[0]}"
-        assert lines[0] == f"error: {e}", f"printed {lines[0]!r}\nraised  {'error: ' + str(e)!r}"
+        want = f"error: {e}".translate(RICH_STRIPS)  # rich drops these control codes when it prints
+        assert lines[0] == want, f"printed {lines[0]!r}\nraised  {want!r}"
         assert e.where in lines[0] and (e.field is None or f"{e.where}: {e.field}: " in lines[0])
     elif "--json" in args:
         try:
             orjson.loads(result.stdout)
         except orjson.JSONDecodeError:
             raise AssertionError(f"--json printed no single JSON document:\n{result.stdout[:2000]}") from None
+
+
+RICH_STRIPS = {c: None for c in (7, 8, 11, 12, 13)}  # rich.control.strip_control_codes
 
 
 def raised(fn):
@@ -227,11 +233,12 @@ def mutated_toml(draw) -> str:
             lines[n] = f"{key} = {draw(toml_values)}"
         elif op == "rename_key" and keyed:
             n = draw(st.sampled_from(keyed))
-            lines[n] = KEY_LINE.sub(draw(st.sampled_from(["bogus", '"[/x]"', '"a.b"', '"a\\nb"', "seed", "dp"]))
-                                    + " =", lines[n], count=1)
+            new = draw(st.sampled_from(["bogus", '"[/x]"', '"a.b"', '"a\\nb"', "seed", "dp"]))
+            lines[n] = KEY_LINE.sub(lambda _: f"{new} =", lines[n], count=1)  # a function: no escapes in `new`
         elif op == "new_key":
-            lines.insert(i, f"{draw(st.sampled_from(['extra', 'max_grad_norm', 'world_size', 'zero_stage']))} = "
-                            f"{draw(toml_values)}")
+            key = draw(st.sampled_from(["extra", "max_grad_norm", "world_size", "zero_stage", '"a\\nb"', '"[/x]"',
+                                        '"[bold]k"', '"a\\u0007b"', '":smile:"']))
+            lines.insert(i, f"{key} = {draw(toml_values)}")
         elif op == "new_table":
             lines.insert(i, draw(st.sampled_from(["[bogus]", "[training]", "[[experiment]]", "[model.sub]", "[]"])))
     return "\n".join(lines) + "\n"
@@ -273,12 +280,14 @@ def _freeze_case(test: str, path: Path, data: bytes) -> None:
 @fuzz(400)
 @given(text=mutated_toml())
 def test_fuzz_mutated_manifest(manifest_dir, text):
+    EXAMPLES["mutated_manifest"] += 1
     _freeze_case("mutated manifest TOML", manifest_dir / "m.toml", text.encode("utf-8", "surrogatepass"))
 
 
 @fuzz(150)
 @given(text=random_manifest_doc())
 def test_fuzz_random_manifest_values(manifest_dir, text):
+    EXAMPLES["random_manifest_values"] += 1
     _freeze_case("random-valued manifest TOML", manifest_dir / "r.toml", text.encode("utf-8", "surrogatepass"))
 
 
@@ -286,6 +295,7 @@ def test_fuzz_random_manifest_values(manifest_dir, text):
 @given(data=st.one_of(st.binary(max_size=300), st.text(max_size=300).map(lambda s: s.encode("utf-8", "surrogatepass")),
                       st.binary(max_size=50).map(lambda b: DEFAULT_TEXT.encode()[:400] + b)))
 def test_fuzz_random_bytes_as_manifest(manifest_dir, data):
+    EXAMPLES["random_bytes_as_manifest"] += 1
     _freeze_case("random bytes as manifest", manifest_dir / "b.toml", data)
 
 
@@ -456,6 +466,7 @@ def _lock_doc():
 @fuzz(250)
 @given(data=st.data())
 def test_fuzz_lock_json(runs, data):
+    EXAMPLES["lock_json"] += 1
     ref, work = runs
     raw = data.draw(mutated_json(_lock_doc()))
     with Mutated(ref, work, "manifest.lock.json") as target:
@@ -466,6 +477,7 @@ def test_fuzz_lock_json(runs, data):
 @fuzz(120)
 @given(data=st.data())
 def test_fuzz_run_json(runs, data):
+    EXAMPLES["run_json"] += 1
     ref, work = runs
     raw = data.draw(mutated_json({"path": "reference", "fault": None, "resume": {"checkpoint": "c", "step": 2}}))
     with Mutated(ref, work, "run.json") as target:
@@ -525,6 +537,7 @@ def mutated_jsonl(draw, raw: bytes) -> bytes:
 @fuzz(400)
 @given(data=st.data())
 def test_fuzz_jsonl_files(runs, data):
+    EXAMPLES["jsonl_files"] += 1
     ref, work = runs
     rel = data.draw(st.sampled_from(JSONL_FILES))
     raw = data.draw(mutated_jsonl((ref / rel).read_bytes()))
@@ -539,6 +552,7 @@ def test_fuzz_jsonl_files(runs, data):
 @given(rel=st.sampled_from(["manifest.lock.json", "run.json", "COMPLETE", *JSONL_FILES]),
        how=st.sampled_from(["missing", "empty", "directory"]))
 def test_fuzz_run_files_missing_or_odd(runs, rel, how):
+    EXAMPLES["run_files_missing_or_odd"] += 1
     ref, work = runs
     with Mutated(ref, work, rel) as target:
         target.unlink()

@@ -1,0 +1,42 @@
+"""Two launcher agents on localhost pretending to be two nodes (2 ranks each) rendezvous through torch's
+c10d rendezvous and write one run dir, which diff reads as one run and finds equal to a one-node run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from conftest import DEFAULT, ROOT, cli, last_line
+from disttrace.diff import diff_runs
+from disttrace.launch import free_port
+from disttrace.store import Run
+
+SETS = ["--set", "parallelism.dp=4", "--set", "training.grad_accum_steps=1", "--set", "training.steps=3",
+        "--set", "checkpoint.interval=3"]
+
+
+def test_two_nodes_one_run_dir(tmp_path):
+    endpoint = f"127.0.0.1:{free_port()}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NO_COLOR": "1"}
+    procs = [subprocess.Popen([sys.executable, "-m", "disttrace", "run", DEFAULT, *SETS, "--nnodes", "2",
+                               "--node-rank", str(n), "--rdzv-endpoint", endpoint, "--run-id", "t1",
+                               "--out", tmp_path], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for n in (0, 1)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    dirs = {o[0].strip().splitlines()[-1] for o in outs}
+    assert len(dirs) == 1
+    run = Run(dirs.pop())
+    assert run.complete and run.ranks() == [0, 1, 2, 3]
+    topo = run.topology()
+    assert sorted({r["node_rank"] for r in topo["ranks"]}) == [0, 1]
+    assert sorted(r["local_rank"] for r in topo["ranks"]) == [0, 0, 1, 1]
+    single = last_line(cli("run", DEFAULT, *SETS, "--out", tmp_path, check=0))
+    d = diff_runs(single, run.path)
+    assert d["mode"] == "bitwise" and d["equal"]
+
+
+def test_multinode_needs_endpoint_and_run_id(tmp_path):
+    proc = cli("run", DEFAULT, "--nnodes", "2", "--out", tmp_path)
+    assert proc.returncode == 2 and "--run-id" in proc.stderr
