@@ -87,12 +87,8 @@ def worker(rank, world, port, frozen_doc, steps, out, q):
     dist.destroy_process_group()
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--set", action="append", default=[])
-    args = ap.parse_args()
+def measure(world: int, steps: int, sets: list[str]) -> dict:
+    """Median step time (rank 0) per variant, and run-store bytes per step, for one world size."""
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch.multiprocessing as mp
 
@@ -100,25 +96,34 @@ def main():
     from disttrace.manifest import freeze
 
     frozen = freeze(ROOT / "manifests" / "default.toml",
-                    [f"parallelism.dp={args.world}", f"training.steps={args.steps}", *args.set])
+                    [f"parallelism.dp={world}", f"training.steps={steps}", *sets])
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     with tempfile.TemporaryDirectory() as out:
         port = free_port()
-        procs = [ctx.Process(target=worker, args=(r, args.world, port, frozen.model_dump(), args.steps, out, q))
-                 for r in range(args.world)]
+        procs = [ctx.Process(target=worker, args=(r, world, port, frozen.model_dump(), steps, out, q))
+                 for r in range(world)]
         for p in procs:
             p.start()
-        res = q.get(timeout=600)
+        res = q.get(timeout=900)
         for p in procs:
             p.join()
         size = sum(f.stat().st_size for f in Path(out).rglob("*.jsonl"))
-    base = res["off"]
+    return {"times": res, "bytes_per_step": size / (2 * steps)}  # two of the three variants record
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--set", action="append", default=[])
+    args = ap.parse_args()
+    r = measure(args.world, args.steps, args.set)
+    base = r["times"]["off"]
     print(f"world {args.world}, {args.steps} steps x 3 variants interleaved, median step time (rank 0):")
-    for v, t in res.items():
+    for v, t in r["times"].items():
         print(f"  {v:22s} {t * 1e3:8.2f} ms   ratio vs off {t / base:5.2f}")
-    per_step = size / (2 * args.steps)  # two recorded variants wrote
-    print(f"  run-store bytes per step (all ranks, trajectory + collectives): {per_step / 1024:.1f} KiB")
+    print(f"  run-store bytes per step (all ranks, trajectory + collectives): {r['bytes_per_step'] / 1024:.1f} KiB")
 
 
 if __name__ == "__main__":

@@ -283,7 +283,7 @@ class _Tol:
         if ra.get("shape") != rb.get("shape") or ra.get("dtype") != rb.get("dtype"):
             note = "shape or dtype differs"
         fa, fb = _nonfinite(ra), _nonfinite(rb)
-        b0 = self.derived(step, phase)
+        b0 = self.derived(step, phase) * tolerance.tensor_factor(ra.get("tensor") or rb.get("tensor"))
         if fa or fb:
             same = fa and fb and ra.get("nonfinite") == rb.get("nonfinite")
             diverged = self.mode == "bitwise" or not same or note is not None
@@ -313,7 +313,8 @@ class _Tol:
 class _RankStep:
     """What one rank showed at one step."""
 
-    __slots__ = ("differing", "total", "inexact", "hard", "max_rel", "max_ratio", "ratio_by_phase", "first")
+    __slots__ = ("differing", "total", "inexact", "hard", "max_rel", "max_rel_bound", "max_ratio", "ratio_by_phase",
+                 "first")
 
     def __init__(self, total: int = 0):
         self.differing = 0
@@ -322,6 +323,7 @@ class _RankStep:
         self.hard = 0  # divergent without a relative error: missing, non-finite, shape
         self.max_rel: dict[str, float] = {}
         self.max_ratio = 0.0
+        self.max_rel_bound: dict[str, float] = {}
         self.ratio_by_phase: dict[str, tuple[float, float, float]] = {}  # phase -> (ratio, rel_err, bound)
         self.first: tuple | None = None  # (key, unit dict)
 
@@ -331,6 +333,7 @@ class _RankStep:
         if rel is not None:
             if rel > self.max_rel.get(phase, -1.0):
                 self.max_rel[phase] = rel
+                self.max_rel_bound[phase] = bnd  # the bound that tensor was held to (per-tensor factors apply)
             if bnd > 0:
                 ratio = rel / bnd
                 self.max_ratio = max(self.max_ratio, ratio)
@@ -675,7 +678,7 @@ def diff_runs(a: str | Path, b: str | Path, mode: str | None = None, rtol: float
                 for phase, rel in rs.max_rel.items():
                     cur = by_phase.setdefault(phase, {"max_rel_err": -1.0})
                     if rel > cur["max_rel_err"]:
-                        bnd = None if tol.user else tol.derived(step, phase)
+                        bnd = None if tol.user else rs.max_rel_bound.get(phase, tol.derived(step, phase))
                         cur.update(max_rel_err=rel, bound=bnd, ratio=rel / bnd if bnd else None, step=step, rank=r)
                 for phase, (ratio, rel, bnd) in rs.ratio_by_phase.items():
                     cur = by_phase[phase]
