@@ -72,6 +72,19 @@ def gate(run_dir: Path, reference: Path | None = None) -> dict:
     checks.append(check("collective_sync", sync["ok"], sync["first_mismatch"]["message"] if not sync["ok"] else
                         f"{len(sync['groups'])} process groups, every member issued the same sequence"))
 
+    # 2b. replicas that must agree inside the run do (no reference needed: disttrace check)
+    from .consistency import check_run
+
+    cons = check_run(run)
+    if cons["consistent"] is None:
+        checks.append(check("replica_consistency", None, cons["reason"]))
+    elif cons["consistent"]:
+        checks.append(check("replica_consistency", True, f"{cons['steps_checked']} steps, every replica group agrees"))
+    else:
+        f = cons["first"]
+        checks.append(check("replica_consistency", False, f"step {f['step']} {f['phase']} {f['tensor']}: {f['message']}"
+                            f" (ranks {f['minority']} vs {f['majority']})"))
+
     # 3. gradient equivalence against the reference
     from .diff import diff_runs
 

@@ -107,6 +107,16 @@ def describe_failure(run_dir: Path, failures: dict[int, int], first: int) -> str
     what = (f"rank {first} was killed by signal {-failures[first]}" if first in killed
             else f"rank {first} exited with code {failures[first]}")
     parts = [f"the job failed: {what} (failed ranks: {sorted(failures)})"]
+    try:  # the first error a rank recorded about itself, in one line
+        from .store import read_jsonl
+
+        errors = [e for e in read_jsonl(run_dir / "events.jsonl").records if e.get("event") == "rank_failed"]
+        own = [e for e in errors if e.get("rank") == first] or errors
+        if own:
+            text = " ".join(str(own[0].get("error", "")).split())
+            parts.append(f"rank {own[0].get('rank')}: {text[:300]}")
+    except Exception:  # evidence for the message, not a requirement
+        pass
     try:
         mismatch = check_sync(Run(run_dir))["first_mismatch"]
         if mismatch:

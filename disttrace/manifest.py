@@ -110,6 +110,7 @@ class Checkpoint(Section):
 class Debug(Section):
     deterministic: bool = True
     collective_timeout_s: float = Field(default=60.0, gt=0)
+    ddp_bucket_cap_mb: Optional[float] = Field(default=None, gt=0, description="DDP bucket size (default: DDP's 25)")
 
 
 class Eval(Section):

@@ -106,6 +106,17 @@ def run(run_dir: Path) -> None:
             ctx = Context(run_dir=run_dir, manifest=manifest, manifest_id=lock["manifest_id"], rank=rank,
                           world=world, dp_rank=coords["dp"], device=device, strategy=strategy, data=data, bus=bus,
                           start_step=0, tracer=tracer)
+            if hasattr(strategy, "engine_facts") and rank == 0:
+                seen: dict = {}
+
+                def log_engine_facts(b, p):  # what the engine says of itself, logged when it changes
+                    facts = strategy.engine_facts()
+                    if facts != seen:
+                        seen.clear()
+                        seen.update(facts)
+                        event(run_dir, "engine_facts", step=b.step, **facts)
+
+                bus.on("step_end", log_engine_facts, order=95)
             fault = faults.build(info.get("fault"))
             if fault is not None:
                 fault.attach(bus, ctx)

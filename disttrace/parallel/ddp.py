@@ -18,12 +18,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .common import build_optimizer, optimizer_state_list
 
 
-def apply_ddp(model, group, bus, names: dict[int, tuple[int, str]]):
-    """Wrap `model` in DDP and route each bucket through the `backward` hook point before its all-reduce."""
+def apply_ddp(model, group, bus, names: dict[int, tuple[int, str]], bucket_cap_mb: float | None = None,
+              buckets: dict | None = None):
+    """Wrap `model` in DDP and route each bucket through the `backward` hook point before its all-reduce.
+    `buckets` (if given) collects bucket index -> bytes as DDP's reducer hands them to the hook."""
     with warnings.catch_warnings():  # broadcast_buffers is deprecated in 2.13, its successor absent in 2.5
         warnings.simplefilter("ignore", FutureWarning)
         # our only buffers are RoPE tables, identical everywhere: no per-forward buffer broadcast
-        ddp = DDP(model, process_group=group, broadcast_buffers=False,
+        ddp = DDP(model, process_group=group, broadcast_buffers=False, bucket_cap_mb=bucket_cap_mb,
                   device_ids=None if model.rope_cos.device.type == "cpu" else [model.rope_cos.device])
     world = dist.get_world_size(group)
 
@@ -31,6 +33,8 @@ def apply_ddp(model, group, bus, names: dict[int, tuple[int, str]]):
         grads = [(*names[id(p)], g) for p, g in zip(bucket.parameters(), bucket.gradients())]
         bus.emit("backward", grads=grads, before_collective=True)
         buf = bucket.buffer()
+        if buckets is not None:
+            buckets[bucket.index()] = buf.numel() * buf.element_size()
         # gradients() are views into buffer(); re-copy in case a handler replaced a view's storage
         offset = 0
         for _, _, g in grads:
@@ -55,8 +59,17 @@ class DataParallel:
         self.named = [(i, n, p) for i, (n, p) in enumerate(model.named_parameters())]
         names = {id(p): (i, n) for i, n, p in self.named}
         self.group = mesh.get_group("dp")
-        self.model = apply_ddp(model, self.group, bus, names)
+        self._buckets: dict[int, int] = {}
+        self.model = apply_ddp(model, self.group, bus, names, manifest["debug"].get("ddp_bucket_cap_mb"),
+                               self._buckets)
         self.optimizer = build_optimizer(manifest, model.parameters())
+
+    def engine_facts(self) -> dict:
+        """DDP's buckets as its reducer handed them to the comm hook (GradBucket.index() and buffer size),
+        to hold the dispatch-mode collective trace against."""
+        sizes = [self._buckets[i] for i in sorted(self._buckets)]
+        self._buckets.clear()  # per step: DDP rebuilds its buckets after the first
+        return {"ddp_bucket_sizes": sizes}
 
     def replicas(self) -> list[dict]:
         """Which copies must agree across the data-parallel group (and which must differ)."""
