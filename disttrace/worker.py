@@ -175,12 +175,26 @@ def environment(torch, backend: str, views: list) -> dict:
     }
 
 
+def die_with_parent() -> None:
+    """If the launcher is killed (SIGKILL leaves no chance to clean up), its ranks must not live on as
+    orphans and finish a run nobody watches: ask Linux to kill this process when its parent dies."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            import signal
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m disttrace.worker", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run-dir", required=True, type=Path, help="a run directory prepared by `disttrace run --prepare`")
     args = ap.parse_args(argv)
     run_dir = args.run_dir.resolve()
+    die_with_parent()
     try:
         run(run_dir)
     except BaseException as e:  # record why this rank stopped, then let the launcher see the failure

@@ -7,8 +7,10 @@ reported as exactly one stderr line naming the file (and the field where there i
 `BadInput` the reading function raises, printed as `error: <file>: <field>: <reason>`; with --json, stdout
 is exactly one JSON document whenever a result is reported (exit 0 or 1).
 
-Deterministic by default (hypothesis derandomize); DISTTRACE_FUZZ_SEED=random explores new inputs and
-DISTTRACE_FUZZ_SCALE=4 tries four times as many. `pytest -s tests/test_fuzz.py` prints the case counts.
+Deterministic by default (hypothesis derandomize); DISTTRACE_FUZZ_SEED=random explores new inputs,
+DISTTRACE_FUZZ_SCALE=4 tries four times as many, DISTTRACE_FUZZ_SHRINK=1 shrinks a failing input (slow),
+DISTTRACE_FUZZ_COLLECT=1 keeps going after a failure and lists one input per distinct failure at the end.
+`pytest -s tests/test_fuzz.py` prints how many inputs were generated and how the commands answered them.
 """
 
 from __future__ import annotations
@@ -71,12 +73,8 @@ def report_counts():
         print(f"  total: {sum(COUNTS.values())} calls")
     if FAILURES:
         print(f"\n{len(FAILURES)} distinct failures:")
-        for sig, example in FAILURES.items():
-            print(f"\n=== {sig}\n{example}")
-
-
-def test_zz_no_collected_failures():
-    assert not FAILURES, f"{len(FAILURES)} distinct failures: " + "; ".join(FAILURES)
+        for sig, case in FAILURES.items():
+            print(f"\n=== {sig}\n{case}")
 
 
 runner = CliRunner()
@@ -125,7 +123,8 @@ def _check_contract(test: str, args: list, result, expected_error, allowed: set[
         assert isinstance(e, BadInput), f"the command said bad input, the reader did not raise: {lines[0]}"
         want = f"error: {e}".translate(RICH_STRIPS)  # rich drops these control codes when it prints
         assert lines[0] == want, f"printed {lines[0]!r}\nraised  {want!r}"
-        assert e.where in lines[0] and (e.field is None or f"{e.where}: {e.field}: " in lines[0])
+        named = f"{e.where}: {e.field}: " if e.field else f"{e.where}: "
+        assert named.translate(RICH_STRIPS) in lines[0]  # the file, and the field where there is one
     elif "--json" in args:
         try:
             orjson.loads(result.stdout)
@@ -687,3 +686,9 @@ def test_fuzz_deepspeed_config(manifest_dir, data, world):
     cfg = json.loads(raw)
     if isinstance(cfg.get("train_batch_size"), int):
         assert cfg["train_batch_size"] == m.global_batch  # DeepSpeed's identity holds in what was frozen
+
+
+# last in the file, so it runs after every fuzz test (DISTTRACE_FUZZ_COLLECT=1)
+
+def test_zz_no_collected_failures():
+    assert not FAILURES, f"{len(FAILURES)} distinct failures: " + "; ".join(FAILURES)
