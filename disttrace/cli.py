@@ -15,6 +15,7 @@ from typing import List, Optional
 import orjson
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from .errors import EXIT_BAD_INPUT, BadInput, DisttraceError, JobFailed
 
@@ -39,6 +40,10 @@ def emit_json(obj) -> None:
     sys.stdout.flush()
 
 
+def one_line(e: Exception) -> str:
+    return str(e).replace("\r", "\\r").replace("\n", "\\n")
+
+
 def handled(fn):
     """Turn our errors into the exit-code contract with a one-line message; never a traceback for bad input."""
 
@@ -47,12 +52,12 @@ def handled(fn):
         try:
             return fn(*args, **kwargs)
         except JobFailed as e:
-            err.print(f"[red]job failed:[/red] {e}", soft_wrap=True)
+            err.print(Text("job failed: ", style="red") + Text(one_line(e)), soft_wrap=True)
             if e.run_dir:
                 print(e.run_dir)
             raise typer.Exit(e.exit_code)
-        except DisttraceError as e:
-            err.print(f"[red]error:[/red] {e}", soft_wrap=True, markup=True)
+        except DisttraceError as e:  # text from files and users: never markup, never two lines
+            err.print(Text("error: ", style="red") + Text(one_line(e)), soft_wrap=True)
             raise typer.Exit(e.exit_code)
         except KeyboardInterrupt:
             err.print("interrupted")

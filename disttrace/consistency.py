@@ -21,7 +21,9 @@ def load_rules(run: Run) -> dict | None:
 
 
 def _rule_applies(rule: dict, rec: dict) -> bool:
-    return (rec["phase"] == rule["phase"] and fnmatch.fnmatchcase(rec["tensor"], rule.get("tensors", "*"))
+    pats = rule.get("tensors", "*")
+    pats = [pats] if isinstance(pats, str) else pats
+    return (rec["phase"] == rule["phase"] and any(fnmatch.fnmatchcase(rec["tensor"], x) for x in pats)
             and not ("exclude" in rule and fnmatch.fnmatchcase(rec["tensor"], rule["exclude"])))
 
 

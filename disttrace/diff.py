@@ -101,6 +101,8 @@ class _Side:
 
     def _load_index(self, rank: int, use_index: bool) -> dict[int, dict]:
         traj = self.run.rank_path("trajectory", rank)
+        if not traj.is_file():
+            raise BadInput(traj, "not a readable file")
         size = traj.stat().st_size
         if size:
             with open(traj, "rb") as f:

@@ -10,17 +10,22 @@ class DisttraceError(Exception):
     exit_code = EXIT_BAD_INPUT
 
 
+def _one_line(text: str) -> str:
+    return text.replace("\r", "\\r").replace("\n", "\\n")
+
+
 class BadInput(DisttraceError):
     """Bad input: a one-line reason that names the file and, where there is one, the field."""
 
     exit_code = EXIT_BAD_INPUT
 
     def __init__(self, where: str, reason: str, field: str | None = None):
-        self.where = str(where)
-        self.field = field
-        self.reason = reason
-        loc = f"{self.where}: {field}" if field else self.where
-        super().__init__(f"{loc}: {reason}")
+        # the message is one line whatever a file or a user put in a key or a value
+        self.where = _one_line(str(where))
+        self.field = _one_line(field) if field is not None else None
+        self.reason = _one_line(str(reason))
+        loc = f"{self.where}: {self.field}" if self.field else self.where
+        super().__init__(f"{loc}: {self.reason}")
 
 
 class JobFailed(DisttraceError):

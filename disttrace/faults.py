@@ -116,7 +116,19 @@ def strategy_name(manifest: dict) -> str:
 def capabilities(manifest: dict) -> set[str]:
     """Which hook points carry what under this manifest's strategy:
     'backward': the local gradient before any data-parallel reduce is handed to the `backward` point;
-    'collective_hook': that point runs right before the gradient collective is issued (DDP's comm hook)."""
+    'collective_hook': that point runs right before the gradient collective is issued (DDP's comm hook);
+    'sharded_grads': ranks hold different pieces of the gradient (a local norm is not the global one);
+    'tp': tensor parallel, with replicated (norm) parameters beside sharded ones."""
+    caps = _capabilities(manifest)
+    p = manifest["parallelism"]
+    if p["architecture"] != "parameter-server" and (p["zero_stage"] >= 2 or p["tp"] > 1 or p["pp"] > 1):
+        caps.add("sharded_grads")
+    if p["tp"] > 1:
+        caps.add("tp")
+    return caps
+
+
+def _capabilities(manifest: dict) -> set[str]:
     p = manifest["parallelism"]
     if p["architecture"] == "parameter-server":
         return {"backward"}  # the push is point-to-point, not a collective
@@ -463,3 +475,53 @@ class CollectiveMismatch(Fault):
                 dist.all_reduce(bad, group=self.ctx.strategy.group)
 
         bus.on("backward", handler, order=10)
+
+
+def _needs_clipping(cls, manifest):
+    if not manifest["training"].get("max_grad_norm"):
+        raise BadInput("--set training.max_grad_norm", f"'{cls.name}' acts on gradient clipping: set "
+                       "training.max_grad_norm (small enough that clipping is active)")
+
+
+@register
+class ClipLocalNorm(Fault):
+    name, point, expect = "clip-local-norm", "before_clip", "clip"
+    description = "the rank clips with the norm of its local gradient shard instead of the global norm"
+    requires = frozenset({"sharded_grads"})
+
+    @classmethod
+    def check(cls, step, params, manifest):
+        _needs_clipping(cls, manifest)
+
+    def install(self, bus):
+        import torch
+
+        def handler(bus, p):
+            if self.here(bus):
+                local = [g.to_local() if hasattr(g, "to_local") else g
+                         for _, _, t in p["named"] if (g := t.grad) is not None]
+                p["norm"] = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in local]))
+                self.fire(bus, phase="clip", local_norm=float(p["norm"]))
+
+        bus.on("before_clip", handler, order=10)
+
+
+@register
+class ClipSkipReplicated(Fault):
+    name, point, expect = "clip-skip-replicated", "before_clip", "clip"
+    description = "under tensor parallel, the rank leaves its replicated (unsharded) parameters unclipped"
+    requires = frozenset({"tp"})
+
+    @classmethod
+    def check(cls, step, params, manifest):
+        _needs_clipping(cls, manifest)
+
+    def install(self, bus):
+        def handler(bus, p):
+            if self.here(bus):
+                replicated = {i for i, _, t in p["named"]
+                              if not (hasattr(t, "placements") and any(pl.is_shard() for pl in t.placements))}
+                p["skip"] |= replicated
+                self.fire(bus, phase="clip", skipped=len(replicated))
+
+        bus.on("before_clip", handler, order=10)

@@ -16,6 +16,8 @@ POINTS = (
     "loss",              # payload: loss (micro-batch mean), scale (1/accum)
     "backward",          # payload: grads [(index, name, tensor)] local, accumulated, before any reduce
     "reduce",            # payload: grads [(index, name, tensor)] after the data-parallel reduce
+    "before_clip",       # payload: norm (the global gradient norm to clip with), skip (indices not clipped)
+    "clip",              # payload: grads after clipping (if clipping), scalars [(index, name, tensor)]
     "before_optimizer",  # payload: optimizer, params
     "optimizer",         # payload: params [(index, name, tensor)], state [(index, name, tensor)]
     "before_checkpoint", # payload: state (the dict about to be saved)

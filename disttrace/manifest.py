@@ -101,6 +101,7 @@ class Training(Section):
     beta1: float = 0.9
     beta2: float = 0.95
     dtype: Literal["float32", "float64"] = "float32"
+    max_grad_norm: Optional[float] = Field(default=None, gt=0, description="clip the global gradient norm to this")
 
 
 class Checkpoint(Section):

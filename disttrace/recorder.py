@@ -47,6 +47,7 @@ class Recorder:
         bus.on("loss", self._loss, self.ORDER)
         bus.on("backward", self._grads("backward"), self.ORDER)
         bus.on("reduce", self._grads("reduce"), self.ORDER)
+        bus.on("clip", self._clip, self.ORDER)
         bus.on("optimizer", self._optimizer, self.ORDER)
         bus.on("step_end", self._step_end, self.ORDER)
         return self
@@ -86,6 +87,12 @@ class Recorder:
             for index, name, g, *shard in p["grads"]:
                 self.add(bus, phase, index, name, g, **(shard[0] if shard else {}))
         return handler
+
+    def _clip(self, bus, p):
+        for index, name, t in p["grads"]:
+            self.add(bus, "clip", index, name, t)
+        for index, name, t in p["scalars"]:
+            self.add(bus, "clip", index, name, t)
 
     def _optimizer(self, bus, p):
         for index, name, t, *shard in p["params"]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from . import checkpoint
@@ -26,13 +27,14 @@ def summary(run_dir: Path | str) -> dict:
             torn.append(idx.torn)
     events = run.events().records
     info = run.info
+    exp, par = m.get("experiment") or {}, m.get("parallelism") or {}
     return {
         "path": info.get("path"),
         "complete": run.complete,
         "manifest_id": run.manifest_id,
-        "experiment": m["experiment"]["name"],
-        "edition": m["experiment"]["edition"],
-        "topology": {k: m["parallelism"][k] for k in ("world_size", "dp", "tp", "pp", "zero_stage")},
+        "experiment": exp.get("name"),
+        "edition": exp.get("edition"),
+        "topology": {k: par.get(k, 1 if k != "zero_stage" else 0) for k in ("world_size", "dp", "tp", "pp", "zero_stage")},
         "fault": info.get("fault"),
         "resume": info.get("resume"),
         "loss": {str(k): v for k, v in run.losses().items()},
@@ -47,27 +49,28 @@ def summary(run_dir: Path | str) -> dict:
 
 def render_summary(run_dir: Path | str, console: Console, brief: bool = False) -> dict:
     s = summary(run_dir)
+    e = lambda v: escape(str(v))  # noqa: E731  values come from files: never rich markup
     state = "[green]complete[/green]" if s["complete"] else "[red]INCOMPLETE[/red]"
     t = s["topology"]
-    console.print(f"[bold]{s['experiment']}[/bold] ({s['edition']})  path={s['path']}  {state}  "
-                  f"id={s['manifest_id'][:12]}  world={t['world_size']} dp={t['dp']} tp={t['tp']} pp={t['pp']} "
+    console.print(f"[bold]{e(s['experiment'])}[/bold] ({e(s['edition'])})  path={e(s['path'])}  {state}  "
+                  f"id={e(s['manifest_id'][:12])}  world={t['world_size']} dp={t['dp']} tp={t['tp']} pp={t['pp']} "
                   f"zero={t['zero_stage']}")
     if s["fault"]:
         f = s["fault"]
         fired = "fired" if s["fault_fired"] else "[yellow]did not fire[/yellow]"
-        console.print(f"fault: {f['name']} at step {f['step']} rank {f['rank']} ({fired}); expected first "
-                      f"divergence: {f['expect']}")
+        console.print(f"fault: {e(f['name'])} at step {f['step']} rank {f['rank']} ({fired}); expected first "
+                      f"divergence: {e(f.get('expect'))}")
     if s["resume"]:
-        console.print(f"resumed from {s['resume']['checkpoint']} (step {s['resume']['step']})")
+        console.print(f"resumed from {e(s['resume']['checkpoint'])} (step {s['resume']['step']})")
     if s["loss"]:
         console.print("loss: " + "  ".join(f"{k}:{v:.4f}" for k, v in s["loss"].items()))
-    for e in s["failures"][:3]:
-        console.print(f"[red]{e['event']}[/red]: {e.get('reason') or e.get('error')}", soft_wrap=True)
+    for f in s["failures"][:3]:
+        console.print(f"[red]{e(f.get('event'))}[/red]: {e(f.get('reason') or f.get('error'))}", soft_wrap=True)
     for st in s["stragglers"][:3]:
         console.print(f"[yellow]straggler[/yellow]: rank {st['rank']} at step {st['step']} took {st['seconds']}s "
                       f"to reach its collective (others: {st['others_median']}s)")
     for w in s["warnings"]:
-        console.print(f"[yellow]warning[/yellow]: {w}")
+        console.print(f"[yellow]warning[/yellow]: {e(w)}")
     if not brief:
         tab = Table(title="records per rank")
         for col in ("rank", "steps", "records"):

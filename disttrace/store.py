@@ -186,6 +186,27 @@ def read_jsonl(path: Path | str) -> JsonlRead:
     return JsonlRead(recs, torn[0] if torn else None)
 
 
+# the manifest sections and fields readers rely on, with their types (a lock is data from disk: check it)
+LOCK_SHAPE = {
+    "experiment": {"name": str, "edition": str},
+    "parallelism": {"dp": int, "tp": int, "pp": int, "zero_stage": int},
+    "training": {"micro_batch_size": int, "grad_accum_steps": int, "steps": int},
+}
+
+
+def _check_shape(path: Path, manifest: dict, shape: dict) -> None:
+    for section, fields in shape.items():
+        sec = manifest.get(section)
+        if sec is None:
+            continue
+        if not isinstance(sec, dict):
+            raise BadInput(path, "must be an object", field=f"manifest.{section}")
+        for key, typ in fields.items():
+            v = sec.get(key)
+            if key in sec and (not isinstance(v, typ) or isinstance(v, bool)):
+                raise BadInput(path, f"must be {typ.__name__}", field=f"manifest.{section}.{key}")
+
+
 class Run:
     """Read-only view of one run directory."""
 
@@ -202,6 +223,9 @@ class Run:
             raise BadInput(self.path / LOCK, "missing 'manifest' or 'manifest_id'", field="manifest")
         if not isinstance(self.lock["manifest"], dict):
             raise BadInput(self.path / LOCK, "must be an object", field="manifest")
+        if not isinstance(self.lock["manifest_id"], str):
+            raise BadInput(self.path / LOCK, "must be a string", field="manifest_id")
+        _check_shape(self.path / LOCK, self.lock["manifest"], LOCK_SHAPE)
 
     # -- identity
     @property
@@ -215,7 +239,22 @@ class Run:
     @property
     def info(self) -> dict:
         p = self.path / "run.json"
-        return read_json(p) if p.exists() else {}
+        if not p.exists():
+            return {}
+        info = read_json(p)
+        if not isinstance(info, dict):
+            raise BadInput(p, "must be a JSON object")
+        for key, need in (("fault", {"name": str, "step": int, "rank": int}),
+                          ("resume", {"checkpoint": str, "step": int})):
+            value = info.get(key)
+            if value is None:
+                continue
+            if not isinstance(value, dict):
+                raise BadInput(p, "must be an object or null", field=key)
+            for k, typ in need.items():
+                if not isinstance(value.get(k), typ) or isinstance(value.get(k), bool):
+                    raise BadInput(p, f"must be {typ.__name__}", field=f"{key}.{k}")
+        return info
 
     @property
     def complete(self) -> bool:
@@ -249,7 +288,16 @@ class Run:
 
     def step_index(self, rank: int) -> JsonlRead:
         p = self.rank_path("trajectory", rank, ".steps.jsonl")
-        return read_jsonl(p) if p.exists() else JsonlRead([], None)
+        if not p.exists():
+            return JsonlRead([], None)
+        read = read_jsonl(p)
+        for n, e in enumerate(read.records, 1):
+            for k in ("step", "offset", "length", "records"):
+                if not isinstance(e.get(k), int) or isinstance(e.get(k), bool) or e[k] < 0:
+                    raise BadInput(p, f"line {n}: '{k}' must be a non-negative integer", field=k)
+            if not isinstance(e.get("time", {}), dict):
+                raise BadInput(p, f"line {n}: 'time' must be an object", field="time")
+        return read
 
     def records(self, rank: int, torn: list | None = None) -> Iterator[dict]:
         yield from iter_jsonl(self.rank_path("trajectory", rank), torn)
@@ -272,7 +320,7 @@ class Run:
         acc: dict[int, list[float]] = {}
         for rank in self.ranks():
             for rec in self.records(rank, torn=[]):
-                if rec.get("phase") == "loss" and rec.get("tensor") == "loss":
+                if rec.get("phase") == "loss" and rec.get("tensor") == "loss" and isinstance(rec.get("step"), int):
                     value = rec["sum"] if rec.get("sum") is not None else float("nan")  # a non-finite loss
                     acc.setdefault(rec["step"], []).append(value)
         return {s: sum(v) / len(v) for s, v in sorted(acc.items())}

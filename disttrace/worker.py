@@ -101,7 +101,8 @@ def run(run_dir: Path) -> None:
             emit_module_outputs(model, bus)
             strategy = build_strategy(manifest, model, mesh, bus)
             if rank == 0:
-                write_json_atomic(run_dir / "replicas.json", {"groups": topo["groups"], "rules": strategy.replicas()})
+                write_json_atomic(run_dir / "replicas.json", {"groups": {**topo["groups"], "world": [list(range(world))]},
+                                                             "rules": strategy.replicas()})
             ledger = MemoryLedger(run_dir, rank, manifest, strategy).attach(bus)
             ctx = Context(run_dir=run_dir, manifest=manifest, manifest_id=lock["manifest_id"], rank=rank,
                           world=world, dp_rank=coords["dp"], device=device, strategy=strategy, data=data, bus=bus,

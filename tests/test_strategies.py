@@ -111,3 +111,20 @@ def test_pipeline_fault_on_the_last_stage_and_resume(runs):
     trace = orjson.loads(cli("trace", ref, "-o", ref / "trace.json", check=0) and (ref / "trace.json").read_bytes())
     p2p = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["name"] in ("send", "recv_")]
     assert len(p2p) >= 2 * 4 * 4  # per step: 4 micro-batches' activations forward and gradients back
+
+
+CLIP = ["--set", "training.max_grad_norm=0.05"]  # small: clipping is active every step
+
+
+def test_clipping_is_recorded_and_clip_faults_are_found_by_check_alone(runs):
+    z3 = [*STRATEGIES["zero3"], *CLIP]
+    clean = runs.reference(*z3)
+    recs = [r for r in Run(clean).records(0) if r["step"] == 2 and r["phase"] == "clip"]
+    scalars = {r["tensor"]: r for r in recs if r["tensor"] in ("grad_norm", "clip_coef", "lr")}
+    assert set(scalars) == {"grad_norm", "clip_coef", "lr"} and scalars["clip_coef"]["sum"] < 1.0
+    assert cli("check", clean).returncode == 0
+    for name, sets, rank in (("clip-local-norm", z3, 1), ("clip-skip-replicated", [*STRATEGIES["tp2"], *CLIP], 0)):
+        proc = cli("check", runs.fault(name, 3, rank, *sets), "--json")
+        assert proc.returncode == 1, (name, proc.stdout)
+        first = orjson.loads(proc.stdout)["first"]
+        assert (first["step"], first["phase"]) == (3, "clip") and rank in first["minority"], (name, first)

@@ -52,3 +52,40 @@ def optimizer_bytes(optimizer):
 def load_optimizer_bytes(optimizer, buf) -> None:
     buf.seek(0)
     optimizer.load_state_dict(torch.load(buf, weights_only=False))
+
+
+SCALAR_INDEX = 1_000_000  # scalars sort after every tensor of their phase
+# the global gradient norm, the clip coefficient and the learning rate: one value for the whole job
+SCALARS_AGREE = {"phase": "clip", "dim": "world", "relation": "agree", "tensors": ["grad_norm", "clip_coef", "lr"]}
+
+
+def clip_gradients(bus, named, optimizer, max_norm: float | None, norm_group=None) -> None:
+    """The `clip` phase, between reduce and optimizer: the global gradient norm, the clip coefficient and
+    the learning rate, which every rank must agree on, and the gradients after clipping.
+
+    `before_clip` lets a fault change the norm a rank clips with or the tensors it clips. The global norm
+    of sharded gradients (DTensor) is reduced over their mesh by torch; `norm_group` adds a reduction over
+    a group whose ranks hold different tensors (pipeline stages)."""
+    import torch.distributed as dist
+
+    grads = [p.grad for _, _, p in named if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False, foreach=False)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    if norm_group is not None:
+        sq = norm.detach().pow(2)
+        dist.all_reduce(sq, group=norm_group)
+        norm = sq.sqrt()
+    p = bus.emit("before_clip", norm=norm, named=named, skip=set(), max_norm=max_norm)
+    norm = p["norm"]
+    coef = torch.ones((), dtype=norm.dtype, device=norm.device)
+    if max_norm is not None:
+        clip = [param for i, _, param in named if param.grad is not None and i not in p["skip"]]
+        torch.nn.utils.clip_grads_with_norm_(clip, max_norm, norm, foreach=False)
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    lr = torch.tensor(optimizer.param_groups[0]["lr"], dtype=torch.float64) if optimizer.param_groups else None
+    scalars = [(SCALAR_INDEX, "grad_norm", norm.detach()), (SCALAR_INDEX + 1, "clip_coef", coef.detach())]
+    if lr is not None:
+        scalars.append((SCALAR_INDEX + 2, "lr", lr))
+    bus.emit("clip", grads=[(i, n, param.grad) for i, n, param in named if param.grad is not None]
+             if max_norm is not None else [], scalars=scalars)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .common import build_optimizer, optimizer_state_list
+from .common import build_optimizer, clip_gradients, optimizer_state_list
 
 
 def apply_ddp(model, group, bus, names: dict[int, tuple[int, str]], bucket_cap_mb: float | None = None,
@@ -56,6 +56,7 @@ class DataParallel:
     def __init__(self, manifest: dict, model, mesh, bus):
         self.plain = model
         self.bus = bus
+        self.max_grad_norm = manifest["training"].get("max_grad_norm")
         self.named = [(i, n, p) for i, (n, p) in enumerate(model.named_parameters())]
         names = {id(p): (i, n) for i, n, p in self.named}
         self.group = mesh.get_group("dp")
@@ -76,6 +77,7 @@ class DataParallel:
         return [
             {"phase": "data", "dim": "dp", "relation": "differ"},
             {"phase": "reduce", "dim": "dp", "relation": "agree"},
+            {"phase": "clip", "dim": "dp", "relation": "agree"},  # clipped gradients and the scalars
             {"phase": "optimizer", "dim": "dp", "relation": "agree"},
         ]
 
@@ -91,6 +93,7 @@ class DataParallel:
             self.bus.emit("reduce", grads=grads)  # DDP has averaged the buckets into p.grad
 
     def step(self):
+        clip_gradients(self.bus, self.named, self.optimizer, self.max_grad_norm)
         self.bus.emit("before_optimizer", optimizer=self.optimizer, params=self.named)
         self.optimizer.step()
         self.bus.emit("optimizer", params=self.named, state=optimizer_state_list(self.optimizer, self.named),

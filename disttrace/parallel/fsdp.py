@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 
-from .common import build_optimizer, optimizer_state_list
+from .common import SCALARS_AGREE, build_optimizer, clip_gradients, optimizer_state_list
 
 
 def apply_fsdp(model, dp_mesh, reshard_after_forward: bool):
@@ -38,6 +38,7 @@ class FullyShardedZero:
         self.name = f"zero{stage}"
         self.plain = model
         self.bus = bus
+        self.max_grad_norm = manifest["training"].get("max_grad_norm")
         self.group = mesh.get_group("dp")
         # names are taken before wrapping: fully_shard keeps them (no "module." prefix)
         self.named = [(i, n, p) for i, (n, p) in enumerate(model.named_parameters())]
@@ -49,7 +50,7 @@ class FullyShardedZero:
 
     def replicas(self) -> list[dict]:
         # everything is sharded over dp: no copies to agree; the data shards must still differ
-        return [{"phase": "data", "dim": "dp", "relation": "differ"}]
+        return [{"phase": "data", "dim": "dp", "relation": "differ"}, SCALARS_AGREE]
 
     def micro_batch(self, last: bool):
         self.model.set_requires_gradient_sync(last)  # accumulate unsharded locally until the last micro-batch
@@ -61,6 +62,7 @@ class FullyShardedZero:
             self.bus.emit("reduce", grads=[(i, n, p.grad) for i, n, p in self.named])
 
     def step(self):
+        clip_gradients(self.bus, self.named, self.optimizer, self.max_grad_norm)
         self.bus.emit("before_optimizer", optimizer=self.optimizer, params=self.named)
         self.optimizer.step()
         self.bus.emit("optimizer", params=self.named, state=optimizer_state_list(self.optimizer, self.named),

@@ -16,7 +16,7 @@ import gc
 import torch
 
 from ..model import lm_loss
-from .common import build_optimizer, load_optimizer_bytes, optimizer_bytes, optimizer_state_list
+from .common import SCALARS_AGREE, build_optimizer, clip_gradients, load_optimizer_bytes, optimizer_bytes, optimizer_state_list
 
 
 def stage_layers(n_layers: int, pp: int, stage: int) -> list[str]:
@@ -49,6 +49,7 @@ class PipelineParallel:
         self.stage_index = mesh["pp"].get_local_rank()
         self.name = f"pp-{par['pp_schedule']}"
         self.bus = bus
+        self.max_grad_norm = manifest["training"].get("max_grad_norm")
         self.group = mesh.get_group("pp")
         full_index = {n: i for i, (n, _) in enumerate(model.named_parameters())}
         self.plain = self.model = build_stage_module(model, self.pp, self.stage_index)
@@ -83,7 +84,7 @@ class PipelineParallel:
         return self.bus.emit("loss", loss=loss, tokens=target.numel())["loss"]
 
     def replicas(self) -> list[dict]:
-        return [{"phase": "data", "dim": "pp", "relation": "agree"}]  # every stage sees the same batch
+        return [{"phase": "data", "dim": "pp", "relation": "agree"}, SCALARS_AGREE]  # every stage: same batch
 
     def micro_batch(self, last: bool):
         return contextlib.nullcontext()
@@ -102,6 +103,7 @@ class PipelineParallel:
         self.bus.emit("reduce", grads=grads)  # no data-parallel reduce: the final gradient of this stage
 
     def step(self):
+        clip_gradients(self.bus, self.named, self.optimizer, self.max_grad_norm, norm_group=self.group)
         self.bus.emit("before_optimizer", optimizer=self.optimizer, params=self.named)
         self.optimizer.step()
         self.bus.emit("optimizer", params=self.named, state=optimizer_state_list(self.optimizer, self.named),

@@ -18,7 +18,7 @@ import contextlib
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from .common import build_optimizer, optimizer_state_list
+from .common import SCALARS_AGREE, build_optimizer, clip_gradients, optimizer_state_list
 
 
 def tp_plan(n_layers: int) -> dict:
@@ -50,6 +50,7 @@ class TensorParallel:
         self.name = "tp"
         self.plain = model
         self.bus = bus
+        self.max_grad_norm = manifest["training"].get("max_grad_norm")
         self.group = mesh.get_group("dp")
         self.dp = manifest["parallelism"]["dp"]
         names = [n for n, _ in model.named_parameters()]
@@ -66,7 +67,8 @@ class TensorParallel:
 
     def replicas(self) -> list[dict]:
         rules = [{"phase": p, "dim": "tp", "relation": "agree", "tensors": "*norm.weight*"}
-                 for p in ("reduce", "optimizer")]
+                 for p in ("reduce", "clip", "optimizer")]
+        rules.append(SCALARS_AGREE)
         rules.append({"phase": "data", "dim": "tp", "relation": "agree"})  # a tp group reads one batch
         if self.dp > 1:
             rules.append({"phase": "data", "dim": "dp", "relation": "differ"})
@@ -86,6 +88,7 @@ class TensorParallel:
             self.bus.emit("reduce", grads=grads)  # tp's reductions ran inside backward; dp's (if any) just now
 
     def step(self):
+        clip_gradients(self.bus, self.named, self.optimizer, self.max_grad_norm)
         self.bus.emit("before_optimizer", optimizer=self.optimizer, params=self.named)
         self.optimizer.step()
         self.bus.emit("optimizer", params=self.named, state=optimizer_state_list(self.optimizer, self.named),

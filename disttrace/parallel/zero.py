@@ -29,6 +29,7 @@ class ZeroStage1(DataParallel):
         return [
             {"phase": "data", "dim": "dp", "relation": "differ"},
             {"phase": "reduce", "dim": "dp", "relation": "agree"},
+            {"phase": "clip", "dim": "dp", "relation": "agree"},
             {"phase": "optimizer", "dim": "dp", "relation": "agree", "exclude": "*:*"},
         ]
 
