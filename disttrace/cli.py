@@ -79,11 +79,24 @@ def _freeze(manifest: Optional[Path], sets: Optional[List[str]]):
 @handled
 def freeze(manifest: Optional[Path] = ManifestArg, set_: Optional[List[str]] = SetOpt,
            output: Optional[Path] = typer.Option(None, "-o", "--output", help="write the lock JSON here"),
+           from_deepspeed: Optional[Path] = typer.Option(None, "--from-deepspeed", help="map a DeepSpeed config "
+                                                         "(ds_config.json) onto the manifest (default: the default one)"),
+           world_size: Optional[int] = typer.Option(None, "--world-size", help="with --from-deepspeed: the world size "
+                                                    "its batch identity is checked against"),
            json_: bool = JsonOpt):
-    """Validate a manifest, check data and tokenizer hashes, and print its canonical lock and manifest id."""
+    """Validate a manifest, check data and tokenizer hashes, and print its canonical lock and manifest id.
+    With --from-deepspeed, read a DeepSpeed config: batch identity checked with DeepSpeed's own wording,
+    every key it cannot map named."""
     from .store import write_json_atomic
 
-    frozen = _freeze(manifest, set_)
+    if from_deepspeed is not None:
+        from .deepspeed import freeze_from_deepspeed
+
+        frozen, warnings = freeze_from_deepspeed(from_deepspeed, manifest, world_size, set_ or [])
+        for w in warnings:
+            err.print(Text("deepspeed: ", style="yellow") + Text(w))
+    else:
+        frozen = _freeze(manifest, set_)
     doc = frozen.model_dump()
     if output:
         write_json_atomic(output, doc)

@@ -363,14 +363,15 @@ def _build(ds_path: Path, base_path: Path, world_size: int | None) -> tuple[dict
         warnings.append(f"optimizer: not given (DeepSpeed then uses the client's optimizer); the base manifest's "
                         f"{base.training.optimizer} with lr {base.training.lr} is kept")
 
-    # -- gradient clipping: no manifest field yet
+    # -- gradient clipping: the global norm, as training.max_grad_norm (0 means off in DeepSpeed)
     if "gradient_clipping" in cfg:
         gc = _num(ds_path, "gradient_clipping", cfg["gradient_clipping"])
         if gc == 0:
             warnings.append("gradient_clipping: ignored: 0 means no clipping, as in the manifest")
+        elif gc < 0:
+            raise BadInput(ds_path, f"{gc} is negative", field="gradient_clipping")
         else:
-            warnings.append(f"gradient_clipping: unsupported: clipping to norm {gc} is not applied (the manifest "
-                            "has no training.max_grad_norm yet)")
+            put("training.max_grad_norm", float(gc), "gradient_clipping")
 
     # -- elasticity rewrites the batch: refuse when on
     if "elasticity" in cfg:

@@ -46,16 +46,15 @@ def test_example_maps_onto_the_default_manifest():
     assert (t["optimizer"], t["lr"], t["beta1"], t["beta2"], t["weight_decay"], t["dtype"]) == \
         ("adamw", 3e-3, 0.9, 0.95, 0.0, "float32")
     assert doc["experiment"] == read_toml(DEFAULT_MANIFEST)["experiment"]  # the rest comes from the base
-    assert keys(warnings) == {"gradient_clipping", "steps_per_print", "wall_clock_breakdown"}
-    clip = next(w for w in warnings if w.startswith("gradient_clipping"))
-    assert "unsupported" in clip and "max_grad_norm" in clip
+    assert keys(warnings) == {"steps_per_print", "wall_clock_breakdown"}
+    assert t["max_grad_norm"] == 1.0  # gradient_clipping -> the clip phase's global norm
 
 
 def test_example_freezes_to_the_default_with_zero_1():
     frozen, warnings = freeze_from_deepspeed(EXAMPLE)  # world size from the base: dp*tp*pp = 2
-    assert frozen.manifest_id == freeze(None, ["parallelism.zero_stage=1"]).manifest_id
+    assert frozen.manifest_id == freeze(None, ["parallelism.zero_stage=1", "training.max_grad_norm=1.0"]).manifest_id
     assert frozen.source == str(EXAMPLE)
-    assert "gradient_clipping" in keys(warnings)
+    assert "gradient_clipping" not in keys(warnings)
 
 
 def test_freeze_is_unchanged_by_the_freeze_doc_refactor():
@@ -177,8 +176,9 @@ def test_unsupported_and_unknown_keys_are_listed(tmp_path):
     by_key = {w.split(":", 1)[0]: w for w in warnings}
     assert set(by_key) == {"zero_optimization.offload_optimizer", "zero_optimization.overlap_comm",
                            "optimizer.params.eps", "optimizer.params.foo", "optimizer.params.weight_decay",
-                           "scheduler", "gradient_clipping", "prescale_gradients", "tensorboard", "my_own_key"}
-    for k in ("zero_optimization.offload_optimizer", "optimizer.params.eps", "scheduler", "gradient_clipping"):
+                           "scheduler", "prescale_gradients", "tensorboard", "my_own_key"}
+    assert doc["training"]["max_grad_norm"] == 1.0
+    for k in ("zero_optimization.offload_optimizer", "optimizer.params.eps", "scheduler"):
         assert by_key[k].startswith(f"{k}: unsupported:"), by_key[k]
     for k in ("zero_optimization.overlap_comm", "prescale_gradients", "tensorboard"):
         assert by_key[k].startswith(f"{k}: ignored:"), by_key[k]
@@ -250,3 +250,17 @@ def test_missing_file_names_it(tmp_path):
     with pytest.raises(BadInput) as e:
         manifest_from_deepspeed(tmp_path)
     assert e.value.where == str(tmp_path)
+
+
+def test_cli_freeze_from_deepspeed(tmp_path):
+    from conftest import cli
+
+    ok = cli("freeze", "--from-deepspeed", EXAMPLE, "--json")
+    assert ok.returncode == 0 and '"zero_stage": 1' in ok.stdout
+    bad = tmp_path / "ds.json"
+    bad.write_text('{"train_batch_size": 15, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}')
+    proc = cli("freeze", "--from-deepspeed", bad)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].endswith(
+        "train_batch_size: Check batch related parameters. train_batch_size is not equal to "
+        "micro_batch_per_gpu * gradient_acc_step * world_size 15 != 4 * 2 * 2")
