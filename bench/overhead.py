@@ -1,4 +1,4 @@
-"""Tracing overhead: step time with the recorder (and the collective tracer) on vs off, in the same
+"""Tracing overhead: step time with the recorder (and the live replica check, and the collective tracer) on vs off, in the same
 processes, same data, interleaved, so machine noise hits every variant alike. Prints medians and ratios.
 
     python bench/overhead.py [--world 2] [--steps 30] [--set model.dim=128 ...]
@@ -57,12 +57,18 @@ def worker(rank, world, port, frozen_doc, steps, out, q):
                            ("optimizer", recorder._optimizer), ("step_start", recorder._step_start),
                            ("step_end", recorder._step_end)):
         bus.on(point, lambda b, p, h=handler: h(b, p) if recorder_on["v"] else None, order=90)
-    variants = ["off", "recorder", "recorder+collectives"]
+    from disttrace.livecheck import LiveCheck
+
+    live = LiveCheck(run_dir, recorder, strategy.replicas(), mesh, rank)
+    live_on = {"v": False}
+    bus.on("step_end", lambda b, p: live._check(b, p) if live_on["v"] else None, order=89)
+    variants = ["off", "recorder", "recorder+live check", "recorder+collectives"]
     times = {v: [] for v in variants}
     accum = m["training"]["grad_accum_steps"]
     for step in range(1, steps + 1):
         for v in variants:
             recorder_on["v"] = v != "off"
+            live_on["v"] = v == "recorder+live check"
             ctx = tracer if v == "recorder+collectives" else contextlib.nullcontext()
             dist.barrier()
             t = time.perf_counter()
@@ -109,7 +115,7 @@ def measure(world: int, steps: int, sets: list[str]) -> dict:
         for p in procs:
             p.join()
         size = sum(f.stat().st_size for f in Path(out).rglob("*.jsonl"))
-    return {"times": res, "bytes_per_step": size / (2 * steps)}  # two of the three variants record
+    return {"times": res, "bytes_per_step": size / (3 * steps)}  # three of the four variants record
 
 
 def main():

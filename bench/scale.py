@@ -20,12 +20,13 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--max-world", type=int, default=4)
     args = ap.parse_args()
-    print(f"{'world':>5} {'off ms':>8} {'recorder':>9} {'+collect.':>9} {'KiB/step':>9}")
+    print(f"{'world':>5} {'off ms':>8} {'recorder':>9} {'+live':>9} {'+collect.':>9} {'KiB/step':>9}")
     world = 1
     while world <= args.max_world:
         r = measure(world, args.steps, ["training.grad_accum_steps=1"])
         t = r["times"]
         print(f"{world:>5} {t['off'] * 1e3:>8.2f} {t['recorder'] / t['off']:>8.2f}x "
+              f"{t['recorder+live check'] / t['off']:>8.2f}x "
               f"{t['recorder+collectives'] / t['off']:>8.2f}x {r['bytes_per_step'] / 1024:>9.1f}", flush=True)
         world *= 2
 

@@ -112,6 +112,7 @@ class Debug(Section):
     deterministic: bool = True
     collective_timeout_s: float = Field(default=60.0, gt=0)
     ddp_bucket_cap_mb: Optional[float] = Field(default=None, gt=0, description="DDP bucket size (default: DDP's 25)")
+    live_check: bool = Field(default=False, description="compare replica digests every step; stop at the first mismatch")
 
 
 class Eval(Section):

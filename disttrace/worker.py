@@ -100,6 +100,10 @@ def run(run_dir: Path) -> None:
             model.to(device)
             emit_module_outputs(model, bus)
             strategy = build_strategy(manifest, model, mesh, bus)
+            if manifest["debug"].get("live_check"):
+                from .livecheck import LiveCheck
+
+                LiveCheck(run_dir, recorder, strategy.replicas(), mesh, rank).attach(bus)
             if rank == 0:
                 write_json_atomic(run_dir / "replicas.json", {"groups": {**topo["groups"], "world": [list(range(world))]},
                                                              "rules": strategy.replicas()})

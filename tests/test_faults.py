@@ -202,3 +202,14 @@ def test_fault_catalog_lists_every_fault():
             "stale-param", "lr-skew", "optimizer-reset", "corrupt-checkpoint", "kill-rank", "slow-rank",
             "collective-mismatch"} <= names
     assert all(f["expect"] and f["point"] and f["description"] for f in cat)
+
+
+def test_live_check_stops_the_job_at_the_first_inconsistent_step(runs, tmp_path):
+    live = ["--set", "debug.live_check=true", "--set", "training.steps=6"]
+    assert Run(runs.reference(*live)).complete  # no false alarm on a clean run
+    proc = cli("inject", DEFAULT, *SHORT, *live, "--fault", "skip-allreduce", "--step", 3, "--rank", 1,
+               "--out", tmp_path)
+    assert proc.returncode == 3 and "live check: step 3 reduce" in proc.stderr, proc.stderr[-2000:]
+    run = Run(last_line(proc))
+    assert [e["step"] for e in run.events().records if e["event"] == "live_check_failed"] == [3]
+    assert max(e["step"] for e in run.step_index(0).records) == 2  # stopped: step 3 never written as done
