@@ -525,3 +525,44 @@ class ClipSkipReplicated(Fault):
                 self.fire(bus, phase="clip", skipped=len(replicated))
 
         bus.on("before_clip", handler, order=10)
+
+
+@register
+class LateMicrobatch(Fault):
+    name, point, expect = "late-microbatch", "backward", "backward"  # what it sends is the first evidence
+    description = "the last micro-batch's gradient misses the all-reduce and is added locally after it"
+    requires = frozenset({"collective_hook"})
+
+    @classmethod
+    def check(cls, step, params, manifest):
+        if manifest["training"]["grad_accum_steps"] < 2:
+            raise BadInput("--set training.grad_accum_steps", "'late-microbatch' needs gradient accumulation (>= 2)")
+
+    def install(self, bus):
+        import torch
+
+        accum = self.ctx.manifest["training"]["grad_accum_steps"]
+        self.before_last: dict = {}
+        self.late: dict = {}
+
+        def remember(bus, p):  # the accumulated gradient before the last micro-batch
+            if self.here(bus) and bus.micro_batch == accum - 2 and not p.get("before_collective"):
+                self.before_last = {i: g.detach().clone() for i, _, g, *_ in p["grads"]}
+
+        def hold_back(bus, p):  # in the comm hook: send everything but the last micro-batch's part
+            if self.here(bus) and p.get("before_collective"):
+                for i, _, g, *_ in p["grads"]:
+                    prev = self.before_last.get(i, torch.zeros_like(g))
+                    self.late[i] = g.detach() - prev
+                    g.copy_(prev)
+
+        def add_late(bus, p):
+            if self.here(bus):
+                for i, _, g, *_ in p["grads"]:
+                    if i in self.late:
+                        g.add_(self.late[i])
+                self.fire(bus, phase="reduce", tensors=len(self.late))
+
+        bus.on("backward", remember, order=10)
+        bus.on("backward", hold_back, order=11)
+        bus.on("reduce", add_late, order=10)
