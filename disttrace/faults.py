@@ -566,3 +566,32 @@ class LateMicrobatch(Fault):
         bus.on("backward", remember, order=10)
         bus.on("backward", hold_back, order=11)
         bus.on("reduce", add_late, order=10)
+
+
+@register
+class UnsyncedParam(Fault):
+    name, point, expect = "unsynced-param", "reduce", "reduce"
+    description = ("one parameter's gradient is never reduced on the rank (as when its copy is replaced after "
+                   "wrapping): it keeps the local gradient, every other tensor is reduced")
+    defaults = {"tensor": "layers.0.attention_norm.weight"}
+    needs_dp2 = True
+    requires = frozenset({"collective_hook"})
+
+    def install(self, bus):
+        self.local = None
+
+        def keep_local(bus, p):
+            if self.here(bus) and p.get("before_collective"):
+                entry = pick(p["grads"], self.params["tensor"])
+                if entry is not None:
+                    self.local = (entry[0], entry[2].detach().clone())
+
+        def restore(bus, p):
+            if self.here(bus) and self.local is not None:
+                for i, _, g, *_ in p["grads"]:
+                    if i == self.local[0]:
+                        g.copy_(self.local[1])
+                self.fire(bus, phase="reduce", tensor=self.params["tensor"])
+
+        bus.on("backward", keep_local, order=95)
+        bus.on("reduce", restore, order=10)

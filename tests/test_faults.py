@@ -25,6 +25,7 @@ LOCATED = [
     ("stale-param", 3, 1, [], ("optimizer", 1)),
     ("lr-skew", 3, 0, ["--param", "k=3"], ("optimizer", 1)),
     ("late-microbatch", 3, 1, [], ("backward", 1)),
+    ("unsynced-param", 3, 0, [], ("reduce", 1)),
 ]
 
 
@@ -64,7 +65,7 @@ def check_first(run_dir):
 
 
 @pytest.mark.parametrize("name,rank,params", [("skip-allreduce", 1, []), ("bitflip-param", 0, []),
-                                              ("late-microbatch", 1, []),
+                                              ("late-microbatch", 1, []), ("unsynced-param", 0, []),
                                               ("lr-skew", 0, ["--param", "k=3"]), ("data-swap", 1, [])])
 def test_check_finds_replica_faults_without_a_reference(runs, name, rank, params):
     """dp=2: two copies, no majority; the faulty rank is among the named suspects at the injected step."""
