@@ -11,7 +11,7 @@ from rich.table import Table
 from . import checkpoint
 from .errors import BadInput
 from .store import Run, iter_jsonl
-from .sync import check_sync, find_stragglers
+from .sync import check_sync, find_stragglers, predicted_dp_volume, wire_volume
 
 VIEWS = ("summary", "checkpoints", "topology", "collectives", "memory", "events")
 
@@ -138,7 +138,30 @@ def show(run_dir: Path | str, view: str, console: Console) -> dict:
         for g, v in res["groups"].items():
             tab.add_row(g, str(v["ops"]), str(v["bytes"]))
         console.print(tab)
-        console.print("[green]all groups in sync[/green]" if res["ok"] else f"[red]{res['first_mismatch']['message']}[/red]")
+        console.print("[green]all groups in sync[/green]" if res["ok"] else
+                      f"[red]{escape(res['first_mismatch']['message'])}[/red]")
+        vol = wire_volume(run)
+        pred = predicted_dp_volume(run.manifest)
+        tab = Table(title="rank 0: tensor traffic per step, ring model (bytes sent per rank)")
+        for col in ("step", "class", "calls", "buffer bytes", "ring bytes on the wire"):
+            tab.add_column(col, justify="right")
+        for step, classes in vol["steps"].items():
+            for cls, row in classes.items():
+                tab.add_row(step, cls, str(row["calls"]), str(row["bytes"]), f"{row['ring_bytes']:.0f}")
+        console.print(tab)
+        if pred is not None:
+            console.print(f"plan (ZeRO paper ring volumes): {pred} bytes per rank per step for this strategy")
+            for step, classes in vol["steps"].items():
+                if step == "0":
+                    continue  # set-up (DDP's initial parameter broadcast)
+                total = sum(r["ring_bytes"] for r in classes.values())
+                console.print(f"  step {step}: measured (trace, ring model) {total:.0f} / predicted {pred} = "
+                              f"{total / pred:.3f}" if pred else "")
+            accum = run.manifest.get("training", {}).get("grad_accum_steps", 1)
+            if run.manifest.get("parallelism", {}).get("zero_stage") == 3 and accum > 1:
+                console.print(f"  gap: ZeRO-3 gathers the parameters again for each of the {accum} micro-batches; "
+                              "the paper's 3(n-1)/n Psi counts one forward and backward per step")
+        res["wire_volume"], res["predicted_bytes_per_step"] = vol, pred
         return res
     if view == "memory":
         rows = []

@@ -115,3 +115,61 @@ def find_stragglers(run: Run, min_seconds: float = 0.1, factor: float = 2.0) -> 
             if t - median > min_seconds and t > factor * median:
                 out.append({"step": step, "rank": rank, "seconds": round(t, 4), "others_median": round(median, 4)})
     return out
+
+
+# ring-algorithm bytes each rank sends per op, as a multiple of the op's recorded input bytes, for a group
+# of n ranks: all-reduce 2(n-1)/n of the buffer; all-gather (n-1)/n of the gathered output = (n-1) x the
+# input shard; reduce-scatter (n-1)/n of the input; broadcast and point-to-point: the buffer once.
+RING = {
+    "allreduce": lambda n: 2 * (n - 1) / n,
+    "allgather": lambda n: float(n - 1),
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "p2p": lambda n: 1.0,
+}
+
+
+def op_class(op: str) -> str | None:
+    o = op.lower()
+    if o in ("send", "recv_", "recv_any_source_"):
+        return "p2p"
+    for key, cls in (("reduce_scatter", "reduce_scatter"), ("allreduce", "allreduce"), ("all_reduce", "allreduce"),
+                     ("allgather", "allgather"), ("all_gather", "allgather"), ("broadcast", "broadcast")):
+        if key in o:
+            return cls
+    return None
+
+
+def wire_volume(run: Run, rank: int = 0) -> dict:
+    """Per step, for one rank: calls and bytes per collective class and the ring model's bytes on the wire,
+    counting tensor traffic (floating point: gradients, parameters, activations), not the small integer
+    and byte messages of object collectives (checkpoint planning, topology exchange)."""
+    traces, _ = load_traces(run)
+    steps: dict[int, dict] = {}
+    for group, ops in traces.get(rank, {}).items():
+        members = group.removeprefix("p2p:").split(",")
+        n = len(members) if members != ["?"] else 1
+        for op in ops:
+            cls = op_class(op["op"])
+            if cls is None or not str(op.get("dtype") or "").startswith(("float", "bfloat")):
+                continue
+            row = steps.setdefault(op.get("step", 0), {}).setdefault(cls, {"calls": 0, "bytes": 0, "ring_bytes": 0.0})
+            row["calls"] += 1
+            row["bytes"] += op.get("bytes", 0)
+            row["ring_bytes"] += RING[cls](n) * op.get("bytes", 0) if n > 1 else 0.0
+    return {"rank": rank, "steps": {str(s): v for s, v in sorted(steps.items())}}
+
+
+def predicted_dp_volume(manifest: dict) -> int | None:
+    """The plan's data-parallel bytes per rank per step for this run's ZeRO stage (no TP/PP traffic)."""
+    from .plan import comm_bytes_per_device, count_params
+
+    try:
+        m, p, t = manifest["model"], manifest["parallelism"], manifest["training"]
+        if p["tp"] > 1 or p["pp"] > 1 or p.get("architecture") != "allreduce":
+            return None
+        psi = count_params(m["dim"], m["n_layers"], m["n_heads"], m["n_kv_heads"], m["vocab_size"], m["ffn_hidden"])
+        per = {"float32": 4, "float64": 8}.get(t["dtype"], 4)
+        return comm_bytes_per_device(psi, p["dp"], per)[str(p["zero_stage"])]
+    except (KeyError, TypeError, ValueError):
+        return None

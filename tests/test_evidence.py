@@ -48,3 +48,14 @@ def test_timeline_is_valid_and_tracks_never_overlap(runs, tmp_path):
 def test_show_collectives_reports_sync(runs):
     doc = orjson.loads(cli("show", runs.reference(), "collectives", "--json", check=0).stdout)
     assert doc["ok"] and doc["first_mismatch"] is None and "0,1" in doc["groups"]
+
+
+def test_wire_volume_matches_the_ring_model_for_ddp(runs):
+    """DDP all-reduces every gradient once per step: the trace's ring-model bytes equal the plan's
+    2(n-1)/n * Psi * 4 exactly; nothing is missing and nothing counted twice."""
+    doc = orjson.loads(cli("show", runs.reference(), "collectives", "--json", check=0).stdout)
+    pred = doc["predicted_bytes_per_step"]
+    assert pred and pred > 0
+    for step in ("1", "2", "3", "4"):
+        row = doc["wire_volume"]["steps"][step]
+        assert set(row) == {"allreduce"} and row["allreduce"]["ring_bytes"] == pred
