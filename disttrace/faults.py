@@ -132,8 +132,8 @@ def _capabilities(manifest: dict) -> set[str]:
     p = manifest["parallelism"]
     if p["architecture"] == "parameter-server":
         return {"backward"}  # the push is point-to-point, not a collective
-    if p["pp"] > 1:
-        return {"backward"}  # after the schedule: the stage's accumulated gradient (there is no dp reduce)
+    if p["pp"] > 1:  # after the schedule: the stage's accumulated gradient, local only without dp/tp
+        return {"backward"} if p["dp"] == 1 and p["tp"] == 1 else set()
     if p["tp"] > 1:
         return {"backward"} if p["dp"] == 1 else set()
     if p["zero_stage"] >= 2:

@@ -151,8 +151,9 @@ def _not_supported_yet(m: Manifest) -> tuple[str, str] | None:
             if value % p.tp:
                 return name, f"{value} is not divisible by parallelism.tp = {p.tp} (tensor parallel splits it)"
     if p.pp > 1:
-        if p.dp > 1 or p.tp > 1 or p.zero_stage or p.architecture != "allreduce":
-            return "parallelism.pp", "pipeline parallel combined with dp, tp or ZeRO is not supported yet; use dp = tp = 1"
+        if p.zero_stage or p.architecture != "allreduce":
+            return "parallelism.pp", ("pipeline parallel with ZeRO or a parameter server is not supported; with "
+                                      "dp > 1 the stages are sharded over dp with FSDP2 already")
         if m.model.n_layers < p.pp:
             return "parallelism.pp", f"{p.pp} stages need at least {p.pp} layers (model.n_layers = {m.model.n_layers})"
         if p.pp_schedule == "1f1b" and m.training.grad_accum_steps < p.pp:

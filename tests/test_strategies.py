@@ -19,6 +19,9 @@ STRATEGIES = {
     "pp2-gpipe": ["--set", "parallelism.dp=1", "--set", "parallelism.pp=2", "--set", "training.grad_accum_steps=4"],
     "pp2-1f1b": ["--set", "parallelism.dp=1", "--set", "parallelism.pp=2", "--set", 'parallelism.pp_schedule="1f1b"',
                  "--set", "training.grad_accum_steps=4"],
+    # hybrid, four ranks: FSDP2 over dp composed with TP, and with pipeline stages
+    "dp2xtp2": ["--set", "parallelism.tp=2"],
+    "dp2xpp2": ["--set", "parallelism.pp=2"],
 }
 
 
@@ -33,7 +36,7 @@ def test_strategy_matches_ddp_numerically_and_is_consistent(runs, name):
     assert {"reduce", "optimizer"} <= set(d["compared_phases"]) and d["stats"]["tensors_compared"] > 100
     # sharded records were really combined: the strategy stored shards, not full tensors
     recs = [r for r in Run(other).records(0) if r["step"] == 1 and r["phase"] == "optimizer"]
-    if name in ("zero2", "zero3", "tp2"):
+    if name in ("zero2", "zero3", "tp2", "dp2xtp2", "dp2xpp2"):
         assert any("shard" in r for r in recs)
     check = cli("check", other, "--json")
     assert check.returncode == 0, check.stdout
@@ -114,6 +117,13 @@ def test_pipeline_fault_on_the_last_stage_and_resume(runs):
 
 
 CLIP = ["--set", "training.max_grad_norm=0.05"]  # small: clipping is active every step
+
+
+def test_clipping_across_meshes_keeps_replicas_consistent(runs):
+    """dp x tp: norm weights live on the dp mesh, matmuls on dp x tp; the global norm combines both."""
+    run = runs.reference(*STRATEGIES["dp2xtp2"], *CLIP)
+    assert cli("check", run).returncode == 0
+    assert diff_runs(runs.reference(*CLIP), run)["equal"]
 
 
 def test_clipping_is_recorded_and_clip_faults_are_found_by_check_alone(runs):

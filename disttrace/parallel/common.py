@@ -59,6 +59,24 @@ SCALAR_INDEX = 1_000_000  # scalars sort after every tensor of their phase
 SCALARS_AGREE = {"phase": "clip", "dim": "world", "relation": "agree", "tensors": ["grad_norm", "clip_coef", "lr"]}
 
 
+def global_norm(grads) -> torch.Tensor:
+    """The L2 norm of all gradients of the job. DTensor gradients on one mesh are normed together (torch
+    reduces the shards); gradients on different meshes (dp x tp: norm weights on dp, matmuls on dp x tp) and
+    plain tensors are combined by their squares."""
+    by_mesh: dict = {}
+    plain = []
+    for g in grads:
+        (by_mesh.setdefault(id(g.device_mesh), []) if hasattr(g, "device_mesh") else plain).append(g)
+    parts = []
+    for group in by_mesh.values():
+        parts.append(torch.nn.utils.get_total_norm(group, 2.0, error_if_nonfinite=False, foreach=False).full_tensor())
+    if plain:
+        parts.append(torch.nn.utils.get_total_norm(plain, 2.0, error_if_nonfinite=False, foreach=False))
+    if len(parts) == 1:
+        return parts[0]
+    return torch.stack([x.to(parts[0].dtype) for x in parts]).pow(2).sum().sqrt()
+
+
 def clip_gradients(bus, named, optimizer, max_norm: float | None, norm_group=None) -> None:
     """The `clip` phase, between reduce and optimizer: the global gradient norm, the clip coefficient and
     the learning rate, which every rank must agree on, and the gradients after clipping.
@@ -68,10 +86,7 @@ def clip_gradients(bus, named, optimizer, max_norm: float | None, norm_group=Non
     a group whose ranks hold different tensors (pipeline stages)."""
     import torch.distributed as dist
 
-    grads = [p.grad for _, _, p in named if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False, foreach=False)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
+    norm = global_norm([p.grad for _, _, p in named if p.grad is not None])
     if norm_group is not None:
         sq = norm.detach().pow(2)
         dist.all_reduce(sq, group=norm_group)
@@ -80,9 +95,11 @@ def clip_gradients(bus, named, optimizer, max_norm: float | None, norm_group=Non
     norm = p["norm"]
     coef = torch.ones((), dtype=norm.dtype, device=norm.device)
     if max_norm is not None:
-        clip = [param for i, _, param in named if param.grad is not None and i not in p["skip"]]
-        torch.nn.utils.clip_grads_with_norm_(clip, max_norm, norm, foreach=False)
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # torch's clip_grads_with_norm_ formula
+        factor = float(coef)  # a plain number: DTensor grads on different meshes all take it
+        for i, _, param in named:
+            if param.grad is not None and i not in p["skip"]:
+                param.grad.mul_(factor)
     lr = torch.tensor(optimizer.param_groups[0]["lr"], dtype=torch.float64) if optimizer.param_groups else None
     scalars = [(SCALAR_INDEX, "grad_norm", norm.detach()), (SCALAR_INDEX + 1, "clip_coef", coef.detach())]
     if lr is not None:

@@ -53,7 +53,20 @@ class PipelineParallel:
         self.group = mesh.get_group("pp")
         full_index = {n: i for i, (n, _) in enumerate(model.named_parameters())}
         self.plain = self.model = build_stage_module(model, self.pp, self.stage_index)
-        self.named = [(full_index[n], n, p) for n, p in model.named_parameters()]
+        names = [n for n, _ in model.named_parameters()]
+        # within a stage, the other dimensions as elsewhere: TP first, then FSDP2 over dp (torchtitan's order)
+        self.dp, self.tp = par["dp"], par["tp"]
+        if self.tp > 1:
+            from .tp import apply_tp
+
+            apply_tp(model, mesh["tp"])
+        if self.dp > 1:
+            from .fsdp import apply_fsdp
+
+            apply_fsdp(model, mesh["dp"], reshard_after_forward=True)
+            self.engine += " + FSDP2 over dp"
+        params = dict(model.named_parameters())
+        self.named = [(full_index[n], n, params[n]) for n in names]
         device = next(model.parameters()).device
         # stated shapes, not inferred: inference runs an extra forward (and loss) on placeholder data,
         # which the recorder would see as a real micro-batch
@@ -84,7 +97,13 @@ class PipelineParallel:
         return self.bus.emit("loss", loss=loss, tokens=target.numel())["loss"]
 
     def replicas(self) -> list[dict]:
-        return [{"phase": "data", "dim": "pp", "relation": "agree"}, SCALARS_AGREE]  # every stage: same batch
+        rules = [{"phase": "data", "dim": "pp", "relation": "agree"}, SCALARS_AGREE]  # every stage: same batch
+        if self.dp > 1:
+            rules.append({"phase": "data", "dim": "dp", "relation": "differ"})
+        if self.tp > 1:
+            rules += [{"phase": p, "dim": "tp", "relation": "agree", "tensors": "*norm.weight*"}
+                      for p in ("reduce", "clip", "optimizer")]
+        return rules
 
     def micro_batch(self, last: bool):
         return contextlib.nullcontext()

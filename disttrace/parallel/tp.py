@@ -21,12 +21,14 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from .common import SCALARS_AGREE, build_optimizer, clip_gradients, optimizer_state_list
 
 
-def tp_plan(n_layers: int) -> dict:
-    plan = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "output": ColwiseParallel(output_layouts=Replicate()),
-    }
-    for i in range(n_layers):
+def tp_plan(model) -> dict:
+    """Module path -> style, for the modules this (possibly pipeline-stage) model holds."""
+    plan = {}
+    if model.tok_embeddings is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if model.output is not None:
+        plan["output"] = ColwiseParallel(output_layouts=Replicate())
+    for i in model.layers:
         plan.update({
             f"layers.{i}.attention.wq": ColwiseParallel(),
             f"layers.{i}.attention.wk": ColwiseParallel(),
@@ -40,7 +42,7 @@ def tp_plan(n_layers: int) -> dict:
 
 
 def apply_tp(model, tp_mesh):
-    return parallelize_module(model, tp_mesh, tp_plan(len(model.layers)))
+    return parallelize_module(model, tp_mesh, tp_plan(model))
 
 
 class TensorParallel:
@@ -82,7 +84,7 @@ class TensorParallel:
     def backward(self, loss, last: bool):
         loss.backward()
         grads = [(i, n, p.grad) for i, n, p in self.named]
-        if not last or self.dp == 1:
+        if self.dp == 1:  # under FSDP2 the local gradient stays inside it until the reduce-scatter
             self.bus.emit("backward", grads=grads)
         if last:
             self.bus.emit("reduce", grads=grads)  # tp's reductions ran inside backward; dp's (if any) just now
