@@ -59,6 +59,12 @@ def handled(fn):
         except DisttraceError as e:  # text from files and users: never markup, never two lines
             err.print(Text("error: ", style="red") + Text(one_line(e)), soft_wrap=True)
             raise typer.Exit(e.exit_code)
+        except OSError as e:  # the disk filled up, or a path cannot be written: never a traceback
+            import errno
+
+            full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+            err.print(Text("error: ", style="red") + Text(f"{e.filename or ''}: {e.strerror}"), soft_wrap=True)
+            raise typer.Exit(3 if full else 2)
         except KeyboardInterrupt:
             err.print("interrupted")
             raise typer.Exit(130)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import sys
 import time
@@ -113,7 +114,11 @@ def describe_failure(run_dir: Path, failures: dict[int, int], first: int) -> str
         errors = [e for e in read_jsonl(run_dir / "events.jsonl").records if e.get("event") == "rank_failed"]
         own = [e for e in errors if e.get("rank") == first] or errors
         if own:
-            text = " ".join(str(own[0].get("error", "")).split())
+            raw = str(own[0].get("error", ""))
+            # an engine's error may carry a whole remote traceback: its last exception line says what happened
+            causes = [ln.strip() for ln in raw.splitlines()
+                      if re.match(r"^[\w.]+(Error|Exception|Exit)\b.*:", ln.strip())]
+            text = " ".join((causes[-1] if causes else raw).split())
             parts.append(f"rank {own[0].get('rank')}: {text[:300]}")
     except Exception:  # evidence for the message, not a requirement
         pass

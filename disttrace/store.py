@@ -100,8 +100,16 @@ class JsonlWriter:
             self._f.close()
 
 
-def event(run_dir: Path | str, kind: str, **fields: Any) -> None:
-    append_line(Path(run_dir) / "events.jsonl", {"event": kind, "time": time.time(), **fields})
+def event(run_dir: Path | str, kind: str, **fields: Any) -> bool:
+    """Log one event. Best effort: a full disk must not turn a reported failure into a crash."""
+    try:
+        append_line(Path(run_dir) / "events.jsonl", {"event": kind, "time": time.time(), **fields})
+        return True
+    except OSError as e:
+        import sys
+
+        print(f"disttrace: could not log event '{kind}' in {run_dir}: {e.strerror}", file=sys.stderr)
+        return False
 
 
 def new_run_dir(root: Path | str, manifest_id: str, path_kind: str) -> Path:

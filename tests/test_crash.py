@@ -11,6 +11,7 @@ import sys
 import time
 
 import orjson
+from pathlib import Path
 
 from conftest import DEFAULT, ROOT, cli
 from disttrace.diff import diff_runs
@@ -52,3 +53,25 @@ def test_killing_the_launcher_leaves_an_incomplete_recoverable_run(runs, tmp_pat
     ref = runs.get("run", DEFAULT, *SETS)
     d = diff_runs(ref, rec)
     assert d["equal"] and d["compared_steps"]["first"] == last + 1
+
+
+def test_disk_full_ends_with_exit_3_and_an_intact_incomplete_run(tmp_path):
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1500k", "tmpfs", str(small)],
+                      capture_output=True).returncode != 0:
+        import pytest
+
+        pytest.skip("cannot mount a size-limited tmpfs here (needs root)")
+    try:
+        proc = cli("run", DEFAULT, "--set", "training.steps=4", "--out", small)
+        assert proc.returncode == 3, proc.stderr[-2000:]
+        assert proc.stderr.strip().splitlines()[-1].startswith("job failed")  # reported, not a crash
+        run_dir = Path(proc.stdout.strip().splitlines()[-1])
+        assert not (run_dir / "COMPLETE").exists()
+        show = orjson.loads(cli("show", run_dir, "--json", check=0).stdout)
+        assert show["complete"] is False  # readable, and says so
+        ckpts = orjson.loads(cli("show", run_dir, "checkpoints", "--json", check=0).stdout)["checkpoints"]
+        assert all(not c["verified"] for c in ckpts if c["step"] is None)  # a .partial is never taken as done
+    finally:
+        subprocess.run(["umount", str(small)], capture_output=True)
