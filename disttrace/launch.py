@@ -50,6 +50,23 @@ def prepare_shared(frozen: Frozen, out: Path, path_kind: str, run_id: str) -> Pa
     return run_dir
 
 
+def _writer_lock(run_dir: Path, node_rank: int):
+    """One launcher per node per run directory: a second would interleave its records with the first's."""
+    import fcntl
+
+    from .errors import BadInput
+
+    f = open(run_dir / f".launcher-node{node_rank}.lock", "w")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise BadInput(run_dir, f"another launcher (node {node_rank}) is writing this run directory") from None
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -64,6 +81,11 @@ def launch(run_dir: Path, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: st
 
     manifest = read_json(run_dir / LOCK)["manifest"]
     world = manifest["parallelism"]["world_size"]
+    if (run_dir / COMPLETE).exists():
+        from .errors import BadInput
+
+        raise BadInput(run_dir, "this run is already complete: a new job would mix its records into it")
+    lock = _writer_lock(run_dir, node_rank)  # held until this process exits
     if nproc_per_node is None:
         if world % nnodes:
             raise JobFailed(f"world size {world} is not divisible by --nnodes {nnodes}", str(run_dir))
@@ -97,6 +119,7 @@ def launch(run_dir: Path, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: st
     if not (run_dir / COMPLETE).exists():
         event(run_dir, "job_failed", reason="every rank exited 0 but COMPLETE was not written")
         raise JobFailed("every rank exited 0 but the run was not marked complete", str(run_dir))
+    lock.close()
 
 
 def describe_failure(run_dir: Path, failures: dict[int, int], first: int) -> str:

@@ -40,3 +40,24 @@ def test_two_nodes_one_run_dir(tmp_path):
 def test_multinode_needs_endpoint_and_run_id(tmp_path):
     proc = cli("run", DEFAULT, "--nnodes", "2", "--out", tmp_path)
     assert proc.returncode == 2 and "--run-id" in proc.stderr
+
+
+def test_a_second_launcher_on_the_same_run_dir_is_refused(tmp_path):
+    endpoint = f"127.0.0.1:{free_port()}"
+    args = [sys.executable, "-m", "disttrace", "run", DEFAULT, *SETS, "--nnodes", "2", "--node-rank", "0",
+            "--rdzv-endpoint", endpoint, "--run-id", "dup", "--out", tmp_path]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    try:
+        import time
+
+        deadline = time.time() + 60
+        while time.time() < deadline and not list(tmp_path.glob("*/reference-dup/.launcher-node0.lock")):
+            time.sleep(0.05)
+        time.sleep(0.5)  # the first launcher holds the lock while it waits for node 1
+        second = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        assert second.returncode == 2 and "another launcher" in second.stderr, second.stderr[-1000:]
+    finally:
+        os.killpg(first.pid, 9)
+        first.wait(timeout=30)
