@@ -26,6 +26,10 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Reproducibility harness for distributed PyTorch training: freeze a manifest, run the reference, "
     "inject one fault, recover, diff to the first divergence, and gate the result.",
+    epilog="Start: `disttrace run` (the embedded default manifest), then `disttrace lab --list`. "
+    "Exit codes: 0 ok / equal / pass, 1 divergence or failed gate, 2 bad input (one line naming the file "
+    "and field), 3 the distributed job failed. --json prints one JSON document on stdout; a run command's "
+    "last stdout line is its run directory.",
 )
 err = Console(stderr=True, no_color=bool(os.environ.get("NO_COLOR")) or None, highlight=False)
 

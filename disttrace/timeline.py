@@ -7,7 +7,7 @@ one on its track ended is drawn from that end: the track is a queue)."""
 
 from __future__ import annotations
 
-from .store import Run, iter_jsonl
+from .store import Run
 from .sync import load_traces
 
 

@@ -42,7 +42,7 @@ def setup_torch(manifest: dict):
     return torch
 
 
-def pick_backend(manifest: dict, torch) -> tuple[str, "torch.device"]:
+def pick_backend(manifest: dict, torch) -> tuple:
     want = manifest["parallelism"]["backend"]
     cuda = torch.cuda.is_available()
     backend = ("nccl" if cuda else "gloo") if want == "auto" else want

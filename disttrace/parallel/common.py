@@ -106,3 +106,37 @@ def clip_gradients(bus, named, optimizer, max_norm: float | None, norm_group=Non
         scalars.append((SCALAR_INDEX + 2, "lr", lr))
     bus.emit("clip", grads=[(i, n, param.grad) for i, n, param in named if param.grad is not None]
              if max_norm is not None else [], scalars=scalars)
+
+
+class Strategy:
+    """What every strategy shares once it has `bus`, `named` [(index, name, param)], `model`, `optimizer`,
+    `max_grad_norm`: the clip and optimizer phases, and checkpoint state through DCP's state-dict helpers
+    (they know DDP, FSDP2 and DTensor alike). Strategies override what differs."""
+
+    norm_group = None  # a group whose ranks hold different parameters (pipeline stages): the norm spans it
+
+    def step(self):
+        clip_gradients(self.bus, self.named, self.optimizer, self.max_grad_norm, self.norm_group)
+        self.bus.emit("before_optimizer", optimizer=self.optimizer, params=self.named)
+        self.optimizer.step()
+        self.bus.emit("optimizer", params=self.named, state=optimizer_state_list(self.optimizer, self.named),
+                      optimizer=self.optimizer)
+
+    def zero_grad(self):
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def state_dict(self, with_optimizer: bool = True) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        if not with_optimizer:
+            return {"model": get_model_state_dict(self.model)}
+        msd, osd = get_state_dict(self.model, self.optimizer)
+        return {"model": msd, "optim": osd}
+
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        if "optim" in state:
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        else:  # a checkpoint saved without optimizer state: the optimizer starts fresh (and diff will say so)
+            set_model_state_dict(self.model, state["model"])

@@ -11,11 +11,10 @@ from __future__ import annotations
 import contextlib
 import warnings
 
-import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .common import build_optimizer, clip_gradients, optimizer_state_list
+from .common import Strategy, build_optimizer
 
 
 def apply_ddp(model, group, bus, names: dict[int, tuple[int, str]], bucket_cap_mb: float | None = None,
@@ -50,7 +49,7 @@ def apply_ddp(model, group, bus, names: dict[int, tuple[int, str]], bucket_cap_m
     return ddp
 
 
-class DataParallel:
+class DataParallel(Strategy):
     name = "ddp"
 
     def __init__(self, manifest: dict, model, mesh, bus):
@@ -92,27 +91,7 @@ class DataParallel:
         else:
             self.bus.emit("reduce", grads=grads)  # DDP has averaged the buckets into p.grad
 
-    def step(self):
-        clip_gradients(self.bus, self.named, self.optimizer, self.max_grad_norm)
-        self.bus.emit("before_optimizer", optimizer=self.optimizer, params=self.named)
-        self.optimizer.step()
-        self.bus.emit("optimizer", params=self.named, state=optimizer_state_list(self.optimizer, self.named),
-                      optimizer=self.optimizer)
-
     def zero_grad(self):
-        self.optimizer.zero_grad(set_to_none=False)
+        self.optimizer.zero_grad(set_to_none=False)  # as the earliest runs did: keeps trajectories comparable
 
     # checkpoint state, through DCP's state-dict helpers (they know DDP and FSDP alike)
-    def state_dict(self, with_optimizer: bool = True) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        msd, osd = get_state_dict(self.model, self.optimizer)
-        return {"model": msd, "optim": osd} if with_optimizer else {"model": msd}
-
-    def load_state_dict(self, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-
-        if "optim" in state:
-            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        else:  # a checkpoint saved without optimizer state: the optimizer starts fresh (and diff will say so)
-            set_model_state_dict(self.model, state["model"])

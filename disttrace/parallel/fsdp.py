@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 
-from .common import SCALARS_AGREE, build_optimizer, clip_gradients, optimizer_state_list
+from .common import SCALARS_AGREE, Strategy, build_optimizer
 
 
 def apply_fsdp(model, dp_mesh, reshard_after_forward: bool):
@@ -31,10 +31,10 @@ def apply_fsdp(model, dp_mesh, reshard_after_forward: bool):
     return model
 
 
-class FullyShardedZero:
+class FullyShardedZero(Strategy):
     engine = "FSDP2 fully_shard"
 
-    def __init__(self, manifest: dict, model, mesh, bus, stage: int, tp_applied: bool = False):
+    def __init__(self, manifest: dict, model, mesh, bus, stage: int):
         self.name = f"zero{stage}"
         self.plain = model
         self.bus = bus
@@ -60,29 +60,3 @@ class FullyShardedZero:
         loss.backward()
         if last:
             self.bus.emit("reduce", grads=[(i, n, p.grad) for i, n, p in self.named])
-
-    def step(self):
-        clip_gradients(self.bus, self.named, self.optimizer, self.max_grad_norm)
-        self.bus.emit("before_optimizer", optimizer=self.optimizer, params=self.named)
-        self.optimizer.step()
-        self.bus.emit("optimizer", params=self.named, state=optimizer_state_list(self.optimizer, self.named),
-                      optimizer=self.optimizer)
-
-    def zero_grad(self):
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def state_dict(self, with_optimizer: bool = True) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
-        if not with_optimizer:
-            return {"model": get_model_state_dict(self.model)}
-        msd, osd = get_state_dict(self.model, self.optimizer)
-        return {"model": msd, "optim": osd}
-
-    def load_state_dict(self, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-
-        if "optim" in state:
-            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        else:
-            set_model_state_dict(self.model, state["model"])

@@ -16,7 +16,7 @@ import gc
 import torch
 
 from ..model import lm_loss
-from .common import SCALARS_AGREE, build_optimizer, clip_gradients, load_optimizer_bytes, optimizer_bytes, optimizer_state_list
+from .common import SCALARS_AGREE, Strategy, build_optimizer, load_optimizer_bytes, optimizer_bytes
 
 
 def stage_layers(n_layers: int, pp: int, stage: int) -> list[str]:
@@ -38,7 +38,7 @@ def build_stage_module(model, pp: int, stage: int):
     return model
 
 
-class PipelineParallel:
+class PipelineParallel(Strategy):
     engine = "torch.distributed.pipelining"
 
     def __init__(self, manifest: dict, model, mesh, bus):
@@ -50,7 +50,7 @@ class PipelineParallel:
         self.name = f"pp-{par['pp_schedule']}"
         self.bus = bus
         self.max_grad_norm = manifest["training"].get("max_grad_norm")
-        self.group = mesh.get_group("pp")
+        self.group = self.norm_group = mesh.get_group("pp")
         full_index = {n: i for i, (n, _) in enumerate(model.named_parameters())}
         self.plain = self.model = build_stage_module(model, self.pp, self.stage_index)
         names = [n for n, _ in model.named_parameters()]
@@ -120,16 +120,6 @@ class PipelineParallel:
         grads = [(i, n, p.grad) for i, n, p in self.named]
         self.bus.emit("backward", grads=grads)  # this stage's accumulated gradients
         self.bus.emit("reduce", grads=grads)  # no data-parallel reduce: the final gradient of this stage
-
-    def step(self):
-        clip_gradients(self.bus, self.named, self.optimizer, self.max_grad_norm, norm_group=self.group)
-        self.bus.emit("before_optimizer", optimizer=self.optimizer, params=self.named)
-        self.optimizer.step()
-        self.bus.emit("optimizer", params=self.named, state=optimizer_state_list(self.optimizer, self.named),
-                      optimizer=self.optimizer)
-
-    def zero_grad(self):
-        self.optimizer.zero_grad(set_to_none=True)
 
     # the optimizer state of a stage belongs to that stage alone: saved and loaded under its own key
     def _key(self) -> str:

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import contextlib
 
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from .common import SCALARS_AGREE, build_optimizer, clip_gradients, optimizer_state_list
+from .common import SCALARS_AGREE, Strategy, build_optimizer
 
 
 def tp_plan(model) -> dict:
@@ -45,7 +45,7 @@ def apply_tp(model, tp_mesh):
     return parallelize_module(model, tp_mesh, tp_plan(model))
 
 
-class TensorParallel:
+class TensorParallel(Strategy):
     engine = "DTensor parallelize_module"
 
     def __init__(self, manifest: dict, model, mesh, bus):
@@ -88,29 +88,3 @@ class TensorParallel:
             self.bus.emit("backward", grads=grads)
         if last:
             self.bus.emit("reduce", grads=grads)  # tp's reductions ran inside backward; dp's (if any) just now
-
-    def step(self):
-        clip_gradients(self.bus, self.named, self.optimizer, self.max_grad_norm)
-        self.bus.emit("before_optimizer", optimizer=self.optimizer, params=self.named)
-        self.optimizer.step()
-        self.bus.emit("optimizer", params=self.named, state=optimizer_state_list(self.optimizer, self.named),
-                      optimizer=self.optimizer)
-
-    def zero_grad(self):
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def state_dict(self, with_optimizer: bool = True) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
-        if not with_optimizer:
-            return {"model": get_model_state_dict(self.model)}
-        msd, osd = get_state_dict(self.model, self.optimizer)
-        return {"model": msd, "optim": osd}
-
-    def load_state_dict(self, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-
-        if "optim" in state:
-            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        else:
-            set_model_state_dict(self.model, state["model"])
