@@ -97,7 +97,7 @@ BAD_INPUTS = [
     (["--set", "model.colour=blue"], "model.colour"),
     (["--set", "training.steps=many"], "training.steps"),
     (["--set", "parallelism.world_size=3"], "parallelism"),
-    (["--set", "parallelism.pp=2"], "parallelism.pp"),
+    (["--set", "parallelism.pp=3"], "parallelism.pp"),  # 3 stages, 2 layers
     (["--set", "parallelism.dp=1", "--set", "parallelism.tp=2", "--set", "model.n_kv_heads=1"], "model.n_kv_heads"),
     (["--set", "model.n_kv_heads=3"], "model"),
     (["--set", "nonsense.key=1"], "nonsense.key"),
