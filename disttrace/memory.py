@@ -110,6 +110,9 @@ def explain_gap(manifest: dict, params: int, grads: int, optim: int, pred: dict)
     if params < pred["params"] and manifest["parallelism"]["zero_stage"] == 2:
         notes.append("params: FSDP2 frees the gathered parameters after backward; ZeRO-2's resident copy exists "
                      "during forward+backward only, and this line is measured after the optimizer step")
+    if manifest["parallelism"]["tp"] > 1 and params > pred["params"]:
+        notes.append(f"params +{params - pred['params']} B: tensor parallel keeps norm weights whole on every tp "
+                     "rank (replicated); the formula divides all of Psi by tp")
     if grads < pred["grads"]:
         notes.append(f"grads -{pred['grads'] - grads} B: gradients freed or not yet allocated when measured")
     return notes
