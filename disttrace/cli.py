@@ -154,7 +154,9 @@ def run(manifest: Optional[Path] = ManifestArg, set_: Optional[List[str]] = SetO
         node_rank: int = typer.Option(0, help="this node's rank among --nnodes"),
         rdzv_endpoint: Optional[str] = typer.Option(None, help="HOST:PORT of the rendezvous (multi-node)"),
         run_id: Optional[str] = typer.Option(None, "--run-id", help="multi-node: the same name on every node, so all "
-                                             "nodes write one run dir (<out>/<id12>/reference-<run-id>)")):
+                                             "nodes write one run dir (<out>/<id12>/reference-<run-id>)"),
+        prepare_only: bool = typer.Option(False, "--prepare-only", help="create the run dir and print it, launch "
+                                          "nothing: then `torchrun ... -m disttrace.worker --run-dir DIR`")):
     """Run the reference path: a real multi-process torch.distributed job that records the full evidence.
     Multi-node: start one `disttrace run` per node with the same --nnodes, --rdzv-endpoint and --run-id."""
     from .launch import prepare, prepare_shared
@@ -166,6 +168,11 @@ def run(manifest: Optional[Path] = ManifestArg, set_: Optional[List[str]] = SetO
         run_dir = prepare_shared(frozen, out, "reference", run_id)
     else:
         run_dir = prepare(frozen, out, "reference")
+    if prepare_only:
+        err.print(f"prepared; start the ranks yourself: torchrun --nproc-per-node N [--nnodes ...] "
+                  f"-m disttrace.worker --run-dir {run_dir}")
+        print(run_dir)
+        return
     _launch_and_report(run_dir, json_, nnodes, node_rank, rdzv_endpoint)
 
 

@@ -61,3 +61,18 @@ def test_a_second_launcher_on_the_same_run_dir_is_refused(tmp_path):
     finally:
         os.killpg(first.pid, 9)
         first.wait(timeout=30)
+
+
+def test_user_started_torchrun_workers_write_a_complete_run(tmp_path):
+    run_dir = last_line(cli("run", DEFAULT, *SETS, "--set", "parallelism.dp=2", "--set", "training.grad_accum_steps=2",
+                            "--prepare-only", "--out", tmp_path, check=0))
+    assert not (run_dir / "COMPLETE").exists()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "disttrace.worker", "--run-dir", str(run_dir)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    run = Run(run_dir)
+    assert run.complete and run.ranks() == [0, 1]
+    ours = last_line(cli("run", DEFAULT, *SETS, "--set", "parallelism.dp=2", "--set", "training.grad_accum_steps=2",
+                         "--out", tmp_path, check=0))
+    assert diff_runs(ours, run_dir)["equal"]  # torchrun by hand or our launcher: the same bits
