@@ -109,6 +109,8 @@ class Recorder:
             length += self.traj.write(rec)
         self.traj.flush()
         t = {**self._t, "end": time.time()}
+        if p.get("spans"):
+            t["spans"] = p["spans"]
         self.index.write({
             "step": bus.step,
             "offset": offset,

@@ -41,8 +41,10 @@ def build_trace(run: Run) -> dict:
             if "start" not in t or "end" not in t:
                 continue
             mid = t.get("collective_issue", t["end"])
-            for name, a, b in ((f"step {e['step']} forward+backward", t["start"], mid),
-                               (f"step {e['step']} reduce+optimizer", mid, t["end"])):
+            blocks = ([(f"step {e['step']} {name}", a, b) for name, a, b in t["spans"]] if t.get("spans") else
+                      [(f"step {e['step']} forward+backward", t["start"], mid),
+                       (f"step {e['step']} reduce+optimizer", mid, t["end"])])
+            for name, a, b in blocks:
                 start = max(us(a), last)
                 end = max(us(b), start)
                 events.append({"ph": "X", "name": name, "pid": rank, "tid": 0, "ts": start, "dur": end - start,

@@ -54,4 +54,4 @@ def train(ctx) -> None:
         strategy.step()
         if interval and (step % interval == 0 or step == steps):  # the last step too: the gate evaluates it
             ctx.save_checkpoint(step)
-        bus.emit("step_end")
+        bus.emit("step_end", spans=getattr(strategy, "spans", None))  # a strategy's own timing, if it keeps one

@@ -114,6 +114,14 @@ def test_pipeline_fault_on_the_last_stage_and_resume(runs):
     trace = orjson.loads(cli("trace", ref, "-o", ref / "trace.json", check=0) and (ref / "trace.json").read_bytes())
     p2p = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["name"] in ("send", "recv_")]
     assert len(p2p) >= 2 * 4 * 4  # per step: 4 micro-batches' activations forward and gradients back
+    spans = {pid: [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["pid"] == pid and e["tid"] == 0
+                   and e["name"].startswith("step 2 ")] for pid in (0, 1)}
+    for pid in (0, 1):  # every micro-batch's forward and backward on every stage
+        assert sorted(e["name"] for e in spans[pid]) == sorted(
+            [f"step 2 forward mb {i}" for i in range(4)] + [f"step 2 backward mb {i}" for i in range(4)])
+    first = {pid: min(spans[pid], key=lambda e: e["ts"]) for pid in (0, 1)}
+    # the pipeline fills: stage 1 idles (the bubble) until stage 0's first forward is done
+    assert first[1]["ts"] >= first[0]["ts"] + first[0]["dur"]
 
 
 CLIP = ["--set", "training.max_grad_norm=0.05"]  # small: clipping is active every step

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import time
 
 import torch
 
@@ -85,10 +86,29 @@ class PipelineParallel(Strategy):
         self.optimizer = build_optimizer(manifest, model.parameters())
         self._forwards = self._losses = 0
         model.register_forward_pre_hook(self._count_forward)
+        # per-micro-batch forward and backward spans of this stage: the timeline draws them, and the gaps
+        # between them are the pipeline bubble
+        self.spans: list[list] = []
+        self._open: dict = {}
+        model.register_forward_hook(lambda m, a, o: self._span_end("forward"))
+        model.register_full_backward_pre_hook(lambda m, g: self._span_start("backward"))
+        # the backward ends when every parameter of the stage has its gradient (a module backward hook fires
+        # early on the first stage, whose token inputs need no gradient)
+        torch.autograd.graph.register_multi_grad_hook(list(model.parameters()),
+                                                      lambda grads: self._span_end("backward"), mode="all")
+
+    def _span_start(self, kind: str) -> None:
+        self._open[kind] = time.time()
+
+    def _span_end(self, kind: str) -> None:
+        if kind in self._open:
+            n = sum(1 for s in self.spans if s[0].startswith(kind))
+            self.spans.append([f"{kind} mb {n}", self._open.pop(kind), time.time()])
 
     def _count_forward(self, _module, _args):
         self.bus.micro_batch = self._forwards  # the schedule runs forwards in micro-batch order
         self._forwards += 1
+        self._span_start("forward")
 
     def _loss(self, output, target):
         self.bus.micro_batch = self._losses
@@ -113,6 +133,7 @@ class PipelineParallel(Strategy):
         inputs = torch.cat([b["inputs"] for b in batches]).to(self.stage.device)
         targets = torch.cat([b["targets"] for b in batches]).to(self.stage.device)
         self._forwards = self._losses = 0
+        self.spans = []
         first, last = self.stage_index == 0, self.stage_index == self.pp - 1
         args = (inputs,) if first else ()
         self.schedule.step(*args, target=targets if last else None)
