@@ -216,3 +216,29 @@ def test_live_check_stops_the_job_at_the_first_inconsistent_step(runs, tmp_path)
     run = Run(last_line(proc))
     assert [e["step"] for e in run.events().records if e["event"] == "live_check_failed"] == [3]
     assert max(e["step"] for e in run.step_index(0).records) == 2  # stopped: step 3 never written as done
+
+
+def test_diff_bad_input_names_the_path(runs, tmp_path):
+    ref = runs.reference()
+    not_a_run = tmp_path / "empty"
+    not_a_run.mkdir()
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(ref, corrupt)
+    (corrupt / "manifest.lock.json").write_text("{not json")
+    for other, word in ((tmp_path / "missing", "missing"), (not_a_run, "empty"), (corrupt, "manifest.lock.json")):
+        proc = cli("diff", ref, other, "--json")
+        assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+        line = proc.stderr.strip()
+        assert len(line.splitlines()) == 1 and word in line, line
+
+
+def test_diff_reports_a_torn_last_line_instead_of_failing(runs, tmp_path):
+    torn = tmp_path / "torn"
+    shutil.copytree(runs.reference(), torn)
+    traj = torn / "trajectory" / "rank-00001.jsonl"
+    traj.write_bytes(traj.read_bytes() + b'{"step": 5, "micro_ba')
+    (torn / "COMPLETE").unlink()
+    proc = cli("diff", runs.reference(), torn, "--json")
+    doc = orjson.loads(proc.stdout)
+    assert proc.returncode == 0 and doc["equal"], doc["first_divergence"]
+    assert any("torn" in w for w in doc["warnings"]) and any("incomplete" in w for w in doc["warnings"])
