@@ -59,7 +59,9 @@ def worker(rank, world, port, frozen_doc, steps, out, q):
         bus.on(point, lambda b, p, h=handler: h(b, p) if recorder_on["v"] else None, order=90)
     from disttrace.livecheck import LiveCheck
 
-    live = LiveCheck(run_dir, recorder, strategy.replicas(), mesh, rank)
+    from disttrace.topology import groups_of
+
+    live = LiveCheck(run_dir, recorder, strategy.replicas(), {**groups_of(m), "world": [list(range(world))]}, rank)
     live_on = {"v": False}
     bus.on("step_end", lambda b, p: live._check(b, p) if live_on["v"] else None, order=89)
     variants = ["off", "recorder", "recorder+live check", "recorder+collectives"]
@@ -126,7 +128,7 @@ def main():
     args = ap.parse_args()
     r = measure(args.world, args.steps, args.set)
     base = r["times"]["off"]
-    print(f"world {args.world}, {args.steps} steps x 3 variants interleaved, median step time (rank 0):")
+    print(f"world {args.world}, {args.steps} steps x {len(r['times'])} variants interleaved, median step time (rank 0):")
     for v, t in r["times"].items():
         print(f"  {v:22s} {t * 1e3:8.2f} ms   ratio vs off {t / base:5.2f}")
     print(f"  run-store bytes per step (all ranks, trajectory + collectives): {r['bytes_per_step'] / 1024:.1f} KiB")

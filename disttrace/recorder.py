@@ -17,6 +17,12 @@ from .hooks import HookBus
 from .store import PHASE_ORDER, JsonlWriter, rank_file
 
 
+def _no_dispatch_modes():
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
 def shard_info(t) -> dict:
     """For a DTensor that is sharded, where this rank's piece sits in the logical tensor (diff combines the
     pieces' sums and norms into the logical tensor's, so a shard compares with its full tensor)."""
@@ -54,6 +60,12 @@ class Recorder:
 
     # ---------------------------------------------------------- records
     def add(self, bus: HookBus, phase: str, index: int, name: str, tensor, micro_batch: int | None = None, **extra):
+        # the digest's own tensor ops are not the job's: keep them out of the collective tracer's mode
+        # (which otherwise sees, and costs, every one of them)
+        with _no_dispatch_modes():
+            self._add(bus, phase, index, name, tensor, micro_batch, **extra)
+
+    def _add(self, bus, phase, index, name, tensor, micro_batch=None, **extra):
         extra.update(shard_info(tensor))
         rec = {
             "step": bus.step,

@@ -103,7 +103,8 @@ def run(run_dir: Path) -> None:
             if manifest["debug"].get("live_check"):
                 from .livecheck import LiveCheck
 
-                LiveCheck(run_dir, recorder, strategy.replicas(), mesh, rank).attach(bus)
+                LiveCheck(run_dir, recorder, strategy.replicas(), {**topo["groups"], "world": [list(range(world))]},
+                          rank, device).attach(bus)
             if rank == 0:
                 write_json_atomic(run_dir / "replicas.json", {"groups": {**topo["groups"], "world": [list(range(world))]},
                                                              "rules": strategy.replicas()})
