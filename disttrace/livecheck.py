@@ -45,7 +45,8 @@ class LiveCheck:
             dtype=torch.uint8, device=self.device)
         world = dist.get_world_size()
         everyone = torch.empty((world * mine.shape[0], mine.shape[1]), dtype=torch.uint8, device=self.device)
-        dist.all_gather_into_tensor(everyone, mine)  # ranks' rows one after another along dim 0
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in 2.13
+        gather(everyone, mine)  # ranks' rows one after another along dim 0
         table = everyone.view(world, *mine.shape).cpu()
         for k, rule in enumerate(self.rules):
             for members in self.groups[rule["dim"]]:
