@@ -61,11 +61,10 @@ def run(run_dir: Path) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from . import checkpoint, faults, topology
+    from . import faults, topology
     from .collectives import CollectiveTracer
     from .data import TokenData
     from .hooks import HookBus
-    from .memory import MemoryLedger
     from .model import build_model
     from .parallel import build_strategy
     from .recorder import Recorder
@@ -100,41 +99,16 @@ def run(run_dir: Path) -> None:
             model.to(device)
             emit_module_outputs(model, bus)
             strategy = build_strategy(manifest, model, mesh, bus)
-            if manifest["debug"].get("live_check"):
-                from .livecheck import LiveCheck
-
-                LiveCheck(run_dir, recorder, strategy.replicas(), {**topo["groups"], "world": [list(range(world))]},
-                          rank, device).attach(bus)
-            if rank == 0:
-                write_json_atomic(run_dir / "replicas.json", {"groups": {**topo["groups"], "world": [list(range(world))]},
-                                                             "rules": strategy.replicas()})
-            ledger = MemoryLedger(run_dir, rank, manifest, strategy).attach(bus)
+            groups = {**topo["groups"], "world": [list(range(world))]}
+            ledger = attach_observers(run_dir, rank, manifest, strategy, recorder, bus, groups, device)
             ctx = Context(run_dir=run_dir, manifest=manifest, manifest_id=lock["manifest_id"], rank=rank,
                           world=world, dp_rank=coords["dp"], device=device, strategy=strategy, data=data, bus=bus,
                           start_step=0, tracer=tracer)
-            if hasattr(strategy, "engine_facts") and rank == 0:
-                seen: dict = {}
-
-                def log_engine_facts(b, p):  # what the engine says of itself, logged when it changes
-                    facts = strategy.engine_facts()
-                    if facts != seen:
-                        seen.clear()
-                        seen.update(facts)
-                        event(run_dir, "engine_facts", step=b.step, **facts)
-
-                bus.on("step_end", log_engine_facts, order=95)
             fault = faults.build(info.get("fault"))
             if fault is not None:
                 fault.attach(bus, ctx)
-            resume = info.get("resume")
-            if resume:
-                progress = checkpoint.load(strategy, run_dir.parent / resume["checkpoint"]
-                                           if not Path(resume["checkpoint"]).is_absolute()
-                                           else Path(resume["checkpoint"]), rank, lock["manifest_id"])
-                ctx.start_step = int(progress["step"])
-                if rank == 0:
-                    event(run_dir, "resumed", step=ctx.start_step, checkpoint=resume["checkpoint"],
-                          with_optimizer=progress["with_optimizer"])
+            if info.get("resume"):
+                ctx.start_step = resume(ctx, info["resume"])
             train(ctx)
             if hasattr(strategy, "close"):
                 strategy.close()
@@ -148,6 +122,44 @@ def run(run_dir: Path) -> None:
         tracer.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def attach_observers(run_dir, rank, manifest, strategy, recorder, bus, groups, device):
+    """Everything that watches the job besides the recorder: the memory ledger, the replica map (and the
+    live check of it, if asked), and what the engine reports of itself. Returns the ledger (to close)."""
+    from .memory import MemoryLedger
+
+    if rank == 0:
+        write_json_atomic(run_dir / "replicas.json", {"groups": groups, "rules": strategy.replicas()})
+    if manifest["debug"].get("live_check"):
+        from .livecheck import LiveCheck
+
+        LiveCheck(run_dir, recorder, strategy.replicas(), groups, rank, device).attach(bus)
+    if hasattr(strategy, "engine_facts") and rank == 0:
+        seen: dict = {}
+
+        def log_engine_facts(b, p):  # logged when it changes (DDP rebuilds its buckets after step 1)
+            facts = strategy.engine_facts()
+            if facts != seen:
+                seen.clear()
+                seen.update(facts)
+                event(run_dir, "engine_facts", step=b.step, **facts)
+
+        bus.on("step_end", log_engine_facts, order=95)
+    return MemoryLedger(run_dir, rank, manifest, strategy).attach(bus)
+
+
+def resume(ctx, spec: dict) -> int:
+    """Load the checkpoint named in run.json (relative to the runs/<id12>/ directory) and return its step."""
+    from . import checkpoint
+
+    path = Path(spec["checkpoint"])
+    path = path if path.is_absolute() else ctx.run_dir.parent / path
+    progress = checkpoint.load(ctx.strategy, path, ctx.rank, ctx.manifest_id)
+    if ctx.rank == 0:
+        event(ctx.run_dir, "resumed", step=int(progress["step"]), checkpoint=spec["checkpoint"],
+              with_optimizer=progress["with_optimizer"])
+    return int(progress["step"])
 
 
 def environment(torch, backend: str, views: list) -> dict:
