@@ -107,10 +107,30 @@ def render_topology(run: Run, console: Console) -> dict | None:
         tab.add_row(str(r["rank"]), r["host"], str(r["node_rank"]), str(r["local_rank"]),
                     *[f"[{colours[c[d] % len(colours)]}]{c[d]}[/]" for d in topo["mesh_dims"]])
     console.print(tab)
+    console.print(mesh_picture(topo))
     for dim, groups in topo["groups"].items():
         if topo["mesh_shape"][dim] > 1:
             console.print(f"{dim} groups: {groups}")
     return topo
+
+
+def mesh_picture(topo: dict) -> str:
+    """The mesh as a picture: one dp x tp grid of global ranks per pipeline stage, each rank coloured by its
+    data-parallel coordinate (rows) - what crosses nodes is what spans rows or stages."""
+    colours = ["cyan", "magenta", "green", "yellow", "blue", "red"]
+    shape = topo["mesh_shape"]
+    by_coords = {(r["coords"]["pp"], r["coords"]["dp"], r["coords"]["tp"]): r for r in topo["ranks"]}
+    lines = []
+    for pp in range(shape["pp"]):
+        lines.append(f"[bold]stage pp={pp}[/bold]" + "".join(f"  tp={t:<3}" for t in range(shape["tp"])))
+        for dp in range(shape["dp"]):
+            cells = []
+            for tp in range(shape["tp"]):
+                r = by_coords.get((pp, dp, tp))
+                cell = f"r{r['rank']}@n{r['node_rank']}" if r else "?"
+                cells.append(f"[{colours[dp % len(colours)]}]{cell:<8}[/]")
+            lines.append(f"  dp={dp:<3}   " + " ".join(cells))
+    return "\n".join(lines)
 
 
 def show(run_dir: Path | str, view: str, console: Console) -> dict:

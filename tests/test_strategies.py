@@ -146,3 +146,14 @@ def test_clipping_is_recorded_and_clip_faults_are_found_by_check_alone(runs):
         assert proc.returncode == 1, (name, proc.stdout)
         first = orjson.loads(proc.stdout)["first"]
         assert (first["step"], first["phase"]) == (3, "clip") and rank in first["minority"], (name, first)
+
+
+@pytest.mark.parametrize("name", ["zero3", "tp2", "pp2-1f1b"])
+def test_bitflip_param_is_located_under_every_sharding(runs, name):
+    """The flipped shard is found at its rank, under the logical tensor's name (for pp: the stage that
+    owns the tensor, so the flip targets a parameter of the last stage)."""
+    sets = STRATEGIES[name]
+    tensor = "layers.1.feed_forward.w2.weight"  # lives on the last pipeline stage, sharded under zero3/tp
+    f = diff_runs(runs.reference(*sets), runs.fault("bitflip-param", 3, 1, *sets, "--param", f"tensor={tensor}"))
+    f = f["first_divergence"]
+    assert (f["step"], f["phase"], f["rank"], f["tensor"]) == (3, "optimizer", 1, tensor), f
