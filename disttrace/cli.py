@@ -15,6 +15,7 @@ from typing import List, Optional
 import orjson
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.text import Text
 
 from .errors import EXIT_BAD_INPUT, BadInput, DisttraceError, JobFailed
@@ -57,7 +58,9 @@ def handled(fn):
             return fn(*args, **kwargs)
         except JobFailed as e:
             err.print(Text("job failed: ", style="red") + Text(one_line(e)), soft_wrap=True)
-            if e.run_dir:
+            if kwargs.get("json_"):
+                emit_json({"run_dir": e.run_dir, "complete": False, "error": one_line(e)})
+            elif e.run_dir:
                 print(e.run_dir)
             raise typer.Exit(e.exit_code)
         except DisttraceError as e:  # text from files and users: never markup, never two lines
@@ -72,6 +75,12 @@ def handled(fn):
         except KeyboardInterrupt:
             err.print("interrupted")
             raise typer.Exit(130)
+        except (typer.Exit, typer.Abort, SystemExit):
+            raise
+        except Exception as e:  # a bug of ours: one line, and never an exit code that reads as a verdict
+            err.print(Text("internal error: ", style="red") + Text(f"{type(e).__name__}: {one_line(e)}"),
+                      soft_wrap=True)
+            raise typer.Exit(3)
 
     return wrapper
 
@@ -114,7 +123,7 @@ def freeze(manifest: Optional[Path] = ManifestArg, set_: Optional[List[str]] = S
         emit_json(doc)
     else:
         m = frozen.manifest
-        err.print(f"[bold]{m['experiment']['name']}[/bold] edition {m['experiment']['edition']}  "
+        err.print(f"[bold]{escape(m['experiment']['name'])}[/bold] edition {escape(m['experiment']['edition'])}  "
                   f"world {m['parallelism']['world_size']} (dp={m['parallelism']['dp']} tp={m['parallelism']['tp']} "
                   f"pp={m['parallelism']['pp']} zero={m['parallelism']['zero_stage']})")
         err.print(f"data sha256 {m['data']['sha256']}\ntokenizer sha256 {m['tokenizer']['sha256']}")
@@ -169,9 +178,9 @@ def run(manifest: Optional[Path] = ManifestArg, set_: Optional[List[str]] = SetO
     else:
         run_dir = prepare(frozen, out, "reference")
     if prepare_only:
-        err.print(f"prepared; start the ranks yourself: torchrun --nproc-per-node N [--nnodes ...] "
-                  f"-m disttrace.worker --run-dir {run_dir}")
-        print(run_dir)
+        err.print(Text(f"prepared; start the ranks yourself: torchrun --nproc-per-node N [--nnodes ...] "
+                       f"-m disttrace.worker --run-dir {run_dir}"))
+        emit_json({"run_dir": str(run_dir), "prepared": True}) if json_ else print(run_dir)
         return
     _launch_and_report(run_dir, json_, nnodes, node_rank, rdzv_endpoint)
 
@@ -202,6 +211,15 @@ def inject(manifest: Optional[Path] = ManifestArg,
     spec = faults.get(fault).spec(step, rank, parse_params(param), frozen.manifest)
     run_dir = prepare(frozen, out, "fault", fault=spec)
     _launch_and_report(run_dir, json_)
+    _warn_if_not_fired(run_dir)
+
+
+def _warn_if_not_fired(run_dir: Path) -> None:
+    from .store import Run
+
+    if not any(e.get("event") == "fault_fired" for e in Run(run_dir).events().records):
+        err.print(Text("warning: the fault never fired (its hook point was not reached on that rank and step); "
+                       "this run is a second reference, not a fault run", style="yellow"))
 
 
 @app.command()

@@ -61,10 +61,17 @@ class Fault:
         if missing:
             raise BadInput(where, f"'{cls.name}' needs the {', '.join(sorted(missing))} hook point, which the "
                            f"{strategy_name(manifest)} strategy does not offer")
-        if (manifest["parallelism"]["architecture"] == "parameter-server" and cls.point == "optimizer"
-                and rank != 0):
-            raise BadInput("--rank", f"under the parameter server only rank 0 steps the optimizer: "
+        par = manifest["parallelism"]
+        if par["architecture"] == "parameter-server" and cls.point in ("reduce", "optimizer", "before_clip") \
+                and rank != 0:
+            raise BadInput("--rank", f"under the parameter server only rank 0 reduces and steps the optimizer: "
                            f"'{cls.name}' must target --rank 0")
+        if par["pp"] > 1 and cls.point == "loss":
+            from .topology import coords_of, mesh_shape
+
+            if coords_of(rank, mesh_shape(manifest)[0])["pp"] != par["pp"] - 1:
+                raise BadInput("--rank", f"under pipeline parallel only the last stage computes the loss: "
+                               f"'{cls.name}' must target a rank of stage {par['pp'] - 1}")
         interval = manifest["checkpoint"]["interval"]
         if cls.needs_checkpoint_step and (not interval or step % interval):
             raise BadInput("--step", f"'{cls.name}' acts on a checkpoint, but no checkpoint is written at step "
@@ -205,6 +212,13 @@ class BitflipGrad(Fault):
     @classmethod
     def check(cls, step, params, manifest):
         _check_bit(params, manifest)
+        accum = manifest["training"]["grad_accum_steps"]
+        if not -accum <= params["micro_batch"] < accum:
+            raise BadInput("--param micro_batch", f"micro-batch {params['micro_batch']} does not exist: "
+                           f"training.grad_accum_steps = {accum} (-1 is the last)")
+        if manifest["parallelism"]["pp"] > 1 and params["micro_batch"] % accum != accum - 1:
+            raise BadInput("--param micro_batch", "under pipeline parallel the backward point is after the "
+                           "schedule (the accumulated gradient): only the last micro-batch (-1)")
 
     def install(self, bus):
         accum = self.ctx.manifest["training"]["grad_accum_steps"]
@@ -271,7 +285,7 @@ class SkipAllreduce(Fault):
 @register
 class GradScale(Fault):
     name, point, expect = "grad-scale", "reduce", "reduce"
-    description = "divides the reduced gradient by the world size a second time"
+    description = "divides the reduced gradient by the data-parallel size a second time"
     needs_dp2 = True
 
     def install(self, bus):

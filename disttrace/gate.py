@@ -89,8 +89,13 @@ def gate(run_dir: Path, reference: Path | None = None) -> dict:
     from .diff import diff_runs
 
     if ref is not None:
-        d = diff_runs(ref.path, run.path)
-        if d["equal"]:
+        try:
+            d = diff_runs(ref.path, run.path)
+        except BadInput as e:  # e.g. no step in common (a job that died in its first step): not equivalent
+            d = {"equal": False, "first_divergence": None, "error": str(e)}
+        if "error" in d:
+            reason = f"not comparable: {d['error']}"
+        elif d["equal"]:
             cs = d["compared_steps"]
             reason = f"{d['mode']} equal over steps {cs.get('first')}..{cs.get('last')}"
         else:
@@ -109,14 +114,19 @@ def gate(run_dir: Path, reference: Path | None = None) -> dict:
         checks.append(check("eval_metric", False, str(e)))
     if evaluation is not None:
         if ref is not None:
-            ref_eval = run_eval(ref)
+            try:
+                ref_eval = run_eval(ref)
+            except BadInput as e:
+                ref_eval = None
+                checks.append(check("eval_metric", False, f"the reference cannot be scored: {e}"))
+        if ref is not None and ref_eval is not None:
             tol = run.manifest["eval"]["loss_rtol"]
             a, b = evaluation["eval_loss"], ref_eval["eval_loss"]
             rel = abs(a - b) / max(abs(b), 1e-12)
             ok = rel <= tol and a == a  # NaN never passes
             checks.append(check("eval_metric", ok, f"eval loss {a:.5f} vs reference {b:.5f}: relative difference "
                                                    f"{rel:.2e} {'<=' if ok else '>'} {tol}"))
-        else:
+        elif ref is None:
             finite = evaluation["eval_loss"] == evaluation["eval_loss"] and evaluation["eval_loss"] < float("inf")
             checks.append(check("eval_metric", True if finite else False,
                                 f"eval loss {evaluation['eval_loss']:.5f} (no reference to compare with)"))

@@ -162,6 +162,8 @@ def _not_supported_yet(m: Manifest) -> tuple[str, str] | None:
         return "parallelism.zero_stage", "ZeRO with tensor parallel: dp x tp shards over dp with FSDP2 already; use zero_stage = 0"
     if p.architecture == "parameter-server" and (p.tp > 1 or p.pp > 1 or p.zero_stage > 0):
         return "parallelism.architecture", "the parameter server is data parallel only (tp = pp = 1, zero_stage = 0)"
+    if p.architecture == "parameter-server" and m.training.max_grad_norm:
+        return "training.max_grad_norm", "the parameter server does not clip yet; drop training.max_grad_norm"
     if p.architecture == "allreduce" and p.staleness:
         return "parallelism.staleness", "staleness applies to the parameter server only"
     return None

@@ -209,7 +209,7 @@ def die_with_parent() -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m disttrace.worker", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--run-dir", required=True, type=Path, help="a run directory prepared by `disttrace run --prepare`")
+    ap.add_argument("--run-dir", required=True, type=Path, help="a run directory prepared by `disttrace run --prepare-only`")
     args = ap.parse_args(argv)
     run_dir = args.run_dir.resolve()
     die_with_parent()

@@ -10,7 +10,7 @@ sharded along dim 0 over the data-parallel mesh.
 
 Each transformer block is its own FSDP unit (one all-gather / reduce-scatter per block), then the root.
 The local gradient before the reduce-scatter lives inside FSDP2, so this strategy emits no `backward`
-point: faults that need it are refused at freeze time.
+point: `inject` and `lab` refuse faults that need it (exit 2).
 """
 
 from __future__ import annotations

@@ -139,8 +139,9 @@ class PipelineParallel(Strategy):
         self.schedule.step(*args, target=targets if last else None)
         self.bus.micro_batch = self.accum - 1
         grads = [(i, n, p.grad) for i, n, p in self.named]
-        self.bus.emit("backward", grads=grads)  # this stage's accumulated gradients
-        self.bus.emit("reduce", grads=grads)  # no data-parallel reduce: the final gradient of this stage
+        if self.dp == 1 and self.tp == 1:  # with FSDP2 over dp the gradients are already reduce-scattered
+            self.bus.emit("backward", grads=grads)  # this stage's accumulated gradients
+        self.bus.emit("reduce", grads=grads)  # the final gradient of this stage
 
     # the optimizer state of a stage belongs to that stage alone: saved and loaded under its own key
     def _key(self) -> str:
