@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(BIN)/disttrace lab manifests/default.toml --fault bitflip-grad --step 3 --rank 1 --predict backward@3:1
 
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests
 
 bench: $(STAMP)
 	$(BIN)/python bench/overhead.py
