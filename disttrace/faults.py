@@ -497,48 +497,51 @@ def _needs_clipping(cls, manifest):
                        "training.max_grad_norm (small enough that clipping is active)")
 
 
+class _ClipFault(Fault):
+    """A fault on the clip phase: it changes the norm a rank clips with, or what it clips."""
+
+    point, expect = "before_clip", "clip"
+
+    @classmethod
+    def check(cls, step, params, manifest):
+        _needs_clipping(cls, manifest)
+
+    def install(self, bus):
+        def handler(bus, p):
+            if self.here(bus):
+                self.fire(bus, phase="clip", **self.act(p))
+
+        bus.on("before_clip", handler, order=10)
+
+    def act(self, payload: dict) -> dict:
+        raise NotImplementedError
+
+
 @register
-class ClipLocalNorm(Fault):
-    name, point, expect = "clip-local-norm", "before_clip", "clip"
+class ClipLocalNorm(_ClipFault):
+    name = "clip-local-norm"
     description = "the rank clips with the norm of its local gradient shard instead of the global norm"
     requires = frozenset({"sharded_grads"})
 
-    @classmethod
-    def check(cls, step, params, manifest):
-        _needs_clipping(cls, manifest)
-
-    def install(self, bus):
+    def act(self, p):
         import torch
 
-        def handler(bus, p):
-            if self.here(bus):
-                local = [g.to_local() if hasattr(g, "to_local") else g
-                         for _, _, t in p["named"] if (g := t.grad) is not None]
-                p["norm"] = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in local]))
-                self.fire(bus, phase="clip", local_norm=float(p["norm"]))
-
-        bus.on("before_clip", handler, order=10)
+        local = [g.to_local() if hasattr(g, "to_local") else g for _, _, t in p["named"] if (g := t.grad) is not None]
+        p["norm"] = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in local]))
+        return {"local_norm": float(p["norm"])}
 
 
 @register
-class ClipSkipReplicated(Fault):
-    name, point, expect = "clip-skip-replicated", "before_clip", "clip"
+class ClipSkipReplicated(_ClipFault):
+    name = "clip-skip-replicated"
     description = "under tensor parallel, the rank leaves its replicated (unsharded) parameters unclipped"
     requires = frozenset({"tp"})
 
-    @classmethod
-    def check(cls, step, params, manifest):
-        _needs_clipping(cls, manifest)
-
-    def install(self, bus):
-        def handler(bus, p):
-            if self.here(bus):
-                replicated = {i for i, _, t in p["named"]
-                              if not (hasattr(t, "placements") and any(pl.is_shard() for pl in t.placements))}
-                p["skip"] |= replicated
-                self.fire(bus, phase="clip", skipped=len(replicated))
-
-        bus.on("before_clip", handler, order=10)
+    def act(self, p):
+        replicated = {i for i, _, t in p["named"]
+                      if not (hasattr(t, "placements") and any(pl.is_shard() for pl in t.placements))}
+        p["skip"] |= replicated
+        return {"skipped": len(replicated)}
 
 
 @register
