@@ -230,14 +230,13 @@ def recover(fault_run: Path = typer.Argument(..., help="the run to recover (usua
             json_: bool = JsonOpt):
     """Run the recovered path: resume from the last checkpoint that verifies and precedes the fault, fault removed."""
     from .launch import prepare
-    from .recovery import choose_checkpoint
+    from .recovery import choose_checkpoint, resume_spec
 
     frozen, ckpt, why = choose_checkpoint(fault_run, from_step)
     err.print(f"resuming from {ckpt} ({why})")
     root = out if out is not None else fault_run.resolve().parent.parent
     run_dir = prepare(frozen, root, "recovered",
-                      resume={"checkpoint": os.path.relpath(ckpt.resolve(), (root / frozen.manifest_id[:12]).resolve()),
-                              "step": int(ckpt.name.split("-")[1]), "from_run": str(fault_run.resolve())})
+                      resume=resume_spec(frozen, root, ckpt, fault_run))
     _launch_and_report(run_dir, json_)
 
 

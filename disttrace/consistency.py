@@ -20,7 +20,8 @@ def load_rules(run: Run) -> dict | None:
     return read_json(p) if p.exists() else None
 
 
-def _rule_applies(rule: dict, rec: dict) -> bool:
+def rule_applies(rule: dict, rec: dict) -> bool:
+    """Does replica rule `rule` cover record `rec` (its phase, tensor patterns, exclusion)?"""
     pats = rule.get("tensors", "*")
     pats = [pats] if isinstance(pats, str) else pats
     return (rec["phase"] == rule["phase"] and any(fnmatch.fnmatchcase(rec["tensor"], x) for x in pats)
@@ -48,7 +49,7 @@ def check_run(run: Run) -> dict:
                 table: dict[tuple, dict[int, dict]] = {}
                 for r in present:
                     for rec in by_rank[r]:
-                        if _rule_applies(rule, rec):
+                        if rule_applies(rule, rec):
                             table.setdefault((rec["micro_batch"], rec["index"], rec["tensor"]), {})[r] = rec
                 for (mb, index, tensor), recs in sorted(table.items()):
                     digests = {r: rec["digest"] for r, rec in recs.items()}

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import BadInput
-from .manifest import DEFAULT_MANIFEST, Frozen, freeze_doc, read_toml, validate
+from .manifest import DEFAULT_MANIFEST, Frozen, freeze_doc, read_text_file, read_toml, validate
 
 TRAIN_BATCH = "train_batch_size"
 MICRO_BATCH = "train_micro_batch_size_per_gpu"
@@ -121,16 +121,7 @@ class _Duplicate(Exception):
 
 def read_ds_config(path: Path) -> dict:
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise BadInput(path, "DeepSpeed config file not found") from None
-    except IsADirectoryError:
-        raise BadInput(path, "is a directory, not a DeepSpeed config file") from None
-    except UnicodeDecodeError:
-        raise BadInput(path, "not UTF-8 text") from None
-    except OSError as e:
-        raise BadInput(path, f"cannot read ({e.strerror})") from None
+    text = read_text_file(path, "DeepSpeed config")
     try:
         cfg = json.loads(text, object_pairs_hook=_no_duplicates)
     except json.JSONDecodeError as e:

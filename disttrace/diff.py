@@ -738,7 +738,8 @@ def diff_runs(a: str | Path, b: str | Path, mode: str | None = None, rtol: float
 # ---------------------------------------------------------------- rendering
 
 
-def _fmt(x: Any, spec: str = ".6g") -> str:
+def fmt_number(x: Any, spec: str = ".6g") -> str:
+    """'-' for a missing value, floats by `spec`, the rest as str (shared with the HTML report)."""
     if x is None:
         return "-"
     if isinstance(x, float):
@@ -822,15 +823,15 @@ def render_rich(result: dict, console) -> None:
         if f["missing_in"]:
             t.add_row("record", *(("missing", "present") if f["missing_in"] == "a" else ("present", "missing")))
         t.add_row("digest", _abbrev(a.get("digest")), _abbrev(b.get("digest")))
-        t.add_row("sum", _fmt(a.get("sum"), ".10g"), _fmt(b.get("sum"), ".10g"))
-        t.add_row("norm", _fmt(a.get("norm"), ".10g"), _fmt(b.get("norm"), ".10g"))
+        t.add_row("sum", fmt_number(a.get("sum"), ".10g"), fmt_number(b.get("sum"), ".10g"))
+        t.add_row("norm", fmt_number(a.get("norm"), ".10g"), fmt_number(b.get("norm"), ".10g"))
         if a.get("nonfinite") or b.get("nonfinite"):
-            t.add_row("non-finite", _fmt(a.get("nonfinite")), _fmt(b.get("nonfinite")), style="red")
+            t.add_row("non-finite", fmt_number(a.get("nonfinite")), fmt_number(b.get("nonfinite")), style="red")
         t.add_row("dtype, shape", f"{a.get('dtype', '-')} {a.get('shape', '')}", f"{b.get('dtype', '-')} {b.get('shape', '')}")
         console.print(t)
         rel = f["rel_err"]
-        bnd = "0 (bitwise)" if result["mode"] == "bitwise" else _fmt(f["bound"], ".3e")
-        console.print(Text(f"rel err {_fmt(rel, '.3e')}  vs bound {bnd}"
+        bnd = "0 (bitwise)" if result["mode"] == "bitwise" else fmt_number(f["bound"], ".3e")
+        console.print(Text(f"rel err {fmt_number(rel, '.3e')}  vs bound {bnd}"
                            + (f"  ({f['note']})" if f.get("note") else ""), style="red"))
         n_div = len(result["propagation"]) - len(result["recovered_steps"])
         rec = result["recovered_steps"]
@@ -845,9 +846,9 @@ def render_rich(result: dict, console) -> None:
             t.add_column(c)
         for phase, e in result["numeric"]["by_phase"].items():
             w = e.get("max_ratio_at") or {}
-            t.add_row(phase, _fmt(e["max_rel_err"], ".2e"), _fmt(e["bound"], ".2e"),
+            t.add_row(phase, fmt_number(e["max_rel_err"], ".2e"), fmt_number(e["bound"], ".2e"),
                       f"step {e['step']} rank {e['rank']}",
-                      f"{_fmt(e.get('max_ratio'), '.2g')}" + (f" (step {w['step']})" if w else ""),
+                      f"{fmt_number(e.get('max_ratio'), '.2g')}" + (f" (step {w['step']})" if w else ""),
                       style="red" if (e.get("max_ratio") or 0) > 1 else None)
         console.print(t)
 
@@ -898,11 +899,11 @@ def render_md(result: dict) -> str:
         lines.append("| | A | B |")
         lines.append("| --- | --- | --- |")
         lines.append(f"| digest | `{_abbrev(a.get('digest'), 16)}` | `{_abbrev(b.get('digest'), 16)}` |")
-        lines.append(f"| sum | {_fmt(a.get('sum'), '.10g')} | {_fmt(b.get('sum'), '.10g')} |")
-        lines.append(f"| norm | {_fmt(a.get('norm'), '.10g')} | {_fmt(b.get('norm'), '.10g')} |")
-        lines.append(f"| non-finite | {_fmt(a.get('nonfinite'))} | {_fmt(b.get('nonfinite'))} |")
+        lines.append(f"| sum | {fmt_number(a.get('sum'), '.10g')} | {fmt_number(b.get('sum'), '.10g')} |")
+        lines.append(f"| norm | {fmt_number(a.get('norm'), '.10g')} | {fmt_number(b.get('norm'), '.10g')} |")
+        lines.append(f"| non-finite | {fmt_number(a.get('nonfinite'))} | {fmt_number(b.get('nonfinite'))} |")
         lines.append("")
-        lines.append(f"Relative error {_fmt(f['rel_err'], '.3e')} vs bound {_fmt(f['bound'], '.3e')}.")
+        lines.append(f"Relative error {fmt_number(f['rel_err'], '.3e')} vs bound {fmt_number(f['bound'], '.3e')}.")
         lines.append("")
         lines.append("| step | ranks with differences | tensors differing | max rel err |")
         lines.append("| --- | --- | --- | --- |")
@@ -913,7 +914,7 @@ def render_md(result: dict) -> str:
             rels = [v.get("max_rel_err") for v in e["ranks"].values() if v.get("max_rel_err")]
             bounds = [b for b in (e.get("bound_by_phase") or {}).values() if b is not None]
             lines.append(f"| {e['step']} | {', '.join(rk) or '-'} | {e['differing']} / {tot} | "
-                         f"{_fmt(max(rels), '.2e') if rels else '-'}"
+                         f"{fmt_number(max(rels), '.2e') if rels else '-'}"
                          + (f" (bound {max(bounds):.2e})" if bounds else "") + " |")
         if len(result["propagation"]) > len(shown):
             lines.append(f"| … | | {len(result['propagation']) - len(shown)} more steps | |")
@@ -925,8 +926,8 @@ def render_md(result: dict) -> str:
         lines.append("| phase | max rel err | bound there | worst err/bound |")
         lines.append("| --- | --- | --- | --- |")
         for phase, e in result["numeric"]["by_phase"].items():
-            lines.append(f"| {phase} | {_fmt(e['max_rel_err'], '.2e')} | {_fmt(e['bound'], '.2e')} | "
-                         f"{_fmt(e.get('max_ratio'), '.2g')} |")
+            lines.append(f"| {phase} | {fmt_number(e['max_rel_err'], '.2e')} | {fmt_number(e['bound'], '.2e')} | "
+                         f"{fmt_number(e.get('max_ratio'), '.2g')} |")
     if result["warnings"]:
         lines.append("")
         for w in result["warnings"]:

@@ -263,13 +263,18 @@ class SkipAllreduce(Fault):
     needs_dp2 = True
     requires = frozenset({"collective_hook"})
 
+    def keeps(self, index: int, name: str) -> bool:
+        """Which tensors keep their local gradient: all of them."""
+        return True
+
     def install(self, bus):
         self.local: dict = {}
 
         def keep_local(bus, p):
             if self.here(bus) and p.get("before_collective"):
                 for index, name, g, *_ in p["grads"]:
-                    self.local[index] = g.detach().clone()
+                    if self.keeps(index, name):
+                        self.local[index] = g.detach().clone()
 
         def restore(bus, p):
             if self.here(bus):
@@ -586,29 +591,11 @@ class LateMicrobatch(Fault):
 
 
 @register
-class UnsyncedParam(Fault):
+class UnsyncedParam(SkipAllreduce):
     name, point, expect = "unsynced-param", "reduce", "reduce"
     description = ("one parameter's gradient is never reduced on the rank (as when its copy is replaced after "
                    "wrapping): it keeps the local gradient, every other tensor is reduced")
     defaults = {"tensor": "layers.0.attention_norm.weight"}
-    needs_dp2 = True
-    requires = frozenset({"collective_hook"})
 
-    def install(self, bus):
-        self.local = None
-
-        def keep_local(bus, p):
-            if self.here(bus) and p.get("before_collective"):
-                entry = pick(p["grads"], self.params["tensor"])
-                if entry is not None:
-                    self.local = (entry[0], entry[2].detach().clone())
-
-        def restore(bus, p):
-            if self.here(bus) and self.local is not None:
-                for i, _, g, *_ in p["grads"]:
-                    if i == self.local[0]:
-                        g.copy_(self.local[1])
-                self.fire(bus, phase="reduce", tensor=self.params["tensor"])
-
-        bus.on("backward", keep_local, order=95)
-        bus.on("reduce", restore, order=10)
+    def keeps(self, index: int, name: str) -> bool:
+        return self.params["tensor"] in (name, str(index))  # a name, or an index as text (as `pick`)

@@ -14,7 +14,7 @@ POINTS = (
     "data",              # payload: batch (inputs, targets, sample_ids), fetch(dp_rank) for another shard
     "forward",           # payload: name, index, tensor (a module output)
     "loss",              # payload: loss (micro-batch mean), scale (1/accum)
-    "backward",          # payload: grads [(index, name, tensor)] local, accumulated, before any reduce
+    "backward",          # payload: grads [(index, name, tensor)] local, accumulated, before any reduce (change in place)
     "reduce",            # payload: grads [(index, name, tensor)] after the data-parallel reduce
     "before_clip",       # payload: norm (the global gradient norm to clip with), skip (indices not clipped)
     "clip",              # payload: grads after clipping (if clipping), scalars [(index, name, tensor)]

@@ -16,7 +16,7 @@ from .errors import BadInput, JobFailed
 from .gate import gate
 from .launch import launch, prepare
 from .manifest import freeze
-from .recovery import choose_checkpoint
+from .recovery import choose_checkpoint, resume_spec
 from .store import PHASES, Run
 
 PREDICT = re.compile(r"^(?P<phase>[a-z]+)(@(?P<step>\d+)(:(?P<rank>\d+))?)?$")
@@ -116,9 +116,7 @@ def run_lab(manifest: Path | None, fault: str, step: int, rank: int, params: dic
     try:
         _, ckpt, why = choose_checkpoint(fault_dir, None)
         resume_step = int(ckpt.name.split("-")[1])
-        rec_dir = prepare(frozen, out, "recovered", resume={
-            "checkpoint": str(ckpt.resolve().relative_to((out / frozen.manifest_id[:12]).resolve())),
-            "step": resume_step, "from_run": str(fault_dir)})
+        rec_dir = prepare(frozen, out, "recovered", resume=resume_spec(frozen, out, ckpt, fault_dir))
         progress(f"recovered: fault removed, resuming from {ckpt.name} ({why}): {rec_dir}")
         rec_res = _run(rec_dir, progress)
     except BadInput as e:

@@ -7,24 +7,16 @@ store and names the tensor."""
 
 from __future__ import annotations
 
-import fnmatch
-
 import torch
 import torch.distributed as dist
 
+from .consistency import rule_applies
 from .digest import digest_of_digests
 from .store import event
 
 
 class InconsistentReplicas(RuntimeError):
     pass
-
-
-def matches(rule: dict, rec: dict) -> bool:
-    pats = rule.get("tensors", "*")
-    pats = [pats] if isinstance(pats, str) else pats
-    return (rec["phase"] == rule["phase"] and any(fnmatch.fnmatchcase(rec["tensor"], p) for p in pats)
-            and not ("exclude" in rule and fnmatch.fnmatchcase(rec["tensor"], rule["exclude"])))
 
 
 class LiveCheck:
@@ -41,7 +33,7 @@ class LiveCheck:
 
     def _check(self, bus, _payload):
         mine = torch.tensor([list(bytes.fromhex(digest_of_digests(
-            [r["digest"] for r in self.recorder._buf if matches(rule, r)]))) for rule in self.rules],
+            [r["digest"] for r in self.recorder._buf if rule_applies(rule, r)]))) for rule in self.rules],
             dtype=torch.uint8, device=self.device)
         world = dist.get_world_size()
         everyone = torch.empty((world * mine.shape[0], mine.shape[1]), dtype=torch.uint8, device=self.device)

@@ -200,15 +200,25 @@ def apply_overrides(doc: dict, overrides: list[str]) -> dict:
     return doc
 
 
-def read_toml(path: Path) -> dict:
+def read_text_file(path: Path, what: str) -> str:
+    """A UTF-8 text file the user named (`what`: "manifest", "DeepSpeed config"), or BadInput saying why not."""
+    path = Path(path)
     try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
+        return path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise BadInput(path, "manifest file not found") from None
+        raise BadInput(path, f"{what} file not found") from None
     except IsADirectoryError:
-        raise BadInput(path, "is a directory, not a manifest file") from None
+        raise BadInput(path, f"is a directory, not a {what} file") from None
     except UnicodeDecodeError:
         raise BadInput(path, "not UTF-8 text") from None
+    except OSError as e:
+        raise BadInput(path, f"cannot read ({e.strerror})") from None
+
+
+def read_toml(path: Path) -> dict:
+    text = read_text_file(path, "manifest")
+    try:
+        return tomllib.loads(text)
     except (ValueError, RecursionError) as e:  # TOMLDecodeError; an int past Python's digit limit; deep nesting
         raise BadInput(path, f"invalid TOML ({e})") from None
 

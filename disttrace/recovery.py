@@ -38,3 +38,12 @@ def choose_checkpoint(run_path: Path, from_step: int | None) -> tuple[Frozen, Pa
         rejected.append(reason)
     raise BadInput(run.path / "checkpoints", f"no checkpoint at or before step {limit} verifies"
                    + (f" ({'; '.join(rejected)})" if rejected else " (none written; set checkpoint.interval)"))
+
+
+def resume_spec(frozen: Frozen, root: Path, ckpt: Path, from_run: Path) -> dict:
+    """run.json's `resume`: the checkpoint relative to <root>/<id12>/, so the run store stays movable."""
+    import os
+
+    base = (Path(root) / frozen.manifest_id[:12]).resolve()
+    return {"checkpoint": os.path.relpath(ckpt.resolve(), base), "step": int(ckpt.name.split("-")[1]),
+            "from_run": str(Path(from_run).resolve())}

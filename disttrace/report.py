@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from .diff import fmt_number
 from .errors import BadInput
 from .store import Run, iter_jsonl
 
@@ -78,14 +79,6 @@ def _bytes(n: Any) -> str:
             return f"{int(v)} B" if unit == "B" else f"{v:.2f} {unit}"
         v /= 1024
     return str(n)
-
-
-def _num(x: Any, spec: str = ".6g") -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, float):
-        return format(x, spec)
-    return str(x)
 
 
 def _abbrev(s: Any, n: int = 12) -> str:
@@ -601,7 +594,7 @@ def _one_diff(d: dict) -> str:
     tol = d.get("tolerance") or {}
     tol_txt = ("bit for bit" if tol.get("kind") == "bitwise" else
                f"rtol {tol.get('rtol')} atol {tol.get('atol')}" if tol.get("kind") == "user" else
-               f"derived bound {_num(tol.get('per_step'), '.2e')} per step")
+               f"derived bound {fmt_number(tol.get('per_step'), '.2e')} per step")
     out = [f'<p class="muted">mode <b>{e(d.get("mode"))}</b> ({e(tol_txt)}) · compared steps '
            f'{e(cs.get("first"))}..{e(cs.get("last"))} ({e(cs.get("count"))}): {e(cs.get("why"))}</p>']
     f = d.get("first_divergence")
@@ -615,14 +608,14 @@ def _one_diff(d: dict) -> str:
             rows.append(["record", *(("missing", "present") if f["missing_in"] == "a" else ("present", "missing"))])
         rows += [["digest", f"<code>{e(_abbrev(a.get('digest'), 16))}</code>",
                   f"<code>{e(_abbrev(b.get('digest'), 16))}</code>"],
-                 ["sum", _td_num(e(_num(a.get("sum"), ".10g"))), _td_num(e(_num(b.get("sum"), ".10g")))],
-                 ["norm", _td_num(e(_num(a.get("norm"), ".10g"))), _td_num(e(_num(b.get("norm"), ".10g")))],
-                 ["non-finite", _td_num(e(_num(a.get("nonfinite")))), _td_num(e(_num(b.get("nonfinite"))))],
+                 ["sum", _td_num(e(fmt_number(a.get("sum"), ".10g"))), _td_num(e(fmt_number(b.get("sum"), ".10g")))],
+                 ["norm", _td_num(e(fmt_number(a.get("norm"), ".10g"))), _td_num(e(fmt_number(b.get("norm"), ".10g")))],
+                 ["non-finite", _td_num(e(fmt_number(a.get("nonfinite")))), _td_num(e(fmt_number(b.get("nonfinite"))))],
                  ["dtype, shape", e(f"{a.get('dtype', '-')} {a.get('shape', '')}"),
                   e(f"{b.get('dtype', '-')} {b.get('shape', '')}")]]
-        bound = "0 (bitwise)" if d.get("mode") == "bitwise" else _num(f.get("bound"), ".3e")
+        bound = "0 (bitwise)" if d.get("mode") == "bitwise" else fmt_number(f.get("bound"), ".3e")
         out.append('<div class="row"><div>' + _table(("", "A (reference)", "B"), rows) + "</div>"
-                   f'<div class="muted">relative error <b>{e(_num(f.get("rel_err"), ".3e"))}</b> vs bound '
+                   f'<div class="muted">relative error <b>{e(fmt_number(f.get("rel_err"), ".3e"))}</b> vs bound '
                    f'{e(bound)}' + (f"<br>note: {e(f.get('note'))}" if f.get("note") else "") + "</div></div>")
         prop = d.get("propagation") or []
         rec = d.get("recovered_steps") or []
@@ -642,7 +635,7 @@ def _one_diff(d: dict) -> str:
             phases = sorted({p for v in ranks.values() for p in (v.get("max_rel_err_by_phase") or {})})
             rows.append([_td_num(e(ent.get("step"))), e(", ".join(rk) or "-"),
                          _td_num(f"{e(ent.get('differing'))} / {tot}"),
-                         _td_num(e(_num(max(rels), ".2e") if rels else "-")), e(", ".join(phases) or "-")])
+                         _td_num(e(fmt_number(max(rels), ".2e") if rels else "-")), e(", ".join(phases) or "-")])
         more = f'<p class="muted small">… {len(prop) - 20} more steps</p>' if len(prop) > 20 else ""
         out.append('<details><summary>propagation per step</summary>'
                    + _table(("step", "ranks differing", "tensors differing", "max rel err", "phases"), rows)
@@ -662,7 +655,7 @@ def _cell(entry: dict | None) -> tuple[str, str, str]:
     hard = int(entry.get("hard") or 0)
     total = entry.get("total")
     by_phase = ", ".join(f"{p} {v:.1e}" for p, v in (entry.get("max_rel_err_by_phase") or {}).items())
-    desc = f"{differing}/{total} tensors differ; max rel err {_num(rel, '.2e')}" + (f" ({by_phase})" if by_phase
+    desc = f"{differing}/{total} tensors differ; max rel err {fmt_number(rel, '.2e')}" + (f" ({by_phase})" if by_phase
                                                                                      else "")
     if hard:
         desc += f"; {hard} missing, non-finite or bits-only"
@@ -913,8 +906,8 @@ def _gate(rs: list[_R]) -> str:
         ev = v.get("eval")
         if isinstance(ev, dict) and "eval_loss" in ev:
             out.append(f'<p class="muted">evaluation ({e(ev.get("process", "?"))}): eval loss '
-                       f'{e(_num(ev.get("eval_loss"), ".6f"))}, token accuracy '
-                       f'{e(_num(ev.get("token_accuracy"), ".4f"))}'
+                       f'{e(fmt_number(ev.get("eval_loss"), ".6f"))}, token accuracy '
+                       f'{e(fmt_number(ev.get("token_accuracy"), ".4f"))}'
                        f' on {e(ev.get("tokens"))} tokens of checkpoint {e(ev.get("checkpoint"))}</p>')
     if not out:
         return _nr("no gate verdict recorded (run `disttrace gate RUN --reference REF` to write one)")

@@ -22,9 +22,16 @@ def emit_module_outputs(model, bus) -> list:
     return handles
 
 
+def read_batch(ctx, step: int, mb: int) -> dict:
+    """This rank's micro-batch, through the `data` point (a fault may hand it another rank's shard)."""
+    ctx.bus.micro_batch = mb
+    return ctx.bus.emit("data", batch=ctx.data.batch(step, mb, ctx.dp_rank),
+                        fetch=lambda r: ctx.data.batch(step, mb, r))["batch"]
+
+
 def train(ctx) -> None:
     """ctx: a worker Context with manifest, strategy, data, bus, dp_rank, checkpointing."""
-    m, strategy, data, bus = ctx.manifest, ctx.strategy, ctx.data, ctx.bus
+    m, strategy, bus = ctx.manifest, ctx.strategy, ctx.bus
     steps = m["training"]["steps"]
     accum = m["training"]["grad_accum_steps"]
     interval = m["checkpoint"]["interval"]
@@ -35,22 +42,16 @@ def train(ctx) -> None:
         if hasattr(strategy, "train_step"):
             # a pipeline schedule owns the micro-batch loop (it interleaves stages' forwards and backwards):
             # hand it every micro-batch's data at once
-            batches = []
+            strategy.train_step([read_batch(ctx, step, mb) for mb in range(accum)])
+        else:
             for mb in range(accum):
-                bus.micro_batch = mb
-                batches.append(bus.emit("data", batch=data.batch(step, mb, ctx.dp_rank),
-                                        fetch=lambda r, step=step, mb=mb: data.batch(step, mb, r))["batch"])
-            strategy.train_step(batches)
-        for mb in range(accum if not hasattr(strategy, "train_step") else 0):
-            bus.micro_batch = mb
-            last = mb == accum - 1
-            batch = bus.emit("data", batch=data.batch(step, mb, ctx.dp_rank),
-                             fetch=lambda r, step=step, mb=mb: data.batch(step, mb, r))["batch"]
-            inputs, targets = batch["inputs"].to(ctx.device), batch["targets"].to(ctx.device)
-            with strategy.micro_batch(last):
-                loss = lm_loss(strategy.model(inputs), targets)
-                loss = bus.emit("loss", loss=loss, tokens=targets.numel())["loss"]
-                strategy.backward(loss / accum, last)
+                last = mb == accum - 1
+                batch = read_batch(ctx, step, mb)
+                inputs, targets = batch["inputs"].to(ctx.device), batch["targets"].to(ctx.device)
+                with strategy.micro_batch(last):
+                    loss = lm_loss(strategy.model(inputs), targets)
+                    loss = bus.emit("loss", loss=loss, tokens=targets.numel())["loss"]
+                    strategy.backward(loss / accum, last)
         strategy.step()
         if interval and (step % interval == 0 or step == steps):  # the last step too: the gate evaluates it
             ctx.save_checkpoint(step)

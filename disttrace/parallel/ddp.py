@@ -34,13 +34,7 @@ def apply_ddp(model, group, bus, names: dict[int, tuple[int, str]], bucket_cap_m
         buf = bucket.buffer()
         if buckets is not None:
             buckets[bucket.index()] = buf.numel() * buf.element_size()
-        # gradients() are views into buffer(); re-copy in case a handler replaced a view's storage
-        offset = 0
-        for _, _, g in grads:
-            n = g.numel()
-            if g.data_ptr() != buf[offset:offset + n].data_ptr():
-                buf[offset:offset + n].copy_(g.reshape(-1))
-            offset += n
+        # gradients() are views into buffer(): handlers change them in place (the hook-bus contract)
         buf.div_(world)
         fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
         return fut.then(lambda f: f.value()[0])
