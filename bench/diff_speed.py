@@ -89,8 +89,9 @@ def write_pair(root: Path, ranks: int, steps: int, n: int, plant: tuple[int, int
         (d / "manifest.lock.json").write_bytes(lock)
         (d / "COMPLETE").write_bytes(b"{}\n")
     (dirs[0] / "run.json").write_bytes(orjson.dumps({"path": "reference", "fault": None, "resume": None}))
-    (dirs[1] / "run.json").write_bytes(orjson.dumps({"path": "fault", "fault": {"kind": "bench"}, "resume": None}))
     p_step, p_rank, p_pos = plant
+    (dirs[1] / "run.json").write_bytes(orjson.dumps({"path": "fault", "resume": None,
+                                                     "fault": {"name": "bench", "step": p_step, "rank": p_rank}}))
     planted = None
     for rank in range(ranks):
         fa = open(dirs[0] / f"trajectory/rank-{rank:05d}.jsonl", "wb")
