@@ -133,7 +133,7 @@ def _dod(digests: list[str]) -> str:
 
 def child(a: str, b: str, mode: str, trace: bool) -> None:
     """Run one diff in this (fresh) process and print one JSON line."""
-    from disttrace.diff import diff_runs
+    from disttrace.analysis.diff import diff_runs
 
     kw = {"index": dict(propagate=False), "scan": dict(use_index=False, propagate=False), "full": {}}[mode]
     if trace:
@@ -181,10 +181,10 @@ def main() -> None:
         n_run = args.ranks * args.steps * args.records
         print(f"wrote 2 runs x {n_run:,} records ({size / 2**20:.0f} MiB each) in {time.perf_counter() - t0:.1f} s; "
               f"planted: step {planted[0]} rank {planted[1]} {planted[2]} index {planted[3]}")
-        base = subprocess.run([sys.executable, "-c", "import resource, disttrace.diff; "
+        base = subprocess.run([sys.executable, "-c", "import resource, disttrace.analysis.diff; "
                                "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)"],
                               capture_output=True, text=True, check=True, cwd=ROOT)
-        print(f"a fresh process importing disttrace.diff: {float(base.stdout):.0f} MiB RSS")
+        print(f"a fresh process importing disttrace.analysis.diff: {float(base.stdout):.0f} MiB RSS")
         covered = 2 * args.ranks * plant_step * args.records  # both runs, every rank, steps 1..divergent
         results = {}
         for mode in ("index", "scan", "full"):

@@ -30,13 +30,13 @@ def worker(rank, world, port, frozen_doc, steps, out, q):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from disttrace.collectives import CollectiveTracer
-    from disttrace.data import TokenData
-    from disttrace.hooks import HookBus
-    from disttrace.model import build_model, lm_loss
-    from disttrace.parallel import build_strategy
-    from disttrace.recorder import Recorder
-    from disttrace.train import emit_module_outputs
+    from disttrace.run.collectives import CollectiveTracer
+    from disttrace.data.windows import TokenData
+    from disttrace.run.hooks import HookBus
+    from disttrace.model.llama import build_model, lm_loss
+    from disttrace.run.parallel import build_strategy
+    from disttrace.run.recorder import Recorder
+    from disttrace.run.loop import emit_module_outputs
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -57,9 +57,9 @@ def worker(rank, world, port, frozen_doc, steps, out, q):
                            ("optimizer", recorder._optimizer), ("step_start", recorder._step_start),
                            ("step_end", recorder._step_end)):
         bus.on(point, lambda b, p, h=handler: h(b, p) if recorder_on["v"] else None, order=90)
-    from disttrace.livecheck import LiveCheck
+    from disttrace.run.livecheck import LiveCheck
 
-    from disttrace.topology import groups_of
+    from disttrace.run.topology import groups_of
 
     live = LiveCheck(run_dir, recorder, strategy.replicas(), {**groups_of(m), "world": [list(range(world))]}, rank)
     live_on = {"v": False}
@@ -100,8 +100,8 @@ def measure(world: int, steps: int, sets: list[str]) -> dict:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch.multiprocessing as mp
 
-    from disttrace.launch import free_port
-    from disttrace.manifest import freeze
+    from disttrace.run.launch import free_port
+    from disttrace.config.manifest import freeze
 
     frozen = freeze(ROOT / "manifests" / "default.toml",
                     [f"parallelism.dp={world}", f"training.steps={steps}", *sets])

@@ -1,3 +1,3 @@
-from .cli import main
+from disttrace.cli import main
 
 main()

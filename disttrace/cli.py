@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.text import Text
 
-from .errors import EXIT_BAD_INPUT, BadInput, DisttraceError, JobFailed
+from disttrace.errors import EXIT_BAD_INPUT, BadInput, DisttraceError, JobFailed
 
 app = typer.Typer(
     add_completion=False,
@@ -86,7 +86,7 @@ def handled(fn):
 
 
 def _freeze(manifest: Optional[Path], sets: Optional[List[str]]):
-    from .manifest import freeze
+    from disttrace.config.manifest import freeze
 
     return freeze(manifest, sets or [])
 
@@ -106,10 +106,10 @@ def freeze(manifest: Optional[Path] = ManifestArg, set_: Optional[List[str]] = S
     """Validate a manifest, check data and tokenizer hashes, and print its canonical lock and manifest id.
     With --from-deepspeed, read a DeepSpeed config: batch identity checked with DeepSpeed's own wording,
     every key it cannot map named."""
-    from .store import write_json_atomic
+    from disttrace.store.rundir import write_json_atomic
 
     if from_deepspeed is not None:
-        from .deepspeed import freeze_from_deepspeed
+        from disttrace.config.deepspeed import freeze_from_deepspeed
 
         frozen, warnings = freeze_from_deepspeed(from_deepspeed, manifest, world_size, set_ or [])
         for w in warnings:
@@ -134,19 +134,19 @@ def freeze(manifest: Optional[Path] = ManifestArg, set_: Optional[List[str]] = S
 
 
 def _launch_and_report(run_dir: Path, json_: bool, nnodes=1, node_rank=0, rdzv_endpoint=None):
-    from .launch import launch
+    from disttrace.run.launch import launch
 
     err.print(f"[dim]launching {run_dir} ...[/dim]")
     try:
         launch(run_dir, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
     except JobFailed:
         if json_:
-            from .show import summary
+            from disttrace.views.show import summary
 
             emit_json({"run_dir": str(run_dir), "complete": False, **summary(run_dir)})
             raise typer.Exit(3)
         raise
-    from .show import render_summary, summary
+    from disttrace.views.show import render_summary, summary
 
     if json_:
         emit_json({"run_dir": str(run_dir), **summary(run_dir)})
@@ -168,7 +168,7 @@ def run(manifest: Optional[Path] = ManifestArg, set_: Optional[List[str]] = SetO
                                           "nothing: then `torchrun ... -m disttrace.worker --run-dir DIR`")):
     """Run the reference path: a real multi-process torch.distributed job that records the full evidence.
     Multi-node: start one `disttrace run` per node with the same --nnodes, --rdzv-endpoint and --run-id."""
-    from .launch import prepare, prepare_shared
+    from disttrace.run.launch import prepare, prepare_shared
 
     frozen = _freeze(manifest, set_)
     if nnodes > 1:
@@ -204,8 +204,8 @@ def inject(manifest: Optional[Path] = ManifestArg,
            param: Optional[List[str]] = typer.Option(None, "--param", help="fault parameter key=value (repeatable)"),
            set_: Optional[List[str]] = SetOpt, out: Path = OutOpt, json_: bool = JsonOpt):
     """Run the fault path: the same experiment with exactly one fault injected at (step, rank)."""
-    from . import faults
-    from .launch import prepare
+    from disttrace.run import faults
+    from disttrace.run.launch import prepare
 
     frozen = _freeze(manifest, set_)
     spec = faults.get(fault).spec(step, rank, parse_params(param), frozen.manifest)
@@ -215,7 +215,7 @@ def inject(manifest: Optional[Path] = ManifestArg,
 
 
 def _warn_if_not_fired(run_dir: Path) -> None:
-    from .store import Run
+    from disttrace.store.rundir import Run
 
     if not any(e.get("event") == "fault_fired" for e in Run(run_dir).events().records):
         err.print(Text("warning: the fault never fired (its hook point was not reached on that rank and step); "
@@ -229,8 +229,8 @@ def recover(fault_run: Path = typer.Argument(..., help="the run to recover (usua
             out: Optional[Path] = typer.Option(None, "--out", help="runs root (default: the fault run's)"),
             json_: bool = JsonOpt):
     """Run the recovered path: resume from the last checkpoint that verifies and precedes the fault, fault removed."""
-    from .launch import prepare
-    from .recovery import choose_checkpoint, resume_spec
+    from disttrace.run.launch import prepare
+    from disttrace.run.recovery import choose_checkpoint, resume_spec
 
     frozen, ckpt, why = choose_checkpoint(fault_run, from_step)
     err.print(f"resuming from {ckpt} ({why})")
@@ -249,7 +249,7 @@ def show(run_dir: Path = typer.Argument(..., help="a run directory"),
          view: str = typer.Argument("summary", help="summary | checkpoints | topology | collectives | memory | events"),
          json_: bool = JsonOpt):
     """Show a run: manifest, topology, loss per step, record counts, completeness, or one evidence view."""
-    from . import show as views
+    from disttrace.views import show as views
 
     result = views.show(run_dir, view, err)
     if json_:
@@ -262,7 +262,7 @@ def faults_cmd(json_: bool = JsonOpt):
     """List the fault catalog: name, hook point, expected first divergence, parameters."""
     from rich.table import Table
 
-    from .faults import catalog
+    from disttrace.run.faults import catalog
 
     cat = catalog()
     if json_:
@@ -290,7 +290,7 @@ def diff(run_a: Path = typer.Argument(..., help="first run (usually the referenc
          json_: bool = JsonOpt, md: bool = typer.Option(False, "--md", help="print a Markdown table (PR comment)")):
     """Find the first divergence (step, micro-batch, phase, rank, tensor) between two runs and how it spread.
     Exit 0 equal, 1 divergent, 2 incompatible or unreadable runs."""
-    from .diff import diff_runs, render_md, render_rich
+    from disttrace.analysis.diff import diff_runs, render_md, render_rich
 
     if mode not in (None, "bitwise", "numeric"):
         raise BadInput("--mode", f"'{mode}' is not bitwise or numeric")
@@ -311,7 +311,7 @@ def gate(run_dir: Path = typer.Argument(..., help="the run to judge"),
          json_: bool = JsonOpt):
     """The independent evaluation gate: checkpoint integrity, collective sync, gradient equivalence, the eval
     metric scored by a fresh process on the held-out split, completeness. Exit 0 pass, 1 fail, 2 bad input."""
-    from . import gate as gate_mod
+    from disttrace.gate import verdict as gate_mod
 
     verdict = gate_mod.gate(run_dir, reference)
     if json_:
@@ -334,14 +334,14 @@ def lab(manifest: Optional[Path] = ManifestArg,
     """The whole method in one command: reference (reused if verified), one fault, recover, diff, gate.
     Exit 0 when the attribution is accepted, 1 when not."""
     if list_:
-        from .labs import list_labs, render_labs
+        from disttrace.lab.curriculum import list_labs, render_labs
 
         labs = list_labs()
         emit_json(labs) if json_ else render_labs(labs, err)
         return
     if fault is None or step is None or rank is None:
         raise BadInput("lab", "--fault, --step and --rank are required (or --list)")
-    from . import lab as lab_mod
+    from disttrace.lab import method as lab_mod
 
     result = lab_mod.run_lab(manifest, fault, step, rank, parse_params(param), set_ or [], out, predict,
                              progress=lambda msg: err.print(msg, soft_wrap=True))
@@ -369,7 +369,7 @@ def plan(manifest: Optional[Path] = typer.Argument(None, help="plan this manifes
          json_: bool = JsonOpt):
     """Predict without running: model-state memory per device for ZeRO 0-3, activation memory per layer,
     pipeline bubble, communication volume per device. Instant even for a 1T-parameter manifest."""
-    from . import plan as plan_mod
+    from disttrace.plan import costs as plan_mod
 
     if params is not None:
         result = plan_mod.plan_cli_args(params, dp, tp, pp, zero_stage, optimizer, precision, seq, micro_batch,
@@ -385,7 +385,7 @@ def plan(manifest: Optional[Path] = typer.Argument(None, help="plan this manifes
 
 def _plan_manifest(manifest, sets):
     """A plan needs the shapes, not the data: validate without hashing files."""
-    from .manifest import DEFAULT_MANIFEST, apply_overrides, read_toml, validate
+    from disttrace.config.manifest import DEFAULT_MANIFEST, apply_overrides, read_toml, validate
 
     path = Path(manifest) if manifest else DEFAULT_MANIFEST
     return validate(apply_overrides(read_toml(path), sets or []), path).model_dump(mode="json")
@@ -397,8 +397,8 @@ def trace(run_dir: Path = typer.Argument(..., help="a run directory"),
           output: Path = typer.Option(Path("trace.json"), "-o", "--output", help="where to write the trace")):
     """Write a Chrome trace-event timeline (Perfetto, chrome://tracing): one process per rank, compute and
     one track per process group, collectives with their sizes."""
-    from .store import Run, write_json_atomic
-    from .timeline import build_trace
+    from disttrace.store.rundir import Run, write_json_atomic
+    from disttrace.views.timeline import build_trace
 
     doc = build_trace(Run(run_dir))
     write_json_atomic(output, doc)
@@ -411,8 +411,8 @@ def trace(run_dir: Path = typer.Argument(..., help="a run directory"),
 def check(run_dir: Path = typer.Argument(..., help="a run directory"), json_: bool = JsonOpt):
     """Within one run, no reference needed: copies that must be identical across ranks (replicas) are, and
     shards that must differ do. Exit 0 consistent, 1 inconsistent, 2 bad input."""
-    from .consistency import check_run
-    from .store import Run
+    from disttrace.analysis.consistency import check_run
+    from disttrace.store.rundir import Run
 
     res = check_run(Run(run_dir))
     if json_:
@@ -438,7 +438,7 @@ def report(runs: List[Path] = typer.Argument(..., help="runs; the first is the r
            output: Path = typer.Option(Path("report.html"), "-o", "--output", help="the HTML file to write")):
     """One self-contained HTML page (no network needed): manifest, topology, loss curves of every path,
     divergence grid, memory ledger against theory, collectives, checkpoints, gate verdict."""
-    from .report import build_report
+    from disttrace.views.report import build_report
 
     print(build_report(runs, output))
 

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 from conftest import ROOT, cli
-from disttrace.diff import diff_runs
-from disttrace.store import Run
+from disttrace.analysis.diff import diff_runs
+from disttrace.store.rundir import Run
 
 EXAMPLE = ROOT / "examples" / "ddp_tutorial.py"
 

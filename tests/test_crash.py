@@ -14,8 +14,8 @@ import orjson
 from pathlib import Path
 
 from conftest import DEFAULT, ROOT, cli
-from disttrace.diff import diff_runs
-from disttrace.store import Run
+from disttrace.analysis.diff import diff_runs
+from disttrace.store.rundir import Run
 
 SETS = ["--set", "training.steps=10", "--set", "checkpoint.interval=2"]
 
@@ -117,7 +117,7 @@ def test_killing_the_gate_leaves_no_half_verdict(runs):
                             stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 60
     while time.time() < deadline and proc.poll() is None:
-        if subprocess.run(["pgrep", "-f", "disttrace.evaluate"], capture_output=True).stdout.strip():
+        if subprocess.run(["pgrep", "-f", "disttrace.gate.evaluate"], capture_output=True).stdout.strip():
             break  # the fresh evaluation process is running
         time.sleep(0.01)
     os.killpg(proc.pid, signal.SIGKILL)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from disttrace import corpus, tokenizer
+from disttrace.data import corpus, tokenizer
 from disttrace.errors import BadInput
 
 DATA = Path(__file__).resolve().parent.parent / "manifests" / "data"

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from disttrace.deepspeed import (BatchAssertion, freeze_from_deepspeed, identity_message, manifest_from_deepspeed,
+from disttrace.config.deepspeed import (BatchAssertion, freeze_from_deepspeed, identity_message, manifest_from_deepspeed,
                                  resolve_batch)
 from disttrace.errors import BadInput
-from disttrace.manifest import DEFAULT_MANIFEST, freeze, freeze_doc, read_toml
+from disttrace.config.manifest import DEFAULT_MANIFEST, freeze, freeze_doc, read_toml
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "manifests" / "deepspeed" / "ds_config.json"

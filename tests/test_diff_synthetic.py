@@ -15,10 +15,10 @@ import orjson
 import pytest
 import xxhash
 
-from disttrace import tolerance
-from disttrace.diff import diff_runs, render_md, render_rich
+from disttrace.analysis import tolerance
+from disttrace.analysis.diff import diff_runs, render_md, render_rich
 from disttrace.errors import BadInput
-from disttrace.store import PHASE_ORDER
+from disttrace.store.rundir import PHASE_ORDER
 
 # ---------------------------------------------------------------- building synthetic runs
 
@@ -581,5 +581,5 @@ def test_diff_imports_no_torch():
     import subprocess
     import sys
 
-    code = "import sys, disttrace.diff; sys.exit(1 if 'torch' in sys.modules else 0)"
+    code = "import sys, disttrace.analysis.diff; sys.exit(1 if 'torch' in sys.modules else 0)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

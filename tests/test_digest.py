@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from disttrace.digest import device_digest, digest_tensor
-from disttrace.faults import flip_bit
+from disttrace.run.digest import device_digest, digest_tensor
+from disttrace.run.faults import flip_bit
 
 
 def test_every_single_bit_flip_changes_both_digests():

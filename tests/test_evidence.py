@@ -6,7 +6,7 @@ from __future__ import annotations
 import orjson
 
 from conftest import cli
-from disttrace.store import Run, iter_jsonl
+from disttrace.store.rundir import Run, iter_jsonl
 
 
 def test_trace_sees_every_ddp_bucket_allreduce(runs):

@@ -11,8 +11,8 @@ import orjson
 import pytest
 
 from conftest import SHORT, DEFAULT, cli, last_line
-from disttrace.diff import diff_runs
-from disttrace.store import Run
+from disttrace.analysis.diff import diff_runs
+from disttrace.store.rundir import Run
 
 # (fault, step, rank, params, expected first divergence (phase, micro_batch or None))
 LOCATED = [

@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from conftest import DEFAULT, cli, last_line
-from disttrace.store import Run, iter_jsonl
+from disttrace.store.rundir import Run, iter_jsonl
 
 
 def all_records(run_dir):
@@ -67,7 +67,7 @@ def params_after(run_dir, step):
 def test_dp2_equals_dp1_with_accumulation(runs, dtype):
     """dp=2 x accum 2 and dp=1 x accum 4 read the same global batch: parameters agree within the bound
     derived from the dtype's unit roundoff, and float64's bound is ~2^29 times tighter."""
-    from disttrace.tolerance import bound
+    from disttrace.analysis.tolerance import bound
 
     d2 = runs.reference() if dtype == "float32" else runs.reference("--set", f"training.dtype={dtype}")
     d1 = runs.reference("--set", f"training.dtype={dtype}", "--set", "parallelism.dp=1",

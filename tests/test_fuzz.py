@@ -33,11 +33,11 @@ from hypothesis import strategies as st
 from rich.console import Console
 from typer.testing import CliRunner
 
-from disttrace import show as show_mod
+from disttrace.views import show as show_mod
 from disttrace.cli import app
-from disttrace.diff import diff_runs
+from disttrace.analysis.diff import diff_runs
 from disttrace.errors import BadInput
-from disttrace.manifest import DEFAULT_MANIFEST, freeze
+from disttrace.config.manifest import DEFAULT_MANIFEST, freeze
 
 SCALE = float(os.environ.get("DISTTRACE_FUZZ_SCALE", "1"))
 RANDOM = os.environ.get("DISTTRACE_FUZZ_SEED") == "random"
@@ -250,7 +250,7 @@ def mutated_toml(draw) -> str:
 @st.composite
 def random_manifest_doc(draw) -> str:
     """A manifest-shaped document whose values are drawn at random, written as TOML."""
-    from disttrace.manifest import read_toml
+    from disttrace.config.manifest import read_toml
 
     doc = read_toml(DEFAULT_MANIFEST)
     out = []
@@ -667,7 +667,7 @@ DS_EXAMPLE = DEFAULT_MANIFEST.parent / "deepspeed" / "ds_config.json"
 @fuzz(150)
 @given(data=st.data(), world=st.one_of(st.none(), st.integers(-1, 9)))
 def test_fuzz_deepspeed_config(manifest_dir, data, world):
-    from disttrace.deepspeed import freeze_from_deepspeed
+    from disttrace.config.deepspeed import freeze_from_deepspeed
 
     EXAMPLES["deepspeed_config"] += 1
     raw = data.draw(mutated_json(json.loads(DS_EXAMPLE.read_text())))

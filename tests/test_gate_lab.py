@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 
 from conftest import DEFAULT, SHORT, cli
-from disttrace.store import Run
+from disttrace.store.rundir import Run
 
 
 def gate(run_dir, *ref):

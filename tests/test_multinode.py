@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 from conftest import DEFAULT, ROOT, cli, last_line
-from disttrace.diff import diff_runs
-from disttrace.launch import free_port
-from disttrace.store import Run
+from disttrace.analysis.diff import diff_runs
+from disttrace.run.launch import free_port
+from disttrace.store.rundir import Run
 
 SETS = ["--set", "parallelism.dp=4", "--set", "training.grad_accum_steps=1", "--set", "training.steps=3",
         "--set", "checkpoint.interval=3"]

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import DEFAULT, SHORT, cli, last_line
 from disttrace.errors import BadInput
-from disttrace.report import build_report
+from disttrace.views.report import build_report
 
 CHROMIUM = Path("/usr/bin/chromium")
 # CI installs it with: apt-get update && apt-get install -y chromium

@@ -8,8 +8,8 @@ import orjson
 import pytest
 
 from conftest import cli
-from disttrace.diff import diff_runs
-from disttrace.store import Run, iter_jsonl
+from disttrace.analysis.diff import diff_runs
+from disttrace.store.rundir import Run, iter_jsonl
 
 STRATEGIES = {
     "zero1": ["--set", "parallelism.zero_stage=1"],

@@ -1,0 +1,935 @@
+"""diff: compare the trajectories of two runs and find the first divergence (DESIGN.md, "Order", "Equality").
+
+    result = diff_runs("runs/ab12/reference", "runs/ab12/fault")
+
+* Compatibility first: runs of different editions are refused (unless allowed), and so are runs of
+  different experiments (data, tokenizer, seed, model, optimisation, global batch), naming every field.
+* Mode: ``bitwise`` (digests must match; the default when both runs have the same topology) or
+  ``numeric`` (float statistics within a derived tolerance, see tolerance.py; the default across
+  topologies, and when the caller gives rtol/atol).
+* Order: records are ordered by (step, micro_batch, phase, rank, index); the first divergence is the
+  smallest key whose records differ or that exists on one side only.
+* Work: the per-rank step index holds a digest of each step's record digests, so equal steps are skipped
+  without reading a record; only a step whose digests differ is read, by seeking to its byte range.
+* Propagation: from the first divergent step on, per step and rank, how many tensors differ out of how
+  many, the largest relative error per phase, and the steps where everything is equal again.
+
+Everything here reads the run store only and imports no torch: a run written on a cluster is diffed on a
+laptop.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from disttrace.analysis import tolerance
+from disttrace.errors import BadInput
+from disttrace.config.manifest import EXPERIMENT_FIELDS, TOPOLOGY_FIELDS, get_field, global_batch
+from disttrace.store.rundir import LOCK, PHASE_ORDER, PHASES, Run
+
+MODES = ("bitwise", "numeric")
+# Across topologies only these phases hold the same logical tensors: the global (reduced) gradient, the
+# clipped gradient, and parameters + optimizer state after the step. Per-micro-batch activations and
+# local gradients depend on how the batch was split.
+CROSS_TOPOLOGY_PHASES = ("reduce", "clip", "optimizer")
+TINY = 1e-300
+MAX_WARNINGS_OF_A_KIND = 5
+GRID_STEPS = 60
+
+_UNKNOWN_PHASE = len(PHASES)
+
+
+def _phase_order(phase: str) -> int:
+    return PHASE_ORDER.get(phase, _UNKNOWN_PHASE)
+
+
+# ---------------------------------------------------------------- one side
+
+
+class _Side:
+    """One run's trajectory as diff sees it: per rank, an index step -> {offset, length, records, digest}.
+
+    With ``use_index`` the index is the recorder's ``rank-NNNNN.steps.jsonl``. Without it (or when a rank
+    has none), the index is rebuilt by scanning the trajectory's lines for their step number, and carries
+    no digests, so every step is read and compared record by record (the baseline the bench measures).
+    """
+
+    def __init__(self, label: str, path: str | Path, use_index: bool, warnings: list[str]):
+        self.label = label
+        self.run = Run(path)
+        self.path = self.run.path
+        self.warnings = warnings
+        info = self.run.info
+        self.info = info if isinstance(info, dict) else {}
+        self.kind = self.info.get("path")
+        resume = self.info.get("resume") or {}
+        self.resume_step = int(resume.get("step") or 0) if isinstance(resume, dict) else 0
+        self.resume_checkpoint = resume.get("checkpoint") if isinstance(resume, dict) else None
+        self.complete = self.run.complete
+        self.ranks = self.run.ranks()
+        self.use_index = use_index
+        self.index: dict[int, dict[int, dict]] = {}
+        self.steps: list[int] = []
+
+    def load(self) -> None:
+        """Read (or rebuild) the step index of every rank; called after the compatibility check."""
+        label, warnings = self.label, self.warnings
+        self.index = {r: self._load_index(r, self.use_index) for r in self.ranks}
+        if not self.ranks:
+            warnings.append(f"run {label} ({self.path}) has no trajectory files")
+        world = self.run.world_size
+        missing = [r for r in range(world) if r not in self.index]
+        if missing and self.ranks:
+            warnings.append(f"run {label}: no trajectory for rank(s) {missing} of world size {world}")
+        steps: set[int] | None = None
+        for r in self.ranks:
+            s = set(self.index[r])
+            steps = s if steps is None else steps & s
+        self.steps = sorted(steps or ())
+        if not self.complete:
+            last = self.steps[-1] if self.steps else None
+            warnings.append(f"run {label} is incomplete (no COMPLETE marker): "
+                            + (f"its records stop at step {last}" if last is not None else "it has no full step"))
+
+    @property
+    def manifest(self) -> dict:
+        return self.run.manifest
+
+    def _load_index(self, rank: int, use_index: bool) -> dict[int, dict]:
+        traj = self.run.rank_path("trajectory", rank)
+        if not traj.is_file():
+            raise BadInput(traj, "not a readable file")
+        size = traj.stat().st_size
+        if size:
+            with open(traj, "rb") as f:
+                f.seek(size - 1)
+                if f.read(1) != b"\n":
+                    self.warnings.append(f"run {self.label}: {traj}: last line is torn (incomplete write), ignored")
+        steps_path = self.run.rank_path("trajectory", rank, ".steps.jsonl")
+        if use_index and steps_path.exists():
+            read = self.run.step_index(rank)
+            if read.torn:
+                self.warnings.append(f"run {self.label}: {read.torn}")
+            out: dict[int, dict] = {}
+            for n, e in enumerate(read.records, 1):
+                for k in ("step", "offset", "length"):
+                    if not isinstance(e.get(k), int):
+                        raise BadInput(steps_path, f"line {n} lacks an integer '{k}'", field=k)
+                if e["offset"] + e["length"] > size:
+                    self.warnings.append(f"run {self.label}: rank {rank} step {e['step']}: the index points past "
+                                         f"the end of {traj.name} (records not all written); step ignored")
+                    continue
+                out[e["step"]] = e
+            return out
+        if use_index:
+            self.warnings.append(f"run {self.label}: rank {rank} has no step index; scanned {traj.name} instead")
+        return _scan_index(traj)
+
+    def entry(self, rank: int, step: int) -> dict | None:
+        return self.index.get(rank, {}).get(step)
+
+    def records(self, rank: int, step: int) -> list[dict]:
+        e = self.entry(rank, step)
+        if e is None:
+            return []
+        try:
+            return self.run.records_of_step(rank, e)
+        except orjson.JSONDecodeError:
+            raise BadInput(self.run.rank_path("trajectory", rank),
+                           f"step {step}: a record in bytes {e['offset']}..{e['offset'] + e['length']} is not valid "
+                           "JSON (the file does not match its step index)") from None
+
+    def describe(self) -> dict:
+        return {
+            "path": str(self.path),
+            "kind": self.kind,
+            "complete": self.complete,
+            "manifest_id": self.run.manifest_id,
+            "resume_step": self.resume_step or None,
+            "ranks": self.ranks,
+            "steps": [self.steps[0], self.steps[-1]] if self.steps else None,
+        }
+
+
+def _line_step(line: bytes) -> int:
+    if line.startswith(b'{"step":'):  # the recorder writes "step" first: no need to parse the whole line
+        end = line.find(b",", 8)
+        try:
+            return int(line[8:end])
+        except ValueError:
+            pass
+    return int(orjson.loads(line)["step"])
+
+
+def _scan_index(path: Path) -> dict[int, dict]:
+    """Rebuild a step index (without digests) from the trajectory lines; a torn last line is left out."""
+    out: dict[int, dict] = {}
+    cur: dict | None = None
+    offset = 0
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            n = len(line)
+            if not line.endswith(b"\n"):
+                break  # torn last line (reported by the caller)
+            if line.strip():
+                try:
+                    step = _line_step(line)
+                except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+                    raise BadInput(path, f"line {lineno} is not a trajectory record") from None
+                if cur is None or cur["step"] != step:
+                    if step in out:
+                        raise BadInput(path, f"line {lineno}: records of step {step} are not contiguous")
+                    cur = out[step] = {"step": step, "offset": offset, "length": 0, "records": 0, "digest": None}
+                cur["records"] += 1
+            if cur is not None:
+                cur["length"] = offset + n - cur["offset"]
+            offset += n
+    return out
+
+
+# ---------------------------------------------------------------- compatibility
+
+
+def _leaves(manifest: dict, dotted: str) -> dict[str, Any]:
+    v = get_field(manifest, dotted)
+    if isinstance(v, dict):
+        out: dict[str, Any] = {}
+        for k in v:
+            out.update(_leaves(manifest, f"{dotted}.{k}"))
+        return out
+    return {dotted: v}
+
+
+def _field_diffs(ma: dict, mb: dict, fields) -> list[tuple[str, Any, Any]]:
+    out = []
+    for f in fields:
+        la, lb = _leaves(ma, f), _leaves(mb, f)
+        for k in sorted(set(la) | set(lb)):
+            if la.get(k) != lb.get(k):
+                out.append((k, la.get(k), lb.get(k)))
+    return out
+
+
+def _short(v: Any) -> str:
+    s = repr(v)
+    return s[:14] + "...'" if isinstance(v, str) and len(v) > 16 else s
+
+
+def _check_compatible(a: _Side, b: _Side, allow_edition_mismatch: bool, warnings: list[str]) -> None:
+    ma, mb = a.manifest, b.manifest
+    where = b.path / LOCK
+    ea, eb = get_field(ma, "experiment.edition"), get_field(mb, "experiment.edition")
+    if ea != eb:
+        if not allow_edition_mismatch:
+            raise BadInput(where, f"edition {eb!r} differs from {ea!r} of {a.path}; runs of different editions are "
+                                  "never compared silently (allow it explicitly to compare anyway)",
+                           field="experiment.edition")
+        warnings.append(f"editions differ ({ea!r} vs {eb!r}): compared because it was explicitly allowed")
+    diffs = _field_diffs(ma, mb, [f for f in EXPERIMENT_FIELDS if f != "experiment.edition"])
+    ga, gb = global_batch(ma), global_batch(mb)
+    if ga != gb:
+        diffs.append(("global_batch", ga, gb))
+    if diffs:
+        names = ", ".join(k for k, _, _ in diffs)
+        detail = "; ".join(f"{k} {_short(x)} vs {_short(y)}" for k, x, y in diffs)
+        raise BadInput(where, f"not the same experiment as {a.path}: {detail}", field=names)
+
+
+# ---------------------------------------------------------------- comparing values
+
+
+def _stats(rec: dict) -> dict:
+    return {k: rec.get(k) for k in ("digest", "sum", "norm", "nonfinite", "dtype", "shape", "numel")}
+
+
+def _same_bits(ra: dict, rb: dict) -> bool:
+    return (ra.get("digest") is not None and ra.get("digest") == rb.get("digest")
+            and ra.get("shape") == rb.get("shape") and ra.get("dtype") == rb.get("dtype"))
+
+
+def _nonfinite(r: dict) -> bool:
+    return bool(r.get("nonfinite")) or r.get("sum") is None or r.get("norm") is None
+
+
+class _Tol:
+    """rel_err of two records' statistics and the bound it is held to."""
+
+    def __init__(self, mode: str, ma: dict, mb: dict, rtol: float | None, atol: float | None, since: int):
+        self.mode, self.ma, self.mb, self.since = mode, ma, mb, since
+        self.user = mode == "numeric" and (rtol is not None or atol is not None)
+        self.rtol, self.atol = (rtol or 0.0), (atol or 0.0)
+        self._cache: dict[tuple[int, str], float] = {}
+
+    def derived(self, step: int, phase: str) -> float:
+        if self.mode == "bitwise":
+            return 0.0
+        k = (step, phase)
+        if k not in self._cache:
+            self._cache[k] = tolerance.bound(self.ma, self.mb, step, phase, since=self.since)
+        return self._cache[k]
+
+    def compare_bound(self, step: int, phase: str) -> float | None:
+        """The relative bound at (step, phase); None where a user's atol makes it depend on the scale."""
+        if self.user:
+            return self.rtol if not self.atol else None
+        return self.derived(step, phase)
+
+    def compare(self, step: int, phase: str, ra: dict, rb: dict) -> tuple[float | None, float, bool, str | None]:
+        """-> (rel_err, bound, diverged, note) for two records (or logical values) that are not bit-equal."""
+        numel = max(int(ra.get("numel") or 0), int(rb.get("numel") or 0), 1)
+        note = None
+        if ra.get("shape") != rb.get("shape") or ra.get("dtype") != rb.get("dtype"):
+            note = "shape or dtype differs"
+        fa, fb = _nonfinite(ra), _nonfinite(rb)
+        b0 = self.derived(step, phase) * tolerance.tensor_factor(ra.get("tensor") or rb.get("tensor"))
+        if fa or fb:
+            same = fa and fb and ra.get("nonfinite") == rb.get("nonfinite")
+            diverged = self.mode == "bitwise" or not same or note is not None
+            return None, b0, diverged, note or "non-finite values"
+        na, nb, sa, sb = float(ra["norm"]), float(rb["norm"]), float(ra["sum"]), float(rb["sum"])
+        scale_n = max(na, nb, TINY)
+        scale_s = max(max(na, nb) * math.sqrt(numel), TINY)
+        terms = (abs(na - nb) / scale_n, abs(sa - sb) / scale_s)
+        if self.user:
+            bounds = ((self.atol + self.rtol * scale_n) / scale_n, (self.atol + self.rtol * scale_s) / scale_s)
+        else:
+            bounds = (b0, b0)
+        # report the term that is largest relative to its bound (simply the larger term when the bounds agree)
+        if bounds[0] == bounds[1]:
+            i = 0 if terms[0] >= terms[1] else 1
+        else:
+            ratios = [t / bd if bd > 0 else (math.inf if t else 0.0) for t, bd in zip(terms, bounds)]
+            i = 0 if ratios[0] >= ratios[1] else 1
+        rel, bnd = terms[i], bounds[i]
+        if not math.isfinite(rel):
+            rel = None
+        diverged = self.mode == "bitwise" or note is not None or rel is None or any(
+            t > bd for t, bd in zip(terms, bounds))
+        return rel, bnd, diverged, note
+
+
+class _RankStep:
+    """What one rank showed at one step."""
+
+    __slots__ = ("differing", "total", "inexact", "hard", "max_rel", "max_rel_bound", "max_ratio", "ratio_by_phase",
+                 "first")
+
+    def __init__(self, total: int = 0):
+        self.differing = 0
+        self.total = total
+        self.inexact = 0  # not bit-equal (within or beyond the bound)
+        self.hard = 0  # divergent without a relative error: missing, non-finite, shape
+        self.max_rel: dict[str, float] = {}
+        self.max_ratio = 0.0
+        self.max_rel_bound: dict[str, float] = {}
+        self.ratio_by_phase: dict[str, tuple[float, float, float]] = {}  # phase -> (ratio, rel_err, bound)
+        self.first: tuple | None = None  # (key, unit dict)
+
+    def add(self, key: tuple, unit: dict) -> None:
+        self.inexact += 1
+        rel, bnd, phase = unit["rel_err"], unit["bound"], unit["phase"]
+        if rel is not None:
+            if rel > self.max_rel.get(phase, -1.0):
+                self.max_rel[phase] = rel
+                self.max_rel_bound[phase] = bnd  # the bound that tensor was held to (per-tensor factors apply)
+            if bnd > 0:
+                ratio = rel / bnd
+                self.max_ratio = max(self.max_ratio, ratio)
+                if ratio > self.ratio_by_phase.get(phase, (-1.0,))[0]:
+                    self.ratio_by_phase[phase] = (ratio, rel, bnd)
+        if unit["diverged"]:
+            self.differing += 1
+            if rel is None or unit["missing_in"] or unit["note"]:
+                self.hard += 1
+            if self.first is None or key < self.first[0]:
+                self.first = (key, unit)
+
+    def as_dict(self) -> dict:
+        d = {"differing": self.differing, "total": self.total,
+             "max_rel_err_by_phase": dict(sorted(self.max_rel.items(), key=lambda kv: _phase_order(kv[0])))}
+        if self.inexact:
+            d["inexact"] = self.inexact
+            d["max_rel_err"] = max(self.max_rel.values()) if self.max_rel else None
+            d["max_ratio"] = self.max_ratio if self.max_ratio else None
+            d["hard"] = self.hard
+        return d
+
+
+def _unit(step, rec_a, rec_b, rank, tol: _Tol, logical: bool = False) -> dict:
+    ref = rec_b if rec_b is not None else rec_a
+    phase = ref["phase"]
+    if rec_a is None or rec_b is None:
+        rel, bnd, diverged, note = None, tol.derived(step, phase), True, None
+    else:
+        rel, bnd, diverged, note = tol.compare(step, phase, rec_a, rec_b)
+    return {
+        "step": step,
+        "micro_batch": ref.get("micro_batch", 0),
+        "phase": phase,
+        "rank": rank,
+        "tensor": (ref.get("logical") or ref.get("tensor")) if logical else ref.get("tensor"),
+        "index": ref.get("index", 0),
+        "a": _stats(rec_a) if rec_a is not None else None,
+        "b": _stats(rec_b) if rec_b is not None else None,
+        "rel_err": rel,
+        "bound": bnd,
+        "diverged": diverged,
+        "missing_in": "a" if rec_a is None else ("b" if rec_b is None else None),
+        "note": note,
+    }
+
+
+def _keyed(recs: list[dict]) -> dict[tuple, dict]:
+    """Records of one rank and step by (micro_batch, phase order, phase, index, duplicate number)."""
+    out: dict[tuple, dict] = {}
+    for r in recs:
+        phase = r.get("phase", "")
+        k = (r.get("micro_batch", 0), _phase_order(phase), phase, r.get("index", 0))
+        d = 0
+        while (*k, d) in out:
+            d += 1
+        out[(*k, d)] = r
+    return out
+
+
+def _compare_rank_step(step: int, rank: int, recs_a: list[dict], recs_b: list[dict], tol: _Tol) -> _RankStep:
+    ka, kb = _keyed(recs_a), _keyed(recs_b)
+    keys = ka.keys() | kb.keys()
+    rs = _RankStep(len(keys))
+    for k in keys:
+        ra, rb = ka.get(k), kb.get(k)
+        if ra is not None and rb is not None and _same_bits(ra, rb):
+            continue
+        mb, po, phase, index, dup = k
+        rs.add((mb, po, phase, rank, index, dup), _unit(step, ra, rb, rank, tol))
+    return rs
+
+
+# ---------------------------------------------------------------- logical tensors (across topologies)
+
+
+class _Logical:
+    """One logical tensor of one step and phase on one side: its shards (distinct offsets, lowest rank
+    wins) or, for a replicated tensor, each rank's copy."""
+
+    __slots__ = ("recs",)
+
+    def __init__(self):
+        self.recs: list[dict] = []  # in rank order
+
+    def value(self) -> tuple[dict, int, bool]:
+        """-> (a record-like dict of the logical tensor, lowest holding rank, complete)."""
+        first = self.recs[0]
+        if not any("shard" in r for r in self.recs):
+            return first, first.get("rank", 0), True
+        shards: dict[tuple, dict] = {}
+        for r in self.recs:  # rank order: the lowest rank's copy of a replicated shard wins
+            sh = r.get("shard") or {"offset": [0] * len(r.get("shape") or []), "logical_shape": r.get("shape")}
+            shards.setdefault(tuple(sh.get("offset") or ()), r)
+        ordered = [shards[k] for k in sorted(shards)]
+        sums = [r.get("sum") for r in ordered]
+        norms = [r.get("norm") for r in ordered]
+        lshape = (first.get("shard") or {}).get("logical_shape") or first.get("shape") or []
+        numel = math.prod(lshape) if lshape else int(first.get("numel") or 0)
+        covered = sum(int(r.get("numel") or 0) for r in ordered)
+        finite = all(s is not None for s in sums) and all(n is not None for n in norms)
+        v = {
+            "step": first.get("step"), "micro_batch": first.get("micro_batch", 0), "phase": first.get("phase"),
+            "index": first.get("index", 0), "tensor": first.get("logical") or first.get("tensor"),
+            "logical": first.get("logical") or first.get("tensor"),
+            "digest": "shards:" + ",".join(str(r.get("digest")) for r in ordered),
+            "sum": math.fsum(sums) if finite else None,
+            "norm": math.sqrt(math.fsum(n * n for n in norms)) if finite else None,
+            "nonfinite": sum(int(r.get("nonfinite") or 0) for r in ordered),
+            "dtype": first.get("dtype"), "shape": list(lshape), "numel": numel,
+            "shards": len(ordered),
+        }
+        return v, min(r.get("rank", 0) for r in self.recs), covered == numel
+
+
+def _replica_mismatches(recs: list[dict]) -> list[tuple[dict, dict]]:
+    """(record, the lowest rank's record) for copies of one tensor or shard (same offset) that differ."""
+    first: dict[tuple, dict] = {}
+    out = []
+    for r in recs:
+        k = tuple((r.get("shard") or {}).get("offset") or ())
+        r0 = first.setdefault(k, r)
+        if r0 is not r and not _same_bits(r, r0):
+            out.append((r, r0))
+    return out
+
+
+def _logicals(recs_by_rank: dict[int, list[dict]], phases) -> dict[tuple[str, str], _Logical]:
+    out: dict[tuple[str, str], _Logical] = {}
+    for rank in sorted(recs_by_rank):
+        for r in recs_by_rank[rank]:
+            if r.get("phase") not in phases:
+                continue
+            name = r.get("logical") or r.get("tensor")
+            out.setdefault((r["phase"], name), _Logical()).recs.append(r)
+    return out
+
+
+def _compare_logical_step(step: int, a: _Side, b: _Side, tol: _Tol, warnings: list[str], warned: dict,
+                          phases_seen: dict) -> dict[int, _RankStep]:
+    la = _logicals({r: a.records(r, step) for r in a.ranks}, CROSS_TOPOLOGY_PHASES)
+    lb = _logicals({r: b.records(r, step) for r in b.ranks}, CROSS_TOPOLOGY_PHASES)
+    pa, pb = {p for p, _ in la}, {p for p, _ in lb}
+    phases_seen.setdefault("both", set()).update(pa & pb)
+    for p in pa ^ pb:  # a phase one side does not record at all: nothing to compare it with
+        if p not in phases_seen:
+            phases_seen[p] = True  # warned once
+            side = "A" if p not in pa else "B"
+            warnings.append(f"run {side} records no '{p}' phase: that phase is not compared")
+    out: dict[int, _RankStep] = {}
+
+    def rank_step(r: int) -> _RankStep:
+        if r not in out:
+            out[r] = _RankStep()
+        return out[r]
+
+    for (phase, name) in sorted(la.keys() | lb.keys(), key=lambda k: (_phase_order(k[0]), k)):
+        if phase not in pa or phase not in pb:
+            continue
+        xa, xb = la.get((phase, name)), lb.get((phase, name))
+        va = xa.value() if xa else None
+        vb = xb.value() if xb else None
+        units: list[tuple[int, dict | None, dict | None]] = []  # (rank, value a, value b)
+        if va and vb and xb is not None and not any("shard" in r for r in xb.recs):
+            units = [(r.get("rank", 0), va[0], r) for r in xb.recs]  # every replica on B against A's value
+        else:
+            rank = vb[1] if vb else va[1]
+            units = [(rank, va[0] if va else None, vb[0] if vb else None)]
+        # replicas inside one run must be bit-identical; B's whole-tensor replicas are compared one by one
+        # above, the others (A's, and replicated shards on either side) are only represented by the lowest rank
+        for side, x in (("A", xa), ("B", xb)):
+            if x is None or (side == "B" and len(units) > 1):
+                continue
+            for r, r0 in _replica_mismatches(x.recs):
+                if warned.setdefault("replica", 0) < MAX_WARNINGS_OF_A_KIND:
+                    warned["replica"] += 1
+                    warnings.append(f"run {side}: step {step} {phase} {name}: rank {r.get('rank')}'s copy differs "
+                                    f"from rank {r0.get('rank')}'s (replicas should be bit-identical)")
+        for side, v in (("A", va), ("B", vb)):
+            if v is not None and not v[2] and warned.setdefault("cover", 0) < MAX_WARNINGS_OF_A_KIND:
+                warned["cover"] += 1
+                warnings.append(f"run {side}: step {step} {phase} {name}: the shards do not cover the logical shape")
+        for rank, ra, rb in units:
+            rs = rank_step(rank)
+            rs.total += 1
+            if ra is not None and rb is not None and _same_bits(ra, rb):
+                continue
+            u = _unit(step, ra, rb, rank, tol, logical=True)
+            incomplete = [s for s, v in (("a", va), ("b", vb)) if v is not None and not v[2]]
+            if incomplete:
+                u["diverged"], u["note"] = True, f"shards incomplete in {incomplete[0]}"
+            ref = rb if rb is not None else ra
+            key = (ref.get("micro_batch", 0), _phase_order(phase), phase, rank, ref.get("index", 0), name)
+            rs.add(key, u)
+    return out
+
+
+# ---------------------------------------------------------------- the comparison
+
+
+def _compared_steps(a: _Side, b: _Side) -> tuple[list[int], dict]:
+    common = sorted(set(a.steps) & set(b.steps))
+    n_total = int(get_field(a.manifest, "training.steps") or 0)
+    why: list[str] = []
+    for s in (a, b):
+        if not s.steps:
+            why.append(f"run {s.label} has no complete step")
+            continue
+        first, last = s.steps[0], s.steps[-1]
+        if first > 1:
+            if s.kind == "recovered" or s.resume_step:
+                why.append(f"run {s.label} is a recovered run resumed from the checkpoint of step "
+                           f"{s.resume_step or first - 1}: its records start at step {first}")
+            else:
+                why.append(f"run {s.label} has no records before step {first}")
+        if n_total and last < n_total:
+            if not s.complete:
+                why.append(f"run {s.label} is incomplete: stops at step {last}")
+            else:
+                why.append(f"run {s.label} stops at step {last} of {n_total}")
+        gaps = sorted(set(range(first, last + 1)) - set(s.steps))
+        if gaps:
+            why.append(f"run {s.label} lacks step(s) {_ranges(gaps)}")
+    if not common:
+        raise BadInput(f"{a.path} vs {b.path}", "the runs share no step to compare"
+                       + (f" ({'; '.join(why)})" if why else ""))
+    if not why:
+        why.append(f"all {len(common)} steps")
+    return common, {"first": common[0], "last": common[-1], "count": len(common), "why": "; ".join(why),
+                    "full": bool(n_total) and len(common) == n_total}
+
+
+def _ranges(xs: list[int]) -> str:
+    out, start, prev = [], None, None
+    for x in xs:
+        if start is None:
+            start = prev = x
+        elif x == prev + 1:
+            prev = x
+        else:
+            out.append(f"{start}" if start == prev else f"{start}..{prev}")
+            start = prev = x
+    if start is not None:
+        out.append(f"{start}" if start == prev else f"{start}..{prev}")
+    return ", ".join(out)
+
+
+def _agreed_since(x: _Side, other: _Side) -> int:
+    """The step at which x last held the other run's state: its resume step when it resumed from a
+    checkpoint inside the other run's directory; else 0 (both started from the same initial state)."""
+    if not x.resume_step or not x.resume_checkpoint:
+        return 0
+    ck = Path(str(x.resume_checkpoint))
+    for cand in ([ck] if ck.is_absolute() else [x.path / ck, x.path.parent / ck, x.path.parent.parent / ck, ck]):
+        try:
+            cand.resolve().relative_to(other.path.resolve())
+            return x.resume_step
+        except ValueError:
+            continue
+    return 0
+
+
+def diff_runs(a: str | Path, b: str | Path, mode: str | None = None, rtol: float | None = None,
+              atol: float | None = None, allow_edition_mismatch: bool = False, *, use_index: bool = True,
+              propagate: bool = True) -> dict:
+    """Compare run `b` against run `a`; returns the result document (the `diff --json` contract).
+
+    mode: None (bitwise when the topologies are equal and no rtol/atol is given, else numeric), "bitwise"
+    or "numeric". rtol/atol replace the derived tolerance (a missing one counts as 0).
+    use_index=False ignores the step digests and reads every record (the bench's baseline).
+    propagate=False stops at the first divergent step (propagation then holds that step only).
+    Raises BadInput (exit 2) for unreadable or incompatible runs.
+    """
+    warnings: list[str] = []
+    side_a = _Side("A", a, use_index, warnings)
+    side_b = _Side("B", b, use_index, warnings)
+    _check_compatible(side_a, side_b, allow_edition_mismatch, warnings)
+    side_a.load()
+    side_b.load()
+    ma, mb = side_a.manifest, side_b.manifest
+    topo = _field_diffs(ma, mb, TOPOLOGY_FIELDS)
+    same_topology = not topo
+    algorithm = [(k, x, y) for k, x, y in _field_diffs(ma, mb, ("parallelism.architecture", "parallelism.staleness"))
+                 if k != "parallelism.architecture" or ma.get("parallelism", {}).get("staleness")
+                 or mb.get("parallelism", {}).get("staleness")]
+    if algorithm:
+        warnings.append("different algorithms, not a bug: " + "; ".join(f"{k} {_short(x)} vs {_short(y)}"
+                        for k, x, y in algorithm) + " (a stale parameter server computes other updates; "
+                        "a divergence here is expected)")
+    if mode is None:
+        mode = "bitwise" if same_topology and rtol is None and atol is None else "numeric"
+    if mode not in MODES:
+        raise BadInput("--mode", f"unknown mode {mode!r}; use one of {', '.join(MODES)}", field="mode")
+    if mode == "bitwise" and not same_topology:
+        raise BadInput(side_b.path / LOCK, "a bitwise comparison needs the same topology, and these differ: "
+                       + "; ".join(f"{k} {_short(x)} vs {_short(y)}" for k, x, y in topo)
+                       + " (compare them numerically)", field=", ".join(k for k, _, _ in topo))
+    if mode == "bitwise" and (rtol is not None or atol is not None):
+        warnings.append("rtol/atol are ignored in bitwise mode")
+    for name, v in (("rtol", rtol), ("atol", atol)):
+        if v is not None and not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
+            raise BadInput(f"--{name}", f"must be a finite number >= 0 (got {v!r})", field=name)
+
+    steps, compared = _compared_steps(side_a, side_b)
+    since = max(_agreed_since(side_b, side_a), _agreed_since(side_a, side_b))
+    tol = _Tol(mode, ma, mb, rtol, atol, since)
+    ranks = sorted(set(side_a.ranks) | set(side_b.ranks))
+    logical = mode == "numeric" and not same_topology
+
+    first_div: dict | None = None
+    first_step: int | None = None
+    propagation: list[dict] = []
+    recovered: list[int] = []
+    by_step: list[dict] = []  # numeric: per-step errors of steps before the first divergence
+    by_phase: dict[str, dict] = {}
+    n_units = n_exact = 0
+    read_steps = 0
+    warned: dict = {}
+    phases_seen: dict = {}
+
+    for step in steps:
+        if logical:
+            per_rank = _compare_logical_step(step, side_a, side_b, tol, warnings, warned, phases_seen)
+            read_steps += 1
+        else:
+            per_rank = {}
+            for r in ranks:
+                ea, eb = side_a.entry(r, step), side_b.entry(r, step)
+                if (ea is not None and eb is not None and ea.get("digest") is not None
+                        and ea.get("digest") == eb.get("digest") and ea.get("records") == eb.get("records")):
+                    per_rank[r] = _RankStep(int(ea.get("records") or 0))
+                    continue
+                per_rank[r] = _compare_rank_step(step, r, side_a.records(r, step), side_b.records(r, step), tol)
+                read_steps += 1
+        for rs in per_rank.values():
+            n_units += rs.total
+            n_exact += rs.total - rs.inexact
+        if mode == "numeric":
+            for r, rs in per_rank.items():
+                if rs.first is None and rs.inexact == 0:
+                    continue
+                for phase, rel in rs.max_rel.items():
+                    cur = by_phase.setdefault(phase, {"max_rel_err": -1.0})
+                    if rel > cur["max_rel_err"]:
+                        bnd = None if tol.user else rs.max_rel_bound.get(phase, tol.derived(step, phase))
+                        cur.update(max_rel_err=rel, bound=bnd, ratio=rel / bnd if bnd else None, step=step, rank=r)
+                for phase, (ratio, rel, bnd) in rs.ratio_by_phase.items():
+                    cur = by_phase[phase]
+                    if ratio > cur.get("max_ratio", -1.0):
+                        cur.update(max_ratio=ratio, max_ratio_at={"step": step, "rank": r, "rel_err": rel,
+                                                                  "bound": bnd})
+        diverged_here = [rs for rs in per_rank.values() if rs.differing]
+        if first_step is None and diverged_here:
+            first_step = step
+            key, unit = min((rs.first for rs in diverged_here), key=lambda fu: fu[0])
+            first_div = {k: unit[k] for k in ("step", "micro_batch", "phase", "rank", "tensor", "index", "a", "b",
+                                              "rel_err", "bound", "missing_in", "note")}
+        entry = {"step": step, "equal": not diverged_here,
+                 "differing": sum(rs.differing for rs in per_rank.values()),
+                 "ranks": {str(r): per_rank[r].as_dict() for r in sorted(per_rank)}}
+        if mode == "numeric":  # the bound each phase's errors at this step are held to
+            phases = sorted({p for rs in per_rank.values() for p in rs.max_rel}, key=_phase_order)
+            entry["bound_by_phase"] = {p: tol.compare_bound(step, p) for p in phases}
+        if first_step is not None:
+            propagation.append(entry)
+            if not diverged_here:
+                recovered.append(step)
+            if not propagate:
+                break
+        elif mode == "numeric" and any(rs.inexact for rs in per_rank.values()):
+            by_step.append(entry)
+
+    result: dict[str, Any] = {
+        "equal": first_div is None,
+        "mode": mode,
+        "a": side_a.describe(),
+        "b": side_b.describe(),
+        "topology": {"same": same_topology, "differs": [k for k, _, _ in topo]},
+        "compared_steps": compared,
+        # the grid's rows: across topologies values are attributed to B's ranks
+        "ranks": sorted(side_b.ranks) if logical else ranks,
+        "first_divergence": first_div,
+        "propagation": propagation,
+        "recovered_steps": recovered,
+        "tolerance": ({"kind": "bitwise", "bound": 0.0} if mode == "bitwise" else
+                      {"kind": "user", "rtol": rtol or 0.0, "atol": atol or 0.0} if tol.user else
+                      {"kind": "derived", "since_step": since, **tolerance.explain(ma, mb)}),
+        "stats": {"tensors_compared": n_units, "bit_equal": n_exact, "steps_read": read_steps,
+                  "index": use_index},
+        "warnings": warnings,
+    }
+    if logical:
+        result["compared_phases"] = [p for p in CROSS_TOPOLOGY_PHASES if p in phases_seen.get("both", ())]
+    if mode == "numeric":
+        result["numeric"] = {"by_phase": dict(sorted(by_phase.items(), key=lambda kv: _phase_order(kv[0]))),
+                             "by_step": by_step}
+    return result
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def fmt_number(x: Any, spec: str = ".6g") -> str:
+    """'-' for a missing value, floats by `spec`, the rest as str (shared with the HTML report)."""
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return format(x, spec)
+    return str(x)
+
+
+def _abbrev(d: str | None, n: int = 12) -> str:
+    if not d:
+        return "-"
+    return d if len(d) <= n else d[:n] + "…"
+
+
+def _where(f: dict) -> str:
+    return (f"step {f['step']} · micro-batch {f['micro_batch']} · {f['phase']} · rank {f['rank']} · "
+            f"{f['tensor']} (index {f['index']})")
+
+
+def _cell(rank_entry: dict | None) -> tuple[str, str]:
+    """One grid cell: (character, style)."""
+    if not rank_entry or not rank_entry.get("inexact"):
+        return "·", "green"
+    differing = rank_entry.get("differing", 0)
+    rel = rank_entry.get("max_rel_err")
+    if differing and (rank_entry.get("hard") or not rel):
+        return "■", "bold red"
+    if not rel:
+        return ("■", "bold red") if differing else ("·", "green")
+    digit = str(min(9, max(0, int(math.floor(-math.log10(rel))))))  # agreeing decimal digits, 0 = worst
+    return digit, ("red" if differing else "yellow")
+
+
+def _grid_cells(result: dict) -> tuple[list[int], dict[int, dict]]:
+    cs = result["compared_steps"]
+    per_step: dict[int, dict] = {}
+    for e in result.get("numeric", {}).get("by_step", []):
+        per_step[e["step"]] = e["ranks"]
+    for e in result["propagation"]:
+        per_step[e["step"]] = e["ranks"]
+    first, last = cs["first"], cs["last"]
+    f = result.get("first_divergence")
+    start = first
+    if f and f["step"] - first > GRID_STEPS - 10:
+        start = max(first, f["step"] - 5)
+    steps = list(range(start, min(last, start + GRID_STEPS - 1) + 1))
+    return steps, per_step
+
+
+def render_rich(result: dict, console) -> None:
+    """A compact human view of a diff result on a rich Console."""
+    from rich.table import Table
+    from rich.text import Text
+
+    cs = result["compared_steps"]
+    for label in ("a", "b"):
+        s = result[label]
+        t = Text()
+        t.append(f"{label.upper()} ", style="bold")
+        t.append(f"{s['kind'] or '?':<10} ", style="cyan")
+        t.append(s["path"])
+        t.append("  complete" if s["complete"] else "  INCOMPLETE", style="green" if s["complete"] else "yellow")
+        t.append(f"  manifest {s['manifest_id'][:12]}", style="dim")
+        console.print(t)
+    tol = result["tolerance"]
+    tol_txt = ("bit for bit" if tol["kind"] == "bitwise" else
+               f"rtol {tol['rtol']:g} atol {tol['atol']:g}" if tol["kind"] == "user" else
+               f"derived bound {tol['per_step']:.2e} per step × steps since agreement")
+    console.print(Text(f"mode {result['mode']} ({tol_txt}) · steps {cs['first']}..{cs['last']} ({cs['count']}): "
+                       f"{cs['why']}", style="dim"))
+
+    f = result["first_divergence"]
+    if f is None:
+        console.print(Text(f"EQUAL over steps {cs['first']}..{cs['last']}", style="bold green"))
+    else:
+        console.print(Text("FIRST DIVERGENCE  " + _where(f), style="bold red"))
+        t = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
+        t.add_column("")
+        t.add_column("A")
+        t.add_column("B")
+        a, b = f["a"] or {}, f["b"] or {}
+        if f["missing_in"]:
+            t.add_row("record", *(("missing", "present") if f["missing_in"] == "a" else ("present", "missing")))
+        t.add_row("digest", _abbrev(a.get("digest")), _abbrev(b.get("digest")))
+        t.add_row("sum", fmt_number(a.get("sum"), ".10g"), fmt_number(b.get("sum"), ".10g"))
+        t.add_row("norm", fmt_number(a.get("norm"), ".10g"), fmt_number(b.get("norm"), ".10g"))
+        if a.get("nonfinite") or b.get("nonfinite"):
+            t.add_row("non-finite", fmt_number(a.get("nonfinite")), fmt_number(b.get("nonfinite")), style="red")
+        t.add_row("dtype, shape", f"{a.get('dtype', '-')} {a.get('shape', '')}", f"{b.get('dtype', '-')} {b.get('shape', '')}")
+        console.print(t)
+        rel = f["rel_err"]
+        bnd = "0 (bitwise)" if result["mode"] == "bitwise" else fmt_number(f["bound"], ".3e")
+        console.print(Text(f"rel err {fmt_number(rel, '.3e')}  vs bound {bnd}"
+                           + (f"  ({f['note']})" if f.get("note") else ""), style="red"))
+        n_div = len(result["propagation"]) - len(result["recovered_steps"])
+        rec = result["recovered_steps"]
+        msg = f"{n_div} divergent step(s) from step {f['step']}"
+        if rec:
+            msg += f"; equal again at step(s) {_ranges(rec)}"
+        console.print(Text(msg, style="dim"))
+
+    if result["mode"] == "numeric" and result.get("numeric", {}).get("by_phase"):
+        t = Table(title="largest relative error per phase", box=None, header_style="bold", title_justify="left")
+        for c in ("phase", "max rel err", "bound there", "at", "worst err/bound"):
+            t.add_column(c)
+        for phase, e in result["numeric"]["by_phase"].items():
+            w = e.get("max_ratio_at") or {}
+            t.add_row(phase, fmt_number(e["max_rel_err"], ".2e"), fmt_number(e["bound"], ".2e"),
+                      f"step {e['step']} rank {e['rank']}",
+                      f"{fmt_number(e.get('max_ratio'), '.2g')}" + (f" (step {w['step']})" if w else ""),
+                      style="red" if (e.get("max_ratio") or 0) > 1 else None)
+        console.print(t)
+
+    steps, per_step = _grid_cells(result)
+    if steps and result["ranks"]:
+        head = Text("rank  ")
+        for s in steps:
+            head.append("|" if s % 10 == 0 else " ", style="dim")
+        console.print(Text(f"steps {steps[0]}..{steps[-1]} (| every 10th step)", style="dim"))
+        console.print(head)
+        for r in result["ranks"]:
+            line = Text(f"{r:>4}  ")
+            for s in steps:
+                ch, style = _cell((per_step.get(s) or {}).get(str(r)))
+                line.append(ch, style=style)
+            console.print(line)
+        if len(steps) < cs["count"]:
+            console.print(Text(f"(grid shows {len(steps)} of {cs['count']} compared steps)", style="dim"))
+        console.print(Text("· equal   digit: -log10(max rel err), yellow within the bound, red beyond   "
+                           "■ missing, non-finite or bits only", style="dim"))
+    for w in result["warnings"]:
+        console.print(Text(f"warning: {w}", style="yellow"))
+
+
+def render_md(result: dict) -> str:
+    """The result as markdown, for a pull-request comment."""
+    cs = result["compared_steps"]
+    f = result["first_divergence"]
+    lines = []
+    verdict = "✅ equal" if f is None else "❌ diverged"
+    lines.append(f"### disttrace diff: {verdict} ({result['mode']})")
+    lines.append("")
+    lines.append("| run | path | kind | complete | manifest |")
+    lines.append("| --- | --- | --- | --- | --- |")
+    for label in ("a", "b"):
+        s = result[label]
+        lines.append(f"| {label.upper()} | `{s['path']}` | {s['kind'] or '?'} | {'yes' if s['complete'] else 'no'} | "
+                     f"`{s['manifest_id'][:12]}` |")
+    lines.append("")
+    lines.append(f"Compared steps {cs['first']}..{cs['last']} ({cs['count']}): {cs['why']}.")
+    lines.append("")
+    if f is not None:
+        a, b = f["a"] or {}, f["b"] or {}
+        lines.append(f"**First divergence**: {_where(f)}"
+                     + (f", missing in {f['missing_in'].upper()}" if f["missing_in"] else "")
+                     + (f" ({f['note']})" if f.get("note") else ""))
+        lines.append("")
+        lines.append("| | A | B |")
+        lines.append("| --- | --- | --- |")
+        lines.append(f"| digest | `{_abbrev(a.get('digest'), 16)}` | `{_abbrev(b.get('digest'), 16)}` |")
+        lines.append(f"| sum | {fmt_number(a.get('sum'), '.10g')} | {fmt_number(b.get('sum'), '.10g')} |")
+        lines.append(f"| norm | {fmt_number(a.get('norm'), '.10g')} | {fmt_number(b.get('norm'), '.10g')} |")
+        lines.append(f"| non-finite | {fmt_number(a.get('nonfinite'))} | {fmt_number(b.get('nonfinite'))} |")
+        lines.append("")
+        lines.append(f"Relative error {fmt_number(f['rel_err'], '.3e')} vs bound {fmt_number(f['bound'], '.3e')}.")
+        lines.append("")
+        lines.append("| step | ranks with differences | tensors differing | max rel err |")
+        lines.append("| --- | --- | --- | --- |")
+        shown = result["propagation"][:20]
+        for e in shown:
+            rk = [r for r, v in e["ranks"].items() if v["differing"]]
+            tot = sum(v["total"] for v in e["ranks"].values())
+            rels = [v.get("max_rel_err") for v in e["ranks"].values() if v.get("max_rel_err")]
+            bounds = [b for b in (e.get("bound_by_phase") or {}).values() if b is not None]
+            lines.append(f"| {e['step']} | {', '.join(rk) or '-'} | {e['differing']} / {tot} | "
+                         f"{fmt_number(max(rels), '.2e') if rels else '-'}"
+                         + (f" (bound {max(bounds):.2e})" if bounds else "") + " |")
+        if len(result["propagation"]) > len(shown):
+            lines.append(f"| … | | {len(result['propagation']) - len(shown)} more steps | |")
+        if result["recovered_steps"]:
+            lines.append("")
+            lines.append(f"Equal again at step(s) {_ranges(result['recovered_steps'])}.")
+    if result["mode"] == "numeric" and result.get("numeric", {}).get("by_phase"):
+        lines.append("")
+        lines.append("| phase | max rel err | bound there | worst err/bound |")
+        lines.append("| --- | --- | --- | --- |")
+        for phase, e in result["numeric"]["by_phase"].items():
+            lines.append(f"| {phase} | {fmt_number(e['max_rel_err'], '.2e')} | {fmt_number(e['bound'], '.2e')} | "
+                         f"{fmt_number(e.get('max_ratio'), '.2g')} |")
+    if result["warnings"]:
+        lines.append("")
+        for w in result["warnings"]:
+            lines.append(f"> ⚠️ {w}")
+    return "\n".join(lines) + "\n"

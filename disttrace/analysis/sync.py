@@ -1,0 +1,175 @@
+"""Cross-rank collective check, read from the run store only: within every process group, all members must
+issue the same sequence of (op, shapes, dtype). The first disagreement is reported the way a desync
+should be: group, sequence number, the minority rank(s) and both sides.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from disttrace.store.rundir import Run, iter_jsonl
+
+
+def load_traces(run: Run) -> tuple[dict[int, dict[str, list[dict]]], list[str]]:
+    """rank -> group -> issued ops in order (with 'end' merged in when the op completed)."""
+    traces: dict[int, dict[str, list[dict]]] = {}
+    warnings: list[str] = []
+    for rank in run.ranks("collectives"):
+        torn: list = []
+        groups: dict[str, list[dict]] = {}
+        by_key: dict = {}
+        for rec in iter_jsonl(run.rank_path("collectives", rank), torn):
+            if "op" in rec:
+                groups.setdefault(rec["group"], []).append(rec)
+                by_key[(rec["group"], rec["seq"])] = rec
+                if rec["op"] in P2P:  # point-to-point pairs a send with a recv: not a group sequence
+                    groups[rec["group"]].pop()
+                    groups.setdefault(f"p2p:{rec['group']}", []).append(rec)
+            elif "end" in rec and (rec.get("group"), rec.get("seq")) in by_key:
+                by_key[(rec["group"], rec["seq"])]["end"] = rec["end"]
+        traces[rank] = groups
+        warnings += torn
+    return traces, warnings
+
+
+P2P = {"send", "recv_", "recv_any_source_"}
+
+
+def fingerprint(rec: dict) -> tuple:
+    return (rec["op"], tuple(tuple(s) for s in rec.get("shapes", [])), rec.get("dtype"))
+
+
+def describe(rec: dict | None) -> str:
+    if rec is None:
+        return "nothing"
+    shapes = ",".join("x".join(map(str, s)) or "scalar" for s in rec.get("shapes", []))
+    return f"{rec['op']} [{shapes}] {rec.get('dtype')}"
+
+
+def check_sync(run: Run) -> dict:
+    traces, warnings = load_traces(run)
+    groups: dict[str, dict] = {}
+    mismatches = []
+    for gkey in sorted({g for t in traces.values() for g in t}):
+        if gkey.startswith("p2p:"):
+            groups[gkey] = {"ranks": gkey[4:], "ops": sum(len(t.get(gkey, [])) for t in traces.values()),
+                            "bytes": sum(x.get("bytes", 0) for t in traces.values() for x in t.get(gkey, [])),
+                            "note": "point-to-point: counted, not sequence-checked"}
+            continue
+        members = [int(r) for r in gkey.split(",")] if gkey != "?" else sorted(traces)
+        present = [r for r in members if r in traces]
+        seqs = {r: traces[r].get(gkey, []) for r in present}
+        n = max((len(v) for v in seqs.values()), default=0)
+        groups[gkey] = {"ranks": members, "ops": n, "bytes": sum(x.get("bytes", 0) for x in seqs[present[0]])
+                        if present else 0}
+        for k in range(n):
+            recs = {r: (seqs[r][k] if k < len(seqs[r]) else None) for r in present}
+            if any(v is None for v in recs.values()) and not run.complete:
+                break  # a rank's trace ended (it died or hung earlier): not a desync of this op
+            prints = {r: (fingerprint(v) if v else None) for r, v in recs.items()}
+            if len(set(prints.values())) <= 1:
+                continue
+            majority, _ = Counter(prints.values()).most_common(1)[0]
+            minority = sorted(r for r, p in prints.items() if p != majority)
+            agree = sorted(r for r, p in prints.items() if p == majority)
+            example = next(recs[r] for r in agree) if agree else None
+            odd = recs[minority[0]]
+            start = min((v["start"] for v in recs.values() if v), default=0.0)
+            mismatches.append({
+                "group": members, "seq": k, "ranks": minority, "majority_ranks": agree,
+                "minority": describe(odd), "majority": describe(example), "start": start,
+                "step": (odd or example or {}).get("step"),
+                "message": f"collective desync in group {members} at sequence {k}: rank(s) {minority} issued "
+                           f"{describe(odd)}, rank(s) {agree} issued {describe(example)}",
+            })
+            break  # later ops of a desynced group are noise
+    unfinished = sorted({(r, g, rec["seq"], rec["op"]) for r, t in traces.items() for g, lst in t.items()
+                         for rec in lst if "end" not in rec})
+    first = min(mismatches, key=lambda m: m["start"]) if mismatches else None
+    return {
+        "ok": first is None,
+        "groups": groups,
+        "first_mismatch": first,
+        "mismatches": mismatches,
+        "unfinished": [{"rank": r, "group": g, "seq": s, "op": o} for r, g, s, o in unfinished],
+        "warnings": warnings,
+    }
+
+
+def find_stragglers(run: Run, min_seconds: float = 0.1, factor: float = 2.0) -> list[dict]:
+    """A straggler makes everyone wait: per step, compare each rank's time from step start to issuing its
+    first gradient collective with the other ranks'. Numerics cannot show this; timing does."""
+    per_step: dict[int, dict[int, float]] = {}
+    for rank in run.ranks():
+        for entry in run.step_index(rank).records:
+            t = entry.get("time") or {}
+            if "collective_issue" in t and "start" in t:
+                per_step.setdefault(entry["step"], {})[rank] = t["collective_issue"] - t["start"]
+    out = []
+    for step, times in sorted(per_step.items()):
+        if len(times) < 2:
+            continue
+        for rank, t in times.items():
+            others = sorted(v for r, v in times.items() if r != rank)
+            median = others[len(others) // 2]
+            if t - median > min_seconds and t > factor * median:
+                out.append({"step": step, "rank": rank, "seconds": round(t, 4), "others_median": round(median, 4)})
+    return out
+
+
+# ring-algorithm bytes each rank sends per op, as a multiple of the op's recorded input bytes, for a group
+# of n ranks: all-reduce 2(n-1)/n of the buffer; all-gather (n-1)/n of the gathered output = (n-1) x the
+# input shard; reduce-scatter (n-1)/n of the input; broadcast and point-to-point: the buffer once.
+RING = {
+    "allreduce": lambda n: 2 * (n - 1) / n,
+    "allgather": lambda n: float(n - 1),
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "p2p": lambda n: 1.0,
+}
+
+
+def op_class(op: str) -> str | None:
+    o = op.lower()
+    if o in ("send", "recv_", "recv_any_source_"):
+        return "p2p"
+    for key, cls in (("reduce_scatter", "reduce_scatter"), ("allreduce", "allreduce"), ("all_reduce", "allreduce"),
+                     ("allgather", "allgather"), ("all_gather", "allgather"), ("broadcast", "broadcast")):
+        if key in o:
+            return cls
+    return None
+
+
+def wire_volume(run: Run, rank: int = 0) -> dict:
+    """Per step, for one rank: calls and bytes per collective class and the ring model's bytes on the wire,
+    counting tensor traffic (floating point: gradients, parameters, activations), not the small integer
+    and byte messages of object collectives (checkpoint planning, topology exchange)."""
+    traces, _ = load_traces(run)
+    steps: dict[int, dict] = {}
+    for group, ops in traces.get(rank, {}).items():
+        members = group.removeprefix("p2p:").split(",")
+        n = len(members) if members != ["?"] else 1
+        for op in ops:
+            cls = op_class(op["op"])
+            if cls is None or not str(op.get("dtype") or "").startswith(("float", "bfloat")):
+                continue
+            row = steps.setdefault(op.get("step", 0), {}).setdefault(cls, {"calls": 0, "bytes": 0, "ring_bytes": 0.0})
+            row["calls"] += 1
+            row["bytes"] += op.get("bytes", 0)
+            row["ring_bytes"] += RING[cls](n) * op.get("bytes", 0) if n > 1 else 0.0
+    return {"rank": rank, "steps": {str(s): v for s, v in sorted(steps.items())}}
+
+
+def predicted_dp_volume(manifest: dict) -> int | None:
+    """The plan's data-parallel bytes per rank per step for this run's ZeRO stage (no TP/PP traffic)."""
+    from disttrace.plan.costs import comm_bytes_per_device, count_params
+
+    try:
+        m, p, t = manifest["model"], manifest["parallelism"], manifest["training"]
+        if p["tp"] > 1 or p["pp"] > 1 or p.get("architecture") != "allreduce":
+            return None
+        psi = count_params(m["dim"], m["n_layers"], m["n_heads"], m["n_kv_heads"], m["vocab_size"], m["ffn_hidden"])
+        per = {"float32": 4, "float64": 8}.get(t["dtype"], 4)
+        return comm_bytes_per_device(psi, p["dp"], per)[str(p["zero_stage"])]
+    except (KeyError, TypeError, ValueError):
+        return None

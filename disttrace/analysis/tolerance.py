@@ -1,0 +1,133 @@
+"""The numeric tolerance of `diff`: derived from the manifests, never tuned per test.
+
+Two runs of one experiment on different topologies (dp=2 vs dp=1 with accumulation 2, ZeRO vs DDP, ...)
+compute the same mathematical quantities with the floating-point operations done in a different order.
+How far apart may their statistics legitimately be?
+
+The model (standard backward error analysis, Higham, *Accuracy and Stability of Numerical Algorithms*,
+ch. 3-4, with the probabilistic rounding model of Higham & Mary 2019):
+
+* ``u`` is the unit roundoff of the *coarser* of the two runs' compute dtypes:
+  2^-53 (float64), 2^-24 (float32), 2^-11 (float16), 2^-8 (bfloat16).
+* A floating-point sum of ``n`` terms has a relative error (w.r.t. the sum of magnitudes) of at most
+  ``(n-1)u`` in the worst case and of order ``u*sqrt(n)`` with independent rounding errors.
+  Two different summation orders of the same ``n`` terms each carry such an error, so they differ by up
+  to about ``2*u*sqrt(n)``: the constant ``c = 2``.
+* One element of a weight gradient ``dW[i,j] = sum_t x[t,j] * delta[t,i]`` is a sum over the ``T`` tokens
+  of the global batch, ``T = global_batch * max_seq_len`` (the token sum is exactly what dp, accumulation
+  and micro-batch size split differently). Each term itself comes out of inner products of length ``d``
+  (``d = max(dim, ffn_hidden)``) in the forward and backward passes, which another topology may block
+  differently (another GEMM shape), giving each term a relative error of order ``u*sqrt(d)``. To first
+  order the errors of a composition add (``gamma_T + gamma_d``, Higham Lemma 3.3), so one step gives
+
+      eps_1 = c * u * (sqrt(T) + sqrt(d))
+
+  (Multiplying the two factors instead, ``sqrt(T) * sqrt(d)``, has no basis in first-order analysis and
+  measured 3 to 4 orders of magnitude above the actual errors, see below.)
+* Errors compound through the optimizer roughly linearly with the number of steps ``k`` taken since the
+  two runs last held the same state (``k = step - since``, ``since`` = the resume step of a recovered run,
+  0 for runs started from scratch). Adam divides the first moment by the root of the second, so a relative
+  error in the gradient stays a relative error of the same size in the update and in the moments
+  (not multiplied by the learning rate or the gradient scale); parameters move by less than that relative
+  to their size, so the same bound is an upper estimate for them:
+
+      bound(step, phase) = k * eps_1          for backward, reduce, clip, optimizer, checkpoint
+      bound(step, forward|loss) = k * c * u * sqrt(d_fwd * n_layers),  d_fwd = max(dim, ffn_hidden, max_seq_len, vocab_size)
+      bound(step, data) = 0                   token ids are integers: they must be equal
+
+The figure is a relative error, compared with the ``rel_err`` that diff computes from a record's float64
+sum and L2 norm: ``max(|dnorm| / max(norm_a, norm_b), |dsum| / (max(norm_a, norm_b) * sqrt(numel)))``.
+A user who passes ``rtol``/``atol`` overrides it: each quantity is then within ``atol + rtol * scale``
+(scale = the norm, resp. norm * sqrt(numel)).
+
+Example (float32, global batch 8 x 64 tokens, dim 64, ffn_hidden 192): T = 512, d = 192,
+eps_1 = 2 * 5.96e-8 * (22.6 + 13.9) = 4.4e-6 per step.
+
+Measured (CPU, one thread, AdamW, float32; micro-batch 4 x accumulation 2 against micro-batch 8, i.e. other
+GEMM shapes, same global batch), largest rel_err over all gradients and optimizer state against the bound:
+  dim 64, 2 layers, 8 x 64 tokens, 100 steps: 4e-8 at step 1, 1e-7..9e-7 later; err/bound 4e-2 .. 1e-3
+  dim 128, 4 layers, 16 x 128 tokens, 30 steps: 4e-8 at step 1, 5e-7..4e-6 later; err/bound 6e-2 .. 5e-3
+Parameters differ less (1e-8..3e-8). float64: 1e-16..2.5e-15 against 8e-15 * k. The product form
+sqrt(T) * sqrt(d) would have sat 3 to 4 orders of magnitude above these errors. dp=2 against dp=1 with
+accumulation 2 at the same micro-batch size was bit-identical on CPU (each micro-batch computes the same,
+the 1/2 scaling is exact and a two-term sum commutes), so there the measured error is 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+UNIT_ROUNDOFF = {
+    "float64": 2.0 ** -53,
+    "float32": 2.0 ** -24,
+    "tf32": 2.0 ** -11,
+    "float16": 2.0 ** -11,
+    "bfloat16": 2.0 ** -8,
+}
+C_ORDER = 2.0  # two different summation orders, each with an error of u*sqrt(n)
+
+# keys of the training section that may name a (lower) precision used somewhere in the step
+_DTYPE_KEYS = ("dtype", "compute_dtype", "param_dtype", "reduce_dtype")
+
+EXACT_PHASES = ("data",)
+ACTIVATION_PHASES = ("forward", "loss")
+
+
+def unit_roundoff(manifest: dict) -> float:
+    """The unit roundoff of the coarsest dtype a run's manifest names (float32 when it names none)."""
+    t = manifest.get("training", {}) or {}
+    us = [UNIT_ROUNDOFF.get(str(t[k]).removeprefix("torch."), UNIT_ROUNDOFF["float32"]) for k in _DTYPE_KEYS
+          if t.get(k)]
+    return max(us) if us else UNIT_ROUNDOFF["float32"]
+
+
+def tokens_per_step(manifest: dict) -> int:
+    from disttrace.config.manifest import global_batch
+
+    return global_batch(manifest) * int((manifest.get("model", {}) or {}).get("max_seq_len", 1))
+
+
+def inner_dim(manifest: dict) -> int:
+    m = manifest.get("model", {}) or {}
+    dim = int(m.get("dim", 1))
+    return max(dim, int(m.get("ffn_hidden") or dim))
+
+
+def step_bound(manifest_a: dict, manifest_b: dict, phase: str) -> float:
+    """eps for one step (k = 1) of one phase; see the module docstring."""
+    if phase in EXACT_PHASES:
+        return 0.0
+    u = max(unit_roundoff(manifest_a), unit_roundoff(manifest_b))
+    if phase in ACTIVATION_PHASES:
+        m = manifest_a.get("model", {}) or {}
+        d = max(inner_dim(manifest_a), int(m.get("max_seq_len", 1)), int(m.get("vocab_size", 1)))
+        return C_ORDER * u * math.sqrt(d * int(m.get("n_layers", 1)))
+    t = max(tokens_per_step(manifest_a), tokens_per_step(manifest_b))
+    return C_ORDER * u * (math.sqrt(t) + math.sqrt(inner_dim(manifest_a)))
+
+
+def bound(manifest_a: dict, manifest_b: dict, step: int, phase: str, since: int = 0) -> float:
+    """The largest relative error (see module docstring) two runs may show at `step` in `phase` and still
+    count as the same computation: ``max(1, step - since) * step_bound(...)``."""
+    return max(1, int(step) - int(since)) * step_bound(manifest_a, manifest_b, phase)
+
+
+def tensor_factor(name: str | None) -> float:
+    """Per-tensor factor on the bound. Adam's second moment accumulates g*g: the relative error of a
+    square is twice that of its root (d(g^2)/g^2 = 2 dg/g), so exp_avg_sq gets 2x the gradient's bound.
+    Measured: dp=2 (micro-batch 8) vs dp=1 (micro-batch 4, accumulation 4), an RMSNorm weight's gradient
+    differed by 4.8e-6 and its exp_avg_sq by 1.9e-5 at step 2 (bench/equivalence.py)."""
+    return 2.0 if name and name.endswith(":exp_avg_sq") else 1.0
+
+
+def explain(manifest_a: dict, manifest_b: dict) -> dict:
+    """The ingredients of the bound, for the diff result (so a reader can redo the arithmetic)."""
+    u = max(unit_roundoff(manifest_a), unit_roundoff(manifest_b))
+    return {
+        "formula": "k * c * u * (sqrt(T) + sqrt(d))  (gradients, optimizer); k = steps since the runs last agreed",
+        "u": u,
+        "c": C_ORDER,
+        "T": max(tokens_per_step(manifest_a), tokens_per_step(manifest_b)),
+        "d": inner_dim(manifest_a),
+        "per_step": step_bound(manifest_a, manifest_b, "reduce"),
+    }

@@ -1,0 +1,348 @@
+"""The experiment manifest: a TOML file, validated, frozen into canonical JSON whose sha256 is the id.
+
+Everything an experiment depends on is here and nowhere else: edition, data and its hash, tokenizer and
+its hash, model shape, parallel topology, optimisation, seed, checkpoint interval, determinism flags.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import tomllib
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from disttrace.errors import BadInput
+
+DEFAULT_MANIFEST = Path(__file__).resolve().parents[2] / "manifests" / "default.toml"  # disttrace/config/ -> repo
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=False, frozen=False)
+
+
+class Experiment(Section):
+    name: str
+    edition: str = Field(description="protocol version label; runs of different editions are never silently compared")
+    seed: int = Field(ge=0)
+    description: str = ""
+
+
+class Data(Section):
+    path: str
+    sha256: Optional[str] = Field(default=None, description="stated hash; computed at freeze and checked")
+    eval_percent: int = Field(default=10, ge=1, le=50)
+    split_salt: str = "disttrace-v1"
+
+
+class Tokenizer(Section):
+    kind: Literal["bpe", "byte"] = "bpe"
+    path: Optional[str] = None
+    sha256: Optional[str] = None
+
+
+class Model(Section):
+    dim: int = Field(gt=0)
+    n_layers: int = Field(gt=0)
+    n_heads: int = Field(gt=0)
+    n_kv_heads: int = Field(gt=0)
+    vocab_size: int = Field(gt=0)
+    max_seq_len: int = Field(gt=1)
+    multiple_of: int = Field(default=32, gt=0)
+    ffn_hidden: Optional[int] = Field(default=None, gt=0)
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    @model_validator(mode="after")
+    def _shapes(self):
+        if self.dim % self.n_heads:
+            raise ValueError(f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"model.n_heads ({self.n_heads}) must be divisible by model.n_kv_heads ({self.n_kv_heads})")
+        if self.ffn_hidden is None:
+            # LLaMA's rule: 2/3 of 4*dim, rounded up to a multiple of multiple_of
+            self.ffn_hidden = self.multiple_of * math.ceil(math.floor(8 * self.dim / 3) / self.multiple_of)
+        return self
+
+
+class Parallelism(Section):
+    dp: int = Field(ge=1)
+    tp: int = Field(default=1, ge=1)
+    pp: int = Field(default=1, ge=1)
+    zero_stage: int = Field(default=0, ge=0, le=3)
+    pp_schedule: Literal["gpipe", "1f1b"] = "gpipe"
+    architecture: Literal["allreduce", "parameter-server"] = "allreduce"
+    staleness: int = Field(default=0, ge=0)
+    world_size: Optional[int] = Field(default=None, ge=1, description="if stated, must equal dp*tp*pp")
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+
+    @model_validator(mode="after")
+    def _world(self):
+        product = self.dp * self.tp * self.pp
+        if self.world_size is None:
+            self.world_size = product
+        elif self.world_size != product:
+            raise ValueError(
+                f"dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = {product} does not equal world_size {self.world_size}"
+            )
+        return self
+
+
+class Training(Section):
+    steps: int = Field(ge=1)
+    micro_batch_size: int = Field(ge=1)
+    grad_accum_steps: int = Field(default=1, ge=1)
+    lr: float = Field(gt=0)
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    weight_decay: float = Field(default=0.0, ge=0)
+    beta1: float = 0.9
+    beta2: float = 0.95
+    dtype: Literal["float32", "float64"] = "float32"
+    max_grad_norm: Optional[float] = Field(default=None, gt=0, description="clip the global gradient norm to this")
+
+
+class Checkpoint(Section):
+    interval: int = Field(default=0, ge=0, description="save every N steps (0: never)")
+
+
+class Debug(Section):
+    deterministic: bool = True
+    collective_timeout_s: float = Field(default=60.0, gt=0)
+    ddp_bucket_cap_mb: Optional[float] = Field(default=None, gt=0, description="DDP bucket size (default: DDP's 25)")
+    live_check: bool = Field(default=False, description="compare replica digests every step; stop at the first mismatch")
+
+
+class Eval(Section):
+    max_batches: int = Field(default=16, ge=1)
+    batch_size: int = Field(default=4, ge=1)
+    loss_rtol: float = Field(default=0.02, ge=0, description="gate: eval loss within this relative tolerance of the reference's")
+
+
+class Manifest(Section):
+    experiment: Experiment
+    data: Data
+    tokenizer: Tokenizer
+    model: Model
+    parallelism: Parallelism
+    training: Training
+    checkpoint: Checkpoint = Checkpoint()
+    debug: Debug = Debug()
+    eval: Eval = Eval()
+
+    @property
+    def world_size(self) -> int:
+        return self.parallelism.dp * self.parallelism.tp * self.parallelism.pp
+
+    @property
+    def global_batch(self) -> int:
+        return self.parallelism.dp * self.training.micro_batch_size * self.training.grad_accum_steps
+
+
+# Features whose strategy has not landed yet are refused at freeze time, naming the field.
+def _not_supported_yet(m: Manifest) -> tuple[str, str] | None:
+    p = m.parallelism
+    if p.tp > 1:
+        md = m.model
+        for name, value in (("model.n_heads", md.n_heads), ("model.n_kv_heads", md.n_kv_heads),
+                            ("model.ffn_hidden", md.ffn_hidden), ("model.vocab_size", md.vocab_size)):
+            if value % p.tp:
+                return name, f"{value} is not divisible by parallelism.tp = {p.tp} (tensor parallel splits it)"
+    if p.pp > 1:
+        if p.zero_stage or p.architecture != "allreduce":
+            return "parallelism.pp", ("pipeline parallel with ZeRO or a parameter server is not supported; with "
+                                      "dp > 1 the stages are sharded over dp with FSDP2 already")
+        if m.model.n_layers < p.pp:
+            return "parallelism.pp", f"{p.pp} stages need at least {p.pp} layers (model.n_layers = {m.model.n_layers})"
+        if p.pp_schedule == "1f1b" and m.training.grad_accum_steps < p.pp:
+            return "training.grad_accum_steps", f"1F1B needs at least pp = {p.pp} micro-batches"
+    if p.zero_stage > 0 and p.tp > 1:
+        return "parallelism.zero_stage", "ZeRO with tensor parallel: dp x tp shards over dp with FSDP2 already; use zero_stage = 0"
+    if p.architecture == "parameter-server" and (p.tp > 1 or p.pp > 1 or p.zero_stage > 0):
+        return "parallelism.architecture", "the parameter server is data parallel only (tp = pp = 1, zero_stage = 0)"
+    if p.architecture == "parameter-server" and m.training.max_grad_norm:
+        return "training.max_grad_norm", "the parameter server does not clip yet; drop training.max_grad_norm"
+    if p.architecture == "allreduce" and p.staleness:
+        return "parallelism.staleness", "staleness applies to the parameter server only"
+    return None
+
+
+# ---------------------------------------------------------------- loading
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'section.key=value' -> (['section','key'], value). The value is read as a TOML value when it
+    parses as one (2, 1e-3, true, "x"), else taken as a plain string."""
+    if "=" not in text:
+        raise BadInput("--set", f"'{text}' is not of the form section.key=value")
+    key, raw = text.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise BadInput("--set", f"'{key}' must be section.key", field=key)
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return parts, value
+
+
+def apply_overrides(doc: dict, overrides: list[str]) -> dict:
+    for text in overrides or []:
+        (section, key), value = parse_override(text)
+        if section not in Manifest.model_fields:
+            raise BadInput("--set", f"unknown section '{section}'", field=f"{section}.{key}")
+        sec = doc.setdefault(section, {})
+        if not isinstance(sec, dict):
+            raise BadInput("--set", f"'{section}' is not a table", field=section)
+        sec[key] = value
+    return doc
+
+
+def read_text_file(path: Path, what: str) -> str:
+    """A UTF-8 text file the user named (`what`: "manifest", "DeepSpeed config"), or BadInput saying why not."""
+    path = Path(path)
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise BadInput(path, f"{what} file not found") from None
+    except IsADirectoryError:
+        raise BadInput(path, f"is a directory, not a {what} file") from None
+    except UnicodeDecodeError:
+        raise BadInput(path, "not UTF-8 text") from None
+    except OSError as e:
+        raise BadInput(path, f"cannot read ({e.strerror})") from None
+
+
+def read_toml(path: Path) -> dict:
+    text = read_text_file(path, "manifest")
+    try:
+        return tomllib.loads(text)
+    except (ValueError, RecursionError) as e:  # TOMLDecodeError; an int past Python's digit limit; deep nesting
+        raise BadInput(path, f"invalid TOML ({e})") from None
+
+
+def validate(doc: dict, where: str | Path) -> Manifest:
+    try:
+        return Manifest.model_validate(doc)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(x) for x in err["loc"]) or None
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif err["type"] == "missing":
+            msg = "required key is missing"
+        elif "input" in err and err["type"] not in ("value_error",):
+            msg = f"{msg} (got {err['input']!r})"
+        msg = msg.removeprefix("Value error, ")
+        raise BadInput(where, msg, field=field) from None
+
+
+def canonical_json(obj: Any) -> bytes:
+    return orjson.dumps(obj, option=orjson.OPT_SORT_KEYS)
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+class Frozen(BaseModel):
+    """What `freeze` produces and `manifest.lock.json` holds."""
+
+    manifest: dict
+    manifest_id: str
+    source: str
+    overrides: list[str]
+    resolved: dict  # absolute paths of data and tokenizer on the machine that froze it
+
+    def model(self) -> Manifest:
+        return Manifest.model_validate(self.manifest)
+
+
+def freeze(path: Path | str | None, overrides: list[str] | None = None) -> Frozen:
+    """Load, override, validate, resolve and check hashes; refuse anything that cannot run."""
+    path = Path(path) if path else DEFAULT_MANIFEST
+    return freeze_doc(read_toml(path), path, overrides)
+
+
+# Fields that make two manifests different experiments (diff refuses them) vs a different topology of
+# one experiment (diff compares them numerically).
+EXPERIMENT_FIELDS = (
+    "experiment.edition", "experiment.seed", "data.sha256", "data.eval_percent", "data.split_salt",
+    "tokenizer.sha256", "model", "training.steps", "training.lr", "training.optimizer", "training.weight_decay",
+    "training.beta1", "training.beta2",
+)
+TOPOLOGY_FIELDS = ("parallelism", "training.micro_batch_size", "training.grad_accum_steps", "training.dtype")
+
+
+def get_field(manifest: dict, dotted: str) -> Any:
+    cur: Any = manifest
+    for part in dotted.split("."):
+        if not isinstance(cur, dict):
+            return None
+        cur = cur.get(part)
+    return cur
+
+
+def global_batch(manifest: dict) -> int:
+    p, t = manifest.get("parallelism", {}), manifest.get("training", {})
+    return int(p.get("dp", 1)) * int(t.get("micro_batch_size", 1)) * int(t.get("grad_accum_steps", 1))
+
+
+def freeze_doc(doc: dict, where: Path | str, overrides: list[str] | None = None) -> Frozen:
+    """`freeze` after the TOML is read: `doc` is a manifest document in the TOML's shape (e.g. built from a
+    DeepSpeed config), `where` the manifest file it stands for (errors name it; data and tokenizer paths
+    resolve against its folder)."""
+    path = Path(where)
+    doc = apply_overrides(doc, overrides or [])
+    m = validate(doc, path)
+    base = path.resolve().parent
+
+    data_path = (base / m.data.path).resolve()
+    if not data_path.is_file():
+        raise BadInput(path, f"data file not found: {data_path}", field="data.path")
+    data_sha = sha256_file(data_path)
+    if m.data.sha256 and m.data.sha256 != data_sha:
+        raise BadInput(path, f"stated sha256 {m.data.sha256[:12]}... does not match the file's {data_sha[:12]}...",
+                       field="data.sha256")
+    m.data.sha256 = data_sha
+
+    from disttrace.data.tokenizer import load_tokenizer  # tokenizers is light; no torch here
+
+    tok_path = None
+    if m.tokenizer.kind == "bpe":
+        if not m.tokenizer.path:
+            raise BadInput(path, "a 'bpe' tokenizer needs a path", field="tokenizer.path")
+        tok_path = (base / m.tokenizer.path).resolve()
+        if not tok_path.is_file():
+            raise BadInput(path, f"tokenizer file not found: {tok_path}", field="tokenizer.path")
+    tok = load_tokenizer(m.tokenizer.kind, str(tok_path) if tok_path else None)
+    if m.tokenizer.sha256 and m.tokenizer.sha256 != tok.sha256:
+        raise BadInput(path, f"stated sha256 {m.tokenizer.sha256[:12]}... does not match the tokenizer's "
+                       f"{tok.sha256[:12]}...", field="tokenizer.sha256")
+    m.tokenizer.sha256 = tok.sha256
+    if tok.vocab_size > m.model.vocab_size:
+        raise BadInput(path, f"{m.model.vocab_size} is smaller than the tokenizer's vocabulary ({tok.vocab_size})",
+                       field="model.vocab_size")
+
+    if m.parallelism.dp < 1 or m.world_size > 4096:
+        raise BadInput(path, f"world size {m.world_size} is out of range", field="parallelism.dp")
+    unsupported = _not_supported_yet(m)
+    if unsupported:
+        raise BadInput(path, unsupported[1], field=unsupported[0])
+
+    canonical = orjson.loads(canonical_json(m.model_dump(mode="json")))
+    manifest_id = hashlib.sha256(canonical_json(canonical)).hexdigest()
+    return Frozen(
+        manifest=canonical,
+        manifest_id=manifest_id,
+        source=str(path),
+        overrides=list(overrides or []),
+        resolved={"data_path": str(data_path), "tokenizer_path": str(tok_path) if tok_path else None},
+    )

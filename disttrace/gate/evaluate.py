@@ -1,0 +1,81 @@
+"""The gate's independent evaluation, run as a fresh single process (`python -m disttrace.gate.evaluate RUN`):
+not the training job, no process group. It verifies and consolidates the run's final checkpoint into the
+plain model, and scores the held-out split the manifest fixed before training."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+from disttrace.store import checkpoints as checkpoint
+from disttrace.errors import BadInput, DisttraceError
+from disttrace.store.rundir import Run, write_json_atomic
+
+
+def final_checkpoint(run: Run) -> Path:
+    ckpts = run.checkpoint_dirs()
+    if not ckpts:
+        raise BadInput(run.path / "checkpoints", "the run wrote no checkpoint: nothing to evaluate")
+    return ckpts[-1]
+
+
+def evaluate(run_dir: Path) -> dict:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from disttrace.data.windows import TokenData
+    from disttrace.model.llama import build_model, lm_loss
+
+    torch.set_num_threads(1)
+    run = Run(run_dir)
+    m = run.manifest
+    ckpt = final_checkpoint(run)
+    index = checkpoint.verify(ckpt, run.manifest_id)
+    data = TokenData(m, run.lock["resolved"]["data_path"], run.lock["resolved"]["tokenizer_path"])
+    if data.split_report.get("eval_in_train", 1) != 0:
+        raise BadInput(run.lock["resolved"]["data_path"], "an eval document is also in the training split")
+    dtype = getattr(torch, m["training"]["dtype"])
+    model = build_model(SimpleNamespace(**m["model"]), dtype, seed=0)  # weights come from the checkpoint
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)  # consolidates every shard into full tensors
+    model.load_state_dict(state["model"])
+    model.eval()
+    total_loss, tokens, correct = 0.0, 0, 0
+    with torch.no_grad():
+        for inputs, targets in data.eval_batches(m["eval"]["batch_size"], m["eval"]["max_batches"]):
+            logits = model(inputs)
+            total_loss += float(lm_loss(logits, targets)) * targets.numel()
+            correct += int((logits.argmax(-1) == targets).sum())
+            tokens += targets.numel()
+    if tokens == 0:
+        raise BadInput(run.lock["resolved"]["data_path"], "the held-out split has no full sequence to score")
+    loss = total_loss / tokens
+    return {
+        "checkpoint": ckpt.name,
+        "checkpoint_step": index["step"],
+        "eval_loss": loss,
+        "perplexity": math.exp(min(loss, 700)),
+        "token_accuracy": correct / tokens,
+        "tokens": tokens,
+        "split": {"eval_sha256": data.split_report["eval_sha256"], "train_sha256": data.split_report["train_sha256"],
+                  "n_eval_docs": data.split_report["n_eval"], "eval_in_train": data.split_report["eval_in_train"]},
+        "process": "fresh single process, no process group",
+    }
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    run_dir = Path(argv[0])
+    try:
+        result = evaluate(run_dir)
+    except DisttraceError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    write_json_atomic(run_dir / "eval.json", result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""The curriculum's labs: one manifest per topic under manifests/labs/, each stating in its header the
+question it answers, the single fault it pairs with and the evidence that decides it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from disttrace.run import faults
+from disttrace.errors import BadInput
+from disttrace.config.manifest import DEFAULT_MANIFEST
+
+LABS_DIR = DEFAULT_MANIFEST.parent / "labs"
+
+
+def header(path: Path) -> dict:
+    out = {"lab": path.stem, "manifest": str(path)}
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        text = line.lstrip("# ").strip()
+        if text.startswith("lab "):
+            out["topic"] = text.split(":")[0].removeprefix("lab ").strip()
+        for key in ("question", "fault", "evidence"):
+            if text.startswith(key + ":"):
+                out[key] = text.split(":", 1)[1].strip()
+    return out
+
+
+def list_labs(directory: Path = LABS_DIR) -> list[dict]:
+    from disttrace.config.manifest import freeze
+
+    labs = []
+    for path in sorted(directory.glob("*.toml")):
+        lab = header(path)
+        try:
+            frozen = freeze(path)
+            name, *rest = lab.get("fault", "").split()
+            opts = dict(zip(rest[::2], rest[1::2]))
+            faults.get(name).spec(int(opts.get("--step", 1)), int(opts.get("--rank", 0)), {}, frozen.manifest)
+            lab["status"] = "runnable"
+        except BadInput as e:
+            lab["status"] = "not runnable yet"
+            lab["reason"] = e.reason
+        name, *rest = lab.get("fault", "").split()
+        lab["command"] = f"disttrace lab {path} --fault {name} {' '.join(rest)}" if name else None
+        labs.append(lab)
+    return labs
+
+
+def render_labs(labs: list[dict], console) -> None:
+    from rich.table import Table
+
+    t = Table(title="curriculum labs (manifests/labs/)")
+    for col in ("topic", "lab", "status", "question", "fault"):
+        t.add_column(col)
+    for lab in labs:
+        status = "[green]runnable[/green]" if lab["status"] == "runnable" else f"[yellow]{lab['status']}[/yellow]: {lab.get('reason')}"
+        t.add_row(lab.get("topic", "?"), lab["lab"], status, lab.get("question", ""), lab.get("fault", ""))
+    console.print(t)

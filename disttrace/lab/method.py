@@ -1,0 +1,199 @@
+"""`disttrace lab`: the whole method as one command.
+
+freeze -> reference (reused when a complete, verified one exists) -> one fault -> recover -> diff both
+paths against the reference -> gate both. With --predict the learner writes down, before the run, where
+the first divergence will be; the lab says whether it held, or in which coordinate it missed.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from disttrace.store import checkpoints as checkpoint
+from disttrace.run import faults
+from disttrace.analysis.diff import diff_runs
+from disttrace.errors import BadInput, JobFailed
+from disttrace.gate.verdict import gate
+from disttrace.run.launch import launch, prepare
+from disttrace.config.manifest import freeze
+from disttrace.run.recovery import choose_checkpoint, resume_spec
+from disttrace.store.rundir import PHASES, Run
+
+PREDICT = re.compile(r"^(?P<phase>[a-z]+)(@(?P<step>\d+)(:(?P<rank>\d+))?)?$")
+
+
+def parse_prediction(text: str | None) -> dict | None:
+    if not text:
+        return None
+    m = PREDICT.match(text.strip())
+    if not m or m.group("phase") not in PHASES:
+        raise BadInput("--predict", f"'{text}' is not PHASE[@STEP[:RANK]] with PHASE one of {', '.join(PHASES)}")
+    return {k: (int(v) if k != "phase" and v is not None else v) for k, v in m.groupdict().items()}
+
+
+def judge_prediction(pred: dict | None, first: dict | None) -> dict | None:
+    if pred is None:
+        return None
+    if first is None:
+        return {"held": False, "missed": ["no divergence was found"], "predicted": pred, "observed": None}
+    missed = [f"{k}: predicted {pred[k]}, observed {first[k]}" for k in ("phase", "step", "rank")
+              if pred.get(k) is not None and pred[k] != first[k]]
+    return {"held": not missed, "missed": missed, "predicted": pred,
+            "observed": {k: first[k] for k in ("step", "micro_batch", "phase", "rank", "tensor")}}
+
+
+def reusable_reference(out: Path, manifest_id: str) -> Path | None:
+    base = out / manifest_id[:12]
+    for d in sorted(base.glob("reference*"), reverse=True) if base.is_dir() else []:
+        try:
+            run = Run(d)
+        except BadInput:
+            continue
+        if run.complete and run.manifest_id == manifest_id and run.checkpoint_dirs() and all(
+                checkpoint.status(c, manifest_id)[0] for c in run.checkpoint_dirs()):
+            return d
+    return None
+
+
+def _run(run_dir: Path, progress) -> dict:
+    try:
+        launch(run_dir)
+        return {"run_dir": str(run_dir), "exit": 0}
+    except JobFailed as e:
+        progress(f"[yellow]job failed (exit 3), as a fault may make it:[/yellow] {e}")
+        return {"run_dir": str(run_dir), "exit": 3, "reason": str(e)}
+
+
+def final_loss(run_dir: str) -> float | None:
+    losses = Run(run_dir).losses()
+    return losses[max(losses)] if losses else None
+
+
+def expected_signature(spec: dict, fault_res: dict, d_fault: dict | None, d_rec: dict | None, resume_step) -> tuple[bool, str]:
+    exp = spec["expect"]
+    first = d_fault and d_fault["first_divergence"]
+    if exp == "exit-3":
+        return fault_res["exit"] == 3, f"job ended with exit {fault_res['exit']}"
+    if exp == "refused-at-load":
+        ck = Path(fault_res["run_dir"]) / "checkpoints" / f"step-{spec['step']:06d}"
+        ok, why = checkpoint.status(ck, Run(fault_res["run_dir"]).manifest_id)
+        return (not ok), f"checkpoint of step {spec['step']}: {why}"
+    if exp == "none":
+        return bool(d_fault and d_fault["equal"]), "numerics equal" if d_fault and d_fault["equal"] else "numerics differ"
+    if exp == "resume:optimizer":
+        f = d_rec and d_rec["first_divergence"]
+        ok = bool(f) and f["phase"] == "optimizer" and f["step"] == resume_step + 1
+        return ok, (f"recovered run diverges at step {f['step']} {f['phase']}" if f else "recovered run equal")
+    if not first:
+        return False, "no divergence found"
+    ok = first["step"] == spec["step"] and first["phase"] == exp and first["rank"] == spec["rank"]
+    return ok, f"first divergence at step {first['step']} {first['phase']} rank {first['rank']}"
+
+
+def run_lab(manifest: Path | None, fault: str, step: int, rank: int, params: dict, sets: list[str], out: Path,
+            predict: str | None, progress) -> dict:
+    frozen = freeze(manifest, sets)
+    spec = faults.get(fault).spec(step, rank, params, frozen.manifest)
+    prediction = parse_prediction(predict)
+    if prediction:
+        progress(f"prediction written down before the run: first divergence in {predict}")
+
+    ref = reusable_reference(out, frozen.manifest_id)
+    if ref:
+        progress(f"reference: reusing complete, verified {ref}")
+    else:
+        ref = prepare(frozen, out, "reference")
+        progress(f"reference: running {ref}")
+        res = _run(ref, progress)
+        if res["exit"]:
+            raise JobFailed(f"the reference run failed: {res.get('reason')}", str(ref))
+
+    fault_dir = prepare(frozen, out, "fault", fault=spec)
+    progress(f"fault: {fault} at step {step} rank {rank}: {fault_dir}")
+    fault_res = _run(fault_dir, progress)
+
+    rec_res, resume_step = None, None
+    try:
+        _, ckpt, why = choose_checkpoint(fault_dir, None)
+        resume_step = int(ckpt.name.split("-")[1])
+        rec_dir = prepare(frozen, out, "recovered", resume=resume_spec(frozen, out, ckpt, fault_dir))
+        progress(f"recovered: fault removed, resuming from {ckpt.name} ({why}): {rec_dir}")
+        rec_res = _run(rec_dir, progress)
+    except BadInput as e:
+        progress(f"[yellow]no recovery possible:[/yellow] {e}")
+
+    progress("diff and gate ...")
+    d_fault = diff_runs(ref, fault_dir)
+    d_rec = diff_runs(ref, rec_res["run_dir"]) if rec_res else None
+    g_ref = gate(ref)
+    g_fault = gate(fault_dir, ref)
+    g_rec = gate(Path(rec_res["run_dir"]), ref) if rec_res else None
+
+    sig_ok, sig_why = expected_signature(spec, fault_res, d_fault, d_rec, resume_step)
+    if spec["expect"] == "resume:optimizer":
+        recovered_ok = True  # the counter-example: its recovery is supposed to diverge
+    else:
+        recovered_ok = bool(d_rec and d_rec["equal"] and g_rec and g_rec["pass"])
+    accepted = sig_ok and recovered_ok and g_ref["pass"]
+    paths = {
+        "reference": {"run_dir": str(ref), "final_loss": final_loss(ref), "first_divergence": None,
+                      "gate": g_ref["pass"]},
+        "fault": {"run_dir": str(fault_dir), "exit": fault_res["exit"], "final_loss": final_loss(fault_dir),
+                  "first_divergence": d_fault["first_divergence"], "gate": g_fault["pass"],
+                  "gate_failed": [c["name"] for c in g_fault["checks"] if c["passed"] is False]},
+        "recovered": None if not rec_res else {
+            "run_dir": rec_res["run_dir"], "exit": rec_res["exit"], "resumed_from_step": resume_step,
+            "final_loss": final_loss(rec_res["run_dir"]), "first_divergence": d_rec["first_divergence"],
+            "equal_to_reference": d_rec["equal"], "gate": g_rec["pass"],
+            "gate_failed": [c["name"] for c in g_rec["checks"] if c["passed"] is False]},
+    }
+    return {
+        "manifest_id": frozen.manifest_id, "fault": spec, "paths": paths,
+        "expected_signature": {"expect": spec["expect"], "observed": sig_why, "held": sig_ok},
+        "prediction": judge_prediction(prediction, d_fault["first_divergence"]),
+        "accepted": accepted,
+        "diffs": {"fault": d_fault, "recovered": d_rec},
+    }
+
+
+def fmt_first(f: dict | None) -> str:
+    if not f:
+        return "none"
+    return f"step {f['step']} mb {f['micro_batch']} {f['phase']} rank {f['rank']}\n{f['tensor']}"
+
+
+def render(result: dict, console) -> None:
+    from rich.table import Table
+
+    p = result["paths"]
+    t = Table(title=f"lab: {result['fault']['name']} at step {result['fault']['step']} rank {result['fault']['rank']}")
+    t.add_column("")
+    for name in ("reference", "fault", "recovered"):
+        t.add_column(name)
+    cols = [p["reference"], p["fault"], p["recovered"] or {}]
+
+    def loss(c):
+        return "-" if c.get("final_loss") is None else f"{c['final_loss']:.4f}"
+
+    def g(c):
+        if "gate" not in c:
+            return "-"
+        return "[green]PASS[/green]" if c["gate"] else "[red]FAIL[/red] " + ", ".join(c.get("gate_failed", []))
+
+    t.add_row("run", *[Path(c["run_dir"]).name if c else "-" for c in cols])
+    t.add_row("exit", *[str(c.get("exit", 0)) if c else "-" for c in cols])
+    t.add_row("final loss", *[loss(c) for c in cols])
+    t.add_row("first divergence", "(reference)", fmt_first(p["fault"]["first_divergence"]),
+              fmt_first(p["recovered"]["first_divergence"]) if p["recovered"] else "-")
+    t.add_row("gate", *[g(c) for c in cols])
+    console.print(t)
+    s = result["expected_signature"]
+    console.print(f"expected signature ({s['expect']}): {'[green]held[/green]' if s['held'] else '[red]did not hold[/red]'}"
+                  f" - {s['observed']}")
+    pr = result["prediction"]
+    if pr:
+        console.print("prediction: " + ("[green]held exactly[/green]" if pr["held"] else
+                                        "[red]missed[/red] (" + "; ".join(pr["missed"]) + ")"))
+    console.print("attribution " + ("[green]ACCEPTED[/green]: the fault explains the divergence and the recovered "
+                                    "path rejoins the reference" if result["accepted"] else "[red]NOT accepted[/red]"))

@@ -1,0 +1,632 @@
+"""The planner: how much memory and traffic a training layout needs, worked out on paper, with no job.
+
+Every number here is closed-form arithmetic from a published paper, so a student can check it by hand:
+
+* model-state memory (parameters, gradients, optimizer states) per device under ZeRO stages 0-3:
+  Rajbhandari, Rasley, Ruwase, He (2020), "ZeRO: Memory Optimizations Toward Training Trillion
+  Parameter Models", SC'20 (arXiv:1910.02054), Section 3.1, Section 5 and Figure 1 / Table 1;
+* activation memory per transformer layer, with tensor parallelism, sequence parallelism and
+  selective or full recomputation: Korthikanti, Casper, Lym, McAfee, Andersch, Shoeybi, Catanzaro
+  (2022), "Reducing Activation Recomputation in Large Transformer Models" (arXiv:2205.05198,
+  MLSys 2023), Section 4 and Table 2;
+* the pipeline bubble (p-1)/m: Huang et al. (2019) "GPipe"; Narayanan et al. (2021) "Memory-Efficient
+  Pipeline-Parallel DNN Training" (PipeDream-Flush, i.e. 1F1B); Narayanan et al. (2021) "Efficient
+  Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", Section 2.2;
+* data-parallel traffic per device per step (ring collectives): ZeRO paper, Section 7.
+
+This module imports no torch and never builds a model: a 1T-parameter plan is as instant as a tiny one.
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+from typing import Any
+
+from disttrace.errors import BadInput
+
+GB = 10**9  # the ZeRO paper's "GB" (decimal)
+GiB = 2**30  # what render_plan prints (binary)
+MiB = 2**20
+
+ZERO_STAGES = (0, 1, 2, 3)
+
+# Bytes per element of each model-state tensor, by training precision.
+#   weights, grads: the copies that forward/backward use;
+#   master:         an fp32 copy of the weights kept by the optimizer (only under mixed precision);
+#   state:          one optimizer state tensor (Adam's momentum or variance), kept in fp32 under mixed precision.
+# ZeRO paper Section 3.1: "mixed-precision training of a model with Psi parameters using Adam requires
+# enough memory to hold an fp16 copy of the parameters and the gradients, with memory requirements of
+# 2Psi and 2Psi bytes respectively. In addition, it needs to hold the optimizer states: an fp32 copy of the
+# parameters, momentum and variance, with memory requirements of 4Psi, 4Psi, and 4Psi bytes" -> K = 12.
+# Without mixed precision there is no separate master copy: the weights are the master, so for fp32
+# Adam K = 4 + 4 = 8 (momentum + variance) and weights/grads take 4 bytes each; fp64 doubles everything.
+PRECISIONS: dict[str, dict[str, int]] = {
+    "mixed": {"weights": 2, "grads": 2, "master": 4, "state": 4},  # fp16/bf16 compute, fp32 optimizer
+    "fp32": {"weights": 4, "grads": 4, "master": 0, "state": 4},
+    "fp64": {"weights": 8, "grads": 8, "master": 0, "state": 8},
+}
+_PRECISION_ALIASES = {"bf16": "mixed", "fp16": "mixed", "bfloat16": "mixed", "float16": "mixed",
+                      "float32": "fp32", "float64": "fp64"}
+
+# Number of per-parameter state tensors each optimizer keeps.
+OPTIMIZER_STATES = {
+    "adam": 2,  # momentum (exp_avg) and variance (exp_avg_sq)
+    "adamw": 2,
+    "sgd": 0,  # plain SGD, torch's default momentum=0: no state at all
+    "sgd_momentum": 1,  # one momentum buffer
+}
+
+# Activation variants planned by plan(), with the Korthikanti et al. (2022) Table 2 formula each one uses.
+ACTIVATION_VARIANTS = {
+    "none": ("sbh(34 + 5as/h)", "no parallelism, no recomputation"),
+    "tp": ("sbh(10 + 24/t + 5as/(ht))", "tensor parallel"),
+    "tp_selective": ("sbh(10 + 24/t)", "tensor parallel + selective recomputation"),
+    "tp_sp": ("sbh(34/t + 5as/(ht))", "tensor + sequence parallel"),
+    "selective": ("sbh(34/t)", "tensor + sequence parallel + selective recomputation"),
+    "full": ("2sbh", "full recomputation: only the layer input is kept"),
+}
+
+
+def _ceil(x: Fraction | int) -> int:
+    """Round a non-negative exact fraction up to an integer number of bytes."""
+    x = Fraction(x)
+    return -((-x.numerator) // x.denominator)
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _precision(precision: str) -> str:
+    p = _PRECISION_ALIASES.get(precision, precision)
+    if p not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    return p
+
+
+def _optimizer(optimizer: str) -> str:
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATES)}, got {optimizer!r}")
+    return optimizer
+
+
+# --------------------------------------------------------------------------------------------------
+# Parameters
+# --------------------------------------------------------------------------------------------------
+
+
+def ffn_hidden_default(dim: int, multiple_of: int, ffn_dim_multiplier: float | None = None) -> int:
+    """LLaMA's SwiGLU width (Touvron et al. 2023, reference code `FeedForward`):
+    start from 4*dim, take 2/3 of it (SwiGLU has three matrices instead of two, so this keeps the
+    parameter count of a 4*dim two-matrix MLP), optionally scale, then round UP to a multiple of multiple_of.
+
+        hidden = multiple_of * ceil(floor(8*dim/3) / multiple_of)
+
+    LLaMA-7B: dim 4096, multiple_of 256 -> floor(10922.67) = 10922 -> 43 * 256 = 11008.
+    """
+    _positive_int("dim", dim)
+    _positive_int("multiple_of", multiple_of)
+    hidden = (8 * dim) // 3  # int(2 * (4*dim) / 3), exactly, in integers
+    if ffn_dim_multiplier is not None:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return multiple_of * (-(-hidden // multiple_of))
+
+
+def count_params(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, vocab_size: int, ffn_hidden: int,
+                 untied: bool = True) -> int:
+    """Exact parameter count of the LLaMA-style decoder in disttrace/model.py (no biases anywhere).
+
+    per layer:
+        attention  wq: dim*dim, wk and wv: dim*(n_kv_heads*head_dim) each (grouped-query attention),
+                   wo: dim*dim, with head_dim = dim // n_heads
+        SwiGLU     w1 and w3: dim*ffn_hidden each, w2: ffn_hidden*dim
+        two RMSNorm weights: dim each
+    plus token embedding vocab*dim, the final RMSNorm dim, and the output head vocab*dim (0 if tied).
+    """
+    for name, v in (("dim", dim), ("n_layers", n_layers), ("n_heads", n_heads), ("n_kv_heads", n_kv_heads),
+                    ("vocab_size", vocab_size), ("ffn_hidden", ffn_hidden)):
+        _positive_int(name, v)
+    if dim % n_heads:
+        raise ValueError(f"dim ({dim}) must be divisible by n_heads ({n_heads})")
+    if n_heads % n_kv_heads:
+        raise ValueError(f"n_heads ({n_heads}) must be divisible by n_kv_heads ({n_kv_heads})")
+    head_dim = dim // n_heads
+    kv_dim = n_kv_heads * head_dim
+    attention = dim * dim + 2 * dim * kv_dim + dim * dim
+    feed_forward = 3 * dim * ffn_hidden
+    norms = 2 * dim
+    per_layer = attention + feed_forward + norms
+    embedding = vocab_size * dim
+    head = vocab_size * dim if untied else 0
+    return n_layers * per_layer + embedding + dim + head
+
+
+def estimate_params(hidden: int, n_layers: int) -> int:
+    """Rough size of a GPT-style transformer when only hidden and layers are known: 12 * L * h^2
+    (4h^2 attention + 8h^2 MLP per layer; Kaplan et al. 2020, "Scaling Laws for Neural Language Models",
+    Section 2.1). Embeddings and norms are left out."""
+    return 12 * _positive_int("layers", n_layers) * _positive_int("hidden", hidden) ** 2
+
+
+def parse_count(text: str | int) -> int:
+    """'7.5B' -> 7_500_000_000; also K, M, T and plain integers ('6738415616', '6_738_415_616')."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    m = re.fullmatch(r"\s*([0-9][0-9_]*(?:\.[0-9]+)?)\s*([kKmMbBgGtT]?)\s*", str(text))
+    if not m:
+        raise ValueError(f"not a parameter count: {text!r} (try 7.5B, 350M, 1T or an integer)")
+    scale = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}[m.group(2).lower()]
+    value = Fraction(m.group(1).replace("_", "")) * scale
+    if value.denominator != 1:
+        raise ValueError(f"{text!r} is not a whole number of parameters")
+    return int(value)
+
+
+# --------------------------------------------------------------------------------------------------
+# Model states under ZeRO (Rajbhandari et al. 2020)
+# --------------------------------------------------------------------------------------------------
+
+
+def optimizer_bytes_per_param(optimizer: str = "adam", precision: str = "mixed") -> int:
+    """K in the ZeRO paper: bytes of optimizer state per parameter.
+    mixed Adam: 4 (fp32 master) + 4 (momentum) + 4 (variance) = 12; fp32 Adam: 8; fp64 Adam: 16."""
+    bytes_ = PRECISIONS[_precision(precision)]
+    return bytes_["master"] + OPTIMIZER_STATES[_optimizer(optimizer)] * bytes_["state"]
+
+
+def model_state_bytes(params: int, dp: int, zero_stage: int, optimizer: str = "adam",
+                      precision: str = "mixed") -> dict[str, int]:
+    """Bytes of model states one data-parallel rank holds (ZeRO paper, Section 5 and Figure 1).
+
+    With Psi parameters, N = dp ranks, and (mixed precision Adam) 2 bytes weights, 2 bytes grads, K = 12:
+
+        stage 0 (plain DDP)  (2 + 2 + K) * Psi             = 16 Psi
+        stage 1 (P_os)        2 Psi + 2 Psi + K * Psi / N
+        stage 2 (P_os+g)      2 Psi + (2 + K) * Psi / N
+        stage 3 (P_os+g+p)    (2 + 2 + K) * Psi / N
+
+    fp32/fp64 training uses the same shape with 4/8-byte weights and grads and K = 8/16 for Adam.
+    A sharded tensor is split into N flat pieces of ceil(Psi / N) elements (the last one padded, as
+    DeepSpeed and FSDP do), so every number is a whole count of bytes.
+    Returns {"params", "grads", "optimizer", "total"} in bytes.
+    """
+    if isinstance(params, bool) or not isinstance(params, int) or params < 0:
+        raise ValueError(f"params must be a non-negative integer, got {params!r}")
+    _positive_int("dp", dp)
+    if zero_stage not in ZERO_STAGES:
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+    b = PRECISIONS[_precision(precision)]
+    k = optimizer_bytes_per_param(optimizer, precision)
+
+    shard = -(-params // dp)  # ceil(Psi / N): the elements of one rank's piece of a sharded tensor
+    opt_elems = shard if zero_stage >= 1 else params  # stage 1 shards the optimizer states (P_os)
+    grad_elems = shard if zero_stage >= 2 else params  # stage 2 also shards the gradients (P_g)
+    param_elems = shard if zero_stage >= 3 else params  # stage 3 also shards the parameters (P_p)
+
+    out = {
+        "params": b["weights"] * param_elems,
+        "grads": b["grads"] * grad_elems,
+        "optimizer": k * opt_elems,
+    }
+    out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Activations (Korthikanti et al. 2022)
+# --------------------------------------------------------------------------------------------------
+
+
+def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
+                               sequence_parallel: bool = False, recompute: str = "none",
+                               bytes_per_value: int = 2) -> int:
+    """Bytes of activations one transformer layer keeps for its backward pass, on one device.
+
+    Korthikanti et al. (2022), Section 4.1 counts, for s = sequence length, b = micro-batch size,
+    h = hidden size, a = attention heads, 16-bit activations (2 bytes) and 1-byte dropout masks:
+
+        attention block   11 sbh + 5 as^2 b   (QKV input 2, Q and K 4, V 2, output-projection input 2,
+                                               dropout mask 1; softmax output 2as^2b, its dropout mask
+                                               as^2b, dropout output 2as^2b)
+        MLP block         19 sbh              (input 2, GeLU input 8, second linear input 8, mask 1)
+        two LayerNorms     4 sbh
+        one layer         sbh (34 + 5as/h)    Table 2, "no parallelism"
+
+    Their Table 2, which this function reproduces exactly (t = tensor-parallel size):
+
+        tensor parallel                              sbh (10 + 24/t + 5as/(ht))
+        tensor + sequence parallel                   sbh (34/t + 5as/(ht))
+        tensor parallel + selective recompute        sbh (10 + 24/t)
+        tensor + sequence parallel + selective       sbh (34/t)
+        full recomputation                           sbh (2)
+
+    Under plain tensor parallelism, 10 sbh are replicated on every rank (the two LayerNorm inputs 4,
+    the attention and MLP inputs 2 + 2, the two dropout masks 1 + 1) and 24 sbh are split t ways;
+    sequence parallelism splits the 10 too. Selective recomputation drops the 5as/h attention-score term.
+    Full recomputation keeps only the layer input; the paper's Table 2 prints it as 2sbh whatever t
+    and sequence parallelism are, and so does this function.
+
+    bytes_per_value: 2 gives the paper's numbers. For 4- or 8-byte activations the values grow and the
+    two 1-byte dropout masks do not: 34 -> 16v + 2, 5 -> 2v + 1, 10 -> 4v + 2, 24 -> 12v, 2 -> v.
+    The result is rounded up to whole bytes.
+    """
+    s = _positive_int("seq", seq)
+    b = _positive_int("micro_batch", micro_batch)
+    h = _positive_int("hidden", hidden)
+    a = _positive_int("heads", heads)
+    t = _positive_int("tp", tp)
+    v = _positive_int("bytes_per_value", bytes_per_value)
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
+
+    sbh = s * b * h
+    replicated = 4 * v + 2  # 10 with 16-bit activations: kept whole on every tensor-parallel rank
+    split = 12 * v  # 24 with 16-bit activations: divided by t under tensor parallelism
+    score = 2 * v + 1  # 5 with 16-bit activations: per element of the a*s*s*b attention-score tensors
+
+    if recompute == "full":
+        return v * sbh  # 2sbh: only the input of the layer is stored
+
+    if sequence_parallel:
+        linear = Fraction(replicated + split, t)  # 34/t
+    else:
+        linear = replicated + Fraction(split, t)  # 10 + 24/t (= 34 when t = 1)
+    quadratic = Fraction(score * a * s, h * t)  # 5as/(ht)
+    if recompute == "selective":
+        quadratic = Fraction(0)  # the attention scores are recomputed in the backward pass
+    return _ceil(sbh * (linear + quadratic))
+
+
+def activation_variants(seq: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
+                        bytes_per_value: int = 2) -> dict[str, int]:
+    """Every row of Korthikanti et al. (2022) Table 2 for one configuration (see ACTIVATION_VARIANTS)."""
+    args = (seq, micro_batch, hidden, heads)
+    f = activation_bytes_per_layer
+    return {
+        "none": f(*args, tp=1, bytes_per_value=bytes_per_value),
+        "tp": f(*args, tp=tp, bytes_per_value=bytes_per_value),
+        "tp_selective": f(*args, tp=tp, recompute="selective", bytes_per_value=bytes_per_value),
+        "tp_sp": f(*args, tp=tp, sequence_parallel=True, bytes_per_value=bytes_per_value),
+        "selective": f(*args, tp=tp, sequence_parallel=True, recompute="selective",
+                       bytes_per_value=bytes_per_value),
+        "full": f(*args, tp=tp, recompute="full", bytes_per_value=bytes_per_value),
+    }
+
+
+def micro_batches_in_flight(pp: int, micro_batches: int, schedule: str = "1f1b") -> int:
+    """How many micro-batches' activations the first pipeline stage holds at its peak.
+    GPipe runs every forward before any backward: all m. 1F1B (PipeDream-Flush) starts backwards after
+    p forwards: min(p, m) (Korthikanti et al. 2022, Section 4.2.3; Narayanan et al. 2021)."""
+    _positive_int("pp", pp)
+    _positive_int("micro_batches", micro_batches)
+    if schedule == "gpipe":
+        return micro_batches
+    if schedule == "1f1b":
+        return min(pp, micro_batches)
+    raise ValueError(f"schedule must be 'gpipe' or '1f1b', got {schedule!r}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Pipeline bubble
+# --------------------------------------------------------------------------------------------------
+
+
+def bubble_fraction(pp: int, micro_batches: int) -> dict[str, float]:
+    """Idle time of a pipeline with p stages and m micro-batches per step.
+
+    "gpipe" and "1f1b" are bubble time / ideal compute time = (p-1)/m: a pipeline of p stages needs
+    m + p - 1 slots for m micro-batches, so it idles p - 1 slots against m slots of useful work
+    (GPipe, Huang et al. 2019; PipeDream-Flush (1F1B), Narayanan et al. 2021; Megatron-LM, Narayanan et al.
+    2021, Section 2.2.1: "bubble time fraction = (p-1)/m"). 1F1B has the same bubble as GPipe; it only
+    holds fewer micro-batches' activations at once.
+
+    "of_total_time" is the same bubble measured against the whole step instead: (p-1)/(m+p-1)
+    (GPipe's O((K-1)/(M+K-1))).
+    """
+    p = _positive_int("pp", pp)
+    m = _positive_int("micro_batches", micro_batches)
+    ideal = (p - 1) / m
+    return {"gpipe": ideal, "1f1b": ideal, "of_total_time": (p - 1) / (m + p - 1)}
+
+
+# --------------------------------------------------------------------------------------------------
+# Data-parallel traffic (ZeRO paper, Section 7)
+# --------------------------------------------------------------------------------------------------
+
+
+def comm_bytes_per_device(params: int, dp: int, bytes_per_grad: int = 2) -> dict[str, int]:
+    """Bytes each rank sends (and receives) per optimizer step for data parallelism, ring algorithms.
+
+    A ring all-reduce of Psi elements is a reduce-scatter plus an all-gather, each moving (n-1)/n of
+    the data through every rank: 2(n-1)/n * Psi elements (ZeRO paper Section 7.1: "2Psi").
+        ddp, stage 0  all-reduce of the gradients                          2(n-1)/n * Psi * bytes
+        stage 1, 2    reduce-scatter gradients + all-gather updated params  2(n-1)/n * Psi * bytes
+        stage 3       + one more all-gather of params (forward and backward each gather; the
+                      paper counts 3Psi in all, "1.5x" DDP, Section 7.2.2)   3(n-1)/n * Psi * bytes
+    Rounded up to whole bytes; 0 when n = 1.
+    """
+    if isinstance(params, bool) or not isinstance(params, int) or params < 0:
+        raise ValueError(f"params must be a non-negative integer, got {params!r}")
+    n = _positive_int("dp", dp)
+    _positive_int("bytes_per_grad", bytes_per_grad)
+    volume = params * bytes_per_grad
+    allreduce = _ceil(Fraction(2 * (n - 1), n) * volume)
+    stage3 = _ceil(Fraction(3 * (n - 1), n) * volume)
+    return {"ddp": allreduce, "0": allreduce, "1": allreduce, "2": allreduce, "3": stage3}
+
+
+# --------------------------------------------------------------------------------------------------
+# The plan
+# --------------------------------------------------------------------------------------------------
+
+
+def plan(params: int, dp: int = 1, tp: int = 1, pp: int = 1, zero_stage: int = 0, optimizer: str = "adam",
+         precision: str = "mixed", seq: int | None = None, micro_batch: int = 1, hidden: int | None = None,
+         heads: int | None = None, n_layers: int | None = None, micro_batches: int = 1,
+         pp_schedule: str = "1f1b") -> dict[str, Any]:
+    """Everything above for one layout, as a JSON-able dict (ints, floats, strings, None).
+
+    Tensor and pipeline parallelism each hold a 1/(tp*pp) slice of the model, so the model-state and
+    data-parallel traffic figures use Psi_local = ceil(Psi / (tp*pp)) (embeddings and norms are assumed to
+    split evenly too, which real layouts only approximate).
+    """
+    if isinstance(params, bool) or not isinstance(params, int) or params < 1:
+        raise ValueError(f"params must be a positive integer, got {params!r}")
+    for name, v in (("dp", dp), ("tp", tp), ("pp", pp), ("micro_batch", micro_batch),
+                    ("micro_batches", micro_batches)):
+        _positive_int(name, v)
+    if zero_stage not in ZERO_STAGES:
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+    precision = _precision(precision)
+    optimizer = _optimizer(optimizer)
+    bytes_ = PRECISIONS[precision]
+
+    local = -(-params // (tp * pp))  # the slice of the model one model-parallel rank owns
+    breakdown = {str(s): model_state_bytes(local, dp, s, optimizer, precision) for s in ZERO_STAGES}
+
+    activations: dict[str, int] | None = None
+    per_device: dict[str, int] | None = None
+    if seq is not None and hidden is not None and heads is not None:
+        if hidden % heads:
+            raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads})")
+        activations = activation_variants(seq, micro_batch, hidden, heads, tp, bytes_per_value=bytes_["weights"])
+        if n_layers is not None:
+            _positive_int("n_layers", n_layers)
+            layers_per_stage = -(-n_layers // pp)
+            in_flight = micro_batches_in_flight(pp, micro_batches, pp_schedule)
+            per_device = {k: v * layers_per_stage * in_flight for k, v in activations.items()}
+
+    return {
+        "params": params,
+        "params_per_model_parallel_rank": local,
+        "zero_stage": zero_stage,
+        "inputs": {
+            "params": params, "dp": dp, "tp": tp, "pp": pp, "zero_stage": zero_stage, "optimizer": optimizer,
+            "precision": precision, "seq": seq, "micro_batch": micro_batch, "hidden": hidden, "heads": heads,
+            "n_layers": n_layers, "micro_batches": micro_batches, "pp_schedule": pp_schedule,
+            "world_size": dp * tp * pp,
+        },
+        "bytes_per_param": {"weights": bytes_["weights"], "grads": bytes_["grads"],
+                            "optimizer_K": optimizer_bytes_per_param(optimizer, precision)},
+        "model_state_bytes_per_device": {s: b["total"] for s, b in breakdown.items()},
+        "model_state_breakdown_per_device": breakdown,
+        "activation_bytes_per_layer": activations,
+        "activation_bytes_per_device": per_device,
+        "bubble_fraction": bubble_fraction(pp, micro_batches),
+        "comm_bytes_per_device": comm_bytes_per_device(local, dp, bytes_["grads"]),
+    }
+
+
+def _section(manifest: dict, name: str) -> dict:
+    sec = manifest.get(name)
+    if not isinstance(sec, dict):
+        raise BadInput("manifest", "missing section", field=name)
+    return sec
+
+
+def _need(sec: dict, section: str, key: str, default: Any = ...) -> Any:
+    if key not in sec or sec[key] is None:
+        if default is ...:
+            raise BadInput("manifest", "missing", field=f"{section}.{key}")
+        return default
+    return sec[key]
+
+
+_DTYPE_PRECISION = {"float32": "fp32", "float64": "fp64", "bfloat16": "mixed", "float16": "mixed"}
+_MANIFEST_OPTIMIZER = {"adamw": "adamw", "adam": "adam", "sgd": "sgd", "sgd_momentum": "sgd_momentum"}
+
+
+def plan_from_manifest(manifest: Any) -> dict[str, Any]:
+    """Plan the layout a manifest describes, from its numbers alone (never builds the model).
+
+    model {dim, n_layers, n_heads, n_kv_heads, vocab_size, max_seq_len, multiple_of, ffn_hidden|None}
+    parallelism {dp, tp, pp, zero_stage[, pp_schedule]}
+    training {micro_batch_size, grad_accum_steps, dtype[, optimizer]}
+
+    float32 training plans as "fp32" (4-byte weights and grads, K = 8 for Adam), float64 as "fp64"
+    (8 and 16), bfloat16/float16 as mixed precision (2, 2, K = 12). The pipeline runs grad_accum_steps
+    micro-batches per step. Bad or missing fields raise BadInput naming the field.
+    """
+    if hasattr(manifest, "model_dump"):  # a pydantic Manifest works as well as its dict
+        manifest = manifest.model_dump()
+    if not isinstance(manifest, dict):
+        raise BadInput("manifest", f"expected a mapping, got {type(manifest).__name__}")
+    model, par, train = (_section(manifest, n) for n in ("model", "parallelism", "training"))
+
+    dtype = _need(train, "training", "dtype", "float32")
+    if dtype not in _DTYPE_PRECISION:
+        raise BadInput("manifest", f"unknown dtype {dtype!r} (float32, float64, bfloat16)", field="training.dtype")
+    opt = _need(train, "training", "optimizer", "adamw")
+    if opt not in _MANIFEST_OPTIMIZER:
+        raise BadInput("manifest", f"unknown optimizer {opt!r}", field="training.optimizer")
+
+    def field(section: str, sec: dict, key: str, default: Any = ...) -> int:
+        v = _need(sec, section, key, default)
+        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if key == "zero_stage" else 1):
+            raise BadInput("manifest", f"must be a positive integer, got {v!r}", field=f"{section}.{key}")
+        return v
+
+    dim = field("model", model, "dim")
+    n_layers = field("model", model, "n_layers")
+    n_heads = field("model", model, "n_heads")
+    n_kv_heads = field("model", model, "n_kv_heads", n_heads)
+    vocab = field("model", model, "vocab_size")
+    seq = field("model", model, "max_seq_len")
+    ffn = model.get("ffn_hidden")
+    if ffn is None:
+        ffn = ffn_hidden_default(dim, field("model", model, "multiple_of", 32))
+    else:
+        ffn = field("model", model, "ffn_hidden")
+    try:
+        params = count_params(dim, n_layers, n_heads, n_kv_heads, vocab, ffn)
+    except ValueError as e:
+        raise BadInput("manifest", str(e), field="model") from None
+
+    zero_stage = field("parallelism", par, "zero_stage", 0)
+    if zero_stage not in ZERO_STAGES:
+        raise BadInput("manifest", f"must be 0..3, got {zero_stage}", field="parallelism.zero_stage")
+    schedule = _need(par, "parallelism", "pp_schedule", "1f1b")
+    try:
+        result = plan(params, dp=field("parallelism", par, "dp"), tp=field("parallelism", par, "tp", 1),
+                      pp=field("parallelism", par, "pp", 1), zero_stage=zero_stage,
+                      optimizer=_MANIFEST_OPTIMIZER[opt], precision=_DTYPE_PRECISION[dtype], seq=seq,
+                      micro_batch=field("training", train, "micro_batch_size"), hidden=dim, heads=n_heads,
+                      n_layers=n_layers, micro_batches=field("training", train, "grad_accum_steps", 1),
+                      pp_schedule=schedule)
+    except ValueError as e:
+        raise BadInput("manifest", str(e)) from None
+    result["model"] = {"dim": dim, "n_layers": n_layers, "n_heads": n_heads, "n_kv_heads": n_kv_heads,
+                       "vocab_size": vocab, "max_seq_len": seq, "ffn_hidden": ffn}
+    result["inputs"]["dtype"] = dtype
+    return result
+
+
+def plan_cli_args(params: int | str | None, dp: int = 1, tp: int = 1, pp: int = 1, zero_stage: int = 0,
+                  optimizer: str = "adam", precision: str = "mixed", seq: int | None = None,
+                  micro_batch: int = 1, hidden: int | None = None, heads: int | None = None,
+                  layers: int | None = None, micro_batches: int = 1) -> dict[str, Any]:
+    """What `disttrace plan --params 7.5B --dp 64 ...` runs. params may be '7.5B'-style text; without it,
+    hidden and layers give the 12*L*h^2 estimate (noted in inputs.params_source). Errors raise BadInput
+    naming the option."""
+    source = "given"
+    try:
+        if params is None:
+            if hidden is None or layers is None:
+                raise BadInput("--params", "give --params, or --hidden and --layers to estimate it")
+            count = estimate_params(hidden, layers)
+            source = "estimated as 12*layers*hidden^2 (Kaplan et al. 2020), embeddings left out"
+        else:
+            count = parse_count(params)
+    except ValueError as e:
+        raise BadInput("--params", str(e)) from None
+    try:
+        result = plan(count, dp=dp, tp=tp, pp=pp, zero_stage=zero_stage, optimizer=optimizer, precision=precision,
+                      seq=seq, micro_batch=micro_batch, hidden=hidden, heads=heads, n_layers=layers,
+                      micro_batches=micro_batches)
+    except ValueError as e:
+        raise BadInput("disttrace plan", str(e)) from None
+    result["inputs"]["params_source"] = source
+    return result
+
+
+# --------------------------------------------------------------------------------------------------
+# Rendering
+# --------------------------------------------------------------------------------------------------
+
+
+def human_bytes(n: int | None) -> str:
+    """Binary units: 1 GiB = 2^30 bytes (the ZeRO paper's GB are 10^9)."""
+    if n is None:
+        return "-"
+    for unit, size in (("TiB", 2**40), ("GiB", GiB), ("MiB", MiB), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n} B"
+
+
+def human_count(n: int) -> str:
+    for unit, size in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+def render_plan(result: dict, console) -> None:
+    """Print a plan as rich tables: model states per ZeRO stage, activations, pipeline bubble, traffic."""
+    from rich.table import Table
+
+    inp = result.get("inputs", {})
+    selected = str(result.get("zero_stage", inp.get("zero_stage", 0)))
+    console.print(
+        f"[bold]Plan[/bold] for {human_count(result['params'])} parameters ({result['params']:,}) on "
+        f"dp={inp.get('dp')} x tp={inp.get('tp')} x pp={inp.get('pp')} = {inp.get('world_size')} devices, "
+        f"{inp.get('precision')} precision, {inp.get('optimizer')}"
+    )
+    if inp.get("params_source", "given") != "given":
+        console.print(f"  parameter count {inp['params_source']}")
+
+    bpp = result.get("bytes_per_param", {})
+    t = Table(title="Model states per device (ZeRO, Rajbhandari et al. 2020)",
+              caption=f"Psi per model-parallel rank = {result.get('params_per_model_parallel_rank', 0):,}; "
+                      f"bytes/param: weights {bpp.get('weights')}, grads {bpp.get('grads')}, "
+                      f"optimizer K = {bpp.get('optimizer_K')}. 1 GiB = 2^30 bytes (the paper's GB = 10^9).")
+    for col in ("ZeRO stage", "shards", "params", "grads", "optimizer", "total"):
+        t.add_column(col, justify="right" if col not in ("ZeRO stage", "shards") else "left")
+    shards = {"0": "nothing (DDP)", "1": "optimizer", "2": "optimizer + grads", "3": "optimizer + grads + params"}
+    breakdown = result.get("model_state_breakdown_per_device") or {}
+    for s, total in result["model_state_bytes_per_device"].items():
+        b = breakdown.get(s, {})
+        mark = " <- selected" if s == selected else ""
+        t.add_row(f"{s}{mark}", shards.get(s, ""), human_bytes(b.get("params")), human_bytes(b.get("grads")),
+                  human_bytes(b.get("optimizer")), human_bytes(total), style="bold" if s == selected else None)
+    console.print(t)
+
+    acts = result.get("activation_bytes_per_layer")
+    if acts is None:
+        console.print("Activations: give the sequence length, hidden size and heads to plan them.")
+    else:
+        per_device = result.get("activation_bytes_per_device")
+        t = Table(title="Activations (Korthikanti et al. 2022, Table 2)",
+                  caption=f"s={inp.get('seq')} b={inp.get('micro_batch')} h={inp.get('hidden')} "
+                          f"a={inp.get('heads')} t={inp.get('tp')}"
+                          + ("; per device = per layer x layers per stage x micro-batches in flight "
+                             f"({inp.get('pp_schedule')})" if per_device else ""))
+        t.add_column("variant")
+        t.add_column("what")
+        t.add_column("formula")
+        t.add_column("per layer", justify="right")
+        if per_device:
+            t.add_column("per device", justify="right")
+        for k, v in acts.items():
+            formula, what = ACTIVATION_VARIANTS.get(k, ("", ""))
+            row = [k, what, formula, human_bytes(v)]
+            if per_device:
+                row.append(human_bytes(per_device.get(k)))
+            t.add_row(*row)
+        console.print(t)
+
+    bub = result["bubble_fraction"]
+    t = Table(title=f"Pipeline bubble (p={inp.get('pp')} stages, m={inp.get('micro_batches')} micro-batches)",
+              caption="(p-1)/m: bubble time over ideal compute time (GPipe, 1F1B/PipeDream-Flush, Megatron-LM); "
+                      "(p-1)/(m+p-1): over the whole step")
+    t.add_column("schedule")
+    t.add_column("bubble / ideal compute", justify="right")
+    t.add_column("bubble / whole step", justify="right")
+    t.add_row("GPipe", f"{bub['gpipe']:.1%}", f"{bub['of_total_time']:.1%}")
+    t.add_row("1F1B", f"{bub['1f1b']:.1%}", f"{bub['of_total_time']:.1%}")
+    console.print(t)
+
+    comm = result["comm_bytes_per_device"]
+    t = Table(title="Data-parallel traffic per device per step (ring collectives, ZeRO paper Section 7)")
+    t.add_column("layout")
+    t.add_column("collectives")
+    t.add_column("bytes sent", justify="right")
+    what = {"0": "all-reduce grads (= DDP)", "1": "reduce-scatter grads + all-gather params",
+            "2": "reduce-scatter grads + all-gather params", "3": "+ all-gather params again (1.5x DDP)"}
+    for s in ("0", "1", "2", "3"):
+        mark = " <- selected" if s == selected else ""
+        t.add_row(f"ZeRO {s}{mark}", what[s], human_bytes(comm[s]), style="bold" if s == selected else None)
+    console.print(t)

@@ -1,0 +1,50 @@
+"""Saving and loading recovery checkpoints inside the job: DCP for the tensors, then the INDEX.json that
+`disttrace.store.checkpoints` writes and verifies. Publication is atomic (see that module)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from disttrace.store.checkpoints import step_dir, verify, write_index
+
+def save(strategy, run_dir: Path, step: int, manifest_id: str, world_size: int, rank: int, bus, extra: dict):
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    final = step_dir(run_dir, step)
+    partial = final.with_name(final.name + ".partial")
+    state = bus.emit("before_checkpoint", state=strategy.state_dict(), step=step)["state"]
+    # per-rank entries (RNG) get per-rank keys: DCP writes replicated keys once, these it must keep apart
+    state[f"rng/rank-{rank:05d}"] = torch.get_rng_state()
+    state["progress"] = {"step": step, **extra}
+    if rank == 0:
+        partial.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    dcp.save(state, checkpoint_id=str(partial))
+    dist.barrier()
+    if rank == 0:
+        contents = sorted(k for k in state if not k.startswith("rng/"))
+        write_index(partial, step, manifest_id, world_size, contents)
+        os.replace(partial, final)
+    dist.barrier()
+    bus.emit("checkpoint", path=final, step=step)
+    return final
+
+
+def load(strategy, ckpt: Path, rank: int, manifest_id: str) -> dict:
+    """Load a verified checkpoint into the strategy; returns its progress dict."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    index = verify(ckpt, manifest_id)
+    with_optim = "optim" in index.get("contents", [])
+    # a template with the checkpoint's structure; DCP fills it in place
+    state = getattr(strategy, "empty_state", strategy.state_dict)(with_optim)
+    state[f"rng/rank-{rank:05d}"] = torch.get_rng_state()
+    state["progress"] = {"step": 0}
+    dcp.load(state, checkpoint_id=str(ckpt))
+    strategy.load_state_dict(state)
+    torch.set_rng_state(state[f"rng/rank-{rank:05d}"])
+    return {**state["progress"], "with_optimizer": with_optim}

@@ -1,0 +1,601 @@
+"""The fault catalog: one registry entry per fault, each attached at a named hook point.
+
+An entry states its name, hook point, parameters (with defaults), a one-line description and the first
+divergence it must produce (`expect`). A fault fires exactly once, on its (step, rank), and logs the exact
+coordinates to events.jsonl. The training loop knows none of them.
+
+`expect` uses the DESIGN.md phases; special signatures: "resume:optimizer" (the recovered run diverges at
+the resume step), "refused-at-load", "exit-3", "none" (numerics equal; a straggler is flagged).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from disttrace.errors import BadInput
+from disttrace.store.rundir import event
+
+REGISTRY: dict[str, type["Fault"]] = {}
+
+
+def register(cls):
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+class Fault:
+    name = ""
+    point = ""
+    expect = ""
+    description = ""
+    defaults: dict = {}
+    needs_dp2 = False
+    needs_checkpoint_step = False
+    requires: frozenset = frozenset()  # hook capabilities the strategy must offer (see `capabilities`)
+
+    def __init__(self, step: int, rank: int, params: dict):
+        self.step, self.rank, self.params = step, rank, params
+
+    # ---------------------------------------------------------- checked before any process starts
+    @classmethod
+    def spec(cls, step: int, rank: int, params: dict, manifest: dict) -> dict:
+        where = "--fault"
+        unknown = sorted(set(params) - set(cls.defaults))
+        if unknown:
+            raise BadInput(f"--param {unknown[0]}", f"fault '{cls.name}' has no parameter '{unknown[0]}'; "
+                           f"it takes: {', '.join(cls.defaults) or 'none'}")
+        steps = manifest["training"]["steps"]
+        world = manifest["parallelism"]["world_size"]
+        if not 1 <= step <= steps:
+            raise BadInput("--step", f"step {step} does not exist: the manifest runs steps 1..{steps}")
+        if not 0 <= rank < world:
+            raise BadInput("--rank", f"rank {rank} does not exist: world size is {world}")
+        if cls.needs_dp2 and manifest["parallelism"]["dp"] < 2:
+            raise BadInput(where, f"'{cls.name}' needs data parallelism (dp >= 2); this manifest has dp = "
+                           f"{manifest['parallelism']['dp']}")
+        missing = cls.requires - capabilities(manifest)
+        if missing:
+            raise BadInput(where, f"'{cls.name}' needs the {', '.join(sorted(missing))} hook point, which the "
+                           f"{strategy_name(manifest)} strategy does not offer")
+        par = manifest["parallelism"]
+        if par["architecture"] == "parameter-server" and cls.point in ("reduce", "optimizer", "before_clip") \
+                and rank != 0:
+            raise BadInput("--rank", f"under the parameter server only rank 0 reduces and steps the optimizer: "
+                           f"'{cls.name}' must target --rank 0")
+        if par["pp"] > 1 and cls.point == "loss":
+            from disttrace.run.topology import coords_of, mesh_shape
+
+            if coords_of(rank, mesh_shape(manifest)[0])["pp"] != par["pp"] - 1:
+                raise BadInput("--rank", f"under pipeline parallel only the last stage computes the loss: "
+                               f"'{cls.name}' must target a rank of stage {par['pp'] - 1}")
+        interval = manifest["checkpoint"]["interval"]
+        if cls.needs_checkpoint_step and (not interval or step % interval):
+            raise BadInput("--step", f"'{cls.name}' acts on a checkpoint, but no checkpoint is written at step "
+                           f"{step} (checkpoint.interval = {interval})")
+        merged = {**cls.defaults}
+        for k, v in params.items():
+            try:
+                merged[k] = type(cls.defaults[k])(v)
+            except (TypeError, ValueError):
+                raise BadInput(f"--param {k}", f"'{v}' is not a {type(cls.defaults[k]).__name__}") from None
+        cls.check(step, merged, manifest)
+        return {"name": cls.name, "step": step, "rank": rank, "params": merged, "point": cls.point,
+                "expect": cls.expect}
+
+    @classmethod
+    def check(cls, step: int, params: dict, manifest: dict) -> None:
+        """Fault-specific validation (raise BadInput)."""
+
+    # ---------------------------------------------------------- in the job
+    def attach(self, bus, ctx) -> None:
+        self.ctx = ctx
+        self.fired = False
+        if bus.rank == self.rank:
+            self.install(bus)
+
+    def install(self, bus) -> None:
+        raise NotImplementedError
+
+    def here(self, bus) -> bool:
+        return not self.fired and bus.step == self.step and bus.rank == self.rank
+
+    def fire(self, bus, **detail: Any) -> None:
+        self.fired = True
+        event(self.ctx.run_dir, "fault_fired", fault=self.name, step=bus.step, micro_batch=bus.micro_batch,
+              rank=bus.rank, point=self.point, params=self.params, **detail)
+
+
+def strategy_name(manifest: dict) -> str:
+    p = manifest["parallelism"]
+    if p["architecture"] == "parameter-server":
+        return f"parameter-server (staleness {p['staleness']})"
+    if p["pp"] > 1:
+        return f"pipeline ({p['pp_schedule']})"
+    if p["tp"] > 1:
+        return "tensor-parallel" + (" x FSDP2" if p["dp"] > 1 else "")
+    return {0: "DDP", 1: "ZeRO-1 (DDP + ZeroRedundancyOptimizer)", 2: "ZeRO-2 (FSDP2)", 3: "ZeRO-3 (FSDP2)"}[p["zero_stage"]]
+
+
+def capabilities(manifest: dict) -> set[str]:
+    """Which hook points carry what under this manifest's strategy:
+    'backward': the local gradient before any data-parallel reduce is handed to the `backward` point;
+    'collective_hook': that point runs right before the gradient collective is issued (DDP's comm hook);
+    'sharded_grads': ranks hold different pieces of the gradient (a local norm is not the global one);
+    'tp': tensor parallel, with replicated (norm) parameters beside sharded ones."""
+    caps = _capabilities(manifest)
+    p = manifest["parallelism"]
+    if p["architecture"] != "parameter-server" and (p["zero_stage"] >= 2 or p["tp"] > 1 or p["pp"] > 1):
+        caps.add("sharded_grads")
+    if p["tp"] > 1:
+        caps.add("tp")
+    return caps
+
+
+def _capabilities(manifest: dict) -> set[str]:
+    p = manifest["parallelism"]
+    if p["architecture"] == "parameter-server":
+        return {"backward"}  # the push is point-to-point, not a collective
+    if p["pp"] > 1:  # after the schedule: the stage's accumulated gradient, local only without dp/tp
+        return {"backward"} if p["dp"] == 1 and p["tp"] == 1 else set()
+    if p["tp"] > 1:
+        return {"backward"} if p["dp"] == 1 else set()
+    if p["zero_stage"] >= 2:
+        return set()  # FSDP2 reduce-scatters inside its own post-backward
+    return {"backward", "collective_hook"}
+
+
+def catalog() -> list[dict]:
+    return [{"name": c.name, "point": c.point, "expect": c.expect, "description": c.description,
+             "params": c.defaults} for c in REGISTRY.values()]
+
+
+def get(name: str) -> type[Fault]:
+    if name not in REGISTRY:
+        raise BadInput("--fault", f"unknown fault '{name}'; known: {', '.join(REGISTRY)}")
+    return REGISTRY[name]
+
+
+def build(spec: dict | None) -> Fault | None:
+    if not spec:
+        return None
+    return REGISTRY[spec["name"]](spec["step"], spec["rank"], dict(spec["params"]))
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def flip_bit(t, element: int, bit: int) -> tuple[float, float]:
+    """Flip one bit of one element in place; returns (before, after)."""
+    import torch
+
+    if hasattr(t, "to_local"):  # a DTensor: flip a bit of the shard this rank holds
+        t = t.to_local()
+    flat = t.detach().view(-1)
+    if not 0 <= element < flat.numel():
+        element = element % flat.numel()
+    before = float(flat[element])
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+    bits = flat.element_size() * 8
+    mask = (1 << bit) if bit < bits - 1 else -(1 << bit)  # the sign bit as a signed constant
+    flat[element : element + 1].view(ints).bitwise_xor_(mask)
+    return before, float(flat[element])
+
+
+def pick(grads, tensor: str):
+    """Find the (index, name, tensor) entry named `tensor` (a name, or an index as text)."""
+    for entry in grads:
+        if entry[1] == tensor or str(entry[0]) == tensor:
+            return entry
+    return None
+
+
+def _check_bit(params, manifest):
+    bits = 64 if manifest["training"]["dtype"] == "float64" else 32
+    if not 0 <= params["bit"] < bits:
+        raise BadInput("--param bit", f"bit {params['bit']} does not exist in a {bits}-bit value")
+
+
+# ---------------------------------------------------------------- the catalog
+
+
+@register
+class BitflipGrad(Fault):
+    name, point, expect = "bitflip-grad", "backward", "backward"
+    description = "flips one bit of one element of a local gradient before the reduce"
+    defaults = {"tensor": "layers.0.attention.wq.weight", "element": 0, "bit": 30, "micro_batch": -1}
+    requires = frozenset({"backward"})
+
+    @classmethod
+    def check(cls, step, params, manifest):
+        _check_bit(params, manifest)
+        accum = manifest["training"]["grad_accum_steps"]
+        if not -accum <= params["micro_batch"] < accum:
+            raise BadInput("--param micro_batch", f"micro-batch {params['micro_batch']} does not exist: "
+                           f"training.grad_accum_steps = {accum} (-1 is the last)")
+        if manifest["parallelism"]["pp"] > 1 and params["micro_batch"] % accum != accum - 1:
+            raise BadInput("--param micro_batch", "under pipeline parallel the backward point is after the "
+                           "schedule (the accumulated gradient): only the last micro-batch (-1)")
+
+    def install(self, bus):
+        accum = self.ctx.manifest["training"]["grad_accum_steps"]
+        mb = self.params["micro_batch"] % accum  # -1: the last, the one the reduce follows
+
+        def handler(bus, p):
+            if self.here(bus) and bus.micro_batch == mb:
+                entry = pick(p["grads"], self.params["tensor"])
+                if entry is not None:
+                    before, after = flip_bit(entry[2], self.params["element"], self.params["bit"])
+                    self.fire(bus, phase="backward", tensor=entry[1], element=self.params["element"],
+                              before=before, after=after)
+
+        bus.on("backward", handler, order=10)
+
+
+@register
+class BitflipParam(Fault):
+    name, point, expect = "bitflip-param", "optimizer", "optimizer"
+    description = "flips one bit of a parameter after the optimizer step (default a mantissa bit: silent)"
+    defaults = {"tensor": "layers.0.attention.wq.weight", "element": 0, "bit": 16}
+
+    @classmethod
+    def check(cls, step, params, manifest):
+        _check_bit(params, manifest)
+
+    def install(self, bus):
+        def handler(bus, p):
+            if self.here(bus):
+                entry = pick(p["params"], self.params["tensor"])
+                if entry is not None:
+                    before, after = flip_bit(entry[2], self.params["element"], self.params["bit"])
+                    self.fire(bus, phase="optimizer", tensor=entry[1], before=before, after=after)
+
+        bus.on("optimizer", handler, order=10)
+
+
+@register
+class SkipAllreduce(Fault):
+    name, point, expect = "skip-allreduce", "reduce", "reduce"
+    description = "the rank keeps its local gradient instead of the reduced one (the collective still runs)"
+    needs_dp2 = True
+    requires = frozenset({"collective_hook"})
+
+    def keeps(self, index: int, name: str) -> bool:
+        """Which tensors keep their local gradient: all of them."""
+        return True
+
+    def install(self, bus):
+        self.local: dict = {}
+
+        def keep_local(bus, p):
+            if self.here(bus) and p.get("before_collective"):
+                for index, name, g, *_ in p["grads"]:
+                    if self.keeps(index, name):
+                        self.local[index] = g.detach().clone()
+
+        def restore(bus, p):
+            if self.here(bus):
+                for index, name, g, *_ in p["grads"]:
+                    if index in self.local:
+                        g.copy_(self.local[index])
+                self.fire(bus, phase="reduce", tensors=len(self.local))
+
+        bus.on("backward", keep_local, order=95)  # after any other handler: what was really sent
+        bus.on("reduce", restore, order=10)
+
+
+@register
+class GradScale(Fault):
+    name, point, expect = "grad-scale", "reduce", "reduce"
+    description = "divides the reduced gradient by the data-parallel size a second time"
+    needs_dp2 = True
+
+    def install(self, bus):
+        def handler(bus, p):
+            if self.here(bus):
+                world = self.ctx.manifest["parallelism"]["dp"]
+                for _, _, g, *_ in p["grads"]:
+                    g.div_(world)
+                self.fire(bus, phase="reduce", divisor=world)
+
+        bus.on("reduce", handler, order=10)
+
+
+@register
+class DataSwap(Fault):
+    name, point, expect = "data-swap", "data", "data"
+    description = "the rank reads another data-parallel rank's shard for that step"
+    defaults = {"micro_batch": 0}
+    needs_dp2 = True
+
+    @classmethod
+    def check(cls, step, params, manifest):
+        _check_mb(params, manifest)
+
+    def install(self, bus):
+        def handler(bus, p):
+            if self.here(bus) and bus.micro_batch == self.params["micro_batch"]:
+                other = (self.ctx.dp_rank + 1) % self.ctx.manifest["parallelism"]["dp"]
+                p["batch"] = p["fetch"](other)
+                self.fire(bus, phase="data", read_shard_of_dp_rank=other)
+
+        bus.on("data", handler, order=10)
+
+
+def _check_mb(params, manifest):
+    accum = manifest["training"]["grad_accum_steps"]
+    if not 0 <= params["micro_batch"] < accum:
+        raise BadInput("--param micro_batch", f"micro-batch {params['micro_batch']} does not exist: "
+                       f"training.grad_accum_steps = {accum}")
+
+
+@register
+class DropMicrobatch(Fault):
+    name, point, expect = "drop-microbatch", "loss", "loss"
+    description = "skips one micro-batch of the accumulation (its loss enters backward multiplied by zero)"
+    defaults = {"micro_batch": 0}
+
+    @classmethod
+    def check(cls, step, params, manifest):
+        _check_mb(params, manifest)
+
+    def install(self, bus):
+        def handler(bus, p):
+            if self.here(bus) and bus.micro_batch == self.params["micro_batch"]:
+                p["loss"] = p["loss"] * 0.0  # backward still runs, so DDP's collectives stay matched
+                self.fire(bus, phase="loss")
+
+        bus.on("loss", handler, order=10)
+
+
+@register
+class StaleParam(Fault):
+    name, point, expect = "stale-param", "optimizer", "optimizer"
+    description = "applies the step's update to the previous step's parameters"
+
+    @classmethod
+    def check(cls, step, params, manifest):
+        if step < 2:
+            raise BadInput("--step", "'stale-param' needs a previous step: use --step >= 2")
+
+    def install(self, bus):
+        self.saved: dict = {}
+
+        def before(bus, p):
+            if bus.step in (self.step - 1, self.step) and not self.fired:
+                self.saved[bus.step] = [t.detach().clone() for _, _, t in p["params"]]
+
+        def after(bus, p):
+            if self.here(bus):
+                for (_, _, t), prev, cur in zip(p["params"], self.saved[self.step - 1], self.saved[self.step]):
+                    t.data.copy_(prev + (t.detach() - cur))
+                self.fire(bus, phase="optimizer")
+
+        bus.on("before_optimizer", before, order=10)
+        bus.on("optimizer", after, order=10)
+
+
+@register
+class LrSkew(Fault):
+    name, point, expect = "lr-skew", "optimizer", "optimizer"
+    description = "uses the learning rate times k for one step"
+    defaults = {"k": 2.0}
+
+    def install(self, bus):
+        def before(bus, p):
+            if self.here(bus):
+                self.saved = [g["lr"] for g in p["optimizer"].param_groups]
+                for g in p["optimizer"].param_groups:
+                    g["lr"] = g["lr"] * self.params["k"]
+
+        def after(bus, p):
+            if self.here(bus):
+                for g, lr in zip(p["optimizer"].param_groups, self.saved):
+                    g["lr"] = lr
+                self.fire(bus, phase="optimizer", k=self.params["k"])
+
+        bus.on("before_optimizer", before, order=10)
+        bus.on("optimizer", after, order=10)
+
+
+@register
+class OptimizerReset(Fault):
+    name, point, expect = "optimizer-reset", "checkpoint", "resume:optimizer"
+    description = "the checkpoint at step S is written without optimizer state (on every rank: one checkpoint)"
+    needs_checkpoint_step = True
+
+    def attach(self, bus, ctx):
+        # a checkpoint is one collective object: the state must be dropped on every rank alike;
+        # the event is logged once, by the named rank
+        self.ctx, self.fired = ctx, False
+
+        def handler(bus, p):
+            if bus.step == self.step and "optim" in p["state"]:
+                del p["state"]["optim"]
+                if bus.rank == self.rank:
+                    self.fire(bus, phase="checkpoint")
+
+        bus.on("before_checkpoint", handler, order=10)
+
+
+@register
+class CorruptCheckpoint(Fault):
+    name, point, expect = "corrupt-checkpoint", "checkpoint", "refused-at-load"
+    description = "flips bytes in one shard file of the checkpoint written at step S"
+    defaults = {"nbytes": 1}
+    needs_checkpoint_step = True
+
+    def install(self, bus):
+        def handler(bus, p):
+            if self.here(bus):
+                target = Path(p["path"]) / f"__{self.rank}_0.distcp"
+                if not target.exists():
+                    target = sorted(Path(p["path"]).glob("*.distcp"))[0]
+                data = bytearray(target.read_bytes())
+                at = len(data) // 2
+                for i in range(self.params["nbytes"]):
+                    data[(at + i) % len(data)] ^= 0xFF
+                target.write_bytes(bytes(data))
+                self.fire(bus, phase="checkpoint", file=target.name, offset=at)
+
+        bus.on("checkpoint", handler, order=10)
+
+
+@register
+class KillRank(Fault):
+    name, point, expect = "kill-rank", "step_start", "exit-3"
+    description = "the rank dies with SIGKILL at the start of the step"
+
+    def install(self, bus):
+        def handler(bus, p):
+            if self.here(bus):
+                self.fire(bus, phase="data")
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        bus.on("step_start", handler, order=10)
+
+
+@register
+class SlowRank(Fault):
+    name, point, expect = "slow-rank", "backward", "none"
+    description = "the rank sleeps before its collectives; numerics stay equal, the run flags it as straggler"
+    defaults = {"seconds": 0.5}
+    requires = frozenset({"collective_hook"})
+
+    def install(self, bus):
+        def handler(bus, p):
+            if self.here(bus) and p.get("before_collective"):
+                time.sleep(self.params["seconds"])
+                self.fire(bus, phase="backward", seconds=self.params["seconds"])
+
+        bus.on("backward", handler, order=10)
+
+
+@register
+class CollectiveMismatch(Fault):
+    name, point, expect = "collective-mismatch", "backward", "exit-3"
+    description = "the rank issues an all-reduce of a different shape; the job ends with exit 3 naming it"
+    defaults = {"extra": 1}
+    needs_dp2 = True
+    requires = frozenset({"collective_hook"})
+
+    def install(self, bus):
+        def handler(bus, p):
+            if self.here(bus) and p.get("before_collective"):
+                import torch
+                import torch.distributed as dist
+
+                g = p["grads"][0][2]
+                self.fire(bus, phase="backward", shape=[g.numel() + self.params["extra"]])
+                bad = torch.zeros(g.numel() + self.params["extra"], dtype=g.dtype, device=g.device)
+                dist.all_reduce(bad, group=self.ctx.strategy.group)
+
+        bus.on("backward", handler, order=10)
+
+
+def _needs_clipping(cls, manifest):
+    if not manifest["training"].get("max_grad_norm"):
+        raise BadInput("--set training.max_grad_norm", f"'{cls.name}' acts on gradient clipping: set "
+                       "training.max_grad_norm (small enough that clipping is active)")
+
+
+class _ClipFault(Fault):
+    """A fault on the clip phase: it changes the norm a rank clips with, or what it clips."""
+
+    point, expect = "before_clip", "clip"
+
+    @classmethod
+    def check(cls, step, params, manifest):
+        _needs_clipping(cls, manifest)
+
+    def install(self, bus):
+        def handler(bus, p):
+            if self.here(bus):
+                self.fire(bus, phase="clip", **self.act(p))
+
+        bus.on("before_clip", handler, order=10)
+
+    def act(self, payload: dict) -> dict:
+        raise NotImplementedError
+
+
+@register
+class ClipLocalNorm(_ClipFault):
+    name = "clip-local-norm"
+    description = "the rank clips with the norm of its local gradient shard instead of the global norm"
+    requires = frozenset({"sharded_grads"})
+
+    def act(self, p):
+        import torch
+
+        local = [g.to_local() if hasattr(g, "to_local") else g for _, _, t in p["named"] if (g := t.grad) is not None]
+        p["norm"] = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in local]))
+        return {"local_norm": float(p["norm"])}
+
+
+@register
+class ClipSkipReplicated(_ClipFault):
+    name = "clip-skip-replicated"
+    description = "under tensor parallel, the rank leaves its replicated (unsharded) parameters unclipped"
+    requires = frozenset({"tp"})
+
+    def act(self, p):
+        replicated = {i for i, _, t in p["named"]
+                      if not (hasattr(t, "placements") and any(pl.is_shard() for pl in t.placements))}
+        p["skip"] |= replicated
+        return {"skipped": len(replicated)}
+
+
+@register
+class LateMicrobatch(Fault):
+    name, point, expect = "late-microbatch", "backward", "backward"  # what it sends is the first evidence
+    description = "the last micro-batch's gradient misses the all-reduce and is added locally after it"
+    requires = frozenset({"collective_hook"})
+
+    @classmethod
+    def check(cls, step, params, manifest):
+        if manifest["training"]["grad_accum_steps"] < 2:
+            raise BadInput("--set training.grad_accum_steps", "'late-microbatch' needs gradient accumulation (>= 2)")
+
+    def install(self, bus):
+        import torch
+
+        accum = self.ctx.manifest["training"]["grad_accum_steps"]
+        self.before_last: dict = {}
+        self.late: dict = {}
+
+        def remember(bus, p):  # the accumulated gradient before the last micro-batch
+            if self.here(bus) and bus.micro_batch == accum - 2 and not p.get("before_collective"):
+                self.before_last = {i: g.detach().clone() for i, _, g, *_ in p["grads"]}
+
+        def hold_back(bus, p):  # in the comm hook: send everything but the last micro-batch's part
+            if self.here(bus) and p.get("before_collective"):
+                for i, _, g, *_ in p["grads"]:
+                    prev = self.before_last.get(i, torch.zeros_like(g))
+                    self.late[i] = g.detach() - prev
+                    g.copy_(prev)
+
+        def add_late(bus, p):
+            if self.here(bus):
+                for i, _, g, *_ in p["grads"]:
+                    if i in self.late:
+                        g.add_(self.late[i])
+                self.fire(bus, phase="reduce", tensors=len(self.late))
+
+        bus.on("backward", remember, order=10)
+        bus.on("backward", hold_back, order=11)
+        bus.on("reduce", add_late, order=10)
+
+
+@register
+class UnsyncedParam(SkipAllreduce):
+    name, point, expect = "unsynced-param", "reduce", "reduce"
+    description = ("one parameter's gradient is never reduced on the rank (as when its copy is replaced after "
+                   "wrapping): it keeps the local gradient, every other tensor is reduced")
+    defaults = {"tensor": "layers.0.attention_norm.weight"}
+
+    def keeps(self, index: int, name: str) -> bool:
+        return self.params["tensor"] in (name, str(index))  # a name, or an index as text (as `pick`)

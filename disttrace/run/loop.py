@@ -1,0 +1,58 @@
+"""The training loop. It emits hook points and knows nothing of recorders, faults or strategies' insides."""
+
+from __future__ import annotations
+
+from disttrace.model.llama import lm_loss
+
+
+def emit_module_outputs(model, bus) -> list:
+    """Emit each block's output (and the final norm and logits) at the `forward` point: layer-by-layer
+    state, the evidence a LLaMA-style comparison needs beyond a final loss."""
+    watched = [(f"layers.{k}", m) for k, m in model.layers.items()]
+    watched += [("norm", model.norm), ("output", model.output)]
+    handles = []
+    for index, (name, module) in enumerate(watched):
+        if module is None:
+            continue
+
+        def hook(_mod, _inp, out, name=name, index=index):
+            bus.emit("forward", name=name, index=index, tensor=out)
+
+        handles.append(module.register_forward_hook(hook))
+    return handles
+
+
+def read_batch(ctx, step: int, mb: int) -> dict:
+    """This rank's micro-batch, through the `data` point (a fault may hand it another rank's shard)."""
+    ctx.bus.micro_batch = mb
+    return ctx.bus.emit("data", batch=ctx.data.batch(step, mb, ctx.dp_rank),
+                        fetch=lambda r: ctx.data.batch(step, mb, r))["batch"]
+
+
+def train(ctx) -> None:
+    """ctx: a worker Context with manifest, strategy, data, bus, dp_rank, checkpointing."""
+    m, strategy, bus = ctx.manifest, ctx.strategy, ctx.bus
+    steps = m["training"]["steps"]
+    accum = m["training"]["grad_accum_steps"]
+    interval = m["checkpoint"]["interval"]
+    for step in range(ctx.start_step + 1, steps + 1):  # steps are numbered from 1
+        bus.step, bus.micro_batch = step, 0
+        bus.emit("step_start")
+        strategy.zero_grad()
+        if hasattr(strategy, "train_step"):
+            # a pipeline schedule owns the micro-batch loop (it interleaves stages' forwards and backwards):
+            # hand it every micro-batch's data at once
+            strategy.train_step([read_batch(ctx, step, mb) for mb in range(accum)])
+        else:
+            for mb in range(accum):
+                last = mb == accum - 1
+                batch = read_batch(ctx, step, mb)
+                inputs, targets = batch["inputs"].to(ctx.device), batch["targets"].to(ctx.device)
+                with strategy.micro_batch(last):
+                    loss = lm_loss(strategy.model(inputs), targets)
+                    loss = bus.emit("loss", loss=loss, tokens=targets.numel())["loss"]
+                    strategy.backward(loss / accum, last)
+        strategy.step()
+        if interval and (step % interval == 0 or step == steps):  # the last step too: the gate evaluates it
+            ctx.save_checkpoint(step)
+        bus.emit("step_end", spans=getattr(strategy, "spans", None))  # a strategy's own timing, if it keeps one

@@ -1,0 +1,139 @@
+"""The trajectory recorder: listens at the hook points and writes one record per (step, micro-batch,
+phase, rank, tensor). It never changes training; it only reads what the hooks hand it.
+
+Records of one step are buffered, sorted into the DESIGN.md order and written together, because engine
+callbacks (DDP buckets) can fire in different orders on different ranks; the file is then identical for
+identical computations. After each step a line goes to the step index: byte offset and length of the
+step's records and a digest of their digests, so diff can skip equal steps without reading them.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from disttrace.run.digest import digest_of_digests, digest_tensor
+from disttrace.run.hooks import HookBus
+from disttrace.store.rundir import PHASE_ORDER, JsonlWriter, rank_file
+
+
+def _no_dispatch_modes():
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
+def shard_info(t) -> dict:
+    """For a DTensor that is sharded, where this rank's piece sits in the logical tensor (diff combines the
+    pieces' sums and norms into the logical tensor's, so a shard compares with its full tensor)."""
+    if not hasattr(t, "to_local") or not hasattr(t, "placements"):
+        return {}
+    if all(p.is_replicate() for p in t.placements):
+        return {}
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return {"shard": {"offset": list(offset), "logical_shape": list(t.shape)}}
+
+
+class Recorder:
+    ORDER = 90  # after faults (10): the record shows what the fault did
+
+    def __init__(self, run_dir: Path, rank: int):
+        self.rank = rank
+        self.traj = JsonlWriter(Path(run_dir) / rank_file("trajectory", rank))
+        self.index = JsonlWriter(Path(run_dir) / rank_file("trajectory", rank, ".steps.jsonl"))
+        self._buf: list[dict] = []
+        self._t: dict[str, float] = {}
+
+    def attach(self, bus: HookBus) -> "Recorder":
+        bus.on("step_start", self._step_start, self.ORDER)
+        bus.on("data", self._data, self.ORDER)
+        bus.on("forward", self._forward, self.ORDER)
+        bus.on("loss", self._loss, self.ORDER)
+        bus.on("backward", self._grads("backward"), self.ORDER)
+        bus.on("reduce", self._grads("reduce"), self.ORDER)
+        bus.on("clip", self._clip, self.ORDER)
+        bus.on("optimizer", self._optimizer, self.ORDER)
+        bus.on("step_end", self._step_end, self.ORDER)
+        return self
+
+    # ---------------------------------------------------------- records
+    def add(self, bus: HookBus, phase: str, index: int, name: str, tensor, micro_batch: int | None = None, **extra):
+        # the digest's own tensor ops are not the job's: keep them out of the collective tracer's mode
+        # (which otherwise sees, and costs, every one of them)
+        with _no_dispatch_modes():
+            self._add(bus, phase, index, name, tensor, micro_batch, **extra)
+
+    def _add(self, bus, phase, index, name, tensor, micro_batch=None, **extra):
+        extra.update(shard_info(tensor))
+        rec = {
+            "step": bus.step,
+            "micro_batch": bus.micro_batch if micro_batch is None else micro_batch,
+            "phase": phase,
+            "rank": self.rank,
+            "index": index,
+            "tensor": name,
+            **digest_tensor(tensor),
+            **extra,
+        }
+        self._buf.append(rec)
+
+    def _step_start(self, bus, p):
+        self._t = {"start": time.time()}
+
+    def _data(self, bus, p):
+        b = p["batch"]
+        self.add(bus, "data", 0, "inputs", b["inputs"], samples=list(b["sample_ids"]))
+
+    def _forward(self, bus, p):
+        self.add(bus, "forward", p["index"], p["name"], p["tensor"])
+
+    def _loss(self, bus, p):
+        self.add(bus, "loss", 0, "loss", p["loss"], tokens=int(p.get("tokens", 0)))
+
+    def _grads(self, phase):
+        def handler(bus, p):
+            if phase == "backward" and "collective_issue" not in self._t and p.get("before_collective"):
+                self._t["collective_issue"] = time.time()
+            for index, name, g, *shard in p["grads"]:
+                self.add(bus, phase, index, name, g, **(shard[0] if shard else {}))
+        return handler
+
+    def _clip(self, bus, p):
+        for index, name, t in p["grads"]:
+            self.add(bus, "clip", index, name, t)
+        for index, name, t in p["scalars"]:
+            self.add(bus, "clip", index, name, t)
+
+    def _optimizer(self, bus, p):
+        for index, name, t, *shard in p["params"]:
+            self.add(bus, "optimizer", index, name, t, **(shard[0] if shard else {}))
+        base = len(p["params"])
+        for index, name, t, *shard in p.get("state", []):
+            self.add(bus, "optimizer", base + index, name, t, **(shard[0] if shard else {}))
+
+    def _step_end(self, bus, p):
+        self._buf.sort(key=lambda r: (r["micro_batch"], PHASE_ORDER[r["phase"]], r["index"]))
+        offset = self.traj.offset
+        length = 0
+        for rec in self._buf:
+            length += self.traj.write(rec)
+        self.traj.flush()
+        t = {**self._t, "end": time.time()}
+        if p.get("spans"):
+            t["spans"] = p["spans"]
+        self.index.write({
+            "step": bus.step,
+            "offset": offset,
+            "length": length,
+            "records": len(self._buf),
+            "digest": digest_of_digests([r["digest"] for r in self._buf]),
+            "time": t,
+        })
+        self.index.flush()
+        self._buf = []
+
+    def close(self):
+        self.traj.close()
+        self.index.close()

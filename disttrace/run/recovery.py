@@ -1,0 +1,49 @@
+"""Which checkpoint a recovered path resumes from: the last one that verifies and precedes the fault."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from disttrace.store import checkpoints as checkpoint
+from disttrace.errors import BadInput
+from disttrace.config.manifest import Frozen
+from disttrace.store.rundir import Run
+
+
+def choose_checkpoint(run_path: Path, from_step: int | None) -> tuple[Frozen, Path, str]:
+    run = Run(run_path)
+    frozen = Frozen.model_validate(run.lock)
+    fault = run.info.get("fault") or {}
+    ckpts = {int(p.name.split("-")[1]): p for p in run.checkpoint_dirs()}
+    if from_step is not None:
+        if from_step not in ckpts:
+            raise BadInput(run.path / "checkpoints", f"no checkpoint at step {from_step} "
+                           f"(have: {sorted(ckpts) or 'none'})", field="--from-step")
+        checkpoint.verify(ckpts[from_step], run.manifest_id)  # raises naming the bad file
+        return frozen, ckpts[from_step], f"--from-step {from_step}"
+    if fault:
+        # a fault at step S has touched the state saved at S, unless it acts on the checkpoint itself
+        # (then the checkpoint of S is the subject: optimizer-reset's recovery shows why it is bad)
+        limit = fault["step"] if fault.get("point") == "checkpoint" else fault["step"] - 1
+        why = f"last verified checkpoint at or before step {limit}, before the fault at step {fault['step']}"
+    else:
+        limit = max(ckpts, default=0)
+        why = "last verified checkpoint"
+    rejected = []
+    for step in sorted((s for s in ckpts if s <= limit), reverse=True):
+        ok, reason = checkpoint.status(ckpts[step], run.manifest_id)
+        if ok:
+            note = f"; skipped: {'; '.join(rejected)}" if rejected else ""
+            return frozen, ckpts[step], why + note
+        rejected.append(reason)
+    raise BadInput(run.path / "checkpoints", f"no checkpoint at or before step {limit} verifies"
+                   + (f" ({'; '.join(rejected)})" if rejected else " (none written; set checkpoint.interval)"))
+
+
+def resume_spec(frozen: Frozen, root: Path, ckpt: Path, from_run: Path) -> dict:
+    """run.json's `resume`: the checkpoint relative to <root>/<id12>/, so the run store stays movable."""
+    import os
+
+    base = (Path(root) / frozen.manifest_id[:12]).resolve()
+    return {"checkpoint": os.path.relpath(ckpt.resolve(), base), "step": int(ckpt.name.split("-")[1]),
+            "from_run": str(Path(from_run).resolve())}

@@ -1,0 +1,228 @@
+"""One rank of a disttrace job. Started by `disttrace run` through torch's elastic launcher, or by hand:
+
+    torchrun --nnodes 2 --nproc-per-node 4 --rdzv-endpoint HOST:PORT -m disttrace.worker --run-dir DIR
+
+It builds data -> model -> strategy -> loop, attaches the recorder and the (at most one) fault to the hook
+bus, and writes its rank's part of the run store. Rank 0 writes COMPLETE after every rank has flushed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+
+from disttrace.store.rundir import COMPLETE, LOCK, event, mark_complete, read_json, write_json_atomic
+
+
+class Context(SimpleNamespace):
+    """What the loop and the faults may see of the worker."""
+
+    def save_checkpoint(self, step: int) -> None:
+        from disttrace.run import checkpoint
+
+        path = checkpoint.save(self.strategy, self.run_dir, step, self.manifest_id, self.world, self.rank,
+                               self.bus, extra={"data_position": step * self.data.global_batch})
+        if self.rank == 0:
+            event(self.run_dir, "checkpoint_saved", step=step, path=str(path.relative_to(self.run_dir)))
+
+
+def setup_torch(manifest: dict):
+    import torch
+
+    torch.set_num_threads(1)  # several ranks share the host's cores; more threads per rank is slower
+    if manifest["debug"]["deterministic"]:
+        torch.use_deterministic_algorithms(True)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+    return torch
+
+
+def pick_backend(manifest: dict, torch) -> tuple:
+    want = manifest["parallelism"]["backend"]
+    cuda = torch.cuda.is_available()
+    backend = ("nccl" if cuda else "gloo") if want == "auto" else want
+    if backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        return backend, torch.device("cuda", local)
+    return backend, torch.device("cpu")
+
+
+def run(run_dir: Path) -> None:
+    lock = read_json(run_dir / LOCK)
+    info = read_json(run_dir / "run.json")
+    manifest = lock["manifest"]
+    torch = setup_torch(manifest)
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from disttrace.run import faults, topology
+    from disttrace.run.collectives import CollectiveTracer
+    from disttrace.data.windows import TokenData
+    from disttrace.run.hooks import HookBus
+    from disttrace.model.llama import build_model
+    from disttrace.run.parallel import build_strategy
+    from disttrace.run.recorder import Recorder
+    from disttrace.run.loop import emit_module_outputs, train
+
+    backend, device = pick_backend(manifest, torch)
+    timeout = timedelta(seconds=manifest["debug"]["collective_timeout_s"])
+    dist.init_process_group(backend, timeout=timeout)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != manifest["parallelism"]["world_size"]:
+        raise RuntimeError(f"the job has {world} ranks but the manifest's dp*tp*pp is "
+                           f"{manifest['parallelism']['world_size']}")
+    tracer = CollectiveTracer(run_dir, rank)
+    try:
+        with tracer:
+            shape, dims = topology.mesh_shape(manifest)
+            mesh = init_device_mesh(device.type, shape, mesh_dim_names=dims)
+            views: list = [None] * world
+            dist.all_gather_object(views, topology.local_view(manifest, rank))
+            topo = topology.merge(views)
+            if rank == 0:
+                write_json_atomic(run_dir / "topology.json", topo)
+                write_json_atomic(run_dir / "env.json", environment(torch, backend, views))
+            coords = topo["ranks"][rank]["coords"]
+
+            bus = HookBus(rank)
+            bus.on("step_start", lambda b, p: setattr(tracer, "step", b.step), order=0)
+            recorder = Recorder(run_dir, rank).attach(bus)
+            data = TokenData(manifest, lock["resolved"]["data_path"], lock["resolved"]["tokenizer_path"])
+            dtype = getattr(torch, manifest["training"]["dtype"])
+            model = build_model(SimpleNamespace(**manifest["model"]), dtype, manifest["experiment"]["seed"])
+            model.to(device)
+            emit_module_outputs(model, bus)
+            strategy = build_strategy(manifest, model, mesh, bus)
+            groups = {**topo["groups"], "world": [list(range(world))]}
+            ledger = attach_observers(run_dir, rank, manifest, strategy, recorder, bus, groups, device)
+            ctx = Context(run_dir=run_dir, manifest=manifest, manifest_id=lock["manifest_id"], rank=rank,
+                          world=world, dp_rank=coords["dp"], device=device, strategy=strategy, data=data, bus=bus,
+                          start_step=0, tracer=tracer)
+            fault = faults.build(info.get("fault"))
+            if fault is not None:
+                fault.attach(bus, ctx)
+            if info.get("resume"):
+                ctx.start_step = resume(ctx, info["resume"])
+            train(ctx)
+            if hasattr(strategy, "close"):
+                strategy.close()
+            recorder.close()
+            ledger.close()
+        tracer.close()
+        dist.barrier()
+        if rank == 0:
+            mark_complete(run_dir, {"steps": manifest["training"]["steps"], "world_size": world})
+    finally:
+        tracer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def attach_observers(run_dir, rank, manifest, strategy, recorder, bus, groups, device):
+    """Everything that watches the job besides the recorder: the memory ledger, the replica map (and the
+    live check of it, if asked), and what the engine reports of itself. Returns the ledger (to close)."""
+    from disttrace.run.memory import MemoryLedger
+
+    if rank == 0:
+        write_json_atomic(run_dir / "replicas.json", {"groups": groups, "rules": strategy.replicas()})
+    if manifest["debug"].get("live_check"):
+        from disttrace.run.livecheck import LiveCheck
+
+        LiveCheck(run_dir, recorder, strategy.replicas(), groups, rank, device).attach(bus)
+    if hasattr(strategy, "engine_facts") and rank == 0:
+        seen: dict = {}
+
+        def log_engine_facts(b, p):  # logged when it changes (DDP rebuilds its buckets after step 1)
+            facts = strategy.engine_facts()
+            if facts != seen:
+                seen.clear()
+                seen.update(facts)
+                event(run_dir, "engine_facts", step=b.step, **facts)
+
+        bus.on("step_end", log_engine_facts, order=95)
+    return MemoryLedger(run_dir, rank, manifest, strategy).attach(bus)
+
+
+def resume(ctx, spec: dict) -> int:
+    """Load the checkpoint named in run.json (relative to the runs/<id12>/ directory) and return its step."""
+    from disttrace.run import checkpoint
+
+    path = Path(spec["checkpoint"])
+    path = path if path.is_absolute() else ctx.run_dir.parent / path
+    progress = checkpoint.load(ctx.strategy, path, ctx.rank, ctx.manifest_id)
+    if ctx.rank == 0:
+        event(ctx.run_dir, "resumed", step=int(progress["step"]), checkpoint=spec["checkpoint"],
+              with_optimizer=progress["with_optimizer"])
+    return int(progress["step"])
+
+
+def environment(torch, backend: str, views: list) -> dict:
+    import platform
+    import subprocess
+    from importlib.metadata import PackageNotFoundError, version
+
+    def ver(p):
+        try:
+            return version(p)
+        except PackageNotFoundError:
+            return None
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                                cwd=Path(__file__).parent).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "backend": backend,
+        "cuda": torch.version.cuda if torch.cuda.is_available() else None,
+        "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        if torch.cuda.is_available() else ["cpu"],
+        "hosts": sorted({v["host"] for v in views}),
+        "git_commit": commit,
+        "packages": {p: ver(p) for p in ("disttrace", "torch", "numpy", "tokenizers", "xxhash", "orjson")},
+        "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "TORCH_DISTRIBUTED_DEBUG", "GLOO_SOCKET_IFNAME")},
+    }
+
+
+def die_with_parent() -> None:
+    """If the launcher is killed (SIGKILL leaves no chance to clean up), its ranks must not live on as
+    orphans and finish a run nobody watches: ask Linux to kill this process when its parent dies."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            import signal
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m disttrace.worker", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run-dir", required=True, type=Path, help="a run directory prepared by `disttrace run --prepare-only`")
+    args = ap.parse_args(argv)
+    run_dir = args.run_dir.resolve()
+    die_with_parent()
+    try:
+        run(run_dir)
+    except BaseException as e:  # record why this rank stopped, then let the launcher see the failure
+        if not isinstance(e, SystemExit) and not (run_dir / COMPLETE).exists():
+            rank = int(os.environ.get("RANK", -1))
+            event(run_dir, "rank_failed", rank=rank, error=f"{type(e).__name__}: {e}"[:2000],
+                  where=traceback.format_exc(limit=3)[-1500:])
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

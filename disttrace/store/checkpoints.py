@@ -1,0 +1,86 @@
+"""Recovery checkpoints: torch.distributed.checkpoint (DCP) files plus our INDEX.json.
+
+DCP has no content hash of its own. INDEX.json gives every file's sha256 and size, the step, the manifest
+id and the world size, so a flipped byte, a truncated or missing file, or a checkpoint of another
+experiment is refused before anything is loaded.
+
+Publication is atomic: all ranks write into `step-NNNNNN.partial`, rank 0 hashes the files and writes the
+INDEX, then renames the directory to `step-NNNNNN`. A crash leaves a `.partial` directory that no reader
+takes for a checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from disttrace.errors import BadInput
+from disttrace.store.rundir import read_json, write_json_atomic
+
+INDEX = "INDEX.json"
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step-{step:06d}"
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_index(ckpt: Path, step: int, manifest_id: str, world_size: int, contents: list[str]) -> dict:
+    files = {}
+    for p in sorted(ckpt.iterdir()):
+        if p.is_file() and p.name != INDEX:
+            files[p.name] = {"sha256": sha256_of(p), "bytes": p.stat().st_size}
+    index = {"format": "dcp", "step": step, "manifest_id": manifest_id, "world_size": world_size,
+             "contents": contents, "files": files}
+    write_json_atomic(ckpt / INDEX, index)
+    return index
+
+
+def verify(ckpt: Path | str, manifest_id: str | None = None) -> dict:
+    """Read every byte; raise BadInput naming the first bad file. Returns the index."""
+    ckpt = Path(ckpt)
+    if not ckpt.is_dir():
+        raise BadInput(ckpt, "checkpoint directory not found")
+    index = read_json(ckpt / INDEX)
+    if not isinstance(index, dict) or not isinstance(index.get("files"), dict):
+        raise BadInput(ckpt / INDEX, "not a checkpoint index", field="files")
+    if manifest_id is not None and index.get("manifest_id") != manifest_id:
+        raise BadInput(ckpt / INDEX, f"written for manifest {str(index.get('manifest_id'))[:12]}, "
+                       f"not {manifest_id[:12]}", field="manifest_id")
+    if ".metadata" not in index["files"]:
+        raise BadInput(ckpt / INDEX, "lists no DCP .metadata file", field="files")
+    for name, meta in sorted(index["files"].items()):
+        p = ckpt / name
+        if not p.is_file():
+            raise BadInput(p, "checkpoint file is missing")
+        size = p.stat().st_size
+        if size != meta.get("bytes"):
+            raise BadInput(p, f"size {size} differs from the index's {meta.get('bytes')} (truncated or altered)")
+        if sha256_of(p) != meta.get("sha256"):
+            raise BadInput(p, "sha256 differs from the index (corrupted)")
+    extra = sorted(p.name for p in ckpt.iterdir() if p.is_file() and p.name != INDEX and p.name not in index["files"])
+    if extra:
+        raise BadInput(ckpt / extra[0], "file not listed in the index")
+    return index
+
+
+def status(ckpt: Path, manifest_id: str | None = None) -> tuple[bool, str]:
+    try:
+        index = verify(ckpt, manifest_id)
+        n = len(index["files"])
+        size = sum(f["bytes"] for f in index["files"].values())
+        return True, f"ok ({n} files, {size} bytes, contents: {', '.join(index.get('contents', []))})"
+    except BadInput as e:
+        return False, str(e)
+
+
+def read_index(ckpt: Path) -> dict:
+    return read_json(Path(ckpt) / INDEX)

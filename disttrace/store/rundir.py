@@ -1,0 +1,334 @@
+"""The run store: the only thing diff, gate, show, trace and report ever read.
+
+Layout (one run = one directory, see DESIGN.md):
+
+    runs/<manifest-id[:12]>/<path>[-<n>]/
+      manifest.lock.json     canonical manifest + resolved hashes (written first)
+      run.json               which path this is, the fault spec, where it resumed from
+      env.json  topology.json
+      trajectory/rank-00000.jsonl        one record a line
+      trajectory/rank-00000.steps.jsonl  per step: byte offset, length, record count, digest of digests
+      collectives/rank-00000.jsonl  memory/rank-00000.jsonl
+      events.jsonl           fault fired, checkpoint saved, crash, resume
+      checkpoints/step-000004/  DCP files + INDEX.json
+      COMPLETE               written last; without it the run is incomplete
+
+This module imports no torch: a run written on a cluster can be read on a laptop.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import orjson
+
+from disttrace.errors import BadInput
+
+PHASES = ("data", "forward", "loss", "backward", "reduce", "clip", "optimizer", "checkpoint")
+PHASE_ORDER = {p: i for i, p in enumerate(PHASES)}
+PATH_KINDS = ("reference", "fault", "recovered")
+
+LOCK = "manifest.lock.json"
+COMPLETE = "COMPLETE"
+
+
+def rank_file(kind: str, rank: int, suffix: str = ".jsonl") -> str:
+    return f"{kind}/rank-{rank:05d}{suffix}"
+
+
+# ---------------------------------------------------------------- writing
+
+
+def write_json_atomic(path: Path | str, obj: Any) -> None:
+    """Write JSON so a reader sees the old file or the new one, never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    data = orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY)
+    with open(tmp, "wb") as f:
+        f.write(data + b"\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def append_line(path: Path | str, obj: Any) -> None:
+    """Append one JSON line with a single O_APPEND write (atomic for short lines on a local disk),
+    so several ranks may log events to one file without interleaving."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+class JsonlWriter:
+    """Appends records to one rank's JSONL file; flushed per step so a crash loses at most a step."""
+
+    def __init__(self, path: Path | str):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "ab")
+
+    @property
+    def offset(self) -> int:
+        return self._f.tell()
+
+    def write(self, obj: Any) -> int:
+        data = orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
+        self._f.write(data)
+        return len(data)
+
+    def write_raw(self, data: bytes) -> None:
+        self._f.write(data)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
+
+
+def event(run_dir: Path | str, kind: str, **fields: Any) -> bool:
+    """Log one event. Best effort: a full disk must not turn a reported failure into a crash."""
+    try:
+        append_line(Path(run_dir) / "events.jsonl", {"event": kind, "time": time.time(), **fields})
+        return True
+    except OSError as e:
+        import sys
+
+        print(f"disttrace: could not log event '{kind}' in {run_dir}: {e.strerror}", file=sys.stderr)
+        return False
+
+
+def new_run_dir(root: Path | str, manifest_id: str, path_kind: str) -> Path:
+    """runs/<id12>/<path>[-n]: the first run of a path gets the bare name, later ones -2, -3, ..."""
+    base = Path(root) / manifest_id[:12]
+    base.mkdir(parents=True, exist_ok=True)
+    n = 1
+    while True:
+        name = path_kind if n == 1 else f"{path_kind}-{n}"
+        try:
+            (base / name).mkdir()  # mkdir is the lock: two launchers never share a directory
+            return base / name
+        except FileExistsError:
+            n += 1
+
+
+def mark_complete(run_dir: Path | str, summary: dict) -> None:
+    write_json_atomic(Path(run_dir) / COMPLETE, {"completed": time.time(), **summary})
+
+
+# ---------------------------------------------------------------- reading
+
+
+def read_json(path: Path | str) -> Any:
+    path = Path(path)
+    try:
+        return orjson.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise BadInput(path, "file not found") from None
+    except orjson.JSONDecodeError as e:
+        raise BadInput(path, f"not valid JSON ({e.msg} at line {e.lineno})") from None
+    except OSError as e:
+        raise BadInput(path, f"cannot read ({e.strerror})") from None
+
+
+@dataclass
+class JsonlRead:
+    records: list
+    torn: str | None  # a description of a torn/unparseable line, if any
+
+
+def iter_jsonl(path: Path | str, torn: list | None = None) -> Iterator[dict]:
+    """Yield objects line by line. A torn last line (a crash mid-write) is reported through `torn`,
+    not raised; a bad line in the middle is bad input."""
+    path = Path(path)
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        raise BadInput(path, "file not found") from None
+    except OSError as e:  # a directory in its place, no permission
+        raise BadInput(path, f"cannot read ({e.strerror})") from None
+    with f:
+        prev = None
+        lineno = 0
+        for raw in f:
+            lineno += 1
+            if prev is not None:
+                yield _parse_line(path, prev, lineno - 1, torn, last=False)
+            prev = raw
+        if prev is not None:
+            obj = _parse_line(path, prev, lineno, torn, last=True)
+            if obj is not None:
+                yield obj
+
+
+def _parse_line(path: Path, raw: bytes, lineno: int, torn: list | None, last: bool):
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        if last and torn is not None:
+            torn.append(f"{path}: line {lineno} is torn (incomplete write), ignored")
+            return None
+        raise BadInput(path, f"line {lineno} is not valid JSON") from None
+    if not isinstance(obj, dict):
+        raise BadInput(path, f"line {lineno} is not a JSON object")
+    return obj
+
+
+def read_jsonl(path: Path | str) -> JsonlRead:
+    torn: list = []
+    recs = list(iter_jsonl(path, torn))
+    return JsonlRead(recs, torn[0] if torn else None)
+
+
+# the manifest sections and fields readers rely on, with their types (a lock is data from disk: check it)
+LOCK_SHAPE = {
+    "experiment": {"name": str, "edition": str},
+    "parallelism": {"dp": int, "tp": int, "pp": int, "zero_stage": int},
+    "training": {"micro_batch_size": int, "grad_accum_steps": int, "steps": int},
+}
+
+
+def _check_shape(path: Path, manifest: dict, shape: dict) -> None:
+    for section, fields in shape.items():
+        sec = manifest.get(section)
+        if sec is None:
+            continue
+        if not isinstance(sec, dict):
+            raise BadInput(path, "must be an object", field=f"manifest.{section}")
+        for key, typ in fields.items():
+            v = sec.get(key)
+            if key in sec and (not isinstance(v, typ) or isinstance(v, bool)):
+                raise BadInput(path, f"must be {typ.__name__}", field=f"manifest.{section}.{key}")
+
+
+class Run:
+    """Read-only view of one run directory."""
+
+    def __init__(self, path: Path | str):
+        self.path = Path(path)
+        if not self.path.exists():
+            raise BadInput(self.path, "no such run directory")
+        if not self.path.is_dir():
+            raise BadInput(self.path, "not a directory")
+        if not (self.path / LOCK).exists():
+            raise BadInput(self.path, f"not a run directory (no {LOCK})")
+        self.lock = read_json(self.path / LOCK)
+        if not isinstance(self.lock, dict) or "manifest" not in self.lock or "manifest_id" not in self.lock:
+            raise BadInput(self.path / LOCK, "missing 'manifest' or 'manifest_id'", field="manifest")
+        if not isinstance(self.lock["manifest"], dict):
+            raise BadInput(self.path / LOCK, "must be an object", field="manifest")
+        if not isinstance(self.lock["manifest_id"], str):
+            raise BadInput(self.path / LOCK, "must be a string", field="manifest_id")
+        _check_shape(self.path / LOCK, self.lock["manifest"], LOCK_SHAPE)
+
+    # -- identity
+    @property
+    def manifest(self) -> dict:
+        return self.lock["manifest"]
+
+    @property
+    def manifest_id(self) -> str:
+        return self.lock["manifest_id"]
+
+    @property
+    def info(self) -> dict:
+        p = self.path / "run.json"
+        if not p.exists():
+            return {}
+        info = read_json(p)
+        if not isinstance(info, dict):
+            raise BadInput(p, "must be a JSON object")
+        for key, need in (("fault", {"name": str, "step": int, "rank": int}),
+                          ("resume", {"checkpoint": str, "step": int})):
+            value = info.get(key)
+            if value is None:
+                continue
+            if not isinstance(value, dict):
+                raise BadInput(p, "must be an object or null", field=key)
+            for k, typ in need.items():
+                if not isinstance(value.get(k), typ) or isinstance(value.get(k), bool):
+                    raise BadInput(p, f"must be {typ.__name__}", field=f"{key}.{k}")
+        return info
+
+    @property
+    def complete(self) -> bool:
+        return (self.path / COMPLETE).exists()
+
+    @property
+    def world_size(self) -> int:
+        par = self.manifest.get("parallelism", {})
+        return int(par.get("dp", 1)) * int(par.get("tp", 1)) * int(par.get("pp", 1))
+
+    def ranks(self, kind: str = "trajectory") -> list[int]:
+        d = self.path / kind
+        out = []
+        if d.is_dir():
+            for p in d.iterdir():
+                m = re.fullmatch(r"rank-(\d{5})\.jsonl", p.name)
+                if m:
+                    out.append(int(m.group(1)))
+        return sorted(out)
+
+    def rank_path(self, kind: str, rank: int, suffix: str = ".jsonl") -> Path:
+        return self.path / rank_file(kind, rank, suffix)
+
+    def events(self) -> JsonlRead:
+        p = self.path / "events.jsonl"
+        return read_jsonl(p) if p.exists() else JsonlRead([], None)
+
+    def topology(self) -> dict | None:
+        p = self.path / "topology.json"
+        return read_json(p) if p.exists() else None
+
+    def step_index(self, rank: int) -> JsonlRead:
+        p = self.rank_path("trajectory", rank, ".steps.jsonl")
+        if not p.exists():
+            return JsonlRead([], None)
+        read = read_jsonl(p)
+        for n, e in enumerate(read.records, 1):
+            for k in ("step", "offset", "length", "records"):
+                if not isinstance(e.get(k), int) or isinstance(e.get(k), bool) or e[k] < 0:
+                    raise BadInput(p, f"line {n}: '{k}' must be a non-negative integer", field=k)
+            if not isinstance(e.get("time", {}), dict):
+                raise BadInput(p, f"line {n}: 'time' must be an object", field="time")
+        return read
+
+    def records(self, rank: int, torn: list | None = None) -> Iterator[dict]:
+        yield from iter_jsonl(self.rank_path("trajectory", rank), torn)
+
+    def records_of_step(self, rank: int, entry: dict) -> list[dict]:
+        """Read only the byte range of one step (from the step index): diff seeks, never scans."""
+        with open(self.rank_path("trajectory", rank), "rb") as f:
+            f.seek(entry["offset"])
+            data = f.read(entry["length"])
+        return [orjson.loads(line) for line in data.splitlines() if line.strip()]
+
+    def checkpoint_dirs(self) -> list[Path]:
+        d = self.path / "checkpoints"
+        if not d.is_dir():
+            return []
+        return sorted(p for p in d.iterdir() if p.is_dir() and re.fullmatch(r"step-\d{6}", p.name))
+
+    def losses(self) -> dict[int, float]:
+        """Mean training loss per step (over micro-batches and data-parallel ranks), from loss records."""
+        acc: dict[int, list[float]] = {}
+        for rank in self.ranks():
+            for rec in self.records(rank, torn=[]):
+                if rec.get("phase") == "loss" and rec.get("tensor") == "loss" and isinstance(rec.get("step"), int):
+                    value = rec["sum"] if rec.get("sum") is not None else float("nan")  # a non-finite loss
+                    acc.setdefault(rec["step"], []).append(value)
+        return {s: sum(v) / len(v) for s, v in sorted(acc.items())}

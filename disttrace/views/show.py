@@ -1,0 +1,201 @@
+"""`disttrace show`: what a run holds, read from the run store only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from disttrace.store import checkpoints as checkpoint
+from disttrace.errors import BadInput
+from disttrace.store.rundir import Run, iter_jsonl
+from disttrace.analysis.sync import check_sync, find_stragglers, predicted_dp_volume, wire_volume
+
+VIEWS = ("summary", "checkpoints", "topology", "collectives", "memory", "events")
+
+
+def summary(run_dir: Path | str) -> dict:
+    run = Run(run_dir)
+    m = run.manifest
+    counts, torn = {}, []
+    for rank in run.ranks():
+        idx = run.step_index(rank)
+        counts[rank] = {"steps": len(idx.records), "records": sum(e["records"] for e in idx.records)}
+        if idx.torn:
+            torn.append(idx.torn)
+    events = run.events().records
+    info = run.info
+    exp, par = m.get("experiment") or {}, m.get("parallelism") or {}
+    return {
+        "path": info.get("path"),
+        "complete": run.complete,
+        "manifest_id": run.manifest_id,
+        "experiment": exp.get("name"),
+        "edition": exp.get("edition"),
+        "topology": {k: par.get(k, 1 if k != "zero_stage" else 0) for k in ("world_size", "dp", "tp", "pp", "zero_stage")},
+        "fault": info.get("fault"),
+        "resume": info.get("resume"),
+        "loss": {str(k): v for k, v in run.losses().items()},
+        "ranks": {str(k): v for k, v in counts.items()},
+        "fault_fired": [e for e in events if e.get("event") == "fault_fired"],
+        "failures": [e for e in events if e.get("event") in ("job_failed", "rank_failed")],
+        "stragglers": find_stragglers(run),
+        "checkpoints": [p.name for p in run.checkpoint_dirs()],
+        "warnings": torn,
+    }
+
+
+def render_summary(run_dir: Path | str, console: Console, brief: bool = False) -> dict:
+    s = summary(run_dir)
+    e = lambda v: escape(str(v))  # noqa: E731  values come from files: never rich markup
+    state = "[green]complete[/green]" if s["complete"] else "[red]INCOMPLETE[/red]"
+    t = s["topology"]
+    console.print(f"[bold]{e(s['experiment'])}[/bold] ({e(s['edition'])})  path={e(s['path'])}  {state}  "
+                  f"id={e(s['manifest_id'][:12])}  world={t['world_size']} dp={t['dp']} tp={t['tp']} pp={t['pp']} "
+                  f"zero={t['zero_stage']}")
+    if s["fault"]:
+        f = s["fault"]
+        fired = "fired" if s["fault_fired"] else "[yellow]did not fire[/yellow]"
+        console.print(f"fault: {e(f['name'])} at step {f['step']} rank {f['rank']} ({fired}); expected first "
+                      f"divergence: {e(f.get('expect'))}")
+    if s["resume"]:
+        console.print(f"resumed from {e(s['resume']['checkpoint'])} (step {s['resume']['step']})")
+    if s["loss"]:
+        console.print("loss: " + "  ".join(f"{k}:{v:.4f}" for k, v in s["loss"].items()))
+    for f in s["failures"][:3]:
+        console.print(f"[red]{e(f.get('event'))}[/red]: {e(f.get('reason') or f.get('error'))}", soft_wrap=True)
+    for st in s["stragglers"][:3]:
+        console.print(f"[yellow]straggler[/yellow]: rank {st['rank']} at step {st['step']} took {st['seconds']}s "
+                      f"to reach its collective (others: {st['others_median']}s)")
+    for w in s["warnings"]:
+        console.print(f"[yellow]warning[/yellow]: {e(w)}")
+    if not brief:
+        tab = Table(title="records per rank")
+        for col in ("rank", "steps", "records"):
+            tab.add_column(col, justify="right")
+        for r, c in s["ranks"].items():
+            tab.add_row(r, str(c["steps"]), str(c["records"]))
+        console.print(tab)
+        render_topology(Run(run_dir), console)
+    return s
+
+
+def checkpoints_view(run: Run) -> list[dict]:
+    out = []
+    for p in run.checkpoint_dirs():
+        ok, reason = checkpoint.status(p, run.manifest_id)
+        out.append({"checkpoint": p.name, "step": int(p.name.split("-")[1]), "verified": ok, "detail": reason})
+    partial = sorted(p.name for p in (run.path / "checkpoints").glob("*.partial")) if (run.path / "checkpoints").is_dir() else []
+    for name in partial:
+        out.append({"checkpoint": name, "step": None, "verified": False, "detail": "partial write (never published)"})
+    return out
+
+
+def render_topology(run: Run, console: Console) -> dict | None:
+    topo = run.topology()
+    if not topo:
+        console.print("[yellow]no topology.json[/yellow]")
+        return None
+    tab = Table(title=f"rank topology (mesh {topo['mesh_shape']})")
+    for col in ("rank", "host", "node", "local", *topo["mesh_dims"]):
+        tab.add_column(col, justify="right")
+    colours = ["cyan", "magenta", "green", "yellow", "blue", "red"]
+    for r in topo["ranks"]:
+        c = r["coords"]
+        tab.add_row(str(r["rank"]), r["host"], str(r["node_rank"]), str(r["local_rank"]),
+                    *[f"[{colours[c[d] % len(colours)]}]{c[d]}[/]" for d in topo["mesh_dims"]])
+    console.print(tab)
+    console.print(mesh_picture(topo))
+    for dim, groups in topo["groups"].items():
+        if topo["mesh_shape"][dim] > 1:
+            console.print(f"{dim} groups: {groups}")
+    return topo
+
+
+def mesh_picture(topo: dict) -> str:
+    """The mesh as a picture: one dp x tp grid of global ranks per pipeline stage, each rank coloured by its
+    data-parallel coordinate (rows) - what crosses nodes is what spans rows or stages."""
+    colours = ["cyan", "magenta", "green", "yellow", "blue", "red"]
+    shape = topo["mesh_shape"]
+    by_coords = {(r["coords"]["pp"], r["coords"]["dp"], r["coords"]["tp"]): r for r in topo["ranks"]}
+    lines = []
+    for pp in range(shape["pp"]):
+        lines.append(f"[bold]stage pp={pp}[/bold]" + "".join(f"  tp={t:<3}" for t in range(shape["tp"])))
+        for dp in range(shape["dp"]):
+            cells = []
+            for tp in range(shape["tp"]):
+                r = by_coords.get((pp, dp, tp))
+                cell = f"r{r['rank']}@n{r['node_rank']}" if r else "?"
+                cells.append(f"[{colours[dp % len(colours)]}]{cell:<8}[/]")
+            lines.append(f"  dp={dp:<3}   " + " ".join(cells))
+    return "\n".join(lines)
+
+
+def show(run_dir: Path | str, view: str, console: Console) -> dict:
+    if view not in VIEWS:
+        raise BadInput("VIEW", f"unknown view '{view}'; one of: {', '.join(VIEWS)}")
+    run = Run(run_dir)
+    if view == "summary":
+        return render_summary(run_dir, console)
+    if view == "checkpoints":
+        rows = checkpoints_view(run)
+        tab = Table(title="recovery checkpoints")
+        for col in ("checkpoint", "verified", "detail"):
+            tab.add_column(col)
+        for r in rows:
+            tab.add_row(r["checkpoint"], "[green]yes[/green]" if r["verified"] else "[red]NO[/red]", r["detail"])
+        console.print(tab if rows else "no checkpoints")
+        return {"checkpoints": rows}
+    if view == "topology":
+        return render_topology(run, console) or {}
+    if view == "collectives":
+        res = check_sync(run)
+        tab = Table(title="collectives per process group")
+        for col in ("group", "ops", "bytes (rank 0 of group)"):
+            tab.add_column(col)
+        for g, v in res["groups"].items():
+            tab.add_row(g, str(v["ops"]), str(v["bytes"]))
+        console.print(tab)
+        console.print("[green]all groups in sync[/green]" if res["ok"] else
+                      f"[red]{escape(res['first_mismatch']['message'])}[/red]")
+        vol = wire_volume(run)
+        pred = predicted_dp_volume(run.manifest)
+        tab = Table(title="rank 0: tensor traffic per step, ring model (bytes sent per rank)")
+        for col in ("step", "class", "calls", "buffer bytes", "ring bytes on the wire"):
+            tab.add_column(col, justify="right")
+        for step, classes in vol["steps"].items():
+            for cls, row in classes.items():
+                tab.add_row(step, cls, str(row["calls"]), str(row["bytes"]), f"{row['ring_bytes']:.0f}")
+        console.print(tab)
+        if pred is not None:
+            console.print(f"plan (ZeRO paper ring volumes): {pred} bytes per rank per step for this strategy")
+            for step, classes in vol["steps"].items():
+                if step == "0":
+                    continue  # set-up (DDP's initial parameter broadcast)
+                total = sum(r["ring_bytes"] for r in classes.values())
+                console.print(f"  step {step}: measured (trace, ring model) {total:.0f} / predicted {pred} = "
+                              f"{total / pred:.3f}" if pred else "")
+            accum = run.manifest.get("training", {}).get("grad_accum_steps", 1)
+            if run.manifest.get("parallelism", {}).get("zero_stage") == 3 and accum > 1:
+                console.print(f"  gap: ZeRO-3 gathers the parameters again for each of the {accum} micro-batches; "
+                              "the paper's 3(n-1)/n Psi counts one forward and backward per step")
+        res["wire_volume"], res["predicted_bytes_per_step"] = vol, pred
+        return res
+    if view == "memory":
+        rows = []
+        for rank in run.ranks("memory"):
+            rows += list(iter_jsonl(run.rank_path("memory", rank), []))
+        tab = Table(title="memory ledger (bytes held locally)")
+        cols = ("step", "rank", "params", "grads", "optimizer", "model_state", "activations_saved", "peak_tracked")
+        for col in cols:
+            tab.add_column(col, justify="right")
+        for r in rows:
+            tab.add_row(*[str(r.get(c)) for c in cols])
+        console.print(tab)
+        return {"memory": rows}
+    ev = run.events()
+    for e in ev.records:
+        console.print(e)
+    return {"events": ev.records}
