@@ -38,6 +38,8 @@ ManifestArg = typer.Argument(None, help="manifest TOML (default: manifests/defau
 SetOpt = typer.Option(None, "--set", help="override a manifest key: section.key=value (repeatable)")
 OutOpt = typer.Option(Path("runs"), "--out", help="runs root directory")
 JsonOpt = typer.Option(False, "--json", help="print exactly one JSON document on stdout")
+QuietOpt = typer.Option(False, "--quiet", "-q", help="no live progress on stderr (step, loss, s/step, ETA, "
+                        "checkpoints, faults, failed ranks, stalls)")
 
 
 def emit_json(obj) -> None:
@@ -133,12 +135,14 @@ def freeze(manifest: Optional[Path] = ManifestArg, set_: Optional[List[str]] = S
 # ---------------------------------------------------------------- the three paths
 
 
-def _launch_and_report(run_dir: Path, json_: bool, nnodes=1, node_rank=0, rdzv_endpoint=None):
+def _launch_and_report(run_dir: Path, json_: bool, nnodes=1, node_rank=0, rdzv_endpoint=None, quiet=False):
     from disttrace.run.launch import launch
+    from disttrace.views.progress import LiveProgress
 
-    err.print(f"[dim]launching {run_dir} ...[/dim]")
+    err.print(Text(f"launching {run_dir} ...", style="dim"))
     try:
-        launch(run_dir, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
+        with LiveProgress(run_dir, err, enabled=not quiet):  # stderr only: --json and stdout are unchanged
+            launch(run_dir, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
     except JobFailed:
         if json_:
             from disttrace.views.show import summary
@@ -165,7 +169,8 @@ def run(manifest: Optional[Path] = ManifestArg, set_: Optional[List[str]] = SetO
         run_id: Optional[str] = typer.Option(None, "--run-id", help="multi-node: the same name on every node, so all "
                                              "nodes write one run dir (<out>/<id12>/reference-<run-id>)"),
         prepare_only: bool = typer.Option(False, "--prepare-only", help="create the run dir and print it, launch "
-                                          "nothing: then `torchrun ... -m disttrace.worker --run-dir DIR`")):
+                                          "nothing: then `torchrun ... -m disttrace.worker --run-dir DIR`"),
+        quiet: bool = QuietOpt):
     """Run the reference path: a real multi-process torch.distributed job that records the full evidence.
     Multi-node: start one `disttrace run` per node with the same --nnodes, --rdzv-endpoint and --run-id."""
     from disttrace.run.launch import prepare, prepare_shared
@@ -182,7 +187,7 @@ def run(manifest: Optional[Path] = ManifestArg, set_: Optional[List[str]] = SetO
                        f"-m disttrace.worker --run-dir {run_dir}"))
         emit_json({"run_dir": str(run_dir), "prepared": True}) if json_ else print(run_dir)
         return
-    _launch_and_report(run_dir, json_, nnodes, node_rank, rdzv_endpoint)
+    _launch_and_report(run_dir, json_, nnodes, node_rank, rdzv_endpoint, quiet=quiet)
 
 
 def parse_params(params: Optional[List[str]]) -> dict:
@@ -202,7 +207,7 @@ def inject(manifest: Optional[Path] = ManifestArg,
            step: int = typer.Option(..., "--step", help="the step it fires at (steps count from 1)"),
            rank: int = typer.Option(..., "--rank", help="the global rank it fires on"),
            param: Optional[List[str]] = typer.Option(None, "--param", help="fault parameter key=value (repeatable)"),
-           set_: Optional[List[str]] = SetOpt, out: Path = OutOpt, json_: bool = JsonOpt):
+           set_: Optional[List[str]] = SetOpt, out: Path = OutOpt, json_: bool = JsonOpt, quiet: bool = QuietOpt):
     """Run the fault path: the same experiment with exactly one fault injected at (step, rank)."""
     from disttrace.run import faults
     from disttrace.run.launch import prepare
@@ -210,16 +215,20 @@ def inject(manifest: Optional[Path] = ManifestArg,
     frozen = _freeze(manifest, set_)
     spec = faults.get(fault).spec(step, rank, parse_params(param), frozen.manifest)
     run_dir = prepare(frozen, out, "fault", fault=spec)
-    _launch_and_report(run_dir, json_)
+    _launch_and_report(run_dir, json_, quiet=quiet)
     _warn_if_not_fired(run_dir)
 
 
 def _warn_if_not_fired(run_dir: Path) -> None:
     from disttrace.store.rundir import Run
 
-    if not any(e.get("event") == "fault_fired" for e in Run(run_dir).events().records):
+    fired = [e for e in Run(run_dir).events().records if e.get("event") == "fault_fired"]
+    if not fired:
         err.print(Text("warning: the fault never fired (its hook point was not reached on that rank and step); "
                        "this run is a second reference, not a fault run", style="yellow"))
+    elif any(e.get("changed") is False for e in fired):
+        err.print(Text("warning: the fault fired but changed nothing (its digest before and after are equal, see "
+                       "events.jsonl); this run is a second reference, not a fault run", style="yellow"))
 
 
 @app.command()
@@ -227,7 +236,7 @@ def _warn_if_not_fired(run_dir: Path) -> None:
 def recover(fault_run: Path = typer.Argument(..., help="the run to recover (usually a fault run)"),
             from_step: Optional[int] = typer.Option(None, "--from-step", help="resume from this checkpoint step"),
             out: Optional[Path] = typer.Option(None, "--out", help="runs root (default: the fault run's)"),
-            json_: bool = JsonOpt):
+            json_: bool = JsonOpt, quiet: bool = QuietOpt):
     """Run the recovered path: resume from the last checkpoint that verifies and precedes the fault, fault removed."""
     from disttrace.run.launch import prepare
     from disttrace.run.recovery import choose_checkpoint, resume_spec
@@ -237,7 +246,7 @@ def recover(fault_run: Path = typer.Argument(..., help="the run to recover (usua
     root = out if out is not None else fault_run.resolve().parent.parent
     run_dir = prepare(frozen, root, "recovered",
                       resume=resume_spec(frozen, root, ckpt, fault_run))
-    _launch_and_report(run_dir, json_)
+    _launch_and_report(run_dir, json_, quiet=quiet)
 
 
 # ---------------------------------------------------------------- reading runs
@@ -254,6 +263,20 @@ def show(run_dir: Path = typer.Argument(..., help="a run directory"),
     result = views.show(run_dir, view, err)
     if json_:
         emit_json(result)
+
+
+@app.command()
+@handled
+def watch(run_dir: Path = typer.Argument(..., help="a run directory another process (or node, or torchrun) writes"),
+          timeout: Optional[float] = typer.Option(None, "--timeout", help="give up (exit 3) when nothing was "
+                                                  "written to the run for this many seconds (default: twice the "
+                                                  "manifest's collective timeout plus 60 s)")):
+    """Follow a run while another process writes it, with the same live progress as `run` (step, loss, s/step,
+    ETA, checkpoints, faults, failed ranks, stalls), and exit with its outcome: 0 complete, 3 failed (a rank
+    failed, or its launcher is gone before the run was complete, or --timeout), 2 not a run."""
+    from disttrace.views.progress import watch as watch_run
+
+    raise typer.Exit(watch_run(run_dir, err, timeout_s=timeout))
 
 
 @app.command("faults")
@@ -290,11 +313,16 @@ def diff(run_a: Path = typer.Argument(..., help="first run (usually the referenc
          json_: bool = JsonOpt, md: bool = typer.Option(False, "--md", help="print a Markdown table (PR comment)")):
     """Find the first divergence (step, micro-batch, phase, rank, tensor) between two runs and how it spread.
     Exit 0 equal, 1 divergent, 2 incompatible or unreadable runs."""
-    from disttrace.analysis.diff import diff_runs, render_md, render_rich
+    from disttrace.analysis.diff import diff_runs
+    from disttrace.views.diff import render_md, render_rich
 
     if mode not in (None, "bitwise", "numeric"):
         raise BadInput("--mode", f"'{mode}' is not bitwise or numeric")
-    result = diff_runs(run_a, run_b, mode=mode, rtol=rtol, atol=atol, allow_edition_mismatch=allow_edition_mismatch)
+    from disttrace.views.progress import StepBar
+
+    with StepBar(err, "diff") as on_step:  # a terminal only; a pipe or CI sees nothing
+        result = diff_runs(run_a, run_b, mode=mode, rtol=rtol, atol=atol,
+                           allow_edition_mismatch=allow_edition_mismatch, on_step=on_step)
     if json_:
         emit_json(result)
     elif md:
@@ -308,12 +336,17 @@ def diff(run_a: Path = typer.Argument(..., help="first run (usually the referenc
 @handled
 def gate(run_dir: Path = typer.Argument(..., help="the run to judge"),
          reference: Optional[Path] = typer.Option(None, "--reference", help="the reference run to compare with"),
+         policy: Optional[Path] = typer.Option(None, "--policy", help="a gate policy TOML ([eval] loss_rtol, "
+                                               "[checks] required / require_all); default: the reference's manifest"),
+         require_all: bool = typer.Option(False, "--require-all", help="every check must apply: a check that is "
+                                          "n/a fails (for CI)"),
          json_: bool = JsonOpt):
     """The independent evaluation gate: checkpoint integrity, collective sync, gradient equivalence, the eval
-    metric scored by a fresh process on the held-out split, completeness. Exit 0 pass, 1 fail, 2 bad input."""
+    metric scored by a fresh process on the held-out split, completeness. The thresholds are the reference's
+    (or --policy's), never the candidate's own. Exit 0 pass, 1 fail, 2 bad input."""
     from disttrace.gate import verdict as gate_mod
 
-    verdict = gate_mod.gate(run_dir, reference)
+    verdict = gate_mod.gate(run_dir, reference, policy_file=policy, require_all=require_all)
     if json_:
         emit_json(verdict)
     else:
@@ -330,7 +363,7 @@ def lab(manifest: Optional[Path] = ManifestArg,
         predict: Optional[str] = typer.Option(None, "--predict", help="your prediction, written before the run: "
                                               "PHASE[@STEP[:RANK]], e.g. backward@3:1"),
         list_: bool = typer.Option(False, "--list", help="list the curriculum's labs and which can run"),
-        set_: Optional[List[str]] = SetOpt, out: Path = OutOpt, json_: bool = JsonOpt):
+        set_: Optional[List[str]] = SetOpt, out: Path = OutOpt, json_: bool = JsonOpt, quiet: bool = QuietOpt):
     """The whole method in one command: reference (reused if verified), one fault, recover, diff, gate.
     Exit 0 when the attribution is accepted, 1 when not."""
     if list_:
@@ -342,9 +375,11 @@ def lab(manifest: Optional[Path] = ManifestArg,
     if fault is None or step is None or rank is None:
         raise BadInput("lab", "--fault, --step and --rank are required (or --list)")
     from disttrace.lab import method as lab_mod
+    from disttrace.views.progress import LiveProgress
 
     result = lab_mod.run_lab(manifest, fault, step, rank, parse_params(param), set_ or [], out, predict,
-                             progress=lambda msg: err.print(msg, soft_wrap=True))
+                             progress=lambda msg: err.print(msg, soft_wrap=True),
+                             follow=lambda run_dir, path: LiveProgress(run_dir, err, label=path, enabled=not quiet))
     if json_:
         emit_json(result)
     else:
@@ -420,15 +455,16 @@ def check(run_dir: Path = typer.Argument(..., help="a run directory"), json_: bo
     else:
         f = res["first"]
         if res["consistent"] is None:
-            err.print(f"[yellow]{res['reason']}[/yellow]")
+            err.print(Text(str(res["reason"]), style="yellow"))  # Text: run-store strings are never markup
         elif f is None:
-            err.print(f"[green]consistent[/green]: {res['steps_checked']} steps, every replica group agrees")
+            err.print(Text("consistent", style="green") + Text(f": {res['steps_checked']} steps, every replica group agrees"))
         else:
-            err.print(f"[red]inconsistent[/red] at step {f['step']} micro-batch {f['micro_batch']} {f['phase']} "
-                      f"tensor {f['tensor']}: {f['message']}; minority rank(s) {f['minority']} vs majority "
-                      f"{f['majority']} in group {f['group']}")
+            err.print(Text("inconsistent", style="red") + Text(
+                f" at step {f['step']} micro-batch {f['micro_batch']} {f['phase']} tensor {f['tensor']}: "
+                f"{f['message']}; minority rank(s) {f['minority']} vs majority {f['majority']} in group {f['group']}"),
+                soft_wrap=True)
             for s in res["spread"][:20]:
-                err.print(f"  step {s['step']}: {s['inconsistent']} inconsistent, minority {s['minority_ranks']}")
+                err.print(Text(f"  step {s['step']}: {s['inconsistent']} inconsistent, minority {s['minority_ranks']}"))
     raise typer.Exit(0 if res["consistent"] is not False else 1)
 
 

@@ -16,7 +16,8 @@ import pytest
 import xxhash
 
 from disttrace.analysis import tolerance
-from disttrace.analysis.diff import diff_runs, render_md, render_rich
+from disttrace.analysis.diff import diff_runs
+from disttrace.views.diff import render_md, render_rich
 from disttrace.errors import BadInput
 from disttrace.store.rundir import PHASE_ORDER
 

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from disttrace.analysis.diff import fmt_number
+from disttrace.fmt import abbrev, agreeing_digits, fmt_number, ranges, where
 from disttrace.errors import BadInput
 from disttrace.store.rundir import Run, iter_jsonl
 
@@ -81,11 +81,6 @@ def _bytes(n: Any) -> str:
     return str(n)
 
 
-def _abbrev(s: Any, n: int = 12) -> str:
-    s = "" if s is None else str(s)
-    return s if len(s) <= n else s[:n] + "…"
-
-
 def _table(head: Iterable[str], rows: Iterable[Iterable[str]], cls: str = "") -> str:
     """head: plain text (escaped); rows: cells already HTML."""
     h = "".join(f"<th>{e(c)}</th>" for c in head)
@@ -97,18 +92,6 @@ def _table(head: Iterable[str], rows: Iterable[Iterable[str]], cls: str = "") ->
 def _td_num(x: str, title: str | None = None) -> str:
     t = f' title="{e(title)}"' if title else ""
     return f'<td class="num"{t}>{x}</td>'
-
-
-def _ranges(xs: list[int]) -> str:
-    out, i = [], 0
-    xs = sorted(xs)
-    while i < len(xs):
-        j = i
-        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
-            j += 1
-        out.append(str(xs[i]) if i == j else f"{xs[i]}..{xs[j]}")
-        i = j + 1
-    return ", ".join(out)
 
 
 def _nice_ticks(lo: float, hi: float, n: int = 5) -> tuple[list[float], float]:
@@ -293,9 +276,9 @@ def _manifest(rs: list[_R]) -> str:
         ("manifest id", f'<code class="path">{e(r0.run.manifest_id)}</code>'),
         ("description", e(exp.get("description", "-"))),
         ("seed", e(exp.get("seed", NOT_RECORDED))),
-        ("data", f"<code>{e(data.get('path', NOT_RECORDED))}</code> sha256 <code>{e(_abbrev(data.get('sha256'), 16))}"
+        ("data", f"<code>{e(data.get('path', NOT_RECORDED))}</code> sha256 <code>{e(abbrev(data.get('sha256'), 16))}"
                  f"</code> · eval split {e(data.get('eval_percent', '-'))}%"),
-        ("tokenizer", f"{e(tok.get('kind', NOT_RECORDED))} sha256 <code>{e(_abbrev(tok.get('sha256'), 16))}</code>"),
+        ("tokenizer", f"{e(tok.get('kind', NOT_RECORDED))} sha256 <code>{e(abbrev(tok.get('sha256'), 16))}</code>"),
         ("source", f"<code>{e(r0.run.lock.get('source', '-'))}</code>"
                    + (" with <code>" + e(" ".join(f"--set {o}" for o in r0.run.lock.get("overrides") or []))
                       + "</code>" if r0.run.lock.get("overrides") else "")),
@@ -326,7 +309,7 @@ def _manifest(rs: list[_R]) -> str:
         cells = "<br>".join(f"<code>{e(k)}</code>: {e(base.get(k, '—'))} → {e(other.get(k, '—'))}"
                             for k in diff[:20])
         more = f"<br>… {len(diff) - 20} more" if len(diff) > 20 else ""
-        rows.append([r.name_html(), f"{_badge('other manifest ' + _abbrev(r.run.manifest_id), 'warn')}<br>"
+        rows.append([r.name_html(), f"{_badge('other manifest ' + abbrev(r.run.manifest_id), 'warn')}<br>"
                                     f"{cells or 'ids differ, fields equal'}{more}"])
     if rows:
         out.append("<h3>the other runs</h3>" + _table(("run", "manifest"), rows))
@@ -584,11 +567,6 @@ def _divergence(rs: list[_R], diffs: dict[int, Any]) -> str:
     return "".join(out)
 
 
-def _where(f: dict) -> str:
-    return (f"step {f.get('step')} · micro-batch {f.get('micro_batch')} · {f.get('phase')} · rank {f.get('rank')}"
-            f" · tensor {f.get('tensor')} (index {f.get('index')})")
-
-
 def _one_diff(d: dict) -> str:
     cs = d.get("compared_steps") or {}
     tol = d.get("tolerance") or {}
@@ -601,13 +579,13 @@ def _one_diff(d: dict) -> str:
     if f is None:
         out.append(f'<p class="verdict ok">EQUAL over steps {e(cs.get("first"))}..{e(cs.get("last"))}</p>')
     else:
-        out.append(f'<p class="verdict bad">First divergence: {e(_where(f))}</p>')
+        out.append(f'<p class="verdict bad">First divergence: {e(where(f))}</p>')
         a, b = f.get("a") or {}, f.get("b") or {}
         rows = []
         if f.get("missing_in"):
             rows.append(["record", *(("missing", "present") if f["missing_in"] == "a" else ("present", "missing"))])
-        rows += [["digest", f"<code>{e(_abbrev(a.get('digest'), 16))}</code>",
-                  f"<code>{e(_abbrev(b.get('digest'), 16))}</code>"],
+        rows += [["digest", f"<code>{e(abbrev(a.get('digest'), 16))}</code>",
+                  f"<code>{e(abbrev(b.get('digest'), 16))}</code>"],
                  ["sum", _td_num(e(fmt_number(a.get("sum"), ".10g"))), _td_num(e(fmt_number(b.get("sum"), ".10g")))],
                  ["norm", _td_num(e(fmt_number(a.get("norm"), ".10g"))), _td_num(e(fmt_number(b.get("norm"), ".10g")))],
                  ["non-finite", _td_num(e(fmt_number(a.get("nonfinite")))), _td_num(e(fmt_number(b.get("nonfinite"))))],
@@ -621,7 +599,7 @@ def _one_diff(d: dict) -> str:
         rec = d.get("recovered_steps") or []
         msg = f"{len(prop) - len(rec)} divergent step(s) from step {f.get('step')}"
         if rec:
-            msg += f"; equal again at step(s) {_ranges(rec)}"
+            msg += f"; equal again at step(s) {ranges(rec)}"
         out.append(f'<p class="muted">{e(msg)}</p>')
     out.append(_diff_grid(d))
     prop = d.get("propagation") or []
@@ -660,7 +638,7 @@ def _cell(entry: dict | None) -> tuple[str, str, str]:
     if hard:
         desc += f"; {hard} missing, non-finite or bits-only"
     if not differing:
-        digits = str(min(9, max(0, int(math.floor(-math.log10(rel)))))) if rel else ""
+        digits = str(agreeing_digits(rel)) if rel else ""
         return WITHIN_COLOUR, digits, "within the bound: " + desc
     if not rel:
         return HARD_COLOUR, "■", desc
@@ -1041,7 +1019,7 @@ def render_html(run_dirs: list[Path | str]) -> str:
         f"<title>disttrace report: {e(title)}</title><style>{CSS}</style></head><body>"
         f"<header><h1>disttrace report · {e(title)}</h1>"
         f'<div class="sub">{len(rs)} run(s) · reference <code>{e(rs[0].label)}</code> · manifest '
-        f"<code>{e(_abbrev(rs[0].run.manifest_id, 12))}</code> · generated {e(stamp)}</div></header>"
+        f"<code>{e(abbrev(rs[0].run.manifest_id, 12))}</code> · generated {e(stamp)}</div></header>"
         f"<nav>{nav}</nav><main>{banner}{sections}</main>"
         "<footer>disttrace: did this distributed run compute the same thing as the reference, and if not, where "
         "did it first go wrong? Read from the run store only.</footer></body></html>\n"
