@@ -32,7 +32,8 @@ app = typer.Typer(
     "and field), 3 the distributed job failed. --json prints one JSON document on stdout; a run command's "
     "last stdout line is its run directory.",
 )
-err = Console(stderr=True, no_color=bool(os.environ.get("NO_COLOR")) or None, highlight=False)
+# emoji off: a ":smile:" in a tensor name or a path prints as written
+err = Console(stderr=True, no_color=bool(os.environ.get("NO_COLOR")) or None, highlight=False, emoji=False)
 
 ManifestArg = typer.Argument(None, help="manifest TOML (default: manifests/default.toml)", show_default=False)
 SetOpt = typer.Option(None, "--set", help="override a manifest key: section.key=value (repeatable)")
@@ -445,7 +446,8 @@ def trace(run_dir: Path = typer.Argument(..., help="a run directory"),
 @handled
 def check(run_dir: Path = typer.Argument(..., help="a run directory"), json_: bool = JsonOpt):
     """Within one run, no reference needed: copies that must be identical across ranks (replicas) are, and
-    shards that must differ do. Exit 0 consistent, 1 inconsistent, 2 bad input."""
+    shards that must differ do. Exit 0 consistent, 1 inconsistent, 2 bad input or nothing to check (no
+    replica rule applies to the run: never a vacuous pass)."""
     from disttrace.analysis.consistency import check_run
     from disttrace.store.rundir import Run
 
@@ -465,7 +467,9 @@ def check(run_dir: Path = typer.Argument(..., help="a run directory"), json_: bo
                 soft_wrap=True)
             for s in res["spread"][:20]:
                 err.print(Text(f"  step {s['step']}: {s['inconsistent']} inconsistent, minority {s['minority_ranks']}"))
-    raise typer.Exit(0 if res["consistent"] is not False else 1)
+    if res["consistent"] is None:
+        raise typer.Exit(EXIT_BAD_INPUT)
+    raise typer.Exit(0 if res["consistent"] else 1)
 
 
 @app.command()

@@ -4,6 +4,11 @@ An entry states its name, hook point, parameters (with defaults), a one-line des
 divergence it must produce (`expect`). A fault fires exactly once, on its (step, rank), and logs the exact
 coordinates to events.jsonl. The training loop knows none of them.
 
+Proof that it fired: a fault that changes state passes `proof=(before, after)` to `fire` (a digest of the
+raw bytes of what it names, or the scalar it changes), and the `fault_fired` event carries
+`digest_before`, `digest_after` and `changed`. A spec that could change nothing (an unknown tensor, an
+empty selection under the strategy, a no-op parameter) is refused before any process starts (exit 2).
+
 `expect` uses the DESIGN.md phases; special signatures: "resume:optimizer" (the recovered run diverges at
 the resume step), "refused-at-load", "exit-3", "none" (numerics equal; a straggler is flagged).
 """
@@ -83,12 +88,18 @@ class Fault:
             except (TypeError, ValueError):
                 raise BadInput(f"--param {k}", f"'{v}' is not a {type(cls.defaults[k]).__name__}") from None
         cls.check(step, merged, manifest)
+        cls.check_target(rank, merged, manifest)
         return {"name": cls.name, "step": step, "rank": rank, "params": merged, "point": cls.point,
                 "expect": cls.expect}
 
     @classmethod
     def check(cls, step: int, params: dict, manifest: dict) -> None:
         """Fault-specific validation (raise BadInput)."""
+
+    @classmethod
+    def check_target(cls, rank: int, params: dict, manifest: dict) -> None:
+        """Refuse a target that does not exist on that rank (raise BadInput): a fault that could change
+        nothing must not produce a 'fault run' that is a second reference."""
 
     # ---------------------------------------------------------- in the job
     def attach(self, bus, ctx) -> None:
@@ -103,8 +114,11 @@ class Fault:
     def here(self, bus) -> bool:
         return not self.fired and bus.step == self.step and bus.rank == self.rank
 
-    def fire(self, bus, **detail: Any) -> None:
+    def fire(self, bus, proof: tuple | None = None, **detail: Any) -> None:
+        """Log the firing; `proof` = (before, after) digests (or values) of what the fault changed."""
         self.fired = True
+        if proof is not None:
+            detail.update(digest_before=proof[0], digest_after=proof[1], changed=proof[0] != proof[1])
         event(self.ctx.run_dir, "fault_fired", fault=self.name, step=bus.step, micro_batch=bus.micro_batch,
               rank=bus.rank, point=self.point, params=self.params, **detail)
 
@@ -168,21 +182,48 @@ def build(spec: dict | None) -> Fault | None:
 # ---------------------------------------------------------------- helpers
 
 
-def flip_bit(t, element: int, bit: int) -> tuple[float, float]:
-    """Flip one bit of one element in place; returns (before, after)."""
+def state_digest(*tensors) -> str:
+    """xxh3-128 of the raw bytes of the tensors this rank holds (a DTensor: its shard): a fault's proof."""
+    import xxhash
+
+    from disttrace.run.digest import raw_bytes
+
+    h = xxhash.xxh3_128()
+    for t in tensors:
+        if t is None:
+            continue
+        if hasattr(t, "to_local"):
+            t = t.to_local()
+        h.update(raw_bytes(t))
+    return h.hexdigest()
+
+
+def flip_bit(t, element: int, bit: int) -> dict:
+    """Flip one bit of one element in place. Returns the coordinates actually used: `element` (the requested
+    index wrapped into the local tensor), `bit`, `before`/`after` values, `digest_before`/`digest_after`
+    of the whole (local) tensor; `numel` 0 means there was nothing to flip."""
     import torch
 
     if hasattr(t, "to_local"):  # a DTensor: flip a bit of the shard this rank holds
         t = t.to_local()
     flat = t.detach().view(-1)
-    if not 0 <= element < flat.numel():
-        element = element % flat.numel()
+    d0 = state_digest(flat)
+    if flat.numel() == 0:
+        return {"element": None, "bit": bit, "before": None, "after": None, "numel": 0, "proof": (d0, d0)}
+    element = element % flat.numel()
     before = float(flat[element])
     ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
     bits = flat.element_size() * 8
     mask = (1 << bit) if bit < bits - 1 else -(1 << bit)  # the sign bit as a signed constant
     flat[element : element + 1].view(ints).bitwise_xor_(mask)
-    return before, float(flat[element])
+    return {"element": element, "bit": bit, "before": before, "after": float(flat[element]),
+            "numel": int(flat.numel()), "proof": (d0, state_digest(flat))}
+
+
+def _fire_flip(fault: "Fault", bus, phase: str, name: str, tensor, **extra) -> None:
+    out = flip_bit(tensor, fault.params["element"], fault.params["bit"])
+    fault.fire(bus, proof=out.pop("proof"), phase=phase, tensor=name, requested_element=fault.params["element"],
+               **out, **extra)
 
 
 def pick(grads, tensor: str):
@@ -197,6 +238,26 @@ def _check_bit(params, manifest):
     bits = 64 if manifest["training"]["dtype"] == "float64" else 32
     if not 0 <= params["bit"] < bits:
         raise BadInput("--param bit", f"bit {params['bit']} does not exist in a {bits}-bit value")
+
+
+def _check_tensor(cls, rank: int, params: dict, manifest: dict) -> None:
+    """The named tensor (a name, or an index as text, as `pick`) must be a parameter the rank holds."""
+    from disttrace.model.names import parameter_names
+
+    par = manifest["parallelism"]
+    stage = 0
+    if par["pp"] > 1:
+        from disttrace.run.topology import coords_of, mesh_shape
+
+        stage = coords_of(rank, mesh_shape(manifest)[0])["pp"]
+    names = parameter_names(manifest["model"], par["pp"], stage)
+    want = str(params["tensor"])
+    if want in names or (want.isdigit() and int(want) < len(names)):
+        return
+    where = f" (pipeline stage {stage} of rank {rank})" if par["pp"] > 1 else ""
+    close = [n for n in names if want.split(".")[-1] in n][:3] or names[:3]
+    raise BadInput("--param tensor", f"'{cls.name}' names tensor '{want}', which is not a parameter of this "
+                   f"model{where}: it would change nothing; e.g. {', '.join(close)} (or an index 0..{len(names) - 1})")
 
 
 # ---------------------------------------------------------------- the catalog
@@ -220,6 +281,10 @@ class BitflipGrad(Fault):
             raise BadInput("--param micro_batch", "under pipeline parallel the backward point is after the "
                            "schedule (the accumulated gradient): only the last micro-batch (-1)")
 
+    @classmethod
+    def check_target(cls, rank, params, manifest):
+        _check_tensor(cls, rank, params, manifest)
+
     def install(self, bus):
         accum = self.ctx.manifest["training"]["grad_accum_steps"]
         mb = self.params["micro_batch"] % accum  # -1: the last, the one the reduce follows
@@ -228,9 +293,7 @@ class BitflipGrad(Fault):
             if self.here(bus) and bus.micro_batch == mb:
                 entry = pick(p["grads"], self.params["tensor"])
                 if entry is not None:
-                    before, after = flip_bit(entry[2], self.params["element"], self.params["bit"])
-                    self.fire(bus, phase="backward", tensor=entry[1], element=self.params["element"],
-                              before=before, after=after)
+                    _fire_flip(self, bus, "backward", entry[1], entry[2])
 
         bus.on("backward", handler, order=10)
 
@@ -245,15 +308,29 @@ class BitflipParam(Fault):
     def check(cls, step, params, manifest):
         _check_bit(params, manifest)
 
+    @classmethod
+    def check_target(cls, rank, params, manifest):
+        _check_tensor(cls, rank, params, manifest)
+
     def install(self, bus):
         def handler(bus, p):
             if self.here(bus):
                 entry = pick(p["params"], self.params["tensor"])
                 if entry is not None:
-                    before, after = flip_bit(entry[2], self.params["element"], self.params["bit"])
-                    self.fire(bus, phase="optimizer", tensor=entry[1], before=before, after=after)
+                    _fire_flip(self, bus, "optimizer", entry[1], entry[2], target=_target(self))
 
-        bus.on("optimizer", handler, order=10)
+        bus.on(_param_point(self), handler, order=10)
+
+
+def _param_point(fault: Fault) -> str:
+    """Where a parameter fault acts: after the optimizer step; under the parameter server on the server's
+    master parameters before it hands them out (`server_update`), else the next pull would overwrite it."""
+    ps = fault.ctx.manifest["parallelism"]["architecture"] == "parameter-server"
+    return "server_update" if ps else "optimizer"
+
+
+def _target(fault: Fault) -> str:
+    return "master" if _param_point(fault) == "server_update" else "local"
 
 
 @register
@@ -278,10 +355,13 @@ class SkipAllreduce(Fault):
 
         def restore(bus, p):
             if self.here(bus):
+                kept = [(name, g) for index, name, g, *_ in p["grads"] if index in self.local]
+                before = state_digest(*(g for _, g in kept))
                 for index, name, g, *_ in p["grads"]:
                     if index in self.local:
                         g.copy_(self.local[index])
-                self.fire(bus, phase="reduce", tensors=len(self.local))
+                self.fire(bus, proof=(before, state_digest(*(g for _, g in kept))), phase="reduce",
+                          tensors=len(self.local), names=[n for n, _ in kept][:8])
 
         bus.on("backward", keep_local, order=95)  # after any other handler: what was really sent
         bus.on("reduce", restore, order=10)
@@ -297,9 +377,11 @@ class GradScale(Fault):
         def handler(bus, p):
             if self.here(bus):
                 world = self.ctx.manifest["parallelism"]["dp"]
+                before = state_digest(*(g for _, _, g, *_ in p["grads"]))
                 for _, _, g, *_ in p["grads"]:
                     g.div_(world)
-                self.fire(bus, phase="reduce", divisor=world)
+                self.fire(bus, proof=(before, state_digest(*(g for _, _, g, *_ in p["grads"]))), phase="reduce",
+                          divisor=world)
 
         bus.on("reduce", handler, order=10)
 
@@ -319,8 +401,10 @@ class DataSwap(Fault):
         def handler(bus, p):
             if self.here(bus) and bus.micro_batch == self.params["micro_batch"]:
                 other = (self.ctx.dp_rank + 1) % self.ctx.manifest["parallelism"]["dp"]
+                before = state_digest(p["batch"]["inputs"], p["batch"]["targets"])
                 p["batch"] = p["fetch"](other)
-                self.fire(bus, phase="data", read_shard_of_dp_rank=other)
+                self.fire(bus, proof=(before, state_digest(p["batch"]["inputs"], p["batch"]["targets"])),
+                          phase="data", read_shard_of_dp_rank=other)
 
         bus.on("data", handler, order=10)
 
@@ -345,8 +429,10 @@ class DropMicrobatch(Fault):
     def install(self, bus):
         def handler(bus, p):
             if self.here(bus) and bus.micro_batch == self.params["micro_batch"]:
+                before = float(p["loss"])
                 p["loss"] = p["loss"] * 0.0  # backward still runs, so DDP's collectives stay matched
-                self.fire(bus, phase="loss")
+                self.fire(bus, proof=(repr(before), repr(float(p["loss"]))), phase="loss", before=before,
+                          after=float(p["loss"]))
 
         bus.on("loss", handler, order=10)
 
@@ -370,12 +456,16 @@ class StaleParam(Fault):
 
         def after(bus, p):
             if self.here(bus):
-                for (_, _, t), prev, cur in zip(p["params"], self.saved[self.step - 1], self.saved[self.step]):
+                tensors = [t for _, _, t in p["params"]]
+                d0 = state_digest(*tensors)
+                for t, prev, cur in zip(tensors, self.saved[self.step - 1], self.saved[self.step]):
                     t.data.copy_(prev + (t.detach() - cur))
-                self.fire(bus, phase="optimizer")
+                self.fire(bus, proof=(d0, state_digest(*tensors)), phase="optimizer", tensors=len(tensors),
+                          target=_target(self))
 
+        # under the parameter server `before_optimizer` hands the server its master parameters already
         bus.on("before_optimizer", before, order=10)
-        bus.on("optimizer", after, order=10)
+        bus.on(_param_point(self), after, order=10)
 
 
 @register
@@ -383,6 +473,14 @@ class LrSkew(Fault):
     name, point, expect = "lr-skew", "optimizer", "optimizer"
     description = "uses the learning rate times k for one step"
     defaults = {"k": 2.0}
+
+    @classmethod
+    def check(cls, step, params, manifest):
+        import math
+
+        if params["k"] == 1.0 or not math.isfinite(params["k"]):
+            raise BadInput("--param k", f"k = {params['k']} would change nothing (or nothing finite): use a finite "
+                           "k != 1")
 
     def install(self, bus):
         def before(bus, p):
@@ -393,9 +491,11 @@ class LrSkew(Fault):
 
         def after(bus, p):
             if self.here(bus):
+                used = [g["lr"] for g in p["optimizer"].param_groups]
                 for g, lr in zip(p["optimizer"].param_groups, self.saved):
                     g["lr"] = lr
-                self.fire(bus, phase="optimizer", k=self.params["k"])
+                self.fire(bus, proof=(repr(self.saved), repr(used)), phase="optimizer", k=self.params["k"],
+                          lr_before=self.saved, lr_used=used)
 
         bus.on("before_optimizer", before, order=10)
         bus.on("optimizer", after, order=10)
@@ -414,9 +514,11 @@ class OptimizerReset(Fault):
 
         def handler(bus, p):
             if bus.step == self.step and "optim" in p["state"]:
+                before = sorted(p["state"])
                 del p["state"]["optim"]
                 if bus.rank == self.rank:
-                    self.fire(bus, phase="checkpoint")
+                    self.fire(bus, proof=(repr(before), repr(sorted(p["state"]))), phase="checkpoint",
+                              dropped="optim")
 
         bus.on("before_checkpoint", handler, order=10)
 
@@ -428,18 +530,27 @@ class CorruptCheckpoint(Fault):
     defaults = {"nbytes": 1}
     needs_checkpoint_step = True
 
+    @classmethod
+    def check(cls, step, params, manifest):
+        if params["nbytes"] < 1:
+            raise BadInput("--param nbytes", f"nbytes = {params['nbytes']} flips nothing: use nbytes >= 1")
+
     def install(self, bus):
         def handler(bus, p):
             if self.here(bus):
                 target = Path(p["path"]) / f"__{self.rank}_0.distcp"
                 if not target.exists():
                     target = sorted(Path(p["path"]).glob("*.distcp"))[0]
+                import hashlib
+
                 data = bytearray(target.read_bytes())
+                before = hashlib.sha256(data).hexdigest()
                 at = len(data) // 2
                 for i in range(self.params["nbytes"]):
                     data[(at + i) % len(data)] ^= 0xFF
                 target.write_bytes(bytes(data))
-                self.fire(bus, phase="checkpoint", file=target.name, offset=at)
+                self.fire(bus, proof=(before, hashlib.sha256(target.read_bytes()).hexdigest()), phase="checkpoint",
+                          file=target.name, offset=at, nbytes=min(self.params["nbytes"], len(data)))
 
         bus.on("checkpoint", handler, order=10)
 
@@ -465,6 +576,11 @@ class SlowRank(Fault):
     defaults = {"seconds": 0.5}
     requires = frozenset({"collective_hook"})
 
+    @classmethod
+    def check(cls, step, params, manifest):
+        if not params["seconds"] > 0:
+            raise BadInput("--param seconds", f"seconds = {params['seconds']} delays nothing: use seconds > 0")
+
     def install(self, bus):
         def handler(bus, p):
             if self.here(bus) and p.get("before_collective"):
@@ -481,6 +597,11 @@ class CollectiveMismatch(Fault):
     defaults = {"extra": 1}
     needs_dp2 = True
     requires = frozenset({"collective_hook"})
+
+    @classmethod
+    def check(cls, step, params, manifest):
+        if params["extra"] < 1:
+            raise BadInput("--param extra", f"extra = {params['extra']} issues a matching shape: use extra >= 1")
 
     def install(self, bus):
         def handler(bus, p):
@@ -514,7 +635,10 @@ class _ClipFault(Fault):
     def install(self, bus):
         def handler(bus, p):
             if self.here(bus):
-                self.fire(bus, phase="clip", **self.act(p))
+                before = (repr(float(p["norm"])), sorted(p["skip"]))
+                detail = self.act(p)
+                self.fire(bus, proof=(repr(before), repr((repr(float(p["norm"])), sorted(p["skip"])))),
+                          phase="clip", **detail)
 
         bus.on("before_clip", handler, order=10)
 
@@ -532,8 +656,9 @@ class ClipLocalNorm(_ClipFault):
         import torch
 
         local = [g.to_local() if hasattr(g, "to_local") else g for _, _, t in p["named"] if (g := t.grad) is not None]
+        global_norm = float(p["norm"])
         p["norm"] = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in local]))
-        return {"local_norm": float(p["norm"])}
+        return {"global_norm": global_norm, "local_norm": float(p["norm"])}
 
 
 @register
@@ -542,11 +667,19 @@ class ClipSkipReplicated(_ClipFault):
     description = "under tensor parallel, the rank leaves its replicated (unsharded) parameters unclipped"
     requires = frozenset({"tp"})
 
+    @classmethod
+    def check(cls, step, params, manifest):
+        super().check(step, params, manifest)
+        if manifest["parallelism"]["dp"] > 1:
+            raise BadInput("--fault", f"'{cls.name}' selects the parameters replicated across tp, but with dp = "
+                           f"{manifest['parallelism']['dp']} FSDP2 shards every parameter over dp (the norm weights "
+                           "too): the selection is empty and the fault would change nothing; use dp = 1")
+
     def act(self, p):
-        replicated = {i for i, _, t in p["named"]
-                      if not (hasattr(t, "placements") and any(pl.is_shard() for pl in t.placements))}
-        p["skip"] |= replicated
-        return {"skipped": len(replicated)}
+        replicated = [(i, n) for i, n, t in p["named"]
+                      if not (hasattr(t, "placements") and any(pl.is_shard() for pl in t.placements))]
+        p["skip"] |= {i for i, _ in replicated}
+        return {"skipped": len(replicated), "tensors": [n for _, n in replicated][:8]}
 
 
 @register
@@ -580,10 +713,12 @@ class LateMicrobatch(Fault):
 
         def add_late(bus, p):
             if self.here(bus):
+                touched = [g for i, _, g, *_ in p["grads"] if i in self.late]
+                before = state_digest(*touched)
                 for i, _, g, *_ in p["grads"]:
                     if i in self.late:
                         g.add_(self.late[i])
-                self.fire(bus, phase="reduce", tensors=len(self.late))
+                self.fire(bus, proof=(before, state_digest(*touched)), phase="reduce", tensors=len(self.late))
 
         bus.on("backward", remember, order=10)
         bus.on("backward", hold_back, order=11)
@@ -596,6 +731,10 @@ class UnsyncedParam(SkipAllreduce):
     description = ("one parameter's gradient is never reduced on the rank (as when its copy is replaced after "
                    "wrapping): it keeps the local gradient, every other tensor is reduced")
     defaults = {"tensor": "layers.0.attention_norm.weight"}
+
+    @classmethod
+    def check_target(cls, rank, params, manifest):
+        _check_tensor(cls, rank, params, manifest)
 
     def keeps(self, index: int, name: str) -> bool:
         return self.params["tensor"] in (name, str(index))  # a name, or an index as text (as `pick`)

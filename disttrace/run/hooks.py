@@ -19,6 +19,8 @@ POINTS = (
     "before_clip",       # payload: norm (the global gradient norm to clip with), skip (indices not clipped)
     "clip",              # payload: grads after clipping (if clipping), scalars [(index, name, tensor)]
     "before_optimizer",  # payload: optimizer, params
+    "server_update",     # parameter server only, on the server after its optimizer step and before it hands the
+                         # parameters out: params = the master [(index, name, tensor)], optimizer
     "optimizer",         # payload: params [(index, name, tensor)], state [(index, name, tensor)]
     "before_checkpoint", # payload: state (the dict about to be saved)
     "checkpoint",        # payload: path (the published checkpoint directory)

@@ -11,13 +11,13 @@ a different algorithm, and diff must say so.
 from __future__ import annotations
 
 import contextlib
-import io
 from collections import deque
 
 import torch
 import torch.distributed as dist
 
-from disttrace.run.parallel.common import build_optimizer, optimizer_state_list
+from disttrace.run.parallel.common import (OPTIMIZER_BLOB_TEMPLATE, Strategy, build_optimizer, load_optimizer_bytes,
+                                           optimizer_bytes, optimizer_state_list)
 
 
 def flat(tensors) -> torch.Tensor:
@@ -32,12 +32,12 @@ def unflat_into(buffer: torch.Tensor, tensors) -> None:
         offset += n
 
 
-class ParameterServer:
+class ParameterServer(Strategy):
+    name = "parameter-server"
     engine = "parameter server over torch.distributed send/recv (ours)"
     SERVER = 0
 
     def __init__(self, manifest: dict, model, mesh, bus):
-        self.name = "parameter-server"
         self.plain = self.model = model
         self.bus = bus
         self.group = mesh.get_group("dp")
@@ -88,6 +88,8 @@ class ParameterServer:
         self.bus.emit("before_optimizer", optimizer=self.optimizer, params=self.master_named or self.named)
         if self.is_server:
             self.optimizer.step()
+            # parameter faults act here, on the master state, so the version handed out carries them
+            self.bus.emit("server_update", params=self.master_named, optimizer=self.optimizer)
             self.versions.append(flat(self.master).detach().clone())
             # staleness k: hand out the parameters of k updates ago (the oldest kept version)
             out = self.versions[0]
@@ -112,16 +114,13 @@ class ParameterServer:
             return {}
         state = {"model": {n: m.detach() for (_, n, _), m in zip(self.named, self.master)}}
         if with_optimizer:
-            buf = io.BytesIO()
-            torch.save(self.optimizer.state_dict(), buf)
-            buf.seek(0)
-            state["optim"] = buf
+            state["optim"] = optimizer_bytes(self.optimizer)
         return state
 
     def empty_state(self, with_optimizer: bool) -> dict:
         state = {"model": {n: torch.empty_like(p) for _, n, p in self.named}}
         if with_optimizer and self.is_server:
-            state["optim"] = io.BytesIO()
+            state["optim"] = OPTIMIZER_BLOB_TEMPLATE
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -132,9 +131,7 @@ class ParameterServer:
                 for (_, n, _), m in zip(self.named, self.master):
                     m.copy_(state["model"][n])
                 if "optim" in state:
-                    buf = state["optim"]
-                    buf.seek(0)
-                    self.optimizer.load_state_dict(torch.load(buf, weights_only=False))
+                    load_optimizer_bytes(self.optimizer, state["optim"])
                 # the staleness window restarts at the loaded version (a documented limit of resume, k > 0)
                 self.versions = deque([flat(self.master).detach().clone()], maxlen=self.staleness + 1)
 
