@@ -1,0 +1,116 @@
+"""Issue 17: live progress on stderr while a job runs, stall naming, and `disttrace watch`.
+
+The oracles are what the test itself planted (the fault's step and rank, the checkpoint interval, the step
+count) and the trajectory files read here directly, never the progress display's own data."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import DEFAULT, ROOT, cli, last_line
+
+from disttrace.errors import EXIT_BAD_INPUT, EXIT_JOB_FAILED, EXIT_OK
+
+STEPS = 4
+SHORT = ["--set", f"training.steps={STEPS}", "--set", "checkpoint.interval=2"]
+ENV = {"DISTTRACE_PROGRESS_EVERY": "0"}  # a line per finished step seen: the order is then testable
+STEP_LINE = re.compile(r"^(?:\w+: )?step (\d+)/(\d+)( loss (\S+))?")
+
+
+def step_lines(stderr: str) -> list[tuple[int, int, int, float | None]]:
+    """(line number, step, total, loss) of every plain progress line."""
+    out = []
+    for i, line in enumerate(stderr.splitlines()):
+        m = STEP_LINE.match(line)
+        if m:
+            out.append((i, int(m.group(1)), int(m.group(2)), float(m.group(4)) if m.group(4) else None))
+    return out
+
+
+def losses_from_trajectory(run_dir: Path) -> dict[int, float]:
+    """Mean of the loss records per step, read straight from the trajectory files."""
+    acc: dict[int, list[float]] = {}
+    for f in sorted((run_dir / "trajectory").glob("rank-?????.jsonl")):
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            if r["phase"] == "loss":
+                acc.setdefault(r["step"], []).append(r["sum"])
+    return {s: sum(v) / len(v) for s, v in acc.items()}
+
+
+def test_inject_plain_progress_names_the_slow_rank_before_the_job_ends(tmp_path):
+    # rank 1 sleeps 9 s before its all-reduce at step 3; a 12 s collective timeout caps the stall threshold
+    # at 6 s, so the stall must be named while rank 0 still waits (the job then completes)
+    proc = cli("inject", DEFAULT, *SHORT, "--set", "debug.collective_timeout_s=12", "--fault", "slow-rank",
+               "--step", 3, "--rank", 1, "--param", "seconds=9", "--out", tmp_path, env=ENV, check=EXIT_OK)
+    run_dir = last_line(proc)
+    lines = proc.stderr.splitlines()
+    steps = step_lines(proc.stderr)
+    assert [s for _, s, _, _ in steps] == sorted({s for _, s, _, _ in steps}), proc.stderr  # increasing
+    assert steps[-1][1:3] == (STEPS, STEPS) and "complete" in lines[steps[-1][0]]
+    truth = losses_from_trajectory(run_dir)
+    for _, step, _, loss in steps:
+        assert loss is not None and abs(loss - truth[step]) < 5e-5, (step, loss, truth)
+    # one line per checkpoint (interval 2) and one for the fault, with its coordinates
+    assert [int(m) for m in re.findall(r"checkpoint of step (\d+) published", proc.stderr)] == [2, 4]
+    fault = [i for i, ln in enumerate(lines) if re.search(r"fault slow-rank fired at step 3 rank 1\b", ln)]
+    assert len(fault) == 1, proc.stderr
+    stall = [i for i, ln in enumerate(lines) if ln.startswith("stall:")]
+    assert len(stall) == 1, proc.stderr
+    assert re.search(r"behind: rank 1 \(last step 2;", lines[stall[0]]), lines[stall[0]]
+    assert "waiting: rank 0 (last step 2;" in lines[stall[0]]
+    # named while rank 1 still slept: before its fault line (written after the sleep) and before step 3
+    first_step3 = min(i for i, s, _, _ in steps if s >= 3)
+    assert stall[0] < fault[0] and stall[0] < first_step3
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120.0) -> Path:
+    """The run directory another process creates (not a timing assertion: a bounded wait)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        found = sorted(path.glob("*/*/run.json"))
+        if found:
+            return found[0].parent
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    raise AssertionError(f"no run directory under {path}")
+
+
+def _popen(*args) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NO_COLOR": "1"}
+    return subprocess.Popen([sys.executable, "-m", "disttrace", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+
+
+def test_watch_follows_a_run_another_process_writes(tmp_path):
+    writer = _popen("run", DEFAULT, *SHORT, "--out", tmp_path, "--quiet", "--json")
+    run_dir = _wait_for(tmp_path, writer)
+    watched = cli("watch", run_dir, env=ENV, timeout=300)
+    out, errs = writer.communicate(timeout=300)
+    assert writer.returncode == EXIT_OK, errs
+    assert watched.returncode == EXIT_OK, watched.stderr
+    steps = step_lines(watched.stderr)
+    assert steps and steps[-1][1:3] == (STEPS, STEPS), watched.stderr
+    assert (run_dir / "COMPLETE").exists()
+    # the writer: --quiet shows no progress, --json is still exactly one document on stdout
+    assert not step_lines(errs) and "checkpoint of step" not in errs, errs
+    assert json.loads(out)["run_dir"] == str(run_dir)
+
+
+def test_watch_a_failing_run_exits_3_and_a_non_run_exits_2(tmp_path):
+    assert cli("watch", tmp_path).returncode == EXIT_BAD_INPUT
+    writer = _popen("inject", DEFAULT, *SHORT, "--fault", "kill-rank", "--step", 2, "--rank", 1, "--out", tmp_path,
+                    "--quiet")
+    run_dir = _wait_for(tmp_path, writer)
+    watched = cli("watch", run_dir, env=ENV, timeout=300)
+    writer.communicate(timeout=300)
+    assert writer.returncode == EXIT_JOB_FAILED
+    assert watched.returncode == EXIT_JOB_FAILED, watched.stderr
+    assert re.search(r"fault kill-rank fired at step 2 rank 1\b", watched.stderr), watched.stderr
+    assert not (run_dir / "COMPLETE").exists()
