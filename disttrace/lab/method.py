@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from rich.markup import escape
+
 from disttrace.store import checkpoints as checkpoint
 from disttrace.run import faults
 from disttrace.analysis.diff import diff_runs
@@ -19,6 +21,11 @@ from disttrace.run.launch import launch, prepare
 from disttrace.config.manifest import freeze
 from disttrace.run.recovery import choose_checkpoint, resume_spec
 from disttrace.store.rundir import PHASES, Run
+
+def _e(v) -> str:
+    """Progress lines are rich markup; paths and messages in them print as they are."""
+    return escape(str(v))
+
 
 PREDICT = re.compile(r"^(?P<phase>[a-z]+)(@(?P<step>\d+)(:(?P<rank>\d+))?)?$")
 
@@ -56,12 +63,17 @@ def reusable_reference(out: Path, manifest_id: str) -> Path | None:
     return None
 
 
-def _run(run_dir: Path, progress) -> dict:
+def _run(run_dir: Path, progress, follow=None, path: str = "") -> dict:
+    """Launch one path; `follow(run_dir, path)`, if given, is a context manager that shows its live progress."""
     try:
-        launch(run_dir)
+        if follow is None:
+            launch(run_dir)
+        else:
+            with follow(run_dir, path):
+                launch(run_dir)
         return {"run_dir": str(run_dir), "exit": 0}
     except JobFailed as e:
-        progress(f"[yellow]job failed (exit 3), as a fault may make it:[/yellow] {e}")
+        progress(f"[yellow]job failed (exit 3), as a fault may make it:[/yellow] {_e(e)}")
         return {"run_dir": str(run_dir), "exit": 3, "reason": str(e)}
 
 
@@ -92,36 +104,36 @@ def expected_signature(spec: dict, fault_res: dict, d_fault: dict | None, d_rec:
 
 
 def run_lab(manifest: Path | None, fault: str, step: int, rank: int, params: dict, sets: list[str], out: Path,
-            predict: str | None, progress) -> dict:
+            predict: str | None, progress, follow=None) -> dict:
     frozen = freeze(manifest, sets)
     spec = faults.get(fault).spec(step, rank, params, frozen.manifest)
     prediction = parse_prediction(predict)
     if prediction:
-        progress(f"prediction written down before the run: first divergence in {predict}")
+        progress(f"prediction written down before the run: first divergence in {_e(predict)}")
 
     ref = reusable_reference(out, frozen.manifest_id)
     if ref:
-        progress(f"reference: reusing complete, verified {ref}")
+        progress(f"reference: reusing complete, verified {_e(ref)}")
     else:
         ref = prepare(frozen, out, "reference")
-        progress(f"reference: running {ref}")
-        res = _run(ref, progress)
+        progress(f"reference: running {_e(ref)}")
+        res = _run(ref, progress, follow, "reference")
         if res["exit"]:
             raise JobFailed(f"the reference run failed: {res.get('reason')}", str(ref))
 
     fault_dir = prepare(frozen, out, "fault", fault=spec)
-    progress(f"fault: {fault} at step {step} rank {rank}: {fault_dir}")
-    fault_res = _run(fault_dir, progress)
+    progress(f"fault: {_e(fault)} at step {step} rank {rank}: {_e(fault_dir)}")
+    fault_res = _run(fault_dir, progress, follow, "fault")
 
     rec_res, resume_step = None, None
     try:
         _, ckpt, why = choose_checkpoint(fault_dir, None)
         resume_step = int(ckpt.name.split("-")[1])
         rec_dir = prepare(frozen, out, "recovered", resume=resume_spec(frozen, out, ckpt, fault_dir))
-        progress(f"recovered: fault removed, resuming from {ckpt.name} ({why}): {rec_dir}")
-        rec_res = _run(rec_dir, progress)
+        progress(f"recovered: fault removed, resuming from {_e(ckpt.name)} ({_e(why)}): {_e(rec_dir)}")
+        rec_res = _run(rec_dir, progress, follow, "recovered")
     except BadInput as e:
-        progress(f"[yellow]no recovery possible:[/yellow] {e}")
+        progress(f"[yellow]no recovery possible:[/yellow] {_e(e)}")
 
     progress("diff and gate ...")
     d_fault = diff_runs(ref, fault_dir)
@@ -164,10 +176,13 @@ def fmt_first(f: dict | None) -> str:
 
 
 def render(result: dict, console) -> None:
+    """Text objects for everything read from runs (tensor names, phases, paths): never rich markup."""
     from rich.table import Table
+    from rich.text import Text
 
     p = result["paths"]
-    t = Table(title=f"lab: {result['fault']['name']} at step {result['fault']['step']} rank {result['fault']['rank']}")
+    t = Table(title=Text(f"lab: {result['fault']['name']} at step {result['fault']['step']} rank "
+                         f"{result['fault']['rank']}"))
     t.add_column("")
     for name in ("reference", "fault", "recovered"):
         t.add_column(name)
@@ -178,22 +193,27 @@ def render(result: dict, console) -> None:
 
     def g(c):
         if "gate" not in c:
-            return "-"
-        return "[green]PASS[/green]" if c["gate"] else "[red]FAIL[/red] " + ", ".join(c.get("gate_failed", []))
+            return Text("-")
+        if c["gate"]:
+            return Text("PASS", style="green")
+        return Text("FAIL", style="red") + Text(" " + ", ".join(c.get("gate_failed", [])))
 
-    t.add_row("run", *[Path(c["run_dir"]).name if c else "-" for c in cols])
+    t.add_row("run", *[Text(Path(c["run_dir"]).name) if c else "-" for c in cols])
     t.add_row("exit", *[str(c.get("exit", 0)) if c else "-" for c in cols])
     t.add_row("final loss", *[loss(c) for c in cols])
-    t.add_row("first divergence", "(reference)", fmt_first(p["fault"]["first_divergence"]),
-              fmt_first(p["recovered"]["first_divergence"]) if p["recovered"] else "-")
+    t.add_row("first divergence", "(reference)", Text(fmt_first(p["fault"]["first_divergence"])),
+              Text(fmt_first(p["recovered"]["first_divergence"])) if p["recovered"] else "-")
     t.add_row("gate", *[g(c) for c in cols])
     console.print(t)
     s = result["expected_signature"]
-    console.print(f"expected signature ({s['expect']}): {'[green]held[/green]' if s['held'] else '[red]did not hold[/red]'}"
-                  f" - {s['observed']}")
+    console.print(Text(f"expected signature ({s['expect']}): ")
+                  + (Text("held", style="green") if s["held"] else Text("did not hold", style="red"))
+                  + Text(f" - {s['observed']}"))
     pr = result["prediction"]
     if pr:
-        console.print("prediction: " + ("[green]held exactly[/green]" if pr["held"] else
-                                        "[red]missed[/red] (" + "; ".join(pr["missed"]) + ")"))
-    console.print("attribution " + ("[green]ACCEPTED[/green]: the fault explains the divergence and the recovered "
-                                    "path rejoins the reference" if result["accepted"] else "[red]NOT accepted[/red]"))
+        console.print(Text("prediction: ") + (Text("held exactly", style="green") if pr["held"] else
+                                              Text("missed", style="red") + Text(" (" + "; ".join(pr["missed"]) + ")")))
+    console.print(Text("attribution ") + (Text("ACCEPTED", style="green") + Text(": the fault explains the divergence "
+                                                                                  "and the recovered path rejoins the "
+                                                                                  "reference")
+                                          if result["accepted"] else Text("NOT accepted", style="red")))
