@@ -114,3 +114,35 @@ def test_watch_a_failing_run_exits_3_and_a_non_run_exits_2(tmp_path):
     assert watched.returncode == EXIT_JOB_FAILED, watched.stderr
     assert re.search(r"fault kill-rank fired at step 2 rank 1\b", watched.stderr), watched.stderr
     assert not (run_dir / "COMPLETE").exists()
+
+
+def test_watch_ends_a_run_whose_writer_is_gone(tmp_path):
+    """No job: a prepared run nobody finishes. Its launcher lock free (the launcher died) -> 3; no lock at
+    all (a user's torchrun) -> 3 once nothing was written for --timeout seconds."""
+    run_dir = last_line(cli("run", DEFAULT, "--prepare-only", "--out", tmp_path, check=EXIT_OK))
+    proc = cli("watch", run_dir, "--timeout", 1)
+    assert proc.returncode == EXIT_JOB_FAILED and "--timeout" in proc.stderr, proc.stderr
+    (run_dir / ".launcher-node0.lock").write_text("12345")  # what a launcher leaves; nobody holds it
+    proc = cli("watch", run_dir)
+    assert proc.returncode == EXIT_JOB_FAILED and "launcher is gone" in proc.stderr, proc.stderr
+
+
+def test_stall_names_the_rank_that_issued_fewer_collectives(tmp_path):
+    """The trace tail alone (a long trace: only its end is read) tells which rank the others wait for."""
+    from disttrace.store.follow import TAIL_BYTES, behind_ranks, collective_tail
+
+    def trace(path: Path, n: int) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as f:
+            for seq in range(n):
+                f.write(json.dumps({"seq": seq, "group": "0,1,2", "op": "allreduce_", "step": 3, "start": 1.0}) + "\n")
+                f.write(json.dumps({"seq": seq, "group": "0,1,2", "end": 1.1}) + "\n")
+
+    paths = {r: tmp_path / f"collectives/rank-{r:05d}.jsonl" for r in range(3)}
+    for r, n in ((0, 2000), (1, 1999), (2, 2000)):  # rank 1 has not issued the 2000th all-reduce
+        trace(paths[r], n)
+    assert paths[0].stat().st_size > TAIL_BYTES
+    tails = {r: collective_tail(p) for r, p in paths.items()}
+    assert tails[1]["last"]["seq"] == 1998 and tails[0]["last"]["seq"] == 1999
+    assert behind_ranks({0: 2, 1: 2, 2: 2}, tails) == {1}
+    assert behind_ranks({0: 3, 1: 2, 2: 3}, tails) == {1}  # a rank a whole step behind

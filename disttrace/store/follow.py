@@ -225,6 +225,10 @@ def writer_alive(run_dir: Path | str) -> bool | None:
         except OSError:
             continue
         try:
+            # the launcher writes its pid once it holds the lock; an empty file is a launcher taking it
+            # now, and probing then could make its non-blocking LOCK_EX fail
+            if not os.read(fd, 32).strip():
+                return True
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             fcntl.flock(fd, fcntl.LOCK_UN)  # free: this node's launcher is gone
         except BlockingIOError:
