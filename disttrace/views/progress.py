@@ -9,7 +9,6 @@ it in the foreground (`watch`). No torch here.
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 from pathlib import Path
@@ -124,7 +123,11 @@ class LiveProgress:
     def __enter__(self) -> "LiveProgress":
         if not self.enabled:
             return self
-        self.follower = Follower(self.run_dir)
+        try:
+            self.follower = Follower(self.run_dir)
+        except Exception as e:  # the display must never stop the job from starting
+            self.console.print(Text(f"progress: not shown ({e})", style="dim"), soft_wrap=True)
+            return self
         self.display = Display(self.console, self.label, show_job_failed=False)
         self._thread = threading.Thread(target=self._loop, name="disttrace-progress", daemon=True)
         self._thread.start()
