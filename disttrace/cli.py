@@ -18,7 +18,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.text import Text
 
-from disttrace.errors import EXIT_BAD_INPUT, BadInput, DisttraceError, JobFailed
+from disttrace.errors import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_JOB_FAILED, BadInput, DisttraceError, JobFailed,
+                              verdict_exit)
 
 app = typer.Typer(
     add_completion=False,
@@ -74,16 +75,16 @@ def handled(fn):
 
             full = e.errno in (errno.ENOSPC, errno.EDQUOT)
             err.print(Text("error: ", style="red") + Text(f"{e.filename or ''}: {e.strerror}"), soft_wrap=True)
-            raise typer.Exit(3 if full else 2)
+            raise typer.Exit(EXIT_JOB_FAILED if full else EXIT_BAD_INPUT)
         except KeyboardInterrupt:
             err.print("interrupted")
-            raise typer.Exit(130)
+            raise typer.Exit(EXIT_INTERRUPTED)
         except (typer.Exit, typer.Abort, SystemExit):
             raise
         except Exception as e:  # a bug of ours: one line, and never an exit code that reads as a verdict
             err.print(Text("internal error: ", style="red") + Text(f"{type(e).__name__}: {one_line(e)}"),
                       soft_wrap=True)
-            raise typer.Exit(3)
+            raise typer.Exit(EXIT_JOB_FAILED)
 
     return wrapper
 
@@ -149,7 +150,7 @@ def _launch_and_report(run_dir: Path, json_: bool, nnodes=1, node_rank=0, rdzv_e
             from disttrace.views.show import summary
 
             emit_json({"run_dir": str(run_dir), "complete": False, **summary(run_dir)})
-            raise typer.Exit(3)
+            raise typer.Exit(EXIT_JOB_FAILED)
         raise
     from disttrace.views.show import render_summary, summary
 
@@ -330,7 +331,7 @@ def diff(run_a: Path = typer.Argument(..., help="first run (usually the referenc
         print(render_md(result))
     else:
         render_rich(result, Console(stderr=False, no_color=bool(os.environ.get("NO_COLOR")) or None))
-    raise typer.Exit(0 if result["equal"] else 1)
+    raise typer.Exit(verdict_exit(result["equal"]))
 
 
 @app.command()
@@ -352,7 +353,7 @@ def gate(run_dir: Path = typer.Argument(..., help="the run to judge"),
         emit_json(verdict)
     else:
         gate_mod.render(verdict, err)
-    raise typer.Exit(0 if verdict["pass"] else 1)
+    raise typer.Exit(verdict_exit(verdict["pass"]))
 
 
 @app.command()
@@ -386,7 +387,7 @@ def lab(manifest: Optional[Path] = ManifestArg,
     else:
         lab_mod.render(result, err)
         print(result["paths"]["fault"]["run_dir"])
-    raise typer.Exit(0 if result["accepted"] else 1)
+    raise typer.Exit(verdict_exit(result["accepted"]))
 
 
 @app.command()
@@ -469,7 +470,7 @@ def check(run_dir: Path = typer.Argument(..., help="a run directory"), json_: bo
                 err.print(Text(f"  step {s['step']}: {s['inconsistent']} inconsistent, minority {s['minority_ranks']}"))
     if res["consistent"] is None:
         raise typer.Exit(EXIT_BAD_INPUT)
-    raise typer.Exit(0 if res["consistent"] else 1)
+    raise typer.Exit(verdict_exit(res["consistent"]))
 
 
 @app.command()
