@@ -51,8 +51,18 @@ FAILURES: dict[str, str] = {}
 PHASES = [ph for ph in Phase if ph is not Phase.shrink or os.environ.get("DISTTRACE_FUZZ_SHRINK") == "1"]
 
 
+# the CI sample: each test's own count. `make fuzz` selects the long profile with DISTTRACE_FUZZ_EXAMPLES=N:
+# every test scales by N / CI_TOTAL (5% over, as a test whose inputs run out stops early), and the file
+# then generates at least N inputs (test_zz_no_collected_failures checks it when the whole file ran)
+CI_TOTAL = 1404  # the sum of the @fuzz(n) counts below (test_ci_total_is_the_sum_of_the_counts)
+LONG = int(os.environ.get("DISTTRACE_FUZZ_EXAMPLES") or 0)
+DECLARED: list[int] = []
+
+
 def fuzz(n: int):
-    return settings(max_examples=max(1, int(n * SCALE)), deadline=None, derandomize=not RANDOM, database=None,
+    DECLARED.append(n)
+    count = math.ceil(n * LONG * 1.05 / CI_TOTAL) if LONG else max(1, int(n * SCALE))
+    return settings(max_examples=count, deadline=None, derandomize=not RANDOM, database=None,
                     suppress_health_check=list(HealthCheck), print_blob=True, phases=PHASES)
 
 
@@ -688,7 +698,158 @@ def test_fuzz_deepspeed_config(manifest_dir, data, world):
         assert cfg["train_batch_size"] == m.global_batch  # DeepSpeed's identity holds in what was frozen
 
 
+
+
+# ---------------------------------------------------------------- human output: text from the run store
+# The human (non --json) output of check, gate, show, report and lab prints strings read from the run store:
+# tensor names, host names, fault names, failure reasons. Whatever they hold, the command answers with its
+# verdict (never "internal error", exit 3) and prints them as written: rich markup ("[bold]", "[/x]") and
+# emoji codes (":smile:") stay literal, and the HTML report escapes them.
+
+import html  # noqa: E402
+
+from disttrace import cli as cli_mod  # noqa: E402
+from disttrace.lab import method as lab_mod  # noqa: E402
+
+MARKUP = ["[/x]", "[bold]", "[red]x[/red]", ":smile:", "[/]", "[link=x]y", "\\[b]", "x\\", "\\", "[[", "]",
+          "[bold", "<b>&amp;", "</p><script>", "%s{0}"]
+# printable ASCII without spaces: text that must appear verbatim in the output
+literal_text = st.one_of(
+    st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=12),
+    st.sampled_from(MARKUP),
+    st.tuples(st.sampled_from(MARKUP), st.text(alphabet="[]/\\:ab", min_size=1, max_size=6)).map("".join))
+HUMAN_PARAMS = [("tok_embeddings.weight", [512, 64]), ("norm.weight", [64])]
+
+
+def _human_run(path: Path, lock: dict, name: str, host: str, reason: str, planted: bool) -> Path:
+    """Two ranks, two steps; tensor `name` beside two ordinary ones. planted: rank 1's reduced `name` at
+    step 2 differs (a replica that must agree does not; diff finds it too)."""
+    if path.exists():
+        shutil.rmtree(path)
+    (path / "trajectory").mkdir(parents=True)
+    (path / "manifest.lock.json").write_bytes(orjson.dumps(lock))
+    fault = {"name": name, "step": 2, "rank": 1, "params": {}, "point": "reduce", "expect": name} if planted else None
+    (path / "run.json").write_bytes(orjson.dumps({"path": "fault" if planted else "reference", "fault": fault,
+                                                  "resume": None}))
+    params = HUMAN_PARAMS + [(name, [8])]
+    for rank in (0, 1):
+        data, index = bytearray(), bytearray()
+        for step in (1, 2):
+            recs = [_rec(step, 0, "loss", rank, 0, "loss", [], 6.0 - step / 10, tokens=256)]
+            for phase, k in (("reduce", 0.2), ("optimizer", 0.3)):
+                for i, (n, shape) in enumerate(params):
+                    odd = planted and rank == 1 and step == 2 and phase == "reduce" and n == name
+                    recs.append(_rec(step, 1, phase, rank, i, n, shape, k * (i + step) + (7.0 if odd else 0.0)))
+            lines = b"".join(orjson.dumps(r) + b"\n" for r in recs)
+            h = xxhash.xxh3_128()
+            for r in recs:
+                h.update(r["digest"].encode())
+            index += orjson.dumps({"step": step, "offset": len(data), "length": len(lines), "records": len(recs),
+                                   "digest": h.hexdigest(), "time": {"start": 0.0, "end": 0.02}}) + b"\n"
+            data += lines
+        (path / f"trajectory/rank-{rank:05d}.jsonl").write_bytes(bytes(data))
+        (path / f"trajectory/rank-{rank:05d}.steps.jsonl").write_bytes(bytes(index))
+    (path / "replicas.json").write_bytes(orjson.dumps({"groups": {"dp": [[0, 1]]}, "rules": [
+        {"phase": "reduce", "tensors": "*", "dim": "dp", "relation": "agree"}]}))
+    (path / "topology.json").write_bytes(orjson.dumps({
+        "mesh_shape": {"pp": 1, "dp": 2, "tp": 1}, "mesh_dims": ["dp"], "groups": {"dp": [[0, 1]]},
+        "ranks": [{"rank": r, "host": host, "node_rank": 0, "local_rank": r, "coords": {"pp": 0, "dp": r, "tp": 0}}
+                  for r in (0, 1)]}))
+    events = [{"event": "run_started", "time": 1.0}]
+    if planted:
+        events += [{"event": "fault_fired", "time": 1.5, "fault": name, "step": 2, "rank": 1},
+                   {"event": "rank_failed", "time": 2.0, "rank": 1, "reason": reason}]
+    (path / "events.jsonl").write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in events))
+    (path / "COMPLETE").write_bytes(orjson.dumps({"completed": 3.0, "steps": 2}) + b"\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def human(tmp_path_factory):
+    """A wide console for the CLI's human output, so that a line is a line (the check is that text is
+    printed as written, not how rich wraps it)."""
+    root = tmp_path_factory.mktemp("human")
+    saved = cli_mod.err
+    cli_mod.err = Console(stderr=True, width=1000, no_color=True, highlight=False, emoji=False)
+    yield root, freeze(None).model_dump()
+    cli_mod.err = saved
+
+
+def _lab_result(name: str, ref: Path, work: Path) -> dict:
+    """What `lab` hands its renderer, with the fuzzed text wherever a run store's text goes."""
+    first = {"step": 2, "micro_batch": 1, "phase": "reduce", "rank": 1, "tensor": name}
+    path = {"run_dir": str(work), "exit": 0, "final_loss": 5.9, "first_divergence": first, "gate": False,
+            "gate_failed": [name]}
+    return {"fault": {"name": name, "step": 2, "rank": 1},
+            "paths": {"reference": {"run_dir": str(ref), "final_loss": 5.9, "first_divergence": None, "gate": True},
+                      "fault": path, "recovered": {**path, "resumed_from_step": 1, "equal_to_reference": False}},
+            "expected_signature": {"expect": name, "observed": f"first divergence at step 2 {name}", "held": False},
+            "prediction": {"held": False, "missed": [f"phase: predicted {name}, observed reduce"]},
+            "accepted": False}
+
+
+def _human_case(root: Path, lock: dict, name: str, host: str, reason: str, literal: bool) -> None:
+    ref = _human_run(root / "reference", lock, name, host, reason, planted=False)
+    work = _human_run(root / "fault", lock, name, host, reason, planted=True)
+    case = f"tensor/fault name {name!r}, host {host!r}, reason {reason!r}"
+    out = root / "report.html"
+    for args, allowed, expect in (
+            (["check", work], {1}, [f"tensor {name}:"]),
+            (["gate", work, "--reference", ref], {1}, [f"tensor {name}", f"reduce {name}:"]),
+            (["show", work], {0}, [f"fault: {name} at step 2", f"expected first divergence: {name}", reason,
+                                   host]),
+            (["show", work, "topology"], {0}, [host]),
+            (["show", work, "events"], {0}, []),
+            (["report", ref, work, "-o", out], {0}, [])):
+        result = runner.invoke(cli_mod.app, [str(a) for a in args], env={"NO_COLOR": "1"})
+        COUNTS[("human output", f"{args[0]} exit {result.exit_code}")] += 1
+        try:
+            assert result.exception is None or isinstance(result.exception, SystemExit), crash_report(result, args)
+            assert result.exit_code in allowed, crash_report(result, args)
+            for text in expect if literal else []:
+                assert text in result.stderr, f"{text!r} not printed as written:\n{result.stderr[-3000:]}"
+            if args[0] == "report" and literal:
+                page = out.read_text(encoding="utf-8")
+                assert html.escape(name) in page and "<script>" not in page, f"{name!r} not escaped in the report"
+        except AssertionError as e:
+            if not COLLECT:
+                raise AssertionError(f"{case}\n{e}") from None
+            FAILURES.setdefault(signature(result, str(e)), f"{case}\n{e}"[:6000])
+    con = Console(file=io.StringIO(), width=1000, no_color=True, emoji=False)
+    try:
+        lab_mod.render(_lab_result(name, ref, work), con)
+    except Exception:
+        raise AssertionError(f"{case}\nlab's renderer failed:\n{traceback.format_exc()}") from None
+    printed = con.file.getvalue()
+    COUNTS[("human output", "lab render")] += 1
+    for text in ([f"expected signature ({name})", f"FAIL {name}", f"predicted {name}, observed"] if literal else []):
+        assert text in printed, f"{case}\n{text!r} not printed as written by lab:\n{printed}"
+
+
+@fuzz(60)
+@given(data=st.data())
+def test_fuzz_human_output_prints_run_store_text_as_written(human, data):
+    EXAMPLES["human_output"] += 1
+    root, lock = human
+    literal = data.draw(st.booleans())
+    text = literal_text if literal else st.text(min_size=1, max_size=16)
+    name, host, reason = data.draw(text), data.draw(text), data.draw(text)
+    _human_case(root, lock, name, host, reason, literal)
+
+
+@pytest.mark.parametrize("name", ["w[/x]", "[bold]", ":smile:", "x\\", "<b>&amp;"])
+def test_markup_in_a_tensor_name_prints_literally(human, name):
+    root, lock = human
+    _human_case(root, lock, name, f"host{name}", f"died: {name}", literal=True)
+
+
+def test_ci_total_is_the_sum_of_the_counts():
+    assert sum(DECLARED) == CI_TOTAL, (sum(DECLARED), CI_TOTAL)
+
+
 # last in the file, so it runs after every fuzz test (DISTTRACE_FUZZ_COLLECT=1)
 
 def test_zz_no_collected_failures():
     assert not FAILURES, f"{len(FAILURES)} distinct failures: " + "; ".join(FAILURES)
+    if LONG and len(EXAMPLES) == len(DECLARED):  # the long run's promise, when every fuzz test ran
+        assert sum(EXAMPLES.values()) >= LONG, dict(EXAMPLES)

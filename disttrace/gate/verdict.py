@@ -44,9 +44,16 @@ def run_eval(run: Run) -> dict:
     return result
 
 
-def gate(run_dir: Path, reference: Path | None = None) -> dict:
+def gate(run_dir: Path, reference: Path | None = None, policy_file: Path | None = None,
+         require_all: bool = False) -> dict:
+    from disttrace.gate import policy as gate_policy
+
     run = Run(run_dir)
     ref = Run(reference) if reference else None
+    # the policy is the reference's (or a policy file's), never the candidate's own manifest's
+    policy, source = gate_policy.resolve(ref.path if ref else None, ref.manifest if ref else None, policy_file,
+                                         require_all)
+    ignored = gate_policy.candidate_differences(policy, run.manifest)
     checks, flags = [], []
 
     # 1. checkpoint integrity of every checkpoint the run wrote
@@ -108,10 +115,14 @@ def gate(run_dir: Path, reference: Path | None = None) -> dict:
 
     # 4. the eval metric, independently computed, within the manifest's tolerance of the reference's
     evaluation, ref_eval = None, None
-    try:
-        evaluation = run_eval(run)
-    except BadInput as e:
-        checks.append(check("eval_metric", False, str(e)))
+    if run.lock.get("source") == "disttrace.api":  # the user's own model: disttrace has no evaluation of it
+        checks.append(check("eval_metric", None, "an attached run (disttrace.api): no held-out evaluation of the "
+                                                 "user's model"))
+    else:
+        try:
+            evaluation = run_eval(run)
+        except BadInput as e:
+            checks.append(check("eval_metric", False, str(e)))
     if evaluation is not None:
         if ref is not None:
             try:
@@ -120,7 +131,7 @@ def gate(run_dir: Path, reference: Path | None = None) -> dict:
                 ref_eval = None
                 checks.append(check("eval_metric", False, f"the reference cannot be scored: {e}"))
         if ref is not None and ref_eval is not None:
-            tol = run.manifest["eval"]["loss_rtol"]
+            tol = policy.eval.loss_rtol
             a, b = evaluation["eval_loss"], ref_eval["eval_loss"]
             rel = abs(a - b) / max(abs(b), 1e-12)
             ok = rel <= tol and a == a  # NaN never passes
@@ -138,23 +149,55 @@ def gate(run_dir: Path, reference: Path | None = None) -> dict:
     for s in find_stragglers(run):
         flags.append(f"straggler: rank {s['rank']} at step {s['step']} took {s['seconds']}s to reach its "
                      f"collective (others {s['others_median']}s)")
-    passed = all(c["passed"] is not False for c in checks)
+    for name, value in ignored.items():
+        flags.append(f"the candidate's manifest states {name} = {value}; ignored: the gate's policy comes from the "
+                     f"{source} ({_policy_value(policy, name)})")
+    apply_policy(checks, policy)
+    passed = all(c["passed"] is not False for c in checks if c["required"])
     verdict = {"pass": passed, "run": str(run.path), "reference": str(ref.path) if ref else None,
+               "policy": gate_policy.as_record(policy, source, ignored),
                "checks": checks, "flags": flags, "eval": evaluation, "reference_eval": ref_eval, "time": time.time()}
     write_json_atomic(run.path / "verdict.json", verdict)
     return verdict
 
 
-def render(verdict: dict, console) -> None:
-    from rich.table import Table
+def apply_policy(checks: list[dict], policy) -> None:
+    """Mark each check required or advisory; under require_all a check that could not apply fails."""
+    for c in checks:
+        c["required"] = policy.is_required(c["name"])
+        if policy.checks.require_all and c["passed"] is None:
+            c["passed"] = False
+            c["reason"] = f"n/a, and the policy requires every check: {c['reason']}"
 
-    t = Table(title=f"gate: {'PASS' if verdict['pass'] else 'FAIL'}  {verdict['run']}")
+
+def _policy_value(policy, dotted: str):
+    section, key = dotted.split(".", 1)
+    return getattr(getattr(policy, section), key)
+
+
+def render(verdict: dict, console) -> None:
+    """Text objects throughout: reasons quote tensor names, paths and messages from the run store, which
+    must print as they are, never as rich markup."""
+    from rich.table import Table
+    from rich.text import Text
+
+    t = Table(title=Text(f"gate: {'PASS' if verdict['pass'] else 'FAIL'}  {verdict['run']}"))
     t.add_column("check")
     t.add_column("result")
     t.add_column("reason")
     for c in verdict["checks"]:
-        res = {True: "[green]pass[/green]", False: "[red]FAIL[/red]", None: "[dim]n/a[/dim]"}[c["passed"]]
-        t.add_row(c["name"], res, c["reason"])
+        res = {True: Text("pass", style="green"), False: Text("FAIL", style="red"),
+               None: Text("n/a", style="dim")}[c["passed"]]
+        if not c.get("required", True):
+            res.append(" (advisory)", style="dim")
+        t.add_row(Text(c["name"]), res, Text(c["reason"]))
     console.print(t)
+    pol = verdict.get("policy")
+    if pol:
+        req = pol["checks"]["required"]
+        console.print(Text(f"policy: eval.loss_rtol {pol['eval']['loss_rtol']}, required "
+                           f"{'every check' if req is None else ', '.join(req) or 'none'}"
+                           f"{', n/a fails' if pol['checks']['require_all'] else ''} (from the {pol['source']})",
+                           style="dim"))
     for f in verdict["flags"]:
-        console.print(f"[yellow]flag[/yellow]: {f}")
+        console.print(Text("flag", style="yellow") + Text(f": {f}"))

@@ -4,7 +4,8 @@ phase, rank, tensor). It never changes training; it only reads what the hooks ha
 Records of one step are buffered, sorted into the DESIGN.md order and written together, because engine
 callbacks (DDP buckets) can fire in different orders on different ranks; the file is then identical for
 identical computations. After each step a line goes to the step index: byte offset and length of the
-step's records and a digest of their digests, so diff can skip equal steps without reading them.
+step's records and a digest of their digests, so diff can skip equal steps without reading them, and the
+sha256 of those bytes chained to the previous step's (`disttrace verify`, and diff checks what it skips).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from disttrace.run.digest import digest_of_digests, digest_tensor
 from disttrace.run.hooks import HookBus
 from disttrace.store.rundir import PHASE_ORDER, JsonlWriter, rank_file
+from disttrace.store.seal import StepChain
 
 
 def _no_dispatch_modes():
@@ -36,6 +38,20 @@ def shard_info(t) -> dict:
     return {"shard": {"offset": list(offset), "logical_shape": list(t.shape)}}
 
 
+def _tensor_leaves(obj, prefix: str = ""):
+    """(dotted name, tensor) for every tensor in a nested state dict, in its (deterministic) order."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _tensor_leaves(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _tensor_leaves(v, f"{prefix}.{i}" if prefix else str(i))
+
+
 class Recorder:
     ORDER = 90  # after faults (10): the record shows what the fault did
 
@@ -45,6 +61,7 @@ class Recorder:
         self.index = JsonlWriter(Path(run_dir) / rank_file("trajectory", rank, ".steps.jsonl"))
         self._buf: list[dict] = []
         self._t: dict[str, float] = {}
+        self.chain = StepChain(rank)
 
     def attach(self, bus: HookBus) -> "Recorder":
         bus.on("step_start", self._step_start, self.ORDER)
@@ -55,6 +72,8 @@ class Recorder:
         bus.on("reduce", self._grads("reduce"), self.ORDER)
         bus.on("clip", self._clip, self.ORDER)
         bus.on("optimizer", self._optimizer, self.ORDER)
+        bus.on("before_checkpoint", self._saved_state, self.ORDER)
+        bus.on("checkpoint", self._saved_files, self.ORDER)
         bus.on("step_end", self._step_end, self.ORDER)
         return self
 
@@ -113,24 +132,44 @@ class Recorder:
         for index, name, t, *shard in p.get("state", []):
             self.add(bus, "optimizer", base + index, name, t, **(shard[0] if shard else {}))
 
+    # the `checkpoint` phase: what was saved, so diff sees a checkpoint that differs from the reference's
+    def _saved_state(self, bus, p):
+        """Each tensor handed to DCP (after any fault at before_checkpoint); per-rank RNG entries are left
+        out (they are not the experiment's state)."""
+        self._ckpt_n = 0
+        for name, t in _tensor_leaves(p["state"]):
+            if not name.startswith("rng/"):
+                self.add(bus, "checkpoint", self._ckpt_n, name, t)
+                self._ckpt_n += 1
+
+    def _saved_files(self, bus, p):
+        """The bytes this rank wrote, read back from the published checkpoint (after any fault at
+        `checkpoint`): a shard file damaged on disk differs here though every tensor above was right."""
+        import torch
+
+        base = getattr(self, "_ckpt_n", 0)
+        for i, f in enumerate(sorted(Path(p["path"]).glob(f"__{self.rank}_*.distcp"))):
+            data = torch.frombuffer(bytearray(f.read_bytes()) or bytearray(1), dtype=torch.uint8)
+            self.add(bus, "checkpoint", base + i, f"file:{f.name}", data)
+
     def _step_end(self, bus, p):
         self._buf.sort(key=lambda r: (r["micro_batch"], PHASE_ORDER[r["phase"]], r["index"]))
         offset = self.traj.offset
-        length = 0
-        for rec in self._buf:
-            length += self.traj.write(rec)
+        data = b"".join(self.traj.encode(rec) for rec in self._buf)
+        self.traj.write_raw(data)
         self.traj.flush()
         t = {**self._t, "end": time.time()}
         if p.get("spans"):
             t["spans"] = p["spans"]
-        self.index.write({
+        # the step's raw bytes hashed and chained to the previous step (disttrace.store.seal)
+        self.index.write(self.chain.seal_entry({
             "step": bus.step,
             "offset": offset,
-            "length": length,
+            "length": len(data),
             "records": len(self._buf),
             "digest": digest_of_digests([r["digest"] for r in self._buf]),
             "time": t,
-        })
+        }, data))
         self.index.flush()
         self._buf = []
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from disttrace.store import checkpoints as checkpoint
 from disttrace.errors import BadInput
@@ -49,34 +50,34 @@ def summary(run_dir: Path | str) -> dict:
 
 def render_summary(run_dir: Path | str, console: Console, brief: bool = False) -> dict:
     s = summary(run_dir)
-    e = lambda v: escape(str(v))  # noqa: E731  values come from files: never rich markup
-    state = "[green]complete[/green]" if s["complete"] else "[red]INCOMPLETE[/red]"
+    T = lambda v, style=None: Text(str(v), style=style or "")  # noqa: E731  text from files: never markup
+    state = T("complete", "green") if s["complete"] else T("INCOMPLETE", "red")
     t = s["topology"]
-    console.print(f"[bold]{e(s['experiment'])}[/bold] ({e(s['edition'])})  path={e(s['path'])}  {state}  "
-                  f"id={e(s['manifest_id'][:12])}  world={t['world_size']} dp={t['dp']} tp={t['tp']} pp={t['pp']} "
-                  f"zero={t['zero_stage']}")
+    console.print(T(s["experiment"], "bold") + T(f" ({s['edition']})  path={s['path']}  ") + state
+                  + T(f"  id={s['manifest_id'][:12]}  world={t['world_size']} dp={t['dp']} tp={t['tp']} pp={t['pp']} "
+                      f"zero={t['zero_stage']}"))
     if s["fault"]:
         f = s["fault"]
-        fired = "fired" if s["fault_fired"] else "[yellow]did not fire[/yellow]"
-        console.print(f"fault: {e(f['name'])} at step {f['step']} rank {f['rank']} ({fired}); expected first "
-                      f"divergence: {e(f.get('expect'))}")
+        fired = T("fired") if s["fault_fired"] else T("did not fire", "yellow")
+        console.print(T(f"fault: {f['name']} at step {f['step']} rank {f['rank']} (") + fired
+                      + T(f"); expected first divergence: {f.get('expect')}"))
     if s["resume"]:
-        console.print(f"resumed from {e(s['resume']['checkpoint'])} (step {s['resume']['step']})")
+        console.print(T(f"resumed from {s['resume']['checkpoint']} (step {s['resume']['step']})"))
     if s["loss"]:
         console.print("loss: " + "  ".join(f"{k}:{v:.4f}" for k, v in s["loss"].items()))
     for f in s["failures"][:3]:
-        console.print(f"[red]{e(f.get('event'))}[/red]: {e(f.get('reason') or f.get('error'))}", soft_wrap=True)
+        console.print(T(f.get("event"), "red") + T(f": {f.get('reason') or f.get('error')}"), soft_wrap=True)
     for st in s["stragglers"][:3]:
-        console.print(f"[yellow]straggler[/yellow]: rank {st['rank']} at step {st['step']} took {st['seconds']}s "
-                      f"to reach its collective (others: {st['others_median']}s)")
+        console.print(T("straggler", "yellow") + T(f": rank {st['rank']} at step {st['step']} took {st['seconds']}s "
+                                                  f"to reach its collective (others: {st['others_median']}s)"))
     for w in s["warnings"]:
-        console.print(f"[yellow]warning[/yellow]: {e(w)}")
+        console.print(T("warning", "yellow") + T(f": {w}"))
     if not brief:
         tab = Table(title="records per rank")
         for col in ("rank", "steps", "records"):
             tab.add_column(col, justify="right")
         for r, c in s["ranks"].items():
-            tab.add_row(r, str(c["steps"]), str(c["records"]))
+            tab.add_row(Text(r), str(c["steps"]), str(c["records"]))
         console.print(tab)
         render_topology(Run(run_dir), console)
     return s
@@ -98,39 +99,42 @@ def render_topology(run: Run, console: Console) -> dict | None:
     if not topo:
         console.print("[yellow]no topology.json[/yellow]")
         return None
-    tab = Table(title=f"rank topology (mesh {topo['mesh_shape']})")
+    tab = Table(title=Text(f"rank topology (mesh {topo['mesh_shape']})"))
     for col in ("rank", "host", "node", "local", *topo["mesh_dims"]):
-        tab.add_column(col, justify="right")
+        tab.add_column(Text(str(col)), justify="right")
     colours = ["cyan", "magenta", "green", "yellow", "blue", "red"]
     for r in topo["ranks"]:
         c = r["coords"]
-        tab.add_row(str(r["rank"]), r["host"], str(r["node_rank"]), str(r["local_rank"]),
-                    *[f"[{colours[c[d] % len(colours)]}]{c[d]}[/]" for d in topo["mesh_dims"]])
+        tab.add_row(*[Text(str(r[k])) for k in ("rank", "host", "node_rank", "local_rank")],
+                    *[Text(str(c[d]), style=colours[c[d] % len(colours)]) for d in topo["mesh_dims"]])
     console.print(tab)
     console.print(mesh_picture(topo))
     for dim, groups in topo["groups"].items():
         if topo["mesh_shape"][dim] > 1:
-            console.print(f"{dim} groups: {groups}")
+            console.print(Text(f"{dim} groups: {groups}"))
     return topo
 
 
-def mesh_picture(topo: dict) -> str:
+def mesh_picture(topo: dict) -> Text:
     """The mesh as a picture: one dp x tp grid of global ranks per pipeline stage, each rank coloured by its
-    data-parallel coordinate (rows) - what crosses nodes is what spans rows or stages."""
+    data-parallel coordinate (rows) - what crosses nodes is what spans rows or stages. A Text: the ranks'
+    fields come from topology.json and are never markup."""
     colours = ["cyan", "magenta", "green", "yellow", "blue", "red"]
     shape = topo["mesh_shape"]
     by_coords = {(r["coords"]["pp"], r["coords"]["dp"], r["coords"]["tp"]): r for r in topo["ranks"]}
-    lines = []
+    out = Text()
     for pp in range(shape["pp"]):
-        lines.append(f"[bold]stage pp={pp}[/bold]" + "".join(f"  tp={t:<3}" for t in range(shape["tp"])))
+        if pp:
+            out.append("\n")
+        out.append(f"stage pp={pp}", style="bold")
+        out.append("".join(f"  tp={t:<3}" for t in range(shape["tp"])))
         for dp in range(shape["dp"]):
-            cells = []
-            for tp in range(shape["tp"]):
+            out.append(f"\n  dp={dp:<3}   ")
+            for i, tp in enumerate(range(shape["tp"])):
                 r = by_coords.get((pp, dp, tp))
                 cell = f"r{r['rank']}@n{r['node_rank']}" if r else "?"
-                cells.append(f"[{colours[dp % len(colours)]}]{cell:<8}[/]")
-            lines.append(f"  dp={dp:<3}   " + " ".join(cells))
-    return "\n".join(lines)
+                out.append((" " if i else "") + f"{cell:<8}", style=colours[dp % len(colours)])
+    return out
 
 
 def show(run_dir: Path | str, view: str, console: Console) -> dict:
@@ -145,7 +149,8 @@ def show(run_dir: Path | str, view: str, console: Console) -> dict:
         for col in ("checkpoint", "verified", "detail"):
             tab.add_column(col)
         for r in rows:
-            tab.add_row(r["checkpoint"], "[green]yes[/green]" if r["verified"] else "[red]NO[/red]", r["detail"])
+            tab.add_row(Text(r["checkpoint"]), "[green]yes[/green]" if r["verified"] else "[red]NO[/red]",
+                        Text(str(r["detail"])))
         console.print(tab if rows else "no checkpoints")
         return {"checkpoints": rows}
     if view == "topology":
@@ -156,7 +161,7 @@ def show(run_dir: Path | str, view: str, console: Console) -> dict:
         for col in ("group", "ops", "bytes (rank 0 of group)"):
             tab.add_column(col)
         for g, v in res["groups"].items():
-            tab.add_row(g, str(v["ops"]), str(v["bytes"]))
+            tab.add_row(Text(str(g)), Text(str(v["ops"])), Text(str(v["bytes"])))
         console.print(tab)
         console.print("[green]all groups in sync[/green]" if res["ok"] else
                       f"[red]{escape(res['first_mismatch']['message'])}[/red]")
@@ -167,7 +172,8 @@ def show(run_dir: Path | str, view: str, console: Console) -> dict:
             tab.add_column(col, justify="right")
         for step, classes in vol["steps"].items():
             for cls, row in classes.items():
-                tab.add_row(step, cls, str(row["calls"]), str(row["bytes"]), f"{row['ring_bytes']:.0f}")
+                tab.add_row(Text(str(step)), Text(str(cls)), Text(str(row["calls"])), Text(str(row["bytes"])),
+                            f"{row['ring_bytes']:.0f}")
         console.print(tab)
         if pred is not None:
             console.print(f"plan (ZeRO paper ring volumes): {pred} bytes per rank per step for this strategy")
@@ -192,7 +198,7 @@ def show(run_dir: Path | str, view: str, console: Console) -> dict:
         for col in cols:
             tab.add_column(col, justify="right")
         for r in rows:
-            tab.add_row(*[str(r.get(c)) for c in cols])
+            tab.add_row(*[Text(str(r.get(c))) for c in cols])
         console.print(tab)
         return {"memory": rows}
     ev = run.events()
