@@ -16,9 +16,6 @@ from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
-from disttrace.errors import DisttraceError
-from disttrace.store import seal
-from disttrace.store.paths import resume_checkpoint
 from disttrace.store.rundir import COMPLETE, LOCK, event, mark_complete, read_json, write_json_atomic
 
 
@@ -59,8 +56,6 @@ def pick_backend(manifest: dict, torch) -> tuple:
 def run(run_dir: Path) -> None:
     lock = read_json(run_dir / LOCK)
     info = read_json(run_dir / "run.json")
-    if info.get("resume"):  # refused before any process group exists (run.json may come from elsewhere)
-        resume_checkpoint(run_dir, info["resume"])
     manifest = lock["manifest"]
     torch = setup_torch(manifest)
     import torch.distributed as dist
@@ -118,17 +113,14 @@ def run(run_dir: Path) -> None:
             if info.get("resume"):
                 ctx.start_step = resume(ctx, info["resume"])
             train(ctx)
-            strategy.close()
+            if hasattr(strategy, "close"):
+                strategy.close()
             recorder.close()
             ledger.close()
         tracer.close()
         dist.barrier()
-        # every rank hashes the files it wrote (they may sit on another node's disk); rank 0 seals them all
-        parts: list = [None] * world
-        dist.all_gather_object(parts, seal.rank_part(run_dir, rank, recorder.chain.last, recorder.chain.steps))
         if rank == 0:
-            mark_complete(run_dir, {"steps": manifest["training"]["steps"], "world_size": world,
-                                    "seal": seal.build_seal(run_dir, parts)})
+            mark_complete(run_dir, {"steps": manifest["training"]["steps"], "world_size": world})
     finally:
         tracer.close()
         if dist.is_initialized():
@@ -141,13 +133,12 @@ def attach_observers(run_dir, rank, manifest, strategy, recorder, bus, groups, d
     from disttrace.run.memory import MemoryLedger
 
     if rank == 0:
-        write_json_atomic(run_dir / "replicas.json", {"groups": groups, "rules": strategy.replicas(),
-                                                      "strategy": strategy.name, "engine": strategy.engine})
+        write_json_atomic(run_dir / "replicas.json", {"groups": groups, "rules": strategy.replicas()})
     if manifest["debug"].get("live_check"):
         from disttrace.run.livecheck import LiveCheck
 
         LiveCheck(run_dir, recorder, strategy.replicas(), groups, rank, device).attach(bus)
-    if rank == 0:
+    if hasattr(strategy, "engine_facts") and rank == 0:
         seen: dict = {}
 
         def log_engine_facts(b, p):  # logged when it changes (DDP rebuilds its buckets after step 1)
@@ -165,7 +156,8 @@ def resume(ctx, spec: dict) -> int:
     """Load the checkpoint named in run.json (relative to the runs/<id12>/ directory) and return its step."""
     from disttrace.run import checkpoint
 
-    path = resume_checkpoint(ctx.run_dir, spec)  # inside the runs root, or BadInput
+    path = Path(spec["checkpoint"])
+    path = path if path.is_absolute() else ctx.run_dir.parent / path
     progress = checkpoint.load(ctx.strategy, path, ctx.rank, ctx.manifest_id)
     if ctx.rank == 0:
         event(ctx.run_dir, "resumed", step=int(progress["step"]), checkpoint=spec["checkpoint"],
@@ -231,9 +223,6 @@ def main(argv=None) -> int:
             rank = int(os.environ.get("RANK", -1))
             event(run_dir, "rank_failed", rank=rank, error=f"{type(e).__name__}: {e}"[:2000],
                   where=traceback.format_exc(limit=3)[-1500:])
-        if isinstance(e, DisttraceError):  # bad input (e.g. a crafted run.json): one line, its exit code
-            print(f"error: {e}", file=sys.stderr)
-            return e.exit_code
         raise
     return 0
 
