@@ -1,4 +1,4 @@
-"""diff throughput: records per second to the first divergence on a large trajectory (DESIGN.md, "Figures").
+"""diff throughput: records per second to the first divergence on a large trajectory (docs/design.md; figures in README.md).
 
 Writes two synthetic run stores (default 2 ranks x 500 steps x 1000 records = 1,000,000 records each, in the
 recorder's exact format: trajectory JSONL + step index with byte offsets and digest of digests), identical

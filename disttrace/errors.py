@@ -1,4 +1,4 @@
-"""The exit-code contract in one place (see DESIGN.md, "Command line contract")."""
+"""The exit-code contract in one place (docs/design.md, "Command line contract")."""
 
 EXIT_OK = 0
 EXIT_DIVERGED = 1  # a divergence was found, or a gate/check failed

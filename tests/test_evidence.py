@@ -14,7 +14,7 @@ def test_trace_sees_every_ddp_bucket_allreduce(runs):
     must hold one all-reduce per bucket per step, the count DDP itself reports in its logging data."""
     run = Run(runs.reference("--set", "debug.ddp_bucket_cap_mb=0.1"))
     facts = [e for e in run.events().records if e["event"] == "engine_facts"]
-    assert facts[0]["step"] == 1 and len(facts[0]["ddp_bucket_sizes"]) == 1  # step 1: one bucket (PYTORCH-NOTES)
+    assert facts[0]["step"] == 1 and len(facts[0]["ddp_bucket_sizes"]) == 1  # step 1: one bucket (docs/design.md, "Facts")
     final = facts[-1]
     n_buckets = len(final["ddp_bucket_sizes"])
     assert final["step"] == 2 and n_buckets > 3  # rebuilt once after step 1, then stable

@@ -1,4 +1,4 @@
-"""diff: compare the trajectories of two runs and find the first divergence (DESIGN.md, "Order", "Equality").
+"""diff: compare the trajectories of two runs and find the first divergence (docs/design.md, "Order", "Equality").
 
     result = diff_runs("runs/ab12/reference", "runs/ab12/fault")
 

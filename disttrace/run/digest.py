@@ -1,5 +1,5 @@
 """Tensor digests: bit-exact (any flipped bit changes it) and cheap (xxh3-128 runs at memory bandwidth,
-see PYTORCH-NOTES), plus float64 sum and L2 norm for tolerance comparisons across topologies.
+docs/design.md, "Facts"), plus float64 sum and L2 norm for tolerance comparisons across topologies.
 Checkpoint files, read once, get sha256 instead (checkpoint.py)."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ raw bytes of what it names, or the scalar it changes), and the `fault_fired` eve
 `digest_before`, `digest_after` and `changed`. A spec that could change nothing (an unknown tensor, an
 empty selection under the strategy, a no-op parameter) is refused before any process starts (exit 2).
 
-`expect` uses the DESIGN.md phases; special signatures: "resume:optimizer" (the recovered run diverges at
+`expect` uses the phases of docs/design.md, "Order"; special signatures: "resume:optimizer" (the recovered run diverges at
 the resume step), "refused-at-load", "exit-3", "none" (numerics equal; a straggler is flagged).
 """
 

@@ -1,7 +1,7 @@
 """Prepare a run directory and start the world on torch's elastic launcher (the agent `torchrun` uses).
 
 One agent per node starts `python -m disttrace.worker --run-dir DIR` once per local rank. We do not use the
-agent's own restarts (unreliable on gloo, see PYTORCH-NOTES): recovery is a new job from a checkpoint.
+agent's own restarts (unreliable on gloo, docs/design.md, "Facts"): recovery is a new job from a checkpoint.
 """
 
 from __future__ import annotations
@@ -85,6 +85,11 @@ def launch(run_dir: Path, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: st
         from disttrace.errors import BadInput
 
         raise BadInput(run_dir, "this run is already complete: a new job would mix its records into it")
+    info = read_json(run_dir / "run.json") if (run_dir / "run.json").exists() else {}
+    if isinstance(info, dict) and info.get("resume"):  # exit 2 here, before any rank starts
+        from disttrace.store.paths import resume_checkpoint
+
+        resume_checkpoint(run_dir, info["resume"])
     lock = _writer_lock(run_dir, node_rank)  # held until this process exits
     if nproc_per_node is None:
         if world % nnodes:

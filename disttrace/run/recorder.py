@@ -1,10 +1,11 @@
 """The trajectory recorder: listens at the hook points and writes one record per (step, micro-batch,
 phase, rank, tensor). It never changes training; it only reads what the hooks hand it.
 
-Records of one step are buffered, sorted into the DESIGN.md order and written together, because engine
+Records of one step are buffered, sorted into the order of docs/design.md ("Order") and written together, because engine
 callbacks (DDP buckets) can fire in different orders on different ranks; the file is then identical for
 identical computations. After each step a line goes to the step index: byte offset and length of the
-step's records and a digest of their digests, so diff can skip equal steps without reading them.
+step's records and a digest of their digests, so diff can skip equal steps without reading them, and the
+sha256 of those bytes chained to the previous step's (`disttrace verify`, and diff checks what it skips).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from disttrace.run.digest import digest_of_digests, digest_tensor
 from disttrace.run.hooks import HookBus
 from disttrace.store.rundir import PHASE_ORDER, JsonlWriter, rank_file
+from disttrace.store.seal import StepChain
 
 
 def _no_dispatch_modes():
@@ -59,6 +61,7 @@ class Recorder:
         self.index = JsonlWriter(Path(run_dir) / rank_file("trajectory", rank, ".steps.jsonl"))
         self._buf: list[dict] = []
         self._t: dict[str, float] = {}
+        self.chain = StepChain(rank)
 
     def attach(self, bus: HookBus) -> "Recorder":
         bus.on("step_start", self._step_start, self.ORDER)
@@ -152,21 +155,21 @@ class Recorder:
     def _step_end(self, bus, p):
         self._buf.sort(key=lambda r: (r["micro_batch"], PHASE_ORDER[r["phase"]], r["index"]))
         offset = self.traj.offset
-        length = 0
-        for rec in self._buf:
-            length += self.traj.write(rec)
+        data = b"".join(self.traj.encode(rec) for rec in self._buf)
+        self.traj.write_raw(data)
         self.traj.flush()
         t = {**self._t, "end": time.time()}
         if p.get("spans"):
             t["spans"] = p["spans"]
-        self.index.write({
+        # the step's raw bytes hashed and chained to the previous step (disttrace.store.seal)
+        self.index.write(self.chain.seal_entry({
             "step": bus.step,
             "offset": offset,
-            "length": length,
+            "length": len(data),
             "records": len(self._buf),
             "digest": digest_of_digests([r["digest"] for r in self._buf]),
             "time": t,
-        })
+        }, data))
         self.index.flush()
         self._buf = []
 

@@ -1,6 +1,6 @@
 """The run store: the only thing diff, gate, show, trace and report ever read.
 
-Layout (one run = one directory, see DESIGN.md):
+Layout (one run = one directory, docs/design.md, "The run store"):
 
     runs/<manifest-id[:12]>/<path>[-<n>]/
       manifest.lock.json     canonical manifest + resolved hashes (written first)
@@ -82,8 +82,12 @@ class JsonlWriter:
     def offset(self) -> int:
         return self._f.tell()
 
+    @staticmethod
+    def encode(obj: Any) -> bytes:
+        return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
+
     def write(self, obj: Any) -> int:
-        data = orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
+        data = self.encode(obj)
         self._f.write(data)
         return len(data)
 
@@ -280,6 +284,10 @@ class Run:
             for p in d.iterdir():
                 m = re.fullmatch(r"rank-(\d{5})\.jsonl", p.name)
                 if m:
+                    if p.is_symlink():  # a rank file names its content by its place: it stays in the run
+                        from disttrace.store.paths import contained
+
+                        contained(p, self.path, p)
                     out.append(int(m.group(1)))
         return sorted(out)
 

@@ -4,7 +4,7 @@ through them, sending activations forward and gradients backward point-to-point.
 
 Stages are built by hand from the plain model (deleting what the stage does not own: the embedding
 outside the first stage, the norm and head outside the last), not traced: a traced 4-way split failed
-here (PYTORCH-NOTES). Parameter names stay those of the full model, so a stage's tensors compare with
+here (docs/design.md, "Facts"). Parameter names stay those of the full model, so a stage's tensors compare with
 the one-device run's. The bubble, (p-1)/m of ideal compute for both schedules, shows in `disttrace trace`.
 """
 
@@ -17,7 +17,8 @@ import time
 import torch
 
 from disttrace.model.llama import lm_loss
-from disttrace.run.parallel.common import SCALARS_AGREE, Strategy, build_optimizer, load_optimizer_bytes, optimizer_bytes
+from disttrace.run.parallel.common import (OPTIMIZER_BLOB_TEMPLATE, SCALARS_AGREE, Strategy, build_optimizer,
+                                           load_optimizer_bytes, optimizer_bytes)
 
 
 def stage_layers(n_layers: int, pp: int, stage: int) -> list[str]:
@@ -41,6 +42,7 @@ def build_stage_module(model, pp: int, stage: int):
 
 class PipelineParallel(Strategy):
     engine = "torch.distributed.pipelining"
+    runs_whole_step = True  # the schedule interleaves the stages' micro-batches itself
 
     def __init__(self, manifest: dict, model, mesh, bus):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -156,11 +158,9 @@ class PipelineParallel(Strategy):
         return state
 
     def empty_state(self, with_optimizer: bool) -> dict:
-        import io
-
         state = self.state_dict(with_optimizer=False)
         if with_optimizer:
-            state["optim"] = {self._key(): io.BytesIO()}
+            state["optim"] = {self._key(): OPTIMIZER_BLOB_TEMPLATE}
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -172,6 +172,6 @@ class PipelineParallel(Strategy):
 
     def close(self):
         # gloo threads touching Python at interpreter exit aborted 30-40% of pipelining runs; freeing the
-        # schedule and stage first removed it (PYTORCH-NOTES)
+        # schedule and stage first removed it (docs/design.md, "Facts")
         del self.schedule, self.stage
         gc.collect()

@@ -8,7 +8,7 @@ and replicated on every tp rank: their gradients must agree across the tp group 
 
 Composition order (torchtitan's): TP first, inside each block, then FSDP2 over the dp mesh dimension,
 which shards the already TP-sharded DTensors further along dp. DDP + TP is avoided: TP-sharded
-weights drop out of DDP's `named_parameters()` after a forward (PYTORCH-NOTES).
+weights drop out of DDP's `named_parameters()` after a forward (docs/design.md, "Facts").
 """
 
 from __future__ import annotations
