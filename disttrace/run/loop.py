@@ -39,7 +39,7 @@ def train(ctx) -> None:
         bus.step, bus.micro_batch = step, 0
         bus.emit("step_start")
         strategy.zero_grad()
-        if hasattr(strategy, "train_step"):
+        if strategy.runs_whole_step:
             # a pipeline schedule owns the micro-batch loop (it interleaves stages' forwards and backwards):
             # hand it every micro-batch's data at once
             strategy.train_step([read_batch(ctx, step, mb) for mb in range(accum)])
@@ -55,4 +55,4 @@ def train(ctx) -> None:
         strategy.step()
         if interval and (step % interval == 0 or step == steps):  # the last step too: the gate evaluates it
             ctx.save_checkpoint(step)
-        bus.emit("step_end", spans=getattr(strategy, "spans", None))  # a strategy's own timing, if it keeps one
+        bus.emit("step_end", spans=strategy.spans)  # a strategy's own timing, if it keeps one

@@ -38,20 +38,27 @@ def local_optimizer_state_tensors(optimizer):
                 yield v
 
 
-def optimizer_bytes(optimizer):
+def optimizer_bytes(optimizer) -> bytes:
     """An optimizer's state as one opaque blob, for state that is private to a rank (a ZeRO-1 partition,
-    a pipeline stage): DCP stores it under that rank's own key and hands it back to the same rank."""
+    a pipeline stage): DCP stores it under that rank's own key and hands it back to the same rank.
+    Plain `bytes` (not a BytesIO, whose pickle only a full unpickler reads): the checkpoint's own pickle of
+    it, and the torch.save inside, both load with weights_only=True (a run store may come from elsewhere)."""
     import io
 
     buf = io.BytesIO()
     torch.save(optimizer.state_dict(), buf)
-    buf.seek(0)
-    return buf
+    return buf.getvalue()
 
 
-def load_optimizer_bytes(optimizer, buf) -> None:
-    buf.seek(0)
-    optimizer.load_state_dict(torch.load(buf, weights_only=False))
+OPTIMIZER_BLOB_TEMPLATE = b""  # what a load template holds where a blob will be read
+
+
+def load_optimizer_bytes(optimizer, blob) -> None:
+    import io
+
+    if not isinstance(blob, (bytes, bytearray)):
+        raise TypeError(f"optimizer blob is {type(blob).__name__}, not bytes (a checkpoint of an older format?)")
+    optimizer.load_state_dict(torch.load(io.BytesIO(blob), weights_only=True))
 
 
 SCALAR_INDEX = 1_000_000  # scalars sort after every tensor of their phase
@@ -109,11 +116,55 @@ def clip_gradients(bus, named, optimizer, max_norm: float | None, norm_group=Non
 
 
 class Strategy:
-    """What every strategy shares once it has `bus`, `named` [(index, name, param)], `model`, `optimizer`,
-    `max_grad_norm`: the clip and optimizer phases, and checkpoint state through DCP's state-dict helpers
-    (they know DDP, FSDP2 and DTensor alike). Strategies override what differs."""
+    """The interface between the training loop and a parallel layout (docs/design.md, "Strategies").
 
+    Every strategy sets, in its constructor:
+      `model`      what the loop calls forward on (the wrapped model, a pipeline stage)
+      `plain`      the unwrapped model (its logical parameter count feeds the memory ledger)
+      `named`      [(index, name, param)]: the parameters this rank updates, index = registration order
+      `optimizer`, `bus`, `max_grad_norm`
+    and implements `replicas()`, `micro_batch(last)` and `backward(loss, last)`. What it may declare or
+    override instead of being probed for:
+      `runs_whole_step`  True when the strategy owns the micro-batch loop (a pipeline schedule
+                         interleaves stages): the loop then calls `train_step(batches)` once per step
+      `engine_facts()`   what the engine reports of itself, logged when it changes ({} = nothing)
+      `spans`            the strategy's own timing of the last step (pipeline forward/backward spans)
+      `close()`          release what the engine holds before the process group goes away
+    The clip and optimizer phases and checkpoint state through DCP's state-dict helpers (which know DDP,
+    FSDP2 and DTensor alike) are shared here; strategies override what differs.
+    """
+
+    name: str = "strategy"  # short, for messages
+    engine: str = ""  # the torch.distributed engine doing the work, for env.json and `show`
     norm_group = None  # a group whose ranks hold different parameters (pipeline stages): the norm spans it
+    runs_whole_step: bool = False
+    spans: list | None = None
+
+    # ---- what every strategy implements
+
+    def replicas(self) -> list[dict]:
+        """Which copies must agree across which mesh dimension, per phase (the replica map, replicas.json)."""
+        raise NotImplementedError
+
+    def micro_batch(self, last: bool):
+        """A context for one micro-batch: accumulate locally (not last) or synchronise (last)."""
+        raise NotImplementedError
+
+    def backward(self, loss, last: bool) -> None:
+        """Backward of one micro-batch; emits `backward` (local gradients) and, on the last, `reduce`."""
+        raise NotImplementedError
+
+    def train_step(self, batches: list[dict]) -> None:
+        """Only for `runs_whole_step` strategies: forward and backward of all micro-batches of a step."""
+        raise NotImplementedError(f"{type(self).__name__} does not run whole steps")
+
+    # ---- optional capabilities, with their neutral defaults
+
+    def engine_facts(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
 
     def step(self):
         clip_gradients(self.bus, self.named, self.optimizer, self.max_grad_norm, self.norm_group)
@@ -132,6 +183,10 @@ class Strategy:
             return {"model": get_model_state_dict(self.model)}
         msd, osd = get_state_dict(self.model, self.optimizer)
         return {"model": msd, "optim": osd}
+
+    def empty_state(self, with_optimizer: bool) -> dict:
+        """A template with the checkpoint's structure, which DCP fills in place on load."""
+        return self.state_dict(with_optimizer)
 
     def load_state_dict(self, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict

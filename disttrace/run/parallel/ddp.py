@@ -45,6 +45,7 @@ def apply_ddp(model, group, bus, names: dict[int, tuple[int, str]], bucket_cap_m
 
 class DataParallel(Strategy):
     name = "ddp"
+    engine = "DistributedDataParallel"
 
     def __init__(self, manifest: dict, model, mesh, bus):
         self.plain = model
