@@ -23,7 +23,6 @@ def final_checkpoint(run: Run) -> Path:
 
 def evaluate(run_dir: Path) -> dict:
     import torch
-    import torch.distributed.checkpoint as dcp
 
     from disttrace.data.windows import TokenData
     from disttrace.model.llama import build_model, lm_loss
@@ -39,7 +38,9 @@ def evaluate(run_dir: Path) -> dict:
     dtype = getattr(torch, m["training"]["dtype"])
     model = build_model(SimpleNamespace(**m["model"]), dtype, seed=0)  # weights come from the checkpoint
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)  # consolidates every shard into full tensors
+    from disttrace.run import safeload
+
+    safeload.load(state, ckpt, no_dist=True)  # consolidates every shard; nothing of the checkpoint's code runs
     model.load_state_dict(state["model"])
     model.eval()
     total_loss, tokens, correct = 0.0, 0, 0

@@ -29,6 +29,7 @@ from disttrace.run.collectives import CollectiveTracer
 from disttrace.run.hooks import HookBus
 from disttrace.run.parallel.common import optimizer_state_list
 from disttrace.run.recorder import Recorder
+from disttrace.store import seal
 from disttrace.store.rundir import LOCK, mark_complete, write_json_atomic
 
 
@@ -87,10 +88,14 @@ class AttachedRun:
         self.tracer.__exit__(None, None, None)
         self.tracer.close()
         self.recorder.close()
+        # each rank hashes the files it wrote; the gather is also the barrier (disttrace.store.seal)
+        parts = [seal.rank_part(self.run_dir, self.rank, self.recorder.chain.last, self.recorder.chain.steps)]
         if dist.is_available() and dist.is_initialized():
-            dist.barrier()
+            mine, parts = parts[0], [None] * dist.get_world_size()
+            dist.all_gather_object(parts, mine)
         if self.rank == 0:
-            mark_complete(self.run_dir, {"steps": self.step - 1, "source": "disttrace.api"})
+            mark_complete(self.run_dir, {"steps": self.step - 1, "source": "disttrace.api",
+                                         "seal": seal.build_seal(self.run_dir, parts)})
 
 
 def attach(model, optimizer, out: str | Path = "runs", name: str = "user-script", seed: int = 0,

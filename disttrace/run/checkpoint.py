@@ -36,7 +36,8 @@ def save(strategy, run_dir: Path, step: int, manifest_id: str, world_size: int, 
 def load(strategy, ckpt: Path, rank: int, manifest_id: str) -> dict:
     """Load a verified checkpoint into the strategy; returns its progress dict."""
     import torch
-    import torch.distributed.checkpoint as dcp
+
+    from disttrace.run import safeload
 
     index = verify(ckpt, manifest_id)
     with_optim = "optim" in index.get("contents", [])
@@ -44,7 +45,7 @@ def load(strategy, ckpt: Path, rank: int, manifest_id: str) -> dict:
     state = getattr(strategy, "empty_state", strategy.state_dict)(with_optim)
     state[f"rng/rank-{rank:05d}"] = torch.get_rng_state()
     state["progress"] = {"step": 0}
-    dcp.load(state, checkpoint_id=str(ckpt))
+    safeload.load(state, ckpt)  # never DCP's plain pickle.load: the checkpoint may come from elsewhere
     strategy.load_state_dict(state)
     torch.set_rng_state(state[f"rng/rank-{rank:05d}"])
     return {**state["progress"], "with_optimizer": with_optim}

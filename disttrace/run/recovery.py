@@ -7,6 +7,7 @@ from pathlib import Path
 from disttrace.store import checkpoints as checkpoint
 from disttrace.errors import BadInput
 from disttrace.config.manifest import Frozen
+from disttrace.store.paths import contained, inside
 from disttrace.store.rundir import Run
 
 
@@ -14,7 +15,8 @@ def choose_checkpoint(run_path: Path, from_step: int | None) -> tuple[Frozen, Pa
     run = Run(run_path)
     frozen = Frozen.model_validate(run.lock)
     fault = run.info.get("fault") or {}
-    ckpts = {int(p.name.split("-")[1]): p for p in run.checkpoint_dirs()}
+    # a checkpoint directory that is a link out of the run is refused, not followed (paths stay in the store)
+    ckpts = {int(p.name.split("-")[1]): contained(p, run.path, p) for p in run.checkpoint_dirs()}
     if from_step is not None:
         if from_step not in ckpts:
             raise BadInput(run.path / "checkpoints", f"no checkpoint at step {from_step} "
@@ -45,5 +47,8 @@ def resume_spec(frozen: Frozen, root: Path, ckpt: Path, from_run: Path) -> dict:
     import os
 
     base = (Path(root) / frozen.manifest_id[:12]).resolve()
+    if not inside(ckpt, root):  # the worker refuses a resume path outside its runs root: say so now
+        raise BadInput("--out", f"{ckpt} is outside the runs root {root}: a recovered run lives in the runs root "
+                       "of the run it resumes from")
     return {"checkpoint": os.path.relpath(ckpt.resolve(), base), "step": int(ckpt.name.split("-")[1]),
             "from_run": str(Path(from_run).resolve())}

@@ -16,6 +16,9 @@ from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
+from disttrace.errors import DisttraceError
+from disttrace.store import seal
+from disttrace.store.paths import resume_checkpoint
 from disttrace.store.rundir import COMPLETE, LOCK, event, mark_complete, read_json, write_json_atomic
 
 
@@ -56,6 +59,8 @@ def pick_backend(manifest: dict, torch) -> tuple:
 def run(run_dir: Path) -> None:
     lock = read_json(run_dir / LOCK)
     info = read_json(run_dir / "run.json")
+    if info.get("resume"):  # refused before any process group exists (run.json may come from elsewhere)
+        resume_checkpoint(run_dir, info["resume"])
     manifest = lock["manifest"]
     torch = setup_torch(manifest)
     import torch.distributed as dist
@@ -119,8 +124,12 @@ def run(run_dir: Path) -> None:
             ledger.close()
         tracer.close()
         dist.barrier()
+        # every rank hashes the files it wrote (they may sit on another node's disk); rank 0 seals them all
+        parts: list = [None] * world
+        dist.all_gather_object(parts, seal.rank_part(run_dir, rank, recorder.chain.last, recorder.chain.steps))
         if rank == 0:
-            mark_complete(run_dir, {"steps": manifest["training"]["steps"], "world_size": world})
+            mark_complete(run_dir, {"steps": manifest["training"]["steps"], "world_size": world,
+                                    "seal": seal.build_seal(run_dir, parts)})
     finally:
         tracer.close()
         if dist.is_initialized():
@@ -156,8 +165,7 @@ def resume(ctx, spec: dict) -> int:
     """Load the checkpoint named in run.json (relative to the runs/<id12>/ directory) and return its step."""
     from disttrace.run import checkpoint
 
-    path = Path(spec["checkpoint"])
-    path = path if path.is_absolute() else ctx.run_dir.parent / path
+    path = resume_checkpoint(ctx.run_dir, spec)  # inside the runs root, or BadInput
     progress = checkpoint.load(ctx.strategy, path, ctx.rank, ctx.manifest_id)
     if ctx.rank == 0:
         event(ctx.run_dir, "resumed", step=int(progress["step"]), checkpoint=spec["checkpoint"],
@@ -223,6 +231,9 @@ def main(argv=None) -> int:
             rank = int(os.environ.get("RANK", -1))
             event(run_dir, "rank_failed", rank=rank, error=f"{type(e).__name__}: {e}"[:2000],
                   where=traceback.format_exc(limit=3)[-1500:])
+        if isinstance(e, DisttraceError):  # bad input (e.g. a crafted run.json): one line, its exit code
+            print(f"error: {e}", file=sys.stderr)
+            return e.exit_code
         raise
     return 0
 

@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 from disttrace.errors import BadInput
+from disttrace.store.pickles import bare_name, scan_checkpoint
 from disttrace.store.rundir import read_json, write_json_atomic
 
 INDEX = "INDEX.json"
@@ -45,7 +46,8 @@ def write_index(ckpt: Path, step: int, manifest_id: str, world_size: int, conten
 
 
 def verify(ckpt: Path | str, manifest_id: str | None = None) -> dict:
-    """Read every byte; raise BadInput naming the first bad file. Returns the index."""
+    """Read every byte and scan every pickle (opcodes only, nothing loaded); raise BadInput naming the first
+    bad file. Returns the index."""
     ckpt = Path(ckpt)
     if not ckpt.is_dir():
         raise BadInput(ckpt, "checkpoint directory not found")
@@ -58,7 +60,11 @@ def verify(ckpt: Path | str, manifest_id: str | None = None) -> dict:
     if ".metadata" not in index["files"]:
         raise BadInput(ckpt / INDEX, "lists no DCP .metadata file", field="files")
     for name, meta in sorted(index["files"].items()):
+        if not bare_name(name):  # the INDEX comes from the run store: its names must stay in this directory
+            raise BadInput(ckpt / INDEX, f"names '{name}', outside the checkpoint directory", field="files")
         p = ckpt / name
+        if p.is_symlink():
+            raise BadInput(p, "is a symbolic link (a checkpoint holds plain files only)")
         if not p.is_file():
             raise BadInput(p, "checkpoint file is missing")
         size = p.stat().st_size
@@ -69,6 +75,10 @@ def verify(ckpt: Path | str, manifest_id: str | None = None) -> dict:
     extra = sorted(p.name for p in ckpt.iterdir() if p.is_file() and p.name != INDEX and p.name not in index["files"])
     if extra:
         raise BadInput(ckpt / extra[0], "file not listed in the index")
+    # the INDEX guards against accidents, not against its writer: also look at every pickle, unrun
+    finding = scan_checkpoint(ckpt)
+    if finding is not None:
+        raise BadInput(finding.file, (f"item {finding.item}: " if finding.item else "") + finding.reason)
     return index
 
 

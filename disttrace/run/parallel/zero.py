@@ -5,12 +5,12 @@ optimizer state sharded)."""
 
 from __future__ import annotations
 
-import io
 
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from disttrace.run.parallel.common import load_optimizer_bytes, optimizer_bytes, optimizer_class_and_kwargs
+from disttrace.run.parallel.common import (OPTIMIZER_BLOB_TEMPLATE, load_optimizer_bytes, optimizer_bytes,
+                                           optimizer_class_and_kwargs)
 from disttrace.run.parallel.ddp import DataParallel
 
 
@@ -55,5 +55,5 @@ class ZeroStage1(DataParallel):
     def empty_state(self, with_optimizer: bool) -> dict:
         state = self.state_dict(with_optimizer=False)
         if with_optimizer:
-            state["optim"] = {self._key(): io.BytesIO()}
+            state["optim"] = {self._key(): OPTIMIZER_BLOB_TEMPLATE}
         return state

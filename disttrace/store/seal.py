@@ -1,0 +1,112 @@
+"""The run store's content hashes: what `disttrace verify` and `diff` check (no torch here).
+
+Two layers, both written while the run is produced:
+
+* **The step chain.** Each line of `trajectory/rank-N.steps.jsonl` carries `sha256`, the hash of that step's
+  raw trajectory bytes (its offset..offset+length), and `chain`, the hash of the previous line's `chain`
+  and of this line's own fields (sorted-key JSON, `chain` left out). A removed, reordered or edited step, in
+  the trajectory or in the index, breaks the chain from that step on.
+* **The seal.** `COMPLETE` (written last, by global rank 0 after every rank has flushed) holds `seal`: the
+  sha256 and size of every file the job wrote (lock, run.json, env, topology, replicas, each rank's
+  trajectory, step index, collectives and memory files, every checkpoint's INDEX.json) and each rank's last
+  chain hash. `events.jsonl` is sealed as the prefix written until then (`bytes`, and `sha256` of those
+  bytes): lines appended later (after the job) are reported, not damage. Not sealed: what the gate writes
+  afterwards (`eval.json`, `verdict.json`) and the launcher's lock files.
+
+sha256 (hashlib) rather than the xxh3 of the tensor digests: the chain is meant to make an after-the-fact
+edit show, and a step's bytes are a few KiB (~2 GB/s, see PYTORCH-NOTES). It guards against accidents and
+edits, not against a writer who rewrites every hash and the seal: nothing signs COMPLETE.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import orjson
+
+SEAL_VERSION = 1
+RANK_KINDS = (("trajectory", ".jsonl"), ("trajectory", ".steps.jsonl"), ("collectives", ".jsonl"),
+              ("memory", ".jsonl"))
+SHARED_FILES = ("manifest.lock.json", "run.json", "env.json", "topology.json", "replicas.json")
+EVENTS = "events.jsonl"
+
+
+def step_hash(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def genesis(rank: int) -> str:
+    """The chain's start for one rank (a rank's index cannot pass for another rank's)."""
+    return hashlib.sha256(f"disttrace-steps-v{SEAL_VERSION}:rank-{rank:05d}".encode()).hexdigest()
+
+
+def chain_next(prev: str, entry: dict) -> str:
+    body = {k: v for k, v in entry.items() if k != "chain"}
+    return hashlib.sha256(prev.encode() + b"\n" + orjson.dumps(body, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+
+def file_hash(path: Path, limit: int | None = None) -> dict:
+    """sha256 and size of a file (of its first `limit` bytes, if given)."""
+    h = hashlib.sha256()
+    n = 0
+    with open(path, "rb") as f:
+        while True:
+            want = 1 << 20 if limit is None else min(1 << 20, limit - n)
+            if want <= 0:
+                break
+            block = f.read(want)
+            if not block:
+                break
+            h.update(block)
+            n += len(block)
+    return {"sha256": h.hexdigest(), "bytes": n}
+
+
+def rank_part(run_dir: Path | str, rank: int, chain: str | None, steps: int) -> dict:
+    """One rank's share of the seal: its own files (each rank hashes what it wrote, so a multi-node run
+    seals every node's files) and its chain's last hash."""
+    run_dir = Path(run_dir)
+    files = {}
+    for kind, suffix in RANK_KINDS:
+        rel = f"{kind}/rank-{rank:05d}{suffix}"
+        if (run_dir / rel).is_file():
+            files[rel] = file_hash(run_dir / rel)
+    return {"rank": rank, "files": files, "chain": chain, "steps": steps}
+
+
+def build_seal(run_dir: Path | str, parts: list[dict]) -> dict:
+    """The seal COMPLETE holds: the shared files (hashed here, by rank 0), every rank's part, the events so far
+    and every published checkpoint's INDEX."""
+    run_dir = Path(run_dir)
+    files: dict[str, dict] = {}
+    for name in SHARED_FILES:
+        if (run_dir / name).is_file():
+            files[name] = file_hash(run_dir / name)
+    chains = {}
+    for part in sorted((p for p in parts if p), key=lambda p: p["rank"]):
+        files.update(part["files"])
+        chains[f"{part['rank']:05d}"] = {"chain": part["chain"], "steps": part["steps"]}
+    ck = run_dir / "checkpoints"
+    if ck.is_dir():
+        for d in sorted(ck.iterdir()):
+            if d.is_dir() and not d.name.endswith(".partial") and (d / "INDEX.json").is_file():
+                files[f"checkpoints/{d.name}/INDEX.json"] = file_hash(d / "INDEX.json")
+    seal = {"version": SEAL_VERSION, "hash": "sha256", "files": dict(sorted(files.items())), "chains": chains}
+    if (run_dir / EVENTS).is_file():
+        seal["events"] = file_hash(run_dir / EVENTS)  # a prefix: lines may be appended after the job
+    return seal
+
+
+class StepChain:
+    """The recorder's side: hash a step's bytes, chain its index line to the previous one."""
+
+    def __init__(self, rank: int):
+        self.last = genesis(rank)
+        self.steps = 0
+
+    def seal_entry(self, entry: dict, data: bytes) -> dict:
+        entry["sha256"] = step_hash(data)
+        entry["chain"] = self.last = chain_next(self.last, entry)
+        self.steps += 1
+        return entry
