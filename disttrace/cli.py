@@ -259,12 +259,17 @@ def recover(fault_run: Path = typer.Argument(..., help="the run to recover (usua
 def show(run_dir: Path = typer.Argument(..., help="a run directory"),
          view: str = typer.Argument("summary", help="summary | checkpoints | topology | collectives | memory | events"),
          json_: bool = JsonOpt):
-    """Show a run: manifest, topology, loss per step, record counts, completeness, or one evidence view."""
+    """Show a run: manifest, topology, loss per step, record counts, completeness, or one evidence view.
+    `checkpoints` verifies each one (every file's sha256, every pickle scanned unrun) and exits 1 when a
+    published checkpoint does not verify."""
     from disttrace.views import show as views
 
     result = views.show(run_dir, view, err)
     if json_:
         emit_json(result)
+    if view == "checkpoints":
+        raise typer.Exit(verdict_exit(all(c["verified"] for c in result.get("checkpoints", [])
+                                          if c.get("step") is not None)))
 
 
 @app.command()
@@ -471,6 +476,29 @@ def check(run_dir: Path = typer.Argument(..., help="a run directory"), json_: bo
     if res["consistent"] is None:
         raise typer.Exit(EXIT_BAD_INPUT)
     raise typer.Exit(verdict_exit(res["consistent"]))
+
+
+@app.command()
+@handled
+def verify(run_dir: Path = typer.Argument(..., help="a run directory"), json_: bool = JsonOpt):
+    """Is the run store what its job wrote? Hashes, never loads: the files COMPLETE seals, each rank's chain of
+    step hashes (an edited, removed or reordered step breaks it), every checkpoint's INDEX and every pickle
+    in it by opcodes (a global outside the allowlist is damage). Exit 0 intact, 1 damaged (the first damaged
+    file and step named) or unsealed (an incomplete run, or one written before seals), 2 not a run. Guards
+    against accidents and after-the-fact edits, not against a writer who rewrites every hash."""
+    from disttrace.store.verify import summary_line, verify_run
+
+    v = verify_run(run_dir)
+    if json_:
+        from dataclasses import asdict
+
+        emit_json({**asdict(v), "intact": v.exit_ok})
+    else:
+        style = {"intact": "green", "damaged": "red"}.get(v.status, "yellow")
+        line = summary_line(v)
+        head, _, rest = line.partition(":")
+        err.print(Text(head, style=style) + Text(":" + rest), soft_wrap=True)
+    raise typer.Exit(verdict_exit(v.exit_ok))
 
 
 @app.command()

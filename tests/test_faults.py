@@ -152,7 +152,7 @@ def test_optimizer_reset_recovery_diverges_at_resume_in_optimizer_phase(runs):
 
 def test_corrupt_checkpoint_is_reported_and_refused(runs):
     fault = runs.fault("corrupt-checkpoint", 2, 1)
-    doc = orjson.loads(cli("show", fault, "checkpoints", "--json", check=0).stdout)
+    doc = orjson.loads(cli("show", fault, "checkpoints", "--json", check=1).stdout)  # exit 1: one does not verify
     bad = [c for c in doc["checkpoints"] if not c["verified"]]
     assert [c["step"] for c in bad] == [2] and "__1_0.distcp" in bad[0]["detail"]
     proc = cli("recover", fault, "--from-step", 2)

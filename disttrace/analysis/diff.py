@@ -30,6 +30,7 @@ from disttrace.analysis import tolerance
 from disttrace.errors import BadInput
 from disttrace.fmt import ranges
 from disttrace.config.manifest import EXPERIMENT_FIELDS, TOPOLOGY_FIELDS, get_field, global_batch
+from disttrace.store import seal
 from disttrace.store.rundir import LOCK, PHASE_ORDER, PHASES, Run
 
 MODES = ("bitwise", "numeric")
@@ -72,6 +73,7 @@ class _Side:
         self.complete = self.run.complete
         self.ranks = self.run.ranks()
         self.use_index = use_index
+        self.hash_checked = 0  # step ranges whose bytes were checked against the index's sha256
         self.index: dict[int, dict[int, dict]] = {}
         self.steps: list[int] = []
 
@@ -114,6 +116,10 @@ class _Side:
             read = self.run.step_index(rank)
             if read.torn:
                 self.warnings.append(f"run {self.label}: {read.torn}")
+            broken = seal.first_chain_break(rank, read.records)
+            if broken is not None:  # an index edited after the run must never let a step be skipped as equal
+                raise BadInput(steps_path, f"step {broken}: the step chain is broken (a step removed, reordered or "
+                               "edited after the run; see `disttrace verify`)")
             out: dict[int, dict] = {}
             for n, e in enumerate(read.records, 1):
                 for k in ("step", "offset", "length"):
@@ -132,10 +138,23 @@ class _Side:
     def entry(self, rank: int, step: int) -> dict | None:
         return self.index.get(rank, {}).get(step)
 
+    def check_step(self, rank: int, step: int) -> None:
+        """The step's raw bytes against the sha256 its index line holds (hashing, no parsing): a trajectory
+        edited after the run is refused, never skipped as equal by its (unchanged) digest of digests."""
+        e = self.entry(rank, step)
+        if e is None:
+            return
+        ok = seal.step_bytes_match(self.run.rank_path("trajectory", rank), e)
+        if ok is False:
+            raise BadInput(self.run.rank_path("trajectory", rank), f"step {step}: the bytes differ from the sha256 "
+                           "in the step index (edited after the run; see `disttrace verify`)")
+        self.hash_checked += ok is True
+
     def records(self, rank: int, step: int) -> list[dict]:
         e = self.entry(rank, step)
         if e is None:
             return []
+        self.check_step(rank, step)
         try:
             return self.run.records_of_step(rank, e)
         except orjson.JSONDecodeError:
@@ -654,6 +673,8 @@ def diff_runs(a: str | Path, b: str | Path, mode: str | None = None, rtol: float
                 ea, eb = side_a.entry(r, step), side_b.entry(r, step)
                 if (ea is not None and eb is not None and ea.get("digest") is not None
                         and ea.get("digest") == eb.get("digest") and ea.get("records") == eb.get("records")):
+                    side_a.check_step(r, step)  # skipped by the index: its bytes must still be what was indexed
+                    side_b.check_step(r, step)
                     per_rank[r] = _RankStep(int(ea.get("records") or 0))
                     continue
                 per_rank[r] = _compare_rank_step(step, r, side_a.records(r, step), side_b.records(r, step), tol)
@@ -712,7 +733,7 @@ def diff_runs(a: str | Path, b: str | Path, mode: str | None = None, rtol: float
                       {"kind": "user", "rtol": rtol or 0.0, "atol": atol or 0.0} if tol.user else
                       {"kind": "derived", "since_step": since, **tolerance.explain(ma, mb)}),
         "stats": {"tensors_compared": n_units, "bit_equal": n_exact, "steps_read": read_steps,
-                  "index": use_index},
+                  "index": use_index, "steps_hash_checked": side_a.hash_checked + side_b.hash_checked},
         "warnings": warnings,
     }
     if logical:

@@ -25,8 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from disttrace.errors import BadInput
 
 # every check the gate runs, in its order; a policy may name only these
-CHECK_NAMES = ("checkpoint_integrity", "collective_sync", "replica_consistency", "gradient_equivalence",
-               "eval_metric", "complete")
+CHECK_NAMES = ("store_integrity", "checkpoint_integrity", "collective_sync", "replica_consistency",
+               "gradient_equivalence", "eval_metric", "complete")
 DEFAULT_LOSS_RTOL = 0.02  # the manifest's own default (config/manifest.py, Eval.loss_rtol)
 
 

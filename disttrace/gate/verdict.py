@@ -44,6 +44,20 @@ def run_eval(run: Run) -> dict:
     return result
 
 
+def store_integrity(run: Run, ref: Run | None) -> dict:
+    """`disttrace verify` of the run (and of the reference): damaged or unsealed fails, naming the first file."""
+    from disttrace.store.verify import summary_line, verify_run
+
+    for label, r in (("", run), ("reference: ", ref)):
+        if r is None:
+            continue
+        v = verify_run(r.path)
+        if not v.exit_ok:
+            return check("store_integrity", False, label + summary_line(v))
+    return check("store_integrity", True, "sealed files, step chains and checkpoint pickles intact"
+                 + (" (run and reference)" if ref is not None else ""))
+
+
 def gate(run_dir: Path, reference: Path | None = None, policy_file: Path | None = None,
          require_all: bool = False) -> dict:
     from disttrace.gate import policy as gate_policy
@@ -55,6 +69,9 @@ def gate(run_dir: Path, reference: Path | None = None, policy_file: Path | None 
                                          require_all)
     ignored = gate_policy.candidate_differences(policy, run.manifest)
     checks, flags = [], []
+
+    # 0. the run store is what its job wrote (`disttrace verify`: the seal, the step chains, every pickle)
+    checks.append(store_integrity(run, ref))
 
     # 1. checkpoint integrity of every checkpoint the run wrote
     ckpts = run.checkpoint_dirs()

@@ -110,3 +110,26 @@ class StepChain:
         entry["chain"] = self.last = chain_next(self.last, entry)
         self.steps += 1
         return entry
+
+
+def first_chain_break(rank: int, entries: list[dict]) -> int | None:
+    """The step at which a rank's index entries stop chaining (None: intact, or written before chains)."""
+    if not entries or any("chain" not in e for e in entries):
+        return None
+    prev = genesis(rank)
+    for e in entries:
+        if chain_next(prev, e) != e.get("chain"):
+            return e.get("step")
+        prev = e["chain"]
+    return None
+
+
+def step_bytes_match(path: Path, entry: dict) -> bool | None:
+    """Whether a step's raw bytes still hash to its index line's sha256 (None: the line holds no hash)."""
+    want = entry.get("sha256")
+    if want is None:
+        return None
+    with open(path, "rb") as f:
+        f.seek(entry["offset"])
+        data = f.read(entry["length"])
+    return len(data) == entry["length"] and step_hash(data) == want
