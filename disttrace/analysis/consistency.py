@@ -31,13 +31,14 @@ def rule_applies(rule: dict, rec: dict) -> bool:
 def check_run(run: Run) -> dict:
     rules = load_rules(run)
     if rules is None:
-        return {"consistent": None, "reason": "no replicas.json: the strategy states no replica map",
+        return {"consistent": None, "reason": "nothing to check: no replicas.json (no replica map was written)",
                 "first": None, "spread": []}
     groups = rules["groups"]
     ranks = run.ranks()
     indexes = {r: {e["step"]: e for e in run.step_index(r).records} for r in ranks}
     steps = sorted(set().union(*[set(v) for v in indexes.values()])) if indexes else []
     findings, spread = [], []
+    compared = 0  # (step, tensor) tables with two or more copies to hold against each other
     for step in steps:
         by_rank = {r: run.records_of_step(r, indexes[r][step]) for r in ranks if step in indexes[r]}
         step_bad: list[dict] = []
@@ -52,6 +53,7 @@ def check_run(run: Run) -> dict:
                         if rule_applies(rule, rec):
                             table.setdefault((rec["micro_batch"], rec["index"], rec["tensor"]), {})[r] = rec
                 for (mb, index, tensor), recs in sorted(table.items()):
+                    compared += len(recs) >= 2
                     digests = {r: rec["digest"] for r, rec in recs.items()}
                     bad = _judge(rule["relation"], digests)
                     if bad:
@@ -62,6 +64,11 @@ def check_run(run: Run) -> dict:
             findings.append(step_bad[0])
             spread.append({"step": step, "inconsistent": len(step_bad),
                            "minority_ranks": sorted({r for f in step_bad for r in f["minority"]})})
+    if not compared:  # no rule had two copies to compare: a pass here would claim what was never checked
+        why = ("it states no replica rule" if not rules["rules"] else
+               "no rule has two ranks' records to compare (one rank per group, or no records)")
+        return {"consistent": None, "reason": f"nothing to check: {why}", "first": None, "spread": [],
+                "rules": rules["rules"], "steps_checked": 0}
     first = findings[0] if findings else None
     return {"consistent": first is None, "first": first, "spread": spread, "rules": rules["rules"],
             "steps_checked": len(steps)}

@@ -277,6 +277,7 @@ EXPERIMENT_FIELDS = (
     "experiment.edition", "experiment.seed", "data.sha256", "data.eval_percent", "data.split_salt",
     "tokenizer.sha256", "model", "training.steps", "training.lr", "training.optimizer", "training.weight_decay",
     "training.beta1", "training.beta2",
+    "optimizer", "config",  # attached runs (disttrace.api): the optimizer's hyper-parameters, the user's config
 )
 TOPOLOGY_FIELDS = ("parallelism", "training.micro_batch_size", "training.grad_accum_steps", "training.dtype")
 

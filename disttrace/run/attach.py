@@ -1,18 +1,29 @@
-"""Instrument your own training script in a few lines; it writes the same run store, so `disttrace diff`,
-`check`, `show` and `trace` work on it.
+"""Instrument your own training script; it writes the same run store as disttrace's own runs, so `diff`,
+`check`, `show`, `trace`, `verify` and `gate` read it.
 
     import disttrace.api as disttrace
-    run = disttrace.attach(ddp_model, optimizer, out="runs", name="my-experiment", seed=0)
-    for step, (x, y) in enumerate(loader, 1):
-        ...                       # forward, loss, loss.backward() as before
-        run.loss(loss)            # optional: the loss record
-        optimizer.step()          # gradients and parameters are recorded by optimizer hooks
-    run.close()                   # marks the run complete
+    run = disttrace.attach(ddp_model, optimizer, config={"lr": 1e-3, "batch": 8})   # every rank
+    for step ...:
+        for micro_batch ...:
+            run.batch(x)                          # optional: the data record (default: the forward's input)
+            loss = run.loss(loss_fn(ddp_model(x), y))   # the loss record; returns the loss to backprop
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(...)       # recorded as the clip phase while attached
+        optimizer.step()                          # reduce and optimizer records, then the next step
+    run.close()                                   # marks the run complete
 
-What is recorded: per optimizer step, the (reduced) gradients just before `optimizer.step()` (`reduce`
-phase), the parameters and optimizer state just after it (`optimizer` phase), the loss if given, and every
-collective (the same dispatch-mode tracer as disttrace's own runs). Requires torch.distributed to be
-initialised (any backend) or runs single-process as rank 0.
+Phases, as in the harness's runs: each forward of the model between two optimizer steps is a micro-batch;
+`data` (run.batch, or the forward's first tensor input), `loss` (run.loss), `backward` (the local gradient
+before the reduce: DDP's comm hook, installed here, or the end of each backward pass when there is no
+DDP), `reduce` (the gradients as the step begins: after DDP's all-reduce, or the script's own),
+`clip` (when torch.nn.utils.clip_grad_norm_ runs: gradients after clipping, total norm, clip coefficient,
+lr), `optimizer` (parameters, optimizer state, every param group's lr).
+
+At attach every rank digests every parameter and the digests are gathered: the replica map
+(`replicas.json`) comes from the engine (DDP: reduced gradients, parameters and optimizer state agree over
+its group) and, without one, from which copies are identical now (they must stay identical after every
+optimizer step). Run it under `disttrace run -- CMD` / `disttrace inject ... -- CMD`: the run directory
+(and the fault) come from DISTTRACE_RUN_DIR.
 """
 
 from __future__ import annotations
@@ -20,106 +31,729 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import orjson
 import torch
 
+from disttrace.errors import BadInput
 from disttrace.run.collectives import CollectiveTracer
 from disttrace.run.hooks import HookBus
-from disttrace.run.parallel.common import optimizer_state_list
+from disttrace.run.parallel.common import SCALAR_INDEX, Strategy, optimizer_state_list
 from disttrace.run.recorder import Recorder
 from disttrace.store import seal
-from disttrace.store.rundir import LOCK, mark_complete, write_json_atomic
+from disttrace.store.rundir import LOCK, event, mark_complete, new_run_dir, read_json, write_json_atomic
+
+RUN_DIR_ENV = "DISTTRACE_RUN_DIR"  # set by `disttrace run -- CMD`: the prepared run directory
+SOURCE = "disttrace.api"
+ENGINES = ("plain", "DDP", "FSDP2", "DTensor")
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
 
 
 def _rank_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    dist = _dist()
+    return (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
 
 
-def _broadcast_path(path: str | None) -> str:
-    import torch.distributed as dist
+def _gather(obj) -> list:
+    dist = _dist()
+    if dist is None:
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
-    if not (dist.is_available() and dist.is_initialized()):
-        return path
-    box = [path]
+
+def _broadcast(obj):
+    dist = _dist()
+    if dist is None:
+        return obj
+    box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
+def _jsonable(v: Any) -> Any:
+    """Hyper-parameters and user config as JSON (tuples as lists, tensors as numbers, the rest as text)."""
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, (bool, int, float, str)) or v is None:
+        return v
+    if torch.is_tensor(v) and v.numel() == 1:
+        return v.item()
+    return str(v)
+
+
+def unwrap_optimizer(opt):
+    """HF's AcceleratedOptimizer and Lightning's LightningOptimizer wrap the torch optimizer as .optimizer."""
+    while isinstance(getattr(opt, "optimizer", None), torch.optim.Optimizer):
+        opt = opt.optimizer
+    return opt
+
+
+# ---------------------------------------------------------------- what attach sees
+
+
+@dataclass
+class Engine:
+    kind: str  # plain | DDP | FSDP2 | DTensor
+    inner: torch.nn.Module  # the user's module (DDP's .module)
+    ddp: Any = None
+    group_ranks: list[int] = field(default_factory=list)  # DDP's process group, global ranks
+
+
+def detect_engine(model) -> Engine:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if isinstance(model, DDP):
+        dist = _dist()
+        ranks = dist.get_process_group_ranks(model.process_group) if dist else [0]
+        return Engine("DDP", model.module, model, sorted(ranks))
+    fsdp = False
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        fsdp = any(isinstance(m, FSDPModule) for m in model.modules())
+    except ImportError:
+        pass
+    dtensor = any(hasattr(p, "placements") for p in model.parameters())
+    return Engine("FSDP2" if fsdp else "DTensor" if dtensor else "plain", model)
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _is_constant(t) -> bool:
+    """A tensor whose elements are all equal (zeros, ones, a scalar) is equal on independent ranks by
+    construction, not by synchronisation: its equality at attach says nothing about replicas."""
+    t = _local(t).detach()
+    if t.numel() <= 1:
+        return True
+    flat = t.reshape(-1)
+    return bool((flat == flat[0]).all())
+
+
+def _process_groups() -> list[dict]:
+    """The process groups torch built that this rank is in (private c10d tables: best effort)."""
+    dist = _dist()
+    if dist is None:
+        return [{"name": "world", "ranks": [0], "backend": None}]
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        out = []
+        for pg, ranks in c10d._world.pg_group_ranks.items():
+            try:
+                backend = str(dist.get_backend(pg))
+            except (RuntimeError, ValueError):
+                backend = None
+            out.append({"name": c10d._world.pg_names.get(pg, ""), "ranks": sorted(ranks), "backend": backend})
+        return out
+    except (AttributeError, RuntimeError):
+        return [{"name": "world", "ranks": list(range(dist.get_world_size())), "backend": dist.get_backend()}]
+
+
+def _mesh_groups(mesh, dim: int) -> list[list[int]]:
+    """The rank groups along one dimension of a DeviceMesh (same coordinates on every other dimension)."""
+    ranks = mesh.mesh
+    size = ranks.shape[dim]
+    return sorted(ranks.movedim(dim, -1).reshape(-1, size).tolist())
+
+
+def local_view(engine: Engine, named, rank: int) -> dict:
+    """What this rank sees at attach: its parameters' digests, its process groups, where it runs."""
+    from disttrace.run.digest import digest_tensor
+    import socket
+
+    params = {}
+    for _, name, p in named:
+        with torch.no_grad():
+            params[name] = {"digest": digest_tensor(p)["digest"], "constant": _is_constant(p)}
+        if hasattr(p, "placements") and hasattr(p, "device_mesh"):
+            mesh = p.device_mesh
+            params[name]["replicate"] = {
+                (mesh.mesh_dim_names[d] if mesh.mesh_dim_names else str(d)): _mesh_groups(mesh, d)
+                for d, pl in enumerate(p.placements) if pl.is_replicate()}
+            params[name]["shard_dims"] = [d for d, pl in enumerate(p.placements) if pl.is_shard()]
+    return {"rank": rank, "host": socket.gethostname(),
+            "node_rank": int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", 0))),
+            "local_rank": int(os.environ.get("LOCAL_RANK", 0)), "pid": os.getpid(),
+            "params": params, "ddp_group": engine.group_ranks, "process_groups": _process_groups(),
+            "seed": torch.initial_seed()}
+
+
+def infer_replicas(engine: str, views: list[dict]) -> dict:
+    """replicas.json for an attached run, in the harness's format ({"groups": {dim: [[ranks]]}, "rules": [...]}).
+
+    DDP: the engine says it (data differs, reduced gradients, clip scalars, parameters and optimizer state
+    agree over its group). DTensor/FSDP2: a parameter's Replicate placements name mesh dimensions whose
+    copies agree; Shard ones hold different pieces. Otherwise: copies identical at attach must stay
+    identical after every optimizer step (parameters whose elements are all equal are left out: equal by
+    construction, they show nothing)."""
+    world = len(views)
+    groups: dict[str, list[list[int]]] = {"world": [list(range(world))]}
+    rules: list[dict] = []
+    notes: list[str] = []
+    if engine == "DDP":
+        dp = sorted({tuple(v["ddp_group"]) for v in views})
+        groups["dp"] = [list(g) for g in dp]
+        rules += [{"phase": "data", "dim": "dp", "relation": "differ"},
+                  {"phase": "reduce", "dim": "dp", "relation": "agree"},
+                  {"phase": "clip", "dim": "dp", "relation": "agree"},
+                  {"phase": "optimizer", "dim": "dp", "relation": "agree"}]
+        notes.append(f"DDP over {groups['dp']}: reduced gradients, clip, parameters and optimizer state agree")
+        return {"groups": groups, "rules": rules, "inferred": {"engine": engine, "notes": notes}}
+    names = sorted({n for v in views for n in v["params"]})
+    by_dims: dict[tuple, list[str]] = {}
+    placed: dict[str, list[list[int]]] = {}
+    for name in names:
+        entries = {v["rank"]: v["params"][name] for v in views if name in v["params"]}
+        first = next(iter(entries.values()))
+        if "replicate" in first:  # a DTensor: its placements say it
+            for dim, gs in first["replicate"].items():
+                key = f"mesh:{dim}"
+                placed[key] = gs
+                by_dims.setdefault((key,), []).append(name)
+            continue
+        if all(e["constant"] for e in entries.values()):
+            continue
+        buckets: dict[str, list[int]] = {}
+        for r, e in entries.items():
+            buckets.setdefault(e["digest"], []).append(r)
+        part = tuple(sorted(tuple(g) for g in buckets.values() if len(g) > 1))
+        if part:
+            by_dims.setdefault(part, []).append(name)
+    groups.update(placed)
+    n = 0
+    for key, tensors in sorted(by_dims.items(), key=lambda kv: str(kv[0])):
+        if isinstance(key[0], str):  # a mesh dimension
+            dim = key[0]
+        else:
+            n += 1
+            dim = "replicas" if n == 1 else f"replicas-{n}"
+            groups[dim] = [list(g) for g in key]
+        rules.append({"phase": "optimizer", "dim": dim, "relation": "agree", "tensors": sorted(tensors)})
+        notes.append(f"{len(tensors)} parameter(s) identical across {groups[dim]} at attach ({dim})")
+    if not rules:
+        notes.append("no parameter has an identical copy on another rank: nothing must agree")
+    return {"groups": groups, "rules": rules, "inferred": {"engine": engine, "notes": notes}}
+
+
+def topology_doc(engine: Engine, views: list[dict]) -> dict:
+    """topology.json in the harness's shape (pp x dp x tp, coordinates per rank), plus every process group
+    torch built, as the ranks reported them."""
+    world = len(views)
+    dp_groups = sorted({tuple(v["ddp_group"]) for v in views}) if engine.kind == "DDP" else [tuple(range(world))]
+    dp_size = len(dp_groups[0]) if dp_groups else 1
+    dp_index = {r: i for g in dp_groups for i, r in enumerate(g)}
+    pgs: dict[tuple, dict] = {}
+    for v in views:
+        for g in v["process_groups"]:
+            pgs.setdefault((g["name"], tuple(g["ranks"])), g)
+    return {
+        "world_size": world,
+        "mesh_dims": ["pp", "dp", "tp"],
+        "mesh_shape": {"pp": 1, "dp": dp_size, "tp": 1},
+        "groups": {"pp": [[r] for r in range(world)], "dp": [list(g) for g in dp_groups],
+                   "tp": [[r] for r in range(world)]},
+        "ranks": [{"rank": v["rank"], "host": v["host"], "node_rank": v["node_rank"], "local_rank": v["local_rank"],
+                   "pid": v["pid"], "coords": {"pp": 0, "dp": dp_index.get(v["rank"], 0), "tp": 0}} for v in views],
+        "process_groups": [pgs[k] for k in sorted(pgs, key=lambda k: (len(k[1]), k))],
+        "engine": engine.kind,
+    }
+
+
+def build_manifest(engine: Engine, optimizer, views: list[dict], name: str, edition: str, seed: int | None,
+                   config: dict | None) -> dict:
+    """The experiment as attach sees it: the user's config plus the model's tensors, the optimizer and its
+    hyper-parameters, the world, the engine and the default generator's seed. Two attached runs whose
+    manifests differ in these are not the same experiment, and diff says which fields differ."""
+    inner = engine.inner
+    world = len(views)
+    groups = [{k: _jsonable(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    g0 = groups[0] if groups else {}
+    training: dict = {"optimizer": type(optimizer).__name__}
+    for key in ("lr", "weight_decay"):
+        if key in g0:
+            training[key] = g0[key]
+    if isinstance(g0.get("betas"), list) and len(g0["betas"]) == 2:
+        training["beta1"], training["beta2"] = g0["betas"]
+    cfg = _jsonable(config or {})
+    for key in ("grad_accum_steps", "micro_batch_size", "steps"):  # typed fields the readers know
+        if isinstance(cfg.get(key), int) and not isinstance(cfg.get(key), bool):
+            training[key] = cfg[key]
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in inner.parameters()})
+    training["dtype"] = dtypes[0] if len(dtypes) == 1 else "mixed"
+    dp = len(views[0]["ddp_group"]) if engine.kind == "DDP" else world
+    return {
+        "experiment": {"name": name, "edition": edition, "seed": int(views[0]["seed"] if seed is None else seed),
+                       "description": f"recorded by {SOURCE}"},
+        "parallelism": {"dp": dp, "tp": 1, "pp": 1, "zero_stage": 3 if engine.kind == "FSDP2" else 0,
+                        "world_size": world, "architecture": "allreduce", "engine": engine.kind},
+        "model": {"class": type(inner).__qualname__, "parameters": sum(p.numel() for p in inner.parameters()),
+                  "tensors": {n: {"shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch.")}
+                              for n, p in inner.named_parameters()}},
+        "optimizer": {"type": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}", "param_groups": {str(i): g for i, g in enumerate(groups)}},
+        "training": training,
+        "config": cfg,
+    }
+
+
+def manifest_id_of(manifest: dict) -> str:
+    return hashlib.sha256(orjson.dumps(manifest, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+
+# ---------------------------------------------------------------- faults inside an attached run
+
+
+def capabilities(engine: Engine, comm_hook: bool) -> set[str]:
+    """The hook points an attached run offers (faults.capabilities' vocabulary)."""
+    if engine.kind == "FSDP2":
+        return set()  # FSDP2 reduce-scatters inside its own post-backward
+    caps = {"backward"}
+    if engine.kind == "DDP" and comm_hook:
+        caps.add("collective_hook")
+    return caps
+
+
+def build_fault(spec: dict, engine: Engine, caps: set[str], manifest: dict, names: list[str]):
+    """Check a fault against what this script offers; raise BadInput (the run is refused, exit 2) if it
+    needs a point the script does not have. Returns the Fault instance."""
+    from disttrace.run import faults
+
+    cls = faults.get(spec["name"])
+    where = "--fault"
+    world = manifest["parallelism"]["world_size"]
+    step, rank, params = spec["step"], spec["rank"], dict(spec.get("params") or {})
+    if step < 1:
+        raise BadInput("--step", f"step {step} does not exist: steps count from 1")
+    if not 0 <= rank < world:
+        raise BadInput("--rank", f"rank {rank} does not exist: world size is {world}")
+    if cls.point == "data":
+        raise BadInput(where, f"'{cls.name}' needs the data point to fetch another rank's shard, which an "
+                       "attached script does not offer")
+    if cls.needs_dp2 and manifest["parallelism"]["dp"] < 2:
+        raise BadInput(where, f"'{cls.name}' needs data parallelism (dp >= 2); this script has dp = "
+                       f"{manifest['parallelism']['dp']}")
+    missing = cls.requires - caps
+    if missing:
+        raise BadInput(where, f"'{cls.name}' needs the {', '.join(sorted(missing))} hook point, which this script "
+                       f"({engine.kind}{', its own DDP comm hook' if engine.kind == 'DDP' and 'backward' in caps and 'collective_hook' not in caps else ''}) does not offer")
+    merged = {**cls.defaults, **params}
+    pseudo = {**manifest, "checkpoint": {"interval": 1},
+              "training": {**manifest["training"], "max_grad_norm": 1.0, "steps": max(step, 1)}}
+    accum = manifest["training"].get("grad_accum_steps")
+    try:
+        cls.check(step, merged, pseudo)
+    except (KeyError, TypeError):
+        raise BadInput(where, f"'{cls.name}' needs the accumulation count: pass config={{'grad_accum_steps': N}} "
+                       "to attach") from None
+    if accum is None and ("micro_batch" in merged and merged["micro_batch"] < 0 or cls.name == "late-microbatch"):
+        raise BadInput(where, f"'{cls.name}' needs the accumulation count: pass config={{'grad_accum_steps': N}} "
+                       "to attach")
+    if "tensor" in merged and merged["tensor"] not in names and not (
+            str(merged["tensor"]).isdigit() and int(merged["tensor"]) < len(names)):
+        raise BadInput("--param tensor", f"this model has no tensor '{merged['tensor']}'; it has: "
+                       f"{', '.join(names[:8])}{' ...' if len(names) > 8 else ''}")
+    return faults.build({"name": cls.name, "step": step, "rank": rank, "params": merged})
+
+
+# ---------------------------------------------------------------- the attached run
+
+
+_ACTIVE: list["AttachedRun"] = []  # the run that torch.nn.utils.clip_grad_norm_ reports to
+_ORIGINAL_CLIP = torch.nn.utils.clip_grad.clip_grad_norm_
+
+
+def _clip_grad_norm_(parameters, max_norm, *args, **kwargs):
+    if not _ACTIVE:
+        return _ORIGINAL_CLIP(parameters, max_norm, *args, **kwargs)
+    return _ACTIVE[-1]._clip(parameters, max_norm, *args, **kwargs)
+
+
+def _patch_clip(on: bool) -> None:
+    fn = _clip_grad_norm_ if on else _ORIGINAL_CLIP
+    torch.nn.utils.clip_grad_norm_ = fn
+    torch.nn.utils.clip_grad.clip_grad_norm_ = fn
+
+
+class _UserState(Strategy):
+    """The model and optimizer as a Strategy for run/checkpoint.py (DCP's state-dict helpers), or the
+    user's own state dict when one is passed."""
+
+    def __init__(self, model, optimizer, state: dict | None = None):
+        self.model, self.optimizer, self.state = model, optimizer, state
+
+    def state_dict(self, with_optimizer: bool = True) -> dict:
+        return dict(self.state) if self.state is not None else super().state_dict(with_optimizer)
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.state is None:
+            super().load_state_dict(state)
+
+
 class AttachedRun:
-    def __init__(self, model, optimizer, run_dir: Path, rank: int):
+    def __init__(self, model, optimizer, run_dir: Path, rank: int, engine: Engine, manifest: dict,
+                 manifest_id: str, fault_spec: dict | None):
         self.run_dir, self.rank = run_dir, rank
-        inner = getattr(model, "module", model)  # DDP wraps the user's module
-        self.named = [(i, n, p) for i, (n, p) in enumerate(inner.named_parameters())]
+        self.model, self.engine, self.manifest, self.manifest_id = model, engine, manifest, manifest_id
+        self.inner = engine.inner
+        self.named = [(i, n, p) for i, (n, p) in enumerate(self.inner.named_parameters())]
         self.optimizer = optimizer
         self.bus = HookBus(rank)
-        self.recorder = Recorder(run_dir, rank).attach(self.bus)
         self.tracer = CollectiveTracer(run_dir, rank)
-        self.tracer.__enter__()
+        self.bus.on("step_start", lambda b, p: setattr(self.tracer, "step", b.step), order=0)
+        self.recorder = Recorder(run_dir, rank).attach(self.bus)
+        self.ledger = self._memory_ledger()
         self.step = 1
+        self._forwards = 0  # forwards of the model since the last optimizer step: the micro-batches
+        self._data_mb: set[int] = set()
+        self._comm_fired = self._bw_queued = self._reduced = self._clipped = False
+        self.completed = 0  # the last step whose optimizer stepped
+        self._stepped = False  # the optimizer has stepped; the step's records close at the next forward
+        self._closed = False
+        self._handles = [optimizer.register_step_pre_hook(self._before_step),
+                         optimizer.register_step_post_hook(self._after_step),
+                         self.inner.register_forward_pre_hook(self._on_forward, with_kwargs=True)]
+        self.comm_hook = self._install_backward_points()
+        self.capabilities = capabilities(engine, self.comm_hook)
+        self.fault = None
+        if fault_spec:
+            names = [n for _, n, _ in self.named]
+            try:
+                self.fault = build_fault(fault_spec, engine, self.capabilities, manifest, names)
+            except BadInput as e:
+                if rank == 0:
+                    event(run_dir, "fault_refused", fault=fault_spec.get("name"), reason=str(e))
+                self._remove_hooks()
+                raise
+            ctx = SimpleNamespace(run_dir=run_dir, manifest=manifest, rank=rank,
+                                  dp_rank=rank, strategy=SimpleNamespace(group=getattr(engine.ddp, "process_group", None)))
+            self.fault.attach(self.bus, ctx)
+        self.tracer.__enter__()
+        _ACTIVE.append(self)
+        _patch_clip(True)
         self.bus.step, self.bus.micro_batch = 1, 0
         self.bus.emit("step_start")
-        self._handles = [optimizer.register_step_pre_hook(self._before_step),
-                         optimizer.register_step_post_hook(self._after_step)]
 
-    def loss(self, loss: torch.Tensor) -> None:
-        self.bus.emit("loss", loss=loss.detach(), tokens=0)
+    # ---------------------------------------------------------- the user's calls
+    def batch(self, inputs, sample_ids=None) -> None:
+        """The data record of the micro-batch about to run (call it before that forward)."""
+        self._finish_step()
+        mb = self._forwards
+        self.bus.micro_batch = mb
+        ids = sample_ids.tolist() if torch.is_tensor(sample_ids) else list(sample_ids or [])
+        self._data_mb.add(mb)
+        self.bus.emit("data", batch={"inputs": inputs.detach(), "sample_ids": [int(i) for i in ids]},
+                      fetch=None)
 
-    def _before_step(self, _opt, _args, _kwargs):
-        self.bus.emit("reduce", grads=[(i, n, p.grad) for i, n, p in self.named if p.grad is not None])
+    def loss(self, loss: torch.Tensor, tokens: int = 0) -> torch.Tensor:
+        """Record the loss of the current micro-batch (the last forward); returns the loss to backprop (a
+        fault on the loss point acts on what this returns)."""
+        self.bus.micro_batch = max(self._forwards - 1, 0)
+        return self.bus.emit("loss", loss=loss, tokens=int(tokens))["loss"]
 
-    def _after_step(self, _opt, _args, _kwargs):
-        self.bus.emit("optimizer", params=self.named, state=optimizer_state_list(self.optimizer, self.named))
-        self.bus.emit("step_end")
-        self.step += 1
-        self.tracer.step = self.bus.step = self.step
-        self.bus.emit("step_start")
+    def scalar(self, name: str, value) -> None:
+        """A scalar every rank should agree on, recorded in this step's clip phase."""
+        t = value.detach() if torch.is_tensor(value) else torch.tensor(float(value), dtype=torch.float64)
+        index = SCALAR_INDEX + 100 + int(hashlib.sha256(name.encode()).hexdigest()[:6], 16) % 100_000
+        self.recorder.add(self.bus, "clip", index, name, t)
+
+    def checkpoint(self, state: dict | None = None, step: int | None = None) -> Path:
+        """Write a DCP checkpoint of `state` (default: the model and optimizer, through DCP's state-dict
+        helpers) with disttrace's sha256 INDEX.json, at `step` (default: the last completed step).
+        Collective: every rank calls it."""
+        from disttrace.run import checkpoint as ckpt
+
+        if _dist() is None:
+            raise BadInput("run.checkpoint", "needs torch.distributed initialised (DCP's collective save)")
+        step = (self.step if self._stepped else self.step - 1) if step is None else int(step)
+        holder = _UserState(self.model, self.optimizer, state)
+        path = ckpt.save(holder, self.run_dir, step, self.manifest_id, self.manifest["parallelism"]["world_size"],
+                         self.rank, self.bus, extra={"source": SOURCE})
+        if self.rank == 0:
+            event(self.run_dir, "checkpoint_saved", step=step, path=str(path.relative_to(self.run_dir)))
+        self._finish_step()  # the checkpoint's records belong to the step it saved, as in harness runs
+        return path
+
+    def resume(self, checkpoint: str | Path, state: dict | None = None) -> int:
+        """Load a verified checkpoint (every file's sha256 against its INDEX; refused if it belongs to
+        another experiment) into the model and optimizer (or `state`, in place); returns its step. Later
+        steps are numbered from it, and the run becomes a recovered path that diff compares from there."""
+        from disttrace.run import checkpoint as ckpt
+
+        path = Path(checkpoint).resolve()
+        holder = _UserState(self.model, self.optimizer, state)
+        progress = ckpt.load(holder, path, self.rank, self.manifest_id)
+        step = int(progress["step"])
+        if self.rank == 0:
+            info_path = self.run_dir / "run.json"
+            info = read_json(info_path)
+            info.update(path="recovered", resume={"checkpoint": str(path), "step": step,
+                                                  "from_run": str(path.parent.parent.parent)})
+            write_json_atomic(info_path, info)
+            event(self.run_dir, "resumed", step=step, checkpoint=str(path),
+                  with_optimizer=progress["with_optimizer"])
+        self.step = step + 1
+        self.bus.step, self.bus.micro_batch = self.step, 0
+        self.tracer.step = self.step
+        return step
 
     def close(self) -> None:
-        import torch.distributed as dist
-
-        for h in self._handles:
-            h.remove()
+        if self._closed:
+            return
+        self._closed = True
+        self._finish_step(start_next=False)
+        self._remove_hooks()
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
+        _patch_clip(bool(_ACTIVE))
         self.tracer.__exit__(None, None, None)
         self.tracer.close()
         self.recorder.close()
+        if self.ledger._hooks is not None:  # the step that never ran: nothing to write
+            self.ledger._hooks.__exit__(None, None, None)
+            self.ledger._hooks = None
+        self.ledger.close()
+        dist = _dist()
         # each rank hashes the files it wrote; the gather is also the barrier (disttrace.store.seal)
         parts = [seal.rank_part(self.run_dir, self.rank, self.recorder.chain.last, self.recorder.chain.steps)]
-        if dist.is_available() and dist.is_initialized():
+        if dist is not None:
             mine, parts = parts[0], [None] * dist.get_world_size()
             dist.all_gather_object(parts, mine)
         if self.rank == 0:
-            mark_complete(self.run_dir, {"steps": self.step - 1, "source": "disttrace.api",
+            mark_complete(self.run_dir, {"steps": self.completed, "source": SOURCE,
+                                         "world_size": self.manifest["parallelism"]["world_size"],
                                          "seal": seal.build_seal(self.run_dir, parts)})
 
+    def __enter__(self) -> "AttachedRun":
+        return self
 
-def attach(model, optimizer, out: str | Path = "runs", name: str = "user-script", seed: int = 0,
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # the run stays incomplete; say why
+            event(self.run_dir, "rank_failed", rank=self.rank, error=f"{exc_type.__name__}: {exc}"[:2000])
+
+    # ---------------------------------------------------------- hook points
+    def _memory_ledger(self):
+        from disttrace.run.memory import MemoryLedger
+
+        tr = self.manifest["training"]
+        name = tr["optimizer"].lower()
+        ledger_manifest = {"parallelism": {**self.manifest["parallelism"]},
+                           "training": {"dtype": tr["dtype"] if tr["dtype"] != "mixed" else "bfloat16",
+                                        "optimizer": "adamw" if "adam" in name else "sgd"}}
+        held = SimpleNamespace(plain=self.inner, optimizer=self.optimizer)
+        return MemoryLedger(self.run_dir, self.rank, ledger_manifest, held).attach(self.bus)
+
+    def _install_backward_points(self) -> bool:
+        """`backward`: under DDP, a comm hook sees each bucket's local gradient right before its all-reduce
+        (numerically DDP's default: divide by the group size, then sum). Every backward pass that does not
+        reach the comm hook (no_sync micro-batches, no DDP, a forward that bypassed DDP) reports the local
+        accumulated gradients when autograd finishes it."""
+        comm = False
+        names = {id(p): (i, n) for i, n, p in self.named}
+        if self.engine.kind == "DDP":
+            import torch.distributed as dist
+
+            ddp, bus = self.engine.ddp, self.bus
+            group, size = ddp.process_group, len(self.engine.group_ranks)
+
+            def allreduce_with_hook(_state, bucket):
+                self._comm_fired = True
+                grads = [(*names[id(p)], g) for p, g in zip(bucket.parameters(), bucket.gradients())]
+                bus.emit("backward", grads=grads, before_collective=True)
+                buf = bucket.buffer()
+                buf.div_(size)
+                fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
+                return fut.then(lambda f: f.value()[0])
+
+            try:
+                ddp.register_comm_hook(None, allreduce_with_hook)
+                comm = True
+            except RuntimeError as e:  # the script registered its own, or training already started
+                if self.rank == 0:
+                    event(self.run_dir, "attach_note", note=f"no DDP comm hook: {e}"[:500])
+        if self.engine.kind != "FSDP2":
+            for _, _, p in self.named:
+                if p.requires_grad:
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        return comm
+
+    def _on_forward(self, module, args, kwargs):
+        if not (module.training and torch.is_grad_enabled()):
+            return None  # evaluation, not a micro-batch
+        if torch._C._current_graph_task_id() != -1:
+            return None  # recomputed inside backward (activation checkpointing)
+        self._finish_step()
+        mb = self._forwards
+        self._forwards += 1
+        self.bus.micro_batch = mb
+        if mb not in self._data_mb:
+            t = _first_tensor(args, kwargs)
+            if t is not None:
+                self._data_mb.add(mb)
+                self.bus.emit("data", batch={"inputs": t.detach(), "sample_ids": []}, fetch=None)
+        return None
+
+    def _on_grad(self, _param):
+        if not self._bw_queued:
+            self._bw_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self):
+        self._bw_queued = False
+        if self._comm_fired:  # DDP's comm hook has reported this pass, bucket by bucket
+            self._comm_fired = False
+            return
+        self.bus.micro_batch = max(self._forwards - 1, 0)
+        self.bus.emit("backward", grads=[(i, n, p.grad) for i, n, p in self.named if p.grad is not None])
+
+    def _flush_reduce(self):
+        """`reduce`: the gradients as the step begins (after DDP's all-reduce, or the script's own)."""
+        if self._reduced:
+            return
+        self._reduced = True
+        self.bus.micro_batch = max(self._forwards - 1, 0)
+        grads = [(i, n, p.grad) for i, n, p in self.named if p.grad is not None]
+        if grads:
+            self.bus.emit("reduce", grads=grads)
+
+    def _clip(self, parameters, max_norm, *args, **kwargs):
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        parameters = list(parameters)
+        self._flush_reduce()
+        total = _ORIGINAL_CLIP(parameters, max_norm, *args, **kwargs)
+        if not self._clipped:  # the first clip of a step is the step's
+            self._clipped = True
+            norm = total.full_tensor() if hasattr(total, "full_tensor") else total
+            norm = norm.detach()
+            coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)  # torch's own formula
+            scalars = [(SCALAR_INDEX, "grad_norm", norm), (SCALAR_INDEX + 1, "clip_coef", coef)]
+            if self.optimizer.param_groups:
+                scalars.append((SCALAR_INDEX + 2, "lr", _lr(self.optimizer.param_groups[0])))
+            self.bus.emit("clip", grads=[(i, n, p.grad) for i, n, p in self.named if p.grad is not None],
+                          scalars=scalars)
+        return total
+
+    def _before_step(self, _opt, _args, _kwargs):
+        self._flush_reduce()
+        self.bus.emit("before_optimizer", optimizer=self.optimizer, params=self.named)
+
+    def _after_step(self, _opt, _args, _kwargs):
+        state = optimizer_state_list(self.optimizer, self.named)
+        base = len(self.named)  # the recorder puts state at base + index: lrs after every state tensor
+        lrs = [(SCALAR_INDEX * 4 + g - base, f"param_groups.{g}.lr", _lr(group))
+               for g, group in enumerate(self.optimizer.param_groups)]
+        self.bus.emit("optimizer", params=self.named, state=state + lrs, optimizer=self.optimizer)
+        self._stepped = True
+        self.completed = self.step
+
+    def _finish_step(self, start_next: bool = True):
+        """Close the stepped step (its records are written) and open the next; deferred from the optimizer
+        step to the next forward so a checkpoint saved right after the step belongs to it."""
+        if not self._stepped:
+            return
+        self._stepped = False
+        self.bus.emit("step_end")
+        if not start_next:
+            return
+        self.step += 1
+        self._forwards = 0
+        self._data_mb = set()
+        self._reduced = self._clipped = False
+        self.bus.step, self.bus.micro_batch = self.step, 0
+        self.bus.emit("step_start")
+
+    def _remove_hooks(self):
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def _lr(group: dict) -> torch.Tensor:
+    lr = group.get("lr", 0.0)
+    return lr.detach().to(torch.float64) if torch.is_tensor(lr) else torch.tensor(float(lr), dtype=torch.float64)
+
+
+def _first_tensor(args, kwargs):
+    for v in (*args, kwargs.get("input_ids"), *kwargs.values()):
+        if torch.is_tensor(v):
+            return v
+    return None
+
+
+def attach(model, optimizer, out: str | Path = "runs", name: str = "user-script", seed: int | None = None,
            edition: str = "user", config: dict | None = None) -> AttachedRun:
-    """Attach the recorder to a model and its optimizer; every rank calls it (it is collective)."""
-    rank, world = _rank_world()
-    inner = getattr(model, "module", model)
-    manifest = {
-        "experiment": {"name": name, "edition": edition, "seed": seed, "description": "recorded by disttrace.api"},
-        "parallelism": {"dp": world, "tp": 1, "pp": 1, "zero_stage": 0, "world_size": world,
-                        "architecture": "allreduce"},
-        "model": {"parameters": sum(p.numel() for p in inner.parameters()),
-                  "tensors": [n for n, _ in inner.named_parameters()]},
-        "training": {"optimizer": type(optimizer).__name__, **(config or {})},
-    }
-    manifest_id = hashlib.sha256(orjson.dumps(manifest, option=orjson.OPT_SORT_KEYS)).hexdigest()
-    path = None
-    if rank == 0:
-        from disttrace.store.rundir import new_run_dir
+    """Attach the recorder to a model and its optimizer; every rank calls it (it is collective).
 
-        path = str(new_run_dir(out, manifest_id, "reference"))
-        write_json_atomic(Path(path) / LOCK, {"manifest": manifest, "manifest_id": manifest_id,
-                                              "source": "disttrace.api", "overrides": [], "resolved": {}})
-        write_json_atomic(Path(path) / "run.json", {"path": "reference", "fault": None, "resume": None,
-                                                    "created": time.time(), "pid": os.getpid()})
-    run_dir = Path(_broadcast_path(path))
-    return AttachedRun(model, optimizer, run_dir, rank)
+    model: the module as trained (DDP-wrapped, FSDP2-sharded, DTensor or plain); optimizer: the torch
+    optimizer (HF/Lightning wrappers are unwrapped). config: the experiment's settings (lr, batch, data...):
+    stored in the manifest, so diff refuses runs of different experiments and names the fields; the keys
+    grad_accum_steps, micro_batch_size and steps also fill the manifest's typed fields. seed: default the
+    default generator's (torch.initial_seed()). Under `disttrace run/inject -- CMD` the run directory
+    (and fault) come from DISTTRACE_RUN_DIR and `out` is ignored."""
+    rank, world = _rank_world()
+    optimizer = unwrap_optimizer(optimizer)
+    engine = detect_engine(model)
+    named = list(enumerate(engine.inner.named_parameters()))
+    views = _gather(local_view(engine, [(i, n, p) for i, (n, p) in named], rank))
+    manifest = build_manifest(engine, optimizer, views, name, edition, seed, config)
+    manifest_id = manifest_id_of(manifest)
+    prepared = os.environ.get(RUN_DIR_ENV)
+    path, failure = None, None
+    if rank == 0:
+        try:
+            path = _prepare_dir(prepared, out, manifest, manifest_id, engine, views)
+        except BadInput as e:
+            failure = e
+    path, error = _broadcast((path, str(failure) if failure else None))
+    if failure is not None:
+        raise failure
+    if error:
+        raise RuntimeError(f"rank 0 could not prepare the run directory: {error}")
+    run_dir = Path(path)
+    info = read_json(run_dir / "run.json")
+    return AttachedRun(model, optimizer, run_dir, rank, engine, manifest, manifest_id, info.get("fault"))
+
+
+def _prepare_dir(prepared: str | None, out, manifest: dict, manifest_id: str, engine: Engine,
+                 views: list[dict]) -> str:
+    """Rank 0: the run directory (prepared by the CLI, or a new one) with the lock, run.json, env.json,
+    topology.json and replicas.json."""
+    from disttrace.run.worker import environment
+
+    if prepared:
+        run_dir = Path(prepared)
+        if not (run_dir / "run.json").exists():
+            raise BadInput(run_dir, f"{RUN_DIR_ENV} is not a prepared run directory (no run.json)")
+        if (run_dir / LOCK).exists():
+            raise BadInput(run_dir / LOCK, "this run directory was attached already (one attach per run)")
+    else:
+        run_dir = new_run_dir(out, manifest_id, "reference")
+        write_json_atomic(run_dir / "run.json", {"path": "reference", "fault": None, "resume": None,
+                                                 "created": time.time(), "pid": os.getpid()})
+    write_json_atomic(run_dir / LOCK, {"manifest": manifest, "manifest_id": manifest_id, "source": SOURCE,
+                                      "overrides": [], "resolved": {}})
+    dist = _dist()
+    backend = dist.get_backend() if dist else None
+    write_json_atomic(run_dir / "env.json", environment(torch, backend, views))
+    write_json_atomic(run_dir / "topology.json", topology_doc(engine, views))
+    replicas = infer_replicas(engine.kind, views)
+    write_json_atomic(run_dir / "replicas.json", replicas)
+    event(run_dir, "attached", engine=engine.kind, world_size=len(views), manifest_id=manifest_id,
+          replica_rules=len(replicas["rules"]))
+    return str(run_dir)
