@@ -10,15 +10,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from disttrace.store import checkpoints as checkpoint
+from disttrace.store.checkpoints import final_checkpoint
 from disttrace.errors import BadInput, DisttraceError
 from disttrace.store.rundir import Run, write_json_atomic
-
-
-def final_checkpoint(run: Run) -> Path:
-    ckpts = run.checkpoint_dirs()
-    if not ckpts:
-        raise BadInput(run.path / "checkpoints", "the run wrote no checkpoint: nothing to evaluate")
-    return ckpts[-1]
 
 
 def evaluate(run_dir: Path) -> dict:

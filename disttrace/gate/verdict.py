@@ -25,7 +25,7 @@ def check(name: str, passed: bool | None, reason: str) -> dict:
 def run_eval(run: Run) -> dict:
     """Score the run's final checkpoint in a fresh single process; reuse eval.json if it scored the same
     checkpoint bytes (the INDEX's hashes) already."""
-    from disttrace.gate.evaluate import final_checkpoint
+    from disttrace.store.checkpoints import final_checkpoint
 
     ckpt = final_checkpoint(run)
     out = run.path / "eval.json"

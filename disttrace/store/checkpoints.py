@@ -94,3 +94,11 @@ def status(ckpt: Path, manifest_id: str | None = None) -> tuple[bool, str]:
 
 def read_index(ckpt: Path) -> dict:
     return read_json(Path(ckpt) / INDEX)
+
+
+def final_checkpoint(run) -> Path:
+    """The last published checkpoint of a run (what the gate evaluates); BadInput when there is none."""
+    ckpts = run.checkpoint_dirs()
+    if not ckpts:
+        raise BadInput(run.path / "checkpoints", "the run wrote no checkpoint: nothing to evaluate")
+    return ckpts[-1]
