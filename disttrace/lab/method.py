@@ -13,6 +13,8 @@ from pathlib import Path
 from rich.markup import escape
 
 from disttrace.store import checkpoints as checkpoint
+from disttrace.store.pickles import scan_checkpoint
+from disttrace.store.verify import verify_run
 from disttrace.run import faults
 from disttrace.analysis.diff import diff_runs
 from disttrace.errors import BadInput, JobFailed
@@ -57,8 +59,14 @@ def reusable_reference(out: Path, manifest_id: str) -> Path | None:
             run = Run(d)
         except BadInput:
             continue
-        if run.complete and run.manifest_id == manifest_id and run.checkpoint_dirs() and all(
-                checkpoint.status(c, manifest_id)[0] for c in run.checkpoint_dirs()):
+        if not (run.complete and run.manifest_id == manifest_id and run.checkpoint_dirs()):
+            continue
+        for c in run.checkpoint_dirs():  # a pickle that would run code is news, not a reference to skip quietly
+            finding = scan_checkpoint(c)
+            if finding is not None and "global" in finding.reason:
+                raise BadInput(finding.file, f"{finding.reason}; this reference in the runs root is not safe to "
+                               "reuse: remove it or use another --out")
+        if all(checkpoint.status(c, manifest_id)[0] for c in run.checkpoint_dirs()) and verify_run(d).exit_ok:
             return d
     return None
 

@@ -1015,6 +1015,7 @@ def render_html(run_dirs: list[Path | str]) -> str:
     return (
         "<!DOCTYPE html>\n"
         '<html lang="en"><head><meta charset="utf-8">'
+        f'<meta http-equiv="Content-Security-Policy" content="{CSP}">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
         f"<title>disttrace report: {e(title)}</title><style>{CSS}</style></head><body>"
         f"<header><h1>disttrace report · {e(title)}</h1>"
@@ -1024,6 +1025,12 @@ def render_html(run_dirs: list[Path | str]) -> str:
         "<footer>disttrace: did this distributed run compute the same thing as the reference, and if not, where "
         "did it first go wrong? Read from the run store only.</footer></body></html>\n"
     )
+
+
+# the page is inert whatever a run store holds: it writes no script, so none may run; nothing is fetched
+# (inline styles only: the page colours cells with style attributes; CSS cannot load anything under this)
+CSP = ("default-src 'none'; script-src 'none'; object-src 'none'; style-src 'unsafe-inline'; img-src data:; "
+       "font-src 'none'; connect-src 'none'; base-uri 'none'; form-action 'none'")
 
 
 def build_report(run_dirs: list[Path], output: Path) -> Path:
