@@ -7,7 +7,6 @@ its hash, model shape, parallel topology, optimisation, seed, checkpoint interva
 from __future__ import annotations
 
 import hashlib
-import math
 import tomllib
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -16,6 +15,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from disttrace.errors import BadInput
+from disttrace.model.shapes import ffn_hidden_default
 
 DEFAULT_MANIFEST = Path(__file__).resolve().parents[2] / "manifests" / "default.toml"  # disttrace/config/ -> repo
 
@@ -63,8 +63,7 @@ class Model(Section):
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"model.n_heads ({self.n_heads}) must be divisible by model.n_kv_heads ({self.n_kv_heads})")
         if self.ffn_hidden is None:
-            # LLaMA's rule: 2/3 of 4*dim, rounded up to a multiple of multiple_of
-            self.ffn_hidden = self.multiple_of * math.ceil(math.floor(8 * self.dim / 3) / self.multiple_of)
+            self.ffn_hidden = ffn_hidden_default(self.dim, self.multiple_of)  # LLaMA's rule
         return self
 
 
@@ -115,6 +114,19 @@ class Debug(Section):
     live_check: bool = Field(default=False, description="compare replica digests every step; stop at the first mismatch")
 
 
+class Record(Section):
+    """What the recorder writes (how much evidence, at what cost). Not part of the experiment: diff compares
+    runs that differ here (on the steps both recorded)."""
+
+    enabled: bool = Field(default=True, description="false: the unrecorded baseline (benchmarks); step wall "
+                          "times are still kept")
+    collectives: Literal["metadata", "values", "off"] = Field(
+        default="metadata", description="metadata: read from each process group's Flight Recorder (no per-op "
+        "cost); values: a dispatch-mode tracer that also digests every collective's payload; off: no trace")
+    every: int = Field(default=1, ge=1, description="digest every k-th step (steps k, 2k, ...)")
+    forward: bool = Field(default=True, description="record each block's output at the forward point")
+
+
 class Eval(Section):
     max_batches: int = Field(default=16, ge=1)
     batch_size: int = Field(default=4, ge=1)
@@ -131,6 +143,7 @@ class Manifest(Section):
     checkpoint: Checkpoint = Checkpoint()
     debug: Debug = Debug()
     eval: Eval = Eval()
+    record: Record = Record()
 
     @property
     def world_size(self) -> int:
@@ -164,6 +177,8 @@ def _not_supported_yet(m: Manifest) -> tuple[str, str] | None:
         return "parallelism.architecture", "the parameter server is data parallel only (tp = pp = 1, zero_stage = 0)"
     if p.architecture == "parameter-server" and m.training.max_grad_norm:
         return "training.max_grad_norm", "the parameter server does not clip yet; drop training.max_grad_norm"
+    if m.debug.live_check and not m.record.enabled:
+        return "record.enabled", "debug.live_check compares the recorder's digests: it needs record.enabled = true"
     if p.architecture == "allreduce" and p.staleness:
         return "parallelism.staleness", "staleness applies to the parameter server only"
     return None

@@ -24,6 +24,7 @@ from fractions import Fraction
 from typing import Any
 
 from disttrace.errors import BadInput
+from disttrace.model.shapes import ffn_hidden_default  # noqa: F401  (the planner's public name too)
 
 GB = 10**9  # the ZeRO paper's "GB" (decimal)
 GiB = 2**30  # what render_plan prints (binary)
@@ -96,23 +97,6 @@ def _optimizer(optimizer: str) -> str:
 # --------------------------------------------------------------------------------------------------
 # Parameters
 # --------------------------------------------------------------------------------------------------
-
-
-def ffn_hidden_default(dim: int, multiple_of: int, ffn_dim_multiplier: float | None = None) -> int:
-    """LLaMA's SwiGLU width (Touvron et al. 2023, reference code `FeedForward`):
-    start from 4*dim, take 2/3 of it (SwiGLU has three matrices instead of two, so this keeps the
-    parameter count of a 4*dim two-matrix MLP), optionally scale, then round UP to a multiple of multiple_of.
-
-        hidden = multiple_of * ceil(floor(8*dim/3) / multiple_of)
-
-    LLaMA-7B: dim 4096, multiple_of 256 -> floor(10922.67) = 10922 -> 43 * 256 = 11008.
-    """
-    _positive_int("dim", dim)
-    _positive_int("multiple_of", multiple_of)
-    hidden = (8 * dim) // 3  # int(2 * (4*dim) / 3), exactly, in integers
-    if ffn_dim_multiplier is not None:
-        hidden = int(ffn_dim_multiplier * hidden)
-    return multiple_of * (-(-hidden // multiple_of))
 
 
 def count_params(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, vocab_size: int, ffn_hidden: int,
