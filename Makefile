@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean bench
+.PHONY: demo test fuzz install clean bench
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -21,6 +21,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests
+
+# the long fuzz: every generated-input test of tests/test_fuzz.py scaled to at least 10,000 inputs in all
+# (make test runs its small CI sample); -s prints how many inputs and how the commands answered them
+fuzz: $(STAMP)
+	DISTTRACE_FUZZ_EXAMPLES=$${DISTTRACE_FUZZ_EXAMPLES:-10000} OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -s tests/test_fuzz.py
 
 bench: $(STAMP)
 	$(BIN)/python bench/overhead.py

@@ -335,7 +335,7 @@ def diff(run_a: Path = typer.Argument(..., help="first run (usually the referenc
     elif md:
         print(render_md(result))
     else:
-        render_rich(result, Console(stderr=False, no_color=bool(os.environ.get("NO_COLOR")) or None))
+        render_rich(result, Console(stderr=False, no_color=bool(os.environ.get("NO_COLOR")) or None, emoji=False))
     raise typer.Exit(verdict_exit(result["equal"]))
 
 

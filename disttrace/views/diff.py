@@ -72,14 +72,16 @@ def render_rich(result: dict, console) -> None:
         t.add_column("A")
         t.add_column("B")
         a, b = f["a"] or {}, f["b"] or {}
+        T = lambda v: Text(str(v))  # noqa: E731  cells quote the run store: never markup
         if f["missing_in"]:
             t.add_row("record", *(("missing", "present") if f["missing_in"] == "a" else ("present", "missing")))
-        t.add_row("digest", abbrev(a.get("digest")), abbrev(b.get("digest")))
-        t.add_row("sum", fmt_number(a.get("sum"), ".10g"), fmt_number(b.get("sum"), ".10g"))
-        t.add_row("norm", fmt_number(a.get("norm"), ".10g"), fmt_number(b.get("norm"), ".10g"))
+        t.add_row("digest", T(abbrev(a.get("digest"))), T(abbrev(b.get("digest"))))
+        t.add_row("sum", T(fmt_number(a.get("sum"), ".10g")), T(fmt_number(b.get("sum"), ".10g")))
+        t.add_row("norm", T(fmt_number(a.get("norm"), ".10g")), T(fmt_number(b.get("norm"), ".10g")))
         if a.get("nonfinite") or b.get("nonfinite"):
-            t.add_row("non-finite", fmt_number(a.get("nonfinite")), fmt_number(b.get("nonfinite")), style="red")
-        t.add_row("dtype, shape", f"{a.get('dtype', '-')} {a.get('shape', '')}", f"{b.get('dtype', '-')} {b.get('shape', '')}")
+            t.add_row("non-finite", T(fmt_number(a.get("nonfinite"))), T(fmt_number(b.get("nonfinite"))), style="red")
+        t.add_row("dtype, shape", T(f"{a.get('dtype', '-')} {a.get('shape', '')}"),
+                  T(f"{b.get('dtype', '-')} {b.get('shape', '')}"))
         console.print(t)
         rel = f["rel_err"]
         bnd = "0 (bitwise)" if result["mode"] == "bitwise" else fmt_number(f["bound"], ".3e")
@@ -98,9 +100,9 @@ def render_rich(result: dict, console) -> None:
             t.add_column(c)
         for phase, e in result["numeric"]["by_phase"].items():
             w = e.get("max_ratio_at") or {}
-            t.add_row(phase, fmt_number(e["max_rel_err"], ".2e"), fmt_number(e["bound"], ".2e"),
-                      f"step {e['step']} rank {e['rank']}",
-                      f"{fmt_number(e.get('max_ratio'), '.2g')}" + (f" (step {w['step']})" if w else ""),
+            t.add_row(Text(str(phase)), Text(fmt_number(e["max_rel_err"], ".2e")), Text(fmt_number(e["bound"], ".2e")),
+                      Text(f"step {e['step']} rank {e['rank']}"),
+                      Text(f"{fmt_number(e.get('max_ratio'), '.2g')}" + (f" (step {w['step']})" if w else "")),
                       style="red" if (e.get("max_ratio") or 0) > 1 else None)
         console.print(t)
 
