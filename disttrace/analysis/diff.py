@@ -76,6 +76,7 @@ class _Side:
         self.hash_checked = 0  # step ranges whose bytes were checked against the index's sha256
         self.index: dict[int, dict[int, dict]] = {}
         self.steps: list[int] = []
+        self.records_read = 0  # trajectory records parsed (the `records_read` of the result)
 
     def load(self) -> None:
         """Read (or rebuild) the step index of every rank; called after the compatibility check."""
@@ -156,7 +157,9 @@ class _Side:
             return []
         self.check_step(rank, step)
         try:
-            return self.run.records_of_step(rank, e)
+            recs = self.run.records_of_step(rank, e)
+            self.records_read += len(recs)
+            return recs
         except orjson.JSONDecodeError:
             raise BadInput(self.run.rank_path("trajectory", rank),
                            f"step {step}: a record in bytes {e['offset']}..{e['offset'] + e['length']} is not valid "
@@ -564,18 +567,21 @@ def _compared_steps(a: _Side, b: _Side) -> tuple[list[int], dict]:
             why.append(f"run {s.label} has no complete step")
             continue
         first, last = s.steps[0], s.steps[-1]
-        if first > 1:
+        every = max(1, int(get_field(s.manifest, "record.every") or 1))  # it digests steps every, 2*every, ...
+        if every > 1:
+            why.append(f"run {s.label} records one step in {every} (record.every)")
+        if first > every:
             if s.kind == "recovered" or s.resume_step:
                 why.append(f"run {s.label} is a recovered run resumed from the checkpoint of step "
                            f"{s.resume_step or first - 1}: its records start at step {first}")
             else:
                 why.append(f"run {s.label} has no records before step {first}")
-        if n_total and last < n_total:
+        if n_total and last < n_total - n_total % every:
             if not s.complete:
                 why.append(f"run {s.label} is incomplete: stops at step {last}")
             else:
                 why.append(f"run {s.label} stops at step {last} of {n_total}")
-        gaps = sorted(set(range(first, last + 1)) - set(s.steps))
+        gaps = sorted({x for x in range(first, last + 1) if x % every == 0} - set(s.steps))
         if gaps:
             why.append(f"run {s.label} lacks step(s) {ranges(gaps)}")
     if not common:
@@ -734,6 +740,7 @@ def diff_runs(a: str | Path, b: str | Path, mode: str | None = None, rtol: float
                       {"kind": "derived", "since_step": since, **tolerance.explain(ma, mb)}),
         "stats": {"tensors_compared": n_units, "bit_equal": n_exact, "steps_read": read_steps,
                   "index": use_index, "steps_hash_checked": side_a.hash_checked + side_b.hash_checked},
+        "records_read": {"a": side_a.records_read, "b": side_b.records_read},  # parsed, each side
         "warnings": warnings,
     }
     if logical:

@@ -18,7 +18,17 @@ def load_traces(run: Run) -> tuple[dict[int, dict[str, list[dict]]], list[str]]:
         torn: list = []
         groups: dict[str, list[dict]] = {}
         by_key: dict = {}
+        seen_fr: set = set()
         for rec in iter_jsonl(run.rank_path("collectives", rank), torn):
+            if "lost" in rec:  # the Flight Recorder's ring wrapped past entries not yet copied (run/flightrec.py)
+                warnings.append(f"rank {rank}: {rec['lost']} collective(s) lost from the trace near step "
+                                f"{rec.get('step')} (Flight Recorder ring overwritten before it was copied)")
+                continue
+            if "fr_seq" in rec:  # a dump from a signal handler may repeat entries a dump in progress wrote
+                key = (rec.get("pg"), rec["fr_seq"], rec.get("op") in P2P)
+                if key in seen_fr:
+                    continue
+                seen_fr.add(key)
             if "op" in rec:
                 groups.setdefault(rec["group"], []).append(rec)
                 by_key[(rec["group"], rec["seq"])] = rec
@@ -83,8 +93,9 @@ def check_sync(run: Run) -> dict:
                            f"{describe(odd)}, rank(s) {agree} issued {describe(example)}",
             })
             break  # later ops of a desynced group are noise
+    # the tracer writes an `end` line; the Flight Recorder's records say `done`
     unfinished = sorted({(r, g, rec["seq"], rec["op"]) for r, t in traces.items() for g, lst in t.items()
-                         for rec in lst if "end" not in rec})
+                         for rec in lst if "end" not in rec and not rec.get("done")})
     first = min(mismatches, key=lambda m: m["start"]) if mismatches else None
     return {
         "ok": first is None,

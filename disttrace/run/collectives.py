@@ -58,10 +58,26 @@ def _group_ranks(args, kwargs) -> tuple[list[int] | None, str]:
     return None, "?"
 
 
+def _payload_digests(tensors) -> list[str]:
+    """xxh3-64 of each input's raw bytes (what this rank put on the wire), outside this dispatch mode."""
+    import xxhash
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from disttrace.run.digest import raw_bytes
+
+    with _disable_current_modes():
+        return [xxhash.xxh3_64_hexdigest(raw_bytes(t)) for t in tensors]
+
+
 class CollectiveTracer(TorchDispatchMode):
-    def __init__(self, run_dir: Path, rank: int):
+    """The deep collective trace (`record.collectives = "values"`, and point-to-point runs on gloo, where the
+    Flight Recorder sees no send/recv): every op as it is issued, with `values` the digest of each input.
+    Its cost is a Python call per aten op of the step, not per collective: not the default."""
+
+    def __init__(self, run_dir: Path, rank: int, values: bool = False):
         super().__init__()
         self.rank = rank
+        self.values = values
         self.out = JsonlWriter(Path(run_dir) / rank_file("collectives", rank))
         self.seq: dict[str, int] = {}
         self.step = 0
@@ -88,13 +104,19 @@ class CollectiveTracer(TorchDispatchMode):
             "dtype": str(inputs[0].dtype).removeprefix("torch.") if inputs else None,
             "bytes": nbytes, "start": time.time(),
         }
+        if self.values:
+            rec["digests"] = _payload_digests(inputs)
         self.out.write(rec)
         self.out.flush()  # before the op runs: a hang or a death still leaves this line
         result = func(*args, **kwargs)
         self.out.write({"seq": seq, "group": group, "end": time.time()})
         return result
 
-    def close(self):
+    def attach(self, bus) -> "CollectiveTracer":
+        bus.on("step_start", lambda b, p: setattr(self, "step", b.step), order=0)
+        return self
+
+    def close(self, failed: bool = False):
         try:
             self.out.close()
         except (OSError, ValueError):

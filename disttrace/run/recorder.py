@@ -55,8 +55,11 @@ def _tensor_leaves(obj, prefix: str = ""):
 class Recorder:
     ORDER = 90  # after faults (10): the record shows what the fault did
 
-    def __init__(self, run_dir: Path, rank: int):
+    def __init__(self, run_dir: Path, rank: int, every: int = 1, forward: bool = True):
         self.rank = rank
+        self.every = every  # record.every: digest steps every, 2*every, ... (diff compares those both hold)
+        self.forward = forward  # record.forward: each block's output
+        self._on = True
         self.traj = JsonlWriter(Path(run_dir) / rank_file("trajectory", rank))
         self.index = JsonlWriter(Path(run_dir) / rank_file("trajectory", rank, ".steps.jsonl"))
         self._buf: list[dict] = []
@@ -66,7 +69,8 @@ class Recorder:
     def attach(self, bus: HookBus) -> "Recorder":
         bus.on("step_start", self._step_start, self.ORDER)
         bus.on("data", self._data, self.ORDER)
-        bus.on("forward", self._forward, self.ORDER)
+        if self.forward:
+            bus.on("forward", self._forward, self.ORDER)
         bus.on("loss", self._loss, self.ORDER)
         bus.on("backward", self._grads("backward"), self.ORDER)
         bus.on("reduce", self._grads("reduce"), self.ORDER)
@@ -81,6 +85,8 @@ class Recorder:
     def add(self, bus: HookBus, phase: str, index: int, name: str, tensor, micro_batch: int | None = None, **extra):
         # the digest's own tensor ops are not the job's: keep them out of the collective tracer's mode
         # (which otherwise sees, and costs, every one of them)
+        if not self._on:
+            return
         with _no_dispatch_modes():
             self._add(bus, phase, index, name, tensor, micro_batch, **extra)
 
@@ -99,6 +105,7 @@ class Recorder:
         self._buf.append(rec)
 
     def _step_start(self, bus, p):
+        self._on = bus.step % self.every == 0
         self._t = {"start": time.time()}
 
     def _data(self, bus, p):
@@ -148,11 +155,16 @@ class Recorder:
         import torch
 
         base = getattr(self, "_ckpt_n", 0)
+        if not self._on:
+            return
         for i, f in enumerate(sorted(Path(p["path"]).glob(f"__{self.rank}_*.distcp"))):
             data = torch.frombuffer(bytearray(f.read_bytes()) or bytearray(1), dtype=torch.uint8)
             self.add(bus, "checkpoint", base + i, f"file:{f.name}", data)
 
     def _step_end(self, bus, p):
+        if not self._on:  # a step record.every leaves out: no records, no index line
+            self._buf = []
+            return
         self._buf.sort(key=lambda r: (r["micro_batch"], PHASE_ORDER[r["phase"]], r["index"]))
         offset = self.traj.offset
         data = b"".join(self.traj.encode(rec) for rec in self._buf)

@@ -67,7 +67,8 @@ def run(run_dir: Path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from disttrace.run import faults, topology
-    from disttrace.run.collectives import CollectiveTracer
+    from disttrace.run import flightrec
+    from disttrace.run.stepclock import StepClock
     from disttrace.data.windows import TokenData
     from disttrace.run.hooks import HookBus
     from disttrace.model.llama import build_model
@@ -76,13 +77,16 @@ def run(run_dir: Path) -> None:
     from disttrace.run.loop import emit_module_outputs, train
 
     backend, device = pick_backend(manifest, torch)
+    record = {"enabled": True, "every": 1, "forward": True, **(manifest.get("record") or {})}
+    trace_kind = flightrec.trace_mode(manifest, backend)
+    flightrec.prepare_env(trace_kind)  # the Flight Recorder's ring size is read when the first group is made
     timeout = timedelta(seconds=manifest["debug"]["collective_timeout_s"])
     dist.init_process_group(backend, timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != manifest["parallelism"]["world_size"]:
         raise RuntimeError(f"the job has {world} ranks but the manifest's dp*tp*pp is "
                            f"{manifest['parallelism']['world_size']}")
-    tracer = CollectiveTracer(run_dir, rank)
+    tracer = flightrec.build_trace(trace_kind, run_dir, rank)
     try:
         with tracer:
             shape, dims = topology.mesh_shape(manifest)
@@ -96,8 +100,10 @@ def run(run_dir: Path) -> None:
             coords = topo["ranks"][rank]["coords"]
 
             bus = HookBus(rank)
-            bus.on("step_start", lambda b, p: setattr(tracer, "step", b.step), order=0)
-            recorder = Recorder(run_dir, rank).attach(bus)
+            tracer.attach(bus)
+            clock = StepClock(run_dir, rank).attach(bus)  # step wall times, recorded or not
+            recorder = (Recorder(run_dir, rank, every=record["every"], forward=record["forward"]).attach(bus)
+                        if record["enabled"] else None)
             data = TokenData(manifest, lock["resolved"]["data_path"], lock["resolved"]["tokenizer_path"])
             dtype = getattr(torch, manifest["training"]["dtype"])
             model = build_model(SimpleNamespace(**manifest["model"]), dtype, manifest["experiment"]["seed"])
@@ -120,13 +126,15 @@ def run(run_dir: Path) -> None:
             train(ctx)
             if hasattr(strategy, "close"):
                 strategy.close()
-            recorder.close()
-            ledger.close()
+            for observer in (recorder, ledger, clock):
+                if observer is not None:
+                    observer.close()
         tracer.close()
         dist.barrier()
         # every rank hashes the files it wrote (they may sit on another node's disk); rank 0 seals them all
         parts: list = [None] * world
-        dist.all_gather_object(parts, seal.rank_part(run_dir, rank, recorder.chain.last, recorder.chain.steps))
+        dist.all_gather_object(parts, seal.rank_part(run_dir, rank, recorder.chain.last if recorder else None,
+                                                   recorder.chain.steps if recorder else 0))
         if rank == 0:
             mark_complete(run_dir, {"steps": manifest["training"]["steps"], "world_size": world,
                                     "seal": seal.build_seal(run_dir, parts)})
@@ -158,6 +166,8 @@ def attach_observers(run_dir, rank, manifest, strategy, recorder, bus, groups, d
                 event(run_dir, "engine_facts", step=b.step, **facts)
 
         bus.on("step_end", log_engine_facts, order=95)
+    if recorder is None:  # record.enabled = false: the unrecorded baseline has no ledger (its saved-tensor hooks cost)
+        return None
     return MemoryLedger(run_dir, rank, manifest, strategy).attach(bus)
 
 

@@ -9,6 +9,7 @@ Layout (one run = one directory, docs/design.md, "The run store"):
       trajectory/rank-00000.jsonl        one record a line
       trajectory/rank-00000.steps.jsonl  per step: byte offset, length, record count, digest of digests
       collectives/rank-00000.jsonl  memory/rank-00000.jsonl
+      steps/rank-00000.jsonl  per step: wall time (kept also when record.enabled = false)
       events.jsonl           fault fired, checkpoint saved, crash, resume
       checkpoints/step-000004/  DCP files + INDEX.json
       COMPLETE               written last; without it the run is incomplete
@@ -313,6 +314,20 @@ class Run:
                     raise BadInput(p, f"line {n}: '{k}' must be a non-negative integer", field=k)
             if not isinstance(e.get("time", {}), dict):
                 raise BadInput(p, f"line {n}: 'time' must be an object", field="time")
+        return read
+
+    def step_times(self, rank: int) -> JsonlRead:
+        """`steps/rank-N.jsonl` (run/stepclock.py): one line per step, kept whether the run records or not."""
+        p = self.rank_path("steps", rank)
+        if not p.exists():
+            return JsonlRead([], None)
+        read = read_jsonl(p)
+        for n, e in enumerate(read.records, 1):
+            if not isinstance(e.get("step"), int) or isinstance(e.get("step"), bool) or e["step"] < 0:
+                raise BadInput(p, f"line {n}: 'step' must be a non-negative integer", field="step")
+            sec = e.get("seconds")
+            if not isinstance(sec, (int, float)) or isinstance(sec, bool) or not sec >= 0:
+                raise BadInput(p, f"line {n}: 'seconds' must be a number >= 0", field="seconds")
         return read
 
     def records(self, rank: int, torn: list | None = None) -> Iterator[dict]:

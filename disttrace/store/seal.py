@@ -27,7 +27,7 @@ import orjson
 
 SEAL_VERSION = 1
 RANK_KINDS = (("trajectory", ".jsonl"), ("trajectory", ".steps.jsonl"), ("collectives", ".jsonl"),
-              ("memory", ".jsonl"))
+              ("memory", ".jsonl"), ("steps", ".jsonl"))
 SHARED_FILES = ("manifest.lock.json", "run.json", "env.json", "topology.json", "replicas.json")
 EVENTS = "events.jsonl"
 

@@ -32,7 +32,7 @@ from disttrace.store.rundir import COMPLETE, Run, read_json
 
 # written after COMPLETE, or not content: never sealed, never damage
 UNSEALED_BY_DESIGN = re.compile(r"(eval\.json|verdict\.json|\.launcher-node\d+\.lock|\..*\.tmp-\d+)")
-RANK_DIRS = ("trajectory", "collectives", "memory")
+RANK_DIRS = ("trajectory", "collectives", "memory", "steps")
 
 
 @dataclass

@@ -29,6 +29,10 @@ def summary(run_dir: Path | str) -> dict:
     events = run.events().records
     info = run.info
     exp, par = m.get("experiment") or {}, m.get("parallelism") or {}
+    times = run.step_times(0)  # rank 0's, kept whether the run recorded or not
+    if times.torn:
+        torn.append(times.torn)
+    step_seconds = {e["step"]: e["seconds"] for e in times.records}
     return {
         "path": info.get("path"),
         "complete": run.complete,
@@ -40,6 +44,8 @@ def summary(run_dir: Path | str) -> dict:
         "resume": info.get("resume"),
         "loss": {str(k): v for k, v in run.losses().items()},
         "ranks": {str(k): v for k, v in counts.items()},
+        "records": sum(c["records"] for c in counts.values()),  # trajectory records over all ranks
+        "step_seconds": [step_seconds[k] for k in sorted(step_seconds)],  # rank 0, in step order
         "fault_fired": [e for e in events if e.get("event") == "fault_fired"],
         "failures": [e for e in events if e.get("event") in ("job_failed", "rank_failed")],
         "stragglers": find_stragglers(run),
@@ -65,6 +71,10 @@ def render_summary(run_dir: Path | str, console: Console, brief: bool = False) -
         console.print(T(f"resumed from {s['resume']['checkpoint']} (step {s['resume']['step']})"))
     if s["loss"]:
         console.print("loss: " + "  ".join(f"{k}:{v:.4f}" for k, v in s["loss"].items()))
+    if s["step_seconds"]:
+        secs = sorted(s["step_seconds"])
+        console.print(f"step time (rank 0): median {secs[len(secs) // 2]:.3f} s over {len(secs)} steps; "
+                      f"{s['records']} trajectory records")
     for f in s["failures"][:3]:
         console.print(T(f.get("event"), "red") + T(f": {f.get('reason') or f.get('error')}"), soft_wrap=True)
     for st in s["stragglers"][:3]:
