@@ -68,9 +68,12 @@ def check_first(run_dir):
                                               ("late-microbatch", 1, []), ("unsynced-param", 0, []),
                                               ("lr-skew", 0, ["--param", "k=3"]), ("data-swap", 1, [])])
 def test_check_finds_replica_faults_without_a_reference(runs, name, rank, params):
-    """dp=2: two copies, no majority; the faulty rank is among the named suspects at the injected step."""
+    """dp=2: two copies and no majority, so the faulty rank cannot be told apart: both are named, and a pair
+    of copies that must agree is flagged as a tie (naming one rank would be a guess). The rank named exactly
+    is asserted at dp=4 (test_oracles.py, and the test below)."""
     first = check_first(runs.fault(name, 3, rank, *params))
-    assert first["step"] == 3 and rank in first["minority"], first
+    assert first["step"] == 3 and first["minority"] == [0, 1] and first["majority"] == [], first
+    assert first["tie"] is (first["relation"] == "agree"), first  # data-swap: two ranks share one shard
 
 
 def test_check_names_the_minority_rank_with_four_replicas(runs):
@@ -144,7 +147,9 @@ def test_recovered_path_rejoins_the_reference_bit_for_bit(runs):
 def test_optimizer_reset_recovery_diverges_at_resume_in_optimizer_phase(runs):
     ref = runs.reference()
     fault = runs.fault("optimizer-reset", 2, 0)
-    assert diff_runs(ref, fault)["equal"]  # the training itself was fine; the checkpoint was not
+    d = diff_runs(ref, fault)  # the training itself was fine; the checkpoint was not (its `checkpoint` phase)
+    assert {p["step"] for p in d["propagation"] if not p["equal"]} == {2}
+    assert (d["first_divergence"]["step"], d["first_divergence"]["phase"]) == (2, "checkpoint")
     rec = runs.get("recover", fault)
     f = diff_runs(ref, rec)["first_divergence"]
     assert (f["step"], f["phase"]) == (3, "optimizer"), f

@@ -701,7 +701,7 @@ def test_fuzz_deepspeed_config(manifest_dir, data, world):
 
 
 # ---------------------------------------------------------------- human output: text from the run store
-# The human (non --json) output of check, gate, show, report and lab prints strings read from the run store:
+# The human (non --json) output of check, gate, show, diff, report and lab prints strings read from the run store:
 # tensor names, host names, fault names, failure reasons. Whatever they hold, the command answers with its
 # verdict (never "internal error", exit 3) and prints them as written: rich markup ("[bold]", "[/x]") and
 # emoji codes (":smile:") stay literal, and the HTML report escapes them.
@@ -800,6 +800,7 @@ def _human_case(root: Path, lock: dict, name: str, host: str, reason: str, liter
                                    host]),
             (["show", work, "topology"], {0}, [host]),
             (["show", work, "events"], {0}, []),
+            (["diff", ref, work], {1}, []),
             (["report", ref, work, "-o", out], {0}, [])):
         result = runner.invoke(cli_mod.app, [str(a) for a in args], env={"NO_COLOR": "1"})
         COUNTS[("human output", f"{args[0]} exit {result.exit_code}")] += 1

@@ -39,15 +39,6 @@ def test_check_names_exactly_the_planted_rank_among_four_replicas(runs):
     assert first["minority"] == [1] and first["majority"] == [0, 2, 3] and first["tie"] is False, first
 
 
-@pytest.mark.parametrize("name,rank", [("skip-allreduce", 1), ("bitflip-param", 0)])
-def test_check_says_tie_with_two_replicas(runs, name, rank):
-    """Two copies that differ: no majority exists, so naming one rank would be a guess. Both are suspects
-    and the finding says it is a tie (whichever rank was planted)."""
-    first = check_first(runs.fault(name, 3, rank))
-    assert first["step"] == 3 and first["tie"] is True, first
-    assert first["minority"] == [0, 1] and first["majority"] == [], first
-
-
 # ---------------------------------------------------------------- contamination
 
 def _variant_in_train(evl: list[dict]) -> tuple[dict, dict]:

@@ -52,6 +52,11 @@ def _tensor_leaves(obj, prefix: str = ""):
             yield from _tensor_leaves(v, f"{prefix}.{i}" if prefix else str(i))
 
 
+# checkpoint files' records sort after every saved tensor and keep their index whatever was saved, so a
+# checkpoint missing tensors (optimizer-reset) shows those tensors missing, not every later record shifted
+FILE_INDEX = 1 << 20
+
+
 class Recorder:
     ORDER = 90  # after faults (10): the record shows what the fault did
 
@@ -143,23 +148,27 @@ class Recorder:
     def _saved_state(self, bus, p):
         """Each tensor handed to DCP (after any fault at before_checkpoint); per-rank RNG entries are left
         out (they are not the experiment's state)."""
-        self._ckpt_n = 0
+        n = 0
         for name, t in _tensor_leaves(p["state"]):
             if not name.startswith("rng/"):
-                self.add(bus, "checkpoint", self._ckpt_n, name, t)
-                self._ckpt_n += 1
+                self.add(bus, "checkpoint", n, name, t)
+                n += 1
 
     def _saved_files(self, bus, p):
         """The bytes this rank wrote, read back from the published checkpoint (after any fault at
-        `checkpoint`): a shard file damaged on disk differs here though every tensor above was right."""
-        import torch
+        `checkpoint`): a shard file damaged on disk differs here though every tensor above was right.
+        Bytes have no float statistics (sum/norm null): only the digest compares them, so a numeric diff
+        of two runs that round differently leaves them to the tensor records above."""
+        import xxhash
 
-        base = getattr(self, "_ckpt_n", 0)
         if not self._on:
             return
         for i, f in enumerate(sorted(Path(p["path"]).glob(f"__{self.rank}_*.distcp"))):
-            data = torch.frombuffer(bytearray(f.read_bytes()) or bytearray(1), dtype=torch.uint8)
-            self.add(bus, "checkpoint", base + i, f"file:{f.name}", data)
+            data = f.read_bytes()
+            self._buf.append({"step": bus.step, "micro_batch": bus.micro_batch, "phase": "checkpoint",
+                              "rank": self.rank, "index": FILE_INDEX + i, "tensor": f"file:{f.name}",
+                              "dtype": "bytes", "shape": [len(data)], "numel": len(data),
+                              "digest": xxhash.xxh3_128_hexdigest(data), "sum": None, "norm": None, "nonfinite": 0})
 
     def _step_end(self, bus, p):
         if not self._on:  # a step record.every leaves out: no records, no index line
