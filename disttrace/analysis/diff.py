@@ -265,7 +265,7 @@ def _check_compatible(a: _Side, b: _Side, allow_edition_mismatch: bool, warnings
 
 
 def _stats(rec: dict) -> dict:
-    return {k: rec.get(k) for k in ("digest", "sum", "norm", "nonfinite", "dtype", "shape", "numel")}
+    return {k: rec.get(k) for k in ("digest", "sum", "norm", "sketch", "nonfinite", "dtype", "shape", "numel")}
 
 
 def _same_bits(ra: dict, rb: dict) -> bool:
@@ -312,20 +312,22 @@ class _Tol:
             same = fa and fb and ra.get("nonfinite") == rb.get("nonfinite")
             diverged = self.mode == "bitwise" or not same or note is not None
             return None, b0, diverged, note or "non-finite values"
-        na, nb, sa, sb = float(ra["norm"]), float(rb["norm"]), float(ra["sum"]), float(rb["sum"])
+        na, nb = float(ra["norm"]), float(rb["norm"])
         scale_n = max(na, nb, TINY)
         scale_s = max(max(na, nb) * math.sqrt(numel), TINY)
-        terms = (abs(na - nb) / scale_n, abs(sa - sb) / scale_s)
+        # the sum and each sketch projection are <x, v> with ||v|| = sqrt(numel): one scale, one bound
+        terms = (abs(na - nb) / scale_n, *tolerance.projection_terms(ra, rb, scale_s))
         if self.user:
-            bounds = ((self.atol + self.rtol * scale_n) / scale_n, (self.atol + self.rtol * scale_s) / scale_s)
+            bounds = ((self.atol + self.rtol * scale_n) / scale_n,
+                      *[(self.atol + self.rtol * scale_s) / scale_s] * (len(terms) - 1))
         else:
-            bounds = (b0, b0)
-        # report the term that is largest relative to its bound (simply the larger term when the bounds agree)
-        if bounds[0] == bounds[1]:
-            i = 0 if terms[0] >= terms[1] else 1
+            bounds = (b0,) * len(terms)
+        # report the term that is largest relative to its bound (simply the largest term when the bounds agree)
+        if len(set(bounds)) == 1:
+            i = max(range(len(terms)), key=lambda j: terms[j])
         else:
             ratios = [t / bd if bd > 0 else (math.inf if t else 0.0) for t, bd in zip(terms, bounds)]
-            i = 0 if ratios[0] >= ratios[1] else 1
+            i = max(range(len(terms)), key=lambda j: ratios[j])
         rel, bnd = terms[i], bounds[i]
         if not math.isfinite(rel):
             rel = None
@@ -466,6 +468,7 @@ class _Logical:
             "digest": "shards:" + ",".join(str(r.get("digest")) for r in ordered),
             "sum": math.fsum(sums) if finite else None,
             "norm": math.sqrt(math.fsum(n * n for n in norms)) if finite else None,
+            "sketch": tolerance.combine_sketches([r.get("sketch") for r in ordered]) if finite else None,
             "nonfinite": sum(int(r.get("nonfinite") or 0) for r in ordered),
             "dtype": first.get("dtype"), "shape": list(lshape), "numel": numel,
             "shards": len(ordered),

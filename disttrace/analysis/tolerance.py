@@ -120,6 +120,31 @@ def tensor_factor(name: str | None) -> float:
     return 2.0 if name and name.endswith(":exp_avg_sq") else 1.0
 
 
+def projection_terms(ra: dict, rb: dict, scale: float) -> list[float]:
+    """|<x_a - x_b, v>| / scale for v = the all-ones vector (the sum) and each random projection of the
+    records' sketches (run/digest.py). Every v has ||v|| = sqrt(numel), so one scale (norm * sqrt(numel))
+    and one bound serve them all: with |dx_i| <= eps |x_i|, |<dx, v>| <= eps ||x|| ||v||. A record without
+    a sketch (written before it existed) compares on the sum alone."""
+    out = [abs(float(ra["sum"]) - float(rb["sum"])) / scale]
+    ka, kb = ra.get("sketch"), rb.get("sketch")
+    if isinstance(ka, list) and isinstance(kb, list) and len(ka) == len(kb):
+        try:
+            out += [abs(float(x) - float(y)) / scale for x, y in zip(ka, kb)]
+        except (TypeError, ValueError):
+            pass  # a malformed sketch compares on the sum alone
+    return out
+
+
+def combine_sketches(sketches: list) -> list[float] | None:
+    """The logical tensor's sketch from its shards' (each placed at its offset, so they add up)."""
+    if not sketches or not all(isinstance(k, list) for k in sketches) or len({len(k) for k in sketches}) != 1:
+        return None
+    try:
+        return [math.fsum(float(k[i]) for k in sketches) for i in range(len(sketches[0]))]
+    except (TypeError, ValueError):
+        return None
+
+
 def explain(manifest_a: dict, manifest_b: dict) -> dict:
     """The ingredients of the bound, for the diff result (so a reader can redo the arithmetic)."""
     u = max(unit_roundoff(manifest_a), unit_roundoff(manifest_b))

@@ -4,6 +4,7 @@ Checkpoint files, read once, get sha256 instead (checkpoint.py)."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -37,14 +38,54 @@ def device_digest(t: torch.Tensor) -> str:
     return f"dev:{int(h1) & (2**64 - 1):016x}{int(h2) & (2**64 - 1):016x}"
 
 
-def digest_tensor(t: torch.Tensor) -> dict:
-    """{'digest','sum','norm','nonfinite','dtype','shape','numel'} of one (local) tensor. On a GPU the
-    digest and the float64 statistics are computed on the device; on the CPU, xxh3 over the raw bytes."""
+# ---------------------------------------------------------------- the random-projection sketch
+# Sum and norm are two numbers: a permutation of a tensor's elements keeps both, and so do offsetting errors
+# (+e here, -e there) to first order. The sketch adds SKETCH_K dot products <x, v_k> with fixed random
+# vectors. v_k is indexed by the element's position in the *logical* tensor, as a product over axes:
+# v_k[i_0, .., i_D-1] = prod_d a_{k,d}[i_d], each a_{k,d} a seeded Gaussian vector of the logical axis
+# length scaled to RMS 1 (so ||v_k||^2 = numel exactly, as for the all-ones vector of the sum). A shard at
+# offsets o_d uses the slices a_{k,d}[o_d : o_d + n_d], so the sketches of a tensor's shards add up to the
+# whole tensor's: logical tensors still compare across topologies. The bound of a sketch difference is the
+# sum's (analysis/tolerance.py): with |dx_i| <= eps |x_i|, |sum_i dx_i v_i| <= eps ||x|| ||v|| = eps ||x|| sqrt(numel).
+SKETCH_K = 4
+SKETCH_SEED = 0x5EED_D15C
+
+
+@functools.lru_cache(maxsize=256)
+def axis_vectors(axis: int, length: int) -> np.ndarray:
+    """(length, SKETCH_K) float64: the sketch's factors along one logical axis of that length."""
+    g = np.random.default_rng([SKETCH_SEED, axis, length]).standard_normal((length, SKETCH_K))
+    g *= np.sqrt(length / np.maximum((g * g).sum(axis=0), 1e-300))
+    g.setflags(write=False)
+    return g
+
+
+def sketch(a: np.ndarray, offset=None, logical_shape=None) -> list[float]:
+    """SKETCH_K projections of the float64 array `a` (a whole tensor, or a shard at `offset` of a tensor of
+    `logical_shape`)."""
+    shape = a.shape
+    lshape = tuple(logical_shape) if logical_shape else shape
+    off = tuple(offset) if offset else (0,) * len(shape)
+    if len(shape) == 0:
+        return [float(a)] * SKETCH_K  # the empty product: every v_k is 1
+    if len(lshape) != len(shape) or len(off) != len(shape):
+        raise ValueError(f"shard shape {shape} / offset {off} do not match the logical shape {lshape}")
+    d = len(shape) - 1
+    m = a.reshape(-1, shape[d]) @ axis_vectors(d, lshape[d])[off[d]:off[d] + shape[d]]  # (rest, K)
+    for d in range(len(shape) - 2, -1, -1):
+        m = (m.reshape(-1, shape[d], SKETCH_K) * axis_vectors(d, lshape[d])[off[d]:off[d] + shape[d]]).sum(axis=1)
+    return [float(x) for x in m.reshape(SKETCH_K)]
+
+
+def digest_tensor(t: torch.Tensor, offset=None, logical_shape=None) -> dict:
+    """{'digest','sum','norm','sketch','nonfinite','dtype','shape','numel'} of one (local) tensor; `offset`
+    and `logical_shape` place a shard in its logical tensor (for the sketch). On a GPU the digest and the
+    float64 statistics are computed on the device; on the CPU, xxh3 over the raw bytes."""
     t = t.detach()
     if hasattr(t, "to_local"):  # a DTensor: the digest is of the shard this rank holds
         t = t.to_local()
     if t.device.type == "cuda":
-        return _digest_on_device(t)
+        return _digest_on_device(t, offset, logical_shape)
     cpu = t.cpu().contiguous() if t.device.type != "cpu" else t.contiguous()
     h = xxhash.xxh3_128_hexdigest(raw_bytes(cpu))
     with np.errstate(all="ignore"):  # a fault may plant inf/nan: counted below, not warned about
@@ -57,6 +98,7 @@ def digest_tensor(t: torch.Tensor) -> dict:
         nonfinite = 0
         if not (math.isfinite(s) and math.isfinite(n)):  # counting is slow: only when the sum says so
             nonfinite = int((~np.isfinite(a)).sum())
+        sk = sketch(a.reshape(cpu.shape), offset, logical_shape) if not nonfinite and a.size else None
     return {
         "dtype": str(cpu.dtype).removeprefix("torch."),
         "shape": list(cpu.shape),
@@ -64,6 +106,7 @@ def digest_tensor(t: torch.Tensor) -> dict:
         "digest": h,
         "sum": s if math.isfinite(s) else None,
         "norm": n if math.isfinite(n) else None,
+        "sketch": sk,
         "nonfinite": nonfinite,
     }
 
@@ -75,14 +118,35 @@ def digest_of_digests(digests: list[str]) -> str:
     return h.hexdigest()
 
 
-def _digest_on_device(t: torch.Tensor) -> dict:
+def _sketch_on_device(a: torch.Tensor, offset, logical_shape) -> list[float]:
+    """`sketch` with torch ops where the tensor lives (only SKETCH_K numbers cross to the host)."""
+    shape = tuple(a.shape)
+    if not shape:
+        return [float(a)] * SKETCH_K
+    lshape = tuple(logical_shape) if logical_shape else shape
+    off = tuple(offset) if offset else (0,) * len(shape)
+
+    def vec(d):
+        v = axis_vectors(d, lshape[d])[off[d]:off[d] + shape[d]]
+        return torch.tensor(v, dtype=torch.float64, device=a.device)  # a copy: the cached array is read-only
+
+    d = len(shape) - 1
+    m = a.reshape(-1, shape[d]) @ vec(d)
+    for d in range(len(shape) - 2, -1, -1):
+        m = (m.reshape(-1, shape[d], SKETCH_K) * vec(d)).sum(dim=1)
+    return [float(x) for x in m.reshape(SKETCH_K).cpu()]
+
+
+def _digest_on_device(t: torch.Tensor, offset=None, logical_shape=None) -> dict:
     a = t.to(torch.float64)
     s, n = float(a.sum()), float(torch.linalg.vector_norm(a))
     nonfinite = 0
     if not (math.isfinite(s) and math.isfinite(n)):
         nonfinite = int((~torch.isfinite(a)).sum())
+    sk = _sketch_on_device(a, offset, logical_shape) if not nonfinite and a.numel() else None
     return {
         "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "numel": int(t.numel()),
         "digest": device_digest(t) if t.numel() else "dev:" + "0" * 32,
-        "sum": s if math.isfinite(s) else None, "norm": n if math.isfinite(n) else None, "nonfinite": nonfinite,
+        "sum": s if math.isfinite(s) else None, "norm": n if math.isfinite(n) else None, "sketch": sk,
+        "nonfinite": nonfinite,
     }

@@ -97,6 +97,7 @@ class Recorder:
 
     def _add(self, bus, phase, index, name, tensor, micro_batch=None, **extra):
         extra.update(shard_info(tensor))
+        where = extra.get("shard") or {}  # places a shard's sketch in its logical tensor
         rec = {
             "step": bus.step,
             "micro_batch": bus.micro_batch if micro_batch is None else micro_batch,
@@ -104,7 +105,7 @@ class Recorder:
             "rank": self.rank,
             "index": index,
             "tensor": name,
-            **digest_tensor(tensor),
+            **digest_tensor(tensor, where.get("offset"), where.get("logical_shape")),
             **extra,
         }
         self._buf.append(rec)
