@@ -1,7 +1,7 @@
 """Loading a DCP checkpoint that someone else may have written, without running any of their code.
 
 torch.distributed.checkpoint reads `.metadata` with a plain `pickle.load`, and its default load planner reads
-every non-tensor item with `torch.load(weights_only=False)`: a crafted checkpoint runs whatever its pickles
+every non-tensor item with a full (not weights-only) `torch.load`: a crafted checkpoint runs whatever its pickles
 name. Every checkpoint load of ours (worker resume, the gate's evaluation, so recover and lab too) goes
 through `load` below instead:
 
@@ -73,10 +73,18 @@ class SafeReader(FileSystemReader):
         super().__init__(str(path))
         self.ckpt = Path(path)
 
+    refused: BadInput | None = None  # set when the metadata was refused: DCP's fallbacks must not hide it
+
     def read_metadata(self, *args, **kwargs) -> Metadata:
         rank = kwargs.get("rank")
+        if self.refused is not None:  # DCP retries a rank-local file after any failure: keep the refusal
+            raise self.refused
         name = ".metadata" if rank is None else f"__{rank}.metadata"
-        meta = read_metadata_file(self.ckpt / name)
+        try:
+            meta = read_metadata_file(self.ckpt / name)
+        except BadInput as e:
+            self.refused = e
+            raise
         if getattr(meta, "storage_meta", None) is None:
             meta.storage_meta = StorageMeta()
         meta.storage_meta.load_id = self.load_id
@@ -119,12 +127,13 @@ def load(state: dict, ckpt: Path | str, no_dist: bool = False) -> None:
     import torch.distributed.checkpoint as dcp
 
     ckpt = Path(ckpt)
+    reader = SafeReader(ckpt)
     try:
-        dcp.load(state, storage_reader=SafeReader(ckpt), planner=SafePlanner(ckpt), no_dist=no_dist)
+        dcp.load(state, storage_reader=reader, planner=SafePlanner(ckpt), no_dist=no_dist)
     except BadInput:
         raise
     except BaseException as e:  # CheckpointException derives from BaseException
-        ours = _bad_input_inside(e)
+        ours = reader.refused or _bad_input_inside(e)
         if ours is not None:
             raise ours from None
         raise

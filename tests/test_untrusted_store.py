@@ -1,0 +1,308 @@
+"""A run store from elsewhere executes nothing of its writer's (issue 16).
+
+The crafted stores here are built from a real reference run the way an attacker would: a checkpoint's DCP
+`.metadata` replaced by a pickle whose `__reduce__` runs `touch MARKER`, every hash that could betray it
+(the INDEX's sha256, the COMPLETE seal's hash of the INDEX) rewritten. The oracle that the payload is live
+is torch's own loader, which does run it (in a subprocess); then every command of ours is run on the same
+bytes and the marker must never appear."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+from conftest import DEFAULT, ROOT, SHORT, cli
+
+ZERO1 = ["--set", "parallelism.zero_stage=1"]
+
+
+class _Payload:
+    """Pickles as `os.system("touch MARKER")`: what a crafted run store would carry."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.fixture(scope="module")
+def ref(runs) -> Path:
+    return runs.reference()
+
+
+def _copy(run: Path, root: Path) -> Path:
+    dst = root / run.parent.name / run.name
+    shutil.copytree(run, dst, symlinks=True)
+    return dst
+
+
+def _sha(path: Path) -> dict:
+    data = path.read_bytes()
+    return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+
+
+def _rewrite_hashes(run: Path, ckpt: Path) -> None:
+    """Make the INDEX and the seal agree with whatever the checkpoint now holds (the writer controls them)."""
+    index = orjson.loads((ckpt / "INDEX.json").read_bytes())
+    index["files"] = {p.name: _sha(p) for p in sorted(ckpt.iterdir()) if p.is_file() and p.name != "INDEX.json"}
+    (ckpt / "INDEX.json").write_bytes(orjson.dumps(index))
+    done = orjson.loads((run / "COMPLETE").read_bytes())
+    done["seal"]["files"][f"checkpoints/{ckpt.name}/INDEX.json"] = _sha(ckpt / "INDEX.json")
+    (run / "COMPLETE").write_bytes(orjson.dumps(done))
+
+
+def _crafted_metadata_store(ref: Path, root: Path, marker: Path) -> Path:
+    run = _copy(ref, root)
+    for ckpt in sorted((run / "checkpoints").iterdir()):
+        (ckpt / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+        _rewrite_hashes(run, ckpt)
+    return run
+
+
+def _one_line(proc) -> str:
+    lines = proc.stderr.strip().splitlines()
+    assert lines, proc
+    return lines[-1]
+
+
+def test_torch_own_loader_runs_the_payload(ref, tmp_path):
+    """The oracle: the crafted .metadata is live (torch's FileSystemReader unpickles it and runs it)."""
+    marker = tmp_path / "MARKER-torch"
+    run = _crafted_metadata_store(ref, tmp_path / "runs", marker)
+    code = ("import torch.distributed.checkpoint as dcp, sys\n"
+            "try:\n    dcp.load({}, checkpoint_id=sys.argv[1], no_dist=True)\nexcept BaseException:\n    pass\n")
+    subprocess.run([sys.executable, "-c", code, str(run / "checkpoints" / "step-000002")], capture_output=True,
+                   timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert marker.exists()
+
+
+def test_a_crafted_metadata_is_refused_by_every_command(ref, tmp_path):
+    marker = tmp_path / "MARKER"
+    root = tmp_path / "runs"
+    run = _crafted_metadata_store(ref, root, marker)
+    meta = re.compile(r"step-00000\d/\.metadata")
+
+    proc = cli("show", run, "checkpoints", "--json")
+    assert proc.returncode == 1
+    rows = orjson.loads(proc.stdout)["checkpoints"]
+    assert rows and all(not r["verified"] and meta.search(r["detail"]) and "posix.system" in r["detail"] for r in rows)
+
+    proc = cli("verify", run)
+    assert proc.returncode == 1 and meta.search(_one_line(proc)) and "posix.system" in _one_line(proc), proc.stderr
+
+    proc = cli("gate", run, "--json")
+    assert proc.returncode == 1, proc.stderr
+    checks = {c["name"]: c for c in orjson.loads(proc.stdout)["checks"]}
+    assert checks["store_integrity"]["passed"] is False and meta.search(checks["store_integrity"]["reason"])
+    assert checks["checkpoint_integrity"]["passed"] is False and meta.search(checks["checkpoint_integrity"]["reason"])
+    assert checks["eval_metric"]["passed"] is False  # nothing was evaluated
+
+    before = sorted(p.name for p in run.parent.iterdir())
+    proc = cli("recover", run)
+    assert proc.returncode == 2 and meta.search(_one_line(proc)) and len(proc.stderr.strip().splitlines()) == 1
+    assert sorted(p.name for p in run.parent.iterdir()) == before  # nothing prepared, nothing launched
+
+    # lab finds this reference in its runs root (same manifest id): it says so instead of loading it
+    proc = cli("lab", DEFAULT, *SHORT, "--fault", "bitflip-grad", "--step", 3, "--rank", 1, "--out", root)
+    assert proc.returncode == 2 and meta.search(_one_line(proc)) and "posix.system" in _one_line(proc), proc.stderr
+    assert sorted(p.name for p in run.parent.iterdir()) == before
+    assert not marker.exists()
+
+
+def test_our_loader_refuses_the_payload_without_the_scan(ref, tmp_path):
+    """The runtime guard alone (no INDEX check, no opcode scan): the allowlisting unpickler names the global."""
+    from disttrace.errors import BadInput
+    from disttrace.run import safeload
+
+    marker = tmp_path / "MARKER"
+    run = _crafted_metadata_store(ref, tmp_path / "runs", marker)
+    ckpt = run / "checkpoints" / "step-000004"
+    with pytest.raises(BadInput, match=r"\.metadata: names the global posix\.system"):
+        safeload.read_metadata_file(ckpt / ".metadata")
+    with pytest.raises(BadInput, match=r"posix\.system"):
+        safeload.load({"progress": {"step": 0}}, ckpt, no_dist=True)
+    assert not marker.exists()
+
+
+def _dcp_items_store(tmp_path: Path, value) -> Path:
+    """A DCP checkpoint holding one non-tensor item, saved by DCP itself."""
+    import torch.distributed.checkpoint as dcp
+
+    ckpt = tmp_path / "items"
+    dcp.save({"progress": {"step": value}}, checkpoint_id=str(ckpt), no_dist=True)
+    return ckpt
+
+
+def test_a_crafted_non_tensor_item_is_read_weights_only(tmp_path):
+    from disttrace.errors import BadInput
+    from disttrace.run import safeload
+    from disttrace.store.pickles import scan_checkpoint
+
+    marker = tmp_path / "MARKER"
+    ckpt = _dcp_items_store(tmp_path, _Payload(marker))
+    finding = scan_checkpoint(ckpt)
+    assert finding is not None and finding.file.name.endswith(".distcp") and "posix.system" in finding.reason
+    with pytest.raises(BadInput, match=r"progress\.step"):
+        safeload.load({"progress": {"step": 0}}, ckpt, no_dist=True)
+    assert not marker.exists()
+    ok = _dcp_items_store(tmp_path / "ok", 7)  # plain values still load
+    state = {"progress": {"step": 0}}
+    safeload.load(state, ok, no_dist=True)
+    assert state["progress"]["step"] == 7 and scan_checkpoint(ok) is None
+
+
+@pytest.fixture(scope="module")
+def zero1_ref(runs) -> Path:
+    return runs.reference(*ZERO1)
+
+
+def test_a_crafted_optimizer_blob_is_refused(zero1_ref, tmp_path):
+    """ZeRO-1 keeps each rank's optimizer partition as a blob (bytes of torch.save). A writer replaces rank 0's
+    blob with a payload, re-saves the checkpoint with DCP and rewrites every hash."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from disttrace.run.parallel.common import load_optimizer_bytes
+
+    marker = tmp_path / "MARKER"
+    run = _copy(zero1_ref, tmp_path / "runs")
+    buf = __import__("io").BytesIO()
+    torch.save(_Payload(marker), buf)
+    evil = buf.getvalue()
+    for ckpt in sorted((run / "checkpoints").iterdir()):
+        state: dict = {}  # our own reference, read with torch's full loader in this test only
+        _load_state_dict(state, storage_reader=dcp.FileSystemReader(str(ckpt)), planner=_EmptyStateDictLoadPlanner(),
+                         no_dist=True)
+        assert isinstance(state["optim"]["rank-00000"], bytes), state.get("optim")  # the format under test
+        state["optim"]["rank-00000"] = evil
+        for p in ckpt.iterdir():
+            p.unlink()
+        dcp.save(state, checkpoint_id=str(ckpt), no_dist=True)
+        index = orjson.loads((zero1_ref / "checkpoints" / ckpt.name / "INDEX.json").read_bytes())
+        (ckpt / "INDEX.json").write_bytes(orjson.dumps(index))
+        _rewrite_hashes(run, ckpt)
+
+    proc = cli("recover", run)
+    line = _one_line(proc)
+    assert proc.returncode == 2 and ".distcp" in line and "optim.rank-00000" in line and "posix.system" in line, line
+    proc = cli("verify", run)
+    assert proc.returncode == 1 and "optim.rank-00000" in _one_line(proc), proc.stderr
+    # the runtime guard alone: the blob loads weights_only, which refuses the global
+    with pytest.raises(Exception, match="posix|system|GLOBAL|global"):
+        load_optimizer_bytes(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1), evil)
+    assert not marker.exists()
+
+
+# ---------------------------------------------------------------- paths stay inside the store
+
+
+def _prepared(tmp_path: Path) -> Path:
+    proc = cli("run", DEFAULT, *SHORT, "--prepare-only", "--out", tmp_path / "runs", check=0)
+    return Path(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("where", ["absolute", "climbs-out"])
+def test_a_resume_path_outside_the_runs_root_is_refused(ref, tmp_path, where):
+    run_dir = _prepared(tmp_path)
+    elsewhere = _copy(ref, tmp_path / "elsewhere")  # a real, valid checkpoint, but in another runs root
+    target = elsewhere / "checkpoints" / "step-000002"
+    rel = os.path.relpath(target, run_dir.parent)
+    assert rel.startswith("..")
+    info = orjson.loads((run_dir / "run.json").read_bytes())
+    info["resume"] = {"checkpoint": str(target) if where == "absolute" else rel, "step": 2}
+    (run_dir / "run.json").write_bytes(orjson.dumps(info))
+
+    from disttrace.errors import BadInput
+    from disttrace.run.launch import launch
+
+    with pytest.raises(BadInput, match="resume.checkpoint"):
+        launch(run_dir)  # before any rank starts
+    # a worker started by hand (torchrun ... -m disttrace.worker) refuses too, before any process group
+    proc = subprocess.run([sys.executable, "-m", "disttrace.worker", "--run-dir", str(run_dir)], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "run.json" in _one_line(proc) and "resume.checkpoint" in _one_line(proc)
+    assert not (run_dir / "COMPLETE").exists() and not (run_dir / "trajectory").exists()
+
+
+def test_recover_into_another_runs_root_is_refused(ref, tmp_path):
+    proc = cli("recover", ref, "--out", tmp_path / "other")
+    assert proc.returncode == 2 and "--out" in _one_line(proc)
+    assert not (tmp_path / "other").exists() or not any((tmp_path / "other").rglob("run.json"))
+
+
+def test_a_checkpoint_linked_out_of_the_run_is_refused(ref, tmp_path):
+    run = _copy(ref, tmp_path / "runs")
+    outside = tmp_path / "outside" / "step-000004"
+    shutil.move(run / "checkpoints" / "step-000004", outside)
+    (run / "checkpoints" / "step-000004").symlink_to(outside, target_is_directory=True)
+    proc = cli("recover", run)
+    assert proc.returncode == 2 and "step-000004" in _one_line(proc) and "outside" in _one_line(proc), proc.stderr
+    proc = cli("verify", run)
+    assert proc.returncode == 1 and "checkpoints/step-000004" in _one_line(proc), proc.stderr
+
+
+# ---------------------------------------------------------------- the package never unpickles freely
+
+
+# unpickling that never sees a run store's bytes: (file, what the line unpickles)
+IN_PROCESS_PICKLES = {("disttrace/run/flightrec.py", "_dump_fr_trace("): "torch's own in-process flight-recorder dump"}
+
+
+def test_no_full_unpickling_left_in_the_package():
+    pkg = ROOT / "disttrace"
+    offenders = []
+    for path in sorted(pkg.rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if any(rel == f and marker in code for f, marker in IN_PROCESS_PICKLES):
+                continue
+            if ("weights_only=False" in code or re.search(r"\bpickle\.loads?\(", code)
+                    or re.search(r"\bdcp\.load\(", code) and path.name != "safeload.py"):
+                offenders.append(f"{rel}:{n}: {line.strip()}")
+    assert offenders == []
+
+
+# ---------------------------------------------------------------- the report stays inert
+
+
+def test_the_report_escapes_html_names_and_forbids_scripts(ref, tmp_path):
+    from disttrace.views.report import build_report
+
+    tag = '<img src=x onerror="alert(1)">'
+    run = _copy(ref, tmp_path / "runs")
+    lock = orjson.loads((run / "manifest.lock.json").read_bytes())
+    lock["manifest"]["experiment"]["name"] = "<script>alert(2)</script>"
+    (run / "manifest.lock.json").write_bytes(orjson.dumps(lock))
+    for traj in sorted((run / "trajectory").glob("rank-*[0-9].jsonl")):  # every tensor named by a tag
+        lines = [orjson.loads(x) for x in traj.read_bytes().splitlines() if x]
+        traj.write_bytes(b"".join(orjson.dumps({**r, "tensor": tag + r["tensor"]}) + b"\n" for r in lines))
+    (run / "trajectory" / "rank-00000.steps.jsonl").unlink()  # diff rebuilds the index from the records
+    (run / "trajectory" / "rank-00001.steps.jsonl").unlink()
+    other = _copy(run, tmp_path / "runs2")
+    traj = other / "trajectory" / "rank-00001.jsonl"  # one digest changed: a divergence that names its tensor
+    lines = [orjson.loads(x) for x in traj.read_bytes().splitlines() if x]
+    k = next(i for i, r in enumerate(lines) if r["step"] == 3 and r["phase"] == "backward")
+    lines[k]["digest"] = "f" * 32
+    traj.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in lines))
+
+    page = build_report([run, other], tmp_path / "r.html").read_text(encoding="utf-8")
+    assert "&lt;img src=x onerror=&quot;alert(1)&quot;&gt;" in page  # the names are there, as text
+    assert "<img" not in page and "<script" not in page and "&lt;script&gt;alert(2)" in page
+    csp = re.search(r'<meta http-equiv="Content-Security-Policy" content="([^"]+)">', page)
+    assert csp and page.index(csp.group(0)) < page.index("<style>") and page.index(csp.group(0)) < page.index("<body>")
+    rules = dict(r.strip().split(" ", 1) for r in csp.group(1).split(";"))
+    assert rules["script-src"] == "'none'" and rules["default-src"] == "'none'"
