@@ -1,13 +1,21 @@
 """The memory ledger: per rank and step, bytes of parameters, gradients and optimizer state this rank
 holds (for a sharded strategy the local shard), activations saved for backward, and the peak.
 
+Measured, not computed from shapes: every storage reachable from the model (parameters, gradients,
+registered buffers and tensors kept as plain module attributes), the optimizer (its state and its own
+parameter copies) and the engine (DDP's bucket buffers, as its comm hook hands them to the `backward`
+point; FSDP2's unsharded parameters and all-gather outputs) is counted once, by its untyped storage's
+data_ptr, at its allocated size (`nbytes`, padding included). Beside it the process's resident memory
+(/proc/self/statm) and, on a GPU, the allocator's current and peak bytes. The prediction next to each
+line comes from disttrace.plan.costs (the ZeRO formulas); `gap_bytes` names each measured difference.
+
 Activations are counted with saved-tensor hooks (every tensor autograd keeps for backward, counted once
-per storage); the peak is the CUDA allocator's on GPU and the tracked sum on CPU. The prediction next to
-each line comes from disttrace.plan.costs (the ZeRO formulas and the activation estimate).
+per storage).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -15,12 +23,110 @@ import torch
 from disttrace.store.rundir import JsonlWriter, rank_file
 
 
-def _local_bytes(t) -> int:
-    if t is None:
-        return 0
-    if hasattr(t, "to_local"):
-        t = t.to_local()
-    return t.numel() * t.element_size()
+CATEGORIES = ("params", "grads", "optimizer", "buffers", "unregistered", "engine")
+
+
+class StorageCount:
+    """Distinct storages by category: a storage seen twice (a view, a tensor shared by two owners) counts
+    once, under the first category that reached it (in CATEGORIES order)."""
+
+    def __init__(self):
+        self.seen: dict[int, str] = {}
+        self.bytes = dict.fromkeys(CATEGORIES, 0)
+
+    def add(self, category: str, t) -> None:
+        if t is None or not torch.is_tensor(t):
+            return
+        if hasattr(t, "to_local"):
+            t = t.to_local()
+        try:
+            st = t.untyped_storage()
+            ptr, n = st.data_ptr(), st.nbytes()
+        except (RuntimeError, NotImplementedError):  # no storage (fakes, wrappers)
+            return
+        if n == 0 or ptr in self.seen:  # freed (FSDP2 resizes unsharded storages to 0) or already counted
+            return
+        self.seen[ptr] = category
+        self.bytes[category] += n
+
+    def add_storage(self, category: str, ptr: int, nbytes: int) -> None:
+        if nbytes and ptr not in self.seen:
+            self.seen[ptr] = category
+            self.bytes[category] += nbytes
+
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+
+def _tensors_in(obj, depth: int = 0):
+    if torch.is_tensor(obj):
+        yield obj
+    elif depth < 4 and isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors_in(v, depth + 1)
+    elif depth < 4 and isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors_in(v, depth + 1)
+
+
+def fsdp2_engine_tensors(model):
+    """FSDP2's own buffers: each FSDPParam's unsharded parameter and all-gather outputs (private attributes
+    of torch 2.5-2.13; absent ones are skipped)."""
+    for m in model.modules():
+        get_state = getattr(m, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        try:
+            group = get_state()._fsdp_param_group
+        except Exception:  # noqa: BLE001  -- not an FSDP2 module after all
+            continue
+        for fp in getattr(group, "fsdp_params", None) or []:
+            for name in ("_unsharded_param", "_unsharded_inner_tensors"):
+                yield from _tensors_in(getattr(fp, name, None))
+            yield from _tensors_in(getattr(fp, "all_gather_outputs", None))
+
+
+def measure(model, optimizer, engine_storages=(), engine_tensors=()) -> StorageCount:
+    """Count the distinct storages reachable from `model`, `optimizer` and the engine."""
+    c = StorageCount()
+    params = list(model.parameters())
+    for p in params:
+        c.add("params", p)
+    for p in params:
+        c.add("grads", p.grad)
+    local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its partition's in .optim
+    for st in getattr(local, "state", {}).values():
+        for t in _tensors_in(st):
+            c.add("optimizer", t)
+    for group in getattr(local, "param_groups", []):  # an optimizer's own parameter copies (the PS master)
+        for p in group.get("params", []):
+            c.add("optimizer", p)
+            c.add("optimizer", p.grad)
+    for b in model.buffers():
+        c.add("buffers", b)
+    for m in model.modules():  # tensors a module keeps as plain attributes: neither parameter nor buffer
+        for v in vars(m).values():
+            for t in _tensors_in(v, 2):
+                c.add("unregistered", t)
+    for ptr, nbytes in engine_storages:
+        c.add_storage("engine", ptr, nbytes)
+    for t in engine_tensors:
+        c.add("engine", t)
+    return c
+
+
+def resident_bytes() -> int | None:
+    """The process's resident set (Linux /proc/self/statm, else getrusage's peak)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        try:
+            import resource
+
+            return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+        except (ImportError, OSError):
+            return None
 
 
 class MemoryLedger:
@@ -39,8 +145,37 @@ class MemoryLedger:
     def attach(self, bus):
         bus.on("step_start", self._start, self.ORDER)
         bus.on("data", self._new_micro_batch, self.ORDER)
+        bus.on("backward", self._engine_buffers, self.ORDER)
+        bus.on("loss", self._sample_engine, self.ORDER)
+        bus.on("reduce", self._sample_engine, self.ORDER)
         bus.on("step_end", self._end, self.ORDER)
         return self
+
+    def _engine_buffers(self, bus, p):
+        """DDP's comm hook hands the bucket's gradients, views into the bucket buffer: its storage is the
+        engine's copy of the gradients (unless gradient_as_bucket_view makes it the .grad itself)."""
+        if not p.get("before_collective"):
+            return
+        for entry in p["grads"]:
+            g = entry[2]
+            if g is not None and torch.is_tensor(g) and not hasattr(g, "to_local"):
+                st = g.untyped_storage()
+                self._engine[st.data_ptr()] = st.nbytes()
+
+    def _sample_engine(self, bus, p):
+        """FSDP2's unsharded parameters exist between its all-gather and reshard: sample them after the
+        forward (`loss`) and after the reduce; the step's largest sample is `engine_peak`."""
+        n = 0
+        seen: set = set()
+        for t in fsdp2_engine_tensors(self.strategy.plain):
+            try:
+                st = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            if st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                n += st.nbytes()
+        self._engine_peak = max(self._engine_peak, n + sum(self._engine.values()))
 
     def _pack(self, t):
         try:
@@ -57,6 +192,7 @@ class MemoryLedger:
 
     def _start(self, bus, p):
         self._saved, self._peak_act = {}, 0
+        self._engine, self._engine_peak = {}, 0  # DDP rebuilds its buckets after the first step
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._hooks.__enter__()
         if torch.cuda.is_available():
@@ -67,19 +203,24 @@ class MemoryLedger:
             self._hooks.__exit__(None, None, None)
             self._hooks = None
         s = self.strategy
-        params = sum(_local_bytes(p) for p in s.plain.parameters())
-        grads = sum(_local_bytes(p.grad) for p in s.plain.parameters())
-        from disttrace.run.parallel.common import local_optimizer_state_tensors
-
-        optim = sum(_local_bytes(v) for v in local_optimizer_state_tensors(s.optimizer))
+        c = measure(s.plain, s.optimizer, self._engine.items(), fsdp2_engine_tensors(s.plain))
+        b = c.bytes
+        params, grads, optim = b["params"], b["grads"], b["optimizer"]
         model_state = params + grads + optim
         pred = self.predicted
+        total = c.total()
+        gaps = measured_gaps(self.manifest, s, b, pred)
         rec = {"step": bus.step, "rank": self.rank, "params": params, "grads": grads, "optimizer": optim,
-               "model_state": model_state, "activations_saved": self._peak_act,
-               "peak_tracked": model_state + self._peak_act,
+               "model_state": model_state, "buffers": b["buffers"], "unregistered": b["unregistered"],
+               "engine": b["engine"], "engine_peak": max(self._engine_peak, b["engine"]),
+               "measured_total": total, "storages": len(c.seen),
+               "activations_saved": self._peak_act, "peak_tracked": total + self._peak_act,
+               "resident": resident_bytes(),
                "predicted": pred, "ratio_model_state": round(model_state / pred["total"], 4) if pred["total"] else None,
-               "gap": explain_gap(self.manifest, params, grads, optim, pred)}
+               "ratio_total": round(total / pred["total"], 4) if pred["total"] else None,
+               "gap": [g["what"] + f": {g['bytes']:+d} B" for g in gaps], "gap_bytes": gaps}
         if torch.cuda.is_available():
+            rec["allocated"] = int(torch.cuda.memory_allocated())
             rec["peak_allocator"] = int(torch.cuda.max_memory_allocated())
         self.out.write(rec)
         self.out.flush()
@@ -101,8 +242,33 @@ def predict_model_state(manifest: dict, strategy) -> dict:
     return model_state_bytes(psi, par["dp"], stage, optimizer, precision)
 
 
-def explain_gap(manifest: dict, params: int, grads: int, optim: int, pred: dict) -> list[str]:
+def measured_gaps(manifest: dict, strategy, b: dict, pred: dict) -> list[dict]:
+    """Each difference between measured and predicted bytes, named: {"what", "bytes"}."""
+    par = manifest["parallelism"]
+    out = []
+    if b["engine"]:
+        what = ("DDP bucket copy of the gradients" if par["zero_stage"] < 2 and par["tp"] == 1 and par["pp"] == 1
+                and par["architecture"] != "parameter-server" else "engine buffers (FSDP2 unsharded parameters)")
+        out.append({"what": what, "bytes": b["engine"]})
+    if b["buffers"]:
+        out.append({"what": "model buffers (RoPE tables; not model state)", "bytes": b["buffers"]})
+    if b["unregistered"]:
+        out.append({"what": "tensors kept as plain module attributes (neither parameter nor buffer)",
+                    "bytes": b["unregistered"]})
+    for key, what in (("params", "parameters"), ("grads", "gradients"), ("optimizer", "optimizer state")):
+        d = b[key] - pred[key]
+        if d:
+            out.append({"what": f"{what} vs the formula", "bytes": d,
+                        "why": "; ".join(explain_gap(manifest, b["params"], b["grads"], b["optimizer"], pred,
+                                                     only=key)) or None})
+    return out
+
+
+def explain_gap(manifest: dict, params: int, grads: int, optim: int, pred: dict, only: str | None = None) -> list[str]:
     """Name the differences between measured and predicted that we can explain."""
+    if only is not None:
+        keep = {"params": "params", "grads": "grads", "optimizer": "optimizer"}[only]
+        return [n for n in explain_gap(manifest, params, grads, optim, pred) if n.startswith(keep)]
     notes = []
     if optim > pred["optimizer"]:
         notes.append(f"optimizer +{optim - pred['optimizer']} B: Adam's per-parameter step counters (scalars) "

@@ -203,13 +203,28 @@ def show(run_dir: Path | str, view: str, console: Console) -> dict:
         rows = []
         for rank in run.ranks("memory"):
             rows += list(iter_jsonl(run.rank_path("memory", rank), []))
-        tab = Table(title="memory ledger (bytes held locally)")
-        cols = ("step", "rank", "params", "grads", "optimizer", "model_state", "activations_saved", "peak_tracked")
+        tab = Table(title="memory ledger (bytes held locally: distinct storages, measured)")
+        cols = ("step", "rank", "params", "grads", "optimizer", "model_state", "engine", "buffers", "measured_total",
+                "predicted", "ratio_total", "activations_saved", "resident")
         for col in cols:
             tab.add_column(col, justify="right")
         for r in rows:
-            tab.add_row(*[Text(str(r.get(c))) for c in cols])
+            pred = r.get("predicted")
+            cells = {**r, "predicted": pred.get("total") if isinstance(pred, dict) else pred}
+            tab.add_row(*[Text(str(cells.get(c, "-"))) for c in cols])
         console.print(tab)
+        last: dict = {}
+        for r in rows:  # the gap of each rank's last step, named
+            if isinstance(r, dict):
+                last[r.get("rank")] = r
+        for rank, r in sorted(last.items(), key=lambda kv: str(kv[0])):
+            pred = r.get("predicted") if isinstance(r.get("predicted"), dict) else {}
+            console.print(Text(f"rank {rank} step {r.get('step')}: measured {r.get('measured_total')} B, "
+                               f"predicted (ZeRO formula) {pred.get('total')} B"))
+            for g in r.get("gap_bytes") or []:
+                if isinstance(g, dict):
+                    why = f" ({g['why']})" if g.get("why") else ""
+                    console.print(Text(f"  gap: {g.get('what')}: {g.get('bytes')} B{why}"))
         return {"memory": rows}
     ev = run.events()
     for e in ev.records:
