@@ -1,10 +1,23 @@
-"""Tracing overhead: step time with the recorder (and the live replica check, and the collective tracer) on vs off, in the same
-processes, same data, interleaved, so machine noise hits every variant alike. Prints medians and ratios.
+"""What recording costs a run users would run: step time of each recording variant against the unrecorded
+baseline (`record.enabled = false`), in the same processes, same data, steps interleaved so machine noise
+hits every variant alike. Prints medians, ratios and run-store bytes per step.
 
-    python bench/overhead.py [--world 2] [--steps 30] [--set model.dim=128 ...]
+    python bench/overhead.py [--world 2] [--steps 8] [--set model.dim=768 ...] [--no-tiny]
 
-Real parts: the default manifest's model, DDP strategy, hook bus, recorder and tracer on a gloo world
-started by torch.multiprocessing (2 ranks by default).
+By default it measures a realistic CPU model (dim 512, 4 layers, sequence 256, dp = 2, gradient
+accumulation 2, the memory ledger on), then the tiny default model as the worst case (every tensor is
+small, so the Python cost per tensor is the largest share). Variants:
+
+  off                      record.enabled = false: the loop and the step clock only
+  recorder+ledger          trajectory digests every step, memory ledger, no collective trace
+  default                  + the Flight Recorder collective trace (record.collectives = "metadata")
+  values                   recorder + ledger + the dispatch-mode tracer with payload digests ("values")
+
+The Flight Recorder ring is set to 64 entries here so that it is copied several times within a short bench
+(its copy costs per entry in the ring, so the amortised cost per step is the same as with torch's 2,000);
+every variant issues the same collectives, so the metadata trace's bytes per step are its file's bytes
+over all steps of all variants. Real parts throughout: the manifest's model, DDP strategy, hook bus,
+recorder, ledger and trace on a gloo world started by torch.multiprocessing.
 """
 
 from __future__ import annotations
@@ -21,22 +34,45 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+VARIANTS = ("off", "recorder+ledger", "default", "values")
+REALISTIC = ["model.dim=512", "model.n_layers=4", "model.max_seq_len=256", "training.grad_accum_steps=2"]
+TINY = ["training.grad_accum_steps=2"]  # the default manifest's model
+RING = 64
+WARMUP = 2  # steps left out of the medians (DDP rebuilds its buckets after step 1)
+
+
+class Gated:
+    """A view of the hook bus whose handlers run only while `flag["on"]` names their variant."""
+
+    def __init__(self, bus, flag: dict, names: set[str]):
+        self.bus, self.flag, self.names = bus, flag, names
+
+    def on(self, point, fn, order=50):
+        self.bus.on(point, lambda b, p: fn(b, p) if self.flag["on"] in self.names else None, order)
+
+    def listening(self, point):
+        return self.bus.listening(point)
+
 
 def worker(rank, world, port, frozen_doc, steps, out, q):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      TORCH_FR_BUFFER_SIZE=str(RING))
     import contextlib
 
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from disttrace.run.collectives import CollectiveTracer
     from disttrace.data.windows import TokenData
-    from disttrace.run.hooks import HookBus
     from disttrace.model.llama import build_model, lm_loss
+    from disttrace.run.collectives import CollectiveTracer
+    from disttrace.run.flightrec import FlightRecorderTrace
+    from disttrace.run.hooks import HookBus
+    from disttrace.run.loop import emit_module_outputs
+    from disttrace.run.memory import MemoryLedger
     from disttrace.run.parallel import build_strategy
     from disttrace.run.recorder import Recorder
-    from disttrace.run.loop import emit_module_outputs
+    from disttrace.run.stepclock import StepClock
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -47,35 +83,26 @@ def worker(rank, world, port, frozen_doc, steps, out, q):
     model = build_model(SimpleNamespace(**m["model"]), torch.float32, m["experiment"]["seed"])
     emit_module_outputs(model, bus)
     strategy = build_strategy(m, model, mesh, bus)
-    run_dir = Path(out) / f"rank{rank}"
-    recorder = Recorder(run_dir, rank)
-    tracer = CollectiveTracer(run_dir, rank)
-    recorder_on = {"v": False}
-    # the recorder attaches once; a gate in front of it turns it off for the "off" variant
-    for point, handler in (("data", recorder._data), ("forward", recorder._forward), ("loss", recorder._loss),
-                           ("backward", recorder._grads("backward")), ("reduce", recorder._grads("reduce")),
-                           ("optimizer", recorder._optimizer), ("step_start", recorder._step_start),
-                           ("step_end", recorder._step_end)):
-        bus.on(point, lambda b, p, h=handler: h(b, p) if recorder_on["v"] else None, order=90)
-    from disttrace.run.livecheck import LiveCheck
-
-    from disttrace.run.topology import groups_of
-
-    live = LiveCheck(run_dir, recorder, strategy.replicas(), {**groups_of(m), "world": [list(range(world))]}, rank)
-    live_on = {"v": False}
-    bus.on("step_end", lambda b, p: live._check(b, p) if live_on["v"] else None, order=89)
-    variants = ["off", "recorder", "recorder+live check", "recorder+collectives"]
-    times = {v: [] for v in variants}
+    base = Path(out) / f"rank{rank}"
+    flag = {"on": "off"}
+    recorded = {"recorder+ledger", "default", "values"}
+    StepClock(base / "off", rank).attach(bus)
+    observers = []
+    for v in sorted(recorded):  # each variant writes its own run dir, so its bytes are its own
+        observers.append(Recorder(base / v, rank).attach(Gated(bus, flag, {v})))
+        observers.append(MemoryLedger(base / v, rank, m, strategy).attach(Gated(bus, flag, {v})))
+    fr = FlightRecorderTrace(base / "default", rank).attach(Gated(bus, flag, {"default"}))
+    tracer = CollectiveTracer(base / "values", rank, values=True)
+    times = {v: [] for v in VARIANTS}
     accum = m["training"]["grad_accum_steps"]
     for step in range(1, steps + 1):
-        for v in variants:
-            recorder_on["v"] = v != "off"
-            live_on["v"] = v == "recorder+live check"
-            ctx = tracer if v == "recorder+collectives" else contextlib.nullcontext()
+        for v in VARIANTS:
+            flag["on"] = v
+            ctx = tracer if v == "values" else contextlib.nullcontext()
             dist.barrier()
             t = time.perf_counter()
             with ctx:
-                bus.step = step
+                tracer.step = bus.step = step
                 bus.emit("step_start")
                 strategy.zero_grad()
                 for mb in range(accum):
@@ -88,23 +115,30 @@ def worker(rank, world, port, frozen_doc, steps, out, q):
                 strategy.step()
                 bus.emit("step_end")
             times[v].append(time.perf_counter() - t)
-    recorder.close()
+    dumps = fr.dumps
+    fr.close()
     tracer.close()
+    for o in observers:
+        o.close()
     if rank == 0:
-        q.put({v: statistics.median(ts[3:]) for v, ts in times.items()})
+        q.put({"times": {v: statistics.median(ts[WARMUP:]) for v, ts in times.items()}, "dumps": dumps})
+    dist.barrier()
     dist.destroy_process_group()
 
 
+def _bytes(d: Path) -> int:
+    return sum(f.stat().st_size for f in d.rglob("*.jsonl")) if d.is_dir() else 0
+
+
 def measure(world: int, steps: int, sets: list[str]) -> dict:
-    """Median step time (rank 0) per variant, and run-store bytes per step, for one world size."""
+    """Median step time (rank 0) per variant and run-store bytes per step (all ranks), for one world size."""
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch.multiprocessing as mp
 
-    from disttrace.run.launch import free_port
     from disttrace.config.manifest import freeze
+    from disttrace.run.launch import free_port
 
-    frozen = freeze(ROOT / "manifests" / "default.toml",
-                    [f"parallelism.dp={world}", f"training.steps={steps}", *sets])
+    frozen = freeze(ROOT / "manifests" / "default.toml", [f"parallelism.dp={world}", f"training.steps={steps}", *sets])
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     with tempfile.TemporaryDirectory() as out:
@@ -113,25 +147,43 @@ def measure(world: int, steps: int, sets: list[str]) -> dict:
                  for r in range(world)]
         for p in procs:
             p.start()
-        res = q.get(timeout=900)
+        res = q.get(timeout=3600)
         for p in procs:
             p.join()
-        size = sum(f.stat().st_size for f in Path(out).rglob("*.jsonl"))
-    return {"times": res, "bytes_per_step": size / (3 * steps)}  # three of the four variants record
+        ranks = [Path(out) / f"rank{r}" for r in range(world)]
+        fr_trace = sum(_bytes(d / "default" / "collectives") for d in ranks) / (len(VARIANTS) * steps)
+        stored = {
+            "recorder+ledger": sum(_bytes(d / "recorder+ledger") for d in ranks) / steps,
+            "default": sum(_bytes(d / "default") - _bytes(d / "default" / "collectives") for d in ranks) / steps
+            + fr_trace,
+            "values": sum(_bytes(d / "values") for d in ranks) / steps,
+        }
+    m = frozen.manifest["model"]
+    return {**res, "bytes_per_step": stored, "model": f"dim {m['dim']}, {m['n_layers']} layers, seq {m['max_seq_len']}"}
+
+
+def report(title: str, r: dict, world: int, steps: int) -> None:
+    base = r["times"]["off"]
+    print(f"{title} ({r['model']}, dp={world}, accumulation 2): {steps} steps x {len(VARIANTS)} variants "
+          f"interleaved, median of steps {WARMUP + 1}..{steps} on rank 0; Flight Recorder copies: {r['dumps']}")
+    for v in VARIANTS:
+        t = r["times"][v]
+        kib = r["bytes_per_step"].get(v)
+        size = f"   {kib / 1024:8.1f} KiB/step" if kib is not None else ""
+        print(f"  {v:16s} {t * 1e3:9.1f} ms   ratio vs off {t / base:5.3f}{size}", flush=True)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--set", action="append", default=[])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--set", action="append", default=[], help="override the realistic model (section.key=value)")
+    ap.add_argument("--no-tiny", action="store_true", help="skip the tiny default model (the worst case)")
     args = ap.parse_args()
-    r = measure(args.world, args.steps, args.set)
-    base = r["times"]["off"]
-    print(f"world {args.world}, {args.steps} steps x {len(r['times'])} variants interleaved, median step time (rank 0):")
-    for v, t in r["times"].items():
-        print(f"  {v:22s} {t * 1e3:8.2f} ms   ratio vs off {t / base:5.2f}")
-    print(f"  run-store bytes per step (all ranks, trajectory + collectives): {r['bytes_per_step'] / 1024:.1f} KiB")
+    report("realistic", measure(args.world, args.steps, REALISTIC + args.set), args.world, args.steps)
+    if not args.no_tiny:
+        report("worst case: the tiny default model", measure(args.world, max(args.steps, 12), TINY), args.world,
+               max(args.steps, 12))
 
 
 if __name__ == "__main__":

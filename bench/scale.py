@@ -1,6 +1,7 @@
 """How the cost of recording grows with ranks: world sizes 1, 2, 4 (and 8 with --max-world 8), step time
-with recording off / recorder / recorder + collective trace, interleaved in the same processes, and the
-run-store bytes per step. Prints a table of ratios against 'off' at each world size.
+of each recording variant of bench/overhead.py (off = record.enabled false / recorder+ledger / default =
++ the Flight Recorder collective trace / values = the dispatch-mode tracer with payload digests) on the
+tiny default model, interleaved in the same processes, and the run-store bytes per step of the default.
 
     python bench/scale.py [--steps 20] [--max-world 4]
 """
@@ -20,14 +21,14 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--max-world", type=int, default=4)
     args = ap.parse_args()
-    print(f"{'world':>5} {'off ms':>8} {'recorder':>9} {'+live':>9} {'+collect.':>9} {'KiB/step':>9}")
+    print(f"{'world':>5} {'off ms':>8} {'rec+ledger':>10} {'default':>9} {'values':>9} {'KiB/step':>9}")
     world = 1
     while world <= args.max_world:
         r = measure(world, args.steps, ["training.grad_accum_steps=1"])
         t = r["times"]
-        print(f"{world:>5} {t['off'] * 1e3:>8.2f} {t['recorder'] / t['off']:>8.2f}x "
-              f"{t['recorder+live check'] / t['off']:>8.2f}x "
-              f"{t['recorder+collectives'] / t['off']:>8.2f}x {r['bytes_per_step'] / 1024:>9.1f}", flush=True)
+        print(f"{world:>5} {t['off'] * 1e3:>8.2f} {t['recorder+ledger'] / t['off']:>9.2f}x "
+              f"{t['default'] / t['off']:>8.2f}x {t['values'] / t['off']:>8.2f}x "
+              f"{r['bytes_per_step']['default'] / 1024:>9.1f}", flush=True)
         world *= 2
 
 

@@ -1,0 +1,65 @@
+"""The default collective trace is read from torch's Flight Recorder (run/flightrec.py), not by a dispatch
+mode: it must still hold every collective DDP issued (counted against DDP's own buckets) when its ring is
+far smaller than the run and has to be copied as it fills, and a rank that gloo aborts on a mismatched
+collective must still leave the op it died in, so the desync is named."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import DEFAULT, SHORT, cli, last_line
+from disttrace.analysis.sync import check_sync
+from disttrace.errors import EXIT_JOB_FAILED, EXIT_OK
+from disttrace.store.rundir import Run, iter_jsonl
+
+RING = 32  # entries: fewer than the run issues (44), more than its first two steps with set-up (24)
+
+
+@pytest.fixture(scope="module")
+def small_ring(tmp_path_factory):
+    """Several DDP buckets per step (0.1 MB cap) and a 32-entry ring, which the run overfills: it is copied
+    only when the next step could overwrite what was not copied yet."""
+    out = tmp_path_factory.mktemp("fr")
+    proc = cli("run", DEFAULT, *SHORT, "--set", "debug.ddp_bucket_cap_mb=0.1", "--out", out,
+               env={"TORCH_FR_BUFFER_SIZE": str(RING)}, timeout=300, check=EXIT_OK)
+    return Run(last_line(proc))
+
+
+def test_small_ring_trace_covers_every_ddp_bucket(small_ring):
+    run = small_ring
+    facts = [e for e in run.events().records if e["event"] == "engine_facts"]
+    buckets = facts[-1]["ddp_bucket_sizes"]  # the oracle: what DDP's reducer handed its comm hook
+    assert facts[-1]["step"] == 2 and len(buckets) > 3
+    for rank in (0, 1):
+        lines = list(iter_jsonl(run.rank_path("collectives", rank)))
+        assert not [x for x in lines if "lost" in x]
+        assert len(lines) > RING  # more than the ring holds: only copies made in time keep them all
+        assert all("fr_seq" in x for x in lines)  # written from the Flight Recorder, not a dispatch mode
+        per_pg: dict = {}
+        for x in lines:  # each process group's own sequence numbers, every one once, none skipped
+            per_pg.setdefault(x["pg"], []).append(x["fr_seq"])
+        for seqs in per_pg.values():
+            assert seqs == list(range(1, len(seqs) + 1))
+        reduces = [x for x in lines if x["op"] == "allreduce_" and x["dtype"] == "float32"]
+        for step in (2, 3, 4):  # after DDP's bucket rebuild at the end of step 1
+            ops = [x for x in reduces if x["step"] == step]
+            assert sorted(x["bytes"] for x in ops) == sorted(buckets), (rank, step)
+        assert all(x["done"] for x in lines)  # a complete run: every collective finished
+    assert check_sync(run)["ok"]
+
+
+def test_mismatched_collective_is_named_from_the_dying_ranks_own_ring(tmp_path):
+    """gloo aborts (SIGABRT, from its own thread) the rank that receives a collective of another size, and
+    the launcher then terminates the other: both copy their ring from the signal handler."""
+    proc = cli("inject", DEFAULT, *SHORT, "--set", "debug.collective_timeout_s=10", "--fault", "collective-mismatch",
+               "--step", 2, "--rank", 1, "--out", tmp_path, timeout=300)
+    assert proc.returncode == EXIT_JOB_FAILED, proc.stderr
+    run = Run(last_line(proc))
+    fired = next(e for e in run.events().records if e["event"] == "fault_fired")
+    bad = fired["shape"]  # the oracle: the shape the fault itself says it issued
+    last = {r: list(iter_jsonl(run.rank_path("collectives", r)))[-1] for r in (0, 1)}
+    assert last[1]["op"] == "allreduce_" and last[1]["shapes"] == [bad] and last[1]["step"] == 2
+    assert last[0]["op"] == "allreduce_" and last[0]["shapes"] != [bad] and last[0]["seq"] == last[1]["seq"]
+    m = check_sync(run)["first_mismatch"]
+    assert m["ranks"] == [1] and m["seq"] == last[1]["seq"] and m["step"] == 2
+    assert "collective desync" in proc.stderr and "rank(s) [1]" in proc.stderr and f"[{bad[0]}]" in proc.stderr
