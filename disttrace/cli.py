@@ -174,8 +174,13 @@ def run(manifest: Optional[Path] = ManifestArg, set_: Optional[List[str]] = SetO
                                           "nothing: then `torchrun ... -m disttrace.worker --run-dir DIR`"),
         quiet: bool = QuietOpt):
     """Run the reference path: a real multi-process torch.distributed job that records the full evidence.
-    Multi-node: start one `disttrace run` per node with the same --nnodes, --rdzv-endpoint and --run-id."""
+    Multi-node: start one `disttrace run` per node with the same --nnodes, --rdzv-endpoint and --run-id.
+    Your own script: `disttrace run -- torchrun --nproc-per-node 2 train.py` (it calls disttrace.api.attach;
+    the prepared run dir reaches it in DISTTRACE_RUN_DIR; its stdout goes to stderr)."""
     from disttrace.run.launch import prepare, prepare_shared
+
+    if USER_COMMAND is not None:
+        return _user_command(manifest, out, json_, "reference", None)
 
     frozen = _freeze(manifest, set_)
     if nnodes > 1:
@@ -210,15 +215,49 @@ def inject(manifest: Optional[Path] = ManifestArg,
            rank: int = typer.Option(..., "--rank", help="the global rank it fires on"),
            param: Optional[List[str]] = typer.Option(None, "--param", help="fault parameter key=value (repeatable)"),
            set_: Optional[List[str]] = SetOpt, out: Path = OutOpt, json_: bool = JsonOpt, quiet: bool = QuietOpt):
-    """Run the fault path: the same experiment with exactly one fault injected at (step, rank)."""
+    """Run the fault path: the same experiment with exactly one fault injected at (step, rank).
+    Your own script: `disttrace inject --fault NAME --step S --rank R -- CMD ARGS...` fires the catalog entry at
+    its hook point inside the attached script; a fault needing a point the script lacks is refused (exit 2)."""
     from disttrace.run import faults
     from disttrace.run.launch import prepare
+
+    if USER_COMMAND is not None:
+        from disttrace.run.usercmd import fault_spec
+
+        run_dir = _user_command(manifest, out, json_, "fault", fault_spec(fault, step, rank, parse_params(param)))
+        return _warn_if_not_fired(run_dir)
 
     frozen = _freeze(manifest, set_)
     spec = faults.get(fault).spec(step, rank, parse_params(param), frozen.manifest)
     run_dir = prepare(frozen, out, "fault", fault=spec)
     _launch_and_report(run_dir, json_, quiet=quiet)
     _warn_if_not_fired(run_dir)
+
+
+USER_COMMAND: Optional[List[str]] = None  # what followed `--` on `disttrace run|inject ... -- CMD ARGS...`
+
+
+def _user_command(manifest, out: Path, json_: bool, path_kind: str, fault: Optional[dict]) -> Path:
+    from disttrace.run import usercmd
+    from disttrace.views.show import render_summary, summary
+
+    if manifest is not None:
+        raise BadInput(str(manifest), "give a manifest or a command after '--', not both")
+    run_dir = usercmd.prepare(out, USER_COMMAND, path_kind, fault)
+    err.print(Text(f"running {' '.join(USER_COMMAND)} attached to {run_dir} ...", style="dim"))
+    try:
+        usercmd.execute(run_dir, USER_COMMAND)
+    except JobFailed:
+        if json_:
+            emit_json({"run_dir": str(run_dir), "complete": False})
+            raise typer.Exit(EXIT_JOB_FAILED)
+        raise
+    if json_:
+        emit_json({"run_dir": str(run_dir), **summary(run_dir)})
+    else:
+        render_summary(run_dir, err, brief=True)
+        print(run_dir)
+    return run_dir
 
 
 def _warn_if_not_fired(run_dir: Path) -> None:
@@ -231,6 +270,48 @@ def _warn_if_not_fired(run_dir: Path) -> None:
     elif any(e.get("changed") is False for e in fired):
         err.print(Text("warning: the fault fired but changed nothing (its digest before and after are equal, see "
                        "events.jsonl); this run is a second reference, not a fault run", style="yellow"))
+
+
+@app.command()
+@handled
+def calibrate(manifest: Optional[Path] = ManifestArg, set_: Optional[List[str]] = SetOpt, out: Path = OutOpt,
+              safety: float = typer.Option(10.0, "--safety", help="calibrated bound = safety x measured noise"),
+              json_: bool = JsonOpt):
+    """Measure run-to-run noise: the reference twice (must be bit-identical) and once with its initial
+    parameters perturbed by one unit in the last place; writes <out>/<id12>/calibration.json (use it with
+    `diff --calibration FILE`) and prints the noise per step and phase. The last stdout line is the file."""
+    import math
+
+    from disttrace.analysis.calibration import build
+    from disttrace.analysis.tolerance import unit_roundoff
+    from disttrace.run.launch import launch, prepare
+    from disttrace.store.rundir import read_json, write_json_atomic
+
+    if not (math.isfinite(safety) and safety >= 1):
+        raise BadInput("--safety", f"must be a finite number >= 1 (got {safety})")
+    frozen = _freeze(manifest, set_)
+    relative = 2 * unit_roundoff(frozen.manifest)  # one unit in the last place
+    dirs = {}
+    for label in ("reference", "repeat", "perturbed"):
+        run_dir = prepare(frozen, out, "reference")
+        if label == "perturbed":
+            info = read_json(run_dir / "run.json")
+            write_json_atomic(run_dir / "run.json", {**info, "perturb": {"relative": relative, "seed": 1}})
+        err.print(Text(f"calibrate: {label} run {run_dir} ...", style="dim"))
+        launch(run_dir)
+        dirs[label] = str(run_dir)
+    doc = build(frozen.manifest_id, dirs, relative, safety)
+    path = Path(out) / frozen.manifest_id[:12] / "calibration.json"
+    write_json_atomic(path, doc)
+    if json_:
+        emit_json({**doc, "file": str(path)})
+        return
+    err.print(Text(f"repeat run bit-identical: {doc['repeat_bit_identical']} (max rel err "
+                   f"{doc['repeat_max_rel_err']:.2e}); perturbation {relative:.2e} relative"))
+    for step, phases in doc["noise"].items():
+        err.print(Text(f"  step {step}: " + ", ".join(f"{p} {v:.2e}" for p, v in phases.items())))
+    err.print(Text(f"calibrated bound = {safety:g} x noise, written to {path}"))
+    print(path)
 
 
 @app.command()
@@ -317,6 +398,9 @@ def diff(run_a: Path = typer.Argument(..., help="first run (usually the referenc
          atol: Optional[float] = typer.Option(None, "--atol", help="numeric: absolute part of an explicit bound"),
          allow_edition_mismatch: bool = typer.Option(False, "--allow-edition-mismatch",
                                                      help="compare runs of different editions anyway"),
+         calibration: Optional[Path] = typer.Option(None, "--calibration", help="numeric: a `disttrace calibrate` "
+                                                    "file of A's or B's manifest; its measured bounds replace the "
+                                                    "derived ones where it has them"),
          json_: bool = JsonOpt, md: bool = typer.Option(False, "--md", help="print a Markdown table (PR comment)")):
     """Find the first divergence (step, micro-batch, phase, rank, tensor) between two runs and how it spread.
     Exit 0 equal, 1 divergent, 2 incompatible or unreadable runs."""
@@ -329,7 +413,8 @@ def diff(run_a: Path = typer.Argument(..., help="first run (usually the referenc
 
     with StepBar(err, "diff") as on_step:  # a terminal only; a pipe or CI sees nothing
         result = diff_runs(run_a, run_b, mode=mode, rtol=rtol, atol=atol,
-                           allow_edition_mismatch=allow_edition_mismatch, on_step=on_step)
+                           allow_edition_mismatch=allow_edition_mismatch, on_step=on_step,
+                           calibration=calibration)
     if json_:
         emit_json(result)
     elif md:
@@ -513,6 +598,12 @@ def report(runs: List[Path] = typer.Argument(..., help="runs; the first is the r
 
 
 def main():
+    global USER_COMMAND
+    argv = sys.argv[1:]
+    if len(argv) > 1 and argv[0] in ("run", "inject") and "--" in argv:  # a user command, passed through whole
+        cut = argv.index("--")
+        USER_COMMAND = argv[cut + 1:]
+        sys.argv = [sys.argv[0], *argv[:cut]]
     try:
         app()
     except BadInput as e:  # raised outside a command (should not happen, but never a traceback)

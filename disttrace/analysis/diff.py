@@ -280,19 +280,29 @@ def _nonfinite(r: dict) -> bool:
 class _Tol:
     """rel_err of two records' statistics and the bound it is held to."""
 
-    def __init__(self, mode: str, ma: dict, mb: dict, rtol: float | None, atol: float | None, since: int):
+    def __init__(self, mode: str, ma: dict, mb: dict, rtol: float | None, atol: float | None, since: int,
+                 calibration=None):
         self.mode, self.ma, self.mb, self.since = mode, ma, mb, since
         self.user = mode == "numeric" and (rtol is not None or atol is not None)
         self.rtol, self.atol = (rtol or 0.0), (atol or 0.0)
+        self.cal = calibration if mode == "numeric" and not self.user else None
         self._cache: dict[tuple[int, str], float] = {}
 
     def derived(self, step: int, phase: str) -> float:
+        """The bound at (step, phase): the calibrated one where the calibration measured it, else derived."""
         if self.mode == "bitwise":
             return 0.0
         k = (step, phase)
         if k not in self._cache:
-            self._cache[k] = tolerance.bound(self.ma, self.mb, step, phase, since=self.since)
+            c = self.cal.bound(step, phase) if self.cal is not None else None
+            self._cache[k] = c if c is not None else tolerance.bound(self.ma, self.mb, step, phase, since=self.since)
         return self._cache[k]
+
+    def kind(self, step: int, phase: str) -> str:
+        """Where the bound at (step, phase) comes from: bitwise | user | calibrated | derived."""
+        if self.mode == "bitwise" or self.user:
+            return "bitwise" if self.mode == "bitwise" else "user"
+        return "calibrated" if self.cal is not None and self.cal.bound(step, phase) is not None else "derived"
 
     def compare_bound(self, step: int, phase: str) -> float | None:
         """The relative bound at (step, phase); None where a user's atol makes it depend on the scale."""
@@ -613,7 +623,7 @@ def _agreed_since(x: _Side, other: _Side) -> int:
 
 def diff_runs(a: str | Path, b: str | Path, mode: str | None = None, rtol: float | None = None,
               atol: float | None = None, allow_edition_mismatch: bool = False, *, use_index: bool = True,
-              propagate: bool = True, on_step=None) -> dict:
+              propagate: bool = True, on_step=None, calibration: str | Path | None = None) -> dict:
     """Compare run `b` against run `a`; returns the result document (the `diff --json` contract).
 
     mode: None (bitwise when the topologies are equal and no rtol/atol is given, else numeric), "bitwise"
@@ -621,6 +631,8 @@ def diff_runs(a: str | Path, b: str | Path, mode: str | None = None, rtol: float
     use_index=False ignores the step digests and reads every record (the bench's baseline).
     propagate=False stops at the first divergent step (propagation then holds that step only).
     on_step(done, total), if given, is called before each compared step (a progress display).
+    calibration: a `disttrace calibrate` file of A's or B's manifest; its measured bounds replace the derived
+    ones where it has them (each bound in the result says `bound_kind`: derived or calibrated).
     Raises BadInput (exit 2) for unreadable or incompatible runs.
     """
     warnings: list[str] = []
@@ -655,7 +667,16 @@ def diff_runs(a: str | Path, b: str | Path, mode: str | None = None, rtol: float
 
     steps, compared = _compared_steps(side_a, side_b)
     since = max(_agreed_since(side_b, side_a), _agreed_since(side_a, side_b))
-    tol = _Tol(mode, ma, mb, rtol, atol, since)
+    cal = None
+    if calibration is not None:
+        from disttrace.analysis.calibration import Calibration
+
+        cal = Calibration(calibration)
+        if cal.manifest_id not in (side_a.run.manifest_id, side_b.run.manifest_id):
+            raise BadInput(cal.path, f"calibrates manifest {cal.manifest_id[:12]}, neither run A's "
+                           f"({str(side_a.run.manifest_id)[:12]}) nor B's ({str(side_b.run.manifest_id)[:12]})",
+                           field="manifest_id")
+    tol = _Tol(mode, ma, mb, rtol, atol, since, cal)
     ranks = sorted(set(side_a.ranks) | set(side_b.ranks))
     logical = mode == "numeric" and not same_topology
 
@@ -699,7 +720,8 @@ def diff_runs(a: str | Path, b: str | Path, mode: str | None = None, rtol: float
                     cur = by_phase.setdefault(phase, {"max_rel_err": -1.0})
                     if rel > cur["max_rel_err"]:
                         bnd = None if tol.user else rs.max_rel_bound.get(phase, tol.derived(step, phase))
-                        cur.update(max_rel_err=rel, bound=bnd, ratio=rel / bnd if bnd else None, step=step, rank=r)
+                        cur.update(max_rel_err=rel, bound=bnd, ratio=rel / bnd if bnd else None, step=step, rank=r,
+                                   bound_kind=tol.kind(step, phase))
                 for phase, (ratio, rel, bnd) in rs.ratio_by_phase.items():
                     cur = by_phase[phase]
                     if ratio > cur.get("max_ratio", -1.0):
@@ -711,12 +733,14 @@ def diff_runs(a: str | Path, b: str | Path, mode: str | None = None, rtol: float
             key, unit = min((rs.first for rs in diverged_here), key=lambda fu: fu[0])
             first_div = {k: unit[k] for k in ("step", "micro_batch", "phase", "rank", "tensor", "index", "a", "b",
                                               "rel_err", "bound", "missing_in", "note")}
+            first_div["bound_kind"] = tol.kind(step, unit["phase"])
         entry = {"step": step, "equal": not diverged_here,
                  "differing": sum(rs.differing for rs in per_rank.values()),
                  "ranks": {str(r): per_rank[r].as_dict() for r in sorted(per_rank)}}
         if mode == "numeric":  # the bound each phase's errors at this step are held to
             phases = sorted({p for rs in per_rank.values() for p in rs.max_rel}, key=_phase_order)
             entry["bound_by_phase"] = {p: tol.compare_bound(step, p) for p in phases}
+            entry["bound_kind_by_phase"] = {p: tol.kind(step, p) for p in phases}
         if first_step is not None:
             propagation.append(entry)
             if not diverged_here:
@@ -740,6 +764,9 @@ def diff_runs(a: str | Path, b: str | Path, mode: str | None = None, rtol: float
         "recovered_steps": recovered,
         "tolerance": ({"kind": "bitwise", "bound": 0.0} if mode == "bitwise" else
                       {"kind": "user", "rtol": rtol or 0.0, "atol": atol or 0.0} if tol.user else
+                      {"kind": "calibrated", "file": str(cal.path), "safety": cal.doc.get("safety"),
+                       "manifest_id": cal.manifest_id, "elsewhere": "derived", "since_step": since,
+                       **tolerance.explain(ma, mb)} if cal is not None else
                       {"kind": "derived", "since_step": since, **tolerance.explain(ma, mb)}),
         "stats": {"tensors_compared": n_units, "bit_equal": n_exact, "steps_read": read_steps,
                   "index": use_index, "steps_hash_checked": side_a.hash_checked + side_b.hash_checked},

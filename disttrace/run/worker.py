@@ -118,14 +118,17 @@ def run(run_dir: Path) -> None:
             fault = faults.build(info.get("fault"))
             if fault is not None:
                 fault.attach(bus, ctx)
+            if info.get("perturb"):  # `disttrace calibrate`'s perturbed reference
+                from disttrace.run import perturb
+
+                perturb.attach(bus, ctx, info["perturb"])
             # a fixed global RNG state: checkpoints save it, and the `checkpoint` phase digests their bytes,
             # which must then be the same in two runs of one manifest (a resume restores it from the file)
             torch.manual_seed(manifest["experiment"]["seed"] * 1_000_003 + rank)
             if info.get("resume"):
                 ctx.start_step = resume(ctx, info["resume"])
             train(ctx)
-            if hasattr(strategy, "close"):
-                strategy.close()
+            strategy.close()
             for observer in (recorder, ledger, clock):
                 if observer is not None:
                     observer.close()
@@ -150,12 +153,13 @@ def attach_observers(run_dir, rank, manifest, strategy, recorder, bus, groups, d
     from disttrace.run.memory import MemoryLedger
 
     if rank == 0:
-        write_json_atomic(run_dir / "replicas.json", {"groups": groups, "rules": strategy.replicas()})
+        write_json_atomic(run_dir / "replicas.json", {"groups": groups, "rules": strategy.replicas(),
+                                                      "strategy": strategy.name, "engine": strategy.engine})
     if manifest["debug"].get("live_check"):
         from disttrace.run.livecheck import LiveCheck
 
         LiveCheck(run_dir, recorder, strategy.replicas(), groups, rank, device).attach(bus)
-    if hasattr(strategy, "engine_facts") and rank == 0:
+    if rank == 0:
         seen: dict = {}
 
         def log_engine_facts(b, p):  # logged when it changes (DDP rebuilds its buckets after step 1)

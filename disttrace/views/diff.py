@@ -58,6 +58,8 @@ def render_rich(result: dict, console) -> None:
     tol = result["tolerance"]
     tol_txt = ("bit for bit" if tol["kind"] == "bitwise" else
                f"rtol {tol['rtol']:g} atol {tol['atol']:g}" if tol["kind"] == "user" else
+               f"calibrated bounds from {tol['file']} (derived {tol['per_step']:.2e} per step elsewhere)"
+               if tol["kind"] == "calibrated" else
                f"derived bound {tol['per_step']:.2e} per step × steps since agreement")
     console.print(Text(f"mode {result['mode']} ({tol_txt}) · steps {cs['first']}..{cs['last']} ({cs['count']}): "
                        f"{cs['why']}", style="dim"))
@@ -84,7 +86,8 @@ def render_rich(result: dict, console) -> None:
                   T(f"{b.get('dtype', '-')} {b.get('shape', '')}"))
         console.print(t)
         rel = f["rel_err"]
-        bnd = "0 (bitwise)" if result["mode"] == "bitwise" else fmt_number(f["bound"], ".3e")
+        bnd = ("0 (bitwise)" if result["mode"] == "bitwise" else
+               f"{fmt_number(f['bound'], '.3e')} ({f.get('bound_kind') or 'derived'})")
         console.print(Text(f"rel err {fmt_number(rel, '.3e')}  vs bound {bnd}"
                            + (f"  ({f['note']})" if f.get("note") else ""), style="red"))
         n_div = len(result["propagation"]) - len(result["recovered_steps"])
@@ -100,7 +103,9 @@ def render_rich(result: dict, console) -> None:
             t.add_column(c)
         for phase, e in result["numeric"]["by_phase"].items():
             w = e.get("max_ratio_at") or {}
-            t.add_row(Text(str(phase)), Text(fmt_number(e["max_rel_err"], ".2e")), Text(fmt_number(e["bound"], ".2e")),
+            t.add_row(Text(str(phase)), Text(fmt_number(e["max_rel_err"], ".2e")),
+                      Text(f"{fmt_number(e['bound'], '.2e')} ({e.get('bound_kind') or 'derived'})"
+                           if e.get("bound") is not None else fmt_number(e["bound"], ".2e")),
                       Text(f"step {e['step']} rank {e['rank']}"),
                       Text(f"{fmt_number(e.get('max_ratio'), '.2g')}" + (f" (step {w['step']})" if w else "")),
                       style="red" if (e.get("max_ratio") or 0) > 1 else None)
@@ -157,7 +162,8 @@ def render_md(result: dict) -> str:
         lines.append(f"| norm | {fmt_number(a.get('norm'), '.10g')} | {fmt_number(b.get('norm'), '.10g')} |")
         lines.append(f"| non-finite | {fmt_number(a.get('nonfinite'))} | {fmt_number(b.get('nonfinite'))} |")
         lines.append("")
-        lines.append(f"Relative error {fmt_number(f['rel_err'], '.3e')} vs bound {fmt_number(f['bound'], '.3e')}.")
+        lines.append(f"Relative error {fmt_number(f['rel_err'], '.3e')} vs bound {fmt_number(f['bound'], '.3e')}"
+                     + (f" ({f.get('bound_kind') or 'derived'})." if result["mode"] == "numeric" else "."))
         lines.append("")
         lines.append("| step | ranks with differences | tensors differing | max rel err |")
         lines.append("| --- | --- | --- | --- |")
@@ -166,10 +172,11 @@ def render_md(result: dict) -> str:
             rk = [r for r, v in e["ranks"].items() if v["differing"]]
             tot = sum(v["total"] for v in e["ranks"].values())
             rels = [v.get("max_rel_err") for v in e["ranks"].values() if v.get("max_rel_err")]
-            bounds = [b for b in (e.get("bound_by_phase") or {}).values() if b is not None]
+            bounds = [(b, (e.get("bound_kind_by_phase") or {}).get(p, "derived"))
+                      for p, b in (e.get("bound_by_phase") or {}).items() if b is not None]
             lines.append(f"| {e['step']} | {', '.join(rk) or '-'} | {e['differing']} / {tot} | "
                          f"{fmt_number(max(rels), '.2e') if rels else '-'}"
-                         + (f" (bound {max(bounds):.2e})" if bounds else "") + " |")
+                         + (" (bound {:.2e} {})".format(*max(bounds)) if bounds else "") + " |")
         if len(result["propagation"]) > len(shown):
             lines.append(f"| … | | {len(result['propagation']) - len(shown)} more steps | |")
         if result["recovered_steps"]:
@@ -180,7 +187,8 @@ def render_md(result: dict) -> str:
         lines.append("| phase | max rel err | bound there | worst err/bound |")
         lines.append("| --- | --- | --- | --- |")
         for phase, e in result["numeric"]["by_phase"].items():
-            lines.append(f"| {phase} | {fmt_number(e['max_rel_err'], '.2e')} | {fmt_number(e['bound'], '.2e')} | "
+            kind = f" ({e.get('bound_kind') or 'derived'})" if e.get("bound") is not None else ""
+            lines.append(f"| {phase} | {fmt_number(e['max_rel_err'], '.2e')} | {fmt_number(e['bound'], '.2e')}{kind} | "
                          f"{fmt_number(e.get('max_ratio'), '.2g')} |")
     if result["warnings"]:
         lines.append("")

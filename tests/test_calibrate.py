@@ -1,0 +1,74 @@
+"""Issue 13, item 5: `disttrace calibrate` measures run-to-run noise (reference twice, once perturbed by one
+ulp), and diff says of every bound whether it is derived or calibrated."""
+
+from __future__ import annotations
+
+import math
+
+import orjson
+import pytest
+
+from conftest import DEFAULT, SHORT, cli, last_line
+
+DP1 = ["--set", "parallelism.dp=1", "--set", "training.grad_accum_steps=4"]
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cal")
+    path = last_line(cli("calibrate", DEFAULT, *SHORT, *DP1, "--out", out, timeout=400, check=0))
+    zero3 = last_line(cli("run", DEFAULT, *SHORT, "--set", "parallelism.zero_stage=3", "--out", out, check=0))
+    return path, orjson.loads(path.read_bytes()), zero3
+
+
+def _records(run):
+    lines = (run / "trajectory" / "rank-00000.jsonl").read_bytes().splitlines()
+    return {(r["step"], r["micro_batch"], r["phase"], r["index"]): r for r in map(orjson.loads, lines)}
+
+
+def test_calibration_noise_is_the_measured_difference(calibrated):
+    path, doc, _ = calibrated
+    assert doc["repeat_bit_identical"] is True  # determinism: two references, the same bits
+    ref, pert = (_records(__import__("pathlib").Path(doc["runs"][k])) for k in ("reference", "perturbed"))
+    # recomputed here from the raw records: largest of |dnorm|/norm and |d<x,v>|/(norm sqrt(numel)) over
+    # v = ones and the sketch's vectors, per (step, phase)
+    want: dict = {}
+    for k, a in ref.items():
+        b = pert[k]
+        if a["sum"] is None or b["sum"] is None:
+            continue
+        n = max(a["norm"], b["norm"], 1e-300)
+        scale = n * math.sqrt(max(a["numel"], 1))
+        terms = [abs(a["norm"] - b["norm"]) / n, abs(a["sum"] - b["sum"]) / scale]
+        terms += [abs(x - y) / scale for x, y in zip(a.get("sketch") or [], b.get("sketch") or [])]
+        cur = want.setdefault(str(k[0]), {})
+        cur[k[2]] = max(cur.get(k[2], 0.0), max(terms))
+    assert want.keys() == doc["noise"].keys()
+    for step, phases in want.items():
+        for phase, v in phases.items():
+            assert math.isclose(doc["noise"][step][phase], v, rel_tol=1e-9, abs_tol=1e-300), (step, phase)
+    assert doc["noise"]["1"]["reduce"] > 0  # the one-ulp perturbation reached the gradients
+    assert doc["bounds"]["2"]["reduce"] == pytest.approx(doc["safety"] * doc["noise"]["2"]["reduce"])
+
+
+def test_diff_says_which_bounds_are_calibrated(calibrated):
+    path, doc, zero3 = calibrated
+    one = doc["runs"]["reference"]
+    plain = orjson.loads(cli("diff", one, zero3, "--json").stdout)
+    cal = orjson.loads(cli("diff", one, zero3, "--calibration", path, "--json").stdout)
+    assert plain["tolerance"]["kind"] == "derived" and cal["tolerance"]["kind"] == "calibrated"
+    kinds = {e.get("bound_kind") for e in cal["numeric"]["by_phase"].values()}
+    assert kinds and kinds <= {"calibrated", "derived"} and "calibrated" in kinds
+    for e in plain["numeric"]["by_phase"].values():
+        assert e["bound_kind"] == "derived"
+    human = cli("diff", one, zero3, "--calibration", path).stdout
+    assert "(calibrated)" in human
+    assert "(derived)" in cli("diff", one, zero3).stdout
+
+
+def test_a_calibration_of_another_manifest_is_refused(calibrated, tmp_path):
+    path, doc, zero3 = calibrated
+    other = tmp_path / "c.json"
+    other.write_bytes(orjson.dumps({**doc, "manifest_id": "0" * 64}))
+    proc = cli("diff", doc["runs"]["reference"], zero3, "--calibration", other)
+    assert proc.returncode == 2 and "manifest_id" in proc.stderr
