@@ -42,7 +42,7 @@ def load(strategy, ckpt: Path, rank: int, manifest_id: str) -> dict:
     index = verify(ckpt, manifest_id)
     with_optim = "optim" in index.get("contents", [])
     # a template with the checkpoint's structure; DCP fills it in place
-    state = getattr(strategy, "empty_state", strategy.state_dict)(with_optim)
+    state = strategy.empty_state(with_optim)
     state[f"rng/rank-{rank:05d}"] = torch.get_rng_state()
     state["progress"] = {"step": 0}
     safeload.load(state, ckpt)  # never DCP's plain pickle.load: the checkpoint may come from elsewhere

@@ -7,21 +7,41 @@ A handler may mutate the payload in place or replace entries of it; `emit` retur
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
+
+
+class TensorRef(NamedTuple):
+    """One tensor at a hook point. `index` is the parameter's registration order in the plain model, the same
+    on every rank and topology (the order key's last coordinate); `tensor` may be a DTensor (its shard is
+    what this rank holds). A tuple, so `for index, name, tensor in grads` reads it too."""
+
+    index: int
+    name: str
+    tensor: Any
+
+
+def param_refs(model) -> list[TensorRef]:
+    """The model's parameters as TensorRefs, indexed in registration order."""
+    return [TensorRef(i, n, p) for i, (n, p) in enumerate(model.named_parameters())]
+
+
+def grads_of(params: list[TensorRef], present_only: bool = False) -> list[TensorRef]:
+    """The gradients of `params` (the same index and name), optionally only those that exist."""
+    return [TensorRef(i, n, p.grad) for i, n, p in params if not present_only or p.grad is not None]
 
 POINTS = (
     "step_start",        # process: kill-rank, slow-rank live here
     "data",              # payload: batch (inputs, targets, sample_ids), fetch(dp_rank) for another shard
     "forward",           # payload: name, index, tensor (a module output)
     "loss",              # payload: loss (micro-batch mean), scale (1/accum)
-    "backward",          # payload: grads [(index, name, tensor)] local, accumulated, before any reduce (change in place)
-    "reduce",            # payload: grads [(index, name, tensor)] after the data-parallel reduce
+    "backward",          # payload: grads [TensorRef] local, accumulated, before any reduce (change in place)
+    "reduce",            # payload: grads [TensorRef] after the data-parallel reduce
     "before_clip",       # payload: norm (the global gradient norm to clip with), skip (indices not clipped)
-    "clip",              # payload: grads after clipping (if clipping), scalars [(index, name, tensor)]
+    "clip",              # payload: grads after clipping (if clipping), scalars [TensorRef]
     "before_optimizer",  # payload: optimizer, params
     "server_update",     # parameter server only, on the server after its optimizer step and before it hands the
-                         # parameters out: params = the master [(index, name, tensor)], optimizer
-    "optimizer",         # payload: params [(index, name, tensor)], state [(index, name, tensor)]
+                         # parameters out: params = the master [TensorRef], optimizer
+    "optimizer",         # payload: params [TensorRef], state [TensorRef]
     "before_checkpoint", # payload: state (the dict about to be saved)
     "checkpoint",        # payload: path (the published checkpoint directory)
     "step_end",

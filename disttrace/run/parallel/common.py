@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from disttrace.run.hooks import TensorRef, grads_of
+
 
 def optimizer_class_and_kwargs(manifest: dict):
     t = manifest["training"]
@@ -26,7 +28,7 @@ def optimizer_state_list(optimizer, named: list[tuple[int, str, torch.Tensor]]):
     for index, name, p in named:
         st = local.state.get(p, {})
         for slot, key in enumerate(sorted(k for k, v in st.items() if torch.is_tensor(v) and v.numel() > 1)):
-            out.append((index * 4 + slot, f"{name}:{key}", st[key]))
+            out.append(TensorRef(index * 4 + slot, f"{name}:{key}", st[key]))
     return out
 
 
@@ -108,10 +110,11 @@ def clip_gradients(bus, named, optimizer, max_norm: float | None, norm_group=Non
             if param.grad is not None and i not in p["skip"]:
                 param.grad.mul_(factor)
     lr = torch.tensor(optimizer.param_groups[0]["lr"], dtype=torch.float64) if optimizer.param_groups else None
-    scalars = [(SCALAR_INDEX, "grad_norm", norm.detach()), (SCALAR_INDEX + 1, "clip_coef", coef.detach())]
+    scalars = [TensorRef(SCALAR_INDEX, "grad_norm", norm.detach()),
+               TensorRef(SCALAR_INDEX + 1, "clip_coef", coef.detach())]
     if lr is not None:
-        scalars.append((SCALAR_INDEX + 2, "lr", lr))
-    bus.emit("clip", grads=[(i, n, param.grad) for i, n, param in named if param.grad is not None]
+        scalars.append(TensorRef(SCALAR_INDEX + 2, "lr", lr))
+    bus.emit("clip", grads=grads_of(named, present_only=True)
              if max_norm is not None else [], scalars=scalars)
 
 

@@ -14,6 +14,7 @@ import warnings
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from disttrace.run.hooks import TensorRef, grads_of, param_refs
 from disttrace.run.parallel.common import Strategy, build_optimizer
 
 
@@ -29,7 +30,7 @@ def apply_ddp(model, group, bus, names: dict[int, tuple[int, str]], bucket_cap_m
     world = dist.get_world_size(group)
 
     def allreduce_with_hook(_state, bucket):
-        grads = [(*names[id(p)], g) for p, g in zip(bucket.parameters(), bucket.gradients())]
+        grads = [TensorRef(*names[id(p)], g) for p, g in zip(bucket.parameters(), bucket.gradients())]
         bus.emit("backward", grads=grads, before_collective=True)
         buf = bucket.buffer()
         if buckets is not None:
@@ -51,7 +52,7 @@ class DataParallel(Strategy):
         self.plain = model
         self.bus = bus
         self.max_grad_norm = manifest["training"].get("max_grad_norm")
-        self.named = [(i, n, p) for i, (n, p) in enumerate(model.named_parameters())]
+        self.named = param_refs(model)
         names = {id(p): (i, n) for i, n, p in self.named}
         self.group = mesh.get_group("dp")
         self._buckets: dict[int, int] = {}
@@ -80,7 +81,7 @@ class DataParallel(Strategy):
 
     def backward(self, loss, last: bool):
         loss.backward()
-        grads = [(i, n, p.grad) for i, n, p in self.named]
+        grads = grads_of(self.named)
         if not last:
             self.bus.emit("backward", grads=grads)  # accumulated local gradient, nothing reduced yet
         else:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 
+from disttrace.run.hooks import TensorRef, grads_of, param_refs
 from disttrace.run.parallel.common import SCALARS_AGREE, Strategy, build_optimizer
 
 
@@ -41,11 +42,11 @@ class FullyShardedZero(Strategy):
         self.max_grad_norm = manifest["training"].get("max_grad_norm")
         self.group = mesh.get_group("dp")
         # names are taken before wrapping: fully_shard keeps them (no "module." prefix)
-        self.named = [(i, n, p) for i, (n, p) in enumerate(model.named_parameters())]
+        self.named = param_refs(model)
         self.model = apply_fsdp(model, mesh["dp"], reshard_after_forward=(stage == 3))
         # fully_shard swaps the parameters for DTensors: look them up again by name
         params = dict(model.named_parameters())
-        self.named = [(i, n, params[n]) for i, n, _ in self.named]
+        self.named = [TensorRef(i, n, params[n]) for i, n, _ in self.named]
         self.optimizer = build_optimizer(manifest, model.parameters())
 
     def replicas(self) -> list[dict]:
@@ -59,4 +60,4 @@ class FullyShardedZero(Strategy):
     def backward(self, loss, last: bool):
         loss.backward()
         if last:
-            self.bus.emit("reduce", grads=[(i, n, p.grad) for i, n, p in self.named])
+            self.bus.emit("reduce", grads=grads_of(self.named))

@@ -17,6 +17,7 @@ import time
 import torch
 
 from disttrace.model.llama import lm_loss
+from disttrace.run.hooks import TensorRef, grads_of
 from disttrace.run.parallel.common import (OPTIMIZER_BLOB_TEMPLATE, SCALARS_AGREE, Strategy, build_optimizer,
                                            load_optimizer_bytes, optimizer_bytes)
 
@@ -69,7 +70,7 @@ class PipelineParallel(Strategy):
             apply_fsdp(model, mesh["dp"], reshard_after_forward=True)
             self.engine += " + FSDP2 over dp"
         params = dict(model.named_parameters())
-        self.named = [(full_index[n], n, params[n]) for n in names]
+        self.named = [TensorRef(full_index[n], n, params[n]) for n in names]
         device = next(model.parameters()).device
         # stated shapes, not inferred: inference runs an extra forward (and loss) on placeholder data,
         # which the recorder would see as a real micro-batch
@@ -140,7 +141,7 @@ class PipelineParallel(Strategy):
         args = (inputs,) if first else ()
         self.schedule.step(*args, target=targets if last else None)
         self.bus.micro_batch = self.accum - 1
-        grads = [(i, n, p.grad) for i, n, p in self.named]
+        grads = grads_of(self.named)
         if self.dp == 1 and self.tp == 1:  # with FSDP2 over dp the gradients are already reduce-scattered
             self.bus.emit("backward", grads=grads)  # this stage's accumulated gradients
         self.bus.emit("reduce", grads=grads)  # the final gradient of this stage

@@ -16,6 +16,7 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
+from disttrace.run.hooks import TensorRef, grads_of, param_refs
 from disttrace.run.parallel.common import (OPTIMIZER_BLOB_TEMPLATE, Strategy, build_optimizer, load_optimizer_bytes,
                                            optimizer_bytes, optimizer_state_list)
 
@@ -43,7 +44,7 @@ class ParameterServer(Strategy):
         self.group = mesh.get_group("dp")
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.staleness = manifest["parallelism"]["staleness"]
-        self.named = [(i, n, p) for i, (n, p) in enumerate(model.named_parameters())]
+        self.named = param_refs(model)
         self.is_server = self.rank == self.SERVER
         if self.is_server:
             self.master = [torch.nn.Parameter(p.detach().clone()) for _, _, p in self.named]
@@ -51,7 +52,7 @@ class ParameterServer(Strategy):
             self.versions: deque = deque([flat(self.master).detach().clone()], maxlen=self.staleness + 1)
         else:
             self.master, self.optimizer = None, _NoOptimizer()
-        self.master_named = [(i, n, m) for (i, n, _), m in zip(self.named, self.master or [])]
+        self.master_named = [TensorRef(i, n, m) for (i, n, _), m in zip(self.named, self.master or [])]
 
     def replicas(self) -> list[dict]:
         rules = [{"phase": "data", "dim": "dp", "relation": "differ"}]
@@ -64,7 +65,7 @@ class ParameterServer(Strategy):
 
     def backward(self, loss, last: bool):
         loss.backward()
-        grads = [(i, n, p.grad) for i, n, p in self.named]
+        grads = grads_of(self.named)
         self.bus.emit("backward", grads=grads, before_collective=last)
         if not last:
             return
@@ -80,7 +81,7 @@ class ParameterServer(Strategy):
             for m, (_, _, g) in zip(self.master, grads):
                 m.grad = torch.empty_like(m)
             unflat_into(total, [m.grad for m in self.master])
-            self.bus.emit("reduce", grads=[(i, n, m.grad) for i, n, m in self.master_named])
+            self.bus.emit("reduce", grads=grads_of(self.master_named))
         else:
             dist.send(local, dst=dist.get_global_rank(self.group, self.SERVER), group=self.group)
 

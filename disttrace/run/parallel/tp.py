@@ -18,6 +18,7 @@ import contextlib
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from disttrace.run.hooks import TensorRef, grads_of
 from disttrace.run.parallel.common import SCALARS_AGREE, Strategy, build_optimizer
 
 
@@ -63,7 +64,7 @@ class TensorParallel(Strategy):
             apply_fsdp(model, mesh["dp"], reshard_after_forward=True)
             self.engine += " + FSDP2 over dp"
         params = dict(model.named_parameters())
-        self.named = [(i, n, params[n]) for i, n in enumerate(names)]
+        self.named = [TensorRef(i, n, params[n]) for i, n in enumerate(names)]
         self.model = model
         self.optimizer = build_optimizer(manifest, model.parameters())
 
@@ -83,7 +84,7 @@ class TensorParallel(Strategy):
 
     def backward(self, loss, last: bool):
         loss.backward()
-        grads = [(i, n, p.grad) for i, n, p in self.named]
+        grads = grads_of(self.named)
         if self.dp == 1:  # under FSDP2 the local gradient stays inside it until the reduce-scatter
             self.bus.emit("backward", grads=grads)
         if last:
