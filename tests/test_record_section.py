@@ -87,3 +87,25 @@ def test_diff_json_counts_the_records_it_read(runs):
                 expect["a"] += ia[step]["records"]
                 expect["b"] += ib[step]["records"]
     assert expect["a"] > 0 and doc["records_read"] == expect
+
+
+def test_recorder_every_and_forward_in_process(tmp_path):
+    """record.every=2, record.forward=false on the recorder itself: steps 1 and 3 leave no record and no
+    index line; step 2 and 4 hold the loss but no forward (block output) records."""
+    import torch
+
+    from disttrace.run.hooks import HookBus
+    from disttrace.run.recorder import Recorder
+
+    bus = HookBus(0)
+    rec = Recorder(tmp_path, 0, every=2, forward=False).attach(bus)
+    for step in (1, 2, 3, 4):
+        bus.step, bus.micro_batch = step, 0
+        bus.emit("step_start")
+        bus.emit("forward", name="layers.0", index=0, tensor=torch.ones(3))
+        bus.emit("loss", loss=torch.tensor(float(step)), tokens=4)
+        bus.emit("step_end")
+    rec.close()
+    lines = list(iter_jsonl(tmp_path / "trajectory" / "rank-00000.jsonl"))
+    assert [(x["step"], x["phase"], x["sum"]) for x in lines] == [(2, "loss", 2.0), (4, "loss", 4.0)]
+    assert [e["step"] for e in iter_jsonl(tmp_path / "trajectory" / "rank-00000.steps.jsonl")] == [2, 4]
