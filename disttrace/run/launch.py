@@ -15,6 +15,7 @@ import time
 import uuid
 from pathlib import Path
 
+from disttrace.store.records import Event
 from disttrace.errors import JobFailed
 from disttrace.config.manifest import Frozen
 from disttrace.store.rundir import COMPLETE, LOCK, event, new_run_dir, read_json, write_json_atomic
@@ -112,17 +113,17 @@ def launch(run_dir: Path, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: st
         failures = {int(r): f.exitcode for r, f in e.failures.items()}
         first = min(e.failures.items(), key=lambda kv: kv[1].timestamp)
         reason = describe_failure(run_dir, failures, first[0])
-        event(run_dir, "job_failed", failures={str(k): v for k, v in failures.items()}, first_failed_rank=int(first[0]), reason=reason)
+        event(run_dir, Event.JOB_FAILED, failures={str(k): v for k, v in failures.items()}, first_failed_rank=int(first[0]), reason=reason)
         raise JobFailed(reason, str(run_dir)) from None
     except Exception as e:  # rendezvous errors and the like
-        event(run_dir, "job_failed", reason=f"{type(e).__name__}: {e}")
+        event(run_dir, Event.JOB_FAILED, reason=f"{type(e).__name__}: {e}")
         raise JobFailed(f"launch failed: {type(e).__name__}: {e}", str(run_dir)) from None
     for _ in range(50):  # on a multi-node job, global rank 0 may live on another node: give it a moment
         if (run_dir / COMPLETE).exists() or nnodes == 1:
             break
         time.sleep(0.1)
     if not (run_dir / COMPLETE).exists():
-        event(run_dir, "job_failed", reason="every rank exited 0 but COMPLETE was not written")
+        event(run_dir, Event.JOB_FAILED, reason="every rank exited 0 but COMPLETE was not written")
         raise JobFailed("every rank exited 0 but the run was not marked complete", str(run_dir))
     lock.close()
 
@@ -139,7 +140,7 @@ def describe_failure(run_dir: Path, failures: dict[int, int], first: int) -> str
     try:  # the first error a rank recorded about itself, in one line
         from disttrace.store.rundir import read_jsonl
 
-        errors = [e for e in read_jsonl(run_dir / "events.jsonl").records if e.get("event") == "rank_failed"]
+        errors = [e for e in read_jsonl(run_dir / "events.jsonl").records if e.get("event") == Event.RANK_FAILED]
         own = [e for e in errors if e.get("rank") == first] or errors
         if own:
             raw = str(own[0].get("error", ""))

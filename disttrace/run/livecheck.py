@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from disttrace.store.records import Event
 from disttrace.analysis.consistency import rule_applies
 from disttrace.run.digest import digest_of_digests
 from disttrace.store.rundir import event
@@ -51,6 +52,6 @@ class LiveCheck:
                 msg = (f"live check: step {bus.step} {rule['phase']} copies over {rule['dim']} group {members} "
                        f"{'differ' if rule['relation'] == 'agree' else 'repeat'}")
                 if self.rank == min(members):
-                    event(self.run_dir, "live_check_failed", step=bus.step, phase=rule["phase"], group=members,
+                    event(self.run_dir, Event.LIVE_CHECK_FAILED, step=bus.step, phase=rule["phase"], group=members,
                           digests={str(r): d for r, d in zip(members, seen)})
                 raise InconsistentReplicas(msg)

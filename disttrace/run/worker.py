@@ -16,6 +16,7 @@ from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
+from disttrace.store.records import Event
 from disttrace.errors import DisttraceError
 from disttrace.store import seal
 from disttrace.store.paths import resume_checkpoint
@@ -31,7 +32,7 @@ class Context(SimpleNamespace):
         path = checkpoint.save(self.strategy, self.run_dir, step, self.manifest_id, self.world, self.rank,
                                self.bus, extra={"data_position": step * self.data.global_batch})
         if self.rank == 0:
-            event(self.run_dir, "checkpoint_saved", step=step, path=str(path.relative_to(self.run_dir)))
+            event(self.run_dir, Event.CHECKPOINT_SAVED, step=step, path=str(path.relative_to(self.run_dir)))
 
 
 def setup_torch(manifest: dict):
@@ -167,7 +168,7 @@ def attach_observers(run_dir, rank, manifest, strategy, recorder, bus, groups, d
             if facts != seen:
                 seen.clear()
                 seen.update(facts)
-                event(run_dir, "engine_facts", step=b.step, **facts)
+                event(run_dir, Event.ENGINE_FACTS, step=b.step, **facts)
 
         bus.on("step_end", log_engine_facts, order=95)
     if recorder is None:  # record.enabled = false: the unrecorded baseline has no ledger (its saved-tensor hooks cost)
@@ -182,7 +183,7 @@ def resume(ctx, spec: dict) -> int:
     path = resume_checkpoint(ctx.run_dir, spec)  # inside the runs root, or BadInput
     progress = checkpoint.load(ctx.strategy, path, ctx.rank, ctx.manifest_id)
     if ctx.rank == 0:
-        event(ctx.run_dir, "resumed", step=int(progress["step"]), checkpoint=spec["checkpoint"],
+        event(ctx.run_dir, Event.RESUMED, step=int(progress["step"]), checkpoint=spec["checkpoint"],
               with_optimizer=progress["with_optimizer"])
     return int(progress["step"])
 
@@ -243,7 +244,7 @@ def main(argv=None) -> int:
     except BaseException as e:  # record why this rank stopped, then let the launcher see the failure
         if not isinstance(e, SystemExit) and not (run_dir / COMPLETE).exists():
             rank = int(os.environ.get("RANK", -1))
-            event(run_dir, "rank_failed", rank=rank, error=f"{type(e).__name__}: {e}"[:2000],
+            event(run_dir, Event.RANK_FAILED, rank=rank, error=f"{type(e).__name__}: {e}"[:2000],
                   where=traceback.format_exc(limit=3)[-1500:])
         if isinstance(e, DisttraceError):  # bad input (e.g. a crafted run.json): one line, its exit code
             print(f"error: {e}", file=sys.stderr)

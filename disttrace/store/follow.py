@@ -19,6 +19,7 @@ from pathlib import Path
 
 import orjson
 
+from disttrace.store.records import Event
 from disttrace.store.rundir import COMPLETE, Run
 
 MIN_STALL_S = 3.0  # a stall is never declared sooner: start-up jitter, a slow checkpoint write
@@ -136,21 +137,21 @@ def _first_line(text) -> str:
 
 def _notice(e: dict) -> Notice | None:
     kind, step, rank = e.get("event"), _int(e.get("step")), _int(e.get("rank"))
-    if kind == "checkpoint_saved":
+    if kind == Event.CHECKPOINT_SAVED:
         return Notice("checkpoint", f"checkpoint of step {step} published: {e.get('path')}", step=step)
-    if kind == "fault_fired":
+    if kind == Event.FAULT_FIRED:
         return Notice("fault", f"fault {e.get('fault')} fired at step {step} rank {rank} "
                                f"(micro-batch {e.get('micro_batch')}, {e.get('phase') or e.get('point')})",
                       step=step, rank=rank)
-    if kind == "resumed":
-        return Notice("resumed", f"resumed from the checkpoint of step {step}", step=step)
-    if kind == "rank_failed":
-        return Notice("rank_failed", f"rank {rank} failed: {_first_line(e.get('error'))}", rank=rank)
-    if kind == "live_check_failed":
-        return Notice("live_check_failed", f"live check failed at step {step}: {e.get('phase')} copies over "
+    if kind == Event.RESUMED:
+        return Notice(Event.RESUMED, f"resumed from the checkpoint of step {step}", step=step)
+    if kind == Event.RANK_FAILED:
+        return Notice(Event.RANK_FAILED, f"rank {rank} failed: {_first_line(e.get('error'))}", rank=rank)
+    if kind == Event.LIVE_CHECK_FAILED:
+        return Notice(Event.LIVE_CHECK_FAILED, f"live check failed at step {step}: {e.get('phase')} copies over "
                                            f"group {e.get('group')} differ", step=step)
-    if kind == "job_failed":
-        return Notice("job_failed", f"job failed: {_first_line(e.get('reason'))}")
+    if kind == Event.JOB_FAILED:
+        return Notice(Event.JOB_FAILED, f"job failed: {_first_line(e.get('reason'))}")
     return None
 
 
@@ -273,9 +274,9 @@ class Follower:
             if n is None:
                 continue
             notices.append(n)
-            if n.kind in ("rank_failed", "job_failed", "live_check_failed"):
+            if n.kind in (Event.RANK_FAILED, Event.JOB_FAILED, Event.LIVE_CHECK_FAILED):
                 self.failed = True
-            if n.kind == "resumed" and n.step is not None and self.done < n.step:
+            if n.kind == Event.RESUMED and n.step is not None and self.done < n.step:
                 self.start_step = self.done = n.step
         grew = self._read_indexes()
         if grew:

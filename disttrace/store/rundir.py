@@ -30,9 +30,7 @@ import orjson
 
 from disttrace.errors import BadInput
 
-PHASES = ("data", "forward", "loss", "backward", "reduce", "clip", "optimizer", "checkpoint")
-PHASE_ORDER = {p: i for i, p in enumerate(PHASES)}
-PATH_KINDS = ("reference", "fault", "recovered")
+from disttrace.store.records import PATH_KINDS, PHASE_ORDER, PHASES  # noqa: F401  (re-exported)
 
 LOCK = "manifest.lock.json"
 COMPLETE = "COMPLETE"

@@ -16,6 +16,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.text import Text
 
+from disttrace.store.records import Event
 from disttrace.errors import EXIT_JOB_FAILED, EXIT_OK
 from disttrace.store.follow import Follower, Progress, writer_alive
 
@@ -75,9 +76,9 @@ class Display:
 
     def update(self, p: Progress, final: bool = False) -> None:
         for n in p.notices:
-            if n.kind == "job_failed" and not self.show_job_failed:
+            if n.kind == Event.JOB_FAILED and not self.show_job_failed:
                 continue
-            self._line(n.text, "red" if n.kind in ("rank_failed", "job_failed", "live_check_failed")
+            self._line(n.text, "red" if n.kind in (Event.RANK_FAILED, Event.JOB_FAILED, Event.LIVE_CHECK_FAILED)
                        else "yellow" if n.kind == "fault" else None)
         if p.stall is not None:
             self._line(p.stall.describe(), "yellow")

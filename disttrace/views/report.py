@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from disttrace.store.records import Event
 from disttrace.fmt import abbrev, agreeing_digits, fmt_number, ranges, where
 from disttrace.errors import BadInput
 from disttrace.store.rundir import Run, iter_jsonl
@@ -218,7 +219,7 @@ def _overview(rs: list[_R], diffs: dict[int, Any]) -> str:
 def _fault_fired(r: _R) -> dict | None:
     try:
         for ev in r.run.events().records:
-            if ev.get("event") == "fault_fired":
+            if ev.get("event") == Event.FAULT_FIRED:
                 return ev
     except BadInput:
         return None
@@ -227,7 +228,7 @@ def _fault_fired(r: _R) -> dict | None:
 
 def _failures(r: _R) -> list[dict]:
     try:
-        return [ev for ev in r.run.events().records if ev.get("event") in ("job_failed", "rank_failed")][:3]
+        return [ev for ev in r.run.events().records if ev.get("event") in (Event.JOB_FAILED, Event.RANK_FAILED)][:3]
     except BadInput:
         return []
 

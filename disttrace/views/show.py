@@ -9,6 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from disttrace.store.records import Event
 from disttrace.store import checkpoints as checkpoint
 from disttrace.errors import BadInput
 from disttrace.store.rundir import Run, iter_jsonl
@@ -46,8 +47,8 @@ def summary(run_dir: Path | str) -> dict:
         "ranks": {str(k): v for k, v in counts.items()},
         "records": sum(c["records"] for c in counts.values()),  # trajectory records over all ranks
         "step_seconds": [step_seconds[k] for k in sorted(step_seconds)],  # rank 0, in step order
-        "fault_fired": [e for e in events if e.get("event") == "fault_fired"],
-        "failures": [e for e in events if e.get("event") in ("job_failed", "rank_failed")],
+        "fault_fired": [e for e in events if e.get("event") == Event.FAULT_FIRED],
+        "failures": [e for e in events if e.get("event") in (Event.JOB_FAILED, Event.RANK_FAILED)],
         "stragglers": find_stragglers(run),
         "checkpoints": [p.name for p in run.checkpoint_dirs()],
         "warnings": torn,
