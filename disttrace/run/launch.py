@@ -28,7 +28,7 @@ def prepare(frozen: Frozen, out: Path, path_kind: str, fault: dict | None = None
     write_json_atomic(run_dir / LOCK, frozen.model_dump())
     write_json_atomic(run_dir / "run.json", {"path": path_kind, "fault": fault, "resume": resume, "origin": origin,
                                              "created": time.time(), "argv": sys.argv})
-    event(run_dir, "created", path=path_kind)
+    event(run_dir, Event.CREATED, path=path_kind)
     return run_dir
 
 
@@ -47,7 +47,7 @@ def prepare_shared(frozen: Frozen, out: Path, path_kind: str, run_id: str) -> Pa
     if not (run_dir / "run.json").exists():
         write_json_atomic(run_dir / "run.json", {"path": path_kind, "fault": None, "resume": None,
                                                  "origin": None, "created": time.time(), "run_id": run_id})
-    event(run_dir, "created", path=path_kind, pid=os.getpid())
+    event(run_dir, Event.CREATED, path=path_kind, pid=os.getpid())
     return run_dir
 
 
@@ -106,7 +106,7 @@ def launch(run_dir: Path, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: st
         run_id=f"disttrace-{run_dir.parent.name}-{run_dir.name}" if nnodes > 1 else uuid.uuid4().hex,
         max_restarts=0, monitor_interval=0.1, start_method="spawn",
     )
-    event(run_dir, "launched", nnodes=nnodes, node_rank=node_rank, nproc_per_node=nproc_per_node, endpoint=endpoint)
+    event(run_dir, Event.LAUNCHED, nnodes=nnodes, node_rank=node_rank, nproc_per_node=nproc_per_node, endpoint=endpoint)
     try:
         elastic_launch(config, sys.executable)("-m", "disttrace.worker", "--run-dir", str(run_dir))
     except ChildFailedError as e:

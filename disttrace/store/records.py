@@ -17,6 +17,8 @@ PATH_KINDS = ("reference", "fault", "recovered")
 class Event(StrEnum):
     """The `event` field of a line of events.jsonl. A StrEnum: it is written and compared as its string."""
 
+    CREATED = "created"  # the run directory was prepared (path)
+    LAUNCHED = "launched"  # a node's launcher started its ranks (nnodes, node_rank, endpoint)
     CHECKPOINT_SAVED = "checkpoint_saved"  # a checkpoint was published (step, path)
     FAULT_FIRED = "fault_fired"  # the fault acted, with its proof (coordinates, digests before and after)
     FAULT_REFUSED = "fault_refused"  # an attached run could not offer the fault's hook point
