@@ -421,6 +421,7 @@ class AttachedRun:
         self._data_mb: set[int] = set()
         self._comm_fired = self._bw_queued = self._reduced = self._clipped = False
         self.completed = 0  # the last step whose optimizer stepped
+        self._paused = False  # inside our own checkpoint load/save: DCP's helpers may step the optimizer
         self._stepped = False  # the optimizer has stepped; the step's records close at the next forward
         self._closed = False
         self._handles = [optimizer.register_step_pre_hook(self._before_step),
@@ -435,7 +436,8 @@ class AttachedRun:
                 self.fault = build_fault(fault_spec, engine, self.capabilities, manifest, names)
             except BadInput as e:
                 if rank == 0:
-                    event(run_dir, "fault_refused", fault=fault_spec.get("name"), reason=str(e))
+                    event(run_dir, "fault_refused", fault=fault_spec.get("name"), where=e.where, field=e.field,
+                          reason=e.reason)
                 self._remove_hooks()
                 raise
             ctx = SimpleNamespace(run_dir=run_dir, manifest=manifest, rank=rank,
@@ -480,8 +482,12 @@ class AttachedRun:
             raise BadInput("run.checkpoint", "needs torch.distributed initialised (DCP's collective save)")
         step = (self.step if self._stepped else self.step - 1) if step is None else int(step)
         holder = _UserState(self.model, self.optimizer, state)
-        path = ckpt.save(holder, self.run_dir, step, self.manifest_id, self.manifest["parallelism"]["world_size"],
-                         self.rank, self.bus, extra={"source": SOURCE})
+        self._paused = True
+        try:
+            path = ckpt.save(holder, self.run_dir, step, self.manifest_id, self.manifest["parallelism"]["world_size"],
+                             self.rank, self.bus, extra={"source": SOURCE})
+        finally:
+            self._paused = False
         if self.rank == 0:
             event(self.run_dir, "checkpoint_saved", step=step, path=str(path.relative_to(self.run_dir)))
         self._finish_step()  # the checkpoint's records belong to the step it saved, as in harness runs
@@ -495,7 +501,11 @@ class AttachedRun:
 
         path = Path(checkpoint).resolve()
         holder = _UserState(self.model, self.optimizer, state)
-        progress = ckpt.load(holder, path, self.rank, self.manifest_id)
+        self._paused = True  # set_state_dict initialises optimizer state with a zero-gradient step(): not a step
+        try:
+            progress = ckpt.load(holder, path, self.rank, self.manifest_id)
+        finally:
+            self._paused = False
         step = int(progress["step"])
         if self.rank == 0:
             info_path = self.run_dir / "run.json"
@@ -593,7 +603,7 @@ class AttachedRun:
         return comm
 
     def _on_forward(self, module, args, kwargs):
-        if not (module.training and torch.is_grad_enabled()):
+        if self._paused or not (module.training and torch.is_grad_enabled()):
             return None  # evaluation, not a micro-batch
         if torch._C._current_graph_task_id() != -1:
             return None  # recomputed inside backward (activation checkpointing)
@@ -609,7 +619,7 @@ class AttachedRun:
         return None
 
     def _on_grad(self, _param):
-        if not self._bw_queued:
+        if not self._bw_queued and not self._paused:
             self._bw_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
@@ -650,10 +660,14 @@ class AttachedRun:
         return total
 
     def _before_step(self, _opt, _args, _kwargs):
+        if self._paused:
+            return
         self._flush_reduce()
         self.bus.emit("before_optimizer", optimizer=self.optimizer, params=self.named)
 
     def _after_step(self, _opt, _args, _kwargs):
+        if self._paused:
+            return
         state = optimizer_state_list(self.optimizer, self.named)
         base = len(self.named)  # the recorder puts state at base + index: lrs after every state tensor
         lrs = [(SCALAR_INDEX * 4 + g - base, f"param_groups.{g}.lr", _lr(group))
