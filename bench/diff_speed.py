@@ -1,11 +1,13 @@
 """diff throughput: records per second to the first divergence on a large trajectory (docs/design.md; figures in README.md).
 
 Writes two synthetic run stores (default 2 ranks x 500 steps x 1000 records = 1,000,000 records each, in the
-recorder's exact format: trajectory JSONL + step index with byte offsets and digest of digests), identical
+recorder's exact format: trajectory JSONL + step index with byte offsets, digest of digests and the chained
+sha256 of each step's bytes), identical
 except one record's digest (bits changed, statistics equal) near the end. Then, each in a fresh process:
 
-  index   diff_runs(a, b, propagate=False): equal steps are skipped on the step index's digests; only
-          the divergent step is read (by seeking to its byte range)
+  index   diff_runs(a, b, propagate=False): equal steps are skipped on the step index's digests (their raw
+          bytes hashed, sha256, against the index: no parsing); only the divergent step is read (by seeking
+          to its byte range)
   scan    diff_runs(a, b, use_index=False, propagate=False): the step index is ignored; the trajectory
           files are scanned for step boundaries and every record up to the divergence is parsed and
           compared (the baseline: what diff would cost without the index)
@@ -36,6 +38,8 @@ import xxhash
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from disttrace.store.seal import StepChain  # noqa: E402
 
 PHASE_PLAN = [("data", 1), ("forward", 24), ("loss", 1), ("backward", 300), ("reduce", 300), ("optimizer", 374)]
 
@@ -97,6 +101,7 @@ def write_pair(root: Path, ranks: int, steps: int, n: int, plant: tuple[int, int
         fa = open(dirs[0] / f"trajectory/rank-{rank:05d}.jsonl", "wb")
         fb = open(dirs[1] / f"trajectory/rank-{rank:05d}.jsonl", "wb")
         ia, ib = bytearray(), bytearray()
+        ca, cb = StepChain(rank), StepChain(rank)  # the recorder's sha256 per step, chained: diff checks it
         offset = 0
         for step in range(1, steps + 1):
             recs = step_records(step, rank, n)
@@ -105,7 +110,7 @@ def write_pair(root: Path, ranks: int, steps: int, n: int, plant: tuple[int, int
             fa.write(blob)
             entry = {"step": step, "offset": offset, "length": len(blob), "records": len(recs),
                      "digest": _dod(digests), "time": {"start": 0.0, "end": 0.0}}
-            ia += orjson.dumps(entry) + b"\n"
+            ia += orjson.dumps(ca.seal_entry(dict(entry), blob)) + b"\n"
             if (step, rank) == (p_step, p_rank):
                 r = recs[p_pos]
                 planted = (step, rank, r["phase"], r["index"])
@@ -115,7 +120,7 @@ def write_pair(root: Path, ranks: int, steps: int, n: int, plant: tuple[int, int
                 blob = b"".join(orjson.dumps(r) + b"\n" for r in recs)
                 entry = dict(entry, length=len(blob), digest=_dod(digests))
             fb.write(blob)
-            ib += orjson.dumps(entry) + b"\n"
+            ib += orjson.dumps(cb.seal_entry(dict(entry), blob)) + b"\n"
             offset += len(blob)
         fa.close()
         fb.close()

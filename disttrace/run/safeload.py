@@ -103,8 +103,8 @@ class SafePlanner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, weights_only=True)
         except Exception as e:  # noqa: BLE001  the weights-only unpickler names the global it refused
-            first = str(e).strip().splitlines()
-            why = next((ln for ln in first if "GLOBAL" in ln or "global" in ln), first[0] if first else type(e).__name__)
+            lines = str(e).strip().splitlines()
+            why = next((ln for ln in lines if "global" in ln.lower()), lines[0] if lines else type(e).__name__)
             raise BadInput(self.ckpt, f"item {fqn} is not plain data ({why.strip()}); refused unread") from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], obj)

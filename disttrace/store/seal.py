@@ -7,11 +7,11 @@ Two layers, both written while the run is produced:
   and of this line's own fields (sorted-key JSON, `chain` left out). A removed, reordered or edited step, in
   the trajectory or in the index, breaks the chain from that step on.
 * **The seal.** `COMPLETE` (written last, by global rank 0 after every rank has flushed) holds `seal`: the
-  sha256 and size of every file the job wrote (lock, run.json, env, topology, replicas, each rank's
-  trajectory, step index, collectives and memory files, every checkpoint's INDEX.json) and each rank's last
-  chain hash. `events.jsonl` is sealed as the prefix written until then (`bytes`, and `sha256` of those
-  bytes): lines appended later (after the job) are reported, not damage. Not sealed: what the gate writes
-  afterwards (`eval.json`, `verdict.json`) and the launcher's lock files.
+  sha256 and size of every file the job wrote (lock, run.json, env, topology, replicas, every per-rank file
+  `<dir>/rank-NNNNN.*`: trajectory, step index, collectives, memory, step times; every checkpoint's
+  INDEX.json) and each rank's last chain hash. `events.jsonl` is sealed as the prefix written until then
+  (`bytes`, and `sha256` of those bytes): lines appended later (after the job) are reported, not damage.
+  Not sealed: what the gate writes afterwards (`eval.json`, `verdict.json`) and the launcher's lock files.
 
 sha256 (hashlib) rather than the xxh3 of the tensor digests: the chain is meant to make an after-the-fact
 edit show, and a step's bytes are a few KiB (~2 GB/s, see PYTORCH-NOTES). It guards against accidents and
@@ -26,8 +26,6 @@ from pathlib import Path
 import orjson
 
 SEAL_VERSION = 1
-RANK_KINDS = (("trajectory", ".jsonl"), ("trajectory", ".steps.jsonl"), ("collectives", ".jsonl"),
-              ("memory", ".jsonl"), ("steps", ".jsonl"))
 SHARED_FILES = ("manifest.lock.json", "run.json", "env.json", "topology.json", "replicas.json")
 EVENTS = "events.jsonl"
 
@@ -68,10 +66,10 @@ def rank_part(run_dir: Path | str, rank: int, chain: str | None, steps: int) -> 
     seals every node's files) and its chain's last hash."""
     run_dir = Path(run_dir)
     files = {}
-    for kind, suffix in RANK_KINDS:
-        rel = f"{kind}/rank-{rank:05d}{suffix}"
-        if (run_dir / rel).is_file():
-            files[rel] = file_hash(run_dir / rel)
+    # every per-rank file, whatever its kind (trajectory, step index, collectives, memory, step times, ...)
+    for p in sorted(run_dir.glob(f"*/rank-{rank:05d}.*")):
+        if p.is_file() and not p.is_symlink():
+            files[f"{p.parent.name}/{p.name}"] = file_hash(p)
     return {"rank": rank, "files": files, "chain": chain, "steps": steps}
 
 

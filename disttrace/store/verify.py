@@ -32,7 +32,6 @@ from disttrace.store.rundir import COMPLETE, Run, read_json
 
 # written after COMPLETE, or not content: never sealed, never damage
 UNSEALED_BY_DESIGN = re.compile(r"(eval\.json|verdict\.json|\.launcher-node\d+\.lock|\..*\.tmp-\d+)")
-RANK_DIRS = ("trajectory", "collectives", "memory", "steps")
 
 
 @dataclass
@@ -220,14 +219,10 @@ class _Verifier:
         return self.v
 
     def unsealed_files(self, files: dict) -> None:
-        for d in RANK_DIRS:
-            base = self.path / d
-            if not base.is_dir():
-                continue
-            for p in sorted(base.iterdir()):
-                rel = f"{d}/{p.name}"
-                if rel not in files and not UNSEALED_BY_DESIGN.fullmatch(p.name):
-                    self.damage(rel, "not in the seal (added after the run)")
+        for p in sorted(self.path.glob("*/rank-*")):  # every per-rank file the job writes is sealed
+            rel = f"{p.parent.name}/{p.name}"
+            if rel not in files and not UNSEALED_BY_DESIGN.fullmatch(p.name):
+                self.damage(rel, "not in the seal (added after the run)")
         for name in sealing.SHARED_FILES:
             if name not in files and (self.path / name).exists():
                 self.damage(name, "not in the seal (added after the run)")
@@ -269,5 +264,6 @@ def summary_line(v: Verdict) -> str:
     what = (f"{c['files']} sealed files, {c['steps']} steps on {c['ranks']} ranks, {c['checkpoints']} checkpoints "
             "(every pickle scanned)")
     if v.status == "unsealed":
-        return f"unsealed: {'; '.join(n for n in v.notes if 'COMPLETE' in n) or 'no seal'}; checked what could be: {what}"
+        why = "; ".join(n for n in v.notes if "COMPLETE" in n) or "no seal"
+        return f"unsealed: {why}; checked what could be: {what}"
     return f"intact: {what}"
