@@ -42,13 +42,21 @@ WARMUP = 2  # steps left out of the medians (DDP rebuilds its buckets after step
 
 
 class Gated:
-    """A view of the hook bus whose handlers run only while `flag["on"]` names their variant."""
+    """A view of the hook bus whose handlers run only while `flag["on"]` names their variant, timing them:
+    an observer's own seconds (`spent[label]`) are a figure the machine's noise does not swamp."""
 
-    def __init__(self, bus, flag: dict, names: set[str]):
-        self.bus, self.flag, self.names = bus, flag, names
+    def __init__(self, bus, flag: dict, names: set[str], spent: dict, label: str):
+        self.bus, self.flag, self.names, self.spent, self.label = bus, flag, names, spent, label
+        spent.setdefault(label, 0.0)
 
     def on(self, point, fn, order=50):
-        self.bus.on(point, lambda b, p: fn(b, p) if self.flag["on"] in self.names else None, order)
+        def gated(b, p):
+            if self.flag["on"] in self.names:
+                t = time.perf_counter()
+                fn(b, p)
+                self.spent[self.label] += time.perf_counter() - t
+
+        self.bus.on(point, gated, order)
 
     def listening(self, point):
         return self.bus.listening(point)
@@ -88,10 +96,11 @@ def worker(rank, world, port, frozen_doc, steps, out, q):
     recorded = {"recorder+ledger", "default", "values"}
     StepClock(base / "off", rank).attach(bus)
     observers = []
+    spent: dict[str, float] = {}  # own seconds of each observer's hook handlers, in the default variant
     for v in sorted(recorded):  # each variant writes its own run dir, so its bytes are its own
-        observers.append(Recorder(base / v, rank).attach(Gated(bus, flag, {v})))
-        observers.append(MemoryLedger(base / v, rank, m, strategy).attach(Gated(bus, flag, {v})))
-    fr = FlightRecorderTrace(base / "default", rank).attach(Gated(bus, flag, {"default"}))
+        observers.append(Recorder(base / v, rank).attach(Gated(bus, flag, {v}, spent, f"recorder {v}")))
+        observers.append(MemoryLedger(base / v, rank, m, strategy).attach(Gated(bus, flag, {v}, spent, f"ledger {v}")))
+    fr = FlightRecorderTrace(base / "default", rank).attach(Gated(bus, flag, {"default"}, spent, "trace"))
     tracer = CollectiveTracer(base / "values", rank, values=True)
     times = {v: [] for v in VARIANTS}
     accum = m["training"]["grad_accum_steps"]
@@ -116,12 +125,17 @@ def worker(rank, world, port, frozen_doc, steps, out, q):
                 bus.emit("step_end")
             times[v].append(time.perf_counter() - t)
     dumps = fr.dumps
-    fr.close()
+    t = time.perf_counter()
+    fr.close()  # the end-of-run copy of what is left in the ring
+    close_s = time.perf_counter() - t
     tracer.close()
     for o in observers:
         o.close()
     if rank == 0:
-        q.put({"times": {v: statistics.median(ts[WARMUP:]) for v, ts in times.items()}, "dumps": dumps})
+        q.put({"times": {v: statistics.median(ts[WARMUP:]) for v, ts in times.items()}, "dumps": dumps,
+               "own_ms_per_step": {k: 1e3 * s / steps for k, s in spent.items()
+                                   if k.endswith("default") or k == "trace"},
+               "final_copy_ms": 1e3 * close_s})
     dist.barrier()
     dist.destroy_process_group()
 
@@ -171,6 +185,10 @@ def report(title: str, r: dict, world: int, steps: int) -> None:
         kib = r["bytes_per_step"].get(v)
         size = f"   {kib / 1024:8.1f} KiB/step" if kib is not None else ""
         print(f"  {v:16s} {t * 1e3:9.1f} ms   ratio vs off {t / base:5.3f}{size}", flush=True)
+    own = ", ".join(f"{k.removesuffix(' default')} {ms:.2f} ms ({ms / (base * 1e3):.2%})"
+                    for k, ms in r["own_ms_per_step"].items())
+    print(f"  default variant, each observer's own hook time per step (share of the off step): {own}; "
+          f"end-of-run ring copy {r['final_copy_ms']:.1f} ms", flush=True)
 
 
 def main():

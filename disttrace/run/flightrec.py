@@ -103,7 +103,8 @@ class Converter:
         out: list[dict] = []
         if entries and entries[0]["record_id"] > self.last_rid + 1 and (self.last_rid >= 0 or entries[0]["record_id"]):
             lost = entries[0]["record_id"] - self.last_rid - 1
-            out.append({"lost": lost, "after_record": self.last_rid, "step": self.step_of(entries[0]["time_created_ns"])})
+            out.append({"lost": lost, "after_record": self.last_rid,
+                        "step": self.step_of(entries[0]["time_created_ns"])})
         for e in entries:
             pg = str(e["process_group"][0])
             group = groups.get(pg, "?")
