@@ -10,6 +10,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip >/dev/null || true
 	$(BIN)/pip install -q -e '.[test]'
+	@# the integrations' extras, with torch pinned to the wheel installed above (never another torch); their
+	@# tests skip, saying so, only when this install is impossible
+	$(BIN)/python -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-pin.txt
+	$(BIN)/pip install -q -c $(VENV)/torch-pin.txt -e '.[hf,lightning]' || echo "disttrace: the hf/lightning extras could not be installed; their tests will skip" >&2
 	touch $(STAMP)
 
 install: $(STAMP)

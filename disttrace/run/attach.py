@@ -292,7 +292,8 @@ def build_manifest(engine: Engine, optimizer, views: list[dict], name: str, edit
     cfg = _jsonable(config or {})
     for key in ("grad_accum_steps", "micro_batch_size", "steps"):  # typed fields the readers know
         if isinstance(cfg.get(key), int) and not isinstance(cfg.get(key), bool):
-            training[key] = cfg[key]
+            # accumulation and micro-batch are topology (the global batch is compared), not the experiment
+            training[key] = cfg.pop(key) if key != "steps" else cfg[key]
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in inner.parameters()})
     training["dtype"] = dtypes[0] if len(dtypes) == 1 else "mixed"
     dp = len(views[0]["ddp_group"]) if engine.kind == "DDP" else world
@@ -659,11 +660,23 @@ class AttachedRun:
                           scalars=scalars)
         return total
 
-    def _before_step(self, _opt, _args, _kwargs):
+    def _before_step(self, _opt, args, kwargs):
         if self._paused:
-            return
+            return None
+        closure = kwargs.get("closure", args[0] if args else None)
+        if callable(closure):  # step(closure) (Lightning): the last micro-batch runs inside it, so reduce after it
+            def closure_then_reduce():
+                loss = closure()
+                self._flush_reduce()
+                self.bus.emit("before_optimizer", optimizer=self.optimizer, params=self.named)
+                return loss
+
+            if "closure" in kwargs:
+                return args, {**kwargs, "closure": closure_then_reduce}
+            return (closure_then_reduce, *args[1:]), kwargs
         self._flush_reduce()
         self.bus.emit("before_optimizer", optimizer=self.optimizer, params=self.named)
+        return None
 
     def _after_step(self, _opt, _args, _kwargs):
         if self._paused:
@@ -705,6 +718,8 @@ def _lr(group: dict) -> torch.Tensor:
 
 def _first_tensor(args, kwargs):
     for v in (*args, kwargs.get("input_ids"), *kwargs.values()):
+        if isinstance(v, (tuple, list)) and v:  # a (inputs, targets) batch handed whole (Lightning)
+            v = v[0]
         if torch.is_tensor(v):
             return v
     return None

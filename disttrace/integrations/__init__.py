@@ -1,0 +1,1 @@
+"""Attach disttrace to training libraries' own loops: `hf` (transformers.Trainer), `lightning` (Lightning)."""
