@@ -339,13 +339,25 @@ def recover(fault_run: Path = typer.Argument(..., help="the run to recover (usua
 @app.command()
 @handled
 def show(run_dir: Path = typer.Argument(..., help="a run directory"),
-         view: str = typer.Argument("summary", help="summary | checkpoints | topology | collectives | memory | events"),
+         view: str = typer.Argument("summary", help="summary | checkpoints | topology | collectives | memory | "
+                                    "events | records"),
+         jsonl: bool = typer.Option(False, "--jsonl", help="with `records`: print every trajectory record as one "
+                                    "JSON line on stdout (the export for DuckDB, Polars, jq)"),
          json_: bool = JsonOpt):
     """Show a run: manifest, topology, loss per step, record counts, completeness, or one evidence view.
     `checkpoints` verifies each one (every file's sha256, every pickle scanned unrun) and exits 1 when a
-    published checkpoint does not verify."""
+    published checkpoint does not verify. `records --jsonl` exports the trajectory."""
     from disttrace.views import show as views
 
+    if jsonl:
+        if view != "records":
+            raise BadInput("--jsonl", "only the `records` view exports JSON lines")
+        from disttrace.store.rundir import Run
+
+        n = views.export_records(Run(run_dir), sys.stdout.buffer)
+        sys.stdout.buffer.flush()
+        err.print(Text(f"{n} records", style="dim"))
+        return
     result = views.show(run_dir, view, err)
     if json_:
         emit_json(result)
