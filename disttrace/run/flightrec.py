@@ -167,6 +167,11 @@ class FlightRecorderTrace:
         # never lands in the middle of a half-flushed buffer
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self.capacity = capacity_from_env() if capacity is None else capacity
+        if self.capacity <= 0 and rank == 0:  # the user turned the recorder off: say why the trace is empty
+            from disttrace.store.rundir import event
+
+            event(run_dir, "collective_trace_empty", reason="TORCH_FR_BUFFER_SIZE=0 turns torch's Flight Recorder "
+                  "off; set record.collectives = \"values\" for a trace without it")
         self.conv = Converter()
         self.step = 0  # the tracer's interface (the worker's context hands it to faults)
         self._issued_at_dump = 0
