@@ -18,7 +18,6 @@ from rich.console import Console
 from rich.markup import escape
 from rich.text import Text
 
-from disttrace.store.records import Event
 from disttrace.errors import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_JOB_FAILED, BadInput, DisttraceError, JobFailed,
                               verdict_exit)
 
@@ -264,7 +263,7 @@ def _user_command(manifest, out: Path, json_: bool, path_kind: str, fault: Optio
 def _warn_if_not_fired(run_dir: Path) -> None:
     from disttrace.store.rundir import Run
 
-    fired = [e for e in Run(run_dir).events().records if e.get("event") == Event.FAULT_FIRED]
+    fired = Run(run_dir).fault_events()
     if not fired:
         err.print(Text("warning: the fault never fired (its hook point was not reached on that rank and step); "
                        "this run is a second reference, not a fault run", style="yellow"))

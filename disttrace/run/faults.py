@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from disttrace.store.records import Event
+from disttrace.store.records import FaultEvent
 from disttrace.errors import BadInput
 from disttrace.store.rundir import event
 
@@ -120,8 +120,9 @@ class Fault:
         self.fired = True
         if proof is not None:
             detail.update(digest_before=proof[0], digest_after=proof[1], changed=proof[0] != proof[1])
-        event(self.ctx.run_dir, Event.FAULT_FIRED, fault=self.name, step=bus.step, micro_batch=bus.micro_batch,
-              rank=bus.rank, point=self.point, params=self.params, **detail)
+        line = FaultEvent(fault=self.name, step=bus.step, micro_batch=bus.micro_batch, rank=bus.rank,
+                          point=self.point, params=self.params, **detail).line()
+        event(self.ctx.run_dir, line.pop("event"), **line)
 
 
 def strategy_name(manifest: dict) -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from disttrace.run.digest import digest_of_digests, digest_tensor
 from disttrace.run.hooks import HookBus
+from disttrace.store.records import StepIndexEntry
 from disttrace.store.rundir import PHASE_ORDER, JsonlWriter, rank_file
 from disttrace.store.seal import StepChain
 
@@ -184,14 +185,9 @@ class Recorder:
         if p.get("spans"):
             t["spans"] = p["spans"]
         # the step's raw bytes hashed and chained to the previous step (disttrace.store.seal)
-        self.index.write(self.chain.seal_entry({
-            "step": bus.step,
-            "offset": offset,
-            "length": len(data),
-            "records": len(self._buf),
-            "digest": digest_of_digests([r["digest"] for r in self._buf]),
-            "time": t,
-        }, data))
+        entry = StepIndexEntry(step=bus.step, offset=offset, length=len(data), records=len(self._buf),
+                               digest=digest_of_digests([r["digest"] for r in self._buf]), time=t)
+        self.index.write(self.chain.seal_entry(entry.line(), data))
         self.index.flush()
         self._buf = []
 

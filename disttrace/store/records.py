@@ -31,3 +31,89 @@ class Event(StrEnum):
 
 
 FAILURE_EVENTS = (Event.RANK_FAILED, Event.JOB_FAILED, Event.LIVE_CHECK_FAILED)
+
+
+# ---------------------------------------------------------------- typed lines of the run store
+#
+# Defined once, used by the writer (the job builds its line with the model) and by the readers (each line
+# read is validated by the same model, and a bad one is one line naming the file, line and field). Lines
+# that flow in their millions (trajectory records) stay plain dicts for speed: `TrajectoryRecord` below is
+# their one definition, for type checkers and readers of this file.
+
+from typing import Any, Optional, TypedDict  # noqa: E402
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError  # noqa: E402
+
+from disttrace.errors import BadInput  # noqa: E402
+
+
+class TrajectoryRecord(TypedDict, total=False):
+    """One digest of one tensor at one coordinate (docs/design.md, "Order")."""
+
+    step: int  # from 1
+    micro_batch: int  # reduce / clip / optimizer carry the last micro-batch's index
+    phase: str  # one of PHASES
+    rank: int  # global rank
+    index: int  # registration order in the plain model (scalars from 1,000,000, checkpoint files from 2**20)
+    tensor: str  # the parameter's name in the plain model (optimizer state: "name:key")
+    dtype: str
+    shape: list[int]  # this rank's local shape
+    numel: int
+    digest: str  # xxh3-128 of the raw bytes, hex
+    sum: Optional[float]  # float64 statistics (None when not finite)
+    norm: Optional[float]
+    sketch: list[float]  # random projections, additive over shards
+    nonfinite: int
+    shard: dict  # {"offset": [...], "logical_shape": [...]} for a DTensor shard
+    samples: list[int]  # data phase: the sample ids of the batch
+
+
+class _Line(BaseModel):
+    # other writers (an older or newer disttrace) may add fields: keep them, readers take what they know
+    model_config = ConfigDict(extra="allow")
+
+    @classmethod
+    def parse_line(cls, obj: Any, path, lineno: int):
+        """Validate one line read from `path`; BadInput naming the line and the first bad field."""
+        try:
+            return cls.model_validate(obj)
+        except ValidationError as e:
+            err = e.errors()[0]
+            field = ".".join(str(x) for x in err["loc"]) or "line"
+            raise BadInput(path, f"line {lineno}: '{field}' {err['msg'].lower()}", field=field) from None
+
+    def line(self) -> dict:
+        """The dict a writer puts on disk (fields in declaration order, unset optionals left out)."""
+        return self.model_dump(exclude_none=True)
+
+
+NonNegative = Field(ge=0)
+
+
+class StepIndexEntry(_Line):
+    """One line of `trajectory/rank-N.steps.jsonl`: where a step's records lie and what they add up to."""
+
+    step: StrictInt = NonNegative
+    offset: StrictInt = NonNegative  # byte offset of the step's first record in the trajectory file
+    length: StrictInt = NonNegative  # bytes of the step's records
+    records: StrictInt = NonNegative
+    digest: Optional[str] = None  # digest of the records' digests: equal steps are skipped unread
+    time: dict = Field(default_factory=dict)  # start, collective_issue, end (and pipeline spans)
+    sha256: Optional[str] = None  # the step's raw bytes (store/seal.py)
+    chain: Optional[str] = None  # sha256 chained to the previous step's (store/seal.py)
+
+
+class FaultEvent(_Line):
+    """The `fault_fired` line of events.jsonl: which fault acted where, and the proof that it changed what
+    it names (digests before and after; bit flips add tensor, element, bit, before, after)."""
+
+    event: str = Event.FAULT_FIRED
+    fault: str
+    step: StrictInt
+    micro_batch: StrictInt = 0
+    rank: StrictInt
+    point: Optional[str] = None  # the hook point it acted at (always written by the job)
+    params: dict = Field(default_factory=dict)
+    digest_before: Optional[Any] = None
+    digest_after: Optional[Any] = None
+    changed: Optional[bool] = None

@@ -31,6 +31,7 @@ import orjson
 from disttrace.errors import BadInput
 
 from disttrace.store.records import PATH_KINDS, PHASE_ORDER, PHASES  # noqa: F401  (re-exported)
+from disttrace.store.records import Event, FaultEvent, StepIndexEntry
 
 LOCK = "manifest.lock.json"
 COMPLETE = "COMPLETE"
@@ -202,6 +203,7 @@ LOCK_SHAPE = {
     "experiment": {"name": str, "edition": str},
     "parallelism": {"dp": int, "tp": int, "pp": int, "zero_stage": int},
     "training": {"micro_batch_size": int, "grad_accum_steps": int, "steps": int},
+    "record": {"every": int},
 }
 
 
@@ -297,6 +299,16 @@ class Run:
         p = self.path / "events.jsonl"
         return read_jsonl(p) if p.exists() else JsonlRead([], None)
 
+    def fault_events(self) -> list[dict]:
+        """The `fault_fired` lines of events.jsonl, each validated by the writer's own model (FaultEvent)."""
+        p = self.path / "events.jsonl"
+        out = []
+        for n, e in enumerate(self.events().records, 1):
+            if isinstance(e, dict) and e.get("event") == Event.FAULT_FIRED:
+                FaultEvent.parse_line(e, p, n)
+                out.append(e)
+        return out
+
     def topology(self) -> dict | None:
         p = self.path / "topology.json"
         return read_json(p) if p.exists() else None
@@ -307,11 +319,7 @@ class Run:
             return JsonlRead([], None)
         read = read_jsonl(p)
         for n, e in enumerate(read.records, 1):
-            for k in ("step", "offset", "length", "records"):
-                if not isinstance(e.get(k), int) or isinstance(e.get(k), bool) or e[k] < 0:
-                    raise BadInput(p, f"line {n}: '{k}' must be a non-negative integer", field=k)
-            if not isinstance(e.get("time", {}), dict):
-                raise BadInput(p, f"line {n}: 'time' must be an object", field="time")
+            StepIndexEntry.parse_line(e, p, n)  # the writer's own model (store/records.py)
         return read
 
     def step_times(self, rank: int) -> JsonlRead:

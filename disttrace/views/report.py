@@ -218,9 +218,8 @@ def _overview(rs: list[_R], diffs: dict[int, Any]) -> str:
 
 def _fault_fired(r: _R) -> dict | None:
     try:
-        for ev in r.run.events().records:
-            if ev.get("event") == Event.FAULT_FIRED:
-                return ev
+        fired = r.run.fault_events()
+        return fired[0] if fired else None
     except BadInput:
         return None
     return None

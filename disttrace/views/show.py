@@ -48,7 +48,7 @@ def summary(run_dir: Path | str) -> dict:
         "ranks": {str(k): v for k, v in counts.items()},
         "records": sum(c["records"] for c in counts.values()),  # trajectory records over all ranks
         "step_seconds": [step_seconds[k] for k in sorted(step_seconds)],  # rank 0, in step order
-        "fault_fired": [e for e in events if e.get("event") == Event.FAULT_FIRED],
+        "fault_fired": run.fault_events(),
         "failures": [e for e in events if e.get("event") in (Event.JOB_FAILED, Event.RANK_FAILED)],
         "stragglers": find_stragglers(run),
         "checkpoints": [p.name for p in run.checkpoint_dirs()],
