@@ -140,14 +140,14 @@ class _Side:
         return self.index.get(rank, {}).get(step)
 
     def check_step(self, rank: int, step: int) -> None:
-        """The step's raw bytes against the sha256 its index line holds (hashing, no parsing): a trajectory
+        """The step's raw bytes against the hash its index line holds (hashing, no parsing): a trajectory
         edited after the run is refused, never skipped as equal by its (unchanged) digest of digests."""
         e = self.entry(rank, step)
         if e is None:
             return
         ok = seal.step_bytes_match(self.run.rank_path("trajectory", rank), e)
         if ok is False:
-            raise BadInput(self.run.rank_path("trajectory", rank), f"step {step}: the bytes differ from the sha256 "
+            raise BadInput(self.run.rank_path("trajectory", rank), f"step {step}: the bytes differ from the hash "
                            "in the step index (edited after the run; see `disttrace verify`)")
         self.hash_checked += ok is True
 
@@ -332,6 +332,9 @@ class _Tol:
                       *[(self.atol + self.rtol * scale_s) / scale_s] * (len(terms) - 1))
         else:
             bounds = (b0,) * len(terms)
+        # each sketch projection also carries its own float32 rounding (the sum is float64): both records'
+        rounding = sum(tolerance.sketch_rounding(r.get("dtype"), r.get("shape")) for r in (ra, rb))
+        bounds = (*bounds[:2], *(bd + rounding for bd in bounds[2:]))
         # report the term that is largest relative to its bound (simply the largest term when the bounds agree)
         if len(set(bounds)) == 1:
             i = max(range(len(terms)), key=lambda j: terms[j])

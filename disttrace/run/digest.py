@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 
 import numpy as np
 import torch
 import xxhash
+
+from disttrace.analysis import tolerance
 
 
 def raw_bytes(t: torch.Tensor) -> memoryview:
@@ -42,13 +45,28 @@ def device_digest(t: torch.Tensor) -> str:
 # Sum and norm are two numbers: a permutation of a tensor's elements keeps both, and so do offsetting errors
 # (+e here, -e there) to first order. The sketch adds SKETCH_K dot products <x, v_k> with fixed random
 # vectors. v_k is indexed by the element's position in the *logical* tensor, as a product over axes:
-# v_k[i_0, .., i_D-1] = prod_d a_{k,d}[i_d], each a_{k,d} a seeded Gaussian vector of the logical axis
-# length scaled to RMS 1 (so ||v_k||^2 = numel exactly, as for the all-ones vector of the sum). A shard at
-# offsets o_d uses the slices a_{k,d}[o_d : o_d + n_d], so the sketches of a tensor's shards add up to the
-# whole tensor's: logical tensors still compare across topologies. The bound of a sketch difference is the
-# sum's (analysis/tolerance.py): with |dx_i| <= eps |x_i|, |sum_i dx_i v_i| <= eps ||x|| ||v|| = eps ||x|| sqrt(numel).
+# v_k[i_0, .., i_D-1] = fl32(prod_{d<D-1} a_{k,d}[i_d]) * a_{k,D-1}[i_D-1], each a_{k,d} a seeded Gaussian
+# vector of the logical axis length scaled to RMS 1 (so ||v_k||^2 = numel, to float32 rounding of the leading
+# factor), the leading axes' product rounded to float32 once (fl32) because the kernel below multiplies it
+# in float32. A shard at offsets o_d uses the slices a_{k,d}[o_d : o_d + n_d] (and the same products), so
+# the sketches of a tensor's shards add up to the whole tensor's exactly in exact arithmetic: logical
+# tensors still compare across topologies. The bound of a sketch difference is the sum's
+# (analysis/tolerance.py): with |dx_i| <= eps |x_i|, |sum_i dx_i v_i| <= eps ||x|| ||v|| = eps ||x|| sqrt(numel),
+# plus the sketch's own rounding (tolerance.sketch_rounding).
+#
+# Cost. The tensor, seen as X (R rows = the leading axes, C columns = the last axis), gives
+# sketch_k = U[:, k]^T X W[:, k]. Per block of at most SKETCH_ROWS rows (a block fits in cache): one float32
+# GEMM M += U_blk^T X_blk (K x C, accumulated in float64), and at the end a float64 contraction of M with W.
+# The same pass over the block hashes it (streamed xxh3 = the one-shot hash of the raw bytes) and takes
+# the float64 sum and sum of squares from a reused float64 buffer, so the tensor is read from memory once
+# (it was read four times, plus a fresh float64 copy, before). Measured (bench/digest_cost.py): numpy's
+# float64 contraction ran at ~4 GB/s and was ~40% of the digest; an X @ W GEMM with 4 columns ran at
+# ~2-6 GB/s (packing X), U^T X at ~8-14 GB/s. A float32 reduction over at most SKETCH_ROWS rows rounds by
+# about u32 * sqrt(SKETCH_ROWS) relative to ||x|| sqrt(numel) (tolerance.sketch_rounding, which diff adds
+# to the bound of the sketch terms). float64 tensors (and integers) use the same vectors in float64.
 SKETCH_K = 4
 SKETCH_SEED = 0x5EED_D15C
+_BLOCK = 1 << 17  # elements per block: 512 KiB of float32, 1 MiB of its float64 copy (cache-sized)
 
 
 @functools.lru_cache(maxsize=256)
@@ -60,45 +78,145 @@ def axis_vectors(axis: int, length: int) -> np.ndarray:
     return g
 
 
-def sketch(a: np.ndarray, offset=None, logical_shape=None) -> list[float]:
-    """SKETCH_K projections of the float64 array `a` (a whole tensor, or a shard at `offset` of a tensor of
-    `logical_shape`)."""
-    shape = a.shape
-    lshape = tuple(logical_shape) if logical_shape else shape
-    off = tuple(offset) if offset else (0,) * len(shape)
-    if len(shape) == 0:
-        return [float(a)] * SKETCH_K  # the empty product: every v_k is 1
+class _Plan:
+    """The sketch's vectors for one (shape, offset, logical shape), built once (functools cache): the
+    leading axes' product U (as float32, and the same values in float64), the last axis' factors W."""
+
+    __slots__ = ("rows", "cols", "block_rows", "ut32", "ut64", "wt64", "on_device")
+
+    def __init__(self, shape: tuple, off: tuple, lshape: tuple):
+        self.cols = shape[-1]
+        self.rows = math.prod(shape[:-1])
+        u = np.ones((1, SKETCH_K))
+        for d in range(len(shape) - 1):  # row-major over the leading axes, products in a fixed order
+            a = axis_vectors(d, lshape[d])[off[d]:off[d] + shape[d]]
+            u = (u[:, None, :] * a[None, :, :]).reshape(-1, SKETCH_K)
+        self.ut32 = np.ascontiguousarray(u.T, dtype=np.float32)  # (K, rows)
+        self.ut64 = self.ut32.astype(np.float64)  # the same values: float64 tensors use the same vectors
+        w = axis_vectors(len(shape) - 1, lshape[-1])[off[-1]:off[-1] + self.cols]
+        self.wt64 = np.ascontiguousarray(w.T)  # (K, cols)
+        self.block_rows = max(1, min(self.rows, tolerance.SKETCH_ROWS, _BLOCK // max(self.cols, 1)))
+        self.on_device: dict = {}  # device -> (ut64, wt64) copies there
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(shape: tuple, off: tuple, lshape: tuple) -> _Plan:
     if len(lshape) != len(shape) or len(off) != len(shape):
         raise ValueError(f"shard shape {shape} / offset {off} do not match the logical shape {lshape}")
-    d = len(shape) - 1
-    m = a.reshape(-1, shape[d]) @ axis_vectors(d, lshape[d])[off[d]:off[d] + shape[d]]  # (rest, K)
-    for d in range(len(shape) - 2, -1, -1):
-        m = (m.reshape(-1, shape[d], SKETCH_K) * axis_vectors(d, lshape[d])[off[d]:off[d] + shape[d]]).sum(axis=1)
-    return [float(x) for x in m.reshape(SKETCH_K)]
+    return _Plan(shape, off, lshape)
 
 
-def digest_tensor(t: torch.Tensor, offset=None, logical_shape=None) -> dict:
+_tls = threading.local()  # the float64 block buffer, per thread
+
+
+def _buffer() -> np.ndarray:
+    b = getattr(_tls, "buf", None)
+    if b is None:
+        b = _tls.buf = np.empty(_BLOCK)
+    return b
+
+
+def _stats(x: np.ndarray, offset, logical_shape, hasher=None, with_sketch: bool = True):
+    """(sum, sum of squares, sketch or None) of a contiguous float32 or float64 array in one pass over
+    cache-sized blocks; `hasher` (xxh3) is fed the raw bytes on the way."""
+    shape = x.shape
+    if not shape:  # a scalar: the empty product, every v_k is 1
+        if hasher is not None:
+            hasher.update(x.tobytes())
+        v = float(x)
+        return v, v * v, [v] * SKETCH_K if with_sketch else None
+    if not x.size:
+        return 0.0, 0.0, None
+    lshape = tuple(logical_shape) if logical_shape else shape
+    off = tuple(offset) if offset else (0,) * len(shape)
+    plan = _plan(tuple(shape), off, lshape) if with_sketch and x.size else None
+    cols = shape[-1]
+    x2 = x.reshape(-1, cols)
+    rows = x2.shape[0]
+    f64 = x.dtype == np.float64
+    buf = None if f64 else _buffer()
+    rb = plan.block_rows if plan is not None else max(1, min(rows, _BLOCK // max(cols, 1)))
+    s = ss = 0.0
+    m = (np.zeros((SKETCH_K, cols)) if rb < rows else True) if plan is not None and rb > 1 else None
+    direct = np.zeros(SKETCH_K) if plan is not None and rb == 1 else None
+    ut = (plan.ut64 if f64 else plan.ut32) if plan is not None else None
+    for r0 in range(0, rows, rb):
+        blk = x2[r0:r0 + rb]
+        if hasher is not None:
+            hasher.update(blk)
+        if rb > 1 or cols <= _BLOCK:
+            if f64:
+                b = blk.reshape(-1)
+            else:
+                b = buf[:blk.size]
+                np.copyto(b, blk.reshape(-1))
+            s += float(b.sum())
+            ss += float(np.dot(b, b))
+            if m is not None:
+                part = ut[:, r0:r0 + rb] @ blk  # the float32 GEMM (float64 for float64 tensors)
+                if rb >= rows:  # one block: no float64 accumulator to fill
+                    m = part
+                else:
+                    m += part
+            elif direct is not None:  # one row per block (1-D tensors, long rows): a float64 dot with W
+                direct += plan.ut64[:, r0] * (plan.wt64 @ b)
+        else:  # a row longer than a block: its columns in chunks
+            proj = np.zeros(SKETCH_K) if direct is not None else None
+            row = blk.reshape(-1)
+            for c0 in range(0, cols, _BLOCK):
+                seg = row[c0:c0 + _BLOCK]
+                if f64:
+                    b = seg
+                else:
+                    b = buf[:seg.size]
+                    np.copyto(b, seg)
+                s += float(b.sum())
+                ss += float(np.dot(b, b))
+                if proj is not None:
+                    proj += plan.wt64[:, c0:c0 + seg.size] @ b
+            if proj is not None:
+                direct += plan.ut64[:, r0] * proj
+    if plan is None:
+        return s, ss, None
+    sk = direct if m is None else np.einsum("kc,kc->k", m, plan.wt64, dtype=np.float64)
+    sk = sk.tolist()
+    return s, ss, sk if math.isfinite(sum(sk)) else None  # a float32 overflow: no sketch rather than inf
+
+
+def sketch(a: np.ndarray, offset=None, logical_shape=None) -> list[float]:
+    """SKETCH_K projections of the array `a` (a whole tensor, or a shard at `offset` of a tensor of
+    `logical_shape`): float32 arithmetic for float32 (and narrower float) arrays, float64 otherwise."""
+    a = np.asarray(a)
+    if a.dtype != np.float32:
+        a = a.astype(np.float32 if a.dtype in (np.float16,) else np.float64)
+    return _stats(np.ascontiguousarray(a), offset, logical_shape)[2]
+
+
+def digest_tensor(t: torch.Tensor, offset=None, logical_shape=None, with_sketch: bool = True) -> dict:
     """{'digest','sum','norm','sketch','nonfinite','dtype','shape','numel'} of one (local) tensor; `offset`
     and `logical_shape` place a shard in its logical tensor (for the sketch). On a GPU the digest and the
-    float64 statistics are computed on the device; on the CPU, xxh3 over the raw bytes."""
+    float64 statistics are computed on the device; on the CPU, xxh3 over the raw bytes. `with_sketch=False`
+    leaves the sketch out (bench/digest_cost.py's baseline)."""
     t = t.detach()
     if hasattr(t, "to_local"):  # a DTensor: the digest is of the shard this rank holds
         t = t.to_local()
     if t.device.type == "cuda":
-        return _digest_on_device(t, offset, logical_shape)
+        return _digest_on_device(t, offset, logical_shape, with_sketch)
     cpu = t.cpu().contiguous() if t.device.type != "cpu" else t.contiguous()
-    h = xxhash.xxh3_128_hexdigest(raw_bytes(cpu))
     with np.errstate(all="ignore"):  # a fault may plant inf/nan: counted below, not warned about
-        if cpu.dtype in (torch.float32, torch.float64, torch.float16):
-            a = cpu.numpy().astype(np.float64, copy=False).ravel()
-        else:  # bfloat16 (numpy has no such dtype) and integers
-            a = cpu.to(torch.float64).numpy().ravel()
-        s = float(a.sum())
-        n = float(math.sqrt(float(np.dot(a, a))))
+        if cpu.dtype in (torch.float32, torch.float64):  # hashed block by block in the same pass
+            h = xxhash.xxh3_128()
+            x = cpu.numpy()
+            s, ss, sk = _stats(x, offset, logical_shape, h, with_sketch)
+            h = h.hexdigest()
+        else:  # float16/bfloat16 -> float32 (exact), integers -> float64; the raw bytes hashed as they are
+            h = xxhash.xxh3_128_hexdigest(raw_bytes(cpu))
+            x = cpu.to(torch.float32 if cpu.dtype.is_floating_point else torch.float64).numpy()
+            s, ss, sk = _stats(x, offset, logical_shape, None, with_sketch)
+        n = math.sqrt(ss) if math.isfinite(ss) else math.inf
         nonfinite = 0
         if not (math.isfinite(s) and math.isfinite(n)):  # counting is slow: only when the sum says so
-            nonfinite = int((~np.isfinite(a)).sum())
-        sk = sketch(a.reshape(cpu.shape), offset, logical_shape) if not nonfinite and a.size else None
+            nonfinite = int((~np.isfinite(x)).sum())
     return {
         "dtype": str(cpu.dtype).removeprefix("torch."),
         "shape": list(cpu.shape),
@@ -106,7 +224,7 @@ def digest_tensor(t: torch.Tensor, offset=None, logical_shape=None) -> dict:
         "digest": h,
         "sum": s if math.isfinite(s) else None,
         "norm": n if math.isfinite(n) else None,
-        "sketch": sk,
+        "sketch": sk if not nonfinite and cpu.numel() else None,
         "nonfinite": nonfinite,
     }
 
@@ -119,31 +237,28 @@ def digest_of_digests(digests: list[str]) -> str:
 
 
 def _sketch_on_device(a: torch.Tensor, offset, logical_shape) -> list[float]:
-    """`sketch` with torch ops where the tensor lives (only SKETCH_K numbers cross to the host)."""
+    """`sketch` with torch ops in float64 where the tensor lives, with the same vectors (only SKETCH_K
+    numbers cross to the host)."""
     shape = tuple(a.shape)
     if not shape:
         return [float(a)] * SKETCH_K
     lshape = tuple(logical_shape) if logical_shape else shape
     off = tuple(offset) if offset else (0,) * len(shape)
-
-    def vec(d):
-        v = axis_vectors(d, lshape[d])[off[d]:off[d] + shape[d]]
-        return torch.tensor(v, dtype=torch.float64, device=a.device)  # a copy: the cached array is read-only
-
-    d = len(shape) - 1
-    m = a.reshape(-1, shape[d]) @ vec(d)
-    for d in range(len(shape) - 2, -1, -1):
-        m = (m.reshape(-1, shape[d], SKETCH_K) * vec(d)).sum(dim=1)
-    return [float(x) for x in m.reshape(SKETCH_K).cpu()]
+    plan = _plan(shape, off, lshape)
+    if a.device not in plan.on_device:
+        plan.on_device[a.device] = tuple(torch.tensor(v, device=a.device) for v in (plan.ut64, plan.wt64))
+    ut, wt = plan.on_device[a.device]
+    m = ut @ a.reshape(-1, shape[-1])  # (K, cols)
+    return [float(x) for x in (m * wt).sum(dim=1).cpu()]
 
 
-def _digest_on_device(t: torch.Tensor, offset=None, logical_shape=None) -> dict:
+def _digest_on_device(t: torch.Tensor, offset=None, logical_shape=None, with_sketch: bool = True) -> dict:
     a = t.to(torch.float64)
     s, n = float(a.sum()), float(torch.linalg.vector_norm(a))
     nonfinite = 0
     if not (math.isfinite(s) and math.isfinite(n)):
         nonfinite = int((~torch.isfinite(a)).sum())
-    sk = _sketch_on_device(a, offset, logical_shape) if not nonfinite and a.numel() else None
+    sk = _sketch_on_device(a, offset, logical_shape) if with_sketch and not nonfinite and a.numel() else None
     return {
         "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "numel": int(t.numel()),
         "digest": device_digest(t) if t.numel() else "dev:" + "0" * 32,
