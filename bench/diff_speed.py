@@ -6,7 +6,7 @@ sha256 of each step's bytes), identical
 except one record's digest (bits changed, statistics equal) near the end. Then, each in a fresh process:
 
   index   diff_runs(a, b, propagate=False): equal steps are skipped on the step index's digests (their raw
-          bytes hashed, sha256, against the index: no parsing); only the divergent step is read (by seeking
+          bytes hashed, xxh3-128, against the index: no parsing); only the divergent step is read (by seeking
           to its byte range)
   scan    diff_runs(a, b, use_index=False, propagate=False): the step index is ignored; the trajectory
           files are scanned for step boundaries and every record up to the divergence is parsed and

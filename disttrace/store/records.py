@@ -99,7 +99,8 @@ class StepIndexEntry(_Line):
     records: StrictInt = NonNegative
     digest: Optional[str] = None  # digest of the records' digests: equal steps are skipped unread
     time: dict = Field(default_factory=dict)  # start, collective_issue, end (and pipeline spans)
-    sha256: Optional[str] = None  # the step's raw bytes (store/seal.py)
+    sha256: Optional[str] = None  # the step's raw bytes, what `verify` checks (store/seal.py)
+    xxh3: Optional[str] = None  # the same bytes, what diff checks on every step it reads or skips
     chain: Optional[str] = None  # sha256 chained to the previous step's (store/seal.py)
 
 

@@ -24,6 +24,7 @@ import hashlib
 from pathlib import Path
 
 import orjson
+import xxhash
 
 SEAL_VERSION = 1
 SHARED_FILES = ("manifest.lock.json", "run.json", "env.json", "topology.json", "replicas.json")
@@ -32,6 +33,13 @@ EVENTS = "events.jsonl"
 
 def step_hash(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def step_fast_hash(data: bytes) -> str:
+    """xxh3-128 of a step's bytes: what diff checks on every step it reads or skips (~25x sha256's speed, so
+    a bitwise diff of a long run stays I/O-bound). The sha256 beside it is what `verify` checks; both sit
+    in the index line the chain covers."""
+    return xxhash.xxh3_128_hexdigest(data)
 
 
 def genesis(rank: int) -> str:
@@ -105,6 +113,7 @@ class StepChain:
 
     def seal_entry(self, entry: dict, data: bytes) -> dict:
         entry["sha256"] = step_hash(data)
+        entry["xxh3"] = step_fast_hash(data)
         entry["chain"] = self.last = chain_next(self.last, entry)
         self.steps += 1
         return entry
@@ -123,11 +132,14 @@ def first_chain_break(rank: int, entries: list[dict]) -> int | None:
 
 
 def step_bytes_match(path: Path, entry: dict) -> bool | None:
-    """Whether a step's raw bytes still hash to its index line's sha256 (None: the line holds no hash)."""
-    want = entry.get("sha256")
-    if want is None:
+    """Whether a step's raw bytes still hash to its index line's xxh3 (or, in lines written before it, sha256);
+    None: the line holds no hash."""
+    fast, want = entry.get("xxh3"), entry.get("sha256")
+    if fast is None and want is None:
         return None
     with open(path, "rb") as f:
         f.seek(entry["offset"])
         data = f.read(entry["length"])
-    return len(data) == entry["length"] and step_hash(data) == want
+    if len(data) != entry["length"]:
+        return False
+    return step_fast_hash(data) == fast if fast is not None else step_hash(data) == want
