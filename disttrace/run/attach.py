@@ -45,6 +45,7 @@ from disttrace.run.hooks import HookBus
 from disttrace.run.parallel.common import SCALAR_INDEX, Strategy, optimizer_state_list
 from disttrace.run.recorder import Recorder
 from disttrace.store import seal
+from disttrace.store.records import Event
 from disttrace.store.rundir import LOCK, event, mark_complete, new_run_dir, read_json, write_json_atomic
 
 RUN_DIR_ENV = "DISTTRACE_RUN_DIR"  # set by `disttrace run -- CMD`: the prepared run directory
@@ -437,7 +438,7 @@ class AttachedRun:
                 self.fault = build_fault(fault_spec, engine, self.capabilities, manifest, names)
             except BadInput as e:
                 if rank == 0:
-                    event(run_dir, "fault_refused", fault=fault_spec.get("name"), where=e.where, field=e.field,
+                    event(run_dir, Event.FAULT_REFUSED, fault=fault_spec.get("name"), where=e.where, field=e.field,
                           reason=e.reason)
                 self._remove_hooks()
                 raise
@@ -490,7 +491,7 @@ class AttachedRun:
         finally:
             self._paused = False
         if self.rank == 0:
-            event(self.run_dir, "checkpoint_saved", step=step, path=str(path.relative_to(self.run_dir)))
+            event(self.run_dir, Event.CHECKPOINT_SAVED, step=step, path=str(path.relative_to(self.run_dir)))
         self._finish_step()  # the checkpoint's records belong to the step it saved, as in harness runs
         return path
 
@@ -514,7 +515,7 @@ class AttachedRun:
             info.update(path="recovered", resume={"checkpoint": str(path), "step": step,
                                                   "from_run": str(path.parent.parent.parent)})
             write_json_atomic(info_path, info)
-            event(self.run_dir, "resumed", step=step, checkpoint=str(path),
+            event(self.run_dir, Event.RESUMED, step=step, checkpoint=str(path),
                   with_optimizer=progress["with_optimizer"])
         self.step = step + 1
         self.bus.step, self.bus.micro_batch = self.step, 0
@@ -555,7 +556,7 @@ class AttachedRun:
         if exc_type is None:
             self.close()
         else:  # the run stays incomplete; say why
-            event(self.run_dir, "rank_failed", rank=self.rank, error=f"{exc_type.__name__}: {exc}"[:2000])
+            event(self.run_dir, Event.RANK_FAILED, rank=self.rank, error=f"{exc_type.__name__}: {exc}"[:2000])
 
     # ---------------------------------------------------------- hook points
     def _memory_ledger(self):
@@ -596,7 +597,7 @@ class AttachedRun:
                 comm = True
             except RuntimeError as e:  # the script registered its own, or training already started
                 if self.rank == 0:
-                    event(self.run_dir, "attach_note", note=f"no DDP comm hook: {e}"[:500])
+                    event(self.run_dir, Event.ATTACH_NOTE, note=f"no DDP comm hook: {e}"[:500])
         if self.engine.kind != "FSDP2":
             for _, _, p in self.named:
                 if p.requires_grad:
@@ -783,6 +784,6 @@ def _prepare_dir(prepared: str | None, out, manifest: dict, manifest_id: str, en
     write_json_atomic(run_dir / "topology.json", topology_doc(engine, views))
     replicas = infer_replicas(engine.kind, views)
     write_json_atomic(run_dir / "replicas.json", replicas)
-    event(run_dir, "attached", engine=engine.kind, world_size=len(views), manifest_id=manifest_id,
+    event(run_dir, Event.ATTACHED, engine=engine.kind, world_size=len(views), manifest_id=manifest_id,
           replica_rules=len(replicas["rules"]))
     return str(run_dir)

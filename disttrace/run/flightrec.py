@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 from disttrace.run.hooks import HookBus
+from disttrace.store.records import Event
 from disttrace.store.rundir import rank_file
 
 DEFAULT_CAPACITY = 2000  # torch's own default ring size; TORCH_FR_BUFFER_SIZE overrides it
@@ -170,7 +171,7 @@ class FlightRecorderTrace:
         if self.capacity <= 0 and rank == 0:  # the user turned the recorder off: say why the trace is empty
             from disttrace.store.rundir import event
 
-            event(run_dir, "collective_trace_empty", reason="TORCH_FR_BUFFER_SIZE=0 turns torch's Flight Recorder "
+            event(run_dir, Event.COLLECTIVE_TRACE_EMPTY, reason="TORCH_FR_BUFFER_SIZE=0 turns torch's Flight Recorder "
                   "off; set record.collectives = \"values\" for a trace without it")
         self.conv = Converter()
         self.step = 0  # the tracer's interface (the worker's context hands it to faults)

@@ -27,6 +27,8 @@ class Event(StrEnum):
     RANK_FAILED = "rank_failed"  # a rank raised (rank, error, where)
     JOB_FAILED = "job_failed"  # the launcher saw the job fail (reason, failures)
     LIVE_CHECK_FAILED = "live_check_failed"  # the live replica check stopped the job
+    ATTACHED = "attached"  # a user's script attached (engine, world size, manifest id)
+    COLLECTIVE_TRACE_EMPTY = "collective_trace_empty"  # the Flight Recorder ring was off: no trace, said so
     ATTACH_NOTE = "attach_note"  # an attached run could not install something (a hook) and says why
 
 
