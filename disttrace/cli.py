@@ -137,28 +137,37 @@ def freeze(manifest: Optional[Path] = ManifestArg, set_: Optional[List[str]] = S
 # ---------------------------------------------------------------- the three paths
 
 
-def _launch_and_report(run_dir: Path, json_: bool, nnodes=1, node_rank=0, rdzv_endpoint=None, quiet=False):
-    from disttrace.run.launch import launch
-    from disttrace.views.progress import LiveProgress
-
-    err.print(Text(f"launching {run_dir} ...", style="dim"))
-    try:
-        with LiveProgress(run_dir, err, enabled=not quiet):  # stderr only: --json and stdout are unchanged
-            launch(run_dir, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
-    except JobFailed:
-        if json_:
-            from disttrace.views.show import summary
-
-            emit_json({"run_dir": str(run_dir), "complete": False, **summary(run_dir)})
-            raise typer.Exit(EXIT_JOB_FAILED)
-        raise
+def _run_job_and_report(run_dir: Path, json_: bool, job, what: str, summarize_failure: bool = True) -> Path:
+    """Run `job()` (our launcher, or a user's command) for `run_dir`, then report it the one way every
+    run-writing command does: a summary on stderr and the run directory as the last stdout line, or one
+    JSON document; a failed job still reports what it wrote (exit 3)."""
     from disttrace.views.show import render_summary, summary
 
+    err.print(Text(f"{what} ...", style="dim"))
+    try:
+        job()
+    except JobFailed:
+        if json_:
+            emit_json({"run_dir": str(run_dir), "complete": False, **(summary(run_dir) if summarize_failure else {})})
+            raise typer.Exit(EXIT_JOB_FAILED)
+        raise
     if json_:
         emit_json({"run_dir": str(run_dir), **summary(run_dir)})
     else:
         render_summary(run_dir, err, brief=True)
         print(run_dir)
+    return run_dir
+
+
+def _launch_and_report(run_dir: Path, json_: bool, nnodes=1, node_rank=0, rdzv_endpoint=None, quiet=False):
+    from disttrace.run.launch import launch
+    from disttrace.views.progress import LiveProgress
+
+    def job():
+        with LiveProgress(run_dir, err, enabled=not quiet):  # stderr only: --json and stdout are unchanged
+            launch(run_dir, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
+
+    _run_job_and_report(run_dir, json_, job, f"launching {run_dir}")
 
 
 @app.command()
@@ -239,25 +248,12 @@ USER_COMMAND: Optional[List[str]] = None  # what followed `--` on `disttrace run
 
 def _user_command(manifest, out: Path, json_: bool, path_kind: str, fault: Optional[dict]) -> Path:
     from disttrace.run import usercmd
-    from disttrace.views.show import render_summary, summary
 
     if manifest is not None:
         raise BadInput(str(manifest), "give a manifest or a command after '--', not both")
     run_dir = usercmd.prepare(out, USER_COMMAND, path_kind, fault)
-    err.print(Text(f"running {' '.join(USER_COMMAND)} attached to {run_dir} ...", style="dim"))
-    try:
-        usercmd.execute(run_dir, USER_COMMAND)
-    except JobFailed:
-        if json_:
-            emit_json({"run_dir": str(run_dir), "complete": False})
-            raise typer.Exit(EXIT_JOB_FAILED)
-        raise
-    if json_:
-        emit_json({"run_dir": str(run_dir), **summary(run_dir)})
-    else:
-        render_summary(run_dir, err, brief=True)
-        print(run_dir)
-    return run_dir
+    return _run_job_and_report(run_dir, json_, lambda: usercmd.execute(run_dir, USER_COMMAND),
+                               f"running {' '.join(USER_COMMAND)} attached to {run_dir}", summarize_failure=False)
 
 
 def _warn_if_not_fired(run_dir: Path) -> None:

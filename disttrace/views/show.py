@@ -149,6 +149,16 @@ def mesh_picture(topo: dict) -> Text:
     return out
 
 
+def _table(title: str, columns, rows, justify: str = "left") -> Table:
+    """A rich table whose cells are run-store data: each is a Text (never markup), unless already one."""
+    tab = Table(title=title)
+    for col in columns:
+        tab.add_column(col, justify=justify)
+    for row in rows:
+        tab.add_row(*[c if isinstance(c, Text) else Text(str(c)) for c in row])
+    return tab
+
+
 def show(run_dir: Path | str, view: str, console: Console) -> dict:
     if view not in VIEWS:
         raise BadInput("VIEW", f"unknown view '{view}'; one of: {', '.join(VIEWS)}")
@@ -157,12 +167,9 @@ def show(run_dir: Path | str, view: str, console: Console) -> dict:
         return render_summary(run_dir, console)
     if view == "checkpoints":
         rows = checkpoints_view(run)
-        tab = Table(title="recovery checkpoints")
-        for col in ("checkpoint", "verified", "detail"):
-            tab.add_column(col)
-        for r in rows:
-            tab.add_row(Text(r["checkpoint"]), "[green]yes[/green]" if r["verified"] else "[red]NO[/red]",
-                        Text(str(r["detail"])))
+        tab = _table("recovery checkpoints", ("checkpoint", "verified", "detail"),
+                     [(r["checkpoint"], Text("yes", "green") if r["verified"] else Text("NO", "red"), r["detail"])
+                      for r in rows])
         console.print(tab if rows else "no checkpoints")
         return {"checkpoints": rows}
     if view == "topology":
@@ -171,12 +178,8 @@ def show(run_dir: Path | str, view: str, console: Console) -> dict:
         return render_record_counts(run, console)
     if view == "collectives":
         res = check_sync(run)
-        tab = Table(title="collectives per process group")
-        for col in ("group", "ops", "bytes (rank 0 of group)"):
-            tab.add_column(col)
-        for g, v in res["groups"].items():
-            tab.add_row(Text(str(g)), Text(str(v["ops"])), Text(str(v["bytes"])))
-        console.print(tab)
+        console.print(_table("collectives per process group", ("group", "ops", "bytes (rank 0 of group)"),
+                             [(g, v["ops"], v["bytes"]) for g, v in res["groups"].items()]))
         console.print("[green]all groups in sync[/green]" if res["ok"] else
                       f"[red]{escape(res['first_mismatch']['message'])}[/red]")
         vol = wire_volume(run)
