@@ -11,6 +11,7 @@ small, so the Python cost per tensor is the largest share). Variants:
   off                      record.enabled = false: the loop and the step clock only
   recorder+ledger          trajectory digests every step, memory ledger, no collective trace
   default                  + the Flight Recorder collective trace (record.collectives = "metadata")
+  default+live check       + debug.live_check (one 16-byte-per-rule all-gather per step)
   values                   recorder + ledger + the dispatch-mode tracer with payload digests ("values")
 
 The Flight Recorder ring is set to 64 entries here so that it is copied several times within a short bench
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import statistics
 import sys
 import tempfile
@@ -34,7 +36,7 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-VARIANTS = ("off", "recorder+ledger", "default", "values")
+VARIANTS = ("off", "recorder+ledger", "default", "default+live check", "values")
 REALISTIC = ["model.dim=512", "model.n_layers=4", "model.max_seq_len=256", "training.grad_accum_steps=2"]
 TINY = ["training.grad_accum_steps=2"]  # the default manifest's model
 RING = 64
@@ -76,11 +78,13 @@ def worker(rank, world, port, frozen_doc, steps, out, q):
     from disttrace.run.collectives import CollectiveTracer
     from disttrace.run.flightrec import FlightRecorderTrace
     from disttrace.run.hooks import HookBus
+    from disttrace.run.livecheck import LiveCheck
     from disttrace.run.loop import emit_module_outputs
     from disttrace.run.memory import MemoryLedger
     from disttrace.run.parallel import build_strategy
     from disttrace.run.recorder import Recorder
     from disttrace.run.stepclock import StepClock
+    from disttrace.run.topology import groups_of
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -93,14 +97,18 @@ def worker(rank, world, port, frozen_doc, steps, out, q):
     strategy = build_strategy(m, model, mesh, bus)
     base = Path(out) / f"rank{rank}"
     flag = {"on": "off"}
-    recorded = {"recorder+ledger", "default", "values"}
+    recorded = {"recorder+ledger", "default", "default+live check", "values"}
     StepClock(base / "off", rank).attach(bus)
-    observers = []
+    recorders, ledgers = {}, []
     spent: dict[str, float] = {}  # own seconds of each observer's hook handlers, in the default variant
     for v in sorted(recorded):  # each variant writes its own run dir, so its bytes are its own
-        observers.append(Recorder(base / v, rank).attach(Gated(bus, flag, {v}, spent, f"recorder {v}")))
-        observers.append(MemoryLedger(base / v, rank, m, strategy).attach(Gated(bus, flag, {v}, spent, f"ledger {v}")))
-    fr = FlightRecorderTrace(base / "default", rank).attach(Gated(bus, flag, {"default"}, spent, "trace"))
+        recorders[v] = Recorder(base / v, rank).attach(Gated(bus, flag, {v}, spent, f"recorder {v}"))
+        ledgers.append(MemoryLedger(base / v, rank, m, strategy).attach(Gated(bus, flag, {v}, spent, f"ledger {v}")))
+    fr = FlightRecorderTrace(base / "default", rank).attach(
+        Gated(bus, flag, {"default", "default+live check"}, spent, "trace"))
+    LiveCheck(base / "default+live check", recorders["default+live check"], strategy.replicas(),
+              {**groups_of(m), "world": [list(range(world))]}, rank).attach(
+        Gated(bus, flag, {"default+live check"}, spent, "live check"))
     tracer = CollectiveTracer(base / "values", rank, values=True)
     times = {v: [] for v in VARIANTS}
     accum = m["training"]["grad_accum_steps"]
@@ -129,12 +137,12 @@ def worker(rank, world, port, frozen_doc, steps, out, q):
     fr.close()  # the end-of-run copy of what is left in the ring
     close_s = time.perf_counter() - t
     tracer.close()
-    for o in observers:
+    for o in [*recorders.values(), *ledgers]:
         o.close()
     if rank == 0:
         q.put({"times": {v: statistics.median(ts[WARMUP:]) for v, ts in times.items()}, "dumps": dumps,
                "own_ms_per_step": {k: 1e3 * s / steps for k, s in spent.items()
-                                   if k.endswith("default") or k == "trace"},
+                                   if k.endswith("default") or k in ("trace", "live check")},
                "final_copy_ms": 1e3 * close_s})
     dist.barrier()
     dist.destroy_process_group()
@@ -161,7 +169,16 @@ def measure(world: int, steps: int, sets: list[str]) -> dict:
                  for r in range(world)]
         for p in procs:
             p.start()
-        res = q.get(timeout=3600)
+        res = None
+        while res is None:  # a rank that dies (an import error, a crash) ends the bench instead of hanging it
+            try:
+                res = q.get(timeout=5)
+            except queue.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    for p in procs:
+                        p.terminate()
+                    raise SystemExit(f"a rank failed (exit codes {dead}); see its traceback above")
         for p in procs:
             p.join()
         ranks = [Path(out) / f"rank{r}" for r in range(world)]
@@ -170,6 +187,7 @@ def measure(world: int, steps: int, sets: list[str]) -> dict:
             "recorder+ledger": sum(_bytes(d / "recorder+ledger") for d in ranks) / steps,
             "default": sum(_bytes(d / "default") - _bytes(d / "default" / "collectives") for d in ranks) / steps
             + fr_trace,
+            "default+live check": sum(_bytes(d / "default+live check") for d in ranks) / steps + fr_trace,
             "values": sum(_bytes(d / "values") for d in ranks) / steps,
         }
     m = frozen.manifest["model"]
@@ -184,7 +202,7 @@ def report(title: str, r: dict, world: int, steps: int) -> None:
         t = r["times"][v]
         kib = r["bytes_per_step"].get(v)
         size = f"   {kib / 1024:8.1f} KiB/step" if kib is not None else ""
-        print(f"  {v:16s} {t * 1e3:9.1f} ms   ratio vs off {t / base:5.3f}{size}", flush=True)
+        print(f"  {v:18s} {t * 1e3:9.1f} ms   ratio vs off {t / base:5.3f}{size}", flush=True)
     own = ", ".join(f"{k.removesuffix(' default')} {ms:.2f} ms ({ms / (base * 1e3):.2%})"
                     for k, ms in r["own_ms_per_step"].items())
     print(f"  default variant, each observer's own hook time per step (share of the off step): {own}; "
