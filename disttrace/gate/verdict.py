@@ -11,6 +11,7 @@ from pathlib import Path
 
 from disttrace.store import checkpoints as checkpoint
 from disttrace.errors import BadInput
+from disttrace.store.records import Check, Verdict
 from disttrace.store.rundir import Run, read_json, write_json_atomic
 from disttrace.analysis.sync import check_sync, find_stragglers
 
@@ -19,7 +20,7 @@ REQUIRED_CONTENTS = {"model", "optim", "progress"}
 
 def check(name: str, passed: bool | None, reason: str) -> dict:
     """passed None: not applicable (e.g. no reference given); it neither passes nor fails the gate."""
-    return {"name": name, "passed": passed, "reason": reason}
+    return Check(name=name, passed=passed, reason=reason).line()
 
 
 def run_eval(run: Run) -> dict:
@@ -171,9 +172,9 @@ def gate(run_dir: Path, reference: Path | None = None, policy_file: Path | None 
                      f"{source} ({_policy_value(policy, name)})")
     apply_policy(checks, policy)
     passed = all(c["passed"] is not False for c in checks if c["required"])
-    verdict = {"pass": passed, "run": str(run.path), "reference": str(ref.path) if ref else None,
-               "policy": gate_policy.as_record(policy, source, ignored),
-               "checks": checks, "flags": flags, "eval": evaluation, "reference_eval": ref_eval, "time": time.time()}
+    verdict = Verdict(passed=passed, run=str(run.path), reference=str(ref.path) if ref else None,
+                      policy=gate_policy.as_record(policy, source, ignored), checks=checks, flags=flags,
+                      eval=evaluation, reference_eval=ref_eval, time=time.time()).line()
     write_json_atomic(run.path / "verdict.json", verdict)
     return verdict
 

@@ -120,3 +120,35 @@ class FaultEvent(_Line):
     digest_before: Optional[Any] = None
     digest_after: Optional[Any] = None
     changed: Optional[bool] = None
+
+
+class Check(_Line):
+    """One check of the gate. passed None: not applicable (it neither passes nor fails, unless the policy
+    requires every check); required False: advisory under the policy."""
+
+    name: str
+    passed: Optional[bool]
+    reason: str
+    required: bool = True
+
+    def line(self) -> dict:
+        return self.model_dump()  # passed None (n/a) is written, not left out
+
+
+class Verdict(_Line):
+    """verdict.json, written by the gate: the decision, each check, and the policy it applied (and from whom)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    passed: bool = Field(alias="pass")
+    run: str
+    reference: Optional[str] = None
+    policy: dict = Field(default_factory=dict)
+    checks: list[Check]
+    flags: list[str] = Field(default_factory=list)
+    eval: Optional[dict] = None
+    reference_eval: Optional[dict] = None
+    time: float
+
+    def line(self) -> dict:
+        return self.model_dump(by_alias=True)  # "pass" on disk and in --json, as the CLI contract says
