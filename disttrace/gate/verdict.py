@@ -59,22 +59,8 @@ def store_integrity(run: Run, ref: Run | None) -> dict:
                  + (" (run and reference)" if ref is not None else ""))
 
 
-def gate(run_dir: Path, reference: Path | None = None, policy_file: Path | None = None,
-         require_all: bool = False) -> dict:
-    from disttrace.gate import policy as gate_policy
-
-    run = Run(run_dir)
-    ref = Run(reference) if reference else None
-    # the policy is the reference's (or a policy file's), never the candidate's own manifest's
-    policy, source = gate_policy.resolve(ref.path if ref else None, ref.manifest if ref else None, policy_file,
-                                         require_all)
-    ignored = gate_policy.candidate_differences(policy, run.manifest)
-    checks, flags = [], []
-
-    # 0. the run store is what its job wrote (`disttrace verify`: the seal, the step chains, every pickle)
-    checks.append(store_integrity(run, ref))
-
-    # 1. checkpoint integrity of every checkpoint the run wrote
+def checkpoint_integrity(run: Run) -> dict:
+    """Every checkpoint the run wrote verifies against its INDEX and holds model, optimizer and progress."""
     ckpts = run.checkpoint_dirs()
     bad = []
     for c in ckpts:
@@ -88,88 +74,102 @@ def gate(run_dir: Path, reference: Path | None = None, policy_file: Path | None 
     partial = sorted((run.path / "checkpoints").glob("*.partial")) if (run.path / "checkpoints").is_dir() else []
     if partial:
         bad.append(f"{partial[0].name}: a checkpoint write never finished")
-    checks.append(check("checkpoint_integrity", bool(ckpts) and not bad,
-                        bad[0] if bad else (f"{len(ckpts)} checkpoints, every file's sha256 matches its INDEX"
-                                            if ckpts else "the run wrote no checkpoint")))
+    return check("checkpoint_integrity", bool(ckpts) and not bad,
+                 bad[0] if bad else (f"{len(ckpts)} checkpoints, every file's sha256 matches its INDEX"
+                                     if ckpts else "the run wrote no checkpoint"))
 
-    # 2. collective sync
+
+def collective_sync(run: Run) -> dict:
+    """Within every process group, every member issued the same sequence of collectives."""
     sync = check_sync(run)
-    checks.append(check("collective_sync", sync["ok"], sync["first_mismatch"]["message"] if not sync["ok"] else
-                        f"{len(sync['groups'])} process groups, every member issued the same sequence"))
+    return check("collective_sync", sync["ok"], sync["first_mismatch"]["message"] if not sync["ok"] else
+                 f"{len(sync['groups'])} process groups, every member issued the same sequence")
 
-    # 2b. replicas that must agree inside the run do (no reference needed: disttrace check)
+
+def replica_consistency(run: Run) -> dict:
+    """Copies that must agree inside the run do (`disttrace check`; no reference needed)."""
     from disttrace.analysis.consistency import check_run
 
     cons = check_run(run)
     if cons["consistent"] is None:
-        checks.append(check("replica_consistency", None, cons["reason"]))
-    elif cons["consistent"]:
-        checks.append(check("replica_consistency", True, f"{cons['steps_checked']} steps, every replica group agrees"))
-    else:
-        f = cons["first"]
-        checks.append(check("replica_consistency", False, f"step {f['step']} {f['phase']} {f['tensor']}: {f['message']}"
-                            f" (ranks {f['minority']} vs {f['majority']})"))
+        return check("replica_consistency", None, cons["reason"])
+    if cons["consistent"]:
+        return check("replica_consistency", True, f"{cons['steps_checked']} steps, every replica group agrees")
+    f = cons["first"]
+    return check("replica_consistency", False, f"step {f['step']} {f['phase']} {f['tensor']}: {f['message']}"
+                 f" (ranks {f['minority']} vs {f['majority']})")
 
-    # 3. gradient equivalence against the reference
+
+def gradient_equivalence(run: Run, ref: Run | None) -> dict:
+    """The run's trajectory equals the reference's (bitwise, or within the derived bound across topologies)."""
     from disttrace.analysis.diff import diff_runs
 
-    if ref is not None:
-        try:
-            d = diff_runs(ref.path, run.path)
-        except BadInput as e:  # e.g. no step in common (a job that died in its first step): not equivalent
-            d = {"equal": False, "first_divergence": None, "error": str(e)}
-        if "error" in d:
-            reason = f"not comparable: {d['error']}"
-        elif d["equal"]:
-            cs = d["compared_steps"]
-            reason = f"{d['mode']} equal over steps {cs.get('first')}..{cs.get('last')}"
-        else:
-            f = d["first_divergence"]
-            reason = (f"first divergence at step {f['step']} micro-batch {f['micro_batch']} {f['phase']} rank "
-                      f"{f['rank']} tensor {f['tensor']}")
-        checks.append(check("gradient_equivalence", d["equal"], reason))
-    else:
-        checks.append(check("gradient_equivalence", None, "not checked: no --reference given"))
+    if ref is None:
+        return check("gradient_equivalence", None, "not checked: no --reference given")
+    try:
+        d = diff_runs(ref.path, run.path)
+    except BadInput as e:  # e.g. no step in common (a job that died in its first step): not equivalent
+        return check("gradient_equivalence", False, f"not comparable: {e}")
+    if d["equal"]:
+        cs = d["compared_steps"]
+        return check("gradient_equivalence", True, f"{d['mode']} equal over steps {cs.get('first')}..{cs.get('last')}")
+    f = d["first_divergence"]
+    return check("gradient_equivalence", False, f"first divergence at step {f['step']} micro-batch "
+                 f"{f['micro_batch']} {f['phase']} rank {f['rank']} tensor {f['tensor']}")
 
-    # 4. the eval metric, independently computed, within the manifest's tolerance of the reference's
-    evaluation, ref_eval = None, None
+
+def eval_metric(run: Run, ref: Run | None, loss_rtol: float) -> tuple[list[dict], dict | None, dict | None]:
+    """The held-out eval loss, scored by a fresh process, within the policy's tolerance of the reference's.
+    Returns the check(s) and both evaluations (for verdict.json)."""
     if run.lock.get("source") == "disttrace.api":  # the user's own model: disttrace has no evaluation of it
-        checks.append(check("eval_metric", None, "an attached run (disttrace.api): no held-out evaluation of the "
-                                                 "user's model"))
-    else:
-        try:
-            evaluation = run_eval(run)
-        except BadInput as e:
-            checks.append(check("eval_metric", False, str(e)))
-    if evaluation is not None:
-        if ref is not None:
-            try:
-                ref_eval = run_eval(ref)
-            except BadInput as e:
-                ref_eval = None
-                checks.append(check("eval_metric", False, f"the reference cannot be scored: {e}"))
-        if ref is not None and ref_eval is not None:
-            tol = policy.eval.loss_rtol
-            a, b = evaluation["eval_loss"], ref_eval["eval_loss"]
-            rel = abs(a - b) / max(abs(b), 1e-12)
-            ok = rel <= tol and a == a  # NaN never passes
-            checks.append(check("eval_metric", ok, f"eval loss {a:.5f} vs reference {b:.5f}: relative difference "
-                                                   f"{rel:.2e} {'<=' if ok else '>'} {tol}"))
-        elif ref is None:
-            finite = evaluation["eval_loss"] == evaluation["eval_loss"] and evaluation["eval_loss"] < float("inf")
-            checks.append(check("eval_metric", True if finite else False,
-                                f"eval loss {evaluation['eval_loss']:.5f} (no reference to compare with)"))
+        return [check("eval_metric", None, "an attached run (disttrace.api): no held-out evaluation of the "
+                                           "user's model")], None, None
+    try:
+        evaluation = run_eval(run)
+    except BadInput as e:
+        return [check("eval_metric", False, str(e))], None, None
+    loss = evaluation["eval_loss"]
+    if ref is None:
+        finite = loss == loss and loss < float("inf")
+        return [check("eval_metric", finite, f"eval loss {loss:.5f} (no reference to compare with)")], evaluation, None
+    try:
+        ref_eval = run_eval(ref)
+    except BadInput as e:
+        return [check("eval_metric", False, f"the reference cannot be scored: {e}")], evaluation, None
+    b = ref_eval["eval_loss"]
+    rel = abs(loss - b) / max(abs(b), 1e-12)
+    ok = rel <= loss_rtol and loss == loss  # NaN never passes
+    return [check("eval_metric", ok, f"eval loss {loss:.5f} vs reference {b:.5f}: relative difference "
+                                     f"{rel:.2e} {'<=' if ok else '>'} {loss_rtol}")], evaluation, ref_eval
 
-    # 5. the run is complete
-    checks.append(check("complete", run.complete, "COMPLETE present" if run.complete else
-                        "no COMPLETE marker: the run did not finish"))
 
-    for s in find_stragglers(run):
-        flags.append(f"straggler: rank {s['rank']} at step {s['step']} took {s['seconds']}s to reach its "
-                     f"collective (others {s['others_median']}s)")
-    for name, value in ignored.items():
-        flags.append(f"the candidate's manifest states {name} = {value}; ignored: the gate's policy comes from the "
-                     f"{source} ({_policy_value(policy, name)})")
+def completeness(run: Run) -> dict:
+    return check("complete", run.complete, "COMPLETE present" if run.complete else
+                 "no COMPLETE marker: the run did not finish")
+
+
+def gate(run_dir: Path, reference: Path | None = None, policy_file: Path | None = None,
+         require_all: bool = False) -> dict:
+    """The independent gate: each check a small function above, composed in this order because the cheap
+    integrity checks come first (a damaged store is named before anything is computed from it) and the
+    evaluation, a fresh process, last. Loss or throughput never pass it on their own."""
+    from disttrace.gate import policy as gate_policy
+
+    run = Run(run_dir)
+    ref = Run(reference) if reference else None
+    # the policy is the reference's (or a policy file's), never the candidate's own manifest's
+    policy, source = gate_policy.resolve(ref.path if ref else None, ref.manifest if ref else None, policy_file,
+                                         require_all)
+    ignored = gate_policy.candidate_differences(policy, run.manifest)
+    checks = [store_integrity(run, ref), checkpoint_integrity(run), collective_sync(run),
+              replica_consistency(run), gradient_equivalence(run, ref)]
+    evals, evaluation, ref_eval = eval_metric(run, ref, policy.eval.loss_rtol)
+    checks += evals + [completeness(run)]
+
+    flags = [f"straggler: rank {s['rank']} at step {s['step']} took {s['seconds']}s to reach its collective "
+             f"(others {s['others_median']}s)" for s in find_stragglers(run)]
+    flags += [f"the candidate's manifest states {name} = {value}; ignored: the gate's policy comes from the "
+              f"{source} ({_policy_value(policy, name)})" for name, value in ignored.items()]
     apply_policy(checks, policy)
     passed = all(c["passed"] is not False for c in checks if c["required"])
     verdict = Verdict(passed=passed, run=str(run.path), reference=str(ref.path) if ref else None,
