@@ -624,6 +624,92 @@ def _agreed_since(x: _Side, other: _Side) -> int:
     return 0
 
 
+def _choose_mode(side_a: _Side, side_b: _Side, mode: str | None, rtol, atol, warnings: list[str]):
+    """bitwise when the topologies are equal and no explicit bound is given, else numeric; refuses a bitwise
+    comparison across topologies and bad bounds. Returns (mode, the topology fields that differ)."""
+    ma, mb = side_a.manifest, side_b.manifest
+    topo = _field_diffs(ma, mb, TOPOLOGY_FIELDS)
+    algorithm = [(k, x, y) for k, x, y in _field_diffs(ma, mb, ("parallelism.architecture", "parallelism.staleness"))
+                 if k != "parallelism.architecture" or ma.get("parallelism", {}).get("staleness")
+                 or mb.get("parallelism", {}).get("staleness")]
+    if algorithm:
+        warnings.append("different algorithms, not a bug: " + "; ".join(f"{k} {_short(x)} vs {_short(y)}"
+                        for k, x, y in algorithm) + " (a stale parameter server computes other updates; "
+                        "a divergence here is expected)")
+    if mode is None:
+        mode = "bitwise" if not topo and rtol is None and atol is None else "numeric"
+    if mode not in MODES:
+        raise BadInput("--mode", f"unknown mode {mode!r}; use one of {', '.join(MODES)}", field="mode")
+    if mode == "bitwise" and topo:
+        raise BadInput(side_b.path / LOCK, "a bitwise comparison needs the same topology, and these differ: "
+                       + "; ".join(f"{k} {_short(x)} vs {_short(y)}" for k, x, y in topo)
+                       + " (compare them numerically)", field=", ".join(k for k, _, _ in topo))
+    if mode == "bitwise" and (rtol is not None or atol is not None):
+        warnings.append("rtol/atol are ignored in bitwise mode")
+    for name, v in (("rtol", rtol), ("atol", atol)):
+        if v is not None and not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
+            raise BadInput(f"--{name}", f"must be a finite number >= 0 (got {v!r})", field=name)
+    return mode, topo
+
+
+def _load_calibration(path, side_a: _Side, side_b: _Side):
+    from disttrace.analysis.calibration import Calibration
+
+    cal = Calibration(path)
+    if cal.manifest_id not in (side_a.run.manifest_id, side_b.run.manifest_id):
+        raise BadInput(cal.path, f"calibrates manifest {cal.manifest_id[:12]}, neither run A's "
+                       f"({str(side_a.run.manifest_id)[:12]}) nor B's ({str(side_b.run.manifest_id)[:12]})",
+                       field="manifest_id")
+    return cal
+
+
+def _compare_ranks_at(step: int, ranks, side_a: _Side, side_b: _Side, tol: _Tol) -> tuple[dict, int]:
+    """One step, rank by rank (same topology). A rank whose index digests agree is skipped unread, after its
+    bytes are checked against the hash it was indexed with. Returns ({rank: _RankStep}, ranks read)."""
+    per_rank, read = {}, 0
+    for r in ranks:
+        ea, eb = side_a.entry(r, step), side_b.entry(r, step)
+        if (ea is not None and eb is not None and ea.get("digest") is not None
+                and ea.get("digest") == eb.get("digest") and ea.get("records") == eb.get("records")):
+            side_a.check_step(r, step)  # skipped by the index: its bytes must still be what was indexed
+            side_b.check_step(r, step)
+            per_rank[r] = _RankStep(int(ea.get("records") or 0))
+            continue
+        per_rank[r] = _compare_rank_step(step, r, side_a.records(r, step), side_b.records(r, step), tol)
+        read += 1
+    return per_rank, read
+
+
+def _worst_by_phase(by_phase: dict, step: int, per_rank: dict, tol: _Tol) -> None:
+    """Numeric mode: keep, per phase, the largest relative error seen and the largest error-to-bound ratio."""
+    for r, rs in per_rank.items():
+        if rs.first is None and rs.inexact == 0:
+            continue
+        for phase, rel in rs.max_rel.items():
+            cur = by_phase.setdefault(phase, {"max_rel_err": -1.0})
+            if rel > cur["max_rel_err"]:
+                bnd = None if tol.user else rs.max_rel_bound.get(phase, tol.derived(step, phase))
+                cur.update(max_rel_err=rel, bound=bnd, ratio=rel / bnd if bnd else None, step=step, rank=r,
+                           bound_kind=tol.kind(step, phase))
+        for phase, (ratio, rel, bnd) in rs.ratio_by_phase.items():
+            cur = by_phase[phase]
+            if ratio > cur.get("max_ratio", -1.0):
+                cur.update(max_ratio=ratio, max_ratio_at={"step": step, "rank": r, "rel_err": rel, "bound": bnd})
+
+
+def _tolerance_doc(mode: str, tol: _Tol, cal, since: int, ma: dict, mb: dict, rtol, atol) -> dict:
+    """What the comparison was held to, for the result document (and the views that print the bound)."""
+    if mode == "bitwise":
+        return {"kind": "bitwise", "bound": 0.0}
+    if tol.user:
+        return {"kind": "user", "rtol": rtol or 0.0, "atol": atol or 0.0}
+    if cal is not None:
+        return {"kind": "calibrated", "file": str(cal.path), "safety": cal.doc.get("safety"),
+                "manifest_id": cal.manifest_id, "elsewhere": "derived", "since_step": since,
+                **tolerance.explain(ma, mb)}
+    return {"kind": "derived", "since_step": since, **tolerance.explain(ma, mb)}
+
+
 def diff_runs(a: str | Path, b: str | Path, mode: str | None = None, rtol: float | None = None,
               atol: float | None = None, allow_edition_mismatch: bool = False, *, use_index: bool = True,
               propagate: bool = True, on_step=None, calibration: str | Path | None = None) -> dict:
@@ -645,40 +731,12 @@ def diff_runs(a: str | Path, b: str | Path, mode: str | None = None, rtol: float
     side_a.load()
     side_b.load()
     ma, mb = side_a.manifest, side_b.manifest
-    topo = _field_diffs(ma, mb, TOPOLOGY_FIELDS)
+    mode, topo = _choose_mode(side_a, side_b, mode, rtol, atol, warnings)
     same_topology = not topo
-    algorithm = [(k, x, y) for k, x, y in _field_diffs(ma, mb, ("parallelism.architecture", "parallelism.staleness"))
-                 if k != "parallelism.architecture" or ma.get("parallelism", {}).get("staleness")
-                 or mb.get("parallelism", {}).get("staleness")]
-    if algorithm:
-        warnings.append("different algorithms, not a bug: " + "; ".join(f"{k} {_short(x)} vs {_short(y)}"
-                        for k, x, y in algorithm) + " (a stale parameter server computes other updates; "
-                        "a divergence here is expected)")
-    if mode is None:
-        mode = "bitwise" if same_topology and rtol is None and atol is None else "numeric"
-    if mode not in MODES:
-        raise BadInput("--mode", f"unknown mode {mode!r}; use one of {', '.join(MODES)}", field="mode")
-    if mode == "bitwise" and not same_topology:
-        raise BadInput(side_b.path / LOCK, "a bitwise comparison needs the same topology, and these differ: "
-                       + "; ".join(f"{k} {_short(x)} vs {_short(y)}" for k, x, y in topo)
-                       + " (compare them numerically)", field=", ".join(k for k, _, _ in topo))
-    if mode == "bitwise" and (rtol is not None or atol is not None):
-        warnings.append("rtol/atol are ignored in bitwise mode")
-    for name, v in (("rtol", rtol), ("atol", atol)):
-        if v is not None and not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
-            raise BadInput(f"--{name}", f"must be a finite number >= 0 (got {v!r})", field=name)
 
     steps, compared = _compared_steps(side_a, side_b)
     since = max(_agreed_since(side_b, side_a), _agreed_since(side_a, side_b))
-    cal = None
-    if calibration is not None:
-        from disttrace.analysis.calibration import Calibration
-
-        cal = Calibration(calibration)
-        if cal.manifest_id not in (side_a.run.manifest_id, side_b.run.manifest_id):
-            raise BadInput(cal.path, f"calibrates manifest {cal.manifest_id[:12]}, neither run A's "
-                           f"({str(side_a.run.manifest_id)[:12]}) nor B's ({str(side_b.run.manifest_id)[:12]})",
-                           field="manifest_id")
+    cal = _load_calibration(calibration, side_a, side_b) if calibration is not None else None
     tol = _Tol(mode, ma, mb, rtol, atol, since, cal)
     ranks = sorted(set(side_a.ranks) | set(side_b.ranks))
     logical = mode == "numeric" and not same_topology
@@ -701,35 +759,13 @@ def diff_runs(a: str | Path, b: str | Path, mode: str | None = None, rtol: float
             per_rank = _compare_logical_step(step, side_a, side_b, tol, warnings, warned, phases_seen)
             read_steps += 1
         else:
-            per_rank = {}
-            for r in ranks:
-                ea, eb = side_a.entry(r, step), side_b.entry(r, step)
-                if (ea is not None and eb is not None and ea.get("digest") is not None
-                        and ea.get("digest") == eb.get("digest") and ea.get("records") == eb.get("records")):
-                    side_a.check_step(r, step)  # skipped by the index: its bytes must still be what was indexed
-                    side_b.check_step(r, step)
-                    per_rank[r] = _RankStep(int(ea.get("records") or 0))
-                    continue
-                per_rank[r] = _compare_rank_step(step, r, side_a.records(r, step), side_b.records(r, step), tol)
-                read_steps += 1
+            per_rank, read = _compare_ranks_at(step, ranks, side_a, side_b, tol)
+            read_steps += read
         for rs in per_rank.values():
             n_units += rs.total
             n_exact += rs.total - rs.inexact
         if mode == "numeric":
-            for r, rs in per_rank.items():
-                if rs.first is None and rs.inexact == 0:
-                    continue
-                for phase, rel in rs.max_rel.items():
-                    cur = by_phase.setdefault(phase, {"max_rel_err": -1.0})
-                    if rel > cur["max_rel_err"]:
-                        bnd = None if tol.user else rs.max_rel_bound.get(phase, tol.derived(step, phase))
-                        cur.update(max_rel_err=rel, bound=bnd, ratio=rel / bnd if bnd else None, step=step, rank=r,
-                                   bound_kind=tol.kind(step, phase))
-                for phase, (ratio, rel, bnd) in rs.ratio_by_phase.items():
-                    cur = by_phase[phase]
-                    if ratio > cur.get("max_ratio", -1.0):
-                        cur.update(max_ratio=ratio, max_ratio_at={"step": step, "rank": r, "rel_err": rel,
-                                                                  "bound": bnd})
+            _worst_by_phase(by_phase, step, per_rank, tol)
         diverged_here = [rs for rs in per_rank.values() if rs.differing]
         if first_step is None and diverged_here:
             first_step = step
@@ -765,12 +801,7 @@ def diff_runs(a: str | Path, b: str | Path, mode: str | None = None, rtol: float
         "first_divergence": first_div,
         "propagation": propagation,
         "recovered_steps": recovered,
-        "tolerance": ({"kind": "bitwise", "bound": 0.0} if mode == "bitwise" else
-                      {"kind": "user", "rtol": rtol or 0.0, "atol": atol or 0.0} if tol.user else
-                      {"kind": "calibrated", "file": str(cal.path), "safety": cal.doc.get("safety"),
-                       "manifest_id": cal.manifest_id, "elsewhere": "derived", "since_step": since,
-                       **tolerance.explain(ma, mb)} if cal is not None else
-                      {"kind": "derived", "since_step": since, **tolerance.explain(ma, mb)}),
+        "tolerance": _tolerance_doc(mode, tol, cal, since, ma, mb, rtol, atol),
         "stats": {"tensors_compared": n_units, "bit_equal": n_exact, "steps_read": read_steps,
                   "index": use_index, "steps_hash_checked": side_a.hash_checked + side_b.hash_checked},
         "records_read": {"a": side_a.records_read, "b": side_b.records_read},  # parsed, each side
