@@ -46,8 +46,11 @@ def losses_from_trajectory(run_dir: Path) -> dict[int, float]:
 
 def test_inject_plain_progress_names_the_slow_rank_before_the_job_ends(tmp_path):
     # rank 1 sleeps 9 s before its all-reduce at step 3; a 12 s collective timeout caps the stall threshold
-    # at 6 s, so the stall must be named while rank 0 still waits (the job then completes)
-    proc = cli("inject", DEFAULT, *SHORT, "--set", "debug.collective_timeout_s=12", "--fault", "slow-rank",
+    # at 6 s, so the stall must be named while rank 0 still waits (the job then completes). Naming the last
+    # collective each rank issued needs a trace written as ops are issued: the dispatch-mode tracer
+    # (record.collectives=values); the default Flight Recorder copy reaches the store only at ring copies.
+    proc = cli("inject", DEFAULT, *SHORT, "--set", "debug.collective_timeout_s=12",
+               "--set", "record.collectives=values", "--fault", "slow-rank",
                "--step", 3, "--rank", 1, "--param", "seconds=9", "--out", tmp_path, env=ENV, check=EXIT_OK)
     run_dir = last_line(proc)
     lines = proc.stderr.splitlines()

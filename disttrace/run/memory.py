@@ -218,7 +218,9 @@ class MemoryLedger:
                "resident": resident_bytes(),
                "predicted": pred, "ratio_model_state": round(model_state / pred["total"], 4) if pred["total"] else None,
                "ratio_total": round(total / pred["total"], 4) if pred["total"] else None,
-               "gap": [g["what"] + f": {g['bytes']:+d} B" for g in gaps], "gap_bytes": gaps}
+               "gap": [g["what"] + f": {g['bytes']:+d} B" + (f" ({g['why']})" if g.get("why") else "")
+                       for g in gaps],
+               "gap_bytes": gaps}
         if torch.cuda.is_available():
             rec["allocated"] = int(torch.cuda.memory_allocated())
             rec["peak_allocator"] = int(torch.cuda.max_memory_allocated())
