@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test fuzz install clean bench
+.PHONY: demo test test-all fuzz install clean bench
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -23,7 +23,13 @@ demo: $(STAMP)
 	$(BIN)/disttrace run manifests/default.toml
 	$(BIN)/disttrace lab manifests/default.toml --fault bitflip-grad --step 3 --rank 1 --predict backward@3:1
 
+# CI's tier: every test but the `slow` end-to-end jobs (crash, multi-node, the integrations, the attach
+# bug families, calibration, the report's lab, a few long strategy and fault runs)
 test: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "not slow" tests
+
+# everything, the slow tier included
+test-all: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests
 
 # the long fuzz: every generated-input test of tests/test_fuzz.py scaled to at least 10,000 inputs in all

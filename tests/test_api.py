@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+import pytest
 
 from conftest import ROOT, cli
 from disttrace.analysis.diff import diff_runs
@@ -27,6 +28,7 @@ def test_example_changes_at_most_ten_lines():
     assert 0 < len(marked) <= 10
 
 
+@pytest.mark.slow
 def test_instrumented_tutorial_is_diffable(tmp_path):
     a = run_example(tmp_path)
     b = run_example(tmp_path)

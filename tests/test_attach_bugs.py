@@ -17,6 +17,8 @@ from conftest import ROOT, cli
 from disttrace.analysis.diff import diff_runs
 from disttrace.store.rundir import Run, iter_jsonl, read_json
 
+pytestmark = pytest.mark.slow  # end-to-end jobs of the full tier (`make test-all`); CI runs `make test`
+
 SCRIPT = ROOT / "tests" / "scripts" / "accum_train.py"
 
 VARIANTS = {

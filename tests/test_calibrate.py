@@ -10,6 +10,8 @@ import pytest
 
 from conftest import DEFAULT, SHORT, cli, last_line
 
+pytestmark = pytest.mark.slow  # end-to-end jobs of the full tier (`make test-all`); CI runs `make test`
+
 DP1 = ["--set", "parallelism.dp=1", "--set", "training.grad_accum_steps=4"]
 
 

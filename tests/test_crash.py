@@ -12,10 +12,13 @@ import time
 
 import orjson
 from pathlib import Path
+import pytest
 
 from conftest import DEFAULT, ROOT, cli
 from disttrace.analysis.diff import diff_runs
 from disttrace.store.rundir import Run
+
+pytestmark = pytest.mark.slow  # end-to-end jobs of the full tier (`make test-all`); CI runs `make test`
 
 SETS = ["--set", "training.steps=10", "--set", "checkpoint.interval=2"]
 

@@ -100,6 +100,7 @@ def no_processes_of(run_dir) -> bool:
     return out == ""
 
 
+@pytest.mark.slow
 def test_kill_rank_ends_with_exit_3_and_no_orphans(runs, tmp_path):
     t = time.time()
     proc = cli("inject", DEFAULT, *SHORT, "--fault", "kill-rank", "--step", 3, "--rank", 1, "--out", tmp_path)
@@ -144,6 +145,7 @@ def test_recovered_path_rejoins_the_reference_bit_for_bit(runs):
     assert (d["compared_steps"]["first"], d["compared_steps"]["last"]) == (3, 4)
 
 
+@pytest.mark.slow
 def test_optimizer_reset_recovery_diverges_at_resume_in_optimizer_phase(runs):
     ref = runs.reference()
     fault = runs.fault("optimizer-reset", 2, 0)
@@ -212,6 +214,7 @@ def test_fault_catalog_lists_every_fault():
     assert all(f["expect"] and f["point"] and f["description"] for f in cat)
 
 
+@pytest.mark.slow
 def test_live_check_stops_the_job_at_the_first_inconsistent_step(runs, tmp_path):
     live = ["--set", "debug.live_check=true", "--set", "training.steps=6"]
     assert Run(runs.reference(*live)).complete  # no false alarm on a clean run

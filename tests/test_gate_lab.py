@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import orjson
+import pytest
 
 from conftest import DEFAULT, SHORT, cli
 from disttrace.store.rundir import Run
@@ -66,6 +67,7 @@ def test_gate_bad_input(tmp_path):
     assert proc.returncode == 2 and "missing" in proc.stderr
 
 
+@pytest.mark.slow
 def test_lab_runs_the_whole_method_and_judges_the_prediction(runs):
     proc = cli("lab", DEFAULT, *SHORT, "--fault", "skip-allreduce", "--step", 3, "--rank", 1,
                "--predict", "reduce@3:1", "--json", "--out", runs.root, timeout=400)

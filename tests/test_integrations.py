@@ -16,6 +16,8 @@ from conftest import ROOT, cli
 from disttrace.analysis.diff import diff_runs
 from disttrace.store.rundir import Run
 
+pytestmark = pytest.mark.slow  # end-to-end jobs of the full tier (`make test-all`); CI runs `make test`
+
 TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
 
 

@@ -6,11 +6,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import pytest
 
 from conftest import DEFAULT, ROOT, cli, last_line
 from disttrace.analysis.diff import diff_runs
 from disttrace.run.launch import free_port
 from disttrace.store.rundir import Run
+
+pytestmark = pytest.mark.slow  # end-to-end jobs of the full tier (`make test-all`); CI runs `make test`
 
 SETS = ["--set", "parallelism.dp=4", "--set", "training.grad_accum_steps=1", "--set", "training.steps=3",
         "--set", "checkpoint.interval=3"]

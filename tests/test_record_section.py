@@ -59,6 +59,7 @@ def test_show_json_carries_step_seconds_and_records(runs):
         assert seconds >= idx[step]["end"] - idx[step]["start"] - 1e-3, step
 
 
+@pytest.mark.slow
 def test_record_every_2_diffs_on_the_steps_both_runs_recorded(runs):
     ref = runs.reference()
     sparse = runs.reference(*EVERY2)

@@ -17,6 +17,8 @@ from conftest import DEFAULT, SHORT, cli, last_line
 from disttrace.errors import BadInput
 from disttrace.views.report import build_report
 
+pytestmark = pytest.mark.slow  # end-to-end jobs of the full tier (`make test-all`); CI runs `make test`
+
 CHROMIUM = Path("/usr/bin/chromium")
 # CI installs it with: apt-get update && apt-get install -y chromium
 CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -87,6 +87,7 @@ def test_sharded_checkpoint_resumes_bit_identically(runs, name):
 PS = ["--set", 'parallelism.architecture="parameter-server"']
 
 
+@pytest.mark.slow
 def test_parameter_server_staleness_0_equals_allreduce_and_staleness_1_is_another_algorithm(runs):
     ddp = runs.reference()
     sync = diff_runs(ddp, runs.reference(*PS))
@@ -96,6 +97,7 @@ def test_parameter_server_staleness_0_equals_allreduce_and_staleness_1_is_anothe
     assert any("different algorithms" in w and "staleness" in w for w in stale["warnings"])
 
 
+@pytest.mark.slow
 def test_parameter_server_fault_on_a_worker_is_located(runs):
     ref = runs.reference(*PS)
     f = diff_runs(ref, runs.fault("bitflip-grad", 3, 1, *PS))["first_divergence"]
@@ -104,6 +106,7 @@ def test_parameter_server_fault_on_a_worker_is_located(runs):
     assert diff_runs(ref, rec)["equal"]
 
 
+@pytest.mark.slow
 def test_pipeline_fault_on_the_last_stage_and_resume(runs):
     pp = STRATEGIES["pp2-1f1b"]
     ref = runs.reference(*pp)
@@ -127,6 +130,7 @@ def test_pipeline_fault_on_the_last_stage_and_resume(runs):
 CLIP = ["--set", "training.max_grad_norm=0.05"]  # small: clipping is active every step
 
 
+@pytest.mark.slow
 def test_clipping_across_meshes_keeps_replicas_consistent(runs):
     """dp x tp: norm weights live on the dp mesh, matmuls on dp x tp; the global norm combines both."""
     run = runs.reference(*STRATEGIES["dp2xtp2"], *CLIP)
@@ -134,6 +138,7 @@ def test_clipping_across_meshes_keeps_replicas_consistent(runs):
     assert diff_runs(runs.reference(*CLIP), run)["equal"]
 
 
+@pytest.mark.slow
 def test_clipping_is_recorded_and_clip_faults_are_found_by_check_alone(runs):
     z3 = [*STRATEGIES["zero3"], *CLIP]
     clean = runs.reference(*z3)
