@@ -264,7 +264,11 @@ def manifest_from_deepspeed(ds_path: Path | str, base_manifest: Path | str | Non
 
 
 def _build(ds_path: Path, base_path: Path, world_size: int | None) -> tuple[dict, list[str], dict, dict]:
-    """(doc, warnings, provenance: manifest field -> DeepSpeed key, the config's stated batch values)."""
+    """(doc, warnings, provenance: manifest field -> DeepSpeed key, the config's stated batch values).
+
+    One small mapping per part of the DeepSpeed config, world size first because the batch identity
+    (train = micro x accum x dp) needs dp; the others are independent. Every key is mapped, refused with
+    its reason, or named in a warning: never dropped silently."""
     cfg = read_ds_config(ds_path)
     doc = read_toml(base_path)
     base = validate(copy.deepcopy(doc), base_path)  # the base must stand on its own; errors name the base
@@ -275,7 +279,23 @@ def _build(ds_path: Path, base_path: Path, world_size: int | None) -> tuple[dict
         _set(doc, field, value)
         provenance[field] = ds_key
 
-    # -- world size: DeepSpeed's world_size in the batch identity is the data-parallel size
+    dp = _map_world(doc, base, world_size)
+    vals = _map_batch(ds_path, cfg, dp, put, warnings)
+    _map_precision(ds_path, cfg, doc, base, warnings)
+    _map_zero(ds_path, cfg, put, warnings)
+    if "optimizer" in cfg:
+        _map_optimizer(ds_path, cfg["optimizer"], put, warnings)
+    else:
+        warnings.append(f"optimizer: not given (DeepSpeed then uses the client's optimizer); the base manifest's "
+                        f"{base.training.optimizer} with lr {base.training.lr} is kept")
+    _map_clipping(ds_path, cfg, put, warnings)
+    _refuse_elasticity(ds_path, cfg, warnings)
+    _name_the_rest(cfg, warnings)
+    return doc, warnings, provenance, vals
+
+
+def _map_world(doc: dict, base, world_size: int | None) -> int:
+    """DeepSpeed's world_size in the batch identity is the data-parallel size: dp = world / (tp * pp)."""
     tp, pp = base.parallelism.tp, base.parallelism.pp
     if world_size is None:
         world = base.world_size
@@ -289,8 +309,11 @@ def _build(ds_path: Path, base_path: Path, world_size: int | None) -> tuple[dict
     _set(doc, "parallelism.dp", dp)
     if "world_size" in doc.get("parallelism", {}):
         _set(doc, "parallelism.world_size", world)
+    return dp
 
-    # -- batch
+
+def _map_batch(ds_path: Path, cfg: dict, dp: int, put, warnings: list[str]) -> dict:
+    """train_batch_size = micro x accum x dp, DeepSpeed's own assertion and wording; returns the stated values."""
     vals = {}
     for key in (TRAIN_BATCH, MICRO_BATCH, GRAD_ACC):
         v = cfg.get(key)
@@ -302,8 +325,11 @@ def _build(ds_path: Path, base_path: Path, world_size: int | None) -> tuple[dict
     warnings += notes
     put("training.micro_batch_size", micro, MICRO_BATCH)
     put("training.grad_accum_steps", accum, GRAD_ACC)
+    return vals
 
-    # -- precision: the manifest trains in float32 or float64; DeepSpeed without fp16/bf16 trains in fp32
+
+def _map_precision(ds_path: Path, cfg: dict, doc: dict, base, warnings: list[str]) -> None:
+    """The manifest trains in float32 or float64; DeepSpeed without fp16/bf16 trains in fp32."""
     for key, what in (("fp16", "fp16"), ("bf16", "bf16"), ("bfloat16", "bf16"), ("amp", "Apex AMP")):
         if key not in cfg:
             continue
@@ -319,7 +345,8 @@ def _build(ds_path: Path, base_path: Path, world_size: int | None) -> tuple[dict
                         "(DeepSpeed trains in fp32 when fp16/bf16 are off)")
     _set(doc, "training.dtype", "float32")
 
-    # -- ZeRO
+
+def _map_zero(ds_path: Path, cfg: dict, put, warnings: list[str]) -> None:
     zero = cfg.get("zero_optimization")
     stage = 0
     if isinstance(zero, bool):  # DeepSpeed's legacy form: true means stage 1
@@ -347,14 +374,9 @@ def _build(ds_path: Path, base_path: Path, world_size: int | None) -> tuple[dict
                                 f"disttrace's ZeRO-{stage} strategy uses its own")
     put("parallelism.zero_stage", stage, "zero_optimization.stage")
 
-    # -- optimizer
-    if "optimizer" in cfg:
-        _map_optimizer(ds_path, cfg["optimizer"], put, warnings)
-    else:
-        warnings.append(f"optimizer: not given (DeepSpeed then uses the client's optimizer); the base manifest's "
-                        f"{base.training.optimizer} with lr {base.training.lr} is kept")
 
-    # -- gradient clipping: the global norm, as training.max_grad_norm (0 means off in DeepSpeed)
+def _map_clipping(ds_path: Path, cfg: dict, put, warnings: list[str]) -> None:
+    """The global norm, as training.max_grad_norm (0 means off in DeepSpeed)."""
     if "gradient_clipping" in cfg:
         gc = _num(ds_path, "gradient_clipping", cfg["gradient_clipping"])
         if gc == 0:
@@ -364,7 +386,9 @@ def _build(ds_path: Path, base_path: Path, world_size: int | None) -> tuple[dict
         else:
             put("training.max_grad_norm", float(gc), "gradient_clipping")
 
-    # -- elasticity rewrites the batch: refuse when on
+
+def _refuse_elasticity(ds_path: Path, cfg: dict, warnings: list[str]) -> None:
+    """Elasticity rewrites the batch: refused when on."""
     if "elasticity" in cfg:
         sec = _section(ds_path, "elasticity", cfg["elasticity"])
         if _enabled(ds_path, "elasticity", sec):
@@ -372,7 +396,9 @@ def _build(ds_path: Path, base_path: Path, world_size: int | None) -> tuple[dict
                            field="elasticity.enabled")
         warnings.append("elasticity: ignored: disabled")
 
-    # -- everything else: named, never dropped silently
+
+def _name_the_rest(cfg: dict, warnings: list[str]) -> None:
+    """Every other key, named: never dropped silently."""
     handled = {TRAIN_BATCH, MICRO_BATCH, GRAD_ACC, "fp16", "bf16", "bfloat16", "amp", "zero_optimization",
                "optimizer", "gradient_clipping", "elasticity"}
     for key, v in cfg.items():
@@ -385,8 +411,6 @@ def _build(ds_path: Path, base_path: Path, world_size: int | None) -> tuple[dict
             warnings.append(f"{key}: {kind}: {why}")
         else:
             warnings.append(f"{key}: unknown: not a DeepSpeed key disttrace knows; ignored")
-
-    return doc, warnings, provenance, vals
 
 
 def _map_optimizer(ds_path: Path, raw: Any, put, warnings: list[str]) -> None:
