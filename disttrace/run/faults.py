@@ -15,6 +15,7 @@ the resume step), "refused-at-load", "exit-3", "none" (numerics equal; a straggl
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -114,6 +115,15 @@ class Fault:
 
     def here(self, bus) -> bool:
         return not self.fired and bus.step == self.step and bus.rank == self.rank
+
+    @contextlib.contextmanager
+    def changing(self, bus, watched: list, /, **detail: Any):
+        """Fire with proof for a change made in place inside the block: the digest of the `watched` tensors
+        before and after it (the common case; faults that replace an object or change a scalar pass `proof`
+        to fire themselves)."""
+        before = state_digest(*watched)
+        yield
+        self.fire(bus, proof=(before, state_digest(*watched)), **detail)
 
     def fire(self, bus, proof: tuple | None = None, **detail: Any) -> None:
         """Log the firing; `proof` = (before, after) digests (or values) of what the fault changed."""
@@ -358,12 +368,11 @@ class SkipAllreduce(Fault):
         def restore(bus, p):
             if self.here(bus):
                 kept = [(name, g) for index, name, g, *_ in p["grads"] if index in self.local]
-                before = state_digest(*(g for _, g in kept))
-                for index, name, g, *_ in p["grads"]:
-                    if index in self.local:
-                        g.copy_(self.local[index])
-                self.fire(bus, proof=(before, state_digest(*(g for _, g in kept))), phase="reduce",
-                          tensors=len(self.local), names=[n for n, _ in kept][:8])
+                with self.changing(bus, [g for _, g in kept], phase="reduce", tensors=len(self.local),
+                                   names=[n for n, _ in kept][:8]):
+                    for index, name, g, *_ in p["grads"]:
+                        if index in self.local:
+                            g.copy_(self.local[index])
 
         bus.on("backward", keep_local, order=95)  # after any other handler: what was really sent
         bus.on("reduce", restore, order=10)
@@ -379,11 +388,10 @@ class GradScale(Fault):
         def handler(bus, p):
             if self.here(bus):
                 world = self.ctx.manifest["parallelism"]["dp"]
-                before = state_digest(*(g for _, _, g, *_ in p["grads"]))
-                for _, _, g, *_ in p["grads"]:
-                    g.div_(world)
-                self.fire(bus, proof=(before, state_digest(*(g for _, _, g, *_ in p["grads"]))), phase="reduce",
-                          divisor=world)
+                grads = [g for _, _, g, *_ in p["grads"]]
+                with self.changing(bus, grads, phase="reduce", divisor=world):
+                    for g in grads:
+                        g.div_(world)
 
         bus.on("reduce", handler, order=10)
 
@@ -459,11 +467,9 @@ class StaleParam(Fault):
         def after(bus, p):
             if self.here(bus):
                 tensors = [t for _, _, t in p["params"]]
-                d0 = state_digest(*tensors)
-                for t, prev, cur in zip(tensors, self.saved[self.step - 1], self.saved[self.step]):
-                    t.data.copy_(prev + (t.detach() - cur))
-                self.fire(bus, proof=(d0, state_digest(*tensors)), phase="optimizer", tensors=len(tensors),
-                          target=_target(self))
+                with self.changing(bus, tensors, phase="optimizer", tensors=len(tensors), target=_target(self)):
+                    for t, prev, cur in zip(tensors, self.saved[self.step - 1], self.saved[self.step]):
+                        t.data.copy_(prev + (t.detach() - cur))
 
         # under the parameter server `before_optimizer` hands the server its master parameters already
         bus.on("before_optimizer", before, order=10)
@@ -716,11 +722,10 @@ class LateMicrobatch(Fault):
         def add_late(bus, p):
             if self.here(bus):
                 touched = [g for i, _, g, *_ in p["grads"] if i in self.late]
-                before = state_digest(*touched)
-                for i, _, g, *_ in p["grads"]:
-                    if i in self.late:
-                        g.add_(self.late[i])
-                self.fire(bus, proof=(before, state_digest(*touched)), phase="reduce", tensors=len(self.late))
+                with self.changing(bus, touched, phase="reduce", tensors=len(self.late)):
+                    for i, _, g, *_ in p["grads"]:
+                        if i in self.late:
+                            g.add_(self.late[i])
 
         bus.on("backward", remember, order=10)
         bus.on("backward", hold_back, order=11)
