@@ -121,7 +121,7 @@ def gradient_equivalence(run: Run, ref: Run | None) -> dict:
 def eval_metric(run: Run, ref: Run | None, loss_rtol: float) -> tuple[list[dict], dict | None, dict | None]:
     """The held-out eval loss, scored by a fresh process, within the policy's tolerance of the reference's.
     Returns the check(s) and both evaluations (for verdict.json)."""
-    if run.lock.get("source") == "disttrace.api":  # the user's own model: disttrace has no evaluation of it
+    if run.attached:  # the user's own model: disttrace has no evaluation of it
         return [check("eval_metric", None, "an attached run (disttrace.api): no held-out evaluation of the "
                                            "user's model")], None, None
     try:

@@ -36,7 +36,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import orjson
 import torch
 
 from disttrace.errors import BadInput
@@ -45,11 +44,11 @@ from disttrace.run.hooks import HookBus
 from disttrace.run.parallel.common import SCALAR_INDEX, Strategy, optimizer_state_list
 from disttrace.run.recorder import Recorder
 from disttrace.store import seal
-from disttrace.store.records import Event
+from disttrace.store.records import ATTACHED_SOURCE, Event
 from disttrace.store.rundir import LOCK, event, mark_complete, new_run_dir, read_json, write_json_atomic
 
 RUN_DIR_ENV = "DISTTRACE_RUN_DIR"  # set by `disttrace run -- CMD`: the prepared run directory
-SOURCE = "disttrace.api"
+SOURCE = ATTACHED_SOURCE  # the lock's `source` of attached runs (readers ask Run.attached)
 ENGINES = ("plain", "DDP", "FSDP2", "DTensor")
 
 
@@ -313,7 +312,9 @@ def build_manifest(engine: Engine, optimizer, views: list[dict], name: str, edit
 
 
 def manifest_id_of(manifest: dict) -> str:
-    return hashlib.sha256(orjson.dumps(manifest, option=orjson.OPT_SORT_KEYS)).hexdigest()
+    from disttrace.config.manifest import canonical_json
+
+    return hashlib.sha256(canonical_json(manifest)).hexdigest()  # the harness's manifest id, same rule
 
 
 # ---------------------------------------------------------------- faults inside an attached run

@@ -69,17 +69,25 @@ def _tensors_in(obj, depth: int = 0):
             yield from _tensors_in(v, depth + 1)
 
 
-def fsdp2_engine_tensors(model):
-    """FSDP2's own buffers: each FSDPParam's unsharded parameter and all-gather outputs (private attributes
-    of torch 2.5-2.13; absent ones are skipped)."""
+def fsdp2_param_groups(model) -> list:
+    """FSDP2's parameter groups of a model ([] when it is not sharded with FSDP2). They are fixed once
+    fully_shard ran, so a ledger finds them once, not on every sample (private attributes of torch
+    2.5-2.13; absent ones are skipped)."""
+    groups = []
     for m in model.modules():
         get_state = getattr(m, "_get_fsdp_state", None)
         if get_state is None:
             continue
         try:
-            group = get_state()._fsdp_param_group
+            groups.append(get_state()._fsdp_param_group)
         except Exception:  # noqa: BLE001  -- not an FSDP2 module after all
             continue
+    return groups
+
+
+def fsdp2_engine_tensors(groups: list):
+    """FSDP2's own buffers, read fresh: each FSDPParam's unsharded parameter and all-gather outputs."""
+    for group in groups:
         for fp in getattr(group, "fsdp_params", None) or []:
             for name in ("_unsharded_param", "_unsharded_inner_tensors"):
                 yield from _tensors_in(getattr(fp, name, None))
@@ -138,7 +146,9 @@ class MemoryLedger:
         self.manifest = manifest
         self.strategy = strategy
         self._saved: dict = {}
+        self._saved_total = 0
         self._peak_act = 0
+        self._groups: list | None = None  # FSDP2's parameter groups, found on first use
         self._hooks = None
         self.predicted = predict_model_state(manifest, strategy)
 
@@ -167,7 +177,7 @@ class MemoryLedger:
         forward (`loss`) and after the reduce; the step's largest sample is `engine_peak`."""
         n = 0
         seen: set = set()
-        for t in fsdp2_engine_tensors(self.strategy.plain):
+        for t in fsdp2_engine_tensors(self._fsdp_groups()):
             try:
                 st = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()
             except (RuntimeError, NotImplementedError):
@@ -177,21 +187,28 @@ class MemoryLedger:
                 n += st.nbytes()
         self._engine_peak = max(self._engine_peak, n + sum(self._engine.values()))
 
+    def _fsdp_groups(self) -> list:
+        if self._groups is None:
+            self._groups = fsdp2_param_groups(self.strategy.plain)
+        return self._groups
+
     def _pack(self, t):
         try:
-            key = t.untyped_storage().data_ptr()
-            if key not in self._saved:
-                self._saved[key] = t.untyped_storage().nbytes()
-                self._peak_act = max(self._peak_act, sum(self._saved.values()))
+            st = t.untyped_storage()
+            key = st.data_ptr()
+            if key not in self._saved:  # a running total: this hook runs for every tensor autograd saves
+                self._saved[key] = st.nbytes()
+                self._saved_total += self._saved[key]
+                self._peak_act = max(self._peak_act, self._saved_total)
         except (RuntimeError, NotImplementedError):  # tensors without storage (DTensor wrappers, fakes)
             pass
         return t
 
     def _new_micro_batch(self, bus, p):
-        self._saved = {}  # the previous micro-batch's activations were freed by its backward
+        self._saved, self._saved_total = {}, 0  # the previous micro-batch's activations were freed by its backward
 
     def _start(self, bus, p):
-        self._saved, self._peak_act = {}, 0
+        self._saved, self._saved_total, self._peak_act = {}, 0, 0
         self._engine, self._engine_peak = {}, 0  # DDP rebuilds its buckets after the first step
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._hooks.__enter__()
@@ -203,7 +220,7 @@ class MemoryLedger:
             self._hooks.__exit__(None, None, None)
             self._hooks = None
         s = self.strategy
-        c = measure(s.plain, s.optimizer, self._engine.items(), fsdp2_engine_tensors(s.plain))
+        c = measure(s.plain, s.optimizer, self._engine.items(), fsdp2_engine_tensors(self._fsdp_groups()))
         b = c.bytes
         params, grads, optim = b["params"], b["grads"], b["optimizer"]
         model_state = params + grads + optim

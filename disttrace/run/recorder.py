@@ -129,8 +129,8 @@ class Recorder:
         def handler(bus, p):
             if phase == "backward" and "collective_issue" not in self._t and p.get("before_collective"):
                 self._t["collective_issue"] = time.time()
-            for index, name, g, *shard in p["grads"]:
-                self.add(bus, phase, index, name, g, **(shard[0] if shard else {}))
+            for index, name, g in p["grads"]:
+                self.add(bus, phase, index, name, g)
         return handler
 
     def _clip(self, bus, p):
@@ -140,11 +140,11 @@ class Recorder:
             self.add(bus, "clip", index, name, t)
 
     def _optimizer(self, bus, p):
-        for index, name, t, *shard in p["params"]:
-            self.add(bus, "optimizer", index, name, t, **(shard[0] if shard else {}))
+        for index, name, t in p["params"]:
+            self.add(bus, "optimizer", index, name, t)
         base = len(p["params"])
-        for index, name, t, *shard in p.get("state", []):
-            self.add(bus, "optimizer", base + index, name, t, **(shard[0] if shard else {}))
+        for index, name, t in p.get("state", []):
+            self.add(bus, "optimizer", base + index, name, t)
 
     # the `checkpoint` phase: what was saved, so diff sees a checkpoint that differs from the reference's
     def _saved_state(self, bus, p):

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import orjson
 
+from disttrace.store.records import Event
 from disttrace.errors import BadInput, JobFailed
 from disttrace.store.rundir import COMPLETE, LOCK, new_run_dir, write_json_atomic
 
@@ -69,7 +70,7 @@ def execute(run_dir: Path, command: list[str]) -> None:
     except FileNotFoundError:
         raise BadInput("--", f"command not found: {command[0]}") from None
     events = _events(run_dir)
-    refused = [e for e in events if e.get("event") == "fault_refused"]
+    refused = [e for e in events if e.get("event") == Event.FAULT_REFUSED]
     if refused:
         e = refused[0]
         raise BadInput(e.get("where") or "--fault", e.get("reason", "refused by the script"), field=e.get("field"))

@@ -11,13 +11,12 @@ takes for a checkpoint.
 
 from __future__ import annotations
 
-import hashlib
-import os
 from pathlib import Path
 
 from disttrace.errors import BadInput
 from disttrace.store.pickles import bare_name, scan_checkpoint
 from disttrace.store.rundir import read_json, write_json_atomic
+from disttrace.store.seal import file_hash
 
 INDEX = "INDEX.json"
 
@@ -27,11 +26,7 @@ def step_dir(run_dir: Path, step: int) -> Path:
 
 
 def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
+    return file_hash(path)["sha256"]
 
 
 def write_index(ckpt: Path, step: int, manifest_id: str, world_size: int, contents: list[str]) -> dict:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import orjson
 
-from disttrace.store.records import Event
+from disttrace.store.records import FAILURE_EVENTS, Event
 from disttrace.store.rundir import COMPLETE, Run
 
 MIN_STALL_S = 3.0  # a stall is never declared sooner: start-up jitter, a slow checkpoint write
@@ -274,7 +274,7 @@ class Follower:
             if n is None:
                 continue
             notices.append(n)
-            if n.kind in (Event.RANK_FAILED, Event.JOB_FAILED, Event.LIVE_CHECK_FAILED):
+            if n.kind in FAILURE_EVENTS:
                 self.failed = True
             if n.kind == Event.RESUMED and n.step is not None and self.done < n.step:
                 self.start_step = self.done = n.step

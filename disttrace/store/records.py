@@ -34,6 +34,9 @@ class Event(StrEnum):
 
 FAILURE_EVENTS = (Event.RANK_FAILED, Event.JOB_FAILED, Event.LIVE_CHECK_FAILED)
 
+# the lock's `source` of a run a user's own script wrote through disttrace.api (attach)
+ATTACHED_SOURCE = "disttrace.api"
+
 
 # ---------------------------------------------------------------- typed lines of the run store
 #

@@ -31,7 +31,7 @@ import orjson
 from disttrace.errors import BadInput
 
 from disttrace.store.records import PATH_KINDS, PHASE_ORDER, PHASES  # noqa: F401  (re-exported)
-from disttrace.store.records import Event, FaultEvent, StepIndexEntry
+from disttrace.store.records import ATTACHED_SOURCE, Event, FaultEvent, StepIndexEntry
 
 LOCK = "manifest.lock.json"
 COMPLETE = "COMPLETE"
@@ -272,6 +272,11 @@ class Run:
     @property
     def complete(self) -> bool:
         return (self.path / COMPLETE).exists()
+
+    @property
+    def attached(self) -> bool:
+        """Written by a user's own script through disttrace.api, not by disttrace's own trainer."""
+        return self.lock.get("source") == ATTACHED_SOURCE
 
     @property
     def world_size(self) -> int:

@@ -17,7 +17,6 @@ without the seal was, and found nothing), or bad input (exit 2: not a run direct
 
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,7 +27,7 @@ from disttrace.errors import BadInput
 from disttrace.store import seal as sealing
 from disttrace.store.checkpoints import verify as verify_checkpoint
 from disttrace.store.paths import inside
-from disttrace.store.rundir import COMPLETE, Run, read_json
+from disttrace.store.rundir import COMPLETE, Run, rank_file, read_json
 
 # written after COMPLETE, or not content: never sealed, never damage
 UNSEALED_BY_DESIGN = re.compile(r"(eval\.json|verdict\.json|\.launcher-node\d+\.lock|\..*\.tmp-\d+)")
@@ -113,8 +112,8 @@ class _Verifier:
 
     # ------------------------------------------------------------ the step chain of one rank
     def check_rank(self, rank: int, seal: dict | None) -> None:
-        traj_rel = f"trajectory/rank-{rank:05d}.jsonl"
-        idx_rel = f"trajectory/rank-{rank:05d}.steps.jsonl"
+        traj_rel = rank_file("trajectory", rank)
+        idx_rel = rank_file("trajectory", rank, ".steps.jsonl")
         traj, idx = self.path / traj_rel, self.path / idx_rel
         self.v.checked["ranks"] += 1
         if not idx.is_file():
@@ -160,7 +159,7 @@ class _Verifier:
             if len(chunk) != e["length"]:
                 self.damage(traj_rel, "the index points past the end of the file (truncated)", step)
                 return
-            if hashlib.sha256(chunk).hexdigest() != e.get("sha256"):
+            if sealing.step_hash(chunk) != e.get("sha256"):
                 self.damage(traj_rel, "the step's bytes differ from the sha256 its index line holds (edited)", step)
                 return
             if prev is None or sealing.chain_next(prev, e) != e.get("chain"):

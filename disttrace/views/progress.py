@@ -16,7 +16,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.text import Text
 
-from disttrace.store.records import Event
+from disttrace.store.records import FAILURE_EVENTS, Event
 from disttrace.errors import EXIT_JOB_FAILED, EXIT_OK
 from disttrace.store.follow import Follower, Progress, writer_alive
 
@@ -78,7 +78,7 @@ class Display:
         for n in p.notices:
             if n.kind == Event.JOB_FAILED and not self.show_job_failed:
                 continue
-            self._line(n.text, "red" if n.kind in (Event.RANK_FAILED, Event.JOB_FAILED, Event.LIVE_CHECK_FAILED)
+            self._line(n.text, "red" if n.kind in FAILURE_EVENTS
                        else "yellow" if n.kind == "fault" else None)
         if p.stall is not None:
             self._line(p.stall.describe(), "yellow")

@@ -32,14 +32,6 @@ def optimizer_state_list(optimizer, named: list[tuple[int, str, torch.Tensor]]):
     return out
 
 
-def local_optimizer_state_tensors(optimizer):
-    local = getattr(optimizer, "optim", optimizer)
-    for st in local.state.values():
-        for v in st.values():
-            if torch.is_tensor(v):
-                yield v
-
-
 def optimizer_bytes(optimizer) -> bytes:
     """An optimizer's state as one opaque blob, for state that is private to a rank (a ZeRO-1 partition,
     a pipeline stage): DCP stores it under that rank's own key and hands it back to the same rank.
