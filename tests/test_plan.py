@@ -17,7 +17,6 @@ import io
 import json
 import math
 import sys
-import time
 from fractions import Fraction
 
 import pytest
@@ -302,12 +301,9 @@ def test_tied_embeddings_drop_the_output_head():
 def test_count_params_matches_the_real_model():
     """The closed form agrees with numel() of disttrace/model.py for a small grouped-query config."""
     torch = pytest.importorskip("torch")
-    try:
-        from types import SimpleNamespace
+    from types import SimpleNamespace
 
-        from disttrace.model.llama import build_model
-    except Exception as e:  # the model module is someone else's; don't fail the planner for it
-        pytest.skip(f"disttrace.model.llama unavailable: {e}")
+    from disttrace.model.llama import build_model
     cfg = SimpleNamespace(dim=64, n_layers=3, n_heads=8, n_kv_heads=2, vocab_size=97, max_seq_len=16,
                           multiple_of=32, ffn_hidden=P.ffn_hidden_default(64, 32), norm_eps=1e-5, rope_theta=10000.0)
     model = build_model(cfg, dtype=torch.float32)
@@ -412,9 +408,7 @@ def _manifest(dtype="float32", **model):
 
 def test_plan_from_manifest_llama_7b_fp32():
     """A LLaMA-7B manifest in float32: 6,738,415,616 params, 16 bytes/param unsharded (4+4+8), /8 at stage 3."""
-    t0 = time.perf_counter()
     r = P.plan_from_manifest(_manifest("float32"))
-    assert time.perf_counter() - t0 < 0.5
     psi = 6_738_415_616
     assert r["params"] == psi and r["model"]["ffn_hidden"] == 11008
     assert r["inputs"]["precision"] == "fp32" and r["zero_stage"] == 3
@@ -438,9 +432,7 @@ def test_plan_from_manifest_1T_is_instant():
     m = _manifest("bfloat16", dim=25600, n_layers=128, n_heads=160, n_kv_heads=160, vocab_size=51200)
     # SwiGLU at LLaMA's 8h/3 width has the parameters of the paper's 4h GeLU MLP: about 1T in all
     m["parallelism"] = {"dp": 6, "tp": 8, "pp": 64, "zero_stage": 1}
-    t0 = time.perf_counter()
-    r = P.plan_from_manifest(m)
-    assert time.perf_counter() - t0 < 0.5
+    r = P.plan_from_manifest(m)  # closed form: nothing is built (no timed assert: speed is bench/'s)
     assert 0.99e12 < r["params"] < 1.02e12
     assert r["bubble_fraction"]["1f1b"] == 63 / 4
 

@@ -200,7 +200,7 @@ def test_a_crafted_optimizer_blob_is_refused(zero1_ref, tmp_path):
     proc = cli("verify", run)
     assert proc.returncode == 1 and "optim.rank-00000" in _one_line(proc), proc.stderr
     # the runtime guard alone: the blob loads weights_only, which refuses the global
-    with pytest.raises(Exception, match="posix|system|GLOBAL|global"):
+    with pytest.raises(pickle.UnpicklingError, match=r"posix\.system"):
         load_optimizer_bytes(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1), evil)
     assert not marker.exists()
 

@@ -97,9 +97,9 @@ def test_an_edited_trajectory_byte_is_damage_and_never_diffs_equal(ref, tmp_path
     assert doc["first_damage"]["file"] == "trajectory/rank-00001.jsonl" and doc["first_damage"]["step"] == 3
     # diff skips step 3 by the index (its digests are unchanged): it must check the bytes, not call it equal
     proc = cli("diff", ref, run)
-    assert proc.returncode != 0 and "rank-00001.jsonl" in proc.stderr and "step 3" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "rank-00001.jsonl" in proc.stderr and "step 3" in proc.stderr, proc.stderr
     proc = cli("diff", ref, run, "--json")
-    assert proc.returncode != 0 and '"equal": true' not in proc.stdout
+    assert proc.returncode == 2 and '"equal": true' not in proc.stdout
 
 
 def test_a_removed_step_line_breaks_the_chain(ref, tmp_path):
@@ -109,7 +109,7 @@ def test_a_removed_step_line_breaks_the_chain(ref, tmp_path):
     idx.write_bytes(b"".join(ln for ln in lines if orjson.loads(ln)["step"] != 2))
     line, doc = _verify(run, 1)
     assert "trajectory/rank-00000.steps.jsonl" in line and "step 3" in line, line
-    assert cli("diff", ref, run).returncode != 0
+    assert cli("diff", ref, run).returncode == 2  # refused as damaged input, never compared
 
 
 def test_a_removed_last_step_is_caught_by_the_seal(ref, tmp_path):
