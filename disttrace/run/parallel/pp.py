@@ -51,6 +51,7 @@ class PipelineParallel(Strategy):
         par = manifest["parallelism"]
         self.pp, self.accum = par["pp"], manifest["training"]["grad_accum_steps"]
         self.stage_index = mesh["pp"].get_local_rank()
+        self.within_stage = (mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank())
         self.name = f"pp-{par['pp_schedule']}"
         self.bus = bus
         self.max_grad_norm = manifest["training"].get("max_grad_norm")
@@ -146,9 +147,14 @@ class PipelineParallel(Strategy):
             self.bus.emit("backward", grads=grads)  # this stage's accumulated gradients
         self.bus.emit("reduce", grads=grads)  # the final gradient of this stage
 
-    # the optimizer state of a stage belongs to that stage alone: saved and loaded under its own key
+    # the optimizer state of a stage belongs to that stage alone: saved and loaded under its own key. With
+    # dp or tp inside the stage each rank holds its own shards of it, so the key names the rank's place in
+    # the stage too: under one key DCP writes one rank's blob and every rank of the stage loads that one
     def _key(self) -> str:
-        return f"stage-{self.stage_index:03d}"
+        if self.dp == 1 and self.tp == 1:
+            return f"stage-{self.stage_index:03d}"  # the key checkpoints of plain pipelines always had
+        dp_rank, tp_rank = self.within_stage
+        return f"stage-{self.stage_index:03d}-dp-{dp_rank:05d}-tp-{tp_rank:05d}"
 
     def state_dict(self, with_optimizer: bool = True) -> dict:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
