@@ -75,7 +75,9 @@ def test_faults_without_their_hook_point_are_refused(tmp_path):
     assert proc.returncode == 2 and "collective_hook" in proc.stderr and "FSDP2" in proc.stderr
 
 
-@pytest.mark.parametrize("name", ["zero1", "zero3"])
+# dp2xpp2: each rank of a stage holds its own FSDP2 shard of the stage's optimizer state (its resume
+# diverged at the optimizer phase while the stage's ranks shared one checkpoint key)
+@pytest.mark.parametrize("name", ["zero1", "zero3", "dp2xpp2"])
 def test_sharded_checkpoint_resumes_bit_identically(runs, name):
     ref = runs.reference(*STRATEGIES[name])
     rec = runs.get("recover", ref, "--from-step", 2)
