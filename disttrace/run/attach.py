@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -41,7 +42,7 @@ import torch
 from disttrace.errors import BadInput
 from disttrace.run.collectives import CollectiveTracer
 from disttrace.run.hooks import HookBus
-from disttrace.run.parallel.common import SCALAR_INDEX, Strategy, optimizer_state_list
+from disttrace.run.parallel.common import SCALAR_INDEX, SCALARS_AGREE, Strategy, optimizer_state_list
 from disttrace.run.recorder import Recorder
 from disttrace.store import seal
 from disttrace.store.records import ATTACHED_SOURCE, Event
@@ -171,6 +172,22 @@ def _mesh_groups(mesh, dim: int) -> list[list[int]]:
     return sorted(ranks.movedim(dim, -1).reshape(-1, size).tolist())
 
 
+def _fsdp_groups(model) -> list[list[int]]:
+    """The rank groups FSDP2 shards over (its data-parallel mesh, all of it for HSDP), from each
+    fully_shard unit's mesh (private FSDP2 state: best effort, empty if torch moved it)."""
+    groups = set()
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in model.modules():
+            group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
+            if group is not None:
+                groups.add(tuple(sorted(group.mesh_info.mesh.mesh.flatten().tolist())))
+    except (ImportError, AttributeError):
+        return []
+    return [list(g) for g in sorted(groups)]
+
+
 def local_view(engine: Engine, named, rank: int) -> dict:
     """What this rank sees at attach: its parameters' digests, its process groups, where it runs."""
     from disttrace.run.digest import digest_tensor
@@ -190,6 +207,7 @@ def local_view(engine: Engine, named, rank: int) -> dict:
             "node_rank": int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", 0))),
             "local_rank": int(os.environ.get("LOCAL_RANK", 0)), "pid": os.getpid(),
             "params": params, "ddp_group": engine.group_ranks, "process_groups": _process_groups(),
+            "fsdp_groups": _fsdp_groups(engine.inner) if engine.kind == "FSDP2" else [],
             "seed": torch.initial_seed()}
 
 
@@ -197,8 +215,9 @@ def infer_replicas(engine: str, views: list[dict]) -> dict:
     """replicas.json for an attached run, in the harness's format ({"groups": {dim: [[ranks]]}, "rules": [...]}).
 
     DDP: the engine says it (data differs, reduced gradients, clip scalars, parameters and optimizer state
-    agree over its group). DTensor/FSDP2: a parameter's Replicate placements name mesh dimensions whose
-    copies agree; Shard ones hold different pieces. Otherwise: copies identical at attach must stay
+    agree over its group). FSDP2: its mesh is data parallelism (data differs there; the global gradient
+    norm, clip coefficient and learning rates agree over the world). DTensor/FSDP2: a parameter's Replicate
+    placements name mesh dimensions whose copies agree; Shard ones hold different pieces. Otherwise: copies identical at attach must stay
     identical after every optimizer step (parameters whose elements are all equal are left out: equal by
     construction, they show nothing)."""
     world = len(views)
@@ -214,6 +233,14 @@ def infer_replicas(engine: str, views: list[dict]) -> dict:
                   {"phase": "optimizer", "dim": "dp", "relation": "agree"}]
         notes.append(f"DDP over {groups['dp']}: reduced gradients, clip, parameters and optimizer state agree")
         return {"groups": groups, "rules": rules, "inferred": {"engine": engine, "notes": notes}}
+    if engine == "FSDP2":  # FSDP2 shards over data parallelism: each rank's batch must differ there
+        fsdp = sorted({tuple(g) for v in views for g in v.get("fsdp_groups", [])})
+        if fsdp:
+            groups["dp"] = [list(g) for g in fsdp]
+            rules += [{"phase": "data", "dim": "dp", "relation": "differ"}, SCALARS_AGREE,
+                      {"phase": "optimizer", "dim": "world", "relation": "agree", "tensors": ["param_groups.*.lr"]}]
+            notes.append(f"FSDP2 shards over {groups['dp']}: data differs there; the global gradient norm, "
+                         "clip coefficient and learning rates agree over the world")
     names = sorted({n for v in views for n in v["params"]})
     by_dims: dict[tuple, list[str]] = {}
     placed: dict[str, list[list[int]]] = {}
@@ -254,7 +281,10 @@ def topology_doc(engine: Engine, views: list[dict]) -> dict:
     """topology.json in the harness's shape (pp x dp x tp, coordinates per rank), plus every process group
     torch built, as the ranks reported them."""
     world = len(views)
-    dp_groups = sorted({tuple(v["ddp_group"]) for v in views}) if engine.kind == "DDP" else [tuple(range(world))]
+    if engine.kind == "DDP":
+        dp_groups = sorted({tuple(v["ddp_group"]) for v in views})
+    else:  # FSDP2's data-parallel groups, or the world
+        dp_groups = sorted({tuple(g) for v in views for g in v.get("fsdp_groups", [])}) or [tuple(range(world))]
     dp_size = len(dp_groups[0]) if dp_groups else 1
     dp_index = {r: i for g in dp_groups for i, r in enumerate(g)}
     pgs: dict[tuple, dict] = {}
@@ -408,7 +438,7 @@ class _UserState(Strategy):
 
 class AttachedRun:
     def __init__(self, model, optimizer, run_dir: Path, rank: int, engine: Engine, manifest: dict,
-                 manifest_id: str, fault_spec: dict | None):
+                 manifest_id: str, fault_spec: dict | None, blocks: list[tuple[str, torch.nn.Module]] = ()):
         self.run_dir, self.rank = run_dir, rank
         self.model, self.engine, self.manifest, self.manifest_id = model, engine, manifest, manifest_id
         self.inner = engine.inner
@@ -417,11 +447,13 @@ class AttachedRun:
         self.bus = HookBus(rank)
         self.tracer = CollectiveTracer(run_dir, rank)
         self.bus.on("step_start", lambda b, p: setattr(self.tracer, "step", b.step), order=0)
-        self.recorder = Recorder(run_dir, rank).attach(self.bus)
+        self.recorder = Recorder(run_dir, rank, forward=manifest["record"]["forward"]).attach(self.bus)
         self.ledger = self._memory_ledger()
         self.step = 1
         self._forwards = 0  # forwards of the model since the last optimizer step: the micro-batches
         self._data_mb: set[int] = set()
+        self._pending: deque = deque()  # (inputs, sample ids) a watched DataLoader handed out, one per forward
+        self._loaders: list = []  # loaders whose class attach swapped (restored at close)
         self._comm_fired = self._bw_queued = self._reduced = self._clipped = False
         self.completed = 0  # the last step whose optimizer stepped
         self._paused = False  # inside our own checkpoint load/save: DCP's helpers may step the optimizer
@@ -430,6 +462,9 @@ class AttachedRun:
         self._handles = [optimizer.register_step_pre_hook(self._before_step),
                          optimizer.register_step_post_hook(self._after_step),
                          self.inner.register_forward_pre_hook(self._on_forward, with_kwargs=True)]
+        if manifest["record"]["forward"]:
+            self._handles += [module.register_forward_hook(self._block_output_hook(index, name))
+                              for index, (name, module) in enumerate(blocks)]
         self.comm_hook = self._install_backward_points()
         self.capabilities = capabilities(engine, self.comm_hook)
         self.fault = None
@@ -462,6 +497,34 @@ class AttachedRun:
         self._data_mb.add(mb)
         self.bus.emit("data", batch={"inputs": inputs.detach(), "sample_ids": [int(i) for i in ids]},
                       fetch=None)
+
+    def watch_loader(self, loader) -> "WatchedLoader":
+        """The training DataLoader as the run sees it: iterate what this returns instead of `loader`. Each
+        batch it hands out is the `data` record of the next forward of the model, with the sample ids its
+        DistributedSampler yielded for that batch (empty for samplers that cannot be read without drawing
+        randomness). `attach(..., loader=loader)` does the same to the loader in place."""
+        return WatchedLoader(self, loader)
+
+    def _watch_in_place(self, loader) -> None:
+        base = type(loader)
+        run = self
+
+        def __iter__(self):
+            return run._batches_of(self, lambda: base.__iter__(self))
+
+        loader.__class__ = type(base.__name__, (base,), {"__iter__": __iter__, "__module__": base.__module__})
+        self._loaders.append((loader, base))
+
+    def _batches_of(self, loader, make_iterator):
+        """Yield the loader's batches, queueing each batch's inputs and sample ids for the forward that
+        consumes it (a queue, not a record at once: a loop may fetch a whole accumulation window first)."""
+        planned = _planned_sample_ids(loader)
+        for n, batch in enumerate(make_iterator()):
+            inputs = _batch_inputs(batch)
+            if inputs is not None and not self._closed:
+                ids = planned[n] if planned is not None and n < len(planned) else []
+                self._pending.append((inputs.detach(), ids))
+            yield batch
 
     def loss(self, loss: torch.Tensor, tokens: int = 0) -> torch.Tensor:
         """Record the loss of the current micro-batch (the last forward); returns the loss to backprop (a
@@ -529,6 +592,9 @@ class AttachedRun:
         self._closed = True
         self._finish_step(start_next=False)
         self._remove_hooks()
+        for loader, base in self._loaders:
+            loader.__class__ = base
+        self._loaders = []
         if self in _ACTIVE:
             _ACTIVE.remove(self)
         _patch_clip(bool(_ACTIVE))
@@ -614,12 +680,27 @@ class AttachedRun:
         mb = self._forwards
         self._forwards += 1
         self.bus.micro_batch = mb
+        watched = self._pending.popleft() if self._pending else None  # this forward consumes one batch
         if mb not in self._data_mb:
-            t = _first_tensor(args, kwargs)
-            if t is not None:
+            inputs, ids = watched if watched is not None else (_first_tensor(args, kwargs), [])
+            if inputs is not None:
                 self._data_mb.add(mb)
-                self.bus.emit("data", batch={"inputs": t.detach(), "sample_ids": []}, fetch=None)
+                self.bus.emit("data", batch={"inputs": inputs.detach(), "sample_ids": ids}, fetch=None)
         return None
+
+    def _block_output_hook(self, index: int, name: str):
+        """`forward`: a block's output (its first tensor) on a training micro-batch, as the harness records
+        each layer's; evaluation and activation-checkpointing recomputation are not micro-batches."""
+        def hook(module, _args, out):
+            if self._paused or not (module.training and torch.is_grad_enabled()):
+                return None
+            if torch._C._current_graph_task_id() != -1:
+                return None
+            t = _first_tensor((out,), {})
+            if t is not None:
+                self.bus.emit("forward", name=name, index=index, tensor=t.detach())
+            return None
+        return hook
 
     def _on_grad(self, _param):
         if not self._bw_queued and not self._paused:
@@ -727,22 +808,89 @@ def _first_tensor(args, kwargs):
     return None
 
 
+def _batch_inputs(batch):
+    """What a batch's `data` record digests: the batch itself, the first tensor of an (inputs, targets)
+    pair, or a dict's input_ids (else its first tensor)."""
+    if isinstance(batch, dict):
+        batch = batch.get("input_ids", next((v for v in batch.values() if torch.is_tensor(v)), None))
+    return _first_tensor((batch,), {})
+
+
+def _planned_sample_ids(loader) -> list[list[int]] | None:
+    """Each batch's sample ids for the epoch about to start, read from the loader's sampler where reading it
+    changes nothing: a DistributedSampler (or a sequential one) is a pure function of its seed and epoch,
+    batched by torch's own BatchSampler. None for other samplers (a RandomSampler draws its seed from the
+    global generator: reading it ahead would change the training)."""
+    from torch.utils.data import BatchSampler, DistributedSampler, SequentialSampler
+
+    sampler = getattr(loader, "sampler", None)
+    if type(sampler) not in (DistributedSampler, SequentialSampler):
+        return None
+    batches = getattr(loader, "batch_sampler", None)
+    if batches is None:  # batch_size=None: one sample per batch
+        return [[int(i)] for i in sampler]
+    if type(batches) is not BatchSampler:
+        return None
+    return [[int(i) for i in b] for b in batches]
+
+
+class WatchedLoader:
+    """A DataLoader seen by an attached run (AttachedRun.watch_loader): same batches, same length."""
+
+    def __init__(self, run: AttachedRun, loader):
+        self.run, self.loader = run, loader
+
+    def __iter__(self):
+        return self.run._batches_of(self.loader, lambda: iter(self.loader))
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name):
+        return getattr(self.loader, name)
+
+
+def _blocks(inner: torch.nn.Module, forward) -> list[tuple[str, torch.nn.Module]]:
+    """The modules whose outputs the `forward` phase records: the model's top-level children (forward=True)
+    or the given module paths."""
+    if not forward:
+        return []
+    if forward is True:
+        return list(inner.named_children())
+    out = []
+    for path in forward:
+        try:
+            out.append((str(path), inner.get_submodule(str(path))))
+        except AttributeError:
+            children = ", ".join(n for n, _ in inner.named_children())
+            raise BadInput("attach(forward=...)", f"the model has no module '{path}'; its top-level blocks: "
+                           f"{children}") from None
+    return out
+
+
 def attach(model, optimizer, out: str | Path = "runs", name: str = "user-script", seed: int | None = None,
-           edition: str = "user", config: dict | None = None) -> AttachedRun:
+           edition: str = "user", config: dict | None = None, loader=None, forward=False) -> AttachedRun:
     """Attach the recorder to a model and its optimizer; every rank calls it (it is collective).
 
     model: the module as trained (DDP-wrapped, FSDP2-sharded, DTensor or plain); optimizer: the torch
     optimizer (HF/Lightning wrappers are unwrapped). config: the experiment's settings (lr, batch, data...):
     stored in the manifest, so diff refuses runs of different experiments and names the fields; the keys
     grad_accum_steps, micro_batch_size and steps also fill the manifest's typed fields. seed: default the
-    default generator's (torch.initial_seed()). Under `disttrace run/inject -- CMD` the run directory
-    (and fault) come from DISTTRACE_RUN_DIR and `out` is ignored."""
+    default generator's (torch.initial_seed()). loader: the training DataLoader, watched in place (its
+    batches become the `data` records, with its DistributedSampler's sample ids; see
+    AttachedRun.watch_loader). forward: record each block's output (`forward`): True for the model's
+    top-level children, or a list of module paths ("layers.0", "head"); the manifest's record.forward says
+    which. Under `disttrace run/inject -- CMD` the run directory (and fault) come from DISTTRACE_RUN_DIR and
+    `out` is ignored."""
     rank, world = _rank_world()
     optimizer = unwrap_optimizer(optimizer)
     engine = detect_engine(model)
     named = list(enumerate(engine.inner.named_parameters()))
     views = _gather(local_view(engine, [(i, n, p) for i, (n, p) in named], rank))
     manifest = build_manifest(engine, optimizer, views, name, edition, seed, config)
+    blocks = _blocks(engine.inner, forward)
+    # what is recorded, not the experiment (diff compares runs that differ here), as the harness's [record]
+    manifest["record"] = {"every": 1, "forward": bool(blocks), "forward_modules": [n for n, _ in blocks]}
     manifest_id = manifest_id_of(manifest)
     prepared = os.environ.get(RUN_DIR_ENV)
     path, failure = None, None
@@ -758,7 +906,10 @@ def attach(model, optimizer, out: str | Path = "runs", name: str = "user-script"
         raise RuntimeError(f"rank 0 could not prepare the run directory: {error}")
     run_dir = Path(path)
     info = read_json(run_dir / "run.json")
-    return AttachedRun(model, optimizer, run_dir, rank, engine, manifest, manifest_id, info.get("fault"))
+    run = AttachedRun(model, optimizer, run_dir, rank, engine, manifest, manifest_id, info.get("fault"), blocks)
+    if loader is not None:
+        run._watch_in_place(loader)
+    return run
 
 
 def _prepare_dir(prepared: str | None, out, manifest: dict, manifest_id: str, engine: Engine,
