@@ -6,11 +6,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# the gate's evaluation cache (disttrace/gate/evalcache.py): one per test session, not the user's
+os.environ.setdefault("DISTTRACE_CACHE_DIR", tempfile.mkdtemp(prefix="disttrace-test-cache-"))
 DEFAULT = ROOT / "manifests" / "default.toml"
 # four steps, checkpoints at 2 and 4: enough for a fault at 3 and a recovery from 2
 SHORT = ["--set", "training.steps=4", "--set", "checkpoint.interval=2"]

@@ -9,10 +9,12 @@ import sys
 import time
 from pathlib import Path
 
+import orjson
+
 from disttrace.store import checkpoints as checkpoint
 from disttrace.errors import BadInput
 from disttrace.store.records import Check, Verdict
-from disttrace.store.rundir import Run, read_json, write_json_atomic
+from disttrace.store.rundir import Run, write_json_atomic
 from disttrace.analysis.sync import check_sync, find_stragglers
 
 REQUIRED_CONTENTS = {"model", "optim", "progress"}
@@ -24,23 +26,26 @@ def check(name: str, passed: bool | None, reason: str) -> dict:
 
 
 def run_eval(run: Run) -> dict:
-    """Score the run's final checkpoint in a fresh single process; reuse eval.json if it scored the same
-    checkpoint bytes (the INDEX's hashes) already."""
+    """Score the run's final checkpoint in a fresh single process, or reuse the gate's own earlier score of
+    the same bytes from the user's cache (gate/evalcache.py); the store's eval.json is written, never read."""
+    from disttrace.gate import evalcache
     from disttrace.store.checkpoints import final_checkpoint
 
     ckpt = final_checkpoint(run)
     out = run.path / "eval.json"
-    if out.exists():
-        prev = read_json(out)
-        if prev.get("checkpoint") == ckpt.name and prev.get("index_mtime") == (ckpt / "INDEX.json").stat().st_mtime:
-            return prev
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "disttrace.gate.evaluate", str(run.path)], capture_output=True,
-                          text=True, env=env, timeout=600)
-    if proc.returncode != 0:
-        raise BadInput(run.path, (proc.stderr.strip().splitlines() or ["evaluation failed"])[-1])
-    result = read_json(out)
-    result["index_mtime"] = (ckpt / "INDEX.json").stat().st_mtime
+    key = evalcache.evaluation_key(run, ckpt)
+    result = evalcache.cached(key)
+    if result is None:
+        out.unlink(missing_ok=True)  # a stale or forged eval.json must not stand in for a failed evaluation
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run([sys.executable, "-m", "disttrace.gate.evaluate", str(run.path)],
+                              capture_output=True, text=True, env=env, timeout=600)
+        if proc.returncode != 0:
+            raise BadInput(run.path, (proc.stderr.strip().splitlines() or ["evaluation failed"])[-1])
+        # the evaluator's own stdout, not the file it wrote into a store someone else may be writing to
+        result = {**orjson.loads(proc.stdout.strip().splitlines()[-1]), "evaluation_key": key}
+        if evalcache.evaluation_key(run, ckpt) == key:  # nothing it read changed while it ran
+            evalcache.remember(key, result)
     write_json_atomic(out, result)
     return result
 
