@@ -57,3 +57,59 @@ class Runs:
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory) -> Runs:
     return Runs(tmp_path_factory.mktemp("runs"))
+
+
+# ---------------------------------------------------------------- the trajectory, read without disttrace
+# An oracle for tests: each rank's Arrow stream read by pyarrow's own stream reader (not disttrace's
+# per-step decoder) and put in the recorder's record shape.
+
+
+def traj_file(run: Path, rank: int) -> Path:
+    return Path(run) / "trajectory" / f"rank-{rank:05d}.arrows"
+
+
+def raw_records(run: Path, rank: int) -> list[dict]:
+    import pyarrow.ipc as ipc
+
+    out = []
+    for r in ipc.open_stream(traj_file(run, rank).read_bytes()).read_all().to_pylist():
+        rec = {k: r[k] for k in ("step", "micro_batch", "phase", "rank", "index", "tensor", "dtype", "shape",
+                                 "numel", "sum", "norm", "nonfinite")}
+        rec["digest"] = ("dev:" if r["device_digest"] else "") + r["digest"].hex()
+        if r["sketch"] is not None or r["sketch64"] is not None:
+            rec["sketch"] = r["sketch"] if r["sketch"] is not None else r["sketch64"]
+        for k in ("samples", "tokens"):
+            if r[k] is not None:
+                rec[k] = r[k]
+        if r["shard_offset"] is not None:
+            rec["shard"] = {"offset": r["shard_offset"], "logical_shape": r["shard_shape"]}
+        out.append(rec)
+    return out
+
+
+def tear_trajectory(run: Path, rank: int) -> None:
+    """Append half of a record batch, as a crash in the middle of a step's write leaves it."""
+    import orjson
+
+    last = orjson.loads((Path(run) / "trajectory" / f"rank-{rank:05d}.steps.jsonl").read_bytes().splitlines()[-1])
+    path = traj_file(run, rank)
+    data = path.read_bytes()
+    step = data[last["offset"]:last["offset"] + last["length"]]
+    path.write_bytes(data[:last["offset"] + last["length"]] + step[: len(step) // 2])
+
+
+def rewrite_trajectory(run: Path, rank: int, records: list[dict]) -> None:
+    """What another writer of a run store could put there: these records as the rank's Arrow stream, one batch
+    per step, and no step index (readers then rebuild one from the stream)."""
+    from disttrace.store.trajectory import TrajectoryWriter
+
+    path = traj_file(run, rank)
+    path.unlink()
+    (Path(run) / "trajectory" / f"rank-{rank:05d}.steps.jsonl").unlink(missing_ok=True)
+    w = TrajectoryWriter(path)
+    by_step: dict[int, list[dict]] = {}
+    for r in records:
+        by_step.setdefault(r["step"], []).append(r)
+    for step in by_step:
+        w.write_step(by_step[step])
+    w.close()

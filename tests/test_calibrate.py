@@ -8,7 +8,7 @@ import math
 import orjson
 import pytest
 
-from conftest import DEFAULT, SHORT, cli, last_line
+from conftest import DEFAULT, SHORT, cli, last_line, raw_records
 
 pytestmark = pytest.mark.slow  # end-to-end jobs of the full tier (`make test-all`); CI runs `make test`
 
@@ -24,8 +24,7 @@ def calibrated(tmp_path_factory):
 
 
 def _records(run):
-    lines = (run / "trajectory" / "rank-00000.jsonl").read_bytes().splitlines()
-    return {(r["step"], r["micro_batch"], r["phase"], r["index"]): r for r in map(orjson.loads, lines)}
+    return {(r["step"], r["micro_batch"], r["phase"], r["index"]): r for r in raw_records(run, 0)}
 
 
 def test_calibration_noise_is_the_measured_difference(calibrated):

@@ -10,7 +10,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from conftest import DEFAULT, SHORT, cli, last_line
+from conftest import DEFAULT, SHORT, cli, last_line, raw_records
 
 PS = ["--set", "parallelism.architecture=parameter-server"]
 
@@ -21,10 +21,9 @@ def fired(run: Path) -> list[dict]:
 
 
 def records(run: Path, rank: int, step: int, phase: str) -> dict[str, dict]:
-    """A rank's records of one step and phase, read straight from the JSONL (no disttrace reader)."""
+    """A rank's records of one step and phase, read straight from the Arrow stream (no disttrace reader)."""
     out = {}
-    for line in (run / "trajectory" / f"rank-{rank:05d}.jsonl").read_bytes().splitlines():
-        r = orjson.loads(line)
+    for r in raw_records(run, rank):
         if r["step"] == step and r["phase"] == phase:
             out[f"{r['micro_batch']}:{r['tensor']}"] = r
     return out

@@ -10,7 +10,7 @@ import time
 import orjson
 import pytest
 
-from conftest import SHORT, DEFAULT, cli, last_line
+from conftest import SHORT, DEFAULT, cli, last_line, tear_trajectory
 from disttrace.analysis.diff import diff_runs
 from disttrace.store.rundir import Run
 
@@ -239,8 +239,7 @@ def test_diff_bad_input_names_the_path(runs, tmp_path):
 def test_diff_reports_a_torn_last_line_instead_of_failing(runs, tmp_path):
     torn = tmp_path / "torn"
     shutil.copytree(runs.reference(), torn)
-    traj = torn / "trajectory" / "rank-00001.jsonl"
-    traj.write_bytes(traj.read_bytes() + b'{"step": 5, "micro_ba')
+    tear_trajectory(torn, 1)
     (torn / "COMPLETE").unlink()
     proc = cli("diff", runs.reference(), torn, "--json")
     doc = orjson.loads(proc.stdout)

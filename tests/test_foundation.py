@@ -8,7 +8,7 @@ import math
 import orjson
 import pytest
 
-from conftest import DEFAULT, cli, last_line
+from conftest import DEFAULT, cli, last_line, traj_file
 from disttrace.store.rundir import Run, iter_jsonl
 
 
@@ -51,8 +51,8 @@ def test_two_reference_runs_are_bit_identical(runs, tmp_path):
                       "--out", tmp_path, check=0))
     assert a != b
     for rank in (0, 1):
-        ta = (a / f"trajectory/rank-{rank:05d}.jsonl").read_bytes()
-        tb = (b / f"trajectory/rank-{rank:05d}.jsonl").read_bytes()
+        ta = traj_file(a, rank).read_bytes()
+        tb = traj_file(b, rank).read_bytes()
         assert ta == tb, f"rank {rank} trajectories differ"
     # and a single flipped bit anywhere would have shown: the digests are of the raw bytes
     assert len({r["digest"] for r in all_records(a)[0]}) > 100

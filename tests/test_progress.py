@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import DEFAULT, ROOT, cli, last_line
+from conftest import DEFAULT, ROOT, cli, last_line, raw_records
 
 from disttrace.errors import EXIT_BAD_INPUT, EXIT_JOB_FAILED, EXIT_OK
 
@@ -36,9 +36,8 @@ def step_lines(stderr: str) -> list[tuple[int, int, int, float | None]]:
 def losses_from_trajectory(run_dir: Path) -> dict[int, float]:
     """Mean of the loss records per step, read straight from the trajectory files."""
     acc: dict[int, list[float]] = {}
-    for f in sorted((run_dir / "trajectory").glob("rank-?????.jsonl")):
-        for line in f.read_text().splitlines():
-            r = json.loads(line)
+    for rank in (0, 1):
+        for r in raw_records(run_dir, rank):
             if r["phase"] == "loss":
                 acc.setdefault(r["step"], []).append(r["sum"])
     return {s: sum(v) / len(v) for s, v in acc.items()}

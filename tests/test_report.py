@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DEFAULT, SHORT, cli, last_line
+from conftest import DEFAULT, SHORT, cli, last_line, tear_trajectory
 from disttrace.errors import BadInput
 from disttrace.views.report import build_report
 
@@ -136,8 +136,7 @@ def test_an_incomplete_run_with_missing_pieces_still_gets_its_page(lab, tmp_path
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0x01  # one flipped bit in a checkpoint shard
     data.write_bytes(bytes(raw))
-    with open(broken / "trajectory" / "rank-00001.jsonl", "ab") as f:
-        f.write(b'{"step": 5, "phase": "forw')  # a torn last line, as a crash leaves it
+    tear_trajectory(broken, 1)  # a torn last step, as a crash leaves it
     out = build_report([lab["ref"], broken], tmp_path / "r.html")
     page = out.read_text(encoding="utf-8")
     assert "Incomplete run(s):" in page and "INCOMPLETE" in page and "broken (incomplete)" in page

@@ -7,11 +7,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import orjson
 import pytest
 import torch
 
-from conftest import DEFAULT, SHORT, cli, last_line
+from conftest import DEFAULT, SHORT, cli, last_line, raw_records
 from disttrace.analysis import tolerance
 from disttrace.analysis.diff import diff_runs
 from disttrace.run.digest import axis_vectors, digest_tensor, sketch
@@ -99,8 +98,7 @@ def topologies(tmp_path_factory):
 
 
 def _optimizer_records(run, rank, step):
-    for line in (run / "trajectory" / f"rank-{rank:05d}.jsonl").read_bytes().splitlines():
-        r = orjson.loads(line)
+    for r in raw_records(run, rank):
         if r["step"] == step and r["phase"] == "optimizer":
             yield r
 

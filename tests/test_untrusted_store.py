@@ -20,7 +20,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from conftest import DEFAULT, ROOT, SHORT, cli
+from conftest import DEFAULT, ROOT, SHORT, cli, raw_records, rewrite_trajectory
 
 ZERO1 = ["--set", "parallelism.zero_stage=1"]
 
@@ -287,17 +287,13 @@ def test_the_report_escapes_html_names_and_forbids_scripts(ref, tmp_path):
     lock = orjson.loads((run / "manifest.lock.json").read_bytes())
     lock["manifest"]["experiment"]["name"] = "<script>alert(2)</script>"
     (run / "manifest.lock.json").write_bytes(orjson.dumps(lock))
-    for traj in sorted((run / "trajectory").glob("rank-*[0-9].jsonl")):  # every tensor named by a tag
-        lines = [orjson.loads(x) for x in traj.read_bytes().splitlines() if x]
-        traj.write_bytes(b"".join(orjson.dumps({**r, "tensor": tag + r["tensor"]}) + b"\n" for r in lines))
-    (run / "trajectory" / "rank-00000.steps.jsonl").unlink()  # diff rebuilds the index from the records
-    (run / "trajectory" / "rank-00001.steps.jsonl").unlink()
+    for rank in (0, 1):  # every tensor named by a tag; diff rebuilds the (removed) step index from the records
+        rewrite_trajectory(run, rank, [{**r, "tensor": tag + r["tensor"]} for r in raw_records(run, rank)])
     other = _copy(run, tmp_path / "runs2")
-    traj = other / "trajectory" / "rank-00001.jsonl"  # one digest changed: a divergence that names its tensor
-    lines = [orjson.loads(x) for x in traj.read_bytes().splitlines() if x]
-    k = next(i for i, r in enumerate(lines) if r["step"] == 3 and r["phase"] == "backward")
-    lines[k]["digest"] = "f" * 32
-    traj.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in lines))
+    recs = raw_records(other, 1)  # one digest changed: a divergence that names its tensor
+    k = next(i for i, r in enumerate(recs) if r["step"] == 3 and r["phase"] == "backward")
+    recs[k]["digest"] = "f" * 32
+    rewrite_trajectory(other, 1, recs)
 
     page = build_report([run, other], tmp_path / "r.html").read_text(encoding="utf-8")
     assert "&lt;img src=x onerror=&quot;alert(1)&quot;&gt;" in page  # the names are there, as text

@@ -54,7 +54,7 @@ def test_an_intact_run_verifies_and_its_hashes_are_what_the_format_says(ref):
     assert line.startswith("intact") and doc["status"] == "intact" and doc["damage"] == []
     complete = orjson.loads((ref / "COMPLETE").read_bytes())
     for rank in (0, 1):
-        data = (ref / f"trajectory/rank-{rank:05d}.jsonl").read_bytes()
+        data = (ref / f"trajectory/rank-{rank:05d}.arrows").read_bytes()
         prev, end = _genesis(rank), 0
         entries = _index(ref, rank)
         assert [e["step"] for e in entries] == [1, 2, 3, 4]
@@ -63,7 +63,7 @@ def test_an_intact_run_verifies_and_its_hashes_are_what_the_format_says(ref):
             assert hashlib.sha256(data[e["offset"]:e["offset"] + e["length"]]).hexdigest() == e["sha256"]
             assert _chain(prev, e) == e["chain"]
             prev, end = e["chain"], e["offset"] + e["length"]
-        assert end == len(data)
+        assert data[end:] == b"\xff\xff\xff\xff\x00\x00\x00\x00"  # the stream's end marker, nothing else
         assert complete["seal"]["chains"][f"{rank:05d}"] == {"chain": prev, "steps": 4}
     for name in ("manifest.lock.json", "run.json", "topology.json", "replicas.json",
                  "checkpoints/step-000002/INDEX.json", "trajectory/rank-00001.steps.jsonl"):
@@ -77,15 +77,11 @@ def _step_range(run: Path, rank: int, step: int) -> tuple[int, int]:
 
 
 def _edit_a_byte_of_step(run: Path, rank: int, step: int) -> None:
-    """Change one digit of a `sum` inside that step's bytes (the file keeps its length; the JSON stays valid)."""
-    path = run / f"trajectory/rank-{rank:05d}.jsonl"
+    """Flip one bit in the middle of that step's bytes (the file keeps its length)."""
+    path = run / f"trajectory/rank-{rank:05d}.arrows"
     data = bytearray(path.read_bytes())
     off, length = _step_range(run, rank, step)
-    at = data.index(b'"sum":', off) + len(b'"sum":')
-    while not chr(data[at]).isdigit():
-        at += 1
-    assert at < off + length
-    data[at] = ord("7") if data[at] != ord("7") else ord("3")
+    data[off + length // 2] ^= 0x10
     path.write_bytes(bytes(data))
 
 
@@ -93,11 +89,11 @@ def test_an_edited_trajectory_byte_is_damage_and_never_diffs_equal(ref, tmp_path
     run = _copy(ref, tmp_path)
     _edit_a_byte_of_step(run, 1, 3)
     line, doc = _verify(run, 1)
-    assert line.startswith("damaged") and "trajectory/rank-00001.jsonl" in line and "step 3" in line, line
-    assert doc["first_damage"]["file"] == "trajectory/rank-00001.jsonl" and doc["first_damage"]["step"] == 3
+    assert line.startswith("damaged") and "trajectory/rank-00001.arrows" in line and "step 3" in line, line
+    assert doc["first_damage"]["file"] == "trajectory/rank-00001.arrows" and doc["first_damage"]["step"] == 3
     # diff skips step 3 by the index (its digests are unchanged): it must check the bytes, not call it equal
     proc = cli("diff", ref, run)
-    assert proc.returncode == 2 and "rank-00001.jsonl" in proc.stderr and "step 3" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "rank-00001.arrows" in proc.stderr and "step 3" in proc.stderr, proc.stderr
     proc = cli("diff", ref, run, "--json")
     assert proc.returncode == 2 and '"equal": true' not in proc.stdout
 
@@ -114,7 +110,7 @@ def test_a_removed_step_line_breaks_the_chain(ref, tmp_path):
 
 def test_a_removed_last_step_is_caught_by_the_seal(ref, tmp_path):
     run = _copy(ref, tmp_path)
-    idx, traj = run / "trajectory/rank-00000.steps.jsonl", run / "trajectory/rank-00000.jsonl"
+    idx, traj = run / "trajectory/rank-00000.steps.jsonl", run / "trajectory/rank-00000.arrows"
     lines = idx.read_bytes().splitlines(keepends=True)
     off, _ = _step_range(run, 0, 4)
     idx.write_bytes(b"".join(lines[:-1]))  # the chain of steps 1-3 is intact; only the seal knows of step 4
@@ -145,7 +141,7 @@ def test_an_edited_run_json_is_damage(ref, tmp_path):
 def _rechain(run: Path, rank: int) -> None:
     """What a writer who rewrites every hash of the index (but not the seal) would do."""
     idx = run / f"trajectory/rank-{rank:05d}.steps.jsonl"
-    data = (run / f"trajectory/rank-{rank:05d}.jsonl").read_bytes()
+    data = (run / f"trajectory/rank-{rank:05d}.arrows").read_bytes()
     prev, out = _genesis(rank), []
     for e in _index(run, rank):
         e["sha256"] = hashlib.sha256(data[e["offset"]:e["offset"] + e["length"]]).hexdigest()
@@ -162,7 +158,7 @@ def test_a_rewritten_chain_is_still_caught_by_the_seal(ref, tmp_path):
     line, doc = _verify(run, 1)
     assert "trajectory/rank-00001" in line and "seal" in line, line
     files = {d["file"] for d in doc["damage"]}
-    assert "trajectory/rank-00001.jsonl" in files
+    assert "trajectory/rank-00001.arrows" in files
 
 
 def test_an_edited_index_digest_breaks_the_chain_for_diff_too(ref, tmp_path):
@@ -188,6 +184,6 @@ def test_unsealed_and_not_a_run(ref, tmp_path):
 
 def test_a_file_added_to_a_rank_directory_is_damage(ref, tmp_path):
     run = _copy(ref, tmp_path)
-    shutil.copy(run / "trajectory/rank-00001.jsonl", run / "trajectory/rank-00002.jsonl")
+    shutil.copy(run / "trajectory/rank-00001.arrows", run / "trajectory/rank-00002.arrows")
     line, _ = _verify(run, 1)
     assert "rank-00002" in line, line

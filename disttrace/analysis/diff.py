@@ -30,7 +30,7 @@ from disttrace.analysis import tolerance
 from disttrace.errors import BadInput
 from disttrace.fmt import ranges
 from disttrace.config.manifest import EXPERIMENT_FIELDS, TOPOLOGY_FIELDS, get_field, global_batch
-from disttrace.store import seal
+from disttrace.store import seal, trajectory
 from disttrace.store.rundir import LOCK, PHASE_ORDER, PHASES, Run
 
 MODES = ("bitwise", "numeric")
@@ -103,11 +103,11 @@ class _Side:
         return self.run.manifest
 
     def _load_index(self, rank: int, use_index: bool) -> dict[int, dict]:
-        traj = self.run.rank_path("trajectory", rank)
+        traj = self.run.trajectory_path(rank)
         if not traj.is_file():
             raise BadInput(traj, "not a readable file")
         size = traj.stat().st_size
-        if size:
+        if size and not trajectory.is_arrow(traj):
             with open(traj, "rb") as f:
                 f.seek(size - 1)
                 if f.read(1) != b"\n":
@@ -134,7 +134,23 @@ class _Side:
             return out
         if use_index:
             self.warnings.append(f"run {self.label}: rank {rank} has no step index; scanned {traj.name} instead")
+        if trajectory.is_arrow(traj):
+            return self._scan_arrow(traj)
         return _scan_index(traj)
+
+    def _scan_arrow(self, traj: Path) -> dict[int, dict]:
+        """Rebuild a step index (without digests) from the stream's record batches, one per step."""
+        out: dict[int, dict] = {}
+        torn: list[str] = []
+        for offset, length, batch in trajectory.scan(traj, torn):
+            step = trajectory.step_of(batch)
+            if step is None:
+                continue
+            if step in out:
+                raise BadInput(traj, f"bytes {offset}..{offset + length}: step {step} appears twice")
+            out[step] = {"step": step, "offset": offset, "length": length, "records": batch.num_rows, "digest": None}
+        self.warnings.extend(f"run {self.label}: {t}" for t in torn)
+        return out
 
     def entry(self, rank: int, step: int) -> dict | None:
         return self.index.get(rank, {}).get(step)
@@ -145,9 +161,9 @@ class _Side:
         e = self.entry(rank, step)
         if e is None:
             return
-        ok = seal.step_bytes_match(self.run.rank_path("trajectory", rank), e)
+        ok = seal.step_bytes_match(self.run.trajectory_path(rank), e)
         if ok is False:
-            raise BadInput(self.run.rank_path("trajectory", rank), f"step {step}: the bytes differ from the hash "
+            raise BadInput(self.run.trajectory_path(rank), f"step {step}: the bytes differ from the hash "
                            "in the step index (edited after the run; see `disttrace verify`)")
         self.hash_checked += ok is True
 
@@ -156,14 +172,9 @@ class _Side:
         if e is None:
             return []
         self.check_step(rank, step)
-        try:
-            recs = self.run.records_of_step(rank, e)
-            self.records_read += len(recs)
-            return recs
-        except orjson.JSONDecodeError:
-            raise BadInput(self.run.rank_path("trajectory", rank),
-                           f"step {step}: a record in bytes {e['offset']}..{e['offset'] + e['length']} is not valid "
-                           "JSON (the file does not match its step index)") from None
+        recs = self.run.records_of_step(rank, e)
+        self.records_read += len(recs)
+        return recs
 
     def describe(self) -> dict:
         return {

@@ -138,7 +138,8 @@ def projection_terms(ra: dict, rb: dict, scale: float) -> list[float]:
 # run/digest.py contracts a float32 tensor's sketch in float32 over at most this many rows at a time (one
 # GEMM per cache-sized block, accumulated in float64); float64 tensors and integers in float64
 SKETCH_ROWS = 512
-SKETCH_FLOAT32 = ("float32", "float16", "bfloat16")  # dtypes whose sketch is computed in float32
+# dtypes whose sketch is computed (and stored) in float32: defined with the trajectory format
+from disttrace.store.trajectory import SKETCH_FLOAT32  # noqa: E402
 
 
 def sketch_rounding(dtype, shape) -> float:
@@ -152,7 +153,9 @@ def sketch_rounding(dtype, shape) -> float:
     blunter than the sum for no measured reason); it still over-states the measured error, because the
     errors of the C columns and of the row blocks have independent signs and partly cancel
     (tests/test_sketch_cost.py checks every shape it tries against a float64 oracle within this
-    figure). The float64 stages add u64*sqrt(R + C). A logical tensor combined from shards is bounded by
+    figure). The float64 stages add u64*sqrt(R + C). A float32-computed sketch is also stored in float32
+    (store/trajectory.py): one more rounding of at most u32 * |sketch_k| <= u32 ||x|| sqrt(numel), summed over
+    shards within the same figure (Cauchy-Schwarz). A logical tensor combined from shards is bounded by
     its logical shape (each shard's R and C are at most the logical ones)."""
     try:
         shape = [int(n) for n in shape or []]
@@ -162,8 +165,10 @@ def sketch_rounding(dtype, shape) -> float:
         return 0.0  # a scalar's sketch is the value itself
     cols = max(shape[-1], 1)
     rows = max(math.prod(shape[:-1]), 1)
-    u = UNIT_ROUNDOFF["float32"] if str(dtype).removeprefix("torch.") in SKETCH_FLOAT32 else UNIT_ROUNDOFF["float64"]
-    return u * math.sqrt(min(rows, SKETCH_ROWS)) + UNIT_ROUNDOFF["float64"] * math.sqrt(rows + cols)
+    in_float32 = str(dtype).removeprefix("torch.") in SKETCH_FLOAT32
+    u = UNIT_ROUNDOFF["float32"] if in_float32 else UNIT_ROUNDOFF["float64"]
+    stored = UNIT_ROUNDOFF["float32"] if in_float32 else 0.0
+    return u * math.sqrt(min(rows, SKETCH_ROWS)) + UNIT_ROUNDOFF["float64"] * math.sqrt(rows + cols) + stored
 
 
 def combine_sketches(sketches: list) -> list[float] | None:

@@ -1,7 +1,8 @@
 """The trajectory recorder: listens at the hook points and writes one record per (step, micro-batch,
 phase, rank, tensor). It never changes training; it only reads what the hooks hand it.
 
-Records of one step are buffered, sorted into the order of docs/design.md ("Order") and written together, because engine
+Records of one step are buffered, sorted into the order of docs/design.md ("Order") and written together as
+one Arrow record batch (store/trajectory.py), because engine
 callbacks (DDP buckets) can fire in different orders on different ranks; the file is then identical for
 identical computations. After each step a line goes to the step index: byte offset and length of the
 step's records and a digest of their digests, so diff can skip equal steps without reading them, and the
@@ -18,6 +19,7 @@ from disttrace.run.hooks import HookBus
 from disttrace.store.records import StepIndexEntry
 from disttrace.store.rundir import PHASE_ORDER, JsonlWriter, rank_file
 from disttrace.store.seal import StepChain
+from disttrace.store.trajectory import SUFFIX, TrajectoryWriter
 
 
 def _no_dispatch_modes():
@@ -66,7 +68,7 @@ class Recorder:
         self.every = every  # record.every: digest steps every, 2*every, ... (diff compares those both hold)
         self.forward = forward  # record.forward: each block's output
         self._on = True
-        self.traj = JsonlWriter(Path(run_dir) / rank_file("trajectory", rank))
+        self.traj = TrajectoryWriter(Path(run_dir) / rank_file("trajectory", rank, SUFFIX))
         self.index = JsonlWriter(Path(run_dir) / rank_file("trajectory", rank, ".steps.jsonl"))
         self._buf: list[dict] = []
         self._t: dict[str, float] = {}
@@ -178,9 +180,7 @@ class Recorder:
             return
         self._buf.sort(key=lambda r: (r["micro_batch"], PHASE_ORDER[r["phase"]], r["index"]))
         offset = self.traj.offset
-        data = b"".join(self.traj.encode(rec) for rec in self._buf)
-        self.traj.write_raw(data)
-        self.traj.flush()
+        data = self.traj.write_step(self._buf)  # one Arrow record batch (store/trajectory.py)
         t = {**self._t, "end": time.time()}
         if p.get("spans"):
             t["spans"] = p["spans"]

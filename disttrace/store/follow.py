@@ -19,6 +19,7 @@ from pathlib import Path
 
 import orjson
 
+from disttrace.errors import BadInput
 from disttrace.store.records import FAILURE_EVENTS, Event
 from disttrace.store.rundir import COMPLETE, Run
 
@@ -336,20 +337,12 @@ class Follower:
             if step not in ranges or (self._loss_ranks is not None and rank not in self._loss_ranks):
                 continue
             off, length = ranges[step]
-            try:
-                with open(self.run.rank_path("trajectory", rank), "rb") as f:
-                    f.seek(off)
-                    data = f.read(length)
-            except OSError:
+            try:  # the step's bytes only, through the one reader of the trajectory format (Run.records_of_step)
+                recs = self.run.records_of_step(rank, {"step": step, "offset": off, "length": length})
+            except (OSError, BadInput):
                 continue
-            for line in data.split(b"\n"):
-                if b'"phase":"loss"' not in line:
-                    continue
-                try:
-                    rec = orjson.loads(line)
-                except orjson.JSONDecodeError:
-                    continue
-                if rec.get("tensor") == "loss" and isinstance(rec.get("sum"), (int, float)):
+            for rec in recs:
+                if rec.get("phase") == "loss" and rec.get("tensor") == "loss" and isinstance(rec.get("sum"), (int, float)):
                     values.append(float(rec["sum"]))
                     have.add(rank)
         if self._loss_ranks is None and values:

@@ -6,7 +6,7 @@ Layout (one run = one directory, docs/design.md, "The run store"):
       manifest.lock.json     canonical manifest + resolved hashes (written first)
       run.json               which path this is, the fault spec, where it resumed from
       env.json  topology.json
-      trajectory/rank-00000.jsonl        one record a line
+      trajectory/rank-00000.arrows       Arrow IPC stream, one record batch per step (store/trajectory.py)
       trajectory/rank-00000.steps.jsonl  per step: byte offset, length, record count, digest of digests
       collectives/rank-00000.jsonl  memory/rank-00000.jsonl
       steps/rank-00000.jsonl  per step: wall time (kept also when record.enabled = false)
@@ -288,14 +288,15 @@ class Run:
         out = []
         if d.is_dir():
             for p in d.iterdir():
-                m = re.fullmatch(r"rank-(\d{5})\.jsonl", p.name)
+                m = re.fullmatch(r"rank-(\d{5})\.(?:jsonl|arrows)" if kind == "trajectory" else r"rank-(\d{5})\.jsonl",
+                                 p.name)
                 if m:
                     if p.is_symlink():  # a rank file names its content by its place: it stays in the run
                         from disttrace.store.paths import contained
 
                         contained(p, self.path, p)
                     out.append(int(m.group(1)))
-        return sorted(out)
+        return sorted(set(out))
 
     def rank_path(self, kind: str, rank: int, suffix: str = ".jsonl") -> Path:
         return self.path / rank_file(kind, rank, suffix)
@@ -341,15 +342,30 @@ class Run:
                 raise BadInput(p, f"line {n}: 'seconds' must be a number >= 0", field="seconds")
         return read
 
+    def trajectory_path(self, rank: int) -> Path:
+        """The rank's trajectory file: the Arrow stream, or the JSON lines of a store written before it."""
+        from disttrace.store.trajectory import trajectory_path
+
+        return trajectory_path(self.path, rank)
+
     def records(self, rank: int, torn: list | None = None) -> Iterator[dict]:
-        yield from iter_jsonl(self.rank_path("trajectory", rank), torn)
+        """Every trajectory record of the rank, step by step (a torn last step reported through `torn`)."""
+        from disttrace.store import trajectory
+
+        path = self.trajectory_path(rank)
+        if not trajectory.is_arrow(path):
+            yield from iter_jsonl(path, torn)
+            return
+        if not path.is_file():
+            raise BadInput(path, "file not found")
+        for _, _, batch in trajectory.scan(path, torn):
+            yield from trajectory.to_records(batch)
 
     def records_of_step(self, rank: int, entry: dict) -> list[dict]:
         """Read only the byte range of one step (from the step index): diff seeks, never scans."""
-        with open(self.rank_path("trajectory", rank), "rb") as f:
-            f.seek(entry["offset"])
-            data = f.read(entry["length"])
-        return [orjson.loads(line) for line in data.splitlines() if line.strip()]
+        from disttrace.store.trajectory import records_of_range
+
+        return records_of_range(self.trajectory_path(rank), entry["offset"], entry["length"], entry.get("step"))
 
     def checkpoint_dirs(self) -> list[Path]:
         d = self.path / "checkpoints"

@@ -25,6 +25,7 @@ import orjson
 
 from disttrace.errors import BadInput
 from disttrace.store import seal as sealing
+from disttrace.store import trajectory
 from disttrace.store.checkpoints import verify as verify_checkpoint
 from disttrace.store.paths import inside
 from disttrace.store.rundir import COMPLETE, Run, rank_file, read_json
@@ -112,9 +113,10 @@ class _Verifier:
 
     # ------------------------------------------------------------ the step chain of one rank
     def check_rank(self, rank: int, seal: dict | None) -> None:
-        traj_rel = rank_file("trajectory", rank)
+        traj = self.run.trajectory_path(rank)
+        traj_rel = f"trajectory/{traj.name}"
         idx_rel = rank_file("trajectory", rank, ".steps.jsonl")
-        traj, idx = self.path / traj_rel, self.path / idx_rel
+        idx = self.path / idx_rel
         self.v.checked["ranks"] += 1
         if not idx.is_file():
             self.damage(idx_rel, "missing: the step index of this rank's trajectory")
@@ -173,8 +175,10 @@ class _Verifier:
         if unsealed_steps:
             self.v.notes.append(f"{idx_rel}: {unsealed_steps} steps without hashes (written before step hashes)")
             return
-        if len(data) != expect_offset:
-            self.damage(traj_rel, f"{len(data) - expect_offset} bytes after the last indexed step (appended)",
+        # an Arrow stream ends with its end-of-stream marker, outside every step (sealed with the file)
+        end = expect_offset + (len(trajectory.END_OF_STREAM) if data[expect_offset:] == trajectory.END_OF_STREAM else 0)
+        if len(data) != end:
+            self.damage(traj_rel, f"{len(data) - end} bytes after the last indexed step (appended)",
                         last_step)
             return
         if seal is not None:

@@ -1,0 +1,286 @@
+"""The trajectory on disk: one Arrow IPC stream per rank, `trajectory/rank-NNNNN.arrows`, one record batch per
+step (docs/design.md, "Run store").
+
+Why columnar. A JSON line spent ~355 bytes on one record (field names, hex digests, floats as text), and a
+reader parsed every field of every record. A column of 16-byte digests, float64 sums and norms and a
+float32 sketch compresses to ~60 bytes a record (zstd per column buffer; step, rank, phase and index runs
+cost almost nothing), and diff reads whole columns into numpy without building a dict per record.
+
+Why one batch per step, self-contained. The step index (`rank-NNNNN.steps.jsonl`) keeps each step's byte
+offset and length, the sha256 chain seals those bytes (store/seal.py), and diff seeks to one step without
+reading the others. So a step's bytes must decode on their own: no dictionary-encoded columns (an Arrow
+dictionary lives in earlier messages of the stream); tensor names are plain strings, which zstd compresses
+because each name repeats in every phase of the step. The first step's bytes also hold the stream's schema
+message; readers decode with `SCHEMA` below, never with a schema read from the store, so a forged header
+cannot change what a column means.
+
+Any Arrow reader reads the file as it is (`pyarrow.ipc.open_stream`, `polars.read_ipc_stream`, DuckDB over
+the Arrow table): `disttrace show RUN records --jsonl` exports it as JSON lines. A crash mid-step leaves a
+torn final message: reported and left out, as a torn JSON line was. Run stores written before this format
+(`rank-NNNNN.jsonl`, one record a line) are still read.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+from typing import Iterator
+
+import orjson
+import pyarrow as pa
+import pyarrow.ipc as ipc
+
+from disttrace.errors import BadInput
+
+SUFFIX = ".arrows"  # Arrow's extension for the IPC stream format
+LEGACY_SUFFIX = ".jsonl"
+COMPRESSION = "zstd"
+END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # what the stream writer appends at close
+
+# dtypes whose sketch is computed in float32 (run/digest.py) and therefore stored in float32: storing it in
+# float64 would keep digits the computation never had (tolerance.sketch_rounding counts the storage rounding)
+SKETCH_FLOAT32 = ("float32", "float16", "bfloat16")
+SKETCH_K = 4
+
+# digest kinds: xxh3-128 of the raw bytes (32 hex characters), or the device checksum ("dev:" + 32 hex)
+_DEVICE_PREFIX = "dev:"
+
+_ints = pa.list_(pa.int64())
+SCHEMA = pa.schema([
+    ("step", pa.uint32()),
+    ("micro_batch", pa.uint32()),
+    ("phase", pa.string()),
+    ("rank", pa.uint32()),
+    ("index", pa.uint32()),
+    ("tensor", pa.string()),
+    ("dtype", pa.string()),
+    ("shape", _ints),
+    ("numel", pa.int64()),
+    ("digest", pa.binary(16)),
+    ("device_digest", pa.bool_()),  # the digest is the device checksum (run/digest.py), not xxh3 of the bytes
+    ("sum", pa.float64()),  # null: not finite
+    ("norm", pa.float64()),
+    ("sketch", pa.list_(pa.float32(), SKETCH_K)),  # float32-computed sketches (SKETCH_FLOAT32 dtypes)
+    ("sketch64", pa.list_(pa.float64(), SKETCH_K)),  # float64 and integer tensors' sketches
+    ("nonfinite", pa.int64()),
+    ("samples", _ints),  # data phase: the batch's sample ids
+    ("tokens", pa.int64()),  # loss phase: the tokens the loss is a mean over
+    ("shard_offset", _ints),  # a DTensor shard: where this rank's piece sits in the logical tensor
+    ("shard_shape", _ints),
+])
+FIELDS = tuple(SCHEMA.names)
+
+
+# ---------------------------------------------------------------- writing
+
+
+class _Chunks(io.RawIOBase):
+    """The stream writer's sink: collects what one write_batch emits, so the recorder gets the step's exact
+    bytes (to hash and seal) before they reach the file."""
+
+    def __init__(self):
+        self.chunks: list[bytes] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        self.chunks.append(bytes(b))
+        return len(b)
+
+    def take(self) -> bytes:
+        out = b"".join(self.chunks)
+        self.chunks.clear()
+        return out
+
+
+def _first_message_end(data: bytes) -> int:
+    r = pa.BufferReader(data)
+    ipc.read_message(r)
+    return r.tell()
+
+
+_OPTIONS = ipc.IpcWriteOptions(compression=COMPRESSION)
+
+
+def _columns(records: list[dict]) -> list[pa.Array]:
+    """The records of one step as SCHEMA's columns (the recorder's dicts, TrajectoryRecord's shape)."""
+    n = len(records)
+    cols: dict[str, list] = {f: [None] * n for f in FIELDS}
+    for i, r in enumerate(records):
+        for k in ("step", "micro_batch", "phase", "rank", "index", "tensor", "dtype", "shape", "numel", "sum",
+                  "norm", "nonfinite", "samples", "tokens"):
+            cols[k][i] = r.get(k)
+        d = r["digest"]
+        dev = d.startswith(_DEVICE_PREFIX)
+        cols["digest"][i] = bytes.fromhex(d[len(_DEVICE_PREFIX):] if dev else d)
+        cols["device_digest"][i] = dev
+        sk = r.get("sketch")
+        if sk is not None:
+            cols["sketch" if r.get("dtype") in SKETCH_FLOAT32 else "sketch64"][i] = sk
+        shard = r.get("shard")
+        if shard:
+            cols["shard_offset"][i] = shard["offset"]
+            cols["shard_shape"][i] = shard["logical_shape"]
+        extra = r.keys() - _KNOWN
+        if extra:
+            raise ValueError(f"trajectory record with fields the schema does not hold: {sorted(extra)}")
+    return [pa.array(cols[f.name], f.type) for f in SCHEMA]
+
+
+_KNOWN = frozenset(FIELDS) - {"device_digest", "sketch64", "shard_offset", "shard_shape"} | {"shard"}
+
+
+class TrajectoryWriter:
+    """Appends one rank's steps to its Arrow stream; each step is written and flushed whole, so a crash loses
+    at most the step being written (a torn final message, which readers report and leave out)."""
+
+    def __init__(self, path: Path | str):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "ab")
+        self._sink = _Chunks()
+        self._writer = None
+        # appending to an existing stream (a job restarted into its run directory): its schema is there already
+        self._skip_schema = self._f.tell() > 0
+
+    @property
+    def offset(self) -> int:
+        return self._f.tell()
+
+    def write_step(self, records: list[dict]) -> bytes:
+        """Write one step's records (already in the order of docs/design.md) as one record batch; returns the
+        bytes written, which the step index hashes and chains."""
+        batch = pa.RecordBatch.from_arrays(_columns(records), schema=SCHEMA)
+        if self._writer is None:
+            self._writer = ipc.new_stream(pa.PythonFile(self._sink, mode="w"), SCHEMA, options=_OPTIONS)
+        self._writer.write_batch(batch)
+        data = self._sink.take()
+        if self._skip_schema:
+            data = data[_first_message_end(data):]
+            self._skip_schema = False
+        self._f.write(data)
+        self._f.flush()
+        return data
+
+    def close(self) -> None:
+        if self._f.closed:
+            return
+        if self._writer is not None:
+            self._writer.close()  # the end-of-stream marker: outside every step's range, sealed with the file
+            self._f.write(self._sink.take())
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+
+
+# ---------------------------------------------------------------- reading
+
+
+def trajectory_path(run_path: Path, rank: int) -> Path:
+    """This rank's trajectory: the Arrow stream, or a JSON-lines file of a store written before it."""
+    base = Path(run_path) / "trajectory" / f"rank-{rank:05d}"
+    arrow = base.with_name(base.name + SUFFIX)
+    if arrow.exists():
+        return arrow
+    legacy = base.with_name(base.name + LEGACY_SUFFIX)
+    return legacy if legacy.exists() else arrow
+
+
+def is_arrow(path: Path) -> bool:
+    return Path(path).suffix == SUFFIX
+
+
+def decode_step(path: Path, data: bytes, where: str) -> pa.RecordBatch:
+    """The record batch in one step's bytes (a schema message before it, in the first step, is skipped).
+    Anything else (a torn, edited or foreign message) is bad input naming the file and step."""
+    reader = pa.BufferReader(data)
+    batch = None
+    try:
+        while reader.tell() < len(data):
+            msg = ipc.read_message(reader)
+            if msg.type == "schema":
+                continue
+            if msg.type != "record batch" or batch is not None:
+                raise ValueError(f"unexpected {msg.type} message")
+            batch = ipc.read_record_batch(msg, SCHEMA)
+        if batch is None:
+            raise ValueError("no record batch")
+        batch.validate(full=True)  # offsets and lengths inside their buffers: a forged batch is refused here
+    except (pa.ArrowException, ValueError, OSError, EOFError) as e:
+        raise BadInput(path, f"{where}: not a trajectory record batch ({str(e).splitlines()[0][:120]})") from None
+    return batch
+
+
+def read_range(path: Path, offset: int, length: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(length)
+
+
+def scan(path: Path, torn: list | None = None) -> Iterator[tuple[int, int, pa.RecordBatch]]:
+    """(offset, length, batch) of every step in the file, in order, without the step index. A torn final
+    message is reported through `torn` and left out."""
+    data = Path(path).read_bytes()
+    reader = pa.BufferReader(data)
+    start = 0
+    while reader.tell() < len(data):
+        pos = reader.tell()
+        if data[pos:] == END_OF_STREAM:
+            return
+        try:
+            msg = ipc.read_message(reader)
+        except (pa.ArrowException, OSError, ValueError, EOFError):
+            if torn is not None:
+                torn.append(f"{path}: the last step's bytes (from offset {pos}) are torn (incomplete write), ignored")
+                return
+            raise BadInput(path, f"bytes from offset {pos} are not an Arrow message") from None
+        if msg is None:
+            return
+        if msg.type == "schema":
+            continue
+        end = reader.tell()
+        yield start, end - start, decode_step(path, data[pos:end], f"bytes {pos}..{end}")
+        start = end
+
+
+def step_of(batch: pa.RecordBatch) -> int | None:
+    return int(batch.column(0)[0].as_py()) if batch.num_rows else None
+
+
+def to_records(batch: pa.RecordBatch) -> list[dict]:
+    """The batch as the recorder's dicts (TrajectoryRecord: optional fields absent when not recorded)."""
+    cols = {name: batch.column(i).to_pylist() for i, name in enumerate(FIELDS)}
+    out = []
+    for i in range(batch.num_rows):
+        digest = cols["digest"][i].hex()
+        r = {"step": cols["step"][i], "micro_batch": cols["micro_batch"][i], "phase": cols["phase"][i],
+             "rank": cols["rank"][i], "index": cols["index"][i], "tensor": cols["tensor"][i],
+             "dtype": cols["dtype"][i], "shape": cols["shape"][i], "numel": cols["numel"][i],
+             "digest": _DEVICE_PREFIX + digest if cols["device_digest"][i] else digest,
+             "sum": cols["sum"][i], "norm": cols["norm"][i]}
+        sk = cols["sketch"][i] or cols["sketch64"][i]
+        if sk is not None:
+            r["sketch"] = sk
+        r["nonfinite"] = cols["nonfinite"][i]
+        for k in ("samples", "tokens"):
+            if cols[k][i] is not None:
+                r[k] = cols[k][i]
+        if cols["shard_offset"][i] is not None:
+            r["shard"] = {"offset": cols["shard_offset"][i], "logical_shape": cols["shard_shape"][i]}
+        out.append(r)
+    return out
+
+
+def records_of_range(path: Path, offset: int, length: int, step: int | None = None) -> list[dict]:
+    """One step's records, read by seeking to its byte range (from the step index)."""
+    data = read_range(path, offset, length)
+    if not is_arrow(path):
+        try:
+            return [orjson.loads(line) for line in data.splitlines() if line.strip()]
+        except orjson.JSONDecodeError:
+            raise BadInput(path, f"step {step}: a record in bytes {offset}..{offset + length} is not valid JSON "
+                           "(the file does not match its step index)") from None
+    return to_records(decode_step(path, data, f"step {step} (bytes {offset}..{offset + length})"))
+
