@@ -73,6 +73,7 @@ def worker(rank, world, port, frozen_doc, steps, out, q):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from disttrace.config.manifest import Manifest
     from disttrace.data.windows import TokenData
     from disttrace.model.llama import build_model, lm_loss
     from disttrace.run.collectives import CollectiveTracer
@@ -89,12 +90,13 @@ def worker(rank, world, port, frozen_doc, steps, out, q):
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     m = frozen_doc["manifest"]
+    typed = Manifest.model_validate(m)  # strategies, ledger and topology read the typed manifest, as in the job
     mesh = init_device_mesh("cpu", (1, world, 1), mesh_dim_names=("pp", "dp", "tp"))
     data = TokenData(m, frozen_doc["resolved"]["data_path"], frozen_doc["resolved"]["tokenizer_path"])
     bus = HookBus(rank)
     model = build_model(SimpleNamespace(**m["model"]), torch.float32, m["experiment"]["seed"])
     emit_module_outputs(model, bus)
-    strategy = build_strategy(m, model, mesh, bus)
+    strategy = build_strategy(typed, model, mesh, bus)
     base = Path(out) / f"rank{rank}"
     flag = {"on": "off"}
     recorded = {"recorder+ledger", "default", "default+live check", "values"}
@@ -103,11 +105,11 @@ def worker(rank, world, port, frozen_doc, steps, out, q):
     spent: dict[str, float] = {}  # own seconds of each observer's hook handlers, in the default variant
     for v in sorted(recorded):  # each variant writes its own run dir, so its bytes are its own
         recorders[v] = Recorder(base / v, rank).attach(Gated(bus, flag, {v}, spent, f"recorder {v}"))
-        ledgers.append(MemoryLedger(base / v, rank, m, strategy).attach(Gated(bus, flag, {v}, spent, f"ledger {v}")))
+        ledgers.append(MemoryLedger(base / v, rank, typed, strategy).attach(Gated(bus, flag, {v}, spent, f"ledger {v}")))
     fr = FlightRecorderTrace(base / "default", rank).attach(
         Gated(bus, flag, {"default", "default+live check"}, spent, "trace"))
     LiveCheck(base / "default+live check", recorders["default+live check"], strategy.replicas(),
-              {**groups_of(m), "world": [list(range(world))]}, rank).attach(
+              {**groups_of(typed), "world": [list(range(world))]}, rank).attach(
         Gated(bus, flag, {"default+live check"}, spent, "live check"))
     tracer = CollectiveTracer(base / "values", rank, values=True)
     times = {v: [] for v in VARIANTS}

@@ -237,7 +237,7 @@ def inject(manifest: Optional[Path] = ManifestArg,
         return _warn_if_not_fired(run_dir)
 
     frozen = _freeze(manifest, set_)
-    spec = faults.get(fault).spec(step, rank, parse_params(param), frozen.manifest)
+    spec = faults.get(fault).spec(step, rank, parse_params(param), frozen.model())
     run_dir = prepare(frozen, out, "fault", fault=spec)
     _launch_and_report(run_dir, json_, quiet=quiet)
     _warn_if_not_fired(run_dir)

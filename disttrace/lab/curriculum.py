@@ -36,7 +36,7 @@ def list_labs(directory: Path = LABS_DIR) -> list[dict]:
             frozen = freeze(path)
             name, *rest = lab.get("fault", "").split()
             opts = dict(zip(rest[::2], rest[1::2]))
-            faults.get(name).spec(int(opts.get("--step", 1)), int(opts.get("--rank", 0)), {}, frozen.manifest)
+            faults.get(name).spec(int(opts.get("--step", 1)), int(opts.get("--rank", 0)), {}, frozen.model())
             lab["status"] = "runnable"
         except BadInput as e:
             lab["status"] = "not runnable yet"

@@ -114,7 +114,7 @@ def expected_signature(spec: dict, fault_res: dict, d_fault: dict | None, d_rec:
 def run_lab(manifest: Path | None, fault: str, step: int, rank: int, params: dict, sets: list[str], out: Path,
             predict: str | None, progress, follow=None) -> dict:
     frozen = freeze(manifest, sets)
-    spec = faults.get(fault).spec(step, rank, params, frozen.manifest)
+    spec = faults.get(fault).spec(step, rank, params, frozen.model())
     prediction = parse_prediction(predict)
     if prediction:
         progress(f"prediction written down before the run: first divergence in {_e(predict)}")

@@ -22,9 +22,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from disttrace.config.attached import AttachedManifest
+from disttrace.config.manifest import Manifest
 from disttrace.store.records import FaultEvent
 from disttrace.errors import BadInput
 from disttrace.store.rundir import event
+
+AnyManifest = Manifest | AttachedManifest  # the harness's job, or an attached script (run/attach.py)
 
 REGISTRY: dict[str, type["Fault"]] = {}
 
@@ -49,37 +53,37 @@ class Fault:
 
     # ---------------------------------------------------------- checked before any process starts
     @classmethod
-    def spec(cls, step: int, rank: int, params: dict, manifest: dict) -> dict:
+    def spec(cls, step: int, rank: int, params: dict, manifest: Manifest) -> dict:
         where = "--fault"
         unknown = sorted(set(params) - set(cls.defaults))
         if unknown:
             raise BadInput(f"--param {unknown[0]}", f"fault '{cls.name}' has no parameter '{unknown[0]}'; "
                            f"it takes: {', '.join(cls.defaults) or 'none'}")
-        steps = manifest["training"]["steps"]
-        world = manifest["parallelism"]["world_size"]
+        steps = manifest.training.steps
+        world = manifest.parallelism.world_size
         if not 1 <= step <= steps:
             raise BadInput("--step", f"step {step} does not exist: the manifest runs steps 1..{steps}")
         if not 0 <= rank < world:
             raise BadInput("--rank", f"rank {rank} does not exist: world size is {world}")
-        if cls.needs_dp2 and manifest["parallelism"]["dp"] < 2:
+        if cls.needs_dp2 and manifest.parallelism.dp < 2:
             raise BadInput(where, f"'{cls.name}' needs data parallelism (dp >= 2); this manifest has dp = "
-                           f"{manifest['parallelism']['dp']}")
+                           f"{manifest.parallelism.dp}")
         missing = cls.requires - capabilities(manifest)
         if missing:
             raise BadInput(where, f"'{cls.name}' needs the {', '.join(sorted(missing))} hook point, which the "
                            f"{strategy_name(manifest)} strategy does not offer")
-        par = manifest["parallelism"]
-        if par["architecture"] == "parameter-server" and cls.point in ("reduce", "optimizer", "before_clip") \
+        par = manifest.parallelism
+        if par.architecture == "parameter-server" and cls.point in ("reduce", "optimizer", "before_clip") \
                 and rank != 0:
             raise BadInput("--rank", f"under the parameter server only rank 0 reduces and steps the optimizer: "
                            f"'{cls.name}' must target --rank 0")
-        if par["pp"] > 1 and cls.point == "loss":
+        if par.pp > 1 and cls.point == "loss":
             from disttrace.run.topology import coords_of, mesh_shape
 
-            if coords_of(rank, mesh_shape(manifest)[0])["pp"] != par["pp"] - 1:
+            if coords_of(rank, mesh_shape(manifest)[0])["pp"] != par.pp - 1:
                 raise BadInput("--rank", f"under pipeline parallel only the last stage computes the loss: "
-                               f"'{cls.name}' must target a rank of stage {par['pp'] - 1}")
-        interval = manifest["checkpoint"]["interval"]
+                               f"'{cls.name}' must target a rank of stage {par.pp - 1}")
+        interval = manifest.checkpoint.interval
         if cls.needs_checkpoint_step and (not interval or step % interval):
             raise BadInput("--step", f"'{cls.name}' acts on a checkpoint, but no checkpoint is written at step "
                            f"{step} (checkpoint.interval = {interval})")
@@ -95,17 +99,22 @@ class Fault:
                 "expect": cls.expect}
 
     @classmethod
-    def check(cls, step: int, params: dict, manifest: dict) -> None:
-        """Fault-specific validation (raise BadInput)."""
+    def check(cls, step: int, params: dict, manifest: AnyManifest | dict) -> None:
+        """Fault-specific validation (raise BadInput). attach.build_fault hands its manifest as a dict."""
+        cls._check(step, params, typed(manifest))
 
     @classmethod
-    def check_target(cls, rank: int, params: dict, manifest: dict) -> None:
+    def _check(cls, step: int, params: dict, manifest: AnyManifest) -> None:
+        """A fault's own checks of its parameters against the manifest (raise BadInput)."""
+
+    @classmethod
+    def check_target(cls, rank: int, params: dict, manifest: Manifest) -> None:
         """Refuse a target that does not exist on that rank (raise BadInput): a fault that could change
         nothing must not produce a 'fault run' that is a second reference."""
 
     # ---------------------------------------------------------- in the job
     def attach(self, bus, ctx) -> None:
-        self.ctx = ctx
+        self.ctx, self.manifest = ctx, typed(ctx.manifest)
         self.fired = False
         if bus.rank == self.rank:
             self.install(bus)
@@ -135,41 +144,47 @@ class Fault:
         event(self.ctx.run_dir, line.pop("event"), **line)
 
 
-def strategy_name(manifest: dict) -> str:
-    p = manifest["parallelism"]
-    if p["architecture"] == "parameter-server":
-        return f"parameter-server (staleness {p['staleness']})"
-    if p["pp"] > 1:
-        return f"pipeline ({p['pp_schedule']})"
-    if p["tp"] > 1:
-        return "tensor-parallel" + (" x FSDP2" if p["dp"] > 1 else "")
-    return {0: "DDP", 1: "ZeRO-1 (DDP + ZeroRedundancyOptimizer)", 2: "ZeRO-2 (FSDP2)", 3: "ZeRO-3 (FSDP2)"}[p["zero_stage"]]
+def typed(manifest: AnyManifest | dict) -> AnyManifest:
+    """The manifest as a model. The harness's job hands its Manifest; the attach API still hands the dict it
+    stores (or a stand-in built from it): that is an AttachedManifest, validated here."""
+    return AttachedManifest.model_validate(manifest) if isinstance(manifest, dict) else manifest
 
 
-def capabilities(manifest: dict) -> set[str]:
+def strategy_name(manifest: Manifest) -> str:
+    p = manifest.parallelism
+    if p.architecture == "parameter-server":
+        return f"parameter-server (staleness {p.staleness})"
+    if p.pp > 1:
+        return f"pipeline ({p.pp_schedule})"
+    if p.tp > 1:
+        return "tensor-parallel" + (" x FSDP2" if p.dp > 1 else "")
+    return {0: "DDP", 1: "ZeRO-1 (DDP + ZeroRedundancyOptimizer)", 2: "ZeRO-2 (FSDP2)", 3: "ZeRO-3 (FSDP2)"}[p.zero_stage]
+
+
+def capabilities(manifest: Manifest) -> set[str]:
     """Which hook points carry what under this manifest's strategy:
     'backward': the local gradient before any data-parallel reduce is handed to the `backward` point;
     'collective_hook': that point runs right before the gradient collective is issued (DDP's comm hook);
     'sharded_grads': ranks hold different pieces of the gradient (a local norm is not the global one);
     'tp': tensor parallel, with replicated (norm) parameters beside sharded ones."""
     caps = _capabilities(manifest)
-    p = manifest["parallelism"]
-    if p["architecture"] != "parameter-server" and (p["zero_stage"] >= 2 or p["tp"] > 1 or p["pp"] > 1):
+    p = manifest.parallelism
+    if p.architecture != "parameter-server" and (p.zero_stage >= 2 or p.tp > 1 or p.pp > 1):
         caps.add("sharded_grads")
-    if p["tp"] > 1:
+    if p.tp > 1:
         caps.add("tp")
     return caps
 
 
-def _capabilities(manifest: dict) -> set[str]:
-    p = manifest["parallelism"]
-    if p["architecture"] == "parameter-server":
+def _capabilities(manifest: Manifest) -> set[str]:
+    p = manifest.parallelism
+    if p.architecture == "parameter-server":
         return {"backward"}  # the push is point-to-point, not a collective
-    if p["pp"] > 1:  # after the schedule: the stage's accumulated gradient, local only without dp/tp
-        return {"backward"} if p["dp"] == 1 and p["tp"] == 1 else set()
-    if p["tp"] > 1:
-        return {"backward"} if p["dp"] == 1 else set()
-    if p["zero_stage"] >= 2:
+    if p.pp > 1:  # after the schedule: the stage's accumulated gradient, local only without dp/tp
+        return {"backward"} if p.dp == 1 and p.tp == 1 else set()
+    if p.tp > 1:
+        return {"backward"} if p.dp == 1 else set()
+    if p.zero_stage >= 2:
         return set()  # FSDP2 reduce-scatters inside its own post-backward
     return {"backward", "collective_hook"}
 
@@ -246,27 +261,27 @@ def pick(grads, tensor: str):
     return None
 
 
-def _check_bit(params, manifest):
-    bits = 64 if manifest["training"]["dtype"] == "float64" else 32
+def _check_bit(params, manifest: AnyManifest):
+    bits = 64 if manifest.training.dtype == "float64" else 32
     if not 0 <= params["bit"] < bits:
         raise BadInput("--param bit", f"bit {params['bit']} does not exist in a {bits}-bit value")
 
 
-def _check_tensor(cls, rank: int, params: dict, manifest: dict) -> None:
+def _check_tensor(cls, rank: int, params: dict, manifest: Manifest) -> None:
     """The named tensor (a name, or an index as text, as `pick`) must be a parameter the rank holds."""
     from disttrace.model.names import parameter_names
 
-    par = manifest["parallelism"]
+    par = manifest.parallelism
     stage = 0
-    if par["pp"] > 1:
+    if par.pp > 1:
         from disttrace.run.topology import coords_of, mesh_shape
 
         stage = coords_of(rank, mesh_shape(manifest)[0])["pp"]
-    names = parameter_names(manifest["model"], par["pp"], stage)
+    names = parameter_names(manifest.model.model_dump(), par.pp, stage)
     want = str(params["tensor"])
     if want in names or (want.isdigit() and int(want) < len(names)):
         return
-    where = f" (pipeline stage {stage} of rank {rank})" if par["pp"] > 1 else ""
+    where = f" (pipeline stage {stage} of rank {rank})" if par.pp > 1 else ""
     close = [n for n in names if want.split(".")[-1] in n][:3] or names[:3]
     raise BadInput("--param tensor", f"'{cls.name}' names tensor '{want}', which is not a parameter of this "
                    f"model{where}: it would change nothing; e.g. {', '.join(close)} (or an index 0..{len(names) - 1})")
@@ -283,13 +298,13 @@ class BitflipGrad(Fault):
     requires = frozenset({"backward"})
 
     @classmethod
-    def check(cls, step, params, manifest):
+    def _check(cls, step, params, manifest):
         _check_bit(params, manifest)
-        accum = manifest["training"]["grad_accum_steps"]
+        accum = manifest.training.grad_accum_steps
         if not -accum <= params["micro_batch"] < accum:
             raise BadInput("--param micro_batch", f"micro-batch {params['micro_batch']} does not exist: "
                            f"training.grad_accum_steps = {accum} (-1 is the last)")
-        if manifest["parallelism"]["pp"] > 1 and params["micro_batch"] % accum != accum - 1:
+        if manifest.parallelism.pp > 1 and params["micro_batch"] % accum != accum - 1:
             raise BadInput("--param micro_batch", "under pipeline parallel the backward point is after the "
                            "schedule (the accumulated gradient): only the last micro-batch (-1)")
 
@@ -298,7 +313,7 @@ class BitflipGrad(Fault):
         _check_tensor(cls, rank, params, manifest)
 
     def install(self, bus):
-        accum = self.ctx.manifest["training"]["grad_accum_steps"]
+        accum = self.manifest.training.grad_accum_steps
         mb = self.params["micro_batch"] % accum  # -1: the last, the one the reduce follows
 
         def handler(bus, p):
@@ -317,7 +332,7 @@ class BitflipParam(Fault):
     defaults = {"tensor": "layers.0.attention.wq.weight", "element": 0, "bit": 16}
 
     @classmethod
-    def check(cls, step, params, manifest):
+    def _check(cls, step, params, manifest):
         _check_bit(params, manifest)
 
     @classmethod
@@ -337,7 +352,7 @@ class BitflipParam(Fault):
 def _param_point(fault: Fault) -> str:
     """Where a parameter fault acts: after the optimizer step; under the parameter server on the server's
     master parameters before it hands them out (`server_update`), else the next pull would overwrite it."""
-    ps = fault.ctx.manifest["parallelism"]["architecture"] == "parameter-server"
+    ps = fault.manifest.parallelism.architecture == "parameter-server"
     return "server_update" if ps else "optimizer"
 
 
@@ -387,7 +402,7 @@ class GradScale(Fault):
     def install(self, bus):
         def handler(bus, p):
             if self.here(bus):
-                world = self.ctx.manifest["parallelism"]["dp"]
+                world = self.manifest.parallelism.dp
                 grads = [g for _, _, g, *_ in p["grads"]]
                 with self.changing(bus, grads, phase="reduce", divisor=world):
                     for g in grads:
@@ -404,13 +419,13 @@ class DataSwap(Fault):
     needs_dp2 = True
 
     @classmethod
-    def check(cls, step, params, manifest):
+    def _check(cls, step, params, manifest):
         _check_mb(params, manifest)
 
     def install(self, bus):
         def handler(bus, p):
             if self.here(bus) and bus.micro_batch == self.params["micro_batch"]:
-                other = (self.ctx.dp_rank + 1) % self.ctx.manifest["parallelism"]["dp"]
+                other = (self.ctx.dp_rank + 1) % self.manifest.parallelism.dp
                 before = state_digest(p["batch"]["inputs"], p["batch"]["targets"])
                 p["batch"] = p["fetch"](other)
                 self.fire(bus, proof=(before, state_digest(p["batch"]["inputs"], p["batch"]["targets"])),
@@ -419,8 +434,8 @@ class DataSwap(Fault):
         bus.on("data", handler, order=10)
 
 
-def _check_mb(params, manifest):
-    accum = manifest["training"]["grad_accum_steps"]
+def _check_mb(params, manifest: AnyManifest):
+    accum = manifest.training.grad_accum_steps
     if not 0 <= params["micro_batch"] < accum:
         raise BadInput("--param micro_batch", f"micro-batch {params['micro_batch']} does not exist: "
                        f"training.grad_accum_steps = {accum}")
@@ -433,7 +448,7 @@ class DropMicrobatch(Fault):
     defaults = {"micro_batch": 0}
 
     @classmethod
-    def check(cls, step, params, manifest):
+    def _check(cls, step, params, manifest):
         _check_mb(params, manifest)
 
     def install(self, bus):
@@ -453,7 +468,7 @@ class StaleParam(Fault):
     description = "applies the step's update to the previous step's parameters"
 
     @classmethod
-    def check(cls, step, params, manifest):
+    def _check(cls, step, params, manifest):
         if step < 2:
             raise BadInput("--step", "'stale-param' needs a previous step: use --step >= 2")
 
@@ -483,7 +498,7 @@ class LrSkew(Fault):
     defaults = {"k": 2.0}
 
     @classmethod
-    def check(cls, step, params, manifest):
+    def _check(cls, step, params, manifest):
         import math
 
         if params["k"] == 1.0 or not math.isfinite(params["k"]):
@@ -518,7 +533,7 @@ class OptimizerReset(Fault):
     def attach(self, bus, ctx):
         # a checkpoint is one collective object: the state must be dropped on every rank alike;
         # the event is logged once, by the named rank
-        self.ctx, self.fired = ctx, False
+        self.ctx, self.manifest, self.fired = ctx, typed(ctx.manifest), False
 
         def handler(bus, p):
             if bus.step == self.step and "optim" in p["state"]:
@@ -539,7 +554,7 @@ class CorruptCheckpoint(Fault):
     needs_checkpoint_step = True
 
     @classmethod
-    def check(cls, step, params, manifest):
+    def _check(cls, step, params, manifest):
         if params["nbytes"] < 1:
             raise BadInput("--param nbytes", f"nbytes = {params['nbytes']} flips nothing: use nbytes >= 1")
 
@@ -585,7 +600,7 @@ class SlowRank(Fault):
     requires = frozenset({"collective_hook"})
 
     @classmethod
-    def check(cls, step, params, manifest):
+    def _check(cls, step, params, manifest):
         if not params["seconds"] > 0:
             raise BadInput("--param seconds", f"seconds = {params['seconds']} delays nothing: use seconds > 0")
 
@@ -607,7 +622,7 @@ class CollectiveMismatch(Fault):
     requires = frozenset({"collective_hook"})
 
     @classmethod
-    def check(cls, step, params, manifest):
+    def _check(cls, step, params, manifest):
         if params["extra"] < 1:
             raise BadInput("--param extra", f"extra = {params['extra']} issues a matching shape: use extra >= 1")
 
@@ -625,8 +640,8 @@ class CollectiveMismatch(Fault):
         bus.on("backward", handler, order=10)
 
 
-def _needs_clipping(cls, manifest):
-    if not manifest["training"].get("max_grad_norm"):
+def _needs_clipping(cls, manifest: AnyManifest):
+    if not manifest.training.max_grad_norm:
         raise BadInput("--set training.max_grad_norm", f"'{cls.name}' acts on gradient clipping: set "
                        "training.max_grad_norm (small enough that clipping is active)")
 
@@ -637,7 +652,7 @@ class _ClipFault(Fault):
     point, expect = "before_clip", "clip"
 
     @classmethod
-    def check(cls, step, params, manifest):
+    def _check(cls, step, params, manifest):
         _needs_clipping(cls, manifest)
 
     def install(self, bus):
@@ -676,11 +691,11 @@ class ClipSkipReplicated(_ClipFault):
     requires = frozenset({"tp"})
 
     @classmethod
-    def check(cls, step, params, manifest):
-        super().check(step, params, manifest)
-        if manifest["parallelism"]["dp"] > 1:
+    def _check(cls, step, params, manifest):
+        super()._check(step, params, manifest)
+        if manifest.parallelism.dp > 1:
             raise BadInput("--fault", f"'{cls.name}' selects the parameters replicated across tp, but with dp = "
-                           f"{manifest['parallelism']['dp']} FSDP2 shards every parameter over dp (the norm weights "
+                           f"{manifest.parallelism.dp} FSDP2 shards every parameter over dp (the norm weights "
                            "too): the selection is empty and the fault would change nothing; use dp = 1")
 
     def act(self, p):
@@ -697,14 +712,14 @@ class LateMicrobatch(Fault):
     requires = frozenset({"collective_hook"})
 
     @classmethod
-    def check(cls, step, params, manifest):
-        if manifest["training"]["grad_accum_steps"] < 2:
+    def _check(cls, step, params, manifest):
+        if manifest.training.grad_accum_steps < 2:
             raise BadInput("--set training.grad_accum_steps", "'late-microbatch' needs gradient accumulation (>= 2)")
 
     def install(self, bus):
         import torch
 
-        accum = self.ctx.manifest["training"]["grad_accum_steps"]
+        accum = self.manifest.training.grad_accum_steps
         self.before_last: dict = {}
         self.late: dict = {}
 

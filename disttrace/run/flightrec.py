@@ -35,6 +35,7 @@ import threading
 import time
 from pathlib import Path
 
+from disttrace.config.manifest import Manifest
 from disttrace.run.hooks import HookBus
 from disttrace.store.records import Event
 from disttrace.store.rundir import rank_file
@@ -310,15 +311,14 @@ class NoTrace:
         pass
 
 
-def uses_point_to_point(manifest: dict) -> bool:
-    par = manifest["parallelism"]
-    return par.get("pp", 1) > 1 or par.get("architecture") == "parameter-server"
+def uses_point_to_point(manifest: Manifest) -> bool:
+    par = manifest.parallelism
+    return par.pp > 1 or par.architecture == "parameter-server"
 
 
-def trace_mode(manifest: dict, backend: str) -> str:
+def trace_mode(manifest: Manifest, backend: str) -> str:
     """metadata | values | dispatch (the tracer without payloads: point-to-point on gloo) | off."""
-    rec = manifest.get("record") or {}
-    mode = rec.get("collectives", "metadata") if rec.get("enabled", True) else "off"
+    mode = manifest.record.collectives if manifest.record.enabled else "off"
     if mode == "metadata" and backend == "gloo" and uses_point_to_point(manifest):
         return "dispatch"
     return mode

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from disttrace.store.records import Event
 from disttrace.errors import JobFailed
-from disttrace.config.manifest import Frozen
+from disttrace.config.manifest import Frozen, validate
 from disttrace.store.rundir import COMPLETE, LOCK, event, new_run_dir, read_json, write_json_atomic
 
 
@@ -80,8 +80,8 @@ def launch(run_dir: Path, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: st
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    manifest = read_json(run_dir / LOCK)["manifest"]
-    world = manifest["parallelism"]["world_size"]
+    manifest = validate(read_json(run_dir / LOCK)["manifest"], run_dir / LOCK)  # as each rank will (worker.run)
+    world = manifest.world_size
     if (run_dir / COMPLETE).exists():
         from disttrace.errors import BadInput
 

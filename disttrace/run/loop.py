@@ -31,10 +31,10 @@ def read_batch(ctx, step: int, mb: int) -> dict:
 
 def train(ctx) -> None:
     """ctx: a worker Context with manifest, strategy, data, bus, dp_rank, checkpointing."""
-    m, strategy, bus = ctx.manifest, ctx.strategy, ctx.bus
-    steps = m["training"]["steps"]
-    accum = m["training"]["grad_accum_steps"]
-    interval = m["checkpoint"]["interval"]
+    m, strategy, bus = ctx.manifest, ctx.strategy, ctx.bus  # m: the typed Manifest
+    steps = m.training.steps
+    accum = m.training.grad_accum_steps
+    interval = m.checkpoint.interval
     for step in range(ctx.start_step + 1, steps + 1):  # steps are numbered from 1
         bus.step, bus.micro_batch = step, 0
         bus.emit("step_start")

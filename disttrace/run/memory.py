@@ -19,11 +19,38 @@ import os
 from pathlib import Path
 
 import torch
+from pydantic import BaseModel, ConfigDict
 
+from disttrace.config.manifest import Manifest
 from disttrace.store.rundir import JsonlWriter, rank_file
 
 
 CATEGORIES = ("params", "grads", "optimizer", "buffers", "unregistered", "engine")
+
+
+class _Read(BaseModel):
+    # read from a Manifest's attributes, or from the dict an attached run builds (run/attach.py)
+    model_config = ConfigDict(from_attributes=True, extra="ignore", frozen=True)
+
+
+class LedgerParallelism(_Read):
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    zero_stage: int = 0
+    architecture: str = "allreduce"
+
+
+class LedgerTraining(_Read):
+    dtype: str
+    optimizer: str
+
+
+class LedgerLayout(_Read):
+    """What the ledger needs of a manifest: the layout and the precision and optimizer of the formula."""
+
+    parallelism: LedgerParallelism
+    training: LedgerTraining
 
 
 class StorageCount:
@@ -140,17 +167,17 @@ def resident_bytes() -> int | None:
 class MemoryLedger:
     ORDER = 91
 
-    def __init__(self, run_dir: Path, rank: int, manifest: dict, strategy):
+    def __init__(self, run_dir: Path, rank: int, manifest: Manifest | dict, strategy):
         self.out = JsonlWriter(Path(run_dir) / rank_file("memory", rank))
         self.rank = rank
-        self.manifest = manifest
+        self.layout = LedgerLayout.model_validate(manifest)
         self.strategy = strategy
         self._saved: dict = {}
         self._saved_total = 0
         self._peak_act = 0
         self._groups: list | None = None  # FSDP2's parameter groups, found on first use
         self._hooks = None
-        self.predicted = predict_model_state(manifest, strategy)
+        self.predicted = predict_model_state(self.layout, strategy)
 
     def attach(self, bus):
         bus.on("step_start", self._start, self.ORDER)
@@ -226,7 +253,7 @@ class MemoryLedger:
         model_state = params + grads + optim
         pred = self.predicted
         total = c.total()
-        gaps = measured_gaps(self.manifest, s, b, pred)
+        gaps = measured_gaps(self.layout, s, b, pred)
         rec = {"step": bus.step, "rank": self.rank, "params": params, "grads": grads, "optimizer": optim,
                "model_state": model_state, "buffers": b["buffers"], "unregistered": b["unregistered"],
                "engine": b["engine"], "engine_peak": max(self._engine_peak, b["engine"]),
@@ -248,26 +275,26 @@ class MemoryLedger:
         self.out.close()
 
 
-def predict_model_state(manifest: dict, strategy) -> dict:
+def predict_model_state(manifest: LedgerLayout, strategy) -> dict:
     """The ZeRO formula for this strategy, in the dtype actually used (disttrace.plan.costs)."""
     from disttrace.plan.costs import model_state_bytes
 
-    par, tr = manifest["parallelism"], manifest["training"]
+    par, tr = manifest.parallelism, manifest.training
     psi = sum(p.numel() for p in strategy.plain.parameters())  # a DTensor's numel is the logical one
-    psi = -(-psi // par["tp"])  # tensor parallel divides the model before ZeRO shards it
-    precision = {"float32": "fp32", "float64": "fp64"}.get(tr["dtype"], "mixed")
-    optimizer = "adam" if tr["optimizer"] == "adamw" else tr["optimizer"]
-    stage = par["zero_stage"] if par["tp"] == 1 else 3  # dp x tp shards over dp with FSDP2 (ZeRO-3 style)
-    return model_state_bytes(psi, par["dp"], stage, optimizer, precision)
+    psi = -(-psi // par.tp)  # tensor parallel divides the model before ZeRO shards it
+    precision = {"float32": "fp32", "float64": "fp64"}.get(tr.dtype, "mixed")
+    optimizer = "adam" if tr.optimizer == "adamw" else tr.optimizer
+    stage = par.zero_stage if par.tp == 1 else 3  # dp x tp shards over dp with FSDP2 (ZeRO-3 style)
+    return model_state_bytes(psi, par.dp, stage, optimizer, precision)
 
 
-def measured_gaps(manifest: dict, strategy, b: dict, pred: dict) -> list[dict]:
+def measured_gaps(manifest: LedgerLayout, strategy, b: dict, pred: dict) -> list[dict]:
     """Each difference between measured and predicted bytes, named: {"what", "bytes"}."""
-    par = manifest["parallelism"]
+    par = manifest.parallelism
     out = []
     if b["engine"]:
-        what = ("DDP bucket copy of the gradients" if par["zero_stage"] < 2 and par["tp"] == 1 and par["pp"] == 1
-                and par["architecture"] != "parameter-server" else "engine buffers (FSDP2 unsharded parameters)")
+        what = ("DDP bucket copy of the gradients" if par.zero_stage < 2 and par.tp == 1 and par.pp == 1
+                and par.architecture != "parameter-server" else "engine buffers (FSDP2 unsharded parameters)")
         out.append({"what": what, "bytes": b["engine"]})
     if b["buffers"]:
         out.append({"what": "model buffers (RoPE tables; not model state)", "bytes": b["buffers"]})
@@ -283,7 +310,7 @@ def measured_gaps(manifest: dict, strategy, b: dict, pred: dict) -> list[dict]:
     return out
 
 
-def explain_gap(manifest: dict, params: int, grads: int, optim: int, pred: dict, only: str | None = None) -> list[str]:
+def explain_gap(manifest: LedgerLayout, params: int, grads: int, optim: int, pred: dict, only: str | None = None) -> list[str]:
     """Name the differences between measured and predicted that we can explain."""
     if only is not None:
         keep = {"params": "params", "grads": "grads", "optimizer": "optimizer"}[only]
@@ -292,10 +319,10 @@ def explain_gap(manifest: dict, params: int, grads: int, optim: int, pred: dict,
     if optim > pred["optimizer"]:
         notes.append(f"optimizer +{optim - pred['optimizer']} B: Adam's per-parameter step counters (scalars) "
                      "are not in the formula")
-    if params < pred["params"] and manifest["parallelism"]["zero_stage"] == 2:
+    if params < pred["params"] and manifest.parallelism.zero_stage == 2:
         notes.append("params: FSDP2 frees the gathered parameters after backward; ZeRO-2's resident copy exists "
                      "during forward+backward only, and this line is measured after the optimizer step")
-    if manifest["parallelism"]["tp"] > 1 and params > pred["params"]:
+    if manifest.parallelism.tp > 1 and params > pred["params"]:
         notes.append(f"params +{params - pred['params']} B: tensor parallel keeps norm weights whole on every tp "
                      "rank (replicated); the formula divides all of Psi by tp")
     if grads < pred["grads"]:

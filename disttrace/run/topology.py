@@ -9,12 +9,14 @@ from __future__ import annotations
 import os
 import socket
 
+from disttrace.config.manifest import Manifest
+
 MESH_DIMS = ("pp", "dp", "tp")  # outermost first: tp innermost keeps its heavy traffic within a node
 
 
-def mesh_shape(manifest: dict) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    p = manifest["parallelism"]
-    return tuple(p[d] for d in MESH_DIMS), MESH_DIMS
+def mesh_shape(manifest: Manifest) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    p = manifest.parallelism
+    return (p.pp, p.dp, p.tp), MESH_DIMS  # MESH_DIMS's order
 
 
 def coords_of(rank: int, shape: tuple[int, ...]) -> dict[str, int]:
@@ -25,7 +27,7 @@ def coords_of(rank: int, shape: tuple[int, ...]) -> dict[str, int]:
     return {d: out[d] for d in MESH_DIMS}
 
 
-def groups_of(manifest: dict) -> dict[str, list[list[int]]]:
+def groups_of(manifest: Manifest) -> dict[str, list[list[int]]]:
     """For each mesh dimension, the list of rank groups along it (same coordinates on every other dim)."""
     shape, dims = mesh_shape(manifest)
     world = 1
@@ -42,7 +44,7 @@ def groups_of(manifest: dict) -> dict[str, list[list[int]]]:
     return groups
 
 
-def local_view(manifest: dict, rank: int) -> dict:
+def local_view(manifest: Manifest, rank: int) -> dict:
     shape, _ = mesh_shape(manifest)
     return {
         "rank": rank,

@@ -16,6 +16,7 @@ from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
+from disttrace.config.manifest import Manifest, validate
 from disttrace.store.records import Event
 from disttrace.errors import DisttraceError
 from disttrace.store import seal
@@ -35,19 +36,19 @@ class Context(SimpleNamespace):
             event(self.run_dir, Event.CHECKPOINT_SAVED, step=step, path=str(path.relative_to(self.run_dir)))
 
 
-def setup_torch(manifest: dict):
+def setup_torch(manifest: Manifest):
     import torch
 
     torch.set_num_threads(1)  # several ranks share the host's cores; more threads per rank is slower
-    if manifest["debug"]["deterministic"]:
+    if manifest.debug.deterministic:
         torch.use_deterministic_algorithms(True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.backends.cudnn.benchmark = False
     return torch
 
 
-def pick_backend(manifest: dict, torch) -> tuple:
-    want = manifest["parallelism"]["backend"]
+def pick_backend(manifest: Manifest, torch) -> tuple:
+    want = manifest.parallelism.backend
     cuda = torch.cuda.is_available()
     backend = ("nccl" if cuda else "gloo") if want == "auto" else want
     if backend == "nccl":
@@ -62,7 +63,9 @@ def run(run_dir: Path) -> None:
     info = read_json(run_dir / "run.json")
     if info.get("resume"):  # refused before any process group exists (run.json may come from elsewhere)
         resume_checkpoint(run_dir, info["resume"])
-    manifest = lock["manifest"]
+    # validated once, here: the job reads the typed model (a misspelt field is an AttributeError, not a
+    # silent default); a lock edited into a shape the model refuses is bad input naming file and field
+    manifest = validate(lock["manifest"], run_dir / LOCK)
     torch = setup_torch(manifest)
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -78,15 +81,14 @@ def run(run_dir: Path) -> None:
     from disttrace.run.loop import emit_module_outputs, train
 
     backend, device = pick_backend(manifest, torch)
-    record = {"enabled": True, "every": 1, "forward": True, **(manifest.get("record") or {})}
+    record = manifest.record
     trace_kind = flightrec.trace_mode(manifest, backend)
     flightrec.prepare_env(trace_kind)  # the Flight Recorder's ring size is read when the first group is made
-    timeout = timedelta(seconds=manifest["debug"]["collective_timeout_s"])
+    timeout = timedelta(seconds=manifest.debug.collective_timeout_s)
     dist.init_process_group(backend, timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
-    if world != manifest["parallelism"]["world_size"]:
-        raise RuntimeError(f"the job has {world} ranks but the manifest's dp*tp*pp is "
-                           f"{manifest['parallelism']['world_size']}")
+    if world != manifest.world_size:
+        raise RuntimeError(f"the job has {world} ranks but the manifest's dp*tp*pp is {manifest.world_size}")
     tracer = flightrec.build_trace(trace_kind, run_dir, rank)
     try:
         with tracer:
@@ -103,11 +105,12 @@ def run(run_dir: Path) -> None:
             bus = HookBus(rank)
             tracer.attach(bus)
             clock = StepClock(run_dir, rank).attach(bus)  # step wall times, recorded or not
-            recorder = (Recorder(run_dir, rank, every=record["every"], forward=record["forward"]).attach(bus)
-                        if record["enabled"] else None)
-            data = TokenData(manifest, lock["resolved"]["data_path"], lock["resolved"]["tokenizer_path"])
-            dtype = getattr(torch, manifest["training"]["dtype"])
-            model = build_model(SimpleNamespace(**manifest["model"]), dtype, manifest["experiment"]["seed"])
+            recorder = (Recorder(run_dir, rank, every=record.every, forward=record.forward).attach(bus)
+                        if record.enabled else None)
+            # the token windows are shared with the gate's evaluation, which reads the stored JSON: the dict
+            data = TokenData(lock["manifest"], lock["resolved"]["data_path"], lock["resolved"]["tokenizer_path"])
+            dtype = getattr(torch, manifest.training.dtype)
+            model = build_model(manifest.model, dtype, manifest.experiment.seed)
             model.to(device)
             emit_module_outputs(model, bus)
             strategy = build_strategy(manifest, model, mesh, bus)
@@ -125,7 +128,7 @@ def run(run_dir: Path) -> None:
                 perturb.attach(bus, ctx, info["perturb"])
             # a fixed global RNG state: checkpoints save it, and the `checkpoint` phase digests their bytes,
             # which must then be the same in two runs of one manifest (a resume restores it from the file)
-            torch.manual_seed(manifest["experiment"]["seed"] * 1_000_003 + rank)
+            torch.manual_seed(manifest.experiment.seed * 1_000_003 + rank)
             if info.get("resume"):
                 ctx.start_step = resume(ctx, info["resume"])
             train(ctx)
@@ -140,7 +143,7 @@ def run(run_dir: Path) -> None:
         dist.all_gather_object(parts, seal.rank_part(run_dir, rank, recorder.chain.last if recorder else None,
                                                    recorder.chain.steps if recorder else 0))
         if rank == 0:
-            mark_complete(run_dir, {"steps": manifest["training"]["steps"], "world_size": world,
+            mark_complete(run_dir, {"steps": manifest.training.steps, "world_size": world,
                                     "seal": seal.build_seal(run_dir, parts)})
     finally:
         tracer.close()
@@ -148,7 +151,7 @@ def run(run_dir: Path) -> None:
             dist.destroy_process_group()
 
 
-def attach_observers(run_dir, rank, manifest, strategy, recorder, bus, groups, device):
+def attach_observers(run_dir, rank, manifest: Manifest, strategy, recorder, bus, groups, device):
     """Everything that watches the job besides the recorder: the memory ledger, the replica map (and the
     live check of it, if asked), and what the engine reports of itself. Returns the ledger (to close)."""
     from disttrace.run.memory import MemoryLedger
@@ -156,7 +159,7 @@ def attach_observers(run_dir, rank, manifest, strategy, recorder, bus, groups, d
     if rank == 0:
         write_json_atomic(run_dir / "replicas.json", {"groups": groups, "rules": strategy.replicas(),
                                                       "strategy": strategy.name, "engine": strategy.engine})
-    if manifest["debug"].get("live_check"):
+    if manifest.debug.live_check:
         from disttrace.run.livecheck import LiveCheck
 
         LiveCheck(run_dir, recorder, strategy.replicas(), groups, rank, device).attach(bus)

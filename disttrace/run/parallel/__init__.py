@@ -15,26 +15,30 @@ checkpoints and `replicas()` (which copies must agree across ranks). The loop ne
 | tp > 1 | TensorParallel | DTensor parallelize_module (+ FSDP2 over dp when dp > 1) |
 """
 
+from __future__ import annotations
 
-def build_strategy(manifest: dict, model, mesh, bus):
-    par = manifest["parallelism"]
-    if par["architecture"] == "parameter-server":
+from disttrace.config.manifest import Manifest
+
+
+def build_strategy(manifest: Manifest, model, mesh, bus):
+    par = manifest.parallelism
+    if par.architecture == "parameter-server":
         from disttrace.run.parallel.ps import ParameterServer
 
         return ParameterServer(manifest, model, mesh, bus)
-    if par["pp"] > 1:
+    if par.pp > 1:
         from disttrace.run.parallel.pp import PipelineParallel
 
         return PipelineParallel(manifest, model, mesh, bus)
-    if par["tp"] > 1:
+    if par.tp > 1:
         from disttrace.run.parallel.tp import TensorParallel
 
         return TensorParallel(manifest, model, mesh, bus)
-    if par["zero_stage"] in (2, 3):
+    if par.zero_stage in (2, 3):
         from disttrace.run.parallel.fsdp import FullyShardedZero
 
-        return FullyShardedZero(manifest, model, mesh, bus, stage=par["zero_stage"])
-    if par["zero_stage"] == 1:
+        return FullyShardedZero(manifest, model, mesh, bus, stage=par.zero_stage)
+    if par.zero_stage == 1:
         from disttrace.run.parallel.zero import ZeroStage1
 
         return ZeroStage1(manifest, model, mesh, bus)

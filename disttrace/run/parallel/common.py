@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import torch
 
+from disttrace.config.manifest import Manifest
 from disttrace.run.hooks import TensorRef, grads_of
 
 
-def optimizer_class_and_kwargs(manifest: dict):
-    t = manifest["training"]
-    if t["optimizer"] == "sgd":
-        return torch.optim.SGD, {"lr": t["lr"], "weight_decay": t["weight_decay"], "foreach": False}
-    return torch.optim.AdamW, {"lr": t["lr"], "betas": (t["beta1"], t["beta2"]), "weight_decay": t["weight_decay"],
+def optimizer_class_and_kwargs(manifest: Manifest):
+    t = manifest.training
+    if t.optimizer == "sgd":
+        return torch.optim.SGD, {"lr": t.lr, "weight_decay": t.weight_decay, "foreach": False}
+    return torch.optim.AdamW, {"lr": t.lr, "betas": (t.beta1, t.beta2), "weight_decay": t.weight_decay,
                                "foreach": False}
 
 
-def build_optimizer(manifest: dict, params):
+def build_optimizer(manifest: Manifest, params):
     cls, kwargs = optimizer_class_and_kwargs(manifest)
     return cls(params, **kwargs)
 

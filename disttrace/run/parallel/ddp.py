@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from disttrace.run.hooks import TensorRef, grads_of, param_refs
+from disttrace.config.manifest import Manifest
 from disttrace.run.parallel.common import Strategy, build_optimizer
 
 
@@ -48,15 +49,15 @@ class DataParallel(Strategy):
     name = "ddp"
     engine = "DistributedDataParallel"
 
-    def __init__(self, manifest: dict, model, mesh, bus):
+    def __init__(self, manifest: Manifest, model, mesh, bus):
         self.plain = model
         self.bus = bus
-        self.max_grad_norm = manifest["training"].get("max_grad_norm")
+        self.max_grad_norm = manifest.training.max_grad_norm
         self.named = param_refs(model)
         names = {id(p): (i, n) for i, n, p in self.named}
         self.group = mesh.get_group("dp")
         self._buckets: dict[int, int] = {}
-        self.model = apply_ddp(model, self.group, bus, names, manifest["debug"].get("ddp_bucket_cap_mb"),
+        self.model = apply_ddp(model, self.group, bus, names, manifest.debug.ddp_bucket_cap_mb,
                                self._buckets)
         self.optimizer = build_optimizer(manifest, model.parameters())
 

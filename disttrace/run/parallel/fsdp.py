@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 
 from disttrace.run.hooks import TensorRef, grads_of, param_refs
+from disttrace.config.manifest import Manifest
 from disttrace.run.parallel.common import SCALARS_AGREE, Strategy, build_optimizer
 
 
@@ -35,11 +36,11 @@ def apply_fsdp(model, dp_mesh, reshard_after_forward: bool):
 class FullyShardedZero(Strategy):
     engine = "FSDP2 fully_shard"
 
-    def __init__(self, manifest: dict, model, mesh, bus, stage: int):
+    def __init__(self, manifest: Manifest, model, mesh, bus, stage: int):
         self.name = f"zero{stage}"
         self.plain = model
         self.bus = bus
-        self.max_grad_norm = manifest["training"].get("max_grad_norm")
+        self.max_grad_norm = manifest.training.max_grad_norm
         self.group = mesh.get_group("dp")
         # names are taken before wrapping: fully_shard keeps them (no "module." prefix)
         self.named = param_refs(model)

@@ -18,6 +18,7 @@ import torch
 
 from disttrace.model.llama import lm_loss
 from disttrace.run.hooks import TensorRef, grads_of
+from disttrace.config.manifest import Manifest
 from disttrace.run.parallel.common import (OPTIMIZER_BLOB_TEMPLATE, SCALARS_AGREE, Strategy, build_optimizer,
                                            load_optimizer_bytes, optimizer_bytes)
 
@@ -45,22 +46,22 @@ class PipelineParallel(Strategy):
     engine = "torch.distributed.pipelining"
     runs_whole_step = True  # the schedule interleaves the stages' micro-batches itself
 
-    def __init__(self, manifest: dict, model, mesh, bus):
+    def __init__(self, manifest: Manifest, model, mesh, bus):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        par = manifest["parallelism"]
-        self.pp, self.accum = par["pp"], manifest["training"]["grad_accum_steps"]
+        par = manifest.parallelism
+        self.pp, self.accum = par.pp, manifest.training.grad_accum_steps
         self.stage_index = mesh["pp"].get_local_rank()
         self.within_stage = (mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank())
-        self.name = f"pp-{par['pp_schedule']}"
+        self.name = f"pp-{par.pp_schedule}"
         self.bus = bus
-        self.max_grad_norm = manifest["training"].get("max_grad_norm")
+        self.max_grad_norm = manifest.training.max_grad_norm
         self.group = self.norm_group = mesh.get_group("pp")
         full_index = {n: i for i, (n, _) in enumerate(model.named_parameters())}
         self.plain = self.model = build_stage_module(model, self.pp, self.stage_index)
         names = [n for n, _ in model.named_parameters()]
         # within a stage, the other dimensions as elsewhere: TP first, then FSDP2 over dp (torchtitan's order)
-        self.dp, self.tp = par["dp"], par["tp"]
+        self.dp, self.tp = par.dp, par.tp
         if self.tp > 1:
             from disttrace.run.parallel.tp import apply_tp
 
@@ -75,16 +76,16 @@ class PipelineParallel(Strategy):
         device = next(model.parameters()).device
         # stated shapes, not inferred: inference runs an extra forward (and loss) on placeholder data,
         # which the recorder would see as a real micro-batch
-        cfg, mbs = manifest["model"], manifest["training"]["micro_batch_size"]
-        dtype = getattr(torch, manifest["training"]["dtype"])
+        cfg, mbs = manifest.model, manifest.training.micro_batch_size
+        dtype = getattr(torch, manifest.training.dtype)
         # float activations carry gradients between stages: the metadata must say so
-        hidden = torch.empty(mbs, cfg["max_seq_len"], cfg["dim"], dtype=dtype, device=device, requires_grad=True)
-        tokens = torch.empty(mbs, cfg["max_seq_len"], dtype=torch.long, device=device)
-        logits = torch.empty(mbs, cfg["max_seq_len"], cfg["vocab_size"], dtype=dtype, device=device)
+        hidden = torch.empty(mbs, cfg.max_seq_len, cfg.dim, dtype=dtype, device=device, requires_grad=True)
+        tokens = torch.empty(mbs, cfg.max_seq_len, dtype=torch.long, device=device)
+        logits = torch.empty(mbs, cfg.max_seq_len, cfg.vocab_size, dtype=dtype, device=device)
         self.stage = PipelineStage(model, self.stage_index, self.pp, device, group=self.group,
                                    input_args=(tokens if self.stage_index == 0 else hidden,),
                                    output_args=(logits if self.stage_index == self.pp - 1 else hidden,))
-        schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[par["pp_schedule"]]
+        schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[par.pp_schedule]
         # scale_grads divides by the micro-batch count: the mean over micro-batches, as accumulation does
         self.schedule = schedule(self.stage, n_microbatches=self.accum, loss_fn=self._loss, scale_grads=True)
         self.optimizer = build_optimizer(manifest, model.parameters())

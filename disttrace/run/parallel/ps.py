@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from disttrace.run.hooks import TensorRef, grads_of, param_refs
+from disttrace.config.manifest import Manifest
 from disttrace.run.parallel.common import (OPTIMIZER_BLOB_TEMPLATE, Strategy, build_optimizer, load_optimizer_bytes,
                                            optimizer_bytes, optimizer_state_list)
 
@@ -38,12 +39,12 @@ class ParameterServer(Strategy):
     engine = "parameter server over torch.distributed send/recv (ours)"
     SERVER = 0
 
-    def __init__(self, manifest: dict, model, mesh, bus):
+    def __init__(self, manifest: Manifest, model, mesh, bus):
         self.plain = self.model = model
         self.bus = bus
         self.group = mesh.get_group("dp")
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
-        self.staleness = manifest["parallelism"]["staleness"]
+        self.staleness = manifest.parallelism.staleness
         self.named = param_refs(model)
         self.is_server = self.rank == self.SERVER
         if self.is_server:

@@ -19,6 +19,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from disttrace.run.hooks import TensorRef, grads_of
+from disttrace.config.manifest import Manifest
 from disttrace.run.parallel.common import SCALARS_AGREE, Strategy, build_optimizer
 
 
@@ -49,13 +50,13 @@ def apply_tp(model, tp_mesh):
 class TensorParallel(Strategy):
     engine = "DTensor parallelize_module"
 
-    def __init__(self, manifest: dict, model, mesh, bus):
+    def __init__(self, manifest: Manifest, model, mesh, bus):
         self.name = "tp"
         self.plain = model
         self.bus = bus
-        self.max_grad_norm = manifest["training"].get("max_grad_norm")
+        self.max_grad_norm = manifest.training.max_grad_norm
         self.group = mesh.get_group("dp")
-        self.dp = manifest["parallelism"]["dp"]
+        self.dp = manifest.parallelism.dp
         names = [n for n, _ in model.named_parameters()]
         apply_tp(model, mesh["tp"])
         if self.dp > 1:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from disttrace.config.manifest import Manifest
 from disttrace.run.parallel.common import (OPTIMIZER_BLOB_TEMPLATE, load_optimizer_bytes, optimizer_bytes,
                                            optimizer_class_and_kwargs)
 from disttrace.run.parallel.ddp import DataParallel
@@ -18,7 +19,7 @@ class ZeroStage1(DataParallel):
     name = "zero1"
     engine = "DistributedDataParallel + ZeroRedundancyOptimizer"
 
-    def __init__(self, manifest: dict, model, mesh, bus):
+    def __init__(self, manifest: Manifest, model, mesh, bus):
         super().__init__(manifest, model, mesh, bus)
         cls, kwargs = optimizer_class_and_kwargs(manifest)
         self.optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls,

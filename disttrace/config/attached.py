@@ -1,0 +1,86 @@
+"""The manifest an attached run writes (`run/attach.py`, public `disttrace.api`): not a harness experiment
+but what attach sees of the user's script (the model's tensors, the optimizer and its hyper-parameters, the
+world and the engine) plus the user's own config.
+
+Its sections share the harness manifest's names where they mean the same thing (`parallelism.dp`,
+`training.grad_accum_steps`, ...), so the fault checks read either through attribute access. Numbers the
+script owns (lr, betas) stay the int or float it gave: `document()` must give back, byte for byte, the
+dict attach hashed into the manifest id.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import ConfigDict, Field
+
+from disttrace.config.manifest import Checkpoint, Experiment, Section
+
+Number = Union[int, float]  # smart union: an int stays an int, so the canonical JSON (and the id) is unchanged
+
+
+class AttachedParallelism(Section):
+    dp: int = Field(ge=1, description="DDP's group size; the world without DDP")
+    tp: int = Field(default=1, ge=1)
+    pp: int = Field(default=1, ge=1)
+    zero_stage: int = Field(default=0, ge=0, le=3, description="3 under FSDP2, else 0")
+    world_size: int = Field(ge=1)
+    architecture: Literal["allreduce", "parameter-server"] = "allreduce"
+    engine: Literal["plain", "DDP", "FSDP2", "DTensor"]
+
+
+class TensorShape(Section):
+    shape: list[int]
+    dtype: str
+
+
+class AttachedModel(Section):
+    model_config = ConfigDict(populate_by_name=True)
+
+    class_name: str = Field(alias="class", description="the module's class, qualified name")
+    parameters: int = Field(ge=0, description="element count over every parameter")
+    tensors: dict[str, TensorShape]
+
+
+class AttachedOptimizer(Section):
+    type: str = Field(description="module.QualifiedName of the torch optimizer")
+    param_groups: dict[str, dict[str, Any]] = Field(description="each group's settings, by group index")
+
+
+class AttachedTraining(Section):
+    optimizer: str = Field(description="the optimizer's class name (AdamW, SGD, ...)")
+    dtype: str = Field(description="the parameters' dtype, or 'mixed'")
+    lr: Optional[Number] = None
+    weight_decay: Optional[Number] = None
+    beta1: Optional[Number] = None
+    beta2: Optional[Number] = None
+    grad_accum_steps: Optional[int] = Field(default=None, description="from the user's config, if it says")
+    micro_batch_size: Optional[int] = None
+    steps: Optional[int] = None
+    max_grad_norm: Optional[Number] = Field(default=None, description="never written by attach; the stand-in "
+                                            "manifest attach checks a fault against sets it")
+
+
+class AttachedRecord(Section):
+    every: int = Field(default=1, ge=1)
+    forward: bool = False
+    forward_modules: list[str] = Field(default_factory=list, description="module paths whose outputs are recorded")
+
+
+class AttachedManifest(Section):
+    experiment: Experiment
+    parallelism: AttachedParallelism
+    model: AttachedModel
+    optimizer: AttachedOptimizer
+    training: AttachedTraining
+    config: dict[str, Any] = Field(default_factory=dict, description="the user's config, as given (JSON-able)")
+    record: Optional[AttachedRecord] = None
+    checkpoint: Optional[Checkpoint] = Field(default=None, description="never written by attach; see max_grad_norm")
+
+    @property
+    def world_size(self) -> int:
+        return self.parallelism.world_size
+
+    def document(self) -> dict:
+        """The stored JSON shape: only the fields that were given (no defaults added), by their stored names."""
+        return self.model_dump(mode="json", by_alias=True, exclude_unset=True)
