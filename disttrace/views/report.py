@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from disttrace.store.records import Event
+from disttrace.store.records import FAILURE_EVENTS
 from disttrace.fmt import abbrev, agreeing_digits, fmt_number, ranges, where
 from disttrace.errors import BadInput
 from disttrace.store.rundir import Run, iter_jsonl
@@ -177,6 +177,8 @@ def _labels(paths: list[Path]) -> list[str]:
 
 
 def _overview(rs: list[_R], diffs: dict[int, Any]) -> str:
+    from disttrace.views.show import failure_text
+
     rows = []
     for r in rs:
         info = r.info
@@ -195,7 +197,7 @@ def _overview(rs: list[_R], diffs: dict[int, Any]) -> str:
         if isinstance(resume, dict):
             what.append(f"resumed from <code>{e(resume.get('checkpoint'))}</code> (step {e(resume.get('step'))})")
         for f in _failures(r):
-            what.append(f'<span class="bad">{e(f.get("event"))}: {e(f.get("reason") or f.get("error"))}</span>')
+            what.append(f'<span class="bad">{e(f.get("event"))}: {e(failure_text(f))}</span>')
         if r.info_error:
             what.append(f'<span class="bad">run.json: {e(r.info_error)}</span>')
         if r.index == 0:
@@ -227,7 +229,7 @@ def _fault_fired(r: _R) -> dict | None:
 
 def _failures(r: _R) -> list[dict]:
     try:
-        return [ev for ev in r.run.events().records if ev.get("event") in (Event.JOB_FAILED, Event.RANK_FAILED)][:3]
+        return [ev for ev in r.run.events().records if ev.get("event") in FAILURE_EVENTS][:3]
     except BadInput:
         return []
 

@@ -10,7 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from disttrace.store.records import Event
+from disttrace.store.records import FAILURE_EVENTS, Event
 from disttrace.store import checkpoints as checkpoint
 from disttrace.errors import BadInput
 from disttrace.store.rundir import Run, iter_jsonl
@@ -49,11 +49,19 @@ def summary(run_dir: Path | str) -> dict:
         "records": sum(c["records"] for c in counts.values()),  # trajectory records over all ranks
         "step_seconds": [step_seconds[k] for k in sorted(step_seconds)],  # rank 0, in step order
         "fault_fired": run.fault_events(),
-        "failures": [e for e in events if e.get("event") in (Event.JOB_FAILED, Event.RANK_FAILED)],
+        "failures": [e for e in events if e.get("event") in FAILURE_EVENTS],
         "stragglers": find_stragglers(run),
         "checkpoints": [p.name for p in run.checkpoint_dirs()],
         "warnings": torn,
     }
+
+
+def failure_text(e: dict) -> str:
+    """What one failure event (FAILURE_EVENTS) says, in a line: a live check names the step, the phase and
+    the group whose copies differ; a failed rank or job its error or reason."""
+    if e.get("event") == Event.LIVE_CHECK_FAILED:
+        return f"step {e.get('step')}: {e.get('phase')} copies over group {e.get('group')} differ"
+    return str(e.get("reason") or e.get("error"))
 
 
 def render_summary(run_dir: Path | str, console: Console, brief: bool = False) -> dict:
@@ -78,7 +86,7 @@ def render_summary(run_dir: Path | str, console: Console, brief: bool = False) -
         console.print(f"step time (rank 0): median {secs[len(secs) // 2]:.3f} s over {len(secs)} steps; "
                       f"{s['records']} trajectory records")
     for f in s["failures"][:3]:
-        console.print(T(f.get("event"), "red") + T(f": {f.get('reason') or f.get('error')}"), soft_wrap=True)
+        console.print(T(f.get("event"), "red") + T(f": {failure_text(f)}"), soft_wrap=True)
     for st in s["stragglers"][:3]:
         console.print(T("straggler", "yellow") + T(f": rank {st['rank']} at step {st['step']} took {st['seconds']}s "
                                                   f"to reach its collective (others: {st['others_median']}s)"))

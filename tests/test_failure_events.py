@@ -1,0 +1,37 @@
+"""`show` and `report` list every kind of failure the store's events can hold (records.FAILURE_EVENTS), each
+with what it says: the live check's stop names its step, phase and group."""
+
+from __future__ import annotations
+
+import html
+import shutil
+
+import orjson
+
+from conftest import cli
+from disttrace.store.records import FAILURE_EVENTS, Event
+from disttrace.store.rundir import event
+from disttrace.views.report import build_report
+
+# as the writers log them (run/livecheck.py, run/worker.py, run/launch.py)
+WRITTEN = {
+    Event.LIVE_CHECK_FAILED: ({"step": 3, "phase": "reduce", "group": [0, 1], "digests": {"0": "aa", "1": "bb"}},
+                              "step 3: reduce copies over group [0, 1] differ"),
+    Event.RANK_FAILED: ({"rank": 1, "error": "RuntimeError: boom"}, "RuntimeError: boom"),
+    Event.JOB_FAILED: ({"reason": "rank 1 exited with 1"}, "rank 1 exited with 1"),
+}
+
+
+def test_show_and_report_list_every_failure_event(runs, tmp_path):
+    assert set(WRITTEN) == set(FAILURE_EVENTS)  # a new failure kind needs its line here
+    run = tmp_path / "run"
+    shutil.copytree(runs.reference(), run)
+    for kind, (fields, _) in WRITTEN.items():
+        event(run, kind, **fields)
+    shown = orjson.loads(cli("show", run, "--json", check=0).stdout)
+    assert [f["event"] for f in shown["failures"]] == list(WRITTEN)
+    text = cli("show", run, check=0).stderr  # the human view goes to stderr
+    page = build_report([run], tmp_path / "report.html").read_text(encoding="utf-8")
+    for kind, (_, says) in WRITTEN.items():
+        assert f"{kind}: {says}" in text, text
+        assert f"{kind}: {html.escape(says)}" in page
