@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -44,13 +45,19 @@ def losses_from_trajectory(run_dir: Path) -> dict[int, float]:
 
 
 def test_inject_plain_progress_names_the_slow_rank_before_the_job_ends(tmp_path):
-    # rank 1 sleeps 9 s before its all-reduce at step 3; a 12 s collective timeout caps the stall threshold
-    # at 6 s, so the stall must be named while rank 0 still waits (the job then completes). Naming the last
-    # collective each rank issued needs a trace written as ops are issued: the dispatch-mode tracer
+    # rank 1 waits before its all-reduce at step 3 until this test creates a file, which it does only once the
+    # display has named the stall: the order is made here, not raced against a clock. The 60 s collective
+    # timeout (the bound on rank 0's wait) caps the stall threshold at 30 s; the wait's own bound, 45 s,
+    # ends a job whose stall is never named, and the assertions below then fail. Naming the last collective
+    # each rank issued needs a trace written as ops are issued: the dispatch-mode tracer
     # (record.collectives=values); the default Flight Recorder copy reaches the store only at ring copies.
-    proc = cli("inject", DEFAULT, *SHORT, "--set", "debug.collective_timeout_s=12",
-               "--set", "record.collectives=values", "--fault", "slow-rank",
-               "--step", 3, "--rank", 1, "--param", "seconds=9", "--out", tmp_path, env=ENV, check=EXIT_OK)
+    go = tmp_path / "go"
+    proc = run_releasing_on_stall(["inject", DEFAULT, *SHORT, "--set", "debug.collective_timeout_s=60",
+                                   "--set", "record.collectives=values", "--fault", "slow-rank", "--step", 3,
+                                   "--rank", 1, "--param", "seconds=45", "--param", f"until={go}",
+                                   "--out", tmp_path / "runs"], go)
+    assert proc.returncode == EXIT_OK, proc.stderr[-3000:]
+    assert go.exists()  # released by the stall line, not by the wait's bound
     run_dir = last_line(proc)
     lines = proc.stderr.splitlines()
     steps = step_lines(proc.stderr)
@@ -70,6 +77,27 @@ def test_inject_plain_progress_names_the_slow_rank_before_the_job_ends(tmp_path)
     # named while rank 1 still slept: before its fault line (written after the sleep) and before step 3
     first_step3 = min(i for i, s, _, _ in steps if s >= 3)
     assert stall[0] < fault[0] and stall[0] < first_step3
+
+
+def run_releasing_on_stall(args: list, go: Path) -> subprocess.CompletedProcess:
+    """`disttrace ARGS`, its stderr read as it is written; `go` is created when a `stall:` line arrives."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NO_COLOR": "1", "COLUMNS": "200", **ENV}
+    out = go.with_name("stdout")
+    with open(out, "wb") as stdout:
+        proc = subprocess.Popen([sys.executable, "-m", "disttrace", *map(str, args)], stdout=stdout,
+                                stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        killer = threading.Timer(300, proc.kill)  # a bound on a hung job, not a timing assertion
+        killer.start()
+        lines = []
+        try:
+            for line in proc.stderr:
+                lines.append(line)
+                if line.startswith("stall:") and not go.exists():
+                    go.touch()
+            proc.wait()
+        finally:
+            killer.cancel()
+    return subprocess.CompletedProcess(args, proc.returncode, out.read_text(), "".join(lines))
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120.0) -> Path:

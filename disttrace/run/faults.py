@@ -595,8 +595,9 @@ class KillRank(Fault):
 @register
 class SlowRank(Fault):
     name, point, expect = "slow-rank", "backward", "none"
-    description = "the rank sleeps before its collectives; numerics stay equal, the run flags it as straggler"
-    defaults = {"seconds": 0.5}
+    description = ("the rank sleeps before its collectives (until the file `until` exists, if given, for at "
+                   "most `seconds`); numerics stay equal, the run flags it as straggler")
+    defaults = {"seconds": 0.5, "until": ""}
     requires = frozenset({"collective_hook"})
 
     @classmethod
@@ -604,11 +605,19 @@ class SlowRank(Fault):
         if not params["seconds"] > 0:
             raise BadInput("--param seconds", f"seconds = {params['seconds']} delays nothing: use seconds > 0")
 
+    def _wait(self) -> float:
+        """`until`: a file another process creates ends the wait (tests order events by it, not by time)."""
+        start, until, seconds = time.monotonic(), self.params["until"], self.params["seconds"]
+        if not until:
+            time.sleep(seconds)
+        while until and not os.path.exists(until) and time.monotonic() - start < seconds:
+            time.sleep(0.05)
+        return round(time.monotonic() - start, 3)
+
     def install(self, bus):
         def handler(bus, p):
             if self.here(bus) and p.get("before_collective"):
-                time.sleep(self.params["seconds"])
-                self.fire(bus, phase="backward", seconds=self.params["seconds"])
+                self.fire(bus, phase="backward", seconds=self._wait())
 
         bus.on("backward", handler, order=10)
 
