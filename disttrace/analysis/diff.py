@@ -131,6 +131,11 @@ class _Side:
                                          f"the end of {traj.name} (records not all written); step ignored")
                     continue
                 out[e["step"]] = e
+            if trajectory.is_arrow(traj):
+                tail = trajectory.unindexed_tail(traj, max((e["offset"] + e["length"] for e in out.values()), default=0))
+                if tail:
+                    self.warnings.append(f"run {self.label}: {traj}: {tail} bytes after the last indexed step are "
+                                         "torn (incomplete write), ignored")
             return out
         if use_index:
             self.warnings.append(f"run {self.label}: rank {rank} has no step index; scanned {traj.name} instead")

@@ -245,6 +245,17 @@ def scan(path: Path, torn: list | None = None) -> Iterator[tuple[int, int, pa.Re
         start = end
 
 
+def unindexed_tail(path: Path, end: int) -> int:
+    """Bytes after `end` (the last indexed step) other than the end-of-stream marker: a step whose write a
+    crash interrupted (its index line is written only after its bytes)."""
+    size = Path(path).stat().st_size
+    if size <= end:
+        return 0
+    if size - end == len(END_OF_STREAM) and read_range(path, end, len(END_OF_STREAM)) == END_OF_STREAM:
+        return 0
+    return size - end
+
+
 def step_of(batch: pa.RecordBatch) -> int | None:
     return int(batch.column(0)[0].as_py()) if batch.num_rows else None
 
