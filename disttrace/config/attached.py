@@ -3,20 +3,28 @@ but what attach sees of the user's script (the model's tensors, the optimizer an
 world and the engine) plus the user's own config.
 
 Its sections share the harness manifest's names where they mean the same thing (`parallelism.dp`,
-`training.grad_accum_steps`, ...), so the fault checks read either through attribute access. Numbers the
-script owns (lr, betas) stay the int or float it gave: `document()` must give back, byte for byte, the
-dict attach hashed into the manifest id.
+`training.grad_accum_steps`, ...), so the fault checks read either through attribute access. It never
+refuses what a user's script legitimately holds (any seed, an optimizer's own kind of hyper-parameter), and
+`document()` gives back, byte for byte, the dict attach hashes into the manifest id (an int stays an int).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, JsonValue
 
-from disttrace.config.manifest import Checkpoint, Experiment, Section
+from disttrace.config.manifest import Checkpoint, Section
 
-Number = Union[int, float]  # smart union: an int stays an int, so the canonical JSON (and the id) is unchanged
+# a number for torch's optimizers; whatever JSON value another optimizer keeps under that name, as it is
+Hyper = Optional[JsonValue]
+
+
+class AttachedExperiment(Section):
+    name: str
+    edition: str
+    seed: int = Field(description="the seed given to attach, or the default generator's")
+    description: str = ""
 
 
 class AttachedParallelism(Section):
@@ -50,14 +58,14 @@ class AttachedOptimizer(Section):
 class AttachedTraining(Section):
     optimizer: str = Field(description="the optimizer's class name (AdamW, SGD, ...)")
     dtype: str = Field(description="the parameters' dtype, or 'mixed'")
-    lr: Optional[Number] = None
-    weight_decay: Optional[Number] = None
-    beta1: Optional[Number] = None
-    beta2: Optional[Number] = None
+    lr: Hyper = None
+    weight_decay: Hyper = None
+    beta1: Hyper = None
+    beta2: Hyper = None
     grad_accum_steps: Optional[int] = Field(default=None, description="from the user's config, if it says")
     micro_batch_size: Optional[int] = None
     steps: Optional[int] = None
-    max_grad_norm: Optional[Number] = Field(default=None, description="never written by attach; the stand-in "
+    max_grad_norm: Optional[float] = Field(default=None, description="never written by attach; the stand-in "
                                             "manifest attach checks a fault against sets it")
 
 
@@ -68,7 +76,7 @@ class AttachedRecord(Section):
 
 
 class AttachedManifest(Section):
-    experiment: Experiment
+    experiment: AttachedExperiment
     parallelism: AttachedParallelism
     model: AttachedModel
     optimizer: AttachedOptimizer

@@ -327,7 +327,9 @@ def build_manifest(engine: Engine, optimizer, views: list[dict], name: str, edit
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in inner.parameters()})
     training["dtype"] = dtypes[0] if len(dtypes) == 1 else "mixed"
     dp = len(views[0]["ddp_group"]) if engine.kind == "DDP" else world
-    return {
+    from disttrace.config.attached import AttachedManifest  # the shape, typed: a new key is declared there
+
+    return AttachedManifest.model_validate({
         "experiment": {"name": name, "edition": edition, "seed": int(views[0]["seed"] if seed is None else seed),
                        "description": f"recorded by {SOURCE}"},
         "parallelism": {"dp": dp, "tp": 1, "pp": 1, "zero_stage": 3 if engine.kind == "FSDP2" else 0,
@@ -338,7 +340,7 @@ def build_manifest(engine: Engine, optimizer, views: list[dict], name: str, edit
         "optimizer": {"type": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}", "param_groups": {str(i): g for i, g in enumerate(groups)}},
         "training": training,
         "config": cfg,
-    }
+    }).document()
 
 
 def manifest_id_of(manifest: dict) -> str:
