@@ -38,11 +38,12 @@ def hf_runs(tmp_path_factory):
     pytest.importorskip("transformers", reason="transformers could not be installed here (make test installs "
                                                "disttrace[hf]); the Trainer integration is untested on this machine")
     out = tmp_path_factory.mktemp("hf")
-    return torchrun("hf_train.py", out, 2, 4), torchrun("hf_train.py", out, 1, 8)
+    return (torchrun("hf_train.py", out, 2, 4), torchrun("hf_train.py", out, 1, 8),
+            torchrun("hf_train.py", out, 2, 4, "mean-per-micro-batch"))
 
 
 def test_hf_trainer_run_is_recorded_with_its_accumulation(hf_runs):
-    accum2, _ = hf_runs
+    accum2 = hf_runs[0]
     run = Run(accum2)
     assert run.complete and run.manifest["parallelism"]["engine"] == "DDP"
     assert run.manifest["training"]["grad_accum_steps"] == 2 and run.manifest["config"]["learning_rate"] == 1e-2
@@ -56,10 +57,23 @@ def test_hf_accumulation_2x4_equals_1x8_numerically(hf_runs):
     """The same global batch (2 ranks x 8 sequences per step), split in two micro-batches or not. Padded
     sequences make per-micro-batch token counts differ: a per-micro-batch mean would diverge (#34191);
     the Trainer's normalisation by the step's token count keeps them equivalent within the derived bound."""
-    d = diff_runs(*hf_runs)
+    d = diff_runs(*hf_runs[:2])
     assert d["mode"] == "numeric" and d["compared_steps"]["count"] == 3
     assert d["equal"], d["first_divergence"]
     assert {"reduce", "optimizer"} <= set(d["compared_phases"])
+
+
+def test_hf_per_micro_batch_mean_is_not_equivalent(hf_runs):
+    """The negative control: the same 2 x 4 run with each micro-batch's loss its own token mean / 2 (the
+    Trainer told the model takes no loss kwargs: #34191's normalisation) must diverge from 1 x 8 at the first
+    reduced gradient, and from the correct 2 x 4 bit for bit at the first micro-batch's local gradient."""
+    accum2, accum1, per_mb_mean = hf_runs
+    d = diff_runs(accum1, per_mb_mean)
+    assert d["mode"] == "numeric" and not d["equal"]
+    f = d["first_divergence"]
+    assert (f["step"], f["phase"]) == (1, "reduce"), f
+    f = diff_runs(accum2, per_mb_mean)["first_divergence"]
+    assert (f["step"], f["micro_batch"], f["phase"]) == (1, 0, "backward"), f
 
 
 def test_lightning_run_is_recorded_with_its_accumulation(tmp_path):

@@ -1,7 +1,11 @@
 """A Hugging Face Trainer run (a tiny LlamaForCausalLM built from its config, padded sequences, 2 ranks on
 gloo under torchrun), recorded through disttrace.integrations.hf.
 
-    torchrun --nproc-per-node 2 tests/scripts/hf_train.py OUT ACCUM BATCH
+    torchrun --nproc-per-node 2 tests/scripts/hf_train.py OUT ACCUM BATCH [mean-per-micro-batch]
+
+mean-per-micro-batch: the negative control. The Trainer is told the model takes no loss kwargs, so each
+micro-batch's loss is the model's own mean over that micro-batch's tokens, divided by the accumulation count:
+the normalisation of transformers #34191, which differs from the step's token count on padded sequences.
 """
 
 import sys
@@ -25,7 +29,7 @@ def dataset(n=64, length=8, vocab=32):
     return rows
 
 
-def main(out, accum, batch):
+def main(out, accum, batch, variant=""):
     torch.set_num_threads(1)
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -36,6 +40,8 @@ def main(out, accum, batch):
                              ddp_backend="gloo", report_to=[], logging_strategy="no", save_strategy="no", seed=0,
                              data_seed=0, dataloader_drop_last=True, disable_tqdm=True)
     trainer = Trainer(model=model, args=args, train_dataset=dataset())
+    if variant == "mean-per-micro-batch":
+        trainer.model_accepts_loss_kwargs = False
     callback = DisttraceCallback(trainer, out=out, name="hf-tiny-llama")
     trainer.add_callback(callback)
     trainer.train()
@@ -44,4 +50,4 @@ def main(out, accum, batch):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:5])
