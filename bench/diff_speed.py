@@ -1,9 +1,9 @@
 """diff throughput: records per second to the first divergence on a large trajectory (docs/design.md; figures in README.md).
 
-Writes two synthetic run stores (default 2 ranks x 500 steps x 1000 records = 1,000,000 records each, in the
-recorder's exact format: trajectory JSONL + step index with byte offsets, digest of digests and the chained
-sha256 of each step's bytes), identical
-except one record's digest (bits changed, statistics equal) near the end. Then, each in a fresh process:
+Writes synthetic run stores (default 2 ranks x 500 steps x 1000 records = 1,000,000 records each) with the
+recorder's own writer (store/trajectory.py: an Arrow stream per rank + step index with byte offsets, digest of
+digests and the chained sha256 of each step's bytes): a reference, a fault run identical except one record's
+digest (bits changed, statistics equal) near the end, and a noisy run. Then, each in a fresh process:
 
   index   diff_runs(a, b, propagate=False): equal steps are skipped on the step index's digests (their raw
           bytes hashed, xxh3-128, against the index: no parsing); only the divergent step is read (by seeking
@@ -12,6 +12,8 @@ except one record's digest (bits changed, statistics equal) near the end. Then, 
           files are scanned for step boundaries and every record up to the divergence is parsed and
           compared (the baseline: what diff would cost without the index)
   full    diff_runs(a, b): index mode plus propagation over every later step (what `disttrace diff` runs)
+  numeric diff_runs(a, noisy, mode="numeric"): a third run whose every value is rounded differently (~1e-12
+          relative, every digest different): every record of both runs is read and held to the derived bound
 
 and prints wall seconds, records/second (records of both runs up to and including the divergent step,
 divided by the wall time), peak RSS of the child (ru_maxrss) and the peak of Python allocations
@@ -78,55 +80,64 @@ def step_records(step: int, rank: int, n: int) -> list[dict]:
             rec = {"step": step, "micro_batch": 0, "phase": phase, "rank": rank, "index": i, "tensor": name,
                    "dtype": "float32", "shape": [256, 256], "numel": 65536,
                    "digest": xxhash.xxh3_128_hexdigest(f"{step}/{rank}/{phase}/{i}".encode()),
-                   "sum": x * 3.0 - 1.5, "norm": 10.0 + x, "nonfinite": 0}
+                   "sum": x * 3.0 - 1.5, "norm": 10.0 + x, "sketch": [x, -x, 2 * x, 0.5 - x], "nonfinite": 0}
             recs.append(rec)
     return recs
 
 
-def write_pair(root: Path, ranks: int, steps: int, n: int, plant: tuple[int, int, int]):
-    """Two run dirs with identical bytes except one record's digest (same length: offsets are unchanged)."""
+def _noisy(recs: list[dict]) -> list[dict]:
+    """The same tensors as another topology would round them: every value off by ~1e-12 relative (far inside
+    any derived bound), every digest different: a numeric diff reads and compares every record."""
+    out = []
+    for r in recs:
+        if r["phase"] == "data":  # the same batch in any topology: the data phase compares bit for bit
+            out.append(r)
+            continue
+        e = 1e-12 * (1 + r["index"] % 7)
+        out.append({**r, "digest": xxhash.xxh3_128_hexdigest(r["digest"].encode()), "sum": r["sum"] * (1 + e),
+                    "norm": r["norm"] * (1 - e), "sketch": [v * (1 + e) for v in r["sketch"]]})
+    return out
+
+
+def write_runs(root: Path, ranks: int, steps: int, n: int, plant: tuple[int, int, int]):
+    """Three run dirs written by the recorder's own writer (Arrow stream + sealed step index): `reference`,
+    `fault` (equal but one record's digest, one bit) and `noisy` (every value rounded differently)."""
+    from disttrace.store.trajectory import SUFFIX, TrajectoryWriter
+
     m = manifest(ranks, steps)
     lock = orjson.dumps({"manifest": m, "manifest_id": "f" * 64, "source": "bench", "overrides": [], "resolved": {}})
-    dirs = [root / "reference", root / "fault"]
-    for d in dirs:
+    dirs = {k: root / k for k in ("reference", "fault", "noisy")}
+    for d in dirs.values():
         (d / "trajectory").mkdir(parents=True)
         (d / "manifest.lock.json").write_bytes(lock)
         (d / "COMPLETE").write_bytes(b"{}\n")
-    (dirs[0] / "run.json").write_bytes(orjson.dumps({"path": "reference", "fault": None, "resume": None}))
+        (d / "run.json").write_bytes(orjson.dumps({"path": "reference", "fault": None, "resume": None}))
     p_step, p_rank, p_pos = plant
-    (dirs[1] / "run.json").write_bytes(orjson.dumps({"path": "fault", "resume": None,
-                                                     "fault": {"name": "bench", "step": p_step, "rank": p_rank}}))
+    (dirs["fault"] / "run.json").write_bytes(orjson.dumps({"path": "fault", "resume": None,
+                                                         "fault": {"name": "bench", "step": p_step, "rank": p_rank}}))
     planted = None
     for rank in range(ranks):
-        fa = open(dirs[0] / f"trajectory/rank-{rank:05d}.jsonl", "wb")
-        fb = open(dirs[1] / f"trajectory/rank-{rank:05d}.jsonl", "wb")
-        ia, ib = bytearray(), bytearray()
-        ca, cb = StepChain(rank), StepChain(rank)  # the recorder's sha256 per step, chained: diff checks it
-        offset = 0
+        writers = {k: TrajectoryWriter(d / f"trajectory/rank-{rank:05d}{SUFFIX}") for k, d in dirs.items()}
+        chains = {k: StepChain(rank) for k in dirs}  # the recorder's sha256 per step, chained: diff checks it
+        index = {k: bytearray() for k in dirs}
         for step in range(1, steps + 1):
             recs = step_records(step, rank, n)
-            blob = b"".join(orjson.dumps(r) + b"\n" for r in recs)
-            digests = [r["digest"] for r in recs]
-            fa.write(blob)
-            entry = {"step": step, "offset": offset, "length": len(blob), "records": len(recs),
-                     "digest": _dod(digests), "time": {"start": 0.0, "end": 0.0}}
-            ia += orjson.dumps(ca.seal_entry(dict(entry), blob)) + b"\n"
+            variants = {"reference": recs, "noisy": _noisy(recs), "fault": recs}
             if (step, rank) == (p_step, p_rank):
                 r = recs[p_pos]
                 planted = (step, rank, r["phase"], r["index"])
                 flipped = format(int(r["digest"], 16) ^ 1, "032x")  # one bit
-                r["digest"] = flipped
-                digests[p_pos] = flipped
-                blob = b"".join(orjson.dumps(r) + b"\n" for r in recs)
-                entry = dict(entry, length=len(blob), digest=_dod(digests))
-            fb.write(blob)
-            ib += orjson.dumps(cb.seal_entry(dict(entry), blob)) + b"\n"
-            offset += len(blob)
-        fa.close()
-        fb.close()
-        (dirs[0] / f"trajectory/rank-{rank:05d}.steps.jsonl").write_bytes(bytes(ia))
-        (dirs[1] / f"trajectory/rank-{rank:05d}.steps.jsonl").write_bytes(bytes(ib))
-    return dirs[0], dirs[1], planted
+                variants["fault"] = recs[:p_pos] + [{**r, "digest": flipped}] + recs[p_pos + 1:]
+            for k, rs in variants.items():
+                offset = writers[k].offset
+                blob = writers[k].write_step(rs)
+                entry = {"step": step, "offset": offset, "length": len(blob), "records": len(rs),
+                         "digest": _dod([r["digest"] for r in rs]), "time": {"start": 0.0, "end": 0.0}}
+                index[k] += orjson.dumps(chains[k].seal_entry(entry, blob)) + b"\n"
+        for k, d in dirs.items():
+            writers[k].close()
+            (d / f"trajectory/rank-{rank:05d}.steps.jsonl").write_bytes(bytes(index[k]))
+    return dirs, planted
 
 
 def _dod(digests: list[str]) -> str:
@@ -140,7 +151,8 @@ def child(a: str, b: str, mode: str, trace: bool) -> None:
     """Run one diff in this (fresh) process and print one JSON line."""
     from disttrace.analysis.diff import diff_runs
 
-    kw = {"index": dict(propagate=False), "scan": dict(use_index=False, propagate=False), "full": {}}[mode]
+    kw = {"index": dict(propagate=False), "scan": dict(use_index=False, propagate=False), "full": {},
+          "numeric": dict(mode="numeric")}[mode]
     if trace:
         import tracemalloc
 
@@ -149,7 +161,8 @@ def child(a: str, b: str, mode: str, trace: bool) -> None:
     r = diff_runs(a, b, **kw)
     dt = time.perf_counter() - t0
     out = {"seconds": dt, "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-           "first_divergence": r["first_divergence"], "steps_read": r["stats"]["steps_read"]}
+           "first_divergence": r["first_divergence"], "steps_read": r["stats"]["steps_read"],
+           "records_read": r["records_read"]["a"] + r["records_read"]["b"], "equal": r["equal"]}
     if trace:
         out["traced_peak_mib"] = tracemalloc.get_traced_memory()[1] / 2 ** 20
     print(json.dumps(out))
@@ -181,11 +194,13 @@ def main() -> None:
     root = Path(args.dir or tempfile.mkdtemp(prefix="disttrace-bench-"))
     try:
         t0 = time.perf_counter()
-        a, b, planted = write_pair(root, args.ranks, args.steps, args.records, plant)
-        size = sum(p.stat().st_size for p in (a / "trajectory").iterdir())
+        dirs, planted = write_runs(root, args.ranks, args.steps, args.records, plant)
+        a, b = dirs["reference"], dirs["fault"]
+        size = sum(p.stat().st_size for p in (a / "trajectory").glob("*.arrows"))
         n_run = args.ranks * args.steps * args.records
-        print(f"wrote 2 runs x {n_run:,} records ({size / 2**20:.0f} MiB each) in {time.perf_counter() - t0:.1f} s; "
-              f"planted: step {planted[0]} rank {planted[1]} {planted[2]} index {planted[3]}")
+        print(f"wrote 3 runs x {n_run:,} records ({size / 2**20:.0f} MiB each, {size / n_run:.1f} bytes per record) "
+              f"in {time.perf_counter() - t0:.1f} s; planted: step {planted[0]} rank {planted[1]} {planted[2]} "
+              f"index {planted[3]}")
         base = subprocess.run([sys.executable, "-c", "import resource, disttrace.analysis.diff; "
                                "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)"],
                               capture_output=True, text=True, check=True, cwd=ROOT)
@@ -197,13 +212,21 @@ def main() -> None:
             r["traced_peak_mib"] = run_child(a, b, mode, trace=True)["traced_peak_mib"]
             results[mode] = r
             f = r["first_divergence"]
-            print(f"{mode:>5}: {r['seconds']:7.3f} s  {covered / r['seconds']:>14,.0f} records/s  steps read "
+            print(f"{mode:>7}: {r['seconds']:7.3f} s  {covered / r['seconds']:>14,.0f} records/s  steps read "
                   f"{r['steps_read']:>5}  peak RSS {r['maxrss_mib']:6.0f} MiB  traced peak {r['traced_peak_mib']:7.1f} MiB"
                   f"  -> step {f['step']} rank {f['rank']} {f['phase']} index {f['index']}")
             assert (f["step"], f["rank"], f["phase"], f["index"]) == planted, f"wrong divergence {f}"
         ratio = results["scan"]["seconds"] / results["index"]["seconds"]
         print(f"index vs scan: {ratio:,.0f}x faster to the first divergence "
               f"({'meets' if results['index']['seconds'] < 2 else 'MISSES'} the 2 s target)")
+        # numeric: every record of both runs read and held to the derived bound (what a cross-topology or
+        # rounding-level comparison costs); the records are within it, so the runs compare equal
+        r = run_child(a, dirs["noisy"], "numeric")
+        r["traced_peak_mib"] = run_child(a, dirs["noisy"], "numeric", trace=True)["traced_peak_mib"]
+        assert r["equal"] and r["records_read"] == 2 * n_run, r
+        print(f"numeric: {r['seconds']:7.3f} s  {r['records_read'] / r['seconds']:>14,.0f} records/s read and "
+              f"compared ({r['records_read']:,} records, every one inexact)  peak RSS {r['maxrss_mib']:6.0f} MiB  "
+              f"traced peak {r['traced_peak_mib']:7.1f} MiB")
     finally:
         if not args.keep and not args.dir:
             shutil.rmtree(root, ignore_errors=True)

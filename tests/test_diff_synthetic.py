@@ -1,8 +1,10 @@
 """diff on synthetic run stores (no torch, fast): ordering, skipping, missing records, recovered and
 incomplete runs, compatibility, numeric comparison across topologies, shards, propagation.
 
-The run dirs are written here in exactly the format the recorder writes (manifest.lock.json, run.json,
-trajectory/rank-NNNNN.jsonl + .steps.jsonl with byte offsets and a digest of digests, COMPLETE)."""
+The run dirs are written here in the format the recorder writes (manifest.lock.json, run.json, the trajectory
+through the recorder's own writer + .steps.jsonl with byte offsets and a digest of digests, COMPLETE). Every
+test runs twice: on the Arrow stream (`rank-NNNNN.arrows`, compared column-wise where steps align) and on the
+JSON lines of stores written before it (`rank-NNNNN.jsonl`, the record path)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,17 @@ from disttrace.analysis.diff import diff_runs
 from disttrace.views.diff import render_md, render_rich
 from disttrace.errors import BadInput
 from disttrace.store.rundir import PHASE_ORDER
+from disttrace.store.trajectory import TrajectoryWriter
+
+FORMAT = {"suffix": ".arrows"}
+
+
+@pytest.fixture(autouse=True, params=[".arrows", ".jsonl"], ids=["arrow", "jsonl"])
+def trajectory_format(request):
+    """Every test on both formats: the Arrow stream, and the JSON lines of stores written before it."""
+    FORMAT["suffix"] = request.param
+    yield request.param
+    FORMAT["suffix"] = ".arrows"
 
 # ---------------------------------------------------------------- building synthetic runs
 
@@ -113,26 +126,49 @@ def write_run(path, m: dict, records: dict[int, list[dict]], kind="reference", r
     (path / "run.json").write_bytes(orjson.dumps({"path": kind, "fault": fault, "resume": resume}))
     (path / "trajectory").mkdir()
     for rank, recs in records.items():
-        data, index, offset = bytearray(), bytearray(), 0
         by_step: dict[int, list[dict]] = {}
         for r in recs:
-            by_step.setdefault(r["step"], []).append(r)
-        for step, srecs in by_step.items():
-            lines = b"".join(orjson.dumps(r) + b"\n" for r in srecs)
-            data += lines
-            h = xxhash.xxh3_128()
-            for r in srecs:
-                h.update(r["digest"].encode())
-            index += orjson.dumps({"step": step, "offset": offset, "length": len(lines), "records": len(srecs),
-                                   "digest": h.hexdigest(), "time": {"start": 0.0, "end": 0.0}}) + b"\n"
-            offset += len(lines)
+            by_step.setdefault(r["step"], []).append({k: v for k, v in r.items() if k != "salt"})
+        if FORMAT["suffix"] == ".arrows":
+            data, index = _arrow_steps(path, rank, by_step)
+        else:
+            data, index = _jsonl_steps(by_step)
         if rank == torn_rank:
-            data += b'{"step": 99, "micro_batch": 0, "pha'
-        (path / f"trajectory/rank-{rank:05d}.jsonl").write_bytes(bytes(data))
+            data += (b'{"step": 99, "micro_batch": 0, "pha' if FORMAT["suffix"] == ".jsonl"
+                     else data[len(data) // 2:len(data) // 2 + 100])  # half a line / part of a message
+        (path / f"trajectory/rank-{rank:05d}{FORMAT['suffix']}").write_bytes(bytes(data))
         (path / f"trajectory/rank-{rank:05d}.steps.jsonl").write_bytes(bytes(index))
     if complete:
         (path / "COMPLETE").write_bytes(b"{}\n")
     return path
+
+
+def _index_line(step, offset, length, srecs) -> bytes:
+    h = xxhash.xxh3_128()
+    for r in srecs:
+        h.update(r["digest"].encode())
+    return orjson.dumps({"step": step, "offset": offset, "length": length, "records": len(srecs),
+                         "digest": h.hexdigest(), "time": {"start": 0.0, "end": 0.0}}) + b"\n"
+
+
+def _jsonl_steps(by_step) -> tuple[bytearray, bytearray]:
+    data, index = bytearray(), bytearray()
+    for step, srecs in by_step.items():
+        lines = b"".join(orjson.dumps(r) + b"\n" for r in srecs)
+        index += _index_line(step, len(data), len(lines), srecs)
+        data += lines
+    return data, index
+
+
+def _arrow_steps(path, rank, by_step) -> tuple[bytearray, bytearray]:
+    """The recorder's own writer (store/trajectory.py), one record batch per step; returns the file's bytes."""
+    w = TrajectoryWriter(path / f"trajectory/rank-{rank:05d}.arrows")
+    index = bytearray()
+    for step, srecs in by_step.items():
+        offset = w.offset
+        index += _index_line(step, offset, len(w.write_step(srecs)), srecs)
+    w.close()
+    return bytearray((path / f"trajectory/rank-{rank:05d}.arrows").read_bytes()), index
 
 
 def find(records, step, mb, phase, rank, index) -> dict:
@@ -245,7 +281,7 @@ def test_incomplete_run_with_torn_line_warns_not_fails(pair):
     cs = r["compared_steps"]
     assert r["equal"] and (cs["first"], cs["last"]) == (1, 4)
     assert "run B is incomplete: stops at step 4" in cs["why"]
-    assert any("torn" in w and "rank-00001.jsonl" in w for w in r["warnings"])
+    assert any("torn" in w and f"rank-00001{FORMAT['suffix']}" in w for w in r["warnings"])
     assert any("incomplete" in w for w in r["warnings"])
     assert r["b"]["complete"] is False
 

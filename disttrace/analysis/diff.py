@@ -26,7 +26,10 @@ from typing import Any
 
 import orjson
 
-from disttrace.analysis import tolerance
+import numpy as np
+import pyarrow as pa
+
+from disttrace.analysis import columnar, tolerance
 from disttrace.errors import BadInput
 from disttrace.fmt import ranges
 from disttrace.config.manifest import EXPERIMENT_FIELDS, TOPOLOGY_FIELDS, get_field, global_batch
@@ -77,6 +80,7 @@ class _Side:
         self.index: dict[int, dict[int, dict]] = {}
         self.steps: list[int] = []
         self.records_read = 0  # trajectory records parsed (the `records_read` of the result)
+        self._paths: dict[int, Path] = {}
 
     def load(self) -> None:
         """Read (or rebuild) the step index of every rank; called after the compatibility check."""
@@ -166,9 +170,9 @@ class _Side:
         e = self.entry(rank, step)
         if e is None:
             return
-        ok = seal.step_bytes_match(self.run.trajectory_path(rank), e)
+        ok = seal.step_bytes_match(self.traj_path(rank), e)
         if ok is False:
-            raise BadInput(self.run.trajectory_path(rank), f"step {step}: the bytes differ from the hash "
+            raise BadInput(self.traj_path(rank), f"step {step}: the bytes differ from the hash "
                            "in the step index (edited after the run; see `disttrace verify`)")
         self.hash_checked += ok is True
 
@@ -180,6 +184,23 @@ class _Side:
         recs = self.run.records_of_step(rank, e)
         self.records_read += len(recs)
         return recs
+
+    def traj_path(self, rank: int) -> Path:
+        if rank not in self._paths:
+            self._paths[rank] = self.run.trajectory_path(rank)
+        return self._paths[rank]
+
+    def batch(self, rank: int, step: int):
+        """The step's Arrow record batch (hash-checked), or None for a JSON-lines store or a missing step."""
+        e = self.entry(rank, step)
+        path = self.traj_path(rank)
+        if e is None or not trajectory.is_arrow(path):
+            return None
+        self.check_step(rank, step)
+        data = trajectory.read_range(path, e["offset"], e["length"])
+        b = trajectory.decode_step(path, data, f"step {step} (bytes {e['offset']}..{e['offset'] + e['length']})")
+        self.records_read += b.num_rows
+        return b
 
     def describe(self) -> dict:
         return {
@@ -401,6 +422,31 @@ class _RankStep:
             if self.first is None or key < self.first[0]:
                 self.first = (key, unit)
 
+    def add_columns(self, c) -> None:
+        """`add` for every row compared column-wise (a columnar.Compared), in bulk."""
+        if not c.inexact.size:
+            return
+        self.inexact += int(c.inexact.size)
+        self.differing += int(c.diverged.sum())
+        self.hard += int((c.diverged & np.isnan(c.rel)).sum())
+        orders = c.phase_order[c.inexact]
+        for o in np.unique(orders):
+            phase = columnar.phase_name(int(o))
+            m = (orders == o) & ~np.isnan(c.rel)
+            if not m.any():
+                continue
+            rel, bnd = c.rel[m], c.bound[m]
+            j = int(np.argmax(rel))
+            if rel[j] > self.max_rel.get(phase, -1.0):
+                self.max_rel[phase], self.max_rel_bound[phase] = float(rel[j]), float(bnd[j])
+            pos = bnd > 0
+            if pos.any():
+                ratio = np.where(pos, rel / np.where(pos, bnd, 1.0), -1.0)
+                k = int(np.argmax(ratio))
+                self.max_ratio = max(self.max_ratio, float(ratio[k]))
+                if ratio[k] > self.ratio_by_phase.get(phase, (-1.0,))[0]:
+                    self.ratio_by_phase[phase] = (float(ratio[k]), float(rel[k]), float(bnd[k]))
+
     def as_dict(self) -> dict:
         d = {"differing": self.differing, "total": self.total,
              "max_rel_err_by_phase": dict(sorted(self.max_rel.items(), key=lambda kv: _phase_order(kv[0])))}
@@ -459,6 +505,41 @@ def _compare_rank_step(step: int, rank: int, recs_a: list[dict], recs_b: list[di
             continue
         mb, po, phase, index, dup = k
         rs.add((mb, po, phase, rank, index, dup), _unit(step, ra, rb, rank, tol))
+    return rs
+
+
+def _compare_rank_step_columns(step: int, rank: int, ba, bb, tol: _Tol) -> _RankStep:
+    """_compare_rank_step on two Arrow batches: aligned rows are compared column-wise (analysis/columnar.py),
+    the few that need the record path's special cases (and unaligned steps) go through it."""
+    ca, cb = columnar.Columns(ba), columnar.Columns(bb)
+    if not columnar.aligned(ca, cb):
+        return _compare_rank_step(step, rank, trajectory.to_records(ba), trajectory.to_records(bb), tol)
+
+    def base_bound(order, names):
+        derived = np.array([tol.derived(step, columnar.phase_name(o)) for o in range(len(PHASES) + 1)])
+        return derived[order] * columnar.tensor_factors(names)
+
+    c = columnar.compare(ca, cb, bitwise=tol.mode == "bitwise", user=(tol.rtol, tol.atol) if tol.user else None,
+                         base_bound=base_bound)
+    rs = _RankStep(c.n)
+    rs.add_columns(c)
+    if c.special.size or c.diverged.any():
+        # the record path for the special rows, and for the first divergent row of the rest (its unit dict)
+        rows = list(c.special)
+        div = c.inexact[c.diverged]
+        if div.size:
+            first = div[np.lexsort((c.index[div], c.phase_order[div], c.micro_batch[div]))[0]]
+            rows.append(first)
+        take = pa.array(sorted(set(int(x) for x in rows)), pa.int64())
+        ra, rb = trajectory.to_records(ba.take(take)), trajectory.to_records(bb.take(take))
+        special = set(int(x) for x in c.special)
+        for row, x, y in zip(take.to_pylist(), ra, rb):
+            key = (x.get("micro_batch", 0), _phase_order(x["phase"]), x["phase"], rank, x.get("index", 0), 0)
+            unit = _unit(step, x, y, rank, tol)
+            if row in special:
+                rs.add(key, unit)
+            elif rs.first is None or key < rs.first[0]:
+                rs.first = (key, unit)
     return rs
 
 
@@ -691,7 +772,11 @@ def _compare_ranks_at(step: int, ranks, side_a: _Side, side_b: _Side, tol: _Tol)
             side_b.check_step(r, step)
             per_rank[r] = _RankStep(int(ea.get("records") or 0))
             continue
-        per_rank[r] = _compare_rank_step(step, r, side_a.records(r, step), side_b.records(r, step), tol)
+        ba, bb = side_a.batch(r, step), side_b.batch(r, step)
+        if ba is not None and bb is not None:
+            per_rank[r] = _compare_rank_step_columns(step, r, ba, bb, tol)
+        else:
+            per_rank[r] = _compare_rank_step(step, r, side_a.records(r, step), side_b.records(r, step), tol)
         read += 1
     return per_rank, read
 

@@ -1,0 +1,214 @@
+"""Comparing one rank's step of two runs column by column: the arithmetic of diff's `_Tol.compare` on whole
+Arrow columns in numpy, so a numeric diff (every record inexact) costs a few array operations per step
+instead of a Python dict and a dozen float conversions per record.
+
+Why numpy over the Arrow buffers, not Polars or DuckDB: a step is one record batch of a few thousand rows,
+already aligned row by row between the runs (the recorder writes both in the same order); the work is
+elementwise arithmetic and a few reductions, which numpy does on Arrow's buffers without a copy and
+without a query planner's per-call cost (a join engine pays off for unaligned tables, which fall back to the
+record path here). pyarrow is the store's dependency already; numpy the digest's.
+
+`compare` returns data: which rows are bit-equal, and for the others rel_err, bound, diverged; rows whose
+comparison needs the record path's special cases (non-finite values, a shape or dtype that differs, an
+empty tensor) are handed back by position for it. diff.py folds the result into its per-rank bookkeeping.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from disttrace.analysis import tolerance
+from disttrace.store.records import PHASES
+from disttrace.store.trajectory import SKETCH_K
+
+TINY = 1e-300
+_PHASES = pa.array(PHASES)
+_SKETCH_FLOAT32 = pa.array(tolerance.SKETCH_FLOAT32)
+_U32, _U64 = tolerance.UNIT_ROUNDOFF["float32"], tolerance.UNIT_ROUNDOFF["float64"]
+
+
+@dataclass
+class Compared:
+    """One rank and step of two runs, row by row (rows in the recorder's order, the same in both)."""
+
+    n: int
+    phase_order: np.ndarray  # per row: position of the phase in PHASES (len(PHASES) for an unknown one)
+    micro_batch: np.ndarray
+    index: np.ndarray
+    inexact: np.ndarray  # row positions that are not bit-equal and were compared here
+    rel: np.ndarray  # per inexact row: the reported relative error (nan: none)
+    bound: np.ndarray
+    diverged: np.ndarray  # bool per inexact row
+    special: np.ndarray  # row positions the record path compares (non-finite, shape or dtype differs, empty)
+
+
+class Columns:
+    """One step's batch with each column turned into numpy once (aligned() and compare() share them)."""
+
+    def __init__(self, batch: pa.RecordBatch):
+        self.batch = batch
+        self._np: dict[str, np.ndarray] = {}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        out = self._np.get(name)
+        if out is None:
+            if name == "phase_order":
+                idx = pc.index_in(self.batch.column("phase"), value_set=_PHASES)
+                out = np.asarray(idx.fill_null(len(PHASES)).to_numpy(zero_copy_only=False), dtype=np.int64)
+            else:
+                out = self.batch.column(name).to_numpy(zero_copy_only=False)
+            self._np[name] = out
+        return out
+
+    @property
+    def num_rows(self) -> int:
+        return self.batch.num_rows
+
+    def column(self, name: str):
+        return self.batch.column(name)
+
+
+def _digests(batch) -> np.ndarray:
+    arr = batch.column("digest")
+    data = np.frombuffer(arr.buffers()[1], dtype=np.uint8)
+    return data[arr.offset * 16:(arr.offset + len(arr)) * 16].reshape(-1, 16)
+
+
+def _sketches(batch) -> np.ndarray:
+    """(n, SKETCH_K) float64, nan where a record has no sketch (float32 and float64 columns merged)."""
+    out = np.full((batch.num_rows, SKETCH_K), np.nan)
+    for name in ("sketch", "sketch64"):
+        arr = batch.column(name)
+        if arr.null_count == len(arr):
+            continue
+        vals = arr.values.to_numpy(zero_copy_only=False)[arr.offset * SKETCH_K:(arr.offset + len(arr)) * SKETCH_K]
+        vals = vals.reshape(-1, SKETCH_K)
+        if arr.null_count:
+            valid = np.asarray(arr.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+            out[valid] = vals[valid]
+        else:
+            out[:] = vals
+    return out
+
+
+def aligned(ca: Columns, cb: Columns) -> bool:
+    """Both steps hold the same keys (micro-batch, phase, index) in the same rows, each key once: rows pair
+    up by position. Otherwise (a tensor missing on one side, another topology) the record path keys them."""
+    if ca.num_rows != cb.num_rows:
+        return False
+    for name in ("micro_batch", "index", "phase_order"):
+        if not np.array_equal(ca[name], cb[name]):
+            return False
+    if not ca.column("phase").equals(cb.column("phase")):  # unknown phases share one order: their names too
+        return False
+    key = (ca["micro_batch"].astype(np.int64) << 40) + (ca["phase_order"] << 32) + ca["index"]
+    if (np.diff(key) > 0).all():  # the recorder's order: increasing, hence each key once
+        return True
+    return len(np.unique(key)) == len(key)
+
+
+def _rowwise_equal(a: pa.Array, b: pa.Array) -> np.ndarray:
+    if a.equals(b):
+        return np.ones(len(a), dtype=bool)
+    return np.array([x == y for x, y in zip(a.to_pylist(), b.to_pylist())], dtype=bool)
+
+
+def _last_dim(shape: pa.ListArray) -> np.ndarray:
+    """The last axis of each row's shape (0 for a scalar)."""
+    offsets = np.asarray(shape.offsets.to_numpy(zero_copy_only=False), dtype=np.int64)
+    values = np.asarray(shape.values.to_numpy(zero_copy_only=False), dtype=np.int64)
+    lengths = np.diff(offsets)
+    out = np.zeros(len(lengths), dtype=np.int64)
+    has = lengths > 0
+    out[has] = values[offsets[1:][has] - 1]
+    return out
+
+
+def _sketch_rounding(f32: np.ndarray, numel: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """tolerance.sketch_rounding on columns (rows = numel / last axis; scalars round 0); f32: the sketch was
+    computed in float32."""
+    u = np.where(f32, _U32, _U64)
+    c = np.maximum(cols, 1)
+    rows = np.maximum(numel // c, 1)
+    r = u * np.sqrt(np.minimum(rows, tolerance.SKETCH_ROWS)) + _U64 * np.sqrt(rows + c) + np.where(f32, _U32, 0.0)
+    return np.where(cols > 0, r, 0.0)
+
+
+def compare(ba: Columns, bb: Columns, *, bitwise: bool, user: tuple[float, float] | None,
+            base_bound) -> Compared:
+    """Rows of two aligned steps (see `aligned`). bitwise: every inexact row diverges. user: (rtol, atol) when
+    the user gave the bound, else base_bound(phase_order, tensor_names) -> per-row bounds (the derived or
+    calibrated bound of the step and phase times the tensor's factor)."""
+    n = ba.num_rows
+    order = ba["phase_order"]
+    same = (_digests(ba) == _digests(bb)).all(axis=1)
+    same &= ba["device_digest"] == bb["device_digest"]
+    f32 = np.asarray(pc.is_in(ba.column("dtype"), value_set=_SKETCH_FLOAT32).to_numpy(zero_copy_only=False), dtype=bool)
+    same_type = _rowwise_equal(ba.column("dtype"), bb.column("dtype")) & _rowwise_equal(ba.column("shape"),
+                                                                                          bb.column("shape"))
+    same &= same_type
+    rows = np.nonzero(~same)[0]
+    sa, sb = ba["sum"][rows], bb["sum"][rows]
+    na, nb = ba["norm"][rows], bb["norm"][rows]
+    sa, sb, na, nb = (np.asarray(x, dtype=np.float64) for x in (sa, sb, na, nb))  # nulls arrive as nan
+    numel = np.maximum(np.maximum(ba["numel"][rows], bb["numel"][rows]), 1)
+    finite = ((ba["nonfinite"][rows] == 0) & (bb["nonfinite"][rows] == 0)
+              & np.isfinite(sa) & np.isfinite(sb) & np.isfinite(na) & np.isfinite(nb))
+    simple = finite & same_type[rows] & (ba["numel"][rows] > 0)
+    special = rows[~simple]
+    rows = rows[simple]
+    sa, sb, na, nb, numel = sa[simple], sb[simple], na[simple], nb[simple], numel[simple]
+
+    scale_n = np.maximum(np.maximum(na, nb), TINY)
+    scale_s = np.maximum(np.maximum(na, nb) * np.sqrt(numel), TINY)
+    ka, kb = _sketches(ba)[rows], _sketches(bb)[rows]
+    has_sketch = ~(np.isnan(ka).any(axis=1) | np.isnan(kb).any(axis=1))
+    terms = np.empty((len(rows), 2 + SKETCH_K))
+    terms[:, 0] = np.abs(na - nb) / scale_n
+    terms[:, 1] = np.abs(sa - sb) / scale_s
+    terms[:, 2:] = np.abs(ka - kb) / scale_s[:, None]
+
+    if user is not None:
+        rtol, atol = user
+        bn, bs = (atol + rtol * scale_n) / scale_n, (atol + rtol * scale_s) / scale_s
+    else:
+        bn = bs = base_bound(order[rows], ba.column("tensor").take(pa.array(rows, pa.int64())))
+    rounding = 2 * _sketch_rounding(f32[rows], ba["numel"][rows], _last_dim(ba.column("shape"))[rows])
+    bounds = np.empty_like(terms)
+    bounds[:, 0], bounds[:, 1] = bn, bs
+    bounds[:, 2:] = (bs + rounding)[:, None]
+
+    valid = np.ones_like(terms, dtype=bool)
+    valid[:, 2:] = has_sketch[:, None]  # a record without a sketch compares on norm and sum alone
+    over = (terms > bounds) & valid
+    all_equal = np.where(valid, bounds == bounds[:, :1], True).all(axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(bounds > 0, terms / bounds, np.where(terms > 0, np.inf, 0.0))
+    pick = np.where(all_equal[:, None], terms, ratio)
+    pick = np.where(valid, pick, -np.inf)
+    i = np.argmax(pick, axis=1)  # the first maximum, as Python's max() in the record path
+    at = np.arange(len(rows))
+    rel, bnd = terms[at, i], bounds[at, i]
+    rel = np.where(np.isfinite(rel), rel, np.nan)
+    diverged = np.full(len(rows), True) if bitwise else (over.any(axis=1) | np.isnan(rel))
+    return Compared(n=n, phase_order=order, micro_batch=ba["micro_batch"], index=ba["index"],
+                    inexact=rows, rel=rel, bound=bnd, diverged=diverged, special=special)
+
+
+def tensor_factors(names: pa.Array) -> np.ndarray:
+    """tolerance.tensor_factor per row, computed once per distinct name."""
+    enc = names.dictionary_encode()
+    factors = np.array([tolerance.tensor_factor(s) for s in enc.dictionary.to_pylist()] or [1.0])
+    return factors[np.asarray(enc.indices.to_numpy(zero_copy_only=False), dtype=np.int64)]
+
+
+def phase_name(order: int) -> str:
+    return PHASES[order] if order < len(PHASES) else ""
+
+
+__all__ = ["Compared", "aligned", "compare", "tensor_factors", "phase_name", "math"]
