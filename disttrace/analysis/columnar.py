@@ -15,7 +15,6 @@ empty tensor) are handed back by position for it. diff.py folds the result into 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -210,5 +209,3 @@ def tensor_factors(names: pa.Array) -> np.ndarray:
 def phase_name(order: int) -> str:
     return PHASES[order] if order < len(PHASES) else ""
 
-
-__all__ = ["Compared", "aligned", "compare", "tensor_factors", "phase_name", "math"]
