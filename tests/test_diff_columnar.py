@@ -106,3 +106,58 @@ def test_columns_and_records_give_the_same_result(tmp_path, seed, kw):
                      for e in arrow["propagation"] for r in e["ranks"])
         assert within > 0  # some records differ within the bound: compared, not flagged
 
+
+
+def _cross_topology_runs(seed: int):
+    """A: dp=2, B: dp=4 with half the micro-batch (same global batch). Replicated tensors: each of B's copies
+    is compared with A's lowest rank's. Planted: a replica of A that differs (a warning), a tensor only A has,
+    one only B has, a phase only A records."""
+    rng = random.Random(seed)
+    ma = syn.manifest(**{"training.steps": 3})
+    mb = syn.manifest(**{"training.steps": 3, "parallelism.dp": 4, "training.micro_batch_size": 2})
+    a = {r: [] for r in range(2)}
+    b = {r: [] for r in range(4)}
+    for step in range(1, 4):
+        for phase in ("reduce", "clip", "optimizer"):
+            for i, (name, shape, dtype) in enumerate(TENSORS):
+                x = _rec(rng, step, phase, 0, i, name, shape, dtype)
+                x["digest"] = syn.digest(x)
+                for r in range(2):
+                    if phase == "clip" or name != "norm.weight" or step != 2:  # norm.weight at step 2: only B's
+                        a[r].append({**x, "rank": r})
+                if phase == "clip":
+                    continue  # a phase only A records
+                for r in range(4):
+                    if name == "loss_scale" and step == 3:
+                        continue  # only A's
+                    y = _perturbed(rng, x)
+                    y["digest"] = x["digest"] if y["sum"] == x["sum"] else syn.digest(y)
+                    b[r].append({**y, "rank": r})
+    odd = next(i for i, r in enumerate(a[1]) if r["step"] == 1 and r["phase"] == "optimizer")
+    a[1][odd] = {**a[1][odd], "digest": "2" * 32}  # A's replicas disagree: warned, A's rank 0 copy is the value
+    for recs in list(a.values()) + list(b.values()):
+        recs.sort(key=lambda r: (r["step"], r["micro_batch"], syn.PHASE_ORDER[r["phase"]], r["index"]))
+    return ma, mb, a, b
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+@pytest.mark.parametrize("kw", [{}, {"rtol": 2e-6, "atol": 1e-9}], ids=["derived", "user"])
+def test_cross_topology_columns_and_records_give_the_same_result(tmp_path, seed, kw):
+    ma, mb, a, b = _cross_topology_runs(seed)
+    docs = {}
+    for fmt in (".arrows", ".jsonl"):
+        syn.FORMAT["suffix"] = fmt
+        try:
+            ra = syn.write_run(tmp_path / f"{fmt[1:]}-a", ma, a)
+            rb = syn.write_run(tmp_path / f"{fmt[1:]}-b", mb, b)
+        finally:
+            syn.FORMAT["suffix"] = ".arrows"
+        docs[fmt] = diff_runs(ra, rb, **kw)
+    arrow, jsonl = docs[".arrows"], docs[".jsonl"]
+    assert arrow["mode"] == "numeric" and not arrow["topology"]["same"]
+    assert _comparable(arrow) == _comparable(jsonl)
+    assert arrow["warnings"] == jsonl["warnings"]
+    assert any("records no 'clip' phase" in w for w in arrow["warnings"])
+    assert any("copy differs" in w for w in arrow["warnings"])
+    missing = [e for e in arrow["propagation"] for r in e["ranks"].values() if r.get("hard")]
+    assert arrow["first_divergence"] is not None and missing

@@ -144,7 +144,7 @@ def compare(ba: Columns, bb: Columns, *, bitwise: bool, user: tuple[float, float
     the user gave the bound, else base_bound(phase_order, tensor_names) -> per-row bounds (the derived or
     calibrated bound of the step and phase times the tensor's factor)."""
     n = ba.num_rows
-    order = ba["phase_order"]
+    order = bb["phase_order"]
     same = (_digests(ba) == _digests(bb)).all(axis=1)
     same &= ba["device_digest"] == bb["device_digest"]
     f32 = np.asarray(pc.is_in(ba.column("dtype"), value_set=_SKETCH_FLOAT32).to_numpy(zero_copy_only=False), dtype=bool)
@@ -195,7 +195,8 @@ def compare(ba: Columns, bb: Columns, *, bitwise: bool, user: tuple[float, float
     rel, bnd = terms[at, i], bounds[at, i]
     rel = np.where(np.isfinite(rel), rel, np.nan)
     diverged = np.full(len(rows), True) if bitwise else (over.any(axis=1) | np.isnan(rel))
-    return Compared(n=n, phase_order=order, micro_batch=ba["micro_batch"], index=ba["index"],
+    # coordinates are B's (the record path reports B's record when both exist)
+    return Compared(n=n, phase_order=order, micro_batch=bb["micro_batch"], index=bb["index"],
                     inexact=rows, rel=rel, bound=bnd, diverged=diverged, special=special)
 
 

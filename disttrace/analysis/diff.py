@@ -28,6 +28,7 @@ import orjson
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from disttrace.analysis import columnar, tolerance
 from disttrace.errors import BadInput
@@ -514,6 +515,15 @@ def _compare_rank_step_columns(step: int, rank: int, ba, bb, tol: _Tol) -> _Rank
     ca, cb = columnar.Columns(ba), columnar.Columns(bb)
     if not columnar.aligned(ca, cb):
         return _compare_rank_step(step, rank, trajectory.to_records(ba), trajectory.to_records(bb), tol)
+    rs = _RankStep(ba.num_rows)
+    _fold_columns(step, rank, ca, cb, tol, rs)
+    return rs
+
+
+def _fold_columns(step: int, rank: int, ca, cb, tol: _Tol, rs: _RankStep, logical: bool = False) -> None:
+    """Row i of `ca` against row i of `cb`, column-wise, into `rs`: the bulk by `add_columns`; the special rows
+    (non-finite, shape or dtype differs, empty) and the first divergent row (whose unit dict the result
+    shows) through the record path's own `_unit`."""
 
     def base_bound(order, names):
         derived = np.array([tol.derived(step, columnar.phase_name(o)) for o in range(len(PHASES) + 1)])
@@ -521,26 +531,24 @@ def _compare_rank_step_columns(step: int, rank: int, ba, bb, tol: _Tol) -> _Rank
 
     c = columnar.compare(ca, cb, bitwise=tol.mode == "bitwise", user=(tol.rtol, tol.atol) if tol.user else None,
                          base_bound=base_bound)
-    rs = _RankStep(c.n)
     rs.add_columns(c)
-    if c.special.size or c.diverged.any():
-        # the record path for the special rows, and for the first divergent row of the rest (its unit dict)
-        rows = list(c.special)
-        div = c.inexact[c.diverged]
-        if div.size:
-            first = div[np.lexsort((c.index[div], c.phase_order[div], c.micro_batch[div]))[0]]
-            rows.append(first)
-        take = pa.array(sorted(set(int(x) for x in rows)), pa.int64())
-        ra, rb = trajectory.to_records(ba.take(take)), trajectory.to_records(bb.take(take))
-        special = set(int(x) for x in c.special)
-        for row, x, y in zip(take.to_pylist(), ra, rb):
-            key = (x.get("micro_batch", 0), _phase_order(x["phase"]), x["phase"], rank, x.get("index", 0), 0)
-            unit = _unit(step, x, y, rank, tol)
-            if row in special:
-                rs.add(key, unit)
-            elif rs.first is None or key < rs.first[0]:
-                rs.first = (key, unit)
-    return rs
+    if not (c.special.size or c.diverged.any()):
+        return
+    rows = list(c.special)
+    div = c.inexact[c.diverged]
+    if div.size:
+        rows.append(div[np.lexsort((c.index[div], c.phase_order[div], c.micro_batch[div]))[0]])
+    take = pa.array(sorted(set(int(x) for x in rows)), pa.int64())
+    ra, rb = trajectory.to_records(ca.batch.take(take)), trajectory.to_records(cb.batch.take(take))
+    special = set(int(x) for x in c.special)
+    for row, x, y in zip(take.to_pylist(), ra, rb):
+        last = y.get("tensor") if logical else 0  # the record path's key ends with the name / a duplicate count
+        key = (y.get("micro_batch", 0), _phase_order(y["phase"]), y["phase"], rank, y.get("index", 0), last)
+        unit = _unit(step, x, y, rank, tol, logical=logical)
+        if row in special:
+            rs.add(key, unit)
+        elif rs.first is None or key < rs.first[0]:
+            rs.first = (key, unit)
 
 
 # ---------------------------------------------------------------- logical tensors (across topologies)
@@ -609,10 +617,28 @@ def _logicals(recs_by_rank: dict[int, list[dict]], phases) -> dict[tuple[str, st
     return out
 
 
+def _step_records(side: _Side, step: int) -> tuple[dict[int, list[dict]], dict | None]:
+    """(records by rank, Arrow batches by rank when every rank's trajectory is an Arrow stream)."""
+    if side.ranks and all(trajectory.is_arrow(side.traj_path(r)) for r in side.ranks):
+        batches = {r: side.batch(r, step) for r in side.ranks if side.entry(r, step) is not None}
+        return {}, batches
+    return {r: side.records(r, step) for r in side.ranks}, None
+
+
 def _compare_logical_step(step: int, a: _Side, b: _Side, tol: _Tol, warnings: list[str], warned: dict,
                           phases_seen: dict) -> dict[int, _RankStep]:
-    la = _logicals({r: a.records(r, step) for r in a.ranks}, CROSS_TOPOLOGY_PHASES)
-    lb = _logicals({r: b.records(r, step) for r in b.ranks}, CROSS_TOPOLOGY_PHASES)
+    recs_a, batches_a = _step_records(a, step)
+    recs_b, batches_b = _step_records(b, step)
+    if batches_a is not None and batches_b is not None:
+        out = _compare_logical_step_columns(step, batches_a, batches_b, tol, warnings, warned, phases_seen)
+        if out is not None:
+            return out
+    if batches_a is not None:
+        recs_a = {r: trajectory.to_records(x) for r, x in batches_a.items()}
+    if batches_b is not None:
+        recs_b = {r: trajectory.to_records(x) for r, x in batches_b.items()}
+    la = _logicals(recs_a, CROSS_TOPOLOGY_PHASES)
+    lb = _logicals(recs_b, CROSS_TOPOLOGY_PHASES)
     pa, pb = {p for p, _ in la}, {p for p, _ in lb}
     phases_seen.setdefault("both", set()).update(pa & pb)
     for p in pa ^ pb:  # a phase one side does not record at all: nothing to compare it with
@@ -666,6 +692,111 @@ def _compare_logical_step(step: int, a: _Side, b: _Side, tol: _Tol, warnings: li
             key = (ref.get("micro_batch", 0), _phase_order(phase), phase, rank, ref.get("index", 0), name)
             rs.add(key, u)
     return out
+
+
+def _phase_rows(batches: dict[int, pa.RecordBatch]):
+    """One side's records of one step in the cross-topology phases, rank by rank, as one batch; None when a
+    tensor is sharded (combining shards into the logical tensor is the record path's)."""
+    parts = [batches[r] for r in sorted(batches) if batches[r] is not None]
+    if not parts:
+        return pa.RecordBatch.from_pylist([], schema=trajectory.SCHEMA)
+    t = pa.Table.from_batches(parts).combine_chunks()
+    t = t.filter(pc.is_in(t.column("phase"), value_set=pa.array(CROSS_TOPOLOGY_PHASES)))
+    if t.column("shard_offset").null_count != t.num_rows:
+        return None
+    return t.to_batches()[0] if t.num_rows else pa.RecordBatch.from_pylist([], schema=trajectory.SCHEMA)
+
+
+def _compare_logical_step_columns(step: int, batches_a: dict, batches_b: dict, tol: _Tol, warnings: list[str],
+                                  warned: dict, phases_seen: dict) -> dict[int, _RankStep] | None:
+    """_compare_logical_step column-wise, for tensors that are whole on every rank (replicas: A's lowest
+    rank's copy is the logical value, each of B's copies is compared with it); None hands the step to the
+    record path (a sharded tensor on either side)."""
+    xa, xb = _phase_rows(batches_a), _phase_rows(batches_b)
+    if xa is None or xb is None:
+        return None
+    pa_, pb_ = set(pc.unique(xa.column("phase")).to_pylist()), set(pc.unique(xb.column("phase")).to_pylist())
+    phases_seen.setdefault("both", set()).update(pa_ & pb_)
+    for p in sorted(pa_ ^ pb_, key=lambda p: (_phase_order(p), p)):
+        if p not in phases_seen:
+            phases_seen[p] = True
+            warnings.append(f"run {'A' if p not in pa_ else 'B'} records no '{p}' phase: that phase is not compared")
+    both = pa.array(sorted(pa_ & pb_))
+    xa = xa.filter(pc.is_in(xa.column("phase"), value_set=both))
+    xb = xb.filter(pc.is_in(xb.column("phase"), value_set=both))
+    key_a = pc.binary_join_element_wise(xa.column("phase"), xa.column("tensor"), "\x00")
+    key_b = pc.binary_join_element_wise(xb.column("phase"), xb.column("tensor"), "\x00")
+    logical_a = pc.unique(key_a)  # in order of first appearance: rank order, so each key's lowest rank
+    first_a = np.asarray(pc.index_in(logical_a, value_set=key_a).to_numpy(zero_copy_only=False), dtype=np.int64)
+    _replica_warnings(xa, key_a, xb, key_b, logical_a, warnings, warned)
+    match = pc.index_in(key_b, value_set=logical_a)
+    matched = np.asarray(match.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+    in_b = np.asarray(pc.is_in(logical_a, value_set=key_b).to_numpy(zero_copy_only=False), dtype=bool)
+    out: dict[int, _RankStep] = {}
+    ranks_b = xb.column("rank").to_numpy(zero_copy_only=False)
+    a_row = np.full(xb.num_rows, -1, dtype=np.int64)
+    a_row[matched] = first_a[np.asarray(match.filter(match.is_valid()).to_numpy(zero_copy_only=False), dtype=np.int64)]
+    for rank in sorted(set(int(r) for r in ranks_b)):
+        rows = np.nonzero(matched & (ranks_b == rank))[0]
+        if rows.size:
+            rs = out.setdefault(rank, _RankStep())
+            rs.total += len(rows)
+            _fold_columns(step, rank, columnar.Columns(xa.take(pa.array(a_row[rows]))),
+                          columnar.Columns(xb.take(pa.array(rows))), tol, rs, logical=True)
+    # a logical tensor one side lacks: the record path's unit (missing_in), at its holder's rank
+    lone = []
+    if (~matched).any():  # one unit per logical tensor, at B's lowest rank holding it
+        only_b = xb.take(pa.array(np.nonzero(~matched)[0]))
+        keys = pc.binary_join_element_wise(only_b.column("phase"), only_b.column("tensor"), "\x00")
+        lone.append(("b", only_b.take(pc.index_in(pc.unique(keys), value_set=keys))))
+    if (~in_b).any():
+        lone.append(("a", xa.take(pa.array(first_a[~in_b]))))
+    for side, recs in lone:
+        for r in trajectory.to_records(recs):
+            rank = r["rank"]
+            u = _unit(step, r if side == "a" else None, r if side == "b" else None, rank, tol, logical=True)
+            rs = out.setdefault(rank, _RankStep())
+            rs.total += 1
+            rs.add((r.get("micro_batch", 0), _phase_order(r["phase"]), r["phase"], rank, r.get("index", 0),
+                    r["tensor"]), u)
+    return out
+
+
+def _replica_mismatch_rows(side: str, x, keys) -> list[tuple]:
+    """Copies of one tensor in `x` (rank order) that differ from its lowest rank's copy (replicas must be
+    bit-identical): (sort key, warning) each, the record path's order and wording."""
+    logical = pc.unique(keys)
+    if x.num_rows == len(logical):
+        return []
+    first = np.asarray(pc.index_in(logical, value_set=keys).to_numpy(zero_copy_only=False), dtype=np.int64)
+    of_key = np.asarray(pc.index_in(keys, value_set=logical).to_numpy(zero_copy_only=False), dtype=np.int64)
+    ref = x.take(pa.array(first[of_key]))
+    cx, cr = columnar.Columns(x), columnar.Columns(ref)
+    same = (columnar._digests(x) == columnar._digests(ref)).all(axis=1) & (cx["device_digest"] == cr["device_digest"])
+    same &= columnar._rowwise_equal(x.column("dtype"), ref.column("dtype"))
+    same &= columnar._rowwise_equal(x.column("shape"), ref.column("shape"))
+    odd = np.nonzero(~same)[0]
+    if not odd.size:
+        return []
+    out = []
+    for r, r0 in zip(trajectory.to_records(x.take(pa.array(odd))), trajectory.to_records(ref.take(pa.array(odd)))):
+        out.append(((_phase_order(r["phase"]), r["phase"], r["tensor"], side, r["rank"]),
+                    f"run {side}: step {r['step']} {r['phase']} {r['tensor']}: rank {r.get('rank')}'s copy differs "
+                    f"from rank {r0.get('rank')}'s (replicas should be bit-identical)"))
+    return out
+
+
+def _replica_warnings(xa, key_a, xb, key_b, logical_a, warnings, warned) -> None:
+    """A's replicas, and B's of the tensors A lacks (B's other copies are each compared with A's value)."""
+    found = _replica_mismatch_rows("A", xa, key_a)
+    only_b = ~np.asarray(pc.is_in(key_b, value_set=logical_a).to_numpy(zero_copy_only=False), dtype=bool)
+    if only_b.any():
+        rows = pa.array(np.nonzero(only_b)[0])
+        found += _replica_mismatch_rows("B", xb.take(rows), key_b.take(rows))
+    for _, text in sorted(found, key=lambda f: f[0]):
+        if warned.setdefault("replica", 0) < MAX_WARNINGS_OF_A_KIND:
+            warned["replica"] += 1
+            warnings.append(text)
 
 
 # ---------------------------------------------------------------- the comparison
