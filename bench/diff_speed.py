@@ -3,7 +3,8 @@
 Writes synthetic run stores (default 2 ranks x 500 steps x 1000 records = 1,000,000 records each) with the
 recorder's own writer (store/trajectory.py: an Arrow stream per rank + step index with byte offsets, digest of
 digests and the chained sha256 of each step's bytes): a reference, a fault run identical except one record's
-digest (bits changed, statistics equal) near the end, and a noisy run. Then, each in a fresh process:
+digest (bits changed, statistics equal) near the end, a noisy run, and a run of another topology (half the
+ranks, twice the accumulation). Then, each in a fresh process:
 
   index   diff_runs(a, b, propagate=False): equal steps are skipped on the step index's digests (their raw
           bytes hashed, xxh3-128, against the index: no parsing); only the divergent step is read (by seeking
@@ -14,6 +15,8 @@ digest (bits changed, statistics equal) near the end, and a noisy run. Then, eac
   full    diff_runs(a, b): index mode plus propagation over every later step (what `disttrace diff` runs)
   numeric diff_runs(a, noisy, mode="numeric"): a third run whose every value is rounded differently (~1e-12
           relative, every digest different): every record of both runs is read and held to the derived bound
+  cross   diff_runs(a, half): across topologies (numeric): every record read, the reduced gradients and the
+          optimizer state compared as logical tensors, each of `half`'s copies against the reference's
 
 and prints wall seconds, records/second (records of both runs up to and including the divergent step,
 divided by the wall time), peak RSS of the child (ru_maxrss) and the peak of Python allocations
@@ -75,11 +78,13 @@ def step_records(step: int, rank: int, n: int) -> list[dict]:
     plan[-1] = (plan[-1][0], plan[-1][1] + n - total)
     for phase, k in plan:
         for i in range(k):
-            name = f"layers.{i % 24}.attention.w{'qkvo'[i % 4]}.weight" if phase != "data" else "inputs"
-            x = ((step * 1_000_003 + rank * 7919 + i * 104_729) % 1_000_000) / 1e6
+            name = f"layers.{i // 4}.attention.w{'qkvo'[i % 4]}.weight" if phase != "data" else "inputs"
+            # the reduced gradient and the optimizer's state are replicas: the same on every rank
+            who = 0 if phase in ("reduce", "optimizer") else rank
+            x = ((step * 1_000_003 + who * 7919 + i * 104_729) % 1_000_000) / 1e6
             rec = {"step": step, "micro_batch": 0, "phase": phase, "rank": rank, "index": i, "tensor": name,
                    "dtype": "float32", "shape": [256, 256], "numel": 65536,
-                   "digest": xxhash.xxh3_128_hexdigest(f"{step}/{rank}/{phase}/{i}".encode()),
+                   "digest": xxhash.xxh3_128_hexdigest(f"{step}/{who}/{phase}/{i}".encode()),
                    "sum": x * 3.0 - 1.5, "norm": 10.0 + x, "sketch": [x, -x, 2 * x, 0.5 - x], "nonfinite": 0}
             recs.append(rec)
     return recs
@@ -106,10 +111,16 @@ def write_runs(root: Path, ranks: int, steps: int, n: int, plant: tuple[int, int
 
     m = manifest(ranks, steps)
     lock = orjson.dumps({"manifest": m, "manifest_id": "f" * 64, "source": "bench", "overrides": [], "resolved": {}})
-    dirs = {k: root / k for k in ("reference", "fault", "noisy")}
-    for d in dirs.values():
+    dirs = {k: root / k for k in ("reference", "fault", "noisy", "half")}
+    # `half`: another topology, half the data-parallel ranks, twice the accumulation (the same global batch)
+    half = max(1, ranks // 2)
+    mh = manifest(half, steps)
+    mh["training"]["grad_accum_steps"] = ranks // half
+    lock_half = orjson.dumps({"manifest": mh, "manifest_id": "e" * 64, "source": "bench", "overrides": [],
+                              "resolved": {}})
+    for k, d in dirs.items():
         (d / "trajectory").mkdir(parents=True)
-        (d / "manifest.lock.json").write_bytes(lock)
+        (d / "manifest.lock.json").write_bytes(lock_half if k == "half" else lock)
         (d / "COMPLETE").write_bytes(b"{}\n")
         (d / "run.json").write_bytes(orjson.dumps({"path": "reference", "fault": None, "resume": None}))
     p_step, p_rank, p_pos = plant
@@ -117,12 +128,15 @@ def write_runs(root: Path, ranks: int, steps: int, n: int, plant: tuple[int, int
                                                          "fault": {"name": "bench", "step": p_step, "rank": p_rank}}))
     planted = None
     for rank in range(ranks):
-        writers = {k: TrajectoryWriter(d / f"trajectory/rank-{rank:05d}{SUFFIX}") for k, d in dirs.items()}
-        chains = {k: StepChain(rank) for k in dirs}  # the recorder's sha256 per step, chained: diff checks it
-        index = {k: bytearray() for k in dirs}
+        writers = {k: TrajectoryWriter(d / f"trajectory/rank-{rank:05d}{SUFFIX}") for k, d in dirs.items()
+                   if k != "half" or rank < half}
+        chains = {k: StepChain(rank) for k in writers}  # the recorder's sha256 per step, chained: diff checks it
+        index = {k: bytearray() for k in writers}
         for step in range(1, steps + 1):
             recs = step_records(step, rank, n)
             variants = {"reference": recs, "noisy": _noisy(recs), "fault": recs}
+            if rank < half:
+                variants["half"] = variants["noisy"]
             if (step, rank) == (p_step, p_rank):
                 r = recs[p_pos]
                 planted = (step, rank, r["phase"], r["index"])
@@ -134,7 +148,8 @@ def write_runs(root: Path, ranks: int, steps: int, n: int, plant: tuple[int, int
                 entry = {"step": step, "offset": offset, "length": len(blob), "records": len(rs),
                          "digest": _dod([r["digest"] for r in rs]), "time": {"start": 0.0, "end": 0.0}}
                 index[k] += orjson.dumps(chains[k].seal_entry(entry, blob)) + b"\n"
-        for k, d in dirs.items():
+        for k in writers:
+            d = dirs[k]
             writers[k].close()
             (d / f"trajectory/rank-{rank:05d}.steps.jsonl").write_bytes(bytes(index[k]))
     return dirs, planted
@@ -152,7 +167,7 @@ def child(a: str, b: str, mode: str, trace: bool) -> None:
     from disttrace.analysis.diff import diff_runs
 
     kw = {"index": dict(propagate=False), "scan": dict(use_index=False, propagate=False), "full": {},
-          "numeric": dict(mode="numeric")}[mode]
+          "numeric": dict(mode="numeric"), "cross": {}}[mode]
     if trace:
         import tracemalloc
 
@@ -162,7 +177,8 @@ def child(a: str, b: str, mode: str, trace: bool) -> None:
     dt = time.perf_counter() - t0
     out = {"seconds": dt, "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
            "first_divergence": r["first_divergence"], "steps_read": r["stats"]["steps_read"],
-           "records_read": r["records_read"]["a"] + r["records_read"]["b"], "equal": r["equal"]}
+           "records_read": r["records_read"]["a"] + r["records_read"]["b"], "equal": r["equal"],
+           "tensors_compared": r["stats"]["tensors_compared"]}
     if trace:
         out["traced_peak_mib"] = tracemalloc.get_traced_memory()[1] / 2 ** 20
     print(json.dumps(out))
@@ -198,7 +214,7 @@ def main() -> None:
         a, b = dirs["reference"], dirs["fault"]
         size = sum(p.stat().st_size for p in (a / "trajectory").glob("*.arrows"))
         n_run = args.ranks * args.steps * args.records
-        print(f"wrote 3 runs x {n_run:,} records ({size / 2**20:.0f} MiB each, {size / n_run:.1f} bytes per record) "
+        print(f"wrote 4 runs x {n_run:,} records ({size / 2**20:.0f} MiB each, {size / n_run:.1f} bytes per record) "
               f"in {time.perf_counter() - t0:.1f} s; planted: step {planted[0]} rank {planted[1]} {planted[2]} "
               f"index {planted[3]}")
         base = subprocess.run([sys.executable, "-c", "import resource, disttrace.analysis.diff; "
@@ -227,6 +243,13 @@ def main() -> None:
         print(f"numeric: {r['seconds']:7.3f} s  {r['records_read'] / r['seconds']:>14,.0f} records/s read and "
               f"compared ({r['records_read']:,} records, every one inexact)  peak RSS {r['maxrss_mib']:6.0f} MiB  "
               f"traced peak {r['traced_peak_mib']:7.1f} MiB")
+        # across topologies: the reduced gradients and optimizer state of every rank of `half` against the
+        # reference's (the logical tensors; per-micro-batch phases differ by design and are not compared)
+        r = run_child(a, dirs["half"], "cross")
+        assert r["equal"], r
+        print(f"  cross: {r['seconds']:7.3f} s  {r['records_read'] / r['seconds']:>14,.0f} records/s read, "
+              f"{r['tensors_compared'] / r['seconds']:,.0f} logical tensors/s compared ({r['records_read']:,} records "
+              f"read, {r['tensors_compared']:,} compared)  peak RSS {r['maxrss_mib']:6.0f} MiB")
     finally:
         if not args.keep and not args.dir:
             shutil.rmtree(root, ignore_errors=True)

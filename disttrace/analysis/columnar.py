@@ -200,11 +200,13 @@ def compare(ba: Columns, bb: Columns, *, bitwise: bool, user: tuple[float, float
                     inexact=rows, rel=rel, bound=bnd, diverged=diverged, special=special)
 
 
+_SQUARED = ":exp_avg_sq"
+
+
 def tensor_factors(names: pa.Array) -> np.ndarray:
-    """tolerance.tensor_factor per row, computed once per distinct name."""
-    enc = names.dictionary_encode()
-    factors = np.array([tolerance.tensor_factor(s) for s in enc.dictionary.to_pylist()] or [1.0])
-    return factors[np.asarray(enc.indices.to_numpy(zero_copy_only=False), dtype=np.int64)]
+    """tolerance.tensor_factor per row (Adam's second moment: 2, else 1), on the column."""
+    squared = np.asarray(pc.ends_with(names, _SQUARED).to_numpy(zero_copy_only=False), dtype=bool)
+    return np.where(squared, 2.0, 1.0)
 
 
 def phase_name(order: int) -> str:

@@ -694,17 +694,17 @@ def _compare_logical_step(step: int, a: _Side, b: _Side, tol: _Tol, warnings: li
     return out
 
 
+_CROSS = pa.array(CROSS_TOPOLOGY_PHASES, pa.string())
+_SEP = pa.scalar("\x00", pa.string())  # joins phase and name into one key (typed: no type inference per call)
+
+
 def _phase_rows(batches: dict[int, pa.RecordBatch]):
     """One side's records of one step in the cross-topology phases, rank by rank, as one batch; None when a
     tensor is sharded (combining shards into the logical tensor is the record path's)."""
-    parts = [batches[r] for r in sorted(batches) if batches[r] is not None]
-    if not parts:
-        return pa.RecordBatch.from_pylist([], schema=trajectory.SCHEMA)
-    t = pa.Table.from_batches(parts).combine_chunks()
-    t = t.filter(pc.is_in(t.column("phase"), value_set=pa.array(CROSS_TOPOLOGY_PHASES)))
-    if t.column("shard_offset").null_count != t.num_rows:
-        return None
-    return t.to_batches()[0] if t.num_rows else pa.RecordBatch.from_pylist([], schema=trajectory.SCHEMA)
+    parts = [b.filter(pc.is_in(b.column("phase"), value_set=_CROSS)) for _, b in sorted(batches.items())
+             if b is not None]
+    x = pa.concat_batches(parts) if parts else pa.RecordBatch.from_pylist([], schema=trajectory.SCHEMA)
+    return x if x.column("shard_offset").null_count == x.num_rows else None
 
 
 def _compare_logical_step_columns(step: int, batches_a: dict, batches_b: dict, tol: _Tol, warnings: list[str],
@@ -721,11 +721,12 @@ def _compare_logical_step_columns(step: int, batches_a: dict, batches_b: dict, t
         if p not in phases_seen:
             phases_seen[p] = True
             warnings.append(f"run {'A' if p not in pa_ else 'B'} records no '{p}' phase: that phase is not compared")
-    both = pa.array(sorted(pa_ & pb_))
-    xa = xa.filter(pc.is_in(xa.column("phase"), value_set=both))
-    xb = xb.filter(pc.is_in(xb.column("phase"), value_set=both))
-    key_a = pc.binary_join_element_wise(xa.column("phase"), xa.column("tensor"), "\x00")
-    key_b = pc.binary_join_element_wise(xb.column("phase"), xb.column("tensor"), "\x00")
+    if pa_ != pb_:
+        both = pa.array(sorted(pa_ & pb_), pa.string())
+        xa = xa.filter(pc.is_in(xa.column("phase"), value_set=both))
+        xb = xb.filter(pc.is_in(xb.column("phase"), value_set=both))
+    key_a = pc.binary_join_element_wise(xa.column("phase"), xa.column("tensor"), _SEP)
+    key_b = pc.binary_join_element_wise(xb.column("phase"), xb.column("tensor"), _SEP)
     logical_a = pc.unique(key_a)  # in order of first appearance: rank order, so each key's lowest rank
     first_a = np.asarray(pc.index_in(logical_a, value_set=key_a).to_numpy(zero_copy_only=False), dtype=np.int64)
     _replica_warnings(xa, key_a, xb, key_b, logical_a, warnings, warned)
@@ -736,7 +737,7 @@ def _compare_logical_step_columns(step: int, batches_a: dict, batches_b: dict, t
     ranks_b = xb.column("rank").to_numpy(zero_copy_only=False)
     a_row = np.full(xb.num_rows, -1, dtype=np.int64)
     a_row[matched] = first_a[np.asarray(match.filter(match.is_valid()).to_numpy(zero_copy_only=False), dtype=np.int64)]
-    for rank in sorted(set(int(r) for r in ranks_b)):
+    for rank in np.unique(ranks_b).tolist():
         rows = np.nonzero(matched & (ranks_b == rank))[0]
         if rows.size:
             rs = out.setdefault(rank, _RankStep())
@@ -747,7 +748,7 @@ def _compare_logical_step_columns(step: int, batches_a: dict, batches_b: dict, t
     lone = []
     if (~matched).any():  # one unit per logical tensor, at B's lowest rank holding it
         only_b = xb.take(pa.array(np.nonzero(~matched)[0]))
-        keys = pc.binary_join_element_wise(only_b.column("phase"), only_b.column("tensor"), "\x00")
+        keys = pc.binary_join_element_wise(only_b.column("phase"), only_b.column("tensor"), _SEP)
         lone.append(("b", only_b.take(pc.index_in(pc.unique(keys), value_set=keys))))
     if (~in_b).any():
         lone.append(("a", xa.take(pa.array(first_a[~in_b]))))
