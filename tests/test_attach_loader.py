@@ -1,6 +1,6 @@
 """What attach sees of a user's data and model (issue 12): the batches of a DataLoader driven by a
 DistributedSampler (each micro-batch's `data` record with the sample ids the sampler yielded), the
-top-level blocks' outputs (`forward`), and an FSDP2 script (tests/scripts/loader_train.py, 2 ranks on gloo).
+top-level blocks' outputs (`forward`), and FSDP2 and DTensor tensor-parallel scripts (tests/scripts/loader_train.py, 2 ranks on gloo).
 The oracles: the sampler itself (recomputed here), and where a planted change must first show."""
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ VARIANTS = {
     "ddp": [], "ddp-again": [], "ddp-seed-1": ["--sampler-seed", "1"], "ddp-perturb": ["--bug", "perturb"],
     "fsdp2": ["--engine", "fsdp2"], "fsdp2-again": ["--engine", "fsdp2"],
     "fsdp2-same-data": ["--engine", "fsdp2", "--bug", "same-data"],
+    "tp": ["--engine", "tp"], "tp-again": ["--engine", "tp"],
+    "tp-different-data": ["--engine", "tp", "--bug", "same-data"],  # under tp the bug is ranks reading different data
 }
 
 
@@ -69,7 +71,7 @@ def test_data_records_carry_the_samplers_ids_per_micro_batch(runs, name, seed):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fix", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("fix", ["ddp", "fsdp2", "tp"])
 def test_the_fix_twice_is_bit_identical_and_check_finds_nothing(runs, fix):
     d = diff_runs(runs[fix], runs[f"{fix}-again"])
     assert d["mode"] == "bitwise" and d["equal"] and d["compared_steps"]["count"] == 3
@@ -111,9 +113,25 @@ def test_fsdp2_run_records_shards_where_they_sit(runs):
 
 
 @pytest.mark.slow
-def test_check_flags_fsdp2_ranks_reading_the_same_data(runs):
-    """The replica map from FSDP2's mesh: its ranks are data-parallel, so identical batches are a bug."""
-    proc = cli("check", runs["fsdp2-same-data"], "--json")
+def test_tensor_parallel_run_records_shards_and_its_replica_map(runs):
+    run = Run(runs["tp"])
+    assert run.manifest["parallelism"]["engine"] == "DTensor"
+    by = {(r["phase"], r["tensor"]): r for r in run.records(1) if r["step"] == 1}
+    # mix column-wise (weight rows split), head row-wise (weight columns split, bias replicated)
+    assert by[("optimizer", "mix.weight")]["shard"] == {"offset": [8, 0], "logical_shape": [16, 16]}
+    assert by[("optimizer", "head.weight")]["shard"] == {"offset": [0, 8], "logical_shape": [32, 16]}
+    assert "shard" not in by[("optimizer", "head.bias")]
+    rules = read_json(run.path / "replicas.json")["rules"]
+    assert {"phase": "data", "dim": "mesh:0", "relation": "agree"} in rules
+    assert {"phase": "optimizer", "dim": "mesh:0", "relation": "agree", "tensors": ["head.bias"]} in rules
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug", ["fsdp2-same-data", "tp-different-data"])
+def test_check_flags_ranks_reading_the_wrong_data(runs, bug):
+    """The replica map from the placements: FSDP2's ranks are data-parallel, so identical batches are a bug;
+    tensor-parallel ranks share one batch, so different batches are."""
+    proc = cli("check", runs[bug], "--json")
     assert proc.returncode == 1, proc.stdout
     f = orjson.loads(proc.stdout)["first"]
     assert (f["step"], f["phase"]) == (1, "data") and sorted(f["group"]) == [0, 1], f

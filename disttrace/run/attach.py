@@ -203,6 +203,8 @@ def local_view(engine: Engine, named, rank: int) -> dict:
                 (mesh.mesh_dim_names[d] if mesh.mesh_dim_names else str(d)): _mesh_groups(mesh, d)
                 for d, pl in enumerate(p.placements) if pl.is_replicate()}
             params[name]["shard_dims"] = [d for d, pl in enumerate(p.placements) if pl.is_shard()]
+            params[name]["shard"] = {(mesh.mesh_dim_names[d] if mesh.mesh_dim_names else str(d)): _mesh_groups(mesh, d)
+                                     for d, pl in enumerate(p.placements) if pl.is_shard()}
     return {"rank": rank, "host": socket.gethostname(),
             "node_rank": int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", 0))),
             "local_rank": int(os.environ.get("LOCAL_RANK", 0)), "pid": os.getpid(),
@@ -215,7 +217,8 @@ def infer_replicas(engine: str, views: list[dict]) -> dict:
     """replicas.json for an attached run, in the harness's format ({"groups": {dim: [[ranks]]}, "rules": [...]}).
 
     DDP: the engine says it (data differs, reduced gradients, clip scalars, parameters and optimizer state
-    agree over its group). FSDP2: its mesh is data parallelism (data differs there; the global gradient
+    agree over its group). DTensor without FSDP2 (tensor parallelism): ranks sharing a sharded tensor read
+    the same batch, and the clip scalars agree. FSDP2: its mesh is data parallelism (data differs there; the global gradient
     norm, clip coefficient and learning rates agree over the world). DTensor/FSDP2: a parameter's Replicate
     placements name mesh dimensions whose copies agree; Shard ones hold different pieces. Otherwise: copies identical at attach must stay
     identical after every optimizer step (parameters whose elements are all equal are left out: equal by
@@ -241,6 +244,14 @@ def infer_replicas(engine: str, views: list[dict]) -> dict:
                       {"phase": "optimizer", "dim": "world", "relation": "agree", "tensors": ["param_groups.*.lr"]}]
             notes.append(f"FSDP2 shards over {groups['dp']}: data differs there; the global gradient norm, "
                          "clip coefficient and learning rates agree over the world")
+    if engine == "DTensor":  # tensor parallelism (no FSDP): a group sharing a sharded tensor reads one batch
+        tp = {f"mesh:{dim}": gs for v in views for e in v["params"].values() for dim, gs in e.get("shard", {}).items()}
+        for dim, gs in sorted(tp.items()):
+            groups[dim] = gs
+            rules.append({"phase": "data", "dim": dim, "relation": "agree"})
+            notes.append(f"tensors sharded over {gs} ({dim}): those ranks read the same batch")
+        if tp:
+            rules.append(SCALARS_AGREE)
     names = sorted({n for v in views for n in v["params"]})
     by_dims: dict[tuple, list[str]] = {}
     placed: dict[str, list[list[int]]] = {}

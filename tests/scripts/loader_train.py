@@ -5,16 +5,19 @@ gradient accumulation 2, clipping.
 
   --engine ddp     DDP; the loader watched in place: attach(..., loader=loader)
   --engine fsdp2   FSDP2 (fully_shard on each block, then the root); the loader through run.watch_loader()
+  --engine tp      DTensor tensor parallelism (parallelize_module: embed and head row-wise, mix column-wise);
+                   both ranks read the same batches (a DistributedSampler with num_replicas=1)
   --sampler-seed   the DistributedSampler's seed (another seed: other samples on every rank)
   --bug perturb    the `mix` block adds 1e-4 to its output (a block that computes something else)
-  --bug same-data  a DistributedSampler with num_replicas=1: every rank reads the same samples
+  --bug same-data  a DistributedSampler with num_replicas=1: every rank reads the same samples (under tp:
+                   num_replicas=2, so the tensor-parallel ranks read different samples)
 
     python tests/scripts/loader_train.py --out runs [--engine fsdp2] [--sampler-seed 1] [--bug NAME]
 """
 
 import argparse
 import os
-import socket
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -61,10 +64,17 @@ def train(rank, world, args):
         for block in (model.embed, model.mix, model.head):
             fully_shard(block)
         net = fully_shard(model)
+    elif args.engine == "tp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        plan = {"embed": RowwiseParallel(input_layouts=Replicate()), "mix": ColwiseParallel(), "head": RowwiseParallel()}
+        net = parallelize_module(model, init_device_mesh("cpu", (world,)), plan)
     else:
         net = DDP(model)
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
-    replicas = 1 if args.bug == "same-data" else world
+    replicas = 1 if (args.bug == "same-data") != (args.engine == "tp") else world
     sampler = DistributedSampler(dataset(), num_replicas=replicas, rank=rank % replicas, shuffle=True,
                                  seed=args.sampler_seed)
     loader = DataLoader(dataset(), batch_size=BATCH, sampler=sampler)
@@ -114,9 +124,9 @@ class _nullcontext:
         return False
 
 
-def spawned(rank, world, port, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def spawned(rank, world, rendezvous, args):
+    # a file rendezvous: a free TCP port picked here could be taken by another job before the ranks bind it
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
         train(rank, world, args)
     finally:
@@ -125,16 +135,14 @@ def spawned(rank, world, port, args):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--engine", default="ddp", choices=["ddp", "fsdp2"])
+    ap.add_argument("--engine", default="ddp", choices=["ddp", "fsdp2", "tp"])
     ap.add_argument("--bug", default="none", choices=["none", "perturb", "same-data"])
     ap.add_argument("--sampler-seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", default="runs")
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(spawned, args=(2, port, args), nprocs=2, join=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(spawned, args=(2, os.path.join(tmp, "rendezvous"), args), nprocs=2, join=True)
 
 
 if __name__ == "__main__":
