@@ -43,10 +43,10 @@ from disttrace.errors import BadInput
 from disttrace.run.collectives import CollectiveTracer
 from disttrace.run.hooks import HookBus
 from disttrace.run.parallel.common import SCALAR_INDEX, SCALARS_AGREE, Strategy, optimizer_state_list
+from disttrace.run.complete import seal_and_complete
 from disttrace.run.recorder import Recorder
-from disttrace.store import seal
 from disttrace.store.records import ATTACHED_SOURCE, Event
-from disttrace.store.rundir import LOCK, event, mark_complete, new_run_dir, read_json, write_json_atomic
+from disttrace.store.rundir import LOCK, event, new_run_dir, read_json, write_json_atomic
 
 RUN_DIR_ENV = "DISTTRACE_RUN_DIR"  # set by `disttrace run -- CMD`: the prepared run directory
 SOURCE = ATTACHED_SOURCE  # the lock's `source` of attached runs (readers ask Run.attached)
@@ -618,16 +618,9 @@ class AttachedRun:
             self.ledger._hooks.__exit__(None, None, None)
             self.ledger._hooks = None
         self.ledger.close()
-        dist = _dist()
-        # each rank hashes the files it wrote; the gather is also the barrier (disttrace.store.seal)
-        parts = [seal.rank_part(self.run_dir, self.rank, self.recorder.chain.last, self.recorder.chain.steps)]
-        if dist is not None:
-            mine, parts = parts[0], [None] * dist.get_world_size()
-            dist.all_gather_object(parts, mine)
-        if self.rank == 0:
-            mark_complete(self.run_dir, {"steps": self.completed, "source": SOURCE,
-                                         "world_size": self.manifest["parallelism"]["world_size"],
-                                         "seal": seal.build_seal(self.run_dir, parts)})
+        seal_and_complete(self.run_dir, self.rank, self.recorder, _dist(),
+                          {"steps": self.completed, "source": SOURCE,
+                           "world_size": self.manifest["parallelism"]["world_size"]})
 
     def __enter__(self) -> "AttachedRun":
         return self

@@ -19,9 +19,9 @@ from types import SimpleNamespace
 from disttrace.config.manifest import Manifest, validate
 from disttrace.store.records import Event
 from disttrace.errors import DisttraceError
-from disttrace.store import seal
+from disttrace.run.complete import seal_and_complete
 from disttrace.store.paths import resume_checkpoint
-from disttrace.store.rundir import COMPLETE, LOCK, event, mark_complete, read_json, write_json_atomic
+from disttrace.store.rundir import COMPLETE, LOCK, event, read_json, write_json_atomic
 
 
 class Context(SimpleNamespace):
@@ -138,13 +138,7 @@ def run(run_dir: Path) -> None:
                     observer.close()
         tracer.close()
         dist.barrier()
-        # every rank hashes the files it wrote (they may sit on another node's disk); rank 0 seals them all
-        parts: list = [None] * world
-        dist.all_gather_object(parts, seal.rank_part(run_dir, rank, recorder.chain.last if recorder else None,
-                                                   recorder.chain.steps if recorder else 0))
-        if rank == 0:
-            mark_complete(run_dir, {"steps": manifest.training.steps, "world_size": world,
-                                    "seal": seal.build_seal(run_dir, parts)})
+        seal_and_complete(run_dir, rank, recorder, dist, {"steps": manifest.training.steps, "world_size": world})
     finally:
         tracer.close()
         if dist.is_initialized():
