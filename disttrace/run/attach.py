@@ -2,9 +2,10 @@
 `check`, `show`, `trace`, `verify` and `gate` read it.
 
     import disttrace.api as disttrace
-    run = disttrace.attach(ddp_model, optimizer, config={"lr": 1e-3, "batch": 8})   # every rank
+    run = disttrace.attach(ddp_model, optimizer, config={"lr": 1e-3, "batch": 8},   # every rank
+                           loader=loader, forward=True)   # optional: the loader's batches; block outputs
     for step ...:
-        for micro_batch ...:
+        for micro_batch ...:                      # x from `loader` (watched in place) or run.watch_loader(loader)
             run.batch(x)                          # optional: the data record (default: the forward's input)
             loss = run.loss(loss_fn(ddp_model(x), y))   # the loss record; returns the loss to backprop
             loss.backward()
@@ -13,7 +14,9 @@
     run.close()                                   # marks the run complete
 
 Phases, as in the harness's runs: each forward of the model between two optimizer steps is a micro-batch;
-`data` (run.batch, or the forward's first tensor input), `loss` (run.loss), `backward` (the local gradient
+`data` (the batch a watched loader handed out, with its DistributedSampler's sample ids; run.batch; or the
+forward's first tensor input), `forward` (optional: each top-level block's output, or given module paths),
+`loss` (run.loss), `backward` (the local gradient
 before the reduce: DDP's comm hook, installed here, or the end of each backward pass when there is no
 DDP), `reduce` (the gradients as the step begins: after DDP's all-reduce, or the script's own),
 `clip` (when torch.nn.utils.clip_grad_norm_ runs: gradients after clipping, total norm, clip coefficient,
@@ -21,8 +24,8 @@ lr), `optimizer` (parameters, optimizer state, every param group's lr).
 
 At attach every rank digests every parameter and the digests are gathered: the replica map
 (`replicas.json`) comes from the engine (DDP: reduced gradients, parameters and optimizer state agree over
-its group) and, without one, from which copies are identical now (they must stay identical after every
-optimizer step). Run it under `disttrace run -- CMD` / `disttrace inject ... -- CMD`: the run directory
+its group; FSDP2: data differs over its mesh; DTensor: placements) and, without one, from which copies
+are identical now (they must stay identical after every optimizer step). Run it under `disttrace run -- CMD` / `disttrace inject ... -- CMD`: the run directory
 (and the fault) come from DISTTRACE_RUN_DIR.
 """
 
