@@ -145,6 +145,8 @@ m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(
 o = torch.optim.SGD(m.parameters(), lr=0.1)
 loader = DataLoader(TensorDataset(torch.arange(24.).reshape(6, 4)), batch_size=2)
 r = d.attach(m, o, out={out!r}, forward={forward!r})
+with torch.no_grad():  # an evaluation pass over a watched loader: no micro-batch, nothing queued
+    [m(x) for (x,) in r.watch_loader(DataLoader(TensorDataset(torch.ones(6, 4)), batch_size=3))]
 for (x,) in r.watch_loader(loader):
     o.zero_grad(); r.loss(m(x).sum()).backward(); o.step()
 r.close(); print(r.run_dir)
@@ -162,7 +164,7 @@ def test_watched_loader_and_chosen_blocks_in_one_process(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     run = Run(proc.stdout.strip().splitlines()[-1])
     recs = list(run.records(0))
-    # a SequentialSampler's batches, one per step: samples [0, 1], [2, 3], [4, 5]
+    # a SequentialSampler's batches, one per step: samples [0, 1], [2, 3], [4, 5] (none of the eval pass's)
     assert [(r["step"], r["samples"]) for r in recs if r["phase"] == "data"] == [(1, [0, 1]), (2, [2, 3]), (3, [4, 5])]
     assert [(r["step"], r["tensor"]) for r in recs if r["phase"] == "forward"] == \
         [(s, b) for s in (1, 2, 3) for b in ("0", "2")]

@@ -537,7 +537,9 @@ class AttachedRun:
         planned = _planned_sample_ids(loader)
         for n, batch in enumerate(make_iterator()):
             inputs = _batch_inputs(batch)
-            if inputs is not None and not self._closed:
+            # an evaluation pass (no_grad or eval mode) runs no micro-batch to consume the batch: not queued
+            training = torch.is_grad_enabled() and self.inner.training
+            if inputs is not None and training and not self._closed:
                 ids = planned[n] if planned is not None and n < len(planned) else []
                 self._pending.append((inputs.detach(), ids))
             yield batch
@@ -611,6 +613,7 @@ class AttachedRun:
         for loader, base in self._loaders:
             loader.__class__ = base
         self._loaders = []
+        self._pending.clear()
         if self in _ACTIVE:
             _ACTIVE.remove(self)
         _patch_clip(bool(_ACTIVE))
