@@ -1,6 +1,7 @@
 """What attach sees of a user's data and model (issue 12): the batches of a DataLoader driven by a
 DistributedSampler (each micro-batch's `data` record with the sample ids the sampler yielded), the
-top-level blocks' outputs (`forward`), and FSDP2 and DTensor tensor-parallel scripts (tests/scripts/loader_train.py, 2 ranks on gloo).
+top-level blocks' outputs (`forward`), and FSDP2 and DTensor tensor-parallel scripts
+(tests/scripts/loader_train.py, 2 ranks on gloo).
 The oracles: the sampler itself (recomputed here), and where a planted change must first show."""
 
 from __future__ import annotations
@@ -107,7 +108,8 @@ def test_fsdp2_run_records_shards_where_they_sit(runs):
             rec = by[(phase, "embed.weight")]
             assert rec["shard"] == {"offset": [offset, 0], "logical_shape": [32, 16]} and rec["shape"] == [16, 16]
     replicas = read_json(run.path / "replicas.json")
-    assert replicas["groups"]["dp"] == [[0, 1]] and {r["phase"] for r in replicas["rules"]} == {"data", "clip", "optimizer"}
+    assert replicas["groups"]["dp"] == [[0, 1]]
+    assert {r["phase"] for r in replicas["rules"]} == {"data", "clip", "optimizer"}
     topo = run.topology()
     assert topo["engine"] == "FSDP2" and topo["groups"]["dp"] == [[0, 1]]
 

@@ -25,8 +25,8 @@ lr), `optimizer` (parameters, optimizer state, every param group's lr).
 At attach every rank digests every parameter and the digests are gathered: the replica map
 (`replicas.json`) comes from the engine (DDP: reduced gradients, parameters and optimizer state agree over
 its group; FSDP2: data differs over its mesh; DTensor: placements) and, without one, from which copies
-are identical now (they must stay identical after every optimizer step). Run it under `disttrace run -- CMD` / `disttrace inject ... -- CMD`: the run directory
-(and the fault) come from DISTTRACE_RUN_DIR.
+are identical now (they must stay identical after every optimizer step). Run it under `disttrace run --
+CMD` / `disttrace inject ... -- CMD`: the run directory (and the fault) come from DISTTRACE_RUN_DIR.
 """
 
 from __future__ import annotations
@@ -221,10 +221,10 @@ def infer_replicas(engine: str, views: list[dict]) -> dict:
 
     DDP: the engine says it (data differs, reduced gradients, clip scalars, parameters and optimizer state
     agree over its group). DTensor without FSDP2 (tensor parallelism): ranks sharing a sharded tensor read
-    the same batch, and the clip scalars agree. FSDP2: its mesh is data parallelism (data differs there; the global gradient
-    norm, clip coefficient and learning rates agree over the world). DTensor/FSDP2: a parameter's Replicate
-    placements name mesh dimensions whose copies agree; Shard ones hold different pieces. Otherwise: copies identical at attach must stay
-    identical after every optimizer step (parameters whose elements are all equal are left out: equal by
+    the same batch, and the clip scalars agree. FSDP2: its mesh is data parallelism (data differs there;
+    the global gradient norm, clip coefficient and learning rates agree over the world). DTensor/FSDP2: a
+    parameter's Replicate placements name mesh dimensions whose copies agree; Shard ones hold different
+    pieces. Otherwise: copies identical at attach must stay identical after every optimizer step (parameters whose elements are all equal are left out: equal by
     construction, they show nothing)."""
     world = len(views)
     groups: dict[str, list[list[int]]] = {"world": [list(range(world))]}
