@@ -384,22 +384,14 @@ def build_fault(spec: dict, engine: Engine, caps: set[str], manifest: dict, name
     cls = faults.get(spec["name"])
     where = "--fault"
     world = manifest["parallelism"]["world_size"]
-    step, rank, params = spec["step"], spec["rank"], dict(spec.get("params") or {})
-    if step < 1:
-        raise BadInput("--step", f"step {step} does not exist: steps count from 1")
-    if not 0 <= rank < world:
-        raise BadInput("--rank", f"rank {rank} does not exist: world size is {world}")
+    step, rank = spec["step"], spec["rank"]
+    cls.coordinates(step, rank, world=world)
     if cls.point == "data":
         raise BadInput(where, f"'{cls.name}' needs the data point to fetch another rank's shard, which an "
                        "attached script does not offer")
-    if cls.needs_dp2 and manifest["parallelism"]["dp"] < 2:
-        raise BadInput(where, f"'{cls.name}' needs data parallelism (dp >= 2); this script has dp = "
-                       f"{manifest['parallelism']['dp']}")
-    missing = cls.requires - caps
-    if missing:
-        raise BadInput(where, f"'{cls.name}' needs the {', '.join(sorted(missing))} hook point, which this script "
-                       f"({engine.kind}{', its own DDP comm hook' if engine.kind == 'DDP' and 'backward' in caps and 'collective_hook' not in caps else ''}) does not offer")
-    merged = {**cls.defaults, **params}
+    own_hook = ", its own DDP comm hook" if engine.kind == "DDP" and "backward" in caps and "collective_hook" not in caps else ""
+    cls.offered(manifest["parallelism"]["dp"], caps, "this script", f"this script ({engine.kind}{own_hook})")
+    merged = cls.parameters(dict(spec.get("params") or {}))
     pseudo = {**manifest, "checkpoint": {"interval": 1},
               "training": {**manifest["training"], "max_grad_norm": 1.0, "steps": max(step, 1)}}
     accum = manifest["training"].get("grad_accum_steps")

@@ -52,27 +52,50 @@ class Fault:
         self.step, self.rank, self.params = step, rank, params
 
     # ---------------------------------------------------------- checked before any process starts
+    # Three callers check a fault request: `spec` (our trainer, against the manifest), usercmd.fault_spec
+    # (`inject -- CMD`, before the user's command runs: what needs no job) and attach.build_fault (inside the
+    # user's job, against what the script offers). The checks themselves live here, once.
     @classmethod
-    def spec(cls, step: int, rank: int, params: dict, manifest: Manifest) -> dict:
-        where = "--fault"
+    def parameters(cls, params: dict) -> dict:
+        """The defaults with the given parameters over them, each converted to its default's type."""
         unknown = sorted(set(params) - set(cls.defaults))
         if unknown:
             raise BadInput(f"--param {unknown[0]}", f"fault '{cls.name}' has no parameter '{unknown[0]}'; "
                            f"it takes: {', '.join(cls.defaults) or 'none'}")
-        steps = manifest.training.steps
-        world = manifest.parallelism.world_size
-        if not 1 <= step <= steps:
-            raise BadInput("--step", f"step {step} does not exist: the manifest runs steps 1..{steps}")
-        if not 0 <= rank < world:
-            raise BadInput("--rank", f"rank {rank} does not exist: world size is {world}")
-        if cls.needs_dp2 and manifest.parallelism.dp < 2:
-            raise BadInput(where, f"'{cls.name}' needs data parallelism (dp >= 2); this manifest has dp = "
-                           f"{manifest.parallelism.dp}")
-        missing = cls.requires - capabilities(manifest)
+        merged = {**cls.defaults}
+        for k, v in params.items():
+            try:
+                merged[k] = type(cls.defaults[k])(v)
+            except (TypeError, ValueError):
+                raise BadInput(f"--param {k}", f"'{v}' is not a {type(cls.defaults[k]).__name__}") from None
+        return merged
+
+    @classmethod
+    def coordinates(cls, step: int, rank: int, steps: int | None = None, world: int | None = None) -> None:
+        """Step and rank exist (against the run's length and world size where they are known)."""
+        if step < 1 or (steps is not None and step > steps):
+            raise BadInput("--step", f"step {step} does not exist: "
+                           + (f"the manifest runs steps 1..{steps}" if steps is not None else "steps count from 1"))
+        if rank < 0 or (world is not None and rank >= world):
+            raise BadInput("--rank", f"rank {rank} does not exist" + (f": world size is {world}" if world else ""))
+
+    @classmethod
+    def offered(cls, dp: int, caps: set, has: str, offers: str) -> None:
+        """The run offers what the fault acts on: data parallelism if it needs it, and its hook points. `has` and
+        `offers` name the run in the message ("this manifest", "the DDP strategy"; "this script", ...)."""
+        if cls.needs_dp2 and dp < 2:
+            raise BadInput("--fault", f"'{cls.name}' needs data parallelism (dp >= 2); {has} has dp = {dp}")
+        missing = cls.requires - caps
         if missing:
-            raise BadInput(where, f"'{cls.name}' needs the {', '.join(sorted(missing))} hook point, which the "
-                           f"{strategy_name(manifest)} strategy does not offer")
+            raise BadInput("--fault", f"'{cls.name}' needs the {', '.join(sorted(missing))} hook point, which "
+                           f"{offers} does not offer")
+
+    @classmethod
+    def spec(cls, step: int, rank: int, params: dict, manifest: Manifest) -> dict:
+        merged = cls.parameters(params)
         par = manifest.parallelism
+        cls.coordinates(step, rank, manifest.training.steps, par.world_size)
+        cls.offered(par.dp, capabilities(manifest), "this manifest", f"the {strategy_name(manifest)} strategy")
         if par.architecture == "parameter-server" and cls.point in ("reduce", "optimizer", "before_clip") \
                 and rank != 0:
             raise BadInput("--rank", f"under the parameter server only rank 0 reduces and steps the optimizer: "
@@ -87,12 +110,6 @@ class Fault:
         if cls.needs_checkpoint_step and (not interval or step % interval):
             raise BadInput("--step", f"'{cls.name}' acts on a checkpoint, but no checkpoint is written at step "
                            f"{step} (checkpoint.interval = {interval})")
-        merged = {**cls.defaults}
-        for k, v in params.items():
-            try:
-                merged[k] = type(cls.defaults[k])(v)
-            except (TypeError, ValueError):
-                raise BadInput(f"--param {k}", f"'{v}' is not a {type(cls.defaults[k]).__name__}") from None
         cls.check(step, merged, manifest)
         cls.check_target(rank, merged, manifest)
         return {"name": cls.name, "step": step, "rank": rank, "params": merged, "point": cls.point,

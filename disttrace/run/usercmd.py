@@ -44,20 +44,8 @@ def fault_spec(name: str, step: int, rank: int, params: dict) -> dict:
     from disttrace.run import faults
 
     cls = faults.get(name)
-    unknown = sorted(set(params) - set(cls.defaults))
-    if unknown:
-        raise BadInput(f"--param {unknown[0]}", f"fault '{cls.name}' has no parameter '{unknown[0]}'; "
-                       f"it takes: {', '.join(cls.defaults) or 'none'}")
-    if step < 1:
-        raise BadInput("--step", f"step {step} does not exist: steps count from 1")
-    if rank < 0:
-        raise BadInput("--rank", f"rank {rank} does not exist")
-    merged = dict(cls.defaults)
-    for k, v in params.items():
-        try:
-            merged[k] = type(cls.defaults[k])(v)
-        except (TypeError, ValueError):
-            raise BadInput(f"--param {k}", f"'{v}' is not a {type(cls.defaults[k]).__name__}") from None
+    merged = cls.parameters(params)
+    cls.coordinates(step, rank)
     return {"name": cls.name, "step": step, "rank": rank, "params": merged, "point": cls.point, "expect": cls.expect}
 
 
