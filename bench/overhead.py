@@ -151,7 +151,21 @@ def worker(rank, world, port, frozen_doc, steps, out, q):
 
 
 def _bytes(d: Path) -> int:
-    return sum(f.stat().st_size for f in d.rglob("*.jsonl")) if d.is_dir() else 0
+    """Every file the run store holds (JSON lines, the trajectory's Arrow streams)."""
+    return sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) if d.is_dir() else 0
+
+
+def _per_record(dirs: list[Path]) -> float | None:
+    """Trajectory bytes per record (the streams' bytes over the records the step indexes count)."""
+    import orjson
+
+    size = records = 0
+    for d in dirs:
+        for f in (d / "trajectory").glob("rank-*.arrows"):
+            size += f.stat().st_size
+        for f in (d / "trajectory").glob("rank-*.steps.jsonl"):
+            records += sum(orjson.loads(line)["records"] for line in f.read_bytes().splitlines() if line)
+    return size / records if records else None
 
 
 def measure(world: int, steps: int, sets: list[str]) -> dict:
@@ -193,6 +207,7 @@ def measure(world: int, steps: int, sets: list[str]) -> dict:
             "values": sum(_bytes(d / "values") for d in ranks) / steps,
         }
     m = frozen.manifest["model"]
+    res["bytes_per_record"] = _per_record([d / "default" for d in ranks])
     return {**res, "bytes_per_step": stored, "model": f"dim {m['dim']}, {m['n_layers']} layers, seq {m['max_seq_len']}"}
 
 
@@ -209,6 +224,8 @@ def report(title: str, r: dict, world: int, steps: int) -> None:
                     for k, ms in r["own_ms_per_step"].items())
     print(f"  default variant, each observer's own hook time per step (share of the off step): {own}; "
           f"end-of-run ring copy {r['final_copy_ms']:.1f} ms", flush=True)
+    if r.get("bytes_per_record"):
+        print(f"  trajectory: {r['bytes_per_record']:.1f} bytes per record (Arrow stream, all ranks)", flush=True)
 
 
 def main():
