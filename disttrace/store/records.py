@@ -41,9 +41,10 @@ ATTACHED_SOURCE = "disttrace.api"
 # ---------------------------------------------------------------- typed lines of the run store
 #
 # Defined once, used by the writer (the job builds its line with the model) and by the readers (each line
-# read is validated by the same model, and a bad one is one line naming the file, line and field). Lines
-# that flow in their millions (trajectory records) stay plain dicts for speed: `TrajectoryRecord` below is
-# their one definition, for type checkers and readers of this file.
+# read is validated by the same model, and a bad one is one line naming the file, line and field). Records
+# that flow in their millions (the trajectory) are columns on disk: store/trajectory.py holds their Arrow
+# schema; `TrajectoryRecord` below is the shape of one of them as a dict (what the recorder buffers and the
+# record path reads), for type checkers and readers of this file.
 
 from typing import Any, Optional, TypedDict  # noqa: E402
 
