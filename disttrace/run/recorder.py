@@ -11,6 +11,7 @@ sha256 of those bytes chained to the previous step's (`disttrace verify`, and di
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 
@@ -35,10 +36,21 @@ def shard_info(t) -> dict:
         return {}
     if all(p.is_replicate() for p in t.placements):
         return {}
+    key = (tuple(t.shape), t.device_mesh, tuple(t.placements))
+    try:
+        return _shard_info(*key)
+    except TypeError:  # an unhashable mesh or placement (another torch): computed every time
+        return _shard_info.__wrapped__(*key)
+
+
+@functools.lru_cache(maxsize=4096)
+def _shard_info(shape: tuple, mesh, placements: tuple) -> dict:
+    """Cached: a parameter's shape and placements are the same every step (this process's mesh coordinate
+    too), so the offset is computed once per tensor, not once per tensor per step."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return {"shard": {"offset": list(offset), "logical_shape": list(t.shape)}}
+    _, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return {"shard": {"offset": list(offset), "logical_shape": list(shape)}}
 
 
 def _tensor_leaves(obj, prefix: str = ""):
@@ -98,6 +110,14 @@ class Recorder:
         with _no_dispatch_modes():
             self._add(bus, phase, index, name, tensor, micro_batch, **extra)
 
+    def add_all(self, bus: HookBus, phase: str, refs, base: int = 0) -> None:
+        """`add` for a hook's list of (index, name, tensor), leaving the dispatch modes once for all of them."""
+        if not self._on:
+            return
+        with _no_dispatch_modes():
+            for index, name, t in refs:
+                self._add(bus, phase, base + index, name, t)
+
     def _add(self, bus, phase, index, name, tensor, micro_batch=None, **extra):
         extra.update(shard_info(tensor))
         where = extra.get("shard") or {}  # places a shard's sketch in its logical tensor
@@ -131,22 +151,16 @@ class Recorder:
         def handler(bus, p):
             if phase == "backward" and "collective_issue" not in self._t and p.get("before_collective"):
                 self._t["collective_issue"] = time.time()
-            for index, name, g in p["grads"]:
-                self.add(bus, phase, index, name, g)
+            self.add_all(bus, phase, p["grads"])
         return handler
 
     def _clip(self, bus, p):
-        for index, name, t in p["grads"]:
-            self.add(bus, "clip", index, name, t)
-        for index, name, t in p["scalars"]:
-            self.add(bus, "clip", index, name, t)
+        self.add_all(bus, "clip", p["grads"])
+        self.add_all(bus, "clip", p["scalars"])
 
     def _optimizer(self, bus, p):
-        for index, name, t in p["params"]:
-            self.add(bus, "optimizer", index, name, t)
-        base = len(p["params"])
-        for index, name, t in p.get("state", []):
-            self.add(bus, "optimizer", base + index, name, t)
+        self.add_all(bus, "optimizer", p["params"])
+        self.add_all(bus, "optimizer", p.get("state", []), base=len(p["params"]))
 
     # the `checkpoint` phase: what was saved, so diff sees a checkpoint that differs from the reference's
     def _saved_state(self, bus, p):
