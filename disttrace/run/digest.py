@@ -265,3 +265,94 @@ def _digest_on_device(t: torch.Tensor, offset=None, logical_shape=None, with_ske
         "sum": s if math.isfinite(s) else None, "norm": n if math.isfinite(n) else None, "sketch": sk,
         "nonfinite": nonfinite,
     }
+
+
+# ---------------------------------------------------------------- many small tensors at once
+# A hook hands the recorder a list of tensors (every parameter's gradient, every optimizer state). On a small
+# model each tensor costs more in Python (a dozen numpy calls, ~50-70 us) than in arithmetic, so the small
+# float32 CPU tensors of one list are digested together: one concatenated buffer, xxh3 of each tensor's
+# slice (the same bytes, so the same digest as digest_tensor's), float64 sums and sums of squares by one
+# segmented reduction (np.add.reduceat), and the sketch as a segmented reduction of x * v_k against the
+# tensors' sketch vectors laid end to end (v_k = U_k (x) W_k, the same vectors as the per-tensor path; built
+# once per list of shapes and cached). The float64 reductions round less than the per-tensor float32 GEMM,
+# so tolerance.sketch_rounding bounds this path too; two runs of one manifest take the same path and stay
+# bit-identical.
+SMALL = 1 << 14  # elements: a tensor at most this large is digested with the others
+_GROUP = 1 << 18  # elements per batch: its sketch vectors are SKETCH_K x 2 MiB of float64, cached
+
+
+@functools.lru_cache(maxsize=8)  # at most 8 x 8 MiB
+def _vectors(signature: tuple) -> np.ndarray:
+    """(SKETCH_K, total) float64: each tensor's v_k = outer(U_k, W_k), flattened row-major, end to end."""
+    parts = []
+    for shape, off, lshape in signature:
+        plan = _plan(shape, off, lshape)
+        parts.append((plan.ut64[:, :, None] * plan.wt64[:, None, :]).reshape(SKETCH_K, -1))
+    v = np.concatenate(parts, axis=1)
+    v.setflags(write=False)
+    return v
+
+
+def _batchable(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype == torch.float32 and 0 < t.numel() <= SMALL and t.dim() > 0
+
+
+def digest_many(items: list[tuple]) -> list[dict]:
+    """digest_tensor for each (tensor, offset, logical_shape), in order: the small float32 CPU tensors in
+    batches, the others one by one."""
+    out: list = [None] * len(items)
+    batch: list[int] = []
+    size = 0
+    locals_ = []
+    for i, (t, off, lshape) in enumerate(items):
+        t = t.detach()
+        if hasattr(t, "to_local"):
+            t = t.to_local()
+        locals_.append(t)
+        if _batchable(t):
+            if size + t.numel() > _GROUP and batch:
+                _digest_batch(items, locals_, batch, out)
+                batch, size = [], 0
+            batch.append(i)
+            size += t.numel()
+        else:
+            out[i] = digest_tensor(t, off, lshape)
+    if batch:
+        _digest_batch(items, locals_, batch, out)
+    return out
+
+
+def _digest_batch(items, locals_, batch: list[int], out: list) -> None:
+    xs = [locals_[i].contiguous().numpy().reshape(-1) for i in batch]
+    buf = np.concatenate(xs)
+    lengths = np.array([x.size for x in xs])
+    starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    signature = []
+    for i in batch:
+        shape = tuple(locals_[i].shape)
+        off, lshape = items[i][1], items[i][2]
+        signature.append((shape, tuple(off) if off else (0,) * len(shape), tuple(lshape) if lshape else shape))
+    with np.errstate(all="ignore"):
+        x64 = buf.astype(np.float64)
+        sums = np.add.reduceat(x64, starts)
+        sqs = np.add.reduceat(x64 * x64, starts)
+        sk = np.add.reduceat(_vectors(tuple(signature)) * x64, starts, axis=1)  # (K, n)
+    raw = memoryview(buf.view(np.uint8))
+    for j, i in enumerate(batch):
+        a, n = int(starts[j]) * 4, int(lengths[j])
+        s, ss = float(sums[j]), float(sqs[j])
+        norm = math.sqrt(ss) if math.isfinite(ss) else math.inf
+        nonfinite = 0
+        if not (math.isfinite(s) and math.isfinite(norm)):
+            nonfinite = int((~np.isfinite(xs[j])).sum())
+        sketch = sk[:, j].tolist()
+        out[i] = {
+            "dtype": "float32",
+            "shape": list(signature[j][0]),
+            "numel": n,
+            "digest": xxhash.xxh3_128_hexdigest(raw[a:a + 4 * n]),
+            "sum": s if math.isfinite(s) else None,
+            "norm": norm if math.isfinite(norm) else None,
+            "sketch": sketch if not nonfinite and math.isfinite(sum(sketch)) else None,
+            "nonfinite": nonfinite,
+        }

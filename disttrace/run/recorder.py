@@ -15,7 +15,7 @@ import functools
 import time
 from pathlib import Path
 
-from disttrace.run.digest import digest_of_digests, digest_tensor
+from disttrace.run.digest import digest_many, digest_of_digests, digest_tensor
 from disttrace.run.hooks import HookBus
 from disttrace.store.records import StepIndexEntry
 from disttrace.store.rundir import PHASE_ORDER, JsonlWriter, rank_file
@@ -111,12 +111,18 @@ class Recorder:
             self._add(bus, phase, index, name, tensor, micro_batch, **extra)
 
     def add_all(self, bus: HookBus, phase: str, refs, base: int = 0) -> None:
-        """`add` for a hook's list of (index, name, tensor), leaving the dispatch modes once for all of them."""
+        """`add` for a hook's list of (index, name, tensor): the dispatch modes left once for all of them, the
+        small tensors digested together (run/digest.py, digest_many)."""
         if not self._on:
             return
+        refs = list(refs)
         with _no_dispatch_modes():
-            for index, name, t in refs:
-                self._add(bus, phase, base + index, name, t)
+            shards = [shard_info(t) for _, _, t in refs]
+            places = [(t, (s.get("shard") or {}).get("offset"), (s.get("shard") or {}).get("logical_shape"))
+                      for (_, _, t), s in zip(refs, shards)]
+            for (index, name, _), d, s in zip(refs, digest_many(places), shards):
+                self._buf.append({"step": bus.step, "micro_batch": bus.micro_batch, "phase": phase, "rank": self.rank,
+                                  "index": base + index, "tensor": name, **d, **s})
 
     def _add(self, bus, phase, index, name, tensor, micro_batch=None, **extra):
         extra.update(shard_info(tensor))
