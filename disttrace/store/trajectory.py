@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import io
 import os
+import struct
 from pathlib import Path
 from typing import Iterator
 
@@ -196,13 +197,20 @@ def is_arrow(path: Path) -> bool:
 
 
 def decode_step(path: Path, data: bytes, where: str) -> pa.RecordBatch:
-    """The record batch in one step's bytes (a schema message before it, in the first step, is skipped and
-    our own SCHEMA used instead). Anything else (a torn, edited or foreign message) is bad input naming the
-    file and step."""
+    """The record batch in one step's bytes (a schema message before it, in the first step, is checked to be
+    ours, skipped, and our own SCHEMA used instead). Anything else (a torn, edited or foreign message) is bad
+    input naming the file and step."""
     try:
         reader = pa.BufferReader(data)
         first = ipc.read_message(reader)
-        body = data[reader.tell():] if first.type == "schema" else data
+        if first is not None and first.type == "schema":
+            _check_schema(first)
+            body = data[reader.tell():]
+            message = ipc.read_message(pa.BufferReader(body))
+        else:
+            body, message = data, first
+        if message is not None:
+            _check_compressed_sizes(message)  # before decoding: a forged size would be allocated whole
         stream = ipc.open_stream(_SCHEMA_MESSAGE + body, options=_READ)
         batch = stream.read_next_batch()
         try:
@@ -211,9 +219,68 @@ def decode_step(path: Path, data: bytes, where: str) -> pa.RecordBatch:
         except StopIteration:
             pass
         batch.validate(full=True)  # offsets and lengths inside their buffers: a forged batch is refused here
-    except (pa.ArrowException, ValueError, OSError, EOFError, StopIteration) as e:
+        _check_required(batch)
+    except (pa.ArrowException, ValueError, OSError, EOFError, StopIteration, IndexError, struct.error) as e:
         raise BadInput(path, f"{where}: not a trajectory record batch ({(str(e) or type(e).__name__).splitlines()[0][:120]})") from None
     return batch
+
+
+# an LZ4 frame expands at most ~255-fold (a match length grows by 255 per byte); a compressed buffer that says it
+# holds more is forged, and Arrow would allocate the size it says before decompressing
+_LZ4_MAX_EXPANSION = 256
+_REQUIRED = ("step", "digest", "device_digest")  # every record has them; readers index and hash them
+
+
+def _check_schema(message) -> None:
+    schema = ipc.read_schema(message)
+    if not schema.equals(SCHEMA):
+        raise ValueError(f"the stream's schema is not a trajectory's (columns {schema.names[:6]})")
+
+
+def _check_compressed_sizes(message) -> None:
+    """Each LZ4-compressed buffer's uncompressed-length prefix against what its bytes can expand to, read
+    from the message's flatbuffer header (Message.header: RecordBatch; RecordBatch.buffers, .compression)."""
+    if message.type != "record batch":
+        raise ValueError(f"a {message.type} message where a step's record batch belongs")
+    meta, body = message.metadata, message.body
+    if meta is None or body is None:
+        return
+    fb, body = memoryview(meta), memoryview(body)
+    header = _fb_field(fb, struct.unpack_from("<I", fb, 0)[0], 2)
+    if header is None:
+        return
+    batch = header + struct.unpack_from("<I", fb, header)[0]
+    if _fb_field(fb, batch, 3) is None:  # no BodyCompression: the buffers are stored as they are
+        return
+    vec = _fb_field(fb, batch, 2)
+    if vec is None:
+        return
+    vec += struct.unpack_from("<I", fb, vec)[0]
+    for i in range(struct.unpack_from("<I", fb, vec)[0]):
+        offset, length = struct.unpack_from("<qq", fb, vec + 4 + 16 * i)
+        if length < 8 or offset < 0 or offset + 8 > len(body):
+            continue  # empty, or out of the body: Arrow refuses it without allocating
+        size = struct.unpack_from("<q", body, offset)[0]
+        if size != -1 and not 0 <= size <= _LZ4_MAX_EXPANSION * length:
+            raise ValueError(f"a compressed buffer of {length} bytes says it holds {size} bytes")
+
+
+def _fb_field(fb: memoryview, table: int, i: int) -> int | None:
+    """Where field `i` of the flatbuffer table at `table` lies, or None when absent."""
+    vtable = table - struct.unpack_from("<i", fb, table)[0]
+    if table < 0 or vtable < 0:  # struct would count a negative offset from the end
+        raise ValueError("a malformed message header")
+    vsize = struct.unpack_from("<H", fb, vtable)[0]
+    if 4 + 2 * i + 2 > vsize:
+        return None
+    at = struct.unpack_from("<H", fb, vtable + 4 + 2 * i)[0]
+    return table + at if at else None
+
+
+def _check_required(batch: pa.RecordBatch) -> None:
+    for name in _REQUIRED:
+        if batch.column(name).null_count:
+            raise ValueError(f"a record without '{name}'")
 
 
 def read_range(path: Path, offset: int, length: int) -> bytes:
@@ -230,8 +297,10 @@ def scan(path: Path, torn: list | None = None) -> Iterator[tuple[int, int, pa.Re
     start = 0
     while reader.tell() < len(data):
         pos = reader.tell()
-        if data[pos:] == END_OF_STREAM:
-            return
+        if data[pos:pos + len(END_OF_STREAM)] == END_OF_STREAM:  # at close; a restarted job appends after it
+            reader.seek(pos + len(END_OF_STREAM))
+            start = reader.tell()
+            continue
         try:
             msg = ipc.read_message(reader)
         except (pa.ArrowException, OSError, ValueError, EOFError):
@@ -242,6 +311,10 @@ def scan(path: Path, torn: list | None = None) -> Iterator[tuple[int, int, pa.Re
         if msg is None:
             return
         if msg.type == "schema":
+            try:
+                _check_schema(msg)
+            except (pa.ArrowException, ValueError) as e:
+                raise BadInput(path, f"bytes {pos}..{reader.tell()}: {e}") from None
             continue
         end = reader.tell()
         yield start, end - start, decode_step(path, data[pos:end], f"bytes {pos}..{end}")
