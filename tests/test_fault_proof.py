@@ -109,7 +109,7 @@ def test_bitflip_grad_logs_the_element_it_flipped_when_the_index_wraps(ref, out)
 # ---------------------------------------------------------------- the parameter server's master state
 
 
-@pytest.mark.parametrize("fault", ["bitflip-param", "stale-param"])
+@pytest.mark.parametrize("fault", ["bitflip-param", pytest.param("stale-param", marks=pytest.mark.slow)])
 def test_parameter_server_faults_change_what_the_workers_receive(ps_ref, out, fault):
     """Fired at the last step on the server: only a change of the master state can reach rank 1 (a worker)
     within that step; a change of rank 0's local copy never leaves rank 0."""

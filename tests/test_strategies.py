@@ -25,7 +25,15 @@ STRATEGIES = {
 }
 
 
-@pytest.mark.parametrize("name", list(STRATEGIES))
+# CI's tier: ZeRO-1 and -3, TP, a 1F1B pipeline and the dp x pp hybrid; ZeRO-2, GPipe and dp x tp in `make test-all`
+SLOW_IN_CI = {"zero2", "pp2-gpipe", "dp2xtp2"}
+
+
+def _tier(names):
+    return [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW_IN_CI else []) for n in names]
+
+
+@pytest.mark.parametrize("name", _tier(STRATEGIES))
 def test_strategy_matches_ddp_numerically_and_is_consistent(runs, name):
     ddp = runs.reference()
     other = runs.reference(*STRATEGIES[name])
@@ -77,7 +85,7 @@ def test_faults_without_their_hook_point_are_refused(tmp_path):
 
 # dp2xpp2: each rank of a stage holds its own FSDP2 shard of the stage's optimizer state (its resume
 # diverged at the optimizer phase while the stage's ranks shared one checkpoint key)
-@pytest.mark.parametrize("name", ["zero1", "zero3", "dp2xpp2"])
+@pytest.mark.parametrize("name", [pytest.param("zero1", marks=pytest.mark.slow), "zero3", "dp2xpp2"])
 def test_sharded_checkpoint_resumes_bit_identically(runs, name):
     ref = runs.reference(*STRATEGIES[name])
     rec = runs.get("recover", ref, "--from-step", 2)
@@ -155,7 +163,7 @@ def test_clipping_is_recorded_and_clip_faults_are_found_by_check_alone(runs):
         assert (first["step"], first["phase"]) == (3, "clip") and rank in first["minority"], (name, first)
 
 
-@pytest.mark.parametrize("name", ["zero3", "tp2", "pp2-1f1b"])
+@pytest.mark.parametrize("name", ["zero3", "tp2", pytest.param("pp2-1f1b", marks=pytest.mark.slow)])
 def test_bitflip_param_is_located_under_every_sharding(runs, name):
     """The flipped shard is found at its rank, under the logical tensor's name (for pp: the stage that
     owns the tensor, so the flip targets a parameter of the last stage)."""
