@@ -206,8 +206,8 @@ def measure(world: int, steps: int, sets: list[str]) -> dict:
             "default+live check": sum(_bytes(d / "default+live check") for d in ranks) / steps + fr_trace,
             "values": sum(_bytes(d / "values") for d in ranks) / steps,
         }
+        res["bytes_per_record"] = _per_record([d / "default" for d in ranks])  # before the directory goes
     m = frozen.manifest["model"]
-    res["bytes_per_record"] = _per_record([d / "default" for d in ranks])
     return {**res, "bytes_per_step": stored, "model": f"dim {m['dim']}, {m['n_layers']} layers, seq {m['max_seq_len']}"}
 
 
