@@ -113,3 +113,9 @@ def rewrite_trajectory(run: Path, rank: int, records: list[dict]) -> None:
     for step in by_step:
         w.write_step(by_step[step])
     w.close()
+
+
+def run_snippet(code: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    """A user's few lines of Python (e.g. a script that attaches), in a fresh interpreter, one thread."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})

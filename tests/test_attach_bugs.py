@@ -13,7 +13,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from conftest import ROOT, cli
+from conftest import ROOT, cli, run_snippet
 from disttrace.analysis.diff import diff_runs
 from disttrace.store.rundir import Run, iter_jsonl, read_json
 
@@ -119,8 +119,7 @@ def test_check_with_nothing_to_check_exits_2(tmp_path):
             "for _ in range(2):\n"
             "    o.zero_grad(); r.loss(m(torch.ones(3, 4)).sum()).backward(); o.step()\n"
             "r.close(); print(r.run_dir)\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = run_snippet(code)
     assert proc.returncode == 0, proc.stderr
     run_dir = proc.stdout.strip().splitlines()[-1]
     res = cli("check", run_dir)

@@ -11,10 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import orjson
 import pytest
 
-from conftest import DEFAULT, ROOT
+from conftest import DEFAULT, ROOT, run_snippet
 from disttrace.config.attached import AttachedManifest
 from disttrace.config.manifest import Manifest, canonical_json, freeze
 from disttrace.errors import BadInput
@@ -117,8 +116,7 @@ def test_a_plain_attached_run_writes_a_manifest_of_the_attached_shape(tmp_path):
             "for _ in range(2):\n"
             "    o.zero_grad(); r.loss(m(torch.ones(3, 4)).sum()).backward(); o.step()\n"
             "r.close(); print(r.run_dir)\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = run_snippet(code)
     assert proc.returncode == 0, proc.stderr
     stored, manifest_id = _attached_manifest(Path(proc.stdout.strip().splitlines()[-1]))
     m = _assert_validates_and_round_trips(stored, manifest_id)

@@ -16,6 +16,7 @@ gradient accumulation 2, clipping.
 """
 
 import argparse
+import contextlib
 import os
 import tempfile
 
@@ -101,7 +102,7 @@ def train(rank, world, args):
                 last = mb == ACCUM - 1
                 if args.engine == "fsdp2":
                     net.set_requires_gradient_sync(last)
-                ctx = net.no_sync() if args.engine == "ddp" and not last else _nullcontext()
+                ctx = net.no_sync() if args.engine == "ddp" and not last else contextlib.nullcontext()
                 with ctx:
                     loss = F.cross_entropy(net(x).reshape(-1, VOCAB), y.reshape(-1)) / ACCUM
                     run.loss(loss).backward()  # disttrace
@@ -114,14 +115,6 @@ def train(rank, world, args):
     run.close()  # disttrace
     if rank == 0:
         print(run.run_dir, flush=True)  # disttrace
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def spawned(rank, world, rendezvous, args):
