@@ -63,7 +63,8 @@ def params_after(run_dir, step):
             and ":" not in r["tensor"]}
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
+# float64 (the tighter bound) in make test-all; CI's tier holds float32 to its bound
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("float64", marks=pytest.mark.slow)])
 def test_dp2_equals_dp1_with_accumulation(runs, dtype):
     """dp=2 x accum 2 and dp=1 x accum 4 read the same global batch: parameters agree within the bound
     derived from the dtype's unit roundoff, and float64's bound is ~2^29 times tighter."""
