@@ -144,7 +144,7 @@ def test_an_incomplete_run_with_missing_pieces_still_gets_its_page(lab, tmp_path
     assert "memory ledger not recorded" in page and "collective trace not recorded" in page
     ck = page[page.index('id="checkpoints"'):page.index('id="gate"')]
     assert ">BAD<" in ck and html.escape(data.name) in ck  # the bad file is named
-    assert "last line is torn" in page
+    assert "torn (incomplete write)" in page  # the torn last step, reported, not fatal
     assert "First divergence: step 3" in page
     # a single incomplete run alone: no diff, still a page
     alone = build_report([broken], tmp_path / "alone.html").read_text(encoding="utf-8")
