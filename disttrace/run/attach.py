@@ -31,6 +31,8 @@ CMD` / `disttrace inject ... -- CMD`: the run directory (and the fault) come fro
 
 from __future__ import annotations
 
+import atexit
+import gc
 import hashlib
 import os
 import time
@@ -414,6 +416,13 @@ def build_fault(spec: dict, engine: Engine, caps: set[str], manifest: dict, name
 
 
 _ACTIVE: list["AttachedRun"] = []  # the run that torch.nn.utils.clip_grad_norm_ reports to
+
+# An attached run sits in reference cycles with the user's model (its hook bus's handlers, DDP's comm hook),
+# which Python's collector breaks only when it next runs; at interpreter exit that can be after teardown has
+# begun, and a DDP model and its process group freed that late can abort the process ("terminate called
+# without an active exception", seen after complete attached runs). One collection at exit, while the
+# interpreter is whole, frees them in order. (A mitigation: the abort's cause is not proven, README.)
+atexit.register(gc.collect)
 _ORIGINAL_CLIP = torch.nn.utils.clip_grad.clip_grad_norm_
 
 
