@@ -36,9 +36,9 @@ from disttrace.errors import BadInput
 
 SUFFIX = ".arrows"  # Arrow's extension for the IPC stream format
 LEGACY_SUFFIX = ".jsonl"
-# LZ4 frames per column buffer. Measured on 1,000-record steps (bench/diff_speed.py's records): zstd stored
-# 40 bytes a record and decoded a step in ~0.75 ms, LZ4 49 bytes in ~0.2 ms, uncompressed 210 bytes in
-# 0.013 ms; decoding is what a numeric diff of every record pays, so LZ4
+# LZ4 frames per column buffer. Measured on 1,000-record steps (`python bench/trajectory_codec.py`): zstd
+# 42 bytes a record and 0.72 ms to decode a step, LZ4 56 bytes and 0.12 ms, uncompressed 212 bytes and
+# 0.04 ms; decoding is what a numeric diff of every record pays, so LZ4
 COMPRESSION = "lz4"
 END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # what the stream writer appends at close
 
@@ -250,8 +250,15 @@ def _check_compressed_sizes(message) -> None:
     if header is None:
         return
     batch = header + struct.unpack_from("<I", fb, header)[0]
-    if _fb_field(fb, batch, 3) is None:  # no BodyCompression: the buffers are stored as they are
+    compression = _fb_field(fb, batch, 3)
+    if compression is None:  # no BodyCompression: the buffers are stored as they are
         return
+    table = compression + struct.unpack_from("<I", fb, compression)[0]
+    codec_at = _fb_field(fb, table, 0)
+    if codec_at is not None and fb[codec_at] != 0:  # BodyCompression.codec: 0 = LZ4_FRAME (the default), 1 = ZSTD
+        # the bound below is LZ4's; zstd expands much further (a column of zeros), so its sizes cannot be
+        # bounded this way: the trajectory is written with LZ4, another codec is not ours
+        raise ValueError("a step compressed with zstd; disttrace's trajectory is LZ4")
     vec = _fb_field(fb, batch, 2)
     if vec is None:
         return
