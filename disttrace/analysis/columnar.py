@@ -117,6 +117,21 @@ def _rowwise_equal(a: pa.Array, b: pa.Array) -> np.ndarray:
     return np.array([x == y for x, y in zip(a.to_pylist(), b.to_pylist())], dtype=bool)
 
 
+def same_digest(ca: Columns, cb: Columns) -> np.ndarray:
+    """Row by row: the same digest of the same kind (xxh3 or the device checksum)."""
+    return (_digests(ca) == _digests(cb)).all(axis=1) & (ca["device_digest"] == cb["device_digest"])
+
+
+def same_dtype_and_shape(ca: Columns, cb: Columns) -> np.ndarray:
+    return _rowwise_equal(ca.column("dtype"), cb.column("dtype")) & _rowwise_equal(ca.column("shape"),
+                                                                                    cb.column("shape"))
+
+
+def same_bits(ca: Columns, cb: Columns) -> np.ndarray:
+    """The record path's _same_bits on columns: digest, dtype and shape all equal."""
+    return same_digest(ca, cb) & same_dtype_and_shape(ca, cb)
+
+
 def _last_dim(shape: pa.ListArray) -> np.ndarray:
     """The last axis of each row's shape (0 for a scalar)."""
     offsets = np.asarray(shape.offsets.to_numpy(zero_copy_only=False), dtype=np.int64)
@@ -145,12 +160,9 @@ def compare(ba: Columns, bb: Columns, *, bitwise: bool, user: tuple[float, float
     calibrated bound of the step and phase times the tensor's factor)."""
     n = ba.num_rows
     order = bb["phase_order"]
-    same = (_digests(ba) == _digests(bb)).all(axis=1)
-    same &= ba["device_digest"] == bb["device_digest"]
+    same_type = same_dtype_and_shape(ba, bb)
+    same = same_digest(ba, bb) & same_type
     f32 = np.asarray(pc.is_in(ba.column("dtype"), value_set=_SKETCH_FLOAT32).to_numpy(zero_copy_only=False), dtype=bool)
-    same_type = _rowwise_equal(ba.column("dtype"), bb.column("dtype")) & _rowwise_equal(ba.column("shape"),
-                                                                                          bb.column("shape"))
-    same &= same_type
     rows = np.nonzero(~same)[0]
     sa, sb = ba["sum"][rows], bb["sum"][rows]
     na, nb = ba["norm"][rows], bb["norm"][rows]

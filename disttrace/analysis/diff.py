@@ -773,9 +773,7 @@ def _replica_mismatch_rows(side: str, x, keys) -> list[tuple]:
     of_key = np.asarray(pc.index_in(keys, value_set=logical).to_numpy(zero_copy_only=False), dtype=np.int64)
     ref = x.take(pa.array(first[of_key]))
     cx, cr = columnar.Columns(x), columnar.Columns(ref)
-    same = (columnar._digests(x) == columnar._digests(ref)).all(axis=1) & (cx["device_digest"] == cr["device_digest"])
-    same &= columnar._rowwise_equal(x.column("dtype"), ref.column("dtype"))
-    same &= columnar._rowwise_equal(x.column("shape"), ref.column("shape"))
+    same = columnar.same_bits(cx, cr)
     odd = np.nonzero(~same)[0]
     if not odd.size:
         return []
