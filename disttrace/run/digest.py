@@ -195,7 +195,8 @@ def sketch(a: np.ndarray, offset=None, logical_shape=None) -> list[float]:
 def digest_tensor(t: torch.Tensor, offset=None, logical_shape=None, with_sketch: bool = True) -> dict:
     """{'digest','sum','norm','sketch','nonfinite','dtype','shape','numel'} of one (local) tensor; `offset`
     and `logical_shape` place a shard in its logical tensor (for the sketch). On a GPU the digest and the
-    float64 statistics are computed on the device; on the CPU, xxh3 over the raw bytes. `with_sketch=False`
+    float64 statistics are computed on the device, waiting for it (the recorder batches device tensors
+    instead: run/devdigest.py); on the CPU, xxh3 over the raw bytes. `with_sketch=False`
     leaves the sketch out (bench/digest_cost.py's baseline)."""
     t = t.detach()
     if hasattr(t, "to_local"):  # a DTensor: the digest is of the shard this rank holds

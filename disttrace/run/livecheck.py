@@ -34,7 +34,7 @@ class LiveCheck:
 
     def _check(self, bus, _payload):
         mine = torch.tensor([list(bytes.fromhex(digest_of_digests(
-            [r["digest"] for r in self.recorder._buf if rule_applies(rule, r)]))) for rule in self.rules],
+            [r["digest"] for r in self.recorder.step_records() if rule_applies(rule, r)]))) for rule in self.rules],
             dtype=torch.uint8, device=self.device)
         world = dist.get_world_size()
         everyone = torch.empty((world * mine.shape[0], mine.shape[1]), dtype=torch.uint8, device=self.device)

@@ -7,6 +7,10 @@ callbacks (DDP buckets) can fire in different orders on different ranks; the fil
 identical computations. After each step a line goes to the step index: byte offset and length of the
 step's records and a digest of their digests, so diff can skip equal steps without reading them, and the
 sha256 of those bytes chained to the previous step's (`disttrace verify`, and diff checks what it skips).
+
+Tensors on an accelerator are digested in batches on the device (run/devdigest.py): their numbers reach
+the host a step later, so such a step is written when the next one ends (or at the next step's start if
+they have arrived, or at close): the host never waits for the device to write a record.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ import functools
 import time
 from pathlib import Path
 
-from disttrace.run.digest import digest_many, digest_of_digests, digest_tensor
+from disttrace.run import devdigest
+from disttrace.run.digest import digest_many, digest_of_digests
 from disttrace.run.hooks import HookBus
 from disttrace.store.records import StepIndexEntry
 from disttrace.store.rundir import PHASE_ORDER, JsonlWriter, rank_file
@@ -85,8 +90,14 @@ class Recorder:
         self._buf: list[dict] = []
         self._t: dict[str, float] = {}
         self.chain = StepChain(rank)
+        # device tensors: digested in batches on the device and written a step late (run/devdigest.py)
+        self._device = devdigest.DeviceDigests()
+        self._force_device = devdigest.forced()
+        self._waiting: list[tuple[dict, int]] = []  # (record, row of this step's device digests)
+        self._pending: tuple | None = None  # the step whose device digests are on their way to the host
 
     def attach(self, bus: HookBus) -> "Recorder":
+        bus.on("step_start", self._write_arrived, 1)  # before any fault at step_start can end the process
         bus.on("step_start", self._step_start, self.ORDER)
         bus.on("data", self._data, self.ORDER)
         if self.forward:
@@ -103,41 +114,44 @@ class Recorder:
 
     # ---------------------------------------------------------- records
     def add(self, bus: HookBus, phase: str, index: int, name: str, tensor, micro_batch: int | None = None, **extra):
-        # the digest's own tensor ops are not the job's: keep them out of the collective tracer's mode
-        # (which otherwise sees, and costs, every one of them)
+        """One tensor's record (`add_all` for a hook's list)."""
         if not self._on:
             return
-        with _no_dispatch_modes():
-            self._add(bus, phase, index, name, tensor, micro_batch, **extra)
+        mb = bus.micro_batch if micro_batch is None else micro_batch
+        self._records(bus, phase, [(index, name, tensor)], micro_batch=mb, extra=extra)
 
     def add_all(self, bus: HookBus, phase: str, refs, base: int = 0) -> None:
         """`add` for a hook's list of (index, name, tensor): the dispatch modes left once for all of them, the
-        small tensors digested together (run/digest.py, digest_many)."""
+        small host tensors digested together (digest_many), device tensors queued (devdigest)."""
         if not self._on:
             return
-        refs = list(refs)
+        self._records(bus, phase, list(refs), base=base)
+
+    def _records(self, bus, phase, refs, base: int = 0, micro_batch: int | None = None, extra=None) -> None:
+        # the digest's own tensor ops are not the job's: keep them out of the collective tracer's mode
+        # (which otherwise sees, and costs, every one of them)
         with _no_dispatch_modes():
             shards = [shard_info(t) for _, _, t in refs]
             places = [(t, (s.get("shard") or {}).get("offset"), (s.get("shard") or {}).get("logical_shape"))
                       for (_, _, t), s in zip(refs, shards)]
-            for (index, name, _), d, s in zip(refs, digest_many(places), shards):
-                self._buf.append({"step": bus.step, "micro_batch": bus.micro_batch, "phase": phase, "rank": self.rank,
-                                  "index": base + index, "tensor": name, **d, **s})
+            mb = bus.micro_batch if micro_batch is None else micro_batch
+            for (index, name, _), d, s in zip(refs, self._digests(places), shards):
+                rec = {"step": bus.step, "micro_batch": mb, "phase": phase, "rank": self.rank,
+                       "index": base + index, "tensor": name, **s, **(extra or {})}
+                if isinstance(d, int):  # a row of this step's device digests, filled in when they arrive
+                    self._waiting.append((rec, d))
+                else:
+                    rec.update(d)
+                self._buf.append(rec)
 
-    def _add(self, bus, phase, index, name, tensor, micro_batch=None, **extra):
-        extra.update(shard_info(tensor))
-        where = extra.get("shard") or {}  # places a shard's sketch in its logical tensor
-        rec = {
-            "step": bus.step,
-            "micro_batch": bus.micro_batch if micro_batch is None else micro_batch,
-            "phase": phase,
-            "rank": self.rank,
-            "index": index,
-            "tensor": name,
-            **digest_tensor(tensor, where.get("offset"), where.get("logical_shape")),
-            **extra,
-        }
-        self._buf.append(rec)
+    def _digests(self, places: list[tuple]) -> list:
+        """Per (tensor, offset, logical shape): the digest dict of a host tensor, the row of a device one."""
+        on_device = [devdigest.wanted(t, self._force_device) for t, _, _ in places]
+        if not any(on_device):
+            return digest_many(places)
+        rows = iter(self._device.add([p for p, dev in zip(places, on_device) if dev]))
+        host = iter(digest_many([p for p, dev in zip(places, on_device) if not dev]))
+        return [next(rows) if dev else next(host) for dev in on_device]
 
     def _step_start(self, bus, p):
         self._on = bus.step % self.every == 0
@@ -194,23 +208,58 @@ class Recorder:
                               "dtype": "bytes", "shape": [len(data)], "numel": len(data),
                               "digest": xxhash.xxh3_128_hexdigest(data), "sum": None, "norm": None, "nonfinite": 0})
 
+    def step_records(self) -> list[dict]:
+        """The current step's records with their digests (the live check reads them before the step is
+        written): device digests are fetched now, which waits for the device."""
+        self._resolve(self._waiting, self._device.collect() if self._waiting else None)
+        self._waiting = []
+        return self._buf
+
     def _step_end(self, bus, p):
         if not self._on:  # a step record.every leaves out: no records, no index line
-            self._buf = []
+            self._buf, self._waiting = [], []
             return
-        self._buf.sort(key=lambda r: (r["micro_batch"], PHASE_ORDER[r["phase"]], r["index"]))
-        offset = self.traj.offset
-        data = self.traj.write_step(self._buf)  # one Arrow record batch (store/trajectory.py)
         t = {**self._t, "end": time.time()}
         if p.get("spans"):
             t["spans"] = p["spans"]
+        step = (bus.step, self._buf, t, self._waiting, self._device.collect() if self._waiting else None)
+        self._buf, self._waiting = [], []
+        self._write_pending()  # the step before this one first: its device digests arrived long ago
+        if step[4] is None:
+            self._write(*step[:3])
+        else:
+            self._pending = step
+
+    def _write_arrived(self, bus, p) -> None:
+        """The step before, written as soon as its device digests are on the host (never waiting for them)."""
+        if self._pending is not None and (self._pending[4] is None or self._pending[4].ready()):
+            self._write_pending()
+
+    def _write_pending(self) -> None:
+        if self._pending is not None:
+            step, records, t, waiting, fetch = self._pending
+            self._pending = None
+            self._resolve(waiting, fetch)
+            self._write(step, records, t)
+
+    @staticmethod
+    def _resolve(waiting: list[tuple[dict, int]], fetch) -> None:
+        if fetch is not None:
+            digests = fetch.result()
+            for rec, row in waiting:
+                rec.update(digests[row])
+
+    def _write(self, step: int, records: list[dict], t: dict) -> None:
+        records.sort(key=lambda r: (r["micro_batch"], PHASE_ORDER[r["phase"]], r["index"]))
+        offset = self.traj.offset
+        data = self.traj.write_step(records)  # one Arrow record batch (store/trajectory.py)
         # the step's raw bytes hashed and chained to the previous step (disttrace.store.seal)
-        entry = StepIndexEntry(step=bus.step, offset=offset, length=len(data), records=len(self._buf),
-                               digest=digest_of_digests([r["digest"] for r in self._buf]), time=t)
+        entry = StepIndexEntry(step=step, offset=offset, length=len(data), records=len(records),
+                               digest=digest_of_digests([r["digest"] for r in records]), time=t)
         self.index.write(self.chain.seal_entry(entry.line(), data))
         self.index.flush()
-        self._buf = []
 
     def close(self):
+        self._write_pending()
         self.traj.close()
         self.index.close()
