@@ -2,7 +2,10 @@
 baseline (`record.enabled = false`), in the same processes, same data, steps interleaved so machine noise
 hits every variant alike. Prints medians, ratios and run-store bytes per step.
 
-    python bench/overhead.py [--world 2] [--steps 8] [--set model.dim=768 ...] [--no-tiny]
+    python bench/overhead.py [--world 2] [--steps 8] [--set model.dim=768 ...] [--no-tiny] [--device cuda]
+
+`--device cuda` runs the same on GPUs with NCCL, one rank per GPU (bench/gpu_check.sh): each step's time is
+taken after a device synchronisation, so it includes whatever the digests make the device or the host wait.
 
 By default it measures a realistic CPU model (dim 512, 4 layers, sequence 256, dp = 2, gradient
 accumulation 2, the memory ledger on), then the tiny default model as the worst case (every tensor is
@@ -64,7 +67,7 @@ class Gated:
         return self.bus.listening(point)
 
 
-def worker(rank, world, port, frozen_doc, steps, out, q):
+def worker(rank, world, port, frozen_doc, steps, out, q, device_type="cpu"):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       TORCH_FR_BUFFER_SIZE=str(RING))
     import contextlib
@@ -88,13 +91,17 @@ def worker(rank, world, port, frozen_doc, steps, out, q):
     from disttrace.run.topology import groups_of
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    cuda = device_type == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo")
     m = frozen_doc["manifest"]
     typed = Manifest.model_validate(m)  # strategies, ledger and topology read the typed manifest, as in the job
-    mesh = init_device_mesh("cpu", (1, world, 1), mesh_dim_names=("pp", "dp", "tp"))
+    mesh = init_device_mesh(device_type, (1, world, 1), mesh_dim_names=("pp", "dp", "tp"))
     data = TokenData(m, frozen_doc["resolved"]["data_path"], frozen_doc["resolved"]["tokenizer_path"])
     bus = HookBus(rank)
-    model = build_model(SimpleNamespace(**m["model"]), torch.float32, m["experiment"]["seed"])
+    model = build_model(SimpleNamespace(**m["model"]), torch.float32, m["experiment"]["seed"]).to(device)
     emit_module_outputs(model, bus)
     strategy = build_strategy(typed, model, mesh, bus)
     base = Path(out) / f"rank{rank}"
@@ -126,13 +133,17 @@ def worker(rank, world, port, frozen_doc, steps, out, q):
                 strategy.zero_grad()
                 for mb in range(accum):
                     bus.micro_batch = mb
-                    batch = bus.emit("data", batch=data.batch(step, mb, rank), fetch=None)["batch"]
+                    batch = data.batch(step, mb, rank)
+                    batch = {**batch, "inputs": batch["inputs"].to(device), "targets": batch["targets"].to(device)}
+                    batch = bus.emit("data", batch=batch, fetch=None)["batch"]
                     with strategy.micro_batch(mb == accum - 1):
                         loss = bus.emit("loss", loss=lm_loss(strategy.model(batch["inputs"]), batch["targets"]),
                                         tokens=0)["loss"]
                         strategy.backward(loss / accum, mb == accum - 1)
                 strategy.step()
                 bus.emit("step_end")
+                if cuda:
+                    torch.cuda.synchronize()
             times[v].append(time.perf_counter() - t)
     dumps = fr.dumps
     t = time.perf_counter()
@@ -168,7 +179,7 @@ def _per_record(dirs: list[Path]) -> float | None:
     return size / records if records else None
 
 
-def measure(world: int, steps: int, sets: list[str]) -> dict:
+def measure(world: int, steps: int, sets: list[str], device_type: str = "cpu") -> dict:
     """Median step time (rank 0) per variant and run-store bytes per step (all ranks), for one world size."""
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch.multiprocessing as mp
@@ -181,7 +192,7 @@ def measure(world: int, steps: int, sets: list[str]) -> dict:
     q = ctx.Queue()
     with tempfile.TemporaryDirectory() as out:
         port = free_port()
-        procs = [ctx.Process(target=worker, args=(r, world, port, frozen.model_dump(), steps, out, q))
+        procs = [ctx.Process(target=worker, args=(r, world, port, frozen.model_dump(), steps, out, q, device_type))
                  for r in range(world)]
         for p in procs:
             p.start()
@@ -234,11 +245,12 @@ def main():
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--set", action="append", default=[], help="override the realistic model (section.key=value)")
     ap.add_argument("--no-tiny", action="store_true", help="skip the tiny default model (the worst case)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, one rank per GPU")
     args = ap.parse_args()
-    report("realistic", measure(args.world, args.steps, REALISTIC + args.set), args.world, args.steps)
+    report("realistic", measure(args.world, args.steps, REALISTIC + args.set, args.device), args.world, args.steps)
     if not args.no_tiny:
-        report("worst case: the tiny default model", measure(args.world, max(args.steps, 12), TINY), args.world,
-               max(args.steps, 12))
+        report("worst case: the tiny default model", measure(args.world, max(args.steps, 12), TINY, args.device),
+               args.world, max(args.steps, 12))
 
 
 if __name__ == "__main__":
