@@ -55,12 +55,14 @@ def _check_against_oracle(got: list[dict], items) -> None:
         assert np.abs(np.subtract(d["sketch"], one["sketch"])).max() <= 1e-12 * scale, tuple(t.shape)
 
 
-@pytest.mark.parametrize("chunk", [1 << 24, 64, 1])  # one kernel per group; whole rows; one row at a time
-def test_batched_device_digests_agree_with_the_per_tensor_path(chunk):
+@pytest.mark.parametrize("chunk,budget", [(1 << 24, 1 << 28), (64, 1 << 28), (1, 1 << 28), (1 << 24, 2048), (64, 0)])
+def test_batched_device_digests_agree_with_the_per_tensor_path(chunk, budget):
     """Every digest equals digest.device_digest's exactly (the checksum is exact integer arithmetic, so
-    chunking and stacking cannot change it); sums, norms and sketches agree to float64 rounding."""
+    chunking and stacking cannot change it); sums, norms and sketches agree to float64 rounding. Chunks:
+    one kernel per group, whole rows, one row at a time; a snapshot budget that some groups or none fit in
+    (the rest digested tensor by tensor, in place)."""
     items = _items()
-    dev = DeviceDigests(chunk=chunk)
+    dev = DeviceDigests(chunk=chunk, snapshot_bytes=budget)
     rows = dev.add(items[:5])
     rows += dev.add(items[5:])  # two hooks, one collect: rows number on across them
     assert rows == list(range(len(items)))

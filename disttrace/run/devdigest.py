@@ -19,6 +19,10 @@ once per step:
    writes the step when the *next* step ends (or when the run closes), by which time the event has long
    fired: the host never waits for the device mid-step.
 
+Snapshots cost memory until the side stream has read them: at most `snapshot_bytes` a step (256 MiB by
+default). Tensors beyond that budget (a large model's optimizer state) are digested on the training stream
+itself, tensor by tensor, without a copy: ordered before any later update, and nothing to wait for there.
+
 Chunks hold at most `chunk` elements (whole rows of the (rows, last axis) view), so the float64 working
 copies stay bounded whatever the tensor's size. Off CUDA (and on the CPU, where the tests run this code,
 `DISTTRACE_DEVICE_DIGESTS=1`) the same kernels run on the current stream and the copy is synchronous.
@@ -36,6 +40,7 @@ import torch
 from disttrace.run.digest import _M1, _M2, SKETCH_K, _plan
 
 CHUNK = 1 << 24  # elements per digest kernel: at most 128 MiB of float64 (and int64) working copies
+SNAPSHOT_BYTES = 1 << 28  # snapshot memory a step may hold for the side stream
 _EMPTY_DIGEST = "dev:" + "0" * 32  # digest.device_digest's value for an empty tensor
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _F = 2 + SKETCH_K  # float columns of a result row: sum, sum of squares, sketch; then h1, h2, non-finite
@@ -61,8 +66,9 @@ class DeviceDigests:
     """One step's digests of device tensors: `add` queues tensors and returns their rows, `collect` starts the
     one copy to the host and returns a `Fetch` whose `result()` gives digest.digest_tensor's dicts."""
 
-    def __init__(self, chunk: int = CHUNK):
-        self.chunk = chunk
+    def __init__(self, chunk: int = CHUNK, snapshot_bytes: int = SNAPSHOT_BYTES):
+        self.chunk, self.snapshot_bytes = chunk, snapshot_bytes
+        self._snapshotted = 0  # bytes this step
         self._rows: list[_Row] = []
         self._parts: list[tuple[list[int], torch.Tensor]] = []  # (rows, int64 results (n, _F + 3)) on the device
         self._streams: dict = {}  # device -> side stream (CUDA)
@@ -82,20 +88,27 @@ class DeviceDigests:
                 key = (t.device, t.dtype, shape, tuple(off) if off else (0,) * len(shape),
                        tuple(lshape) if lshape else shape)
                 groups.setdefault(key, []).append((rows[-1], t))
-        for (device, _, shape, off, lshape), members in groups.items():
+        for (device, dtype, shape, off, lshape), members in groups.items():
+            size = len(members) * math.prod(shape) * members[0][1].element_size()
+            stream = self._side_stream(device)
+            if self._snapshotted + size > self.snapshot_bytes:
+                for r, t in members:  # over the budget: on the training stream, in place, no copy
+                    part = self._reduce(t.reshape(1, *shape), shape, off, lshape)
+                    if stream is not None:
+                        part.record_stream(stream)  # collect concatenates it on the side stream
+                    self._parts.append(([r], part))
+                continue
+            self._snapshotted += size
             snap = torch.stack([t for _, t in members])  # the snapshot, on the training stream
-            self._parts.append(([r for r, _ in members], self._digest_group(snap, shape, off, lshape)))
+            if stream is None:
+                self._parts.append(([r for r, _ in members], self._reduce(snap, shape, off, lshape)))
+                continue
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                part = self._reduce(snap, shape, off, lshape)
+            snap.record_stream(stream)  # not reused by the training stream before the side stream has read it
+            self._parts.append(([r for r, _ in members], part))
         return rows
-
-    def _digest_group(self, snap: torch.Tensor, shape, off, lshape) -> torch.Tensor:
-        stream = self._side_stream(snap.device)
-        if stream is None:
-            return self._reduce(snap, shape, off, lshape)
-        stream.wait_stream(torch.cuda.current_stream(snap.device))
-        with torch.cuda.stream(stream):
-            out = self._reduce(snap, shape, off, lshape)
-        snap.record_stream(stream)
-        return out
 
     def _side_stream(self, device: torch.device):
         if device.type != "cuda":
@@ -145,12 +158,15 @@ class DeviceDigests:
             else:  # a scalar: every v_k is 1 (digest._stats)
                 ut = wt = np.ones((SKETCH_K, 1))
             self._vectors[key] = (torch.tensor(ut, device=device), torch.tensor(wt, device=device))
+            if device.type == "cuda":  # once per shape: both streams may read them, so the copy must be done
+                torch.cuda.synchronize(device)
         return self._vectors[key]
 
     def collect(self) -> "Fetch":
         """Start the step's one device-to-host copy; the queue is empty afterwards."""
         rows, self._rows = self._rows, []
         parts, self._parts = self._parts, []
+        self._snapshotted = 0
         if not parts:
             return Fetch(rows, np.empty(0, dtype=np.int64), None, None)
         order = np.concatenate([np.asarray(r, dtype=np.int64) for r, _ in parts])
@@ -158,6 +174,7 @@ class DeviceDigests:
         stream = self._side_stream(device)
         if stream is None:
             return Fetch(rows, order, torch.cat([p for _, p in parts]).cpu(), None)
+        stream.wait_stream(torch.cuda.current_stream(device))  # parts made on the training stream
         with torch.cuda.stream(stream):
             packed = torch.cat([p for _, p in parts])  # every device's parts: one device per process
             host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
