@@ -273,10 +273,11 @@ def _digest_on_device(t: torch.Tensor, offset=None, logical_shape=None, with_ske
 # model each tensor costs more in Python (a dozen numpy calls, ~50-70 us) than in arithmetic, so the small
 # float32 CPU tensors of one list are digested together: one concatenated buffer, xxh3 of each tensor's
 # slice (the same bytes, so the same digest as digest_tensor's), float64 sums and sums of squares by one
-# segmented reduction (np.add.reduceat), and the sketch as a segmented reduction of x * v_k against the
-# tensors' sketch vectors laid end to end (v_k = U_k (x) W_k, the same vectors as the per-tensor path; built
-# once per list of shapes and cached). The float64 reductions round less than the per-tensor float32 GEMM,
-# so tolerance.sketch_rounding bounds this path too; two runs of one manifest take the same path and stay
+# segmented reduction (np.add.reduceat), and the sketch as one float64 matrix-vector product of each
+# tensor's slice with its vectors v_k = U_k (x) W_k (the same vectors as the per-tensor path, laid end to
+# end; built once per list of shapes and cached: faster than np.add.reduceat over the (K, total) elementwise
+# products). The float64 reductions round less than the per-tensor float32 GEMM, so
+# tolerance.sketch_rounding bounds this path too; two runs of one manifest take the same path and stay
 # bit-identical.
 SMALL = 1 << 14  # elements: a tensor at most this large is digested with the others
 _GROUP = 1 << 18  # elements per batch: its sketch vectors are SKETCH_K x 2 MiB of float64, cached
@@ -337,7 +338,9 @@ def _digest_batch(items, locals_, batch: list[int], out: list) -> None:
         x64 = buf.astype(np.float64)
         sums = np.add.reduceat(x64, starts)
         sqs = np.add.reduceat(x64 * x64, starts)
-        sk = np.add.reduceat(_vectors(tuple(signature)) * x64, starts, axis=1)  # (K, n)
+        vectors = _vectors(tuple(signature))
+        sk = np.stack([vectors[:, a:a + n] @ x64[a:a + n] for a, n in zip(starts.tolist(), lengths.tolist())],
+                      axis=1)  # (K, n)
     raw = memoryview(buf.view(np.uint8))
     for j, i in enumerate(batch):
         a, n = int(starts[j]) * 4, int(lengths[j])
