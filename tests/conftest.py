@@ -17,6 +17,9 @@ os.environ.setdefault("DISTTRACE_CACHE_DIR", tempfile.mkdtemp(prefix="disttrace-
 DEFAULT = ROOT / "manifests" / "default.toml"
 # four steps, checkpoints at 2 and 4: enough for a fault at 3 and a recovery from 2
 SHORT = ["--set", "training.steps=4", "--set", "checkpoint.interval=2"]
+# Flight Recorder entries: fewer than a SHORT run with 0.1 MB buckets issues (44), more than its first two
+# steps with set-up (24)
+SMALL_RING = 32
 
 
 def cli(*args, timeout=180, env=None, check=None) -> subprocess.CompletedProcess:
@@ -33,25 +36,44 @@ def last_line(proc) -> Path:
 
 
 class Runs:
-    """Session cache: one run per distinct command line."""
+    """Session cache: one run per distinct command line (and environment)."""
 
     def __init__(self, root: Path):
         self.root = root
-        self._cache: dict[tuple, Path] = {}
+        self._cache: dict[tuple, subprocess.CompletedProcess] = {}
 
-    def get(self, *args, expect=0) -> Path:
-        key = tuple(map(str, args))
+    def job(self, *args, expect=0, env=None, timeout=180) -> subprocess.CompletedProcess:
+        """The finished command (its stdout and stderr too), run once per session; `timeout` is the first
+        caller's. Asserts its exit code is `expect` (None: any)."""
+        key = (tuple(map(str, args)), tuple(sorted((env or {}).items())))
         if key not in self._cache:
-            proc = cli(*args, "--out", self.root, check=expect)
-            self._cache[key] = last_line(proc)
-        return self._cache[key]
+            self._cache[key] = cli(*args, "--out", self.root, env=env, timeout=timeout)
+        proc = self._cache[key]
+        if expect is not None and proc.returncode != expect:
+            raise AssertionError(f"exit {proc.returncode} != {expect}\nstdout:\n{proc.stdout}\n"
+                                 f"stderr:\n{proc.stderr[-4000:]}")
+        return proc
 
-    def reference(self, *sets) -> Path:
-        return self.get("run", DEFAULT, *SHORT, *sets)
+    def get(self, *args, expect=0, env=None) -> Path:
+        return last_line(self.job(*args, expect=expect, env=env))
+
+    def reference(self, *sets, env=None) -> Path:
+        return self.get("run", DEFAULT, *SHORT, *sets, env=env)
 
     def fault(self, name, step, rank, *extra, expect=0) -> Path:
         return self.get("inject", DEFAULT, *SHORT, "--fault", name, "--step", step, "--rank", rank, *extra,
                         expect=expect)
+
+    def small_ring(self) -> Path:
+        """DDP in several buckets (0.1 MB cap) and a Flight Recorder ring of 32 entries, fewer than the run
+        issues: read by test_flight_recorder.py and test_evidence.py, and a foreign checkpoint in test_faults.py."""
+        return self.reference("--set", "debug.ddp_bucket_cap_mb=0.1", env={"TORCH_FR_BUFFER_SIZE": str(SMALL_RING)})
+
+    def collective_mismatch(self) -> subprocess.CompletedProcess:
+        """Rank 1 issues an all-reduce of another size at step 2: gloo aborts it, the job ends with exit 3
+        (read by test_faults.py and test_flight_recorder.py). The 10 s collective timeout bounds a hang."""
+        return self.job("inject", DEFAULT, *SHORT, "--set", "debug.collective_timeout_s=10", "--fault",
+                        "collective-mismatch", "--step", 2, "--rank", 1, expect=3, timeout=10 + 110)
 
 
 @pytest.fixture(scope="session")

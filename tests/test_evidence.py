@@ -11,8 +11,10 @@ from disttrace.store.rundir import Run, iter_jsonl
 
 def test_trace_sees_every_ddp_bucket_allreduce(runs):
     """With a 0.1 MB bucket cap the 0.66 MB of gradients go out in several buckets; the collective trace
-    must hold one all-reduce per bucket per step, the count DDP itself reports in its logging data."""
-    run = Run(runs.reference("--set", "debug.ddp_bucket_cap_mb=0.1"))
+    must hold one all-reduce per bucket per step, the count DDP itself reports in its logging data. The run
+    is test_flight_recorder.py's, whose ring is smaller than the run (copied as it fills); the default ring's
+    trace is held to every step's bytes by test_wire_volume_matches_the_ring_model_for_ddp below."""
+    run = Run(runs.small_ring())
     facts = [e for e in run.events().records if e["event"] == "engine_facts"]
     assert facts[0]["step"] == 1 and len(facts[0]["ddp_bucket_sizes"]) == 1  # step 1: one bucket (docs/design.md, "Facts")
     final = facts[-1]

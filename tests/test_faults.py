@@ -130,9 +130,8 @@ def test_kill_rank_ends_with_exit_3_and_no_orphans(runs, tmp_path):
     assert d["equal"] and d["mode"] == "bitwise" and d["compared_steps"]["first"] == 3
 
 
-def test_collective_mismatch_names_rank_sequence_and_shapes(tmp_path):
-    proc = cli("inject", DEFAULT, *SHORT, "--set", "debug.collective_timeout_s=10", "--fault", "collective-mismatch",
-               "--step", 2, "--rank", 1, "--out", tmp_path, timeout=10 + 40)  # ends by the 10 s timeout, or fails
+def test_collective_mismatch_names_rank_sequence_and_shapes(runs):
+    proc = runs.collective_mismatch()  # ends by the 10 s timeout, or fails; test_flight_recorder.py reads it too
     assert proc.returncode == 3, proc.stderr
     run_dir = last_line(proc)
     assert "collective desync" in proc.stderr and "rank(s) [1]" in proc.stderr, proc.stderr
@@ -187,8 +186,8 @@ def test_damaged_checkpoints_are_refused_at_load(runs, tmp_path, damage):
         shard.write_bytes(bytes(data))
     elif damage == "truncated":
         shard.write_bytes(shard.read_bytes()[:-10])
-    else:
-        other = runs.reference("--set", "training.lr=0.001")
+    else:  # another manifest's checkpoint of the same layout (DDP, two ranks): the session's small-ring run
+        other = runs.small_ring()
         shutil.rmtree(ckpt)
         shutil.copytree(other / "checkpoints" / "step-000002", ckpt)
     before = sorted(p.name for p in run_dir.parent.iterdir())

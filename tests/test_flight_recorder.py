@@ -7,22 +7,17 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import DEFAULT, SHORT, cli, last_line
+from conftest import SMALL_RING as RING, last_line
 from disttrace.analysis.sync import check_sync
-from disttrace.errors import EXIT_JOB_FAILED, EXIT_OK
+from disttrace.errors import EXIT_JOB_FAILED
 from disttrace.store.rundir import Run, iter_jsonl
-
-RING = 32  # entries: fewer than the run issues (44), more than its first two steps with set-up (24)
 
 
 @pytest.fixture(scope="module")
-def small_ring(tmp_path_factory):
+def small_ring(runs):
     """Several DDP buckets per step (0.1 MB cap) and a 32-entry ring, which the run overfills: it is copied
-    only when the next step could overwrite what was not copied yet."""
-    out = tmp_path_factory.mktemp("fr")
-    proc = cli("run", DEFAULT, *SHORT, "--set", "debug.ddp_bucket_cap_mb=0.1", "--out", out,
-               env={"TORCH_FR_BUFFER_SIZE": str(RING)}, timeout=300, check=EXIT_OK)
-    return Run(last_line(proc))
+    only when the next step could overwrite what was not copied yet (the session's run, conftest.py)."""
+    return Run(runs.small_ring())
 
 
 def test_small_ring_trace_covers_every_ddp_bucket(small_ring):
@@ -48,11 +43,10 @@ def test_small_ring_trace_covers_every_ddp_bucket(small_ring):
     assert check_sync(run)["ok"]
 
 
-def test_mismatched_collective_is_named_from_the_dying_ranks_own_ring(tmp_path):
+def test_mismatched_collective_is_named_from_the_dying_ranks_own_ring(runs):
     """gloo aborts (SIGABRT, from its own thread) the rank that receives a collective of another size, and
     the launcher then terminates the other: both copy their ring from the signal handler."""
-    proc = cli("inject", DEFAULT, *SHORT, "--set", "debug.collective_timeout_s=10", "--fault", "collective-mismatch",
-               "--step", 2, "--rank", 1, "--out", tmp_path, timeout=300)
+    proc = runs.collective_mismatch()  # the job test_faults.py's desync test reads too
     assert proc.returncode == EXIT_JOB_FAILED, proc.stderr
     run = Run(last_line(proc))
     fired = next(e for e in run.events().records if e["event"] == "fault_fired")
