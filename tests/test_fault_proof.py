@@ -12,7 +12,7 @@ import pytest
 
 from conftest import DEFAULT, SHORT, cli, last_line, raw_records
 
-PS = ["--set", "parallelism.architecture=parameter-server"]
+PS = ["--set", 'parallelism.architecture="parameter-server"']  # as test_strategies.py spells it: one run
 
 
 def fired(run: Path) -> list[dict]:
@@ -39,13 +39,13 @@ def out(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ref(out) -> Path:
-    return last_line(cli("run", DEFAULT, *SHORT, "--out", out, check=0))
+def ref(runs) -> Path:
+    return runs.reference()  # the session's reference run (conftest.py)
 
 
 @pytest.fixture(scope="module")
-def ps_ref(out) -> Path:
-    return last_line(cli("run", DEFAULT, *SHORT, *PS, "--out", out, check=0))
+def ps_ref(runs) -> Path:
+    return runs.reference(*PS)
 
 
 # ---------------------------------------------------------------- refused before the job

@@ -70,9 +70,9 @@ def test_dp2_equals_dp1_with_accumulation(runs, dtype):
     derived from the dtype's unit roundoff, and float64's bound is ~2^29 times tighter."""
     from disttrace.analysis.tolerance import bound
 
-    d2 = runs.reference() if dtype == "float32" else runs.reference("--set", f"training.dtype={dtype}")
-    d1 = runs.reference("--set", f"training.dtype={dtype}", "--set", "parallelism.dp=1",
-                        "--set", "training.grad_accum_steps=4")
+    sets = () if dtype == "float32" else ("--set", f"training.dtype={dtype}")  # float32: the default's dtype
+    d2 = runs.reference(*sets)
+    d1 = runs.reference(*sets, "--set", "parallelism.dp=1", "--set", "training.grad_accum_steps=4")  # test_sketch's
     ma, mb = Run(d2).manifest, Run(d1).manifest
     worst = 0.0
     for step in (1, 4):

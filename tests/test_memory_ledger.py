@@ -10,7 +10,7 @@ import orjson
 import pytest
 import torch
 
-from conftest import DEFAULT, SHORT, cli, last_line
+from conftest import DEFAULT, cli
 from disttrace.config.manifest import freeze
 from disttrace.model.llama import build_model, lm_loss
 from disttrace.run.memory import measure
@@ -22,8 +22,8 @@ def manifest():
 
 
 @pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory):
-    return last_line(cli("run", DEFAULT, *SHORT, "--out", tmp_path_factory.mktemp("mem"), check=0))
+def ddp_run(runs):
+    return runs.reference()  # the session's DDP reference run (conftest.py)
 
 
 def _trained(manifest):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import DEFAULT, SHORT, cli, last_line, raw_records
+from conftest import raw_records
 from disttrace.analysis import tolerance
 from disttrace.analysis.diff import diff_runs
 from disttrace.run.digest import axis_vectors, digest_tensor, sketch
@@ -89,11 +89,10 @@ def test_sketch_is_the_projection_it_claims_and_adds_over_shards():
 
 
 @pytest.fixture(scope="module")
-def topologies(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sketch")
-    one = last_line(cli("run", DEFAULT, *SHORT, "--set", "parallelism.dp=1", "--set", "training.grad_accum_steps=4",
-                        "--out", out, check=0))
-    zero3 = last_line(cli("run", DEFAULT, *SHORT, "--set", "parallelism.zero_stage=3", "--out", out, check=0))
+def topologies(runs):
+    """dp=1 (the run test_foundation.py compares with dp=2) and ZeRO-3 (test_strategies.py's): the session's."""
+    one = runs.reference("--set", "parallelism.dp=1", "--set", "training.grad_accum_steps=4")
+    zero3 = runs.reference("--set", "parallelism.zero_stage=3")
     return one, zero3
 
 
