@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import orjson
+import pytest
 
 from conftest import cli
 from disttrace.gate import evalcache
@@ -26,9 +27,17 @@ def gate_eval(run: Path, cache: Path) -> dict:
     return orjson.loads(proc.stdout)["eval"]
 
 
-def test_a_forged_eval_json_with_a_matching_index_mtime_is_not_trusted(runs, tmp_path):
+@pytest.fixture(scope="module")
+def scored(runs, tmp_path_factory) -> tuple[Path, dict]:
+    """A gate's evaluation of a copy of the reference, into a cache of its own: (that cache, the score)."""
+    tmp = tmp_path_factory.mktemp("scored")
+    cache = tmp / "cache"
+    return cache, gate_eval(copy_of(runs.reference(), tmp), cache)
+
+
+def test_a_forged_eval_json_with_a_matching_index_mtime_is_not_trusted(runs, scored, tmp_path):
     run = copy_of(runs.reference(), tmp_path)
-    true = gate_eval(run, tmp_path / "cache-a")
+    true = scored[1]  # the gate's score of the same bytes (another copy: the same evaluation key)
     index = final_checkpoint(Run(run)) / INDEX
     # what a store's writer can put there: a flattering score naming this checkpoint, the INDEX's mtime (the
     # old reuse key) and even the new key, which anyone can compute from the store
@@ -40,10 +49,9 @@ def test_a_forged_eval_json_with_a_matching_index_mtime_is_not_trusted(runs, tmp
     assert orjson.loads((run / "eval.json").read_bytes())["eval_loss"] == true["eval_loss"]
 
 
-def test_a_cached_score_is_the_gates_own_and_named_by_what_was_scored(runs, tmp_path):
+def test_a_cached_score_is_the_gates_own_and_named_by_what_was_scored(runs, scored, tmp_path):
     run = copy_of(runs.reference(), tmp_path)
-    cache = tmp_path / "cache"
-    true = gate_eval(run, cache)
+    cache, true = scored
     entries = list((cache / "eval").iterdir())
     assert [e.name for e in entries] == [f"{true['evaluation_key']}.json"]
     # the cache is the user's own: mark its entry, and the next gate reports the mark (reused, not rescored)
