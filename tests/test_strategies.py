@@ -71,6 +71,8 @@ def test_fault_on_a_tensor_parallel_shard_names_rank_and_logical_tensor(runs):
     assert (f["step"], f["phase"], f["rank"], f["tensor"]) == (3, "backward", 1, "layers.1.feed_forward.w1.weight")
 
 
+@pytest.mark.slow  # ZeroStage1 is DataParallel's DDP and comm hook (run/parallel/zero.py); CI: test_faults.py's
+# test_fault_is_located_at_its_coordinates[skip-allreduce] locates the same hook's fault under DDP
 def test_skip_allreduce_under_zero1_is_located(runs):
     z1 = STRATEGIES["zero1"]
     f = diff_runs(runs.reference(*z1), runs.fault("skip-allreduce", 3, 0, *z1))["first_divergence"]
@@ -163,7 +165,10 @@ def test_clipping_is_recorded_and_clip_faults_are_found_by_check_alone(runs):
         assert (first["step"], first["phase"]) == (3, "clip") and rank in first["minority"], (name, first)
 
 
-@pytest.mark.parametrize("name", ["zero3", "tp2", pytest.param("pp2-1f1b", marks=pytest.mark.slow)])
+# tp2 in make test-all: CI's test_fault_on_a_tensor_parallel_shard_names_rank_and_logical_tensor names a tp2
+# shard's fault by rank and logical tensor
+@pytest.mark.parametrize("name", ["zero3", pytest.param("tp2", marks=pytest.mark.slow),
+                                  pytest.param("pp2-1f1b", marks=pytest.mark.slow)])
 def test_bitflip_param_is_located_under_every_sharding(runs, name):
     """The flipped shard is found at its rank, under the logical tensor's name (for pp: the stage that
     owns the tensor, so the flip targets a parameter of the last stage)."""
