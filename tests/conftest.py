@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -79,6 +81,38 @@ class Runs:
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory) -> Runs:
     return Runs(tmp_path_factory.mktemp("runs"))
+
+
+@dataclass
+class Watched:
+    run_dir: Path
+    writer: subprocess.CompletedProcess  # `disttrace run ... --quiet --json`
+    watch: subprocess.CompletedProcess  # `disttrace watch RUN_DIR`, started once the run directory existed
+
+
+@pytest.fixture(scope="session")
+def watched(tmp_path_factory) -> Watched:
+    """A second reference run (runs.reference()'s command line, with --quiet --json), written by one process
+    while `disttrace watch` follows it from another: test_progress.py reads what watch printed, and
+    test_foundation.py holds its trajectory bit-identical to the session's reference."""
+    out = tmp_path_factory.mktemp("watched")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NO_COLOR": "1"}
+    args = ["run", DEFAULT, *SHORT, "--out", out, "--quiet", "--json"]
+    writer = subprocess.Popen([sys.executable, "-m", "disttrace", *map(str, args)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        end = time.monotonic() + 120  # a bound on a writer that never makes its directory, not a timing assert
+        while not (found := sorted(out.glob("*/*/run.json"))):
+            assert writer.poll() is None and time.monotonic() < end, writer.communicate()
+            time.sleep(0.1)
+        run_dir = found[0].parent
+        watch = cli("watch", run_dir, env={"DISTTRACE_PROGRESS_EVERY": "0"}, timeout=300)  # a line per step
+        stdout, stderr = writer.communicate(timeout=300)
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+            writer.wait()
+    return Watched(run_dir, subprocess.CompletedProcess(args, writer.returncode, stdout, stderr), watch)
 
 
 # ---------------------------------------------------------------- the trajectory, read without disttrace

@@ -8,7 +8,7 @@ import math
 import orjson
 import pytest
 
-from conftest import DEFAULT, cli, last_line, traj_file
+from conftest import DEFAULT, cli, traj_file
 from disttrace.store.rundir import Run, iter_jsonl
 
 
@@ -45,11 +45,11 @@ def test_reference_run_is_complete_and_has_the_evidence(runs):
         assert list(iter_jsonl(run.rank_path("memory", rank)))
 
 
-def test_two_reference_runs_are_bit_identical(runs, tmp_path):
-    a = runs.reference()
-    b = last_line(cli("run", DEFAULT, "--set", "training.steps=4", "--set", "checkpoint.interval=2",
-                      "--out", tmp_path, check=0))
-    assert a != b
+def test_two_reference_runs_are_bit_identical(runs, watched):
+    """Two launches of one manifest: the session's reference and the one test_progress.py watches."""
+    a, b = runs.reference(), watched.run_dir
+    assert watched.writer.returncode == 0, watched.writer.stderr[-3000:]
+    assert a != b and Run(a).manifest_id == Run(b).manifest_id
     for rank in (0, 1):
         ta = traj_file(a, rank).read_bytes()
         tb = traj_file(b, rank).read_bytes()

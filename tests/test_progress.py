@@ -118,11 +118,11 @@ def _popen(*args) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
 
 
-def test_watch_follows_a_run_another_process_writes(tmp_path):
-    writer = _popen("run", DEFAULT, *SHORT, "--out", tmp_path, "--quiet", "--json")
-    run_dir = _wait_for(tmp_path, writer)
-    watched = cli("watch", run_dir, env=ENV, timeout=300)
-    out, errs = writer.communicate(timeout=300)
+def test_watch_follows_a_run_another_process_writes(watched):
+    """The session's watched reference run (conftest.py; test_foundation.py compares its bits), SHORT's
+    four steps, watched with a line per step."""
+    run_dir, writer, watched = watched.run_dir, watched.writer, watched.watch
+    out, errs = writer.stdout, writer.stderr
     assert writer.returncode == EXIT_OK, errs
     assert watched.returncode == EXIT_OK, watched.stderr
     steps = step_lines(watched.stderr)
