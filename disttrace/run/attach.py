@@ -31,11 +31,11 @@ CMD` / `disttrace inject ... -- CMD`: the run directory (and the fault) come fro
 
 from __future__ import annotations
 
-import atexit
-import gc
 import hashlib
 import os
+import pickle
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -416,13 +416,6 @@ def build_fault(spec: dict, engine: Engine, caps: set[str], manifest: dict, name
 
 
 _ACTIVE: list["AttachedRun"] = []  # the run that torch.nn.utils.clip_grad_norm_ reports to
-
-# An attached run sits in reference cycles with the user's model (its hook bus's handlers, DDP's comm hook),
-# which Python's collector breaks only when it next runs; at interpreter exit that can be after teardown has
-# begun, and a DDP model and its process group freed that late can abort the process ("terminate called
-# without an active exception", seen after complete attached runs). One collection at exit, while the
-# interpreter is whole, frees them in order. (A mitigation: the abort's cause is not proven, README.)
-atexit.register(gc.collect)
 _ORIGINAL_CLIP = torch.nn.utils.clip_grad.clip_grad_norm_
 
 
@@ -436,6 +429,102 @@ def _patch_clip(on: bool) -> None:
     fn = _clip_grad_norm_ if on else _ORIGINAL_CLIP
     torch.nn.utils.clip_grad_norm_ = fn
     torch.nn.utils.clip_grad.clip_grad_norm_ = fn
+
+
+class _CommHookState:
+    """What DDP's comm hook holds. DDP keeps the hook and its state in C++ (its reducer), where Python's
+    collector cannot see them: a hook that held the run would tie DDP -> reducer -> hook -> run -> DDP into a
+    cycle no collection frees, keeping the model, the reducer and the process group (gloo's threads) alive
+    until the process exits. So the run is held by weak reference, and a closed run's hook is DDP's plain
+    all-reduce."""
+
+    def __init__(self, run: "AttachedRun", names: dict, group, size: int):
+        self.run, self.names, self.group, self.size = weakref.ref(run), names, group, size
+
+
+def _allreduce_with_hook(state: _CommHookState, bucket):
+    """`backward` at DDP's comm hook: each bucket's local gradients right before its all-reduce (numerically
+    DDP's default: divide by the group size, then sum)."""
+    import torch.distributed as dist
+
+    run = state.run()
+    if run is not None and not run._closed:
+        run._comm_fired = True
+        grads = [(*state.names[id(p)], g) for p, g in zip(bucket.parameters(), bucket.gradients())]
+        run.bus.emit("backward", grads=grads, before_collective=True)
+    buf = bucket.buffer()
+    buf.div_(state.size)
+    fut = dist.all_reduce(buf, group=state.group, async_op=True).get_future()
+    return fut.then(_first_value)
+
+
+def _first_value(fut):
+    return fut.value()[0]
+
+
+def _object_device(dist) -> torch.device:
+    """Where torch.distributed's object collectives put their bytes (the default group's backend)."""
+    try:
+        from torch.distributed.distributed_c10d import _get_object_coll_device
+
+        kind = _get_object_coll_device()
+    except (ImportError, AttributeError, TypeError, ValueError, RuntimeError):  # private: best effort
+        kind = "cuda" if str(dist.get_backend()) == "nccl" else "cpu"
+    if kind == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, kind, None)
+    if module is not None and hasattr(module, "current_device"):
+        return torch.device(kind, module.current_device())
+    return torch.device(kind)
+
+
+def _gather_objects_released(dist, out: list, obj, timeout_s: float = 5.0) -> None:
+    """all_gather_object, for the last collective of an attached run (the seal), whose tensors are then
+    seen released by the process group's threads before this returns.
+
+    A collective's tensors are held by the backend's own thread (gloo's worker, NCCL's watchdog) a little
+    after the caller has its result. A tensor the caller drops meanwhile keeps its Python object, and that
+    thread frees it later, taking the GIL to do so. torch.distributed.all_gather_object creates and drops
+    its tensors itself; as the last thing a user's script does before exiting, that free can land while the
+    interpreter finalizes, when Python 3.11 ends any thread that takes the GIL with pthread_exit: its unwind
+    through a noexcept destructor is std::terminate ("terminate called without an active exception",
+    SIGABRT). It happens when the group outlives destroy_process_group(), which on torch 2.13 is the rule
+    under DDP: its constructor first imports torch._dynamo, which imports torch.distributed.nn.functional,
+    whose functions keep the world group as a default argument. Here the tensors are ours: each is watched
+    by weak reference, and this waits (`timeout_s` at most) until the thread has let go of them, while the
+    interpreter is whole."""
+    device = _object_device(dist)
+    world = dist.get_world_size()
+    data = pickle.dumps(obj)
+    size = torch.tensor([len(data)], dtype=torch.long, device=device)
+    sizes = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    lengths = [int(s.item()) for s in sizes]
+    longest = max(lengths)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    mine = mine.to(device)
+    outs = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)]
+    dist.all_gather(outs, mine)
+    out[:] = [pickle.loads(o[:n].cpu().numpy().tobytes()) for o, n in zip(outs, lengths)]
+    held = [weakref.ref(t) for t in (size, *sizes, mine, *outs)]
+    del size, sizes, mine, outs
+    deadline = time.monotonic() + timeout_s
+    while any(r() is not None for r in held) and time.monotonic() < deadline:
+        time.sleep(0.001)  # lets the backend's thread take the GIL and free them
+
+
+class _SealDist:
+    """torch.distributed for seal_and_complete, with the gather that waits for its tensors' release."""
+
+    def __init__(self, dist):
+        self._dist = dist
+
+    def all_gather_object(self, out: list, obj) -> None:
+        _gather_objects_released(self._dist, out, obj)
+
+    def __getattr__(self, name):
+        return getattr(self._dist, name)
 
 
 class _UserState(Strategy):
@@ -463,7 +552,7 @@ class AttachedRun:
         self.optimizer = optimizer
         self.bus = HookBus(rank)
         self.tracer = CollectiveTracer(run_dir, rank)
-        self.bus.on("step_start", lambda b, p: setattr(self.tracer, "step", b.step), order=0)
+        self.tracer.attach(self.bus)  # the step on each trace line (its handler holds the tracer, not the run)
         self.recorder = Recorder(run_dir, rank, forward=manifest["record"]["forward"]).attach(self.bus)
         self.ledger = self._memory_ledger()
         self.step = 1
@@ -524,9 +613,12 @@ class AttachedRun:
 
     def _watch_in_place(self, loader) -> None:
         base = type(loader)
-        run = self
+        ref = weakref.ref(self)  # the swapped class outlives close() until a collection: it must not hold the run
 
         def __iter__(self):
+            run = ref()
+            if run is None or run._closed:
+                return base.__iter__(self)
             return run._batches_of(self, lambda: base.__iter__(self))
 
         loader.__class__ = type(base.__name__, (base,), {"__iter__": __iter__, "__module__": base.__module__})
@@ -625,7 +717,8 @@ class AttachedRun:
             self.ledger._hooks.__exit__(None, None, None)
             self.ledger._hooks = None
         self.ledger.close()
-        seal_and_complete(self.run_dir, self.rank, self.recorder, _dist(),
+        dist = _dist()
+        seal_and_complete(self.run_dir, self.rank, self.recorder, _SealDist(dist) if dist else None,
                           {"steps": self.completed, "source": SOURCE,
                            "world_size": self.manifest["parallelism"]["world_size"]})
 
@@ -658,22 +751,10 @@ class AttachedRun:
         comm = False
         names = {id(p): (i, n) for i, n, p in self.named}
         if self.engine.kind == "DDP":
-            import torch.distributed as dist
-
-            ddp, bus = self.engine.ddp, self.bus
-            group, size = ddp.process_group, len(self.engine.group_ranks)
-
-            def allreduce_with_hook(_state, bucket):
-                self._comm_fired = True
-                grads = [(*names[id(p)], g) for p, g in zip(bucket.parameters(), bucket.gradients())]
-                bus.emit("backward", grads=grads, before_collective=True)
-                buf = bucket.buffer()
-                buf.div_(size)
-                fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
-                return fut.then(lambda f: f.value()[0])
-
+            ddp = self.engine.ddp
+            state = _CommHookState(self, names, ddp.process_group, len(self.engine.group_ranks))
             try:
-                ddp.register_comm_hook(None, allreduce_with_hook)
+                ddp.register_comm_hook(state, _allreduce_with_hook)
                 comm = True
             except RuntimeError as e:  # the script registered its own, or training already started
                 if self.rank == 0:
