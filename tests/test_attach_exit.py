@@ -62,7 +62,7 @@ def test_the_seal_gather_leaves_no_tensor_to_the_backend_thread(tmp_path):
     still held one at the caller's return in 30 of 500 gathers measured without the wait); its result is
     torch's all_gather_object's."""
     code = PROLOGUE.format(tmp=tmp_path) + """
-from disttrace.run.attach import _gather_objects_released
+from disttrace.run.complete import gather_released
 
 class Watching:
     def __init__(self):
@@ -78,7 +78,7 @@ for i in range(300):
     w = Watching()
     obj = {"rank": 0, "i": i, "blob": "x" * (i * 7)}
     ours, theirs = [None], [None]
-    _gather_objects_released(w, ours, obj)
+    gather_released(w, ours, obj)
     left += sum(r() is not None for r in w.refs)
     assert len(w.refs) == 4, len(w.refs)  # two gathers (sizes, then the bytes), each its output and input
     dist.all_gather_object(theirs, obj)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import pickle
 import time
 import weakref
 from collections import deque
@@ -462,71 +461,6 @@ def _first_value(fut):
     return fut.value()[0]
 
 
-def _object_device(dist) -> torch.device:
-    """Where torch.distributed's object collectives put their bytes (the default group's backend)."""
-    try:
-        from torch.distributed.distributed_c10d import _get_object_coll_device
-
-        kind = _get_object_coll_device()
-    except (ImportError, AttributeError, TypeError, ValueError, RuntimeError):  # private: best effort
-        kind = "cuda" if str(dist.get_backend()) == "nccl" else "cpu"
-    if kind == "cpu":
-        return torch.device("cpu")
-    module = getattr(torch, kind, None)
-    if module is not None and hasattr(module, "current_device"):
-        return torch.device(kind, module.current_device())
-    return torch.device(kind)
-
-
-def _gather_objects_released(dist, out: list, obj, timeout_s: float = 5.0) -> None:
-    """all_gather_object, for the last collective of an attached run (the seal), whose tensors are then
-    seen released by the process group's threads before this returns.
-
-    A collective's tensors are held by the backend's own thread (gloo's worker, NCCL's watchdog) a little
-    after the caller has its result. A tensor the caller drops meanwhile keeps its Python object, and that
-    thread frees it later, taking the GIL to do so. torch.distributed.all_gather_object creates and drops
-    its tensors itself; as the last thing a user's script does before exiting, that free can land while the
-    interpreter finalizes, when Python 3.11 ends any thread that takes the GIL with pthread_exit: its unwind
-    through a noexcept destructor is std::terminate ("terminate called without an active exception",
-    SIGABRT). It happens when the group outlives destroy_process_group(), which on torch 2.13 is the rule
-    under DDP: its constructor first imports torch._dynamo, which imports torch.distributed.nn.functional,
-    whose functions keep the world group as a default argument. Here the tensors are ours: each is watched
-    by weak reference, and this waits (`timeout_s` at most) until the thread has let go of them, while the
-    interpreter is whole."""
-    device = _object_device(dist)
-    world = dist.get_world_size()
-    data = pickle.dumps(obj)
-    size = torch.tensor([len(data)], dtype=torch.long, device=device)
-    sizes = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(world)]
-    dist.all_gather(sizes, size)
-    lengths = [int(s.item()) for s in sizes]
-    longest = max(lengths)
-    mine = torch.zeros(longest, dtype=torch.uint8)
-    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    mine = mine.to(device)
-    outs = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)]
-    dist.all_gather(outs, mine)
-    out[:] = [pickle.loads(o[:n].cpu().numpy().tobytes()) for o, n in zip(outs, lengths)]
-    held = [weakref.ref(t) for t in (size, *sizes, mine, *outs)]
-    del size, sizes, mine, outs
-    deadline = time.monotonic() + timeout_s
-    while any(r() is not None for r in held) and time.monotonic() < deadline:
-        time.sleep(0.001)  # lets the backend's thread take the GIL and free them
-
-
-class _SealDist:
-    """torch.distributed for seal_and_complete, with the gather that waits for its tensors' release."""
-
-    def __init__(self, dist):
-        self._dist = dist
-
-    def all_gather_object(self, out: list, obj) -> None:
-        _gather_objects_released(self._dist, out, obj)
-
-    def __getattr__(self, name):
-        return getattr(self._dist, name)
-
-
 class _UserState(Strategy):
     """The model and optimizer as a Strategy for run/checkpoint.py (DCP's state-dict helpers), or the
     user's own state dict when one is passed."""
@@ -718,7 +652,7 @@ class AttachedRun:
             self.ledger._hooks = None
         self.ledger.close()
         dist = _dist()
-        seal_and_complete(self.run_dir, self.rank, self.recorder, _SealDist(dist) if dist else None,
+        seal_and_complete(self.run_dir, self.rank, self.recorder, dist,
                           {"steps": self.completed, "source": SOURCE,
                            "world_size": self.manifest["parallelism"]["world_size"]})
 
