@@ -111,7 +111,8 @@ def test_fsdp2_run_records_shards_where_they_sit(runs):
     assert replicas["groups"]["dp"] == [[0, 1]]
     assert {r["phase"] for r in replicas["rules"]} == {"data", "clip", "optimizer"}
     topo = run.topology()
-    assert topo["engine"] == "FSDP2" and topo["groups"]["dp"] == [[0, 1]]
+    assert topo["engine"] == "FSDP2" and topo["groups"]["dp"] == [[0, 1]] and topo["groups"]["tp"] == [[0], [1]]
+    assert (run.manifest["parallelism"]["dp"], run.manifest["parallelism"]["tp"]) == (2, 1)
 
 
 @pytest.mark.slow
@@ -126,6 +127,11 @@ def test_tensor_parallel_run_records_shards_and_its_replica_map(runs):
     rules = read_json(run.path / "replicas.json")["rules"]
     assert {"phase": "data", "dim": "mesh:0", "relation": "agree"} in rules
     assert {"phase": "optimizer", "dim": "mesh:0", "relation": "agree", "tensors": ["head.bias"]} in rules
+    # the evidence states the layout: one tensor-parallel group of both ranks, no data parallelism
+    topo = run.topology()
+    assert topo["groups"]["tp"] == [[0, 1]] and topo["groups"]["dp"] == [[0], [1]]
+    assert [r["coords"]["tp"] for r in topo["ranks"]] == [0, 1]
+    assert (run.manifest["parallelism"]["dp"], run.manifest["parallelism"]["tp"]) == (1, 2)
 
 
 @pytest.mark.slow

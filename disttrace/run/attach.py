@@ -292,16 +292,45 @@ def infer_replicas(engine: str, views: list[dict]) -> dict:
     return {"groups": groups, "rules": rules, "inferred": {"engine": engine, "notes": notes}}
 
 
-def topology_doc(engine: Engine, views: list[dict]) -> dict:
-    """topology.json in the harness's shape (pp x dp x tp, coordinates per rank), plus every process group
-    torch built, as the ranks reported them."""
+def attached_layout(kind: str, views: list[dict]) -> tuple[list[list[int]], list[list[int]]]:
+    """(data-parallel groups, tensor-parallel groups) of an attached job, from its engine and its parameters'
+    placements: DDP's group, or FSDP2's shard groups, are data parallelism; the mesh dimensions a DTensor
+    parameter is sharded over that are not FSDP2's are tensor parallelism. Without tensor parallelism each
+    rank is its own tp group; without an engine's data parallelism the ranks at one position of their tp
+    groups form the dp groups (a TP-only job on its whole world: dp = 1). A layout that is not a grid
+    (a rank in two groups of one kind) keeps every rank its own tp group."""
     world = len(views)
-    if engine.kind == "DDP":
-        dp_groups = sorted({tuple(v["ddp_group"]) for v in views})
-    else:  # FSDP2's data-parallel groups, or the world
-        dp_groups = sorted({tuple(g) for v in views for g in v.get("fsdp_groups", [])}) or [tuple(range(world))]
-    dp_size = len(dp_groups[0]) if dp_groups else 1
-    dp_index = {r: i for g in dp_groups for i, r in enumerate(g)}
+    if kind == "DDP":
+        dp = sorted({tuple(v["ddp_group"]) for v in views})
+    else:
+        dp = sorted({tuple(g) for v in views for g in v.get("fsdp_groups", [])})
+    by_dim: dict[str, set] = {}
+    for v in views:
+        for entry in v["params"].values():
+            for dim, gs in entry.get("shard", {}).items():
+                by_dim.setdefault(dim, set()).update(tuple(g) for g in gs)
+    tp = sorted({g for gs in by_dim.values() if gs != set(dp) for g in gs})
+    if not _partition(tp, world):
+        tp = [(r,) for r in range(world)]
+    if not dp:
+        dp = [tuple(sorted(g[i] for g in tp)) for i in range(len(tp[0]))]
+    if not _partition(dp, world):
+        dp = [tuple(range(world))]
+    return [list(g) for g in dp], [list(g) for g in tp]
+
+
+def _partition(groups: list[tuple], world: int) -> bool:
+    """Groups of one size that hold every rank exactly once."""
+    ranks = sorted(r for g in groups for r in g)
+    return bool(groups) and len({len(g) for g in groups}) == 1 and ranks == list(range(world))
+
+
+def topology_doc(engine: Engine, views: list[dict]) -> dict:
+    """topology.json in the harness's shape (pp x dp x tp, coordinates per rank: a rank's place in its dp and
+    tp groups), plus every process group torch built, as the ranks reported them."""
+    world = len(views)
+    dp_groups, tp_groups = attached_layout(engine.kind, views)
+    place = {dim: {r: i for g in gs for i, r in enumerate(g)} for dim, gs in (("dp", dp_groups), ("tp", tp_groups))}
     pgs: dict[tuple, dict] = {}
     for v in views:
         for g in v["process_groups"]:
@@ -309,11 +338,11 @@ def topology_doc(engine: Engine, views: list[dict]) -> dict:
     return {
         "world_size": world,
         "mesh_dims": ["pp", "dp", "tp"],
-        "mesh_shape": {"pp": 1, "dp": dp_size, "tp": 1},
-        "groups": {"pp": [[r] for r in range(world)], "dp": [list(g) for g in dp_groups],
-                   "tp": [[r] for r in range(world)]},
+        "mesh_shape": {"pp": 1, "dp": len(dp_groups[0]), "tp": len(tp_groups[0])},
+        "groups": {"pp": [[r] for r in range(world)], "dp": dp_groups, "tp": tp_groups},
         "ranks": [{"rank": v["rank"], "host": v["host"], "node_rank": v["node_rank"], "local_rank": v["local_rank"],
-                   "pid": v["pid"], "coords": {"pp": 0, "dp": dp_index.get(v["rank"], 0), "tp": 0}} for v in views],
+                   "pid": v["pid"], "coords": {"pp": 0, "dp": place["dp"].get(v["rank"], 0),
+                                               "tp": place["tp"].get(v["rank"], 0)}} for v in views],
         "process_groups": [pgs[k] for k in sorted(pgs, key=lambda k: (len(k[1]), k))],
         "engine": engine.kind,
     }
@@ -341,13 +370,13 @@ def build_manifest(engine: Engine, optimizer, views: list[dict], name: str, edit
             training[key] = cfg.pop(key) if key != "steps" else cfg[key]
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in inner.parameters()})
     training["dtype"] = dtypes[0] if len(dtypes) == 1 else "mixed"
-    dp = len(views[0]["ddp_group"]) if engine.kind == "DDP" else world
+    dp_groups, tp_groups = attached_layout(engine.kind, views)
     from disttrace.config.attached import AttachedManifest  # the shape, typed: a new key is declared there
 
     return AttachedManifest.model_validate({
         "experiment": {"name": name, "edition": edition, "seed": int(views[0]["seed"] if seed is None else seed),
                        "description": f"recorded by {SOURCE}"},
-        "parallelism": {"dp": dp, "tp": 1, "pp": 1, "zero_stage": 3 if engine.kind == "FSDP2" else 0,
+        "parallelism": {"dp": len(dp_groups[0]), "tp": len(tp_groups[0]), "pp": 1, "zero_stage": 3 if engine.kind == "FSDP2" else 0,
                         "world_size": world, "architecture": "allreduce", "engine": engine.kind},
         "model": {"class": type(inner).__qualname__, "parameters": sum(p.numel() for p in inner.parameters()),
                   "tensors": {n: {"shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch.")}
