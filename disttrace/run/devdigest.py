@@ -39,7 +39,7 @@ import torch
 
 from disttrace.run.digest import _M1, _M2, SKETCH_K, _plan
 
-CHUNK = 1 << 24  # elements per digest kernel: at most 128 MiB of float64 (and int64) working copies
+CHUNK = 1 << 22  # elements per digest kernel: float64 and int64 working copies, ~6 x 8 bytes each at the peak
 SNAPSHOT_BYTES = 1 << 28  # snapshot memory a step may hold for the side stream
 _EMPTY_DIGEST = "dev:" + "0" * 32  # digest.device_digest's value for an empty tensor
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -52,7 +52,8 @@ def forced() -> bool:
 
 
 def wanted(t: torch.Tensor, force: bool = False) -> bool:
-    return t.device.type != "cpu" or force
+    """CUDA tensors (MPS has no float64; other devices keep digest_tensor's host path), or any when forced."""
+    return t.device.type == "cuda" or force
 
 
 @dataclass(frozen=True)

@@ -97,11 +97,18 @@ class Converter:
         i = bisect.bisect_right(self.bounds, (t_ns, float("inf"))) - 1
         return self.bounds[i][1] if i >= 0 else 0  # before the first step: set-up (step 0, as the tracer)
 
-    def records(self, dump: dict, groups: dict[str, str]) -> list[dict]:
-        """`groups`: process-group name -> comma-joined global ranks."""
+    def records(self, dump: dict, groups: dict[str, str], settled_only: bool = False) -> list[dict]:
+        """`groups`: process-group name -> comma-joined global ranks. `settled_only`: stop before the first
+        collective not yet marked finished (the ring's state can trail the caller, who already has the
+        result): it is copied by a later dump, so no finished collective is written as unfinished."""
         status = dump.get("pg_status") or {}
         entries = sorted((e for e in dump.get("entries", []) if e["record_id"] > self.last_rid),
                          key=lambda e: e["record_id"])
+        if settled_only:
+            for i, e in enumerate(entries):
+                if not _finished(e, status):
+                    entries = entries[:i]
+                    break
         out: list[dict] = []
         if entries and entries[0]["record_id"] > self.last_rid + 1 and (self.last_rid >= 0 or entries[0]["record_id"]):
             lost = entries[0]["record_id"] - self.last_rid - 1
@@ -124,13 +131,12 @@ class Converter:
                     n *= d
                 nbytes += n * size
             fr_seq = e["p2p_seq_id"] if e.get("is_p2p") else e["collective_seq_id"]
-            last_done = (status.get(str(e.get("pg_id"))) or {}).get("last_completed_collective", -1)
             rec = {
                 "seq": seq, "group": group, "op": op,
                 "step": self.step_of(e["time_created_ns"]), "shapes": shapes,
                 "dtype": dtypes[0][0] if dtypes else None, "bytes": nbytes,
                 "start": e["time_created_ns"] / 1e9, "pg": pg, "fr_seq": fr_seq,
-                "done": e.get("state") == "completed" or (not e.get("is_p2p") and int(last_done) >= fr_seq),
+                "done": _finished(e, status),
             }
             if e.get("time_discovered_completed_ns"):  # NCCL with timing enabled; none on gloo
                 rec["end"] = e["time_discovered_completed_ns"] / 1e9
@@ -225,11 +231,12 @@ class FlightRecorderTrace:
         self._largest_step = max(self._largest_step, issued - self._issued_at_start)
         pending = issued - self._issued_at_dump
         if not self._counts_ok or pending + 2 * self._largest_step >= self.capacity - self.capacity // 8:
-            self.dump()
+            self.dump(settled_only=True)  # mid-run: an unfinished tail waits for the next copy
 
     # ---------------------------------------------------------------- dumping
-    def dump(self) -> int:
-        """Copy the entries not yet copied; returns how many records were written."""
+    def dump(self, settled_only: bool = False) -> int:
+        """Copy the entries not yet copied (`settled_only`: up to the first unfinished one); returns how many
+        records were written."""
         if self.capacity <= 0:
             return 0
         got = self._lock.acquire(timeout=1.0)  # a signal may arrive in the middle of a dump on this thread
@@ -238,7 +245,7 @@ class FlightRecorderTrace:
             from torch._C._distributed_c10d import _dump_fr_trace
 
             dump = pickle.loads(_dump_fr_trace(True, False, False))  # collectives, no stack traces, all states
-            recs = self.conv.records(dump, _group_names())
+            recs = self.conv.records(dump, _group_names(), settled_only)
             if recs:
                 import orjson
 
@@ -338,3 +345,13 @@ def build_trace(mode: str, run_dir: Path, rank: int):
 
         return CollectiveTracer(run_dir, rank, values=mode == "values")
     return NoTrace()
+
+
+def _finished(e: dict, status: dict) -> bool:
+    """A ring entry's collective has finished: its own state says so, or its group's last completed
+    collective is at or past it (gloo leaves entries' states behind)."""
+    if e.get("state") == "completed":
+        return True
+    last_done = (status.get(str(e.get("pg_id"))) or {}).get("last_completed_collective", -1)
+    fr_seq = e["p2p_seq_id"] if e.get("is_p2p") else e["collective_seq_id"]
+    return not e.get("is_p2p") and int(last_done) >= fr_seq
