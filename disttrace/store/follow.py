@@ -269,6 +269,9 @@ class Follower:
     # ------------------------------------------------------------ polling
     def poll(self) -> Progress:
         now = self.clock()
+        # COMPLETE is written after every index line: seen before the indexes are read, it means they are
+        # all there (seen after, steps written in between would be reported complete but never shown)
+        complete = (self.path / COMPLETE).exists()
         notices = []
         for e in self._events.read():
             n = _notice(e)
@@ -290,7 +293,6 @@ class Follower:
             for ranges in self._ranges.values():
                 for s in [s for s in ranges if s <= done]:
                     del ranges[s]
-        complete = (self.path / COMPLETE).exists()
         times = list(self._step_s.values())
         progress = Progress(self.total, self.start_step, self.done, dict(self.last), self.loss,
                             statistics.median(times) if times else None, complete, self.failed, notices)
