@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from disttrace.run import devdigest
 from disttrace.run.digest import digest_many, digest_of_digests
@@ -77,6 +78,16 @@ def _tensor_leaves(obj, prefix: str = ""):
 FILE_INDEX = 1 << 20
 
 
+class _Step(NamedTuple):
+    """A finished step whose device digests are on their way to the host (`fetch`)."""
+
+    step: int
+    records: list
+    time: dict
+    waiting: list  # (record, row of the step's device digests)
+    fetch: object
+
+
 class Recorder:
     ORDER = 90  # after faults (10): the record shows what the fault did
 
@@ -94,7 +105,7 @@ class Recorder:
         self._device = devdigest.DeviceDigests()
         self._force_device = devdigest.forced()
         self._waiting: list[tuple[dict, int]] = []  # (record, row of this step's device digests)
-        self._pending: tuple | None = None  # the step whose device digests are on their way to the host
+        self._pending: _Step | None = None  # the step whose device digests are on their way to the host
 
     def attach(self, bus: HookBus) -> "Recorder":
         bus.on("step_start", self._write_arrived, 1)  # before any fault at step_start can end the process
@@ -117,8 +128,7 @@ class Recorder:
         """One tensor's record (`add_all` for a hook's list)."""
         if not self._on:
             return
-        mb = bus.micro_batch if micro_batch is None else micro_batch
-        self._records(bus, phase, [(index, name, tensor)], micro_batch=mb, extra=extra)
+        self._records(bus, phase, [(index, name, tensor)], micro_batch=micro_batch, extra=extra)
 
     def add_all(self, bus: HookBus, phase: str, refs, base: int = 0) -> None:
         """`add` for a hook's list of (index, name, tensor): the dispatch modes left once for all of them, the
@@ -222,25 +232,24 @@ class Recorder:
         t = {**self._t, "end": time.time()}
         if p.get("spans"):
             t["spans"] = p["spans"]
-        step = (bus.step, self._buf, t, self._waiting, self._device.collect() if self._waiting else None)
+        step = _Step(bus.step, self._buf, t, self._waiting, self._device.collect() if self._waiting else None)
         self._buf, self._waiting = [], []
         self._write_pending()  # the step before this one first: its device digests arrived long ago
-        if step[4] is None:
-            self._write(*step[:3])
+        if step.fetch is None:
+            self._write(step.step, step.records, step.time)
         else:
             self._pending = step
 
     def _write_arrived(self, bus, p) -> None:
         """The step before, written as soon as its device digests are on the host (never waiting for them)."""
-        if self._pending is not None and (self._pending[4] is None or self._pending[4].ready()):
+        if self._pending is not None and self._pending.fetch.ready():
             self._write_pending()
 
     def _write_pending(self) -> None:
         if self._pending is not None:
-            step, records, t, waiting, fetch = self._pending
-            self._pending = None
-            self._resolve(waiting, fetch)
-            self._write(step, records, t)
+            p, self._pending = self._pending, None
+            self._resolve(p.waiting, p.fetch)
+            self._write(p.step, p.records, p.time)
 
     @staticmethod
     def _resolve(waiting: list[tuple[dict, int]], fetch) -> None:
