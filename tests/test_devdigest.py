@@ -117,3 +117,81 @@ def test_a_run_on_the_batched_device_path_repeats_bit_for_bit_and_finds_a_fault(
     doc = json.loads(cli("diff", a, fault, "--json").stdout)
     first = doc["first_divergence"]
     assert (first["step"], first["rank"]) == (3, 1), first
+
+
+def _indexed_steps(run_dir, rank: int = 0) -> list[int]:
+    path = run_dir / "trajectory" / f"rank-{rank:05d}.steps.jsonl"
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_a_step_awaiting_its_device_digests_is_written_before_a_kill_rank_sigkill(tmp_path, monkeypatch):
+    """On a GPU a finished step waits for its digests' copy; a kill-rank fault at the next step's start must not
+    take it down with the process (review B1). Here the copy never reports ready, as a slow GPU's would not."""
+    from types import SimpleNamespace
+
+    from disttrace.config.manifest import read_toml, validate
+    from disttrace.run import devdigest, faults
+    from disttrace.run.hooks import HookBus
+    from disttrace.run.recorder import Recorder
+
+    monkeypatch.setenv("DISTTRACE_DEVICE_DIGESTS", "1")
+    monkeypatch.setattr(devdigest.Fetch, "ready", lambda self: False)
+    killed = []
+
+    def kill(pid, sig):
+        killed.append(_indexed_steps(tmp_path))  # what is on disk when the signal would land
+        raise SystemExit(137)
+
+    monkeypatch.setattr(faults.os, "kill", kill)
+    (tmp_path / "trajectory").mkdir()
+    bus = HookBus(rank=0)
+    recorder = Recorder(tmp_path, 0).attach(bus)
+    ctx = SimpleNamespace(run_dir=tmp_path, manifest=validate(read_toml(DEFAULT), DEFAULT))
+    faults.build({"name": "kill-rank", "step": 3, "rank": 0, "params": {}}).attach(bus, ctx)
+    w = torch.nn.Linear(4, 4)
+    for step in (1, 2, 3):
+        bus.step = step
+        try:
+            bus.emit("step_start")
+        except SystemExit:
+            break
+        bus.emit("optimizer", params=[(0, "w", w.weight), (1, "b", w.bias)])
+        bus.emit("step_end")
+        with torch.no_grad():
+            w.weight.add_(1.0)
+    assert killed == [[1, 2]], killed  # step 2 was still waiting for its digests when step 3 began
+    recorder.close()
+
+
+def test_an_attached_script_that_raises_keeps_its_last_finished_step(tmp_path):
+    """An exception out of `with attach(...)` leaves the run incomplete but must not lose the finished step still
+    waiting for its device digests (review B2)."""
+    from conftest import run_snippet
+
+    code = f"""
+import os
+os.environ["DISTTRACE_DEVICE_DIGESTS"] = "1"
+import torch, torch.distributed as dist
+import disttrace.api
+from disttrace.run import devdigest
+devdigest.Fetch.ready = lambda self: False  # as a busy GPU's copy would not be, at the next step's start
+dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
+model = torch.nn.Linear(4, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+try:
+    with disttrace.api.attach(model, opt, out={str(tmp_path)!r}) as run:
+        for step in range(3):
+            opt.zero_grad()
+            run.loss(model(torch.randn(8, 4)).square().mean()).backward()
+            if step == 2:
+                raise KeyboardInterrupt
+            opt.step()
+except KeyboardInterrupt:
+    print("run_dir", run.run_dir)
+dist.destroy_process_group()
+"""
+    proc = run_snippet(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = __import__("pathlib").Path(proc.stdout.split("run_dir ", 1)[1].split()[0])
+    assert not (run_dir / "COMPLETE").exists()
+    assert _indexed_steps(run_dir) == [1, 2]

@@ -45,7 +45,7 @@ import torch
 
 from disttrace.errors import BadInput
 from disttrace.run.collectives import CollectiveTracer
-from disttrace.run.hooks import HookBus
+from disttrace.run.hooks import HookBus, process_exit
 from disttrace.run.parallel.common import SCALAR_INDEX, SCALARS_AGREE, Strategy, optimizer_state_list
 from disttrace.run.complete import seal_and_complete
 from disttrace.run.recorder import Recorder
@@ -691,7 +691,8 @@ class AttachedRun:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             self.close()
-        else:  # the run stays incomplete; say why
+        else:  # the run stays incomplete: what the observers hold is written, and why it stopped said
+            process_exit(self.bus, exc)
             event(self.run_dir, Event.RANK_FAILED, rank=self.rank, error=f"{exc_type.__name__}: {exc}"[:2000])
 
     # ---------------------------------------------------------- hook points

@@ -604,6 +604,7 @@ class KillRank(Fault):
         def handler(bus, p):
             if self.here(bus):
                 self.fire(bus, phase="data")
+                bus.emit("process_exit", reason=self.name)  # SIGKILL leaves no chance to write later
                 os.kill(os.getpid(), signal.SIGKILL)
 
         bus.on("step_start", handler, order=10)

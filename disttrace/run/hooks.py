@@ -45,6 +45,8 @@ POINTS = (
     "before_checkpoint", # payload: state (the dict about to be saved)
     "checkpoint",        # payload: path (the published checkpoint directory)
     "step_end",
+    "process_exit",      # payload: reason. The process ends without reaching step_end (a kill-rank fault's SIGKILL, an
+                         # exception): observers write what they still hold (the recorder's step awaiting its digests)
 )
 
 
@@ -68,3 +70,12 @@ class HookBus:
 
     def listening(self, point: str) -> bool:
         return bool(self._handlers[point])
+
+
+def process_exit(bus: HookBus, exc: BaseException) -> None:
+    """`process_exit` on an exception's way out, never masking it: an observer that cannot write now (a device
+    in error) loses only what it still held, and the run stays incomplete either way."""
+    try:
+        bus.emit("process_exit", reason=f"{type(exc).__name__}: {exc}"[:200])
+    except Exception:  # noqa: BLE001 - the exception on its way out is the one to report
+        pass

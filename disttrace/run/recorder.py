@@ -121,6 +121,7 @@ class Recorder:
         bus.on("before_checkpoint", self._saved_state, self.ORDER)
         bus.on("checkpoint", self._saved_files, self.ORDER)
         bus.on("step_end", self._step_end, self.ORDER)
+        bus.on("process_exit", lambda bus, p: self.flush(), self.ORDER)
         return self
 
     # ---------------------------------------------------------- records
@@ -268,7 +269,12 @@ class Recorder:
         self.index.write(self.chain.seal_entry(entry.line(), data))
         self.index.flush()
 
-    def close(self):
+    def flush(self) -> None:
+        """Write the finished step still awaiting its device digests (waiting for them): the process is about to
+        end before the next step would have written it. The step in progress stays unwritten: it never ended."""
         self._write_pending()
+
+    def close(self):
+        self.flush()
         self.traj.close()
         self.index.close()

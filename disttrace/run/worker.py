@@ -20,6 +20,7 @@ from disttrace.config.manifest import Manifest, validate
 from disttrace.store.records import Event
 from disttrace.errors import DisttraceError
 from disttrace.run.complete import seal_and_complete
+from disttrace.run.hooks import process_exit
 from disttrace.store.paths import resume_checkpoint
 from disttrace.store.rundir import COMPLETE, LOCK, event, read_json, write_json_atomic
 
@@ -90,6 +91,7 @@ def run(run_dir: Path) -> None:
     if world != manifest.world_size:
         raise RuntimeError(f"the job has {world} ranks but the manifest's dp*tp*pp is {manifest.world_size}")
     tracer = flightrec.build_trace(trace_kind, run_dir, rank)
+    bus = None
     try:
         with tracer:
             shape, dims = topology.mesh_shape(manifest)
@@ -139,6 +141,10 @@ def run(run_dir: Path) -> None:
         tracer.close()
         dist.barrier()
         seal_and_complete(run_dir, rank, recorder, dist, {"steps": manifest.training.steps, "world_size": world})
+    except BaseException as e:
+        if bus is not None:
+            process_exit(bus, e)
+        raise
     finally:
         tracer.close()
         if dist.is_initialized():
