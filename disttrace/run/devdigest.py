@@ -15,16 +15,20 @@ once per step:
    the same bit for bit on every run (no atomics). The snapshot is handed to the side stream
    (`record_stream`), so the training stream's allocator does not reuse it before the digest has read it.
 3. Collect, at the step's end: every group's results (one int64 matrix, floats carried as their bits) are
-   concatenated and copied to pinned host memory in one copy, and an event marks its end. The recorder
-   writes the step when the *next* step ends (or when the run closes), by which time the event has long
-   fired: the host never waits for the device mid-step.
+   concatenated per device and copied to pinned host memory, one copy per device (a process may hold
+   tensors on several, a pipeline stage each), and an event marks each copy's end. The recorder writes the
+   step when the *next* step ends (or when the run closes), by which time the events have long fired: the
+   host never waits for the device mid-step.
 
 Snapshots cost memory until the side stream has read them: at most `snapshot_bytes` a step (256 MiB by
 default). Tensors beyond that budget (a large model's optimizer state) are digested on the training stream
 itself, tensor by tensor, without a copy: ordered before any later update, and nothing to wait for there.
 
-Chunks hold at most `chunk` elements (whole rows of the (rows, last axis) view), so the float64 working
-copies stay bounded whatever the tensor's size. Off CUDA (and on the CPU, where the tests run this code,
+Chunks hold at most `chunk` elements: whole rows of the (rows, last axis) view, or, where one row alone is
+longer (a long 1-D tensor), a slice of its columns; the sketch takes the product with the chunk's fewer rows
+or columns first. So the float64 and int64 working copies stay within the chunk whatever the tensor's size
+(tests/test_devdigest_split.py measures the largest). The sketch vectors, cached per shape, are not chunked:
+K float64 per row and per column of the view. Off CUDA (and on the CPU, where the tests run this code,
 `DISTTRACE_DEVICE_DIGESTS=1`) the same kernels run on the current stream and the copy is synchronous.
 """
 
@@ -71,7 +75,7 @@ class DeviceDigests:
         self.chunk, self.snapshot_bytes = chunk, snapshot_bytes
         self._snapshotted = 0  # bytes this step
         self._rows: list[_Row] = []
-        self._parts: list[tuple[list[int], torch.Tensor]] = []  # (rows, int64 results (n, _F + 3)) on the device
+        self._parts: list[tuple] = []  # (device, rows, int64 results (n, _F + 3) there)
         self._streams: dict = {}  # device -> side stream (CUDA)
         self._vectors: dict = {}  # (device, shape, offset, logical shape) -> the sketch's U and W there
 
@@ -97,18 +101,18 @@ class DeviceDigests:
                     part = self._reduce(t.reshape(1, *shape), shape, off, lshape)
                     if stream is not None:
                         part.record_stream(stream)  # collect concatenates it on the side stream
-                    self._parts.append(([r], part))
+                    self._parts.append((device, [r], part))
                 continue
             self._snapshotted += size
             snap = torch.stack([t for _, t in members])  # the snapshot, on the training stream
             if stream is None:
-                self._parts.append(([r for r, _ in members], self._reduce(snap, shape, off, lshape)))
+                self._parts.append((device, [r for r, _ in members], self._reduce(snap, shape, off, lshape)))
                 continue
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
                 part = self._reduce(snap, shape, off, lshape)
             snap.record_stream(stream)  # not reused by the training stream before the side stream has read it
-            self._parts.append(([r for r, _ in members], part))
+            self._parts.append((device, [r for r, _ in members], part))
         return rows
 
     def _side_stream(self, device: torch.device):
@@ -127,26 +131,35 @@ class DeviceDigests:
         ut, wt = self._sketch_vectors(snap.device, shape, off, lshape)
         per = max(1, self.chunk // (rows * cols))  # tensors per chunk
         span = max(1, self.chunk // (per * cols))  # rows per chunk
+        width = min(cols, self.chunk)  # columns per chunk: all of them unless one row alone exceeds the chunk
         parts = []
         for a in range(0, n, per):
             acc = None
             for r0 in range(0, rows, span):
                 r1 = min(rows, r0 + span)
-                x = x3[a:a + per, r0:r1].to(torch.float64)
-                v = ints[a:a + per, r0:r1].to(torch.int64)
-                pos = torch.arange(r0 * cols, r1 * cols, dtype=torch.int64, device=snap.device).view(r1 - r0, cols)
-                sk = ((ut[:, r0:r1] @ x) * wt).sum(-1)  # (m, K): U^T X W, as digest._sketch_on_device
-                part = [x.sum((1, 2)), (x * x).sum((1, 2)), *sk.unbind(1)]
-                floats = torch.stack(part, 1).view(torch.int64)
-                h1 = (v * (pos * _M1 | 1)).sum((1, 2))
-                h2 = ((v ^ (v >> 7)) * (pos * _M2 | 1)).sum((1, 2))
-                nonfinite = (~torch.isfinite(x)).sum((1, 2))
-                chunk = (floats, torch.stack([h1, h2, nonfinite], 1))
-                if acc is None:
-                    acc = chunk
-                else:  # later row chunks add: floats as floats, integers wrapping mod 2^64
-                    acc = ((acc[0].view(torch.float64) + chunk[0].view(torch.float64)).view(torch.int64),
-                           acc[1] + chunk[1])
+                for c0 in range(0, cols, width):
+                    c1 = min(cols, c0 + width)
+                    x = x3[a:a + per, r0:r1, c0:c1].to(torch.float64)
+                    v = ints[a:a + per, r0:r1, c0:c1].to(torch.int64)
+                    pos = (torch.arange(r0 * cols, r1 * cols, cols, dtype=torch.int64, device=snap.device)[:, None]
+                           + torch.arange(c0, c1, dtype=torch.int64, device=snap.device))  # flat indexes
+                    # (m, K): U^T X W, as digest._sketch_on_device, the product with the fewer of rows and
+                    # columns first, so its (m, K, .) intermediate is at most the chunk's size
+                    if r1 - r0 < c1 - c0:
+                        sk = ((x @ wt[:, c0:c1].T) * ut[:, r0:r1].T).sum(1)
+                    else:
+                        sk = ((ut[:, r0:r1] @ x) * wt[:, c0:c1]).sum(-1)
+                    part = [x.sum((1, 2)), (x * x).sum((1, 2)), *sk.unbind(1)]
+                    floats = torch.stack(part, 1).view(torch.int64)
+                    h1 = (v * (pos * _M1 | 1)).sum((1, 2))
+                    h2 = ((v ^ (v >> 7)) * (pos * _M2 | 1)).sum((1, 2))
+                    nonfinite = (~torch.isfinite(x)).sum((1, 2))
+                    chunk = (floats, torch.stack([h1, h2, nonfinite], 1))
+                    if acc is None:
+                        acc = chunk
+                    else:  # later chunks add: floats as floats, integers wrapping mod 2^64
+                        acc = ((acc[0].view(torch.float64) + chunk[0].view(torch.float64)).view(torch.int64),
+                               acc[1] + chunk[1])
             parts.append(torch.cat(acc, 1))
         return torch.cat(parts)
 
@@ -164,43 +177,51 @@ class DeviceDigests:
         return self._vectors[key]
 
     def collect(self) -> "Fetch":
-        """Start the step's one device-to-host copy; the queue is empty afterwards."""
+        """Start the step's device-to-host copies, one per device; the queue is empty afterwards."""
         rows, self._rows = self._rows, []
         parts, self._parts = self._parts, []
         self._snapshotted = 0
-        if not parts:
-            return Fetch(rows, np.empty(0, dtype=np.int64), None, None)
-        order = np.concatenate([np.asarray(r, dtype=np.int64) for r, _ in parts])
-        device = parts[0][1].device
-        stream = self._side_stream(device)
-        if stream is None:
-            return Fetch(rows, order, torch.cat([p for _, p in parts]).cpu(), None)
-        stream.wait_stream(torch.cuda.current_stream(device))  # parts made on the training stream
-        with torch.cuda.stream(stream):
-            packed = torch.cat([p for _, p in parts])  # every device's parts: one device per process
-            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-            host.copy_(packed, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(stream)
-        return Fetch(rows, order, host, done)
+        by_device: dict = {}
+        for device, r, part in parts:  # a process may hold tensors on several devices (a pipeline stage each)
+            by_device.setdefault(device, []).append((r, part))
+        orders, hosts, events = [], [], []
+        for device, members in by_device.items():
+            orders.append(np.concatenate([np.asarray(r, dtype=np.int64) for r, _ in members]))
+            stream = self._side_stream(device)
+            if stream is None:
+                hosts.append(torch.cat([p for _, p in members]).cpu())
+                continue
+            stream.wait_stream(torch.cuda.current_stream(device))  # parts made on the training stream
+            with torch.cuda.stream(stream):
+                packed = torch.cat([p for _, p in members])  # this device's parts
+                host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+                host.copy_(packed, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(stream)
+            hosts.append(host)
+            events.append(done)
+        return Fetch(rows, orders, hosts, events)
 
 
 class Fetch:
-    """A step's device digests on their way to the host; `result()` waits for the copy (long done when the
-    recorder asks, a step later) and returns one digest dict per row."""
+    """A step's device digests on their way to the host, one copy per device; `result()` waits for the copies
+    (long done when the recorder asks, a step later) and returns one digest dict per row."""
 
-    def __init__(self, rows: list[_Row], order: np.ndarray, host, done):
-        self.rows, self.order, self.host, self.done = rows, order, host, done
+    def __init__(self, rows: list[_Row], orders: list[np.ndarray], hosts: list[torch.Tensor], events: list):
+        # orders[i]: the rows whose results hosts[i] holds, in its order; events: the CUDA copies' ends
+        self.rows, self.orders, self.hosts, self.events = rows, orders, hosts, events
 
     def ready(self) -> bool:
-        return self.done is None or self.done.query()
+        return all(e.query() for e in self.events)
 
     def result(self) -> list[dict]:
-        if self.done is not None:
-            self.done.synchronize()
-        table = self.host.numpy() if self.host is not None else np.empty((0, _F + 3), dtype=np.int64)
+        for e in self.events:
+            e.synchronize()
+        table = (np.concatenate([h.numpy() for h in self.hosts]) if self.hosts
+                 else np.empty((0, _F + 3), dtype=np.int64))
+        order = np.concatenate(self.orders) if self.orders else np.empty(0, dtype=np.int64)
         where = np.full(len(self.rows), -1, dtype=np.int64)
-        where[self.order] = np.arange(len(self.order))
+        where[order] = np.arange(len(order))
         floats = table[:, :_F].view(np.float64)
         out = []
         for i, row in enumerate(self.rows):
