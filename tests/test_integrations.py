@@ -10,7 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import orjson
 import pytest
+import torch
 
 from conftest import ROOT, cli
 from disttrace.analysis.diff import diff_runs
@@ -87,3 +89,169 @@ def test_lightning_run_is_recorded_with_its_accumulation(tmp_path):
         assert {(0, "data"), (0, "backward"), (1, "backward"), (1, "reduce"), (1, "clip"), (1, "optimizer")} <= seen
         assert (0, "reduce") not in seen, seen
     assert cli("check", run_dir).returncode == 0
+
+
+# ---------------------------------------------------------------- sample ids through the callbacks
+# The oracle is the data itself: every item carries its own index, and the model (HF) or training_step
+# (Lightning) logs per training forward the indices it was handed and the optimizer step it belongs to
+# (LOG/rank{R}.jsonl). Each rank's data records, in order, must carry exactly those ids, or none where the
+# sampler cannot be read ahead (never other ids).
+
+
+def id_runs(script: str, out: Path, variants: tuple[str, ...]) -> dict[str, tuple[Path, dict[int, list]]]:
+    runs = {}
+    for variant in variants:
+        log = out / f"log-{variant or 'default'}"
+        log.mkdir()
+        run = torchrun(script, out, log, *([variant] if variant else []))
+        runs[variant] = run, {rank: [(d["step"], d["idx"]) for d in map(orjson.loads, (log / f"rank{rank}.jsonl")
+                                                                          .read_bytes().splitlines())]
+                              for rank in (0, 1)}
+    return runs
+
+
+def data_ids(run: Path, rank: int) -> list[tuple[int, list[int]]]:
+    return [(r["step"], r["samples"]) for r in Run(run).records(rank) if r["phase"] == "data"]
+
+
+@pytest.fixture(scope="module")
+def hf_id_runs(tmp_path_factory):
+    pytest.importorskip("transformers", reason="transformers could not be installed here")
+    return id_runs("hf_sample_ids.py", tmp_path_factory.mktemp("hf-ids"), ("", "unseeded", "twice"))
+
+
+@pytest.fixture(scope="module")
+def lightning_id_runs(tmp_path_factory):
+    pytest.importorskip("lightning", reason="lightning could not be installed here")
+    return id_runs("lightning_sample_ids.py", tmp_path_factory.mktemp("lightning-ids"), ("", "self-call", "random"))
+
+
+def test_hf_data_records_carry_the_ids_each_forward_received(hf_id_runs):
+    """The Trainer's default sampler (accelerate's SeedableRandomSampler, sharded by BatchSamplerShard), over
+    two epochs (4 steps of windows 2, 1, 2, 1 micro-batches): every micro-batch's ids, on both ranks."""
+    run, logged = hf_id_runs[""]
+    for rank in (0, 1):
+        assert [s for s, _ in logged[rank]] == [1, 1, 2, 3, 3, 4]
+        assert data_ids(run, rank) == logged[rank]
+    assert {i for _, ids in logged[0][:3] for i in ids}.isdisjoint(i for _, ids in logged[1][:3] for i in ids)
+    assert logged[0][:3] != logged[0][3:]  # the second epoch is reshuffled: a stale epoch would not match
+
+
+def test_hf_unreadable_sampler_records_no_ids(hf_id_runs):
+    """use_seedable_sampler=False: a RandomSampler whose generator accelerate synchronises as each epoch starts
+    cannot be read ahead: the data records are there, without ids."""
+    run, logged = hf_id_runs["unseeded"]
+    for rank in (0, 1):
+        assert [(s, []) for s, _ in logged[rank]] == data_ids(run, rank)
+
+
+def test_hf_two_forwards_per_batch_never_record_another_batchs_ids(hf_id_runs):
+    """compute_loss runs the model twice on each batch. Counting forwards, the second would take the next
+    batch's ids (it did, before the callback checked that a forward reads the batch it is paired with);
+    now the batch after a mismatch loses its ids, and every id recorded is the forward's own."""
+    run, logged = hf_id_runs["twice"]
+    for rank in (0, 1):
+        records = data_ids(run, rank)
+        assert len(records) == len(logged[rank]) == 12
+        assert all(ids in ([], seen) and step == at for (step, ids), (at, seen) in zip(records, logged[rank]))
+        assert [i for i, (_, ids) in enumerate(records) if ids] == [0, 4, 6, 10]  # each window's first forward
+
+
+def test_lightning_data_records_carry_the_ids_each_step_received(lightning_id_runs):
+    """Lightning's DistributedSampler, 3 steps over two epochs: the first epoch's iterator (made before
+    on_train_start) and the second's (made through the watched loader) both carry the ids."""
+    run, logged = lightning_id_runs[""]
+    for rank in (0, 1):
+        assert [s for s, _ in logged[rank]] == [1, 1, 2, 3, 3]
+        assert data_ids(run, rank) == logged[rank]
+    assert {i for _, ids in logged[0][:3] for i in ids}.isdisjoint(i for _, ids in logged[1][:3] for i in ids)
+
+
+def test_lightning_training_step_calling_forward_keeps_the_ids_on_their_batch(lightning_id_runs):
+    """training_step calls self(x) inside DDP's forward: that second forward is a micro-batch of its own to
+    attach, with no ids; the ids stay with the forward that took the batch, none lands on another."""
+    run, logged = lightning_id_runs["self-call"]
+    for rank in (0, 1):
+        records = data_ids(run, rank)
+        assert [r for r in records if r[1]] == logged[rank]
+        assert len(records) == 2 * len(logged[rank])
+
+
+def test_lightning_random_sampler_records_no_ids(lightning_id_runs):
+    run, logged = lightning_id_runs["random"]
+    for rank in (0, 1):
+        assert [(s, []) for s, _ in logged[rank]] == data_ids(run, rank)
+
+
+def test_accelerate_shard_ids_are_read_ahead_without_changing_the_batches():
+    """In process, two ranks' DataLoaderShards as accelerate prepares them (no drop_last: the last batch wraps
+    around): the ids read ahead are each epoch's batches, and reading leaves the batches as they were."""
+    pytest.importorskip("accelerate", reason="accelerate could not be installed here")
+    from accelerate.data_loader import prepare_data_loader
+    from torch.utils.data import DataLoader, RandomSampler
+
+    from disttrace.run.attach import _planned_sample_ids
+
+    items = [{"idx": i} for i in range(20)]
+
+    def shard(rank, seedable=True):
+        return prepare_data_loader(DataLoader(items, batch_size=3, sampler=RandomSampler(items)), num_processes=2,
+                                   process_index=rank, use_seedable_sampler=seedable, data_seed=0)
+
+    for rank in (0, 1):
+        read, untouched = shard(rank), shard(rank)
+        for epoch in range(2):
+            read.set_epoch(epoch)
+            untouched.set_epoch(epoch)
+            planned = _planned_sample_ids(read)
+            batches = [b["idx"].tolist() for b in read]
+            assert planned == batches == [b["idx"].tolist() for b in untouched]
+        assert [len(b) for b in batches] == [3, 3, 3, 3]  # 7 batches of 20 items: the last completed from the first
+    assert _planned_sample_ids(shard(0, seedable=False)) is None
+
+
+def test_a_batch_samplers_own_sampler_is_the_one_read():
+    """DataLoader(batch_sampler=BatchSampler(RandomSampler)): loader.sampler is a default SequentialSampler
+    nobody iterates; reading it, or the RandomSampler, ahead would give wrong ids (and draw from the global
+    generator). No ids; a batch sampler over a DistributedSampler gives that sampler's."""
+    from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler
+
+    from disttrace.run.attach import _planned_sample_ids
+
+    items = list(range(8))
+    state = torch.get_rng_state()
+    assert _planned_sample_ids(DataLoader(items, batch_sampler=BatchSampler(RandomSampler(items), 4, False))) is None
+    assert torch.equal(state, torch.get_rng_state())
+    sampler = DistributedSampler(items, num_replicas=2, rank=1, seed=3)
+    loader = DataLoader(items, batch_sampler=BatchSampler(sampler, 2, False))
+    ids = list(sampler)
+    assert _planned_sample_ids(loader) == [b.tolist() for b in loader] == [ids[:2], ids[2:]]
+    assert _planned_sample_ids(DataLoader(items, batch_size=2, num_workers=2, in_order=False)) is None
+
+
+def test_a_watched_dataloadershard_reports_its_class_and_gets_it_back(tmp_path):
+    """accelerate's DataLoaderShard answers `__class__` with its inner DataLoader's class (a read-only
+    property): attach swaps its real class to watch it, and close swaps it back; every batch's ids recorded."""
+    pytest.importorskip("accelerate", reason="accelerate could not be installed here")
+    from accelerate.data_loader import DataLoaderShard, prepare_data_loader
+    from torch.utils.data import DataLoader, RandomSampler
+
+    import disttrace.api
+
+    items = [{"x": torch.full((2,), float(i)), "idx": i} for i in range(16)]
+    loader = prepare_data_loader(DataLoader(items, batch_size=2, sampler=RandomSampler(items)), num_processes=2,
+                                 process_index=1, use_seedable_sampler=True, data_seed=0)
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = disttrace.api.attach(model, opt, out=tmp_path, loader=loader)
+    assert type(loader) is not DataLoaderShard and isinstance(loader, DataLoaderShard)
+    assert loader.__class__ is DataLoader
+    seen = []
+    for batch in loader:
+        seen.append(batch["idx"].tolist())
+        model(batch["x"]).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    run.close()
+    assert type(loader) is DataLoaderShard and loader.__class__ is DataLoader
+    assert len(seen) == 4 and [r["samples"] for r in Run(run.run_dir).records(0) if r["phase"] == "data"] == seen

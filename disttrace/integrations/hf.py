@@ -8,13 +8,24 @@
 At `on_train_begin` the Trainer has wrapped the model (DDP under torchrun) and built the optimizer: the
 callback attaches to those, so DDP's comm hook gives the `backward` point. The TrainingArguments that define
 the experiment (learning rate, batch, accumulation, steps, seed, clipping) go into the manifest's config.
+
+The training DataLoader (accelerate's DataLoaderShard, passed to `on_train_begin`) is watched as
+`attach(..., loader=)` watches a script's: each micro-batch's `data` record is the batch it handed out, with
+its sample ids where its sampler can be read ahead without changing anything (accelerate's
+SeedableRandomSampler, the Trainer's default, or a Sequential/DistributedSampler, sharded by
+BatchSamplerShard; see attach._planned_sample_ids), else no ids. A batch is paired with the model's next
+training forward only when that forward's input is the tensor the loader handed out (on the CPU: equal to it);
+otherwise (a Trainer whose compute_loss runs the model twice, or rebuilds the inputs) the queued batches are
+dropped and those micro-batches have no ids. Batches fetched in an epoch that stopped early are dropped at the next epoch.
 """
 
 from __future__ import annotations
 
+import torch
 from transformers import TrainerCallback
 
 import disttrace.api
+from disttrace.run.attach import _batch_inputs, _first_tensor
 
 ARG_FIELDS = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm",
               "lr_scheduler_type", "warmup_steps", "seed", "data_seed", "max_steps", "num_train_epochs")
@@ -24,8 +35,9 @@ class DisttraceCallback(TrainerCallback):
     def __init__(self, trainer=None, out="runs", name: str = "hf-trainer", config: dict | None = None):
         self.trainer, self.out, self.name, self.config = trainer, out, name, config or {}
         self.run = None
+        self._pairing = None
 
-    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, train_dataloader=None, **kwargs):
         wrapped = getattr(self.trainer, "model_wrapped", None) if self.trainer is not None else None
         config = {k: getattr(args, k) for k in ARG_FIELDS if hasattr(args, k)}
         config.update(grad_accum_steps=args.gradient_accumulation_steps,
@@ -33,9 +45,38 @@ class DisttraceCallback(TrainerCallback):
         if args.max_steps and args.max_steps > 0:
             config["steps"] = args.max_steps
         self.run = disttrace.api.attach(wrapped if wrapped is not None else model, optimizer, out=self.out,
-                                        name=self.name, config=config)
+                                        name=self.name, config=config, loader=train_dataloader)
+        if train_dataloader is not None:  # runs before attach's own pre-hook, which takes the queued batch
+            self._pairing = self.run.inner.register_forward_pre_hook(self._check_pairing, with_kwargs=True,
+                                                                     prepend=True)
+
+    def _check_pairing(self, module, args, kwargs):
+        """The queued batch goes to this forward only if the forward reads it: its input tensor (input_ids, or
+        the first tensor) is the handed-out tensor (same memory: on an accelerator the DataLoaderShard placed
+        the batch and the Trainer's move is a no-op), or on the CPU equal to it (the Trainer's `.to("cpu:0")`
+        copies a "cpu" tensor); compared without waiting for a device. Else every queued batch is dropped."""
+        run = self.run
+        if run is None or not run._pending or not (module.training and torch.is_grad_enabled()):
+            return None
+        if torch._C._current_graph_task_id() != -1:  # recomputation inside backward: not a micro-batch
+            return None
+        seen = _batch_inputs(dict(kwargs)) if kwargs else _first_tensor(args, {})
+        queued = run._pending[0][0]
+        same = (seen is not None and seen.shape == queued.shape and seen.dtype == queued.dtype
+                and (seen.data_ptr() == queued.data_ptr()
+                     or (seen.device.type == queued.device.type == "cpu" and torch.equal(seen, queued))))
+        if not same:
+            run._pending.clear()
+        return None
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        if self.run is not None:  # the epoch's batches are not fetched yet: anything queued is left over
+            self.run._pending.clear()
 
     def on_train_end(self, args, state, control, **kwargs):
+        if self._pairing is not None:
+            self._pairing.remove()
+            self._pairing = None
         if self.run is not None:
             self.run.close()
 

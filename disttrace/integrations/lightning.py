@@ -7,9 +7,20 @@
 
 At `on_train_start` the strategy has wrapped the module (DDP under strategy="ddp") and built the optimizer:
 the callback attaches to those. The Trainer settings that define the experiment go into the manifest's config.
+
+Under DDP with one sized training DataLoader, that loader (`trainer.train_dataloader`, as Lightning rebuilt it
+with its DistributedSampler) is watched as `attach(..., loader=)` watches a script's: each micro-batch's
+`data` record is the batch it handed out, with its sample ids where the sampler can be read ahead (a
+DistributedSampler or SequentialSampler; a RandomSampler with use_distributed_sampler=False gives none).
+Under DDP Lightning runs every training_step through the DDP wrapper's forward, once per batch, fetched one at
+a time: that forward takes the batch. Other strategies (the module's own forward runs as often as the
+training_step calls it), several loaders (CombinedLoader's batches), unsized ones (prefetched) and a
+training_step taking `dataloader_iter` are not watched: their `data` is the forward's input, without ids.
 """
 
 from __future__ import annotations
+
+import inspect
 
 from lightning.pytorch.callbacks import Callback
 
@@ -20,6 +31,7 @@ class DisttraceCallback(Callback):
     def __init__(self, out="runs", name: str = "lightning", config: dict | None = None):
         self.out, self.name, self.config = out, name, config or {}
         self.run = None
+        self._watching = False
 
     def on_train_start(self, trainer, pl_module):
         model = trainer.strategy.model if trainer.strategy.model is not None else pl_module
@@ -27,7 +39,20 @@ class DisttraceCallback(Callback):
                   "max_epochs": trainer.max_epochs, **self.config}
         if trainer.max_steps and trainer.max_steps > 0:
             config["steps"] = trainer.max_steps
-        self.run = disttrace.api.attach(model, trainer.optimizers[0], out=self.out, name=self.name, config=config)
+        loader = _watchable_loader(trainer, model)
+        self.run = disttrace.api.attach(model, trainer.optimizers[0], out=self.out, name=self.name, config=config,
+                                        loader=loader)
+        self._watching = loader is not None
+        if self._watching:
+            _first_epoch(trainer, self.run, loader)
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if self._watching and self.run is not None:  # no batch of this epoch is fetched yet: drop leftovers
+            self.run._pending.clear()  # (an epoch ended by on_train_batch_start returning -1)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self._watching and self.run is not None and len(self.run._pending) > 1:
+            self.run._pending.clear()  # only the batch just fetched may wait here: pairing unknown, no ids
 
     def on_train_end(self, trainer, pl_module):
         if self.run is not None:
@@ -36,3 +61,40 @@ class DisttraceCallback(Callback):
     @property
     def run_dir(self):
         return self.run.run_dir if self.run is not None else None
+
+
+def _watchable_loader(trainer, model):
+    """The training DataLoader when each of its batches is one forward of the DDP-wrapped module, else None."""
+    from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader
+
+    loader = trainer.train_dataloader
+    if not isinstance(model, DistributedDataParallel) or not isinstance(loader, DataLoader):
+        return None
+    if type(getattr(trainer.fit_loop, "_data_fetcher", None)) is not _PrefetchDataFetcher:
+        return None  # a training_step taking dataloader_iter pulls batches itself
+    try:
+        len(loader)
+    except TypeError:  # unsized: the fetcher prefetches a batch ahead
+        return None
+    return loader
+
+
+def _first_epoch(trainer, run, loader) -> None:
+    """Lightning made the first epoch's DataLoader iterator in FitLoop.setup_data, before on_train_start, so the
+    watch in place sees later epochs only. That iterator's batches are watched too when it is single-process,
+    has handed out nothing and has not started its batch sampler: the run reads the sampler ahead at its first
+    batch, after Lightning has set the epoch, as it would for a fresh iterator. Otherwise none for that epoch."""
+    from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
+
+    combined = getattr(trainer.fit_loop, "_combined_loader", None)
+    iterators = getattr(getattr(combined, "_iterator", None), "iterators", None)
+    if not isinstance(iterators, list) or len(iterators) != 1:
+        return
+    it = iterators[0]
+    if type(it) is not _SingleProcessDataLoaderIter or it._num_yielded or it._index_sampler is not loader.batch_sampler:
+        return
+    if not inspect.isgenerator(it._sampler_iter) or inspect.getgeneratorstate(it._sampler_iter) != inspect.GEN_CREATED:
+        return
+    iterators[0] = run._batches_of(loader, lambda: it)

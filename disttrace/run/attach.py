@@ -584,7 +584,14 @@ class AttachedRun:
                 return base.__iter__(self)
             return run._batches_of(self, lambda: base.__iter__(self))
 
-        loader.__class__ = type(base.__name__, (base,), {"__iter__": __iter__, "__module__": base.__module__})
+        namespace = {"__iter__": __iter__, "__module__": base.__module__, "_disttrace_base": base}
+        swap = object.__dict__["__class__"].__set__  # the instance's class slot itself
+        own = next((k.__dict__["__class__"] for k in base.__mro__[:-1] if "__class__" in k.__dict__), None)
+        if own is not None:  # accelerate's DataLoaderShard reports its inner DataLoader's class (a read-only
+            if not isinstance(own, property):  # property): keep reporting it, and let close() swap the class back
+                return
+            namespace["__class__"] = property(own.fget, swap)
+        swap(loader, type(base.__name__, (base,), namespace))
         self._loaders.append((loader, base))
 
     def _batches_of(self, loader, make_iterator):
@@ -876,20 +883,49 @@ def _batch_inputs(batch):
 
 def _planned_sample_ids(loader) -> list[list[int]] | None:
     """Each batch's sample ids for the epoch about to start, read from the loader's sampler where reading it
-    changes nothing: a DistributedSampler (or a sequential one) is a pure function of its seed and epoch,
-    batched by torch's own BatchSampler. None for other samplers (a RandomSampler draws its seed from the
-    global generator: reading it ahead would change the training)."""
-    from torch.utils.data import BatchSampler, DistributedSampler, SequentialSampler
+    changes nothing and the loader hands out its batches in the sampler's order: a DistributedSampler, a
+    SequentialSampler (or accelerate's SeedableRandomSampler) is a pure function of its seed and epoch, batched
+    by torch's own BatchSampler (sharded by accelerate's BatchSamplerShard in a DataLoaderShard, which sets the
+    sampler's epoch to its own iteration count when it starts an epoch). The sampler read is the batch
+    sampler's, not `loader.sampler` (with a batch_sampler given, that is a default SequentialSampler nobody
+    iterates). None for anything else: other samplers (a RandomSampler draws its seed from the global
+    generator: reading it ahead would change the training), other loader classes (a DataLoader subclass with
+    its own iteration, torchdata's StatefulDataLoader resuming mid-epoch, accelerate's DataLoaderDispatcher
+    slicing rank 0's batches), and workers allowed to hand batches out of order (in_order=False)."""
+    import sys
+    from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler
 
-    sampler = getattr(loader, "sampler", None)
-    if type(sampler) not in (DistributedSampler, SequentialSampler):
+    kind = type(loader).__dict__.get("_disttrace_base", type(loader))  # the loader's own class, when watched
+    acc = sys.modules.get("accelerate.data_loader")  # a DataLoaderShard exists only if accelerate is imported
+    pure = (DistributedSampler, SequentialSampler) + ((acc.SeedableRandomSampler,) if acc else ())
+    shard = acc is not None and kind is acc.DataLoaderShard
+    if shard:
+        if type(loader.base_dataloader) is not DataLoader:  # a StatefulDataLoader underneath
+            return None
+    elif not (isinstance(kind, type) and issubclass(kind, DataLoader) and kind.__iter__ is DataLoader.__iter__
+              and kind._get_iterator is DataLoader._get_iterator):
+        return None
+    if getattr(loader, "num_workers", 0) > 0 and getattr(loader, "in_order", True) is False:
         return None
     batches = getattr(loader, "batch_sampler", None)
     if batches is None:  # batch_size=None: one sample per batch
-        return [[int(i)] for i in sampler]
-    if type(batches) is not BatchSampler:
+        sampler = getattr(loader, "sampler", None)
+        return [[int(i)] for i in sampler] if not shard and type(sampler) in pure[:2] else None
+    inner = batches.batch_sampler if shard and type(batches) is acc.BatchSamplerShard else batches
+    if type(inner) is not BatchSampler:
         return None
-    return [[int(i) for i in b] for b in batches]
+    sampler = inner.sampler
+    if type(sampler) not in pure:
+        return None
+    epoch = getattr(sampler, "epoch", None)  # a SeedableRandomSampler counts its epochs as it is read
+    if shard and epoch is not None:  # the epoch DataLoaderShard.__iter__ is about to set
+        sampler.set_epoch(loader.iteration)
+    try:
+        ids = [[int(i) for i in b] for b in batches]
+    finally:
+        if epoch is not None:
+            sampler.set_epoch(epoch)
+    return ids[loader.skip_batches:] if shard else ids
 
 
 class WatchedLoader:
