@@ -56,22 +56,22 @@ class DisttraceCallback(TrainerCallback):
         the batch and the Trainer's move is a no-op), or on the CPU equal to it (the Trainer's `.to("cpu:0")`
         copies a "cpu" tensor); compared without waiting for a device. Else every queued batch is dropped."""
         run = self.run
-        if run is None or not run._pending or not (module.training and torch.is_grad_enabled()):
+        if run is None or not run.queued_batches() or not (module.training and torch.is_grad_enabled()):
             return None
         if torch._C._current_graph_task_id() != -1:  # recomputation inside backward: not a micro-batch
             return None
         seen = _batch_inputs(dict(kwargs)) if kwargs else _first_tensor(args, {})
-        queued = run._pending[0][0]
+        queued = run.queued_inputs()
         same = (seen is not None and seen.shape == queued.shape and seen.dtype == queued.dtype
                 and (seen.data_ptr() == queued.data_ptr()
                      or (seen.device.type == queued.device.type == "cpu" and torch.equal(seen, queued))))
         if not same:
-            run._pending.clear()
+            run.drop_queued_batches()
         return None
 
     def on_epoch_begin(self, args, state, control, **kwargs):
         if self.run is not None:  # the epoch's batches are not fetched yet: anything queued is left over
-            self.run._pending.clear()
+            self.run.drop_queued_batches()
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._pairing is not None:

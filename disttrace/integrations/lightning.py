@@ -48,11 +48,11 @@ class DisttraceCallback(Callback):
 
     def on_train_epoch_start(self, trainer, pl_module):
         if self._watching and self.run is not None:  # no batch of this epoch is fetched yet: drop leftovers
-            self.run._pending.clear()  # (an epoch ended by on_train_batch_start returning -1)
+            self.run.drop_queued_batches()  # (an epoch ended by on_train_batch_start returning -1)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if self._watching and self.run is not None and len(self.run._pending) > 1:
-            self.run._pending.clear()  # only the batch just fetched may wait here: pairing unknown, no ids
+        if self._watching and self.run is not None and self.run.queued_batches() > 1:
+            self.run.drop_queued_batches()  # only the batch just fetched may wait here: pairing unknown, no ids
 
     def on_train_end(self, trainer, pl_module):
         if self.run is not None:
@@ -97,4 +97,4 @@ def _first_epoch(trainer, run, loader) -> None:
         return
     if not inspect.isgenerator(it._sampler_iter) or inspect.getgeneratorstate(it._sampler_iter) != inspect.GEN_CREATED:
         return
-    iterators[0] = run._batches_of(loader, lambda: it)
+    iterators[0] = run.watch_iterator(loader, it)

@@ -574,6 +574,24 @@ class AttachedRun:
         randomness). `attach(..., loader=loader)` does the same to the loader in place."""
         return WatchedLoader(self, loader)
 
+    # what the integrations (integrations/hf.py, lightning.py) need of a watched loader's queue, where they
+    # know better than the order of forwards which batch a forward reads
+    def queued_inputs(self):
+        """The inputs of the batch the next training forward will be paired with (None: nothing queued)."""
+        return self._pending[0][0] if self._pending else None
+
+    def queued_batches(self) -> int:
+        return len(self._pending)
+
+    def drop_queued_batches(self) -> None:
+        """Forget the batches a watched loader handed out that no forward has taken: the forwards that follow
+        record their own inputs, without sample ids (no id rather than another batch's)."""
+        self._pending.clear()
+
+    def watch_iterator(self, loader, iterator):
+        """`iterator`, an iterator `loader` already made, watched as `attach(loader=)` watches the ones it makes."""
+        return self._batches_of(loader, lambda: iterator)
+
     def _watch_in_place(self, loader) -> None:
         base = type(loader)
         ref = weakref.ref(self)  # the swapped class outlives close() until a collection: it must not hold the run
