@@ -182,3 +182,37 @@ def test_forward_naming_a_module_the_model_lacks_is_refused(tmp_path):
     proc = attach_single(tmp_path, ["0", "blocks.9"])
     assert proc.returncode != 0
     assert "attach(forward=...)" in proc.stderr and "blocks.9" in proc.stderr and "0, 1, 2" in proc.stderr
+
+
+TWICE = """
+import torch, disttrace.api as d
+from torch.utils.data import DataLoader, TensorDataset
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+o = torch.optim.SGD(m.parameters(), lr=0.1)
+loader = DataLoader(TensorDataset(torch.arange(32.).reshape(8, 4)), batch_size=2)
+r = d.attach(m, o, out={out!r}, loader=loader)
+it = iter(loader)
+for step in range(2):
+    window = [next(it) for _ in range(2)]  # the accumulation window fetched first
+    o.zero_grad()
+    for (x,) in window:  # the model run twice on each batch (e.g. a loss with two passes)
+        r.loss(m(x).sum() + m(x[:1]).square().sum()).backward()
+    o.step()
+r.close(); print(r.run_dir)
+"""
+
+
+def test_a_second_forward_of_one_batch_does_not_take_the_next_batchs_ids(tmp_path):
+    """Batches pair with forwards by order; a forward reading the batch the previous forward took (the same
+    storage, here a slice of it) is not the next batch's: by order it was given the next batch's sample ids."""
+    proc = subprocess.run([sys.executable, "-c", TWICE.format(out=str(tmp_path))], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = [r for r in Run(proc.stdout.strip().splitlines()[-1]).records(0) if r["phase"] == "data"]
+    # a SequentialSampler: batches [0, 1], [2, 3] in step 1 and [4, 5], [6, 7] in step 2, each at its first
+    # forward (micro-batches 0 and 2); the second forwards (1 and 3) record their own input without ids
+    assert [(r["step"], r["micro_batch"], r["samples"]) for r in data] == [
+        (1, 0, [0, 1]), (1, 1, []), (1, 2, [2, 3]), (1, 3, []),
+        (2, 0, [4, 5]), (2, 1, []), (2, 2, [6, 7]), (2, 3, [])]
+    assert [r["shape"] for r in data] == [[2, 4], [1, 4]] * 4

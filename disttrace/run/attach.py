@@ -522,6 +522,7 @@ class AttachedRun:
         self._forwards = 0  # forwards of the model since the last optimizer step: the micro-batches
         self._data_mb: set[int] = set()
         self._pending: deque = deque()  # (inputs, sample ids) a watched DataLoader handed out, one per forward
+        self._taken = None  # the inputs of the batch the last training forward took (see _take_batch)
         self._loaders: list = []  # loaders whose class attach swapped (restored at close)
         self._comm_fired = self._bw_queued = self._reduced = self._clipped = False
         self.completed = 0  # the last step whose optimizer stepped
@@ -695,6 +696,7 @@ class AttachedRun:
             loader.__class__ = base
         self._loaders = []
         self._pending.clear()
+        self._taken = None
         if self in _ACTIVE:
             _ACTIVE.remove(self)
         _patch_clip(bool(_ACTIVE))
@@ -763,13 +765,27 @@ class AttachedRun:
         mb = self._forwards
         self._forwards += 1
         self.bus.micro_batch = mb
-        watched = self._pending.popleft() if self._pending else None  # this forward consumes one batch
+        watched = self._take_batch(args, kwargs)
         if mb not in self._data_mb:
             inputs, ids = watched if watched is not None else (_first_tensor(args, kwargs), [])
             if inputs is not None:
                 self._data_mb.add(mb)
                 self.bus.emit("data", batch={"inputs": inputs.detach(), "sample_ids": ids}, fetch=None)
         return None
+
+    def _take_batch(self, args, kwargs):
+        """The queued batch this forward consumes: the next in order, unless the forward reads the batch the
+        previous forward took (its input in that batch's storage, and not in the next one's: the model run twice
+        on one batch), which takes none: by order it took the next batch, and its ids. Storage addresses only,
+        so the device is never waited for; an input copied to another device is not recognised (see README)."""
+        where = _storage(_first_tensor(args, kwargs))
+        if (where is not None and where == _storage(self._taken)
+                and not (self._pending and _storage(self._pending[0][0]) == where)):
+            return None
+        watched = self._pending.popleft() if self._pending else None
+        # held (one batch's inputs, until the next take) so its address cannot be reused by a later batch
+        self._taken = watched[0] if watched is not None else None
+        return watched
 
     def _block_output_hook(self, index: int, name: str):
         """`forward`: a block's output (its first tensor) on a training micro-batch, as the harness records
@@ -889,6 +905,16 @@ def _first_tensor(args, kwargs):
         if torch.is_tensor(v):
             return v
     return None
+
+
+def _storage(t) -> int | None:
+    """The address of a tensor's storage (a slice or `.to()` on its own device shares it), None if none."""
+    if not torch.is_tensor(t) or hasattr(t, "to_local"):
+        return None
+    try:
+        return t.untyped_storage().data_ptr() or None
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
+        return None
 
 
 def _batch_inputs(batch):
