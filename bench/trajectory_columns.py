@@ -1,11 +1,13 @@
 """Where a trajectory's bytes go: for one rank's Arrow stream of a run, the bytes per record each column
 costs (the stream rewritten without it, LZ4 as stored), and what one batch for all steps or no compression
-would store. The baseline is the same stream rewritten by pyarrow in the same run.
+would store. The baseline is the same stream rewritten by pyarrow in the same run, one stream per step as
+the writer does (a step's bytes carry its own dictionary; the schema message counts once, in the first).
 
     python bench/trajectory_columns.py RUN [--rank 0]
 
-Guides the bytes-per-record target (issue 14): a step's batch must decode on its own (no dictionaries), so
-repeated strings (tensor names, phases, dtypes, shapes) are paid every step.
+Guides the bytes-per-record target (issue 14): a step's batch must decode on its own, so whatever repeats
+across steps (tensor names, the shape dictionary, each column's Arrow metadata and LZ4 frame) is paid every
+step. Reads either layout (v1: store/trajectory.py's SCHEMA; v2: SCHEMA_V2) as the file holds it.
 """
 
 from __future__ import annotations
@@ -23,11 +25,26 @@ sys.path.insert(0, str(ROOT))
 
 
 def stored(batches, schema, compression="lz4") -> int:
-    sink = io.BytesIO()
-    with ipc.new_stream(sink, schema, options=ipc.IpcWriteOptions(compression=compression)) as w:
-        for b in batches:
-            w.write_batch(b)
-    return len(sink.getvalue())
+    """Bytes of a stream holding these batches, each written by a stream of its own (as TrajectoryWriter
+    does) with the schema message counted once and one end-of-stream marker."""
+    total = 0
+    for i, b in enumerate(batches):
+        sink = io.BytesIO()
+        w = ipc.new_stream(sink, schema, options=ipc.IpcWriteOptions(compression=compression, use_threads=False))
+        w.write_batch(b)
+        data = sink.getvalue()
+        if i:
+            r = pa.BufferReader(data)
+            ipc.read_message(r)
+            data = data[r.tell():]
+        total += len(data)
+    return total + 8
+
+
+def plain(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """Dictionary columns decoded (pyarrow cannot unify dictionaries of lists across batches)."""
+    cols = [c.dictionary.take(c.indices) if pa.types.is_dictionary(c.type) else c for c in batch.columns]
+    return pa.RecordBatch.from_arrays(cols, names=batch.schema.names)
 
 
 def main():
@@ -49,7 +66,8 @@ def main():
     for name in schema.names:
         i = schema.get_field_index(name)
         print(f"  {name:14s} {(base - stored([b.remove_column(i) for b in batches], schema.remove(i))) / n:6.1f}")
-    print(f"  one batch for all steps: {stored([pa.concat_batches(batches)], schema) / n:.1f}; "
+    one = pa.concat_batches([plain(b) for b in batches])
+    print(f"  one batch for all steps: {stored([one], one.schema) / n:.1f}; "
           f"uncompressed: {stored(batches, schema, None) / n:.1f} bytes per record")
 
 

@@ -8,11 +8,22 @@ cost almost nothing), and diff reads whole columns into numpy without building a
 
 Why one batch per step, self-contained. The step index (`rank-NNNNN.steps.jsonl`) keeps each step's byte
 offset and length, the sha256 chain seals those bytes (store/seal.py), and diff seeks to one step without
-reading the others. So a step's bytes must decode on their own: no dictionary-encoded columns (an Arrow
-dictionary lives in earlier messages of the stream); tensor names are plain strings, which zstd compresses
-because each name repeats in every phase of the step. The first step's bytes also hold the stream's schema
-message; readers decode with `SCHEMA` below, never with a schema read from the store, so a forged header
-cannot change what a column means.
+reading the others. So a step's bytes must decode on their own: the one dictionary-encoded column (shape)
+has its dictionary re-sent in every step's bytes, just before the step's record batch (a stream may replace
+a dictionary; every Arrow reader reads it so). The first step's bytes also hold the stream's schema message;
+readers decode with the schemas below, never with a schema read from the store, so a forged header cannot
+change what a column means.
+
+Two layouts on disk, one for readers. Every reader gets `SCHEMA`'s batch (analysis, diff, `to_records`).
+Version 1 (stores written before issue 14) is `SCHEMA` itself. Version 2 (`SCHEMA_V2`, written now) stores
+the same records in fewer bytes: at ~180 records a step each column's Arrow metadata and LZ4 frame cost
+~0.5 byte a record and a string or list column's int32 offsets ~4 (LZ4 cannot shorten an increasing
+sequence), so phase and dtype are string views (names of up to 12 bytes sit inside the 16-byte view, and
+equal views compress to nothing), shape is a per-step dictionary of the distinct shapes, numel (the product
+of the shape, always) is not stored, and the shard's offset and logical shape share one list. A step's
+layout is told by its own bytes: a v2 step starts with its dictionary message, a v1 step with its record
+batch. A writer appending to a v1 stream (a job restarted into a run directory an older disttrace wrote)
+keeps writing v1, so the file stays one stream.
 
 Any Arrow reader reads the file as it is (`pyarrow.ipc.open_stream`, `polars.read_ipc_stream`, DuckDB over
 the Arrow table): `disttrace show RUN records --jsonl` exports it as JSON lines. A crash mid-step leaves a
@@ -23,11 +34,13 @@ torn final message: reported and left out, as a torn JSON line was. Run stores w
 from __future__ import annotations
 
 import io
+import math
 import os
 import struct
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import orjson
 import pyarrow as pa
 import pyarrow.ipc as ipc
@@ -75,6 +88,31 @@ SCHEMA = pa.schema([
 ])
 FIELDS = tuple(SCHEMA.names)
 
+# what is written now (docstring, "Two layouts"); bench/trajectory_columns.py measures what each column costs
+_SHAPE_INDEX = pa.int16()  # distinct shapes in one step: 32,767 at most (a model's tensors share a few dozen)
+SCHEMA_V2 = pa.schema([
+    ("step", pa.uint32()),
+    ("micro_batch", pa.uint32()),
+    ("phase", pa.string_view()),
+    ("rank", pa.uint32()),
+    ("index", pa.uint32()),
+    ("tensor", pa.string()),  # mostly longer than a view's 12 inline bytes: a view would cost 16 bytes a row
+    ("dtype", pa.string_view()),
+    ("shape", pa.dictionary(_SHAPE_INDEX, _ints)),  # numel is the product of the shape
+    ("digest", pa.binary(16)),
+    ("device_digest", pa.bool_()),
+    ("sum", pa.float64()),
+    ("norm", pa.float64()),
+    ("sketch", pa.list_(pa.float32(), SKETCH_K)),
+    ("sketch64", pa.list_(pa.float64(), SKETCH_K)),
+    ("nonfinite", pa.int64()),
+    ("samples", _ints),
+    ("tokens", pa.int64()),
+    ("shard", _ints),  # a DTensor shard: its offset, then the logical shape (as many of each)
+])
+_SCHEMAS = {1: SCHEMA, 2: SCHEMA_V2}
+VERSION = 2  # what a new stream is written in
+
 
 # ---------------------------------------------------------------- writing
 
@@ -99,20 +137,21 @@ class _Chunks(io.RawIOBase):
         return out
 
 
-def _first_message_end(data: bytes) -> int:
+def _messages_end(data: bytes, n: int) -> int:
     r = pa.BufferReader(data)
-    ipc.read_message(r)
+    for _ in range(n):
+        ipc.read_message(r)
     return r.tell()
 
 
 _OPTIONS = ipc.IpcWriteOptions(compression=COMPRESSION, use_threads=False)
 _READ = ipc.IpcReadOptions(use_threads=False)  # a step is small: a thread pool's hand-off costs more than it saves
-_SCHEMA_MESSAGE = SCHEMA.serialize().to_pybytes()
+_SCHEMA_MESSAGES = {v: schema.serialize().to_pybytes() for v, schema in _SCHEMAS.items()}
 
 
-def _columns(records: list[dict]) -> list[pa.Array]:
-    """The records of one step as SCHEMA's columns (the recorder's dicts, TrajectoryRecord's shape); a column
-    at a time (a comprehension per field), the recorder's hot path."""
+def _fields(records: list[dict]) -> dict[str, list]:
+    """The records of one step as one list per field (the recorder's dicts, TrajectoryRecord's shape); a
+    column at a time (a comprehension per field), the recorder's hot path."""
     extra = set().union(*records) - _KNOWN
     if extra:
         raise ValueError(f"trajectory record with fields the schema does not hold: {sorted(extra)}")
@@ -125,15 +164,66 @@ def _columns(records: list[dict]) -> list[pa.Array]:
     sketches = [r.get("sketch") for r in records]
     cols["sketch"] = [k if f else None for k, f in zip(sketches, in32)]
     cols["sketch64"] = [None if f else k for k, f in zip(sketches, in32)]
-    shards = [r.get("shard") for r in records]
+    cols["shard"] = [r.get("shard") for r in records]
+    return cols
+
+
+def _columns(records: list[dict]) -> list[pa.Array]:
+    """The records of one step as SCHEMA's columns (version 1, and what readers get)."""
+    cols = _fields(records)
+    shards = cols["shard"]
     cols["shard_offset"] = [x["offset"] if x else None for x in shards]
     cols["shard_shape"] = [x["logical_shape"] if x else None for x in shards]
     return [pa.array(cols[f.name], f.type) for f in SCHEMA]
 
 
+def _view(values: list) -> pa.Array:
+    """A string-view column without the empty data buffer pyarrow adds when every string is inline: Polars
+    (2.1) cannot read an empty LZ4-compressed buffer there, and it would cost a buffer's metadata anyway."""
+    a = pa.array(values, pa.string_view())
+    bufs = a.buffers()
+    if len(bufs) > 2 and all(b is None or b.size == 0 for b in bufs[2:]):
+        a = pa.Array.from_buffers(pa.string_view(), len(a), bufs[:2], null_count=a.null_count)
+    return a
+
+
+def _columns_v2(records: list[dict]) -> list[pa.Array]:
+    """The records of one step as SCHEMA_V2's columns."""
+    cols = _fields(records)
+    distinct: dict = {}
+    keys = []
+    for s, n in zip(cols["shape"], cols["numel"]):
+        if s is None or n != math.prod(s):  # not stored: readers compute it, so it must be the product
+            raise ValueError(f"a trajectory record whose numel {n} is not the product of its shape {s}")
+        keys.append(distinct.setdefault(tuple(s), len(distinct)))
+    if len(distinct) > 2 ** 15 - 1:
+        raise ValueError(f"{len(distinct)} distinct tensor shapes in one step: the trajectory holds 32,767")
+    cols["shape"] = pa.DictionaryArray.from_arrays(pa.array(keys, _SHAPE_INDEX),
+                                                   pa.array([list(k) for k in distinct], _ints))
+    cols["shard"] = [None if x is None else list(x["offset"]) + list(x["logical_shape"]) for x in cols["shard"]]
+    out = []
+    for f in SCHEMA_V2:
+        v = cols[f.name]
+        out.append(v if isinstance(v, pa.Array) else _view(v) if f.type == pa.string_view() else pa.array(v, f.type))
+    return out
+
+
 _PLAIN = ("step", "micro_batch", "phase", "rank", "index", "tensor", "dtype", "shape", "numel", "sum", "norm",
           "nonfinite", "samples", "tokens")
 _KNOWN = frozenset(_PLAIN) | {"digest", "sketch", "shard"}
+_ENCODE = {1: _columns, 2: _columns_v2}
+
+
+def _file_version(path: Path) -> int:
+    """The layout of an existing stream (its schema message, first in the file); VERSION for a new one."""
+    try:
+        with open(path, "rb") as f:
+            message = ipc.read_message(pa.PythonFile(f, mode="r"))
+        if message is not None and message.type == "schema" and ipc.read_schema(message).equals(SCHEMA):
+            return 1
+    except (pa.ArrowException, OSError, ValueError, EOFError):
+        pass
+    return VERSION
 
 
 class TrajectoryWriter:
@@ -145,35 +235,42 @@ class TrajectoryWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._f = open(self.path, "ab")
         self._sink = _Chunks()
-        self._writer = None
-        # appending to an existing stream (a job restarted into its run directory): its schema is there already
-        self._skip_schema = self._f.tell() > 0
+        # appending to an existing stream (a job restarted into its run directory): its schema is there already,
+        # and its layout is kept (an older disttrace's v1 stream stays v1: one file, one schema)
+        self._with_schema = self._f.tell() == 0
+        self.version = VERSION if self._with_schema else _file_version(self.path)
+        self._encode = _ENCODE[self.version]
+        self._schema = _SCHEMAS[self.version]
+        self._written = False
 
     @property
     def offset(self) -> int:
         return self._f.tell()
 
     def write_step(self, records: list[dict]) -> bytes:
-        """Write one step's records (already in the order of docs/design.md) as one record batch; returns the
-        bytes written, which the step index hashes and chains."""
-        batch = pa.RecordBatch.from_arrays(_columns(records), schema=SCHEMA)
-        if self._writer is None:
-            self._writer = ipc.new_stream(pa.PythonFile(self._sink, mode="w"), SCHEMA, options=_OPTIONS)
-        self._writer.write_batch(batch)
+        """Write one step's records (already in the order of docs/design.md) as one record batch (v2: after
+        its shape dictionary); returns the bytes written, which the step index hashes and chains."""
+        batch = pa.RecordBatch.from_arrays(self._encode(records), schema=self._schema)
+        # a stream of its own for each step: a writer re-sends a dictionary only when it changed, and each
+        # step's bytes must hold theirs. Its schema message is kept for the file's first step only
+        writer = ipc.new_stream(pa.PythonFile(self._sink, mode="w"), self._schema, options=_OPTIONS)
+        writer.write_batch(batch)
         data = self._sink.take()
-        if self._skip_schema:
-            data = data[_first_message_end(data):]
-            self._skip_schema = False
+        writer.close()
+        self._sink.take()  # its end-of-stream marker: close() writes the file's own
+        if not self._with_schema:
+            data = data[_messages_end(data, 1):]
+        self._with_schema = False
         self._f.write(data)
         self._f.flush()
+        self._written = True
         return data
 
     def close(self) -> None:
         if self._f.closed:
             return
-        if self._writer is not None:
-            self._writer.close()  # the end-of-stream marker: outside every step's range, sealed with the file
-            self._f.write(self._sink.take())
+        if self._written:
+            self._f.write(END_OF_STREAM)  # outside every step's range, sealed with the file
         self._f.flush()
         os.fsync(self._f.fileno())
         self._f.close()
@@ -197,32 +294,84 @@ def is_arrow(path: Path) -> bool:
 
 
 def decode_step(path: Path, data: bytes, where: str) -> pa.RecordBatch:
-    """The record batch in one step's bytes (a schema message before it, in the first step, is checked to be
-    ours, skipped, and our own SCHEMA used instead). Anything else (a torn, edited or foreign message) is bad
-    input naming the file and step."""
+    """SCHEMA's record batch from one step's bytes: a schema message first (the file's first step) is checked
+    to be one of ours and skipped, our own schema used instead; then a v2 step's shape dictionary and its
+    record batch, or a v1 step's record batch, and nothing else. Anything else (a torn, edited or foreign
+    message) is bad input naming the file and step."""
     try:
         reader = pa.BufferReader(data)
-        first = ipc.read_message(reader)
-        if first is not None and first.type == "schema":
-            _check_schema(first)
-            body = data[reader.tell():]
-            message = ipc.read_message(pa.BufferReader(body))
-        else:
-            body, message = data, first
-        if message is not None:
-            _check_compressed_sizes(message)  # before decoding: a forged size would be allocated whole
-        stream = ipc.open_stream(_SCHEMA_MESSAGE + body, options=_READ)
+        messages, version, body = [], None, 0
+        while reader.tell() < len(data):
+            if data[reader.tell():reader.tell() + len(END_OF_STREAM)] == END_OF_STREAM:
+                break
+            m = ipc.read_message(reader)
+            if m is None:
+                break
+            if m.type == "schema" and version is None and not messages:
+                version, body = _check_schema(m), reader.tell()
+                continue
+            messages.append(m)
+        kinds = [m.type for m in messages]
+        layout = 2 if kinds[:1] == ["dictionary"] else 1  # told by the step's own bytes
+        expected = _STEP_MESSAGES[layout]
+        if kinds != expected or version not in (None, layout):
+            raise ValueError(f"messages {kinds} where a step's {expected} belong")
+        for m in messages:
+            _check_compressed_sizes(m)  # before decoding: a forged size would be allocated whole
+        stream = ipc.open_stream(_SCHEMA_MESSAGES[layout] + data[body:], options=_READ)
         batch = stream.read_next_batch()
-        try:
-            stream.read_next_batch()
-            raise ValueError("more than one record batch")
-        except StopIteration:
-            pass
-        batch.validate(full=True)  # offsets and lengths inside their buffers: a forged batch is refused here
+        batch.validate(full=True)  # offsets, views and dictionary indices inside their buffers
+        if layout == 2:
+            batch = _from_v2(batch)
         _check_required(batch)
     except (pa.ArrowException, ValueError, OSError, EOFError, StopIteration, IndexError, struct.error) as e:
         raise BadInput(path, f"{where}: not a trajectory record batch ({(str(e) or type(e).__name__).splitlines()[0][:120]})") from None
     return batch
+
+
+_STEP_MESSAGES = {1: ["record batch"], 2: ["dictionary", "record batch"]}
+
+
+def _from_v2(b: pa.RecordBatch) -> pa.RecordBatch:
+    """A v2 batch as SCHEMA's: phase and dtype as plain strings, shape from its dictionary, numel computed, the
+    shard split into offset and logical shape."""
+    (step, micro_batch, phase, rank, index, tensor, dtype, shape, digest, device_digest, sum_, norm, sketch,
+     sketch64, nonfinite, samples, tokens, shard) = b.columns
+    numel = pa.array([_product(s) for s in shape.dictionary.to_pylist()], pa.int64()).take(shape.indices)
+    return pa.RecordBatch.from_arrays(
+        [step, micro_batch, phase.cast(pa.string()), rank, index, tensor, dtype.cast(pa.string()),
+         shape.dictionary.take(shape.indices), numel, digest, device_digest, sum_, norm, sketch, sketch64,
+         nonfinite, samples, tokens, *_split_shard(shard)], schema=SCHEMA)
+
+
+def _product(shape: list | None) -> int | None:
+    if shape is None:
+        return None
+    n = math.prod(shape)
+    if not -2 ** 63 <= n < 2 ** 63:
+        raise ValueError(f"a shape whose product overflows int64 ({shape[:8]})")
+    return n
+
+
+def _split_shard(arr: pa.ListArray) -> tuple[pa.Array, pa.Array]:
+    """v2's shard list (offset, then logical shape) as v1's two lists, without a Python loop over rows."""
+    n = len(arr)
+    if arr.null_count == n:
+        nulls = pa.nulls(n, _ints)
+        return nulls, nulls
+    offsets = np.asarray(arr.offsets.to_numpy(zero_copy_only=False), dtype=np.int64)
+    valid = np.asarray(arr.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+    starts = offsets[:-1]
+    lengths = np.where(valid, offsets[1:] - starts, 0)
+    if (lengths % 2).any():
+        raise ValueError("a shard whose offset and logical shape differ in length")
+    half = lengths // 2
+    out = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(half, out=out[1:])
+    first = np.repeat(starts - out[:-1], half) + np.arange(out[-1])  # each row's offset part, in the child values
+    offsets_out, mask = pa.array(out, pa.int32()), pa.array(~valid)
+    return (pa.ListArray.from_arrays(offsets_out, arr.values.take(pa.array(first)), mask=mask),
+            pa.ListArray.from_arrays(offsets_out, arr.values.take(pa.array(first + np.repeat(half, half))), mask=mask))
 
 
 # an LZ4 frame expands at most ~255-fold (a match length grows by 255 per byte); a compressed buffer that says it
@@ -231,17 +380,20 @@ _LZ4_MAX_EXPANSION = 256
 _REQUIRED = ("step", "digest", "device_digest")  # every record has them; readers index and hash them
 
 
-def _check_schema(message) -> None:
+def _check_schema(message) -> int:
+    """The layout version whose schema the message holds; ValueError for any other schema."""
     schema = ipc.read_schema(message)
-    if not schema.equals(SCHEMA):
-        raise ValueError(f"the stream's schema is not a trajectory's (columns {schema.names[:6]})")
+    for version, ours in _SCHEMAS.items():
+        if schema.equals(ours):
+            return version
+    raise ValueError(f"the stream's schema is not a trajectory's (columns {schema.names[:6]})")
 
 
 def _check_compressed_sizes(message) -> None:
     """Each LZ4-compressed buffer's uncompressed-length prefix against what its bytes can expand to, read
-    from the message's flatbuffer header (Message.header: RecordBatch; RecordBatch.buffers, .compression)."""
-    if message.type != "record batch":
-        raise ValueError(f"a {message.type} message where a step's record batch belongs")
+    from the message's flatbuffer header (Message.header: RecordBatch, or DictionaryBatch whose .data is one;
+    RecordBatch.buffers, .compression). A dictionary message must replace dictionary 0 (the shape's), not
+    add to it: a step holds the whole of its dictionary."""
     meta, body = message.metadata, message.body
     if meta is None or body is None:
         return
@@ -250,6 +402,15 @@ def _check_compressed_sizes(message) -> None:
     if header is None:
         return
     batch = header + struct.unpack_from("<I", fb, header)[0]
+    if message.type == "dictionary":  # DictionaryBatch: id (0), data (1), isDelta (2)
+        at = _fb_field(fb, batch, 0)
+        delta = _fb_field(fb, batch, 2)
+        if (at is not None and struct.unpack_from("<q", fb, at)[0] != 0) or (delta is not None and fb[delta]):
+            raise ValueError("a dictionary message other than the step's shape dictionary")
+        data = _fb_field(fb, batch, 1)
+        if data is None:
+            return
+        batch = data + struct.unpack_from("<I", fb, data)[0]
     compression = _fb_field(fb, batch, 3)
     if compression is None:  # no BodyCompression: the buffers are stored as they are
         return
@@ -297,35 +458,49 @@ def read_range(path: Path, offset: int, length: int) -> bytes:
 
 
 def scan(path: Path, torn: list | None = None) -> Iterator[tuple[int, int, pa.RecordBatch]]:
-    """(offset, length, batch) of every step in the file, in order, without the step index. A torn final
-    message is reported through `torn` and left out."""
+    """(offset, length, batch) of every step in the file, in order, without the step index. A step's range
+    runs from the end of the one before (the first step's holds the schema message) to the end of its record
+    batch; a v2 step's dictionary message comes before its batch. A torn final step is reported through `torn`
+    and left out."""
     data = Path(path).read_bytes()
     reader = pa.BufferReader(data)
-    start = 0
+    start, first = 0, None  # first: where the step's first message after any schema lies
+
+    def cut(pos: int):
+        if torn is not None:
+            torn.append(f"{path}: the last step's bytes (from offset {start}) are torn (incomplete write), ignored")
+            return
+        raise BadInput(path, f"bytes from offset {pos} are not an Arrow message")
+
     while reader.tell() < len(data):
         pos = reader.tell()
         if data[pos:pos + len(END_OF_STREAM)] == END_OF_STREAM:  # at close; a restarted job appends after it
+            if first is not None:
+                raise BadInput(path, f"bytes {first}..{pos}: a dictionary message without its step's record batch")
             reader.seek(pos + len(END_OF_STREAM))
             start = reader.tell()
             continue
         try:
             msg = ipc.read_message(reader)
         except (pa.ArrowException, OSError, ValueError, EOFError):
-            if torn is not None:
-                torn.append(f"{path}: the last step's bytes (from offset {pos}) are torn (incomplete write), ignored")
-                return
-            raise BadInput(path, f"bytes from offset {pos} are not an Arrow message") from None
+            return cut(pos)
         if msg is None:
-            return
-        if msg.type == "schema":
+            break
+        if msg.type == "schema" and first is None:
             try:
                 _check_schema(msg)
-            except (pa.ArrowException, ValueError) as e:
+            except (pa.ArrowException, ValueError, OSError) as e:  # a forged header: OSError from flatbuffers
                 raise BadInput(path, f"bytes {pos}..{reader.tell()}: {e}") from None
             continue
+        if first is None:
+            first = pos
+        if msg.type == "dictionary":
+            continue
         end = reader.tell()
-        yield start, end - start, decode_step(path, data[pos:end], f"bytes {pos}..{end}")
-        start = end
+        yield start, end - start, decode_step(path, data[first:end], f"bytes {first}..{end}")
+        start, first = end, None
+    if first is not None:  # a dictionary message and no record batch after it: the write stopped in between
+        cut(first)
 
 
 def unindexed_tail(path: Path, end: int) -> int:
