@@ -156,8 +156,8 @@ def _sketch_rounding(f32: np.ndarray, numel: np.ndarray, cols: np.ndarray) -> np
 def compare(ba: Columns, bb: Columns, *, bitwise: bool, user: tuple[float, float] | None,
             base_bound) -> Compared:
     """Rows of two aligned steps (see `aligned`). bitwise: every inexact row diverges. user: (rtol, atol) when
-    the user gave the bound, else base_bound(phase_order, tensor_names) -> per-row bounds (the derived or
-    calibrated bound of the step and phase times the tensor's factor)."""
+    the user gave the bound, else base_bound(rows, phase_order, tensor_names) -> per-row bounds of those row
+    positions (the derived or calibrated bound of the row's step and phase times the tensor's factor)."""
     n = ba.num_rows
     order = bb["phase_order"]
     same_type = same_dtype_and_shape(ba, bb)
@@ -188,7 +188,7 @@ def compare(ba: Columns, bb: Columns, *, bitwise: bool, user: tuple[float, float
         rtol, atol = user
         bn, bs = (atol + rtol * scale_n) / scale_n, (atol + rtol * scale_s) / scale_s
     else:
-        bn = bs = base_bound(order[rows], ba.column("tensor").take(pa.array(rows, pa.int64())))
+        bn = bs = base_bound(rows, order[rows], ba.column("tensor").take(pa.array(rows, pa.int64())))
     rounding = 2 * _sketch_rounding(f32[rows], ba["numel"][rows], _last_dim(ba.column("shape"))[rows])
     bounds = np.empty_like(terms)
     bounds[:, 0], bounds[:, 1] = bn, bs
@@ -210,6 +210,85 @@ def compare(ba: Columns, bb: Columns, *, bitwise: bool, user: tuple[float, float
     # coordinates are B's (the record path reports B's record when both exist)
     return Compared(n=n, phase_order=order, micro_batch=bb["micro_batch"], index=bb["index"],
                     inexact=rows, rel=rel, bound=bnd, diverged=diverged, special=special)
+
+
+def concat(batches: list[pa.RecordBatch]) -> tuple[Columns, np.ndarray]:
+    """Several steps' batches of one side as one Columns (one compare for all of them: a step's fixed cost of
+    numpy and Arrow calls is paid once), with each step's first row."""
+    counts = np.array([b.num_rows for b in batches], dtype=np.int64)
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
+    return Columns(batches[0] if len(batches) == 1 else pa.concat_batches(batches)), starts
+
+
+def aligned_block(ca: Columns, cb: Columns, starts: np.ndarray) -> bool:
+    """`aligned` for concatenated steps (both sides' steps with equal row counts): the same keys in the same
+    rows, increasing within each step (each key once per step)."""
+    if ca.num_rows != cb.num_rows:
+        return False
+    for name in ("micro_batch", "index", "phase_order"):
+        if not np.array_equal(ca[name], cb[name]):
+            return False
+    if not ca.column("phase").equals(cb.column("phase")):
+        return False
+    key = (ca["micro_batch"].astype(np.int64) << 40) + (ca["phase_order"] << 32) + ca["index"]
+    rising = np.diff(key) > 0
+    rising[starts[1:] - 1] = True  # a step's first row need not follow the last step's last
+    return bool(rising.all())
+
+
+@dataclass
+class StepSummary:
+    """`Compared` of one or several concatenated steps, summed up per step (diff folds it into each step's
+    _RankStep). Per step: inexact, differing and hard counts, and the rows
+    (positions in the concatenation) that the record path must see: special ones and the first divergent one.
+    Per (step, phase) group with a relative error: the largest error (first among equals) and its bound, and
+    where a bound is positive the largest error-to-bound ratio with its error and bound."""
+
+    inexact: np.ndarray
+    differing: np.ndarray
+    hard: np.ndarray
+    special: list  # per step: row positions
+    first_divergent: np.ndarray  # per step: row position, -1 if none
+    groups: list  # (step position, phase order, max rel, its bound, (ratio, rel, bound) or None)
+
+
+def by_step(c: Compared, starts: np.ndarray) -> StepSummary:
+    n_steps = len(starts)
+    step_of = lambda rows: np.searchsorted(starts, rows, side="right") - 1  # noqa: E731
+    si = step_of(c.inexact)
+    inexact = np.bincount(si, minlength=n_steps)
+    differing = np.bincount(si[c.diverged], minlength=n_steps)
+    hard = np.bincount(si[c.diverged & np.isnan(c.rel)], minlength=n_steps)
+    special = [[] for _ in range(n_steps)]
+    for row, s in zip(c.special.tolist(), step_of(c.special).tolist()):
+        special[s].append(row)
+    first = np.full(n_steps, -1, dtype=np.int64)
+    div = c.inexact[c.diverged]
+    if div.size:  # per step, the smallest (micro-batch, phase, index): lexsort by step last
+        o = np.lexsort((c.index[div], c.phase_order[div], c.micro_batch[div], si[c.diverged]))
+        ds = si[c.diverged][o]
+        heads = np.concatenate(([True], ds[1:] != ds[:-1]))
+        first[ds[heads]] = div[o][heads]
+    groups = []
+    ok = ~np.isnan(c.rel)
+    if ok.any():
+        rows = np.nonzero(ok)[0]  # positions in c.inexact, increasing
+        g_step, g_phase = si[rows], c.phase_order[c.inexact[rows]]
+        gkey = g_step * (len(PHASES) + 1) + g_phase
+        rel, bnd = c.rel[rows], c.bound[rows]
+        o = np.lexsort((rows, -rel, gkey))  # per group: the largest error, the first among equals
+        heads = np.concatenate(([True], gkey[o][1:] != gkey[o][:-1]))
+        best = o[heads]
+        pos = bnd > 0
+        ratio = np.where(pos, rel / np.where(pos, bnd, 1.0), -1.0)
+        o2 = np.lexsort((rows, -ratio, gkey))
+        heads2 = np.concatenate(([True], gkey[o2][1:] != gkey[o2][:-1]))
+        best_ratio = dict(zip(gkey[o2][heads2].tolist(), o2[heads2].tolist()))
+        for j in best.tolist():
+            k = best_ratio[int(gkey[j])]
+            groups.append((int(g_step[j]), int(g_phase[j]), float(rel[j]), float(bnd[j]),
+                           (float(ratio[k]), float(rel[k]), float(bnd[k])) if pos[k] else None))
+    return StepSummary(inexact, differing, hard, special, first, groups)
 
 
 _SQUARED = ":exp_avg_sq"

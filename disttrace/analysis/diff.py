@@ -423,31 +423,6 @@ class _RankStep:
             if self.first is None or key < self.first[0]:
                 self.first = (key, unit)
 
-    def add_columns(self, c) -> None:
-        """`add` for every row compared column-wise (a columnar.Compared), in bulk."""
-        if not c.inexact.size:
-            return
-        self.inexact += int(c.inexact.size)
-        self.differing += int(c.diverged.sum())
-        self.hard += int((c.diverged & np.isnan(c.rel)).sum())
-        orders = c.phase_order[c.inexact]
-        for o in np.unique(orders):
-            phase = columnar.phase_name(int(o))
-            m = (orders == o) & ~np.isnan(c.rel)
-            if not m.any():
-                continue
-            rel, bnd = c.rel[m], c.bound[m]
-            j = int(np.argmax(rel))
-            if rel[j] > self.max_rel.get(phase, -1.0):
-                self.max_rel[phase], self.max_rel_bound[phase] = float(rel[j]), float(bnd[j])
-            pos = bnd > 0
-            if pos.any():
-                ratio = np.where(pos, rel / np.where(pos, bnd, 1.0), -1.0)
-                k = int(np.argmax(ratio))
-                self.max_ratio = max(self.max_ratio, float(ratio[k]))
-                if ratio[k] > self.ratio_by_phase.get(phase, (-1.0,))[0]:
-                    self.ratio_by_phase[phase] = (float(ratio[k]), float(rel[k]), float(bnd[k]))
-
     def as_dict(self) -> dict:
         d = {"differing": self.differing, "total": self.total,
              "max_rel_err_by_phase": dict(sorted(self.max_rel.items(), key=lambda kv: _phase_order(kv[0])))}
@@ -516,32 +491,50 @@ def _compare_rank_step_columns(step: int, rank: int, ba, bb, tol: _Tol) -> _Rank
     if not columnar.aligned(ca, cb):
         return _compare_rank_step(step, rank, trajectory.to_records(ba), trajectory.to_records(bb), tol)
     rs = _RankStep(ba.num_rows)
-    _fold_columns(step, rank, ca, cb, tol, rs)
+    _fold_columns([step], rank, ca, cb, np.zeros(1, dtype=np.int64), tol, [rs])
     return rs
 
 
-def _fold_columns(step: int, rank: int, ca, cb, tol: _Tol, rs: _RankStep, logical: bool = False) -> None:
-    """Row i of `ca` against row i of `cb`, column-wise, into `rs`: the bulk by `add_columns`; the special rows
-    (non-finite, shape or dtype differs, empty) and the first divergent row (whose unit dict the result
-    shows) through the record path's own `_unit`."""
+def _fold_columns(steps: list[int], rank: int, ca, cb, starts: np.ndarray, tol: _Tol, out: list[_RankStep],
+                  logical: bool = False) -> None:
+    """Row i of `ca` against row i of `cb`, column-wise, into `out`: one or several steps concatenated (step
+    `steps[j]` from row `starts[j]`, its result into `out[j]`). The bulk is summed up per step by
+    columnar.by_step; the special rows (non-finite, shape or dtype differs, empty) and each step's first
+    divergent row (whose unit dict the result shows) go through the record path's own `_unit`."""
+    row_step = np.repeat(np.asarray(steps, dtype=np.int64), np.diff(np.append(starts, ca.num_rows)))
+    n_orders = len(PHASES) + 1
 
-    def base_bound(order, names):
-        derived = np.array([tol.derived(step, columnar.phase_name(o)) for o in range(len(PHASES) + 1)])
-        return derived[order] * columnar.tensor_factors(names)
+    def base_bound(rows, order, names):
+        pairs, inv = np.unique(row_step[rows] * n_orders + order, return_inverse=True)
+        derived = np.array([tol.derived(int(p // n_orders), columnar.phase_name(int(p % n_orders)))
+                            for p in pairs.tolist()])
+        return derived[inv.reshape(-1)] * columnar.tensor_factors(names)
 
     c = columnar.compare(ca, cb, bitwise=tol.mode == "bitwise", user=(tol.rtol, tol.atol) if tol.user else None,
                          base_bound=base_bound)
-    rs.add_columns(c)
-    if not (c.special.size or c.diverged.any()):
+    summary = columnar.by_step(c, starts)
+    for j, rs in enumerate(out):
+        rs.inexact += int(summary.inexact[j])
+        rs.differing += int(summary.differing[j])
+        rs.hard += int(summary.hard[j])
+    for j, order, rel, bnd, ratio in summary.groups:
+        rs, phase = out[j], columnar.phase_name(order)
+        if rel > rs.max_rel.get(phase, -1.0):
+            rs.max_rel[phase], rs.max_rel_bound[phase] = rel, bnd
+        if ratio is not None:
+            rs.max_ratio = max(rs.max_ratio, ratio[0])
+            if ratio[0] > rs.ratio_by_phase.get(phase, (-1.0,))[0]:
+                rs.ratio_by_phase[phase] = ratio
+    rows = sorted({r for j in range(len(out)) for r in summary.special[j]}
+                  | {int(r) for r in summary.first_divergent if r >= 0})
+    if not rows:
         return
-    rows = list(c.special)
-    div = c.inexact[c.diverged]
-    if div.size:
-        rows.append(div[np.lexsort((c.index[div], c.phase_order[div], c.micro_batch[div]))[0]])
-    take = pa.array(sorted(set(int(x) for x in rows)), pa.int64())
+    take = pa.array(rows, pa.int64())
     ra, rb = trajectory.to_records(ca.batch.take(take)), trajectory.to_records(cb.batch.take(take))
-    special = set(int(x) for x in c.special)
-    for row, x, y in zip(take.to_pylist(), ra, rb):
+    special = {r for j in range(len(out)) for r in summary.special[j]}
+    for row, x, y in zip(rows, ra, rb):
+        j = int(np.searchsorted(starts, row, side="right")) - 1
+        rs, step = out[j], steps[j]
         last = y.get("tensor") if logical else 0  # the record path's key ends with the name / a duplicate count
         key = (y.get("micro_batch", 0), _phase_order(y["phase"]), y["phase"], rank, y.get("index", 0), last)
         unit = _unit(step, x, y, rank, tol, logical=logical)
@@ -742,8 +735,9 @@ def _compare_logical_step_columns(step: int, batches_a: dict, batches_b: dict, t
         if rows.size:
             rs = out.setdefault(rank, _RankStep())
             rs.total += len(rows)
-            _fold_columns(step, rank, columnar.Columns(xa.take(pa.array(a_row[rows]))),
-                          columnar.Columns(xb.take(pa.array(rows))), tol, rs, logical=True)
+            _fold_columns([step], rank, columnar.Columns(xa.take(pa.array(a_row[rows]))),
+                          columnar.Columns(xb.take(pa.array(rows))), np.zeros(1, dtype=np.int64), tol, [rs],
+                          logical=True)
     # a logical tensor one side lacks: the record path's unit (missing_in), at its holder's rank
     lone = []
     if (~matched).any():  # one unit per logical tensor, at B's lowest rank holding it
@@ -890,25 +884,63 @@ def _load_calibration(path, side_a: _Side, side_b: _Side):
     return cal
 
 
-def _compare_ranks_at(step: int, ranks, side_a: _Side, side_b: _Side, tol: _Tol) -> tuple[dict, int]:
-    """One step, rank by rank (same topology). A rank whose index digests agree is skipped unread, after its
-    bytes are checked against the hash it was indexed with. Returns ({rank: _RankStep}, ranks read)."""
-    per_rank, read = {}, 0
+BLOCK_ROWS = 1 << 14  # records per side a block of steps may hold (a few MB of columns)
+
+
+def _block(steps: list[int], n: int, ranks, side: _Side, rows: int) -> list[int]:
+    """steps[n:] as far as `rows` records (over all ranks) reach, at least one step."""
+    out, total = [], 0
+    for step in steps[n:]:
+        total += sum(int((side.entry(r, step) or {}).get("records") or 0) for r in ranks)
+        if out and total > rows:
+            break
+        out.append(step)
+    return out
+
+
+def _compare_block(block: list[int], ranks, side_a: _Side, side_b: _Side, tol: _Tol) -> dict[int, tuple[dict, int]]:
+    """Same topology, steps `block`, rank by rank: ({rank: _RankStep}, ranks read) per step. A rank whose index
+    digests agree is skipped unread, after its bytes are checked against the hash it was indexed with. A rank's
+    steps that are read and align row by row are compared in one column-wise call (a step's fixed cost of numpy
+    and Arrow calls is paid once per block, not once per step and rank); each step's result is what it would
+    be alone."""
+    per = {s: {} for s in block}
+    read = dict.fromkeys(block, 0)
     for r in ranks:
-        ea, eb = side_a.entry(r, step), side_b.entry(r, step)
-        if (ea is not None and eb is not None and ea.get("digest") is not None
-                and ea.get("digest") == eb.get("digest") and ea.get("records") == eb.get("records")):
-            side_a.check_step(r, step)  # skipped by the index: its bytes must still be what was indexed
-            side_b.check_step(r, step)
-            per_rank[r] = _RankStep(int(ea.get("records") or 0))
+        items = []
+        for s in block:
+            ea, eb = side_a.entry(r, s), side_b.entry(r, s)
+            if (ea is not None and eb is not None and ea.get("digest") is not None
+                    and ea.get("digest") == eb.get("digest") and ea.get("records") == eb.get("records")):
+                side_a.check_step(r, s)  # skipped by the index: its bytes must still be what was indexed
+                side_b.check_step(r, s)
+                per[s][r] = _RankStep(int(ea.get("records") or 0))
+                continue
+            read[s] += 1
+            ba, bb = side_a.batch(r, s), side_b.batch(r, s)
+            if ba is None or bb is None:
+                per[s][r] = _compare_rank_step(s, r, side_a.records(r, s), side_b.records(r, s), tol)
+            elif ba.num_rows != bb.num_rows:
+                per[s][r] = _compare_rank_step_columns(s, r, ba, bb, tol)
+            else:
+                items.append((s, ba, bb))
+        if not items:
             continue
-        ba, bb = side_a.batch(r, step), side_b.batch(r, step)
-        if ba is not None and bb is not None:
-            per_rank[r] = _compare_rank_step_columns(step, r, ba, bb, tol)
-        else:
-            per_rank[r] = _compare_rank_step(step, r, side_a.records(r, step), side_b.records(r, step), tol)
-        read += 1
-    return per_rank, read
+        ca, starts = columnar.concat([ba for _, ba, _ in items])
+        cb, _ = columnar.concat([bb for _, _, bb in items])
+        if len(items) > 1 and not columnar.aligned_block(ca, cb, starts):  # some step does not align: one by one
+            for s, ba, bb in items:
+                per[s][r] = _compare_rank_step_columns(s, r, ba, bb, tol)
+            continue
+        if len(items) == 1:
+            s, ba, bb = items[0]
+            per[s][r] = _compare_rank_step_columns(s, r, ba, bb, tol)
+            continue
+        out = [_RankStep(ba.num_rows) for _, ba, _ in items]
+        _fold_columns([s for s, _, _ in items], r, ca, cb, starts, tol, out)
+        for (s, _, _), rs in zip(items, out):
+            per[s][r] = rs
+    return {s: (per[s], read[s]) for s in block}
 
 
 def _worst_by_phase(by_phase: dict, step: int, per_rank: dict, tol: _Tol) -> None:
@@ -982,6 +1014,7 @@ def diff_runs(a: str | Path, b: str | Path, mode: str | None = None, rtol: float
     read_steps = 0
     warned: dict = {}
     phases_seen: dict = {}
+    ahead: dict = {}  # steps compared ahead of the loop (a block)
 
     for n, step in enumerate(steps):
         if on_step is not None:
@@ -989,8 +1022,11 @@ def diff_runs(a: str | Path, b: str | Path, mode: str | None = None, rtol: float
         if logical:
             per_rank = _compare_logical_step(step, side_a, side_b, tol, warnings, warned, phases_seen)
             read_steps += 1
-        else:
-            per_rank, read = _compare_ranks_at(step, ranks, side_a, side_b, tol)
+        else:  # a block of steps at once; one at a time when the first divergent step ends the comparison
+            if step not in ahead:
+                ahead = _compare_block(_block(steps, n, ranks, side_b, BLOCK_ROWS if propagate else 0),
+                                       ranks, side_a, side_b, tol)
+            per_rank, read = ahead.pop(step)
             read_steps += read
         for rs in per_rank.values():
             n_units += rs.total
