@@ -3,6 +3,7 @@ made once per session and shared; tests only read the run store."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -129,16 +130,20 @@ def raw_records(run: Path, rank: int) -> list[dict]:
 
     out = []
     for r in ipc.open_stream(traj_file(run, rank).read_bytes()).read_all().to_pylist():
-        rec = {k: r[k] for k in ("step", "micro_batch", "phase", "rank", "index", "tensor", "dtype", "shape",
-                                 "numel", "sum", "norm", "nonfinite")}
+        rec = {k: r[k] for k in ("step", "micro_batch", "phase", "rank", "index", "tensor", "dtype", "shape")}
+        rec["numel"] = r["numel"] if "numel" in r else math.prod(r["shape"])  # v2 stores none: the shape's product
+        rec.update({k: r[k] for k in ("sum", "norm", "nonfinite")})
         rec["digest"] = ("dev:" if r["device_digest"] else "") + r["digest"].hex()
         if r["sketch"] is not None or r["sketch64"] is not None:
             rec["sketch"] = r["sketch"] if r["sketch"] is not None else r["sketch64"]
         for k in ("samples", "tokens"):
             if r[k] is not None:
                 rec[k] = r[k]
-        if r["shard_offset"] is not None:
+        if r.get("shard_offset") is not None:
             rec["shard"] = {"offset": r["shard_offset"], "logical_shape": r["shard_shape"]}
+        elif r.get("shard") is not None:  # v2: the offset, then the logical shape, in one list
+            k = len(r["shard"]) // 2
+            rec["shard"] = {"offset": r["shard"][:k], "logical_shape": r["shard"][k:]}
         out.append(rec)
     return out
 
