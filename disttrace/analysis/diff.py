@@ -171,7 +171,9 @@ class _Side:
         e = self.entry(rank, step)
         if e is None:
             return
-        ok = seal.step_bytes_match(self.traj_path(rank), e)
+        self._hash_checked(rank, step, seal.step_bytes_match(self.traj_path(rank), e))
+
+    def _hash_checked(self, rank: int, step: int, ok: bool | None) -> None:
         if ok is False:
             raise BadInput(self.traj_path(rank), f"step {step}: the bytes differ from the hash "
                            "in the step index (edited after the run; see `disttrace verify`)")
@@ -197,8 +199,8 @@ class _Side:
         path = self.traj_path(rank)
         if e is None or not trajectory.is_arrow(path):
             return None
-        self.check_step(rank, step)
         data = trajectory.read_range(path, e["offset"], e["length"])
+        self._hash_checked(rank, step, seal.step_data_match(data, e))  # the bytes decoded are the bytes hashed
         b = trajectory.decode_step(path, data, f"step {step} (bytes {e['offset']}..{e['offset'] + e['length']})")
         self.records_read += b.num_rows
         return b

@@ -134,12 +134,18 @@ def first_chain_break(rank: int, entries: list[dict]) -> int | None:
 def step_bytes_match(path: Path, entry: dict) -> bool | None:
     """Whether a step's raw bytes still hash to its index line's xxh3 (or, in lines written before it, sha256);
     None: the line holds no hash."""
-    fast, want = entry.get("xxh3"), entry.get("sha256")
-    if fast is None and want is None:
+    if entry.get("xxh3") is None and entry.get("sha256") is None:
         return None
     with open(path, "rb") as f:
         f.seek(entry["offset"])
-        data = f.read(entry["length"])
+        return step_data_match(f.read(entry["length"]), entry)
+
+
+def step_data_match(data: bytes, entry: dict) -> bool | None:
+    """step_bytes_match on a step's bytes already read (a reader that hashes what it then decodes)."""
+    fast, want = entry.get("xxh3"), entry.get("sha256")
+    if fast is None and want is None:
+        return None
     if len(data) != entry["length"]:
         return False
     return step_fast_hash(data) == fast if fast is not None else step_hash(data) == want
