@@ -35,3 +35,20 @@ def test_show_and_report_list_every_failure_event(runs, tmp_path):
     for kind, (_, says) in WRITTEN.items():
         assert f"{kind}: {says}" in text, text
         assert f"{kind}: {html.escape(says)}" in page
+
+
+def test_a_job_started_again_in_its_run_directory_is_refused(runs, tmp_path):
+    """A run directory holds one attempt: a job restarted into it (torchrun --max-restarts, or the worker run
+    again) appended a second step chain to the first's records, and `verify` then called the run edited."""
+    import os
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    shutil.copytree(runs.reference(), run)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", "29677", "-m", "disttrace.worker", "--run-dir", str(run)],
+                          capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    assert "already holds an attempt's steps" in proc.stderr and "disttrace recover" in proc.stderr, proc.stderr[-2000:]
+    assert cli("verify", run).returncode == 0  # the first attempt's records, untouched

@@ -18,11 +18,11 @@ from types import SimpleNamespace
 
 from disttrace.config.manifest import Manifest, validate
 from disttrace.store.records import Event
-from disttrace.errors import DisttraceError
+from disttrace.errors import BadInput, DisttraceError
 from disttrace.run.complete import seal_and_complete
 from disttrace.run.hooks import process_exit
 from disttrace.store.paths import resume_checkpoint
-from disttrace.store.rundir import COMPLETE, LOCK, event, read_json, write_json_atomic
+from disttrace.store.rundir import COMPLETE, LOCK, event, rank_file, read_json, write_json_atomic
 
 
 class Context(SimpleNamespace):
@@ -90,6 +90,7 @@ def run(run_dir: Path) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != manifest.world_size:
         raise RuntimeError(f"the job has {world} ranks but the manifest's dp*tp*pp is {manifest.world_size}")
+    refuse_a_second_attempt(run_dir, rank)
     tracer = flightrec.build_trace(trace_kind, run_dir, rank)
     bus = None
     try:
@@ -149,6 +150,17 @@ def run(run_dir: Path) -> None:
         tracer.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def refuse_a_second_attempt(run_dir: Path, rank: int) -> None:
+    """A run directory holds one attempt: a job restarted into it (torchrun --max-restarts, or the worker
+    started again by hand) would append a second step chain to the first's records, and the run would read as
+    edited. Recovery is a new run from a checkpoint (`disttrace recover`)."""
+    index = run_dir / rank_file("trajectory", rank, ".steps.jsonl")
+    if index.exists() and index.stat().st_size:
+        raise BadInput(index, "this run directory already holds an attempt's steps (a job restarted into it?): "
+                       "a run directory records one attempt; resume from a checkpoint into a new run with "
+                       "`disttrace recover`")
 
 
 def attach_observers(run_dir, rank, manifest: Manifest, strategy, recorder, bus, groups, device):
