@@ -161,3 +161,31 @@ def test_cross_topology_columns_and_records_give_the_same_result(tmp_path, seed,
     assert any("copy differs" in w for w in arrow["warnings"])
     missing = [e for e in arrow["propagation"] for r in e["ranks"].values() if r.get("hard")]
     assert arrow["first_divergence"] is not None and missing
+
+
+def test_a_block_with_steps_without_records_aligns_and_sums_up_per_step():
+    """A step with no rows (first, middle or last in a block) starts where the next one does: the block still
+    aligns, and each row is summed up into its own step (a last empty step raised IndexError)."""
+    import pyarrow as pa
+
+    from disttrace.analysis import columnar
+    from disttrace.store import trajectory
+
+    def batch(step, n):
+        recs = [{"step": step, "micro_batch": 0, "phase": "reduce", "rank": 0, "index": i, "tensor": f"w{i}",
+                 "dtype": "float64", "shape": [2], "numel": 2, "digest": f"{step:02x}{i:030x}", "sum": 1.0 + i,
+                 "norm": 2.0, "sketch": [0.5] * 4, "nonfinite": 0} for i in range(n)]
+        return pa.RecordBatch.from_arrays(trajectory._columns(recs), schema=trajectory.SCHEMA) if recs else \
+            pa.RecordBatch.from_pylist([], schema=trajectory.SCHEMA)
+
+    for counts in ([0, 2, 3], [2, 0, 3], [2, 3, 0], [0, 0, 1]):
+        ca, starts = columnar.concat([batch(s + 1, n) for s, n in enumerate(counts)])
+        cb, _ = columnar.concat([batch(s + 1, n) for s, n in enumerate(counts)])
+        assert columnar.aligned_block(ca, cb, starts), counts
+        c = columnar.compare(ca, cb, bitwise=True, user=None, base_bound=lambda rows, order, names: np.zeros(len(rows)))
+        s = columnar.by_step(c, starts)
+        assert s.inexact.tolist() == [0, 0, 0] and s.first_divergent.tolist() == [-1, -1, -1], counts
+        cb, _ = columnar.concat([batch(s + 1 + 10 * (s == 2), n) for s, n in enumerate(counts)])  # step 3's digests differ
+        c = columnar.compare(ca, cb, bitwise=True, user=None, base_bound=lambda rows, order, names: np.zeros(len(rows)))
+        s = columnar.by_step(c, starts)
+        assert s.differing.tolist() == [0, 0, counts[2]], counts

@@ -232,7 +232,8 @@ def aligned_block(ca: Columns, cb: Columns, starts: np.ndarray) -> bool:
         return False
     key = (ca["micro_batch"].astype(np.int64) << 40) + (ca["phase_order"] << 32) + ca["index"]
     rising = np.diff(key) > 0
-    rising[starts[1:] - 1] = True  # a step's first row need not follow the last step's last
+    firsts = starts[(starts > 0) & (starts < len(key))]  # steps without rows start where the next one does
+    rising[firsts - 1] = True  # a step's first row need not follow the last step's last
     return bool(rising.all())
 
 
