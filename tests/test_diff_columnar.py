@@ -189,3 +189,32 @@ def test_a_block_with_steps_without_records_aligns_and_sums_up_per_step():
         c = columnar.compare(ca, cb, bitwise=True, user=None, base_bound=lambda rows, order, names: np.zeros(len(rows)))
         s = columnar.by_step(c, starts)
         assert s.differing.tolist() == [0, 0, counts[2]], counts
+
+
+def test_the_record_path_resolves_tied_errors_the_same_in_every_process(tmp_path):
+    """Bits-only differences tie at relative error 0; the record path iterated its keys as a set, so which
+    tensor's bound it reported depended on PYTHONHASHSEED (w's or w:exp_avg_sq's, twice as large). It now
+    goes in the recorder's order, as the column-wise path does."""
+    import os
+    import subprocess
+    import sys
+
+    m = syn.manifest(**{"training.steps": 1, "parallelism.dp": 1})
+    a, b = [], []
+    for i, name in enumerate(["w", "w:exp_avg_sq", "v", "v:exp_avg_sq"]):
+        r = {"step": 1, "micro_batch": 0, "phase": "optimizer", "rank": 0, "index": i, "tensor": name,
+             "dtype": "float64", "shape": [4], "numel": 4, "sum": 1.0, "norm": 2.0, "nonfinite": 0}
+        r["digest"] = syn.digest(r)
+        a.append(r)
+        b.append({**r, "digest": r["digest"][::-1]})  # other bits, the same statistics
+    bounds = set()
+    for fmt in (".jsonl", ".arrows"):
+        ra, rb = _write(tmp_path / fmt[1:], fmt, m, {0: a}, {0: b})
+        code = (f"from disttrace.analysis.diff import diff_runs; "
+                f"print(diff_runs({str(ra)!r}, {str(rb)!r}, mode='numeric')['numeric']['by_phase']['optimizer']['bound'])")
+        for seed in ("1", "2", "3", "4"):
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                                 env={**os.environ, "PYTHONHASHSEED": seed})
+            assert out.returncode == 0, out.stderr[-2000:]
+            bounds.add(out.stdout.strip())
+    assert len(bounds) == 1, bounds

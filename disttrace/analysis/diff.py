@@ -475,7 +475,7 @@ def _keyed(recs: list[dict]) -> dict[tuple, dict]:
 
 def _compare_rank_step(step: int, rank: int, recs_a: list[dict], recs_b: list[dict], tol: _Tol) -> _RankStep:
     ka, kb = _keyed(recs_a), _keyed(recs_b)
-    keys = ka.keys() | kb.keys()
+    keys = sorted(ka.keys() | kb.keys())  # in the recorder's order: ties between errors resolve the same every run
     rs = _RankStep(len(keys))
     for k in keys:
         ra, rb = ka.get(k), kb.get(k)
@@ -920,8 +920,10 @@ def _compare_block(block: list[int], ranks, side_a: _Side, side_b: _Side, tol: _
                 continue
             read[s] += 1
             ba, bb = side_a.batch(r, s), side_b.batch(r, s)
-            if ba is None or bb is None:
-                per[s][r] = _compare_rank_step(s, r, side_a.records(r, s), side_b.records(r, s), tol)
+            if ba is None or bb is None:  # a JSON-lines side: the record path (a side decoded already is not read again)
+                per[s][r] = _compare_rank_step(
+                    s, r, trajectory.to_records(ba) if ba is not None else side_a.records(r, s),
+                    trajectory.to_records(bb) if bb is not None else side_b.records(r, s), tol)
             elif ba.num_rows != bb.num_rows:
                 per[s][r] = _compare_rank_step_columns(s, r, ba, bb, tol)
             else:
