@@ -889,11 +889,11 @@ def _load_calibration(path, side_a: _Side, side_b: _Side):
 BLOCK_ROWS = 1 << 14  # records per side a block of steps may hold (a few MB of columns)
 
 
-def _block(steps: list[int], n: int, ranks, side: _Side, rows: int) -> list[int]:
-    """steps[n:] as far as `rows` records (over all ranks) reach, at least one step."""
+def _block(steps: list[int], n: int, ranks, sides: tuple[_Side, _Side], rows: int) -> list[int]:
+    """steps[n:] as far as `rows` records of either side (over all ranks) reach, at least one step."""
     out, total = [], 0
     for step in steps[n:]:
-        total += sum(int((side.entry(r, step) or {}).get("records") or 0) for r in ranks)
+        total += max(sum(int((side.entry(r, step) or {}).get("records") or 0) for r in ranks) for side in sides)
         if out and total > rows:
             break
         out.append(step)
@@ -1028,7 +1028,7 @@ def diff_runs(a: str | Path, b: str | Path, mode: str | None = None, rtol: float
             read_steps += 1
         else:  # a block of steps at once; one at a time when the first divergent step ends the comparison
             if step not in ahead:
-                ahead = _compare_block(_block(steps, n, ranks, side_b, BLOCK_ROWS if propagate else 0),
+                ahead = _compare_block(_block(steps, n, ranks, (side_a, side_b), BLOCK_ROWS if propagate else 0),
                                        ranks, side_a, side_b, tol)
             per_rank, read = ahead.pop(step)
             read_steps += read
