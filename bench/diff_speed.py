@@ -22,7 +22,7 @@ and prints wall seconds, records/second (records of both runs up to and includin
 divided by the wall time), peak RSS of the child (ru_maxrss) and the peak of Python allocations
 (tracemalloc, measured in a separate untimed pass).
 
-    .venv/bin/python bench/diff_speed.py [--ranks 2] [--steps 500] [--records 1000] [--plant-step 490]
+    .venv/bin/python bench/diff_speed.py [--ranks 2] [--steps 500] [--records 1000] [--plant-step 490] [--layout 1|2]
 """
 
 from __future__ import annotations
@@ -198,6 +198,9 @@ def main() -> None:
     ap.add_argument("--plant-step", type=int, default=None, help="default: steps - 10")
     ap.add_argument("--dir", default=None, help="where to write the runs (default: a temporary directory)")
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--layout", type=int, choices=(1, 2), default=None,
+                    help="write the stores in this trajectory layout (default: what the recorder writes now); "
+                         "readers take either, so two runs of the bench are an A/B of the layouts")
     ap.add_argument("--child", nargs=3, metavar=("MODE", "A", "B"), help=argparse.SUPPRESS)
     ap.add_argument("--trace", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -205,6 +208,10 @@ def main() -> None:
         child(args.child[1], args.child[2], args.child[0], args.trace)
         return
 
+    if args.layout is not None:
+        from disttrace.store import trajectory
+
+        trajectory.VERSION = args.layout  # what a new stream is written in
     plant_step = args.plant_step or max(1, args.steps - 10)
     plant = (plant_step, args.ranks - 1, args.records // 2)
     root = Path(args.dir or tempfile.mkdtemp(prefix="disttrace-bench-"))

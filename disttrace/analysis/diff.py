@@ -928,22 +928,17 @@ def _compare_block(block: list[int], ranks, side_a: _Side, side_b: _Side, tol: _
                 per[s][r] = _compare_rank_step_columns(s, r, ba, bb, tol)
             else:
                 items.append((s, ba, bb))
-        if not items:
-            continue
-        ca, starts = columnar.concat([ba for _, ba, _ in items])
-        cb, _ = columnar.concat([bb for _, _, bb in items])
-        if len(items) > 1 and not columnar.aligned_block(ca, cb, starts):  # some step does not align: one by one
-            for s, ba, bb in items:
-                per[s][r] = _compare_rank_step_columns(s, r, ba, bb, tol)
-            continue
-        if len(items) == 1:
-            s, ba, bb = items[0]
+        if len(items) > 1:
+            ca, starts = columnar.concat([ba for _, ba, _ in items])
+            cb, _ = columnar.concat([bb for _, _, bb in items])
+            if columnar.aligned_block(ca, cb, starts):
+                out = [_RankStep(ba.num_rows) for _, ba, _ in items]
+                _fold_columns([s for s, _, _ in items], r, ca, cb, starts, tol, out)
+                for (s, _, _), rs in zip(items, out):
+                    per[s][r] = rs
+                continue
+        for s, ba, bb in items:  # one step, or a block in which some step does not align: one by one
             per[s][r] = _compare_rank_step_columns(s, r, ba, bb, tol)
-            continue
-        out = [_RankStep(ba.num_rows) for _, ba, _ in items]
-        _fold_columns([s for s, _, _ in items], r, ca, cb, starts, tol, out)
-        for (s, _, _), rs in zip(items, out):
-            per[s][r] = rs
     return {s: (per[s], read[s]) for s in block}
 
 
