@@ -90,12 +90,21 @@ def main():
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(worker, args=(args.world, port, args.steps, out, q), nprocs=args.world, join=True,
-                           start_method="spawn")
+        mp.start_processes(
+            worker,
+            args=(args.world, port, args.steps, out, q),
+            nprocs=args.world,
+            join=True,
+            start_method="spawn",
+        )
         params, plain, attached, run_dir = q.get()
     a, b = statistics.median(plain), statistics.median(attached)
-    print(f"{params / 1e6:.1f}M parameters, {args.world} ranks, {args.steps} steps each (accumulation 2, clipping)")
-    print(f"median step: unattached {a * 1e3:.0f} ms, attached {b * 1e3:.0f} ms; ratio {b / a:.2f}x")
+    print(
+        f"{params / 1e6:.1f}M parameters, {args.world} ranks, {args.steps} steps each (accumulation 2, clipping)"
+    )
+    print(
+        f"median step: unattached {a * 1e3:.0f} ms, attached {b * 1e3:.0f} ms; ratio {b / a:.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -46,20 +46,60 @@ sys.path.insert(0, str(ROOT))
 
 from disttrace.store.seal import StepChain  # noqa: E402
 
-PHASE_PLAN = [("data", 1), ("forward", 24), ("loss", 1), ("backward", 300), ("reduce", 300), ("optimizer", 374)]
+PHASE_PLAN = [
+    ("data", 1),
+    ("forward", 24),
+    ("loss", 1),
+    ("backward", 300),
+    ("reduce", 300),
+    ("optimizer", 374),
+]
 
 
 def manifest(ranks: int, steps: int) -> dict:
     return {
         "experiment": {"name": "bench", "edition": "v1", "seed": 0, "description": ""},
-        "data": {"path": "corpus.jsonl", "sha256": "a" * 64, "eval_percent": 10, "split_salt": "disttrace-v1"},
+        "data": {
+            "path": "corpus.jsonl",
+            "sha256": "a" * 64,
+            "eval_percent": 10,
+            "split_salt": "disttrace-v1",
+        },
         "tokenizer": {"kind": "byte", "path": None, "sha256": "b" * 64},
-        "model": {"dim": 256, "n_layers": 24, "n_heads": 8, "n_kv_heads": 8, "vocab_size": 4096, "max_seq_len": 256,
-                  "multiple_of": 32, "ffn_hidden": 704, "norm_eps": 1e-5, "rope_theta": 10000.0},
-        "parallelism": {"dp": ranks, "tp": 1, "pp": 1, "zero_stage": 0, "pp_schedule": "gpipe",
-                        "architecture": "allreduce", "staleness": 0, "world_size": ranks, "backend": "auto"},
-        "training": {"steps": steps, "micro_batch_size": 4, "grad_accum_steps": 1, "lr": 1e-3, "optimizer": "adamw",
-                     "weight_decay": 0.0, "beta1": 0.9, "beta2": 0.95, "dtype": "float32"},
+        "model": {
+            "dim": 256,
+            "n_layers": 24,
+            "n_heads": 8,
+            "n_kv_heads": 8,
+            "vocab_size": 4096,
+            "max_seq_len": 256,
+            "multiple_of": 32,
+            "ffn_hidden": 704,
+            "norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+        },
+        "parallelism": {
+            "dp": ranks,
+            "tp": 1,
+            "pp": 1,
+            "zero_stage": 0,
+            "pp_schedule": "gpipe",
+            "architecture": "allreduce",
+            "staleness": 0,
+            "world_size": ranks,
+            "backend": "auto",
+        },
+        "training": {
+            "steps": steps,
+            "micro_batch_size": 4,
+            "grad_accum_steps": 1,
+            "lr": 1e-3,
+            "optimizer": "adamw",
+            "weight_decay": 0.0,
+            "beta1": 0.9,
+            "beta2": 0.95,
+            "dtype": "float32",
+        },
         "checkpoint": {"interval": 0},
         "debug": {"deterministic": True, "collective_timeout_s": 60.0},
         "eval": {"max_batches": 16, "batch_size": 4, "loss_rtol": 0.02},
@@ -78,14 +118,30 @@ def step_records(step: int, rank: int, n: int) -> list[dict]:
     plan[-1] = (plan[-1][0], plan[-1][1] + n - total)
     for phase, k in plan:
         for i in range(k):
-            name = f"layers.{i // 4}.attention.w{'qkvo'[i % 4]}.weight" if phase != "data" else "inputs"
+            name = (
+                f"layers.{i // 4}.attention.w{'qkvo'[i % 4]}.weight"
+                if phase != "data"
+                else "inputs"
+            )
             # the reduced gradient and the optimizer's state are replicas: the same on every rank
             who = 0 if phase in ("reduce", "optimizer") else rank
             x = ((step * 1_000_003 + who * 7919 + i * 104_729) % 1_000_000) / 1e6
-            rec = {"step": step, "micro_batch": 0, "phase": phase, "rank": rank, "index": i, "tensor": name,
-                   "dtype": "float32", "shape": [256, 256], "numel": 65536,
-                   "digest": xxhash.xxh3_128_hexdigest(f"{step}/{who}/{phase}/{i}".encode()),
-                   "sum": x * 3.0 - 1.5, "norm": 10.0 + x, "sketch": [x, -x, 2 * x, 0.5 - x], "nonfinite": 0}
+            rec = {
+                "step": step,
+                "micro_batch": 0,
+                "phase": phase,
+                "rank": rank,
+                "index": i,
+                "tensor": name,
+                "dtype": "float32",
+                "shape": [256, 256],
+                "numel": 65536,
+                "digest": xxhash.xxh3_128_hexdigest(f"{step}/{who}/{phase}/{i}".encode()),
+                "sum": x * 3.0 - 1.5,
+                "norm": 10.0 + x,
+                "sketch": [x, -x, 2 * x, 0.5 - x],
+                "nonfinite": 0,
+            }
             recs.append(rec)
     return recs
 
@@ -95,12 +151,21 @@ def _noisy(recs: list[dict]) -> list[dict]:
     any derived bound), every digest different: a numeric diff reads and compares every record."""
     out = []
     for r in recs:
-        if r["phase"] == "data":  # the same batch in any topology: the data phase compares bit for bit
+        if (
+            r["phase"] == "data"
+        ):  # the same batch in any topology: the data phase compares bit for bit
             out.append(r)
             continue
         e = 1e-12 * (1 + r["index"] % 7)
-        out.append({**r, "digest": xxhash.xxh3_128_hexdigest(r["digest"].encode()), "sum": r["sum"] * (1 + e),
-                    "norm": r["norm"] * (1 - e), "sketch": [v * (1 + e) for v in r["sketch"]]})
+        out.append(
+            {
+                **r,
+                "digest": xxhash.xxh3_128_hexdigest(r["digest"].encode()),
+                "sum": r["sum"] * (1 + e),
+                "norm": r["norm"] * (1 - e),
+                "sketch": [v * (1 + e) for v in r["sketch"]],
+            }
+        )
     return out
 
 
@@ -110,27 +175,50 @@ def write_runs(root: Path, ranks: int, steps: int, n: int, plant: tuple[int, int
     from disttrace.store.trajectory import SUFFIX, TrajectoryWriter
 
     m = manifest(ranks, steps)
-    lock = orjson.dumps({"manifest": m, "manifest_id": "f" * 64, "source": "bench", "overrides": [], "resolved": {}})
+    lock = orjson.dumps(
+        {"manifest": m, "manifest_id": "f" * 64, "source": "bench", "overrides": [], "resolved": {}}
+    )
     dirs = {k: root / k for k in ("reference", "fault", "noisy", "half")}
     # `half`: another topology, half the data-parallel ranks, twice the accumulation (the same global batch)
     half = max(1, ranks // 2)
     mh = manifest(half, steps)
     mh["training"]["grad_accum_steps"] = ranks // half
-    lock_half = orjson.dumps({"manifest": mh, "manifest_id": "e" * 64, "source": "bench", "overrides": [],
-                              "resolved": {}})
+    lock_half = orjson.dumps(
+        {
+            "manifest": mh,
+            "manifest_id": "e" * 64,
+            "source": "bench",
+            "overrides": [],
+            "resolved": {},
+        }
+    )
     for k, d in dirs.items():
         (d / "trajectory").mkdir(parents=True)
         (d / "manifest.lock.json").write_bytes(lock_half if k == "half" else lock)
         (d / "COMPLETE").write_bytes(b"{}\n")
-        (d / "run.json").write_bytes(orjson.dumps({"path": "reference", "fault": None, "resume": None}))
+        (d / "run.json").write_bytes(
+            orjson.dumps({"path": "reference", "fault": None, "resume": None})
+        )
     p_step, p_rank, p_pos = plant
-    (dirs["fault"] / "run.json").write_bytes(orjson.dumps({"path": "fault", "resume": None,
-                                                         "fault": {"name": "bench", "step": p_step, "rank": p_rank}}))
+    (dirs["fault"] / "run.json").write_bytes(
+        orjson.dumps(
+            {
+                "path": "fault",
+                "resume": None,
+                "fault": {"name": "bench", "step": p_step, "rank": p_rank},
+            }
+        )
+    )
     planted = None
     for rank in range(ranks):
-        writers = {k: TrajectoryWriter(d / f"trajectory/rank-{rank:05d}{SUFFIX}") for k, d in dirs.items()
-                   if k != "half" or rank < half}
-        chains = {k: StepChain(rank) for k in writers}  # the recorder's sha256 per step, chained: diff checks it
+        writers = {
+            k: TrajectoryWriter(d / f"trajectory/rank-{rank:05d}{SUFFIX}")
+            for k, d in dirs.items()
+            if k != "half" or rank < half
+        }
+        chains = {
+            k: StepChain(rank) for k in writers
+        }  # the recorder's sha256 per step, chained: diff checks it
         index = {k: bytearray() for k in writers}
         for step in range(1, steps + 1):
             recs = step_records(step, rank, n)
@@ -141,12 +229,18 @@ def write_runs(root: Path, ranks: int, steps: int, n: int, plant: tuple[int, int
                 r = recs[p_pos]
                 planted = (step, rank, r["phase"], r["index"])
                 flipped = format(int(r["digest"], 16) ^ 1, "032x")  # one bit
-                variants["fault"] = recs[:p_pos] + [{**r, "digest": flipped}] + recs[p_pos + 1:]
+                variants["fault"] = recs[:p_pos] + [{**r, "digest": flipped}] + recs[p_pos + 1 :]
             for k, rs in variants.items():
                 offset = writers[k].offset
                 blob = writers[k].write_step(rs)
-                entry = {"step": step, "offset": offset, "length": len(blob), "records": len(rs),
-                         "digest": _dod([r["digest"] for r in rs]), "time": {"start": 0.0, "end": 0.0}}
+                entry = {
+                    "step": step,
+                    "offset": offset,
+                    "length": len(blob),
+                    "records": len(rs),
+                    "digest": _dod([r["digest"] for r in rs]),
+                    "time": {"start": 0.0, "end": 0.0},
+                }
                 index[k] += orjson.dumps(chains[k].seal_entry(entry, blob)) + b"\n"
         for k in writers:
             d = dirs[k]
@@ -166,8 +260,13 @@ def child(a: str, b: str, mode: str, trace: bool) -> None:
     """Run one diff in this (fresh) process and print one JSON line."""
     from disttrace.analysis.diff import diff_runs
 
-    kw = {"index": dict(propagate=False), "scan": dict(use_index=False, propagate=False), "full": {},
-          "numeric": dict(mode="numeric"), "cross": {}}[mode]
+    kw = {
+        "index": dict(propagate=False),
+        "scan": dict(use_index=False, propagate=False),
+        "full": {},
+        "numeric": dict(mode="numeric"),
+        "cross": {},
+    }[mode]
     if trace:
         import tracemalloc
 
@@ -175,32 +274,52 @@ def child(a: str, b: str, mode: str, trace: bool) -> None:
     t0 = time.perf_counter()
     r = diff_runs(a, b, **kw)
     dt = time.perf_counter() - t0
-    out = {"seconds": dt, "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-           "first_divergence": r["first_divergence"], "steps_read": r["stats"]["steps_read"],
-           "records_read": r["records_read"]["a"] + r["records_read"]["b"], "equal": r["equal"],
-           "tensors_compared": r["stats"]["tensors_compared"]}
+    out = {
+        "seconds": dt,
+        "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "first_divergence": r["first_divergence"],
+        "steps_read": r["stats"]["steps_read"],
+        "records_read": r["records_read"]["a"] + r["records_read"]["b"],
+        "equal": r["equal"],
+        "tensors_compared": r["stats"]["tensors_compared"],
+    }
     if trace:
-        out["traced_peak_mib"] = tracemalloc.get_traced_memory()[1] / 2 ** 20
+        out["traced_peak_mib"] = tracemalloc.get_traced_memory()[1] / 2**20
     print(json.dumps(out))
 
 
 def run_child(a: Path, b: Path, mode: str, trace: bool = False) -> dict:
-    p = subprocess.run([sys.executable, __file__, "--child", mode, str(a), str(b)] + (["--trace"] if trace else []),
-                       capture_output=True, text=True, check=True, cwd=ROOT)
+    p = subprocess.run(
+        [sys.executable, __file__, "--child", mode, str(a), str(b)]
+        + (["--trace"] if trace else []),
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--records", type=int, default=1000, help="records per rank and step")
     ap.add_argument("--plant-step", type=int, default=None, help="default: steps - 10")
-    ap.add_argument("--dir", default=None, help="where to write the runs (default: a temporary directory)")
+    ap.add_argument(
+        "--dir", default=None, help="where to write the runs (default: a temporary directory)"
+    )
     ap.add_argument("--keep", action="store_true")
-    ap.add_argument("--layout", type=int, choices=(1, 2), default=None,
-                    help="write the stores in this trajectory layout (default: what the recorder writes now); "
-                         "readers take either, so two runs of the bench are an A/B of the layouts")
+    ap.add_argument(
+        "--layout",
+        type=int,
+        choices=(1, 2),
+        default=None,
+        help="write the stores in this trajectory layout (default: what the recorder writes now); "
+        "readers take either, so two runs of the bench are an A/B of the layouts",
+    )
     ap.add_argument("--child", nargs=3, metavar=("MODE", "A", "B"), help=argparse.SUPPRESS)
     ap.add_argument("--trace", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -221,42 +340,67 @@ def main() -> None:
         a, b = dirs["reference"], dirs["fault"]
         size = sum(p.stat().st_size for p in (a / "trajectory").glob("*.arrows"))
         n_run = args.ranks * args.steps * args.records
-        print(f"wrote 4 runs x {n_run:,} records ({size / 2**20:.0f} MiB each, {size / n_run:.1f} bytes per record) "
-              f"in {time.perf_counter() - t0:.1f} s; planted: step {planted[0]} rank {planted[1]} {planted[2]} "
-              f"index {planted[3]}")
-        base = subprocess.run([sys.executable, "-c", "import resource, disttrace.analysis.diff; "
-                               "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)"],
-                              capture_output=True, text=True, check=True, cwd=ROOT)
-        print(f"a fresh process importing disttrace.analysis.diff: {float(base.stdout):.0f} MiB RSS")
-        covered = 2 * args.ranks * plant_step * args.records  # both runs, every rank, steps 1..divergent
+        print(
+            f"wrote 4 runs x {n_run:,} records ({size / 2**20:.0f} MiB each, {size / n_run:.1f} bytes per record) "
+            f"in {time.perf_counter() - t0:.1f} s; planted: step {planted[0]} rank {planted[1]} {planted[2]} "
+            f"index {planted[3]}"
+        )
+        base = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import resource, disttrace.analysis.diff; "
+                "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=ROOT,
+        )
+        print(
+            f"a fresh process importing disttrace.analysis.diff: {float(base.stdout):.0f} MiB RSS"
+        )
+        covered = (
+            2 * args.ranks * plant_step * args.records
+        )  # both runs, every rank, steps 1..divergent
         results = {}
         for mode in ("index", "scan", "full"):
             r = run_child(a, b, mode)
             r["traced_peak_mib"] = run_child(a, b, mode, trace=True)["traced_peak_mib"]
             results[mode] = r
             f = r["first_divergence"]
-            print(f"{mode:>7}: {r['seconds']:7.3f} s  {covered / r['seconds']:>14,.0f} records/s  steps read "
-                  f"{r['steps_read']:>5}  peak RSS {r['maxrss_mib']:6.0f} MiB  traced peak {r['traced_peak_mib']:7.1f} MiB"
-                  f"  -> step {f['step']} rank {f['rank']} {f['phase']} index {f['index']}")
-            assert (f["step"], f["rank"], f["phase"], f["index"]) == planted, f"wrong divergence {f}"
+            print(
+                f"{mode:>7}: {r['seconds']:7.3f} s  {covered / r['seconds']:>14,.0f} records/s  steps read "
+                f"{r['steps_read']:>5}  peak RSS {r['maxrss_mib']:6.0f} MiB  traced peak {r['traced_peak_mib']:7.1f} MiB"
+                f"  -> step {f['step']} rank {f['rank']} {f['phase']} index {f['index']}"
+            )
+            assert (f["step"], f["rank"], f["phase"], f["index"]) == planted, (
+                f"wrong divergence {f}"
+            )
         ratio = results["scan"]["seconds"] / results["index"]["seconds"]
-        print(f"index vs scan: {ratio:,.0f}x faster to the first divergence "
-              f"({'meets' if results['index']['seconds'] < 2 else 'MISSES'} the 2 s target)")
+        print(
+            f"index vs scan: {ratio:,.0f}x faster to the first divergence "
+            f"({'meets' if results['index']['seconds'] < 2 else 'MISSES'} the 2 s target)"
+        )
         # numeric: every record of both runs read and held to the derived bound (what a cross-topology or
         # rounding-level comparison costs); the records are within it, so the runs compare equal
         r = run_child(a, dirs["noisy"], "numeric")
         r["traced_peak_mib"] = run_child(a, dirs["noisy"], "numeric", trace=True)["traced_peak_mib"]
         assert r["equal"] and r["records_read"] == 2 * n_run, r
-        print(f"numeric: {r['seconds']:7.3f} s  {r['records_read'] / r['seconds']:>14,.0f} records/s read and "
-              f"compared ({r['records_read']:,} records, every one inexact)  peak RSS {r['maxrss_mib']:6.0f} MiB  "
-              f"traced peak {r['traced_peak_mib']:7.1f} MiB")
+        print(
+            f"numeric: {r['seconds']:7.3f} s  {r['records_read'] / r['seconds']:>14,.0f} records/s read and "
+            f"compared ({r['records_read']:,} records, every one inexact)  peak RSS {r['maxrss_mib']:6.0f} MiB  "
+            f"traced peak {r['traced_peak_mib']:7.1f} MiB"
+        )
         # across topologies: the reduced gradients and optimizer state of every rank of `half` against the
         # reference's (the logical tensors; per-micro-batch phases differ by design and are not compared)
         r = run_child(a, dirs["half"], "cross")
         assert r["equal"], r
-        print(f"  cross: {r['seconds']:7.3f} s  {r['records_read'] / r['seconds']:>14,.0f} records/s read, "
-              f"{r['tensors_compared'] / r['seconds']:,.0f} logical tensors/s compared ({r['records_read']:,} records "
-              f"read, {r['tensors_compared']:,} compared)  peak RSS {r['maxrss_mib']:6.0f} MiB")
+        print(
+            f"  cross: {r['seconds']:7.3f} s  {r['records_read'] / r['seconds']:>14,.0f} records/s read, "
+            f"{r['tensors_compared'] / r['seconds']:,.0f} logical tensors/s compared ({r['records_read']:,} records "
+            f"read, {r['tensors_compared']:,} compared)  peak RSS {r['maxrss_mib']:6.0f} MiB"
+        )
     finally:
         if not args.keep and not args.dir:
             shutil.rmtree(root, ignore_errors=True)

@@ -43,7 +43,10 @@ def tensors_of_a_step(sets: list[str]):
     for p in model.parameters():
         out += [p.grad, p.detach(), *(v for v in opt.state[p].values() if torch.is_tensor(v))]
     n = sum(p.numel() for p in model.parameters())
-    return out, f"dim {m['model']['dim']}, {m['model']['n_layers']} layers, {n / 1e6:.2f}M parameters"
+    return (
+        out,
+        f"dim {m['model']['dim']}, {m['model']['n_layers']} layers, {n / 1e6:.2f}M parameters",
+    )
 
 
 def measure(tensors, repeats: int) -> dict[str, float]:
@@ -57,28 +60,50 @@ def measure(tensors, repeats: int) -> dict[str, float]:
                 digest_tensor(x, with_sketch=with_sketch)
             times[with_sketch].append(time.perf_counter() - t)
     # the median, and the best repeat (the figure the shared cores' noise disturbs least)
-    return {"without": statistics.median(times[False]), "with": statistics.median(times[True]),
-            "best without": min(times[False]), "best with": min(times[True])}
+    return {
+        "without": statistics.median(times[False]),
+        "with": statistics.median(times[True]),
+        "best without": min(times[False]),
+        "best with": min(times[True]),
+    }
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument("--set", action="append", default=[], help="override the realistic model (section.key=value)")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        help="override the realistic model (section.key=value)",
+    )
     args = ap.parse_args()
     import torch
 
     torch.set_num_threads(1)
-    for title, sets, reps in (("tiny default model", [], args.repeats * 4),
-                              ("realistic CPU model", REALISTIC + args.set, args.repeats)):
+    for title, sets, reps in (
+        ("tiny default model", [], args.repeats * 4),
+        ("realistic CPU model", REALISTIC + args.set, args.repeats),
+    ):
         tensors, what = tensors_of_a_step(sets)
         mb = sum(t.numel() * t.element_size() for t in tensors) / 1e6
         r = measure(tensors, reps)
-        print(f"{title} ({what}; {len(tensors)} tensors, {mb:.1f} MB per step; {reps} repeats):", flush=True)
-        for label, (w, wo) in (("median", (r["with"], r["without"])), ("best", (r["best with"], r["best without"]))):
+        print(
+            f"{title} ({what}; {len(tensors)} tensors, {mb:.1f} MB per step; {reps} repeats):",
+            flush=True,
+        )
+        for label, (w, wo) in (
+            ("median", (r["with"], r["without"])),
+            ("best", (r["best with"], r["best without"])),
+        ):
             w, wo = w * 1e3, wo * 1e3
-            print(f"  {label:6s} digest without sketch {wo:7.2f} ms/step, with sketch {w:7.2f} ms/step, ratio "
-                  f"{w / wo:.3f} (the sketch {w - wo:6.2f} ms, {(w - wo) / w:.0%} of the digest)", flush=True)
+            print(
+                f"  {label:6s} digest without sketch {wo:7.2f} ms/step, with sketch {w:7.2f} ms/step, ratio "
+                f"{w / wo:.3f} (the sketch {w - wo:6.2f} ms, {(w - wo) / w:.0%} of the digest)",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -40,7 +40,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 VARIANTS = ("off", "recorder+ledger", "default", "default+live check", "values")
-REALISTIC = ["model.dim=512", "model.n_layers=4", "model.max_seq_len=256", "training.grad_accum_steps=2"]
+REALISTIC = [
+    "model.dim=512",
+    "model.n_layers=4",
+    "model.max_seq_len=256",
+    "training.grad_accum_steps=2",
+]
 TINY = ["training.grad_accum_steps=2"]  # the default manifest's model
 RING = 64
 WARMUP = 2  # steps left out of the medians (DDP rebuilds its buckets after step 1)
@@ -68,8 +73,13 @@ class Gated:
 
 
 def worker(rank, world, port, frozen_doc, steps, out, q, device_type="cpu"):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      TORCH_FR_BUFFER_SIZE=str(RING))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        TORCH_FR_BUFFER_SIZE=str(RING),
+    )
     import contextlib
 
     import torch
@@ -97,11 +107,17 @@ def worker(rank, world, port, frozen_doc, steps, out, q, device_type="cpu"):
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dist.init_process_group("nccl" if cuda else "gloo")
     m = frozen_doc["manifest"]
-    typed = Manifest.model_validate(m)  # strategies, ledger and topology read the typed manifest, as in the job
+    typed = Manifest.model_validate(
+        m
+    )  # strategies, ledger and topology read the typed manifest, as in the job
     mesh = init_device_mesh(device_type, (1, world, 1), mesh_dim_names=("pp", "dp", "tp"))
-    data = TokenData(m, frozen_doc["resolved"]["data_path"], frozen_doc["resolved"]["tokenizer_path"])
+    data = TokenData(
+        m, frozen_doc["resolved"]["data_path"], frozen_doc["resolved"]["tokenizer_path"]
+    )
     bus = HookBus(rank)
-    model = build_model(SimpleNamespace(**m["model"]), torch.float32, m["experiment"]["seed"]).to(device)
+    model = build_model(SimpleNamespace(**m["model"]), torch.float32, m["experiment"]["seed"]).to(
+        device
+    )
     emit_module_outputs(model, bus)
     strategy = build_strategy(typed, model, mesh, bus)
     base = Path(out) / f"rank{rank}"
@@ -109,15 +125,28 @@ def worker(rank, world, port, frozen_doc, steps, out, q, device_type="cpu"):
     recorded = {"recorder+ledger", "default", "default+live check", "values"}
     StepClock(base / "off", rank).attach(bus)
     recorders, ledgers = {}, []
-    spent: dict[str, float] = {}  # own seconds of each observer's hook handlers, in the default variant
+    spent: dict[
+        str, float
+    ] = {}  # own seconds of each observer's hook handlers, in the default variant
     for v in sorted(recorded):  # each variant writes its own run dir, so its bytes are its own
-        recorders[v] = Recorder(base / v, rank).attach(Gated(bus, flag, {v}, spent, f"recorder {v}"))
-        ledgers.append(MemoryLedger(base / v, rank, typed, strategy).attach(Gated(bus, flag, {v}, spent, f"ledger {v}")))
+        recorders[v] = Recorder(base / v, rank).attach(
+            Gated(bus, flag, {v}, spent, f"recorder {v}")
+        )
+        ledgers.append(
+            MemoryLedger(base / v, rank, typed, strategy).attach(
+                Gated(bus, flag, {v}, spent, f"ledger {v}")
+            )
+        )
     fr = FlightRecorderTrace(base / "default", rank).attach(
-        Gated(bus, flag, {"default", "default+live check"}, spent, "trace"))
-    LiveCheck(base / "default+live check", recorders["default+live check"], strategy.replicas(),
-              {**groups_of(typed), "world": [list(range(world))]}, rank).attach(
-        Gated(bus, flag, {"default+live check"}, spent, "live check"))
+        Gated(bus, flag, {"default", "default+live check"}, spent, "trace")
+    )
+    LiveCheck(
+        base / "default+live check",
+        recorders["default+live check"],
+        strategy.replicas(),
+        {**groups_of(typed), "world": [list(range(world))]},
+        rank,
+    ).attach(Gated(bus, flag, {"default+live check"}, spent, "live check"))
     tracer = CollectiveTracer(base / "values", rank, values=True)
     times = {v: [] for v in VARIANTS}
     accum = m["training"]["grad_accum_steps"]
@@ -134,11 +163,18 @@ def worker(rank, world, port, frozen_doc, steps, out, q, device_type="cpu"):
                 for mb in range(accum):
                     bus.micro_batch = mb
                     batch = data.batch(step, mb, rank)
-                    batch = {**batch, "inputs": batch["inputs"].to(device), "targets": batch["targets"].to(device)}
+                    batch = {
+                        **batch,
+                        "inputs": batch["inputs"].to(device),
+                        "targets": batch["targets"].to(device),
+                    }
                     batch = bus.emit("data", batch=batch, fetch=None)["batch"]
                     with strategy.micro_batch(mb == accum - 1):
-                        loss = bus.emit("loss", loss=lm_loss(strategy.model(batch["inputs"]), batch["targets"]),
-                                        tokens=0)["loss"]
+                        loss = bus.emit(
+                            "loss",
+                            loss=lm_loss(strategy.model(batch["inputs"]), batch["targets"]),
+                            tokens=0,
+                        )["loss"]
                         strategy.backward(loss / accum, mb == accum - 1)
                 strategy.step()
                 bus.emit("step_end")
@@ -153,10 +189,18 @@ def worker(rank, world, port, frozen_doc, steps, out, q, device_type="cpu"):
     for o in [*recorders.values(), *ledgers]:
         o.close()
     if rank == 0:
-        q.put({"times": {v: statistics.median(ts[WARMUP:]) for v, ts in times.items()}, "dumps": dumps,
-               "own_ms_per_step": {k: 1e3 * s / steps for k, s in spent.items()
-                                   if k.endswith("default") or k in ("trace", "live check")},
-               "final_copy_ms": 1e3 * close_s})
+        q.put(
+            {
+                "times": {v: statistics.median(ts[WARMUP:]) for v, ts in times.items()},
+                "dumps": dumps,
+                "own_ms_per_step": {
+                    k: 1e3 * s / steps
+                    for k, s in spent.items()
+                    if k.endswith("default") or k in ("trace", "live check")
+                },
+                "final_copy_ms": 1e3 * close_s,
+            }
+        )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -175,7 +219,9 @@ def _per_record(dirs: list[Path]) -> float | None:
         for f in (d / "trajectory").glob("rank-*.arrows"):
             size += f.stat().st_size
         for f in (d / "trajectory").glob("rank-*.steps.jsonl"):
-            records += sum(orjson.loads(line)["records"] for line in f.read_bytes().splitlines() if line)
+            records += sum(
+                orjson.loads(line)["records"] for line in f.read_bytes().splitlines() if line
+            )
     return size / records if records else None
 
 
@@ -187,17 +233,27 @@ def measure(world: int, steps: int, sets: list[str], device_type: str = "cpu") -
     from disttrace.config.manifest import freeze
     from disttrace.run.launch import free_port
 
-    frozen = freeze(ROOT / "manifests" / "default.toml", [f"parallelism.dp={world}", f"training.steps={steps}", *sets])
+    frozen = freeze(
+        ROOT / "manifests" / "default.toml",
+        [f"parallelism.dp={world}", f"training.steps={steps}", *sets],
+    )
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     with tempfile.TemporaryDirectory() as out:
         port = free_port()
-        procs = [ctx.Process(target=worker, args=(r, world, port, frozen.model_dump(), steps, out, q, device_type))
-                 for r in range(world)]
+        procs = [
+            ctx.Process(
+                target=worker,
+                args=(r, world, port, frozen.model_dump(), steps, out, q, device_type),
+            )
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         res = None
-        while res is None:  # a rank that dies (an import error, a crash) ends the bench instead of hanging it
+        while (
+            res is None
+        ):  # a rank that dies (an import error, a crash) ends the bench instead of hanging it
             try:
                 res = q.get(timeout=5)
             except queue.Empty:
@@ -205,52 +261,96 @@ def measure(world: int, steps: int, sets: list[str], device_type: str = "cpu") -
                 if dead:
                     for p in procs:
                         p.terminate()
-                    raise SystemExit(f"a rank failed (exit codes {dead}); see its traceback above")
+                    raise SystemExit(
+                        f"a rank failed (exit codes {dead}); see its traceback above"
+                    ) from None
         for p in procs:
             p.join()
         ranks = [Path(out) / f"rank{r}" for r in range(world)]
-        fr_trace = sum(_bytes(d / "default" / "collectives") for d in ranks) / (len(VARIANTS) * steps)
+        fr_trace = sum(_bytes(d / "default" / "collectives") for d in ranks) / (
+            len(VARIANTS) * steps
+        )
         stored = {
             "recorder+ledger": sum(_bytes(d / "recorder+ledger") for d in ranks) / steps,
-            "default": sum(_bytes(d / "default") - _bytes(d / "default" / "collectives") for d in ranks) / steps
+            "default": sum(
+                _bytes(d / "default") - _bytes(d / "default" / "collectives") for d in ranks
+            )
+            / steps
             + fr_trace,
-            "default+live check": sum(_bytes(d / "default+live check") for d in ranks) / steps + fr_trace,
+            "default+live check": sum(_bytes(d / "default+live check") for d in ranks) / steps
+            + fr_trace,
             "values": sum(_bytes(d / "values") for d in ranks) / steps,
         }
-        res["bytes_per_record"] = _per_record([d / "default" for d in ranks])  # before the directory goes
+        res["bytes_per_record"] = _per_record(
+            [d / "default" for d in ranks]
+        )  # before the directory goes
     m = frozen.manifest["model"]
-    return {**res, "bytes_per_step": stored, "model": f"dim {m['dim']}, {m['n_layers']} layers, seq {m['max_seq_len']}"}
+    return {
+        **res,
+        "bytes_per_step": stored,
+        "model": f"dim {m['dim']}, {m['n_layers']} layers, seq {m['max_seq_len']}",
+    }
 
 
 def report(title: str, r: dict, world: int, steps: int) -> None:
     base = r["times"]["off"]
-    print(f"{title} ({r['model']}, dp={world}, accumulation 2): {steps} steps x {len(VARIANTS)} variants "
-          f"interleaved, median of steps {WARMUP + 1}..{steps} on rank 0; Flight Recorder copies: {r['dumps']}")
+    print(
+        f"{title} ({r['model']}, dp={world}, accumulation 2): {steps} steps x {len(VARIANTS)} variants "
+        f"interleaved, median of steps {WARMUP + 1}..{steps} on rank 0; Flight Recorder copies: {r['dumps']}"
+    )
     for v in VARIANTS:
         t = r["times"][v]
         kib = r["bytes_per_step"].get(v)
         size = f"   {kib / 1024:8.1f} KiB/step" if kib is not None else ""
         print(f"  {v:18s} {t * 1e3:9.1f} ms   ratio vs off {t / base:5.3f}{size}", flush=True)
-    own = ", ".join(f"{k.removesuffix(' default')} {ms:.2f} ms ({ms / (base * 1e3):.2%})"
-                    for k, ms in r["own_ms_per_step"].items())
-    print(f"  default variant, each observer's own hook time per step (share of the off step): {own}; "
-          f"end-of-run ring copy {r['final_copy_ms']:.1f} ms", flush=True)
+    own = ", ".join(
+        f"{k.removesuffix(' default')} {ms:.2f} ms ({ms / (base * 1e3):.2%})"
+        for k, ms in r["own_ms_per_step"].items()
+    )
+    print(
+        f"  default variant, each observer's own hook time per step (share of the off step): {own}; "
+        f"end-of-run ring copy {r['final_copy_ms']:.1f} ms",
+        flush=True,
+    )
     if r.get("bytes_per_record"):
-        print(f"  trajectory: {r['bytes_per_record']:.1f} bytes per record (Arrow stream, all ranks)", flush=True)
+        print(
+            f"  trajectory: {r['bytes_per_record']:.1f} bytes per record (Arrow stream, all ranks)",
+            flush=True,
+        )
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--set", action="append", default=[], help="override the realistic model (section.key=value)")
-    ap.add_argument("--no-tiny", action="store_true", help="skip the tiny default model (the worst case)")
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, one rank per GPU")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        help="override the realistic model (section.key=value)",
+    )
+    ap.add_argument(
+        "--no-tiny", action="store_true", help="skip the tiny default model (the worst case)"
+    )
+    ap.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, one rank per GPU"
+    )
     args = ap.parse_args()
-    report("realistic", measure(args.world, args.steps, REALISTIC + args.set, args.device), args.world, args.steps)
+    report(
+        "realistic",
+        measure(args.world, args.steps, REALISTIC + args.set, args.device),
+        args.world,
+        args.steps,
+    )
     if not args.no_tiny:
-        report("worst case: the tiny default model", measure(args.world, max(args.steps, 12), TINY, args.device),
-               args.world, max(args.steps, 12))
+        report(
+            "worst case: the tiny default model",
+            measure(args.world, max(args.steps, 12), TINY, args.device),
+            args.world,
+            max(args.steps, 12),
+        )
 
 
 if __name__ == "__main__":

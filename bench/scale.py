@@ -18,19 +18,26 @@ from overhead import measure  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--max-world", type=int, default=4)
     args = ap.parse_args()
-    print(f"{'world':>5} {'off ms':>8} {'rec+ledger':>10} {'default':>9} {'+live':>9} {'values':>9} {'KiB/step':>9}")
+    print(
+        f"{'world':>5} {'off ms':>8} {'rec+ledger':>10} {'default':>9} {'+live':>9} {'values':>9} {'KiB/step':>9}"
+    )
     world = 1
     while world <= args.max_world:
         r = measure(world, args.steps, ["training.grad_accum_steps=1"])
         t = r["times"]
-        print(f"{world:>5} {t['off'] * 1e3:>8.2f} {t['recorder+ledger'] / t['off']:>9.2f}x "
-              f"{t['default'] / t['off']:>8.2f}x {t['default+live check'] / t['off']:>8.2f}x "
-              f"{t['values'] / t['off']:>8.2f}x "
-              f"{r['bytes_per_step']['default'] / 1024:>9.1f}", flush=True)
+        print(
+            f"{world:>5} {t['off'] * 1e3:>8.2f} {t['recorder+ledger'] / t['off']:>9.2f}x "
+            f"{t['default'] / t['off']:>8.2f}x {t['default+live check'] / t['off']:>8.2f}x "
+            f"{t['values'] / t['off']:>8.2f}x "
+            f"{r['bytes_per_step']['default'] / 1024:>9.1f}",
+            flush=True,
+        )
         world *= 2
 
 

@@ -20,22 +20,33 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from diff_speed import step_records  # noqa: E402
+
 from disttrace.store import trajectory  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--records", type=int, default=1000)
     args = ap.parse_args()
-    batches = [pa.RecordBatch.from_arrays(trajectory._columns(step_records(s, 0, args.records)),
-                                          schema=trajectory.SCHEMA) for s in range(1, args.steps + 1)]
+    batches = [
+        pa.RecordBatch.from_arrays(
+            trajectory._columns(step_records(s, 0, args.records)), schema=trajectory.SCHEMA
+        )
+        for s in range(1, args.steps + 1)
+    ]
     n = args.steps * args.records
     for codec in (None, "lz4", "zstd"):
         steps = []
         for b in batches:  # each step's bytes on their own, as the step index addresses them
             sink = pa.BufferOutputStream()
-            w = ipc.new_stream(sink, trajectory.SCHEMA, options=ipc.IpcWriteOptions(compression=codec, use_threads=False))
+            w = ipc.new_stream(
+                sink,
+                trajectory.SCHEMA,
+                options=ipc.IpcWriteOptions(compression=codec, use_threads=False),
+            )
             w.write_batch(b)
             w.close()
             steps.append(sink.getvalue().to_pybytes())
@@ -46,8 +57,10 @@ def main() -> None:
             for x in steps:  # the codec's own cost: pyarrow's reader, the same for all three
                 ipc.open_stream(x, options=ipc.IpcReadOptions(use_threads=False)).read_next_batch()
             best = min(best, (time.perf_counter() - t) / len(steps))
-        print(f"{codec or 'none':>5}: {size / n:6.1f} bytes per record (schema and end marker included per step), "
-              f"{best * 1e3:6.3f} ms to decode a {args.records}-record step (best of 3)")
+        print(
+            f"{codec or 'none':>5}: {size / n:6.1f} bytes per record (schema and end marker included per step), "
+            f"{best * 1e3:6.3f} ms to decode a {args.records}-record step (best of 3)"
+        )
 
 
 if __name__ == "__main__":

@@ -30,20 +30,24 @@ def stored(batches, schema, compression="lz4") -> int:
     total = 0
     for i, b in enumerate(batches):
         sink = io.BytesIO()
-        w = ipc.new_stream(sink, schema, options=ipc.IpcWriteOptions(compression=compression, use_threads=False))
+        w = ipc.new_stream(
+            sink, schema, options=ipc.IpcWriteOptions(compression=compression, use_threads=False)
+        )
         w.write_batch(b)
         data = sink.getvalue()
         if i:
             r = pa.BufferReader(data)
             ipc.read_message(r)
-            data = data[r.tell():]
+            data = data[r.tell() :]
         total += len(data)
     return total + 8
 
 
 def plain(batch: pa.RecordBatch) -> pa.RecordBatch:
     """Dictionary columns decoded (pyarrow cannot unify dictionaries of lists across batches)."""
-    cols = [c.dictionary.take(c.indices) if pa.types.is_dictionary(c.type) else c for c in batch.columns]
+    cols = [
+        c.dictionary.take(c.indices) if pa.types.is_dictionary(c.type) else c for c in batch.columns
+    ]
     return pa.RecordBatch.from_arrays(cols, names=batch.schema.names)
 
 
@@ -51,24 +55,34 @@ def main():
     from disttrace.store.rundir import rank_file
     from disttrace.store.trajectory import SUFFIX
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("run", type=Path)
     ap.add_argument("--rank", type=int, default=0)
     args = ap.parse_args()
     path = args.run / rank_file("trajectory", args.rank, SUFFIX)
     data = path.read_bytes()
-    reader = ipc.open_stream(data)  # a bench on your own run: pyarrow's reader, not the hardened one
+    reader = ipc.open_stream(
+        data
+    )  # a bench on your own run: pyarrow's reader, not the hardened one
     batches, schema = list(reader), reader.schema
     n = sum(b.num_rows for b in batches)
     base = stored(batches, schema)
-    print(f"{path}: {n} records in {len(batches)} steps, {len(data) / n:.1f} bytes per record "
-          f"(rewritten: {base / n:.1f})")
+    print(
+        f"{path}: {n} records in {len(batches)} steps, {len(data) / n:.1f} bytes per record "
+        f"(rewritten: {base / n:.1f})"
+    )
     for name in schema.names:
         i = schema.get_field_index(name)
-        print(f"  {name:14s} {(base - stored([b.remove_column(i) for b in batches], schema.remove(i))) / n:6.1f}")
+        print(
+            f"  {name:14s} {(base - stored([b.remove_column(i) for b in batches], schema.remove(i))) / n:6.1f}"
+        )
     one = pa.concat_batches([plain(b) for b in batches])
-    print(f"  one batch for all steps: {stored([one], one.schema) / n:.1f}; "
-          f"uncompressed: {stored(batches, schema, None) / n:.1f} bytes per record")
+    print(
+        f"  one batch for all steps: {stored([one], one.schema) / n:.1f}; "
+        f"uncompressed: {stored(batches, schema, None) / n:.1f} bytes per record"
+    )
 
 
 if __name__ == "__main__":

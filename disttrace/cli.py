@@ -10,7 +10,6 @@ import functools
 import os
 import sys
 from pathlib import Path
-from typing import List, Optional
 
 import orjson
 import typer
@@ -18,8 +17,15 @@ from rich.console import Console
 from rich.markup import escape
 from rich.text import Text
 
-from disttrace.errors import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_JOB_FAILED, BadInput, DisttraceError, JobFailed,
-                              verdict_exit)
+from disttrace.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_INTERRUPTED,
+    EXIT_JOB_FAILED,
+    BadInput,
+    DisttraceError,
+    JobFailed,
+    verdict_exit,
+)
 
 app = typer.Typer(
     add_completion=False,
@@ -34,18 +40,29 @@ app = typer.Typer(
     "last stdout line is its run directory.",
 )
 # emoji off: a ":smile:" in a tensor name or a path prints as written
-err = Console(stderr=True, no_color=bool(os.environ.get("NO_COLOR")) or None, highlight=False, emoji=False)
+err = Console(
+    stderr=True, no_color=bool(os.environ.get("NO_COLOR")) or None, highlight=False, emoji=False
+)
 
-ManifestArg = typer.Argument(None, help="manifest TOML (default: manifests/default.toml)", show_default=False)
+ManifestArg = typer.Argument(
+    None, help="manifest TOML (default: manifests/default.toml)", show_default=False
+)
 SetOpt = typer.Option(None, "--set", help="override a manifest key: section.key=value (repeatable)")
 OutOpt = typer.Option(Path("runs"), "--out", help="runs root directory")
 JsonOpt = typer.Option(False, "--json", help="print exactly one JSON document on stdout")
-QuietOpt = typer.Option(False, "--quiet", "-q", help="no live progress on stderr (step, loss, s/step, ETA, "
-                        "checkpoints, faults, failed ranks, stalls)")
+QuietOpt = typer.Option(
+    False,
+    "--quiet",
+    "-q",
+    help="no live progress on stderr (step, loss, s/step, ETA, "
+    "checkpoints, faults, failed ranks, stalls)",
+)
 
 
 def emit_json(obj) -> None:
-    sys.stdout.write(orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode() + "\n")
+    sys.stdout.write(
+        orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode() + "\n"
+    )
     sys.stdout.flush()
 
 
@@ -66,30 +83,36 @@ def handled(fn):
                 emit_json({"run_dir": e.run_dir, "complete": False, "error": one_line(e)})
             elif e.run_dir:
                 print(e.run_dir)
-            raise typer.Exit(e.exit_code)
+            raise typer.Exit(e.exit_code) from None
         except DisttraceError as e:  # text from files and users: never markup, never two lines
             err.print(Text("error: ", style="red") + Text(one_line(e)), soft_wrap=True)
-            raise typer.Exit(e.exit_code)
+            raise typer.Exit(e.exit_code) from None
         except OSError as e:  # the disk filled up, or a path cannot be written: never a traceback
             import errno
 
             full = e.errno in (errno.ENOSPC, errno.EDQUOT)
-            err.print(Text("error: ", style="red") + Text(f"{e.filename or ''}: {e.strerror}"), soft_wrap=True)
-            raise typer.Exit(EXIT_JOB_FAILED if full else EXIT_BAD_INPUT)
+            err.print(
+                Text("error: ", style="red") + Text(f"{e.filename or ''}: {e.strerror}"),
+                soft_wrap=True,
+            )
+            raise typer.Exit(EXIT_JOB_FAILED if full else EXIT_BAD_INPUT) from None
         except KeyboardInterrupt:
             err.print("interrupted")
-            raise typer.Exit(EXIT_INTERRUPTED)
+            raise typer.Exit(EXIT_INTERRUPTED) from None
         except (typer.Exit, typer.Abort, SystemExit):
             raise
-        except Exception as e:  # a bug of ours: one line, and never an exit code that reads as a verdict
-            err.print(Text("internal error: ", style="red") + Text(f"{type(e).__name__}: {one_line(e)}"),
-                      soft_wrap=True)
-            raise typer.Exit(EXIT_JOB_FAILED)
+        # a bug of ours: one line, and never an exit code that reads as a verdict
+        except Exception as e:
+            err.print(
+                Text("internal error: ", style="red") + Text(f"{type(e).__name__}: {one_line(e)}"),
+                soft_wrap=True,
+            )
+            raise typer.Exit(EXIT_JOB_FAILED) from None
 
     return wrapper
 
 
-def _freeze(manifest: Optional[Path], sets: Optional[List[str]]):
+def _freeze(manifest: Path | None, sets: list[str] | None):
     from disttrace.config.manifest import freeze
 
     return freeze(manifest, sets or [])
@@ -100,13 +123,22 @@ def _freeze(manifest: Optional[Path], sets: Optional[List[str]]):
 
 @app.command()
 @handled
-def freeze(manifest: Optional[Path] = ManifestArg, set_: Optional[List[str]] = SetOpt,
-           output: Optional[Path] = typer.Option(None, "-o", "--output", help="write the lock JSON here"),
-           from_deepspeed: Optional[Path] = typer.Option(None, "--from-deepspeed", help="map a DeepSpeed config "
-                                                         "(ds_config.json) onto the manifest (default: the default one)"),
-           world_size: Optional[int] = typer.Option(None, "--world-size", help="with --from-deepspeed: the world size "
-                                                    "its batch identity is checked against"),
-           json_: bool = JsonOpt):
+def freeze(
+    manifest: Path | None = ManifestArg,
+    set_: list[str] | None = SetOpt,
+    output: Path | None = typer.Option(None, "-o", "--output", help="write the lock JSON here"),
+    from_deepspeed: Path | None = typer.Option(
+        None,
+        "--from-deepspeed",
+        help="map a DeepSpeed config (ds_config.json) onto the manifest (default: the default one)",
+    ),
+    world_size: int | None = typer.Option(
+        None,
+        "--world-size",
+        help="with --from-deepspeed: the world size its batch identity is checked against",
+    ),
+    json_: bool = JsonOpt,
+):
     """Validate a manifest, check data and tokenizer hashes, and print its canonical lock and manifest id.
     With --from-deepspeed, read a DeepSpeed config: batch identity checked with DeepSpeed's own wording,
     every key it cannot map named."""
@@ -127,9 +159,11 @@ def freeze(manifest: Optional[Path] = ManifestArg, set_: Optional[List[str]] = S
         emit_json(doc)
     else:
         m = frozen.manifest
-        err.print(f"[bold]{escape(m['experiment']['name'])}[/bold] edition {escape(m['experiment']['edition'])}  "
-                  f"world {m['parallelism']['world_size']} (dp={m['parallelism']['dp']} tp={m['parallelism']['tp']} "
-                  f"pp={m['parallelism']['pp']} zero={m['parallelism']['zero_stage']})")
+        err.print(
+            f"[bold]{escape(m['experiment']['name'])}[/bold] edition {escape(m['experiment']['edition'])}  "
+            f"world {m['parallelism']['world_size']} (dp={m['parallelism']['dp']} tp={m['parallelism']['tp']} "
+            f"pp={m['parallelism']['pp']} zero={m['parallelism']['zero_stage']})"
+        )
         err.print(f"data sha256 {m['data']['sha256']}\ntokenizer sha256 {m['tokenizer']['sha256']}")
         print(frozen.manifest_id)
 
@@ -137,7 +171,9 @@ def freeze(manifest: Optional[Path] = ManifestArg, set_: Optional[List[str]] = S
 # ---------------------------------------------------------------- the three paths
 
 
-def _run_job_and_report(run_dir: Path, json_: bool, job, what: str, summarize_failure: bool = True) -> Path:
+def _run_job_and_report(
+    run_dir: Path, json_: bool, job, what: str, summarize_failure: bool = True
+) -> Path:
     """Run `job()` (our launcher, or a user's command) for `run_dir`, then report it the one way every
     run-writing command does: a summary on stderr and the run directory as the last stdout line, or one
     JSON document; a failed job still reports what it wrote (exit 3)."""
@@ -148,8 +184,14 @@ def _run_job_and_report(run_dir: Path, json_: bool, job, what: str, summarize_fa
         job()
     except JobFailed:
         if json_:
-            emit_json({"run_dir": str(run_dir), "complete": False, **(summary(run_dir) if summarize_failure else {})})
-            raise typer.Exit(EXIT_JOB_FAILED)
+            emit_json(
+                {
+                    "run_dir": str(run_dir),
+                    "complete": False,
+                    **(summary(run_dir) if summarize_failure else {}),
+                }
+            )
+            raise typer.Exit(EXIT_JOB_FAILED) from None
         raise
     if json_:
         emit_json({"run_dir": str(run_dir), **summary(run_dir)})
@@ -159,12 +201,16 @@ def _run_job_and_report(run_dir: Path, json_: bool, job, what: str, summarize_fa
     return run_dir
 
 
-def _launch_and_report(run_dir: Path, json_: bool, nnodes=1, node_rank=0, rdzv_endpoint=None, quiet=False):
+def _launch_and_report(
+    run_dir: Path, json_: bool, nnodes=1, node_rank=0, rdzv_endpoint=None, quiet=False
+):
     from disttrace.run.launch import launch
     from disttrace.views.progress import LiveProgress
 
     def job():
-        with LiveProgress(run_dir, err, enabled=not quiet):  # stderr only: --json and stdout are unchanged
+        with LiveProgress(
+            run_dir, err, enabled=not quiet
+        ):  # stderr only: --json and stdout are unchanged
             launch(run_dir, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
 
     _run_job_and_report(run_dir, json_, job, f"launching {run_dir}")
@@ -172,16 +218,28 @@ def _launch_and_report(run_dir: Path, json_: bool, nnodes=1, node_rank=0, rdzv_e
 
 @app.command()
 @handled
-def run(manifest: Optional[Path] = ManifestArg, set_: Optional[List[str]] = SetOpt, out: Path = OutOpt,
-        json_: bool = JsonOpt,
-        nnodes: int = typer.Option(1, help="number of nodes (one `disttrace run` per node)"),
-        node_rank: int = typer.Option(0, help="this node's rank among --nnodes"),
-        rdzv_endpoint: Optional[str] = typer.Option(None, help="HOST:PORT of the rendezvous (multi-node)"),
-        run_id: Optional[str] = typer.Option(None, "--run-id", help="multi-node: the same name on every node, so all "
-                                             "nodes write one run dir (<out>/<id12>/reference-<run-id>)"),
-        prepare_only: bool = typer.Option(False, "--prepare-only", help="create the run dir and print it, launch "
-                                          "nothing: then `torchrun ... -m disttrace.worker --run-dir DIR`"),
-        quiet: bool = QuietOpt):
+def run(
+    manifest: Path | None = ManifestArg,
+    set_: list[str] | None = SetOpt,
+    out: Path = OutOpt,
+    json_: bool = JsonOpt,
+    nnodes: int = typer.Option(1, help="number of nodes (one `disttrace run` per node)"),
+    node_rank: int = typer.Option(0, help="this node's rank among --nnodes"),
+    rdzv_endpoint: str | None = typer.Option(None, help="HOST:PORT of the rendezvous (multi-node)"),
+    run_id: str | None = typer.Option(
+        None,
+        "--run-id",
+        help="multi-node: the same name on every node, so all "
+        "nodes write one run dir (<out>/<id12>/reference-<run-id>)",
+    ),
+    prepare_only: bool = typer.Option(
+        False,
+        "--prepare-only",
+        help="create the run dir and print it, launch "
+        "nothing: then `torchrun ... -m disttrace.worker --run-dir DIR`",
+    ),
+    quiet: bool = QuietOpt,
+):
     """Run the reference path: a real multi-process torch.distributed job that records the full evidence.
     Multi-node: start one `disttrace run` per node with the same --nnodes, --rdzv-endpoint and --run-id.
     Your own script: `disttrace run -- torchrun --nproc-per-node 2 train.py` (it calls disttrace.api.attach;
@@ -194,19 +252,25 @@ def run(manifest: Optional[Path] = ManifestArg, set_: Optional[List[str]] = SetO
     frozen = _freeze(manifest, set_)
     if nnodes > 1:
         if not run_id or not rdzv_endpoint:
-            raise BadInput("--nnodes", "a multi-node run needs --rdzv-endpoint HOST:PORT and --run-id NAME")
+            raise BadInput(
+                "--nnodes", "a multi-node run needs --rdzv-endpoint HOST:PORT and --run-id NAME"
+            )
         run_dir = prepare_shared(frozen, out, "reference", run_id)
     else:
         run_dir = prepare(frozen, out, "reference")
     if prepare_only:
-        err.print(Text(f"prepared; start the ranks yourself: torchrun --nproc-per-node N [--nnodes ...] "
-                       f"-m disttrace.worker --run-dir {run_dir}"))
+        err.print(
+            Text(
+                f"prepared; start the ranks yourself: torchrun --nproc-per-node N [--nnodes ...] "
+                f"-m disttrace.worker --run-dir {run_dir}"
+            )
+        )
         emit_json({"run_dir": str(run_dir), "prepared": True}) if json_ else print(run_dir)
         return
     _launch_and_report(run_dir, json_, nnodes, node_rank, rdzv_endpoint, quiet=quiet)
 
 
-def parse_params(params: Optional[List[str]]) -> dict:
+def parse_params(params: list[str] | None) -> dict:
     out = {}
     for p in params or []:
         if "=" not in p:
@@ -218,12 +282,19 @@ def parse_params(params: Optional[List[str]]) -> dict:
 
 @app.command()
 @handled
-def inject(manifest: Optional[Path] = ManifestArg,
-           fault: str = typer.Option(..., "--fault", help="fault name (see `disttrace faults`)"),
-           step: int = typer.Option(..., "--step", help="the step it fires at (steps count from 1)"),
-           rank: int = typer.Option(..., "--rank", help="the global rank it fires on"),
-           param: Optional[List[str]] = typer.Option(None, "--param", help="fault parameter key=value (repeatable)"),
-           set_: Optional[List[str]] = SetOpt, out: Path = OutOpt, json_: bool = JsonOpt, quiet: bool = QuietOpt):
+def inject(
+    manifest: Path | None = ManifestArg,
+    fault: str = typer.Option(..., "--fault", help="fault name (see `disttrace faults`)"),
+    step: int = typer.Option(..., "--step", help="the step it fires at (steps count from 1)"),
+    rank: int = typer.Option(..., "--rank", help="the global rank it fires on"),
+    param: list[str] | None = typer.Option(
+        None, "--param", help="fault parameter key=value (repeatable)"
+    ),
+    set_: list[str] | None = SetOpt,
+    out: Path = OutOpt,
+    json_: bool = JsonOpt,
+    quiet: bool = QuietOpt,
+):
     """Run the fault path: the same experiment with exactly one fault injected at (step, rank).
     Your own script: `disttrace inject --fault NAME --step S --rank R -- CMD ARGS...` fires the catalog entry at
     its hook point inside the attached script; a fault needing a point the script lacks is refused (exit 2)."""
@@ -233,7 +304,9 @@ def inject(manifest: Optional[Path] = ManifestArg,
     if USER_COMMAND is not None:
         from disttrace.run.usercmd import fault_spec
 
-        run_dir = _user_command(manifest, out, json_, "fault", fault_spec(fault, step, rank, parse_params(param)))
+        run_dir = _user_command(
+            manifest, out, json_, "fault", fault_spec(fault, step, rank, parse_params(param))
+        )
         return _warn_if_not_fired(run_dir)
 
     frozen = _freeze(manifest, set_)
@@ -243,17 +316,24 @@ def inject(manifest: Optional[Path] = ManifestArg,
     _warn_if_not_fired(run_dir)
 
 
-USER_COMMAND: Optional[List[str]] = None  # what followed `--` on `disttrace run|inject ... -- CMD ARGS...`
+USER_COMMAND: list[str] | None = (
+    None  # what followed `--` on `disttrace run|inject ... -- CMD ARGS...`
+)
 
 
-def _user_command(manifest, out: Path, json_: bool, path_kind: str, fault: Optional[dict]) -> Path:
+def _user_command(manifest, out: Path, json_: bool, path_kind: str, fault: dict | None) -> Path:
     from disttrace.run import usercmd
 
     if manifest is not None:
         raise BadInput(str(manifest), "give a manifest or a command after '--', not both")
     run_dir = usercmd.prepare(out, USER_COMMAND, path_kind, fault)
-    return _run_job_and_report(run_dir, json_, lambda: usercmd.execute(run_dir, USER_COMMAND),
-                               f"running {' '.join(USER_COMMAND)} attached to {run_dir}", summarize_failure=False)
+    return _run_job_and_report(
+        run_dir,
+        json_,
+        lambda: usercmd.execute(run_dir, USER_COMMAND),
+        f"running {' '.join(USER_COMMAND)} attached to {run_dir}",
+        summarize_failure=False,
+    )
 
 
 def _warn_if_not_fired(run_dir: Path) -> None:
@@ -261,18 +341,34 @@ def _warn_if_not_fired(run_dir: Path) -> None:
 
     fired = Run(run_dir).fault_events()
     if not fired:
-        err.print(Text("warning: the fault never fired (its hook point was not reached on that rank and step); "
-                       "this run is a second reference, not a fault run", style="yellow"))
+        err.print(
+            Text(
+                "warning: the fault never fired (its hook point was not reached on that rank and step); "
+                "this run is a second reference, not a fault run",
+                style="yellow",
+            )
+        )
     elif any(e.get("changed") is False for e in fired):
-        err.print(Text("warning: the fault fired but changed nothing (its digest before and after are equal, see "
-                       "events.jsonl); this run is a second reference, not a fault run", style="yellow"))
+        err.print(
+            Text(
+                "warning: the fault fired but changed nothing (its digest before and after are equal, see "
+                "events.jsonl); this run is a second reference, not a fault run",
+                style="yellow",
+            )
+        )
 
 
 @app.command()
 @handled
-def calibrate(manifest: Optional[Path] = ManifestArg, set_: Optional[List[str]] = SetOpt, out: Path = OutOpt,
-              safety: float = typer.Option(10.0, "--safety", help="calibrated bound = safety x measured noise"),
-              json_: bool = JsonOpt):
+def calibrate(
+    manifest: Path | None = ManifestArg,
+    set_: list[str] | None = SetOpt,
+    out: Path = OutOpt,
+    safety: float = typer.Option(
+        10.0, "--safety", help="calibrated bound = safety x measured noise"
+    ),
+    json_: bool = JsonOpt,
+):
     """Measure run-to-run noise: the reference twice (must be bit-identical) and once with its initial
     parameters perturbed by one unit in the last place; writes <out>/<id12>/calibration.json (use it with
     `diff --calibration FILE`) and prints the noise per step and phase. The last stdout line is the file."""
@@ -292,7 +388,9 @@ def calibrate(manifest: Optional[Path] = ManifestArg, set_: Optional[List[str]] 
         run_dir = prepare(frozen, out, "reference")
         if label == "perturbed":
             info = read_json(run_dir / "run.json")
-            write_json_atomic(run_dir / "run.json", {**info, "perturb": {"relative": relative, "seed": 1}})
+            write_json_atomic(
+                run_dir / "run.json", {**info, "perturb": {"relative": relative, "seed": 1}}
+            )
         err.print(Text(f"calibrate: {label} run {run_dir} ...", style="dim"))
         launch(run_dir)
         dirs[label] = str(run_dir)
@@ -302,8 +400,12 @@ def calibrate(manifest: Optional[Path] = ManifestArg, set_: Optional[List[str]] 
     if json_:
         emit_json({**doc, "file": str(path)})
         return
-    err.print(Text(f"repeat run bit-identical: {doc['repeat_bit_identical']} (max rel err "
-                   f"{doc['repeat_max_rel_err']:.2e}); perturbation {relative:.2e} relative"))
+    err.print(
+        Text(
+            f"repeat run bit-identical: {doc['repeat_bit_identical']} (max rel err "
+            f"{doc['repeat_max_rel_err']:.2e}); perturbation {relative:.2e} relative"
+        )
+    )
     for step, phases in doc["noise"].items():
         err.print(Text(f"  step {step}: " + ", ".join(f"{p} {v:.2e}" for p, v in phases.items())))
     err.print(Text(f"calibrated bound = {safety:g} x noise, written to {path}"))
@@ -312,10 +414,15 @@ def calibrate(manifest: Optional[Path] = ManifestArg, set_: Optional[List[str]] 
 
 @app.command()
 @handled
-def recover(fault_run: Path = typer.Argument(..., help="the run to recover (usually a fault run)"),
-            from_step: Optional[int] = typer.Option(None, "--from-step", help="resume from this checkpoint step"),
-            out: Optional[Path] = typer.Option(None, "--out", help="runs root (default: the fault run's)"),
-            json_: bool = JsonOpt, quiet: bool = QuietOpt):
+def recover(
+    fault_run: Path = typer.Argument(..., help="the run to recover (usually a fault run)"),
+    from_step: int | None = typer.Option(
+        None, "--from-step", help="resume from this checkpoint step"
+    ),
+    out: Path | None = typer.Option(None, "--out", help="runs root (default: the fault run's)"),
+    json_: bool = JsonOpt,
+    quiet: bool = QuietOpt,
+):
     """Run the recovered path: resume from the last checkpoint that verifies and precedes the fault, fault removed."""
     from disttrace.run.launch import prepare
     from disttrace.run.recovery import choose_checkpoint, resume_spec
@@ -323,8 +430,7 @@ def recover(fault_run: Path = typer.Argument(..., help="the run to recover (usua
     frozen, ckpt, why = choose_checkpoint(fault_run, from_step)
     err.print(f"resuming from {ckpt} ({why})")
     root = out if out is not None else fault_run.resolve().parent.parent
-    run_dir = prepare(frozen, root, "recovered",
-                      resume=resume_spec(frozen, root, ckpt, fault_run))
+    run_dir = prepare(frozen, root, "recovered", resume=resume_spec(frozen, root, ckpt, fault_run))
     _launch_and_report(run_dir, json_, quiet=quiet)
 
 
@@ -333,12 +439,19 @@ def recover(fault_run: Path = typer.Argument(..., help="the run to recover (usua
 
 @app.command()
 @handled
-def show(run_dir: Path = typer.Argument(..., help="a run directory"),
-         view: str = typer.Argument("summary", help="summary | checkpoints | topology | collectives | memory | "
-                                    "events | records"),
-         jsonl: bool = typer.Option(False, "--jsonl", help="with `records`: print every trajectory record as one "
-                                    "JSON line on stdout (the export for DuckDB, Polars, jq)"),
-         json_: bool = JsonOpt):
+def show(
+    run_dir: Path = typer.Argument(..., help="a run directory"),
+    view: str = typer.Argument(
+        "summary", help="summary | checkpoints | topology | collectives | memory | events | records"
+    ),
+    jsonl: bool = typer.Option(
+        False,
+        "--jsonl",
+        help="with `records`: print every trajectory record as one "
+        "JSON line on stdout (the export for DuckDB, Polars, jq)",
+    ),
+    json_: bool = JsonOpt,
+):
     """Show a run: manifest, topology, loss per step, record counts, completeness, or one evidence view.
     `checkpoints` verifies each one (every file's sha256, every pickle scanned unrun) and exits 1 when a
     published checkpoint does not verify. `records --jsonl` exports the trajectory."""
@@ -357,16 +470,31 @@ def show(run_dir: Path = typer.Argument(..., help="a run directory"),
     if json_:
         emit_json(result)
     if view == "checkpoints":
-        raise typer.Exit(verdict_exit(all(c["verified"] for c in result.get("checkpoints", [])
-                                          if c.get("step") is not None)))
+        raise typer.Exit(
+            verdict_exit(
+                all(
+                    c["verified"]
+                    for c in result.get("checkpoints", [])
+                    if c.get("step") is not None
+                )
+            )
+        )
 
 
 @app.command()
 @handled
-def watch(run_dir: Path = typer.Argument(..., help="a run directory another process (or node, or torchrun) writes"),
-          timeout: Optional[float] = typer.Option(None, "--timeout", help="give up (exit 3) when nothing was "
-                                                  "written to the run for this many seconds (default: twice the "
-                                                  "manifest's collective timeout plus 60 s)")):
+def watch(
+    run_dir: Path = typer.Argument(
+        ..., help="a run directory another process (or node, or torchrun) writes"
+    ),
+    timeout: float | None = typer.Option(
+        None,
+        "--timeout",
+        help="give up (exit 3) when nothing was "
+        "written to the run for this many seconds (default: twice the "
+        "manifest's collective timeout plus 60 s)",
+    ),
+):
     """Follow a run while another process writes it, with the same live progress as `run` (step, loss, s/step,
     ETA, checkpoints, faults, failed ranks, stalls), and exit with its outcome: 0 complete, 3 failed (a rank
     failed, or its launcher is gone before the run was complete, or --timeout), 2 not a run."""
@@ -391,25 +519,46 @@ def faults_cmd(json_: bool = JsonOpt):
     for col in ("name", "hook point", "first divergence", "parameters", "what it does"):
         t.add_column(col)
     for f in cat:
-        t.add_row(f["name"], f["point"], f["expect"], ", ".join(f"{k}={v}" for k, v in f["params"].items()),
-                  f["description"])
+        t.add_row(
+            f["name"],
+            f["point"],
+            f["expect"],
+            ", ".join(f"{k}={v}" for k, v in f["params"].items()),
+            f["description"],
+        )
     Console(no_color=bool(os.environ.get("NO_COLOR")) or None).print(t)
 
 
 @app.command()
 @handled
-def diff(run_a: Path = typer.Argument(..., help="first run (usually the reference)"),
-         run_b: Path = typer.Argument(..., help="second run (fault, recovered, or another topology)"),
-         mode: Optional[str] = typer.Option(None, "--mode", help="bitwise | numeric (default: bitwise when the "
-                                            "topologies are equal, numeric otherwise)"),
-         rtol: Optional[float] = typer.Option(None, "--rtol", help="numeric: override the derived bound (relative)"),
-         atol: Optional[float] = typer.Option(None, "--atol", help="numeric: absolute part of an explicit bound"),
-         allow_edition_mismatch: bool = typer.Option(False, "--allow-edition-mismatch",
-                                                     help="compare runs of different editions anyway"),
-         calibration: Optional[Path] = typer.Option(None, "--calibration", help="numeric: a `disttrace calibrate` "
-                                                    "file of A's or B's manifest; its measured bounds replace the "
-                                                    "derived ones where it has them"),
-         json_: bool = JsonOpt, md: bool = typer.Option(False, "--md", help="print a Markdown table (PR comment)")):
+def diff(
+    run_a: Path = typer.Argument(..., help="first run (usually the reference)"),
+    run_b: Path = typer.Argument(..., help="second run (fault, recovered, or another topology)"),
+    mode: str | None = typer.Option(
+        None,
+        "--mode",
+        help="bitwise | numeric (default: bitwise when the "
+        "topologies are equal, numeric otherwise)",
+    ),
+    rtol: float | None = typer.Option(
+        None, "--rtol", help="numeric: override the derived bound (relative)"
+    ),
+    atol: float | None = typer.Option(
+        None, "--atol", help="numeric: absolute part of an explicit bound"
+    ),
+    allow_edition_mismatch: bool = typer.Option(
+        False, "--allow-edition-mismatch", help="compare runs of different editions anyway"
+    ),
+    calibration: Path | None = typer.Option(
+        None,
+        "--calibration",
+        help="numeric: a `disttrace calibrate` "
+        "file of A's or B's manifest; its measured bounds replace the "
+        "derived ones where it has them",
+    ),
+    json_: bool = JsonOpt,
+    md: bool = typer.Option(False, "--md", help="print a Markdown table (PR comment)"),
+):
     """Find the first divergence (step, micro-batch, phase, rank, tensor) between two runs and how it spread.
     Exit 0 equal, 1 divergent, 2 incompatible or unreadable runs."""
     from disttrace.analysis.diff import diff_runs
@@ -420,27 +569,46 @@ def diff(run_a: Path = typer.Argument(..., help="first run (usually the referenc
     from disttrace.views.progress import StepBar
 
     with StepBar(err, "diff") as on_step:  # a terminal only; a pipe or CI sees nothing
-        result = diff_runs(run_a, run_b, mode=mode, rtol=rtol, atol=atol,
-                           allow_edition_mismatch=allow_edition_mismatch, on_step=on_step,
-                           calibration=calibration)
+        result = diff_runs(
+            run_a,
+            run_b,
+            mode=mode,
+            rtol=rtol,
+            atol=atol,
+            allow_edition_mismatch=allow_edition_mismatch,
+            on_step=on_step,
+            calibration=calibration,
+        )
     if json_:
         emit_json(result)
     elif md:
         print(render_md(result))
     else:
-        render_rich(result, Console(stderr=False, no_color=bool(os.environ.get("NO_COLOR")) or None, emoji=False))
+        render_rich(
+            result,
+            Console(stderr=False, no_color=bool(os.environ.get("NO_COLOR")) or None, emoji=False),
+        )
     raise typer.Exit(verdict_exit(result["equal"]))
 
 
 @app.command()
 @handled
-def gate(run_dir: Path = typer.Argument(..., help="the run to judge"),
-         reference: Optional[Path] = typer.Option(None, "--reference", help="the reference run to compare with"),
-         policy: Optional[Path] = typer.Option(None, "--policy", help="a gate policy TOML ([eval] loss_rtol, "
-                                               "[checks] required / require_all); default: the reference's manifest"),
-         require_all: bool = typer.Option(False, "--require-all", help="every check must apply: a check that is "
-                                          "n/a fails (for CI)"),
-         json_: bool = JsonOpt):
+def gate(
+    run_dir: Path = typer.Argument(..., help="the run to judge"),
+    reference: Path | None = typer.Option(
+        None, "--reference", help="the reference run to compare with"
+    ),
+    policy: Path | None = typer.Option(
+        None,
+        "--policy",
+        help="a gate policy TOML ([eval] loss_rtol, "
+        "[checks] required / require_all); default: the reference's manifest",
+    ),
+    require_all: bool = typer.Option(
+        False, "--require-all", help="every check must apply: a check that is n/a fails (for CI)"
+    ),
+    json_: bool = JsonOpt,
+):
     """The independent evaluation gate: checkpoint integrity, collective sync, gradient equivalence, the eval
     metric scored by a fresh process on the held-out split, completeness. The thresholds are the reference's
     (or --policy's), never the candidate's own. Exit 0 pass, 1 fail, 2 bad input."""
@@ -456,14 +624,27 @@ def gate(run_dir: Path = typer.Argument(..., help="the run to judge"),
 
 @app.command()
 @handled
-def lab(manifest: Optional[Path] = ManifestArg,
-        fault: Optional[str] = typer.Option(None, "--fault", help="the single fault (see `disttrace faults`)"),
-        step: Optional[int] = typer.Option(None, "--step"), rank: Optional[int] = typer.Option(None, "--rank"),
-        param: Optional[List[str]] = typer.Option(None, "--param", help="fault parameter key=value"),
-        predict: Optional[str] = typer.Option(None, "--predict", help="your prediction, written before the run: "
-                                              "PHASE[@STEP[:RANK]], e.g. backward@3:1"),
-        list_: bool = typer.Option(False, "--list", help="list the curriculum's labs and which can run"),
-        set_: Optional[List[str]] = SetOpt, out: Path = OutOpt, json_: bool = JsonOpt, quiet: bool = QuietOpt):
+def lab(
+    manifest: Path | None = ManifestArg,
+    fault: str | None = typer.Option(
+        None, "--fault", help="the single fault (see `disttrace faults`)"
+    ),
+    step: int | None = typer.Option(None, "--step"),
+    rank: int | None = typer.Option(None, "--rank"),
+    param: list[str] | None = typer.Option(None, "--param", help="fault parameter key=value"),
+    predict: str | None = typer.Option(
+        None,
+        "--predict",
+        help="your prediction, written before the run: PHASE[@STEP[:RANK]], e.g. backward@3:1",
+    ),
+    list_: bool = typer.Option(
+        False, "--list", help="list the curriculum's labs and which can run"
+    ),
+    set_: list[str] | None = SetOpt,
+    out: Path = OutOpt,
+    json_: bool = JsonOpt,
+    quiet: bool = QuietOpt,
+):
     """The whole method in one command: reference (reused if verified), one fault, recover, diff, gate.
     Exit 0 when the attribution is accepted, 1 when not."""
     if list_:
@@ -477,9 +658,18 @@ def lab(manifest: Optional[Path] = ManifestArg,
     from disttrace.lab import method as lab_mod
     from disttrace.views.progress import LiveProgress
 
-    result = lab_mod.run_lab(manifest, fault, step, rank, parse_params(param), set_ or [], out, predict,
-                             progress=lambda msg: err.print(msg, soft_wrap=True),
-                             follow=lambda run_dir, path: LiveProgress(run_dir, err, label=path, enabled=not quiet))
+    result = lab_mod.run_lab(
+        manifest,
+        fault,
+        step,
+        rank,
+        parse_params(param),
+        set_ or [],
+        out,
+        predict,
+        progress=lambda msg: err.print(msg, soft_wrap=True),
+        follow=lambda run_dir, path: LiveProgress(run_dir, err, label=path, enabled=not quiet),
+    )
     if json_:
         emit_json(result)
     else:
@@ -490,25 +680,46 @@ def lab(manifest: Optional[Path] = ManifestArg,
 
 @app.command()
 @handled
-def plan(manifest: Optional[Path] = typer.Argument(None, help="plan this manifest's model and topology"),
-         set_: Optional[List[str]] = SetOpt,
-         params: Optional[str] = typer.Option(None, "--params", help="parameter count, e.g. 7.5B (instead of a manifest)"),
-         dp: int = typer.Option(1, "--dp"), tp: int = typer.Option(1, "--tp"), pp: int = typer.Option(1, "--pp"),
-         zero_stage: int = typer.Option(0, "--zero-stage"),
-         optimizer: str = typer.Option("adam", "--optimizer"),
-         precision: str = typer.Option("mixed", "--precision", help="mixed | fp32"),
-         seq: Optional[int] = typer.Option(None, "--seq"), micro_batch: int = typer.Option(1, "--micro-batch"),
-         hidden: Optional[int] = typer.Option(None, "--hidden"), heads: Optional[int] = typer.Option(None, "--heads"),
-         layers: Optional[int] = typer.Option(None, "--layers"),
-         micro_batches: int = typer.Option(1, "--micro-batches", help="pipeline micro-batches per step"),
-         json_: bool = JsonOpt):
+def plan(
+    manifest: Path | None = typer.Argument(None, help="plan this manifest's model and topology"),
+    set_: list[str] | None = SetOpt,
+    params: str | None = typer.Option(
+        None, "--params", help="parameter count, e.g. 7.5B (instead of a manifest)"
+    ),
+    dp: int = typer.Option(1, "--dp"),
+    tp: int = typer.Option(1, "--tp"),
+    pp: int = typer.Option(1, "--pp"),
+    zero_stage: int = typer.Option(0, "--zero-stage"),
+    optimizer: str = typer.Option("adam", "--optimizer"),
+    precision: str = typer.Option("mixed", "--precision", help="mixed | fp32"),
+    seq: int | None = typer.Option(None, "--seq"),
+    micro_batch: int = typer.Option(1, "--micro-batch"),
+    hidden: int | None = typer.Option(None, "--hidden"),
+    heads: int | None = typer.Option(None, "--heads"),
+    layers: int | None = typer.Option(None, "--layers"),
+    micro_batches: int = typer.Option(1, "--micro-batches", help="pipeline micro-batches per step"),
+    json_: bool = JsonOpt,
+):
     """Predict without running: model-state memory per device for ZeRO 0-3, activation memory per layer,
     pipeline bubble, communication volume per device. Instant even for a 1T-parameter manifest."""
     from disttrace.plan import costs as plan_mod
 
     if params is not None:
-        result = plan_mod.plan_cli_args(params, dp, tp, pp, zero_stage, optimizer, precision, seq, micro_batch,
-                                        hidden, heads, layers, micro_batches)
+        result = plan_mod.plan_cli_args(
+            params,
+            dp,
+            tp,
+            pp,
+            zero_stage,
+            optimizer,
+            precision,
+            seq,
+            micro_batch,
+            hidden,
+            heads,
+            layers,
+            micro_batches,
+        )
     else:
         frozen_doc = _plan_manifest(manifest, set_)
         result = plan_mod.plan_from_manifest(frozen_doc)
@@ -528,8 +739,12 @@ def _plan_manifest(manifest, sets):
 
 @app.command()
 @handled
-def trace(run_dir: Path = typer.Argument(..., help="a run directory"),
-          output: Path = typer.Option(Path("trace.json"), "-o", "--output", help="where to write the trace")):
+def trace(
+    run_dir: Path = typer.Argument(..., help="a run directory"),
+    output: Path = typer.Option(
+        Path("trace.json"), "-o", "--output", help="where to write the trace"
+    ),
+):
     """Write a Chrome trace-event timeline (Perfetto, chrome://tracing): one process per rank, compute and
     one track per process group, collectives with their sizes."""
     from disttrace.store.rundir import Run, write_json_atomic
@@ -556,16 +771,29 @@ def check(run_dir: Path = typer.Argument(..., help="a run directory"), json_: bo
     else:
         f = res["first"]
         if res["consistent"] is None:
-            err.print(Text(str(res["reason"]), style="yellow"))  # Text: run-store strings are never markup
+            err.print(
+                Text(str(res["reason"]), style="yellow")
+            )  # Text: run-store strings are never markup
         elif f is None:
-            err.print(Text("consistent", style="green") + Text(f": {res['steps_checked']} steps, every replica group agrees"))
+            err.print(
+                Text("consistent", style="green")
+                + Text(f": {res['steps_checked']} steps, every replica group agrees")
+            )
         else:
-            err.print(Text("inconsistent", style="red") + Text(
-                f" at step {f['step']} micro-batch {f['micro_batch']} {f['phase']} tensor {f['tensor']}: "
-                f"{f['message']}; minority rank(s) {f['minority']} vs majority {f['majority']} in group {f['group']}"),
-                soft_wrap=True)
+            err.print(
+                Text("inconsistent", style="red")
+                + Text(
+                    f" at step {f['step']} micro-batch {f['micro_batch']} {f['phase']} tensor {f['tensor']}: "
+                    f"{f['message']}; minority rank(s) {f['minority']} vs majority {f['majority']} in group {f['group']}"
+                ),
+                soft_wrap=True,
+            )
             for s in res["spread"][:20]:
-                err.print(Text(f"  step {s['step']}: {s['inconsistent']} inconsistent, minority {s['minority_ranks']}"))
+                err.print(
+                    Text(
+                        f"  step {s['step']}: {s['inconsistent']} inconsistent, minority {s['minority_ranks']}"
+                    )
+                )
     if res["consistent"] is None:
         raise typer.Exit(EXIT_BAD_INPUT)
     raise typer.Exit(verdict_exit(res["consistent"]))
@@ -596,8 +824,12 @@ def verify(run_dir: Path = typer.Argument(..., help="a run directory"), json_: b
 
 @app.command()
 @handled
-def report(runs: List[Path] = typer.Argument(..., help="runs; the first is the reference"),
-           output: Path = typer.Option(Path("report.html"), "-o", "--output", help="the HTML file to write")):
+def report(
+    runs: list[Path] = typer.Argument(..., help="runs; the first is the reference"),
+    output: Path = typer.Option(
+        Path("report.html"), "-o", "--output", help="the HTML file to write"
+    ),
+):
     """One self-contained HTML page (no network needed): manifest, topology, loss curves of every path,
     divergence grid, memory ledger against theory, collectives, checkpoints, gate verdict."""
     from disttrace.views.report import build_report
@@ -608,9 +840,11 @@ def report(runs: List[Path] = typer.Argument(..., help="runs; the first is the r
 def main():
     global USER_COMMAND
     argv = sys.argv[1:]
-    if len(argv) > 1 and argv[0] in ("run", "inject") and "--" in argv:  # a user command, passed through whole
+    if (
+        len(argv) > 1 and argv[0] in ("run", "inject") and "--" in argv
+    ):  # a user command, passed through whole
         cut = argv.index("--")
-        USER_COMMAND = argv[cut + 1:]
+        USER_COMMAND = argv[cut + 1 :]
         sys.argv = [sys.argv[0], *argv[:cut]]
     try:
         app()

@@ -2,7 +2,9 @@
 
 EXIT_OK = 0
 EXIT_DIVERGED = 1  # a divergence was found, or a gate/check failed
-EXIT_BAD_INPUT = 2  # unreadable/invalid manifest, incompatible runs, unknown fault, corrupt checkpoint
+EXIT_BAD_INPUT = (
+    2  # unreadable/invalid manifest, incompatible runs, unknown fault, corrupt checkpoint
+)
 EXIT_JOB_FAILED = 3  # the distributed job itself failed (a rank died, a collective timed out)
 EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT (128 + 2)
 

@@ -42,8 +42,10 @@ def ranges(xs) -> str:
 
 def where(f: dict) -> str:
     """A finding's coordinates in the order that defines 'first' (docs/design.md, "Order")."""
-    return (f"step {f.get('step')} · micro-batch {f.get('micro_batch')} · {f.get('phase')} · rank {f.get('rank')}"
-            f" · tensor {f.get('tensor')} (index {f.get('index')})")
+    return (
+        f"step {f.get('step')} · micro-batch {f.get('micro_batch')} · {f.get('phase')} · rank {f.get('rank')}"
+        f" · tensor {f.get('tensor')} (index {f.get('index')})"
+    )
 
 
 def agreeing_digits(rel: float | None) -> int | None:

@@ -69,4 +69,9 @@ if __name__ == "__main__":
     parser.add_argument("--lr", type=float, default=0.001)
     parser.add_argument("--out", default="runs")
     args = parser.parse_args()
-    mp.spawn(demo_basic, args=(args.world_size, 29500 + os.getpid() % 1000, args), nprocs=args.world_size, join=True)
+    mp.spawn(
+        demo_basic,
+        args=(args.world_size, 29500 + os.getpid() % 1000, args),
+        nprocs=args.world_size,
+        join=True,
+    )

@@ -27,10 +27,18 @@ SMALL_RING = 32
 
 def cli(*args, timeout=180, env=None, check=None) -> subprocess.CompletedProcess:
     e = {**os.environ, "OMP_NUM_THREADS": "1", "NO_COLOR": "1", "COLUMNS": "200", **(env or {})}
-    proc = subprocess.run([sys.executable, "-m", "disttrace", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=e, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "disttrace", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=e,
+        cwd=ROOT,
+    )
     if check is not None and proc.returncode != check:
-        raise AssertionError(f"exit {proc.returncode} != {check}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}")
+        raise AssertionError(
+            f"exit {proc.returncode} != {check}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+        )
     return proc
 
 
@@ -53,8 +61,10 @@ class Runs:
             self._cache[key] = cli(*args, "--out", self.root, env=env, timeout=timeout)
         proc = self._cache[key]
         if expect is not None and proc.returncode != expect:
-            raise AssertionError(f"exit {proc.returncode} != {expect}\nstdout:\n{proc.stdout}\n"
-                                 f"stderr:\n{proc.stderr[-4000:]}")
+            raise AssertionError(
+                f"exit {proc.returncode} != {expect}\nstdout:\n{proc.stdout}\n"
+                f"stderr:\n{proc.stderr[-4000:]}"
+            )
         return proc
 
     def get(self, *args, expect=0, env=None) -> Path:
@@ -64,19 +74,45 @@ class Runs:
         return self.get("run", DEFAULT, *SHORT, *sets, env=env)
 
     def fault(self, name, step, rank, *extra, expect=0) -> Path:
-        return self.get("inject", DEFAULT, *SHORT, "--fault", name, "--step", step, "--rank", rank, *extra,
-                        expect=expect)
+        return self.get(
+            "inject",
+            DEFAULT,
+            *SHORT,
+            "--fault",
+            name,
+            "--step",
+            step,
+            "--rank",
+            rank,
+            *extra,
+            expect=expect,
+        )
 
     def small_ring(self) -> Path:
         """DDP in several buckets (0.1 MB cap) and a Flight Recorder ring of 32 entries, fewer than the run
         issues: read by test_flight_recorder.py and test_evidence.py, and a foreign checkpoint in test_faults.py."""
-        return self.reference("--set", "debug.ddp_bucket_cap_mb=0.1", env={"TORCH_FR_BUFFER_SIZE": str(SMALL_RING)})
+        return self.reference(
+            "--set", "debug.ddp_bucket_cap_mb=0.1", env={"TORCH_FR_BUFFER_SIZE": str(SMALL_RING)}
+        )
 
     def collective_mismatch(self) -> subprocess.CompletedProcess:
         """Rank 1 issues an all-reduce of another size at step 2: gloo aborts it, the job ends with exit 3
         (read by test_faults.py and test_flight_recorder.py). The 10 s collective timeout bounds a hang."""
-        return self.job("inject", DEFAULT, *SHORT, "--set", "debug.collective_timeout_s=10", "--fault",
-                        "collective-mismatch", "--step", 2, "--rank", 1, expect=3, timeout=10 + 110)
+        return self.job(
+            "inject",
+            DEFAULT,
+            *SHORT,
+            "--set",
+            "debug.collective_timeout_s=10",
+            "--fault",
+            "collective-mismatch",
+            "--step",
+            2,
+            "--rank",
+            1,
+            expect=3,
+            timeout=10 + 110,
+        )
 
 
 @pytest.fixture(scope="session")
@@ -88,7 +124,9 @@ def runs(tmp_path_factory) -> Runs:
 class Watched:
     run_dir: Path
     writer: subprocess.CompletedProcess  # `disttrace run ... --quiet --json`
-    watch: subprocess.CompletedProcess  # `disttrace watch RUN_DIR`, started once the run directory existed
+    watch: (
+        subprocess.CompletedProcess
+    )  # `disttrace watch RUN_DIR`, started once the run directory existed
 
 
 @pytest.fixture(scope="session")
@@ -99,21 +137,33 @@ def watched(tmp_path_factory) -> Watched:
     out = tmp_path_factory.mktemp("watched")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "NO_COLOR": "1"}
     args = ["run", DEFAULT, *SHORT, "--out", out, "--quiet", "--json"]
-    writer = subprocess.Popen([sys.executable, "-m", "disttrace", *map(str, args)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    writer = subprocess.Popen(
+        [sys.executable, "-m", "disttrace", *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
     try:
-        end = time.monotonic() + 120  # a bound on a writer that never makes its directory, not a timing assert
+        end = (
+            time.monotonic() + 120
+        )  # a bound on a writer that never makes its directory, not a timing assert
         while not (found := sorted(out.glob("*/*/run.json"))):
             assert writer.poll() is None and time.monotonic() < end, writer.communicate()
             time.sleep(0.1)
         run_dir = found[0].parent
-        watch = cli("watch", run_dir, env={"DISTTRACE_PROGRESS_EVERY": "0"}, timeout=300)  # a line per step
+        watch = cli(
+            "watch", run_dir, env={"DISTTRACE_PROGRESS_EVERY": "0"}, timeout=300
+        )  # a line per step
         stdout, stderr = writer.communicate(timeout=300)
     finally:
         if writer.poll() is None:
             writer.kill()
             writer.wait()
-    return Watched(run_dir, subprocess.CompletedProcess(args, writer.returncode, stdout, stderr), watch)
+    return Watched(
+        run_dir, subprocess.CompletedProcess(args, writer.returncode, stdout, stderr), watch
+    )
 
 
 # ---------------------------------------------------------------- the trajectory, read without disttrace
@@ -130,8 +180,13 @@ def raw_records(run: Path, rank: int) -> list[dict]:
 
     out = []
     for r in ipc.open_stream(traj_file(run, rank).read_bytes()).read_all().to_pylist():
-        rec = {k: r[k] for k in ("step", "micro_batch", "phase", "rank", "index", "tensor", "dtype", "shape")}
-        rec["numel"] = r["numel"] if "numel" in r else math.prod(r["shape"])  # v2 stores none: the shape's product
+        rec = {
+            k: r[k]
+            for k in ("step", "micro_batch", "phase", "rank", "index", "tensor", "dtype", "shape")
+        }
+        rec["numel"] = (
+            r["numel"] if "numel" in r else math.prod(r["shape"])
+        )  # v2 stores none: the shape's product
         rec.update({k: r[k] for k in ("sum", "norm", "nonfinite")})
         rec["digest"] = ("dev:" if r["device_digest"] else "") + r["digest"].hex()
         if r["sketch"] is not None or r["sketch64"] is not None:
@@ -152,11 +207,13 @@ def tear_trajectory(run: Path, rank: int) -> None:
     """Append half of a record batch, as a crash in the middle of a step's write leaves it."""
     import orjson
 
-    last = orjson.loads((Path(run) / "trajectory" / f"rank-{rank:05d}.steps.jsonl").read_bytes().splitlines()[-1])
+    last = orjson.loads(
+        (Path(run) / "trajectory" / f"rank-{rank:05d}.steps.jsonl").read_bytes().splitlines()[-1]
+    )
     path = traj_file(run, rank)
     data = path.read_bytes()
-    step = data[last["offset"]:last["offset"] + last["length"]]
-    path.write_bytes(data[:last["offset"] + last["length"]] + step[: len(step) // 2])
+    step = data[last["offset"] : last["offset"] + last["length"]]
+    path.write_bytes(data[: last["offset"] + last["length"]] + step[: len(step) // 2])
 
 
 def rewrite_trajectory(run: Path, rank: int, records: list[dict]) -> None:
@@ -178,5 +235,11 @@ def rewrite_trajectory(run: Path, rank: int, records: list[dict]) -> None:
 
 def run_snippet(code: str, timeout: int = 120) -> subprocess.CompletedProcess:
     """A user's few lines of Python (e.g. a script that attaches), in a fresh interpreter, one thread."""
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )

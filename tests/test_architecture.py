@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT
 
 PKG = ROOT / "disttrace"
@@ -31,14 +30,24 @@ main()
 
 def run_without_torch(*args) -> subprocess.CompletedProcess:
     env = {**os.environ, "NO_COLOR": "1", "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-c", NO_TORCH, *map(str, args)], capture_output=True, text=True,
-                          timeout=120, env=env, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-c", NO_TORCH, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=ROOT,
+    )
 
 
 def test_the_no_torch_guard_really_blocks_torch():
     # the oracle for everything below: a command that needs torch must fail under the guard
-    proc = subprocess.run([sys.executable, "-c", NO_TORCH.replace("from disttrace.cli import main", "import torch")],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", NO_TORCH.replace("from disttrace.cli import main", "import torch")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode != 0 and "blocked by the test" in proc.stderr
 
 
@@ -46,7 +55,9 @@ def test_readers_run_with_torch_unimportable(runs, tmp_path):
     ref = runs.reference()
     fault = runs.fault("bitflip-grad", 3, 1)
     d = run_without_torch("diff", ref, fault)
-    assert d.returncode == 1, d.stderr  # the divergence is found without torch, at the planted coordinates
+    assert d.returncode == 1, (
+        d.stderr
+    )  # the divergence is found without torch, at the planted coordinates
     first = (d.stdout + d.stderr).split("FIRST DIVERGENCE", 1)[-1].splitlines()[0]
     assert "step 3" in first and "backward" in first and "rank 1" in first, first
     assert run_without_torch("diff", ref, ref).returncode == 0
@@ -88,9 +99,14 @@ def _reader_files():
 def test_reader_modules_never_import_torch_or_the_run_side(path):
     """Not even lazily inside a function: a reader that imported torch on some code path would break on a
     laptop only when that path runs. Nor the run side (which imports torch) or anything above the readers."""
-    bad = sorted(n for n in _imports(path)
-                 if n == "torch" or n.startswith("torch.") or n.startswith("disttrace.run")
-                 or n.startswith(("disttrace.lab", "disttrace.cli", "disttrace.gate.evaluate")))
+    bad = sorted(
+        n
+        for n in _imports(path)
+        if n == "torch"
+        or n.startswith("torch.")
+        or n.startswith("disttrace.run")
+        or n.startswith(("disttrace.lab", "disttrace.cli", "disttrace.gate.evaluate"))
+    )
     assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
 
 
@@ -106,8 +122,13 @@ def test_exit_codes_are_written_only_in_errors_py():
         if path.name == "errors.py":
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
-                    and isinstance(node.args[0].value, int) and not isinstance(node.args[0].value, bool):
+            if (
+                isinstance(node, ast.Call)
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, int)
+                and not isinstance(node.args[0].value, bool)
+            ):
                 fn = node.func
                 name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
                 if name in ("Exit", "exit"):
@@ -128,7 +149,14 @@ def test_strategies_declare_capabilities_instead_of_being_probed():
     from disttrace.run.parallel.tp import TensorParallel
     from disttrace.run.parallel.zero import ZeroStage1
 
-    for cls in (DataParallel, ZeroStage1, FullyShardedZero, TensorParallel, PipelineParallel, ParameterServer):
+    for cls in (
+        DataParallel,
+        ZeroStage1,
+        FullyShardedZero,
+        TensorParallel,
+        PipelineParallel,
+        ParameterServer,
+    ):
         assert issubclass(cls, Strategy), cls
         for member in ("replicas", "micro_batch"):
             assert getattr(cls, member) is not getattr(Strategy, member), (cls, member)
@@ -139,6 +167,11 @@ def test_public_entry_names_still_work():
     import disttrace.api as api
 
     assert callable(api.attach)
-    proc = subprocess.run([sys.executable, "-m", "disttrace.worker", "--help"], capture_output=True, text=True,
-                          timeout=60, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "disttrace.worker", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0 and "--run-dir" in proc.stdout

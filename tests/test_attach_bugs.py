@@ -12,26 +12,38 @@ from pathlib import Path
 
 import orjson
 import pytest
-
 from conftest import ROOT, cli, run_snippet
+
 from disttrace.analysis.diff import diff_runs
 from disttrace.store.rundir import Run, iter_jsonl, read_json
 
-pytestmark = pytest.mark.slow  # end-to-end jobs of the full tier (`make test-all`); CI runs `make test`
+pytestmark = (
+    pytest.mark.slow
+)  # end-to-end jobs of the full tier (`make test-all`); CI runs `make test`
 
 SCRIPT = ROOT / "tests" / "scripts" / "accum_train.py"
 
 VARIANTS = {
-    "fix": [], "fix-again": [], "token-norm": ["--bug", "token-norm"], "unwrapped": ["--bug", "unwrapped"],
+    "fix": [],
+    "fix-again": [],
+    "token-norm": ["--bug", "token-norm"],
+    "unwrapped": ["--bug", "unwrapped"],
     "zero-grad": ["--bug", "zero-grad"],
-    "manual-fix": ["--engine", "manual"], "manual-fix-again": ["--engine", "manual"],
+    "manual-fix": ["--engine", "manual"],
+    "manual-fix-again": ["--engine", "manual"],
     "late-reduce": ["--engine", "manual", "--bug", "late-reduce"],
 }
 
 
 def run_script(out: Path, *args) -> Path:
-    proc = subprocess.run([sys.executable, SCRIPT, "--out", out, *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--out", out, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return Path(proc.stdout.strip().splitlines()[-1])
 
@@ -57,12 +69,27 @@ def test_the_fix_twice_is_bit_identical_and_check_finds_nothing(runs, fix):
     assert proc.returncode == 0 and orjson.loads(proc.stdout)["consistent"] is True, proc.stdout
 
 
-@pytest.mark.parametrize("fix,bug,origin", [
-    ("fix", "token-norm", (1, 0, "loss")),         # the first micro-batch's loss is scaled differently
-    ("fix", "unwrapped", (1, 1, "reduce")),        # local gradients are right; the all-reduce never happens
-    ("fix", "zero-grad", (1, 1, "backward")),      # the second micro-batch's backward has lost the first's
-    ("manual-fix", "late-reduce", (1, 1, "backward")),  # the last backward adds to already-reduced gradients
-])
+@pytest.mark.parametrize(
+    "fix,bug,origin",
+    [
+        ("fix", "token-norm", (1, 0, "loss")),  # the first micro-batch's loss is scaled differently
+        (
+            "fix",
+            "unwrapped",
+            (1, 1, "reduce"),
+        ),  # local gradients are right; the all-reduce never happens
+        (
+            "fix",
+            "zero-grad",
+            (1, 1, "backward"),
+        ),  # the second micro-batch's backward has lost the first's
+        (
+            "manual-fix",
+            "late-reduce",
+            (1, 1, "backward"),
+        ),  # the last backward adds to already-reduced gradients
+    ],
+)
 def test_diff_names_the_bugs_origin(runs, fix, bug, origin):
     assert first(runs[fix], runs[bug]) == origin
 
@@ -83,14 +110,17 @@ def test_attached_run_records_every_phase_in_the_harness_order(runs):
     seen = [(r["micro_batch"], r["phase"]) for r in recs]
     order = ["data", "loss", "backward"]
     # two forwards between optimizer steps: micro-batches 0 and 1; reduce/clip/optimizer after the last
-    assert sorted(set(seen), key=seen.index) == [(0, p) for p in order] + [(1, p) for p in order] + \
-        [(1, "reduce"), (1, "clip"), (1, "optimizer")]
+    assert sorted(set(seen), key=seen.index) == [(0, p) for p in order] + [
+        (1, p) for p in order
+    ] + [(1, "reduce"), (1, "clip"), (1, "optimizer")]
     by = {(r["phase"], r["tensor"]): r for r in recs}
     # the clip scalars hold what torch computed: the total norm of the reduced gradients, coef = min(1, 1/norm)
     reduced = [r["norm"] for r in recs if r["phase"] == "reduce"]
     total = sum(n * n for n in reduced) ** 0.5
     assert by[("clip", "grad_norm")]["sum"] == pytest.approx(total, rel=1e-5)
-    assert by[("clip", "clip_coef")]["sum"] == pytest.approx(min(1.0, 1.0 / (total + 1e-6)), rel=1e-5)
+    assert by[("clip", "clip_coef")]["sum"] == pytest.approx(
+        min(1.0, 1.0 / (total + 1e-6)), rel=1e-5
+    )
     assert by[("optimizer", "param_groups.0.lr")]["sum"] == 1e-2
     assert run.losses()[2] > 0
 
@@ -99,26 +129,38 @@ def test_attached_run_store_is_complete(runs):
     run = Run(runs["fix"])
     assert run.complete and run.ranks() == [0, 1]
     topo = run.topology()
-    assert topo["groups"]["dp"] == [[0, 1]] and any(g["ranks"] == [0, 1] for g in topo["process_groups"])
+    assert topo["groups"]["dp"] == [[0, 1]] and any(
+        g["ranks"] == [0, 1] for g in topo["process_groups"]
+    )
     assert read_json(run.path / "env.json")["backend"] == "gloo"
     assert [e["event"] for e in run.events().records][0] == "attached"
     mem = list(iter_jsonl(run.rank_path("memory", 0)))
     n_params = read_json(run.path / "manifest.lock.json")["manifest"]["model"]["parameters"]
-    assert [m["step"] for m in mem] == [1, 2, 3] and mem[-1]["params"] == 4 * n_params  # float32 weights
+    assert [m["step"] for m in mem] == [1, 2, 3] and mem[-1][
+        "params"
+    ] == 4 * n_params  # float32 weights
     m = run.manifest
-    assert m["config"]["lr"] == 1e-2 and m["parallelism"]["engine"] == "DDP" and m["experiment"]["seed"] == 0
-    assert m["optimizer"]["type"].endswith("AdamW") and m["model"]["tensors"]["head.weight"]["shape"] == [32, 16]
+    assert (
+        m["config"]["lr"] == 1e-2
+        and m["parallelism"]["engine"] == "DDP"
+        and m["experiment"]["seed"] == 0
+    )
+    assert m["optimizer"]["type"].endswith("AdamW") and m["model"]["tensors"]["head.weight"][
+        "shape"
+    ] == [32, 16]
     assert "allreduce" in run.rank_path("collectives", 1).read_text()
 
 
 def test_check_with_nothing_to_check_exits_2(tmp_path):
     """One process: no copy of anything on another rank, so no replica rule applies (never a vacuous pass)."""
-    code = ("import torch, disttrace.api as d\n"
-            "m = torch.nn.Linear(4, 2); o = torch.optim.SGD(m.parameters(), lr=0.1)\n"
-            f"r = d.attach(m, o, out={str(tmp_path)!r})\n"
-            "for _ in range(2):\n"
-            "    o.zero_grad(); r.loss(m(torch.ones(3, 4)).sum()).backward(); o.step()\n"
-            "r.close(); print(r.run_dir)\n")
+    code = (
+        "import torch, disttrace.api as d\n"
+        "m = torch.nn.Linear(4, 2); o = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        f"r = d.attach(m, o, out={str(tmp_path)!r})\n"
+        "for _ in range(2):\n"
+        "    o.zero_grad(); r.loss(m(torch.ones(3, 4)).sum()).backward(); o.step()\n"
+        "r.close(); print(r.run_dir)\n"
+    )
     proc = run_snippet(code)
     assert proc.returncode == 0, proc.stderr
     run_dir = proc.stdout.strip().splitlines()[-1]

@@ -26,7 +26,9 @@ def test_a_closed_run_keeps_neither_the_model_nor_the_process_group(tmp_path):
     """DDP holds its comm hook in C++, out of the collector's sight: a hook holding the run made DDP -> hook ->
     run -> DDP a cycle no collection frees, so the model, DDP's reducer and the group (gloo's threads) lived
     until the process exited, whatever the script destroyed."""
-    code = PROLOGUE.format(tmp=tmp_path) + f"""
+    code = (
+        PROLOGUE.format(tmp=tmp_path)
+        + f"""
 def train():
     ddp = DDP(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
@@ -48,20 +50,29 @@ gc.collect()
 print("alive", [r() is not None for r in refs])
 print("threads", running, gloo_threads())
 """
+    )
     proc = run_snippet(code)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if line.startswith(("alive", "threads")))
+    lines = dict(
+        line.split(" ", 1)
+        for line in proc.stdout.splitlines()
+        if line.startswith(("alive", "threads"))
+    )
     assert lines["alive"] == "[False, False, False]", proc.stdout  # the run, DDP, the process group
     before, after = lines["threads"].split()
     if before != "None":
-        assert int(before) > 0 and int(after) == 0, proc.stdout  # the group's threads joined at destroy
+        assert int(before) > 0 and int(after) == 0, (
+            proc.stdout
+        )  # the group's threads joined at destroy
 
 
 def test_the_seal_gather_leaves_no_tensor_to_the_backend_thread(tmp_path):
     """Every tensor the seal's gather hands to a collective is freed by the time it returns (gloo's worker
     still held one at the caller's return in 30 of 500 gathers measured without the wait); its result is
     torch's all_gather_object's."""
-    code = PROLOGUE.format(tmp=tmp_path) + """
+    code = (
+        PROLOGUE.format(tmp=tmp_path)
+        + """
 from disttrace.run.complete import gather_released
 
 class Watching:
@@ -86,6 +97,7 @@ for i in range(300):
 print("left", left)
 dist.destroy_process_group()
 """
+    )
     proc = run_snippet(code)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "left 0" in proc.stdout.splitlines(), proc.stdout

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import orjson
 import pytest
+from conftest import ROOT, cli
 from torch.utils.data import DistributedSampler
 
-from conftest import ROOT, cli
 from disttrace.analysis.diff import diff_runs
 from disttrace.store.rundir import Run, read_json
 
@@ -23,17 +23,33 @@ SCRIPT = ROOT / "tests" / "scripts" / "loader_train.py"
 SAMPLES, BATCH, ACCUM = 32, 4, 2  # as in the script
 
 VARIANTS = {
-    "ddp": [], "ddp-again": [], "ddp-seed-1": ["--sampler-seed", "1"], "ddp-perturb": ["--bug", "perturb"],
-    "fsdp2": ["--engine", "fsdp2"], "fsdp2-again": ["--engine", "fsdp2"],
+    "ddp": [],
+    "ddp-again": [],
+    "ddp-seed-1": ["--sampler-seed", "1"],
+    "ddp-perturb": ["--bug", "perturb"],
+    "fsdp2": ["--engine", "fsdp2"],
+    "fsdp2-again": ["--engine", "fsdp2"],
     "fsdp2-same-data": ["--engine", "fsdp2", "--bug", "same-data"],
-    "tp": ["--engine", "tp"], "tp-again": ["--engine", "tp"],
-    "tp-different-data": ["--engine", "tp", "--bug", "same-data"],  # under tp the bug is ranks reading different data
+    "tp": ["--engine", "tp"],
+    "tp-again": ["--engine", "tp"],
+    "tp-different-data": [
+        "--engine",
+        "tp",
+        "--bug",
+        "same-data",
+    ],  # under tp the bug is ranks reading different data
 }
 
 
 def run_script(out: Path, *args) -> Path:
-    proc = subprocess.run([sys.executable, "-W", "ignore", SCRIPT, "--out", out, *args], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", SCRIPT, "--out", out, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return Path(proc.stdout.strip().splitlines()[-1])
 
@@ -55,7 +71,7 @@ def sampler_batches(rank: int, seed: int, epoch: int) -> list[list[int]]:
     sampler = DistributedSampler(range(SAMPLES), num_replicas=2, rank=rank, shuffle=True, seed=seed)
     sampler.set_epoch(epoch)
     ids = list(sampler)
-    return [ids[i:i + BATCH] for i in range(0, len(ids), BATCH)]
+    return [ids[i : i + BATCH] for i in range(0, len(ids), BATCH)]
 
 
 @pytest.mark.slow
@@ -64,7 +80,9 @@ def test_data_records_carry_the_samplers_ids_per_micro_batch(runs, name, seed):
     per_epoch = SAMPLES // 2 // BATCH  # batches per rank and epoch: 3 steps of 2 cross into epoch 1
     for rank in (0, 1):
         data = [r for r in Run(runs[name]).records(rank) if r["phase"] == "data"]
-        assert [(r["step"], r["micro_batch"]) for r in data] == [(s, m) for s in (1, 2, 3) for m in range(ACCUM)]
+        assert [(r["step"], r["micro_batch"]) for r in data] == [
+            (s, m) for s in (1, 2, 3) for m in range(ACCUM)
+        ]
         for r in data:
             n = (r["step"] - 1) * ACCUM + r["micro_batch"]
             assert r["samples"] == sampler_batches(rank, seed, n // per_epoch)[n % per_epoch], r
@@ -90,9 +108,14 @@ def test_another_sampler_seed_diverges_first_at_data(runs):
 @pytest.mark.slow
 def test_forward_records_every_top_level_block_and_name_the_perturbed_one(runs):
     recs = [r for r in Run(runs["ddp"]).records(0) if r["phase"] == "forward" and r["step"] == 1]
-    assert [(r["micro_batch"], r["tensor"]) for r in recs] == [(m, b) for m in (0, 1) for b in ("embed", "mix", "head")]
-    assert Run(runs["ddp"]).manifest["record"] == {"every": 1, "forward": True,
-                                                  "forward_modules": ["embed", "mix", "head"]}
+    assert [(r["micro_batch"], r["tensor"]) for r in recs] == [
+        (m, b) for m in (0, 1) for b in ("embed", "mix", "head")
+    ]
+    assert Run(runs["ddp"]).manifest["record"] == {
+        "every": 1,
+        "forward": True,
+        "forward_modules": ["embed", "mix", "head"],
+    }
     # the data and the embedding are the same; the perturbed block's output is where the evidence first differs
     assert first(runs["ddp"], runs["ddp-perturb"]) == (1, 0, "forward", "mix")
 
@@ -100,18 +123,29 @@ def test_forward_records_every_top_level_block_and_name_the_perturbed_one(runs):
 @pytest.mark.slow
 def test_fsdp2_run_records_shards_where_they_sit(runs):
     run = Run(runs["fsdp2"])
-    assert run.manifest["parallelism"]["engine"] == "FSDP2" and run.manifest["parallelism"]["zero_stage"] == 3
-    assert {r["tensor"] for r in run.records(0) if r["phase"] == "forward"} == {"mix"}  # forward=["mix"]
+    assert (
+        run.manifest["parallelism"]["engine"] == "FSDP2"
+        and run.manifest["parallelism"]["zero_stage"] == 3
+    )
+    assert {r["tensor"] for r in run.records(0) if r["phase"] == "forward"} == {
+        "mix"
+    }  # forward=["mix"]
     for rank, offset in ((0, 0), (1, 16)):  # dim 0 of embed.weight [32, 16] split over 2 ranks
         by = {(r["phase"], r["tensor"]): r for r in run.records(rank) if r["step"] == 1}
         for phase in ("reduce", "optimizer"):
             rec = by[(phase, "embed.weight")]
-            assert rec["shard"] == {"offset": [offset, 0], "logical_shape": [32, 16]} and rec["shape"] == [16, 16]
+            assert rec["shard"] == {"offset": [offset, 0], "logical_shape": [32, 16]} and rec[
+                "shape"
+            ] == [16, 16]
     replicas = read_json(run.path / "replicas.json")
     assert replicas["groups"]["dp"] == [[0, 1]]
     assert {r["phase"] for r in replicas["rules"]} == {"data", "clip", "optimizer"}
     topo = run.topology()
-    assert topo["engine"] == "FSDP2" and topo["groups"]["dp"] == [[0, 1]] and topo["groups"]["tp"] == [[0], [1]]
+    assert (
+        topo["engine"] == "FSDP2"
+        and topo["groups"]["dp"] == [[0, 1]]
+        and topo["groups"]["tp"] == [[0], [1]]
+    )
     assert (run.manifest["parallelism"]["dp"], run.manifest["parallelism"]["tp"]) == (2, 1)
 
 
@@ -122,11 +156,19 @@ def test_tensor_parallel_run_records_shards_and_its_replica_map(runs):
     by = {(r["phase"], r["tensor"]): r for r in run.records(1) if r["step"] == 1}
     # mix column-wise (weight rows split), head row-wise (weight columns split, bias replicated)
     assert by[("optimizer", "mix.weight")]["shard"] == {"offset": [8, 0], "logical_shape": [16, 16]}
-    assert by[("optimizer", "head.weight")]["shard"] == {"offset": [0, 8], "logical_shape": [32, 16]}
+    assert by[("optimizer", "head.weight")]["shard"] == {
+        "offset": [0, 8],
+        "logical_shape": [32, 16],
+    }
     assert "shard" not in by[("optimizer", "head.bias")]
     rules = read_json(run.path / "replicas.json")["rules"]
     assert {"phase": "data", "dim": "mesh:0", "relation": "agree"} in rules
-    assert {"phase": "optimizer", "dim": "mesh:0", "relation": "agree", "tensors": ["head.bias"]} in rules
+    assert {
+        "phase": "optimizer",
+        "dim": "mesh:0",
+        "relation": "agree",
+        "tensors": ["head.bias"],
+    } in rules
     # the evidence states the layout: one tensor-parallel group of both ranks, no data parallelism
     topo = run.topology()
     assert topo["groups"]["tp"] == [[0, 1]] and topo["groups"]["dp"] == [[0], [1]]
@@ -162,9 +204,14 @@ r.close(); print(r.run_dir)
 
 
 def attach_single(tmp_path, forward) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", SINGLE.format(out=str(tmp_path), forward=forward)],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.run(
+        [sys.executable, "-c", SINGLE.format(out=str(tmp_path), forward=forward)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
 def test_watched_loader_and_chosen_blocks_in_one_process(tmp_path):
@@ -173,15 +220,24 @@ def test_watched_loader_and_chosen_blocks_in_one_process(tmp_path):
     run = Run(proc.stdout.strip().splitlines()[-1])
     recs = list(run.records(0))
     # a SequentialSampler's batches, one per step: samples [0, 1], [2, 3], [4, 5] (none of the eval pass's)
-    assert [(r["step"], r["samples"]) for r in recs if r["phase"] == "data"] == [(1, [0, 1]), (2, [2, 3]), (3, [4, 5])]
-    assert [(r["step"], r["tensor"]) for r in recs if r["phase"] == "forward"] == \
-        [(s, b) for s in (1, 2, 3) for b in ("0", "2")]
+    assert [(r["step"], r["samples"]) for r in recs if r["phase"] == "data"] == [
+        (1, [0, 1]),
+        (2, [2, 3]),
+        (3, [4, 5]),
+    ]
+    assert [(r["step"], r["tensor"]) for r in recs if r["phase"] == "forward"] == [
+        (s, b) for s in (1, 2, 3) for b in ("0", "2")
+    ]
 
 
 def test_forward_naming_a_module_the_model_lacks_is_refused(tmp_path):
     proc = attach_single(tmp_path, ["0", "blocks.9"])
     assert proc.returncode != 0
-    assert "attach(forward=...)" in proc.stderr and "blocks.9" in proc.stderr and "0, 1, 2" in proc.stderr
+    assert (
+        "attach(forward=...)" in proc.stderr
+        and "blocks.9" in proc.stderr
+        and "0, 1, 2" in proc.stderr
+    )
 
 
 TWICE = """
@@ -206,13 +262,26 @@ r.close(); print(r.run_dir)
 def test_a_second_forward_of_one_batch_does_not_take_the_next_batchs_ids(tmp_path):
     """Batches pair with forwards by order; a forward reading the batch the previous forward took (the same
     storage, here a slice of it) is not the next batch's: by order it was given the next batch's sample ids."""
-    proc = subprocess.run([sys.executable, "-c", TWICE.format(out=str(tmp_path))], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-c", TWICE.format(out=str(tmp_path))],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = [r for r in Run(proc.stdout.strip().splitlines()[-1]).records(0) if r["phase"] == "data"]
     # a SequentialSampler: batches [0, 1], [2, 3] in step 1 and [4, 5], [6, 7] in step 2, each at its first
     # forward (micro-batches 0 and 2); the second forwards (1 and 3) record their own input without ids
     assert [(r["step"], r["micro_batch"], r["samples"]) for r in data] == [
-        (1, 0, [0, 1]), (1, 1, []), (1, 2, [2, 3]), (1, 3, []),
-        (2, 0, [4, 5]), (2, 1, []), (2, 2, [6, 7]), (2, 3, [])]
+        (1, 0, [0, 1]),
+        (1, 1, []),
+        (1, 2, [2, 3]),
+        (1, 3, []),
+        (2, 0, [4, 5]),
+        (2, 1, []),
+        (2, 2, [6, 7]),
+        (2, 3, []),
+    ]
     assert [r["shape"] for r in data] == [[2, 4], [1, 4]] * 4

@@ -7,10 +7,11 @@ import math
 
 import orjson
 import pytest
-
 from conftest import DEFAULT, SHORT, cli, last_line, raw_records
 
-pytestmark = pytest.mark.slow  # end-to-end jobs of the full tier (`make test-all`); CI runs `make test`
+pytestmark = (
+    pytest.mark.slow
+)  # end-to-end jobs of the full tier (`make test-all`); CI runs `make test`
 
 DP1 = ["--set", "parallelism.dp=1", "--set", "training.grad_accum_steps=4"]
 
@@ -19,7 +20,9 @@ DP1 = ["--set", "parallelism.dp=1", "--set", "training.grad_accum_steps=4"]
 def calibrated(tmp_path_factory):
     out = tmp_path_factory.mktemp("cal")
     path = last_line(cli("calibrate", DEFAULT, *SHORT, *DP1, "--out", out, timeout=400, check=0))
-    zero3 = last_line(cli("run", DEFAULT, *SHORT, "--set", "parallelism.zero_stage=3", "--out", out, check=0))
+    zero3 = last_line(
+        cli("run", DEFAULT, *SHORT, "--set", "parallelism.zero_stage=3", "--out", out, check=0)
+    )
     return path, orjson.loads(path.read_bytes()), zero3
 
 
@@ -30,7 +33,9 @@ def _records(run):
 def test_calibration_noise_is_the_measured_difference(calibrated):
     path, doc, _ = calibrated
     assert doc["repeat_bit_identical"] is True  # determinism: two references, the same bits
-    ref, pert = (_records(__import__("pathlib").Path(doc["runs"][k])) for k in ("reference", "perturbed"))
+    ref, pert = (
+        _records(__import__("pathlib").Path(doc["runs"][k])) for k in ("reference", "perturbed")
+    )
     # recomputed here from the raw records: largest of |dnorm|/norm and |d<x,v>|/(norm sqrt(numel)) over
     # v = ones and the sketch's vectors, per (step, phase)
     want: dict = {}
@@ -47,9 +52,14 @@ def test_calibration_noise_is_the_measured_difference(calibrated):
     assert want.keys() == doc["noise"].keys()
     for step, phases in want.items():
         for phase, v in phases.items():
-            assert math.isclose(doc["noise"][step][phase], v, rel_tol=1e-9, abs_tol=1e-300), (step, phase)
+            assert math.isclose(doc["noise"][step][phase], v, rel_tol=1e-9, abs_tol=1e-300), (
+                step,
+                phase,
+            )
     assert doc["noise"]["1"]["reduce"] > 0  # the one-ulp perturbation reached the gradients
-    assert doc["bounds"]["2"]["reduce"] == pytest.approx(doc["safety"] * doc["noise"]["2"]["reduce"])
+    assert doc["bounds"]["2"]["reduce"] == pytest.approx(
+        doc["safety"] * doc["noise"]["2"]["reduce"]
+    )
 
 
 def test_diff_says_which_bounds_are_calibrated(calibrated):

@@ -61,7 +61,11 @@ def test_split_is_stable_under_reordering_and_appending(split):
 
 
 def test_dedup_strips_whitespace_and_keeps_first():
-    docs = [{"id": "a", "text": "same"}, {"id": "b", "text": " same \n"}, {"id": "c", "text": "other"}]
+    docs = [
+        {"id": "a", "text": "same"},
+        {"id": "b", "text": " same \n"},
+        {"id": "c", "text": "other"},
+    ]
     train, evl, report = corpus.split_documents(docs, 0, "s")
     assert [d["id"] for d in train] == ["a", "c"] and evl == []
     assert report["n_duplicates_removed"] == 1 and report["eval_in_train"] == 0
@@ -93,18 +97,22 @@ def test_byte_tokenizer():
     assert tok.encode("hé") == list("hé".encode()) and tok.decode(tok.encode("hé") + [256]) == "hé"
 
 
-@pytest.mark.parametrize("kind,name,content", [
-    ("bpe", "missing.json", None),
-    ("bpe", "bad.json", "{not json"),
-    ("bpe", "noeos.json", None),  # a valid tokenizer without <|eos|>
-    ("nope", "x.json", None),
-])
+@pytest.mark.parametrize(
+    "kind,name,content",
+    [
+        ("bpe", "missing.json", None),
+        ("bpe", "bad.json", "{not json"),
+        ("bpe", "noeos.json", None),  # a valid tokenizer without <|eos|>
+        ("nope", "x.json", None),
+    ],
+)
 def test_load_tokenizer_bad_input(tmp_path, kind, name, content):
     path = tmp_path / name
     if content is not None:
         path.write_text(content)
     if name == "noeos.json":
         from tokenizers import Tokenizer, models
+
         path.write_text(Tokenizer(models.BPE()).to_str())
     with pytest.raises(BadInput) as e:
         tokenizer.load_tokenizer(kind, path)

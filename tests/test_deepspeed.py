@@ -7,17 +7,24 @@ from pathlib import Path
 
 import pytest
 
-from disttrace.config.deepspeed import (BatchAssertion, freeze_from_deepspeed, identity_message, manifest_from_deepspeed,
-                                 resolve_batch)
-from disttrace.errors import BadInput
+from disttrace.config.deepspeed import (
+    BatchAssertion,
+    freeze_from_deepspeed,
+    identity_message,
+    manifest_from_deepspeed,
+    resolve_batch,
+)
 from disttrace.config.manifest import DEFAULT_MANIFEST, freeze, freeze_doc, read_toml
+from disttrace.errors import BadInput
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "manifests" / "deepspeed" / "ds_config.json"
 
 # DeepSpeedConfig._batch_assertion (deepspeed/runtime/config.py), verbatim with the values filled in
-DS_IDENTITY = ("Check batch related parameters. train_batch_size is not equal to micro_batch_per_gpu * "
-               "gradient_acc_step * world_size {} != {} * {} * {}")
+DS_IDENTITY = (
+    "Check batch related parameters. train_batch_size is not equal to micro_batch_per_gpu * "
+    "gradient_acc_step * world_size {} != {} * {} * {}"
+)
 
 
 def write(tmp_path: Path, cfg, name: str = "ds.json") -> Path:
@@ -27,7 +34,11 @@ def write(tmp_path: Path, cfg, name: str = "ds.json") -> Path:
 
 
 def cfg(**over):
-    base = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}
+    base = {
+        "train_batch_size": 16,
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
+    }
     base.update(over)
     return {k: v for k, v in base.items() if v is not None}
 
@@ -43,16 +54,27 @@ def test_example_maps_onto_the_default_manifest():
     doc, warnings = manifest_from_deepspeed(EXAMPLE, None, 2)
     t, p = doc["training"], doc["parallelism"]
     assert (t["micro_batch_size"], t["grad_accum_steps"], p["dp"], p["zero_stage"]) == (4, 2, 2, 1)
-    assert (t["optimizer"], t["lr"], t["beta1"], t["beta2"], t["weight_decay"], t["dtype"]) == \
-        ("adamw", 3e-3, 0.9, 0.95, 0.0, "float32")
-    assert doc["experiment"] == read_toml(DEFAULT_MANIFEST)["experiment"]  # the rest comes from the base
+    assert (t["optimizer"], t["lr"], t["beta1"], t["beta2"], t["weight_decay"], t["dtype"]) == (
+        "adamw",
+        3e-3,
+        0.9,
+        0.95,
+        0.0,
+        "float32",
+    )
+    assert (
+        doc["experiment"] == read_toml(DEFAULT_MANIFEST)["experiment"]
+    )  # the rest comes from the base
     assert keys(warnings) == {"steps_per_print", "wall_clock_breakdown"}
     assert t["max_grad_norm"] == 1.0  # gradient_clipping -> the clip phase's global norm
 
 
 def test_example_freezes_to_the_default_with_zero_1():
     frozen, warnings = freeze_from_deepspeed(EXAMPLE)  # world size from the base: dp*tp*pp = 2
-    assert frozen.manifest_id == freeze(None, ["parallelism.zero_stage=1", "training.max_grad_norm=1.0"]).manifest_id
+    assert (
+        frozen.manifest_id
+        == freeze(None, ["parallelism.zero_stage=1", "training.max_grad_norm=1.0"]).manifest_id
+    )
     assert frozen.source == str(EXAMPLE)
     assert "gradient_clipping" not in keys(warnings)
 
@@ -91,21 +113,26 @@ def test_identity_failure_has_deepspeeds_exact_wording(tmp_path):
     p = write(tmp_path, cfg())
     with pytest.raises(BadInput) as e:
         manifest_from_deepspeed(p, None, 4)
-    msg = ("Check batch related parameters. train_batch_size is not equal to micro_batch_per_gpu * "
-           "gradient_acc_step * world_size 16 != 4 * 2 * 4")
+    msg = (
+        "Check batch related parameters. train_batch_size is not equal to micro_batch_per_gpu * "
+        "gradient_acc_step * world_size 16 != 4 * 2 * 4"
+    )
     assert e.value.reason == msg == identity_message(16, 4, 2, 4)
     assert (e.value.where, e.value.field) == (str(p), "train_batch_size")
     assert str(e.value) == f"{p}: train_batch_size: {msg}"
 
 
-@pytest.mark.parametrize("train, micro, accum, world, want", [
-    (16, 4, None, 2, (16, 4, 2)),     # grad_acc = train // micro // world
-    (16, None, 2, 2, (16, 4, 2)),     # micro = train // world // grad_acc
-    (None, 4, 2, 2, (16, 4, 2)),      # train = micro * grad_acc * world
-    (8, None, None, 2, (8, 4, 1)),    # only train: grad_acc 1, micro = train // world
-    (None, 4, None, 2, (8, 4, 1)),    # only micro: grad_acc 1, train = micro * world
-    (32, 4, None, 4, (32, 4, 2)),
-])
+@pytest.mark.parametrize(
+    "train, micro, accum, world, want",
+    [
+        (16, 4, None, 2, (16, 4, 2)),  # grad_acc = train // micro // world
+        (16, None, 2, 2, (16, 4, 2)),  # micro = train // world // grad_acc
+        (None, 4, 2, 2, (16, 4, 2)),  # train = micro * grad_acc * world
+        (8, None, None, 2, (8, 4, 1)),  # only train: grad_acc 1, micro = train // world
+        (None, 4, None, 2, (8, 4, 1)),  # only micro: grad_acc 1, train = micro * world
+        (32, 4, None, 4, (32, 4, 2)),
+    ],
+)
 def test_two_of_three_inference(train, micro, accum, world, want):
     got = resolve_batch(train, micro, accum, world)
     assert got[:3] == want
@@ -116,21 +143,67 @@ def test_inference_mapped_into_the_manifest(tmp_path):
     p = write(tmp_path, cfg(gradient_accumulation_steps=None))
     doc, warnings = manifest_from_deepspeed(p, None, 2)
     assert doc["training"]["grad_accum_steps"] == 2
-    assert any(w.startswith("gradient_accumulation_steps: not given; DeepSpeed infers 2") for w in warnings)
+    assert any(
+        w.startswith("gradient_accumulation_steps: not given; DeepSpeed infers 2") for w in warnings
+    )
 
 
-@pytest.mark.parametrize("train, micro, accum, world, message, field", [
-    # floor division as DeepSpeed does, then its assertion
-    (17, 4, None, 2, DS_IDENTITY.format(17, 4, 2, 2), "train_batch_size"),
-    (16, 4, None, 8, "Gradient accumulation steps: 0 has to be greater than 0", "gradient_accumulation_steps"),
-    (0, 4, 2, 2, "Train batch size: 0 has to be greater than 0", "train_batch_size"),
-    (16, -4, -2, 2, "Micro batch size per gpu: -4 has to be greater than 0", "train_micro_batch_size_per_gpu"),
-    (16, 4, 0, 2, "Gradient accumulation steps: 0 has to be greater than 0", "gradient_accumulation_steps"),
-    (16, 0, None, 2, "Micro batch size per gpu: 0 has to be greater than 0", "train_micro_batch_size_per_gpu"),
-    (16, None, 0, 2, "Gradient accumulation steps: 0 has to be greater than 0", "gradient_accumulation_steps"),
-    (None, None, 2, 2, "Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided",
-     "train_batch_size"),
-])
+@pytest.mark.parametrize(
+    "train, micro, accum, world, message, field",
+    [
+        # floor division as DeepSpeed does, then its assertion
+        (17, 4, None, 2, DS_IDENTITY.format(17, 4, 2, 2), "train_batch_size"),
+        (
+            16,
+            4,
+            None,
+            8,
+            "Gradient accumulation steps: 0 has to be greater than 0",
+            "gradient_accumulation_steps",
+        ),
+        (0, 4, 2, 2, "Train batch size: 0 has to be greater than 0", "train_batch_size"),
+        (
+            16,
+            -4,
+            -2,
+            2,
+            "Micro batch size per gpu: -4 has to be greater than 0",
+            "train_micro_batch_size_per_gpu",
+        ),
+        (
+            16,
+            4,
+            0,
+            2,
+            "Gradient accumulation steps: 0 has to be greater than 0",
+            "gradient_accumulation_steps",
+        ),
+        (
+            16,
+            0,
+            None,
+            2,
+            "Micro batch size per gpu: 0 has to be greater than 0",
+            "train_micro_batch_size_per_gpu",
+        ),
+        (
+            16,
+            None,
+            0,
+            2,
+            "Gradient accumulation steps: 0 has to be greater than 0",
+            "gradient_accumulation_steps",
+        ),
+        (
+            None,
+            None,
+            2,
+            2,
+            "Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided",
+            "train_batch_size",
+        ),
+    ],
+)
 def test_batch_assertions(train, micro, accum, world, message, field):
     with pytest.raises(BatchAssertion) as e:
         resolve_batch(train, micro, accum, world)
@@ -162,21 +235,46 @@ def test_mixed_precision_disabled_is_fine_and_its_options_are_listed(tmp_path):
     p = write(tmp_path, cfg(fp16={"enabled": False, "loss_scale": 0}, bf16={"enabled": False}))
     doc, warnings = manifest_from_deepspeed(p, None, 2)
     assert doc["training"]["dtype"] == "float32"
-    assert keys(warnings) == {"fp16.loss_scale", "optimizer"}  # optimizer: not given, the base's kept
+    assert keys(warnings) == {
+        "fp16.loss_scale",
+        "optimizer",
+    }  # optimizer: not given, the base's kept
 
 
 def test_unsupported_and_unknown_keys_are_listed(tmp_path):
-    p = write(tmp_path, cfg(
-        zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}, "overlap_comm": True},
-        optimizer={"type": "Adam", "params": {"lr": 1e-3, "eps": 1e-6, "betas": [0.9, 0.99], "foo": 1}},
-        scheduler={"type": "WarmupLR", "params": {}}, gradient_clipping=1.0, prescale_gradients=False,
-        tensorboard={"enabled": True}, my_own_key=3))
+    p = write(
+        tmp_path,
+        cfg(
+            zero_optimization={
+                "stage": 2,
+                "offload_optimizer": {"device": "cpu"},
+                "overlap_comm": True,
+            },
+            optimizer={
+                "type": "Adam",
+                "params": {"lr": 1e-3, "eps": 1e-6, "betas": [0.9, 0.99], "foo": 1},
+            },
+            scheduler={"type": "WarmupLR", "params": {}},
+            gradient_clipping=1.0,
+            prescale_gradients=False,
+            tensorboard={"enabled": True},
+            my_own_key=3,
+        ),
+    )
     doc, warnings = manifest_from_deepspeed(p, None, 2)
     assert doc["parallelism"]["zero_stage"] == 2 and doc["training"]["optimizer"] == "adamw"
     by_key = {w.split(":", 1)[0]: w for w in warnings}
-    assert set(by_key) == {"zero_optimization.offload_optimizer", "zero_optimization.overlap_comm",
-                           "optimizer.params.eps", "optimizer.params.foo", "optimizer.params.weight_decay",
-                           "scheduler", "prescale_gradients", "tensorboard", "my_own_key"}
+    assert set(by_key) == {
+        "zero_optimization.offload_optimizer",
+        "zero_optimization.overlap_comm",
+        "optimizer.params.eps",
+        "optimizer.params.foo",
+        "optimizer.params.weight_decay",
+        "scheduler",
+        "prescale_gradients",
+        "tensorboard",
+        "my_own_key",
+    }
     assert doc["training"]["max_grad_norm"] == 1.0
     for k in ("zero_optimization.offload_optimizer", "optimizer.params.eps", "scheduler"):
         assert by_key[k].startswith(f"{k}: unsupported:"), by_key[k]
@@ -189,8 +287,17 @@ def test_deepspeed_optimizer_defaults(tmp_path):
     p = write(tmp_path, cfg(optimizer={"type": "AdamW"}))
     doc, warnings = manifest_from_deepspeed(p, None, 2)
     t = doc["training"]
-    assert (t["lr"], t["beta1"], t["beta2"], t["weight_decay"]) == (1e-3, 0.9, 0.999, 0.0)  # FusedAdam's
-    assert {"optimizer.params.lr", "optimizer.params.betas", "optimizer.params.weight_decay"} <= keys(warnings)
+    assert (t["lr"], t["beta1"], t["beta2"], t["weight_decay"]) == (
+        1e-3,
+        0.9,
+        0.999,
+        0.0,
+    )  # FusedAdam's
+    assert {
+        "optimizer.params.lr",
+        "optimizer.params.betas",
+        "optimizer.params.weight_decay",
+    } <= keys(warnings)
 
 
 def test_sgd_maps_and_other_optimizers_are_refused(tmp_path):
@@ -198,11 +305,15 @@ def test_sgd_maps_and_other_optimizers_are_refused(tmp_path):
     doc, warnings = manifest_from_deepspeed(p, None, 2)
     assert (doc["training"]["optimizer"], doc["training"]["lr"]) == ("sgd", 0.1)
     assert any(w.startswith("optimizer.params.momentum: unsupported") for w in warnings)
-    for bad, field in (({"type": "Lamb"}, "optimizer.type"),
-                       ({"type": "Adam", "params": {"adam_w_mode": False, "weight_decay": 0.1}},
-                        "optimizer.params.adam_w_mode"),
-                       ({"type": "AdamW", "params": {"max_grad_norm": 1.0}}, "optimizer.params.max_grad_norm"),
-                       ({"type": "AdamW", "params": {"lr": "auto"}}, "optimizer.params.lr")):
+    for bad, field in (
+        ({"type": "Lamb"}, "optimizer.type"),
+        (
+            {"type": "Adam", "params": {"adam_w_mode": False, "weight_decay": 0.1}},
+            "optimizer.params.adam_w_mode",
+        ),
+        ({"type": "AdamW", "params": {"max_grad_norm": 1.0}}, "optimizer.params.max_grad_norm"),
+        ({"type": "AdamW", "params": {"lr": "auto"}}, "optimizer.params.lr"),
+    ):
         p = write(tmp_path, cfg(optimizer=bad))
         with pytest.raises(BadInput) as e:
             manifest_from_deepspeed(p, None, 2)
@@ -219,22 +330,27 @@ def test_a_manifest_check_on_a_deepspeed_value_names_the_deepspeed_key(tmp_path)
     with pytest.raises(BadInput) as e:
         freeze_from_deepspeed(p, base)
     assert (e.value.where, e.value.field) == (str(p), "zero_optimization.stage")
-    frozen, _ = freeze_from_deepspeed(write(tmp_path, cfg(train_batch_size=8)), base)  # dp = 2 / tp 2 = 1
+    frozen, _ = freeze_from_deepspeed(
+        write(tmp_path, cfg(train_batch_size=8)), base
+    )  # dp = 2 / tp 2 = 1
     assert frozen.manifest["parallelism"]["tp"] == 2 and frozen.manifest["parallelism"]["dp"] == 1
 
 
 # ---------------------------------------------------------------- unreadable files
 
 
-@pytest.mark.parametrize("text, reason", [
-    ('{"train_batch_size": 16,\n  "gradient_clipping": 1.0,\n}', "line 3"),
-    ('{"train_batch_size": 16', "line 1"),
-    ("", "line 1"),
-    ("[1, 2]", "JSON object"),
-    ('{"a": 1, "a": 2}', "duplicate key"),
-    ("[" * 100_000, "nested"),
-    ('{"train_batch_size": ' + "1" * 5000 + "}", "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "text, reason",
+    [
+        ('{"train_batch_size": 16,\n  "gradient_clipping": 1.0,\n}', "line 3"),
+        ('{"train_batch_size": 16', "line 1"),
+        ("", "line 1"),
+        ("[1, 2]", "JSON object"),
+        ('{"a": 1, "a": 2}', "duplicate key"),
+        ("[" * 100_000, "nested"),
+        ('{"train_batch_size": ' + "1" * 5000 + "}", "not valid JSON"),
+    ],
+)
 def test_bad_json_names_the_file(tmp_path, text, reason):
     p = write(tmp_path, text)
     with pytest.raises(BadInput) as e:
@@ -258,9 +374,16 @@ def test_cli_freeze_from_deepspeed(tmp_path):
     ok = cli("freeze", "--from-deepspeed", EXAMPLE, "--json")
     assert ok.returncode == 0 and '"zero_stage": 1' in ok.stdout
     bad = tmp_path / "ds.json"
-    bad.write_text('{"train_batch_size": 15, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}')
+    bad.write_text(
+        '{"train_batch_size": 15, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}'
+    )
     proc = cli("freeze", "--from-deepspeed", bad)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].endswith(
-        "train_batch_size: Check batch related parameters. train_batch_size is not equal to "
-        "micro_batch_per_gpu * gradient_acc_step * world_size 15 != 4 * 2 * 2")
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .endswith(
+            "train_batch_size: Check batch related parameters. train_batch_size is not equal to "
+            "micro_batch_per_gpu * gradient_acc_step * world_size 15 != 4 * 2 * 2"
+        )
+    )

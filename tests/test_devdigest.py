@@ -11,8 +11,8 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from conftest import DEFAULT, SHORT, cli, last_line, raw_records, traj_file
+
 from disttrace.run.devdigest import DeviceDigests
 from disttrace.run.digest import _digest_on_device
 from disttrace.run.faults import flip_bit
@@ -31,7 +31,11 @@ def _items():
         (torch.randn(40, 40, generator=g).double(), None, None),
         (torch.randn(33, 17, generator=g).to(torch.bfloat16), None, None),
         (torch.randint(0, 1000, (4, 16), generator=g), None, None),  # token ids
-        (torch.randn(16, 64, generator=g), [16, 0], [64, 64]),  # a shard placed in its logical tensor
+        (
+            torch.randn(16, 64, generator=g),
+            [16, 0],
+            [64, 64],
+        ),  # a shard placed in its logical tensor
         (torch.randn(32, 8, generator=g), [0, 8], [32, 16]),
         (torch.empty(0, 4), None, None),
         (nan, None, None),
@@ -52,10 +56,14 @@ def _check_against_oracle(got: list[dict], items) -> None:
         scale = float(torch.linalg.vector_norm(t.double())) * math.sqrt(t.numel()) + 1e-300
         assert abs(d["sum"] - one["sum"]) <= 1e-12 * scale, tuple(t.shape)
         assert abs(d["norm"] - one["norm"]) <= 1e-12 * one["norm"] + 1e-300, tuple(t.shape)
-        assert np.abs(np.subtract(d["sketch"], one["sketch"])).max() <= 1e-12 * scale, tuple(t.shape)
+        assert np.abs(np.subtract(d["sketch"], one["sketch"])).max() <= 1e-12 * scale, tuple(
+            t.shape
+        )
 
 
-@pytest.mark.parametrize("chunk,budget", [(1 << 24, 1 << 28), (64, 1 << 28), (1, 1 << 28), (1 << 24, 2048), (64, 0)])
+@pytest.mark.parametrize(
+    "chunk,budget", [(1 << 24, 1 << 28), (64, 1 << 28), (1, 1 << 28), (1 << 24, 2048), (64, 0)]
+)
 def test_batched_device_digests_agree_with_the_per_tensor_path(chunk, budget):
     """Every digest equals digest.device_digest's exactly (the checksum is exact integer arithmetic, so
     chunking and stacking cannot change it); sums, norms and sketches agree to float64 rounding. Chunks:
@@ -76,7 +84,9 @@ def test_a_flipped_bit_changes_the_batched_digest_and_runs_repeat_bit_for_bit():
     dev.add(items)
     base = dev.collect().result()
     dev.add(items)
-    assert dev.collect().result() == base  # the same tensors, the same bits (no atomics, fixed order)
+    assert (
+        dev.collect().result() == base
+    )  # the same tensors, the same bits (no atomics, fixed order)
     for k in (0, 1, 7, 8):  # the first and second of one stacked group, token ids, a shard
         t = items[k][0].clone()
         flip_bit(t, 5, 0)
@@ -109,11 +119,35 @@ def test_a_run_on_the_batched_device_path_repeats_bit_for_bit_and_finds_a_fault(
     for rank in (0, 1):
         assert traj_file(a, rank).read_bytes() == traj_file(b, rank).read_bytes(), rank
         recs = raw_records(a, rank)
-        assert {r["step"] for r in recs} == {1, 2, 3, 4}  # the last step too: written when the run closes
-        assert all(r["digest"].startswith("dev:") for r in recs if r["dtype"] != "bytes")  # not checkpoint files
+        assert {r["step"] for r in recs} == {
+            1,
+            2,
+            3,
+            4,
+        }  # the last step too: written when the run closes
+        assert all(
+            r["digest"].startswith("dev:") for r in recs if r["dtype"] != "bytes"
+        )  # not checkpoint files
     cli("verify", a, check=0)
-    fault = last_line(cli("inject", DEFAULT, *SHORT, "--fault", "bitflip-grad", "--step", 3, "--rank", 1,
-                          "--set", "debug.live_check=true", "--out", tmp_path / "f", check=0, env=env))
+    fault = last_line(
+        cli(
+            "inject",
+            DEFAULT,
+            *SHORT,
+            "--fault",
+            "bitflip-grad",
+            "--step",
+            3,
+            "--rank",
+            1,
+            "--set",
+            "debug.live_check=true",
+            "--out",
+            tmp_path / "f",
+            check=0,
+            env=env,
+        )
+    )
     doc = json.loads(cli("diff", a, fault, "--json").stdout)
     first = doc["first_divergence"]
     assert (first["step"], first["rank"]) == (3, 1), first
@@ -121,10 +155,16 @@ def test_a_run_on_the_batched_device_path_repeats_bit_for_bit_and_finds_a_fault(
 
 def _indexed_steps(run_dir, rank: int = 0) -> list[int]:
     path = run_dir / "trajectory" / f"rank-{rank:05d}.steps.jsonl"
-    return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
+    return (
+        [json.loads(line)["step"] for line in path.read_text().splitlines()]
+        if path.exists()
+        else []
+    )
 
 
-def test_a_step_awaiting_its_device_digests_is_written_before_a_kill_rank_sigkill(tmp_path, monkeypatch):
+def test_a_step_awaiting_its_device_digests_is_written_before_a_kill_rank_sigkill(
+    tmp_path, monkeypatch
+):
     """On a GPU a finished step waits for its digests' copy; a kill-rank fault at the next step's start must not
     take it down with the process (review B1). Here the copy never reports ready, as a slow GPU's would not."""
     from types import SimpleNamespace

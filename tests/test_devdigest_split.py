@@ -31,8 +31,11 @@ class _Largest(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {a.untyped_storage().data_ptr() for a in tree_flatten((args, kwargs))[0]
-                  if isinstance(a, torch.Tensor)}
+        inputs = {
+            a.untyped_storage().data_ptr()
+            for a in tree_flatten((args, kwargs))[0]
+            if isinstance(a, torch.Tensor)
+        }
         for o in tree_flatten(out)[0]:
             if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in inputs:
                 if o.untyped_storage().nbytes() > self.nbytes:
@@ -63,7 +66,11 @@ def _digests(items, chunk: int, budget: int, monkeypatch) -> list[dict]:
     dev.add(items)
     got = dev.collect().result()
     assert got == first  # fixed reductions: the same bits every time
-    stacked = max(Counter((t.dtype, tuple(t.shape), str(off), str(lshape)) for t, off, lshape in items).values())
+    stacked = max(
+        Counter(
+            (t.dtype, tuple(t.shape), str(off), str(lshape)) for t, off, lshape in items
+        ).values()
+    )
     bound = 8 * max(chunk, (devdigest._F + 3) * stacked)
     assert largest.nbytes <= bound, (largest.nbytes, bound, largest.op)
     return got
@@ -85,7 +92,11 @@ def _long_rows():
         (torch.randn(3, 257, generator=g).to(torch.bfloat16), None, None),
         (torch.randint(-(2**40), 2**40, (2, 300), generator=g), None, None),  # int64
         (torch.randint(0, 50000, (555,), generator=g), None, None),  # token ids
-        (torch.randn(4, 200, generator=g), [4, 100], [16, 400]),  # a shard placed in its logical tensor
+        (
+            torch.randn(4, 200, generator=g),
+            [4, 100],
+            [16, 400],
+        ),  # a shard placed in its logical tensor
         (torch.randn(300, generator=g), [50], [1000]),  # a 1-D shard
         (torch.tensor(2.5), None, None),
         (torch.randn(40, generator=g), None, None),  # within one chunk
@@ -130,17 +141,22 @@ def test_parts_on_two_devices_are_copied_per_device_and_their_rows_kept(monkeypa
     every row still gets its own tensor's digest. The queued parts alternate between torch.device("cpu") and
     torch.device("cpu", 1) (no stream: both take the CPU path), so grouping reorders them."""
     items = _items() + _long_rows()
-    dev = DeviceDigests(chunk=64, snapshot_bytes=4096)  # some groups snapshotted, the rest tensor by tensor
+    dev = DeviceDigests(
+        chunk=64, snapshot_bytes=4096
+    )  # some groups snapshotted, the rest tensor by tensor
     half = len(items) // 2
     assert dev.add(items[:half]) + dev.add(items[half:]) == list(range(len(items)))
     parts = dev._parts
     assert len(parts) >= 4 and all(device == torch.device("cpu") for device, _, _ in parts)
     other = torch.device("cpu", 1)
-    dev._parts = [(other if i % 2 else device, rows, part) for i, (device, rows, part) in enumerate(parts)]
+    dev._parts = [
+        (other if i % 2 else device, rows, part) for i, (device, rows, part) in enumerate(parts)
+    ]
     fetch = dev.collect()
     assert len(fetch.hosts) == 2 and fetch.events == []
     assert sorted(int(r) for order in fetch.orders for r in order) == [
-        r for _, rows, _ in parts for r in rows]  # every digested row once (the empty tensor has none)
+        r for _, rows, _ in parts for r in rows
+    ]  # every digested row once (the empty tensor has none)
     assert fetch.ready()
     _check_against_oracle(fetch.result(), items)
 

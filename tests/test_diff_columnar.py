@@ -15,14 +15,17 @@ import random
 
 import numpy as np
 import pytest
+import test_diff_synthetic as syn
 
 from disttrace.analysis.diff import diff_runs
 
-import test_diff_synthetic as syn
-
-TENSORS = [("tok_embeddings.weight", [256, 64], "float32"), ("layers.0.attention.wq.weight", [64, 64], "float32"),
-           ("layers.0.feed_forward.w1.weight", [192, 64], "float64"), ("norm.weight", [64], "float32"),
-           ("loss_scale", [], "float32")]
+TENSORS = [
+    ("tok_embeddings.weight", [256, 64], "float32"),
+    ("layers.0.attention.wq.weight", [64, 64], "float32"),
+    ("layers.0.feed_forward.w1.weight", [192, 64], "float64"),
+    ("norm.weight", [64], "float32"),
+    ("loss_scale", [], "float32"),
+]
 PHASES = ["backward", "reduce", "optimizer"]
 
 
@@ -30,11 +33,25 @@ def _rec(rng, step, phase, rank, index, name, shape, dtype) -> dict:
     numel = math.prod(shape) if shape else 1
     norm = rng.uniform(0.5, 20.0)
     sketch = [rng.uniform(-1, 1) * norm * math.sqrt(numel) for _ in range(4)]
-    if dtype == "float32":  # what the Arrow store keeps of a float32-computed sketch: its float32 rounding
+    if (
+        dtype == "float32"
+    ):  # what the Arrow store keeps of a float32-computed sketch: its float32 rounding
         sketch = [float(np.float32(v)) for v in sketch]
-    return {"step": step, "micro_batch": 0, "phase": phase, "rank": rank, "index": index, "tensor": name,
-            "dtype": dtype, "shape": list(shape), "numel": numel, "sum": rng.uniform(-5, 5), "norm": norm,
-            "sketch": sketch, "nonfinite": 0}
+    return {
+        "step": step,
+        "micro_batch": 0,
+        "phase": phase,
+        "rank": rank,
+        "index": index,
+        "tensor": name,
+        "dtype": dtype,
+        "shape": list(shape),
+        "numel": numel,
+        "sum": rng.uniform(-5, 5),
+        "norm": norm,
+        "sketch": sketch,
+        "nonfinite": 0,
+    }
 
 
 def _perturbed(rng, r: dict) -> dict:
@@ -57,20 +74,40 @@ def _runs(seed: int):
         for step in range(1, 5):
             for phase in PHASES:
                 for i, (name, shape, dtype) in enumerate(TENSORS):
-                    for slot in (("",) if phase != "optimizer" else ("", ":exp_avg", ":exp_avg_sq")):
+                    for slot in ("",) if phase != "optimizer" else ("", ":exp_avg", ":exp_avg_sq"):
                         x = _rec(rng, step, phase, rank, len(ra) % 1000, name + slot, shape, dtype)
                         x["index"] = i * 3 + ("", ":exp_avg", ":exp_avg_sq").index(slot)
                         y = _perturbed(rng, x)
                         for rec in (x, y):
-                            rec["digest"] = syn.digest(rec) if rec is x or rec["sum"] != x["sum"] else x["digest"]
+                            rec["digest"] = (
+                                syn.digest(rec)
+                                if rec is x or rec["sum"] != x["sum"]
+                                else x["digest"]
+                            )
                         ra.append(x)
                         rb.append(y)
         a[rank], b[rank] = ra, rb
     # the record path's special cases, each on a step of its own rank
-    k = next(i for i, r in enumerate(b[0]) if r["step"] == 2 and r["phase"] == "reduce" and r["shape"])
-    b[0][k] = {**b[0][k], "sum": None, "norm": None, "nonfinite": 3, "digest": "0" * 32}  # non-finite
-    k = next(i for i, r in enumerate(b[1]) if r["step"] == 3 and r["phase"] == "backward" and len(r["shape"]) == 2)
-    b[1][k] = {**b[1][k], "shape": list(reversed(b[1][k]["shape"])), "digest": "1" * 32}  # a shape that differs
+    k = next(
+        i for i, r in enumerate(b[0]) if r["step"] == 2 and r["phase"] == "reduce" and r["shape"]
+    )
+    b[0][k] = {
+        **b[0][k],
+        "sum": None,
+        "norm": None,
+        "nonfinite": 3,
+        "digest": "0" * 32,
+    }  # non-finite
+    k = next(
+        i
+        for i, r in enumerate(b[1])
+        if r["step"] == 3 and r["phase"] == "backward" and len(r["shape"]) == 2
+    )
+    b[1][k] = {
+        **b[1][k],
+        "shape": list(reversed(b[1][k]["shape"])),
+        "digest": "1" * 32,
+    }  # a shape that differs
     k = next(i for i, r in enumerate(b[1]) if r["step"] == 4 and r["phase"] == "optimizer")
     del b[1][k]  # a record missing: that step does not align
     return m, a, b
@@ -79,7 +116,10 @@ def _runs(seed: int):
 def _write(tmp_path, fmt: str, m, a, b):
     syn.FORMAT["suffix"] = fmt
     try:
-        return (syn.write_run(tmp_path / f"{fmt[1:]}-a", m, a), syn.write_run(tmp_path / f"{fmt[1:]}-b", m, b))
+        return (
+            syn.write_run(tmp_path / f"{fmt[1:]}-a", m, a),
+            syn.write_run(tmp_path / f"{fmt[1:]}-b", m, b),
+        )
     finally:
         syn.FORMAT["suffix"] = ".arrows"
 
@@ -91,8 +131,11 @@ def _comparable(doc: dict) -> dict:
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
-@pytest.mark.parametrize("kw", [{}, {"mode": "numeric"}, {"mode": "numeric", "rtol": 2e-6, "atol": 1e-9}],
-                         ids=["bitwise", "numeric-derived", "numeric-user"])
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"mode": "numeric"}, {"mode": "numeric", "rtol": 2e-6, "atol": 1e-9}],
+    ids=["bitwise", "numeric-derived", "numeric-user"],
+)
 def test_columns_and_records_give_the_same_result(tmp_path, seed, kw):
     m, a, b = _runs(seed)
     arrow = diff_runs(*_write(tmp_path, ".arrows", m, a, b), **kw)
@@ -102,10 +145,12 @@ def test_columns_and_records_give_the_same_result(tmp_path, seed, kw):
     assert arrow["stats"]["tensors_compared"] > arrow["stats"]["bit_equal"] > 0
     assert arrow["first_divergence"] is not None
     if kw.get("mode") == "numeric":
-        within = sum(e["ranks"][r].get("inexact", 0) - e["ranks"][r]["differing"]
-                     for e in arrow["propagation"] for r in e["ranks"])
+        within = sum(
+            e["ranks"][r].get("inexact", 0) - e["ranks"][r]["differing"]
+            for e in arrow["propagation"]
+            for r in e["ranks"]
+        )
         assert within > 0  # some records differ within the bound: compared, not flagged
-
 
 
 def _cross_topology_runs(seed: int):
@@ -123,7 +168,9 @@ def _cross_topology_runs(seed: int):
                 x = _rec(rng, step, phase, 0, i, name, shape, dtype)
                 x["digest"] = syn.digest(x)
                 for r in range(2):
-                    if phase == "clip" or name != "norm.weight" or step != 2:  # norm.weight at step 2: only B's
+                    if (
+                        phase == "clip" or name != "norm.weight" or step != 2
+                    ):  # norm.weight at step 2: only B's
                         a[r].append({**x, "rank": r})
                 if phase == "clip":
                     continue  # a phase only A records
@@ -134,9 +181,14 @@ def _cross_topology_runs(seed: int):
                     y["digest"] = x["digest"] if y["sum"] == x["sum"] else syn.digest(y)
                     b[r].append({**y, "rank": r})
     odd = next(i for i, r in enumerate(a[1]) if r["step"] == 1 and r["phase"] == "optimizer")
-    a[1][odd] = {**a[1][odd], "digest": "2" * 32}  # A's replicas disagree: warned, A's rank 0 copy is the value
+    a[1][odd] = {
+        **a[1][odd],
+        "digest": "2" * 32,
+    }  # A's replicas disagree: warned, A's rank 0 copy is the value
     for recs in list(a.values()) + list(b.values()):
-        recs.sort(key=lambda r: (r["step"], r["micro_batch"], syn.PHASE_ORDER[r["phase"]], r["index"]))
+        recs.sort(
+            key=lambda r: (r["step"], r["micro_batch"], syn.PHASE_ORDER[r["phase"]], r["index"])
+        )
     return ma, mb, a, b
 
 
@@ -172,21 +224,56 @@ def test_a_block_with_steps_without_records_aligns_and_sums_up_per_step():
     from disttrace.store import trajectory
 
     def batch(step, n):
-        recs = [{"step": step, "micro_batch": 0, "phase": "reduce", "rank": 0, "index": i, "tensor": f"w{i}",
-                 "dtype": "float64", "shape": [2], "numel": 2, "digest": f"{step:02x}{i:030x}", "sum": 1.0 + i,
-                 "norm": 2.0, "sketch": [0.5] * 4, "nonfinite": 0} for i in range(n)]
-        return pa.RecordBatch.from_arrays(trajectory._columns(recs), schema=trajectory.SCHEMA) if recs else \
-            pa.RecordBatch.from_pylist([], schema=trajectory.SCHEMA)
+        recs = [
+            {
+                "step": step,
+                "micro_batch": 0,
+                "phase": "reduce",
+                "rank": 0,
+                "index": i,
+                "tensor": f"w{i}",
+                "dtype": "float64",
+                "shape": [2],
+                "numel": 2,
+                "digest": f"{step:02x}{i:030x}",
+                "sum": 1.0 + i,
+                "norm": 2.0,
+                "sketch": [0.5] * 4,
+                "nonfinite": 0,
+            }
+            for i in range(n)
+        ]
+        return (
+            pa.RecordBatch.from_arrays(trajectory._columns(recs), schema=trajectory.SCHEMA)
+            if recs
+            else pa.RecordBatch.from_pylist([], schema=trajectory.SCHEMA)
+        )
 
     for counts in ([0, 2, 3], [2, 0, 3], [2, 3, 0], [0, 0, 1]):
         ca, starts = columnar.concat([batch(s + 1, n) for s, n in enumerate(counts)])
         cb, _ = columnar.concat([batch(s + 1, n) for s, n in enumerate(counts)])
         assert columnar.aligned_block(ca, cb, starts), counts
-        c = columnar.compare(ca, cb, bitwise=True, user=None, base_bound=lambda rows, order, names: np.zeros(len(rows)))
+        c = columnar.compare(
+            ca,
+            cb,
+            bitwise=True,
+            user=None,
+            base_bound=lambda rows, order, names: np.zeros(len(rows)),
+        )
         s = columnar.by_step(c, starts)
-        assert s.inexact.tolist() == [0, 0, 0] and s.first_divergent.tolist() == [-1, -1, -1], counts
-        cb, _ = columnar.concat([batch(s + 1 + 10 * (s == 2), n) for s, n in enumerate(counts)])  # step 3's digests differ
-        c = columnar.compare(ca, cb, bitwise=True, user=None, base_bound=lambda rows, order, names: np.zeros(len(rows)))
+        assert s.inexact.tolist() == [0, 0, 0] and s.first_divergent.tolist() == [-1, -1, -1], (
+            counts
+        )
+        cb, _ = columnar.concat(
+            [batch(s + 1 + 10 * (s == 2), n) for s, n in enumerate(counts)]
+        )  # step 3's digests differ
+        c = columnar.compare(
+            ca,
+            cb,
+            bitwise=True,
+            user=None,
+            base_bound=lambda rows, order, names: np.zeros(len(rows)),
+        )
         s = columnar.by_step(c, starts)
         assert s.differing.tolist() == [0, 0, counts[2]], counts
 
@@ -202,19 +289,38 @@ def test_the_record_path_resolves_tied_errors_the_same_in_every_process(tmp_path
     m = syn.manifest(**{"training.steps": 1, "parallelism.dp": 1})
     a, b = [], []
     for i, name in enumerate(["w", "w:exp_avg_sq", "v", "v:exp_avg_sq"]):
-        r = {"step": 1, "micro_batch": 0, "phase": "optimizer", "rank": 0, "index": i, "tensor": name,
-             "dtype": "float64", "shape": [4], "numel": 4, "sum": 1.0, "norm": 2.0, "nonfinite": 0}
+        r = {
+            "step": 1,
+            "micro_batch": 0,
+            "phase": "optimizer",
+            "rank": 0,
+            "index": i,
+            "tensor": name,
+            "dtype": "float64",
+            "shape": [4],
+            "numel": 4,
+            "sum": 1.0,
+            "norm": 2.0,
+            "nonfinite": 0,
+        }
         r["digest"] = syn.digest(r)
         a.append(r)
         b.append({**r, "digest": r["digest"][::-1]})  # other bits, the same statistics
     bounds = set()
     for fmt in (".jsonl", ".arrows"):
         ra, rb = _write(tmp_path / fmt[1:], fmt, m, {0: a}, {0: b})
-        code = (f"from disttrace.analysis.diff import diff_runs; "
-                f"print(diff_runs({str(ra)!r}, {str(rb)!r}, mode='numeric')['numeric']['by_phase']['optimizer']['bound'])")
+        code = (
+            f"from disttrace.analysis.diff import diff_runs; "
+            f"print(diff_runs({str(ra)!r}, {str(rb)!r}, mode='numeric')['numeric']['by_phase']['optimizer']['bound'])"
+        )
         for seed in ("1", "2", "3", "4"):
-            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                                 env={**os.environ, "PYTHONHASHSEED": seed})
+            out = subprocess.run(
+                [sys.executable, "-c", code],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                env={**os.environ, "PYTHONHASHSEED": seed},
+            )
             assert out.returncode == 0, out.stderr[-2000:]
             bounds.add(out.stdout.strip())
     assert len(bounds) == 1, bounds

@@ -19,10 +19,10 @@ import xxhash
 
 from disttrace.analysis import tolerance
 from disttrace.analysis.diff import diff_runs
-from disttrace.views.diff import render_md, render_rich
 from disttrace.errors import BadInput
 from disttrace.store.rundir import PHASE_ORDER
 from disttrace.store.trajectory import TrajectoryWriter
+from disttrace.views.diff import render_md, render_rich
 
 FORMAT = {"suffix": ".arrows"}
 
@@ -34,23 +34,62 @@ def trajectory_format(request):
     yield request.param
     FORMAT["suffix"] = ".arrows"
 
+
 # ---------------------------------------------------------------- building synthetic runs
 
 BASE = {
     "experiment": {"name": "synthetic", "edition": "v1", "seed": 0, "description": ""},
-    "data": {"path": "corpus.jsonl", "sha256": "a" * 64, "eval_percent": 10, "split_salt": "disttrace-v1"},
+    "data": {
+        "path": "corpus.jsonl",
+        "sha256": "a" * 64,
+        "eval_percent": 10,
+        "split_salt": "disttrace-v1",
+    },
     "tokenizer": {"kind": "byte", "path": None, "sha256": "b" * 64},
-    "model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4, "vocab_size": 256, "max_seq_len": 64,
-              "multiple_of": 32, "ffn_hidden": 192, "norm_eps": 1e-5, "rope_theta": 10000.0},
-    "parallelism": {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 0, "pp_schedule": "gpipe", "architecture": "allreduce",
-                    "staleness": 0, "world_size": 2, "backend": "auto"},
-    "training": {"steps": 6, "micro_batch_size": 4, "grad_accum_steps": 1, "lr": 1e-3, "optimizer": "adamw",
-                 "weight_decay": 0.0, "beta1": 0.9, "beta2": 0.95, "dtype": "float32"},
+    "model": {
+        "dim": 64,
+        "n_layers": 2,
+        "n_heads": 4,
+        "n_kv_heads": 4,
+        "vocab_size": 256,
+        "max_seq_len": 64,
+        "multiple_of": 32,
+        "ffn_hidden": 192,
+        "norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+    },
+    "parallelism": {
+        "dp": 2,
+        "tp": 1,
+        "pp": 1,
+        "zero_stage": 0,
+        "pp_schedule": "gpipe",
+        "architecture": "allreduce",
+        "staleness": 0,
+        "world_size": 2,
+        "backend": "auto",
+    },
+    "training": {
+        "steps": 6,
+        "micro_batch_size": 4,
+        "grad_accum_steps": 1,
+        "lr": 1e-3,
+        "optimizer": "adamw",
+        "weight_decay": 0.0,
+        "beta1": 0.9,
+        "beta2": 0.95,
+        "dtype": "float32",
+    },
     "checkpoint": {"interval": 0},
     "debug": {"deterministic": True, "collective_timeout_s": 60.0},
     "eval": {"max_batches": 16, "batch_size": 4, "loss_rtol": 0.02},
 }
-PARAMS = ["tok_embeddings.weight", "layers.0.attention.wq.weight", "layers.0.feed_forward.w1.weight", "norm.weight"]
+PARAMS = [
+    "tok_embeddings.weight",
+    "layers.0.attention.wq.weight",
+    "layers.0.feed_forward.w1.weight",
+    "norm.weight",
+]
 SHAPES = [[256, 64], [64, 64], [192, 64], [64]]
 
 
@@ -66,8 +105,18 @@ def manifest(**over) -> dict:
 
 
 def digest(rec: dict) -> str:
-    return xxhash.xxh3_128_hexdigest(orjson.dumps([rec["tensor"], rec["shape"], rec["sum"], rec["norm"],
-                                                   rec.get("shard"), rec.get("salt")]))
+    return xxhash.xxh3_128_hexdigest(
+        orjson.dumps(
+            [
+                rec["tensor"],
+                rec["shape"],
+                rec["sum"],
+                rec["norm"],
+                rec.get("shard"),
+                rec.get("salt"),
+            ]
+        )
+    )
 
 
 def _stats(*key) -> tuple[float, float]:
@@ -77,8 +126,21 @@ def _stats(*key) -> tuple[float, float]:
 
 def rec(step, mb, phase, rank, index, tensor, shape, key, **extra) -> dict:
     s, n = _stats(*key)
-    r = {"step": step, "micro_batch": mb, "phase": phase, "rank": rank, "index": index, "tensor": tensor,
-         "dtype": "float32", "shape": shape, "numel": math.prod(shape), "sum": s, "norm": n, "nonfinite": 0, **extra}
+    r = {
+        "step": step,
+        "micro_batch": mb,
+        "phase": phase,
+        "rank": rank,
+        "index": index,
+        "tensor": tensor,
+        "dtype": "float32",
+        "shape": shape,
+        "numel": math.prod(shape),
+        "sum": s,
+        "norm": n,
+        "nonfinite": 0,
+        **extra,
+    }
     r["digest"] = digest(r)
     return r
 
@@ -94,35 +156,81 @@ def gen_records(m: dict, steps, ranks=None) -> dict[int, list[dict]]:
         for step in steps:
             step_recs = []
             for mb in range(accum):
-                step_recs.append(rec(step, mb, "data", rank, 0, "inputs", [4, 64], (step, mb, rank, "data")))
+                step_recs.append(
+                    rec(step, mb, "data", rank, 0, "inputs", [4, 64], (step, mb, rank, "data"))
+                )
                 for i, name in enumerate(["layers.0", "norm"]):
-                    step_recs.append(rec(step, mb, "forward", rank, i, name, [4, 64, 64], (step, mb, rank, name)))
-                step_recs.append(rec(step, mb, "loss", rank, 0, "loss", [], (step, mb, rank, "loss"), tokens=256))
+                    step_recs.append(
+                        rec(step, mb, "forward", rank, i, name, [4, 64, 64], (step, mb, rank, name))
+                    )
+                step_recs.append(
+                    rec(step, mb, "loss", rank, 0, "loss", [], (step, mb, rank, "loss"), tokens=256)
+                )
                 for i, name in enumerate(PARAMS):
-                    step_recs.append(rec(step, mb, "backward", rank, i, name, SHAPES[i], (step, mb, rank, "bw", name)))
+                    step_recs.append(
+                        rec(
+                            step,
+                            mb,
+                            "backward",
+                            rank,
+                            i,
+                            name,
+                            SHAPES[i],
+                            (step, mb, rank, "bw", name),
+                        )
+                    )
             last = accum - 1
             for i, name in enumerate(PARAMS):
-                step_recs.append(rec(step, last, "reduce", rank, i, name, SHAPES[i], (step, "reduce", name)))
+                step_recs.append(
+                    rec(step, last, "reduce", rank, i, name, SHAPES[i], (step, "reduce", name))
+                )
             for i, name in enumerate(PARAMS):
-                step_recs.append(rec(step, last, "optimizer", rank, i, name, SHAPES[i], (step, "opt", name)))
+                step_recs.append(
+                    rec(step, last, "optimizer", rank, i, name, SHAPES[i], (step, "opt", name))
+                )
             for i, name in enumerate(PARAMS):
                 for slot, key in enumerate(("exp_avg", "exp_avg_sq")):
-                    step_recs.append(rec(step, last, "optimizer", rank, len(PARAMS) + i * 4 + slot, f"{name}:{key}",
-                                         SHAPES[i], (step, "opt", name, key)))
+                    step_recs.append(
+                        rec(
+                            step,
+                            last,
+                            "optimizer",
+                            rank,
+                            len(PARAMS) + i * 4 + slot,
+                            f"{name}:{key}",
+                            SHAPES[i],
+                            (step, "opt", name, key),
+                        )
+                    )
             step_recs.sort(key=lambda r: (r["micro_batch"], PHASE_ORDER[r["phase"]], r["index"]))
             recs.extend(step_recs)
         out[rank] = recs
     return out
 
 
-def write_run(path, m: dict, records: dict[int, list[dict]], kind="reference", resume_step=None, complete=True,
-              torn_rank=None, fault=None):
+def write_run(
+    path,
+    m: dict,
+    records: dict[int, list[dict]],
+    kind="reference",
+    resume_step=None,
+    complete=True,
+    torn_rank=None,
+    fault=None,
+):
     """Write a run dir exactly like the recorder does; `torn_rank` gets half a line appended (a crash)."""
     path.mkdir(parents=True)
     mid = xxhash.xxh3_128_hexdigest(orjson.dumps(m, option=orjson.OPT_SORT_KEYS)) * 2
-    (path / "manifest.lock.json").write_bytes(orjson.dumps({"manifest": m, "manifest_id": mid, "source": "x",
-                                                            "overrides": [], "resolved": {}}))
-    resume = {"checkpoint": f"checkpoints/step-{resume_step:06d}", "step": resume_step} if resume_step else None
+    (path / "manifest.lock.json").write_bytes(
+        orjson.dumps(
+            {"manifest": m, "manifest_id": mid, "source": "x", "overrides": [], "resolved": {}}
+        )
+    )
+    resume = (
+        {"checkpoint": f"checkpoints/step-{resume_step:06d}", "step": resume_step}
+        if resume_step
+        else None
+    )
     (path / "run.json").write_bytes(orjson.dumps({"path": kind, "fault": fault, "resume": resume}))
     (path / "trajectory").mkdir()
     for rank, recs in records.items():
@@ -134,8 +242,11 @@ def write_run(path, m: dict, records: dict[int, list[dict]], kind="reference", r
         else:
             data, index = _jsonl_steps(by_step)
         if rank == torn_rank:
-            data += (b'{"step": 99, "micro_batch": 0, "pha' if FORMAT["suffix"] == ".jsonl"
-                     else data[len(data) // 2:len(data) // 2 + 100])  # half a line / part of a message
+            data += (
+                b'{"step": 99, "micro_batch": 0, "pha'
+                if FORMAT["suffix"] == ".jsonl"
+                else data[len(data) // 2 : len(data) // 2 + 100]
+            )  # half a line / part of a message
         (path / f"trajectory/rank-{rank:05d}{FORMAT['suffix']}").write_bytes(bytes(data))
         (path / f"trajectory/rank-{rank:05d}.steps.jsonl").write_bytes(bytes(index))
     if complete:
@@ -147,8 +258,19 @@ def _index_line(step, offset, length, srecs) -> bytes:
     h = xxhash.xxh3_128()
     for r in srecs:
         h.update(r["digest"].encode())
-    return orjson.dumps({"step": step, "offset": offset, "length": length, "records": len(srecs),
-                         "digest": h.hexdigest(), "time": {"start": 0.0, "end": 0.0}}) + b"\n"
+    return (
+        orjson.dumps(
+            {
+                "step": step,
+                "offset": offset,
+                "length": length,
+                "records": len(srecs),
+                "digest": h.hexdigest(),
+                "time": {"start": 0.0, "end": 0.0},
+            }
+        )
+        + b"\n"
+    )
 
 
 def _jsonl_steps(by_step) -> tuple[bytearray, bytearray]:
@@ -199,7 +321,13 @@ def pair(tmp_path):
 
     def b(records=None, m_b=None, **kw):
         mm = m_b or m
-        return write_run(tmp_path / "b", mm, records if records is not None else gen_records(mm, range(1, 7)), **kw)
+        return write_run(
+            tmp_path / "b",
+            mm,
+            records if records is not None else gen_records(mm, range(1, 7)),
+            **kw,
+        )
+
     return a, b, m
 
 
@@ -211,9 +339,19 @@ def test_identical_runs_are_equal_and_read_nothing(pair):
     r = diff_runs(a, b())
     assert r["equal"] is True and r["first_divergence"] is None and r["mode"] == "bitwise"
     assert r["propagation"] == [] and r["warnings"] == []
-    assert r["compared_steps"] == {"first": 1, "last": 6, "count": 6, "why": "all 6 steps", "full": True}
+    assert r["compared_steps"] == {
+        "first": 1,
+        "last": 6,
+        "count": 6,
+        "why": "all 6 steps",
+        "full": True,
+    }
     assert r["stats"]["steps_read"] == 0  # every step skipped on the index digests
-    assert r["a"]["kind"] == "reference" and r["b"]["complete"] is True and len(r["a"]["manifest_id"]) == 64
+    assert (
+        r["a"]["kind"] == "reference"
+        and r["b"]["complete"] is True
+        and len(r["a"]["manifest_id"]) == 64
+    )
     orjson.dumps(r)  # one JSON document
 
 
@@ -224,11 +362,19 @@ def test_planted_difference_found_exactly(pair):
     r = diff_runs(a, b(recs))
     f = r["first_divergence"]
     assert not r["equal"]
-    assert (f["step"], f["micro_batch"], f["phase"], f["rank"], f["index"]) == (3, 0, "backward", 1, 2)
+    assert (f["step"], f["micro_batch"], f["phase"], f["rank"], f["index"]) == (
+        3,
+        0,
+        "backward",
+        1,
+        2,
+    )
     assert f["tensor"] == PARAMS[2] and f["missing_in"] is None and f["bound"] == 0.0
     assert f["b"]["digest"] == planted["digest"] and f["a"]["digest"] != planted["digest"]
     assert f["rel_err"] == pytest.approx(0.001 / 1.001)  # |dnorm| / max(norm_a, norm_b)
-    assert r["stats"]["steps_read"] == 1  # only rank 1's step 3: everything else is skipped on the digests
+    assert (
+        r["stats"]["steps_read"] == 1
+    )  # only rank 1's step 3: everything else is skipped on the digests
 
 
 def test_order_phase_before_rank_and_step_before_all(pair):
@@ -244,7 +390,9 @@ def test_order_phase_before_rank_and_step_before_all(pair):
 
 
 def test_micro_batch_orders_before_phase(tmp_path):
-    m = manifest(**{"training.grad_accum_steps": 2, "parallelism.dp": 1, "training.micro_batch_size": 8})
+    m = manifest(
+        **{"training.grad_accum_steps": 2, "parallelism.dp": 1, "training.micro_batch_size": 8}
+    )
     recs_a = gen_records(m, range(1, 4))
     a = write_run(tmp_path / "a", m, recs_a)
     recs = gen_records(m, range(1, 4))
@@ -260,7 +408,13 @@ def test_record_missing_on_one_side(pair):
     recs[0].remove(find(recs, 2, 0, "forward", 0, 1))
     r = diff_runs(a, b(recs))
     f = r["first_divergence"]
-    assert (f["step"], f["phase"], f["rank"], f["index"], f["missing_in"]) == (2, "forward", 0, 1, "b")
+    assert (f["step"], f["phase"], f["rank"], f["index"], f["missing_in"]) == (
+        2,
+        "forward",
+        0,
+        1,
+        "b",
+    )
     assert f["b"] is None and f["a"]["digest"]
     r2 = diff_runs(r["b"]["path"], a)  # the other way round
     assert r2["first_divergence"]["missing_in"] == "a"
@@ -316,7 +470,9 @@ def test_propagation_counts_and_recovery(pair):
     assert prop[4]["ranks"]["0"]["differing"] == 1 and prop[4]["ranks"]["1"]["differing"] == 1
     assert prop[4]["differing"] == 2 and prop[5]["equal"] and prop[6]["equal"]
     assert r["recovered_steps"] == [5, 6]
-    assert r["stats"]["steps_read"] == 3  # rank 1 at step 3, both ranks at step 4: equal ones are not read
+    assert (
+        r["stats"]["steps_read"] == 3
+    )  # rank 1 at step 3, both ranks at step 4: equal ones are not read
 
 
 def test_propagate_false_stops_at_first_divergent_step(pair):
@@ -401,11 +557,14 @@ def test_numeric_across_topologies_small_errors_are_equal(tmp_path):
             if r["phase"] == "backward":
                 r["norm"] *= 2  # per-micro-batch local gradients are not compared across topologies
                 r["digest"] = digest(r)
+
     a, b, m = _topologies(tmp_path, perturb)
     r = diff_runs(a, b)
     assert r["mode"] == "numeric" and r["equal"], r["first_divergence"]
     assert r["compared_phases"] == ["reduce", "optimizer"]
-    assert not any("'clip'" in w for w in r["warnings"])  # neither side records clip: nothing to say
+    assert not any(
+        "'clip'" in w for w in r["warnings"]
+    )  # neither side records clip: nothing to say
     bp = r["numeric"]["by_phase"]
     assert set(bp) == {"reduce", "optimizer"}
     assert bp["reduce"]["max_rel_err"] == pytest.approx(0.1 * eps1, rel=1e-3)
@@ -417,12 +576,20 @@ def test_numeric_across_topologies_above_bound_diverges(tmp_path):
     eps1 = tolerance.step_bound(manifest(), manifest(), "reduce")
 
     def perturb(rb):
-        plant(rb, 3, 1, "optimizer", 0, len(PARAMS) + 4 + 1, factor=1 + 10 * 3 * eps1)  # 10x the step-3 bound
+        plant(
+            rb, 3, 1, "optimizer", 0, len(PARAMS) + 4 + 1, factor=1 + 10 * 3 * eps1
+        )  # 10x the step-3 bound
+
     a, b, m = _topologies(tmp_path, perturb)
     r = diff_runs(a, b)
     f = r["first_divergence"]
     assert not r["equal"]
-    assert (f["step"], f["phase"], f["tensor"], f["rank"]) == (3, "optimizer", f"{PARAMS[1]}:exp_avg_sq", 0)
+    assert (f["step"], f["phase"], f["tensor"], f["rank"]) == (
+        3,
+        "optimizer",
+        f"{PARAMS[1]}:exp_avg_sq",
+        0,
+    )
     # k = 3 steps since the common initial state; x2 for a second moment (tolerance.tensor_factor)
     assert f["bound"] == pytest.approx(2 * 3 * eps1)
     x = 10 * 3 * eps1
@@ -445,6 +612,7 @@ def test_numeric_replica_on_one_rank_only(tmp_path):
 def test_user_tolerance_overrides(tmp_path):
     def perturb(rb):
         plant(rb, 2, 1, "reduce", 0, 0, factor=1 + 1e-3)
+
     a, b, m = _topologies(tmp_path, perturb)
     assert not diff_runs(a, b)["equal"]
     r = diff_runs(a, b, rtol=1e-2)
@@ -461,6 +629,7 @@ def test_numeric_same_topology_explicit(pair):
     assert r["equal"] and r["numeric"]["by_step"][0]["step"] == 2
     plant(recs, 4, 0, "forward", 1, 0, factor=1.1)
     import shutil
+
     shutil.rmtree(r["b"]["path"])
     r = diff_runs(a, b(recs), mode="numeric")
     f = r["first_divergence"]
@@ -481,6 +650,7 @@ def test_nonfinite_is_a_divergence(tmp_path):
         r = find(rb, 2, 1, "reduce", 0, 2)
         r.update(sum=None, norm=None, nonfinite=7)
         r["digest"] = digest(r)
+
     a, b, m = _topologies(tmp_path, perturb)
     r = diff_runs(a, b)
     f = r["first_divergence"]
@@ -492,7 +662,9 @@ def test_nonfinite_is_a_divergence(tmp_path):
 # ---------------------------------------------------------------- shards
 
 
-def shard_records(m: dict, steps, shard_ranks: dict[int, int], tamper=None) -> dict[int, list[dict]]:
+def shard_records(
+    m: dict, steps, shard_ranks: dict[int, int], tamper=None
+) -> dict[int, list[dict]]:
     """Like gen_records, but every optimizer-phase tensor is split in two halves along dim 0:
     rank -> which half it holds (two ranks may hold the same half: a replicated shard)."""
     base = gen_records(m, steps)
@@ -510,9 +682,15 @@ def shard_records(m: dict, steps, shard_ranks: dict[int, int], tamper=None) -> d
             # split the logical statistics: sums add up, norms add in squares
             s0, s1 = r["sum"] * 0.3, r["sum"] * 0.7
             n0, n1 = r["norm"] * 0.6, r["norm"] * 0.8  # 0.36 + 0.64 = 1
-            sh = dict(r, tensor=r["tensor"], shape=sshape, numel=math.prod(sshape),
-                      sum=(s0, s1)[half], norm=(n0, n1)[half],
-                      shard={"offset": [half * rows] + [0] * (len(shape) - 1), "logical_shape": shape})
+            sh = dict(
+                r,
+                tensor=r["tensor"],
+                shape=sshape,
+                numel=math.prod(sshape),
+                sum=(s0, s1)[half],
+                norm=(n0, n1)[half],
+                shard={"offset": [half * rows] + [0] * (len(shape) - 1), "logical_shape": shape},
+            )
             if tamper:
                 tamper(rank, sh)
             sh["digest"] = digest(sh)
@@ -538,7 +716,10 @@ def test_sharded_records_combine_into_the_logical_tensor(tmp_path):
     def tamper(rank, sh):
         if rank == 1 and sh["step"] == 2 and sh["index"] == 1:
             sh["sum"] += 1.0
-    b2 = write_run(tmp_path / "b2", mb, shard_records(mb, range(1, 4), {0: 0, 1: 1, 2: 0, 3: 1}, tamper))
+
+    b2 = write_run(
+        tmp_path / "b2", mb, shard_records(mb, range(1, 4), {0: 0, 1: 1, 2: 0, 3: 1}, tamper)
+    )
     r2 = diff_runs(a, b2)
     f = r2["first_divergence"]
     assert (f["step"], f["phase"], f["index"], f["rank"]) == (2, "optimizer", 1, 0)
@@ -551,7 +732,9 @@ def test_missing_shard_is_reported(tmp_path):
     ma = manifest(**{"parallelism.dp": 1, "training.grad_accum_steps": 2})
     mb = manifest(**{"parallelism.tp": 2})
     a = write_run(tmp_path / "a", ma, gen_records(ma, range(1, 3)))
-    b = write_run(tmp_path / "b", mb, shard_records(mb, range(1, 3), {0: 0, 1: 0, 2: 0, 3: 0}))  # half 1 lost
+    b = write_run(
+        tmp_path / "b", mb, shard_records(mb, range(1, 3), {0: 0, 1: 0, 2: 0, 3: 0})
+    )  # half 1 lost
     r = diff_runs(a, b)
     assert not r["equal"] and "shards incomplete" in r["first_divergence"]["note"]
     assert any("do not cover" in w for w in r["warnings"])
@@ -562,7 +745,7 @@ def test_missing_shard_is_reported(tmp_path):
 
 def test_tolerance_formula():
     m = manifest()
-    u = 2.0 ** -24
+    u = 2.0**-24
     T = 8 * 64
     eps1 = 2 * u * (math.sqrt(T) + math.sqrt(192))
     assert tolerance.bound(m, m, 1, "reduce") == pytest.approx(eps1)
@@ -570,9 +753,11 @@ def test_tolerance_formula():
     assert tolerance.bound(m, m, 5, "optimizer", since=3) == pytest.approx(2 * eps1)
     assert tolerance.bound(m, m, 3, "data") == 0.0
     m64 = manifest(**{"training.dtype": "float64"})
-    assert tolerance.bound(m64, m64, 1, "reduce") == pytest.approx(eps1 * 2.0 ** -29)
+    assert tolerance.bound(m64, m64, 1, "reduce") == pytest.approx(eps1 * 2.0**-29)
     assert tolerance.bound(m, m64, 1, "reduce") == pytest.approx(eps1)  # the coarser dtype counts
-    assert 1e-6 < eps1 < 1e-5  # measured float32 differences of 4e-8..4e-7: 1 to 3 orders of magnitude below
+    assert (
+        1e-6 < eps1 < 1e-5
+    )  # measured float32 differences of 4e-8..4e-7: 1 to 3 orders of magnitude below
 
 
 # ---------------------------------------------------------------- rendering
@@ -595,7 +780,9 @@ def test_render_rich_and_md(pair):
         else:
             assert "FIRST DIVERGENCE" in out and "backward" in out and "rank 1" in out
             grid = [line for line in out.splitlines() if line.strip().startswith(("0  ", "1  "))]
-            assert grid[1].strip() == "1  ··3···"  # rank 1: rel err 1e-3 at step 3, equal again after
+            assert (
+                grid[1].strip() == "1  ··3···"
+            )  # rank 1: rel err 1e-3 at step 3, equal again after
             assert grid[0].strip() == "0  ···■··"  # rank 0: a record missing at step 4
             assert "| 3 | 1 | 1 / " in md and "First divergence" in md
 

@@ -44,16 +44,26 @@ def test_digest_many_agrees_with_digest_tensor_one_by_one():
     from disttrace.run import digest as D
 
     g = torch.Generator().manual_seed(7)
-    items = [(torch.randn(64, generator=g), None, None), (torch.randn(64, 64, generator=g), None, None),
-             (torch.randn(3, 5, 7, generator=g), None, None), (torch.tensor(2.5), None, None),
-             (torch.randn(512, 64, generator=g), None, None), (torch.randn(40, 40, generator=g).double(), None, None),
-             (torch.randn(16, 64, generator=g), [16, 0], [64, 64]), (torch.randn(32, 8, generator=g), [0, 8], [32, 16])]
+    items = [
+        (torch.randn(64, generator=g), None, None),
+        (torch.randn(64, 64, generator=g), None, None),
+        (torch.randn(3, 5, 7, generator=g), None, None),
+        (torch.tensor(2.5), None, None),
+        (torch.randn(512, 64, generator=g), None, None),
+        (torch.randn(40, 40, generator=g).double(), None, None),
+        (torch.randn(16, 64, generator=g), [16, 0], [64, 64]),
+        (torch.randn(32, 8, generator=g), [0, 8], [32, 16]),
+    ]
     bad = torch.randn(30, 30, generator=g)
     bad[2, 3] = float("nan")
     items.append((bad, None, None))
-    items += [(torch.randn(128, 128, generator=g), None, None) for _ in range(20)]  # 20 x 16,384 > one batch
+    items += [
+        (torch.randn(128, 128, generator=g), None, None) for _ in range(20)
+    ]  # 20 x 16,384 > one batch
     many = D.digest_many(items)
-    assert sum(1 for t, _, _ in items if D._batchable(t)) > D._GROUP // D.SMALL  # several batches were needed
+    assert (
+        sum(1 for t, _, _ in items if D._batchable(t)) > D._GROUP // D.SMALL
+    )  # several batches were needed
     for (t, off, lshape), m in zip(items, many):
         one = D.digest_tensor(t, off, lshape)
         for k in ("digest", "dtype", "shape", "numel", "nonfinite"):
@@ -62,6 +72,9 @@ def test_digest_many_agrees_with_digest_tensor_one_by_one():
             assert m["sum"] is None and m["sketch"] is None
             continue
         scale = one["norm"] * math.sqrt(one["numel"])
-        assert abs(m["sum"] - one["sum"]) <= 1e-12 * scale and abs(m["norm"] - one["norm"]) <= 1e-12 * one["norm"]
+        assert (
+            abs(m["sum"] - one["sum"]) <= 1e-12 * scale
+            and abs(m["norm"] - one["norm"]) <= 1e-12 * one["norm"]
+        )
         bound = tolerance.sketch_rounding(one["dtype"], lshape or one["shape"]) * scale
         assert all(abs(x - y) <= bound for x, y in zip(m["sketch"], one["sketch"])), tuple(t.shape)

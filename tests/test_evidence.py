@@ -4,8 +4,8 @@ trace-event JSON with no overlapping events on a track, and desyncs are reported
 from __future__ import annotations
 
 import orjson
-
 from conftest import cli
+
 from disttrace.store.rundir import Run, iter_jsonl
 
 
@@ -16,12 +16,16 @@ def test_trace_sees_every_ddp_bucket_allreduce(runs):
     trace is held to every step's bytes by test_wire_volume_matches_the_ring_model_for_ddp below."""
     run = Run(runs.small_ring())
     facts = [e for e in run.events().records if e["event"] == "engine_facts"]
-    assert facts[0]["step"] == 1 and len(facts[0]["ddp_bucket_sizes"]) == 1  # step 1: one bucket (docs/design.md, "Facts")
+    assert (
+        facts[0]["step"] == 1 and len(facts[0]["ddp_bucket_sizes"]) == 1
+    )  # step 1: one bucket (docs/design.md, "Facts")
     final = facts[-1]
     n_buckets = len(final["ddp_bucket_sizes"])
     assert final["step"] == 2 and n_buckets > 3  # rebuilt once after step 1, then stable
     for rank in (0, 1):
-        ops = [r for r in iter_jsonl(run.rank_path("collectives", rank)) if r.get("op") == "allreduce_"]
+        ops = [
+            r for r in iter_jsonl(run.rank_path("collectives", rank)) if r.get("op") == "allreduce_"
+        ]
         for step in (2, 3, 4):  # after DDP's bucket rebuild at the end of step 1
             assert sum(1 for r in ops if r["step"] == step) == n_buckets, (rank, step)
         step_bytes = sum(r["bytes"] for r in ops if r["step"] == 3)
@@ -33,8 +37,14 @@ def test_timeline_is_valid_and_tracks_never_overlap(runs, tmp_path):
     cli("trace", runs.reference(), "-o", out, check=0)
     doc = orjson.loads(out.read_bytes())
     events = doc["traceEvents"]
-    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
-    assert {"compute"} <= set(names.values()) and any(n.startswith("group [0,1]") for n in names.values())
+    names = {
+        (e["pid"], e.get("tid")): e["args"]["name"]
+        for e in events
+        if e["ph"] == "M" and e["name"] == "thread_name"
+    }
+    assert {"compute"} <= set(names.values()) and any(
+        n.startswith("group [0,1]") for n in names.values()
+    )
     tracks: dict = {}
     for e in events:
         if e["ph"] == "X":
@@ -43,7 +53,7 @@ def test_timeline_is_valid_and_tracks_never_overlap(runs, tmp_path):
     assert len({pid for pid, _ in tracks}) == 2  # one process per rank
     for spans in tracks.values():
         spans.sort()
-        for (a0, a1), (b0, b1) in zip(spans, spans[1:]):
+        for (_a0, a1), (b0, _b1) in zip(spans, spans[1:]):
             assert b0 >= a1 - 1e-6
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import orjson
-
 from conftest import cli, raw_records
 
 
@@ -23,4 +22,8 @@ def test_records_export_is_every_record_once(runs):
 
 def test_jsonl_is_refused_for_other_views(runs):
     proc = cli("show", runs.reference(), "topology", "--jsonl")
-    assert proc.returncode == 2 and "--jsonl" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert (
+        proc.returncode == 2
+        and "--jsonl" in proc.stderr
+        and len(proc.stderr.strip().splitlines()) == 1
+    )

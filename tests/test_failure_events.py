@@ -7,16 +7,18 @@ import html
 import shutil
 
 import orjson
-
 from conftest import cli
+
 from disttrace.store.records import FAILURE_EVENTS, Event
 from disttrace.store.rundir import event
 from disttrace.views.report import build_report
 
 # as the writers log them (run/livecheck.py, run/worker.py, run/launch.py)
 WRITTEN = {
-    Event.LIVE_CHECK_FAILED: ({"step": 3, "phase": "reduce", "group": [0, 1], "digests": {"0": "aa", "1": "bb"}},
-                              "step 3: reduce copies over group [0, 1] differ"),
+    Event.LIVE_CHECK_FAILED: (
+        {"step": 3, "phase": "reduce", "group": [0, 1], "digests": {"0": "aa", "1": "bb"}},
+        "step 3: reduce copies over group [0, 1] differ",
+    ),
     Event.RANK_FAILED: ({"rank": 1, "error": "RuntimeError: boom"}, "RuntimeError: boom"),
     Event.JOB_FAILED: ({"reason": "rank 1 exited with 1"}, "rank 1 exited with 1"),
 }
@@ -46,9 +48,27 @@ def test_a_job_started_again_in_its_run_directory_is_refused(runs, tmp_path):
 
     run = tmp_path / "run"
     shutil.copytree(runs.reference(), run)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-port", "29677", "-m", "disttrace.worker", "--run-dir", str(run)],
-                          capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            "29677",
+            "-m",
+            "disttrace.worker",
+            "--run-dir",
+            str(run),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode != 0
-    assert "already holds an attempt's steps" in proc.stderr and "disttrace recover" in proc.stderr, proc.stderr[-2000:]
+    assert (
+        "already holds an attempt's steps" in proc.stderr and "disttrace recover" in proc.stderr
+    ), proc.stderr[-2000:]
     assert cli("verify", run).returncode == 0  # the first attempt's records, untouched

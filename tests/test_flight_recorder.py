@@ -6,8 +6,9 @@ collective must still leave the op it died in, so the desync is named."""
 from __future__ import annotations
 
 import pytest
+from conftest import SMALL_RING as RING
+from conftest import last_line
 
-from conftest import SMALL_RING as RING, last_line
 from disttrace.analysis.sync import check_sync
 from disttrace.errors import EXIT_JOB_FAILED
 from disttrace.store.rundir import Run, iter_jsonl
@@ -29,7 +30,9 @@ def test_small_ring_trace_covers_every_ddp_bucket(small_ring):
         lines = list(iter_jsonl(run.rank_path("collectives", rank)))
         assert not [x for x in lines if "lost" in x]
         assert len(lines) > RING  # more than the ring holds: only copies made in time keep them all
-        assert all("fr_seq" in x for x in lines)  # written from the Flight Recorder, not a dispatch mode
+        assert all(
+            "fr_seq" in x for x in lines
+        )  # written from the Flight Recorder, not a dispatch mode
         per_pg: dict = {}
         for x in lines:  # each process group's own sequence numbers, every one once, none skipped
             per_pg.setdefault(x["pg"], []).append(x["fr_seq"])
@@ -53,17 +56,37 @@ def test_mismatched_collective_is_named_from_the_dying_ranks_own_ring(runs):
     bad = fired["shape"]  # the oracle: the shape the fault itself says it issued
     last = {r: list(iter_jsonl(run.rank_path("collectives", r)))[-1] for r in (0, 1)}
     assert last[1]["op"] == "allreduce_" and last[1]["shapes"] == [bad] and last[1]["step"] == 2
-    assert last[0]["op"] == "allreduce_" and last[0]["shapes"] != [bad] and last[0]["seq"] == last[1]["seq"]
+    assert (
+        last[0]["op"] == "allreduce_"
+        and last[0]["shapes"] != [bad]
+        and last[0]["seq"] == last[1]["seq"]
+    )
     m = check_sync(run)["first_mismatch"]
     assert m["ranks"] == [1] and m["seq"] == last[1]["seq"] and m["step"] == 2
-    assert "collective desync" in proc.stderr and "rank(s) [1]" in proc.stderr and f"[{bad[0]}]" in proc.stderr
+    assert (
+        "collective desync" in proc.stderr
+        and "rank(s) [1]" in proc.stderr
+        and f"[{bad[0]}]" in proc.stderr
+    )
 
 
 def _entry(rid, seq, name, sizes, dtypes, t_ns, pg=("0", "default_pg"), pg_id=0, **kw):
-    return {"record_id": rid, "pg_id": pg_id, "process_group": pg, "collective_seq_id": seq, "p2p_seq_id": 0,
-            "profiling_name": name, "input_sizes": sizes, "input_dtypes": dtypes, "output_sizes": kw.get("out", sizes),
-            "output_dtypes": kw.get("out_dtypes", dtypes), "state": "scheduled", "is_p2p": False,
-            "time_created_ns": t_ns, "time_discovered_completed_ns": None}
+    return {
+        "record_id": rid,
+        "pg_id": pg_id,
+        "process_group": pg,
+        "collective_seq_id": seq,
+        "p2p_seq_id": 0,
+        "profiling_name": name,
+        "input_sizes": sizes,
+        "input_dtypes": dtypes,
+        "output_sizes": kw.get("out", sizes),
+        "output_dtypes": kw.get("out_dtypes", dtypes),
+        "state": "scheduled",
+        "is_p2p": False,
+        "time_created_ns": t_ns,
+        "time_discovered_completed_ns": None,
+    }
 
 
 def test_converter_steps_bytes_scatter_done_and_lost_entries():
@@ -76,19 +99,33 @@ def test_converter_steps_bytes_scatter_done_and_lost_entries():
     c = Converter()
     groups = {"0": "0,1"}
     c.step_started(1, 1_000)
-    first = {"pg_status": {"0": {"last_completed_collective": 1}}, "entries": [
-        _entry(0, 1, "gloo:broadcast", [[3, 4]], ["Float"], 500),  # before step 1: set-up
-        _entry(1, 2, "gloo:all_reduce", [[10]], ["Double"], 1_500),
-    ]}
+    first = {
+        "pg_status": {"0": {"last_completed_collective": 1}},
+        "entries": [
+            _entry(0, 1, "gloo:broadcast", [[3, 4]], ["Float"], 500),  # before step 1: set-up
+            _entry(1, 2, "gloo:all_reduce", [[10]], ["Double"], 1_500),
+        ],
+    }
     recs = c.records(first, groups)
     assert [(r["op"], r["step"], r["bytes"], r["dtype"], r["seq"], r["done"]) for r in recs] == [
-        ("broadcast_", 0, 48, "float32", 0, True), ("allreduce_", 1, 80, "float64", 1, False)]
+        ("broadcast_", 0, 48, "float32", 0, True),
+        ("allreduce_", 1, 80, "float64", 1, False),
+    ]
     c.step_started(2, 2_000)
-    again = {"pg_status": {"0": {"last_completed_collective": 5}}, "entries": first["entries"] + [
-        _entry(2, 3, "gloo:scatter", [], [], 2_500, out=[[7]], out_dtypes=["Byte"]),
-    ]}
+    again = {
+        "pg_status": {"0": {"last_completed_collective": 5}},
+        "entries": first["entries"]
+        + [
+            _entry(2, 3, "gloo:scatter", [], [], 2_500, out=[[7]], out_dtypes=["Byte"]),
+        ],
+    }
     recs = c.records(again, groups)  # entries already copied are not copied again
-    assert [(r["op"], r["step"], r["shapes"], r["bytes"], r["seq"]) for r in recs] == [("scatter_", 2, [[7]], 7, 2)]
-    wrapped = {"pg_status": {}, "entries": [_entry(6, 7, "gloo:barrier", [], [], 3_000)]}  # ids 3..5 overwritten
+    assert [(r["op"], r["step"], r["shapes"], r["bytes"], r["seq"]) for r in recs] == [
+        ("scatter_", 2, [[7]], 7, 2)
+    ]
+    wrapped = {
+        "pg_status": {},
+        "entries": [_entry(6, 7, "gloo:barrier", [], [], 3_000)],
+    }  # ids 3..5 overwritten
     recs = c.records(wrapped, groups)
     assert recs[0] == {"lost": 3, "after_record": 2, "step": 2} and recs[1]["op"] == "barrier"

@@ -7,8 +7,8 @@ import math
 
 import orjson
 import pytest
-
 from conftest import DEFAULT, cli, traj_file
+
 from disttrace.store.rundir import Run, iter_jsonl
 
 
@@ -31,7 +31,12 @@ def test_reference_run_is_complete_and_has_the_evidence(runs):
     # every parameter has a local (backward) and a reduced gradient record on the last micro-batch
     n_params = sum(1 for r in recs if r["step"] == 1 and r["phase"] == "reduce")
     assert n_params == 2 * 9 + 3  # 9 tensors per block, embeddings, final norm, output
-    assert sum(1 for r in recs if r["step"] == 1 and r["phase"] == "backward" and r["micro_batch"] == 1) == n_params
+    assert (
+        sum(
+            1 for r in recs if r["step"] == 1 and r["phase"] == "backward" and r["micro_batch"] == 1
+        )
+        == n_params
+    )
     # the data-parallel ranks read different shards but end each step with identical parameters
     r0 = {(r["step"], r["phase"], r["index"]): r["digest"] for r in all_records(run_dir)[0]}
     r1 = {(r["step"], r["phase"], r["index"]): r["digest"] for r in recs}
@@ -59,8 +64,11 @@ def test_two_reference_runs_are_bit_identical(runs, watched):
 
 
 def params_after(run_dir, step):
-    return {r["tensor"]: r for r in all_records(run_dir)[0] if r["step"] == step and r["phase"] == "optimizer"
-            and ":" not in r["tensor"]}
+    return {
+        r["tensor"]: r
+        for r in all_records(run_dir)[0]
+        if r["step"] == step and r["phase"] == "optimizer" and ":" not in r["tensor"]
+    }
 
 
 # float64 (the tighter bound) in make test-all; CI's tier holds float32 to its bound
@@ -70,9 +78,13 @@ def test_dp2_equals_dp1_with_accumulation(runs, dtype):
     derived from the dtype's unit roundoff, and float64's bound is ~2^29 times tighter."""
     from disttrace.analysis.tolerance import bound
 
-    sets = () if dtype == "float32" else ("--set", f"training.dtype={dtype}")  # float32: the default's dtype
+    sets = (
+        () if dtype == "float32" else ("--set", f"training.dtype={dtype}")
+    )  # float32: the default's dtype
     d2 = runs.reference(*sets)
-    d1 = runs.reference(*sets, "--set", "parallelism.dp=1", "--set", "training.grad_accum_steps=4")  # test_sketch's
+    d1 = runs.reference(
+        *sets, "--set", "parallelism.dp=1", "--set", "training.grad_accum_steps=4"
+    )  # test_sketch's
     ma, mb = Run(d2).manifest, Run(d1).manifest
     worst = 0.0
     for step in (1, 4):
@@ -85,11 +97,15 @@ def test_dp2_equals_dp1_with_accumulation(runs, dtype):
             rel_sum = abs(x["sum"] - y["sum"]) / (max(x["norm"], y["norm"]) * math.sqrt(x["numel"]))
             worst = max(worst, rel, rel_sum)
             assert rel <= b and rel_sum <= b, (name, step, rel, rel_sum, b)
-    print(f"{dtype}: worst relative error {worst:.3e}, bound at step 4 {bound(ma, mb, 4, 'optimizer'):.3e}")
+    print(
+        f"{dtype}: worst relative error {worst:.3e}, bound at step 4 {bound(ma, mb, 4, 'optimizer'):.3e}"
+    )
     # the comparison can fail: different topologies do not produce identical bits in float32
     if dtype == "float32":
-        assert any(pa["digest"] != pb["digest"] for pa, pb in zip(params_after(d2, 4).values(),
-                                                                    params_after(d1, 4).values()))
+        assert any(
+            pa["digest"] != pb["digest"]
+            for pa, pb in zip(params_after(d2, 4).values(), params_after(d1, 4).values())
+        )
 
 
 BAD_INPUTS = [
@@ -99,7 +115,10 @@ BAD_INPUTS = [
     (["--set", "training.steps=many"], "training.steps"),
     (["--set", "parallelism.world_size=3"], "parallelism"),
     (["--set", "parallelism.pp=3"], "parallelism.pp"),  # 3 stages, 2 layers
-    (["--set", "parallelism.dp=1", "--set", "parallelism.tp=2", "--set", "model.n_kv_heads=1"], "model.n_kv_heads"),
+    (
+        ["--set", "parallelism.dp=1", "--set", "parallelism.tp=2", "--set", "model.n_kv_heads=1"],
+        "model.n_kv_heads",
+    ),
     (["--set", "model.n_kv_heads=3"], "model"),
     (["--set", "nonsense.key=1"], "nonsense.key"),
     (["--set", "novalue"], "--set"),
@@ -110,7 +129,7 @@ BAD_INPUTS = [
 def test_bad_input_is_refused_before_any_process_starts(tmp_path, args, field):
     proc = cli("run", DEFAULT, *args, "--out", tmp_path)
     assert proc.returncode == 2, proc.stderr
-    lines = [l for l in proc.stderr.strip().splitlines() if l.strip()]
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1, proc.stderr
     assert field in lines[0]
     assert "default.toml" in lines[0] or "--set" in lines[0]
@@ -129,7 +148,11 @@ def test_bad_manifest_files(tmp_path):
     typo = tmp_path / "typo.toml"
     typo.write_text(text)
     proc = cli("freeze", typo)
-    assert proc.returncode == 2 and "training.steps_typo" in proc.stderr and "unknown key" in proc.stderr
+    assert (
+        proc.returncode == 2
+        and "training.steps_typo" in proc.stderr
+        and "unknown key" in proc.stderr
+    )
 
 
 def test_freeze_records_overrides_and_is_stable():

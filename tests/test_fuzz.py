@@ -37,18 +37,18 @@ from hypothesis import strategies as st
 from rich.console import Console
 from typer.testing import CliRunner
 
-from disttrace.views import show as show_mod
-from disttrace.cli import app
-from disttrace.analysis.diff import diff_runs
-from disttrace.errors import BadInput
-from disttrace.config.manifest import DEFAULT_MANIFEST, freeze
-from disttrace.store import trajectory
-from disttrace.store.trajectory import END_OF_STREAM, SCHEMA, SUFFIX, TrajectoryWriter
-from disttrace.store.rundir import Run
-from disttrace.store.verify import verify_run
-from disttrace.store.follow import Follower
 from disttrace.analysis.consistency import check_run
+from disttrace.analysis.diff import diff_runs
+from disttrace.cli import app
+from disttrace.config.manifest import DEFAULT_MANIFEST, freeze
+from disttrace.errors import BadInput
 from disttrace.gate import verdict as gate_verdict
+from disttrace.store import trajectory
+from disttrace.store.follow import Follower
+from disttrace.store.rundir import Run
+from disttrace.store.trajectory import END_OF_STREAM, SCHEMA, SUFFIX, TrajectoryWriter
+from disttrace.store.verify import verify_run
+from disttrace.views import show as show_mod
 from disttrace.views.report import build_report
 
 SCALE = float(os.environ.get("DISTTRACE_FUZZ_SCALE", "1"))
@@ -60,7 +60,9 @@ FAILURES: dict[str, str] = {}
 
 
 # shrinking a failure to its smallest input can take minutes; DISTTRACE_FUZZ_SHRINK=1 turns it on
-PHASES = [ph for ph in Phase if ph is not Phase.shrink or os.environ.get("DISTTRACE_FUZZ_SHRINK") == "1"]
+PHASES = [
+    ph for ph in Phase if ph is not Phase.shrink or os.environ.get("DISTTRACE_FUZZ_SHRINK") == "1"
+]
 
 
 # the CI sample: each test's own count. `make fuzz` selects the long profile with DISTTRACE_FUZZ_EXAMPLES=N:
@@ -74,8 +76,15 @@ DECLARED: list[int] = []
 def fuzz(n: int):
     DECLARED.append(n)
     count = math.ceil(n * LONG * 1.05 / CI_TOTAL) if LONG else max(1, int(n * SCALE))
-    return settings(max_examples=count, deadline=None, derandomize=not RANDOM, database=None,
-                    suppress_health_check=list(HealthCheck), print_blob=True, phases=PHASES)
+    return settings(
+        max_examples=count,
+        deadline=None,
+        derandomize=not RANDOM,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+        print_blob=True,
+        phases=PHASES,
+    )
 
 
 COUNTS: Counter = Counter()  # (input kind, outcome) -> CLI invocations
@@ -87,14 +96,20 @@ def report_counts():
     yield
     if COUNTS:
         tests = sorted({t for t, _ in COUNTS})
-        print(f"\nfuzz inputs generated: {sum(EXAMPLES.values())} ({dict(sorted(EXAMPLES.items()))})")
-        print("calls on them (the CLI in-process; freeze_from_deepspeed directly), by input kind and outcome:")
+        print(
+            f"\nfuzz inputs generated: {sum(EXAMPLES.values())} ({dict(sorted(EXAMPLES.items()))})"
+        )
+        print(
+            "calls on them (the CLI in-process; freeze_from_deepspeed directly), by input kind and outcome:"
+        )
         for t in tests:
             outcomes = {o: n for (tt, o), n in sorted(COUNTS.items()) if tt == t}
             print(f"  {t}: {sum(outcomes.values())}, {outcomes}")
         print(f"  total: {sum(COUNTS.values())} calls")
         if EXAMPLES_BY_OP:
-            print(f"Arrow trajectory inputs by (first) mutation: {dict(sorted(EXAMPLES_BY_OP.items()))}")
+            print(
+                f"Arrow trajectory inputs by (first) mutation: {dict(sorted(EXAMPLES_BY_OP.items()))}"
+            )
     if FAILURES:
         print(f"\n{len(FAILURES)} distinct failures:")
         for sig, case in FAILURES.items():
@@ -104,7 +119,7 @@ def report_counts():
 runner = CliRunner()
 
 
-def invoke(args: list) -> "object":
+def invoke(args: list) -> object:
     return runner.invoke(app, [str(a) for a in args], env={"NO_COLOR": "1", "COLUMNS": "200"})
 
 
@@ -115,13 +130,21 @@ def crash_report(result, args) -> str:
 
 def signature(result, message: str) -> str:
     if result.exc_info and not isinstance(result.exception, SystemExit):
-        frames = [f for f in traceback.extract_tb(result.exc_info[2]) if "/disttrace/" in f.filename]
-        where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno} {frames[-1].name}" if frames else "?"
+        frames = [
+            f for f in traceback.extract_tb(result.exc_info[2]) if "/disttrace/" in f.filename
+        ]
+        where = (
+            f"{Path(frames[-1].filename).name}:{frames[-1].lineno} {frames[-1].name}"
+            if frames
+            else "?"
+        )
         return f"{type(result.exception).__name__} at {where}"
     return message.split("\n", 1)[0][:60]
 
 
-def check_contract(test: str, args: list, result, expected_error, allowed: set[int], case: str = "") -> None:
+def check_contract(
+    test: str, args: list, result, expected_error, allowed: set[int], case: str = ""
+) -> None:
     try:
         _check_contract(test, args, result, expected_error, allowed)
     except AssertionError as e:
@@ -141,19 +164,29 @@ def _check_contract(test: str, args: list, result, expected_error, allowed: set[
     COUNTS[(test, f"exit {code}")] += 1
     assert code in allowed, crash_report(result, args)
     if code == 2:
-        lines = result.stderr.strip("\n").split("\n")  # "\n" only: what a terminal or `grep` calls a line
-        assert len(lines) == 1, f"exit 2 must print one line, printed {len(lines)}:\n{result.stderr}\n{args}"
+        lines = result.stderr.strip("\n").split(
+            "\n"
+        )  # "\n" only: what a terminal or `grep` calls a line
+        assert len(lines) == 1, (
+            f"exit 2 must print one line, printed {len(lines)}:\n{result.stderr}\n{args}"
+        )
         e = expected_error()
-        assert isinstance(e, BadInput), f"the command said bad input, the reader did not raise: {lines[0]}"
+        assert isinstance(e, BadInput), (
+            f"the command said bad input, the reader did not raise: {lines[0]}"
+        )
         want = f"error: {e}".translate(RICH_STRIPS)  # rich drops these control codes when it prints
         assert lines[0] == want, f"printed {lines[0]!r}\nraised  {want!r}"
         named = f"{e.where}: {e.field}: " if e.field else f"{e.where}: "
-        assert named.translate(RICH_STRIPS) in lines[0]  # the file, and the field where there is one
+        assert (
+            named.translate(RICH_STRIPS) in lines[0]
+        )  # the file, and the field where there is one
     elif "--json" in args:
         try:
             orjson.loads(result.stdout)
         except orjson.JSONDecodeError:
-            raise AssertionError(f"--json printed no single JSON document:\n{result.stdout[:2000]}") from None
+            raise AssertionError(
+                f"--json printed no single JSON document:\n{result.stdout[:2000]}"
+            ) from None
 
 
 RICH_STRIPS = {c: None for c in (7, 8, 11, 12, 13)}  # rich.control.strip_control_codes
@@ -166,27 +199,88 @@ def raised(fn):
         except BadInput as e:
             return e
         return None
+
     return call
 
 
 # ---------------------------------------------------------------- value pools
 
 # strings that have broken CLIs before: markup, emoji codes, newlines, paths, format specs
-NASTY = ["[/x]", "[bold]", "[red]x[/red]", ":smile:", "a\nb", "\r", "\t", "%s", "{0}", "", " ", "..", "../../x",
-         "data/corpus.jsonl", "data/tokenizer.json", "byte", "bpe", "nan", "\x00", "\u202e", "\U0001F600",
-         "reference", "fault_fired", "job_failed", "rank_failed", "loss", "backward", "trajectory"]
+NASTY = [
+    "[/x]",
+    "[bold]",
+    "[red]x[/red]",
+    ":smile:",
+    "a\nb",
+    "\r",
+    "\t",
+    "%s",
+    "{0}",
+    "",
+    " ",
+    "..",
+    "../../x",
+    "data/corpus.jsonl",
+    "data/tokenizer.json",
+    "byte",
+    "bpe",
+    "nan",
+    "\x00",
+    "\u202e",
+    "\U0001f600",
+    "reference",
+    "fault_fired",
+    "job_failed",
+    "rank_failed",
+    "loss",
+    "backward",
+    "trajectory",
+]
 
 json_scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2 ** 70), 2 ** 70), st.integers(-3, 3),
-    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=20), st.sampled_from(NASTY))
-json_values = st.recursive(json_scalars, lambda c: st.lists(c, max_size=4) | st.dictionaries(
-    st.text(max_size=8) | st.sampled_from(["step", "offset", "length", "records", "digest", "time", "rank",
-                                           "phase", "event", "manifest", "manifest_id", "path", "resume"]),
-    c, max_size=4), max_leaves=10)
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.integers(-3, 3),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=20),
+    st.sampled_from(NASTY),
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda c: (
+        st.lists(c, max_size=4)
+        | st.dictionaries(
+            st.text(max_size=8)
+            | st.sampled_from(
+                [
+                    "step",
+                    "offset",
+                    "length",
+                    "records",
+                    "digest",
+                    "time",
+                    "rank",
+                    "phase",
+                    "event",
+                    "manifest",
+                    "manifest_id",
+                    "path",
+                    "resume",
+                ]
+            ),
+            c,
+            max_size=4,
+        )
+    ),
+    max_leaves=10,
+)
 
 
 def dumps(v) -> str:
-    return json.dumps(v, allow_nan=True, ensure_ascii=False)  # NaN/Infinity/2**70 on purpose: not orjson's JSON
+    return json.dumps(
+        v, allow_nan=True, ensure_ascii=False
+    )  # NaN/Infinity/2**70 on purpose: not orjson's JSON
 
 
 def toml_str(s: str) -> str:
@@ -206,7 +300,9 @@ def toml_value(v) -> str:
     if isinstance(v, int):
         return str(v)
     if isinstance(v, float):
-        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf") if math.isinf(v) else repr(v)
+        return (
+            "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf") if math.isinf(v) else repr(v)
+        )
     if isinstance(v, str):
         return toml_str(v)
     if v is None:
@@ -218,9 +314,35 @@ def toml_value(v) -> str:
 
 toml_values = st.one_of(
     json_values.map(toml_value),
-    st.sampled_from(["1979-05-27T07:32:00Z", "1979-05-27", "07:32:00", "0x10", "0o7", "0b1", "1_000", "-0", "+inf",
-                     "1e400", "'literal'", "'''multi\nline'''", '"""a\nb"""', "[1, 'a', [2]]", "{ a = { b = 1 } }",
-                     "1" * 5000, "[" * 3000 + "]" * 3000, "", "=", "[", '"unterminated', "tru", "1.", ".5"]))
+    st.sampled_from(
+        [
+            "1979-05-27T07:32:00Z",
+            "1979-05-27",
+            "07:32:00",
+            "0x10",
+            "0o7",
+            "0b1",
+            "1_000",
+            "-0",
+            "+inf",
+            "1e400",
+            "'literal'",
+            "'''multi\nline'''",
+            '"""a\nb"""',
+            "[1, 'a', [2]]",
+            "{ a = { b = 1 } }",
+            "1" * 5000,
+            "[" * 3000 + "]" * 3000,
+            "",
+            "=",
+            "[",
+            '"unterminated',
+            "tru",
+            "1.",
+            ".5",
+        ]
+    ),
+)
 
 # ---------------------------------------------------------------- manifest TOML
 
@@ -232,8 +354,24 @@ KEY_LINE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*=")
 def mutated_toml(draw) -> str:
     lines = DEFAULT_TEXT.splitlines()
     for _ in range(draw(st.integers(1, 4))):
-        op = draw(st.sampled_from(["delete_line", "duplicate_line", "swap_lines", "char", "insert", "cut",
-                                   "value", "value", "value", "rename_key", "new_key", "new_table"]))
+        op = draw(
+            st.sampled_from(
+                [
+                    "delete_line",
+                    "duplicate_line",
+                    "swap_lines",
+                    "char",
+                    "insert",
+                    "cut",
+                    "value",
+                    "value",
+                    "value",
+                    "rename_key",
+                    "new_key",
+                    "new_table",
+                ]
+            )
+        )
         i = draw(st.integers(0, len(lines) - 1)) if lines else 0
         keyed = [n for n, ln in enumerate(lines) if KEY_LINE.match(ln)]
         if op == "delete_line" and lines:
@@ -248,11 +386,11 @@ def mutated_toml(draw) -> str:
             pos = draw(st.integers(0, len(text)))
             if op == "char" and text:
                 pos = min(pos, len(text) - 1)
-                text = text[:pos] + draw(st.characters()) + text[pos + 1:]
+                text = text[:pos] + draw(st.characters()) + text[pos + 1 :]
             elif op == "insert":
                 text = text[:pos] + draw(st.text(max_size=12) | st.sampled_from(NASTY)) + text[pos:]
             else:
-                text = text[:pos] + text[pos + draw(st.integers(1, 40)):]
+                text = text[:pos] + text[pos + draw(st.integers(1, 40)) :]
             lines = text.split("\n")
         elif op == "value" and keyed:
             n = draw(st.sampled_from(keyed))
@@ -261,13 +399,34 @@ def mutated_toml(draw) -> str:
         elif op == "rename_key" and keyed:
             n = draw(st.sampled_from(keyed))
             new = draw(st.sampled_from(["bogus", '"[/x]"', '"a.b"', '"a\\nb"', "seed", "dp"]))
-            lines[n] = KEY_LINE.sub(lambda _: f"{new} =", lines[n], count=1)  # a function: no escapes in `new`
+            # a function, so that `new` is taken literally (no backslash escapes)
+            lines[n] = KEY_LINE.sub(lambda _, new=new: f"{new} =", lines[n], count=1)
         elif op == "new_key":
-            key = draw(st.sampled_from(["extra", "max_grad_norm", "world_size", "zero_stage", '"a\\nb"', '"[/x]"',
-                                        '"[bold]k"', '"a\\u0007b"', '":smile:"']))
+            key = draw(
+                st.sampled_from(
+                    [
+                        "extra",
+                        "max_grad_norm",
+                        "world_size",
+                        "zero_stage",
+                        '"a\\nb"',
+                        '"[/x]"',
+                        '"[bold]k"',
+                        '"a\\u0007b"',
+                        '":smile:"',
+                    ]
+                )
+            )
             lines.insert(i, f"{key} = {draw(toml_values)}")
         elif op == "new_table":
-            lines.insert(i, draw(st.sampled_from(["[bogus]", "[training]", "[[experiment]]", "[model.sub]", "[]"])))
+            lines.insert(
+                i,
+                draw(
+                    st.sampled_from(
+                        ["[bogus]", "[training]", "[[experiment]]", "[model.sub]", "[]"]
+                    )
+                ),
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -293,15 +452,23 @@ def random_manifest_doc(draw) -> str:
 @pytest.fixture(scope="module")
 def manifest_dir(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("manifests")
-    (d / "data").symlink_to(DEFAULT_MANIFEST.parent / "data")  # so a surviving data.path still resolves
+    (d / "data").symlink_to(
+        DEFAULT_MANIFEST.parent / "data"
+    )  # so a surviving data.path still resolves
     return d
 
 
 def _freeze_case(test: str, path: Path, data: bytes) -> None:
     path.write_bytes(data)
     args = ["freeze", path, "--json"]
-    check_contract(test, args, invoke(args), raised(lambda: freeze(path)), allowed={0, 2},
-                   case=f"{path.name} := {data[:3000]!r}")
+    check_contract(
+        test,
+        args,
+        invoke(args),
+        raised(lambda: freeze(path)),
+        allowed={0, 2},
+        case=f"{path.name} := {data[:3000]!r}",
+    )
 
 
 def _default_with(old: str, new: str) -> str:
@@ -311,11 +478,15 @@ def _default_with(old: str, new: str) -> str:
 
 # inputs that broke the contract once: always tried first (hypothesis @example), whatever is generated
 TOML_REGRESSIONS = [
-    _default_with("seed = 1234", "seed = 1234\n\"a\\nb\" = 1"),       # a newline in a key: a two-line error
-    _default_with("seed = 1234", 'seed = "[/x]"'),                    # rich markup in the message: MarkupError
-    _default_with("seed = 1234", 'seed = 1234\n"[bold]k" = 1'),       # markup eaten: the key vanishes
-    _default_with("dim = 64", "dim = " + "1" * 5000),                 # int past Python's digit limit (fixed)
-    _default_with("dim = 64", "dim = " + "[" * 3000 + "]" * 3000),    # nesting past the recursion limit (fixed)
+    _default_with(
+        "seed = 1234", 'seed = 1234\n"a\\nb" = 1'
+    ),  # a newline in a key: a two-line error
+    _default_with("seed = 1234", 'seed = "[/x]"'),  # rich markup in the message: MarkupError
+    _default_with("seed = 1234", 'seed = 1234\n"[bold]k" = 1'),  # markup eaten: the key vanishes
+    _default_with("dim = 64", "dim = " + "1" * 5000),  # int past Python's digit limit (fixed)
+    _default_with(
+        "dim = 64", "dim = " + "[" * 3000 + "]" * 3000
+    ),  # nesting past the recursion limit (fixed)
 ]
 
 
@@ -328,19 +499,30 @@ TOML_REGRESSIONS = [
 @example(text=TOML_REGRESSIONS[4])
 def test_fuzz_mutated_manifest(manifest_dir, text):
     EXAMPLES["mutated_manifest"] += 1
-    _freeze_case("mutated manifest TOML", manifest_dir / "m.toml", text.encode("utf-8", "surrogatepass"))
+    _freeze_case(
+        "mutated manifest TOML", manifest_dir / "m.toml", text.encode("utf-8", "surrogatepass")
+    )
 
 
 @fuzz(120)
 @given(text=random_manifest_doc())
 def test_fuzz_random_manifest_values(manifest_dir, text):
     EXAMPLES["random_manifest_values"] += 1
-    _freeze_case("random-valued manifest TOML", manifest_dir / "r.toml", text.encode("utf-8", "surrogatepass"))
+    _freeze_case(
+        "random-valued manifest TOML",
+        manifest_dir / "r.toml",
+        text.encode("utf-8", "surrogatepass"),
+    )
 
 
 @fuzz(100)
-@given(data=st.one_of(st.binary(max_size=300), st.text(max_size=300).map(lambda s: s.encode("utf-8", "surrogatepass")),
-                      st.binary(max_size=50).map(lambda b: DEFAULT_TEXT.encode()[:400] + b)))
+@given(
+    data=st.one_of(
+        st.binary(max_size=300),
+        st.text(max_size=300).map(lambda s: s.encode("utf-8", "surrogatepass")),
+        st.binary(max_size=50).map(lambda b: DEFAULT_TEXT.encode()[:400] + b),
+    )
+)
 def test_fuzz_random_bytes_as_manifest(manifest_dir, data):
     EXAMPLES["random_bytes_as_manifest"] += 1
     _freeze_case("random bytes as manifest", manifest_dir / "b.toml", data)
@@ -356,14 +538,29 @@ def _digest(r: dict) -> str:
 
 
 def _rec(step, mb, phase, rank, index, tensor, shape, value, **extra) -> dict:
-    r = {"step": step, "micro_batch": mb, "phase": phase, "rank": rank, "index": index, "tensor": tensor,
-         "dtype": "float32", "shape": shape, "numel": math.prod(shape), "sum": value, "norm": abs(value) + 1.0,
-         "nonfinite": 0, **extra}
+    r = {
+        "step": step,
+        "micro_batch": mb,
+        "phase": phase,
+        "rank": rank,
+        "index": index,
+        "tensor": tensor,
+        "dtype": "float32",
+        "shape": shape,
+        "numel": math.prod(shape),
+        "sum": value,
+        "norm": abs(value) + 1.0,
+        "nonfinite": 0,
+        **extra,
+    }
     r["digest"] = _digest(r)
     return r
 
 
-ARROW, LEGACY = "arrow", "jsonl"  # the recorder's format; JSON lines, as stores written before it hold
+ARROW, LEGACY = (
+    "arrow",
+    "jsonl",
+)  # the recorder's format; JSON lines, as stores written before it hold
 
 
 def write_trajectory(path: Path, rank: int, steps: dict[int, list[dict]], fmt: str = ARROW) -> None:
@@ -395,16 +592,28 @@ def digest_of_digests(digests: list[str]) -> str:
 
 
 def _index_line(step: int, offset: int, length: int, recs: list[dict]) -> bytes:
-    return orjson.dumps({"step": step, "offset": offset, "length": length, "records": len(recs),
-                         "digest": digest_of_digests([r["digest"] for r in recs]),
-                         "time": {"start": 0.0, "collective_issue": 0.01, "end": 0.02}}) + b"\n"
+    return (
+        orjson.dumps(
+            {
+                "step": step,
+                "offset": offset,
+                "length": length,
+                "records": len(recs),
+                "digest": digest_of_digests([r["digest"] for r in recs]),
+                "time": {"start": 0.0, "collective_issue": 0.01, "end": 0.02},
+            }
+        )
+        + b"\n"
+    )
 
 
 def build_run(path: Path, lock: dict, fmt: str = ARROW) -> Path:
     """A complete two-rank, two-step reference run in the recorder's layout (fmt: the trajectory's format)."""
     path.mkdir(parents=True)
     (path / "manifest.lock.json").write_bytes(orjson.dumps(lock, option=orjson.OPT_INDENT_2))
-    (path / "run.json").write_bytes(orjson.dumps({"path": "reference", "fault": None, "resume": None}))
+    (path / "run.json").write_bytes(
+        orjson.dumps({"path": "reference", "fault": None, "resume": None})
+    )
     (path / "trajectory").mkdir()
     accum = lock["manifest"]["training"]["grad_accum_steps"]
     world = lock["manifest"]["parallelism"]["world_size"]
@@ -414,19 +623,47 @@ def build_run(path: Path, lock: dict, fmt: str = ARROW) -> Path:
             recs = []
             for mb in range(accum):
                 recs.append(_rec(step, mb, "data", rank, 0, "inputs", [4, 64], step + mb + rank))
-                recs.append(_rec(step, mb, "loss", rank, 0, "loss", [], 6.0 - step / 10 + rank / 100, tokens=256))
-                recs += [_rec(step, mb, "backward", rank, i, n, s, 0.1 * (i + mb + rank)) for i, (n, s) in
-                         enumerate(PARAMS)]
-            recs += [_rec(step, accum - 1, "reduce", rank, i, n, s, 0.2 * i) for i, (n, s) in enumerate(PARAMS)]
-            recs += [_rec(step, accum - 1, "optimizer", rank, i, n, s, 0.3 * i + step) for i, (n, s) in
-                     enumerate(PARAMS)]
+                recs.append(
+                    _rec(
+                        step,
+                        mb,
+                        "loss",
+                        rank,
+                        0,
+                        "loss",
+                        [],
+                        6.0 - step / 10 + rank / 100,
+                        tokens=256,
+                    )
+                )
+                recs += [
+                    _rec(step, mb, "backward", rank, i, n, s, 0.1 * (i + mb + rank))
+                    for i, (n, s) in enumerate(PARAMS)
+                ]
+            recs += [
+                _rec(step, accum - 1, "reduce", rank, i, n, s, 0.2 * i)
+                for i, (n, s) in enumerate(PARAMS)
+            ]
+            recs += [
+                _rec(step, accum - 1, "optimizer", rank, i, n, s, 0.3 * i + step)
+                for i, (n, s) in enumerate(PARAMS)
+            ]
             steps[step] = recs
         write_trajectory(path, rank, steps, fmt)
     # a replica map, so that `check` has something to check (reduced gradients agree across dp)
-    (path / "replicas.json").write_bytes(orjson.dumps({"groups": {"dp": [list(range(world))]}, "rules": [
-        {"phase": "reduce", "tensors": "*", "dim": "dp", "relation": "agree"}]}))
-    events = [{"event": "run_started", "time": 1.0}, {"event": "checkpoint_saved", "time": 2.0, "step": 2},
-              {"event": "run_complete", "time": 3.0}]
+    (path / "replicas.json").write_bytes(
+        orjson.dumps(
+            {
+                "groups": {"dp": [list(range(world))]},
+                "rules": [{"phase": "reduce", "tensors": "*", "dim": "dp", "relation": "agree"}],
+            }
+        )
+    )
+    events = [
+        {"event": "run_started", "time": 1.0},
+        {"event": "checkpoint_saved", "time": 2.0, "step": 2},
+        {"event": "run_complete", "time": 3.0},
+    ]
     (path / "events.jsonl").write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in events))
     (path / "COMPLETE").write_bytes(orjson.dumps({"completed": 3.0, "steps": 2}) + b"\n")
     return path
@@ -455,7 +692,11 @@ def _run_cases(test: str, ref: Path, work: Path, case: str = "") -> None:
     con = Console(file=io.StringIO(), width=200)
     cases = [
         (["show", work, "--json"], raised(lambda: show_mod.show(work, "summary", con)), {0, 2}),
-        (["show", work, "events", "--json"], raised(lambda: show_mod.show(work, "events", con)), {0, 2}),
+        (
+            ["show", work, "events", "--json"],
+            raised(lambda: show_mod.show(work, "events", con)),
+            {0, 2},
+        ),
         (["diff", ref, work, "--json"], raised(lambda: diff_runs(ref, work)), {0, 1, 2}),
         (["diff", work, ref, "--json"], raised(lambda: diff_runs(work, ref)), {0, 1, 2}),
     ]
@@ -495,6 +736,7 @@ def test_pristine_run_is_read_cleanly(runs, legacy_runs, fmt):
 
 # -- manifest.lock.json and run.json: random JSON, mutated documents, mutated bytes
 
+
 def _paths(v, prefix=()):
     yield prefix
     if isinstance(v, dict):
@@ -518,7 +760,7 @@ def mutated_json(draw, doc) -> bytes:
             if op == "set":
                 raw[pos] = draw(st.integers(0, 255))
             elif op == "delete":
-                del raw[pos:pos + draw(st.integers(1, 20))]
+                del raw[pos : pos + draw(st.integers(1, 20))]
             elif op == "insert":
                 raw[pos:pos] = draw(st.binary(min_size=1, max_size=8))
             else:
@@ -569,7 +811,9 @@ def test_fuzz_lock_json(runs, data):
 def test_fuzz_run_json(runs, data):
     EXAMPLES["run_json"] += 1
     ref, work = runs
-    raw = data.draw(mutated_json({"path": "reference", "fault": None, "resume": {"checkpoint": "c", "step": 2}}))
+    raw = data.draw(
+        mutated_json({"path": "reference", "fault": None, "resume": {"checkpoint": "c", "step": 2}})
+    )
     with Mutated(ref, work, "run.json") as target:
         target.write_bytes(raw)
         _run_cases("run.json", ref, work, f"run.json := {raw[:3000]!r}")
@@ -577,8 +821,13 @@ def test_fuzz_run_json(runs, data):
 
 # -- the JSONL files
 
-JSONL_FILES = ["trajectory/rank-00000.jsonl", "trajectory/rank-00001.jsonl", "trajectory/rank-00000.steps.jsonl",
-               "trajectory/rank-00001.steps.jsonl", "events.jsonl"]
+JSONL_FILES = [
+    "trajectory/rank-00000.jsonl",
+    "trajectory/rank-00001.jsonl",
+    "trajectory/rank-00000.steps.jsonl",
+    "trajectory/rank-00001.steps.jsonl",
+    "events.jsonl",
+]
 LEGACY_TRAJECTORIES = ("trajectory/rank-00000.jsonl", "trajectory/rank-00001.jsonl")
 ARROW_FILES = ["trajectory/rank-00000.arrows", "trajectory/rank-00001.arrows"]
 
@@ -596,8 +845,22 @@ def mutated_jsonl(draw, raw: bytes) -> bytes:
         if not lines:
             lines = [b""]
         i = draw(st.integers(0, len(lines) - 1))
-        op = draw(st.sampled_from(["field", "field", "field", "drop_field", "line", "delete", "duplicate", "swap",
-                                   "bytes", "blank"]))
+        op = draw(
+            st.sampled_from(
+                [
+                    "field",
+                    "field",
+                    "field",
+                    "drop_field",
+                    "line",
+                    "delete",
+                    "duplicate",
+                    "swap",
+                    "bytes",
+                    "blank",
+                ]
+            )
+        )
         if op in ("field", "drop_field"):
             try:
                 obj = json.loads(lines[i])
@@ -608,7 +871,9 @@ def mutated_jsonl(draw, raw: bytes) -> bytes:
                 if op == "drop_field":
                     del obj[key]
                 else:
-                    obj[key] = draw(json_values | st.sampled_from([-1, 0, 10 ** 9, 2 ** 63, "1", [], {}]))
+                    obj[key] = draw(
+                        json_values | st.sampled_from([-1, 0, 10**9, 2**63, "1", [], {}])
+                    )
                 lines[i] = dumps(obj).encode("utf-8", "surrogatepass")
         elif op == "line":
             lines[i] = dumps(draw(json_values)).encode("utf-8", "surrogatepass")
@@ -622,13 +887,13 @@ def mutated_jsonl(draw, raw: bytes) -> bytes:
         elif op == "bytes":
             b = bytearray(lines[i])
             pos = draw(st.integers(0, len(b)))
-            b[pos:pos + draw(st.integers(0, 4))] = draw(st.binary(max_size=4))
+            b[pos : pos + draw(st.integers(0, 4))] = draw(st.binary(max_size=4))
             lines[i] = bytes(b)
         else:
             lines.insert(i, b"")
     out = b"\n".join(lines) + b"\n"
     if draw(st.integers(0, 5)) == 0:
-        out = out[:draw(st.integers(0, len(out)))]  # torn: a crash mid-write
+        out = out[: draw(st.integers(0, len(out)))]  # torn: a crash mid-write
     return out
 
 
@@ -647,13 +912,14 @@ def test_fuzz_jsonl_files(runs, legacy_runs, data):
 # -- the Arrow trajectory: its bytes mutated where the format keeps lengths, schemas and steps, then read by
 # every command that reads a trajectory (with the step index, and without it: readers then scan the stream)
 
-FORGED = [2 ** 31 - 1, 2 ** 31, 2 ** 32 - 8, 2 ** 40, 2 ** 62, 2 ** 63 - 1, -1, -8, -(2 ** 63), 0, 1, 7, 9, 4096]
+FORGED = [2**31 - 1, 2**31, 2**32 - 8, 2**40, 2**62, 2**63 - 1, -1, -8, -(2**63), 0, 1, 7, 9, 4096]
 
 
 @dataclasses.dataclass(frozen=True)
 class Message:
     """Where one IPC message of the pristine stream lies: the 0xFFFFFFFF continuation and int32 metadata
     length at `start`, the flatbuffer metadata, then the body."""
+
     start: int
     meta_start: int
     body_start: int
@@ -688,7 +954,9 @@ def _steps_of(index: bytes) -> list[tuple[int, int]]:
 
 def _foreign_stream(draw) -> bytes:
     """An Arrow stream (or file) that is not a trajectory: another schema, or ours with other types."""
-    kind = draw(st.sampled_from(["other", "renamed", "retyped", "file", "dictionary", "schema_only"]))
+    kind = draw(
+        st.sampled_from(["other", "renamed", "retyped", "file", "dictionary", "schema_only"])
+    )
     n = draw(st.integers(0, 5))
     if kind == "other":
         t = pa.table({"x": pa.array(range(n), pa.int64()), "name": [str(i) for i in range(n)]})
@@ -697,7 +965,10 @@ def _foreign_stream(draw) -> bytes:
     else:
         fields = list(SCHEMA)
         if kind == "retyped":  # the same names, every column an int64 or a string
-            fields = [pa.field(f.name, draw(st.sampled_from([pa.int64(), pa.string(), pa.binary(16)]))) for f in fields]
+            fields = [
+                pa.field(f.name, draw(st.sampled_from([pa.int64(), pa.string(), pa.binary(16)])))
+                for f in fields
+            ]
         elif kind == "renamed":
             fields = [f.with_name(f.name + "_") for f in fields]
         schema = pa.schema(fields)
@@ -721,7 +992,9 @@ def mutated_arrow(draw, raw: bytes, index: bytes) -> tuple[str, bytes]:
     msgs, steps = arrow_messages(raw), _steps_of(index)
     whole = draw(st.integers(0, 9))
     if whole == 0:
-        kind = draw(st.sampled_from(["empty", "random", "foreign", "foreign", "eos only", "schema only"]))
+        kind = draw(
+            st.sampled_from(["empty", "random", "foreign", "foreign", "eos only", "schema only"])
+        )
         if kind == "empty":
             return kind, b""
         if kind == "random":
@@ -729,12 +1002,28 @@ def mutated_arrow(draw, raw: bytes, index: bytes) -> tuple[str, bytes]:
         if kind == "eos only":
             return kind, END_OF_STREAM
         if kind == "schema only":
-            return kind, raw[:msgs[0].end]
+            return kind, raw[: msgs[0].end]
         return kind, _foreign_stream(draw)
     b, did = bytearray(raw), []
     for _ in range(draw(st.integers(1, 3))):
-        op = draw(st.sampled_from(["flip", "overwrite", "schema", "length_prefix", "body_length", "int64",
-                                   "lz4_size", "truncate", "duplicate", "reorder", "foreign_step", "tail"]))
+        op = draw(
+            st.sampled_from(
+                [
+                    "flip",
+                    "overwrite",
+                    "schema",
+                    "length_prefix",
+                    "body_length",
+                    "int64",
+                    "lz4_size",
+                    "truncate",
+                    "duplicate",
+                    "reorder",
+                    "foreign_step",
+                    "tail",
+                ]
+            )
+        )
         m = draw(st.sampled_from(msgs))
         lo, hi = draw(st.sampled_from(steps))
         hi = min(hi, len(b))  # an earlier op may have cut the file short
@@ -745,44 +1034,71 @@ def mutated_arrow(draw, raw: bytes, index: bytes) -> tuple[str, bytes]:
             b[pos] ^= 1 << draw(st.integers(0, 7))
         elif op == "overwrite":
             pos = draw(st.integers(lo, hi - 1))
-            b[pos:pos + 8] = draw(st.binary(min_size=1, max_size=8))[:hi - pos].ljust(min(8, hi - pos), b"\0")
+            b[pos : pos + 8] = draw(st.binary(min_size=1, max_size=8))[: hi - pos].ljust(
+                min(8, hi - pos), b"\0"
+            )
         elif op == "schema":  # the first step's schema message: the one readers must not trust
             pos = draw(st.integers(msgs[0].start, msgs[0].end - 1))
             b[pos] = draw(st.integers(0, 255))
         elif op == "length_prefix":  # the continuation marker or the int32 metadata length
             pos = m.start + draw(st.sampled_from([0, 4]))
-            b[pos:pos + 4] = struct.pack("<i" if pos == m.start + 4 else "<I", draw(st.sampled_from(
-                [2 ** 31 - 1, 2 ** 30, 0, 8, -1, -8, m.body_start - m.meta_start + 8]))
-                if pos == m.start + 4 else draw(st.sampled_from([0, 2 ** 32 - 1, 2 ** 31])))
-        elif op == "body_length":  # the Message table's bodyLength: the int64 equal to the body's size
+            b[pos : pos + 4] = struct.pack(
+                "<i" if pos == m.start + 4 else "<I",
+                draw(
+                    st.sampled_from(
+                        [2**31 - 1, 2**30, 0, 8, -1, -8, m.body_start - m.meta_start + 8]
+                    )
+                )
+                if pos == m.start + 4
+                else draw(st.sampled_from([0, 2**32 - 1, 2**31])),
+            )
+        elif (
+            op == "body_length"
+        ):  # the Message table's bodyLength: the int64 equal to the body's size
             size = struct.pack("<q", m.end - m.body_start)
-            at = bytes(b[m.meta_start:m.body_start]).find(size) if m.end > m.body_start else -1
+            at = bytes(b[m.meta_start : m.body_start]).find(size) if m.end > m.body_start else -1
             if at >= 0:
-                b[m.meta_start + at:m.meta_start + at + 8] = struct.pack("<q", draw(st.sampled_from(FORGED)))
-        elif op == "int64":  # row counts, buffer offsets and lengths, LZ4's uncompressed-length prefixes
+                b[m.meta_start + at : m.meta_start + at + 8] = struct.pack(
+                    "<q", draw(st.sampled_from(FORGED))
+                )
+        elif (
+            op == "int64"
+        ):  # row counts, buffer offsets and lengths, LZ4's uncompressed-length prefixes
             pos = draw(_int64_slots(m.meta_start, m.end))
             if pos + 8 <= len(b):
-                b[pos:pos + 8] = struct.pack("<q", draw(st.sampled_from(FORGED)))
-        elif op == "lz4_size":  # the uncompressed length Arrow allocates before it decompresses a buffer
+                b[pos : pos + 8] = struct.pack("<q", draw(st.sampled_from(FORGED)))
+        elif (
+            op == "lz4_size"
+        ):  # the uncompressed length Arrow allocates before it decompresses a buffer
             frames = lz4_frames(bytes(b[lo:hi]))
             if frames:
                 pos = lo + draw(st.sampled_from(frames)) - 8
-                b[pos:pos + 8] = struct.pack("<q", draw(st.sampled_from(FORGED)))
+                b[pos : pos + 8] = struct.pack("<q", draw(st.sampled_from(FORGED)))
         elif op == "truncate":
-            del b[draw(st.integers(0, len(b))):]
+            del b[draw(st.integers(0, len(b))) :]
         elif op == "duplicate":
             at = draw(st.sampled_from([hi, len(b)]))
             b[at:at] = raw[lo:hi]
-        elif op == "reorder" and len(msgs) >= 3:  # the record batches swapped, the schema left first
+        elif (
+            op == "reorder" and len(msgs) >= 3
+        ):  # the record batches swapped, the schema left first
             x, y = msgs[1], msgs[2]
-            b[x.start:y.end] = raw[y.start:y.end] + raw[x.start:x.end]
+            b[x.start : y.end] = raw[y.start : y.end] + raw[x.start : x.end]
         elif op == "foreign_step":  # a step's bytes replaced by a foreign stream's batch
             f = _foreign_stream(draw)
             fm = arrow_messages(f)
             if len(fm) > 1:
-                b[lo:hi] = f[fm[1].start:fm[1].end] if lo else raw[:msgs[0].end] + f[fm[1].start:fm[1].end]
+                b[lo:hi] = (
+                    f[fm[1].start : fm[1].end]
+                    if lo
+                    else raw[: msgs[0].end] + f[fm[1].start : fm[1].end]
+                )
         elif op == "tail":
-            b += draw(st.sampled_from([END_OF_STREAM, b"\xff\xff\xff\xff", raw[msgs[0].start:msgs[0].end]]))
+            b += draw(
+                st.sampled_from(
+                    [END_OF_STREAM, b"\xff\xff\xff\xff", raw[msgs[0].start : msgs[0].end]]
+                )
+            )
         did.append(op)
         if not b:
             break
@@ -792,7 +1108,9 @@ def mutated_arrow(draw, raw: bytes, index: bytes) -> tuple[str, bytes]:
 def _check_case(test: str, args: list, result, run: Path, case: str) -> None:
     """check: exit 2 is also its "nothing to check" (a reason in the JSON document, not an error) when no
     rule has two ranks' records to compare."""
-    if result.exit_code == 2 and (result.exception is None or isinstance(result.exception, SystemExit)):
+    if result.exit_code == 2 and (
+        result.exception is None or isinstance(result.exception, SystemExit)
+    ):
         try:
             res = check_run(Run(run))
         except BadInput:
@@ -800,7 +1118,9 @@ def _check_case(test: str, args: list, result, run: Path, case: str) -> None:
         if res is not None and res["consistent"] is None:
             COUNTS[(test, "exit 2 (nothing to check)")] += 1
             try:
-                assert orjson.loads(result.stdout) == orjson.loads(orjson.dumps(res)), crash_report(result, args)
+                assert orjson.loads(result.stdout) == orjson.loads(orjson.dumps(res)), crash_report(
+                    result, args
+                )
             except (AssertionError, orjson.JSONDecodeError) as e:
                 if not COLLECT:
                     raise AssertionError(f"{case}\n{e}") from None
@@ -815,21 +1135,33 @@ def _run_readers(test: str, ref: Path, work: Path, case: str = "") -> None:
     out = work.parent / "report.html"
     cases = [
         (["show", work, "--json"], raised(lambda: show_mod.show(work, "summary", con)), {0, 2}),
-        (["show", work, "records", "--jsonl"], raised(lambda: show_mod.export_records(Run(work), io.BytesIO())),
-         {0, 2}),
+        (
+            ["show", work, "records", "--jsonl"],
+            raised(lambda: show_mod.export_records(Run(work), io.BytesIO())),
+            {0, 2},
+        ),
         (["diff", ref, work, "--json"], raised(lambda: diff_runs(ref, work)), {0, 1, 2}),
         (["diff", work, ref, "--json"], raised(lambda: diff_runs(work, ref)), {0, 1, 2}),
-        (["diff", ref, work, "--mode", "numeric", "--json"], raised(lambda: diff_runs(ref, work, mode="numeric")),
-         {0, 1, 2}),
+        (
+            ["diff", ref, work, "--mode", "numeric", "--json"],
+            raised(lambda: diff_runs(ref, work, mode="numeric")),
+            {0, 1, 2},
+        ),
         (["verify", work, "--json"], raised(lambda: verify_run(work)), {0, 1, 2}),
-        (["gate", work, "--reference", ref, "--json"], raised(lambda: gate_verdict.gate(work, ref)), {0, 1, 2}),
+        (
+            ["gate", work, "--reference", ref, "--json"],
+            raised(lambda: gate_verdict.gate(work, ref)),
+            {0, 1, 2},
+        ),
         (["report", ref, work, "-o", out], raised(lambda: build_report([ref, work], out)), {0, 2}),
         (["watch", work, "--timeout", "5"], raised(lambda: Follower(work).poll()), {0, 2}),
     ]
     for args, expected, allowed in cases:
         result = invoke(args)
         check_contract(test, args, result, expected, allowed, case)
-        if "internal error" in result.stderr:  # handled() turns a bug of ours into exit 3 with this line
+        if (
+            "internal error" in result.stderr
+        ):  # handled() turns a bug of ours into exit 3 with this line
             check_contract(test, args, result, expected, set(), case)
     args = ["check", work, "--json"]
     _check_case(test, args, invoke(args), work, case)
@@ -866,13 +1198,24 @@ def _read_mutated(test: str, runs, rel: str, raw: bytes, what: str, without_inde
         target.write_bytes(raw)
         if without_index:
             index.unlink()
-        _run_readers(test, ref, work, f"{rel} ({what}{', no step index' if without_index else ''}) := {raw[:400]!r}...")
-    grew = pa.default_memory_pool().max_memory() - before  # the pool's peak only grows: what this case added
-    assert grew < ARROW_PEAK_BYTES, f"Arrow's memory pool peaked {grew} bytes higher: {what} on {rel}"
+        _run_readers(
+            test,
+            ref,
+            work,
+            f"{rel} ({what}{', no step index' if without_index else ''}) := {raw[:400]!r}...",
+        )
+    grew = (
+        pa.default_memory_pool().max_memory() - before
+    )  # the pool's peak only grows: what this case added
+    assert grew < ARROW_PEAK_BYTES, (
+        f"Arrow's memory pool peaked {grew} bytes higher: {what} on {rel}"
+    )
 
 
 EXAMPLES_BY_OP: Counter = Counter()
-ARROW_PEAK_BYTES = 1 << 30  # the whole file's peak: a forged length that allocated gigabytes once shows here
+ARROW_PEAK_BYTES = (
+    1 << 30
+)  # the whole file's peak: a forged length that allocated gigabytes once shows here
 
 
 @fuzz(60)
@@ -891,11 +1234,12 @@ def test_fuzz_arrow_trajectory_without_index(runs, data):
 
 # -- Arrow inputs that broke the contract once (the fuzzing above finds them at random)
 
+
 def _forged_lz4_size(raw: bytes) -> bytes:
     """The first compressed buffer of step 1 says it holds 1 TiB (Arrow allocated it before decompressing)."""
     b = bytearray(raw)
-    pos = lz4_frames(raw[arrow_messages(raw)[1].start:])[0] + arrow_messages(raw)[1].start - 8
-    b[pos:pos + 8] = struct.pack("<q", 2 ** 40)
+    pos = lz4_frames(raw[arrow_messages(raw)[1].start :])[0] + arrow_messages(raw)[1].start - 8
+    b[pos : pos + 8] = struct.pack("<q", 2**40)
     return bytes(b)
 
 
@@ -912,11 +1256,14 @@ def _renamed_stream(raw: bytes) -> bytes:
 def _foreign_schema(raw: bytes) -> bytes:
     """Step 1's schema message replaced by another stream's (the batches are still ours)."""
     f = _renamed_stream(raw)
-    return f[:arrow_messages(f)[0].end] + raw[arrow_messages(raw)[0].end:]
+    return f[: arrow_messages(f)[0].end] + raw[arrow_messages(raw)[0].end :]
 
 
-ARROW_REGRESSIONS = {"LZ4 size forged to 1 TiB": _forged_lz4_size, "a renamed stream, all null": _renamed_stream,
-                     "a foreign schema message": _foreign_schema}
+ARROW_REGRESSIONS = {
+    "LZ4 size forged to 1 TiB": _forged_lz4_size,
+    "a renamed stream, all null": _renamed_stream,
+    "a foreign schema message": _foreign_schema,
+}
 
 
 @pytest.mark.parametrize("without_index", [False, True])
@@ -926,7 +1273,7 @@ def test_arrow_regressions(runs, name, without_index):
     rel = ARROW_FILES[0]
     raw = ARROW_REGRESSIONS[name]((ref / rel).read_bytes())
     _read_mutated("Arrow regression inputs", runs, rel, raw, name, without_index)
-    first_step = raw[:arrow_messages(raw)[1].end]  # the schema message and the first record batch
+    first_step = raw[: arrow_messages(raw)[1].end]  # the schema message and the first record batch
     with pytest.raises(BadInput, match="not a trajectory record batch"):
         trajectory.decode_step(ref / rel, first_step, "step 1")
 
@@ -945,9 +1292,12 @@ def test_a_restarted_jobs_steps_after_the_end_of_stream_marker_are_read(tmp_path
 
 # -- files missing, empty, or replaced by a directory
 
+
 @fuzz(24)
-@given(rel=st.sampled_from(["manifest.lock.json", "run.json", "COMPLETE", *JSONL_FILES, *ARROW_FILES]),
-       how=st.sampled_from(["missing", "empty", "directory"]))
+@given(
+    rel=st.sampled_from(["manifest.lock.json", "run.json", "COMPLETE", *JSONL_FILES, *ARROW_FILES]),
+    how=st.sampled_from(["missing", "empty", "directory"]),
+)
 def test_fuzz_run_files_missing_or_odd(runs, legacy_runs, rel, how):
     EXAMPLES["run_files_missing_or_odd"] += 1
     ref, work = _store_for(rel, runs, legacy_runs)
@@ -961,6 +1311,7 @@ def test_fuzz_run_files_missing_or_odd(runs, legacy_runs, rel, how):
 
 
 # -- run-store inputs that broke the contract once, one test each (the fuzzing above finds them at random)
+
 
 def _lock_with(path: str, value, delete: bool = False) -> bytes:
     doc = json.loads(json.dumps(_lock_doc()))
@@ -980,8 +1331,14 @@ DROP = object()
 
 def _steps_with(**fields) -> bytes:
     """One step-index line, fields replaced (or DROPped)."""
-    entry = {"step": 1, "offset": 0, "length": 1, "records": 1, "digest": "0" * 32,
-             "time": {"start": 0.0, "collective_issue": 0.01, "end": 0.02}}
+    entry = {
+        "step": 1,
+        "offset": 0,
+        "length": 1,
+        "records": 1,
+        "digest": "0" * 32,
+        "time": {"start": 0.0, "collective_issue": 0.01, "end": 0.02},
+    }
     entry.update(fields)
     return dumps({k: v for k, v in entry.items() if v is not DROP}).encode() + b"\n"
 
@@ -991,29 +1348,80 @@ def _run_json(**fields) -> bytes:
 
 
 RUN_REGRESSIONS = {
-    "lock: parallelism without dp": ("manifest.lock.json", lambda: _lock_with("manifest.parallelism.dp", 0, True)),
-    "lock: parallelism.dp an object": ("manifest.lock.json", lambda: _lock_with("manifest.parallelism.dp", {})),
+    "lock: parallelism without dp": (
+        "manifest.lock.json",
+        lambda: _lock_with("manifest.parallelism.dp", 0, True),
+    ),
+    "lock: parallelism.dp an object": (
+        "manifest.lock.json",
+        lambda: _lock_with("manifest.parallelism.dp", {}),
+    ),
     "lock: training a list": ("manifest.lock.json", lambda: _lock_with("manifest.training", [])),
-    "lock: experiment null": ("manifest.lock.json", lambda: _lock_with("manifest.experiment", None)),
-    "lock: experiment without name": ("manifest.lock.json", lambda: _lock_with("manifest.experiment.name", 0, True)),
-    "lock: experiment name with markup": ("manifest.lock.json",
-                                          lambda: _lock_with("manifest.experiment.name", "[/x]")),
-    "lock: model key with markup": ("manifest.lock.json", lambda: _lock_with("manifest.model.[/x]", 1)),
+    "lock: experiment null": (
+        "manifest.lock.json",
+        lambda: _lock_with("manifest.experiment", None),
+    ),
+    "lock: experiment without name": (
+        "manifest.lock.json",
+        lambda: _lock_with("manifest.experiment.name", 0, True),
+    ),
+    "lock: experiment name with markup": (
+        "manifest.lock.json",
+        lambda: _lock_with("manifest.experiment.name", "[/x]"),
+    ),
+    "lock: model key with markup": (
+        "manifest.lock.json",
+        lambda: _lock_with("manifest.model.[/x]", 1),
+    ),
     "run.json: a list": ("run.json", lambda: b"[]"),
     "run.json: resume without step": ("run.json", lambda: _run_json(resume={"checkpoint": "c"})),
     "run.json: resume a list": ("run.json", lambda: _run_json(resume=[1])),
-    "run.json: resume step an object": ("run.json", lambda: _run_json(resume={"checkpoint": "c", "step": {"a": 1}})),
-    "run.json: resume checkpoint with markup": ("run.json", lambda: _run_json(resume={"checkpoint": "[/x]", "step": 1})),
-    "run.json: fault without name": ("run.json", lambda: _run_json(path="fault", fault={"step": 1})),
-    "steps.jsonl: entry without records": ("trajectory/rank-00000.steps.jsonl", lambda: _steps_with(records=DROP)),
-    "steps.jsonl: records a list": ("trajectory/rank-00000.steps.jsonl", lambda: _steps_with(records=[])),
-    "steps.jsonl: step a string": ("trajectory/rank-00000.steps.jsonl", lambda: _steps_with(step="1")
-                                   + _steps_with(step=2)),
+    "run.json: resume step an object": (
+        "run.json",
+        lambda: _run_json(resume={"checkpoint": "c", "step": {"a": 1}}),
+    ),
+    "run.json: resume checkpoint with markup": (
+        "run.json",
+        lambda: _run_json(resume={"checkpoint": "[/x]", "step": 1}),
+    ),
+    "run.json: fault without name": (
+        "run.json",
+        lambda: _run_json(path="fault", fault={"step": 1}),
+    ),
+    "steps.jsonl: entry without records": (
+        "trajectory/rank-00000.steps.jsonl",
+        lambda: _steps_with(records=DROP),
+    ),
+    "steps.jsonl: records a list": (
+        "trajectory/rank-00000.steps.jsonl",
+        lambda: _steps_with(records=[]),
+    ),
+    "steps.jsonl: step a string": (
+        "trajectory/rank-00000.steps.jsonl",
+        lambda: _steps_with(step="1") + _steps_with(step=2),
+    ),
     "steps.jsonl: step a list": ("trajectory/rank-00000.steps.jsonl", lambda: _steps_with(step=[])),
-    "steps.jsonl: entry without step": ("trajectory/rank-00000.steps.jsonl", lambda: _steps_with(step=DROP)),
-    "trajectory: loss record with a list step": ("trajectory/rank-00000.jsonl", lambda: dumps(
-        {"step": [1], "micro_batch": 0, "phase": "loss", "rank": 0, "index": 0, "tensor": "loss", "sum": 1.0}
-    ).encode() + b"\n"),
+    "steps.jsonl: entry without step": (
+        "trajectory/rank-00000.steps.jsonl",
+        lambda: _steps_with(step=DROP),
+    ),
+    "trajectory: loss record with a list step": (
+        "trajectory/rank-00000.jsonl",
+        lambda: (
+            dumps(
+                {
+                    "step": [1],
+                    "micro_batch": 0,
+                    "phase": "loss",
+                    "rank": 0,
+                    "index": 0,
+                    "tensor": "loss",
+                    "sum": 1.0,
+                }
+            ).encode()
+            + b"\n"
+        ),
+    ),
     "trajectory: a directory": ("trajectory/rank-00000.jsonl", None),
     "arrow trajectory: a directory": ("trajectory/rank-00000.arrows", None),
     "events.jsonl: a directory": ("events.jsonl", None),
@@ -1060,9 +1468,9 @@ def test_fuzz_deepspeed_config(manifest_dir, data, world):
     m = frozen.model()
     cfg = json.loads(raw)
     if isinstance(cfg.get("train_batch_size"), int):
-        assert cfg["train_batch_size"] == m.global_batch  # DeepSpeed's identity holds in what was frozen
-
-
+        assert (
+            cfg["train_batch_size"] == m.global_batch
+        )  # DeepSpeed's identity holds in what was frozen
 
 
 # ---------------------------------------------------------------- human output: text from the run store
@@ -1076,26 +1484,53 @@ import html  # noqa: E402
 from disttrace import cli as cli_mod  # noqa: E402
 from disttrace.lab import method as lab_mod  # noqa: E402
 
-MARKUP = ["[/x]", "[bold]", "[red]x[/red]", ":smile:", "[/]", "[link=x]y", "\\[b]", "x\\", "\\", "[[", "]",
-          "[bold", "<b>&amp;", "</p><script>", "%s{0}"]
+MARKUP = [
+    "[/x]",
+    "[bold]",
+    "[red]x[/red]",
+    ":smile:",
+    "[/]",
+    "[link=x]y",
+    "\\[b]",
+    "x\\",
+    "\\",
+    "[[",
+    "]",
+    "[bold",
+    "<b>&amp;",
+    "</p><script>",
+    "%s{0}",
+]
 # printable ASCII without spaces: text that must appear verbatim in the output
 literal_text = st.one_of(
-    st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=12),
+    st.text(
+        alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=12
+    ),
     st.sampled_from(MARKUP),
-    st.tuples(st.sampled_from(MARKUP), st.text(alphabet="[]/\\:ab", min_size=1, max_size=6)).map("".join))
+    st.tuples(st.sampled_from(MARKUP), st.text(alphabet="[]/\\:ab", min_size=1, max_size=6)).map(
+        "".join
+    ),
+)
 HUMAN_PARAMS = [("tok_embeddings.weight", [512, 64]), ("norm.weight", [64])]
 
 
-def _human_run(path: Path, lock: dict, name: str, host: str, reason: str, planted: bool, fmt: str = ARROW) -> Path:
+def _human_run(
+    path: Path, lock: dict, name: str, host: str, reason: str, planted: bool, fmt: str = ARROW
+) -> Path:
     """Two ranks, two steps; tensor `name` beside two ordinary ones. planted: rank 1's reduced `name` at
     step 2 differs (a replica that must agree does not; diff finds it too)."""
     if path.exists():
         shutil.rmtree(path)
     (path / "trajectory").mkdir(parents=True)
     (path / "manifest.lock.json").write_bytes(orjson.dumps(lock))
-    fault = {"name": name, "step": 2, "rank": 1, "params": {}, "point": "reduce", "expect": name} if planted else None
-    (path / "run.json").write_bytes(orjson.dumps({"path": "fault" if planted else "reference", "fault": fault,
-                                                  "resume": None}))
+    fault = (
+        {"name": name, "step": 2, "rank": 1, "params": {}, "point": "reduce", "expect": name}
+        if planted
+        else None
+    )
+    (path / "run.json").write_bytes(
+        orjson.dumps({"path": "fault" if planted else "reference", "fault": fault, "resume": None})
+    )
     params = HUMAN_PARAMS + [(name, [8])]
     for rank in (0, 1):
         steps = {}
@@ -1104,19 +1539,53 @@ def _human_run(path: Path, lock: dict, name: str, host: str, reason: str, plante
             for phase, k in (("reduce", 0.2), ("optimizer", 0.3)):
                 for i, (n, shape) in enumerate(params):
                     odd = planted and rank == 1 and step == 2 and phase == "reduce" and n == name
-                    recs.append(_rec(step, 1, phase, rank, i, n, shape, k * (i + step) + (7.0 if odd else 0.0)))
+                    recs.append(
+                        _rec(
+                            step,
+                            1,
+                            phase,
+                            rank,
+                            i,
+                            n,
+                            shape,
+                            k * (i + step) + (7.0 if odd else 0.0),
+                        )
+                    )
             steps[step] = recs
         write_trajectory(path, rank, steps, fmt)
-    (path / "replicas.json").write_bytes(orjson.dumps({"groups": {"dp": [[0, 1]]}, "rules": [
-        {"phase": "reduce", "tensors": "*", "dim": "dp", "relation": "agree"}]}))
-    (path / "topology.json").write_bytes(orjson.dumps({
-        "mesh_shape": {"pp": 1, "dp": 2, "tp": 1}, "mesh_dims": ["dp"], "groups": {"dp": [[0, 1]]},
-        "ranks": [{"rank": r, "host": host, "node_rank": 0, "local_rank": r, "coords": {"pp": 0, "dp": r, "tp": 0}}
-                  for r in (0, 1)]}))
+    (path / "replicas.json").write_bytes(
+        orjson.dumps(
+            {
+                "groups": {"dp": [[0, 1]]},
+                "rules": [{"phase": "reduce", "tensors": "*", "dim": "dp", "relation": "agree"}],
+            }
+        )
+    )
+    (path / "topology.json").write_bytes(
+        orjson.dumps(
+            {
+                "mesh_shape": {"pp": 1, "dp": 2, "tp": 1},
+                "mesh_dims": ["dp"],
+                "groups": {"dp": [[0, 1]]},
+                "ranks": [
+                    {
+                        "rank": r,
+                        "host": host,
+                        "node_rank": 0,
+                        "local_rank": r,
+                        "coords": {"pp": 0, "dp": r, "tp": 0},
+                    }
+                    for r in (0, 1)
+                ],
+            }
+        )
+    )
     events = [{"event": "run_started", "time": 1.0}]
     if planted:
-        events += [{"event": "fault_fired", "time": 1.5, "fault": name, "step": 2, "rank": 1},
-                   {"event": "rank_failed", "time": 2.0, "rank": 1, "reason": reason}]
+        events += [
+            {"event": "fault_fired", "time": 1.5, "fault": name, "step": 2, "rank": 1},
+            {"event": "rank_failed", "time": 2.0, "rank": 1, "reason": reason},
+        ]
     (path / "events.jsonl").write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in events))
     (path / "COMPLETE").write_bytes(orjson.dumps({"completed": 3.0, "steps": 2}) + b"\n")
     return path
@@ -1136,40 +1605,72 @@ def human(tmp_path_factory):
 def _lab_result(name: str, ref: Path, work: Path) -> dict:
     """What `lab` hands its renderer, with the fuzzed text wherever a run store's text goes."""
     first = {"step": 2, "micro_batch": 1, "phase": "reduce", "rank": 1, "tensor": name}
-    path = {"run_dir": str(work), "exit": 0, "final_loss": 5.9, "first_divergence": first, "gate": False,
-            "gate_failed": [name]}
-    return {"fault": {"name": name, "step": 2, "rank": 1},
-            "paths": {"reference": {"run_dir": str(ref), "final_loss": 5.9, "first_divergence": None, "gate": True},
-                      "fault": path, "recovered": {**path, "resumed_from_step": 1, "equal_to_reference": False}},
-            "expected_signature": {"expect": name, "observed": f"first divergence at step 2 {name}", "held": False},
-            "prediction": {"held": False, "missed": [f"phase: predicted {name}, observed reduce"]},
-            "accepted": False}
+    path = {
+        "run_dir": str(work),
+        "exit": 0,
+        "final_loss": 5.9,
+        "first_divergence": first,
+        "gate": False,
+        "gate_failed": [name],
+    }
+    return {
+        "fault": {"name": name, "step": 2, "rank": 1},
+        "paths": {
+            "reference": {
+                "run_dir": str(ref),
+                "final_loss": 5.9,
+                "first_divergence": None,
+                "gate": True,
+            },
+            "fault": path,
+            "recovered": {**path, "resumed_from_step": 1, "equal_to_reference": False},
+        },
+        "expected_signature": {
+            "expect": name,
+            "observed": f"first divergence at step 2 {name}",
+            "held": False,
+        },
+        "prediction": {"held": False, "missed": [f"phase: predicted {name}, observed reduce"]},
+        "accepted": False,
+    }
 
 
-def _human_case(root: Path, lock: dict, name: str, host: str, reason: str, literal: bool, fmt: str = ARROW) -> None:
+def _human_case(
+    root: Path, lock: dict, name: str, host: str, reason: str, literal: bool, fmt: str = ARROW
+) -> None:
     ref = _human_run(root / "reference", lock, name, host, reason, planted=False, fmt=fmt)
     work = _human_run(root / "fault", lock, name, host, reason, planted=True, fmt=fmt)
     case = f"{fmt} store: tensor/fault name {name!r}, host {host!r}, reason {reason!r}"
     out = root / "report.html"
     for args, allowed, expect in (
-            (["check", work], {1}, [f"tensor {name}:"]),
-            (["gate", work, "--reference", ref], {1}, [f"tensor {name}", f"reduce {name}:"]),
-            (["show", work], {0}, [f"fault: {name} at step 2", f"expected first divergence: {name}", reason,
-                                   host]),
-            (["show", work, "topology"], {0}, [host]),
-            (["show", work, "events"], {0}, []),
-            (["diff", ref, work], {1}, []),
-            (["report", ref, work, "-o", out], {0}, [])):
+        (["check", work], {1}, [f"tensor {name}:"]),
+        (["gate", work, "--reference", ref], {1}, [f"tensor {name}", f"reduce {name}:"]),
+        (
+            ["show", work],
+            {0},
+            [f"fault: {name} at step 2", f"expected first divergence: {name}", reason, host],
+        ),
+        (["show", work, "topology"], {0}, [host]),
+        (["show", work, "events"], {0}, []),
+        (["diff", ref, work], {1}, []),
+        (["report", ref, work, "-o", out], {0}, []),
+    ):
         result = runner.invoke(cli_mod.app, [str(a) for a in args], env={"NO_COLOR": "1"})
         COUNTS[("human output", f"{args[0]} exit {result.exit_code}")] += 1
         try:
-            assert result.exception is None or isinstance(result.exception, SystemExit), crash_report(result, args)
+            assert result.exception is None or isinstance(result.exception, SystemExit), (
+                crash_report(result, args)
+            )
             assert result.exit_code in allowed, crash_report(result, args)
             for text in expect if literal else []:
-                assert text in result.stderr, f"{text!r} not printed as written:\n{result.stderr[-3000:]}"
+                assert text in result.stderr, (
+                    f"{text!r} not printed as written:\n{result.stderr[-3000:]}"
+                )
             if args[0] == "report" and literal:
                 page = out.read_text(encoding="utf-8")
-                assert html.escape(name) in page and "<script>" not in page, f"{name!r} not escaped in the report"
+                assert html.escape(name) in page and "<script>" not in page, (
+                    f"{name!r} not escaped in the report"
+                )
         except AssertionError as e:
             if not COLLECT:
                 raise AssertionError(f"{case}\n{e}") from None
@@ -1181,7 +1682,11 @@ def _human_case(root: Path, lock: dict, name: str, host: str, reason: str, liter
         raise AssertionError(f"{case}\nlab's renderer failed:\n{traceback.format_exc()}") from None
     printed = con.file.getvalue()
     COUNTS[("human output", "lab render")] += 1
-    for text in ([f"expected signature ({name})", f"FAIL {name}", f"predicted {name}, observed"] if literal else []):
+    for text in (
+        [f"expected signature ({name})", f"FAIL {name}", f"predicted {name}, observed"]
+        if literal
+        else []
+    ):
         assert text in printed, f"{case}\n{text!r} not printed as written by lab:\n{printed}"
 
 
@@ -1193,7 +1698,9 @@ def test_fuzz_human_output_prints_run_store_text_as_written(human, data):
     literal = data.draw(st.booleans())
     text = literal_text if literal else st.text(min_size=1, max_size=16)
     name, host, reason = data.draw(text), data.draw(text), data.draw(text)
-    _human_case(root, lock, name, host, reason, literal, data.draw(st.sampled_from([ARROW, ARROW, LEGACY])))
+    _human_case(
+        root, lock, name, host, reason, literal, data.draw(st.sampled_from([ARROW, ARROW, LEGACY]))
+    )
 
 
 @pytest.mark.parametrize("fmt", [ARROW, LEGACY])
@@ -1208,6 +1715,7 @@ def test_ci_total_is_the_sum_of_the_counts():
 
 
 # last in the file, so it runs after every fuzz test (DISTTRACE_FUZZ_COLLECT=1)
+
 
 def test_zz_no_collected_failures():
     assert not FAILURES, f"{len(FAILURES)} distinct failures: " + "; ".join(FAILURES)

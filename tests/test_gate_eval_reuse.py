@@ -8,8 +8,8 @@ from pathlib import Path
 
 import orjson
 import pytest
-
 from conftest import cli
+
 from disttrace.gate import evalcache
 from disttrace.store.checkpoints import INDEX, final_checkpoint
 from disttrace.store.rundir import Run
@@ -41,10 +41,18 @@ def test_a_forged_eval_json_with_a_matching_index_mtime_is_not_trusted(runs, sco
     index = final_checkpoint(Run(run)) / INDEX
     # what a store's writer can put there: a flattering score naming this checkpoint, the INDEX's mtime (the
     # old reuse key) and even the new key, which anyone can compute from the store
-    forged = {**true, "eval_loss": 0.01, "perplexity": 1.01, "token_accuracy": 0.99,
-              "index_mtime": index.stat().st_mtime, "evaluation_key": true.get("evaluation_key")}
+    forged = {
+        **true,
+        "eval_loss": 0.01,
+        "perplexity": 1.01,
+        "token_accuracy": 0.99,
+        "index_mtime": index.stat().st_mtime,
+        "evaluation_key": true.get("evaluation_key"),
+    }
     (run / "eval.json").write_bytes(orjson.dumps(forged))
-    again = gate_eval(run, tmp_path / "cache-b")  # another machine's gate: nothing cached, so it scores
+    again = gate_eval(
+        run, tmp_path / "cache-b"
+    )  # another machine's gate: nothing cached, so it scores
     assert again["eval_loss"] == true["eval_loss"] != 0.01
     assert orjson.loads((run / "eval.json").read_bytes())["eval_loss"] == true["eval_loss"]
 
@@ -76,6 +84,8 @@ def test_the_key_changes_with_the_checkpoint_index_and_the_lock(runs, tmp_path, 
     # an entry that names another key is not this evaluation
     cache = tmp_path / "cache"
     (cache / "eval").mkdir(parents=True)
-    (cache / "eval" / f"{key}.json").write_bytes(orjson.dumps({"evaluation_key": "0" * 64, "eval_loss": 1.0}))
+    (cache / "eval" / f"{key}.json").write_bytes(
+        orjson.dumps({"evaluation_key": "0" * 64, "eval_loss": 1.0})
+    )
     monkeypatch.setenv("DISTTRACE_CACHE_DIR", str(cache))
     assert evalcache.cached(key) is None

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import orjson
 import pytest
-
 from conftest import DEFAULT, SHORT, cli
+
 from disttrace.store.rundir import Run
 
 
@@ -39,7 +39,9 @@ def test_silent_fault_with_a_plausible_loss_fails_the_gate(runs):
     code, verdict = gate(fault, ref)
     assert code == 1 and not verdict["pass"]
     assert checks(verdict)["gradient_equivalence"] is False
-    assert checks(verdict)["checkpoint_integrity"] is True  # it is not the checkpoints that are wrong
+    assert (
+        checks(verdict)["checkpoint_integrity"] is True
+    )  # it is not the checkpoints that are wrong
 
 
 def test_straggler_passes_on_numerics_and_is_flagged(runs):
@@ -59,7 +61,11 @@ def test_gate_fails_a_corrupt_checkpoint_naming_the_file(runs):
 def test_gate_fails_a_checkpoint_saved_without_optimizer_state(runs):
     code, verdict = gate(runs.fault("optimizer-reset", 2, 0), runs.reference())
     c = {x["name"]: x for x in verdict["checks"]}
-    assert code == 1 and c["checkpoint_integrity"]["passed"] is False and "optim" in c["checkpoint_integrity"]["reason"]
+    assert (
+        code == 1
+        and c["checkpoint_integrity"]["passed"] is False
+        and "optim" in c["checkpoint_integrity"]["reason"]
+    )
 
 
 def test_gate_bad_input(tmp_path):
@@ -69,22 +75,57 @@ def test_gate_bad_input(tmp_path):
 
 @pytest.mark.slow
 def test_lab_runs_the_whole_method_and_judges_the_prediction(runs):
-    proc = cli("lab", DEFAULT, *SHORT, "--fault", "skip-allreduce", "--step", 3, "--rank", 1,
-               "--predict", "reduce@3:1", "--json", "--out", runs.root, timeout=400)
+    proc = cli(
+        "lab",
+        DEFAULT,
+        *SHORT,
+        "--fault",
+        "skip-allreduce",
+        "--step",
+        3,
+        "--rank",
+        1,
+        "--predict",
+        "reduce@3:1",
+        "--json",
+        "--out",
+        runs.root,
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = orjson.loads(proc.stdout)
     assert res["accepted"] and res["prediction"]["held"]
-    assert res["paths"]["reference"]["run_dir"] == str(runs.reference())  # the verified reference was reused
+    assert res["paths"]["reference"]["run_dir"] == str(
+        runs.reference()
+    )  # the verified reference was reused
     assert res["paths"]["fault"]["gate"] is False and res["paths"]["recovered"]["gate"] is True
     assert res["paths"]["recovered"]["equal_to_reference"] is True
     f = res["paths"]["fault"]["first_divergence"]
     assert (f["step"], f["phase"], f["rank"]) == (3, "reduce", 1)
     # the same lab with a wrong prediction says which coordinate missed
-    wrong = cli("lab", DEFAULT, *SHORT, "--fault", "skip-allreduce", "--step", 3, "--rank", 1,
-                "--predict", "backward@3:0", "--json", "--out", runs.root, timeout=400)
+    wrong = cli(
+        "lab",
+        DEFAULT,
+        *SHORT,
+        "--fault",
+        "skip-allreduce",
+        "--step",
+        3,
+        "--rank",
+        1,
+        "--predict",
+        "backward@3:0",
+        "--json",
+        "--out",
+        runs.root,
+        timeout=400,
+    )
     pred = orjson.loads(wrong.stdout)["prediction"]
-    assert not pred["held"] and any(m.startswith("phase") for m in pred["missed"]) and \
-        any(m.startswith("rank") for m in pred["missed"])
+    assert (
+        not pred["held"]
+        and any(m.startswith("phase") for m in pred["missed"])
+        and any(m.startswith("rank") for m in pred["missed"])
+    )
 
 
 def test_lab_list_shows_every_topic():

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import orjson
 import pytest
-
 from conftest import cli
 
 # a fault that moves the final eval loss by several percent, but by far less than 90% (measured: see
@@ -56,7 +55,9 @@ def test_a_candidate_cannot_loosen_its_own_eval_tolerance(judged, ref, loose):
     code, verdict = judged
     assert code == 1 and not verdict["pass"]
     c = by_name(verdict)
-    assert c["eval_metric"]["passed"] is False and "> 0.02" in c["eval_metric"]["reason"], c["eval_metric"]
+    assert c["eval_metric"]["passed"] is False and "> 0.02" in c["eval_metric"]["reason"], c[
+        "eval_metric"
+    ]
     pol = verdict["policy"]
     assert pol["eval"]["loss_rtol"] == 0.02
     assert pol["source"] == f"reference manifest {ref / 'manifest.lock.json'}"
@@ -70,17 +71,25 @@ def test_a_policy_file_decides_and_is_recorded(judged, ref, loose, tmp_path):
     """A policy that tolerates this eval loss and requires only integrity and the eval metric: the same
     candidate passes, the failing equivalence checks are reported as advisory."""
     policy = tmp_path / "policy.toml"
-    policy.write_text('[eval]\nloss_rtol = 0.5\n\n[checks]\nrequired = ["checkpoint_integrity", "eval_metric", '
-                      '"complete"]\n')
+    policy.write_text(
+        '[eval]\nloss_rtol = 0.5\n\n[checks]\nrequired = ["checkpoint_integrity", "eval_metric", '
+        '"complete"]\n'
+    )
     code, verdict = gate(loose, "--reference", ref, "--policy", policy)
     c = by_name(verdict)
     assert code == 0 and verdict["pass"], verdict["checks"]
     assert c["eval_metric"]["passed"] is True and c["eval_metric"]["required"] is True
-    assert c["gradient_equivalence"]["passed"] is False and c["gradient_equivalence"]["required"] is False
+    assert (
+        c["gradient_equivalence"]["passed"] is False
+        and c["gradient_equivalence"]["required"] is False
+    )
     pol = orjson.loads((loose / "verdict.json").read_bytes())["policy"]
     assert pol["source"] == f"policy file {policy}"
     assert pol["eval"]["loss_rtol"] == 0.5
-    assert pol["checks"] == {"required": ["checkpoint_integrity", "eval_metric", "complete"], "require_all": False}
+    assert pol["checks"] == {
+        "required": ["checkpoint_integrity", "eval_metric", "complete"],
+        "require_all": False,
+    }
     assert pol["candidate_ignored"] == {"eval.loss_rtol": 0.9}
 
 
@@ -98,7 +107,9 @@ def test_the_human_verdict_names_the_policy_and_what_was_ignored(judged, ref, lo
     proc = cli("gate", loose, "--reference", ref, timeout=300)
     assert proc.returncode == 1
     text = " ".join(proc.stderr.split())
-    assert "from the reference manifest" in text and "eval.loss_rtol = 0.9; ignored" in text, proc.stderr
+    assert "from the reference manifest" in text and "eval.loss_rtol = 0.9; ignored" in text, (
+        proc.stderr
+    )
 
 
 BAD = [

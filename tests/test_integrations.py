@@ -13,20 +13,33 @@ from pathlib import Path
 import orjson
 import pytest
 import torch
-
 from conftest import ROOT, cli
+
 from disttrace.analysis.diff import diff_runs
 from disttrace.store.rundir import Run
 
-pytestmark = pytest.mark.slow  # end-to-end jobs of the full tier (`make test-all`); CI runs `make test`
+pytestmark = (
+    pytest.mark.slow
+)  # end-to-end jobs of the full tier (`make test-all`); CI runs `make test`
 
 TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
 
 
 def torchrun(script: str, *args) -> Path:
-    proc = subprocess.run([TORCHRUN, "--nproc-per-node", "2", str(ROOT / "tests" / "scripts" / script), *map(str, args)],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [
+            TORCHRUN,
+            "--nproc-per-node",
+            "2",
+            str(ROOT / "tests" / "scripts" / script),
+            *map(str, args),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return Path(proc.stdout.strip().splitlines()[-1])
 
@@ -37,20 +50,35 @@ def phases_of_step(run: Path, step: int) -> set[tuple[int, str]]:
 
 @pytest.fixture(scope="module")
 def hf_runs(tmp_path_factory):
-    pytest.importorskip("transformers", reason="transformers could not be installed here (make test installs "
-                                               "disttrace[hf]); the Trainer integration is untested on this machine")
+    pytest.importorskip(
+        "transformers",
+        reason="transformers could not be installed here (make test installs "
+        "disttrace[hf]); the Trainer integration is untested on this machine",
+    )
     out = tmp_path_factory.mktemp("hf")
-    return (torchrun("hf_train.py", out, 2, 4), torchrun("hf_train.py", out, 1, 8),
-            torchrun("hf_train.py", out, 2, 4, "mean-per-micro-batch"))
+    return (
+        torchrun("hf_train.py", out, 2, 4),
+        torchrun("hf_train.py", out, 1, 8),
+        torchrun("hf_train.py", out, 2, 4, "mean-per-micro-batch"),
+    )
 
 
 def test_hf_trainer_run_is_recorded_with_its_accumulation(hf_runs):
     accum2 = hf_runs[0]
     run = Run(accum2)
     assert run.complete and run.manifest["parallelism"]["engine"] == "DDP"
-    assert run.manifest["training"]["grad_accum_steps"] == 2 and run.manifest["config"]["learning_rate"] == 1e-2
+    assert (
+        run.manifest["training"]["grad_accum_steps"] == 2
+        and run.manifest["config"]["learning_rate"] == 1e-2
+    )
     seen = phases_of_step(accum2, 2)
-    assert {(0, "backward"), (1, "backward"), (1, "reduce"), (1, "clip"), (1, "optimizer")} <= seen, seen
+    assert {
+        (0, "backward"),
+        (1, "backward"),
+        (1, "reduce"),
+        (1, "clip"),
+        (1, "optimizer"),
+    } <= seen, seen
     assert (0, "reduce") not in seen  # DDP reduces after the last micro-batch only
     assert cli("check", accum2).returncode == 0
 
@@ -79,14 +107,28 @@ def test_hf_per_micro_batch_mean_is_not_equivalent(hf_runs):
 
 
 def test_lightning_run_is_recorded_with_its_accumulation(tmp_path):
-    pytest.importorskip("lightning", reason="lightning could not be installed here (make test installs "
-                                            "disttrace[lightning]); the Lightning integration is untested here")
+    pytest.importorskip(
+        "lightning",
+        reason="lightning could not be installed here (make test installs "
+        "disttrace[lightning]); the Lightning integration is untested here",
+    )
     run_dir = torchrun("lightning_train.py", tmp_path)
     run = Run(run_dir)
     assert run.complete and run.manifest["parallelism"]["engine"] == "DDP" and run.ranks() == [0, 1]
-    for step in (1, 2, 3):  # accumulate_grad_batches=2: two forwards per optimizer step, the reduce after the last
+    for step in (
+        1,
+        2,
+        3,
+    ):  # accumulate_grad_batches=2: two forwards per optimizer step, the reduce after the last
         seen = phases_of_step(run_dir, step)
-        assert {(0, "data"), (0, "backward"), (1, "backward"), (1, "reduce"), (1, "clip"), (1, "optimizer")} <= seen
+        assert {
+            (0, "data"),
+            (0, "backward"),
+            (1, "backward"),
+            (1, "reduce"),
+            (1, "clip"),
+            (1, "optimizer"),
+        } <= seen
         assert (0, "reduce") not in seen, seen
     assert cli("check", run_dir).returncode == 0
 
@@ -98,15 +140,26 @@ def test_lightning_run_is_recorded_with_its_accumulation(tmp_path):
 # sampler cannot be read ahead (never other ids).
 
 
-def id_runs(script: str, out: Path, variants: tuple[str, ...]) -> dict[str, tuple[Path, dict[int, list]]]:
+def id_runs(
+    script: str, out: Path, variants: tuple[str, ...]
+) -> dict[str, tuple[Path, dict[int, list]]]:
     runs = {}
     for variant in variants:
         log = out / f"log-{variant or 'default'}"
         log.mkdir()
         run = torchrun(script, out, log, *([variant] if variant else []))
-        runs[variant] = run, {rank: [(d["step"], d["idx"]) for d in map(orjson.loads, (log / f"rank{rank}.jsonl")
-                                                                          .read_bytes().splitlines())]
-                              for rank in (0, 1)}
+        runs[variant] = (
+            run,
+            {
+                rank: [
+                    (d["step"], d["idx"])
+                    for d in map(
+                        orjson.loads, (log / f"rank{rank}.jsonl").read_bytes().splitlines()
+                    )
+                ]
+                for rank in (0, 1)
+            },
+        )
     return runs
 
 
@@ -123,7 +176,11 @@ def hf_id_runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def lightning_id_runs(tmp_path_factory):
     pytest.importorskip("lightning", reason="lightning could not be installed here")
-    return id_runs("lightning_sample_ids.py", tmp_path_factory.mktemp("lightning-ids"), ("", "self-call", "random"))
+    return id_runs(
+        "lightning_sample_ids.py",
+        tmp_path_factory.mktemp("lightning-ids"),
+        ("", "self-call", "random"),
+    )
 
 
 def test_hf_data_records_carry_the_ids_each_forward_received(hf_id_runs):
@@ -133,8 +190,12 @@ def test_hf_data_records_carry_the_ids_each_forward_received(hf_id_runs):
     for rank in (0, 1):
         assert [s for s, _ in logged[rank]] == [1, 1, 2, 3, 3, 4]
         assert data_ids(run, rank) == logged[rank]
-    assert {i for _, ids in logged[0][:3] for i in ids}.isdisjoint(i for _, ids in logged[1][:3] for i in ids)
-    assert logged[0][:3] != logged[0][3:]  # the second epoch is reshuffled: a stale epoch would not match
+    assert {i for _, ids in logged[0][:3] for i in ids}.isdisjoint(
+        i for _, ids in logged[1][:3] for i in ids
+    )
+    assert (
+        logged[0][:3] != logged[0][3:]
+    )  # the second epoch is reshuffled: a stale epoch would not match
 
 
 def test_hf_unreadable_sampler_records_no_ids(hf_id_runs):
@@ -153,8 +214,16 @@ def test_hf_two_forwards_per_batch_never_record_another_batchs_ids(hf_id_runs):
     for rank in (0, 1):
         records = data_ids(run, rank)
         assert len(records) == len(logged[rank]) == 12
-        assert all(ids in ([], seen) and step == at for (step, ids), (at, seen) in zip(records, logged[rank]))
-        assert [i for i, (_, ids) in enumerate(records) if ids] == [0, 4, 6, 10]  # each window's first forward
+        assert all(
+            ids in ([], seen) and step == at
+            for (step, ids), (at, seen) in zip(records, logged[rank])
+        )
+        assert [i for i, (_, ids) in enumerate(records) if ids] == [
+            0,
+            4,
+            6,
+            10,
+        ]  # each window's first forward
 
 
 def test_lightning_data_records_carry_the_ids_each_step_received(lightning_id_runs):
@@ -164,7 +233,9 @@ def test_lightning_data_records_carry_the_ids_each_step_received(lightning_id_ru
     for rank in (0, 1):
         assert [s for s, _ in logged[rank]] == [1, 1, 2, 3, 3]
         assert data_ids(run, rank) == logged[rank]
-    assert {i for _, ids in logged[0][:3] for i in ids}.isdisjoint(i for _, ids in logged[1][:3] for i in ids)
+    assert {i for _, ids in logged[0][:3] for i in ids}.isdisjoint(
+        i for _, ids in logged[1][:3] for i in ids
+    )
 
 
 def test_lightning_training_step_calling_forward_keeps_the_ids_on_their_batch(lightning_id_runs):
@@ -195,8 +266,13 @@ def test_accelerate_shard_ids_are_read_ahead_without_changing_the_batches():
     items = [{"idx": i} for i in range(20)]
 
     def shard(rank, seedable=True):
-        return prepare_data_loader(DataLoader(items, batch_size=3, sampler=RandomSampler(items)), num_processes=2,
-                                   process_index=rank, use_seedable_sampler=seedable, data_seed=0)
+        return prepare_data_loader(
+            DataLoader(items, batch_size=3, sampler=RandomSampler(items)),
+            num_processes=2,
+            process_index=rank,
+            use_seedable_sampler=seedable,
+            data_seed=0,
+        )
 
     for rank in (0, 1):
         read, untouched = shard(rank), shard(rank)
@@ -206,7 +282,12 @@ def test_accelerate_shard_ids_are_read_ahead_without_changing_the_batches():
             planned = _planned_sample_ids(read)
             batches = [b["idx"].tolist() for b in read]
             assert planned == batches == [b["idx"].tolist() for b in untouched]
-        assert [len(b) for b in batches] == [3, 3, 3, 3]  # 7 batches of 20 items: the last completed from the first
+        assert [len(b) for b in batches] == [
+            3,
+            3,
+            3,
+            3,
+        ]  # 7 batches of 20 items: the last completed from the first
     assert _planned_sample_ids(shard(0, seedable=False)) is None
 
 
@@ -220,13 +301,20 @@ def test_a_batch_samplers_own_sampler_is_the_one_read():
 
     items = list(range(8))
     state = torch.get_rng_state()
-    assert _planned_sample_ids(DataLoader(items, batch_sampler=BatchSampler(RandomSampler(items), 4, False))) is None
+    assert (
+        _planned_sample_ids(
+            DataLoader(items, batch_sampler=BatchSampler(RandomSampler(items), 4, False))
+        )
+        is None
+    )
     assert torch.equal(state, torch.get_rng_state())
     sampler = DistributedSampler(items, num_replicas=2, rank=1, seed=3)
     loader = DataLoader(items, batch_sampler=BatchSampler(sampler, 2, False))
     ids = list(sampler)
     assert _planned_sample_ids(loader) == [b.tolist() for b in loader] == [ids[:2], ids[2:]]
-    assert _planned_sample_ids(DataLoader(items, batch_size=2, num_workers=2, in_order=False)) is None
+    assert (
+        _planned_sample_ids(DataLoader(items, batch_size=2, num_workers=2, in_order=False)) is None
+    )
 
 
 def test_a_watched_dataloadershard_reports_its_class_and_gets_it_back(tmp_path):
@@ -239,8 +327,13 @@ def test_a_watched_dataloadershard_reports_its_class_and_gets_it_back(tmp_path):
     import disttrace.api
 
     items = [{"x": torch.full((2,), float(i)), "idx": i} for i in range(16)]
-    loader = prepare_data_loader(DataLoader(items, batch_size=2, sampler=RandomSampler(items)), num_processes=2,
-                                 process_index=1, use_seedable_sampler=True, data_seed=0)
+    loader = prepare_data_loader(
+        DataLoader(items, batch_size=2, sampler=RandomSampler(items)),
+        num_processes=2,
+        process_index=1,
+        use_seedable_sampler=True,
+        data_seed=0,
+    )
     model = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     run = disttrace.api.attach(model, opt, out=tmp_path, loader=loader)
@@ -254,4 +347,7 @@ def test_a_watched_dataloadershard_reports_its_class_and_gets_it_back(tmp_path):
         opt.zero_grad()
     run.close()
     assert type(loader) is DataLoaderShard and loader.__class__ is DataLoader
-    assert len(seen) == 4 and [r["samples"] for r in Run(run.run_dir).records(0) if r["phase"] == "data"] == seen
+    assert (
+        len(seen) == 4
+        and [r["samples"] for r in Run(run.run_dir).records(0) if r["phase"] == "data"] == seen
+    )

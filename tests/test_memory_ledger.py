@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import orjson
 import pytest
 import torch
-
 from conftest import DEFAULT, cli
+
 from disttrace.config.manifest import freeze
 from disttrace.model.llama import build_model, lm_loss
 from disttrace.run.memory import measure
@@ -40,20 +40,27 @@ def test_a_hidden_tensor_is_counted_and_a_view_is_not(manifest):
     before = measure(model, opt).bytes
     model.layers["0"].hidden = torch.zeros(1000)  # a plain attribute: neither parameter nor buffer
     p = next(model.parameters())
-    opt.state[p]["hidden"] = torch.zeros(500, dtype=torch.float64)  # reachable only from the optimizer state
-    model.alias = model.norm.weight.detach()[:10]  # a view of a parameter: the same storage, no new bytes
+    opt.state[p]["hidden"] = torch.zeros(
+        500, dtype=torch.float64
+    )  # reachable only from the optimizer state
+    model.alias = model.norm.weight.detach()[
+        :10
+    ]  # a view of a parameter: the same storage, no new bytes
     after = measure(model, opt).bytes
     assert after["unregistered"] - before["unregistered"] == 1000 * 4
     assert after["optimizer"] - before["optimizer"] == 500 * 8
-    assert {k: after[k] - before[k] for k in ("params", "grads", "buffers", "engine")} == dict.fromkeys(
-        ("params", "grads", "buffers", "engine"), 0)
+    assert {
+        k: after[k] - before[k] for k in ("params", "grads", "buffers", "engine")
+    } == dict.fromkeys(("params", "grads", "buffers", "engine"), 0)
     # the oracle for the rest: numel x itemsize of what the model and optimizer hold
     assert before["params"] == sum(q.numel() * 4 for q in model.parameters())
     assert before["buffers"] == sum(b.numel() * b.element_size() for b in model.buffers())
 
 
 def test_ddp_measured_exceeds_the_prediction_by_the_bucket_copy(ddp_run, manifest):
-    rows = [orjson.loads(x) for x in (ddp_run / "memory" / "rank-00000.jsonl").read_bytes().splitlines()]
+    rows = [
+        orjson.loads(x) for x in (ddp_run / "memory" / "rank-00000.jsonl").read_bytes().splitlines()
+    ]
     last = rows[-1]
     model = build_model(SimpleNamespace(**manifest["model"]), torch.float32)
     params = list(model.parameters())
@@ -64,7 +71,12 @@ def test_ddp_measured_exceeds_the_prediction_by_the_bucket_copy(ddp_run, manifes
     events = [orjson.loads(x) for x in (ddp_run / "events.jsonl").read_bytes().splitlines()]
     sizes = [e for e in events if e["event"] == "engine_facts"][-1]["ddp_bucket_sizes"]
     assert sum(sizes) == last["engine"]
-    rope = 2 * manifest["model"]["max_seq_len"] * (manifest["model"]["dim"] // manifest["model"]["n_heads"] // 2) * 4
+    rope = (
+        2
+        * manifest["model"]["max_seq_len"]
+        * (manifest["model"]["dim"] // manifest["model"]["n_heads"] // 2)
+        * 4
+    )
     step_counters = len(params) * 4  # AdamW's per-parameter scalar `step` (float32 on CPU)
     assert last["buffers"] == rope
     assert last["measured_total"] - last["predicted"]["total"] == param_bytes + rope + step_counters

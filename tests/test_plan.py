@@ -21,8 +21,8 @@ from fractions import Fraction
 
 import pytest
 
-from disttrace.plan import costs as P
 from disttrace.errors import BadInput
+from disttrace.plan import costs as P
 
 
 def agrees_with_printed(exact: Fraction | float | int, printed: str) -> bool:
@@ -70,10 +70,16 @@ def test_zero_paper_figure1_breakdown_terms():
     """ZeRO Figure 1 / Section 5: 2Psi + 2Psi + K*Psi/N for P_os, 2Psi + (2+K)Psi/N for P_os+g."""
     psi, n = 7_500_000_000, 64
     s1 = P.model_state_bytes(psi, n, 1)
-    assert s1 == {"params": 2 * psi, "grads": 2 * psi, "optimizer": 12 * psi // n,
-                  "total": 4 * psi + 12 * psi // n}
+    assert s1 == {
+        "params": 2 * psi,
+        "grads": 2 * psi,
+        "optimizer": 12 * psi // n,
+        "total": 4 * psi + 12 * psi // n,
+    }
     s2 = P.model_state_bytes(psi, n, 2)
-    assert s2["params"] == 2 * psi and s2["grads"] == 2 * psi // n and s2["optimizer"] == 12 * psi // n
+    assert (
+        s2["params"] == 2 * psi and s2["grads"] == 2 * psi // n and s2["optimizer"] == 12 * psi // n
+    )
     s3 = P.model_state_bytes(psi, n, 3)
     assert s3["total"] == 16 * psi // n
     assert P.model_state_bytes(psi, n, 0)["total"] == 16 * psi == 120 * P.GB
@@ -177,15 +183,18 @@ def table2(s, b, h, a, t):
     }
 
 
-@pytest.mark.parametrize("s,b,h,a,t", [
-    (2048, 1, 12288, 96, 8),  # GPT-3 175B (Table 3)
-    (2048, 1, 6144, 64, 8),  # 22B
-    (2048, 1, 20480, 128, 8),  # MT-NLG 530B
-    (2048, 1, 25600, 160, 8),  # 1T
-    (4096, 2, 4096, 32, 4),
-    (1000, 3, 768, 12, 1),
-    (512, 4, 1024, 16, 2),
-])
+@pytest.mark.parametrize(
+    "s,b,h,a,t",
+    [
+        (2048, 1, 12288, 96, 8),  # GPT-3 175B (Table 3)
+        (2048, 1, 6144, 64, 8),  # 22B
+        (2048, 1, 20480, 128, 8),  # MT-NLG 530B
+        (2048, 1, 25600, 160, 8),  # 1T
+        (4096, 2, 4096, 32, 4),
+        (1000, 3, 768, 12, 1),
+        (512, 4, 1024, 16, 2),
+    ],
+)
 def test_korthikanti_table2_formulas_exact(s, b, h, a, t):
     """Korthikanti et al. 2022, Table 2: every row, exactly, for the paper's Table 3 models and others."""
     expect = table2(s, b, h, a, t)
@@ -198,7 +207,9 @@ def test_korthikanti_table2_formulas_exact(s, b, h, a, t):
     assert f(s, b, h, a, tp=t) == math.ceil(expect["tp"])
     assert f(s, b, h, a, tp=t, sequence_parallel=True) == math.ceil(expect["tp_sp"])
     assert f(s, b, h, a, tp=t, recompute="selective") == math.ceil(expect["tp_selective"])
-    assert f(s, b, h, a, tp=t, sequence_parallel=True, recompute="selective") == math.ceil(expect["selective"])
+    assert f(s, b, h, a, tp=t, sequence_parallel=True, recompute="selective") == math.ceil(
+        expect["selective"]
+    )
     assert f(s, b, h, a, tp=t, sequence_parallel=True, recompute="full") == expect["full"]
 
 
@@ -221,13 +232,20 @@ def test_korthikanti_gpt3_175b_numbers():
     assert f"{1 - sel / none:.0%}" == "70%"
     for t in (1, 2, 8):  # the saving does not depend on t
         full = P.activation_bytes_per_layer(s, b, h, a, tp=t, sequence_parallel=True)
-        part = P.activation_bytes_per_layer(s, b, h, a, tp=t, sequence_parallel=True, recompute="selective")
+        part = P.activation_bytes_per_layer(
+            s, b, h, a, tp=t, sequence_parallel=True, recompute="selective"
+        )
         assert f"{1 - part / full:.0%}" == "70%"
     mtnlg_none = P.activation_bytes_per_layer(2048, 1, 20480, 128)
     mtnlg_sel = P.activation_bytes_per_layer(2048, 1, 20480, 128, recompute="selective")
     assert f"{1 - mtnlg_sel / mtnlg_none:.0%}" == "65%"
-    assert P.activation_bytes_per_layer(s, b, h, a, tp=8, sequence_parallel=True, recompute="selective") \
-        == 34 * s * b * h // 8 == 106_954_752
+    assert (
+        P.activation_bytes_per_layer(
+            s, b, h, a, tp=8, sequence_parallel=True, recompute="selective"
+        )
+        == 34 * s * b * h // 8
+        == 106_954_752
+    )
 
 
 def test_korthikanti_abstract_5x_reduction():
@@ -244,11 +262,30 @@ def test_korthikanti_1f1b_first_stage_holds_L_layers():
     s, b, h, a, L = 2048, 1, 12288, 96, 96
     per_layer = P.activation_bytes_per_layer(s, b, h, a, tp=8, sequence_parallel=True)
     for pp in (1, 2, 4, 8, 16):
-        r = P.plan(175 * 10**9, tp=8, pp=pp, seq=s, micro_batch=b, hidden=h, heads=a, n_layers=L,
-                   micro_batches=64)
+        r = P.plan(
+            175 * 10**9,
+            tp=8,
+            pp=pp,
+            seq=s,
+            micro_batch=b,
+            hidden=h,
+            heads=a,
+            n_layers=L,
+            micro_batches=64,
+        )
         assert r["activation_bytes_per_device"]["tp_sp"] == per_layer * L
-    gpipe = P.plan(175 * 10**9, tp=8, pp=8, seq=s, micro_batch=b, hidden=h, heads=a, n_layers=L,
-                   micro_batches=64, pp_schedule="gpipe")
+    gpipe = P.plan(
+        175 * 10**9,
+        tp=8,
+        pp=8,
+        seq=s,
+        micro_batch=b,
+        hidden=h,
+        heads=a,
+        n_layers=L,
+        micro_batches=64,
+        pp_schedule="gpipe",
+    )
     assert gpipe["activation_bytes_per_device"]["tp_sp"] == per_layer * (L // 8) * 64
 
 
@@ -256,9 +293,14 @@ def test_activation_bytes_per_value_counts_masks_as_one_byte():
     """With 4-byte activations values double but the 1-byte dropout masks do not: sbh(66 + 9as/h)."""
     s, b, h, a = 128, 2, 256, 4
     sbh = s * b * h
-    assert P.activation_bytes_per_layer(s, b, h, a, bytes_per_value=4) == sbh * 66 + 9 * a * s * s * b
+    assert (
+        P.activation_bytes_per_layer(s, b, h, a, bytes_per_value=4) == sbh * 66 + 9 * a * s * s * b
+    )
     assert P.activation_bytes_per_layer(s, b, h, a, recompute="full", bytes_per_value=4) == 4 * sbh
-    assert P.activation_bytes_per_layer(s, b, h, a, tp=2, bytes_per_value=4) == sbh * (18 + 24) + 9 * a * s * s * b // 2
+    assert (
+        P.activation_bytes_per_layer(s, b, h, a, tp=2, bytes_per_value=4)
+        == sbh * (18 + 24) + 9 * a * s * s * b // 2
+    )
 
 
 def test_activation_rejects_unknown_recompute():
@@ -290,7 +332,9 @@ def test_ffn_hidden_rule_floors_then_rounds_up():
     """LLaMA's rule in integers: int(2*4*dim/3) (a floor), then up to the next multiple of multiple_of."""
     assert P.ffn_hidden_default(64, 1) == 170  # 512/3 = 170.67 -> 170, not 171
     assert P.ffn_hidden_default(64, 32) == 192  # 170 -> 6 * 32
-    assert P.ffn_hidden_default(96, 256) == 256  # 256 exactly: already a multiple, not bumped to 512
+    assert (
+        P.ffn_hidden_default(96, 256) == 256
+    )  # 256 exactly: already a multiple, not bumped to 512
 
 
 def test_tied_embeddings_drop_the_output_head():
@@ -304,17 +348,32 @@ def test_count_params_matches_the_real_model():
     from types import SimpleNamespace
 
     from disttrace.model.llama import build_model
-    cfg = SimpleNamespace(dim=64, n_layers=3, n_heads=8, n_kv_heads=2, vocab_size=97, max_seq_len=16,
-                          multiple_of=32, ffn_hidden=P.ffn_hidden_default(64, 32), norm_eps=1e-5, rope_theta=10000.0)
+
+    cfg = SimpleNamespace(
+        dim=64,
+        n_layers=3,
+        n_heads=8,
+        n_kv_heads=2,
+        vocab_size=97,
+        max_seq_len=16,
+        multiple_of=32,
+        ffn_hidden=P.ffn_hidden_default(64, 32),
+        norm_eps=1e-5,
+        rope_theta=10000.0,
+    )
     model = build_model(cfg, dtype=torch.float32)
-    assert sum(p.numel() for p in model.parameters()) == P.count_params(64, 3, 8, 2, 97, cfg.ffn_hidden)
+    assert sum(p.numel() for p in model.parameters()) == P.count_params(
+        64, 3, 8, 2, 97, cfg.ffn_hidden
+    )
 
 
 def test_plan_module_imports_no_torch():
     import subprocess
 
     code = "import sys, disttrace.plan.costs; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
     assert out.strip() == "False"
 
 
@@ -355,17 +414,35 @@ def test_comm_volumes_zero_section7():
     assert Fraction(c["3"], c["ddp"]) == Fraction(3, 2)
     assert P.comm_bytes_per_device(psi, 1) == {"ddp": 0, "0": 0, "1": 0, "2": 0, "3": 0}
     big = P.comm_bytes_per_device(psi, 10**6, bytes_per_grad=4)
-    assert math.isclose(big["ddp"], 2 * psi * 4, rel_tol=1e-5) and math.isclose(big["3"], 3 * psi * 4, rel_tol=1e-5)
+    assert math.isclose(big["ddp"], 2 * psi * 4, rel_tol=1e-5) and math.isclose(
+        big["3"], 3 * psi * 4, rel_tol=1e-5
+    )
 
 
 # ------------------------------------------------------------------------------------------- plan
 
 
 def test_plan_shape_and_json():
-    r = P.plan(7_500_000_000, dp=64, zero_stage=2, seq=2048, micro_batch=1, hidden=4096, heads=32, n_layers=32,
-               micro_batches=4)
-    for key in ("params", "model_state_bytes_per_device", "activation_bytes_per_layer", "bubble_fraction",
-                "comm_bytes_per_device", "inputs", "zero_stage"):
+    r = P.plan(
+        7_500_000_000,
+        dp=64,
+        zero_stage=2,
+        seq=2048,
+        micro_batch=1,
+        hidden=4096,
+        heads=32,
+        n_layers=32,
+        micro_batches=4,
+    )
+    for key in (
+        "params",
+        "model_state_bytes_per_device",
+        "activation_bytes_per_layer",
+        "bubble_fraction",
+        "comm_bytes_per_device",
+        "inputs",
+        "zero_stage",
+    ):
         assert key in r
     assert r["zero_stage"] == 2 and r["inputs"]["dp"] == 64
     assert set(r["model_state_bytes_per_device"]) == {"0", "1", "2", "3"}
@@ -373,7 +450,9 @@ def test_plan_shape_and_json():
     assert set(r["comm_bytes_per_device"]) == {"ddp", "0", "1", "2", "3"}
     assert {"none", "tp", "tp_sp", "selective", "full"} <= set(r["activation_bytes_per_layer"])
     assert set(r["bubble_fraction"]) >= {"gpipe", "1f1b"}
-    assert agrees_with_printed(gb(r["model_state_bytes_per_device"]["2"]), "16.6")  # ZeRO Figure 1 again
+    assert agrees_with_printed(
+        gb(r["model_state_bytes_per_device"]["2"]), "16.6"
+    )  # ZeRO Figure 1 again
     assert json.loads(json.dumps(r)) == r
 
 
@@ -384,7 +463,9 @@ def test_plan_model_parallel_divides_psi():
     local = -(-psi // 64)
     assert r["params_per_model_parallel_rank"] == local
     for s in range(4):
-        assert r["model_state_bytes_per_device"][str(s)] == P.model_state_bytes(local, 16, s)["total"]
+        assert (
+            r["model_state_bytes_per_device"][str(s)] == P.model_state_bytes(local, 16, s)["total"]
+        )
     assert r["comm_bytes_per_device"] == P.comm_bytes_per_device(local, 16, 2)
 
 
@@ -394,15 +475,29 @@ def test_plan_without_shapes_has_no_activations():
 
 
 def _manifest(dtype="float32", **model):
-    m = {"dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 32, "vocab_size": 32000, "max_seq_len": 2048,
-         "multiple_of": 256, "ffn_hidden": None}
+    m = {
+        "dim": 4096,
+        "n_layers": 32,
+        "n_heads": 32,
+        "n_kv_heads": 32,
+        "vocab_size": 32000,
+        "max_seq_len": 2048,
+        "multiple_of": 256,
+        "ffn_hidden": None,
+    }
     m.update(model)
     return {
         "experiment": {"name": "x", "edition": "1", "seed": 0},
         "model": m,
         "parallelism": {"dp": 8, "tp": 1, "pp": 1, "zero_stage": 3},
-        "training": {"steps": 10, "micro_batch_size": 2, "grad_accum_steps": 4, "dtype": dtype, "lr": 1e-3,
-                     "optimizer": "adamw"},
+        "training": {
+            "steps": 10,
+            "micro_batch_size": 2,
+            "grad_accum_steps": 4,
+            "dtype": dtype,
+            "lr": 1e-3,
+            "optimizer": "adamw",
+        },
     }
 
 
@@ -415,24 +510,34 @@ def test_plan_from_manifest_llama_7b_fp32():
     assert r["model_state_bytes_per_device"]["0"] == 16 * psi
     assert r["model_state_bytes_per_device"]["3"] == 16 * (-(-psi // 8))
     assert r["comm_bytes_per_device"]["ddp"] == math.ceil(Fraction(2 * 7, 8) * psi * 4)
-    assert r["activation_bytes_per_layer"]["none"] == P.activation_bytes_per_layer(2048, 2, 4096, 32, bytes_per_value=4)
+    assert r["activation_bytes_per_layer"]["none"] == P.activation_bytes_per_layer(
+        2048, 2, 4096, 32, bytes_per_value=4
+    )
     assert r["bubble_fraction"]["gpipe"] == 0.0
     json.dumps(r)
 
 
 def test_plan_from_manifest_dtypes():
     psi = 6_738_415_616
-    assert P.plan_from_manifest(_manifest("float64"))["model_state_bytes_per_device"]["0"] == 32 * psi
-    assert P.plan_from_manifest(_manifest("bfloat16"))["model_state_bytes_per_device"]["0"] == 16 * psi
+    assert (
+        P.plan_from_manifest(_manifest("float64"))["model_state_bytes_per_device"]["0"] == 32 * psi
+    )
+    assert (
+        P.plan_from_manifest(_manifest("bfloat16"))["model_state_bytes_per_device"]["0"] == 16 * psi
+    )
     assert P.plan_from_manifest(_manifest("bfloat16"))["bytes_per_param"]["optimizer_K"] == 12
 
 
 def test_plan_from_manifest_1T_is_instant():
     """A 1T-parameter config (Korthikanti Table 3: h=25600, a=160, L=128) plans without building anything."""
-    m = _manifest("bfloat16", dim=25600, n_layers=128, n_heads=160, n_kv_heads=160, vocab_size=51200)
+    m = _manifest(
+        "bfloat16", dim=25600, n_layers=128, n_heads=160, n_kv_heads=160, vocab_size=51200
+    )
     # SwiGLU at LLaMA's 8h/3 width has the parameters of the paper's 4h GeLU MLP: about 1T in all
     m["parallelism"] = {"dp": 6, "tp": 8, "pp": 64, "zero_stage": 1}
-    r = P.plan_from_manifest(m)  # closed form: nothing is built (no timed assert: speed is bench/'s)
+    r = P.plan_from_manifest(
+        m
+    )  # closed form: nothing is built (no timed assert: speed is bench/'s)
     assert 0.99e12 < r["params"] < 1.02e12
     assert r["bubble_fraction"]["1f1b"] == 63 / 4
 
@@ -455,9 +560,23 @@ def test_plan_from_manifest_names_bad_fields():
 
 
 def test_plan_cli_args():
-    r = P.plan_cli_args("7.5B", dp=64, tp=1, pp=1, zero_stage=3, optimizer="adam", precision="mixed", seq=None,
-                        micro_batch=1, hidden=None, heads=None, layers=None)
-    assert r["params"] == 7_500_000_000 and agrees_with_printed(gb(r["model_state_bytes_per_device"]["3"]), "1.88")
+    r = P.plan_cli_args(
+        "7.5B",
+        dp=64,
+        tp=1,
+        pp=1,
+        zero_stage=3,
+        optimizer="adam",
+        precision="mixed",
+        seq=None,
+        micro_batch=1,
+        hidden=None,
+        heads=None,
+        layers=None,
+    )
+    assert r["params"] == 7_500_000_000 and agrees_with_printed(
+        gb(r["model_state_bytes_per_device"]["3"]), "1.88"
+    )
     r = P.plan_cli_args(None, hidden=4096, layers=32, heads=32, seq=2048)
     assert r["params"] == 12 * 32 * 4096**2 and "estimated" in r["inputs"]["params_source"]
     with pytest.raises(BadInput, match="--params"):
@@ -474,8 +593,16 @@ def test_render_plan_prints_every_table():
     P.render_plan(P.plan_from_manifest(_manifest()), console)
     P.render_plan(P.plan(10**9, dp=4, zero_stage=1), console)
     out = buf.getvalue()
-    for text in ("Model states per device", "Activations", "Pipeline bubble", "Data-parallel traffic", "GiB",
-                 "<- selected", "sbh(34 + 5as/h)", "give the sequence length"):
+    for text in (
+        "Model states per device",
+        "Activations",
+        "Pipeline bubble",
+        "Data-parallel traffic",
+        "GiB",
+        "<- selected",
+        "sbh(34 + 5as/h)",
+        "give the sequence length",
+    ):
         assert text in out, text
 
 

@@ -30,7 +30,9 @@ def step_lines(stderr: str) -> list[tuple[int, int, int, float | None]]:
     for i, line in enumerate(stderr.splitlines()):
         m = STEP_LINE.match(line)
         if m:
-            out.append((i, int(m.group(1)), int(m.group(2)), float(m.group(4)) if m.group(4) else None))
+            out.append(
+                (i, int(m.group(1)), int(m.group(2)), float(m.group(4)) if m.group(4) else None)
+            )
     return out
 
 
@@ -52,23 +54,52 @@ def test_inject_plain_progress_names_the_slow_rank_before_the_job_ends(tmp_path)
     # each rank issued needs a trace written as ops are issued: the dispatch-mode tracer
     # (record.collectives=values); the default Flight Recorder copy reaches the store only at ring copies.
     go = tmp_path / "go"
-    proc = run_releasing_on_stall(["inject", DEFAULT, *SHORT, "--set", "debug.collective_timeout_s=60",
-                                   "--set", "record.collectives=values", "--fault", "slow-rank", "--step", 3,
-                                   "--rank", 1, "--param", "seconds=45", "--param", f"until={go}",
-                                   "--out", tmp_path / "runs"], go)
+    proc = run_releasing_on_stall(
+        [
+            "inject",
+            DEFAULT,
+            *SHORT,
+            "--set",
+            "debug.collective_timeout_s=60",
+            "--set",
+            "record.collectives=values",
+            "--fault",
+            "slow-rank",
+            "--step",
+            3,
+            "--rank",
+            1,
+            "--param",
+            "seconds=45",
+            "--param",
+            f"until={go}",
+            "--out",
+            tmp_path / "runs",
+        ],
+        go,
+    )
     assert proc.returncode == EXIT_OK, proc.stderr[-3000:]
     assert go.exists()  # released by the stall line, not by the wait's bound
     run_dir = last_line(proc)
     lines = proc.stderr.splitlines()
     steps = step_lines(proc.stderr)
-    assert [s for _, s, _, _ in steps] == sorted({s for _, s, _, _ in steps}), proc.stderr  # increasing
+    assert [s for _, s, _, _ in steps] == sorted({s for _, s, _, _ in steps}), (
+        proc.stderr
+    )  # increasing
     assert steps[-1][1:3] == (STEPS, STEPS) and "complete" in lines[steps[-1][0]]
     truth = losses_from_trajectory(run_dir)
     for _, step, _, loss in steps:
         assert loss is not None and abs(loss - truth[step]) < 5e-5, (step, loss, truth)
     # one line per checkpoint (interval 2) and one for the fault, with its coordinates
-    assert [int(m) for m in re.findall(r"checkpoint of step (\d+) published", proc.stderr)] == [2, 4]
-    fault = [i for i, ln in enumerate(lines) if re.search(r"fault slow-rank fired at step 3 rank 1\b", ln)]
+    assert [int(m) for m in re.findall(r"checkpoint of step (\d+) published", proc.stderr)] == [
+        2,
+        4,
+    ]
+    fault = [
+        i
+        for i, ln in enumerate(lines)
+        if re.search(r"fault slow-rank fired at step 3 rank 1\b", ln)
+    ]
     assert len(fault) == 1, proc.stderr
     stall = [i for i, ln in enumerate(lines) if ln.startswith("stall:")]
     assert len(stall) == 1, proc.stderr
@@ -84,8 +115,14 @@ def run_releasing_on_stall(args: list, go: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "NO_COLOR": "1", "COLUMNS": "200", **ENV}
     out = go.with_name("stdout")
     with open(out, "wb") as stdout:
-        proc = subprocess.Popen([sys.executable, "-m", "disttrace", *map(str, args)], stdout=stdout,
-                                stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "disttrace", *map(str, args)],
+            stdout=stdout,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
         killer = threading.Timer(300, proc.kill)  # a bound on a hung job, not a timing assertion
         killer.start()
         lines = []
@@ -114,8 +151,14 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120.0) -> Pat
 
 def _popen(*args) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "NO_COLOR": "1"}
-    return subprocess.Popen([sys.executable, "-m", "disttrace", *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "disttrace", *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
 
 
 def test_watch_follows_a_run_another_process_writes(watched):
@@ -135,8 +178,20 @@ def test_watch_follows_a_run_another_process_writes(watched):
 
 def test_watch_a_failing_run_exits_3_and_a_non_run_exits_2(tmp_path):
     assert cli("watch", tmp_path).returncode == EXIT_BAD_INPUT
-    writer = _popen("inject", DEFAULT, *SHORT, "--fault", "kill-rank", "--step", 2, "--rank", 1, "--out", tmp_path,
-                    "--quiet")
+    writer = _popen(
+        "inject",
+        DEFAULT,
+        *SHORT,
+        "--fault",
+        "kill-rank",
+        "--step",
+        2,
+        "--rank",
+        1,
+        "--out",
+        tmp_path,
+        "--quiet",
+    )
     run_dir = _wait_for(tmp_path, writer)
     watched = cli("watch", run_dir, env=ENV, timeout=300)
     writer.communicate(timeout=300)
@@ -152,7 +207,9 @@ def test_watch_ends_a_run_whose_writer_is_gone(tmp_path):
     run_dir = last_line(cli("run", DEFAULT, "--prepare-only", "--out", tmp_path, check=EXIT_OK))
     proc = cli("watch", run_dir, "--timeout", 1)
     assert proc.returncode == EXIT_JOB_FAILED and "--timeout" in proc.stderr, proc.stderr
-    (run_dir / ".launcher-node0.lock").write_text("12345")  # what a launcher leaves; nobody holds it
+    (run_dir / ".launcher-node0.lock").write_text(
+        "12345"
+    )  # what a launcher leaves; nobody holds it
     proc = cli("watch", run_dir)
     assert proc.returncode == EXIT_JOB_FAILED and "launcher is gone" in proc.stderr, proc.stderr
 
@@ -165,7 +222,12 @@ def test_stall_names_the_rank_that_issued_fewer_collectives(tmp_path):
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "w") as f:
             for seq in range(n):
-                f.write(json.dumps({"seq": seq, "group": "0,1,2", "op": "allreduce_", "step": 3, "start": 1.0}) + "\n")
+                f.write(
+                    json.dumps(
+                        {"seq": seq, "group": "0,1,2", "op": "allreduce_", "step": 3, "start": 1.0}
+                    )
+                    + "\n"
+                )
                 f.write(json.dumps({"seq": seq, "group": "0,1,2", "end": 1.1}) + "\n")
 
     paths = {r: tmp_path / f"collectives/rank-{r:05d}.jsonl" for r in range(3)}

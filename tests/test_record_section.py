@@ -5,18 +5,23 @@ from __future__ import annotations
 
 import orjson
 import pytest
-
 from conftest import DEFAULT, cli, raw_records
+
 from disttrace.errors import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_OK
 from disttrace.store.rundir import Run, iter_jsonl
 
 EVERY2 = ("--set", "record.every=2")
 
 
-@pytest.mark.parametrize("setting, field", [
-    ("record.every=0", "record.every"), ("record.collectives=full", "record.collectives"),
-    ("record.enabled=maybe", "record.enabled"), ("record.forwards=true", "record.forwards"),
-])
+@pytest.mark.parametrize(
+    "setting, field",
+    [
+        ("record.every=0", "record.every"),
+        ("record.collectives=full", "record.collectives"),
+        ("record.enabled=maybe", "record.enabled"),
+        ("record.forwards=true", "record.forwards"),
+    ],
+)
 def test_bad_record_values_are_one_line_naming_file_and_field(setting, field):
     proc = cli("freeze", DEFAULT, "--set", setting)
     assert proc.returncode == EXIT_BAD_INPUT
@@ -44,7 +49,10 @@ def test_unrecorded_run_keeps_step_times_and_nothing_else(runs):
     assert [t["step"] for t in times] == [1, 2, 3, 4]
     assert len(doc["step_seconds"]) == 4 and all(s > 0 for s in doc["step_seconds"])
     launched = next(e["time"] for e in run.events().records if e["event"] == "launched")
-    assert sum(doc["step_seconds"]) < orjson.loads((run.path / "COMPLETE").read_bytes())["completed"] - launched
+    assert (
+        sum(doc["step_seconds"])
+        < orjson.loads((run.path / "COMPLETE").read_bytes())["completed"] - launched
+    )
 
 
 def test_show_json_carries_step_seconds_and_records(runs):
@@ -65,7 +73,10 @@ def test_record_every_2_diffs_on_the_steps_both_runs_recorded(runs):
     sparse = runs.reference(*EVERY2)
     assert [e["step"] for e in Run(sparse).step_index(1).records] == [2, 4]
     doc = orjson.loads(cli("diff", ref, sparse, "--json", check=EXIT_OK).stdout)
-    assert doc["equal"] and (doc["compared_steps"]["first"], doc["compared_steps"]["count"]) == (2, 2)
+    assert doc["equal"] and (doc["compared_steps"]["first"], doc["compared_steps"]["count"]) == (
+        2,
+        2,
+    )
     assert "lacks" not in doc["compared_steps"]["why"]  # steps record.every leaves out are not gaps
     # a gradient bit flipped at step 3 (not recorded) shows at step 4, the next step both recorded
     fault = runs.fault("bitflip-grad", 3, 1, *EVERY2)
@@ -108,5 +119,11 @@ def test_recorder_every_and_forward_in_process(tmp_path):
         bus.emit("step_end")
     rec.close()
     lines = raw_records(tmp_path, 0)
-    assert [(x["step"], x["phase"], x["sum"]) for x in lines] == [(2, "loss", 2.0), (4, "loss", 4.0)]
-    assert [e["step"] for e in iter_jsonl(tmp_path / "trajectory" / "rank-00000.steps.jsonl")] == [2, 4]
+    assert [(x["step"], x["phase"], x["sum"]) for x in lines] == [
+        (2, "loss", 2.0),
+        (4, "loss", 4.0),
+    ]
+    assert [e["step"] for e in iter_jsonl(tmp_path / "trajectory" / "rank-00000.steps.jsonl")] == [
+        2,
+        4,
+    ]

@@ -12,18 +12,29 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-
 from conftest import DEFAULT, SHORT, cli, last_line, tear_trajectory
+
 from disttrace.errors import BadInput
 from disttrace.views.report import build_report
 
-pytestmark = pytest.mark.slow  # end-to-end jobs of the full tier (`make test-all`); CI runs `make test`
+pytestmark = (
+    pytest.mark.slow
+)  # end-to-end jobs of the full tier (`make test-all`); CI runs `make test`
 
 CHROMIUM = Path("/usr/bin/chromium")
 # CI installs it with: apt-get update && apt-get install -y chromium
-CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--enable-logging=stderr", "--v=0")
+CHROMIUM_FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--enable-logging=stderr",
+    "--v=0",
+)
 
 
 @pytest.fixture(scope="module")
@@ -31,15 +42,37 @@ def lab(tmp_path_factory):
     """Real runs: reference, one bit flipped in rank 1's gradient at step 3, the recovery, the gate."""
     root = tmp_path_factory.mktemp("report_runs")
     ref = last_line(cli("run", DEFAULT, *SHORT, "--out", root, check=0))
-    fault = last_line(cli("inject", DEFAULT, *SHORT, "--fault", "bitflip-grad", "--step", 3, "--rank", 1,
-                          "--out", root, check=0))
+    fault = last_line(
+        cli(
+            "inject",
+            DEFAULT,
+            *SHORT,
+            "--fault",
+            "bitflip-grad",
+            "--step",
+            3,
+            "--rank",
+            1,
+            "--out",
+            root,
+            check=0,
+        )
+    )
     rec = last_line(cli("recover", fault, check=0))
-    cli("gate", fault, "--reference", ref, check=1)  # the gate fails the fault run: a verdict.json to show
+    cli(
+        "gate", fault, "--reference", ref, check=1
+    )  # the gate fails the fault run: a verdict.json to show
     assert (fault / "verdict.json").exists()
     out = root / "out" / "report.html"
     assert build_report([ref, fault, rec], out) == out
-    return {"ref": ref, "fault": fault, "rec": rec, "report": out, "html": out.read_text(encoding="utf-8"),
-            "root": root}
+    return {
+        "ref": ref,
+        "fault": fault,
+        "rec": rec,
+        "report": out,
+        "html": out.read_text(encoding="utf-8"),
+        "root": root,
+    }
 
 
 class _Tags(HTMLParser):
@@ -74,7 +107,9 @@ def test_the_report_is_one_self_contained_file(lab):
             v = attrs.get(key)
             if v is not None:
                 assert v.startswith("#"), f"<{tag} {key}={v!r}> points outside the page"
-        assert tag not in ("script", "link", "iframe", "img", "object", "embed"), f"<{tag}> in a self-contained page"
+        assert tag not in ("script", "link", "iframe", "img", "object", "embed"), (
+            f"<{tag}> in a self-contained page"
+        )
     assert "@import" not in page and "url(" not in page and "@font-face" not in page
 
 
@@ -87,8 +122,8 @@ def test_the_report_shows_the_three_runs_and_their_loss_curves_on_one_plot(lab):
     tags = _tags(page)
     lines = [(a, anc) for t, a, anc in tags if t == "polyline" and a.get("class") == "loss-line"]
     assert len(lines) == 3 and all("svg" in anc for _, anc in lines)
-    plot = page[page.index('<svg class="plot"'):]
-    plot = plot[:plot.index("</svg>")]
+    plot = page[page.index('<svg class="plot"') :]
+    plot = plot[: plot.index("</svg>")]
     assert plot.count('class="loss-line"') == 3  # one plot, three curves
     assert all(f'class="legend">{label}' in plot for label in ("reference", "fault", "recovered"))
     points = {a["data-run"]: len(a["points"].split()) for a, _ in lines}
@@ -99,12 +134,14 @@ def test_the_report_shows_the_three_runs_and_their_loss_curves_on_one_plot(lab):
 
 def test_the_report_names_the_first_divergence_and_the_failed_gate(lab):
     page = lab["html"]
-    assert "First divergence: step 3 · micro-batch 1 · backward · rank 1 · tensor layers.0.attention.wq.weight" \
+    assert (
+        "First divergence: step 3 · micro-batch 1 · backward · rank 1 · tensor layers.0.attention.wq.weight"
         in page
+    )
     assert "EQUAL over steps 3..4" in page  # the recovered run rejoined the reference bit for bit
     assert page.count('aria-label="divergence grid, rank by step"') == 2
     assert "<title>first divergence</title>" in page
-    gate = page[page.index('id="gate"'):]
+    gate = page[page.index('id="gate"') :]
     assert 'b-bad">FAIL</span>' in gate
     row = re.search(r"gradient_equivalence</code></td><td>(.*?)</td><td>(.*?)</td>", gate)
     assert row and "FAIL" in row.group(1) and "first divergence at step 3" in row.group(2)
@@ -114,13 +151,15 @@ def test_the_report_names_the_first_divergence_and_the_failed_gate(lab):
 def test_the_report_holds_topology_memory_collectives_and_checkpoints(lab):
     page = lab["html"]
     assert 'aria-label="rank topology grid"' in page and "<b>dp</b> groups" in page
-    mem = page[page.index('id="memory"'):page.index('id="collectives"')]
+    mem = page[page.index('id="memory"') : page.index('id="collectives"')]
     assert mem.count(">1.0000<") == 6  # 3 runs x 2 ranks: measured model state = the ZeRO-0 formula
     assert "step counters" in mem  # the explained gap
-    col = page[page.index('id="collectives"'):page.index('id="checkpoints"')]
+    col = page[page.index('id="collectives"') : page.index('id="checkpoints"')]
     assert col.count(">in sync<") == 3 and "DESYNC" not in col
-    ck = page[page.index('id="checkpoints"'):page.index('id="gate"')]
-    assert ck.count(">verified<") == 5 and ">BAD<" not in ck  # 2 + 2 + 1 (recovered saves step 4 only)
+    ck = page[page.index('id="checkpoints"') : page.index('id="gate"')]
+    assert (
+        ck.count(">verified<") == 5 and ">BAD<" not in ck
+    )  # 2 + 2 + 1 (recovered saves step 4 only)
     assert "not recorded" not in page and "INCOMPLETE" not in page and 'class="err"' not in page
 
 
@@ -142,7 +181,7 @@ def test_an_incomplete_run_with_missing_pieces_still_gets_its_page(lab, tmp_path
     assert "Incomplete run(s):" in page and "INCOMPLETE" in page and "broken (incomplete)" in page
     assert "topology.json not recorded" in page
     assert "memory ledger not recorded" in page and "collective trace not recorded" in page
-    ck = page[page.index('id="checkpoints"'):page.index('id="gate"')]
+    ck = page[page.index('id="checkpoints"') : page.index('id="gate"')]
     assert ">BAD<" in ck and html.escape(data.name) in ck  # the bad file is named
     assert "torn (incomplete write)" in page  # the torn last step, reported, not fatal
     assert "First divergence: step 3" in page
@@ -178,16 +217,23 @@ def test_a_path_that_is_not_a_run_is_bad_input(lab, tmp_path):
 
 
 def _chromium(args: list[str], tmp: Path, timeout: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([str(CHROMIUM), *CHROMIUM_FLAGS, f"--user-data-dir={tmp / 'profile'}", *args],
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [str(CHROMIUM), *CHROMIUM_FLAGS, f"--user-data-dir={tmp / 'profile'}", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _console_lines(stderr: str) -> list[str]:
     return [ln for ln in stderr.splitlines() if "CONSOLE" in ln or "Uncaught" in ln]
 
 
-@pytest.mark.skipif(not CHROMIUM.exists(), reason="headless browser check needs /usr/bin/chromium "
-                    "(apt-get update && apt-get install -y chromium)")
+@pytest.mark.skipif(
+    not CHROMIUM.exists(),
+    reason="headless browser check needs /usr/bin/chromium "
+    "(apt-get update && apt-get install -y chromium)",
+)
 def test_a_headless_browser_renders_the_report_without_console_errors(lab, tmp_path):
     url = lab["report"].resolve().as_uri()
     assert url.startswith("file://")
@@ -211,4 +257,6 @@ def test_a_headless_browser_renders_the_report_without_console_errors(lab, tmp_p
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", data[16:24])
     assert (width, height) == (1280, 2000)
-    assert len(data) > 50_000  # a rendered page of tables and plots, not a blank one (blank: a few KB)
+    assert (
+        len(data) > 50_000
+    )  # a rendered page of tables and plots, not a blank one (blank: a few KB)

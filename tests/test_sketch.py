@@ -9,12 +9,12 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from conftest import raw_records
+from test_diff_synthetic import find, gen_records, manifest, write_run
+
 from disttrace.analysis import tolerance
 from disttrace.analysis.diff import diff_runs
 from disttrace.run.digest import axis_vectors, digest_tensor, sketch
-from test_diff_synthetic import find, gen_records, manifest, write_run
 
 STEP, RANK, INDEX = 2, 0, 1  # the optimizer record of layers.0.attention.wq.weight (64 x 64)
 
@@ -122,4 +122,6 @@ def test_zero3_shards_compare_with_dp1_through_their_sketches(topologies):
         combined = np.sum([p["sketch"] for p in parts], axis=0)
         assert np.max(np.abs(combined - np.array(w["sketch"]))) / scale < 1e-4, name
         # and a shard alone is far from it: the vectors really are placed by logical position
-        assert np.max(np.abs(np.array(parts[0]["sketch"]) - np.array(w["sketch"]))) / scale > 1e-3, name
+        assert (
+            np.max(np.abs(np.array(parts[0]["sketch"]) - np.array(w["sketch"]))) / scale > 1e-3
+        ), name

@@ -12,13 +12,24 @@ import numpy as np
 import pytest
 import torch
 import xxhash
+from test_diff_synthetic import PARAMS, digest, find, gen_records, manifest, write_run
 
 from disttrace.analysis import tolerance
 from disttrace.analysis.diff import diff_runs
 from disttrace.run.digest import SKETCH_K, axis_vectors, digest_tensor, sketch
-from test_diff_synthetic import PARAMS, digest, find, gen_records, manifest, write_run
 
-SHAPES = [(64,), (37,), (64, 64), (192, 64), (1536, 512), (2000, 3), (3, 5, 7), (4, 64, 96), (2, 140000), (700, 1)]
+SHAPES = [
+    (64,),
+    (37,),
+    (64, 64),
+    (192, 64),
+    (1536, 512),
+    (2000, 3),
+    (3, 5, 7),
+    (4, 64, 96),
+    (2, 140000),
+    (700, 1),
+]
 
 
 def oracle(x: np.ndarray, offset=None, logical_shape=None) -> np.ndarray:
@@ -29,10 +40,10 @@ def oracle(x: np.ndarray, offset=None, logical_shape=None) -> np.ndarray:
     off = offset or (0,) * len(shape)
     lead = np.ones(SKETCH_K)
     for d in range(len(shape) - 1):
-        a = axis_vectors(d, lshape[d])[off[d]:off[d] + shape[d]]
+        a = axis_vectors(d, lshape[d])[off[d] : off[d] + shape[d]]
         lead = lead[..., None, :] * a.reshape((1,) * d + (shape[d], SKETCH_K))
     lead = lead.astype(np.float32).astype(np.float64)
-    last = axis_vectors(len(shape) - 1, lshape[-1])[off[-1]:off[-1] + shape[-1]]
+    last = axis_vectors(len(shape) - 1, lshape[-1])[off[-1] : off[-1] + shape[-1]]
     v = lead[..., None, :] * last  # shape + (K,)
     return np.tensordot(x.astype(np.float64), v, axes=x.ndim)
 
@@ -59,7 +70,9 @@ def test_float32_sketch_agrees_with_a_float64_oracle_within_the_derived_rounding
     d = digest_tensor(t)
     x = t.numpy()
     rho = tolerance.sketch_rounding(d["dtype"], d["shape"])
-    assert 0 < rho < 2e-6  # a bound that means something: below the derived per-step bound of a tiny run
+    assert (
+        0 < rho < 2e-6
+    )  # a bound that means something: below the derived per-step bound of a tiny run
     err = np.abs(np.array(d["sketch"]) - oracle(x)) / _scale(x)
     assert err.max() <= rho, (err, rho)
     # the rest of the record is what it was: one-shot xxh3 of the raw bytes, float64 sum and norm
@@ -75,7 +88,9 @@ def test_float32_is_really_used_and_float64_tensors_keep_float64():
     x = _data((1536, 512), "normal")
     e32 = np.abs(np.array(digest_tensor(x)["sketch"]) - oracle(x.numpy())).max() / _scale(x.numpy())
     x64 = x.double()
-    e64 = np.abs(np.array(digest_tensor(x64)["sketch"]) - oracle(x64.numpy())).max() / _scale(x64.numpy())
+    e64 = np.abs(np.array(digest_tensor(x64)["sketch"]) - oracle(x64.numpy())).max() / _scale(
+        x64.numpy()
+    )
     assert e32 > 1e-12 and e64 < tolerance.sketch_rounding("float64", [1536, 512]) < 1e-13
 
 
@@ -84,7 +99,9 @@ def test_narrow_and_integer_dtypes(dtype):
     t = (torch.randn(48, 40, generator=torch.Generator().manual_seed(7)) * 50).to(dtype)
     d = digest_tensor(t)
     x = t.to(torch.float64).numpy()
-    assert d["digest"] == xxhash.xxh3_128_hexdigest(t.contiguous().view(torch.uint8).numpy().tobytes())
+    assert d["digest"] == xxhash.xxh3_128_hexdigest(
+        t.contiguous().view(torch.uint8).numpy().tobytes()
+    )
     err = np.abs(np.array(d["sketch"]) - oracle(x)) / _scale(x)
     assert err.max() <= tolerance.sketch_rounding(d["dtype"], d["shape"])
 
@@ -108,13 +125,21 @@ def test_shards_add_up_to_the_whole_within_the_rounding(split):
         piece = t[tuple(slice(o, o + n) for o, n in zip(off, size))]
         total += digest_tensor(piece, list(off), list(lshape))["sketch"]
         # each shard alone against the oracle of its place in the logical tensor
-        assert np.abs(np.array(sketch(piece.numpy(), off, lshape)) - oracle(piece.numpy(), off, lshape)).max() \
-            <= tolerance.sketch_rounding("float32", list(size)) * _scale(piece.numpy())
+        assert np.abs(
+            np.array(sketch(piece.numpy(), off, lshape)) - oracle(piece.numpy(), off, lshape)
+        ).max() <= tolerance.sketch_rounding("float32", list(size)) * _scale(piece.numpy())
     scale = _scale(t.numpy())
     # whole and shards each carry at most sketch_rounding(logical shape) * scale (tolerance.sketch_rounding)
-    assert np.abs(total - whole).max() <= 2 * tolerance.sketch_rounding("float32", list(lshape)) * scale
-    first = digest_tensor(t[tuple(slice(o, o + n) for o, n in zip(*parts[0]))], list(parts[0][0]), list(lshape))
-    assert np.abs(np.array(first["sketch"]) - whole).max() > 1e-3 * scale  # placed by logical position
+    assert (
+        np.abs(total - whole).max()
+        <= 2 * tolerance.sketch_rounding("float32", list(lshape)) * scale
+    )
+    first = digest_tensor(
+        t[tuple(slice(o, o + n) for o, n in zip(*parts[0]))], list(parts[0][0]), list(lshape)
+    )
+    assert (
+        np.abs(np.array(first["sketch"]) - whole).max() > 1e-3 * scale
+    )  # placed by logical position
 
 
 # ---------------------------------------------------------------- diff holds the sketch to the rounding
@@ -131,7 +156,10 @@ def _runs(tmp_path, whole: torch.Tensor, halves: list[torch.Tensor]):
     lshape = list(whole.shape)
     for rank, half in enumerate(halves):
         r = find(ra, STEP, 0, "optimizer", rank, INDEX)
-        r.update(digest_tensor(half, [32 * rank, 0], lshape), shard={"offset": [32 * rank, 0], "logical_shape": lshape})
+        r.update(
+            digest_tensor(half, [32 * rank, 0], lshape),
+            shard={"offset": [32 * rank, 0], "logical_shape": lshape},
+        )
         r["digest"] = digest(r)
     r = find(rb, STEP, 1, "optimizer", 0, INDEX)
     r.update(digest_tensor(whole))

@@ -22,27 +22,73 @@ from disttrace.store import trajectory
 
 
 def _records(n: int) -> list[dict]:
-    return [{"step": 1, "micro_batch": 0, "phase": "optimizer", "rank": 0, "index": i, "tensor": f"w{i}",
-             "dtype": "float32", "shape": [4], "numel": 4, "digest": f"{i:032x}", "sum": 0.0, "norm": 0.0,
-             "sketch": [0.0] * 4, "nonfinite": 0} for i in range(n)]
+    return [
+        {
+            "step": 1,
+            "micro_batch": 0,
+            "phase": "optimizer",
+            "rank": 0,
+            "index": i,
+            "tensor": f"w{i}",
+            "dtype": "float32",
+            "shape": [4],
+            "numel": 4,
+            "digest": f"{i:032x}",
+            "sum": 0.0,
+            "norm": 0.0,
+            "sketch": [0.0] * 4,
+            "nonfinite": 0,
+        }
+        for i in range(n)
+    ]
 
 
 # ---------------------------------------------------------------- the v1 writer, frozen
 
 _V1_INTS = pa.list_(pa.int64())
-V1_SCHEMA = pa.schema([
-    ("step", pa.uint32()), ("micro_batch", pa.uint32()), ("phase", pa.string()), ("rank", pa.uint32()),
-    ("index", pa.uint32()), ("tensor", pa.string()), ("dtype", pa.string()), ("shape", _V1_INTS),
-    ("numel", pa.int64()), ("digest", pa.binary(16)), ("device_digest", pa.bool_()), ("sum", pa.float64()),
-    ("norm", pa.float64()), ("sketch", pa.list_(pa.float32(), 4)), ("sketch64", pa.list_(pa.float64(), 4)),
-    ("nonfinite", pa.int64()), ("samples", _V1_INTS), ("tokens", pa.int64()), ("shard_offset", _V1_INTS),
-    ("shard_shape", _V1_INTS),
-])
+V1_SCHEMA = pa.schema(
+    [
+        ("step", pa.uint32()),
+        ("micro_batch", pa.uint32()),
+        ("phase", pa.string()),
+        ("rank", pa.uint32()),
+        ("index", pa.uint32()),
+        ("tensor", pa.string()),
+        ("dtype", pa.string()),
+        ("shape", _V1_INTS),
+        ("numel", pa.int64()),
+        ("digest", pa.binary(16)),
+        ("device_digest", pa.bool_()),
+        ("sum", pa.float64()),
+        ("norm", pa.float64()),
+        ("sketch", pa.list_(pa.float32(), 4)),
+        ("sketch64", pa.list_(pa.float64(), 4)),
+        ("nonfinite", pa.int64()),
+        ("samples", _V1_INTS),
+        ("tokens", pa.int64()),
+        ("shard_offset", _V1_INTS),
+        ("shard_shape", _V1_INTS),
+    ]
+)
 
 
 def _v1_columns(records: list[dict]) -> list[pa.Array]:
-    plain = ("step", "micro_batch", "phase", "rank", "index", "tensor", "dtype", "shape", "numel", "sum", "norm",
-             "nonfinite", "samples", "tokens")
+    plain = (
+        "step",
+        "micro_batch",
+        "phase",
+        "rank",
+        "index",
+        "tensor",
+        "dtype",
+        "shape",
+        "numel",
+        "sum",
+        "norm",
+        "nonfinite",
+        "samples",
+        "tokens",
+    )
     cols = {k: [r.get(k) for r in records] for k in plain}
     digests = [r["digest"] for r in records]
     dev = [d.startswith("dev:") for d in digests]
@@ -62,10 +108,12 @@ def write_v1(path: Path, steps: list[list[dict]]) -> list[tuple[int, int]]:
     """A v1 stream as the writer before issue 14 made it (one stream writer for the file, LZ4); the steps'
     (offset, length), as its step index held them."""
     sink, out, ranges = io.BytesIO(), bytearray(), []
-    w = ipc.new_stream(sink, V1_SCHEMA, options=ipc.IpcWriteOptions(compression="lz4", use_threads=False))
+    w = ipc.new_stream(
+        sink, V1_SCHEMA, options=ipc.IpcWriteOptions(compression="lz4", use_threads=False)
+    )
     for recs in steps:
         w.write_batch(pa.RecordBatch.from_arrays(_v1_columns(recs), schema=V1_SCHEMA))
-        data = sink.getvalue()[len(out):]
+        data = sink.getvalue()[len(out) :]
         ranges.append((len(out), len(data)))
         out += data
     w.close()
@@ -103,32 +151,83 @@ def every_kind(step: int, rank: int = 0, seed: int = 0) -> list[dict]:
     base = {"step": step, "rank": rank, "nonfinite": 0}
 
     def rec(mb, phase, index, tensor, dtype, shape, **kw):
-        r = {**base, "micro_batch": mb, "phase": phase, "index": index, "tensor": tensor, "dtype": dtype,
-             "shape": shape, "numel": math.prod(shape), "digest": _digest(rng), "sum": rng.uniform(-1, 1),
-             "norm": rng.uniform(0, 2)}
+        r = {
+            **base,
+            "micro_batch": mb,
+            "phase": phase,
+            "index": index,
+            "tensor": tensor,
+            "dtype": dtype,
+            "shape": shape,
+            "numel": math.prod(shape),
+            "digest": _digest(rng),
+            "sum": rng.uniform(-1, 1),
+            "norm": rng.uniform(0, 2),
+        }
         sk = [rng.uniform(-1, 1) for _ in range(4)]
         r["sketch"] = [_f32(v) for v in sk] if dtype in trajectory.SKETCH_FLOAT32 else sk
         r.update(kw)
-        return {k: v for k, v in r.items() if v is not None or k in ("sum", "norm")}  # the recorder's shape
+        return {
+            k: v for k, v in r.items() if v is not None or k in ("sum", "norm")
+        }  # the recorder's shape
 
-    out = [rec(0, "data", 0, "inputs", "int64", [4, 64], samples=[rng.randrange(10 ** 6) for _ in range(4)]),
-           rec(0, "forward", 0, "layers.0", "bfloat16", [4, 64, 64]),
-           rec(0, "loss", 0, "loss", "float32", [], tokens=256)]
-    names = ["tok_embeddings.weight", "layers.0.attention.wq.weight", "layers.0.feed_forward.w1.weight", "norm.weight"]
+    out = [
+        rec(
+            0,
+            "data",
+            0,
+            "inputs",
+            "int64",
+            [4, 64],
+            samples=[rng.randrange(10**6) for _ in range(4)],
+        ),
+        rec(0, "forward", 0, "layers.0", "bfloat16", [4, 64, 64]),
+        rec(0, "loss", 0, "loss", "float32", [], tokens=256),
+    ]
+    names = [
+        "tok_embeddings.weight",
+        "layers.0.attention.wq.weight",
+        "layers.0.feed_forward.w1.weight",
+        "norm.weight",
+    ]
     shapes = [[512, 64], [64, 64], [192, 64], [64]]
     for phase in ("backward", "reduce", "optimizer"):
         for i, (name, shape) in enumerate(zip(names, shapes)):
             out.append(rec(0, phase, i, name, "float32", shape))
     out.append(rec(0, "backward", 4, "w_dev", "float32", [8, 8], digest="dev:" + _digest(rng)))
-    out.append(rec(0, "backward", 5, "w_inf", "float32", [3], sum=None, norm=None, sketch=None, nonfinite=2))
+    out.append(
+        rec(
+            0, "backward", 5, "w_inf", "float32", [3], sum=None, norm=None, sketch=None, nonfinite=2
+        )
+    )
     out.append(rec(0, "backward", 6, "w_empty", "float32", [0, 4], sketch=None))
     out.append(rec(0, "clip", 1_000_000, "lr", "float64", []))
     out.append(rec(0, "optimizer", 7, "w_fp8", "float8_e4m3fnuz", [16, 16]))
     for j in range(2):
-        out.append(rec(0, "optimizer", 8 + j, f"tp.w{j}", "float32", [32, 64],
-                       shard={"offset": [32 * j, 0], "logical_shape": [64, 64]}))
-    out.append(rec(0, "checkpoint", 2 ** 20, "model.safetensors", "bytes", [1234], sum=None, norm=None,
-                   sketch=None))
+        out.append(
+            rec(
+                0,
+                "optimizer",
+                8 + j,
+                f"tp.w{j}",
+                "float32",
+                [32, 64],
+                shard={"offset": [32 * j, 0], "logical_shape": [64, 64]},
+            )
+        )
+    out.append(
+        rec(
+            0,
+            "checkpoint",
+            2**20,
+            "model.safetensors",
+            "bytes",
+            [1234],
+            sum=None,
+            norm=None,
+            sketch=None,
+        )
+    )
     out.append(rec(0, "a_phase_longer_than_twelve", 0, "x", "float32", [2]))
     return out
 
@@ -155,7 +254,9 @@ def test_a_large_step_of_constant_columns_decodes(tmp_path):
 
 
 def test_a_zstd_step_is_refused():
-    batch = pa.RecordBatch.from_arrays(trajectory._columns(_records(1000)), schema=trajectory.SCHEMA)
+    batch = pa.RecordBatch.from_arrays(
+        trajectory._columns(_records(1000)), schema=trajectory.SCHEMA
+    )
     sink = pa.BufferOutputStream()
     w = ipc.new_stream(sink, trajectory.SCHEMA, options=ipc.IpcWriteOptions(compression="zstd"))
     w.write_batch(batch)
@@ -175,9 +276,13 @@ def test_a_v1_stream_still_reads(tmp_path):
     steps = [every_kind(s) for s in (1, 2, 3)]
     path = tmp_path / "rank-00000.arrows"
     ranges = write_v1(path, steps)
-    assert _read_all(path) == [trajectory.to_records(pa.RecordBatch.from_arrays(_v1_columns(s), schema=V1_SCHEMA))
-                               for s in steps]
-    assert _read_all(path)[1] == steps[1]  # the records as written, optional fields absent where unset
+    assert _read_all(path) == [
+        trajectory.to_records(pa.RecordBatch.from_arrays(_v1_columns(s), schema=V1_SCHEMA))
+        for s in steps
+    ]
+    assert (
+        _read_all(path)[1] == steps[1]
+    )  # the records as written, optional fields absent where unset
     for (offset, length), recs in zip(ranges, steps):  # each step alone, by its byte range
         assert trajectory.records_of_range(path, offset, length, recs[0]["step"]) == recs
 
@@ -204,12 +309,12 @@ def test_each_v2_step_decodes_alone(tmp_path):
     ranges = write_v2(path, steps)
     data = path.read_bytes()
     for i, ((offset, length), recs) in enumerate(zip(ranges, steps)):
-        step = data[offset:offset + length]
+        step = data[offset : offset + length]
         batch = trajectory.decode_step(tmp_path / "elsewhere.arrows", step, f"step {i + 1}")
         assert trajectory.to_records(batch) == recs
         first = ipc.read_message(pa.BufferReader(step))
         assert first.type == ("schema" if i == 0 else "dictionary")
-    assert data[ranges[-1][0] + ranges[-1][1]:] == trajectory.END_OF_STREAM
+    assert data[ranges[-1][0] + ranges[-1][1] :] == trajectory.END_OF_STREAM
 
 
 def test_any_arrow_reader_reads_a_v2_stream_as_it_is(tmp_path):
@@ -228,22 +333,54 @@ def test_any_arrow_reader_reads_a_v2_stream_as_it_is(tmp_path):
     batch = ipc.open_stream(path.read_bytes()).read_next_batch()
     small = pa.array(["data", "loss"], pa.string_view())
     assert len(trajectory._view(small.to_pylist()).buffers()) == 2
-    assert len(batch.column("dtype").buffers()) == 3  # float8_e4m3fnuz is longer than 12 bytes: one data buffer
+    assert (
+        len(batch.column("dtype").buffers()) == 3
+    )  # float8_e4m3fnuz is longer than 12 bytes: one data buffer
 
 
 def _realistic(step: int, rng) -> list[dict]:
     """~180 records a step, the default run's mix: gradients, reduced gradients, optimizer state."""
     out = []
-    names = [(f"layers.{i // 7}.{n}.weight", s) for i, (n, s) in enumerate(
-        [("attention_norm", [64]), ("attention.wq", [64, 64]), ("attention.wk", [32, 64]), ("attention.wv", [32, 64]),
-         ("attention.wo", [64, 64]), ("feed_forward.w1", [192, 64]), ("feed_forward.w2", [64, 192])] * 3)]
-    for phase, suffixes in (("backward", [""]), ("reduce", [""]), ("optimizer", ["", ":exp_avg", ":exp_avg_sq"])):
+    names = [
+        (f"layers.{i // 7}.{n}.weight", s)
+        for i, (n, s) in enumerate(
+            [
+                ("attention_norm", [64]),
+                ("attention.wq", [64, 64]),
+                ("attention.wk", [32, 64]),
+                ("attention.wv", [32, 64]),
+                ("attention.wo", [64, 64]),
+                ("feed_forward.w1", [192, 64]),
+                ("feed_forward.w2", [64, 192]),
+            ]
+            * 3
+        )
+    ]
+    for phase, suffixes in (
+        ("backward", [""]),
+        ("reduce", [""]),
+        ("optimizer", ["", ":exp_avg", ":exp_avg_sq"]),
+    ):
         for sfx in suffixes:
             for i, (name, shape) in enumerate(names):
-                out.append({"step": step, "micro_batch": 0, "phase": phase, "rank": 0, "index": i,
-                            "tensor": name + sfx, "dtype": "float32", "shape": shape, "numel": math.prod(shape),
-                            "digest": _digest(rng), "sum": rng.uniform(-1, 1), "norm": rng.uniform(0, 2),
-                            "sketch": [_f32(rng.uniform(-1, 1)) for _ in range(4)], "nonfinite": 0})
+                out.append(
+                    {
+                        "step": step,
+                        "micro_batch": 0,
+                        "phase": phase,
+                        "rank": 0,
+                        "index": i,
+                        "tensor": name + sfx,
+                        "dtype": "float32",
+                        "shape": shape,
+                        "numel": math.prod(shape),
+                        "digest": _digest(rng),
+                        "sum": rng.uniform(-1, 1),
+                        "norm": rng.uniform(0, 2),
+                        "sketch": [_f32(rng.uniform(-1, 1)) for _ in range(4)],
+                        "nonfinite": 0,
+                    }
+                )
     return out
 
 
@@ -259,17 +396,22 @@ def test_v2_stores_fewer_bytes_per_record(tmp_path):
     assert v2.stat().st_size / n < 0.9 * (v1.stat().st_size / n)  # 83.8 against 97.1 here
 
 
-@pytest.mark.parametrize("where", ["in the dictionary", "after the dictionary", "in the record batch"])
+@pytest.mark.parametrize(
+    "where", ["in the dictionary", "after the dictionary", "in the record batch"]
+)
 def test_a_torn_v2_step_is_reported_and_left_out(tmp_path, where):
     steps = [every_kind(s) for s in (1, 2, 3)]
     path = tmp_path / "rank-00000.arrows"
     ranges = write_v2(path, steps)
     data = path.read_bytes()
     offset, length = ranges[-1]
-    r = pa.BufferReader(data[offset:offset + length])
+    r = pa.BufferReader(data[offset : offset + length])
     ipc.read_message(r)
-    cut = {"in the dictionary": offset + r.tell() // 2, "after the dictionary": offset + r.tell(),
-           "in the record batch": offset + (r.tell() + length) // 2}[where]
+    cut = {
+        "in the dictionary": offset + r.tell() // 2,
+        "after the dictionary": offset + r.tell(),
+        "in the record batch": offset + (r.tell() + length) // 2,
+    }[where]
     path.write_bytes(data[:cut])
     torn: list = []
     assert [trajectory.step_of(b) for _, _, b in trajectory.scan(path, torn)] == [1, 2]
@@ -278,19 +420,27 @@ def test_a_torn_v2_step_is_reported_and_left_out(tmp_path, where):
         list(trajectory.scan(path))
 
 
-def _shapes(indices: list[int], dictionary: list[list[int]], safe: bool = True) -> pa.DictionaryArray:
-    return pa.DictionaryArray.from_arrays(pa.array(indices, pa.int16()), pa.array(dictionary, pa.list_(pa.int64())),
-                                          safe=safe)
+def _shapes(
+    indices: list[int], dictionary: list[list[int]], safe: bool = True
+) -> pa.DictionaryArray:
+    return pa.DictionaryArray.from_arrays(
+        pa.array(indices, pa.int16()), pa.array(dictionary, pa.list_(pa.int64())), safe=safe
+    )
 
 
 def _v2_step(cols: dict, n: int, options=None) -> bytes:
     """One step's bytes (schema, dictionary, batch) of a v2 stream whose columns are `cols` over the writer's."""
     arrays = dict(zip(trajectory.SCHEMA_V2.names, trajectory._columns_v2(_records(n))))
     arrays.update(cols)
-    batch = pa.RecordBatch.from_arrays([arrays[f.name] for f in trajectory.SCHEMA_V2], schema=trajectory.SCHEMA_V2)
+    batch = pa.RecordBatch.from_arrays(
+        [arrays[f.name] for f in trajectory.SCHEMA_V2], schema=trajectory.SCHEMA_V2
+    )
     sink = io.BytesIO()
-    w = ipc.new_stream(sink, trajectory.SCHEMA_V2,
-                       options=options or ipc.IpcWriteOptions(compression="lz4", use_threads=False))
+    w = ipc.new_stream(
+        sink,
+        trajectory.SCHEMA_V2,
+        options=options or ipc.IpcWriteOptions(compression="lz4", use_threads=False),
+    )
     w.write_batch(batch)
     return sink.getvalue()
 
@@ -299,7 +449,9 @@ def test_our_own_crafted_step_decodes():  # the helper below is sound: what the 
     assert trajectory.decode_step(Path("x.arrows"), _v2_step({}, 3), "step 1").num_rows == 3
 
 
-@pytest.mark.parametrize("case", ["index out of the dictionary", "odd shard", "shape product overflows"])
+@pytest.mark.parametrize(
+    "case", ["index out of the dictionary", "odd shard", "shape product overflows"]
+)
 def test_a_crafted_v2_column_is_refused(case):
     n = 3
     if case == "index out of the dictionary":
@@ -307,7 +459,7 @@ def test_a_crafted_v2_column_is_refused(case):
     elif case == "odd shard":
         cols = {"shard": pa.array([[1, 2, 3], None, None], pa.list_(pa.int64()))}
     else:
-        cols = {"shape": _shapes([0, 0, 0], [[2 ** 40, 2 ** 40]])}
+        cols = {"shape": _shapes([0, 0, 0], [[2**40, 2**40]])}
     with pytest.raises(BadInput, match="not a trajectory record batch"):
         trajectory.decode_step(Path("x.arrows"), _v2_step(cols, n), "step 1")
 
@@ -320,9 +472,11 @@ def test_a_forged_size_in_the_dictionary_message_is_refused_before_decoding():
     m = ipc.read_message(r)
     assert m.type == "dictionary"
     body = r.tell() - m.body.size
-    frame = bytes(data).find(b'\x04"M\x18', body)  # the first LZ4 frame; Arrow's length prefix is before it
+    frame = bytes(data).find(
+        b'\x04"M\x18', body
+    )  # the first LZ4 frame; Arrow's length prefix is before it
     assert start < frame < r.tell()
-    data[frame - 8:frame] = (2 ** 40).to_bytes(8, "little")
+    data[frame - 8 : frame] = (2**40).to_bytes(8, "little")
     with pytest.raises(BadInput, match="says it holds"):
         trajectory.decode_step(Path("x.arrows"), bytes(data), "step 1")
 
@@ -334,9 +488,13 @@ def test_a_step_of_other_messages_is_refused():
     for _ in range(3):
         ipc.read_message(r)
         ends.append(r.tell())
-    schema, dictionary, batch = data[:ends[0]], data[ends[0]:ends[1]], data[ends[1]:ends[2]]
-    for bad in (schema + dictionary, schema + dictionary + dictionary + batch, schema + batch + dictionary,
-                dictionary + batch + batch):
+    schema, dictionary, batch = data[: ends[0]], data[ends[0] : ends[1]], data[ends[1] : ends[2]]
+    for bad in (
+        schema + dictionary,
+        schema + dictionary + dictionary + batch,
+        schema + batch + dictionary,
+        dictionary + batch + batch,
+    ):
         with pytest.raises(BadInput, match="not a trajectory record batch"):
             trajectory.decode_step(Path("x.arrows"), bad, "step 1")
     assert trajectory.decode_step(Path("x.arrows"), dictionary + batch, "step 2").num_rows == 3
@@ -350,8 +508,11 @@ def test_a_delta_dictionary_is_refused():
     cols = dict(zip(trajectory.SCHEMA_V2.names, trajectory._columns_v2(_records(2))))
     for dictionary in ([[4]], [[4], [5]]):
         cols["shape"] = _shapes([0, 0], dictionary)
-        w.write_batch(pa.RecordBatch.from_arrays([cols[f.name] for f in trajectory.SCHEMA_V2],
-                                                 schema=trajectory.SCHEMA_V2))
+        w.write_batch(
+            pa.RecordBatch.from_arrays(
+                [cols[f.name] for f in trajectory.SCHEMA_V2], schema=trajectory.SCHEMA_V2
+            )
+        )
         if len(dictionary) == 1:
             first = len(sink.getvalue())
     second = sink.getvalue()[first:]

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import orjson
 import pytest
-
 from conftest import DEFAULT, ROOT, SHORT, cli, raw_records, rewrite_trajectory
 
 ZERO1 = ["--set", "parallelism.zero_stage=1"]
@@ -55,7 +54,9 @@ def _sha(path: Path) -> dict:
 def _rewrite_hashes(run: Path, ckpt: Path) -> None:
     """Make the INDEX and the seal agree with whatever the checkpoint now holds (the writer controls them)."""
     index = orjson.loads((ckpt / "INDEX.json").read_bytes())
-    index["files"] = {p.name: _sha(p) for p in sorted(ckpt.iterdir()) if p.is_file() and p.name != "INDEX.json"}
+    index["files"] = {
+        p.name: _sha(p) for p in sorted(ckpt.iterdir()) if p.is_file() and p.name != "INDEX.json"
+    }
     (ckpt / "INDEX.json").write_bytes(orjson.dumps(index))
     done = orjson.loads((run / "COMPLETE").read_bytes())
     done["seal"]["files"][f"checkpoints/{ckpt.name}/INDEX.json"] = _sha(ckpt / "INDEX.json")
@@ -80,10 +81,16 @@ def test_torch_own_loader_runs_the_payload(ref, tmp_path):
     """The oracle: the crafted .metadata is live (torch's FileSystemReader unpickles it and runs it)."""
     marker = tmp_path / "MARKER-torch"
     run = _crafted_metadata_store(ref, tmp_path / "runs", marker)
-    code = ("import torch.distributed.checkpoint as dcp, sys\n"
-            "try:\n    dcp.load({}, checkpoint_id=sys.argv[1], no_dist=True)\nexcept BaseException:\n    pass\n")
-    subprocess.run([sys.executable, "-c", code, str(run / "checkpoints" / "step-000002")], capture_output=True,
-                   timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    code = (
+        "import torch.distributed.checkpoint as dcp, sys\n"
+        "try:\n    dcp.load({}, checkpoint_id=sys.argv[1], no_dist=True)\nexcept BaseException:\n    pass\n"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code, str(run / "checkpoints" / "step-000002")],
+        capture_output=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert marker.exists()
 
 
@@ -96,26 +103,45 @@ def test_a_crafted_metadata_is_refused_by_every_command(ref, tmp_path):
     proc = cli("show", run, "checkpoints", "--json")
     assert proc.returncode == 1
     rows = orjson.loads(proc.stdout)["checkpoints"]
-    assert rows and all(not r["verified"] and meta.search(r["detail"]) and "posix.system" in r["detail"] for r in rows)
+    assert rows and all(
+        not r["verified"] and meta.search(r["detail"]) and "posix.system" in r["detail"]
+        for r in rows
+    )
 
     proc = cli("verify", run)
-    assert proc.returncode == 1 and meta.search(_one_line(proc)) and "posix.system" in _one_line(proc), proc.stderr
+    assert (
+        proc.returncode == 1 and meta.search(_one_line(proc)) and "posix.system" in _one_line(proc)
+    ), proc.stderr
 
     proc = cli("gate", run, "--json")
     assert proc.returncode == 1, proc.stderr
     checks = {c["name"]: c for c in orjson.loads(proc.stdout)["checks"]}
-    assert checks["store_integrity"]["passed"] is False and meta.search(checks["store_integrity"]["reason"])
-    assert checks["checkpoint_integrity"]["passed"] is False and meta.search(checks["checkpoint_integrity"]["reason"])
+    assert checks["store_integrity"]["passed"] is False and meta.search(
+        checks["store_integrity"]["reason"]
+    )
+    assert checks["checkpoint_integrity"]["passed"] is False and meta.search(
+        checks["checkpoint_integrity"]["reason"]
+    )
     assert checks["eval_metric"]["passed"] is False  # nothing was evaluated
 
     before = sorted(p.name for p in run.parent.iterdir())
     proc = cli("recover", run)
-    assert proc.returncode == 2 and meta.search(_one_line(proc)) and len(proc.stderr.strip().splitlines()) == 1
-    assert sorted(p.name for p in run.parent.iterdir()) == before  # nothing prepared, nothing launched
+    assert (
+        proc.returncode == 2
+        and meta.search(_one_line(proc))
+        and len(proc.stderr.strip().splitlines()) == 1
+    )
+    assert (
+        sorted(p.name for p in run.parent.iterdir()) == before
+    )  # nothing prepared, nothing launched
 
     # lab finds this reference in its runs root (same manifest id): it says so instead of loading it
-    proc = cli("lab", DEFAULT, *SHORT, "--fault", "bitflip-grad", "--step", 3, "--rank", 1, "--out", root)
-    assert proc.returncode == 2 and meta.search(_one_line(proc)) and "posix.system" in _one_line(proc), proc.stderr
+    proc = cli(
+        "lab", DEFAULT, *SHORT, "--fault", "bitflip-grad", "--step", 3, "--rank", 1, "--out", root
+    )
+    assert (
+        proc.returncode == 2 and meta.search(_one_line(proc)) and "posix.system" in _one_line(proc)
+    ), proc.stderr
     assert sorted(p.name for p in run.parent.iterdir()) == before
     assert not marker.exists()
 
@@ -152,7 +178,11 @@ def test_a_crafted_non_tensor_item_is_read_weights_only(tmp_path):
     marker = tmp_path / "MARKER"
     ckpt = _dcp_items_store(tmp_path, _Payload(marker))
     finding = scan_checkpoint(ckpt)
-    assert finding is not None and finding.file.name.endswith(".distcp") and "posix.system" in finding.reason
+    assert (
+        finding is not None
+        and finding.file.name.endswith(".distcp")
+        and "posix.system" in finding.reason
+    )
     with pytest.raises(BadInput, match=r"progress\.step"):
         safeload.load({"progress": {"step": 0}}, ckpt, no_dist=True)
     assert not marker.exists()
@@ -184,9 +214,15 @@ def test_a_crafted_optimizer_blob_is_refused(zero1_ref, tmp_path):
     evil = buf.getvalue()
     for ckpt in sorted((run / "checkpoints").iterdir()):
         state: dict = {}  # our own reference, read with torch's full loader in this test only
-        _load_state_dict(state, storage_reader=dcp.FileSystemReader(str(ckpt)), planner=_EmptyStateDictLoadPlanner(),
-                         no_dist=True)
-        assert isinstance(state["optim"]["rank-00000"], bytes), state.get("optim")  # the format under test
+        _load_state_dict(
+            state,
+            storage_reader=dcp.FileSystemReader(str(ckpt)),
+            planner=_EmptyStateDictLoadPlanner(),
+            no_dist=True,
+        )
+        assert isinstance(state["optim"]["rank-00000"], bytes), state.get(
+            "optim"
+        )  # the format under test
         state["optim"]["rank-00000"] = evil
         for p in ckpt.iterdir():
             p.unlink()
@@ -197,7 +233,12 @@ def test_a_crafted_optimizer_blob_is_refused(zero1_ref, tmp_path):
 
     proc = cli("recover", run)
     line = _one_line(proc)
-    assert proc.returncode == 2 and ".distcp" in line and "optim.rank-00000" in line and "posix.system" in line, line
+    assert (
+        proc.returncode == 2
+        and ".distcp" in line
+        and "optim.rank-00000" in line
+        and "posix.system" in line
+    ), line
     proc = cli("verify", run)
     assert proc.returncode == 1 and "optim.rank-00000" in _one_line(proc), proc.stderr
     # the runtime guard alone: the blob loads weights_only, which refuses the global
@@ -217,7 +258,9 @@ def _prepared(tmp_path: Path) -> Path:
 @pytest.mark.parametrize("where", ["absolute", "climbs-out"])
 def test_a_resume_path_outside_the_runs_root_is_refused(ref, tmp_path, where):
     run_dir = _prepared(tmp_path)
-    elsewhere = _copy(ref, tmp_path / "elsewhere")  # a real, valid checkpoint, but in another runs root
+    elsewhere = _copy(
+        ref, tmp_path / "elsewhere"
+    )  # a real, valid checkpoint, but in another runs root
     target = elsewhere / "checkpoints" / "step-000002"
     rel = os.path.relpath(target, run_dir.parent)
     assert rel.startswith("..")
@@ -231,8 +274,14 @@ def test_a_resume_path_outside_the_runs_root_is_refused(ref, tmp_path, where):
     with pytest.raises(BadInput, match="resume.checkpoint"):
         launch(run_dir)  # before any rank starts
     # a worker started by hand (torchrun ... -m disttrace.worker) refuses too, before any process group
-    proc = subprocess.run([sys.executable, "-m", "disttrace.worker", "--run-dir", str(run_dir)], capture_output=True,
-                          text=True, timeout=120, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "disttrace.worker", "--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "run.json" in _one_line(proc) and "resume.checkpoint" in _one_line(proc)
     assert not (run_dir / "COMPLETE").exists() and not (run_dir / "trajectory").exists()
@@ -250,7 +299,9 @@ def test_a_checkpoint_linked_out_of_the_run_is_refused(ref, tmp_path):
     shutil.move(run / "checkpoints" / "step-000004", outside)
     (run / "checkpoints" / "step-000004").symlink_to(outside, target_is_directory=True)
     proc = cli("recover", run)
-    assert proc.returncode == 2 and "step-000004" in _one_line(proc) and "outside" in _one_line(proc), proc.stderr
+    assert (
+        proc.returncode == 2 and "step-000004" in _one_line(proc) and "outside" in _one_line(proc)
+    ), proc.stderr
     proc = cli("verify", run)
     assert proc.returncode == 1 and "checkpoints/step-000004" in _one_line(proc), proc.stderr
 
@@ -261,13 +312,31 @@ def test_a_checkpoint_linked_out_of_the_run_is_refused(ref, tmp_path):
 # Calls that unpickle whatever bytes they are given, by fully qualified name (aliases and `from` imports
 # resolved). torch.load is allowed only with weights_only=True; DCP's load only in run/safeload.py, with our
 # reader and planner; an Unpickler subclass only with its own find_class.
-FREE_UNPICKLERS = {"pickle.load", "pickle.loads", "pickle.Unpickler", "_pickle.load", "_pickle.loads",
-                   "dill.load", "dill.loads", "cloudpickle.load", "cloudpickle.loads", "joblib.load",
-                   "marshal.load", "marshal.loads", "shelve.open", "pandas.read_pickle",
-                   "torch.distributed.checkpoint.format_utils.dcp_to_torch_save"}
-DCP_LOADS = {"torch.distributed.checkpoint.load", "torch.distributed.checkpoint.state_dict_loader.load"}
+FREE_UNPICKLERS = {
+    "pickle.load",
+    "pickle.loads",
+    "pickle.Unpickler",
+    "_pickle.load",
+    "_pickle.loads",
+    "dill.load",
+    "dill.loads",
+    "cloudpickle.load",
+    "cloudpickle.loads",
+    "joblib.load",
+    "marshal.load",
+    "marshal.loads",
+    "shelve.open",
+    "pandas.read_pickle",
+    "torch.distributed.checkpoint.format_utils.dcp_to_torch_save",
+}
+DCP_LOADS = {
+    "torch.distributed.checkpoint.load",
+    "torch.distributed.checkpoint.state_dict_loader.load",
+}
 # unpickling of bytes that never come from a run store: (the unpickling call, what it unpickles)
-IN_PROCESS_PICKLES = {("pickle.loads", "torch._C._distributed_c10d._dump_fr_trace")}  # torch's own FR dump
+IN_PROCESS_PICKLES = {
+    ("pickle.loads", "torch._C._distributed_c10d._dump_fr_trace")
+}  # torch's own FR dump
 
 
 def _imports(tree: ast.AST) -> dict[str, str]:
@@ -276,7 +345,9 @@ def _imports(tree: ast.AST) -> dict[str, str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for a in node.names:
-                names[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+                names[a.asname or a.name.split(".")[0]] = (
+                    a.name if a.asname else a.name.split(".")[0]
+                )
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             for a in node.names:
                 names[a.asname or a.name] = f"{node.module}.{a.name}"
@@ -309,18 +380,26 @@ def unpickling_offenders(source: str, rel: str) -> list[str]:
         called = _qualified(node.func, names)
         keywords = {k.arg: k.value for k in node.keywords}
         if called in FREE_UNPICKLERS:
-            arg = _qualified(node.args[0].func, names) if node.args and isinstance(node.args[0], ast.Call) else None
+            arg = (
+                _qualified(node.args[0].func, names)
+                if node.args and isinstance(node.args[0], ast.Call)
+                else None
+            )
             if (called, arg) not in IN_PROCESS_PICKLES:
                 out.append(f"{rel}:{node.lineno}: {called}")
         elif called == "torch.load":
             wo = keywords.get("weights_only")
             if not (isinstance(wo, ast.Constant) and wo.value is True):
                 out.append(f"{rel}:{node.lineno}: torch.load without weights_only=True")
-        elif called in DCP_LOADS and (rel != "disttrace/run/safeload.py"
-                                      or not {"storage_reader", "planner"} <= set(keywords)):
+        elif called in DCP_LOADS and (
+            rel != "disttrace/run/safeload.py" or not {"storage_reader", "planner"} <= set(keywords)
+        ):
             out.append(f"{rel}:{node.lineno}: {called} outside safeload's reader and planner")
-        elif called == "numpy.load" and isinstance(keywords.get("allow_pickle"), ast.Constant) \
-                and keywords["allow_pickle"].value is not False:
+        elif (
+            called == "numpy.load"
+            and isinstance(keywords.get("allow_pickle"), ast.Constant)
+            and keywords["allow_pickle"].value is not False
+        ):
             out.append(f"{rel}:{node.lineno}: numpy.load(allow_pickle=...)")
     return out
 
@@ -340,10 +419,12 @@ def test_the_unpickling_check_sees_through_aliases_and_ignores_text():
     for source, why in planted.items():
         found = unpickling_offenders(source, "x.py")
         assert len(found) == 1 and why in found[0], (source, found)
-    inert = ('# pickle.loads(data)\ns = "torch.load(f, weights_only=False)"\n'
-             "import torch\ntorch.load(f, weights_only=True)\n"
-             "import pickle\nclass U(pickle.Unpickler):\n    def find_class(self, m, n):\n        raise E\n"
-             "from torch._C._distributed_c10d import _dump_fr_trace\npickle.loads(_dump_fr_trace(True))\n")
+    inert = (
+        '# pickle.loads(data)\ns = "torch.load(f, weights_only=False)"\n'
+        "import torch\ntorch.load(f, weights_only=True)\n"
+        "import pickle\nclass U(pickle.Unpickler):\n    def find_class(self, m, n):\n        raise E\n"
+        "from torch._C._distributed_c10d import _dump_fr_trace\npickle.loads(_dump_fr_trace(True))\n"
+    )
     assert unpickling_offenders(inert, "x.py") == []
 
 
@@ -366,8 +447,13 @@ def test_the_report_escapes_html_names_and_forbids_scripts(ref, tmp_path):
     lock = orjson.loads((run / "manifest.lock.json").read_bytes())
     lock["manifest"]["experiment"]["name"] = "<script>alert(2)</script>"
     (run / "manifest.lock.json").write_bytes(orjson.dumps(lock))
-    for rank in (0, 1):  # every tensor named by a tag; diff rebuilds the (removed) step index from the records
-        rewrite_trajectory(run, rank, [{**r, "tensor": tag + r["tensor"]} for r in raw_records(run, rank)])
+    for rank in (
+        0,
+        1,
+    ):  # every tensor named by a tag; diff rebuilds the (removed) step index from the records
+        rewrite_trajectory(
+            run, rank, [{**r, "tensor": tag + r["tensor"]} for r in raw_records(run, rank)]
+        )
     other = _copy(run, tmp_path / "runs2")
     recs = raw_records(other, 1)  # one digest changed: a divergence that names its tensor
     k = next(i for i, r in enumerate(recs) if r["step"] == 3 and r["phase"] == "backward")
@@ -378,6 +464,10 @@ def test_the_report_escapes_html_names_and_forbids_scripts(ref, tmp_path):
     assert "&lt;img src=x onerror=&quot;alert(1)&quot;&gt;" in page  # the names are there, as text
     assert "<img" not in page and "<script" not in page and "&lt;script&gt;alert(2)" in page
     csp = re.search(r'<meta http-equiv="Content-Security-Policy" content="([^"]+)">', page)
-    assert csp and page.index(csp.group(0)) < page.index("<style>") and page.index(csp.group(0)) < page.index("<body>")
+    assert (
+        csp
+        and page.index(csp.group(0)) < page.index("<style>")
+        and page.index(csp.group(0)) < page.index("<body>")
+    )
     rules = dict(r.strip().split(" ", 1) for r in csp.group(1).split(";"))
     assert rules["script-src"] == "'none'" and rules["default-src"] == "'none'"

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import orjson
 import pytest
-
 from conftest import cli
 
 
@@ -29,12 +28,18 @@ def _copy(ref: Path, tmp: Path) -> Path:
 
 
 def _index(run: Path, rank: int) -> list[dict]:
-    return [orjson.loads(x) for x in (run / f"trajectory/rank-{rank:05d}.steps.jsonl").read_bytes().splitlines() if x]
+    return [
+        orjson.loads(x)
+        for x in (run / f"trajectory/rank-{rank:05d}.steps.jsonl").read_bytes().splitlines()
+        if x
+    ]
 
 
 def _chain(prev: str, entry: dict) -> str:
     body = {k: v for k, v in entry.items() if k != "chain"}
-    return hashlib.sha256(prev.encode() + b"\n" + orjson.dumps(body, option=orjson.OPT_SORT_KEYS)).hexdigest()
+    return hashlib.sha256(
+        prev.encode() + b"\n" + orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
+    ).hexdigest()
 
 
 def _genesis(rank: int) -> str:
@@ -60,13 +65,24 @@ def test_an_intact_run_verifies_and_its_hashes_are_what_the_format_says(ref):
         assert [e["step"] for e in entries] == [1, 2, 3, 4]
         for e in entries:
             assert e["offset"] == end  # contiguous: nothing between steps
-            assert hashlib.sha256(data[e["offset"]:e["offset"] + e["length"]]).hexdigest() == e["sha256"]
+            assert (
+                hashlib.sha256(data[e["offset"] : e["offset"] + e["length"]]).hexdigest()
+                == e["sha256"]
+            )
             assert _chain(prev, e) == e["chain"]
             prev, end = e["chain"], e["offset"] + e["length"]
-        assert data[end:] == b"\xff\xff\xff\xff\x00\x00\x00\x00"  # the stream's end marker, nothing else
+        assert (
+            data[end:] == b"\xff\xff\xff\xff\x00\x00\x00\x00"
+        )  # the stream's end marker, nothing else
         assert complete["seal"]["chains"][f"{rank:05d}"] == {"chain": prev, "steps": 4}
-    for name in ("manifest.lock.json", "run.json", "topology.json", "replicas.json",
-                 "checkpoints/step-000002/INDEX.json", "trajectory/rank-00001.steps.jsonl"):
+    for name in (
+        "manifest.lock.json",
+        "run.json",
+        "topology.json",
+        "replicas.json",
+        "checkpoints/step-000002/INDEX.json",
+        "trajectory/rank-00001.steps.jsonl",
+    ):
         want = complete["seal"]["files"][name]
         assert hashlib.sha256((ref / name).read_bytes()).hexdigest() == want["sha256"], name
 
@@ -89,11 +105,18 @@ def test_an_edited_trajectory_byte_is_damage_and_never_diffs_equal(ref, tmp_path
     run = _copy(ref, tmp_path)
     _edit_a_byte_of_step(run, 1, 3)
     line, doc = _verify(run, 1)
-    assert line.startswith("damaged") and "trajectory/rank-00001.arrows" in line and "step 3" in line, line
-    assert doc["first_damage"]["file"] == "trajectory/rank-00001.arrows" and doc["first_damage"]["step"] == 3
+    assert (
+        line.startswith("damaged") and "trajectory/rank-00001.arrows" in line and "step 3" in line
+    ), line
+    assert (
+        doc["first_damage"]["file"] == "trajectory/rank-00001.arrows"
+        and doc["first_damage"]["step"] == 3
+    )
     # diff skips step 3 by the index (its digests are unchanged): it must check the bytes, not call it equal
     proc = cli("diff", ref, run)
-    assert proc.returncode == 2 and "rank-00001.arrows" in proc.stderr and "step 3" in proc.stderr, proc.stderr
+    assert (
+        proc.returncode == 2 and "rank-00001.arrows" in proc.stderr and "step 3" in proc.stderr
+    ), proc.stderr
     proc = cli("diff", ref, run, "--json")
     assert proc.returncode == 2 and '"equal": true' not in proc.stdout
 
@@ -113,7 +136,9 @@ def test_a_removed_last_step_is_caught_by_the_seal(ref, tmp_path):
     idx, traj = run / "trajectory/rank-00000.steps.jsonl", run / "trajectory/rank-00000.arrows"
     lines = idx.read_bytes().splitlines(keepends=True)
     off, _ = _step_range(run, 0, 4)
-    idx.write_bytes(b"".join(lines[:-1]))  # the chain of steps 1-3 is intact; only the seal knows of step 4
+    idx.write_bytes(
+        b"".join(lines[:-1])
+    )  # the chain of steps 1-3 is intact; only the seal knows of step 4
     traj.write_bytes(traj.read_bytes()[:off])
     line, doc = _verify(run, 1)
     assert "trajectory/rank-00000.steps.jsonl" in line and "step 3" in line and "seal" in line, line
@@ -144,7 +169,7 @@ def _rechain(run: Path, rank: int) -> None:
     data = (run / f"trajectory/rank-{rank:05d}.arrows").read_bytes()
     prev, out = _genesis(rank), []
     for e in _index(run, rank):
-        e["sha256"] = hashlib.sha256(data[e["offset"]:e["offset"] + e["length"]]).hexdigest()
+        e["sha256"] = hashlib.sha256(data[e["offset"] : e["offset"] + e["length"]]).hexdigest()
         e.pop("chain", None)
         e["chain"] = prev = _chain(prev, e)
         out.append(orjson.dumps(e) + b"\n")
@@ -168,7 +193,9 @@ def test_an_edited_index_digest_breaks_the_chain_for_diff_too(ref, tmp_path):
     lines[1]["digest"] = "0" * 32
     idx.write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in lines))
     proc = cli("diff", ref, run)
-    assert proc.returncode == 2 and "rank-00000.steps.jsonl" in proc.stderr and "chain" in proc.stderr, proc.stderr
+    assert (
+        proc.returncode == 2 and "rank-00000.steps.jsonl" in proc.stderr and "chain" in proc.stderr
+    ), proc.stderr
 
 
 def test_unsealed_and_not_a_run(ref, tmp_path):

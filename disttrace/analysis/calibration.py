@@ -53,12 +53,25 @@ def build(manifest_id: str, runs: dict[str, str], relative: float, safety: float
     repeat = noise(Path(runs["reference"]), Path(runs["repeat"]))
     perturbed = noise(Path(runs["reference"]), Path(runs["perturbed"]))
     rep_max = max((v for ph in repeat.values() for v in ph.values()), default=0.0)
-    bounds = {str(s): {p: safety * max(v, repeat.get(s, {}).get(p, 0.0)) for p, v in ph.items() if v > 0}
-              for s, ph in sorted(perturbed.items())}
-    return {"kind": KIND, "version": 1, "manifest_id": manifest_id, "runs": runs,
-            "perturbation": {"relative": relative, "what": "initial parameters x (1 +- relative), signs seeded"},
-            "repeat_bit_identical": rep_max == 0.0, "repeat_max_rel_err": rep_max, "safety": safety,
-            "noise": {str(s): ph for s, ph in sorted(perturbed.items())}, "bounds": bounds}
+    bounds = {
+        str(s): {p: safety * max(v, repeat.get(s, {}).get(p, 0.0)) for p, v in ph.items() if v > 0}
+        for s, ph in sorted(perturbed.items())
+    }
+    return {
+        "kind": KIND,
+        "version": 1,
+        "manifest_id": manifest_id,
+        "runs": runs,
+        "perturbation": {
+            "relative": relative,
+            "what": "initial parameters x (1 +- relative), signs seeded",
+        },
+        "repeat_bit_identical": rep_max == 0.0,
+        "repeat_max_rel_err": rep_max,
+        "safety": safety,
+        "noise": {str(s): ph for s, ph in sorted(perturbed.items())},
+        "bounds": bounds,
+    }
 
 
 class Calibration:
@@ -82,10 +95,18 @@ class Calibration:
         self.bounds: dict[tuple[int, str], float] = {}
         for s, phases in bounds.items():
             if not (isinstance(s, str) and s.isdigit() and isinstance(phases, dict)):
-                raise BadInput(self.path, f"bounds: step {s!r} is not a step number with phases", field="bounds")
+                raise BadInput(
+                    self.path,
+                    f"bounds: step {s!r} is not a step number with phases",
+                    field="bounds",
+                )
             for p, v in phases.items():
                 if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                    raise BadInput(self.path, f"bounds.{s}.{p}: {v!r} is not a finite number >= 0", field="bounds")
+                    raise BadInput(
+                        self.path,
+                        f"bounds.{s}.{p}: {v!r} is not a finite number >= 0",
+                        field="bounds",
+                    )
                 self.bounds[(int(s), p)] = float(v)
         self.manifest_id = doc["manifest_id"]
         self.doc = doc

@@ -36,14 +36,18 @@ class Compared:
     """One rank and step of two runs, row by row (rows in the recorder's order, the same in both)."""
 
     n: int
-    phase_order: np.ndarray  # per row: position of the phase in PHASES (len(PHASES) for an unknown one)
+    phase_order: (
+        np.ndarray
+    )  # per row: position of the phase in PHASES (len(PHASES) for an unknown one)
     micro_batch: np.ndarray
     index: np.ndarray
     inexact: np.ndarray  # row positions that are not bit-equal and were compared here
     rel: np.ndarray  # per inexact row: the reported relative error (nan: none)
     bound: np.ndarray
     diverged: np.ndarray  # bool per inexact row
-    special: np.ndarray  # row positions the record path compares (non-finite, shape or dtype differs, empty)
+    special: (
+        np.ndarray
+    )  # row positions the record path compares (non-finite, shape or dtype differs, empty)
 
 
 class Columns:
@@ -58,7 +62,9 @@ class Columns:
         if out is None:
             if name == "phase_order":
                 idx = pc.index_in(self.batch.column("phase"), value_set=_PHASES)
-                out = np.asarray(idx.fill_null(len(PHASES)).to_numpy(zero_copy_only=False), dtype=np.int64)
+                out = np.asarray(
+                    idx.fill_null(len(PHASES)).to_numpy(zero_copy_only=False), dtype=np.int64
+                )
             else:
                 out = self.batch.column(name).to_numpy(zero_copy_only=False)
             self._np[name] = out
@@ -75,7 +81,7 @@ class Columns:
 def _digests(batch) -> np.ndarray:
     arr = batch.column("digest")
     data = np.frombuffer(arr.buffers()[1], dtype=np.uint8)
-    return data[arr.offset * 16:(arr.offset + len(arr)) * 16].reshape(-1, 16)
+    return data[arr.offset * 16 : (arr.offset + len(arr)) * 16].reshape(-1, 16)
 
 
 def _sketches(batch) -> np.ndarray:
@@ -85,7 +91,9 @@ def _sketches(batch) -> np.ndarray:
         arr = batch.column(name)
         if arr.null_count == len(arr):
             continue
-        vals = arr.values.to_numpy(zero_copy_only=False)[arr.offset * SKETCH_K:(arr.offset + len(arr)) * SKETCH_K]
+        vals = arr.values.to_numpy(zero_copy_only=False)[
+            arr.offset * SKETCH_K : (arr.offset + len(arr)) * SKETCH_K
+        ]
         vals = vals.reshape(-1, SKETCH_K)
         if arr.null_count:
             valid = np.asarray(arr.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
@@ -103,7 +111,9 @@ def aligned(ca: Columns, cb: Columns) -> bool:
     for name in ("micro_batch", "index", "phase_order"):
         if not np.array_equal(ca[name], cb[name]):
             return False
-    if not ca.column("phase").equals(cb.column("phase")):  # unknown phases share one order: their names too
+    if not ca.column("phase").equals(
+        cb.column("phase")
+    ):  # unknown phases share one order: their names too
         return False
     key = (ca["micro_batch"].astype(np.int64) << 40) + (ca["phase_order"] << 32) + ca["index"]
     if (np.diff(key) > 0).all():  # the recorder's order: increasing, hence each key once
@@ -123,8 +133,9 @@ def same_digest(ca: Columns, cb: Columns) -> np.ndarray:
 
 
 def same_dtype_and_shape(ca: Columns, cb: Columns) -> np.ndarray:
-    return _rowwise_equal(ca.column("dtype"), cb.column("dtype")) & _rowwise_equal(ca.column("shape"),
-                                                                                    cb.column("shape"))
+    return _rowwise_equal(ca.column("dtype"), cb.column("dtype")) & _rowwise_equal(
+        ca.column("shape"), cb.column("shape")
+    )
 
 
 def same_bits(ca: Columns, cb: Columns) -> np.ndarray:
@@ -149,12 +160,17 @@ def _sketch_rounding(f32: np.ndarray, numel: np.ndarray, cols: np.ndarray) -> np
     u = np.where(f32, _U32, _U64)
     c = np.maximum(cols, 1)
     rows = np.maximum(numel // c, 1)
-    r = u * np.sqrt(np.minimum(rows, tolerance.SKETCH_ROWS)) + _U64 * np.sqrt(rows + c) + np.where(f32, _U32, 0.0)
+    r = (
+        u * np.sqrt(np.minimum(rows, tolerance.SKETCH_ROWS))
+        + _U64 * np.sqrt(rows + c)
+        + np.where(f32, _U32, 0.0)
+    )
     return np.where(cols > 0, r, 0.0)
 
 
-def compare(ba: Columns, bb: Columns, *, bitwise: bool, user: tuple[float, float] | None,
-            base_bound) -> Compared:
+def compare(
+    ba: Columns, bb: Columns, *, bitwise: bool, user: tuple[float, float] | None, base_bound
+) -> Compared:
     """Rows of two aligned steps (see `aligned`). bitwise: every inexact row diverges. user: (rtol, atol) when
     the user gave the bound, else base_bound(rows, phase_order, tensor_names) -> per-row bounds of those row
     positions (the derived or calibrated bound of the row's step and phase times the tensor's factor)."""
@@ -162,14 +178,25 @@ def compare(ba: Columns, bb: Columns, *, bitwise: bool, user: tuple[float, float
     order = bb["phase_order"]
     same_type = same_dtype_and_shape(ba, bb)
     same = same_digest(ba, bb) & same_type
-    f32 = np.asarray(pc.is_in(ba.column("dtype"), value_set=_SKETCH_FLOAT32).to_numpy(zero_copy_only=False), dtype=bool)
+    f32 = np.asarray(
+        pc.is_in(ba.column("dtype"), value_set=_SKETCH_FLOAT32).to_numpy(zero_copy_only=False),
+        dtype=bool,
+    )
     rows = np.nonzero(~same)[0]
     sa, sb = ba["sum"][rows], bb["sum"][rows]
     na, nb = ba["norm"][rows], bb["norm"][rows]
-    sa, sb, na, nb = (np.asarray(x, dtype=np.float64) for x in (sa, sb, na, nb))  # nulls arrive as nan
+    sa, sb, na, nb = (
+        np.asarray(x, dtype=np.float64) for x in (sa, sb, na, nb)
+    )  # nulls arrive as nan
     numel = np.maximum(np.maximum(ba["numel"][rows], bb["numel"][rows]), 1)
-    finite = ((ba["nonfinite"][rows] == 0) & (bb["nonfinite"][rows] == 0)
-              & np.isfinite(sa) & np.isfinite(sb) & np.isfinite(na) & np.isfinite(nb))
+    finite = (
+        (ba["nonfinite"][rows] == 0)
+        & (bb["nonfinite"][rows] == 0)
+        & np.isfinite(sa)
+        & np.isfinite(sb)
+        & np.isfinite(na)
+        & np.isfinite(nb)
+    )
     simple = finite & same_type[rows] & (ba["numel"][rows] > 0)
     special = rows[~simple]
     rows = rows[simple]
@@ -188,8 +215,12 @@ def compare(ba: Columns, bb: Columns, *, bitwise: bool, user: tuple[float, float
         rtol, atol = user
         bn, bs = (atol + rtol * scale_n) / scale_n, (atol + rtol * scale_s) / scale_s
     else:
-        bn = bs = base_bound(rows, order[rows], ba.column("tensor").take(pa.array(rows, pa.int64())))
-    rounding = 2 * _sketch_rounding(f32[rows], ba["numel"][rows], _last_dim(ba.column("shape"))[rows])
+        bn = bs = base_bound(
+            rows, order[rows], ba.column("tensor").take(pa.array(rows, pa.int64()))
+        )
+    rounding = 2 * _sketch_rounding(
+        f32[rows], ba["numel"][rows], _last_dim(ba.column("shape"))[rows]
+    )
     bounds = np.empty_like(terms)
     bounds[:, 0], bounds[:, 1] = bn, bs
     bounds[:, 2:] = (bs + rounding)[:, None]
@@ -208,8 +239,17 @@ def compare(ba: Columns, bb: Columns, *, bitwise: bool, user: tuple[float, float
     rel = np.where(np.isfinite(rel), rel, np.nan)
     diverged = np.full(len(rows), True) if bitwise else (over.any(axis=1) | np.isnan(rel))
     # coordinates are B's (the record path reports B's record when both exist)
-    return Compared(n=n, phase_order=order, micro_batch=bb["micro_batch"], index=bb["index"],
-                    inexact=rows, rel=rel, bound=bnd, diverged=diverged, special=special)
+    return Compared(
+        n=n,
+        phase_order=order,
+        micro_batch=bb["micro_batch"],
+        index=bb["index"],
+        inexact=rows,
+        rel=rel,
+        bound=bnd,
+        diverged=diverged,
+        special=special,
+    )
 
 
 def concat(batches: list[pa.RecordBatch]) -> tuple[Columns, np.ndarray]:
@@ -232,7 +272,9 @@ def aligned_block(ca: Columns, cb: Columns, starts: np.ndarray) -> bool:
         return False
     key = (ca["micro_batch"].astype(np.int64) << 40) + (ca["phase_order"] << 32) + ca["index"]
     rising = np.diff(key) > 0
-    firsts = starts[(starts > 0) & (starts < len(key))]  # steps without rows start where the next one does
+    firsts = starts[
+        (starts > 0) & (starts < len(key))
+    ]  # steps without rows start where the next one does
     rising[firsts - 1] = True  # a step's first row need not follow the last step's last
     return bool(rising.all())
 
@@ -287,8 +329,15 @@ def by_step(c: Compared, starts: np.ndarray) -> StepSummary:
         best_ratio = dict(zip(gkey[o2][heads2].tolist(), o2[heads2].tolist()))
         for j in best.tolist():
             k = best_ratio[int(gkey[j])]
-            groups.append((int(g_step[j]), int(g_phase[j]), float(rel[j]), float(bnd[j]),
-                           (float(ratio[k]), float(rel[k]), float(bnd[k])) if pos[k] else None))
+            groups.append(
+                (
+                    int(g_step[j]),
+                    int(g_phase[j]),
+                    float(rel[j]),
+                    float(bnd[j]),
+                    (float(ratio[k]), float(rel[k]), float(bnd[k])) if pos[k] else None,
+                )
+            )
     return StepSummary(inexact, differing, hard, special, first, groups)
 
 
@@ -303,4 +352,3 @@ def tensor_factors(names: pa.Array) -> np.ndarray:
 
 def phase_name(order: int) -> str:
     return PHASES[order] if order < len(PHASES) else ""
-

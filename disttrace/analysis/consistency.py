@@ -24,15 +24,22 @@ def rule_applies(rule: dict, rec: dict) -> bool:
     """Does replica rule `rule` cover record `rec` (its phase, tensor patterns, exclusion)?"""
     pats = rule.get("tensors", "*")
     pats = [pats] if isinstance(pats, str) else pats
-    return (rec["phase"] == rule["phase"] and any(fnmatch.fnmatchcase(rec["tensor"], x) for x in pats)
-            and not ("exclude" in rule and fnmatch.fnmatchcase(rec["tensor"], rule["exclude"])))
+    return (
+        rec["phase"] == rule["phase"]
+        and any(fnmatch.fnmatchcase(rec["tensor"], x) for x in pats)
+        and not ("exclude" in rule and fnmatch.fnmatchcase(rec["tensor"], rule["exclude"]))
+    )
 
 
 def check_run(run: Run) -> dict:
     rules = load_rules(run)
     if rules is None:
-        return {"consistent": None, "reason": "nothing to check: no replicas.json (no replica map was written)",
-                "first": None, "spread": []}
+        return {
+            "consistent": None,
+            "reason": "nothing to check: no replicas.json (no replica map was written)",
+            "first": None,
+            "spread": [],
+        }
     groups = rules["groups"]
     ranks = run.ranks()
     indexes = {r: {e["step"]: e for e in run.step_index(r).records} for r in ranks}
@@ -51,27 +58,60 @@ def check_run(run: Run) -> dict:
                 for r in present:
                     for rec in by_rank[r]:
                         if rule_applies(rule, rec):
-                            table.setdefault((rec["micro_batch"], rec["index"], rec["tensor"]), {})[r] = rec
+                            table.setdefault((rec["micro_batch"], rec["index"], rec["tensor"]), {})[
+                                r
+                            ] = rec
                 for (mb, index, tensor), recs in sorted(table.items()):
                     compared += len(recs) >= 2
                     digests = {r: rec["digest"] for r, rec in recs.items()}
                     bad = _judge(rule["relation"], digests)
                     if bad:
-                        step_bad.append({"step": step, "micro_batch": mb, "phase": rule["phase"], "index": index,
-                                         "tensor": tensor, "group": members, "relation": rule["relation"], **bad})
+                        step_bad.append(
+                            {
+                                "step": step,
+                                "micro_batch": mb,
+                                "phase": rule["phase"],
+                                "index": index,
+                                "tensor": tensor,
+                                "group": members,
+                                "relation": rule["relation"],
+                                **bad,
+                            }
+                        )
         if step_bad:
             step_bad.sort(key=lambda f: (f["micro_batch"], PHASE_ORDER[f["phase"]], f["index"]))
             findings.append(step_bad[0])
-            spread.append({"step": step, "inconsistent": len(step_bad),
-                           "minority_ranks": sorted({r for f in step_bad for r in f["minority"]})})
-    if not compared:  # no rule had two copies to compare: a pass here would claim what was never checked
-        why = ("it states no replica rule" if not rules["rules"] else
-               "no rule has two ranks' records to compare (one rank per group, or no records)")
-        return {"consistent": None, "reason": f"nothing to check: {why}", "first": None, "spread": [],
-                "rules": rules["rules"], "steps_checked": 0}
+            spread.append(
+                {
+                    "step": step,
+                    "inconsistent": len(step_bad),
+                    "minority_ranks": sorted({r for f in step_bad for r in f["minority"]}),
+                }
+            )
+    if (
+        not compared
+    ):  # no rule had two copies to compare: a pass here would claim what was never checked
+        why = (
+            "it states no replica rule"
+            if not rules["rules"]
+            else "no rule has two ranks' records to compare (one rank per group, or no records)"
+        )
+        return {
+            "consistent": None,
+            "reason": f"nothing to check: {why}",
+            "first": None,
+            "spread": [],
+            "rules": rules["rules"],
+            "steps_checked": 0,
+        }
     first = findings[0] if findings else None
-    return {"consistent": first is None, "first": first, "spread": spread, "rules": rules["rules"],
-            "steps_checked": len(steps)}
+    return {
+        "consistent": first is None,
+        "first": first,
+        "spread": spread,
+        "rules": rules["rules"],
+        "steps_checked": len(steps),
+    }
 
 
 def _judge(relation: str, digests: dict[int, str]) -> dict | None:
@@ -84,19 +124,30 @@ def _judge(relation: str, digests: dict[int, str]) -> dict | None:
         top = max(counts.values())
         leaders = [d for d, c in counts.items() if c == top]
         if len(leaders) > 1:
-            return {"majority": [], "minority": sorted(digests), "tie": True,
-                    "digests": {str(r): d for r, d in digests.items()},
-                    "message": f"copies that must be identical differ, with no majority among {len(digests)} copies"}
-        majority = leaders[0]
-        return {"majority": sorted(r for r, d in digests.items() if d == majority),
-                "minority": sorted(r for r, d in digests.items() if d != majority), "tie": False,
+            return {
+                "majority": [],
+                "minority": sorted(digests),
+                "tie": True,
                 "digests": {str(r): d for r, d in digests.items()},
-                "message": "copies that must be identical differ"}
+                "message": f"copies that must be identical differ, with no majority among {len(digests)} copies",
+            }
+        majority = leaders[0]
+        return {
+            "majority": sorted(r for r, d in digests.items() if d == majority),
+            "minority": sorted(r for r, d in digests.items() if d != majority),
+            "tie": False,
+            "digests": {str(r): d for r, d in digests.items()},
+            "message": "copies that must be identical differ",
+        }
     # "differ": each member must hold its own data; ranks that share one are the suspects
     counts = Counter(digests.values())
     shared = sorted(r for r, d in digests.items() if counts[d] > 1)
     if not shared:
         return None
-    return {"majority": sorted(set(digests) - set(shared)), "minority": shared, "tie": False,
-            "digests": {str(r): d for r, d in digests.items()},
-            "message": f"ranks {shared} read identical data: data-parallel shards must differ"}
+    return {
+        "majority": sorted(set(digests) - set(shared)),
+        "minority": shared,
+        "tie": False,
+        "digests": {str(r): d for r, d in digests.items()},
+        "message": f"ranks {shared} read identical data: data-parallel shards must differ",
+    }

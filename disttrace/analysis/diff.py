@@ -24,16 +24,15 @@ import math
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 import numpy as np
+import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from disttrace.analysis import columnar, tolerance
+from disttrace.config.manifest import EXPERIMENT_FIELDS, TOPOLOGY_FIELDS, get_field, global_batch
 from disttrace.errors import BadInput
 from disttrace.fmt import ranges
-from disttrace.config.manifest import EXPERIMENT_FIELDS, TOPOLOGY_FIELDS, get_field, global_batch
 from disttrace.store import seal, trajectory
 from disttrace.store.rundir import LOCK, PHASE_ORDER, PHASES, Run
 
@@ -92,7 +91,9 @@ class _Side:
         world = self.run.world_size
         missing = [r for r in range(world) if r not in self.index]
         if missing and self.ranks:
-            warnings.append(f"run {label}: no trajectory for rank(s) {missing} of world size {world}")
+            warnings.append(
+                f"run {label}: no trajectory for rank(s) {missing} of world size {world}"
+            )
         steps: set[int] | None = None
         for r in self.ranks:
             s = set(self.index[r])
@@ -100,8 +101,14 @@ class _Side:
         self.steps = sorted(steps or ())
         if not self.complete:
             last = self.steps[-1] if self.steps else None
-            warnings.append(f"run {label} is incomplete (no COMPLETE marker): "
-                            + (f"its records stop at step {last}" if last is not None else "it has no full step"))
+            warnings.append(
+                f"run {label} is incomplete (no COMPLETE marker): "
+                + (
+                    f"its records stop at step {last}"
+                    if last is not None
+                    else "it has no full step"
+                )
+            )
 
     @property
     def manifest(self) -> dict:
@@ -116,34 +123,49 @@ class _Side:
             with open(traj, "rb") as f:
                 f.seek(size - 1)
                 if f.read(1) != b"\n":
-                    self.warnings.append(f"run {self.label}: {traj}: last line is torn (incomplete write), ignored")
+                    self.warnings.append(
+                        f"run {self.label}: {traj}: last line is torn (incomplete write), ignored"
+                    )
         steps_path = self.run.rank_path("trajectory", rank, ".steps.jsonl")
         if use_index and steps_path.exists():
             read = self.run.step_index(rank)
             if read.torn:
                 self.warnings.append(f"run {self.label}: {read.torn}")
             broken = seal.first_chain_break(rank, read.records)
-            if broken is not None:  # an index edited after the run must never let a step be skipped as equal
-                raise BadInput(steps_path, f"step {broken}: the step chain is broken (a step removed, reordered or "
-                               "edited after the run; see `disttrace verify`)")
+            if (
+                broken is not None
+            ):  # an index edited after the run must never let a step be skipped as equal
+                raise BadInput(
+                    steps_path,
+                    f"step {broken}: the step chain is broken (a step removed, reordered or "
+                    "edited after the run; see `disttrace verify`)",
+                )
             out: dict[int, dict] = {}
             for n, e in enumerate(read.records, 1):
                 for k in ("step", "offset", "length"):
                     if not isinstance(e.get(k), int):
                         raise BadInput(steps_path, f"line {n} lacks an integer '{k}'", field=k)
                 if e["offset"] + e["length"] > size:
-                    self.warnings.append(f"run {self.label}: rank {rank} step {e['step']}: the index points past "
-                                         f"the end of {traj.name} (records not all written); step ignored")
+                    self.warnings.append(
+                        f"run {self.label}: rank {rank} step {e['step']}: the index points past "
+                        f"the end of {traj.name} (records not all written); step ignored"
+                    )
                     continue
                 out[e["step"]] = e
             if trajectory.is_arrow(traj):
-                tail = trajectory.unindexed_tail(traj, max((e["offset"] + e["length"] for e in out.values()), default=0))
+                tail = trajectory.unindexed_tail(
+                    traj, max((e["offset"] + e["length"] for e in out.values()), default=0)
+                )
                 if tail:
-                    self.warnings.append(f"run {self.label}: {traj}: {tail} bytes after the last indexed step are "
-                                         "torn (incomplete write), ignored")
+                    self.warnings.append(
+                        f"run {self.label}: {traj}: {tail} bytes after the last indexed step are "
+                        "torn (incomplete write), ignored"
+                    )
             return out
         if use_index:
-            self.warnings.append(f"run {self.label}: rank {rank} has no step index; scanned {traj.name} instead")
+            self.warnings.append(
+                f"run {self.label}: rank {rank} has no step index; scanned {traj.name} instead"
+            )
         if trajectory.is_arrow(traj):
             return self._scan_arrow(traj)
         return _scan_index(traj)
@@ -157,8 +179,16 @@ class _Side:
             if step is None:
                 continue
             if step in out:
-                raise BadInput(traj, f"bytes {offset}..{offset + length}: step {step} appears twice")
-            out[step] = {"step": step, "offset": offset, "length": length, "records": batch.num_rows, "digest": None}
+                raise BadInput(
+                    traj, f"bytes {offset}..{offset + length}: step {step} appears twice"
+                )
+            out[step] = {
+                "step": step,
+                "offset": offset,
+                "length": length,
+                "records": batch.num_rows,
+                "digest": None,
+            }
         self.warnings.extend(f"run {self.label}: {t}" for t in torn)
         return out
 
@@ -175,8 +205,11 @@ class _Side:
 
     def _hash_checked(self, rank: int, step: int, ok: bool | None) -> None:
         if ok is False:
-            raise BadInput(self.traj_path(rank), f"step {step}: the bytes differ from the hash "
-                           "in the step index (edited after the run; see `disttrace verify`)")
+            raise BadInput(
+                self.traj_path(rank),
+                f"step {step}: the bytes differ from the hash "
+                "in the step index (edited after the run; see `disttrace verify`)",
+            )
         self.hash_checked += ok is True
 
     def records(self, rank: int, step: int) -> list[dict]:
@@ -200,8 +233,12 @@ class _Side:
         if e is None or not trajectory.is_arrow(path):
             return None
         data = trajectory.read_range(path, e["offset"], e["length"])
-        self._hash_checked(rank, step, seal.step_data_match(data, e))  # the bytes decoded are the bytes hashed
-        b = trajectory.decode_step(path, data, f"step {step} (bytes {e['offset']}..{e['offset'] + e['length']})")
+        self._hash_checked(
+            rank, step, seal.step_data_match(data, e)
+        )  # the bytes decoded are the bytes hashed
+        b = trajectory.decode_step(
+            path, data, f"step {step} (bytes {e['offset']}..{e['offset'] + e['length']})"
+        )
         self.records_read += b.num_rows
         return b
 
@@ -218,7 +255,9 @@ class _Side:
 
 
 def _line_step(line: bytes) -> int:
-    if line.startswith(b'{"step":'):  # the recorder writes "step" first: no need to parse the whole line
+    if line.startswith(
+        b'{"step":'
+    ):  # the recorder writes "step" first: no need to parse the whole line
         end = line.find(b",", 8)
         try:
             return int(line[8:end])
@@ -244,8 +283,16 @@ def _scan_index(path: Path) -> dict[int, dict]:
                     raise BadInput(path, f"line {lineno} is not a trajectory record") from None
                 if cur is None or cur["step"] != step:
                     if step in out:
-                        raise BadInput(path, f"line {lineno}: records of step {step} are not contiguous")
-                    cur = out[step] = {"step": step, "offset": offset, "length": 0, "records": 0, "digest": None}
+                        raise BadInput(
+                            path, f"line {lineno}: records of step {step} are not contiguous"
+                        )
+                    cur = out[step] = {
+                        "step": step,
+                        "offset": offset,
+                        "length": 0,
+                        "records": 0,
+                        "digest": None,
+                    }
                 cur["records"] += 1
             if cur is not None:
                 cur["length"] = offset + n - cur["offset"]
@@ -281,16 +328,23 @@ def _short(v: Any) -> str:
     return s[:14] + "...'" if isinstance(v, str) and len(v) > 16 else s
 
 
-def _check_compatible(a: _Side, b: _Side, allow_edition_mismatch: bool, warnings: list[str]) -> None:
+def _check_compatible(
+    a: _Side, b: _Side, allow_edition_mismatch: bool, warnings: list[str]
+) -> None:
     ma, mb = a.manifest, b.manifest
     where = b.path / LOCK
     ea, eb = get_field(ma, "experiment.edition"), get_field(mb, "experiment.edition")
     if ea != eb:
         if not allow_edition_mismatch:
-            raise BadInput(where, f"edition {eb!r} differs from {ea!r} of {a.path}; runs of different editions are "
-                                  "never compared silently (allow it explicitly to compare anyway)",
-                           field="experiment.edition")
-        warnings.append(f"editions differ ({ea!r} vs {eb!r}): compared because it was explicitly allowed")
+            raise BadInput(
+                where,
+                f"edition {eb!r} differs from {ea!r} of {a.path}; runs of different editions are "
+                "never compared silently (allow it explicitly to compare anyway)",
+                field="experiment.edition",
+            )
+        warnings.append(
+            f"editions differ ({ea!r} vs {eb!r}): compared because it was explicitly allowed"
+        )
     diffs = _field_diffs(ma, mb, [f for f in EXPERIMENT_FIELDS if f != "experiment.edition"])
     ga, gb = global_batch(ma), global_batch(mb)
     if ga != gb:
@@ -305,12 +359,19 @@ def _check_compatible(a: _Side, b: _Side, allow_edition_mismatch: bool, warnings
 
 
 def _stats(rec: dict) -> dict:
-    return {k: rec.get(k) for k in ("digest", "sum", "norm", "sketch", "nonfinite", "dtype", "shape", "numel")}
+    return {
+        k: rec.get(k)
+        for k in ("digest", "sum", "norm", "sketch", "nonfinite", "dtype", "shape", "numel")
+    }
 
 
 def _same_bits(ra: dict, rb: dict) -> bool:
-    return (ra.get("digest") is not None and ra.get("digest") == rb.get("digest")
-            and ra.get("shape") == rb.get("shape") and ra.get("dtype") == rb.get("dtype"))
+    return (
+        ra.get("digest") is not None
+        and ra.get("digest") == rb.get("digest")
+        and ra.get("shape") == rb.get("shape")
+        and ra.get("dtype") == rb.get("dtype")
+    )
 
 
 def _nonfinite(r: dict) -> bool:
@@ -320,8 +381,16 @@ def _nonfinite(r: dict) -> bool:
 class _Tol:
     """rel_err of two records' statistics and the bound it is held to."""
 
-    def __init__(self, mode: str, ma: dict, mb: dict, rtol: float | None, atol: float | None, since: int,
-                 calibration=None):
+    def __init__(
+        self,
+        mode: str,
+        ma: dict,
+        mb: dict,
+        rtol: float | None,
+        atol: float | None,
+        since: int,
+        calibration=None,
+    ):
         self.mode, self.ma, self.mb, self.since = mode, ma, mb, since
         self.user = mode == "numeric" and (rtol is not None or atol is not None)
         self.rtol, self.atol = (rtol or 0.0), (atol or 0.0)
@@ -335,14 +404,22 @@ class _Tol:
         k = (step, phase)
         if k not in self._cache:
             c = self.cal.bound(step, phase) if self.cal is not None else None
-            self._cache[k] = c if c is not None else tolerance.bound(self.ma, self.mb, step, phase, since=self.since)
+            self._cache[k] = (
+                c
+                if c is not None
+                else tolerance.bound(self.ma, self.mb, step, phase, since=self.since)
+            )
         return self._cache[k]
 
     def kind(self, step: int, phase: str) -> str:
         """Where the bound at (step, phase) comes from: bitwise | user | calibrated | derived."""
         if self.mode == "bitwise" or self.user:
             return "bitwise" if self.mode == "bitwise" else "user"
-        return "calibrated" if self.cal is not None and self.cal.bound(step, phase) is not None else "derived"
+        return (
+            "calibrated"
+            if self.cal is not None and self.cal.bound(step, phase) is not None
+            else "derived"
+        )
 
     def compare_bound(self, step: int, phase: str) -> float | None:
         """The relative bound at (step, phase); None where a user's atol makes it depend on the scale."""
@@ -350,14 +427,18 @@ class _Tol:
             return self.rtol if not self.atol else None
         return self.derived(step, phase)
 
-    def compare(self, step: int, phase: str, ra: dict, rb: dict) -> tuple[float | None, float, bool, str | None]:
+    def compare(
+        self, step: int, phase: str, ra: dict, rb: dict
+    ) -> tuple[float | None, float, bool, str | None]:
         """-> (rel_err, bound, diverged, note) for two records (or logical values) that are not bit-equal."""
         numel = max(int(ra.get("numel") or 0), int(rb.get("numel") or 0), 1)
         note = None
         if ra.get("shape") != rb.get("shape") or ra.get("dtype") != rb.get("dtype"):
             note = "shape or dtype differs"
         fa, fb = _nonfinite(ra), _nonfinite(rb)
-        b0 = self.derived(step, phase) * tolerance.tensor_factor(ra.get("tensor") or rb.get("tensor"))
+        b0 = self.derived(step, phase) * tolerance.tensor_factor(
+            ra.get("tensor") or rb.get("tensor")
+        )
         if fa or fb:
             same = fa and fb and ra.get("nonfinite") == rb.get("nonfinite")
             diverged = self.mode == "bitwise" or not same or note is not None
@@ -368,8 +449,10 @@ class _Tol:
         # the sum and each sketch projection are <x, v> with ||v|| = sqrt(numel): one scale, one bound
         terms = (abs(na - nb) / scale_n, *tolerance.projection_terms(ra, rb, scale_s))
         if self.user:
-            bounds = ((self.atol + self.rtol * scale_n) / scale_n,
-                      *[(self.atol + self.rtol * scale_s) / scale_s] * (len(terms) - 1))
+            bounds = (
+                (self.atol + self.rtol * scale_n) / scale_n,
+                *[(self.atol + self.rtol * scale_s) / scale_s] * (len(terms) - 1),
+            )
         else:
             bounds = (b0,) * len(terms)
         # each sketch projection also carries its own float32 rounding (the sum is float64): both records'
@@ -379,21 +462,36 @@ class _Tol:
         if len(set(bounds)) == 1:
             i = max(range(len(terms)), key=lambda j: terms[j])
         else:
-            ratios = [t / bd if bd > 0 else (math.inf if t else 0.0) for t, bd in zip(terms, bounds)]
+            ratios = [
+                t / bd if bd > 0 else (math.inf if t else 0.0) for t, bd in zip(terms, bounds)
+            ]
             i = max(range(len(terms)), key=lambda j: ratios[j])
         rel, bnd = terms[i], bounds[i]
         if not math.isfinite(rel):
             rel = None
-        diverged = self.mode == "bitwise" or note is not None or rel is None or any(
-            t > bd for t, bd in zip(terms, bounds))
+        diverged = (
+            self.mode == "bitwise"
+            or note is not None
+            or rel is None
+            or any(t > bd for t, bd in zip(terms, bounds))
+        )
         return rel, bnd, diverged, note
 
 
 class _RankStep:
     """What one rank showed at one step."""
 
-    __slots__ = ("differing", "total", "inexact", "hard", "max_rel", "max_rel_bound", "max_ratio", "ratio_by_phase",
-                 "first")
+    __slots__ = (
+        "differing",
+        "total",
+        "inexact",
+        "hard",
+        "max_rel",
+        "max_rel_bound",
+        "max_ratio",
+        "ratio_by_phase",
+        "first",
+    )
 
     def __init__(self, total: int = 0):
         self.differing = 0
@@ -403,7 +501,9 @@ class _RankStep:
         self.max_rel: dict[str, float] = {}
         self.max_ratio = 0.0
         self.max_rel_bound: dict[str, float] = {}
-        self.ratio_by_phase: dict[str, tuple[float, float, float]] = {}  # phase -> (ratio, rel_err, bound)
+        self.ratio_by_phase: dict[
+            str, tuple[float, float, float]
+        ] = {}  # phase -> (ratio, rel_err, bound)
         self.first: tuple | None = None  # (key, unit dict)
 
     def add(self, key: tuple, unit: dict) -> None:
@@ -412,7 +512,9 @@ class _RankStep:
         if rel is not None:
             if rel > self.max_rel.get(phase, -1.0):
                 self.max_rel[phase] = rel
-                self.max_rel_bound[phase] = bnd  # the bound that tensor was held to (per-tensor factors apply)
+                self.max_rel_bound[phase] = (
+                    bnd  # the bound that tensor was held to (per-tensor factors apply)
+                )
             if bnd > 0:
                 ratio = rel / bnd
                 self.max_ratio = max(self.max_ratio, ratio)
@@ -426,8 +528,13 @@ class _RankStep:
                 self.first = (key, unit)
 
     def as_dict(self) -> dict:
-        d = {"differing": self.differing, "total": self.total,
-             "max_rel_err_by_phase": dict(sorted(self.max_rel.items(), key=lambda kv: _phase_order(kv[0])))}
+        d = {
+            "differing": self.differing,
+            "total": self.total,
+            "max_rel_err_by_phase": dict(
+                sorted(self.max_rel.items(), key=lambda kv: _phase_order(kv[0]))
+            ),
+        }
         if self.inexact:
             d["inexact"] = self.inexact
             d["max_rel_err"] = max(self.max_rel.values()) if self.max_rel else None
@@ -473,9 +580,13 @@ def _keyed(recs: list[dict]) -> dict[tuple, dict]:
     return out
 
 
-def _compare_rank_step(step: int, rank: int, recs_a: list[dict], recs_b: list[dict], tol: _Tol) -> _RankStep:
+def _compare_rank_step(
+    step: int, rank: int, recs_a: list[dict], recs_b: list[dict], tol: _Tol
+) -> _RankStep:
     ka, kb = _keyed(recs_a), _keyed(recs_b)
-    keys = sorted(ka.keys() | kb.keys())  # in the recorder's order: ties between errors resolve the same every run
+    keys = sorted(
+        ka.keys() | kb.keys()
+    )  # in the recorder's order: ties between errors resolve the same every run
     rs = _RankStep(len(keys))
     for k in keys:
         ra, rb = ka.get(k), kb.get(k)
@@ -491,14 +602,24 @@ def _compare_rank_step_columns(step: int, rank: int, ba, bb, tol: _Tol) -> _Rank
     the few that need the record path's special cases (and unaligned steps) go through it."""
     ca, cb = columnar.Columns(ba), columnar.Columns(bb)
     if not columnar.aligned(ca, cb):
-        return _compare_rank_step(step, rank, trajectory.to_records(ba), trajectory.to_records(bb), tol)
+        return _compare_rank_step(
+            step, rank, trajectory.to_records(ba), trajectory.to_records(bb), tol
+        )
     rs = _RankStep(ba.num_rows)
     _fold_columns([step], rank, ca, cb, np.zeros(1, dtype=np.int64), tol, [rs])
     return rs
 
 
-def _fold_columns(steps: list[int], rank: int, ca, cb, starts: np.ndarray, tol: _Tol, out: list[_RankStep],
-                  logical: bool = False) -> None:
+def _fold_columns(
+    steps: list[int],
+    rank: int,
+    ca,
+    cb,
+    starts: np.ndarray,
+    tol: _Tol,
+    out: list[_RankStep],
+    logical: bool = False,
+) -> None:
     """Row i of `ca` against row i of `cb`, column-wise, into `out`: one or several steps concatenated (step
     `steps[j]` from row `starts[j]`, its result into `out[j]`). The bulk is summed up per step by
     columnar.by_step; the special rows (non-finite, shape or dtype differs, empty) and each step's first
@@ -508,12 +629,21 @@ def _fold_columns(steps: list[int], rank: int, ca, cb, starts: np.ndarray, tol: 
 
     def base_bound(rows, order, names):
         pairs, inv = np.unique(row_step[rows] * n_orders + order, return_inverse=True)
-        derived = np.array([tol.derived(int(p // n_orders), columnar.phase_name(int(p % n_orders)))
-                            for p in pairs.tolist()])
+        derived = np.array(
+            [
+                tol.derived(int(p // n_orders), columnar.phase_name(int(p % n_orders)))
+                for p in pairs.tolist()
+            ]
+        )
         return derived[inv.reshape(-1)] * columnar.tensor_factors(names)
 
-    c = columnar.compare(ca, cb, bitwise=tol.mode == "bitwise", user=(tol.rtol, tol.atol) if tol.user else None,
-                         base_bound=base_bound)
+    c = columnar.compare(
+        ca,
+        cb,
+        bitwise=tol.mode == "bitwise",
+        user=(tol.rtol, tol.atol) if tol.user else None,
+        base_bound=base_bound,
+    )
     summary = columnar.by_step(c, starts)
     for j, rs in enumerate(out):
         rs.inexact += int(summary.inexact[j])
@@ -527,8 +657,10 @@ def _fold_columns(steps: list[int], rank: int, ca, cb, starts: np.ndarray, tol: 
             rs.max_ratio = max(rs.max_ratio, ratio[0])
             if ratio[0] > rs.ratio_by_phase.get(phase, (-1.0,))[0]:
                 rs.ratio_by_phase[phase] = ratio
-    rows = sorted({r for j in range(len(out)) for r in summary.special[j]}
-                  | {int(r) for r in summary.first_divergent if r >= 0})
+    rows = sorted(
+        {r for j in range(len(out)) for r in summary.special[j]}
+        | {int(r) for r in summary.first_divergent if r >= 0}
+    )
     if not rows:
         return
     take = pa.array(rows, pa.int64())
@@ -537,8 +669,17 @@ def _fold_columns(steps: list[int], rank: int, ca, cb, starts: np.ndarray, tol: 
     for row, x, y in zip(rows, ra, rb):
         j = int(np.searchsorted(starts, row, side="right")) - 1
         rs, step = out[j], steps[j]
-        last = y.get("tensor") if logical else 0  # the record path's key ends with the name / a duplicate count
-        key = (y.get("micro_batch", 0), _phase_order(y["phase"]), y["phase"], rank, y.get("index", 0), last)
+        last = (
+            y.get("tensor") if logical else 0
+        )  # the record path's key ends with the name / a duplicate count
+        key = (
+            y.get("micro_batch", 0),
+            _phase_order(y["phase"]),
+            y["phase"],
+            rank,
+            y.get("index", 0),
+            last,
+        )
         unit = _unit(step, x, y, rank, tol, logical=logical)
         if row in special:
             rs.add(key, unit)
@@ -565,7 +706,10 @@ class _Logical:
             return first, first.get("rank", 0), True
         shards: dict[tuple, dict] = {}
         for r in self.recs:  # rank order: the lowest rank's copy of a replicated shard wins
-            sh = r.get("shard") or {"offset": [0] * len(r.get("shape") or []), "logical_shape": r.get("shape")}
+            sh = r.get("shard") or {
+                "offset": [0] * len(r.get("shape") or []),
+                "logical_shape": r.get("shape"),
+            }
             shards.setdefault(tuple(sh.get("offset") or ()), r)
         ordered = [shards[k] for k in sorted(shards)]
         sums = [r.get("sum") for r in ordered]
@@ -575,15 +719,22 @@ class _Logical:
         covered = sum(int(r.get("numel") or 0) for r in ordered)
         finite = all(s is not None for s in sums) and all(n is not None for n in norms)
         v = {
-            "step": first.get("step"), "micro_batch": first.get("micro_batch", 0), "phase": first.get("phase"),
-            "index": first.get("index", 0), "tensor": first.get("logical") or first.get("tensor"),
+            "step": first.get("step"),
+            "micro_batch": first.get("micro_batch", 0),
+            "phase": first.get("phase"),
+            "index": first.get("index", 0),
+            "tensor": first.get("logical") or first.get("tensor"),
             "logical": first.get("logical") or first.get("tensor"),
             "digest": "shards:" + ",".join(str(r.get("digest")) for r in ordered),
             "sum": math.fsum(sums) if finite else None,
             "norm": math.sqrt(math.fsum(n * n for n in norms)) if finite else None,
-            "sketch": tolerance.combine_sketches([r.get("sketch") for r in ordered]) if finite else None,
+            "sketch": tolerance.combine_sketches([r.get("sketch") for r in ordered])
+            if finite
+            else None,
             "nonfinite": sum(int(r.get("nonfinite") or 0) for r in ordered),
-            "dtype": first.get("dtype"), "shape": list(lshape), "numel": numel,
+            "dtype": first.get("dtype"),
+            "shape": list(lshape),
+            "numel": numel,
             "shards": len(ordered),
         }
         return v, min(r.get("rank", 0) for r in self.recs), covered == numel
@@ -620,12 +771,15 @@ def _step_records(side: _Side, step: int) -> tuple[dict[int, list[dict]], dict |
     return {r: side.records(r, step) for r in side.ranks}, None
 
 
-def _compare_logical_step(step: int, a: _Side, b: _Side, tol: _Tol, warnings: list[str], warned: dict,
-                          phases_seen: dict) -> dict[int, _RankStep]:
+def _compare_logical_step(
+    step: int, a: _Side, b: _Side, tol: _Tol, warnings: list[str], warned: dict, phases_seen: dict
+) -> dict[int, _RankStep]:
     recs_a, batches_a = _step_records(a, step)
     recs_b, batches_b = _step_records(b, step)
     if batches_a is not None and batches_b is not None:
-        out = _compare_logical_step_columns(step, batches_a, batches_b, tol, warnings, warned, phases_seen)
+        out = _compare_logical_step_columns(
+            step, batches_a, batches_b, tol, warnings, warned, phases_seen
+        )
         if out is not None:
             return out
     if batches_a is not None:
@@ -648,7 +802,7 @@ def _compare_logical_step(step: int, a: _Side, b: _Side, tol: _Tol, warnings: li
             out[r] = _RankStep()
         return out[r]
 
-    for (phase, name) in sorted(la.keys() | lb.keys(), key=lambda k: (_phase_order(k[0]), k)):
+    for phase, name in sorted(la.keys() | lb.keys(), key=lambda k: (_phase_order(k[0]), k)):
         if phase not in pa or phase not in pb:
             continue
         xa, xb = la.get((phase, name)), lb.get((phase, name))
@@ -656,7 +810,9 @@ def _compare_logical_step(step: int, a: _Side, b: _Side, tol: _Tol, warnings: li
         vb = xb.value() if xb else None
         units: list[tuple[int, dict | None, dict | None]] = []  # (rank, value a, value b)
         if va and vb and xb is not None and not any("shard" in r for r in xb.recs):
-            units = [(r.get("rank", 0), va[0], r) for r in xb.recs]  # every replica on B against A's value
+            units = [
+                (r.get("rank", 0), va[0], r) for r in xb.recs
+            ]  # every replica on B against A's value
         else:
             rank = vb[1] if vb else va[1]
             units = [(rank, va[0] if va else None, vb[0] if vb else None)]
@@ -668,12 +824,20 @@ def _compare_logical_step(step: int, a: _Side, b: _Side, tol: _Tol, warnings: li
             for r, r0 in _replica_mismatches(x.recs):
                 if warned.setdefault("replica", 0) < MAX_WARNINGS_OF_A_KIND:
                     warned["replica"] += 1
-                    warnings.append(f"run {side}: step {step} {phase} {name}: rank {r.get('rank')}'s copy differs "
-                                    f"from rank {r0.get('rank')}'s (replicas should be bit-identical)")
+                    warnings.append(
+                        f"run {side}: step {step} {phase} {name}: rank {r.get('rank')}'s copy differs "
+                        f"from rank {r0.get('rank')}'s (replicas should be bit-identical)"
+                    )
         for side, v in (("A", va), ("B", vb)):
-            if v is not None and not v[2] and warned.setdefault("cover", 0) < MAX_WARNINGS_OF_A_KIND:
+            if (
+                v is not None
+                and not v[2]
+                and warned.setdefault("cover", 0) < MAX_WARNINGS_OF_A_KIND
+            ):
                 warned["cover"] += 1
-                warnings.append(f"run {side}: step {step} {phase} {name}: the shards do not cover the logical shape")
+                warnings.append(
+                    f"run {side}: step {step} {phase} {name}: the shards do not cover the logical shape"
+                )
         for rank, ra, rb in units:
             rs = rank_step(rank)
             rs.total += 1
@@ -684,62 +848,105 @@ def _compare_logical_step(step: int, a: _Side, b: _Side, tol: _Tol, warnings: li
             if incomplete:
                 u["diverged"], u["note"] = True, f"shards incomplete in {incomplete[0]}"
             ref = rb if rb is not None else ra
-            key = (ref.get("micro_batch", 0), _phase_order(phase), phase, rank, ref.get("index", 0), name)
+            key = (
+                ref.get("micro_batch", 0),
+                _phase_order(phase),
+                phase,
+                rank,
+                ref.get("index", 0),
+                name,
+            )
             rs.add(key, u)
     return out
 
 
 _CROSS = pa.array(CROSS_TOPOLOGY_PHASES, pa.string())
-_SEP = pa.scalar("\x00", pa.string())  # joins phase and name into one key (typed: no type inference per call)
+_SEP = pa.scalar(
+    "\x00", pa.string()
+)  # joins phase and name into one key (typed: no type inference per call)
 
 
 def _phase_rows(batches: dict[int, pa.RecordBatch]):
     """One side's records of one step in the cross-topology phases, rank by rank, as one batch; None when a
     tensor is sharded (combining shards into the logical tensor is the record path's)."""
-    parts = [b.filter(pc.is_in(b.column("phase"), value_set=_CROSS)) for _, b in sorted(batches.items())
-             if b is not None]
-    x = pa.concat_batches(parts) if parts else pa.RecordBatch.from_pylist([], schema=trajectory.SCHEMA)
+    parts = [
+        b.filter(pc.is_in(b.column("phase"), value_set=_CROSS))
+        for _, b in sorted(batches.items())
+        if b is not None
+    ]
+    x = (
+        pa.concat_batches(parts)
+        if parts
+        else pa.RecordBatch.from_pylist([], schema=trajectory.SCHEMA)
+    )
     return x if x.column("shard_offset").null_count == x.num_rows else None
 
 
-def _compare_logical_step_columns(step: int, batches_a: dict, batches_b: dict, tol: _Tol, warnings: list[str],
-                                  warned: dict, phases_seen: dict) -> dict[int, _RankStep] | None:
+def _compare_logical_step_columns(
+    step: int,
+    batches_a: dict,
+    batches_b: dict,
+    tol: _Tol,
+    warnings: list[str],
+    warned: dict,
+    phases_seen: dict,
+) -> dict[int, _RankStep] | None:
     """_compare_logical_step column-wise, for tensors that are whole on every rank (replicas: A's lowest
     rank's copy is the logical value, each of B's copies is compared with it); None hands the step to the
     record path (a sharded tensor on either side)."""
     xa, xb = _phase_rows(batches_a), _phase_rows(batches_b)
     if xa is None or xb is None:
         return None
-    pa_, pb_ = set(pc.unique(xa.column("phase")).to_pylist()), set(pc.unique(xb.column("phase")).to_pylist())
+    pa_, pb_ = (
+        set(pc.unique(xa.column("phase")).to_pylist()),
+        set(pc.unique(xb.column("phase")).to_pylist()),
+    )
     phases_seen.setdefault("both", set()).update(pa_ & pb_)
     for p in sorted(pa_ ^ pb_, key=lambda p: (_phase_order(p), p)):
         if p not in phases_seen:
             phases_seen[p] = True
-            warnings.append(f"run {'A' if p not in pa_ else 'B'} records no '{p}' phase: that phase is not compared")
+            warnings.append(
+                f"run {'A' if p not in pa_ else 'B'} records no '{p}' phase: that phase is not compared"
+            )
     if pa_ != pb_:
         both = pa.array(sorted(pa_ & pb_), pa.string())
         xa = xa.filter(pc.is_in(xa.column("phase"), value_set=both))
         xb = xb.filter(pc.is_in(xb.column("phase"), value_set=both))
     key_a = pc.binary_join_element_wise(xa.column("phase"), xa.column("tensor"), _SEP)
     key_b = pc.binary_join_element_wise(xb.column("phase"), xb.column("tensor"), _SEP)
-    logical_a = pc.unique(key_a)  # in order of first appearance: rank order, so each key's lowest rank
-    first_a = np.asarray(pc.index_in(logical_a, value_set=key_a).to_numpy(zero_copy_only=False), dtype=np.int64)
+    logical_a = pc.unique(
+        key_a
+    )  # in order of first appearance: rank order, so each key's lowest rank
+    first_a = np.asarray(
+        pc.index_in(logical_a, value_set=key_a).to_numpy(zero_copy_only=False), dtype=np.int64
+    )
     _replica_warnings(xa, key_a, xb, key_b, logical_a, warnings, warned)
     match = pc.index_in(key_b, value_set=logical_a)
     matched = np.asarray(match.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
-    in_b = np.asarray(pc.is_in(logical_a, value_set=key_b).to_numpy(zero_copy_only=False), dtype=bool)
+    in_b = np.asarray(
+        pc.is_in(logical_a, value_set=key_b).to_numpy(zero_copy_only=False), dtype=bool
+    )
     out: dict[int, _RankStep] = {}
     ranks_b = xb.column("rank").to_numpy(zero_copy_only=False)
     a_row = np.full(xb.num_rows, -1, dtype=np.int64)
-    a_row[matched] = first_a[np.asarray(match.filter(match.is_valid()).to_numpy(zero_copy_only=False), dtype=np.int64)]
+    a_row[matched] = first_a[
+        np.asarray(match.filter(match.is_valid()).to_numpy(zero_copy_only=False), dtype=np.int64)
+    ]
     for rank in np.unique(ranks_b).tolist():
         rows = np.nonzero(matched & (ranks_b == rank))[0]
         if rows.size:
             rs = out.setdefault(rank, _RankStep())
             rs.total += len(rows)
-            _fold_columns([step], rank, columnar.Columns(xa.take(pa.array(a_row[rows]))),
-                          columnar.Columns(xb.take(pa.array(rows))), np.zeros(1, dtype=np.int64), tol, [rs],
-                          logical=True)
+            _fold_columns(
+                [step],
+                rank,
+                columnar.Columns(xa.take(pa.array(a_row[rows]))),
+                columnar.Columns(xb.take(pa.array(rows))),
+                np.zeros(1, dtype=np.int64),
+                tol,
+                [rs],
+                logical=True,
+            )
     # a logical tensor one side lacks: the record path's unit (missing_in), at its holder's rank
     lone = []
     if (~matched).any():  # one unit per logical tensor, at B's lowest rank holding it
@@ -751,11 +958,27 @@ def _compare_logical_step_columns(step: int, batches_a: dict, batches_b: dict, t
     for side, recs in lone:
         for r in trajectory.to_records(recs):
             rank = r["rank"]
-            u = _unit(step, r if side == "a" else None, r if side == "b" else None, rank, tol, logical=True)
+            u = _unit(
+                step,
+                r if side == "a" else None,
+                r if side == "b" else None,
+                rank,
+                tol,
+                logical=True,
+            )
             rs = out.setdefault(rank, _RankStep())
             rs.total += 1
-            rs.add((r.get("micro_batch", 0), _phase_order(r["phase"]), r["phase"], rank, r.get("index", 0),
-                    r["tensor"]), u)
+            rs.add(
+                (
+                    r.get("micro_batch", 0),
+                    _phase_order(r["phase"]),
+                    r["phase"],
+                    rank,
+                    r.get("index", 0),
+                    r["tensor"],
+                ),
+                u,
+            )
     return out
 
 
@@ -765,8 +988,12 @@ def _replica_mismatch_rows(side: str, x, keys) -> list[tuple]:
     logical = pc.unique(keys)
     if x.num_rows == len(logical):
         return []
-    first = np.asarray(pc.index_in(logical, value_set=keys).to_numpy(zero_copy_only=False), dtype=np.int64)
-    of_key = np.asarray(pc.index_in(keys, value_set=logical).to_numpy(zero_copy_only=False), dtype=np.int64)
+    first = np.asarray(
+        pc.index_in(logical, value_set=keys).to_numpy(zero_copy_only=False), dtype=np.int64
+    )
+    of_key = np.asarray(
+        pc.index_in(keys, value_set=logical).to_numpy(zero_copy_only=False), dtype=np.int64
+    )
     ref = x.take(pa.array(first[of_key]))
     cx, cr = columnar.Columns(x), columnar.Columns(ref)
     same = columnar.same_bits(cx, cr)
@@ -774,17 +1001,25 @@ def _replica_mismatch_rows(side: str, x, keys) -> list[tuple]:
     if not odd.size:
         return []
     out = []
-    for r, r0 in zip(trajectory.to_records(x.take(pa.array(odd))), trajectory.to_records(ref.take(pa.array(odd)))):
-        out.append(((_phase_order(r["phase"]), r["phase"], r["tensor"], side, r["rank"]),
-                    f"run {side}: step {r['step']} {r['phase']} {r['tensor']}: rank {r.get('rank')}'s copy differs "
-                    f"from rank {r0.get('rank')}'s (replicas should be bit-identical)"))
+    for r, r0 in zip(
+        trajectory.to_records(x.take(pa.array(odd))), trajectory.to_records(ref.take(pa.array(odd)))
+    ):
+        out.append(
+            (
+                (_phase_order(r["phase"]), r["phase"], r["tensor"], side, r["rank"]),
+                f"run {side}: step {r['step']} {r['phase']} {r['tensor']}: rank {r.get('rank')}'s copy differs "
+                f"from rank {r0.get('rank')}'s (replicas should be bit-identical)",
+            )
+        )
     return out
 
 
 def _replica_warnings(xa, key_a, xb, key_b, logical_a, warnings, warned) -> None:
     """A's replicas, and B's of the tensors A lacks (B's other copies are each compared with A's value)."""
     found = _replica_mismatch_rows("A", xa, key_a)
-    only_b = ~np.asarray(pc.is_in(key_b, value_set=logical_a).to_numpy(zero_copy_only=False), dtype=bool)
+    only_b = ~np.asarray(
+        pc.is_in(key_b, value_set=logical_a).to_numpy(zero_copy_only=False), dtype=bool
+    )
     if only_b.any():
         rows = pa.array(np.nonzero(only_b)[0])
         found += _replica_mismatch_rows("B", xb.take(rows), key_b.take(rows))
@@ -806,13 +1041,17 @@ def _compared_steps(a: _Side, b: _Side) -> tuple[list[int], dict]:
             why.append(f"run {s.label} has no complete step")
             continue
         first, last = s.steps[0], s.steps[-1]
-        every = max(1, int(get_field(s.manifest, "record.every") or 1))  # it digests steps every, 2*every, ...
+        every = max(
+            1, int(get_field(s.manifest, "record.every") or 1)
+        )  # it digests steps every, 2*every, ...
         if every > 1:
             why.append(f"run {s.label} records one step in {every} (record.every)")
         if first > every:
             if s.kind == "recovered" or s.resume_step:
-                why.append(f"run {s.label} is a recovered run resumed from the checkpoint of step "
-                           f"{s.resume_step or first - 1}: its records start at step {first}")
+                why.append(
+                    f"run {s.label} is a recovered run resumed from the checkpoint of step "
+                    f"{s.resume_step or first - 1}: its records start at step {first}"
+                )
             else:
                 why.append(f"run {s.label} has no records before step {first}")
         if n_total and last < n_total - n_total % every:
@@ -824,12 +1063,19 @@ def _compared_steps(a: _Side, b: _Side) -> tuple[list[int], dict]:
         if gaps:
             why.append(f"run {s.label} lacks step(s) {ranges(gaps)}")
     if not common:
-        raise BadInput(f"{a.path} vs {b.path}", "the runs share no step to compare"
-                       + (f" ({'; '.join(why)})" if why else ""))
+        raise BadInput(
+            f"{a.path} vs {b.path}",
+            "the runs share no step to compare" + (f" ({'; '.join(why)})" if why else ""),
+        )
     if not why:
         why.append(f"all {len(common)} steps")
-    return common, {"first": common[0], "last": common[-1], "count": len(common), "why": "; ".join(why),
-                    "full": bool(n_total) and len(common) == n_total}
+    return common, {
+        "first": common[0],
+        "last": common[-1],
+        "count": len(common),
+        "why": "; ".join(why),
+        "full": bool(n_total) and len(common) == n_total,
+    }
 
 
 def _agreed_since(x: _Side, other: _Side) -> int:
@@ -838,7 +1084,11 @@ def _agreed_since(x: _Side, other: _Side) -> int:
     if not x.resume_step or not x.resume_checkpoint:
         return 0
     ck = Path(str(x.resume_checkpoint))
-    for cand in ([ck] if ck.is_absolute() else [x.path / ck, x.path.parent / ck, x.path.parent.parent / ck, ck]):
+    for cand in (
+        [ck]
+        if ck.is_absolute()
+        else [x.path / ck, x.path.parent / ck, x.path.parent.parent / ck, ck]
+    ):
         try:
             cand.resolve().relative_to(other.path.resolve())
             return x.resume_step
@@ -852,21 +1102,34 @@ def _choose_mode(side_a: _Side, side_b: _Side, mode: str | None, rtol, atol, war
     comparison across topologies and bad bounds. Returns (mode, the topology fields that differ)."""
     ma, mb = side_a.manifest, side_b.manifest
     topo = _field_diffs(ma, mb, TOPOLOGY_FIELDS)
-    algorithm = [(k, x, y) for k, x, y in _field_diffs(ma, mb, ("parallelism.architecture", "parallelism.staleness"))
-                 if k != "parallelism.architecture" or ma.get("parallelism", {}).get("staleness")
-                 or mb.get("parallelism", {}).get("staleness")]
+    algorithm = [
+        (k, x, y)
+        for k, x, y in _field_diffs(ma, mb, ("parallelism.architecture", "parallelism.staleness"))
+        if k != "parallelism.architecture"
+        or ma.get("parallelism", {}).get("staleness")
+        or mb.get("parallelism", {}).get("staleness")
+    ]
     if algorithm:
-        warnings.append("different algorithms, not a bug: " + "; ".join(f"{k} {_short(x)} vs {_short(y)}"
-                        for k, x, y in algorithm) + " (a stale parameter server computes other updates; "
-                        "a divergence here is expected)")
+        warnings.append(
+            "different algorithms, not a bug: "
+            + "; ".join(f"{k} {_short(x)} vs {_short(y)}" for k, x, y in algorithm)
+            + " (a stale parameter server computes other updates; "
+            "a divergence here is expected)"
+        )
     if mode is None:
         mode = "bitwise" if not topo and rtol is None and atol is None else "numeric"
     if mode not in MODES:
-        raise BadInput("--mode", f"unknown mode {mode!r}; use one of {', '.join(MODES)}", field="mode")
+        raise BadInput(
+            "--mode", f"unknown mode {mode!r}; use one of {', '.join(MODES)}", field="mode"
+        )
     if mode == "bitwise" and topo:
-        raise BadInput(side_b.path / LOCK, "a bitwise comparison needs the same topology, and these differ: "
-                       + "; ".join(f"{k} {_short(x)} vs {_short(y)}" for k, x, y in topo)
-                       + " (compare them numerically)", field=", ".join(k for k, _, _ in topo))
+        raise BadInput(
+            side_b.path / LOCK,
+            "a bitwise comparison needs the same topology, and these differ: "
+            + "; ".join(f"{k} {_short(x)} vs {_short(y)}" for k, x, y in topo)
+            + " (compare them numerically)",
+            field=", ".join(k for k, _, _ in topo),
+        )
     if mode == "bitwise" and (rtol is not None or atol is not None):
         warnings.append("rtol/atol are ignored in bitwise mode")
     for name, v in (("rtol", rtol), ("atol", atol)):
@@ -880,9 +1143,12 @@ def _load_calibration(path, side_a: _Side, side_b: _Side):
 
     cal = Calibration(path)
     if cal.manifest_id not in (side_a.run.manifest_id, side_b.run.manifest_id):
-        raise BadInput(cal.path, f"calibrates manifest {cal.manifest_id[:12]}, neither run A's "
-                       f"({str(side_a.run.manifest_id)[:12]}) nor B's ({str(side_b.run.manifest_id)[:12]})",
-                       field="manifest_id")
+        raise BadInput(
+            cal.path,
+            f"calibrates manifest {cal.manifest_id[:12]}, neither run A's "
+            f"({str(side_a.run.manifest_id)[:12]}) nor B's ({str(side_b.run.manifest_id)[:12]})",
+            field="manifest_id",
+        )
     return cal
 
 
@@ -893,14 +1159,19 @@ def _block(steps: list[int], n: int, ranks, sides: tuple[_Side, _Side], rows: in
     """steps[n:] as far as `rows` records of either side (over all ranks) reach, at least one step."""
     out, total = [], 0
     for step in steps[n:]:
-        total += max(sum(int((side.entry(r, step) or {}).get("records") or 0) for r in ranks) for side in sides)
+        total += max(
+            sum(int((side.entry(r, step) or {}).get("records") or 0) for r in ranks)
+            for side in sides
+        )
         if out and total > rows:
             break
         out.append(step)
     return out
 
 
-def _compare_block(block: list[int], ranks, side_a: _Side, side_b: _Side, tol: _Tol) -> dict[int, tuple[dict, int]]:
+def _compare_block(
+    block: list[int], ranks, side_a: _Side, side_b: _Side, tol: _Tol
+) -> dict[int, tuple[dict, int]]:
     """Same topology, steps `block`, rank by rank: ({rank: _RankStep}, ranks read) per step. A rank whose index
     digests agree is skipped unread, after its bytes are checked against the hash it was indexed with. A rank's
     steps that are read and align row by row are compared in one column-wise call (a step's fixed cost of numpy
@@ -912,18 +1183,31 @@ def _compare_block(block: list[int], ranks, side_a: _Side, side_b: _Side, tol: _
         items = []
         for s in block:
             ea, eb = side_a.entry(r, s), side_b.entry(r, s)
-            if (ea is not None and eb is not None and ea.get("digest") is not None
-                    and ea.get("digest") == eb.get("digest") and ea.get("records") == eb.get("records")):
-                side_a.check_step(r, s)  # skipped by the index: its bytes must still be what was indexed
+            if (
+                ea is not None
+                and eb is not None
+                and ea.get("digest") is not None
+                and ea.get("digest") == eb.get("digest")
+                and ea.get("records") == eb.get("records")
+            ):
+                side_a.check_step(
+                    r, s
+                )  # skipped by the index: its bytes must still be what was indexed
                 side_b.check_step(r, s)
                 per[s][r] = _RankStep(int(ea.get("records") or 0))
                 continue
             read[s] += 1
             ba, bb = side_a.batch(r, s), side_b.batch(r, s)
-            if ba is None or bb is None:  # a JSON-lines side: the record path (a side decoded already is not read again)
+            if (
+                ba is None or bb is None
+            ):  # a JSON-lines side: the record path (a side decoded already is not read again)
                 per[s][r] = _compare_rank_step(
-                    s, r, trajectory.to_records(ba) if ba is not None else side_a.records(r, s),
-                    trajectory.to_records(bb) if bb is not None else side_b.records(r, s), tol)
+                    s,
+                    r,
+                    trajectory.to_records(ba) if ba is not None else side_a.records(r, s),
+                    trajectory.to_records(bb) if bb is not None else side_b.records(r, s),
+                    tol,
+                )
             elif ba.num_rows != bb.num_rows:
                 per[s][r] = _compare_rank_step_columns(s, r, ba, bb, tol)
             else:
@@ -937,7 +1221,11 @@ def _compare_block(block: list[int], ranks, side_a: _Side, side_b: _Side, tol: _
                 for (s, _, _), rs in zip(items, out):
                     per[s][r] = rs
                 continue
-        for s, ba, bb in items:  # one step, or a block in which some step does not align: one by one
+        for (
+            s,
+            ba,
+            bb,
+        ) in items:  # one step, or a block in which some step does not align: one by one
             per[s][r] = _compare_rank_step_columns(s, r, ba, bb, tol)
     return {s: (per[s], read[s]) for s in block}
 
@@ -951,12 +1239,21 @@ def _worst_by_phase(by_phase: dict, step: int, per_rank: dict, tol: _Tol) -> Non
             cur = by_phase.setdefault(phase, {"max_rel_err": -1.0})
             if rel > cur["max_rel_err"]:
                 bnd = None if tol.user else rs.max_rel_bound.get(phase, tol.derived(step, phase))
-                cur.update(max_rel_err=rel, bound=bnd, ratio=rel / bnd if bnd else None, step=step, rank=r,
-                           bound_kind=tol.kind(step, phase))
+                cur.update(
+                    max_rel_err=rel,
+                    bound=bnd,
+                    ratio=rel / bnd if bnd else None,
+                    step=step,
+                    rank=r,
+                    bound_kind=tol.kind(step, phase),
+                )
         for phase, (ratio, rel, bnd) in rs.ratio_by_phase.items():
             cur = by_phase[phase]
             if ratio > cur.get("max_ratio", -1.0):
-                cur.update(max_ratio=ratio, max_ratio_at={"step": step, "rank": r, "rel_err": rel, "bound": bnd})
+                cur.update(
+                    max_ratio=ratio,
+                    max_ratio_at={"step": step, "rank": r, "rel_err": rel, "bound": bnd},
+                )
 
 
 def _tolerance_doc(mode: str, tol: _Tol, cal, since: int, ma: dict, mb: dict, rtol, atol) -> dict:
@@ -966,15 +1263,31 @@ def _tolerance_doc(mode: str, tol: _Tol, cal, since: int, ma: dict, mb: dict, rt
     if tol.user:
         return {"kind": "user", "rtol": rtol or 0.0, "atol": atol or 0.0}
     if cal is not None:
-        return {"kind": "calibrated", "file": str(cal.path), "safety": cal.doc.get("safety"),
-                "manifest_id": cal.manifest_id, "elsewhere": "derived", "since_step": since,
-                **tolerance.explain(ma, mb)}
+        return {
+            "kind": "calibrated",
+            "file": str(cal.path),
+            "safety": cal.doc.get("safety"),
+            "manifest_id": cal.manifest_id,
+            "elsewhere": "derived",
+            "since_step": since,
+            **tolerance.explain(ma, mb),
+        }
     return {"kind": "derived", "since_step": since, **tolerance.explain(ma, mb)}
 
 
-def diff_runs(a: str | Path, b: str | Path, mode: str | None = None, rtol: float | None = None,
-              atol: float | None = None, allow_edition_mismatch: bool = False, *, use_index: bool = True,
-              propagate: bool = True, on_step=None, calibration: str | Path | None = None) -> dict:
+def diff_runs(
+    a: str | Path,
+    b: str | Path,
+    mode: str | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
+    allow_edition_mismatch: bool = False,
+    *,
+    use_index: bool = True,
+    propagate: bool = True,
+    on_step=None,
+    calibration: str | Path | None = None,
+) -> dict:
     """Compare run `b` against run `a`; returns the result document (the `diff --json` contract).
 
     mode: None (bitwise when the topologies are equal and no rtol/atol is given, else numeric), "bitwise"
@@ -1019,12 +1332,19 @@ def diff_runs(a: str | Path, b: str | Path, mode: str | None = None, rtol: float
         if on_step is not None:
             on_step(n, len(steps))
         if logical:
-            per_rank = _compare_logical_step(step, side_a, side_b, tol, warnings, warned, phases_seen)
+            per_rank = _compare_logical_step(
+                step, side_a, side_b, tol, warnings, warned, phases_seen
+            )
             read_steps += 1
         else:  # a block of steps at once; one at a time when the first divergent step ends the comparison
             if step not in ahead:
-                ahead = _compare_block(_block(steps, n, ranks, (side_a, side_b), BLOCK_ROWS if propagate else 0),
-                                       ranks, side_a, side_b, tol)
+                ahead = _compare_block(
+                    _block(steps, n, ranks, (side_a, side_b), BLOCK_ROWS if propagate else 0),
+                    ranks,
+                    side_a,
+                    side_b,
+                    tol,
+                )
             per_rank, read = ahead.pop(step)
             read_steps += read
         for rs in per_rank.values():
@@ -1036,12 +1356,30 @@ def diff_runs(a: str | Path, b: str | Path, mode: str | None = None, rtol: float
         if first_step is None and diverged_here:
             first_step = step
             key, unit = min((rs.first for rs in diverged_here), key=lambda fu: fu[0])
-            first_div = {k: unit[k] for k in ("step", "micro_batch", "phase", "rank", "tensor", "index", "a", "b",
-                                              "rel_err", "bound", "missing_in", "note")}
+            first_div = {
+                k: unit[k]
+                for k in (
+                    "step",
+                    "micro_batch",
+                    "phase",
+                    "rank",
+                    "tensor",
+                    "index",
+                    "a",
+                    "b",
+                    "rel_err",
+                    "bound",
+                    "missing_in",
+                    "note",
+                )
+            }
             first_div["bound_kind"] = tol.kind(step, unit["phase"])
-        entry = {"step": step, "equal": not diverged_here,
-                 "differing": sum(rs.differing for rs in per_rank.values()),
-                 "ranks": {str(r): per_rank[r].as_dict() for r in sorted(per_rank)}}
+        entry = {
+            "step": step,
+            "equal": not diverged_here,
+            "differing": sum(rs.differing for rs in per_rank.values()),
+            "ranks": {str(r): per_rank[r].as_dict() for r in sorted(per_rank)},
+        }
         if mode == "numeric":  # the bound each phase's errors at this step are held to
             phases = sorted({p for rs in per_rank.values() for p in rs.max_rel}, key=_phase_order)
             entry["bound_by_phase"] = {p: tol.compare_bound(step, p) for p in phases}
@@ -1068,14 +1406,23 @@ def diff_runs(a: str | Path, b: str | Path, mode: str | None = None, rtol: float
         "propagation": propagation,
         "recovered_steps": recovered,
         "tolerance": _tolerance_doc(mode, tol, cal, since, ma, mb, rtol, atol),
-        "stats": {"tensors_compared": n_units, "bit_equal": n_exact, "steps_read": read_steps,
-                  "index": use_index, "steps_hash_checked": side_a.hash_checked + side_b.hash_checked},
+        "stats": {
+            "tensors_compared": n_units,
+            "bit_equal": n_exact,
+            "steps_read": read_steps,
+            "index": use_index,
+            "steps_hash_checked": side_a.hash_checked + side_b.hash_checked,
+        },
         "records_read": {"a": side_a.records_read, "b": side_b.records_read},  # parsed, each side
         "warnings": warnings,
     }
     if logical:
-        result["compared_phases"] = [p for p in CROSS_TOPOLOGY_PHASES if p in phases_seen.get("both", ())]
+        result["compared_phases"] = [
+            p for p in CROSS_TOPOLOGY_PHASES if p in phases_seen.get("both", ())
+        ]
     if mode == "numeric":
-        result["numeric"] = {"by_phase": dict(sorted(by_phase.items(), key=lambda kv: _phase_order(kv[0]))),
-                             "by_step": by_step}
+        result["numeric"] = {
+            "by_phase": dict(sorted(by_phase.items(), key=lambda kv: _phase_order(kv[0]))),
+            "by_step": by_step,
+        }
     return result

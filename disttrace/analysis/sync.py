@@ -20,11 +20,17 @@ def load_traces(run: Run) -> tuple[dict[int, dict[str, list[dict]]], list[str]]:
         by_key: dict = {}
         seen_fr: set = set()
         for rec in iter_jsonl(run.rank_path("collectives", rank), torn):
-            if "lost" in rec:  # the Flight Recorder's ring wrapped past entries not yet copied (run/flightrec.py)
-                warnings.append(f"rank {rank}: {rec['lost']} collective(s) lost from the trace near step "
-                                f"{rec.get('step')} (Flight Recorder ring overwritten before it was copied)")
+            if (
+                "lost" in rec
+            ):  # the Flight Recorder's ring wrapped past entries not yet copied (run/flightrec.py)
+                warnings.append(
+                    f"rank {rank}: {rec['lost']} collective(s) lost from the trace near step "
+                    f"{rec.get('step')} (Flight Recorder ring overwritten before it was copied)"
+                )
                 continue
-            if "fr_seq" in rec:  # a dump from a signal handler may repeat entries a dump in progress wrote
+            if (
+                "fr_seq" in rec
+            ):  # a dump from a signal handler may repeat entries a dump in progress wrote
                 key = (rec.get("pg"), rec["fr_seq"], rec.get("op") in P2P)
                 if key in seen_fr:
                     continue
@@ -32,7 +38,9 @@ def load_traces(run: Run) -> tuple[dict[int, dict[str, list[dict]]], list[str]]:
             if "op" in rec:
                 groups.setdefault(rec["group"], []).append(rec)
                 by_key[(rec["group"], rec["seq"])] = rec
-                if rec["op"] in P2P:  # point-to-point pairs a send with a recv: not a group sequence
+                if (
+                    rec["op"] in P2P
+                ):  # point-to-point pairs a send with a recv: not a group sequence
                     groups[rec["group"]].pop()
                     groups.setdefault(f"p2p:{rec['group']}", []).append(rec)
             elif "end" in rec and (rec.get("group"), rec.get("seq")) in by_key:
@@ -62,16 +70,22 @@ def check_sync(run: Run) -> dict:
     mismatches = []
     for gkey in sorted({g for t in traces.values() for g in t}):
         if gkey.startswith("p2p:"):
-            groups[gkey] = {"ranks": gkey[4:], "ops": sum(len(t.get(gkey, [])) for t in traces.values()),
-                            "bytes": sum(x.get("bytes", 0) for t in traces.values() for x in t.get(gkey, [])),
-                            "note": "point-to-point: counted, not sequence-checked"}
+            groups[gkey] = {
+                "ranks": gkey[4:],
+                "ops": sum(len(t.get(gkey, [])) for t in traces.values()),
+                "bytes": sum(x.get("bytes", 0) for t in traces.values() for x in t.get(gkey, [])),
+                "note": "point-to-point: counted, not sequence-checked",
+            }
             continue
         members = [int(r) for r in gkey.split(",")] if gkey != "?" else sorted(traces)
         present = [r for r in members if r in traces]
         seqs = {r: traces[r].get(gkey, []) for r in present}
         n = max((len(v) for v in seqs.values()), default=0)
-        groups[gkey] = {"ranks": members, "ops": n, "bytes": sum(x.get("bytes", 0) for x in seqs[present[0]])
-                        if present else 0}
+        groups[gkey] = {
+            "ranks": members,
+            "ops": n,
+            "bytes": sum(x.get("bytes", 0) for x in seqs[present[0]]) if present else 0,
+        }
         for k in range(n):
             recs = {r: (seqs[r][k] if k < len(seqs[r]) else None) for r in present}
             if any(v is None for v in recs.values()) and not run.complete:
@@ -85,17 +99,31 @@ def check_sync(run: Run) -> dict:
             example = next(recs[r] for r in agree) if agree else None
             odd = recs[minority[0]]
             start = min((v["start"] for v in recs.values() if v), default=0.0)
-            mismatches.append({
-                "group": members, "seq": k, "ranks": minority, "majority_ranks": agree,
-                "minority": describe(odd), "majority": describe(example), "start": start,
-                "step": (odd or example or {}).get("step"),
-                "message": f"collective desync in group {members} at sequence {k}: rank(s) {minority} issued "
-                           f"{describe(odd)}, rank(s) {agree} issued {describe(example)}",
-            })
+            mismatches.append(
+                {
+                    "group": members,
+                    "seq": k,
+                    "ranks": minority,
+                    "majority_ranks": agree,
+                    "minority": describe(odd),
+                    "majority": describe(example),
+                    "start": start,
+                    "step": (odd or example or {}).get("step"),
+                    "message": f"collective desync in group {members} at sequence {k}: rank(s) {minority} issued "
+                    f"{describe(odd)}, rank(s) {agree} issued {describe(example)}",
+                }
+            )
             break  # later ops of a desynced group are noise
     # the tracer writes an `end` line; the Flight Recorder's records say `done`
-    unfinished = sorted({(r, g, rec["seq"], rec["op"]) for r, t in traces.items() for g, lst in t.items()
-                         for rec in lst if "end" not in rec and not rec.get("done")})
+    unfinished = sorted(
+        {
+            (r, g, rec["seq"], rec["op"])
+            for r, t in traces.items()
+            for g, lst in t.items()
+            for rec in lst
+            if "end" not in rec and not rec.get("done")
+        }
+    )
     first = min(mismatches, key=lambda m: m["start"]) if mismatches else None
     return {
         "ok": first is None,
@@ -124,7 +152,14 @@ def find_stragglers(run: Run, min_seconds: float = 0.1, factor: float = 2.0) -> 
             others = sorted(v for r, v in times.items() if r != rank)
             median = others[len(others) // 2]
             if t - median > min_seconds and t > factor * median:
-                out.append({"step": step, "rank": rank, "seconds": round(t, 4), "others_median": round(median, 4)})
+                out.append(
+                    {
+                        "step": step,
+                        "rank": rank,
+                        "seconds": round(t, 4),
+                        "others_median": round(median, 4),
+                    }
+                )
     return out
 
 
@@ -144,8 +179,14 @@ def op_class(op: str) -> str | None:
     o = op.lower()
     if o in ("send", "recv_", "recv_any_source_"):
         return "p2p"
-    for key, cls in (("reduce_scatter", "reduce_scatter"), ("allreduce", "allreduce"), ("all_reduce", "allreduce"),
-                     ("allgather", "allgather"), ("all_gather", "allgather"), ("broadcast", "broadcast")):
+    for key, cls in (
+        ("reduce_scatter", "reduce_scatter"),
+        ("allreduce", "allreduce"),
+        ("all_reduce", "allreduce"),
+        ("allgather", "allgather"),
+        ("all_gather", "allgather"),
+        ("broadcast", "broadcast"),
+    ):
         if key in o:
             return cls
     return None
@@ -164,7 +205,9 @@ def wire_volume(run: Run, rank: int = 0) -> dict:
             cls = op_class(op["op"])
             if cls is None or not str(op.get("dtype") or "").startswith(("float", "bfloat")):
                 continue
-            row = steps.setdefault(op.get("step", 0), {}).setdefault(cls, {"calls": 0, "bytes": 0, "ring_bytes": 0.0})
+            row = steps.setdefault(op.get("step", 0), {}).setdefault(
+                cls, {"calls": 0, "bytes": 0, "ring_bytes": 0.0}
+            )
             row["calls"] += 1
             row["bytes"] += op.get("bytes", 0)
             row["ring_bytes"] += RING[cls](n) * op.get("bytes", 0) if n > 1 else 0.0
@@ -179,7 +222,9 @@ def predicted_dp_volume(manifest: dict) -> int | None:
         m, p, t = manifest["model"], manifest["parallelism"], manifest["training"]
         if p["tp"] > 1 or p["pp"] > 1 or p.get("architecture") != "allreduce":
             return None
-        psi = count_params(m["dim"], m["n_layers"], m["n_heads"], m["n_kv_heads"], m["vocab_size"], m["ffn_hidden"])
+        psi = count_params(
+            m["dim"], m["n_layers"], m["n_heads"], m["n_kv_heads"], m["vocab_size"], m["ffn_hidden"]
+        )
         per = {"float32": 4, "float64": 8}.get(t["dtype"], 4)
         return comm_bytes_per_device(psi, p["dp"], per)[str(p["zero_stage"])]
     except (KeyError, TypeError, ValueError):

@@ -58,11 +58,11 @@ from __future__ import annotations
 import math
 
 UNIT_ROUNDOFF = {
-    "float64": 2.0 ** -53,
-    "float32": 2.0 ** -24,
-    "tf32": 2.0 ** -11,
-    "float16": 2.0 ** -11,
-    "bfloat16": 2.0 ** -8,
+    "float64": 2.0**-53,
+    "float32": 2.0**-24,
+    "tf32": 2.0**-11,
+    "float16": 2.0**-11,
+    "bfloat16": 2.0**-8,
 }
 C_ORDER = 2.0  # two different summation orders, each with an error of u*sqrt(n)
 
@@ -76,8 +76,11 @@ ACTIVATION_PHASES = ("forward", "loss")
 def unit_roundoff(manifest: dict) -> float:
     """The unit roundoff of the coarsest dtype a run's manifest names (float32 when it names none)."""
     t = manifest.get("training", {}) or {}
-    us = [UNIT_ROUNDOFF.get(str(t[k]).removeprefix("torch."), UNIT_ROUNDOFF["float32"]) for k in _DTYPE_KEYS
-          if t.get(k)]
+    us = [
+        UNIT_ROUNDOFF.get(str(t[k]).removeprefix("torch."), UNIT_ROUNDOFF["float32"])
+        for k in _DTYPE_KEYS
+        if t.get(k)
+    ]
     return max(us) if us else UNIT_ROUNDOFF["float32"]
 
 
@@ -168,12 +171,20 @@ def sketch_rounding(dtype, shape) -> float:
     in_float32 = str(dtype).removeprefix("torch.") in SKETCH_FLOAT32
     u = UNIT_ROUNDOFF["float32"] if in_float32 else UNIT_ROUNDOFF["float64"]
     stored = UNIT_ROUNDOFF["float32"] if in_float32 else 0.0
-    return u * math.sqrt(min(rows, SKETCH_ROWS)) + UNIT_ROUNDOFF["float64"] * math.sqrt(rows + cols) + stored
+    return (
+        u * math.sqrt(min(rows, SKETCH_ROWS))
+        + UNIT_ROUNDOFF["float64"] * math.sqrt(rows + cols)
+        + stored
+    )
 
 
 def combine_sketches(sketches: list) -> list[float] | None:
     """The logical tensor's sketch from its shards' (each placed at its offset, so they add up)."""
-    if not sketches or not all(isinstance(k, list) for k in sketches) or len({len(k) for k in sketches}) != 1:
+    if (
+        not sketches
+        or not all(isinstance(k, list) for k in sketches)
+        or len({len(k) for k in sketches}) != 1
+    ):
         return None
     try:
         return [math.fsum(float(k[i]) for k in sketches) for i in range(len(sketches[0]))]

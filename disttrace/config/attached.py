@@ -10,14 +10,14 @@ refuses what a user's script legitimately holds (any seed, an optimizer's own ki
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, JsonValue
 
 from disttrace.config.manifest import Checkpoint, Section
 
 # a number for torch's optimizers; whatever JSON value another optimizer keeps under that name, as it is
-Hyper = Optional[JsonValue]
+Hyper = JsonValue | None
 
 
 class AttachedExperiment(Section):
@@ -52,7 +52,9 @@ class AttachedModel(Section):
 
 class AttachedOptimizer(Section):
     type: str = Field(description="module.QualifiedName of the torch optimizer")
-    param_groups: dict[str, dict[str, Any]] = Field(description="each group's settings, by group index")
+    param_groups: dict[str, dict[str, Any]] = Field(
+        description="each group's settings, by group index"
+    )
 
 
 class AttachedTraining(Section):
@@ -62,17 +64,24 @@ class AttachedTraining(Section):
     weight_decay: Hyper = None
     beta1: Hyper = None
     beta2: Hyper = None
-    grad_accum_steps: Optional[int] = Field(default=None, description="from the user's config, if it says")
-    micro_batch_size: Optional[int] = None
-    steps: Optional[int] = None
-    max_grad_norm: Optional[float] = Field(default=None, description="never written by attach; the stand-in "
-                                            "manifest attach checks a fault against sets it")
+    grad_accum_steps: int | None = Field(
+        default=None, description="from the user's config, if it says"
+    )
+    micro_batch_size: int | None = None
+    steps: int | None = None
+    max_grad_norm: float | None = Field(
+        default=None,
+        description="never written by attach; the stand-in "
+        "manifest attach checks a fault against sets it",
+    )
 
 
 class AttachedRecord(Section):
     every: int = Field(default=1, ge=1)
     forward: bool = False
-    forward_modules: list[str] = Field(default_factory=list, description="module paths whose outputs are recorded")
+    forward_modules: list[str] = Field(
+        default_factory=list, description="module paths whose outputs are recorded"
+    )
 
 
 class AttachedManifest(Section):
@@ -81,9 +90,13 @@ class AttachedManifest(Section):
     model: AttachedModel
     optimizer: AttachedOptimizer
     training: AttachedTraining
-    config: dict[str, Any] = Field(default_factory=dict, description="the user's config, as given (JSON-able)")
-    record: Optional[AttachedRecord] = None
-    checkpoint: Optional[Checkpoint] = Field(default=None, description="never written by attach; see max_grad_norm")
+    config: dict[str, Any] = Field(
+        default_factory=dict, description="the user's config, as given (JSON-able)"
+    )
+    record: AttachedRecord | None = None
+    checkpoint: Checkpoint | None = Field(
+        default=None, description="never written by attach; see max_grad_norm"
+    )
 
     @property
     def world_size(self) -> int:

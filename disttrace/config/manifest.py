@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import tomllib
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -17,7 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from disttrace.errors import BadInput
 from disttrace.model.shapes import ffn_hidden_default
 
-DEFAULT_MANIFEST = Path(__file__).resolve().parents[2] / "manifests" / "default.toml"  # disttrace/config/ -> repo
+DEFAULT_MANIFEST = (
+    Path(__file__).resolve().parents[2] / "manifests" / "default.toml"
+)  # disttrace/config/ -> repo
 
 
 class Section(BaseModel):
@@ -26,22 +28,26 @@ class Section(BaseModel):
 
 class Experiment(Section):
     name: str
-    edition: str = Field(description="protocol version label; runs of different editions are never silently compared")
+    edition: str = Field(
+        description="protocol version label; runs of different editions are never silently compared"
+    )
     seed: int = Field(ge=0)
     description: str = ""
 
 
 class Data(Section):
     path: str
-    sha256: Optional[str] = Field(default=None, description="stated hash; computed at freeze and checked")
+    sha256: str | None = Field(
+        default=None, description="stated hash; computed at freeze and checked"
+    )
     eval_percent: int = Field(default=10, ge=1, le=50)
     split_salt: str = "disttrace-v1"
 
 
 class Tokenizer(Section):
     kind: Literal["bpe", "byte"] = "bpe"
-    path: Optional[str] = None
-    sha256: Optional[str] = None
+    path: str | None = None
+    sha256: str | None = None
 
 
 class Model(Section):
@@ -52,16 +58,20 @@ class Model(Section):
     vocab_size: int = Field(gt=0)
     max_seq_len: int = Field(gt=1)
     multiple_of: int = Field(default=32, gt=0)
-    ffn_hidden: Optional[int] = Field(default=None, gt=0)
+    ffn_hidden: int | None = Field(default=None, gt=0)
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
 
     @model_validator(mode="after")
     def _shapes(self):
         if self.dim % self.n_heads:
-            raise ValueError(f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})")
+            raise ValueError(
+                f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})"
+            )
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"model.n_heads ({self.n_heads}) must be divisible by model.n_kv_heads ({self.n_kv_heads})")
+            raise ValueError(
+                f"model.n_heads ({self.n_heads}) must be divisible by model.n_kv_heads ({self.n_kv_heads})"
+            )
         if self.ffn_hidden is None:
             self.ffn_hidden = ffn_hidden_default(self.dim, self.multiple_of)  # LLaMA's rule
         return self
@@ -75,7 +85,7 @@ class Parallelism(Section):
     pp_schedule: Literal["gpipe", "1f1b"] = "gpipe"
     architecture: Literal["allreduce", "parameter-server"] = "allreduce"
     staleness: int = Field(default=0, ge=0)
-    world_size: Optional[int] = Field(default=None, ge=1, description="if stated, must equal dp*tp*pp")
+    world_size: int | None = Field(default=None, ge=1, description="if stated, must equal dp*tp*pp")
     backend: Literal["auto", "gloo", "nccl"] = "auto"
 
     @model_validator(mode="after")
@@ -100,7 +110,9 @@ class Training(Section):
     beta1: float = 0.9
     beta2: float = 0.95
     dtype: Literal["float32", "float64"] = "float32"
-    max_grad_norm: Optional[float] = Field(default=None, gt=0, description="clip the global gradient norm to this")
+    max_grad_norm: float | None = Field(
+        default=None, gt=0, description="clip the global gradient norm to this"
+    )
 
 
 class Checkpoint(Section):
@@ -110,27 +122,41 @@ class Checkpoint(Section):
 class Debug(Section):
     deterministic: bool = True
     collective_timeout_s: float = Field(default=60.0, gt=0)
-    ddp_bucket_cap_mb: Optional[float] = Field(default=None, gt=0, description="DDP bucket size (default: DDP's 25)")
-    live_check: bool = Field(default=False, description="compare replica digests every step; stop at the first mismatch")
+    ddp_bucket_cap_mb: float | None = Field(
+        default=None, gt=0, description="DDP bucket size (default: DDP's 25)"
+    )
+    live_check: bool = Field(
+        default=False, description="compare replica digests every step; stop at the first mismatch"
+    )
 
 
 class Record(Section):
     """What the recorder writes (how much evidence, at what cost). Not part of the experiment: diff compares
     runs that differ here (on the steps both recorded)."""
 
-    enabled: bool = Field(default=True, description="false: the unrecorded baseline (benchmarks); step wall "
-                          "times are still kept")
+    enabled: bool = Field(
+        default=True,
+        description="false: the unrecorded baseline (benchmarks); step wall times are still kept",
+    )
     collectives: Literal["metadata", "values", "off"] = Field(
-        default="metadata", description="metadata: read from each process group's Flight Recorder (no per-op "
-        "cost); values: a dispatch-mode tracer that also digests every collective's payload; off: no trace")
+        default="metadata",
+        description="metadata: read from each process group's Flight Recorder (no per-op "
+        "cost); values: a dispatch-mode tracer that also digests every collective's payload; off: no trace",
+    )
     every: int = Field(default=1, ge=1, description="digest every k-th step (steps k, 2k, ...)")
-    forward: bool = Field(default=True, description="record each block's output at the forward point")
+    forward: bool = Field(
+        default=True, description="record each block's output at the forward point"
+    )
 
 
 class Eval(Section):
     max_batches: int = Field(default=16, ge=1)
     batch_size: int = Field(default=4, ge=1)
-    loss_rtol: float = Field(default=0.02, ge=0, description="gate: eval loss within this relative tolerance of the reference's")
+    loss_rtol: float = Field(
+        default=0.02,
+        ge=0,
+        description="gate: eval loss within this relative tolerance of the reference's",
+    )
 
 
 class Manifest(Section):
@@ -159,26 +185,50 @@ def _not_supported_yet(m: Manifest) -> tuple[str, str] | None:
     p = m.parallelism
     if p.tp > 1:
         md = m.model
-        for name, value in (("model.n_heads", md.n_heads), ("model.n_kv_heads", md.n_kv_heads),
-                            ("model.ffn_hidden", md.ffn_hidden), ("model.vocab_size", md.vocab_size)):
+        for name, value in (
+            ("model.n_heads", md.n_heads),
+            ("model.n_kv_heads", md.n_kv_heads),
+            ("model.ffn_hidden", md.ffn_hidden),
+            ("model.vocab_size", md.vocab_size),
+        ):
             if value % p.tp:
-                return name, f"{value} is not divisible by parallelism.tp = {p.tp} (tensor parallel splits it)"
+                return (
+                    name,
+                    f"{value} is not divisible by parallelism.tp = {p.tp} (tensor parallel splits it)",
+                )
     if p.pp > 1:
         if p.zero_stage or p.architecture != "allreduce":
-            return "parallelism.pp", ("pipeline parallel with ZeRO or a parameter server is not supported; with "
-                                      "dp > 1 the stages are sharded over dp with FSDP2 already")
+            return "parallelism.pp", (
+                "pipeline parallel with ZeRO or a parameter server is not supported; with "
+                "dp > 1 the stages are sharded over dp with FSDP2 already"
+            )
         if m.model.n_layers < p.pp:
-            return "parallelism.pp", f"{p.pp} stages need at least {p.pp} layers (model.n_layers = {m.model.n_layers})"
+            return (
+                "parallelism.pp",
+                f"{p.pp} stages need at least {p.pp} layers (model.n_layers = {m.model.n_layers})",
+            )
         if p.pp_schedule == "1f1b" and m.training.grad_accum_steps < p.pp:
             return "training.grad_accum_steps", f"1F1B needs at least pp = {p.pp} micro-batches"
     if p.zero_stage > 0 and p.tp > 1:
-        return "parallelism.zero_stage", "ZeRO with tensor parallel: dp x tp shards over dp with FSDP2 already; use zero_stage = 0"
+        return (
+            "parallelism.zero_stage",
+            "ZeRO with tensor parallel: dp x tp shards over dp with FSDP2 already; use zero_stage = 0",
+        )
     if p.architecture == "parameter-server" and (p.tp > 1 or p.pp > 1 or p.zero_stage > 0):
-        return "parallelism.architecture", "the parameter server is data parallel only (tp = pp = 1, zero_stage = 0)"
+        return (
+            "parallelism.architecture",
+            "the parameter server is data parallel only (tp = pp = 1, zero_stage = 0)",
+        )
     if p.architecture == "parameter-server" and m.training.max_grad_norm:
-        return "training.max_grad_norm", "the parameter server does not clip yet; drop training.max_grad_norm"
+        return (
+            "training.max_grad_norm",
+            "the parameter server does not clip yet; drop training.max_grad_norm",
+        )
     if m.debug.live_check and not m.record.enabled:
-        return "record.enabled", "debug.live_check compares the recorder's digests: it needs record.enabled = true"
+        return (
+            "record.enabled",
+            "debug.live_check compares the recorder's digests: it needs record.enabled = true",
+        )
     if p.architecture == "allreduce" and p.staleness:
         return "parallelism.staleness", "staleness applies to the parameter server only"
     return None
@@ -234,7 +284,10 @@ def read_toml(path: Path) -> dict:
     text = read_text_file(path, "manifest")
     try:
         return tomllib.loads(text)
-    except (ValueError, RecursionError) as e:  # TOMLDecodeError; an int past Python's digit limit; deep nesting
+    except (
+        ValueError,
+        RecursionError,
+    ) as e:  # TOMLDecodeError; an int past Python's digit limit; deep nesting
         raise BadInput(path, f"invalid TOML ({e})") from None
 
 
@@ -289,12 +342,28 @@ def freeze(path: Path | str | None, overrides: list[str] | None = None) -> Froze
 # Fields that make two manifests different experiments (diff refuses them) vs a different topology of
 # one experiment (diff compares them numerically).
 EXPERIMENT_FIELDS = (
-    "experiment.edition", "experiment.seed", "data.sha256", "data.eval_percent", "data.split_salt",
-    "tokenizer.sha256", "model", "training.steps", "training.lr", "training.optimizer", "training.weight_decay",
-    "training.beta1", "training.beta2",
-    "optimizer", "config",  # attached runs (disttrace.api): the optimizer's hyper-parameters, the user's config
+    "experiment.edition",
+    "experiment.seed",
+    "data.sha256",
+    "data.eval_percent",
+    "data.split_salt",
+    "tokenizer.sha256",
+    "model",
+    "training.steps",
+    "training.lr",
+    "training.optimizer",
+    "training.weight_decay",
+    "training.beta1",
+    "training.beta2",
+    "optimizer",
+    "config",  # attached runs (disttrace.api): the optimizer's hyper-parameters, the user's config
 )
-TOPOLOGY_FIELDS = ("parallelism", "training.micro_batch_size", "training.grad_accum_steps", "training.dtype")
+TOPOLOGY_FIELDS = (
+    "parallelism",
+    "training.micro_batch_size",
+    "training.grad_accum_steps",
+    "training.dtype",
+)
 
 
 def get_field(manifest: dict, dotted: str) -> Any:
@@ -308,7 +377,9 @@ def get_field(manifest: dict, dotted: str) -> Any:
 
 def global_batch(manifest: dict) -> int:
     p, t = manifest.get("parallelism", {}), manifest.get("training", {})
-    return int(p.get("dp", 1)) * int(t.get("micro_batch_size", 1)) * int(t.get("grad_accum_steps", 1))
+    return (
+        int(p.get("dp", 1)) * int(t.get("micro_batch_size", 1)) * int(t.get("grad_accum_steps", 1))
+    )
 
 
 def freeze_doc(doc: dict, where: Path | str, overrides: list[str] | None = None) -> Frozen:
@@ -325,8 +396,11 @@ def freeze_doc(doc: dict, where: Path | str, overrides: list[str] | None = None)
         raise BadInput(path, f"data file not found: {data_path}", field="data.path")
     data_sha = sha256_file(data_path)
     if m.data.sha256 and m.data.sha256 != data_sha:
-        raise BadInput(path, f"stated sha256 {m.data.sha256[:12]}... does not match the file's {data_sha[:12]}...",
-                       field="data.sha256")
+        raise BadInput(
+            path,
+            f"stated sha256 {m.data.sha256[:12]}... does not match the file's {data_sha[:12]}...",
+            field="data.sha256",
+        )
     m.data.sha256 = data_sha
 
     from disttrace.data.tokenizer import load_tokenizer  # tokenizers is light; no torch here
@@ -340,12 +414,19 @@ def freeze_doc(doc: dict, where: Path | str, overrides: list[str] | None = None)
             raise BadInput(path, f"tokenizer file not found: {tok_path}", field="tokenizer.path")
     tok = load_tokenizer(m.tokenizer.kind, str(tok_path) if tok_path else None)
     if m.tokenizer.sha256 and m.tokenizer.sha256 != tok.sha256:
-        raise BadInput(path, f"stated sha256 {m.tokenizer.sha256[:12]}... does not match the tokenizer's "
-                       f"{tok.sha256[:12]}...", field="tokenizer.sha256")
+        raise BadInput(
+            path,
+            f"stated sha256 {m.tokenizer.sha256[:12]}... does not match the tokenizer's "
+            f"{tok.sha256[:12]}...",
+            field="tokenizer.sha256",
+        )
     m.tokenizer.sha256 = tok.sha256
     if tok.vocab_size > m.model.vocab_size:
-        raise BadInput(path, f"{m.model.vocab_size} is smaller than the tokenizer's vocabulary ({tok.vocab_size})",
-                       field="model.vocab_size")
+        raise BadInput(
+            path,
+            f"{m.model.vocab_size} is smaller than the tokenizer's vocabulary ({tok.vocab_size})",
+            field="model.vocab_size",
+        )
 
     if m.parallelism.dp < 1 or m.world_size > 4096:
         raise BadInput(path, f"world size {m.world_size} is out of range", field="parallelism.dp")
@@ -360,5 +441,8 @@ def freeze_doc(doc: dict, where: Path | str, overrides: list[str] | None = None)
         manifest_id=manifest_id,
         source=str(path),
         overrides=list(overrides or []),
-        resolved={"data_path": str(data_path), "tokenizer_path": str(tok_path) if tok_path else None},
+        resolved={
+            "data_path": str(data_path),
+            "tokenizer_path": str(tok_path) if tok_path else None,
+        },
     )

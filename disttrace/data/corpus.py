@@ -24,18 +24,70 @@ from disttrace.errors import BadInput
 
 SEED = 20240601
 N_DOCS = 2500
-N_DUPLICATES = 12  # copies of earlier documents, so dedup has something to do; every 4th gets trailing spaces
+N_DUPLICATES = (
+    12  # copies of earlier documents, so dedup has something to do; every 4th gets trailing spaces
+)
 
 # --- the grammar ---------------------------------------------------------------------------
 
 COMMON = {
-    "name": ["Ada", "Ben", "Chen", "Dara", "Eli", "Farah", "Gus", "Hana", "Ivo", "Jun", "Kofi", "Lena",
-             "Mateo", "Nia", "Omar", "Pia", "Ravi", "Sara", "Tomas", "Uma", "Vera", "Wen", "Yusuf", "Zoe"],
-    "town": ["Alder", "Brook", "Castleford", "Dunmore", "Eastwick", "Fenby", "Glenrow", "Harwick",
-             "Ivybridge", "Kingsley", "Lowmoor", "Millbank", "Northam", "Oakridge", "Redcliff", "Stonehill"],
+    "name": [
+        "Ada",
+        "Ben",
+        "Chen",
+        "Dara",
+        "Eli",
+        "Farah",
+        "Gus",
+        "Hana",
+        "Ivo",
+        "Jun",
+        "Kofi",
+        "Lena",
+        "Mateo",
+        "Nia",
+        "Omar",
+        "Pia",
+        "Ravi",
+        "Sara",
+        "Tomas",
+        "Uma",
+        "Vera",
+        "Wen",
+        "Yusuf",
+        "Zoe",
+    ],
+    "town": [
+        "Alder",
+        "Brook",
+        "Castleford",
+        "Dunmore",
+        "Eastwick",
+        "Fenby",
+        "Glenrow",
+        "Harwick",
+        "Ivybridge",
+        "Kingsley",
+        "Lowmoor",
+        "Millbank",
+        "Northam",
+        "Oakridge",
+        "Redcliff",
+        "Stonehill",
+    ],
     "day": ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"],
-    "time": ["in the morning", "by noon", "in the afternoon", "at night", "before dawn", "on Monday",
-             "on Friday", "over the weekend", "early today", "late yesterday"],
+    "time": [
+        "in the morning",
+        "by noon",
+        "in the afternoon",
+        "at night",
+        "before dawn",
+        "on Monday",
+        "on Friday",
+        "over the weekend",
+        "early today",
+        "late yesterday",
+    ],
     "season": ["spring", "summer", "autumn", "winter"],
     "small": [str(n) for n in range(2, 10)],
     "num": [str(n) for n in (10, 12, 20, 25, 30, 40, 50, 64, 100, 128, 200, 256, 500, 1000)],
@@ -43,12 +95,48 @@ COMMON = {
 
 TOPICS: dict[str, dict[str, list[str]]] = {
     "training": {
-        "noun": ["gradient", "optimizer state", "checkpoint", "batch", "learning rate", "loss", "tensor",
-                 "parameter shard", "data loader", "random seed", "model", "kernel", "bucket", "buffer"],
-        "adj": ["stale", "large", "sharded", "frozen", "noisy", "stable", "slow", "fast", "remote",
-                "local", "corrupt", "fresh"],
-        "verb": ["saved", "loaded", "reduced", "broadcast", "averaged", "clipped", "restored",
-                 "compared", "logged", "hashed"],
+        "noun": [
+            "gradient",
+            "optimizer state",
+            "checkpoint",
+            "batch",
+            "learning rate",
+            "loss",
+            "tensor",
+            "parameter shard",
+            "data loader",
+            "random seed",
+            "model",
+            "kernel",
+            "bucket",
+            "buffer",
+        ],
+        "adj": [
+            "stale",
+            "large",
+            "sharded",
+            "frozen",
+            "noisy",
+            "stable",
+            "slow",
+            "fast",
+            "remote",
+            "local",
+            "corrupt",
+            "fresh",
+        ],
+        "verb": [
+            "saved",
+            "loaded",
+            "reduced",
+            "broadcast",
+            "averaged",
+            "clipped",
+            "restored",
+            "compared",
+            "logged",
+            "hashed",
+        ],
         "trend": ["rise", "fall", "drift", "spike", "flatten", "oscillate"],
         "templates": [
             "{name} {verb} the {noun} after step {num}.",
@@ -65,10 +153,40 @@ TOPICS: dict[str, dict[str, list[str]]] = {
         ],
     },
     "weather": {
-        "noun": ["rain", "wind", "fog", "snow", "storm", "cloud", "sunshine", "frost", "hail", "thunder"],
-        "adj": ["cold", "warm", "heavy", "light", "grey", "bright", "damp", "dry", "strong", "gentle"],
-        "place": ["the valley", "the coast", "the hills", "the harbour", "the city", "the north",
-                  "the plain", "the old bridge"],
+        "noun": [
+            "rain",
+            "wind",
+            "fog",
+            "snow",
+            "storm",
+            "cloud",
+            "sunshine",
+            "frost",
+            "hail",
+            "thunder",
+        ],
+        "adj": [
+            "cold",
+            "warm",
+            "heavy",
+            "light",
+            "grey",
+            "bright",
+            "damp",
+            "dry",
+            "strong",
+            "gentle",
+        ],
+        "place": [
+            "the valley",
+            "the coast",
+            "the hills",
+            "the harbour",
+            "the city",
+            "the north",
+            "the plain",
+            "the old bridge",
+        ],
         "temp": [str(n) for n in range(-5, 31, 3)],
         "templates": [
             "The {adj} {noun} reached {place} {time}.",
@@ -82,11 +200,48 @@ TOPICS: dict[str, dict[str, list[str]]] = {
         ],
     },
     "cooking": {
-        "noun": ["onions", "garlic", "butter", "flour", "rice", "beans", "tomatoes", "lemons", "eggs",
-                 "carrots", "potatoes", "mushrooms", "milk", "cheese", "herbs"],
+        "noun": [
+            "onions",
+            "garlic",
+            "butter",
+            "flour",
+            "rice",
+            "beans",
+            "tomatoes",
+            "lemons",
+            "eggs",
+            "carrots",
+            "potatoes",
+            "mushrooms",
+            "milk",
+            "cheese",
+            "herbs",
+        ],
         "adj": ["simple", "rich", "spicy", "warm", "fresh", "thick", "golden", "light"],
-        "verb": ["chop", "stir", "fry", "boil", "roast", "slice", "whisk", "bake", "simmer", "season"],
-        "dish": ["soup", "bread", "stew", "pie", "salad", "curry", "cake", "sauce", "pasta", "omelette"],
+        "verb": [
+            "chop",
+            "stir",
+            "fry",
+            "boil",
+            "roast",
+            "slice",
+            "whisk",
+            "bake",
+            "simmer",
+            "season",
+        ],
+        "dish": [
+            "soup",
+            "bread",
+            "stew",
+            "pie",
+            "salad",
+            "curry",
+            "cake",
+            "sauce",
+            "pasta",
+            "omelette",
+        ],
         "templates": [
             "{Verb} the {noun} for {small} minutes.",
             "{name} made a {adj} {dish} with {noun} and {noun}.",
@@ -99,8 +254,20 @@ TOPICS: dict[str, dict[str, list[str]]] = {
         ],
     },
     "garden": {
-        "noun": ["roses", "beans", "apple trees", "tulips", "herbs", "lettuce", "ferns", "ivy",
-                 "sunflowers", "strawberries", "hedges", "pumpkins"],
+        "noun": [
+            "roses",
+            "beans",
+            "apple trees",
+            "tulips",
+            "herbs",
+            "lettuce",
+            "ferns",
+            "ivy",
+            "sunflowers",
+            "strawberries",
+            "hedges",
+            "pumpkins",
+        ],
         "adj": ["dry", "rich", "sandy", "heavy", "damp", "shady", "sunny"],
         "verb": ["planted", "watered", "pruned", "picked", "moved", "fed"],
         "spot": ["the wall", "the gate", "the pond", "the shed", "the path", "the fence"],
@@ -127,7 +294,18 @@ TOPICS: dict[str, dict[str, list[str]]] = {
         ],
     },
     "market": {
-        "goods": ["fish", "bread", "cloth", "apples", "books", "pots", "flowers", "honey", "lamps", "tools"],
+        "goods": [
+            "fish",
+            "bread",
+            "cloth",
+            "apples",
+            "books",
+            "pots",
+            "flowers",
+            "honey",
+            "lamps",
+            "tools",
+        ],
         "shop": ["bakery", "bookshop", "forge", "tea room", "stall", "workshop"],
         "adj": ["busy", "quiet", "old", "small", "crowded", "new"],
         "templates": [
@@ -155,7 +333,9 @@ def _sentence(rng: random.Random, topic: dict[str, list[str]]) -> str:
     return s[0].upper() + s[1:]
 
 
-def generate_corpus(seed: int = SEED, n_docs: int = N_DOCS, n_duplicates: int = N_DUPLICATES) -> list[dict]:
+def generate_corpus(
+    seed: int = SEED, n_docs: int = N_DOCS, n_duplicates: int = N_DUPLICATES
+) -> list[dict]:
     """Documents of 3-6 sentences, mostly on one topic; then copies of earlier documents mixed in."""
     rng = random.Random(seed)
     names = list(TOPICS)  # dict order is insertion order: deterministic
@@ -197,7 +377,10 @@ def load_documents(path: str | Path) -> list[dict]:
     docs = []
     if p.suffix == ".txt":
         paragraphs = re.split(r"\n[ \t\r\f\v]*\n", raw)
-        docs = [{"id": f"para-{i}", "text": t.strip()} for i, t in enumerate((t for t in paragraphs if t.strip()), 1)]
+        docs = [
+            {"id": f"para-{i}", "text": t.strip()}
+            for i, t in enumerate((t for t in paragraphs if t.strip()), 1)
+        ]
     else:
         for n, line in enumerate(raw.splitlines(), 1):
             if not line.strip():
@@ -205,14 +388,16 @@ def load_documents(path: str | Path) -> list[dict]:
             try:
                 obj = orjson.loads(line)
             except orjson.JSONDecodeError as e:
-                raise BadInput(p, f"line {n}: not valid JSON ({e.msg} at column {e.colno})") from None
+                raise BadInput(
+                    p, f"line {n}: not valid JSON ({e.msg} at column {e.colno})"
+                ) from None
             if not isinstance(obj, dict):
                 raise BadInput(p, f"line {n}: expected a JSON object, got {type(obj).__name__}")
             text, doc_id = obj.get("text"), obj.get("id", f"line-{n}")
             if not isinstance(text, str) or not text.strip():
-                raise BadInput(p, f"line {n}: \"text\" must be a non-empty string", field="text")
+                raise BadInput(p, f'line {n}: "text" must be a non-empty string', field="text")
             if not isinstance(doc_id, str):
-                raise BadInput(p, f"line {n}: \"id\" must be a string", field="id")
+                raise BadInput(p, f'line {n}: "id" must be a string', field="id")
             docs.append({"id": doc_id, "text": text})
     if not docs:
         raise BadInput(p, "no documents")
@@ -245,10 +430,15 @@ def split_sha256(docs: list[dict]) -> str:
 
 def in_eval(text: str, eval_percent: int, salt: str) -> bool:
     """Hash-based, so a document's side never changes when others are added, removed or reordered."""
-    return int(hashlib.sha256((salt + _norm(text)).encode("utf-8")).hexdigest()[:8], 16) % 100 < eval_percent
+    return (
+        int(hashlib.sha256((salt + _norm(text)).encode("utf-8")).hexdigest()[:8], 16) % 100
+        < eval_percent
+    )
 
 
-def split_documents(docs: list[dict], eval_percent: int, salt: str) -> tuple[list[dict], list[dict], dict]:
+def split_documents(
+    docs: list[dict], eval_percent: int, salt: str
+) -> tuple[list[dict], list[dict], dict]:
     """Drop exact duplicates (after stripping whitespace; the first occurrence stays), then split by hash."""
     if not 0 <= eval_percent <= 100:
         raise ValueError(f"eval_percent must be in 0..100, got {eval_percent}")
@@ -276,7 +466,9 @@ def split_documents(docs: list[dict], eval_percent: int, salt: str) -> tuple[lis
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m disttrace.data.corpus", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m disttrace.data.corpus", description=__doc__.splitlines()[0]
+    )
     ap.add_argument("--out", required=True, help="where to write the .jsonl")
     ap.add_argument("--seed", type=int, default=SEED)
     ap.add_argument("--n-docs", type=int, default=N_DOCS)

@@ -81,14 +81,20 @@ def load_tokenizer(kind: str, path: str | Path | None) -> Tokenizer:
     if kind == "byte":
         return Tokenizer()
     if kind != "bpe":
-        raise BadInput(path or "tokenizer", f"unknown tokenizer kind {kind!r} (expected 'bpe' or 'byte')", field="kind")
+        raise BadInput(
+            path or "tokenizer",
+            f"unknown tokenizer kind {kind!r} (expected 'bpe' or 'byte')",
+            field="kind",
+        )
     if path is None:
         raise BadInput("tokenizer", "kind 'bpe' needs a tokenizer JSON file", field="path")
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise BadInput(p, f"cannot read tokenizer file: {getattr(e, 'strerror', None) or e}") from None
+        raise BadInput(
+            p, f"cannot read tokenizer file: {getattr(e, 'strerror', None) or e}"
+        ) from None
     try:
         return Tokenizer(text)
     except Exception as e:  # tokenizers raises plain Exception on malformed JSON
@@ -96,15 +102,21 @@ def load_tokenizer(kind: str, path: str | Path | None) -> Tokenizer:
         raise BadInput(p, f"not a valid tokenizers JSON file: {first}") from None
 
 
-def train_from_corpus(corpus: str | Path, vocab_size: int, eval_percent: int = DEFAULT_EVAL_PERCENT,
-                      salt: str = DEFAULT_SALT) -> tuple[str, dict]:
+def train_from_corpus(
+    corpus: str | Path,
+    vocab_size: int,
+    eval_percent: int = DEFAULT_EVAL_PERCENT,
+    salt: str = DEFAULT_SALT,
+) -> tuple[str, dict]:
     """Train on the train split of ``corpus`` only; returns (serialised JSON, split report)."""
     train, _, report = split_documents(load_documents(corpus), eval_percent, salt)
     return train_bpe([d["text"] for d in train], vocab_size), report
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m disttrace.data.tokenizer", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m disttrace.data.tokenizer", description=__doc__.splitlines()[0]
+    )
     ap.add_argument("--corpus", required=True)
     ap.add_argument("--vocab-size", type=int, default=512)
     ap.add_argument("--out", required=True)
@@ -112,15 +124,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--salt", default=DEFAULT_SALT)
     args = ap.parse_args(argv)
     try:
-        serialised, report = train_from_corpus(args.corpus, args.vocab_size, args.eval_percent, args.salt)
+        serialised, report = train_from_corpus(
+            args.corpus, args.vocab_size, args.eval_percent, args.salt
+        )
     except BadInput as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
     data = serialised.encode("utf-8")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_bytes(data)
-    print(f"trained on {report['n_train']} train docs; wrote {args.out}: {len(data)} bytes, "
-          f"sha256 {hashlib.sha256(data).hexdigest()}")
+    print(
+        f"trained on {report['n_train']} train docs; wrote {args.out}: {len(data)} bytes, "
+        f"sha256 {hashlib.sha256(data).hexdigest()}"
+    )
     return 0
 
 

@@ -44,13 +44,17 @@ class TokenData:
         self.m = manifest
         d, t, model = manifest["data"], manifest["tokenizer"], manifest["model"]
         docs = load_documents(Path(data_path))
-        train, held_out, self.split_report = split_documents(docs, d["eval_percent"], d["split_salt"])
+        train, held_out, self.split_report = split_documents(
+            docs, d["eval_percent"], d["split_salt"]
+        )
         self.tok = load_tokenizer(t["kind"], tokenizer_path)
         self.seq_len = model["max_seq_len"]
         self.train, self.train_origin = pack(train, self.tok, self.seq_len)
         self.eval, self.eval_origin = pack(held_out, self.tok, self.seq_len)
         if len(self.train) == 0:
-            raise ValueError(f"{data_path}: too little text for one training sequence of {self.seq_len + 1} tokens")
+            raise ValueError(
+                f"{data_path}: too little text for one training sequence of {self.seq_len + 1} tokens"
+            )
         par, tr = manifest["parallelism"], manifest["training"]
         self.dp, self.mbs, self.accum = par["dp"], tr["micro_batch_size"], tr["grad_accum_steps"]
         self.seed = manifest["experiment"]["seed"]

@@ -27,8 +27,10 @@ PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 
 def cache_dir() -> Path:
     """`DISTTRACE_CACHE_DIR`, else `$XDG_CACHE_HOME/disttrace`, else `~/.cache/disttrace`; `eval/` inside."""
-    root = os.environ.get("DISTTRACE_CACHE_DIR") or Path(
-        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "disttrace"
+    root = (
+        os.environ.get("DISTTRACE_CACHE_DIR")
+        or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "disttrace"
+    )
     return Path(root) / "eval"
 
 
@@ -53,8 +55,11 @@ def evaluation_key(run: Run, ckpt: Path) -> str:
         "lock": hashlib.sha256(orjson.dumps(run.lock, option=orjson.OPT_SORT_KEYS)).hexdigest(),
         "checkpoint": ckpt.name,
         "index": checkpoint.sha256_of(ckpt / checkpoint.INDEX),
-        "data": {k: checkpoint.sha256_of(Path(v)) for k, v in sorted(resolved.items())
-                 if isinstance(v, str) and Path(v).is_file()},
+        "data": {
+            k: checkpoint.sha256_of(Path(v))
+            for k, v in sorted(resolved.items())
+            if isinstance(v, str) and Path(v).is_file()
+        },
         "code": _code_digest(),
     }
     return hashlib.sha256(orjson.dumps(inputs, option=orjson.OPT_SORT_KEYS)).hexdigest()

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import orjson
 
+from disttrace.errors import BadInput, DisttraceError
 from disttrace.store import checkpoints as checkpoint
 from disttrace.store.checkpoints import final_checkpoint
-from disttrace.errors import BadInput, DisttraceError
 from disttrace.store.rundir import Run, write_json_atomic
 
 
@@ -30,13 +30,19 @@ def evaluate(run_dir: Path) -> dict:
     index = checkpoint.verify(ckpt, run.manifest_id)
     data = TokenData(m, run.lock["resolved"]["data_path"], run.lock["resolved"]["tokenizer_path"])
     if data.split_report.get("eval_in_train", 1) != 0:
-        raise BadInput(run.lock["resolved"]["data_path"], "an eval document is also in the training split")
+        raise BadInput(
+            run.lock["resolved"]["data_path"], "an eval document is also in the training split"
+        )
     dtype = getattr(torch, m["training"]["dtype"])
-    model = build_model(SimpleNamespace(**m["model"]), dtype, seed=0)  # weights come from the checkpoint
+    model = build_model(
+        SimpleNamespace(**m["model"]), dtype, seed=0
+    )  # weights come from the checkpoint
     state = {"model": model.state_dict()}
     from disttrace.run import safeload
 
-    safeload.load(state, ckpt, no_dist=True)  # consolidates every shard; nothing of the checkpoint's code runs
+    safeload.load(
+        state, ckpt, no_dist=True
+    )  # consolidates every shard; nothing of the checkpoint's code runs
     model.load_state_dict(state["model"])
     model.eval()
     total_loss, tokens, correct = 0.0, 0, 0
@@ -47,7 +53,9 @@ def evaluate(run_dir: Path) -> dict:
             correct += int((logits.argmax(-1) == targets).sum())
             tokens += targets.numel()
     if tokens == 0:
-        raise BadInput(run.lock["resolved"]["data_path"], "the held-out split has no full sequence to score")
+        raise BadInput(
+            run.lock["resolved"]["data_path"], "the held-out split has no full sequence to score"
+        )
     loss = total_loss / tokens
     return {
         "checkpoint": ckpt.name,
@@ -56,8 +64,12 @@ def evaluate(run_dir: Path) -> dict:
         "perplexity": math.exp(min(loss, 700)),
         "token_accuracy": correct / tokens,
         "tokens": tokens,
-        "split": {"eval_sha256": data.split_report["eval_sha256"], "train_sha256": data.split_report["train_sha256"],
-                  "n_eval_docs": data.split_report["n_eval"], "eval_in_train": data.split_report["eval_in_train"]},
+        "split": {
+            "eval_sha256": data.split_report["eval_sha256"],
+            "train_sha256": data.split_report["train_sha256"],
+            "n_eval_docs": data.split_report["n_eval"],
+            "eval_in_train": data.split_report["eval_in_train"],
+        },
         "process": "fresh single process, no process group",
     }
 

@@ -18,15 +18,21 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from disttrace.errors import BadInput
 
 # every check the gate runs, in its order; a policy may name only these
-CHECK_NAMES = ("store_integrity", "checkpoint_integrity", "collective_sync", "replica_consistency",
-               "gradient_equivalence", "eval_metric", "complete")
+CHECK_NAMES = (
+    "store_integrity",
+    "checkpoint_integrity",
+    "collective_sync",
+    "replica_consistency",
+    "gradient_equivalence",
+    "eval_metric",
+    "complete",
+)
 DEFAULT_LOSS_RTOL = 0.02  # the manifest's own default (config/manifest.py, Eval.loss_rtol)
 
 
@@ -48,7 +54,9 @@ class EvalPolicy(_Strict):
 
 
 class ChecksPolicy(_Strict):
-    required: Optional[list[str]] = Field(default=None, description="checks that decide the verdict (default: all)")
+    required: list[str] | None = Field(
+        default=None, description="checks that decide the verdict (default: all)"
+    )
     require_all: bool = False
 
     @field_validator("required")
@@ -58,7 +66,9 @@ class ChecksPolicy(_Strict):
             raise ValueError("names no check: a gate that nothing decides would pass every run")
         for name in v or []:
             if name not in CHECK_NAMES:
-                raise ValueError(f"unknown check '{name}'; the gate's checks are: {', '.join(CHECK_NAMES)}")
+                raise ValueError(
+                    f"unknown check '{name}'; the gate's checks are: {', '.join(CHECK_NAMES)}"
+                )
         return v
 
 
@@ -67,7 +77,9 @@ class GatePolicy(_Strict):
     checks: ChecksPolicy = ChecksPolicy()
 
     def is_required(self, check: str) -> bool:
-        return self.checks.require_all or self.checks.required is None or check in self.checks.required
+        return (
+            self.checks.require_all or self.checks.required is None or check in self.checks.required
+        )
 
 
 def read_policy(path: Path) -> GatePolicy:
@@ -86,7 +98,9 @@ def read_policy(path: Path) -> GatePolicy:
     except ValidationError as e:
         err = e.errors()[0]
         field = ".".join(str(x) for x in err["loc"]) or None
-        msg = {"extra_forbidden": "unknown key", "missing": "required key is missing"}.get(err["type"], err["msg"])
+        msg = {"extra_forbidden": "unknown key", "missing": "required key is missing"}.get(
+            err["type"], err["msg"]
+        )
         msg = msg.removeprefix("Value error, ")
         if err["type"] not in ("extra_forbidden", "missing", "value_error") and "input" in err:
             msg = f"{msg} (got {err['input']!r})"
@@ -100,11 +114,17 @@ def from_manifest(manifest: dict, where: str | Path) -> GatePolicy:
     try:
         return GatePolicy(eval=EvalPolicy(loss_rtol=rtol))
     except ValidationError:
-        raise BadInput(where, f"{rtol!r} is not a tolerance (a number >= 0)", field="manifest.eval.loss_rtol") from None
+        raise BadInput(
+            where, f"{rtol!r} is not a tolerance (a number >= 0)", field="manifest.eval.loss_rtol"
+        ) from None
 
 
-def resolve(reference_dir: Path | None, reference_manifest: dict | None, policy_file: Path | None,
-            require_all: bool) -> tuple[GatePolicy, str]:
+def resolve(
+    reference_dir: Path | None,
+    reference_manifest: dict | None,
+    policy_file: Path | None,
+    require_all: bool,
+) -> tuple[GatePolicy, str]:
     """-> (policy, where it came from). A policy file wins over the reference's manifest; the candidate's
     manifest is never consulted here."""
     if policy_file is not None:
@@ -115,7 +135,9 @@ def resolve(reference_dir: Path | None, reference_manifest: dict | None, policy_
     else:
         policy, source = GatePolicy(), "default"
     if require_all:
-        policy = policy.model_copy(update={"checks": policy.checks.model_copy(update={"require_all": True})})
+        policy = policy.model_copy(
+            update={"checks": policy.checks.model_copy(update={"require_all": True})}
+        )
     return policy, source
 
 
@@ -123,7 +145,11 @@ def candidate_differences(policy: GatePolicy, candidate_manifest: dict) -> dict:
     """What the candidate's own manifest states differently from the policy in force (reported, ignored)."""
     ev = candidate_manifest.get("eval") if isinstance(candidate_manifest, dict) else None
     stated = ev.get("loss_rtol") if isinstance(ev, dict) else None
-    if isinstance(stated, (int, float)) and not isinstance(stated, bool) and stated != policy.eval.loss_rtol:
+    if (
+        isinstance(stated, (int, float))
+        and not isinstance(stated, bool)
+        and stated != policy.eval.loss_rtol
+    ):
         return {"eval.loss_rtol": stated}
     return {}
 

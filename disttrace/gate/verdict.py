@@ -11,11 +11,11 @@ from pathlib import Path
 
 import orjson
 
-from disttrace.store import checkpoints as checkpoint
+from disttrace.analysis.sync import check_sync, find_stragglers
 from disttrace.errors import BadInput
+from disttrace.store import checkpoints as checkpoint
 from disttrace.store.records import Check, Verdict
 from disttrace.store.rundir import Run, write_json_atomic
-from disttrace.analysis.sync import check_sync, find_stragglers
 
 REQUIRED_CONTENTS = {"model", "optim", "progress"}
 
@@ -36,12 +36,21 @@ def run_eval(run: Run) -> dict:
     key = evalcache.evaluation_key(run, ckpt)
     result = evalcache.cached(key)
     if result is None:
-        out.unlink(missing_ok=True)  # a stale or forged eval.json must not stand in for a failed evaluation
+        out.unlink(
+            missing_ok=True
+        )  # a stale or forged eval.json must not stand in for a failed evaluation
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run([sys.executable, "-m", "disttrace.gate.evaluate", str(run.path)],
-                              capture_output=True, text=True, env=env, timeout=600)
+        proc = subprocess.run(
+            [sys.executable, "-m", "disttrace.gate.evaluate", str(run.path)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=600,
+        )
         if proc.returncode != 0:
-            raise BadInput(run.path, (proc.stderr.strip().splitlines() or ["evaluation failed"])[-1])
+            raise BadInput(
+                run.path, (proc.stderr.strip().splitlines() or ["evaluation failed"])[-1]
+            )
         # the evaluator's own stdout, not the file it wrote into a store someone else may be writing to
         result = {**orjson.loads(proc.stdout.strip().splitlines()[-1]), "evaluation_key": key}
         if evalcache.evaluation_key(run, ckpt) == key:  # nothing it read changed while it ran
@@ -60,8 +69,12 @@ def store_integrity(run: Run, ref: Run | None) -> dict:
         v = verify_run(r.path)
         if not v.exit_ok:
             return check("store_integrity", False, label + summary_line(v))
-    return check("store_integrity", True, "sealed files, step chains and checkpoint pickles intact"
-                 + (" (run and reference)" if ref is not None else ""))
+    return check(
+        "store_integrity",
+        True,
+        "sealed files, step chains and checkpoint pickles intact"
+        + (" (run and reference)" if ref is not None else ""),
+    )
 
 
 def checkpoint_integrity(run: Run) -> dict:
@@ -73,22 +86,42 @@ def checkpoint_integrity(run: Run) -> dict:
         if ok:
             contents = set(checkpoint.read_index(c).get("contents", []))
             if not REQUIRED_CONTENTS <= contents:
-                ok, why = False, f"{c.name} lacks {sorted(REQUIRED_CONTENTS - contents)} (saved incompletely)"
+                ok, why = (
+                    False,
+                    f"{c.name} lacks {sorted(REQUIRED_CONTENTS - contents)} (saved incompletely)",
+                )
         if not ok:
             bad.append(why)
-    partial = sorted((run.path / "checkpoints").glob("*.partial")) if (run.path / "checkpoints").is_dir() else []
+    partial = (
+        sorted((run.path / "checkpoints").glob("*.partial"))
+        if (run.path / "checkpoints").is_dir()
+        else []
+    )
     if partial:
         bad.append(f"{partial[0].name}: a checkpoint write never finished")
-    return check("checkpoint_integrity", bool(ckpts) and not bad,
-                 bad[0] if bad else (f"{len(ckpts)} checkpoints, every file's sha256 matches its INDEX"
-                                     if ckpts else "the run wrote no checkpoint"))
+    return check(
+        "checkpoint_integrity",
+        bool(ckpts) and not bad,
+        bad[0]
+        if bad
+        else (
+            f"{len(ckpts)} checkpoints, every file's sha256 matches its INDEX"
+            if ckpts
+            else "the run wrote no checkpoint"
+        ),
+    )
 
 
 def collective_sync(run: Run) -> dict:
     """Within every process group, every member issued the same sequence of collectives."""
     sync = check_sync(run)
-    return check("collective_sync", sync["ok"], sync["first_mismatch"]["message"] if not sync["ok"] else
-                 f"{len(sync['groups'])} process groups, every member issued the same sequence")
+    return check(
+        "collective_sync",
+        sync["ok"],
+        sync["first_mismatch"]["message"]
+        if not sync["ok"]
+        else f"{len(sync['groups'])} process groups, every member issued the same sequence",
+    )
 
 
 def replica_consistency(run: Run) -> dict:
@@ -99,10 +132,18 @@ def replica_consistency(run: Run) -> dict:
     if cons["consistent"] is None:
         return check("replica_consistency", None, cons["reason"])
     if cons["consistent"]:
-        return check("replica_consistency", True, f"{cons['steps_checked']} steps, every replica group agrees")
+        return check(
+            "replica_consistency",
+            True,
+            f"{cons['steps_checked']} steps, every replica group agrees",
+        )
     f = cons["first"]
-    return check("replica_consistency", False, f"step {f['step']} {f['phase']} {f['tensor']}: {f['message']}"
-                 f" (ranks {f['minority']} vs {f['majority']})")
+    return check(
+        "replica_consistency",
+        False,
+        f"step {f['step']} {f['phase']} {f['tensor']}: {f['message']}"
+        f" (ranks {f['minority']} vs {f['majority']})",
+    )
 
 
 def gradient_equivalence(run: Run, ref: Run | None) -> dict:
@@ -113,22 +154,43 @@ def gradient_equivalence(run: Run, ref: Run | None) -> dict:
         return check("gradient_equivalence", None, "not checked: no --reference given")
     try:
         d = diff_runs(ref.path, run.path)
-    except BadInput as e:  # e.g. no step in common (a job that died in its first step): not equivalent
+    except (
+        BadInput
+    ) as e:  # e.g. no step in common (a job that died in its first step): not equivalent
         return check("gradient_equivalence", False, f"not comparable: {e}")
     if d["equal"]:
         cs = d["compared_steps"]
-        return check("gradient_equivalence", True, f"{d['mode']} equal over steps {cs.get('first')}..{cs.get('last')}")
+        return check(
+            "gradient_equivalence",
+            True,
+            f"{d['mode']} equal over steps {cs.get('first')}..{cs.get('last')}",
+        )
     f = d["first_divergence"]
-    return check("gradient_equivalence", False, f"first divergence at step {f['step']} micro-batch "
-                 f"{f['micro_batch']} {f['phase']} rank {f['rank']} tensor {f['tensor']}")
+    return check(
+        "gradient_equivalence",
+        False,
+        f"first divergence at step {f['step']} micro-batch "
+        f"{f['micro_batch']} {f['phase']} rank {f['rank']} tensor {f['tensor']}",
+    )
 
 
-def eval_metric(run: Run, ref: Run | None, loss_rtol: float) -> tuple[list[dict], dict | None, dict | None]:
+def eval_metric(
+    run: Run, ref: Run | None, loss_rtol: float
+) -> tuple[list[dict], dict | None, dict | None]:
     """The held-out eval loss, scored by a fresh process, within the policy's tolerance of the reference's.
     Returns the check(s) and both evaluations (for verdict.json)."""
     if run.attached:  # the user's own model: disttrace has no evaluation of it
-        return [check("eval_metric", None, "an attached run (disttrace.api): no held-out evaluation of the "
-                                           "user's model")], None, None
+        return (
+            [
+                check(
+                    "eval_metric",
+                    None,
+                    "an attached run (disttrace.api): no held-out evaluation of the user's model",
+                )
+            ],
+            None,
+            None,
+        )
     try:
         evaluation = run_eval(run)
     except BadInput as e:
@@ -136,25 +198,50 @@ def eval_metric(run: Run, ref: Run | None, loss_rtol: float) -> tuple[list[dict]
     loss = evaluation["eval_loss"]
     if ref is None:
         finite = loss == loss and loss < float("inf")
-        return [check("eval_metric", finite, f"eval loss {loss:.5f} (no reference to compare with)")], evaluation, None
+        return (
+            [check("eval_metric", finite, f"eval loss {loss:.5f} (no reference to compare with)")],
+            evaluation,
+            None,
+        )
     try:
         ref_eval = run_eval(ref)
     except BadInput as e:
-        return [check("eval_metric", False, f"the reference cannot be scored: {e}")], evaluation, None
+        return (
+            [check("eval_metric", False, f"the reference cannot be scored: {e}")],
+            evaluation,
+            None,
+        )
     b = ref_eval["eval_loss"]
     rel = abs(loss - b) / max(abs(b), 1e-12)
     ok = rel <= loss_rtol and loss == loss  # NaN never passes
-    return [check("eval_metric", ok, f"eval loss {loss:.5f} vs reference {b:.5f}: relative difference "
-                                     f"{rel:.2e} {'<=' if ok else '>'} {loss_rtol}")], evaluation, ref_eval
+    return (
+        [
+            check(
+                "eval_metric",
+                ok,
+                f"eval loss {loss:.5f} vs reference {b:.5f}: relative difference "
+                f"{rel:.2e} {'<=' if ok else '>'} {loss_rtol}",
+            )
+        ],
+        evaluation,
+        ref_eval,
+    )
 
 
 def completeness(run: Run) -> dict:
-    return check("complete", run.complete, "COMPLETE present" if run.complete else
-                 "no COMPLETE marker: the run did not finish")
+    return check(
+        "complete",
+        run.complete,
+        "COMPLETE present" if run.complete else "no COMPLETE marker: the run did not finish",
+    )
 
 
-def gate(run_dir: Path, reference: Path | None = None, policy_file: Path | None = None,
-         require_all: bool = False) -> dict:
+def gate(
+    run_dir: Path,
+    reference: Path | None = None,
+    policy_file: Path | None = None,
+    require_all: bool = False,
+) -> dict:
     """The independent gate: each check a small function above, composed in this order because the cheap
     integrity checks come first (a damaged store is named before anything is computed from it) and the
     evaluation, a fresh process, last. Loss or throughput never pass it on their own."""
@@ -163,23 +250,43 @@ def gate(run_dir: Path, reference: Path | None = None, policy_file: Path | None 
     run = Run(run_dir)
     ref = Run(reference) if reference else None
     # the policy is the reference's (or a policy file's), never the candidate's own manifest's
-    policy, source = gate_policy.resolve(ref.path if ref else None, ref.manifest if ref else None, policy_file,
-                                         require_all)
+    policy, source = gate_policy.resolve(
+        ref.path if ref else None, ref.manifest if ref else None, policy_file, require_all
+    )
     ignored = gate_policy.candidate_differences(policy, run.manifest)
-    checks = [store_integrity(run, ref), checkpoint_integrity(run), collective_sync(run),
-              replica_consistency(run), gradient_equivalence(run, ref)]
+    checks = [
+        store_integrity(run, ref),
+        checkpoint_integrity(run),
+        collective_sync(run),
+        replica_consistency(run),
+        gradient_equivalence(run, ref),
+    ]
     evals, evaluation, ref_eval = eval_metric(run, ref, policy.eval.loss_rtol)
     checks += evals + [completeness(run)]
 
-    flags = [f"straggler: rank {s['rank']} at step {s['step']} took {s['seconds']}s to reach its collective "
-             f"(others {s['others_median']}s)" for s in find_stragglers(run)]
-    flags += [f"the candidate's manifest states {name} = {value}; ignored: the gate's policy comes from the "
-              f"{source} ({_policy_value(policy, name)})" for name, value in ignored.items()]
+    flags = [
+        f"straggler: rank {s['rank']} at step {s['step']} took {s['seconds']}s to reach its collective "
+        f"(others {s['others_median']}s)"
+        for s in find_stragglers(run)
+    ]
+    flags += [
+        f"the candidate's manifest states {name} = {value}; ignored: the gate's policy comes from the "
+        f"{source} ({_policy_value(policy, name)})"
+        for name, value in ignored.items()
+    ]
     apply_policy(checks, policy)
     passed = all(c["passed"] is not False for c in checks if c["required"])
-    verdict = Verdict(passed=passed, run=str(run.path), reference=str(ref.path) if ref else None,
-                      policy=gate_policy.as_record(policy, source, ignored), checks=checks, flags=flags,
-                      eval=evaluation, reference_eval=ref_eval, time=time.time()).line()
+    verdict = Verdict(
+        passed=passed,
+        run=str(run.path),
+        reference=str(ref.path) if ref else None,
+        policy=gate_policy.as_record(policy, source, ignored),
+        checks=checks,
+        flags=flags,
+        eval=evaluation,
+        reference_eval=ref_eval,
+        time=time.time(),
+    ).line()
     write_json_atomic(run.path / "verdict.json", verdict)
     return verdict
 
@@ -209,8 +316,11 @@ def render(verdict: dict, console) -> None:
     t.add_column("result")
     t.add_column("reason")
     for c in verdict["checks"]:
-        res = {True: Text("pass", style="green"), False: Text("FAIL", style="red"),
-               None: Text("n/a", style="dim")}[c["passed"]]
+        res = {
+            True: Text("pass", style="green"),
+            False: Text("FAIL", style="red"),
+            None: Text("n/a", style="dim"),
+        }[c["passed"]]
         if not c.get("required", True):
             res.append(" (advisory)", style="dim")
         t.add_row(Text(c["name"]), res, Text(c["reason"]))
@@ -218,9 +328,13 @@ def render(verdict: dict, console) -> None:
     pol = verdict.get("policy")
     if pol:
         req = pol["checks"]["required"]
-        console.print(Text(f"policy: eval.loss_rtol {pol['eval']['loss_rtol']}, required "
-                           f"{'every check' if req is None else ', '.join(req) or 'none'}"
-                           f"{', n/a fails' if pol['checks']['require_all'] else ''} (from the {pol['source']})",
-                           style="dim"))
+        console.print(
+            Text(
+                f"policy: eval.loss_rtol {pol['eval']['loss_rtol']}, required "
+                f"{'every check' if req is None else ', '.join(req) or 'none'}"
+                f"{', n/a fails' if pol['checks']['require_all'] else ''} (from the {pol['source']})",
+                style="dim",
+            )
+        )
     for f in verdict["flags"]:
         console.print(Text("flag", style="yellow") + Text(f": {f}"))

@@ -27,28 +27,56 @@ from transformers import TrainerCallback
 import disttrace.api
 from disttrace.run.attach import _batch_inputs, _first_tensor
 
-ARG_FIELDS = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm",
-              "lr_scheduler_type", "warmup_steps", "seed", "data_seed", "max_steps", "num_train_epochs")
+ARG_FIELDS = (
+    "learning_rate",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
+    "max_grad_norm",
+    "lr_scheduler_type",
+    "warmup_steps",
+    "seed",
+    "data_seed",
+    "max_steps",
+    "num_train_epochs",
+)
 
 
 class DisttraceCallback(TrainerCallback):
-    def __init__(self, trainer=None, out="runs", name: str = "hf-trainer", config: dict | None = None):
+    def __init__(
+        self, trainer=None, out="runs", name: str = "hf-trainer", config: dict | None = None
+    ):
         self.trainer, self.out, self.name, self.config = trainer, out, name, config or {}
         self.run = None
         self._pairing = None
 
-    def on_train_begin(self, args, state, control, model=None, optimizer=None, train_dataloader=None, **kwargs):
+    def on_train_begin(
+        self, args, state, control, model=None, optimizer=None, train_dataloader=None, **kwargs
+    ):
         wrapped = getattr(self.trainer, "model_wrapped", None) if self.trainer is not None else None
         config = {k: getattr(args, k) for k in ARG_FIELDS if hasattr(args, k)}
-        config.update(grad_accum_steps=args.gradient_accumulation_steps,
-                      micro_batch_size=args.per_device_train_batch_size, **self.config)
+        config.update(
+            grad_accum_steps=args.gradient_accumulation_steps,
+            micro_batch_size=args.per_device_train_batch_size,
+            **self.config,
+        )
         if args.max_steps and args.max_steps > 0:
             config["steps"] = args.max_steps
-        self.run = disttrace.api.attach(wrapped if wrapped is not None else model, optimizer, out=self.out,
-                                        name=self.name, config=config, loader=train_dataloader)
-        if train_dataloader is not None:  # runs before attach's own pre-hook, which takes the queued batch
-            self._pairing = self.run.inner.register_forward_pre_hook(self._check_pairing, with_kwargs=True,
-                                                                     prepend=True)
+        self.run = disttrace.api.attach(
+            wrapped if wrapped is not None else model,
+            optimizer,
+            out=self.out,
+            name=self.name,
+            config=config,
+            loader=train_dataloader,
+        )
+        if (
+            train_dataloader is not None
+        ):  # runs before attach's own pre-hook, which takes the queued batch
+            self._pairing = self.run.inner.register_forward_pre_hook(
+                self._check_pairing, with_kwargs=True, prepend=True
+            )
 
     def _check_pairing(self, module, args, kwargs):
         """The queued batch goes to this forward only if the forward reads it: its input tensor (input_ids, or
@@ -56,21 +84,35 @@ class DisttraceCallback(TrainerCallback):
         the batch and the Trainer's move is a no-op), or on the CPU equal to it (the Trainer's `.to("cpu:0")`
         copies a "cpu" tensor); compared without waiting for a device. Else every queued batch is dropped."""
         run = self.run
-        if run is None or not run.queued_batches() or not (module.training and torch.is_grad_enabled()):
+        if (
+            run is None
+            or not run.queued_batches()
+            or not (module.training and torch.is_grad_enabled())
+        ):
             return None
-        if torch._C._current_graph_task_id() != -1:  # recomputation inside backward: not a micro-batch
+        if (
+            torch._C._current_graph_task_id() != -1
+        ):  # recomputation inside backward: not a micro-batch
             return None
         seen = _batch_inputs(dict(kwargs)) if kwargs else _first_tensor(args, {})
         queued = run.queued_inputs()
-        same = (seen is not None and seen.shape == queued.shape and seen.dtype == queued.dtype
-                and (seen.data_ptr() == queued.data_ptr()
-                     or (seen.device.type == queued.device.type == "cpu" and torch.equal(seen, queued))))
+        same = (
+            seen is not None
+            and seen.shape == queued.shape
+            and seen.dtype == queued.dtype
+            and (
+                seen.data_ptr() == queued.data_ptr()
+                or (seen.device.type == queued.device.type == "cpu" and torch.equal(seen, queued))
+            )
+        )
         if not same:
             run.drop_queued_batches()
         return None
 
     def on_epoch_begin(self, args, state, control, **kwargs):
-        if self.run is not None:  # the epoch's batches are not fetched yet: anything queued is left over
+        if (
+            self.run is not None
+        ):  # the epoch's batches are not fetched yet: anything queued is left over
             self.run.drop_queued_batches()
 
     def on_train_end(self, args, state, control, **kwargs):

@@ -35,19 +35,26 @@ class DisttraceCallback(Callback):
 
     def on_train_start(self, trainer, pl_module):
         model = trainer.strategy.model if trainer.strategy.model is not None else pl_module
-        config = {"grad_accum_steps": trainer.accumulate_grad_batches, "gradient_clip_val": trainer.gradient_clip_val,
-                  "max_epochs": trainer.max_epochs, **self.config}
+        config = {
+            "grad_accum_steps": trainer.accumulate_grad_batches,
+            "gradient_clip_val": trainer.gradient_clip_val,
+            "max_epochs": trainer.max_epochs,
+            **self.config,
+        }
         if trainer.max_steps and trainer.max_steps > 0:
             config["steps"] = trainer.max_steps
         loader = _watchable_loader(trainer, model)
-        self.run = disttrace.api.attach(model, trainer.optimizers[0], out=self.out, name=self.name, config=config,
-                                        loader=loader)
+        self.run = disttrace.api.attach(
+            model, trainer.optimizers[0], out=self.out, name=self.name, config=config, loader=loader
+        )
         self._watching = loader is not None
         if self._watching:
             _first_epoch(trainer, self.run, loader)
 
     def on_train_epoch_start(self, trainer, pl_module):
-        if self._watching and self.run is not None:  # no batch of this epoch is fetched yet: drop leftovers
+        if (
+            self._watching and self.run is not None
+        ):  # no batch of this epoch is fetched yet: drop leftovers
             self.run.drop_queued_batches()  # (an epoch ended by on_train_batch_start returning -1)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -93,8 +100,15 @@ def _first_epoch(trainer, run, loader) -> None:
     if not isinstance(iterators, list) or len(iterators) != 1:
         return
     it = iterators[0]
-    if type(it) is not _SingleProcessDataLoaderIter or it._num_yielded or it._index_sampler is not loader.batch_sampler:
+    if (
+        type(it) is not _SingleProcessDataLoaderIter
+        or it._num_yielded
+        or it._index_sampler is not loader.batch_sampler
+    ):
         return
-    if not inspect.isgenerator(it._sampler_iter) or inspect.getgeneratorstate(it._sampler_iter) != inspect.GEN_CREATED:
+    if (
+        not inspect.isgenerator(it._sampler_iter)
+        or inspect.getgeneratorstate(it._sampler_iter) != inspect.GEN_CREATED
+    ):
         return
     iterators[0] = run.watch_iterator(loader, it)

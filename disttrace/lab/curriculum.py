@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from disttrace.run import faults
-from disttrace.errors import BadInput
 from disttrace.config.manifest import DEFAULT_MANIFEST
+from disttrace.errors import BadInput
+from disttrace.run import faults
 
 LABS_DIR = DEFAULT_MANIFEST.parent / "labs"
 
@@ -36,7 +36,9 @@ def list_labs(directory: Path = LABS_DIR) -> list[dict]:
             frozen = freeze(path)
             name, *rest = lab.get("fault", "").split()
             opts = dict(zip(rest[::2], rest[1::2]))
-            faults.get(name).spec(int(opts.get("--step", 1)), int(opts.get("--rank", 0)), {}, frozen.model())
+            faults.get(name).spec(
+                int(opts.get("--step", 1)), int(opts.get("--rank", 0)), {}, frozen.model()
+            )
             lab["status"] = "runnable"
         except BadInput as e:
             lab["status"] = "not runnable yet"
@@ -55,8 +57,14 @@ def render_labs(labs: list[dict], console) -> None:
     for col in ("topic", "lab", "status", "question", "fault"):
         t.add_column(col)
     for lab in labs:  # Text: what the lab files say prints as written, never as markup
-        status = Text("runnable", style="green") if lab["status"] == "runnable" else \
-            Text(str(lab["status"]), style="yellow") + Text(f": {lab.get('reason')}")
-        t.add_row(*[Text(str(lab.get(k, d))) for k, d in (("topic", "?"), ("lab", ""))], status,
-                  *[Text(str(lab.get(k) or "")) for k in ("question", "fault")])
+        status = (
+            Text("runnable", style="green")
+            if lab["status"] == "runnable"
+            else Text(str(lab["status"]), style="yellow") + Text(f": {lab.get('reason')}")
+        )
+        t.add_row(
+            *[Text(str(lab.get(k, d))) for k, d in (("topic", "?"), ("lab", ""))],
+            status,
+            *[Text(str(lab.get(k) or "")) for k in ("question", "fault")],
+        )
     console.print(t)

@@ -12,17 +12,18 @@ from pathlib import Path
 
 from rich.markup import escape
 
-from disttrace.store import checkpoints as checkpoint
-from disttrace.store.pickles import scan_checkpoint
-from disttrace.store.verify import verify_run
-from disttrace.run import faults
 from disttrace.analysis.diff import diff_runs
+from disttrace.config.manifest import freeze
 from disttrace.errors import BadInput, JobFailed
 from disttrace.gate.verdict import gate
+from disttrace.run import faults
 from disttrace.run.launch import launch, prepare
-from disttrace.config.manifest import freeze
 from disttrace.run.recovery import choose_checkpoint, resume_spec
+from disttrace.store import checkpoints as checkpoint
+from disttrace.store.pickles import scan_checkpoint
 from disttrace.store.rundir import PHASES, Run
+from disttrace.store.verify import verify_run
+
 
 def _e(v) -> str:
     """Progress lines are rich markup; paths and messages in them print as they are."""
@@ -37,7 +38,10 @@ def parse_prediction(text: str | None) -> dict | None:
         return None
     m = PREDICT.match(text.strip())
     if not m or m.group("phase") not in PHASES:
-        raise BadInput("--predict", f"'{text}' is not PHASE[@STEP[:RANK]] with PHASE one of {', '.join(PHASES)}")
+        raise BadInput(
+            "--predict",
+            f"'{text}' is not PHASE[@STEP[:RANK]] with PHASE one of {', '.join(PHASES)}",
+        )
     return {k: (int(v) if k != "phase" and v is not None else v) for k, v in m.groupdict().items()}
 
 
@@ -45,11 +49,23 @@ def judge_prediction(pred: dict | None, first: dict | None) -> dict | None:
     if pred is None:
         return None
     if first is None:
-        return {"held": False, "missed": ["no divergence was found"], "predicted": pred, "observed": None}
-    missed = [f"{k}: predicted {pred[k]}, observed {first[k]}" for k in ("phase", "step", "rank")
-              if pred.get(k) is not None and pred[k] != first[k]]
-    return {"held": not missed, "missed": missed, "predicted": pred,
-            "observed": {k: first[k] for k in ("step", "micro_batch", "phase", "rank", "tensor")}}
+        return {
+            "held": False,
+            "missed": ["no divergence was found"],
+            "predicted": pred,
+            "observed": None,
+        }
+    missed = [
+        f"{k}: predicted {pred[k]}, observed {first[k]}"
+        for k in ("phase", "step", "rank")
+        if pred.get(k) is not None and pred[k] != first[k]
+    ]
+    return {
+        "held": not missed,
+        "missed": missed,
+        "predicted": pred,
+        "observed": {k: first[k] for k in ("step", "micro_batch", "phase", "rank", "tensor")},
+    }
 
 
 def reusable_reference(out: Path, manifest_id: str) -> Path | None:
@@ -61,12 +77,20 @@ def reusable_reference(out: Path, manifest_id: str) -> Path | None:
             continue
         if not (run.complete and run.manifest_id == manifest_id and run.checkpoint_dirs()):
             continue
-        for c in run.checkpoint_dirs():  # a pickle that would run code is news, not a reference to skip quietly
+        for c in (
+            run.checkpoint_dirs()
+        ):  # a pickle that would run code is news, not a reference to skip quietly
             finding = scan_checkpoint(c)
             if finding is not None and "global" in finding.reason:
-                raise BadInput(finding.file, f"{finding.reason}; this reference in the runs root is not safe to "
-                               "reuse: remove it or use another --out")
-        if all(checkpoint.status(c, manifest_id)[0] for c in run.checkpoint_dirs()) and verify_run(d).exit_ok:
+                raise BadInput(
+                    finding.file,
+                    f"{finding.reason}; this reference in the runs root is not safe to "
+                    "reuse: remove it or use another --out",
+                )
+        if (
+            all(checkpoint.status(c, manifest_id)[0] for c in run.checkpoint_dirs())
+            and verify_run(d).exit_ok
+        ):
             return d
     return None
 
@@ -90,7 +114,9 @@ def final_loss(run_dir: str) -> float | None:
     return losses[max(losses)] if losses else None
 
 
-def expected_signature(spec: dict, fault_res: dict, d_fault: dict | None, d_rec: dict | None, resume_step) -> tuple[bool, str]:
+def expected_signature(
+    spec: dict, fault_res: dict, d_fault: dict | None, d_rec: dict | None, resume_step
+) -> tuple[bool, str]:
     exp = spec["expect"]
     first = d_fault and d_fault["first_divergence"]
     if exp == "exit-3":
@@ -100,19 +126,35 @@ def expected_signature(spec: dict, fault_res: dict, d_fault: dict | None, d_rec:
         ok, why = checkpoint.status(ck, Run(fault_res["run_dir"]).manifest_id)
         return (not ok), f"checkpoint of step {spec['step']}: {why}"
     if exp == "none":
-        return bool(d_fault and d_fault["equal"]), "numerics equal" if d_fault and d_fault["equal"] else "numerics differ"
+        return bool(d_fault and d_fault["equal"]), "numerics equal" if d_fault and d_fault[
+            "equal"
+        ] else "numerics differ"
     if exp == "resume:optimizer":
         f = d_rec and d_rec["first_divergence"]
         ok = bool(f) and f["phase"] == "optimizer" and f["step"] == resume_step + 1
-        return ok, (f"recovered run diverges at step {f['step']} {f['phase']}" if f else "recovered run equal")
+        return ok, (
+            f"recovered run diverges at step {f['step']} {f['phase']}"
+            if f
+            else "recovered run equal"
+        )
     if not first:
         return False, "no divergence found"
     ok = first["step"] == spec["step"] and first["phase"] == exp and first["rank"] == spec["rank"]
     return ok, f"first divergence at step {first['step']} {first['phase']} rank {first['rank']}"
 
 
-def run_lab(manifest: Path | None, fault: str, step: int, rank: int, params: dict, sets: list[str], out: Path,
-            predict: str | None, progress, follow=None) -> dict:
+def run_lab(
+    manifest: Path | None,
+    fault: str,
+    step: int,
+    rank: int,
+    params: dict,
+    sets: list[str],
+    out: Path,
+    predict: str | None,
+    progress,
+    follow=None,
+) -> dict:
     frozen = freeze(manifest, sets)
     spec = faults.get(fault).spec(step, rank, params, frozen.model())
     prediction = parse_prediction(predict)
@@ -137,8 +179,12 @@ def run_lab(manifest: Path | None, fault: str, step: int, rank: int, params: dic
     try:
         _, ckpt, why = choose_checkpoint(fault_dir, None)
         resume_step = int(ckpt.name.split("-")[1])
-        rec_dir = prepare(frozen, out, "recovered", resume=resume_spec(frozen, out, ckpt, fault_dir))
-        progress(f"recovered: fault removed, resuming from {_e(ckpt.name)} ({_e(why)}): {_e(rec_dir)}")
+        rec_dir = prepare(
+            frozen, out, "recovered", resume=resume_spec(frozen, out, ckpt, fault_dir)
+        )
+        progress(
+            f"recovered: fault removed, resuming from {_e(ckpt.name)} ({_e(why)}): {_e(rec_dir)}"
+        )
         rec_res = _run(rec_dir, progress, follow, "recovered")
     except BadInput as e:
         progress(f"[yellow]no recovery possible:[/yellow] {_e(e)}")
@@ -157,19 +203,37 @@ def run_lab(manifest: Path | None, fault: str, step: int, rank: int, params: dic
         recovered_ok = bool(d_rec and d_rec["equal"] and g_rec and g_rec["pass"])
     accepted = sig_ok and recovered_ok and g_ref["pass"]
     paths = {
-        "reference": {"run_dir": str(ref), "final_loss": final_loss(ref), "first_divergence": None,
-                      "gate": g_ref["pass"]},
-        "fault": {"run_dir": str(fault_dir), "exit": fault_res["exit"], "final_loss": final_loss(fault_dir),
-                  "first_divergence": d_fault["first_divergence"], "gate": g_fault["pass"],
-                  "gate_failed": [c["name"] for c in g_fault["checks"] if c["passed"] is False]},
-        "recovered": None if not rec_res else {
-            "run_dir": rec_res["run_dir"], "exit": rec_res["exit"], "resumed_from_step": resume_step,
-            "final_loss": final_loss(rec_res["run_dir"]), "first_divergence": d_rec["first_divergence"],
-            "equal_to_reference": d_rec["equal"], "gate": g_rec["pass"],
-            "gate_failed": [c["name"] for c in g_rec["checks"] if c["passed"] is False]},
+        "reference": {
+            "run_dir": str(ref),
+            "final_loss": final_loss(ref),
+            "first_divergence": None,
+            "gate": g_ref["pass"],
+        },
+        "fault": {
+            "run_dir": str(fault_dir),
+            "exit": fault_res["exit"],
+            "final_loss": final_loss(fault_dir),
+            "first_divergence": d_fault["first_divergence"],
+            "gate": g_fault["pass"],
+            "gate_failed": [c["name"] for c in g_fault["checks"] if c["passed"] is False],
+        },
+        "recovered": None
+        if not rec_res
+        else {
+            "run_dir": rec_res["run_dir"],
+            "exit": rec_res["exit"],
+            "resumed_from_step": resume_step,
+            "final_loss": final_loss(rec_res["run_dir"]),
+            "first_divergence": d_rec["first_divergence"],
+            "equal_to_reference": d_rec["equal"],
+            "gate": g_rec["pass"],
+            "gate_failed": [c["name"] for c in g_rec["checks"] if c["passed"] is False],
+        },
     }
     return {
-        "manifest_id": frozen.manifest_id, "fault": spec, "paths": paths,
+        "manifest_id": frozen.manifest_id,
+        "fault": spec,
+        "paths": paths,
         "expected_signature": {"expect": spec["expect"], "observed": sig_why, "held": sig_ok},
         "prediction": judge_prediction(prediction, d_fault["first_divergence"]),
         "accepted": accepted,
@@ -189,8 +253,12 @@ def render(result: dict, console) -> None:
     from rich.text import Text
 
     p = result["paths"]
-    t = Table(title=Text(f"lab: {result['fault']['name']} at step {result['fault']['step']} rank "
-                         f"{result['fault']['rank']}"))
+    t = Table(
+        title=Text(
+            f"lab: {result['fault']['name']} at step {result['fault']['step']} rank "
+            f"{result['fault']['rank']}"
+        )
+    )
     t.add_column("")
     for name in ("reference", "fault", "recovered"):
         t.add_column(name)
@@ -209,19 +277,38 @@ def render(result: dict, console) -> None:
     t.add_row("run", *[Text(Path(c["run_dir"]).name) if c else "-" for c in cols])
     t.add_row("exit", *[str(c.get("exit", 0)) if c else "-" for c in cols])
     t.add_row("final loss", *[loss(c) for c in cols])
-    t.add_row("first divergence", "(reference)", Text(fmt_first(p["fault"]["first_divergence"])),
-              Text(fmt_first(p["recovered"]["first_divergence"])) if p["recovered"] else "-")
+    t.add_row(
+        "first divergence",
+        "(reference)",
+        Text(fmt_first(p["fault"]["first_divergence"])),
+        Text(fmt_first(p["recovered"]["first_divergence"])) if p["recovered"] else "-",
+    )
     t.add_row("gate", *[g(c) for c in cols])
     console.print(t)
     s = result["expected_signature"]
-    console.print(Text(f"expected signature ({s['expect']}): ")
-                  + (Text("held", style="green") if s["held"] else Text("did not hold", style="red"))
-                  + Text(f" - {s['observed']}"))
+    console.print(
+        Text(f"expected signature ({s['expect']}): ")
+        + (Text("held", style="green") if s["held"] else Text("did not hold", style="red"))
+        + Text(f" - {s['observed']}")
+    )
     pr = result["prediction"]
     if pr:
-        console.print(Text("prediction: ") + (Text("held exactly", style="green") if pr["held"] else
-                                              Text("missed", style="red") + Text(" (" + "; ".join(pr["missed"]) + ")")))
-    console.print(Text("attribution ") + (Text("ACCEPTED", style="green") + Text(": the fault explains the divergence "
-                                                                                  "and the recovered path rejoins the "
-                                                                                  "reference")
-                                          if result["accepted"] else Text("NOT accepted", style="red")))
+        console.print(
+            Text("prediction: ")
+            + (
+                Text("held exactly", style="green")
+                if pr["held"]
+                else Text("missed", style="red") + Text(" (" + "; ".join(pr["missed"]) + ")")
+            )
+        )
+    console.print(
+        Text("attribution ")
+        + (
+            Text("ACCEPTED", style="green")
+            + Text(
+                ": the fault explains the divergence and the recovered path rejoins the reference"
+            )
+            if result["accepted"]
+            else Text("NOT accepted", style="red")
+        )
+    )

@@ -4,13 +4,23 @@ built model's `named_parameters()` and the pipeline's stage split against `run/p
 
 from __future__ import annotations
 
-BLOCK = ("attention_norm.weight", "attention.wq.weight", "attention.wk.weight", "attention.wv.weight",
-         "attention.wo.weight", "ffn_norm.weight", "feed_forward.w1.weight", "feed_forward.w2.weight",
-         "feed_forward.w3.weight")
+BLOCK = (
+    "attention_norm.weight",
+    "attention.wq.weight",
+    "attention.wk.weight",
+    "attention.wv.weight",
+    "attention.wo.weight",
+    "ffn_norm.weight",
+    "feed_forward.w1.weight",
+    "feed_forward.w2.weight",
+    "feed_forward.w3.weight",
+)
 
 
 def _stage_layers(n_layers: int, pp: int, stage: int) -> range:
-    base, extra = divmod(n_layers, pp)  # as run/parallel/pp.stage_layers: earlier stages take the remainder
+    base, extra = divmod(
+        n_layers, pp
+    )  # as run/parallel/pp.stage_layers: earlier stages take the remainder
     start = stage * base + min(stage, extra)
     return range(start, start + base + (1 if stage < extra else 0))
 

@@ -43,12 +43,23 @@ ZERO_STAGES = (0, 1, 2, 3)
 # Without mixed precision there is no separate master copy: the weights are the master, so for fp32
 # Adam K = 4 + 4 = 8 (momentum + variance) and weights/grads take 4 bytes each; fp64 doubles everything.
 PRECISIONS: dict[str, dict[str, int]] = {
-    "mixed": {"weights": 2, "grads": 2, "master": 4, "state": 4},  # fp16/bf16 compute, fp32 optimizer
+    "mixed": {
+        "weights": 2,
+        "grads": 2,
+        "master": 4,
+        "state": 4,
+    },  # fp16/bf16 compute, fp32 optimizer
     "fp32": {"weights": 4, "grads": 4, "master": 0, "state": 4},
     "fp64": {"weights": 8, "grads": 8, "master": 0, "state": 8},
 }
-_PRECISION_ALIASES = {"bf16": "mixed", "fp16": "mixed", "bfloat16": "mixed", "float16": "mixed",
-                      "float32": "fp32", "float64": "fp64"}
+_PRECISION_ALIASES = {
+    "bf16": "mixed",
+    "fp16": "mixed",
+    "bfloat16": "mixed",
+    "float16": "mixed",
+    "float32": "fp32",
+    "float64": "fp64",
+}
 
 # Number of per-parameter state tensors each optimizer keeps.
 OPTIMIZER_STATES = {
@@ -99,8 +110,15 @@ def _optimizer(optimizer: str) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
-def count_params(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, vocab_size: int, ffn_hidden: int,
-                 untied: bool = True) -> int:
+def count_params(
+    dim: int,
+    n_layers: int,
+    n_heads: int,
+    n_kv_heads: int,
+    vocab_size: int,
+    ffn_hidden: int,
+    untied: bool = True,
+) -> int:
     """Exact parameter count of the LLaMA-style decoder in disttrace/model.py (no biases anywhere).
 
     per layer:
@@ -110,8 +128,14 @@ def count_params(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, vocab_s
         two RMSNorm weights: dim each
     plus token embedding vocab*dim, the final RMSNorm dim, and the output head vocab*dim (0 if tied).
     """
-    for name, v in (("dim", dim), ("n_layers", n_layers), ("n_heads", n_heads), ("n_kv_heads", n_kv_heads),
-                    ("vocab_size", vocab_size), ("ffn_hidden", ffn_hidden)):
+    for name, v in (
+        ("dim", dim),
+        ("n_layers", n_layers),
+        ("n_heads", n_heads),
+        ("n_kv_heads", n_kv_heads),
+        ("vocab_size", vocab_size),
+        ("ffn_hidden", ffn_hidden),
+    ):
         _positive_int(name, v)
     if dim % n_heads:
         raise ValueError(f"dim ({dim}) must be divisible by n_heads ({n_heads})")
@@ -161,8 +185,9 @@ def optimizer_bytes_per_param(optimizer: str = "adam", precision: str = "mixed")
     return bytes_["master"] + OPTIMIZER_STATES[_optimizer(optimizer)] * bytes_["state"]
 
 
-def model_state_bytes(params: int, dp: int, zero_stage: int, optimizer: str = "adam",
-                      precision: str = "mixed") -> dict[str, int]:
+def model_state_bytes(
+    params: int, dp: int, zero_stage: int, optimizer: str = "adam", precision: str = "mixed"
+) -> dict[str, int]:
     """Bytes of model states one data-parallel rank holds (ZeRO paper, Section 5 and Figure 1).
 
     With Psi parameters, N = dp ranks, and (mixed precision Adam) 2 bytes weights, 2 bytes grads, K = 12:
@@ -204,9 +229,16 @@ def model_state_bytes(params: int, dp: int, zero_stage: int, optimizer: str = "a
 # --------------------------------------------------------------------------------------------------
 
 
-def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
-                               sequence_parallel: bool = False, recompute: str = "none",
-                               bytes_per_value: int = 2) -> int:
+def activation_bytes_per_layer(
+    seq: int,
+    micro_batch: int,
+    hidden: int,
+    heads: int,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    bytes_per_value: int = 2,
+) -> int:
     """Bytes of activations one transformer layer keeps for its backward pass, on one device.
 
     Korthikanti et al. (2022), Section 4.1 counts, for s = sequence length, b = micro-batch size,
@@ -249,7 +281,9 @@ def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: i
     sbh = s * b * h
     replicated = 4 * v + 2  # 10 with 16-bit activations: kept whole on every tensor-parallel rank
     split = 12 * v  # 24 with 16-bit activations: divided by t under tensor parallelism
-    score = 2 * v + 1  # 5 with 16-bit activations: per element of the a*s*s*b attention-score tensors
+    score = (
+        2 * v + 1
+    )  # 5 with 16-bit activations: per element of the a*s*s*b attention-score tensors
 
     if recompute == "full":
         return v * sbh  # 2sbh: only the input of the layer is stored
@@ -264,8 +298,9 @@ def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: i
     return _ceil(sbh * (linear + quadratic))
 
 
-def activation_variants(seq: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
-                        bytes_per_value: int = 2) -> dict[str, int]:
+def activation_variants(
+    seq: int, micro_batch: int, hidden: int, heads: int, tp: int = 1, bytes_per_value: int = 2
+) -> dict[str, int]:
     """Every row of Korthikanti et al. (2022) Table 2 for one configuration (see ACTIVATION_VARIANTS)."""
     args = (seq, micro_batch, hidden, heads)
     f = activation_bytes_per_layer
@@ -274,8 +309,13 @@ def activation_variants(seq: int, micro_batch: int, hidden: int, heads: int, tp:
         "tp": f(*args, tp=tp, bytes_per_value=bytes_per_value),
         "tp_selective": f(*args, tp=tp, recompute="selective", bytes_per_value=bytes_per_value),
         "tp_sp": f(*args, tp=tp, sequence_parallel=True, bytes_per_value=bytes_per_value),
-        "selective": f(*args, tp=tp, sequence_parallel=True, recompute="selective",
-                       bytes_per_value=bytes_per_value),
+        "selective": f(
+            *args,
+            tp=tp,
+            sequence_parallel=True,
+            recompute="selective",
+            bytes_per_value=bytes_per_value,
+        ),
         "full": f(*args, tp=tp, recompute="full", bytes_per_value=bytes_per_value),
     }
 
@@ -347,10 +387,22 @@ def comm_bytes_per_device(params: int, dp: int, bytes_per_grad: int = 2) -> dict
 # --------------------------------------------------------------------------------------------------
 
 
-def plan(params: int, dp: int = 1, tp: int = 1, pp: int = 1, zero_stage: int = 0, optimizer: str = "adam",
-         precision: str = "mixed", seq: int | None = None, micro_batch: int = 1, hidden: int | None = None,
-         heads: int | None = None, n_layers: int | None = None, micro_batches: int = 1,
-         pp_schedule: str = "1f1b") -> dict[str, Any]:
+def plan(
+    params: int,
+    dp: int = 1,
+    tp: int = 1,
+    pp: int = 1,
+    zero_stage: int = 0,
+    optimizer: str = "adam",
+    precision: str = "mixed",
+    seq: int | None = None,
+    micro_batch: int = 1,
+    hidden: int | None = None,
+    heads: int | None = None,
+    n_layers: int | None = None,
+    micro_batches: int = 1,
+    pp_schedule: str = "1f1b",
+) -> dict[str, Any]:
     """Everything above for one layout, as a JSON-able dict (ints, floats, strings, None).
 
     Tensor and pipeline parallelism each hold a 1/(tp*pp) slice of the model, so the model-state and
@@ -359,8 +411,13 @@ def plan(params: int, dp: int = 1, tp: int = 1, pp: int = 1, zero_stage: int = 0
     """
     if isinstance(params, bool) or not isinstance(params, int) or params < 1:
         raise ValueError(f"params must be a positive integer, got {params!r}")
-    for name, v in (("dp", dp), ("tp", tp), ("pp", pp), ("micro_batch", micro_batch),
-                    ("micro_batches", micro_batches)):
+    for name, v in (
+        ("dp", dp),
+        ("tp", tp),
+        ("pp", pp),
+        ("micro_batch", micro_batch),
+        ("micro_batches", micro_batches),
+    ):
         _positive_int(name, v)
     if zero_stage not in ZERO_STAGES:
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
@@ -376,7 +433,9 @@ def plan(params: int, dp: int = 1, tp: int = 1, pp: int = 1, zero_stage: int = 0
     if seq is not None and hidden is not None and heads is not None:
         if hidden % heads:
             raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads})")
-        activations = activation_variants(seq, micro_batch, hidden, heads, tp, bytes_per_value=bytes_["weights"])
+        activations = activation_variants(
+            seq, micro_batch, hidden, heads, tp, bytes_per_value=bytes_["weights"]
+        )
         if n_layers is not None:
             _positive_int("n_layers", n_layers)
             layers_per_stage = -(-n_layers // pp)
@@ -388,13 +447,27 @@ def plan(params: int, dp: int = 1, tp: int = 1, pp: int = 1, zero_stage: int = 0
         "params_per_model_parallel_rank": local,
         "zero_stage": zero_stage,
         "inputs": {
-            "params": params, "dp": dp, "tp": tp, "pp": pp, "zero_stage": zero_stage, "optimizer": optimizer,
-            "precision": precision, "seq": seq, "micro_batch": micro_batch, "hidden": hidden, "heads": heads,
-            "n_layers": n_layers, "micro_batches": micro_batches, "pp_schedule": pp_schedule,
+            "params": params,
+            "dp": dp,
+            "tp": tp,
+            "pp": pp,
+            "zero_stage": zero_stage,
+            "optimizer": optimizer,
+            "precision": precision,
+            "seq": seq,
+            "micro_batch": micro_batch,
+            "hidden": hidden,
+            "heads": heads,
+            "n_layers": n_layers,
+            "micro_batches": micro_batches,
+            "pp_schedule": pp_schedule,
             "world_size": dp * tp * pp,
         },
-        "bytes_per_param": {"weights": bytes_["weights"], "grads": bytes_["grads"],
-                            "optimizer_K": optimizer_bytes_per_param(optimizer, precision)},
+        "bytes_per_param": {
+            "weights": bytes_["weights"],
+            "grads": bytes_["grads"],
+            "optimizer_K": optimizer_bytes_per_param(optimizer, precision),
+        },
         "model_state_bytes_per_device": {s: b["total"] for s, b in breakdown.items()},
         "model_state_breakdown_per_device": breakdown,
         "activation_bytes_per_layer": activations,
@@ -420,7 +493,12 @@ def _need(sec: dict, section: str, key: str, default: Any = ...) -> Any:
 
 
 _DTYPE_PRECISION = {"float32": "fp32", "float64": "fp64", "bfloat16": "mixed", "float16": "mixed"}
-_MANIFEST_OPTIMIZER = {"adamw": "adamw", "adam": "adam", "sgd": "sgd", "sgd_momentum": "sgd_momentum"}
+_MANIFEST_OPTIMIZER = {
+    "adamw": "adamw",
+    "adam": "adam",
+    "sgd": "sgd",
+    "sgd_momentum": "sgd_momentum",
+}
 
 
 def plan_from_manifest(manifest: Any) -> dict[str, Any]:
@@ -442,7 +520,11 @@ def plan_from_manifest(manifest: Any) -> dict[str, Any]:
 
     dtype = _need(train, "training", "dtype", "float32")
     if dtype not in _DTYPE_PRECISION:
-        raise BadInput("manifest", f"unknown dtype {dtype!r} (float32, float64, bfloat16)", field="training.dtype")
+        raise BadInput(
+            "manifest",
+            f"unknown dtype {dtype!r} (float32, float64, bfloat16)",
+            field="training.dtype",
+        )
     opt = _need(train, "training", "optimizer", "adamw")
     if opt not in _MANIFEST_OPTIMIZER:
         raise BadInput("manifest", f"unknown optimizer {opt!r}", field="training.optimizer")
@@ -450,7 +532,9 @@ def plan_from_manifest(manifest: Any) -> dict[str, Any]:
     def field(section: str, sec: dict, key: str, default: Any = ...) -> int:
         v = _need(sec, section, key, default)
         if isinstance(v, bool) or not isinstance(v, int) or v < (0 if key == "zero_stage" else 1):
-            raise BadInput("manifest", f"must be a positive integer, got {v!r}", field=f"{section}.{key}")
+            raise BadInput(
+                "manifest", f"must be a positive integer, got {v!r}", field=f"{section}.{key}"
+            )
         return v
 
     dim = field("model", model, "dim")
@@ -471,27 +555,57 @@ def plan_from_manifest(manifest: Any) -> dict[str, Any]:
 
     zero_stage = field("parallelism", par, "zero_stage", 0)
     if zero_stage not in ZERO_STAGES:
-        raise BadInput("manifest", f"must be 0..3, got {zero_stage}", field="parallelism.zero_stage")
+        raise BadInput(
+            "manifest", f"must be 0..3, got {zero_stage}", field="parallelism.zero_stage"
+        )
     schedule = _need(par, "parallelism", "pp_schedule", "1f1b")
     try:
-        result = plan(params, dp=field("parallelism", par, "dp"), tp=field("parallelism", par, "tp", 1),
-                      pp=field("parallelism", par, "pp", 1), zero_stage=zero_stage,
-                      optimizer=_MANIFEST_OPTIMIZER[opt], precision=_DTYPE_PRECISION[dtype], seq=seq,
-                      micro_batch=field("training", train, "micro_batch_size"), hidden=dim, heads=n_heads,
-                      n_layers=n_layers, micro_batches=field("training", train, "grad_accum_steps", 1),
-                      pp_schedule=schedule)
+        result = plan(
+            params,
+            dp=field("parallelism", par, "dp"),
+            tp=field("parallelism", par, "tp", 1),
+            pp=field("parallelism", par, "pp", 1),
+            zero_stage=zero_stage,
+            optimizer=_MANIFEST_OPTIMIZER[opt],
+            precision=_DTYPE_PRECISION[dtype],
+            seq=seq,
+            micro_batch=field("training", train, "micro_batch_size"),
+            hidden=dim,
+            heads=n_heads,
+            n_layers=n_layers,
+            micro_batches=field("training", train, "grad_accum_steps", 1),
+            pp_schedule=schedule,
+        )
     except ValueError as e:
         raise BadInput("manifest", str(e)) from None
-    result["model"] = {"dim": dim, "n_layers": n_layers, "n_heads": n_heads, "n_kv_heads": n_kv_heads,
-                       "vocab_size": vocab, "max_seq_len": seq, "ffn_hidden": ffn}
+    result["model"] = {
+        "dim": dim,
+        "n_layers": n_layers,
+        "n_heads": n_heads,
+        "n_kv_heads": n_kv_heads,
+        "vocab_size": vocab,
+        "max_seq_len": seq,
+        "ffn_hidden": ffn,
+    }
     result["inputs"]["dtype"] = dtype
     return result
 
 
-def plan_cli_args(params: int | str | None, dp: int = 1, tp: int = 1, pp: int = 1, zero_stage: int = 0,
-                  optimizer: str = "adam", precision: str = "mixed", seq: int | None = None,
-                  micro_batch: int = 1, hidden: int | None = None, heads: int | None = None,
-                  layers: int | None = None, micro_batches: int = 1) -> dict[str, Any]:
+def plan_cli_args(
+    params: int | str | None,
+    dp: int = 1,
+    tp: int = 1,
+    pp: int = 1,
+    zero_stage: int = 0,
+    optimizer: str = "adam",
+    precision: str = "mixed",
+    seq: int | None = None,
+    micro_batch: int = 1,
+    hidden: int | None = None,
+    heads: int | None = None,
+    layers: int | None = None,
+    micro_batches: int = 1,
+) -> dict[str, Any]:
     """What `disttrace plan --params 7.5B --dp 64 ...` runs. params may be '7.5B'-style text; without it,
     hidden and layers give the 12*L*h^2 estimate (noted in inputs.params_source). Errors raise BadInput
     naming the option."""
@@ -507,9 +621,21 @@ def plan_cli_args(params: int | str | None, dp: int = 1, tp: int = 1, pp: int = 
     except ValueError as e:
         raise BadInput("--params", str(e)) from None
     try:
-        result = plan(count, dp=dp, tp=tp, pp=pp, zero_stage=zero_stage, optimizer=optimizer, precision=precision,
-                      seq=seq, micro_batch=micro_batch, hidden=hidden, heads=heads, n_layers=layers,
-                      micro_batches=micro_batches)
+        result = plan(
+            count,
+            dp=dp,
+            tp=tp,
+            pp=pp,
+            zero_stage=zero_stage,
+            optimizer=optimizer,
+            precision=precision,
+            seq=seq,
+            micro_batch=micro_batch,
+            hidden=hidden,
+            heads=heads,
+            n_layers=layers,
+            micro_batches=micro_batches,
+        )
     except ValueError as e:
         raise BadInput("disttrace plan", str(e)) from None
     result["inputs"]["params_source"] = source
@@ -553,19 +679,33 @@ def render_plan(result: dict, console) -> None:
         console.print(f"  parameter count {inp['params_source']}")
 
     bpp = result.get("bytes_per_param", {})
-    t = Table(title="Model states per device (ZeRO, Rajbhandari et al. 2020)",
-              caption=f"Psi per model-parallel rank = {result.get('params_per_model_parallel_rank', 0):,}; "
-                      f"bytes/param: weights {bpp.get('weights')}, grads {bpp.get('grads')}, "
-                      f"optimizer K = {bpp.get('optimizer_K')}. 1 GiB = 2^30 bytes (the paper's GB = 10^9).")
+    t = Table(
+        title="Model states per device (ZeRO, Rajbhandari et al. 2020)",
+        caption=f"Psi per model-parallel rank = {result.get('params_per_model_parallel_rank', 0):,}; "
+        f"bytes/param: weights {bpp.get('weights')}, grads {bpp.get('grads')}, "
+        f"optimizer K = {bpp.get('optimizer_K')}. 1 GiB = 2^30 bytes (the paper's GB = 10^9).",
+    )
     for col in ("ZeRO stage", "shards", "params", "grads", "optimizer", "total"):
         t.add_column(col, justify="right" if col not in ("ZeRO stage", "shards") else "left")
-    shards = {"0": "nothing (DDP)", "1": "optimizer", "2": "optimizer + grads", "3": "optimizer + grads + params"}
+    shards = {
+        "0": "nothing (DDP)",
+        "1": "optimizer",
+        "2": "optimizer + grads",
+        "3": "optimizer + grads + params",
+    }
     breakdown = result.get("model_state_breakdown_per_device") or {}
     for s, total in result["model_state_bytes_per_device"].items():
         b = breakdown.get(s, {})
         mark = " <- selected" if s == selected else ""
-        t.add_row(f"{s}{mark}", shards.get(s, ""), human_bytes(b.get("params")), human_bytes(b.get("grads")),
-                  human_bytes(b.get("optimizer")), human_bytes(total), style="bold" if s == selected else None)
+        t.add_row(
+            f"{s}{mark}",
+            shards.get(s, ""),
+            human_bytes(b.get("params")),
+            human_bytes(b.get("grads")),
+            human_bytes(b.get("optimizer")),
+            human_bytes(total),
+            style="bold" if s == selected else None,
+        )
     console.print(t)
 
     acts = result.get("activation_bytes_per_layer")
@@ -573,11 +713,17 @@ def render_plan(result: dict, console) -> None:
         console.print("Activations: give the sequence length, hidden size and heads to plan them.")
     else:
         per_device = result.get("activation_bytes_per_device")
-        t = Table(title="Activations (Korthikanti et al. 2022, Table 2)",
-                  caption=f"s={inp.get('seq')} b={inp.get('micro_batch')} h={inp.get('hidden')} "
-                          f"a={inp.get('heads')} t={inp.get('tp')}"
-                          + ("; per device = per layer x layers per stage x micro-batches in flight "
-                             f"({inp.get('pp_schedule')})" if per_device else ""))
+        t = Table(
+            title="Activations (Korthikanti et al. 2022, Table 2)",
+            caption=f"s={inp.get('seq')} b={inp.get('micro_batch')} h={inp.get('hidden')} "
+            f"a={inp.get('heads')} t={inp.get('tp')}"
+            + (
+                "; per device = per layer x layers per stage x micro-batches in flight "
+                f"({inp.get('pp_schedule')})"
+                if per_device
+                else ""
+            ),
+        )
         t.add_column("variant")
         t.add_column("what")
         t.add_column("formula")
@@ -593,9 +739,11 @@ def render_plan(result: dict, console) -> None:
         console.print(t)
 
     bub = result["bubble_fraction"]
-    t = Table(title=f"Pipeline bubble (p={inp.get('pp')} stages, m={inp.get('micro_batches')} micro-batches)",
-              caption="(p-1)/m: bubble time over ideal compute time (GPipe, 1F1B/PipeDream-Flush, Megatron-LM); "
-                      "(p-1)/(m+p-1): over the whole step")
+    t = Table(
+        title=f"Pipeline bubble (p={inp.get('pp')} stages, m={inp.get('micro_batches')} micro-batches)",
+        caption="(p-1)/m: bubble time over ideal compute time (GPipe, 1F1B/PipeDream-Flush, Megatron-LM); "
+        "(p-1)/(m+p-1): over the whole step",
+    )
     t.add_column("schedule")
     t.add_column("bubble / ideal compute", justify="right")
     t.add_column("bubble / whole step", justify="right")
@@ -604,13 +752,24 @@ def render_plan(result: dict, console) -> None:
     console.print(t)
 
     comm = result["comm_bytes_per_device"]
-    t = Table(title="Data-parallel traffic per device per step (ring collectives, ZeRO paper Section 7)")
+    t = Table(
+        title="Data-parallel traffic per device per step (ring collectives, ZeRO paper Section 7)"
+    )
     t.add_column("layout")
     t.add_column("collectives")
     t.add_column("bytes sent", justify="right")
-    what = {"0": "all-reduce grads (= DDP)", "1": "reduce-scatter grads + all-gather params",
-            "2": "reduce-scatter grads + all-gather params", "3": "+ all-gather params again (1.5x DDP)"}
+    what = {
+        "0": "all-reduce grads (= DDP)",
+        "1": "reduce-scatter grads + all-gather params",
+        "2": "reduce-scatter grads + all-gather params",
+        "3": "+ all-gather params again (1.5x DDP)",
+    }
     for s in ("0", "1", "2", "3"):
         mark = " <- selected" if s == selected else ""
-        t.add_row(f"ZeRO {s}{mark}", what[s], human_bytes(comm[s]), style="bold" if s == selected else None)
+        t.add_row(
+            f"ZeRO {s}{mark}",
+            what[s],
+            human_bytes(comm[s]),
+            style="bold" if s == selected else None,
+        )
     console.print(t)

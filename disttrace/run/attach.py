@@ -45,9 +45,14 @@ import torch
 
 from disttrace.errors import BadInput
 from disttrace.run.collectives import CollectiveTracer
-from disttrace.run.hooks import HookBus, process_exit
-from disttrace.run.parallel.common import SCALAR_INDEX, SCALARS_AGREE, Strategy, optimizer_state_list
 from disttrace.run.complete import seal_and_complete
+from disttrace.run.hooks import HookBus, process_exit
+from disttrace.run.parallel.common import (
+    SCALAR_INDEX,
+    SCALARS_AGREE,
+    Strategy,
+    optimizer_state_list,
+)
 from disttrace.run.recorder import Recorder
 from disttrace.store.records import ATTACHED_SOURCE, Event
 from disttrace.store.rundir import LOCK, event, new_run_dir, read_json, write_json_atomic
@@ -163,10 +168,22 @@ def _process_groups() -> list[dict]:
                 backend = str(dist.get_backend(pg))
             except (RuntimeError, ValueError):
                 backend = None
-            out.append({"name": c10d._world.pg_names.get(pg, ""), "ranks": sorted(ranks), "backend": backend})
+            out.append(
+                {
+                    "name": c10d._world.pg_names.get(pg, ""),
+                    "ranks": sorted(ranks),
+                    "backend": backend,
+                }
+            )
         return out
     except (AttributeError, RuntimeError):
-        return [{"name": "world", "ranks": list(range(dist.get_world_size())), "backend": dist.get_backend()}]
+        return [
+            {
+                "name": "world",
+                "ranks": list(range(dist.get_world_size())),
+                "backend": dist.get_backend(),
+            }
+        ]
 
 
 def _mesh_groups(mesh, dim: int) -> list[list[int]]:
@@ -194,8 +211,9 @@ def _fsdp_groups(model) -> list[list[int]]:
 
 def local_view(engine: Engine, named, rank: int) -> dict:
     """What this rank sees at attach: its parameters' digests, its process groups, where it runs."""
-    from disttrace.run.digest import digest_tensor
     import socket
+
+    from disttrace.run.digest import digest_tensor
 
     params = {}
     for _, name, p in named:
@@ -205,16 +223,27 @@ def local_view(engine: Engine, named, rank: int) -> dict:
             mesh = p.device_mesh
             params[name]["replicate"] = {
                 (mesh.mesh_dim_names[d] if mesh.mesh_dim_names else str(d)): _mesh_groups(mesh, d)
-                for d, pl in enumerate(p.placements) if pl.is_replicate()}
+                for d, pl in enumerate(p.placements)
+                if pl.is_replicate()
+            }
             params[name]["shard_dims"] = [d for d, pl in enumerate(p.placements) if pl.is_shard()]
-            params[name]["shard"] = {(mesh.mesh_dim_names[d] if mesh.mesh_dim_names else str(d)): _mesh_groups(mesh, d)
-                                     for d, pl in enumerate(p.placements) if pl.is_shard()}
-    return {"rank": rank, "host": socket.gethostname(),
-            "node_rank": int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", 0))),
-            "local_rank": int(os.environ.get("LOCAL_RANK", 0)), "pid": os.getpid(),
-            "params": params, "ddp_group": engine.group_ranks, "process_groups": _process_groups(),
-            "fsdp_groups": _fsdp_groups(engine.inner) if engine.kind == "FSDP2" else [],
-            "seed": torch.initial_seed()}
+            params[name]["shard"] = {
+                (mesh.mesh_dim_names[d] if mesh.mesh_dim_names else str(d)): _mesh_groups(mesh, d)
+                for d, pl in enumerate(p.placements)
+                if pl.is_shard()
+            }
+    return {
+        "rank": rank,
+        "host": socket.gethostname(),
+        "node_rank": int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", 0))),
+        "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+        "pid": os.getpid(),
+        "params": params,
+        "ddp_group": engine.group_ranks,
+        "process_groups": _process_groups(),
+        "fsdp_groups": _fsdp_groups(engine.inner) if engine.kind == "FSDP2" else [],
+        "seed": torch.initial_seed(),
+    }
 
 
 def infer_replicas(engine: str, views: list[dict]) -> dict:
@@ -234,22 +263,43 @@ def infer_replicas(engine: str, views: list[dict]) -> dict:
     if engine == "DDP":
         dp = sorted({tuple(v["ddp_group"]) for v in views})
         groups["dp"] = [list(g) for g in dp]
-        rules += [{"phase": "data", "dim": "dp", "relation": "differ"},
-                  {"phase": "reduce", "dim": "dp", "relation": "agree"},
-                  {"phase": "clip", "dim": "dp", "relation": "agree"},
-                  {"phase": "optimizer", "dim": "dp", "relation": "agree"}]
-        notes.append(f"DDP over {groups['dp']}: reduced gradients, clip, parameters and optimizer state agree")
+        rules += [
+            {"phase": "data", "dim": "dp", "relation": "differ"},
+            {"phase": "reduce", "dim": "dp", "relation": "agree"},
+            {"phase": "clip", "dim": "dp", "relation": "agree"},
+            {"phase": "optimizer", "dim": "dp", "relation": "agree"},
+        ]
+        notes.append(
+            f"DDP over {groups['dp']}: reduced gradients, clip, parameters and optimizer state agree"
+        )
         return {"groups": groups, "rules": rules, "inferred": {"engine": engine, "notes": notes}}
     if engine == "FSDP2":  # FSDP2 shards over data parallelism: each rank's batch must differ there
         fsdp = sorted({tuple(g) for v in views for g in v.get("fsdp_groups", [])})
         if fsdp:
             groups["dp"] = [list(g) for g in fsdp]
-            rules += [{"phase": "data", "dim": "dp", "relation": "differ"}, SCALARS_AGREE,
-                      {"phase": "optimizer", "dim": "world", "relation": "agree", "tensors": ["param_groups.*.lr"]}]
-            notes.append(f"FSDP2 shards over {groups['dp']}: data differs there; the global gradient norm, "
-                         "clip coefficient and learning rates agree over the world")
-    if engine == "DTensor":  # tensor parallelism (no FSDP): a group sharing a sharded tensor reads one batch
-        tp = {f"mesh:{dim}": gs for v in views for e in v["params"].values() for dim, gs in e.get("shard", {}).items()}
+            rules += [
+                {"phase": "data", "dim": "dp", "relation": "differ"},
+                SCALARS_AGREE,
+                {
+                    "phase": "optimizer",
+                    "dim": "world",
+                    "relation": "agree",
+                    "tensors": ["param_groups.*.lr"],
+                },
+            ]
+            notes.append(
+                f"FSDP2 shards over {groups['dp']}: data differs there; the global gradient norm, "
+                "clip coefficient and learning rates agree over the world"
+            )
+    if (
+        engine == "DTensor"
+    ):  # tensor parallelism (no FSDP): a group sharing a sharded tensor reads one batch
+        tp = {
+            f"mesh:{dim}": gs
+            for v in views
+            for e in v["params"].values()
+            for dim, gs in e.get("shard", {}).items()
+        }
         for dim, gs in sorted(tp.items()):
             groups[dim] = gs
             rules.append({"phase": "data", "dim": dim, "relation": "agree"})
@@ -285,8 +335,12 @@ def infer_replicas(engine: str, views: list[dict]) -> dict:
             n += 1
             dim = "replicas" if n == 1 else f"replicas-{n}"
             groups[dim] = [list(g) for g in key]
-        rules.append({"phase": "optimizer", "dim": dim, "relation": "agree", "tensors": sorted(tensors)})
-        notes.append(f"{len(tensors)} parameter(s) identical across {groups[dim]} at attach ({dim})")
+        rules.append(
+            {"phase": "optimizer", "dim": dim, "relation": "agree", "tensors": sorted(tensors)}
+        )
+        notes.append(
+            f"{len(tensors)} parameter(s) identical across {groups[dim]} at attach ({dim})"
+        )
     if not rules:
         notes.append("no parameter has an identical copy on another rank: nothing must agree")
     return {"groups": groups, "rules": rules, "inferred": {"engine": engine, "notes": notes}}
@@ -330,7 +384,10 @@ def topology_doc(engine: Engine, views: list[dict]) -> dict:
     tp groups), plus every process group torch built, as the ranks reported them."""
     world = len(views)
     dp_groups, tp_groups = attached_layout(engine.kind, views)
-    place = {dim: {r: i for g in gs for i, r in enumerate(g)} for dim, gs in (("dp", dp_groups), ("tp", tp_groups))}
+    place = {
+        dim: {r: i for g in gs for i, r in enumerate(g)}
+        for dim, gs in (("dp", dp_groups), ("tp", tp_groups))
+    }
     pgs: dict[tuple, dict] = {}
     for v in views:
         for g in v["process_groups"]:
@@ -340,22 +397,43 @@ def topology_doc(engine: Engine, views: list[dict]) -> dict:
         "mesh_dims": ["pp", "dp", "tp"],
         "mesh_shape": {"pp": 1, "dp": len(dp_groups[0]), "tp": len(tp_groups[0])},
         "groups": {"pp": [[r] for r in range(world)], "dp": dp_groups, "tp": tp_groups},
-        "ranks": [{"rank": v["rank"], "host": v["host"], "node_rank": v["node_rank"], "local_rank": v["local_rank"],
-                   "pid": v["pid"], "coords": {"pp": 0, "dp": place["dp"].get(v["rank"], 0),
-                                               "tp": place["tp"].get(v["rank"], 0)}} for v in views],
+        "ranks": [
+            {
+                "rank": v["rank"],
+                "host": v["host"],
+                "node_rank": v["node_rank"],
+                "local_rank": v["local_rank"],
+                "pid": v["pid"],
+                "coords": {
+                    "pp": 0,
+                    "dp": place["dp"].get(v["rank"], 0),
+                    "tp": place["tp"].get(v["rank"], 0),
+                },
+            }
+            for v in views
+        ],
         "process_groups": [pgs[k] for k in sorted(pgs, key=lambda k: (len(k[1]), k))],
         "engine": engine.kind,
     }
 
 
-def build_manifest(engine: Engine, optimizer, views: list[dict], name: str, edition: str, seed: int | None,
-                   config: dict | None) -> dict:
+def build_manifest(
+    engine: Engine,
+    optimizer,
+    views: list[dict],
+    name: str,
+    edition: str,
+    seed: int | None,
+    config: dict | None,
+) -> dict:
     """The experiment as attach sees it: the user's config plus the model's tensors, the optimizer and its
     hyper-parameters, the world, the engine and the default generator's seed. Two attached runs whose
     manifests differ in these are not the same experiment, and diff says which fields differ."""
     inner = engine.inner
     world = len(views)
-    groups = [{k: _jsonable(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    groups = [
+        {k: _jsonable(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups
+    ]
     g0 = groups[0] if groups else {}
     training: dict = {"optimizer": type(optimizer).__name__}
     for key in ("lr", "weight_decay"):
@@ -371,26 +449,51 @@ def build_manifest(engine: Engine, optimizer, views: list[dict], name: str, edit
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in inner.parameters()})
     training["dtype"] = dtypes[0] if len(dtypes) == 1 else "mixed"
     dp_groups, tp_groups = attached_layout(engine.kind, views)
-    from disttrace.config.attached import AttachedManifest  # the shape, typed: a new key is declared there
+    from disttrace.config.attached import (
+        AttachedManifest,
+    )  # the shape, typed: a new key is declared there
 
-    return AttachedManifest.model_validate({
-        "experiment": {"name": name, "edition": edition, "seed": int(views[0]["seed"] if seed is None else seed),
-                       "description": f"recorded by {SOURCE}"},
-        "parallelism": {"dp": len(dp_groups[0]), "tp": len(tp_groups[0]), "pp": 1, "zero_stage": 3 if engine.kind == "FSDP2" else 0,
-                        "world_size": world, "architecture": "allreduce", "engine": engine.kind},
-        "model": {"class": type(inner).__qualname__, "parameters": sum(p.numel() for p in inner.parameters()),
-                  "tensors": {n: {"shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch.")}
-                              for n, p in inner.named_parameters()}},
-        "optimizer": {"type": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}", "param_groups": {str(i): g for i, g in enumerate(groups)}},
-        "training": training,
-        "config": cfg,
-    }).document()
+    return AttachedManifest.model_validate(
+        {
+            "experiment": {
+                "name": name,
+                "edition": edition,
+                "seed": int(views[0]["seed"] if seed is None else seed),
+                "description": f"recorded by {SOURCE}",
+            },
+            "parallelism": {
+                "dp": len(dp_groups[0]),
+                "tp": len(tp_groups[0]),
+                "pp": 1,
+                "zero_stage": 3 if engine.kind == "FSDP2" else 0,
+                "world_size": world,
+                "architecture": "allreduce",
+                "engine": engine.kind,
+            },
+            "model": {
+                "class": type(inner).__qualname__,
+                "parameters": sum(p.numel() for p in inner.parameters()),
+                "tensors": {
+                    n: {"shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch.")}
+                    for n, p in inner.named_parameters()
+                },
+            },
+            "optimizer": {
+                "type": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+                "param_groups": {str(i): g for i, g in enumerate(groups)},
+            },
+            "training": training,
+            "config": cfg,
+        }
+    ).document()
 
 
 def manifest_id_of(manifest: dict) -> str:
     from disttrace.config.manifest import canonical_json
 
-    return hashlib.sha256(canonical_json(manifest)).hexdigest()  # the harness's manifest id, same rule
+    return hashlib.sha256(
+        canonical_json(manifest)
+    ).hexdigest()  # the harness's manifest id, same rule
 
 
 # ---------------------------------------------------------------- faults inside an attached run
@@ -417,33 +520,59 @@ def build_fault(spec: dict, engine: Engine, caps: set[str], manifest: dict, name
     step, rank = spec["step"], spec["rank"]
     cls.coordinates(step, rank, world=world)
     if cls.point == "data":
-        raise BadInput(where, f"'{cls.name}' needs the data point to fetch another rank's shard, which an "
-                       "attached script does not offer")
-    own_hook = ", its own DDP comm hook" if engine.kind == "DDP" and "backward" in caps and "collective_hook" not in caps else ""
-    cls.offered(manifest["parallelism"]["dp"], caps, "this script", f"this script ({engine.kind}{own_hook})")
+        raise BadInput(
+            where,
+            f"'{cls.name}' needs the data point to fetch another rank's shard, which an "
+            "attached script does not offer",
+        )
+    own_hook = (
+        ", its own DDP comm hook"
+        if engine.kind == "DDP" and "backward" in caps and "collective_hook" not in caps
+        else ""
+    )
+    cls.offered(
+        manifest["parallelism"]["dp"], caps, "this script", f"this script ({engine.kind}{own_hook})"
+    )
     merged = cls.parameters(dict(spec.get("params") or {}))
-    pseudo = {**manifest, "checkpoint": {"interval": 1},
-              "training": {**manifest["training"], "max_grad_norm": 1.0, "steps": max(step, 1)}}
+    pseudo = {
+        **manifest,
+        "checkpoint": {"interval": 1},
+        "training": {**manifest["training"], "max_grad_norm": 1.0, "steps": max(step, 1)},
+    }
     accum = manifest["training"].get("grad_accum_steps")
     try:
         cls.check(step, merged, pseudo)
     except (KeyError, TypeError):
-        raise BadInput(where, f"'{cls.name}' needs the accumulation count: pass config={{'grad_accum_steps': N}} "
-                       "to attach") from None
-    if accum is None and ("micro_batch" in merged and merged["micro_batch"] < 0 or cls.name == "late-microbatch"):
-        raise BadInput(where, f"'{cls.name}' needs the accumulation count: pass config={{'grad_accum_steps': N}} "
-                       "to attach")
-    if "tensor" in merged and merged["tensor"] not in names and not (
-            str(merged["tensor"]).isdigit() and int(merged["tensor"]) < len(names)):
-        raise BadInput("--param tensor", f"this model has no tensor '{merged['tensor']}'; it has: "
-                       f"{', '.join(names[:8])}{' ...' if len(names) > 8 else ''}")
+        raise BadInput(
+            where,
+            f"'{cls.name}' needs the accumulation count: pass config={{'grad_accum_steps': N}} "
+            "to attach",
+        ) from None
+    if accum is None and (
+        "micro_batch" in merged and merged["micro_batch"] < 0 or cls.name == "late-microbatch"
+    ):
+        raise BadInput(
+            where,
+            f"'{cls.name}' needs the accumulation count: pass config={{'grad_accum_steps': N}} "
+            "to attach",
+        )
+    if (
+        "tensor" in merged
+        and merged["tensor"] not in names
+        and not (str(merged["tensor"]).isdigit() and int(merged["tensor"]) < len(names))
+    ):
+        raise BadInput(
+            "--param tensor",
+            f"this model has no tensor '{merged['tensor']}'; it has: "
+            f"{', '.join(names[:8])}{' ...' if len(names) > 8 else ''}",
+        )
     return faults.build({"name": cls.name, "step": step, "rank": rank, "params": merged})
 
 
 # ---------------------------------------------------------------- the attached run
 
 
-_ACTIVE: list["AttachedRun"] = []  # the run that torch.nn.utils.clip_grad_norm_ reports to
+_ACTIVE: list[AttachedRun] = []  # the run that torch.nn.utils.clip_grad_norm_ reports to
 _ORIGINAL_CLIP = torch.nn.utils.clip_grad.clip_grad_norm_
 
 
@@ -466,7 +595,7 @@ class _CommHookState:
     until the process exits. So the run is held by weak reference, and a closed run's hook is DDP's plain
     all-reduce."""
 
-    def __init__(self, run: "AttachedRun", names: dict, group, size: int):
+    def __init__(self, run: AttachedRun, names: dict, group, size: int):
         self.run, self.names, self.group, self.size = weakref.ref(run), names, group, size
 
 
@@ -506,35 +635,66 @@ class _UserState(Strategy):
 
 
 class AttachedRun:
-    def __init__(self, model, optimizer, run_dir: Path, rank: int, engine: Engine, manifest: dict,
-                 manifest_id: str, fault_spec: dict | None, blocks: list[tuple[str, torch.nn.Module]] = ()):
+    def __init__(
+        self,
+        model,
+        optimizer,
+        run_dir: Path,
+        rank: int,
+        engine: Engine,
+        manifest: dict,
+        manifest_id: str,
+        fault_spec: dict | None,
+        blocks: list[tuple[str, torch.nn.Module]] = (),
+    ):
         self.run_dir, self.rank = run_dir, rank
-        self.model, self.engine, self.manifest, self.manifest_id = model, engine, manifest, manifest_id
+        self.model, self.engine, self.manifest, self.manifest_id = (
+            model,
+            engine,
+            manifest,
+            manifest_id,
+        )
         self.inner = engine.inner
         self.named = [(i, n, p) for i, (n, p) in enumerate(self.inner.named_parameters())]
         self.optimizer = optimizer
         self.bus = HookBus(rank)
         self.tracer = CollectiveTracer(run_dir, rank)
-        self.tracer.attach(self.bus)  # the step on each trace line (its handler holds the tracer, not the run)
-        self.recorder = Recorder(run_dir, rank, forward=manifest["record"]["forward"]).attach(self.bus)
+        self.tracer.attach(
+            self.bus
+        )  # the step on each trace line (its handler holds the tracer, not the run)
+        self.recorder = Recorder(run_dir, rank, forward=manifest["record"]["forward"]).attach(
+            self.bus
+        )
         self.ledger = self._memory_ledger()
         self.step = 1
         self._forwards = 0  # forwards of the model since the last optimizer step: the micro-batches
         self._data_mb: set[int] = set()
-        self._pending: deque = deque()  # (inputs, sample ids) a watched DataLoader handed out, one per forward
-        self._taken = None  # the inputs of the batch the last training forward took (see _take_batch)
+        self._pending: deque = (
+            deque()
+        )  # (inputs, sample ids) a watched DataLoader handed out, one per forward
+        self._taken = (
+            None  # the inputs of the batch the last training forward took (see _take_batch)
+        )
         self._loaders: list = []  # loaders whose class attach swapped (restored at close)
         self._comm_fired = self._bw_queued = self._reduced = self._clipped = False
         self.completed = 0  # the last step whose optimizer stepped
-        self._paused = False  # inside our own checkpoint load/save: DCP's helpers may step the optimizer
-        self._stepped = False  # the optimizer has stepped; the step's records close at the next forward
+        self._paused = (
+            False  # inside our own checkpoint load/save: DCP's helpers may step the optimizer
+        )
+        self._stepped = (
+            False  # the optimizer has stepped; the step's records close at the next forward
+        )
         self._closed = False
-        self._handles = [optimizer.register_step_pre_hook(self._before_step),
-                         optimizer.register_step_post_hook(self._after_step),
-                         self.inner.register_forward_pre_hook(self._on_forward, with_kwargs=True)]
+        self._handles = [
+            optimizer.register_step_pre_hook(self._before_step),
+            optimizer.register_step_post_hook(self._after_step),
+            self.inner.register_forward_pre_hook(self._on_forward, with_kwargs=True),
+        ]
         if manifest["record"]["forward"]:
-            self._handles += [module.register_forward_hook(self._block_output_hook(index, name))
-                              for index, (name, module) in enumerate(blocks)]
+            self._handles += [
+                module.register_forward_hook(self._block_output_hook(index, name))
+                for index, (name, module) in enumerate(blocks)
+            ]
         self.comm_hook = self._install_backward_points()
         self.capabilities = capabilities(engine, self.comm_hook)
         self.fault = None
@@ -544,12 +704,23 @@ class AttachedRun:
                 self.fault = build_fault(fault_spec, engine, self.capabilities, manifest, names)
             except BadInput as e:
                 if rank == 0:
-                    event(run_dir, Event.FAULT_REFUSED, fault=fault_spec.get("name"), where=e.where, field=e.field,
-                          reason=e.reason)
+                    event(
+                        run_dir,
+                        Event.FAULT_REFUSED,
+                        fault=fault_spec.get("name"),
+                        where=e.where,
+                        field=e.field,
+                        reason=e.reason,
+                    )
                 self._remove_hooks()
                 raise
-            ctx = SimpleNamespace(run_dir=run_dir, manifest=manifest, rank=rank,
-                                  dp_rank=rank, strategy=SimpleNamespace(group=getattr(engine.ddp, "process_group", None)))
+            ctx = SimpleNamespace(
+                run_dir=run_dir,
+                manifest=manifest,
+                rank=rank,
+                dp_rank=rank,
+                strategy=SimpleNamespace(group=getattr(engine.ddp, "process_group", None)),
+            )
             self.fault.attach(self.bus, ctx)
         self.tracer.__enter__()
         _ACTIVE.append(self)
@@ -565,10 +736,13 @@ class AttachedRun:
         self.bus.micro_batch = mb
         ids = sample_ids.tolist() if torch.is_tensor(sample_ids) else list(sample_ids or [])
         self._data_mb.add(mb)
-        self.bus.emit("data", batch={"inputs": inputs.detach(), "sample_ids": [int(i) for i in ids]},
-                      fetch=None)
+        self.bus.emit(
+            "data",
+            batch={"inputs": inputs.detach(), "sample_ids": [int(i) for i in ids]},
+            fetch=None,
+        )
 
-    def watch_loader(self, loader) -> "WatchedLoader":
+    def watch_loader(self, loader) -> WatchedLoader:
         """The training DataLoader as the run sees it: iterate what this returns instead of `loader`. Each
         batch it hands out is the `data` record of the next forward of the model, with the sample ids its
         DistributedSampler yielded for that batch (empty for samplers that cannot be read without drawing
@@ -595,7 +769,9 @@ class AttachedRun:
 
     def _watch_in_place(self, loader) -> None:
         base = type(loader)
-        ref = weakref.ref(self)  # the swapped class outlives close() until a collection: it must not hold the run
+        ref = weakref.ref(
+            self
+        )  # the swapped class outlives close() until a collection: it must not hold the run
 
         def __iter__(self):
             run = ref()
@@ -605,9 +781,15 @@ class AttachedRun:
 
         namespace = {"__iter__": __iter__, "__module__": base.__module__, "_disttrace_base": base}
         swap = object.__dict__["__class__"].__set__  # the instance's class slot itself
-        own = next((k.__dict__["__class__"] for k in base.__mro__[:-1] if "__class__" in k.__dict__), None)
-        if own is not None:  # accelerate's DataLoaderShard reports its inner DataLoader's class (a read-only
-            if not isinstance(own, property):  # property): keep reporting it, and let close() swap the class back
+        own = next(
+            (k.__dict__["__class__"] for k in base.__mro__[:-1] if "__class__" in k.__dict__), None
+        )
+        if (
+            own is not None
+        ):  # accelerate's DataLoaderShard reports its inner DataLoader's class (a read-only
+            if not isinstance(
+                own, property
+            ):  # property): keep reporting it, and let close() swap the class back
                 return
             namespace["__class__"] = property(own.fget, swap)
         swap(loader, type(base.__name__, (base,), namespace))
@@ -634,8 +816,14 @@ class AttachedRun:
 
     def scalar(self, name: str, value) -> None:
         """A scalar every rank should agree on, recorded in this step's clip phase."""
-        t = value.detach() if torch.is_tensor(value) else torch.tensor(float(value), dtype=torch.float64)
-        index = SCALAR_INDEX + 100 + int(hashlib.sha256(name.encode()).hexdigest()[:6], 16) % 100_000
+        t = (
+            value.detach()
+            if torch.is_tensor(value)
+            else torch.tensor(float(value), dtype=torch.float64)
+        )
+        index = (
+            SCALAR_INDEX + 100 + int(hashlib.sha256(name.encode()).hexdigest()[:6], 16) % 100_000
+        )
         self.recorder.add(self.bus, "clip", index, name, t)
 
     def checkpoint(self, state: dict | None = None, step: int | None = None) -> Path:
@@ -645,17 +833,32 @@ class AttachedRun:
         from disttrace.run import checkpoint as ckpt
 
         if _dist() is None:
-            raise BadInput("run.checkpoint", "needs torch.distributed initialised (DCP's collective save)")
+            raise BadInput(
+                "run.checkpoint", "needs torch.distributed initialised (DCP's collective save)"
+            )
         step = (self.step if self._stepped else self.step - 1) if step is None else int(step)
         holder = _UserState(self.model, self.optimizer, state)
         self._paused = True
         try:
-            path = ckpt.save(holder, self.run_dir, step, self.manifest_id, self.manifest["parallelism"]["world_size"],
-                             self.rank, self.bus, extra={"source": SOURCE})
+            path = ckpt.save(
+                holder,
+                self.run_dir,
+                step,
+                self.manifest_id,
+                self.manifest["parallelism"]["world_size"],
+                self.rank,
+                self.bus,
+                extra={"source": SOURCE},
+            )
         finally:
             self._paused = False
         if self.rank == 0:
-            event(self.run_dir, Event.CHECKPOINT_SAVED, step=step, path=str(path.relative_to(self.run_dir)))
+            event(
+                self.run_dir,
+                Event.CHECKPOINT_SAVED,
+                step=step,
+                path=str(path.relative_to(self.run_dir)),
+            )
         self._finish_step()  # the checkpoint's records belong to the step it saved, as in harness runs
         return path
 
@@ -676,11 +879,22 @@ class AttachedRun:
         if self.rank == 0:
             info_path = self.run_dir / "run.json"
             info = read_json(info_path)
-            info.update(path="recovered", resume={"checkpoint": str(path), "step": step,
-                                                  "from_run": str(path.parent.parent.parent)})
+            info.update(
+                path="recovered",
+                resume={
+                    "checkpoint": str(path),
+                    "step": step,
+                    "from_run": str(path.parent.parent.parent),
+                },
+            )
             write_json_atomic(info_path, info)
-            event(self.run_dir, Event.RESUMED, step=step, checkpoint=str(path),
-                  with_optimizer=progress["with_optimizer"])
+            event(
+                self.run_dir,
+                Event.RESUMED,
+                step=step,
+                checkpoint=str(path),
+                with_optimizer=progress["with_optimizer"],
+            )
         self.step = step + 1
         self.bus.step, self.bus.micro_batch = self.step, 0
         self.tracer.step = self.step
@@ -708,11 +922,19 @@ class AttachedRun:
             self.ledger._hooks = None
         self.ledger.close()
         dist = _dist()
-        seal_and_complete(self.run_dir, self.rank, self.recorder, dist,
-                          {"steps": self.completed, "source": SOURCE,
-                           "world_size": self.manifest["parallelism"]["world_size"]})
+        seal_and_complete(
+            self.run_dir,
+            self.rank,
+            self.recorder,
+            dist,
+            {
+                "steps": self.completed,
+                "source": SOURCE,
+                "world_size": self.manifest["parallelism"]["world_size"],
+            },
+        )
 
-    def __enter__(self) -> "AttachedRun":
+    def __enter__(self) -> AttachedRun:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -720,7 +942,12 @@ class AttachedRun:
             self.close()
         else:  # the run stays incomplete: what the observers hold is written, and why it stopped said
             process_exit(self.bus, exc)
-            event(self.run_dir, Event.RANK_FAILED, rank=self.rank, error=f"{exc_type.__name__}: {exc}"[:2000])
+            event(
+                self.run_dir,
+                Event.RANK_FAILED,
+                rank=self.rank,
+                error=f"{exc_type.__name__}: {exc}"[:2000],
+            )
 
     # ---------------------------------------------------------- hook points
     def _memory_ledger(self):
@@ -728,9 +955,13 @@ class AttachedRun:
 
         tr = self.manifest["training"]
         name = tr["optimizer"].lower()
-        ledger_manifest = {"parallelism": {**self.manifest["parallelism"]},
-                           "training": {"dtype": tr["dtype"] if tr["dtype"] != "mixed" else "bfloat16",
-                                        "optimizer": "adamw" if "adam" in name else "sgd"}}
+        ledger_manifest = {
+            "parallelism": {**self.manifest["parallelism"]},
+            "training": {
+                "dtype": tr["dtype"] if tr["dtype"] != "mixed" else "bfloat16",
+                "optimizer": "adamw" if "adam" in name else "sgd",
+            },
+        }
         held = SimpleNamespace(plain=self.inner, optimizer=self.optimizer)
         return MemoryLedger(self.run_dir, self.rank, ledger_manifest, held).attach(self.bus)
 
@@ -770,7 +1001,9 @@ class AttachedRun:
             inputs, ids = watched if watched is not None else (_first_tensor(args, kwargs), [])
             if inputs is not None:
                 self._data_mb.add(mb)
-                self.bus.emit("data", batch={"inputs": inputs.detach(), "sample_ids": ids}, fetch=None)
+                self.bus.emit(
+                    "data", batch={"inputs": inputs.detach(), "sample_ids": ids}, fetch=None
+                )
         return None
 
     def _take_batch(self, args, kwargs):
@@ -779,8 +1012,11 @@ class AttachedRun:
         on one batch), which takes none: by order it took the next batch, and its ids. Storage addresses only,
         so the device is never waited for; an input copied to another device is not recognised (see README)."""
         where = _storage(_first_tensor(args, kwargs))
-        if (where is not None and where == _storage(self._taken)
-                and not (self._pending and _storage(self._pending[0][0]) == where)):
+        if (
+            where is not None
+            and where == _storage(self._taken)
+            and not (self._pending and _storage(self._pending[0][0]) == where)
+        ):
             return None
         watched = self._pending.popleft() if self._pending else None
         # held (one batch's inputs, until the next take) so its address cannot be reused by a later batch
@@ -790,6 +1026,7 @@ class AttachedRun:
     def _block_output_hook(self, index: int, name: str):
         """`forward`: a block's output (its first tensor) on a training micro-batch, as the harness records
         each layer's; evaluation and activation-checkpointing recomputation are not micro-batches."""
+
         def hook(module, _args, out):
             if self._paused or not (module.training and torch.is_grad_enabled()):
                 return None
@@ -799,6 +1036,7 @@ class AttachedRun:
             if t is not None:
                 self.bus.emit("forward", name=name, index=index, tensor=t.detach())
             return None
+
         return hook
 
     def _on_grad(self, _param):
@@ -812,7 +1050,9 @@ class AttachedRun:
             self._comm_fired = False
             return
         self.bus.micro_batch = max(self._forwards - 1, 0)
-        self.bus.emit("backward", grads=[(i, n, p.grad) for i, n, p in self.named if p.grad is not None])
+        self.bus.emit(
+            "backward", grads=[(i, n, p.grad) for i, n, p in self.named if p.grad is not None]
+        )
 
     def _flush_reduce(self):
         """`reduce`: the gradients as the step begins (after DDP's all-reduce, or the script's own)."""
@@ -838,15 +1078,21 @@ class AttachedRun:
             scalars = [(SCALAR_INDEX, "grad_norm", norm), (SCALAR_INDEX + 1, "clip_coef", coef)]
             if self.optimizer.param_groups:
                 scalars.append((SCALAR_INDEX + 2, "lr", _lr(self.optimizer.param_groups[0])))
-            self.bus.emit("clip", grads=[(i, n, p.grad) for i, n, p in self.named if p.grad is not None],
-                          scalars=scalars)
+            self.bus.emit(
+                "clip",
+                grads=[(i, n, p.grad) for i, n, p in self.named if p.grad is not None],
+                scalars=scalars,
+            )
         return total
 
     def _before_step(self, _opt, args, kwargs):
         if self._paused:
             return None
         closure = kwargs.get("closure", args[0] if args else None)
-        if callable(closure):  # step(closure) (Lightning): the last micro-batch runs inside it, so reduce after it
+        if callable(
+            closure
+        ):  # step(closure) (Lightning): the last micro-batch runs inside it, so reduce after it
+
             def closure_then_reduce():
                 loss = closure()
                 self._flush_reduce()
@@ -864,9 +1110,13 @@ class AttachedRun:
         if self._paused:
             return
         state = optimizer_state_list(self.optimizer, self.named)
-        base = len(self.named)  # the recorder puts state at base + index: lrs after every state tensor
-        lrs = [(SCALAR_INDEX * 4 + g - base, f"param_groups.{g}.lr", _lr(group))
-               for g, group in enumerate(self.optimizer.param_groups)]
+        base = len(
+            self.named
+        )  # the recorder puts state at base + index: lrs after every state tensor
+        lrs = [
+            (SCALAR_INDEX * 4 + g - base, f"param_groups.{g}.lr", _lr(group))
+            for g, group in enumerate(self.optimizer.param_groups)
+        ]
         self.bus.emit("optimizer", params=self.named, state=state + lrs, optimizer=self.optimizer)
         self._stepped = True
         self.completed = self.step
@@ -895,7 +1145,11 @@ class AttachedRun:
 
 def _lr(group: dict) -> torch.Tensor:
     lr = group.get("lr", 0.0)
-    return lr.detach().to(torch.float64) if torch.is_tensor(lr) else torch.tensor(float(lr), dtype=torch.float64)
+    return (
+        lr.detach().to(torch.float64)
+        if torch.is_tensor(lr)
+        else torch.tensor(float(lr), dtype=torch.float64)
+    )
 
 
 def _first_tensor(args, kwargs):
@@ -921,7 +1175,9 @@ def _batch_inputs(batch):
     """What a batch's `data` record digests: the batch itself, the first tensor of an (inputs, targets)
     pair, or a dict's input_ids (else its first tensor)."""
     if isinstance(batch, dict):
-        batch = batch.get("input_ids", next((v for v in batch.values() if torch.is_tensor(v)), None))
+        batch = batch.get(
+            "input_ids", next((v for v in batch.values() if torch.is_tensor(v)), None)
+        )
     return _first_tensor((batch,), {})
 
 
@@ -937,17 +1193,26 @@ def _planned_sample_ids(loader) -> list[list[int]] | None:
     its own iteration, torchdata's StatefulDataLoader resuming mid-epoch, accelerate's DataLoaderDispatcher
     slicing rank 0's batches), and workers allowed to hand batches out of order (in_order=False)."""
     import sys
+
     from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler
 
-    kind = type(loader).__dict__.get("_disttrace_base", type(loader))  # the loader's own class, when watched
-    acc = sys.modules.get("accelerate.data_loader")  # a DataLoaderShard exists only if accelerate is imported
+    kind = type(loader).__dict__.get(
+        "_disttrace_base", type(loader)
+    )  # the loader's own class, when watched
+    acc = sys.modules.get(
+        "accelerate.data_loader"
+    )  # a DataLoaderShard exists only if accelerate is imported
     pure = (DistributedSampler, SequentialSampler) + ((acc.SeedableRandomSampler,) if acc else ())
     shard = acc is not None and kind is acc.DataLoaderShard
     if shard:
         if type(loader.base_dataloader) is not DataLoader:  # a StatefulDataLoader underneath
             return None
-    elif not (isinstance(kind, type) and issubclass(kind, DataLoader) and kind.__iter__ is DataLoader.__iter__
-              and kind._get_iterator is DataLoader._get_iterator):
+    elif not (
+        isinstance(kind, type)
+        and issubclass(kind, DataLoader)
+        and kind.__iter__ is DataLoader.__iter__
+        and kind._get_iterator is DataLoader._get_iterator
+    ):
         return None
     if getattr(loader, "num_workers", 0) > 0 and getattr(loader, "in_order", True) is False:
         return None
@@ -961,7 +1226,9 @@ def _planned_sample_ids(loader) -> list[list[int]] | None:
     sampler = inner.sampler
     if type(sampler) not in pure:
         return None
-    epoch = getattr(sampler, "epoch", None)  # a SeedableRandomSampler counts its epochs as it is read
+    epoch = getattr(
+        sampler, "epoch", None
+    )  # a SeedableRandomSampler counts its epochs as it is read
     if shard and epoch is not None:  # the epoch DataLoaderShard.__iter__ is about to set
         sampler.set_epoch(loader.iteration)
     try:
@@ -969,7 +1236,7 @@ def _planned_sample_ids(loader) -> list[list[int]] | None:
     finally:
         if epoch is not None:
             sampler.set_epoch(epoch)
-    return ids[loader.skip_batches:] if shard else ids
+    return ids[loader.skip_batches :] if shard else ids
 
 
 class WatchedLoader:
@@ -1001,13 +1268,24 @@ def _blocks(inner: torch.nn.Module, forward) -> list[tuple[str, torch.nn.Module]
             out.append((str(path), inner.get_submodule(str(path))))
         except AttributeError:
             children = ", ".join(n for n, _ in inner.named_children())
-            raise BadInput("attach(forward=...)", f"the model has no module '{path}'; its top-level blocks: "
-                           f"{children}") from None
+            raise BadInput(
+                "attach(forward=...)",
+                f"the model has no module '{path}'; its top-level blocks: {children}",
+            ) from None
     return out
 
 
-def attach(model, optimizer, out: str | Path = "runs", name: str = "user-script", seed: int | None = None,
-           edition: str = "user", config: dict | None = None, loader=None, forward=False) -> AttachedRun:
+def attach(
+    model,
+    optimizer,
+    out: str | Path = "runs",
+    name: str = "user-script",
+    seed: int | None = None,
+    edition: str = "user",
+    config: dict | None = None,
+    loader=None,
+    forward=False,
+) -> AttachedRun:
     """Attach the recorder to a model and its optimizer; every rank calls it (it is collective).
 
     model: the module as trained (DDP-wrapped, FSDP2-sharded, DTensor or plain); optimizer: the torch
@@ -1028,7 +1306,11 @@ def attach(model, optimizer, out: str | Path = "runs", name: str = "user-script"
     manifest = build_manifest(engine, optimizer, views, name, edition, seed, config)
     blocks = _blocks(engine.inner, forward)
     # what is recorded, not the experiment (diff compares runs that differ here), as the harness's [record]
-    manifest["record"] = {"every": 1, "forward": bool(blocks), "forward_modules": [n for n, _ in blocks]}
+    manifest["record"] = {
+        "every": 1,
+        "forward": bool(blocks),
+        "forward_modules": [n for n, _ in blocks],
+    }
     manifest_id = manifest_id_of(manifest)
     prepared = os.environ.get(RUN_DIR_ENV)
     path, failure = None, None
@@ -1044,14 +1326,17 @@ def attach(model, optimizer, out: str | Path = "runs", name: str = "user-script"
         raise RuntimeError(f"rank 0 could not prepare the run directory: {error}")
     run_dir = Path(path)
     info = read_json(run_dir / "run.json")
-    run = AttachedRun(model, optimizer, run_dir, rank, engine, manifest, manifest_id, info.get("fault"), blocks)
+    run = AttachedRun(
+        model, optimizer, run_dir, rank, engine, manifest, manifest_id, info.get("fault"), blocks
+    )
     if loader is not None:
         run._watch_in_place(loader)
     return run
 
 
-def _prepare_dir(prepared: str | None, out, manifest: dict, manifest_id: str, engine: Engine,
-                 views: list[dict]) -> str:
+def _prepare_dir(
+    prepared: str | None, out, manifest: dict, manifest_id: str, engine: Engine, views: list[dict]
+) -> str:
     """Rank 0: the run directory (prepared by the CLI, or a new one) with the lock, run.json, env.json,
     topology.json and replicas.json."""
     from disttrace.run.worker import environment
@@ -1061,19 +1346,43 @@ def _prepare_dir(prepared: str | None, out, manifest: dict, manifest_id: str, en
         if not (run_dir / "run.json").exists():
             raise BadInput(run_dir, f"{RUN_DIR_ENV} is not a prepared run directory (no run.json)")
         if (run_dir / LOCK).exists():
-            raise BadInput(run_dir / LOCK, "this run directory was attached already (one attach per run)")
+            raise BadInput(
+                run_dir / LOCK, "this run directory was attached already (one attach per run)"
+            )
     else:
         run_dir = new_run_dir(out, manifest_id, "reference")
-        write_json_atomic(run_dir / "run.json", {"path": "reference", "fault": None, "resume": None,
-                                                 "created": time.time(), "pid": os.getpid()})
-    write_json_atomic(run_dir / LOCK, {"manifest": manifest, "manifest_id": manifest_id, "source": SOURCE,
-                                      "overrides": [], "resolved": {}})
+        write_json_atomic(
+            run_dir / "run.json",
+            {
+                "path": "reference",
+                "fault": None,
+                "resume": None,
+                "created": time.time(),
+                "pid": os.getpid(),
+            },
+        )
+    write_json_atomic(
+        run_dir / LOCK,
+        {
+            "manifest": manifest,
+            "manifest_id": manifest_id,
+            "source": SOURCE,
+            "overrides": [],
+            "resolved": {},
+        },
+    )
     dist = _dist()
     backend = dist.get_backend() if dist else None
     write_json_atomic(run_dir / "env.json", environment(torch, backend, views))
     write_json_atomic(run_dir / "topology.json", topology_doc(engine, views))
     replicas = infer_replicas(engine.kind, views)
     write_json_atomic(run_dir / "replicas.json", replicas)
-    event(run_dir, Event.ATTACHED, engine=engine.kind, world_size=len(views), manifest_id=manifest_id,
-          replica_rules=len(replicas["rules"]))
+    event(
+        run_dir,
+        Event.ATTACHED,
+        engine=engine.kind,
+        world_size=len(views),
+        manifest_id=manifest_id,
+        replica_rules=len(replicas["rules"]),
+    )
     return str(run_dir)

@@ -8,7 +8,17 @@ from pathlib import Path
 
 from disttrace.store.checkpoints import step_dir, verify, write_index
 
-def save(strategy, run_dir: Path, step: int, manifest_id: str, world_size: int, rank: int, bus, extra: dict):
+
+def save(
+    strategy,
+    run_dir: Path,
+    step: int,
+    manifest_id: str,
+    world_size: int,
+    rank: int,
+    bus,
+    extra: dict,
+):
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -45,7 +55,9 @@ def load(strategy, ckpt: Path, rank: int, manifest_id: str) -> dict:
     state = strategy.empty_state(with_optim)
     state[f"rng/rank-{rank:05d}"] = torch.get_rng_state()
     state["progress"] = {"step": 0}
-    safeload.load(state, ckpt)  # never DCP's plain pickle.load: the checkpoint may come from elsewhere
+    safeload.load(
+        state, ckpt
+    )  # never DCP's plain pickle.load: the checkpoint may come from elsewhere
     strategy.load_state_dict(state)
     torch.set_rng_state(state[f"rng/rank-{rank:05d}"])
     return {**state["progress"], "with_optimizer": with_optim}

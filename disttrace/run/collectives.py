@@ -19,14 +19,32 @@ from disttrace.store.rundir import JsonlWriter, rank_file
 
 # position of the input tensor(s) among each op's arguments (bytes on the wire are the input's)
 INPUT_ARG = {
-    "allreduce_": 0, "allreduce_coalesced_": 0, "broadcast_": 0, "reduce_": 0, "send": 0, "recv_": 0,
-    "recv_any_source_": 0, "allgather_": 1, "_allgather_base_": 1, "allgather_into_tensor_coalesced_": 1,
-    "reduce_scatter_": 1, "_reduce_scatter_base_": 1, "reduce_scatter_tensor_coalesced_": 1,
-    "alltoall_base_": 1, "alltoall_": 1, "gather_": 1,
+    "allreduce_": 0,
+    "allreduce_coalesced_": 0,
+    "broadcast_": 0,
+    "reduce_": 0,
+    "send": 0,
+    "recv_": 0,
+    "recv_any_source_": 0,
+    "allgather_": 1,
+    "_allgather_base_": 1,
+    "allgather_into_tensor_coalesced_": 1,
+    "reduce_scatter_": 1,
+    "_reduce_scatter_base_": 1,
+    "reduce_scatter_tensor_coalesced_": 1,
+    "alltoall_base_": 1,
+    "alltoall_": 1,
+    "gather_": 1,
     "scatter_": 0,  # scatter: only the source has inputs; every rank has an output of the same shape
     # functional collectives (DTensor, FSDP2 internals)
-    "all_reduce": 0, "all_reduce_coalesced": 0, "all_gather_into_tensor": 0, "all_gather_into_tensor_coalesced": 0,
-    "reduce_scatter_tensor": 0, "reduce_scatter_tensor_coalesced": 0, "all_to_all_single": 0, "broadcast": 0,
+    "all_reduce": 0,
+    "all_reduce_coalesced": 0,
+    "all_gather_into_tensor": 0,
+    "all_gather_into_tensor_coalesced": 0,
+    "reduce_scatter_tensor": 0,
+    "reduce_scatter_tensor_coalesced": 0,
+    "all_to_all_single": 0,
+    "broadcast": 0,
 }
 SKIP = {"wait_tensor"}  # completion of a functional op, not a new collective
 
@@ -100,9 +118,14 @@ class CollectiveTracer(TorchDispatchMode):
         shapes = [list(t.shape) for t in inputs]
         nbytes = sum(t.numel() * t.element_size() for t in inputs)
         rec = {
-            "seq": seq, "group": group, "op": op, "step": self.step, "shapes": shapes,
+            "seq": seq,
+            "group": group,
+            "op": op,
+            "step": self.step,
+            "shapes": shapes,
             "dtype": str(inputs[0].dtype).removeprefix("torch.") if inputs else None,
-            "bytes": nbytes, "start": time.time(),
+            "bytes": nbytes,
+            "start": time.time(),
         }
         if self.values:
             rec["digests"] = _payload_digests(inputs)
@@ -112,7 +135,7 @@ class CollectiveTracer(TorchDispatchMode):
         self.out.write({"seq": seq, "group": group, "end": time.time()})
         return result
 
-    def attach(self, bus) -> "CollectiveTracer":
+    def attach(self, bus) -> CollectiveTracer:
         bus.on("step_start", lambda b, p: setattr(self, "step", b.step), order=0)
         return self
 

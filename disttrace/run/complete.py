@@ -17,8 +17,12 @@ from disttrace.store.rundir import mark_complete
 def seal_and_complete(run_dir: Path, rank: int, recorder, dist, fields: dict) -> None:
     """`recorder`: the run's Recorder (None when nothing was recorded); `dist`: torch.distributed when the
     job has a process group, else None; `fields`: what COMPLETE says besides the seal (steps, world size...)."""
-    mine = seal.rank_part(run_dir, rank, recorder.chain.last if recorder else None,
-                          recorder.chain.steps if recorder else 0)
+    mine = seal.rank_part(
+        run_dir,
+        rank,
+        recorder.chain.last if recorder else None,
+        recorder.chain.steps if recorder else 0,
+    )
     parts = [mine]
     if dist is not None and dist.is_initialized():
         parts = [None] * dist.get_world_size()
@@ -35,7 +39,13 @@ def object_device(dist):
         from torch.distributed.distributed_c10d import _get_object_coll_device
 
         kind = _get_object_coll_device()
-    except (ImportError, AttributeError, TypeError, ValueError, RuntimeError):  # private: best effort
+    except (
+        ImportError,
+        AttributeError,
+        TypeError,
+        ValueError,
+        RuntimeError,
+    ):  # private: best effort
         kind = "cuda" if str(dist.get_backend()) == "nccl" else "cpu"
     if kind == "cpu":
         return torch.device("cpu")
@@ -71,7 +81,7 @@ def gather_released(dist, out: list, obj, timeout_s: float = 5.0) -> None:
     lengths = [int(s.item()) for s in sizes]
     longest = max(lengths)
     mine = torch.zeros(longest, dtype=torch.uint8)
-    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     mine = mine.to(device)
     outs = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)]
     dist.all_gather(outs, mine)

@@ -43,11 +43,15 @@ import torch
 
 from disttrace.run.digest import _M1, _M2, SKETCH_K, _plan
 
-CHUNK = 1 << 22  # elements per digest kernel: float64 and int64 working copies, ~6 x 8 bytes each at the peak
+CHUNK = (
+    1 << 22
+)  # elements per digest kernel: float64 and int64 working copies, ~6 x 8 bytes each at the peak
 SNAPSHOT_BYTES = 1 << 28  # snapshot memory a step may hold for the side stream
 _EMPTY_DIGEST = "dev:" + "0" * 32  # digest.device_digest's value for an empty tensor
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_F = 2 + SKETCH_K  # float columns of a result row: sum, sum of squares, sketch; then h1, h2, non-finite
+_F = (
+    2 + SKETCH_K
+)  # float columns of a result row: sum, sum of squares, sketch; then h1, h2, non-finite
 
 
 def forced() -> bool:
@@ -87,13 +91,20 @@ class DeviceDigests:
             if hasattr(t, "to_local"):  # a DTensor: the digest is of the shard this rank holds
                 t = t.to_local()
             rows.append(len(self._rows))
-            self._rows.append(_Row(str(t.dtype).removeprefix("torch."), list(t.shape), int(t.numel())))
+            self._rows.append(
+                _Row(str(t.dtype).removeprefix("torch."), list(t.shape), int(t.numel()))
+            )
             if t.numel():
                 shape = tuple(t.shape)
-                key = (t.device, t.dtype, shape, tuple(off) if off else (0,) * len(shape),
-                       tuple(lshape) if lshape else shape)
+                key = (
+                    t.device,
+                    t.dtype,
+                    shape,
+                    tuple(off) if off else (0,) * len(shape),
+                    tuple(lshape) if lshape else shape,
+                )
                 groups.setdefault(key, []).append((rows[-1], t))
-        for (device, dtype, shape, off, lshape), members in groups.items():
+        for (device, _dtype, shape, off, lshape), members in groups.items():
             size = len(members) * math.prod(shape) * members[0][1].element_size()
             stream = self._side_stream(device)
             if self._snapshotted + size > self.snapshot_bytes:
@@ -106,12 +117,16 @@ class DeviceDigests:
             self._snapshotted += size
             snap = torch.stack([t for _, t in members])  # the snapshot, on the training stream
             if stream is None:
-                self._parts.append((device, [r for r, _ in members], self._reduce(snap, shape, off, lshape)))
+                self._parts.append(
+                    (device, [r for r, _ in members], self._reduce(snap, shape, off, lshape))
+                )
                 continue
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
                 part = self._reduce(snap, shape, off, lshape)
-            snap.record_stream(stream)  # not reused by the training stream before the side stream has read it
+            snap.record_stream(
+                stream
+            )  # not reused by the training stream before the side stream has read it
             self._parts.append((device, [r for r, _ in members], part))
         return rows
 
@@ -131,7 +146,9 @@ class DeviceDigests:
         ut, wt = self._sketch_vectors(snap.device, shape, off, lshape)
         per = max(1, self.chunk // (rows * cols))  # tensors per chunk
         span = max(1, self.chunk // (per * cols))  # rows per chunk
-        width = min(cols, self.chunk)  # columns per chunk: all of them unless one row alone exceeds the chunk
+        width = min(
+            cols, self.chunk
+        )  # columns per chunk: all of them unless one row alone exceeds the chunk
         parts = []
         for a in range(0, n, per):
             acc = None
@@ -139,10 +156,13 @@ class DeviceDigests:
                 r1 = min(rows, r0 + span)
                 for c0 in range(0, cols, width):
                     c1 = min(cols, c0 + width)
-                    x = x3[a:a + per, r0:r1, c0:c1].to(torch.float64)
-                    v = ints[a:a + per, r0:r1, c0:c1].to(torch.int64)
-                    pos = (torch.arange(r0 * cols, r1 * cols, cols, dtype=torch.int64, device=snap.device)[:, None]
-                           + torch.arange(c0, c1, dtype=torch.int64, device=snap.device))  # flat indexes
+                    x = x3[a : a + per, r0:r1, c0:c1].to(torch.float64)
+                    v = ints[a : a + per, r0:r1, c0:c1].to(torch.int64)
+                    pos = torch.arange(
+                        r0 * cols, r1 * cols, cols, dtype=torch.int64, device=snap.device
+                    )[:, None] + torch.arange(
+                        c0, c1, dtype=torch.int64, device=snap.device
+                    )  # flat indexes
                     # (m, K): U^T X W, as digest._sketch_on_device, the product with the fewer of rows and
                     # columns first, so its (m, K, .) intermediate is at most the chunk's size
                     if r1 - r0 < c1 - c0:
@@ -158,8 +178,12 @@ class DeviceDigests:
                     if acc is None:
                         acc = chunk
                     else:  # later chunks add: floats as floats, integers wrapping mod 2^64
-                        acc = ((acc[0].view(torch.float64) + chunk[0].view(torch.float64)).view(torch.int64),
-                               acc[1] + chunk[1])
+                        acc = (
+                            (acc[0].view(torch.float64) + chunk[0].view(torch.float64)).view(
+                                torch.int64
+                            ),
+                            acc[1] + chunk[1],
+                        )
             parts.append(torch.cat(acc, 1))
         return torch.cat(parts)
 
@@ -172,17 +196,23 @@ class DeviceDigests:
             else:  # a scalar: every v_k is 1 (digest._stats)
                 ut = wt = np.ones((SKETCH_K, 1))
             self._vectors[key] = (torch.tensor(ut, device=device), torch.tensor(wt, device=device))
-            if device.type == "cuda":  # once per shape: both streams may read them, so the copy must be done
+            if (
+                device.type == "cuda"
+            ):  # once per shape: both streams may read them, so the copy must be done
                 torch.cuda.synchronize(device)
         return self._vectors[key]
 
-    def collect(self) -> "Fetch":
+    def collect(self) -> Fetch:
         """Start the step's device-to-host copies, one per device; the queue is empty afterwards."""
         rows, self._rows = self._rows, []
         parts, self._parts = self._parts, []
         self._snapshotted = 0
         by_device: dict = {}
-        for device, r, part in parts:  # a process may hold tensors on several devices (a pipeline stage each)
+        for (
+            device,
+            r,
+            part,
+        ) in parts:  # a process may hold tensors on several devices (a pipeline stage each)
             by_device.setdefault(device, []).append((r, part))
         orders, hosts, events = [], [], []
         for device, members in by_device.items():
@@ -191,7 +221,9 @@ class DeviceDigests:
             if stream is None:
                 hosts.append(torch.cat([p for _, p in members]).cpu())
                 continue
-            stream.wait_stream(torch.cuda.current_stream(device))  # parts made on the training stream
+            stream.wait_stream(
+                torch.cuda.current_stream(device)
+            )  # parts made on the training stream
             with torch.cuda.stream(stream):
                 packed = torch.cat([p for _, p in members])  # this device's parts
                 host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
@@ -207,7 +239,9 @@ class Fetch:
     """A step's device digests on their way to the host, one copy per device; `result()` waits for the copies
     (long done when the recorder asks, a step later) and returns one digest dict per row."""
 
-    def __init__(self, rows: list[_Row], orders: list[np.ndarray], hosts: list[torch.Tensor], events: list):
+    def __init__(
+        self, rows: list[_Row], orders: list[np.ndarray], hosts: list[torch.Tensor], events: list
+    ):
         # orders[i]: the rows whose results hosts[i] holds, in its order; events: the CUDA copies' ends
         self.rows, self.orders, self.hosts, self.events = rows, orders, hosts, events
 
@@ -217,25 +251,39 @@ class Fetch:
     def result(self) -> list[dict]:
         for e in self.events:
             e.synchronize()
-        table = (np.concatenate([h.numpy() for h in self.hosts]) if self.hosts
-                 else np.empty((0, _F + 3), dtype=np.int64))
+        table = (
+            np.concatenate([h.numpy() for h in self.hosts])
+            if self.hosts
+            else np.empty((0, _F + 3), dtype=np.int64)
+        )
         order = np.concatenate(self.orders) if self.orders else np.empty(0, dtype=np.int64)
         where = np.full(len(self.rows), -1, dtype=np.int64)
         where[order] = np.arange(len(order))
         floats = table[:, :_F].view(np.float64)
         out = []
         for i, row in enumerate(self.rows):
-            d = {"dtype": row.dtype, "shape": row.shape, "numel": row.numel, "digest": _EMPTY_DIGEST,
-                 "sum": 0.0, "norm": 0.0, "sketch": None, "nonfinite": 0}
+            d = {
+                "dtype": row.dtype,
+                "shape": row.shape,
+                "numel": row.numel,
+                "digest": _EMPTY_DIGEST,
+                "sum": 0.0,
+                "norm": 0.0,
+                "sketch": None,
+                "nonfinite": 0,
+            }
             j = where[i]
             if j >= 0:
                 s, ss = float(floats[j, 0]), float(floats[j, 1])
                 h1, h2, nonfinite = (int(v) for v in table[j, _F:])
                 norm = math.sqrt(ss) if math.isfinite(ss) else math.inf
                 sketch = floats[j, 2:_F].tolist()
-                d.update(digest=f"dev:{h1 & (2**64 - 1):016x}{h2 & (2**64 - 1):016x}",
-                         sum=s if math.isfinite(s) else None, norm=norm if math.isfinite(norm) else None,
-                         sketch=sketch if not nonfinite and math.isfinite(sum(sketch)) else None,
-                         nonfinite=nonfinite)
+                d.update(
+                    digest=f"dev:{h1 & (2**64 - 1):016x}{h2 & (2**64 - 1):016x}",
+                    sum=s if math.isfinite(s) else None,
+                    norm=norm if math.isfinite(norm) else None,
+                    sketch=sketch if not nonfinite and math.isfinite(sum(sketch)) else None,
+                    nonfinite=nonfinite,
+                )
             out.append(d)
         return out

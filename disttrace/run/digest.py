@@ -88,12 +88,16 @@ class _Plan:
         self.cols = shape[-1]
         self.rows = math.prod(shape[:-1])
         u = np.ones((1, SKETCH_K))
-        for d in range(len(shape) - 1):  # row-major over the leading axes, products in a fixed order
-            a = axis_vectors(d, lshape[d])[off[d]:off[d] + shape[d]]
+        for d in range(
+            len(shape) - 1
+        ):  # row-major over the leading axes, products in a fixed order
+            a = axis_vectors(d, lshape[d])[off[d] : off[d] + shape[d]]
             u = (u[:, None, :] * a[None, :, :]).reshape(-1, SKETCH_K)
         self.ut32 = np.ascontiguousarray(u.T, dtype=np.float32)  # (K, rows)
-        self.ut64 = self.ut32.astype(np.float64)  # the same values: float64 tensors use the same vectors
-        w = axis_vectors(len(shape) - 1, lshape[-1])[off[-1]:off[-1] + self.cols]
+        self.ut64 = self.ut32.astype(
+            np.float64
+        )  # the same values: float64 tensors use the same vectors
+        w = axis_vectors(len(shape) - 1, lshape[-1])[off[-1] : off[-1] + self.cols]
         self.wt64 = np.ascontiguousarray(w.T)  # (K, cols)
         self.block_rows = max(1, min(self.rows, tolerance.SKETCH_ROWS, _BLOCK // max(self.cols, 1)))
         self.on_device: dict = {}  # device -> (ut64, wt64) copies there
@@ -102,7 +106,9 @@ class _Plan:
 @functools.lru_cache(maxsize=1024)
 def _plan(shape: tuple, off: tuple, lshape: tuple) -> _Plan:
     if len(lshape) != len(shape) or len(off) != len(shape):
-        raise ValueError(f"shard shape {shape} / offset {off} do not match the logical shape {lshape}")
+        raise ValueError(
+            f"shard shape {shape} / offset {off} do not match the logical shape {lshape}"
+        )
     return _Plan(shape, off, lshape)
 
 
@@ -141,46 +147,52 @@ def _stats(x: np.ndarray, offset, logical_shape, hasher=None, with_sketch: bool 
     direct = np.zeros(SKETCH_K) if plan is not None and rb == 1 else None
     ut = (plan.ut64 if f64 else plan.ut32) if plan is not None else None
     for r0 in range(0, rows, rb):
-        blk = x2[r0:r0 + rb]
+        blk = x2[r0 : r0 + rb]
         if hasher is not None:
             hasher.update(blk)
         if rb > 1 or cols <= _BLOCK:
             if f64:
                 b = blk.reshape(-1)
             else:
-                b = buf[:blk.size]
+                b = buf[: blk.size]
                 np.copyto(b, blk.reshape(-1))
             s += float(b.sum())
             ss += float(np.dot(b, b))
             if m is not None:
-                part = ut[:, r0:r0 + rb] @ blk  # the float32 GEMM (float64 for float64 tensors)
+                part = ut[:, r0 : r0 + rb] @ blk  # the float32 GEMM (float64 for float64 tensors)
                 if rb >= rows:  # one block: no float64 accumulator to fill
                     m = part
                 else:
                     m += part
-            elif direct is not None:  # one row per block (1-D tensors, long rows): a float64 dot with W
+            elif (
+                direct is not None
+            ):  # one row per block (1-D tensors, long rows): a float64 dot with W
                 direct += plan.ut64[:, r0] * (plan.wt64 @ b)
         else:  # a row longer than a block: its columns in chunks
             proj = np.zeros(SKETCH_K) if direct is not None else None
             row = blk.reshape(-1)
             for c0 in range(0, cols, _BLOCK):
-                seg = row[c0:c0 + _BLOCK]
+                seg = row[c0 : c0 + _BLOCK]
                 if f64:
                     b = seg
                 else:
-                    b = buf[:seg.size]
+                    b = buf[: seg.size]
                     np.copyto(b, seg)
                 s += float(b.sum())
                 ss += float(np.dot(b, b))
                 if proj is not None:
-                    proj += plan.wt64[:, c0:c0 + seg.size] @ b
+                    proj += plan.wt64[:, c0 : c0 + seg.size] @ b
             if proj is not None:
                 direct += plan.ut64[:, r0] * proj
     if plan is None:
         return s, ss, None
     sk = direct if m is None else np.einsum("kc,kc->k", m, plan.wt64, dtype=np.float64)
     sk = sk.tolist()
-    return s, ss, sk if math.isfinite(sum(sk)) else None  # a float32 overflow: no sketch rather than inf
+    return (
+        s,
+        ss,
+        sk if math.isfinite(sum(sk)) else None,
+    )  # a float32 overflow: no sketch rather than inf
 
 
 def sketch(a: np.ndarray, offset=None, logical_shape=None) -> list[float]:
@@ -192,7 +204,9 @@ def sketch(a: np.ndarray, offset=None, logical_shape=None) -> list[float]:
     return _stats(np.ascontiguousarray(a), offset, logical_shape)[2]
 
 
-def digest_tensor(t: torch.Tensor, offset=None, logical_shape=None, with_sketch: bool = True) -> dict:
+def digest_tensor(
+    t: torch.Tensor, offset=None, logical_shape=None, with_sketch: bool = True
+) -> dict:
     """{'digest','sum','norm','sketch','nonfinite','dtype','shape','numel'} of one (local) tensor; `offset`
     and `logical_shape` place a shard in its logical tensor (for the sketch). On a GPU the digest and the
     float64 statistics are computed on the device, waiting for it (the recorder batches device tensors
@@ -216,7 +230,9 @@ def digest_tensor(t: torch.Tensor, offset=None, logical_shape=None, with_sketch:
             s, ss, sk = _stats(x, offset, logical_shape, None, with_sketch)
         n = math.sqrt(ss) if math.isfinite(ss) else math.inf
         nonfinite = 0
-        if not (math.isfinite(s) and math.isfinite(n)):  # counting is slow: only when the sum says so
+        if not (
+            math.isfinite(s) and math.isfinite(n)
+        ):  # counting is slow: only when the sum says so
             nonfinite = int((~np.isfinite(x)).sum())
     return {
         "dtype": str(cpu.dtype).removeprefix("torch."),
@@ -247,23 +263,35 @@ def _sketch_on_device(a: torch.Tensor, offset, logical_shape) -> list[float]:
     off = tuple(offset) if offset else (0,) * len(shape)
     plan = _plan(shape, off, lshape)
     if a.device not in plan.on_device:
-        plan.on_device[a.device] = tuple(torch.tensor(v, device=a.device) for v in (plan.ut64, plan.wt64))
+        plan.on_device[a.device] = tuple(
+            torch.tensor(v, device=a.device) for v in (plan.ut64, plan.wt64)
+        )
     ut, wt = plan.on_device[a.device]
     m = ut @ a.reshape(-1, shape[-1])  # (K, cols)
     return [float(x) for x in (m * wt).sum(dim=1).cpu()]
 
 
-def _digest_on_device(t: torch.Tensor, offset=None, logical_shape=None, with_sketch: bool = True) -> dict:
+def _digest_on_device(
+    t: torch.Tensor, offset=None, logical_shape=None, with_sketch: bool = True
+) -> dict:
     a = t.to(torch.float64)
     s, n = float(a.sum()), float(torch.linalg.vector_norm(a))
     nonfinite = 0
     if not (math.isfinite(s) and math.isfinite(n)):
         nonfinite = int((~torch.isfinite(a)).sum())
-    sk = _sketch_on_device(a, offset, logical_shape) if with_sketch and not nonfinite and a.numel() else None
+    sk = (
+        _sketch_on_device(a, offset, logical_shape)
+        if with_sketch and not nonfinite and a.numel()
+        else None
+    )
     return {
-        "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "numel": int(t.numel()),
+        "dtype": str(t.dtype).removeprefix("torch."),
+        "shape": list(t.shape),
+        "numel": int(t.numel()),
         "digest": device_digest(t) if t.numel() else "dev:" + "0" * 32,
-        "sum": s if math.isfinite(s) else None, "norm": n if math.isfinite(n) else None, "sketch": sk,
+        "sum": s if math.isfinite(s) else None,
+        "norm": n if math.isfinite(n) else None,
+        "sketch": sk,
         "nonfinite": nonfinite,
     }
 
@@ -296,7 +324,12 @@ def _vectors(signature: tuple) -> np.ndarray:
 
 
 def _batchable(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.dtype == torch.float32 and 0 < t.numel() <= SMALL and t.dim() > 0
+    return (
+        t.device.type == "cpu"
+        and t.dtype == torch.float32
+        and 0 < t.numel() <= SMALL
+        and t.dim() > 0
+    )
 
 
 def digest_many(items: list[tuple]) -> list[dict]:
@@ -333,14 +366,21 @@ def _digest_batch(items, locals_, batch: list[int], out: list) -> None:
     for i in batch:
         shape = tuple(locals_[i].shape)
         off, lshape = items[i][1], items[i][2]
-        signature.append((shape, tuple(off) if off else (0,) * len(shape), tuple(lshape) if lshape else shape))
+        signature.append(
+            (shape, tuple(off) if off else (0,) * len(shape), tuple(lshape) if lshape else shape)
+        )
     with np.errstate(all="ignore"):
         x64 = buf.astype(np.float64)
         sums = np.add.reduceat(x64, starts)
         sqs = np.add.reduceat(x64 * x64, starts)
         vectors = _vectors(tuple(signature))
-        sk = np.stack([vectors[:, a:a + n] @ x64[a:a + n] for a, n in zip(starts.tolist(), lengths.tolist())],
-                      axis=1)  # (K, n)
+        sk = np.stack(
+            [
+                vectors[:, a : a + n] @ x64[a : a + n]
+                for a, n in zip(starts.tolist(), lengths.tolist())
+            ],
+            axis=1,
+        )  # (K, n)
     raw = memoryview(buf.view(np.uint8))
     for j, i in enumerate(batch):
         a, n = int(starts[j]) * 4, int(lengths[j])
@@ -354,7 +394,7 @@ def _digest_batch(items, locals_, batch: list[int], out: list) -> None:
             "dtype": "float32",
             "shape": list(signature[j][0]),
             "numel": n,
-            "digest": xxhash.xxh3_128_hexdigest(raw[a:a + 4 * n]),
+            "digest": xxhash.xxh3_128_hexdigest(raw[a : a + 4 * n]),
             "sum": s if math.isfinite(s) else None,
             "norm": norm if math.isfinite(norm) else None,
             "sketch": sketch if not nonfinite and math.isfinite(sum(sketch)) else None,

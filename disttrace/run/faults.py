@@ -24,13 +24,15 @@ from typing import Any
 
 from disttrace.config.attached import AttachedManifest
 from disttrace.config.manifest import Manifest
-from disttrace.store.records import FaultEvent
 from disttrace.errors import BadInput
+from disttrace.store.records import FaultEvent
 from disttrace.store.rundir import event
 
-AnyManifest = Manifest | AttachedManifest  # the harness's job, or an attached script (run/attach.py)
+AnyManifest = (
+    Manifest | AttachedManifest
+)  # the harness's job, or an attached script (run/attach.py)
 
-REGISTRY: dict[str, type["Fault"]] = {}
+REGISTRY: dict[str, type[Fault]] = {}
 
 
 def register(cls):
@@ -46,7 +48,9 @@ class Fault:
     defaults: dict = {}
     needs_dp2 = False
     needs_checkpoint_step = False
-    requires: frozenset = frozenset()  # hook capabilities the strategy must offer (see `capabilities`)
+    requires: frozenset = (
+        frozenset()
+    )  # hook capabilities the strategy must offer (see `capabilities`)
 
     def __init__(self, step: int, rank: int, params: dict):
         self.step, self.rank, self.params = step, rank, params
@@ -60,60 +64,105 @@ class Fault:
         """The defaults with the given parameters over them, each converted to its default's type."""
         unknown = sorted(set(params) - set(cls.defaults))
         if unknown:
-            raise BadInput(f"--param {unknown[0]}", f"fault '{cls.name}' has no parameter '{unknown[0]}'; "
-                           f"it takes: {', '.join(cls.defaults) or 'none'}")
+            raise BadInput(
+                f"--param {unknown[0]}",
+                f"fault '{cls.name}' has no parameter '{unknown[0]}'; "
+                f"it takes: {', '.join(cls.defaults) or 'none'}",
+            )
         merged = {**cls.defaults}
         for k, v in params.items():
             try:
                 merged[k] = type(cls.defaults[k])(v)
             except (TypeError, ValueError):
-                raise BadInput(f"--param {k}", f"'{v}' is not a {type(cls.defaults[k]).__name__}") from None
+                raise BadInput(
+                    f"--param {k}", f"'{v}' is not a {type(cls.defaults[k]).__name__}"
+                ) from None
         return merged
 
     @classmethod
-    def coordinates(cls, step: int, rank: int, steps: int | None = None, world: int | None = None) -> None:
+    def coordinates(
+        cls, step: int, rank: int, steps: int | None = None, world: int | None = None
+    ) -> None:
         """Step and rank exist (against the run's length and world size where they are known)."""
         if step < 1 or (steps is not None and step > steps):
-            raise BadInput("--step", f"step {step} does not exist: "
-                           + (f"the manifest runs steps 1..{steps}" if steps is not None else "steps count from 1"))
+            raise BadInput(
+                "--step",
+                f"step {step} does not exist: "
+                + (
+                    f"the manifest runs steps 1..{steps}"
+                    if steps is not None
+                    else "steps count from 1"
+                ),
+            )
         if rank < 0 or (world is not None and rank >= world):
-            raise BadInput("--rank", f"rank {rank} does not exist" + (f": world size is {world}" if world else ""))
+            raise BadInput(
+                "--rank",
+                f"rank {rank} does not exist" + (f": world size is {world}" if world else ""),
+            )
 
     @classmethod
     def offered(cls, dp: int, caps: set, has: str, offers: str) -> None:
         """The run offers what the fault acts on: data parallelism if it needs it, and its hook points. `has` and
         `offers` name the run in the message ("this manifest", "the DDP strategy"; "this script", ...)."""
         if cls.needs_dp2 and dp < 2:
-            raise BadInput("--fault", f"'{cls.name}' needs data parallelism (dp >= 2); {has} has dp = {dp}")
+            raise BadInput(
+                "--fault", f"'{cls.name}' needs data parallelism (dp >= 2); {has} has dp = {dp}"
+            )
         missing = cls.requires - caps
         if missing:
-            raise BadInput("--fault", f"'{cls.name}' needs the {', '.join(sorted(missing))} hook point, which "
-                           f"{offers} does not offer")
+            raise BadInput(
+                "--fault",
+                f"'{cls.name}' needs the {', '.join(sorted(missing))} hook point, which "
+                f"{offers} does not offer",
+            )
 
     @classmethod
     def spec(cls, step: int, rank: int, params: dict, manifest: Manifest) -> dict:
         merged = cls.parameters(params)
         par = manifest.parallelism
         cls.coordinates(step, rank, manifest.training.steps, par.world_size)
-        cls.offered(par.dp, capabilities(manifest), "this manifest", f"the {strategy_name(manifest)} strategy")
-        if par.architecture == "parameter-server" and cls.point in ("reduce", "optimizer", "before_clip") \
-                and rank != 0:
-            raise BadInput("--rank", f"under the parameter server only rank 0 reduces and steps the optimizer: "
-                           f"'{cls.name}' must target --rank 0")
+        cls.offered(
+            par.dp,
+            capabilities(manifest),
+            "this manifest",
+            f"the {strategy_name(manifest)} strategy",
+        )
+        if (
+            par.architecture == "parameter-server"
+            and cls.point in ("reduce", "optimizer", "before_clip")
+            and rank != 0
+        ):
+            raise BadInput(
+                "--rank",
+                f"under the parameter server only rank 0 reduces and steps the optimizer: "
+                f"'{cls.name}' must target --rank 0",
+            )
         if par.pp > 1 and cls.point == "loss":
             from disttrace.run.topology import coords_of, mesh_shape
 
             if coords_of(rank, mesh_shape(manifest)[0])["pp"] != par.pp - 1:
-                raise BadInput("--rank", f"under pipeline parallel only the last stage computes the loss: "
-                               f"'{cls.name}' must target a rank of stage {par.pp - 1}")
+                raise BadInput(
+                    "--rank",
+                    f"under pipeline parallel only the last stage computes the loss: "
+                    f"'{cls.name}' must target a rank of stage {par.pp - 1}",
+                )
         interval = manifest.checkpoint.interval
         if cls.needs_checkpoint_step and (not interval or step % interval):
-            raise BadInput("--step", f"'{cls.name}' acts on a checkpoint, but no checkpoint is written at step "
-                           f"{step} (checkpoint.interval = {interval})")
+            raise BadInput(
+                "--step",
+                f"'{cls.name}' acts on a checkpoint, but no checkpoint is written at step "
+                f"{step} (checkpoint.interval = {interval})",
+            )
         cls.check(step, merged, manifest)
         cls.check_target(rank, merged, manifest)
-        return {"name": cls.name, "step": step, "rank": rank, "params": merged, "point": cls.point,
-                "expect": cls.expect}
+        return {
+            "name": cls.name,
+            "step": step,
+            "rank": rank,
+            "params": merged,
+            "point": cls.point,
+            "expect": cls.expect,
+        }
 
     @classmethod
     def check(cls, step: int, params: dict, manifest: AnyManifest | dict) -> None:
@@ -155,9 +204,18 @@ class Fault:
         """Log the firing; `proof` = (before, after) digests (or values) of what the fault changed."""
         self.fired = True
         if proof is not None:
-            detail.update(digest_before=proof[0], digest_after=proof[1], changed=proof[0] != proof[1])
-        line = FaultEvent(fault=self.name, step=bus.step, micro_batch=bus.micro_batch, rank=bus.rank,
-                          point=self.point, params=self.params, **detail).line()
+            detail.update(
+                digest_before=proof[0], digest_after=proof[1], changed=proof[0] != proof[1]
+            )
+        line = FaultEvent(
+            fault=self.name,
+            step=bus.step,
+            micro_batch=bus.micro_batch,
+            rank=bus.rank,
+            point=self.point,
+            params=self.params,
+            **detail,
+        ).line()
         event(self.ctx.run_dir, line.pop("event"), **line)
 
 
@@ -175,7 +233,12 @@ def strategy_name(manifest: Manifest) -> str:
         return f"pipeline ({p.pp_schedule})"
     if p.tp > 1:
         return "tensor-parallel" + (" x FSDP2" if p.dp > 1 else "")
-    return {0: "DDP", 1: "ZeRO-1 (DDP + ZeroRedundancyOptimizer)", 2: "ZeRO-2 (FSDP2)", 3: "ZeRO-3 (FSDP2)"}[p.zero_stage]
+    return {
+        0: "DDP",
+        1: "ZeRO-1 (DDP + ZeroRedundancyOptimizer)",
+        2: "ZeRO-2 (FSDP2)",
+        3: "ZeRO-3 (FSDP2)",
+    }[p.zero_stage]
 
 
 def capabilities(manifest: Manifest) -> set[str]:
@@ -207,8 +270,16 @@ def _capabilities(manifest: Manifest) -> set[str]:
 
 
 def catalog() -> list[dict]:
-    return [{"name": c.name, "point": c.point, "expect": c.expect, "description": c.description,
-             "params": c.defaults} for c in REGISTRY.values()]
+    return [
+        {
+            "name": c.name,
+            "point": c.point,
+            "expect": c.expect,
+            "description": c.description,
+            "params": c.defaults,
+        }
+        for c in REGISTRY.values()
+    ]
 
 
 def get(name: str) -> type[Fault]:
@@ -253,21 +324,41 @@ def flip_bit(t, element: int, bit: int) -> dict:
     flat = t.detach().view(-1)
     d0 = state_digest(flat)
     if flat.numel() == 0:
-        return {"element": None, "bit": bit, "before": None, "after": None, "numel": 0, "proof": (d0, d0)}
+        return {
+            "element": None,
+            "bit": bit,
+            "before": None,
+            "after": None,
+            "numel": 0,
+            "proof": (d0, d0),
+        }
     element = element % flat.numel()
     before = float(flat[element])
     ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
     bits = flat.element_size() * 8
     mask = (1 << bit) if bit < bits - 1 else -(1 << bit)  # the sign bit as a signed constant
     flat[element : element + 1].view(ints).bitwise_xor_(mask)
-    return {"element": element, "bit": bit, "before": before, "after": float(flat[element]),
-            "numel": int(flat.numel()), "proof": (d0, state_digest(flat))}
+    return {
+        "element": element,
+        "bit": bit,
+        "before": before,
+        "after": float(flat[element]),
+        "numel": int(flat.numel()),
+        "proof": (d0, state_digest(flat)),
+    }
 
 
-def _fire_flip(fault: "Fault", bus, phase: str, name: str, tensor, **extra) -> None:
+def _fire_flip(fault: Fault, bus, phase: str, name: str, tensor, **extra) -> None:
     out = flip_bit(tensor, fault.params["element"], fault.params["bit"])
-    fault.fire(bus, proof=out.pop("proof"), phase=phase, tensor=name, requested_element=fault.params["element"],
-               **out, **extra)
+    fault.fire(
+        bus,
+        proof=out.pop("proof"),
+        phase=phase,
+        tensor=name,
+        requested_element=fault.params["element"],
+        **out,
+        **extra,
+    )
 
 
 def pick(grads, tensor: str):
@@ -300,8 +391,11 @@ def _check_tensor(cls, rank: int, params: dict, manifest: Manifest) -> None:
         return
     where = f" (pipeline stage {stage} of rank {rank})" if par.pp > 1 else ""
     close = [n for n in names if want.split(".")[-1] in n][:3] or names[:3]
-    raise BadInput("--param tensor", f"'{cls.name}' names tensor '{want}', which is not a parameter of this "
-                   f"model{where}: it would change nothing; e.g. {', '.join(close)} (or an index 0..{len(names) - 1})")
+    raise BadInput(
+        "--param tensor",
+        f"'{cls.name}' names tensor '{want}', which is not a parameter of this "
+        f"model{where}: it would change nothing; e.g. {', '.join(close)} (or an index 0..{len(names) - 1})",
+    )
 
 
 # ---------------------------------------------------------------- the catalog
@@ -311,7 +405,12 @@ def _check_tensor(cls, rank: int, params: dict, manifest: Manifest) -> None:
 class BitflipGrad(Fault):
     name, point, expect = "bitflip-grad", "backward", "backward"
     description = "flips one bit of one element of a local gradient before the reduce"
-    defaults = {"tensor": "layers.0.attention.wq.weight", "element": 0, "bit": 30, "micro_batch": -1}
+    defaults = {
+        "tensor": "layers.0.attention.wq.weight",
+        "element": 0,
+        "bit": 30,
+        "micro_batch": -1,
+    }
     requires = frozenset({"backward"})
 
     @classmethod
@@ -319,11 +418,17 @@ class BitflipGrad(Fault):
         _check_bit(params, manifest)
         accum = manifest.training.grad_accum_steps
         if not -accum <= params["micro_batch"] < accum:
-            raise BadInput("--param micro_batch", f"micro-batch {params['micro_batch']} does not exist: "
-                           f"training.grad_accum_steps = {accum} (-1 is the last)")
+            raise BadInput(
+                "--param micro_batch",
+                f"micro-batch {params['micro_batch']} does not exist: "
+                f"training.grad_accum_steps = {accum} (-1 is the last)",
+            )
         if manifest.parallelism.pp > 1 and params["micro_batch"] % accum != accum - 1:
-            raise BadInput("--param micro_batch", "under pipeline parallel the backward point is after the "
-                           "schedule (the accumulated gradient): only the last micro-batch (-1)")
+            raise BadInput(
+                "--param micro_batch",
+                "under pipeline parallel the backward point is after the "
+                "schedule (the accumulated gradient): only the last micro-batch (-1)",
+            )
 
     @classmethod
     def check_target(cls, rank, params, manifest):
@@ -345,7 +450,9 @@ class BitflipGrad(Fault):
 @register
 class BitflipParam(Fault):
     name, point, expect = "bitflip-param", "optimizer", "optimizer"
-    description = "flips one bit of a parameter after the optimizer step (default a mantissa bit: silent)"
+    description = (
+        "flips one bit of a parameter after the optimizer step (default a mantissa bit: silent)"
+    )
     defaults = {"tensor": "layers.0.attention.wq.weight", "element": 0, "bit": 16}
 
     @classmethod
@@ -380,7 +487,9 @@ def _target(fault: Fault) -> str:
 @register
 class SkipAllreduce(Fault):
     name, point, expect = "skip-allreduce", "reduce", "reduce"
-    description = "the rank keeps its local gradient instead of the reduced one (the collective still runs)"
+    description = (
+        "the rank keeps its local gradient instead of the reduced one (the collective still runs)"
+    )
     needs_dp2 = True
     requires = frozenset({"collective_hook"})
 
@@ -400,9 +509,14 @@ class SkipAllreduce(Fault):
         def restore(bus, p):
             if self.here(bus):
                 kept = [(name, g) for index, name, g, *_ in p["grads"] if index in self.local]
-                with self.changing(bus, [g for _, g in kept], phase="reduce", tensors=len(self.local),
-                                   names=[n for n, _ in kept][:8]):
-                    for index, name, g, *_ in p["grads"]:
+                with self.changing(
+                    bus,
+                    [g for _, g in kept],
+                    phase="reduce",
+                    tensors=len(self.local),
+                    names=[n for n, _ in kept][:8],
+                ):
+                    for index, _name, g, *_ in p["grads"]:
                         if index in self.local:
                             g.copy_(self.local[index])
 
@@ -445,8 +559,12 @@ class DataSwap(Fault):
                 other = (self.ctx.dp_rank + 1) % self.manifest.parallelism.dp
                 before = state_digest(p["batch"]["inputs"], p["batch"]["targets"])
                 p["batch"] = p["fetch"](other)
-                self.fire(bus, proof=(before, state_digest(p["batch"]["inputs"], p["batch"]["targets"])),
-                          phase="data", read_shard_of_dp_rank=other)
+                self.fire(
+                    bus,
+                    proof=(before, state_digest(p["batch"]["inputs"], p["batch"]["targets"])),
+                    phase="data",
+                    read_shard_of_dp_rank=other,
+                )
 
         bus.on("data", handler, order=10)
 
@@ -454,14 +572,19 @@ class DataSwap(Fault):
 def _check_mb(params, manifest: AnyManifest):
     accum = manifest.training.grad_accum_steps
     if not 0 <= params["micro_batch"] < accum:
-        raise BadInput("--param micro_batch", f"micro-batch {params['micro_batch']} does not exist: "
-                       f"training.grad_accum_steps = {accum}")
+        raise BadInput(
+            "--param micro_batch",
+            f"micro-batch {params['micro_batch']} does not exist: "
+            f"training.grad_accum_steps = {accum}",
+        )
 
 
 @register
 class DropMicrobatch(Fault):
     name, point, expect = "drop-microbatch", "loss", "loss"
-    description = "skips one micro-batch of the accumulation (its loss enters backward multiplied by zero)"
+    description = (
+        "skips one micro-batch of the accumulation (its loss enters backward multiplied by zero)"
+    )
     defaults = {"micro_batch": 0}
 
     @classmethod
@@ -472,9 +595,16 @@ class DropMicrobatch(Fault):
         def handler(bus, p):
             if self.here(bus) and bus.micro_batch == self.params["micro_batch"]:
                 before = float(p["loss"])
-                p["loss"] = p["loss"] * 0.0  # backward still runs, so DDP's collectives stay matched
-                self.fire(bus, proof=(repr(before), repr(float(p["loss"]))), phase="loss", before=before,
-                          after=float(p["loss"]))
+                p["loss"] = (
+                    p["loss"] * 0.0
+                )  # backward still runs, so DDP's collectives stay matched
+                self.fire(
+                    bus,
+                    proof=(repr(before), repr(float(p["loss"]))),
+                    phase="loss",
+                    before=before,
+                    after=float(p["loss"]),
+                )
 
         bus.on("loss", handler, order=10)
 
@@ -499,8 +629,12 @@ class StaleParam(Fault):
         def after(bus, p):
             if self.here(bus):
                 tensors = [t for _, _, t in p["params"]]
-                with self.changing(bus, tensors, phase="optimizer", tensors=len(tensors), target=_target(self)):
-                    for t, prev, cur in zip(tensors, self.saved[self.step - 1], self.saved[self.step]):
+                with self.changing(
+                    bus, tensors, phase="optimizer", tensors=len(tensors), target=_target(self)
+                ):
+                    for t, prev, cur in zip(
+                        tensors, self.saved[self.step - 1], self.saved[self.step]
+                    ):
                         t.data.copy_(prev + (t.detach() - cur))
 
         # under the parameter server `before_optimizer` hands the server its master parameters already
@@ -519,8 +653,10 @@ class LrSkew(Fault):
         import math
 
         if params["k"] == 1.0 or not math.isfinite(params["k"]):
-            raise BadInput("--param k", f"k = {params['k']} would change nothing (or nothing finite): use a finite "
-                           "k != 1")
+            raise BadInput(
+                "--param k",
+                f"k = {params['k']} would change nothing (or nothing finite): use a finite k != 1",
+            )
 
     def install(self, bus):
         def before(bus, p):
@@ -534,8 +670,14 @@ class LrSkew(Fault):
                 used = [g["lr"] for g in p["optimizer"].param_groups]
                 for g, lr in zip(p["optimizer"].param_groups, self.saved):
                     g["lr"] = lr
-                self.fire(bus, proof=(repr(self.saved), repr(used)), phase="optimizer", k=self.params["k"],
-                          lr_before=self.saved, lr_used=used)
+                self.fire(
+                    bus,
+                    proof=(repr(self.saved), repr(used)),
+                    phase="optimizer",
+                    k=self.params["k"],
+                    lr_before=self.saved,
+                    lr_used=used,
+                )
 
         bus.on("before_optimizer", before, order=10)
         bus.on("optimizer", after, order=10)
@@ -557,8 +699,12 @@ class OptimizerReset(Fault):
                 before = sorted(p["state"])
                 del p["state"]["optim"]
                 if bus.rank == self.rank:
-                    self.fire(bus, proof=(repr(before), repr(sorted(p["state"]))), phase="checkpoint",
-                              dropped="optim")
+                    self.fire(
+                        bus,
+                        proof=(repr(before), repr(sorted(p["state"]))),
+                        phase="checkpoint",
+                        dropped="optim",
+                    )
 
         bus.on("before_checkpoint", handler, order=10)
 
@@ -573,7 +719,9 @@ class CorruptCheckpoint(Fault):
     @classmethod
     def _check(cls, step, params, manifest):
         if params["nbytes"] < 1:
-            raise BadInput("--param nbytes", f"nbytes = {params['nbytes']} flips nothing: use nbytes >= 1")
+            raise BadInput(
+                "--param nbytes", f"nbytes = {params['nbytes']} flips nothing: use nbytes >= 1"
+            )
 
     def install(self, bus):
         def handler(bus, p):
@@ -589,8 +737,14 @@ class CorruptCheckpoint(Fault):
                 for i in range(self.params["nbytes"]):
                     data[(at + i) % len(data)] ^= 0xFF
                 target.write_bytes(bytes(data))
-                self.fire(bus, proof=(before, hashlib.sha256(target.read_bytes()).hexdigest()), phase="checkpoint",
-                          file=target.name, offset=at, nbytes=min(self.params["nbytes"], len(data)))
+                self.fire(
+                    bus,
+                    proof=(before, hashlib.sha256(target.read_bytes()).hexdigest()),
+                    phase="checkpoint",
+                    file=target.name,
+                    offset=at,
+                    nbytes=min(self.params["nbytes"], len(data)),
+                )
 
         bus.on("checkpoint", handler, order=10)
 
@@ -604,7 +758,9 @@ class KillRank(Fault):
         def handler(bus, p):
             if self.here(bus):
                 self.fire(bus, phase="data")
-                bus.emit("process_exit", reason=self.name)  # SIGKILL leaves no chance to write later
+                bus.emit(
+                    "process_exit", reason=self.name
+                )  # SIGKILL leaves no chance to write later
                 os.kill(os.getpid(), signal.SIGKILL)
 
         bus.on("step_start", handler, order=10)
@@ -613,15 +769,19 @@ class KillRank(Fault):
 @register
 class SlowRank(Fault):
     name, point, expect = "slow-rank", "backward", "none"
-    description = ("the rank sleeps before its collectives (until the file `until` exists, if given, for at "
-                   "most `seconds`); numerics stay equal, the run flags it as straggler")
+    description = (
+        "the rank sleeps before its collectives (until the file `until` exists, if given, for at "
+        "most `seconds`); numerics stay equal, the run flags it as straggler"
+    )
     defaults = {"seconds": 0.5, "until": ""}
     requires = frozenset({"collective_hook"})
 
     @classmethod
     def _check(cls, step, params, manifest):
         if not params["seconds"] > 0:
-            raise BadInput("--param seconds", f"seconds = {params['seconds']} delays nothing: use seconds > 0")
+            raise BadInput(
+                "--param seconds", f"seconds = {params['seconds']} delays nothing: use seconds > 0"
+            )
 
     def _wait(self) -> float:
         """`until`: a file another process creates ends the wait (tests order events by it, not by time)."""
@@ -643,7 +803,9 @@ class SlowRank(Fault):
 @register
 class CollectiveMismatch(Fault):
     name, point, expect = "collective-mismatch", "backward", "exit-3"
-    description = "the rank issues an all-reduce of a different shape; the job ends with exit 3 naming it"
+    description = (
+        "the rank issues an all-reduce of a different shape; the job ends with exit 3 naming it"
+    )
     defaults = {"extra": 1}
     needs_dp2 = True
     requires = frozenset({"collective_hook"})
@@ -651,7 +813,10 @@ class CollectiveMismatch(Fault):
     @classmethod
     def _check(cls, step, params, manifest):
         if params["extra"] < 1:
-            raise BadInput("--param extra", f"extra = {params['extra']} issues a matching shape: use extra >= 1")
+            raise BadInput(
+                "--param extra",
+                f"extra = {params['extra']} issues a matching shape: use extra >= 1",
+            )
 
     def install(self, bus):
         def handler(bus, p):
@@ -669,8 +834,11 @@ class CollectiveMismatch(Fault):
 
 def _needs_clipping(cls, manifest: AnyManifest):
     if not manifest.training.max_grad_norm:
-        raise BadInput("--set training.max_grad_norm", f"'{cls.name}' acts on gradient clipping: set "
-                       "training.max_grad_norm (small enough that clipping is active)")
+        raise BadInput(
+            "--set training.max_grad_norm",
+            f"'{cls.name}' acts on gradient clipping: set "
+            "training.max_grad_norm (small enough that clipping is active)",
+        )
 
 
 class _ClipFault(Fault):
@@ -687,8 +855,12 @@ class _ClipFault(Fault):
             if self.here(bus):
                 before = (repr(float(p["norm"])), sorted(p["skip"]))
                 detail = self.act(p)
-                self.fire(bus, proof=(repr(before), repr((repr(float(p["norm"])), sorted(p["skip"])))),
-                          phase="clip", **detail)
+                self.fire(
+                    bus,
+                    proof=(repr(before), repr((repr(float(p["norm"])), sorted(p["skip"])))),
+                    phase="clip",
+                    **detail,
+                )
 
         bus.on("before_clip", handler, order=10)
 
@@ -699,49 +871,74 @@ class _ClipFault(Fault):
 @register
 class ClipLocalNorm(_ClipFault):
     name = "clip-local-norm"
-    description = "the rank clips with the norm of its local gradient shard instead of the global norm"
+    description = (
+        "the rank clips with the norm of its local gradient shard instead of the global norm"
+    )
     requires = frozenset({"sharded_grads"})
 
     def act(self, p):
         import torch
 
-        local = [g.to_local() if hasattr(g, "to_local") else g for _, _, t in p["named"] if (g := t.grad) is not None]
+        local = [
+            g.to_local() if hasattr(g, "to_local") else g
+            for _, _, t in p["named"]
+            if (g := t.grad) is not None
+        ]
         global_norm = float(p["norm"])
-        p["norm"] = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in local]))
+        p["norm"] = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g) for g in local])
+        )
         return {"global_norm": global_norm, "local_norm": float(p["norm"])}
 
 
 @register
 class ClipSkipReplicated(_ClipFault):
     name = "clip-skip-replicated"
-    description = "under tensor parallel, the rank leaves its replicated (unsharded) parameters unclipped"
+    description = (
+        "under tensor parallel, the rank leaves its replicated (unsharded) parameters unclipped"
+    )
     requires = frozenset({"tp"})
 
     @classmethod
     def _check(cls, step, params, manifest):
         super()._check(step, params, manifest)
         if manifest.parallelism.dp > 1:
-            raise BadInput("--fault", f"'{cls.name}' selects the parameters replicated across tp, but with dp = "
-                           f"{manifest.parallelism.dp} FSDP2 shards every parameter over dp (the norm weights "
-                           "too): the selection is empty and the fault would change nothing; use dp = 1")
+            raise BadInput(
+                "--fault",
+                f"'{cls.name}' selects the parameters replicated across tp, but with dp = "
+                f"{manifest.parallelism.dp} FSDP2 shards every parameter over dp (the norm weights "
+                "too): the selection is empty and the fault would change nothing; use dp = 1",
+            )
 
     def act(self, p):
-        replicated = [(i, n) for i, n, t in p["named"]
-                      if not (hasattr(t, "placements") and any(pl.is_shard() for pl in t.placements))]
+        replicated = [
+            (i, n)
+            for i, n, t in p["named"]
+            if not (hasattr(t, "placements") and any(pl.is_shard() for pl in t.placements))
+        ]
         p["skip"] |= {i for i, _ in replicated}
         return {"skipped": len(replicated), "tensors": [n for _, n in replicated][:8]}
 
 
 @register
 class LateMicrobatch(Fault):
-    name, point, expect = "late-microbatch", "backward", "backward"  # what it sends is the first evidence
-    description = "the last micro-batch's gradient misses the all-reduce and is added locally after it"
+    name, point, expect = (
+        "late-microbatch",
+        "backward",
+        "backward",
+    )  # what it sends is the first evidence
+    description = (
+        "the last micro-batch's gradient misses the all-reduce and is added locally after it"
+    )
     requires = frozenset({"collective_hook"})
 
     @classmethod
     def _check(cls, step, params, manifest):
         if manifest.training.grad_accum_steps < 2:
-            raise BadInput("--set training.grad_accum_steps", "'late-microbatch' needs gradient accumulation (>= 2)")
+            raise BadInput(
+                "--set training.grad_accum_steps",
+                "'late-microbatch' needs gradient accumulation (>= 2)",
+            )
 
     def install(self, bus):
         import torch
@@ -777,8 +974,10 @@ class LateMicrobatch(Fault):
 @register
 class UnsyncedParam(SkipAllreduce):
     name, point, expect = "unsynced-param", "reduce", "reduce"
-    description = ("one parameter's gradient is never reduced on the rank (as when its copy is replaced after "
-                   "wrapping): it keeps the local gradient, every other tensor is reduced")
+    description = (
+        "one parameter's gradient is never reduced on the rank (as when its copy is replaced after "
+        "wrapping): it keeps the local gradient, every other tensor is reduced"
+    )
     defaults = {"tensor": "layers.0.attention_norm.weight"}
 
     @classmethod
@@ -786,4 +985,7 @@ class UnsyncedParam(SkipAllreduce):
         _check_tensor(cls, rank, params, manifest)
 
     def keeps(self, index: int, name: str) -> bool:
-        return self.params["tensor"] in (name, str(index))  # a name, or an index as text (as `pick`)
+        return self.params["tensor"] in (
+            name,
+            str(index),
+        )  # a name, or an index as text (as `pick`)

@@ -41,27 +41,56 @@ from disttrace.store.records import Event
 from disttrace.store.rundir import rank_file
 
 DEFAULT_CAPACITY = 2000  # torch's own default ring size; TORCH_FR_BUFFER_SIZE overrides it
-CAPACITY_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")  # torch reads them in this order
+CAPACITY_ENV = (
+    "TORCH_FR_BUFFER_SIZE",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE",
+)  # torch reads them in this order
 
 # Flight Recorder names ("gloo:all_reduce") -> the c10d op names the dispatch-mode tracer writes, so a trace
 # reads the same whichever recorded it
 OPS = {
-    "all_reduce": "allreduce_", "allreduce": "allreduce_", "allreduce_coalesced": "allreduce_coalesced_",
-    "broadcast": "broadcast_", "reduce": "reduce_", "all_gather": "allgather_", "allgather": "allgather_",
-    "_allgather_base": "_allgather_base_", "allgather_coalesced": "allgather_coalesced_",
-    "allgather_into_tensor_coalesced": "allgather_into_tensor_coalesced_", "reduce_scatter": "reduce_scatter_",
+    "all_reduce": "allreduce_",
+    "allreduce": "allreduce_",
+    "allreduce_coalesced": "allreduce_coalesced_",
+    "broadcast": "broadcast_",
+    "reduce": "reduce_",
+    "all_gather": "allgather_",
+    "allgather": "allgather_",
+    "_allgather_base": "_allgather_base_",
+    "allgather_coalesced": "allgather_coalesced_",
+    "allgather_into_tensor_coalesced": "allgather_into_tensor_coalesced_",
+    "reduce_scatter": "reduce_scatter_",
     "_reduce_scatter_base": "_reduce_scatter_base_",
-    "reduce_scatter_tensor_coalesced": "reduce_scatter_tensor_coalesced_", "all_to_all": "alltoall_",
-    "alltoall": "alltoall_", "alltoall_base": "alltoall_base_", "gather": "gather_", "scatter": "scatter_",
-    "send": "send", "recv": "recv_", "recvAnySource": "recv_any_source_", "barrier": "barrier",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter_tensor_coalesced_",
+    "all_to_all": "alltoall_",
+    "alltoall": "alltoall_",
+    "alltoall_base": "alltoall_base_",
+    "gather": "gather_",
+    "scatter": "scatter_",
+    "send": "send",
+    "recv": "recv_",
+    "recvAnySource": "recv_any_source_",
+    "barrier": "barrier",
 }
 # ATen scalar type names as the recorder writes them -> (torch dtype name, bytes per element)
 DTYPES = {
-    "Float": ("float32", 4), "Double": ("float64", 8), "Half": ("float16", 2), "BFloat16": ("bfloat16", 2),
-    "Long": ("int64", 8), "Int": ("int32", 4), "Short": ("int16", 2), "Char": ("int8", 1), "Byte": ("uint8", 1),
-    "Bool": ("bool", 1), "ComplexFloat": ("complex64", 8), "ComplexDouble": ("complex128", 16),
-    "Float8_e4m3fn": ("float8_e4m3fn", 1), "Float8_e5m2": ("float8_e5m2", 1), "UInt16": ("uint16", 2),
-    "UInt32": ("uint32", 4), "UInt64": ("uint64", 8),
+    "Float": ("float32", 4),
+    "Double": ("float64", 8),
+    "Half": ("float16", 2),
+    "BFloat16": ("bfloat16", 2),
+    "Long": ("int64", 8),
+    "Int": ("int32", 4),
+    "Short": ("int16", 2),
+    "Char": ("int8", 1),
+    "Byte": ("uint8", 1),
+    "Bool": ("bool", 1),
+    "ComplexFloat": ("complex64", 8),
+    "ComplexDouble": ("complex128", 16),
+    "Float8_e4m3fn": ("float8_e4m3fn", 1),
+    "Float8_e5m2": ("float8_e5m2", 1),
+    "UInt16": ("uint16", 2),
+    "UInt32": ("uint32", 4),
+    "UInt64": ("uint64", 8),
 }
 
 
@@ -88,32 +117,47 @@ class Converter:
     def __init__(self):
         self.last_rid = -1
         self.seq: dict[str, int] = {}
-        self.bounds: list[tuple[int, int]] = []  # (step start ns, step): entries go to the step they follow
+        self.bounds: list[
+            tuple[int, int]
+        ] = []  # (step start ns, step): entries go to the step they follow
 
     def step_started(self, step: int, t_ns: int) -> None:
         self.bounds.append((t_ns, step))
 
     def step_of(self, t_ns: int) -> int:
         i = bisect.bisect_right(self.bounds, (t_ns, float("inf"))) - 1
-        return self.bounds[i][1] if i >= 0 else 0  # before the first step: set-up (step 0, as the tracer)
+        return (
+            self.bounds[i][1] if i >= 0 else 0
+        )  # before the first step: set-up (step 0, as the tracer)
 
     def records(self, dump: dict, groups: dict[str, str], settled_only: bool = False) -> list[dict]:
         """`groups`: process-group name -> comma-joined global ranks. `settled_only`: stop before the first
         collective not yet marked finished (the ring's state can trail the caller, who already has the
         result): it is copied by a later dump, so no finished collective is written as unfinished."""
         status = dump.get("pg_status") or {}
-        entries = sorted((e for e in dump.get("entries", []) if e["record_id"] > self.last_rid),
-                         key=lambda e: e["record_id"])
+        entries = sorted(
+            (e for e in dump.get("entries", []) if e["record_id"] > self.last_rid),
+            key=lambda e: e["record_id"],
+        )
         if settled_only:
             for i, e in enumerate(entries):
                 if not _finished(e, status):
                     entries = entries[:i]
                     break
         out: list[dict] = []
-        if entries and entries[0]["record_id"] > self.last_rid + 1 and (self.last_rid >= 0 or entries[0]["record_id"]):
+        if (
+            entries
+            and entries[0]["record_id"] > self.last_rid + 1
+            and (self.last_rid >= 0 or entries[0]["record_id"])
+        ):
             lost = entries[0]["record_id"] - self.last_rid - 1
-            out.append({"lost": lost, "after_record": self.last_rid,
-                        "step": self.step_of(entries[0]["time_created_ns"])})
+            out.append(
+                {
+                    "lost": lost,
+                    "after_record": self.last_rid,
+                    "step": self.step_of(entries[0]["time_created_ns"]),
+                }
+            )
         for e in entries:
             pg = str(e["process_group"][0])
             group = groups.get(pg, "?")
@@ -132,10 +176,16 @@ class Converter:
                 nbytes += n * size
             fr_seq = e["p2p_seq_id"] if e.get("is_p2p") else e["collective_seq_id"]
             rec = {
-                "seq": seq, "group": group, "op": op,
-                "step": self.step_of(e["time_created_ns"]), "shapes": shapes,
-                "dtype": dtypes[0][0] if dtypes else None, "bytes": nbytes,
-                "start": e["time_created_ns"] / 1e9, "pg": pg, "fr_seq": fr_seq,
+                "seq": seq,
+                "group": group,
+                "op": op,
+                "step": self.step_of(e["time_created_ns"]),
+                "shapes": shapes,
+                "dtype": dtypes[0][0] if dtypes else None,
+                "bytes": nbytes,
+                "start": e["time_created_ns"] / 1e9,
+                "pg": pg,
+                "fr_seq": fr_seq,
                 "done": _finished(e, status),
             }
             if e.get("time_discovered_completed_ns"):  # NCCL with timing enabled; none on gloo
@@ -175,11 +225,17 @@ class FlightRecorderTrace:
         # never lands in the middle of a half-flushed buffer
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self.capacity = capacity_from_env() if capacity is None else capacity
-        if self.capacity <= 0 and rank == 0:  # the user turned the recorder off: say why the trace is empty
+        if (
+            self.capacity <= 0 and rank == 0
+        ):  # the user turned the recorder off: say why the trace is empty
             from disttrace.store.rundir import event
 
-            event(run_dir, Event.COLLECTIVE_TRACE_EMPTY, reason="TORCH_FR_BUFFER_SIZE=0 turns torch's Flight Recorder "
-                  "off; set record.collectives = \"values\" for a trace without it")
+            event(
+                run_dir,
+                Event.COLLECTIVE_TRACE_EMPTY,
+                reason="TORCH_FR_BUFFER_SIZE=0 turns torch's Flight Recorder "
+                'off; set record.collectives = "values" for a trace without it',
+            )
         self.conv = Converter()
         self.step = 0  # the tracer's interface (the worker's context hands it to faults)
         self._issued_at_dump = 0
@@ -200,7 +256,7 @@ class FlightRecorderTrace:
         return False
 
     # ---------------------------------------------------------------- hooks
-    def attach(self, bus: HookBus) -> "FlightRecorderTrace":
+    def attach(self, bus: HookBus) -> FlightRecorderTrace:
         bus.on("step_start", self._step_start, self.STEP_START)
         bus.on("step_end", self._step_end, self.STEP_END)
         self._install_signal_handlers()
@@ -230,7 +286,10 @@ class FlightRecorderTrace:
         issued = self._issued()
         self._largest_step = max(self._largest_step, issued - self._issued_at_start)
         pending = issued - self._issued_at_dump
-        if not self._counts_ok or pending + 2 * self._largest_step >= self.capacity - self.capacity // 8:
+        if (
+            not self._counts_ok
+            or pending + 2 * self._largest_step >= self.capacity - self.capacity // 8
+        ):
             self.dump(settled_only=True)  # mid-run: an unfinished tail waits for the next copy
 
     # ---------------------------------------------------------------- dumping
@@ -239,12 +298,16 @@ class FlightRecorderTrace:
         records were written."""
         if self.capacity <= 0:
             return 0
-        got = self._lock.acquire(timeout=1.0)  # a signal may arrive in the middle of a dump on this thread
+        got = self._lock.acquire(
+            timeout=1.0
+        )  # a signal may arrive in the middle of a dump on this thread
         try:
             issued = self._issued()
             from torch._C._distributed_c10d import _dump_fr_trace
 
-            dump = pickle.loads(_dump_fr_trace(True, False, False))  # collectives, no stack traces, all states
+            dump = pickle.loads(
+                _dump_fr_trace(True, False, False)
+            )  # collectives, no stack traces, all states
             recs = self.conv.records(dump, _group_names(), settled_only)
             if recs:
                 import orjson
@@ -286,7 +349,9 @@ class FlightRecorderTrace:
             self._restore_signal_handlers()
             reraise = libc["raise"]
             reraise.argtypes = [ctypes.c_int]
-            reraise(signum)  # blocked until this handler returns, then the default action (SIGABRT: abort)
+            reraise(
+                signum
+            )  # blocked until this handler returns, then the default action (SIGABRT: abort)
 
     def close(self, failed: bool = False) -> None:
         """Copy what is left (normal end, or an exception on the way out) and stop listening for signals."""
@@ -311,7 +376,7 @@ class NoTrace:
     def __exit__(self, *exc):
         return False
 
-    def attach(self, bus) -> "NoTrace":
+    def attach(self, bus) -> NoTrace:
         return self
 
     def close(self, failed: bool = False) -> None:

@@ -7,7 +7,8 @@ A handler may mutate the payload in place or replace entries of it; `emit` retur
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 
 class TensorRef(NamedTuple):
@@ -29,24 +30,25 @@ def grads_of(params: list[TensorRef], present_only: bool = False) -> list[Tensor
     """The gradients of `params` (the same index and name), optionally only those that exist."""
     return [TensorRef(i, n, p.grad) for i, n, p in params if not present_only or p.grad is not None]
 
+
 POINTS = (
-    "step_start",        # process: kill-rank, slow-rank live here
-    "data",              # payload: batch (inputs, targets, sample_ids), fetch(dp_rank) for another shard
-    "forward",           # payload: name, index, tensor (a module output)
-    "loss",              # payload: loss (micro-batch mean), scale (1/accum)
-    "backward",          # payload: grads [TensorRef] local, accumulated, before any reduce (change in place)
-    "reduce",            # payload: grads [TensorRef] after the data-parallel reduce
-    "before_clip",       # payload: norm (the global gradient norm to clip with), skip (indices not clipped)
-    "clip",              # payload: grads after clipping (if clipping), scalars [TensorRef]
+    "step_start",  # process: kill-rank, slow-rank live here
+    "data",  # payload: batch (inputs, targets, sample_ids), fetch(dp_rank) for another shard
+    "forward",  # payload: name, index, tensor (a module output)
+    "loss",  # payload: loss (micro-batch mean), scale (1/accum)
+    "backward",  # payload: grads [TensorRef] local, accumulated, before any reduce (change in place)
+    "reduce",  # payload: grads [TensorRef] after the data-parallel reduce
+    "before_clip",  # payload: norm (the global gradient norm to clip with), skip (indices not clipped)
+    "clip",  # payload: grads after clipping (if clipping), scalars [TensorRef]
     "before_optimizer",  # payload: optimizer, params
-    "server_update",     # parameter server only, on the server after its optimizer step and before it hands the
-                         # parameters out: params = the master [TensorRef], optimizer
-    "optimizer",         # payload: params [TensorRef], state [TensorRef]
-    "before_checkpoint", # payload: state (the dict about to be saved)
-    "checkpoint",        # payload: path (the published checkpoint directory)
+    "server_update",  # parameter server only, on the server after its optimizer step and before it hands the
+    # parameters out: params = the master [TensorRef], optimizer
+    "optimizer",  # payload: params [TensorRef], state [TensorRef]
+    "before_checkpoint",  # payload: state (the dict about to be saved)
+    "checkpoint",  # payload: path (the published checkpoint directory)
     "step_end",
-    "process_exit",      # payload: reason. The process ends without reaching step_end (a kill-rank fault's SIGKILL, an
-                         # exception): observers write what they still hold (the recorder's step awaiting its digests)
+    "process_exit",  # payload: reason. The process ends without reaching step_end (a kill-rank fault's SIGKILL, an
+    # exception): observers write what they still hold (the recorder's step awaiting its digests)
 )
 
 
@@ -57,7 +59,7 @@ class HookBus:
         self.micro_batch = 0
         self._handlers: dict[str, list[tuple[int, Callable]]] = {p: [] for p in POINTS}
 
-    def on(self, point: str, fn: Callable[["HookBus", dict], Any], order: int = 50) -> None:
+    def on(self, point: str, fn: Callable[[HookBus, dict], Any], order: int = 50) -> None:
         if point not in self._handlers:
             raise KeyError(f"unknown hook point {point!r}; known: {', '.join(POINTS)}")
         self._handlers[point].append((order, fn))

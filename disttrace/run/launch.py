@@ -15,19 +15,34 @@ import time
 import uuid
 from pathlib import Path
 
-from disttrace.store.records import Event
-from disttrace.errors import JobFailed
 from disttrace.config.manifest import Frozen, validate
+from disttrace.errors import JobFailed
+from disttrace.store.records import Event
 from disttrace.store.rundir import COMPLETE, LOCK, event, new_run_dir, read_json, write_json_atomic
 
 
-def prepare(frozen: Frozen, out: Path, path_kind: str, fault: dict | None = None, resume: dict | None = None,
-            origin: dict | None = None) -> Path:
+def prepare(
+    frozen: Frozen,
+    out: Path,
+    path_kind: str,
+    fault: dict | None = None,
+    resume: dict | None = None,
+    origin: dict | None = None,
+) -> Path:
     """Create runs/<id12>/<path>[-n]/ with the lock written first, then run.json."""
     run_dir = new_run_dir(out, frozen.manifest_id, path_kind)
     write_json_atomic(run_dir / LOCK, frozen.model_dump())
-    write_json_atomic(run_dir / "run.json", {"path": path_kind, "fault": fault, "resume": resume, "origin": origin,
-                                             "created": time.time(), "argv": sys.argv})
+    write_json_atomic(
+        run_dir / "run.json",
+        {
+            "path": path_kind,
+            "fault": fault,
+            "resume": resume,
+            "origin": origin,
+            "created": time.time(),
+            "argv": sys.argv,
+        },
+    )
     event(run_dir, Event.CREATED, path=path_kind)
     return run_dir
 
@@ -43,10 +58,21 @@ def prepare_shared(frozen: Frozen, out: Path, path_kind: str, run_id: str) -> Pa
     elif read_json(run_dir / LOCK)["manifest_id"] != frozen.manifest_id:
         from disttrace.errors import BadInput
 
-        raise BadInput(run_dir / LOCK, "this run id already holds another manifest", field="manifest_id")
+        raise BadInput(
+            run_dir / LOCK, "this run id already holds another manifest", field="manifest_id"
+        )
     if not (run_dir / "run.json").exists():
-        write_json_atomic(run_dir / "run.json", {"path": path_kind, "fault": None, "resume": None,
-                                                 "origin": None, "created": time.time(), "run_id": run_id})
+        write_json_atomic(
+            run_dir / "run.json",
+            {
+                "path": path_kind,
+                "fault": None,
+                "resume": None,
+                "origin": None,
+                "created": time.time(),
+                "run_id": run_id,
+            },
+        )
     event(run_dir, Event.CREATED, path=path_kind, pid=os.getpid())
     return run_dir
 
@@ -62,7 +88,9 @@ def _writer_lock(run_dir: Path, node_rank: int):
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         f.close()
-        raise BadInput(run_dir, f"another launcher (node {node_rank}) is writing this run directory") from None
+        raise BadInput(
+            run_dir, f"another launcher (node {node_rank}) is writing this run directory"
+        ) from None
     f.write(str(os.getpid()))
     f.flush()
     return f
@@ -74,18 +102,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(run_dir: Path, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None,
-           nproc_per_node: int | None = None, quiet: bool = True) -> None:
+def launch(
+    run_dir: Path,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    rdzv_endpoint: str | None = None,
+    nproc_per_node: int | None = None,
+    quiet: bool = True,
+) -> None:
     """Run the job to the end. Raises JobFailed (exit 3) when a rank fails or the run is not complete."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    manifest = validate(read_json(run_dir / LOCK)["manifest"], run_dir / LOCK)  # as each rank will (worker.run)
+    manifest = validate(
+        read_json(run_dir / LOCK)["manifest"], run_dir / LOCK
+    )  # as each rank will (worker.run)
     world = manifest.world_size
     if (run_dir / COMPLETE).exists():
         from disttrace.errors import BadInput
 
-        raise BadInput(run_dir, "this run is already complete: a new job would mix its records into it")
+        raise BadInput(
+            run_dir, "this run is already complete: a new job would mix its records into it"
+        )
     info = read_json(run_dir / "run.json") if (run_dir / "run.json").exists() else {}
     if isinstance(info, dict) and info.get("resume"):  # exit 2 here, before any rank starts
         from disttrace.store.paths import resume_checkpoint
@@ -94,31 +132,55 @@ def launch(run_dir: Path, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: st
     lock = _writer_lock(run_dir, node_rank)  # held until this process exits
     if nproc_per_node is None:
         if world % nnodes:
-            raise JobFailed(f"world size {world} is not divisible by --nnodes {nnodes}", str(run_dir))
+            raise JobFailed(
+                f"world size {world} is not divisible by --nnodes {nnodes}", str(run_dir)
+            )
         nproc_per_node = world // nnodes
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by every rank
     if quiet:
         logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     endpoint = rdzv_endpoint or f"127.0.0.1:{free_port()}"
     config = LaunchConfig(
-        min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc_per_node,
-        rdzv_backend="c10d", rdzv_endpoint=endpoint,
-        run_id=f"disttrace-{run_dir.parent.name}-{run_dir.name}" if nnodes > 1 else uuid.uuid4().hex,
-        max_restarts=0, monitor_interval=0.1, start_method="spawn",
+        min_nodes=nnodes,
+        max_nodes=nnodes,
+        nproc_per_node=nproc_per_node,
+        rdzv_backend="c10d",
+        rdzv_endpoint=endpoint,
+        run_id=f"disttrace-{run_dir.parent.name}-{run_dir.name}"
+        if nnodes > 1
+        else uuid.uuid4().hex,
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
     )
-    event(run_dir, Event.LAUNCHED, nnodes=nnodes, node_rank=node_rank, nproc_per_node=nproc_per_node, endpoint=endpoint)
+    event(
+        run_dir,
+        Event.LAUNCHED,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        nproc_per_node=nproc_per_node,
+        endpoint=endpoint,
+    )
     try:
         elastic_launch(config, sys.executable)("-m", "disttrace.worker", "--run-dir", str(run_dir))
     except ChildFailedError as e:
         failures = {int(r): f.exitcode for r, f in e.failures.items()}
         first = min(e.failures.items(), key=lambda kv: kv[1].timestamp)
         reason = describe_failure(run_dir, failures, first[0])
-        event(run_dir, Event.JOB_FAILED, failures={str(k): v for k, v in failures.items()}, first_failed_rank=int(first[0]), reason=reason)
+        event(
+            run_dir,
+            Event.JOB_FAILED,
+            failures={str(k): v for k, v in failures.items()},
+            first_failed_rank=int(first[0]),
+            reason=reason,
+        )
         raise JobFailed(reason, str(run_dir)) from None
     except Exception as e:  # rendezvous errors and the like
         event(run_dir, Event.JOB_FAILED, reason=f"{type(e).__name__}: {e}")
         raise JobFailed(f"launch failed: {type(e).__name__}: {e}", str(run_dir)) from None
-    for _ in range(50):  # on a multi-node job, global rank 0 may live on another node: give it a moment
+    for _ in range(
+        50
+    ):  # on a multi-node job, global rank 0 may live on another node: give it a moment
         if (run_dir / COMPLETE).exists() or nnodes == 1:
             break
         time.sleep(0.1)
@@ -130,23 +192,33 @@ def launch(run_dir: Path, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: st
 
 def describe_failure(run_dir: Path, failures: dict[int, int], first: int) -> str:
     """One line: which rank failed first and how, plus the first collective desync if the trace shows one."""
-    from disttrace.store.rundir import Run
     from disttrace.analysis.sync import check_sync
+    from disttrace.store.rundir import Run
 
     killed = {r: c for r, c in failures.items() if c is not None and c < 0}
-    what = (f"rank {first} was killed by signal {-failures[first]}" if first in killed
-            else f"rank {first} exited with code {failures[first]}")
+    what = (
+        f"rank {first} was killed by signal {-failures[first]}"
+        if first in killed
+        else f"rank {first} exited with code {failures[first]}"
+    )
     parts = [f"the job failed: {what} (failed ranks: {sorted(failures)})"]
     try:  # the first error a rank recorded about itself, in one line
         from disttrace.store.rundir import read_jsonl
 
-        errors = [e for e in read_jsonl(run_dir / "events.jsonl").records if e.get("event") == Event.RANK_FAILED]
+        errors = [
+            e
+            for e in read_jsonl(run_dir / "events.jsonl").records
+            if e.get("event") == Event.RANK_FAILED
+        ]
         own = [e for e in errors if e.get("rank") == first] or errors
         if own:
             raw = str(own[0].get("error", ""))
             # an engine's error may carry a whole remote traceback: its last exception line says what happened
-            causes = [ln.strip() for ln in raw.splitlines()
-                      if re.match(r"^[\w.]+(Error|Exception|Exit)\b.*:", ln.strip())]
+            causes = [
+                ln.strip()
+                for ln in raw.splitlines()
+                if re.match(r"^[\w.]+(Error|Exception|Exit)\b.*:", ln.strip())
+            ]
             text = " ".join((causes[-1] if causes else raw).split())
             parts.append(f"rank {own[0].get('rank')}: {text[:300]}")
     except Exception:  # evidence for the message, not a requirement

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from disttrace.store.records import Event
 from disttrace.analysis.consistency import rule_applies
 from disttrace.run.digest import digest_of_digests
+from disttrace.store.records import Event
 from disttrace.store.rundir import event
 
 
@@ -23,22 +23,48 @@ class InconsistentReplicas(RuntimeError):
 class LiveCheck:
     ORDER = 89  # before the recorder (90) writes and clears the step's records
 
-    def __init__(self, run_dir, recorder, rules: list[dict], groups: dict[str, list[list[int]]], rank: int,
-                 device=None):
+    def __init__(
+        self,
+        run_dir,
+        recorder,
+        rules: list[dict],
+        groups: dict[str, list[list[int]]],
+        rank: int,
+        device=None,
+    ):
         self.run_dir, self.recorder, self.rules, self.rank = run_dir, recorder, rules, rank
         self.groups, self.device = groups, device
 
-    def attach(self, bus) -> "LiveCheck":
+    def attach(self, bus) -> LiveCheck:
         bus.on("step_end", self._check, self.ORDER)
         return self
 
     def _check(self, bus, _payload):
-        mine = torch.tensor([list(bytes.fromhex(digest_of_digests(
-            [r["digest"] for r in self.recorder.step_records() if rule_applies(rule, r)]))) for rule in self.rules],
-            dtype=torch.uint8, device=self.device)
+        mine = torch.tensor(
+            [
+                list(
+                    bytes.fromhex(
+                        digest_of_digests(
+                            [
+                                r["digest"]
+                                for r in self.recorder.step_records()
+                                if rule_applies(rule, r)
+                            ]
+                        )
+                    )
+                )
+                for rule in self.rules
+            ],
+            dtype=torch.uint8,
+            device=self.device,
+        )
         world = dist.get_world_size()
-        everyone = torch.empty((world * mine.shape[0], mine.shape[1]), dtype=torch.uint8, device=self.device)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in 2.13
+        everyone = torch.empty(
+            (world * mine.shape[0], mine.shape[1]), dtype=torch.uint8, device=self.device
+        )
+        gather = (
+            getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        )  # renamed in 2.13
         gather(everyone, mine)  # ranks' rows one after another along dim 0
         table = everyone.view(world, *mine.shape).cpu()
         for k, rule in enumerate(self.rules):
@@ -46,12 +72,24 @@ class LiveCheck:
                 if len(members) < 2:
                     continue
                 seen = [bytes(table[r, k].tolist()).hex() for r in members]
-                bad = len(set(seen)) > 1 if rule["relation"] == "agree" else len(set(seen)) < len(seen)
+                bad = (
+                    len(set(seen)) > 1
+                    if rule["relation"] == "agree"
+                    else len(set(seen)) < len(seen)
+                )
                 if not bad:
                     continue
-                msg = (f"live check: step {bus.step} {rule['phase']} copies over {rule['dim']} group {members} "
-                       f"{'differ' if rule['relation'] == 'agree' else 'repeat'}")
+                msg = (
+                    f"live check: step {bus.step} {rule['phase']} copies over {rule['dim']} group {members} "
+                    f"{'differ' if rule['relation'] == 'agree' else 'repeat'}"
+                )
                 if self.rank == min(members):
-                    event(self.run_dir, Event.LIVE_CHECK_FAILED, step=bus.step, phase=rule["phase"], group=members,
-                          digests={str(r): d for r, d in zip(members, seen)})
+                    event(
+                        self.run_dir,
+                        Event.LIVE_CHECK_FAILED,
+                        step=bus.step,
+                        phase=rule["phase"],
+                        group=members,
+                        digests={str(r): d for r, d in zip(members, seen)},
+                    )
                 raise InconsistentReplicas(msg)

@@ -25,8 +25,11 @@ def emit_module_outputs(model, bus) -> list:
 def read_batch(ctx, step: int, mb: int) -> dict:
     """This rank's micro-batch, through the `data` point (a fault may hand it another rank's shard)."""
     ctx.bus.micro_batch = mb
-    return ctx.bus.emit("data", batch=ctx.data.batch(step, mb, ctx.dp_rank),
-                        fetch=lambda r: ctx.data.batch(step, mb, r))["batch"]
+    return ctx.bus.emit(
+        "data",
+        batch=ctx.data.batch(step, mb, ctx.dp_rank),
+        fetch=lambda r: ctx.data.batch(step, mb, r),
+    )["batch"]
 
 
 def train(ctx) -> None:
@@ -53,6 +56,8 @@ def train(ctx) -> None:
                     loss = bus.emit("loss", loss=loss, tokens=targets.numel())["loss"]
                     strategy.backward(loss / accum, last)
         strategy.step()
-        if interval and (step % interval == 0 or step == steps):  # the last step too: the gate evaluates it
+        if interval and (
+            step % interval == 0 or step == steps
+        ):  # the last step too: the gate evaluates it
             ctx.save_checkpoint(step)
         bus.emit("step_end", spans=strategy.spans)  # a strategy's own timing, if it keeps one

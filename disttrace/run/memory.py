@@ -24,7 +24,6 @@ from pydantic import BaseModel, ConfigDict
 from disttrace.config.manifest import Manifest
 from disttrace.store.rundir import JsonlWriter, rank_file
 
-
 CATEGORIES = ("params", "grads", "optimizer", "buffers", "unregistered", "engine")
 
 
@@ -71,7 +70,9 @@ class StorageCount:
             ptr, n = st.data_ptr(), st.nbytes()
         except (RuntimeError, NotImplementedError):  # no storage (fakes, wrappers)
             return
-        if n == 0 or ptr in self.seen:  # freed (FSDP2 resizes unsharded storages to 0) or already counted
+        if (
+            n == 0 or ptr in self.seen
+        ):  # freed (FSDP2 resizes unsharded storages to 0) or already counted
             return
         self.seen[ptr] = category
         self.bytes[category] += n
@@ -129,17 +130,23 @@ def measure(model, optimizer, engine_storages=(), engine_tensors=()) -> StorageC
         c.add("params", p)
     for p in params:
         c.add("grads", p.grad)
-    local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its partition's in .optim
+    local = getattr(
+        optimizer, "optim", optimizer
+    )  # ZeroRedundancyOptimizer keeps its partition's in .optim
     for st in getattr(local, "state", {}).values():
         for t in _tensors_in(st):
             c.add("optimizer", t)
-    for group in getattr(local, "param_groups", []):  # an optimizer's own parameter copies (the PS master)
+    for group in getattr(
+        local, "param_groups", []
+    ):  # an optimizer's own parameter copies (the PS master)
         for p in group.get("params", []):
             c.add("optimizer", p)
             c.add("optimizer", p.grad)
     for b in model.buffers():
         c.add("buffers", b)
-    for m in model.modules():  # tensors a module keeps as plain attributes: neither parameter nor buffer
+    for m in (
+        model.modules()
+    ):  # tensors a module keeps as plain attributes: neither parameter nor buffer
         for v in vars(m).values():
             for t in _tensors_in(v, 2):
                 c.add("unregistered", t)
@@ -223,16 +230,24 @@ class MemoryLedger:
         try:
             st = t.untyped_storage()
             key = st.data_ptr()
-            if key not in self._saved:  # a running total: this hook runs for every tensor autograd saves
+            if (
+                key not in self._saved
+            ):  # a running total: this hook runs for every tensor autograd saves
                 self._saved[key] = st.nbytes()
                 self._saved_total += self._saved[key]
                 self._peak_act = max(self._peak_act, self._saved_total)
-        except (RuntimeError, NotImplementedError):  # tensors without storage (DTensor wrappers, fakes)
+        except (
+            RuntimeError,
+            NotImplementedError,
+        ):  # tensors without storage (DTensor wrappers, fakes)
             pass
         return t
 
     def _new_micro_batch(self, bus, p):
-        self._saved, self._saved_total = {}, 0  # the previous micro-batch's activations were freed by its backward
+        self._saved, self._saved_total = (
+            {},
+            0,
+        )  # the previous micro-batch's activations were freed by its backward
 
     def _start(self, bus, p):
         self._saved, self._saved_total, self._peak_act = {}, 0, 0
@@ -247,24 +262,40 @@ class MemoryLedger:
             self._hooks.__exit__(None, None, None)
             self._hooks = None
         s = self.strategy
-        c = measure(s.plain, s.optimizer, self._engine.items(), fsdp2_engine_tensors(self._fsdp_groups()))
+        c = measure(
+            s.plain, s.optimizer, self._engine.items(), fsdp2_engine_tensors(self._fsdp_groups())
+        )
         b = c.bytes
         params, grads, optim = b["params"], b["grads"], b["optimizer"]
         model_state = params + grads + optim
         pred = self.predicted
         total = c.total()
         gaps = measured_gaps(self.layout, s, b, pred)
-        rec = {"step": bus.step, "rank": self.rank, "params": params, "grads": grads, "optimizer": optim,
-               "model_state": model_state, "buffers": b["buffers"], "unregistered": b["unregistered"],
-               "engine": b["engine"], "engine_peak": max(self._engine_peak, b["engine"]),
-               "measured_total": total, "storages": len(c.seen),
-               "activations_saved": self._peak_act, "peak_tracked": total + self._peak_act,
-               "resident": resident_bytes(),
-               "predicted": pred, "ratio_model_state": round(model_state / pred["total"], 4) if pred["total"] else None,
-               "ratio_total": round(total / pred["total"], 4) if pred["total"] else None,
-               "gap": [g["what"] + f": {g['bytes']:+d} B" + (f" ({g['why']})" if g.get("why") else "")
-                       for g in gaps],
-               "gap_bytes": gaps}
+        rec = {
+            "step": bus.step,
+            "rank": self.rank,
+            "params": params,
+            "grads": grads,
+            "optimizer": optim,
+            "model_state": model_state,
+            "buffers": b["buffers"],
+            "unregistered": b["unregistered"],
+            "engine": b["engine"],
+            "engine_peak": max(self._engine_peak, b["engine"]),
+            "measured_total": total,
+            "storages": len(c.seen),
+            "activations_saved": self._peak_act,
+            "peak_tracked": total + self._peak_act,
+            "resident": resident_bytes(),
+            "predicted": pred,
+            "ratio_model_state": round(model_state / pred["total"], 4) if pred["total"] else None,
+            "ratio_total": round(total / pred["total"], 4) if pred["total"] else None,
+            "gap": [
+                g["what"] + f": {g['bytes']:+d} B" + (f" ({g['why']})" if g.get("why") else "")
+                for g in gaps
+            ],
+            "gap_bytes": gaps,
+        }
         if torch.cuda.is_available():
             rec["allocated"] = int(torch.cuda.memory_allocated())
             rec["peak_allocator"] = int(torch.cuda.max_memory_allocated())
@@ -280,7 +311,9 @@ def predict_model_state(manifest: LedgerLayout, strategy) -> dict:
     from disttrace.plan.costs import model_state_bytes
 
     par, tr = manifest.parallelism, manifest.training
-    psi = sum(p.numel() for p in strategy.plain.parameters())  # a DTensor's numel is the logical one
+    psi = sum(
+        p.numel() for p in strategy.plain.parameters()
+    )  # a DTensor's numel is the logical one
     psi = -(-psi // par.tp)  # tensor parallel divides the model before ZeRO shards it
     precision = {"float32": "fp32", "float64": "fp64"}.get(tr.dtype, "mixed")
     optimizer = "adam" if tr.optimizer == "adamw" else tr.optimizer
@@ -293,38 +326,71 @@ def measured_gaps(manifest: LedgerLayout, strategy, b: dict, pred: dict) -> list
     par = manifest.parallelism
     out = []
     if b["engine"]:
-        what = ("DDP bucket copy of the gradients" if par.zero_stage < 2 and par.tp == 1 and par.pp == 1
-                and par.architecture != "parameter-server" else "engine buffers (FSDP2 unsharded parameters)")
+        what = (
+            "DDP bucket copy of the gradients"
+            if par.zero_stage < 2
+            and par.tp == 1
+            and par.pp == 1
+            and par.architecture != "parameter-server"
+            else "engine buffers (FSDP2 unsharded parameters)"
+        )
         out.append({"what": what, "bytes": b["engine"]})
     if b["buffers"]:
         out.append({"what": "model buffers (RoPE tables; not model state)", "bytes": b["buffers"]})
     if b["unregistered"]:
-        out.append({"what": "tensors kept as plain module attributes (neither parameter nor buffer)",
-                    "bytes": b["unregistered"]})
-    for key, what in (("params", "parameters"), ("grads", "gradients"), ("optimizer", "optimizer state")):
+        out.append(
+            {
+                "what": "tensors kept as plain module attributes (neither parameter nor buffer)",
+                "bytes": b["unregistered"],
+            }
+        )
+    for key, what in (
+        ("params", "parameters"),
+        ("grads", "gradients"),
+        ("optimizer", "optimizer state"),
+    ):
         d = b[key] - pred[key]
         if d:
-            out.append({"what": f"{what} vs the formula", "bytes": d,
-                        "why": "; ".join(explain_gap(manifest, b["params"], b["grads"], b["optimizer"], pred,
-                                                     only=key)) or None})
+            out.append(
+                {
+                    "what": f"{what} vs the formula",
+                    "bytes": d,
+                    "why": "; ".join(
+                        explain_gap(
+                            manifest, b["params"], b["grads"], b["optimizer"], pred, only=key
+                        )
+                    )
+                    or None,
+                }
+            )
     return out
 
 
-def explain_gap(manifest: LedgerLayout, params: int, grads: int, optim: int, pred: dict, only: str | None = None) -> list[str]:
+def explain_gap(
+    manifest: LedgerLayout, params: int, grads: int, optim: int, pred: dict, only: str | None = None
+) -> list[str]:
     """Name the differences between measured and predicted that we can explain."""
     if only is not None:
         keep = {"params": "params", "grads": "grads", "optimizer": "optimizer"}[only]
         return [n for n in explain_gap(manifest, params, grads, optim, pred) if n.startswith(keep)]
     notes = []
     if optim > pred["optimizer"]:
-        notes.append(f"optimizer +{optim - pred['optimizer']} B: Adam's per-parameter step counters (scalars) "
-                     "are not in the formula")
+        notes.append(
+            f"optimizer +{optim - pred['optimizer']} B: Adam's per-parameter step counters (scalars) "
+            "are not in the formula"
+        )
     if params < pred["params"] and manifest.parallelism.zero_stage == 2:
-        notes.append("params: FSDP2 frees the gathered parameters after backward; ZeRO-2's resident copy exists "
-                     "during forward+backward only, and this line is measured after the optimizer step")
+        notes.append(
+            "params: FSDP2 frees the gathered parameters after backward; ZeRO-2's resident copy exists "
+            "during forward+backward only, and this line is measured after the optimizer step"
+        )
     if manifest.parallelism.tp > 1 and params > pred["params"]:
-        notes.append(f"params +{params - pred['params']} B: tensor parallel keeps norm weights whole on every tp "
-                     "rank (replicated); the formula divides all of Psi by tp")
+        notes.append(
+            f"params +{params - pred['params']} B: tensor parallel keeps norm weights whole on every tp "
+            "rank (replicated); the formula divides all of Psi by tp"
+        )
     if grads < pred["grads"]:
-        notes.append(f"grads -{pred['grads'] - grads} B: gradients freed or not yet allocated when measured")
+        notes.append(
+            f"grads -{pred['grads'] - grads} B: gradients freed or not yet allocated when measured"
+        )
     return notes

@@ -93,7 +93,9 @@ class Recorder:
 
     def __init__(self, run_dir: Path, rank: int, every: int = 1, forward: bool = True):
         self.rank = rank
-        self.every = every  # record.every: digest steps every, 2*every, ... (diff compares those both hold)
+        self.every = (
+            every  # record.every: digest steps every, 2*every, ... (diff compares those both hold)
+        )
         self.forward = forward  # record.forward: each block's output
         self._on = True
         self.traj = TrajectoryWriter(Path(run_dir) / rank_file("trajectory", rank, SUFFIX))
@@ -105,10 +107,14 @@ class Recorder:
         self._device = devdigest.DeviceDigests()
         self._force_device = devdigest.forced()
         self._waiting: list[tuple[dict, int]] = []  # (record, row of this step's device digests)
-        self._pending: _Step | None = None  # the step whose device digests are on their way to the host
+        self._pending: _Step | None = (
+            None  # the step whose device digests are on their way to the host
+        )
 
-    def attach(self, bus: HookBus) -> "Recorder":
-        bus.on("step_start", self._write_arrived, 1)  # before any fault at step_start can end the process
+    def attach(self, bus: HookBus) -> Recorder:
+        bus.on(
+            "step_start", self._write_arrived, 1
+        )  # before any fault at step_start can end the process
         bus.on("step_start", self._step_start, self.ORDER)
         bus.on("data", self._data, self.ORDER)
         if self.forward:
@@ -125,7 +131,16 @@ class Recorder:
         return self
 
     # ---------------------------------------------------------- records
-    def add(self, bus: HookBus, phase: str, index: int, name: str, tensor, micro_batch: int | None = None, **extra):
+    def add(
+        self,
+        bus: HookBus,
+        phase: str,
+        index: int,
+        name: str,
+        tensor,
+        micro_batch: int | None = None,
+        **extra,
+    ):
         """One tensor's record (`add_all` for a hook's list)."""
         if not self._on:
             return
@@ -138,18 +153,36 @@ class Recorder:
             return
         self._records(bus, phase, list(refs), base=base)
 
-    def _records(self, bus, phase, refs, base: int = 0, micro_batch: int | None = None, extra=None) -> None:
+    def _records(
+        self, bus, phase, refs, base: int = 0, micro_batch: int | None = None, extra=None
+    ) -> None:
         # the digest's own tensor ops are not the job's: keep them out of the collective tracer's mode
         # (which otherwise sees, and costs, every one of them)
         with _no_dispatch_modes():
             shards = [shard_info(t) for _, _, t in refs]
-            places = [(t, (s.get("shard") or {}).get("offset"), (s.get("shard") or {}).get("logical_shape"))
-                      for (_, _, t), s in zip(refs, shards)]
+            places = [
+                (
+                    t,
+                    (s.get("shard") or {}).get("offset"),
+                    (s.get("shard") or {}).get("logical_shape"),
+                )
+                for (_, _, t), s in zip(refs, shards)
+            ]
             mb = bus.micro_batch if micro_batch is None else micro_batch
             for (index, name, _), d, s in zip(refs, self._digests(places), shards):
-                rec = {"step": bus.step, "micro_batch": mb, "phase": phase, "rank": self.rank,
-                       "index": base + index, "tensor": name, **s, **(extra or {})}
-                if isinstance(d, int):  # a row of this step's device digests, filled in when they arrive
+                rec = {
+                    "step": bus.step,
+                    "micro_batch": mb,
+                    "phase": phase,
+                    "rank": self.rank,
+                    "index": base + index,
+                    "tensor": name,
+                    **s,
+                    **(extra or {}),
+                }
+                if isinstance(
+                    d, int
+                ):  # a row of this step's device digests, filled in when they arrive
                     self._waiting.append((rec, d))
                 else:
                     rec.update(d)
@@ -180,9 +213,14 @@ class Recorder:
 
     def _grads(self, phase):
         def handler(bus, p):
-            if phase == "backward" and "collective_issue" not in self._t and p.get("before_collective"):
+            if (
+                phase == "backward"
+                and "collective_issue" not in self._t
+                and p.get("before_collective")
+            ):
                 self._t["collective_issue"] = time.time()
             self.add_all(bus, phase, p["grads"])
+
         return handler
 
     def _clip(self, bus, p):
@@ -214,10 +252,23 @@ class Recorder:
             return
         for i, f in enumerate(sorted(Path(p["path"]).glob(f"__{self.rank}_*.distcp"))):
             data = f.read_bytes()
-            self._buf.append({"step": bus.step, "micro_batch": bus.micro_batch, "phase": "checkpoint",
-                              "rank": self.rank, "index": FILE_INDEX + i, "tensor": f"file:{f.name}",
-                              "dtype": "bytes", "shape": [len(data)], "numel": len(data),
-                              "digest": xxhash.xxh3_128_hexdigest(data), "sum": None, "norm": None, "nonfinite": 0})
+            self._buf.append(
+                {
+                    "step": bus.step,
+                    "micro_batch": bus.micro_batch,
+                    "phase": "checkpoint",
+                    "rank": self.rank,
+                    "index": FILE_INDEX + i,
+                    "tensor": f"file:{f.name}",
+                    "dtype": "bytes",
+                    "shape": [len(data)],
+                    "numel": len(data),
+                    "digest": xxhash.xxh3_128_hexdigest(data),
+                    "sum": None,
+                    "norm": None,
+                    "nonfinite": 0,
+                }
+            )
 
     def step_records(self) -> list[dict]:
         """The current step's records with their digests (the live check reads them before the step is
@@ -233,7 +284,9 @@ class Recorder:
         t = {**self._t, "end": time.time()}
         if p.get("spans"):
             t["spans"] = p["spans"]
-        step = _Step(bus.step, self._buf, t, self._waiting, self._device.collect() if self._waiting else None)
+        step = _Step(
+            bus.step, self._buf, t, self._waiting, self._device.collect() if self._waiting else None
+        )
         self._buf, self._waiting = [], []
         self._write_pending()  # the step before this one first: its device digests arrived long ago
         if step.fetch is None:
@@ -264,8 +317,14 @@ class Recorder:
         offset = self.traj.offset
         data = self.traj.write_step(records)  # one Arrow record batch (store/trajectory.py)
         # the step's raw bytes hashed and chained to the previous step (disttrace.store.seal)
-        entry = StepIndexEntry(step=step, offset=offset, length=len(data), records=len(records),
-                               digest=digest_of_digests([r["digest"] for r in records]), time=t)
+        entry = StepIndexEntry(
+            step=step,
+            offset=offset,
+            length=len(data),
+            records=len(records),
+            digest=digest_of_digests([r["digest"] for r in records]),
+            time=t,
+        )
         self.index.write(self.chain.seal_entry(entry.line(), data))
         self.index.flush()
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from disttrace.store import checkpoints as checkpoint
-from disttrace.errors import BadInput
 from disttrace.config.manifest import Frozen
+from disttrace.errors import BadInput
+from disttrace.store import checkpoints as checkpoint
 from disttrace.store.paths import contained, inside
 from disttrace.store.rundir import Run
 
@@ -19,8 +19,11 @@ def choose_checkpoint(run_path: Path, from_step: int | None) -> tuple[Frozen, Pa
     ckpts = {int(p.name.split("-")[1]): contained(p, run.path, p) for p in run.checkpoint_dirs()}
     if from_step is not None:
         if from_step not in ckpts:
-            raise BadInput(run.path / "checkpoints", f"no checkpoint at step {from_step} "
-                           f"(have: {sorted(ckpts) or 'none'})", field="--from-step")
+            raise BadInput(
+                run.path / "checkpoints",
+                f"no checkpoint at step {from_step} (have: {sorted(ckpts) or 'none'})",
+                field="--from-step",
+            )
         checkpoint.verify(ckpts[from_step], run.manifest_id)  # raises naming the bad file
         return frozen, ckpts[from_step], f"--from-step {from_step}"
     if fault:
@@ -38,8 +41,11 @@ def choose_checkpoint(run_path: Path, from_step: int | None) -> tuple[Frozen, Pa
             note = f"; skipped: {'; '.join(rejected)}" if rejected else ""
             return frozen, ckpts[step], why + note
         rejected.append(reason)
-    raise BadInput(run.path / "checkpoints", f"no checkpoint at or before step {limit} verifies"
-                   + (f" ({'; '.join(rejected)})" if rejected else " (none written; set checkpoint.interval)"))
+    raise BadInput(
+        run.path / "checkpoints",
+        f"no checkpoint at or before step {limit} verifies"
+        + (f" ({'; '.join(rejected)})" if rejected else " (none written; set checkpoint.interval)"),
+    )
 
 
 def resume_spec(frozen: Frozen, root: Path, ckpt: Path, from_run: Path) -> dict:
@@ -48,7 +54,13 @@ def resume_spec(frozen: Frozen, root: Path, ckpt: Path, from_run: Path) -> dict:
 
     base = (Path(root) / frozen.manifest_id[:12]).resolve()
     if not inside(ckpt, root):  # the worker refuses a resume path outside its runs root: say so now
-        raise BadInput("--out", f"{ckpt} is outside the runs root {root}: a recovered run lives in the runs root "
-                       "of the run it resumes from")
-    return {"checkpoint": os.path.relpath(ckpt.resolve(), base), "step": int(ckpt.name.split("-")[1]),
-            "from_run": str(Path(from_run).resolve())}
+        raise BadInput(
+            "--out",
+            f"{ckpt} is outside the runs root {root}: a recovered run lives in the runs root "
+            "of the run it resumes from",
+        )
+    return {
+        "checkpoint": os.path.relpath(ckpt.resolve(), base),
+        "step": int(ckpt.name.split("-")[1]),
+        "from_run": str(Path(from_run).resolve()),
+    }

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint._traverse import set_element
 
 from disttrace.errors import BadInput
 from disttrace.store.pickles import METADATA_GLOBALS, bare_name
@@ -37,12 +37,17 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str):
         if (module, name) not in METADATA_GLOBALS:
-            raise BadInput(self.where, f"names the global {module}.{name}, which a DCP checkpoint's metadata "
-                           "never holds (refused before loading anything)")
+            raise BadInput(
+                self.where,
+                f"names the global {module}.{name}, which a DCP checkpoint's metadata "
+                "never holds (refused before loading anything)",
+            )
         return super().find_class(module, name)
 
     def persistent_load(self, pid):
-        raise BadInput(self.where, "uses a persistent id, which a DCP checkpoint's metadata never does")
+        raise BadInput(
+            self.where, "uses a persistent id, which a DCP checkpoint's metadata never does"
+        )
 
 
 def read_metadata_file(path: Path) -> Metadata:
@@ -61,8 +66,12 @@ def read_metadata_file(path: Path) -> Metadata:
     for index, info in meta.storage_data.items():
         rel = getattr(info, "relative_path", None)
         if not isinstance(rel, str) or not bare_name(rel):
-            raise BadInput(path, f"item {getattr(index, 'fqn', '?')} points at {rel!r}, outside the checkpoint "
-                           "directory", field="storage_data")
+            raise BadInput(
+                path,
+                f"item {getattr(index, 'fqn', '?')} points at {rel!r}, outside the checkpoint "
+                "directory",
+                field="storage_data",
+            )
     return meta
 
 
@@ -73,11 +82,15 @@ class SafeReader(FileSystemReader):
         super().__init__(str(path))
         self.ckpt = Path(path)
 
-    refused: BadInput | None = None  # set when the metadata was refused: DCP's fallbacks must not hide it
+    refused: BadInput | None = (
+        None  # set when the metadata was refused: DCP's fallbacks must not hide it
+    )
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         rank = kwargs.get("rank")
-        if self.refused is not None:  # DCP retries a rank-local file after any failure: keep the refusal
+        if (
+            self.refused is not None
+        ):  # DCP retries a rank-local file after any failure: keep the refusal
             raise self.refused
         name = ".metadata" if rank is None else f"__{rank}.metadata"
         try:
@@ -104,8 +117,13 @@ class SafePlanner(DefaultLoadPlanner):
             obj = torch.load(value, weights_only=True)
         except Exception as e:  # noqa: BLE001  the weights-only unpickler names the global it refused
             lines = str(e).strip().splitlines()
-            why = next((ln for ln in lines if "global" in ln.lower()), lines[0] if lines else type(e).__name__)
-            raise BadInput(self.ckpt, f"item {fqn} is not plain data ({why.strip()}); refused unread") from None
+            why = next(
+                (ln for ln in lines if "global" in ln.lower()),
+                lines[0] if lines else type(e).__name__,
+            )
+            raise BadInput(
+                self.ckpt, f"item {fqn} is not plain data ({why.strip()}); refused unread"
+            ) from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:

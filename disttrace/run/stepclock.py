@@ -25,18 +25,22 @@ class StepClock:
         self._start = 0.0
         self._t0 = 0.0
 
-    def attach(self, bus: HookBus) -> "StepClock":
+    def attach(self, bus: HookBus) -> StepClock:
         bus.on("step_start", self._step_start, self.FIRST)
         bus.on("step_end", self._step_end, self.LAST)
         return self
 
     def _step_start(self, bus, p):
         self._start = time.time()
-        self._t0 = time.perf_counter()  # the duration from a monotonic clock; start/end for timelines
+        self._t0 = (
+            time.perf_counter()
+        )  # the duration from a monotonic clock; start/end for timelines
 
     def _step_end(self, bus, p):
         seconds = time.perf_counter() - self._t0
-        self.out.write({"step": bus.step, "start": self._start, "end": time.time(), "seconds": seconds})
+        self.out.write(
+            {"step": bus.step, "start": self._start, "end": time.time(), "seconds": seconds}
+        )
         self.out.flush()
 
     def close(self):

@@ -11,7 +11,11 @@ import socket
 
 from disttrace.config.manifest import Manifest
 
-MESH_DIMS = ("pp", "dp", "tp")  # outermost first: tp innermost keeps its heavy traffic within a node
+MESH_DIMS = (
+    "pp",
+    "dp",
+    "tp",
+)  # outermost first: tp innermost keeps its heavy traffic within a node
 
 
 def mesh_shape(manifest: Manifest) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -34,7 +38,7 @@ def groups_of(manifest: Manifest) -> dict[str, list[list[int]]]:
     for s in shape:
         world *= s
     groups: dict[str, list[list[int]]] = {}
-    for i, d in enumerate(dims):
+    for _i, d in enumerate(dims):
         seen: dict[tuple, list[int]] = {}
         for r in range(world):
             c = coords_of(r, shape)
@@ -62,9 +66,15 @@ def merge(views: list[dict]) -> dict:
     """Check every rank's view agrees on the mesh and the groups; return the topology document.
     Raises RuntimeError naming the disagreeing ranks."""
     ref = views[0]
-    bad = [v["rank"] for v in views if v["groups"] != ref["groups"] or v["mesh_shape"] != ref["mesh_shape"]]
+    bad = [
+        v["rank"]
+        for v in views
+        if v["groups"] != ref["groups"] or v["mesh_shape"] != ref["mesh_shape"]
+    ]
     if bad:
-        raise RuntimeError(f"rank topology disagrees: ranks {bad} see a different mesh or groups than rank 0")
+        raise RuntimeError(
+            f"rank topology disagrees: ranks {bad} see a different mesh or groups than rank 0"
+        )
     for i, v in enumerate(views):
         if v["rank"] != i:
             raise RuntimeError(f"rank {v['rank']} answered in slot {i}")
@@ -73,5 +83,8 @@ def merge(views: list[dict]) -> dict:
         "mesh_dims": list(MESH_DIMS),
         "mesh_shape": ref["mesh_shape"],
         "groups": ref["groups"],
-        "ranks": [{k: v[k] for k in ("rank", "host", "node_rank", "local_rank", "pid", "coords")} for v in views],
+        "ranks": [
+            {k: v[k] for k in ("rank", "host", "node_rank", "local_rank", "pid", "coords")}
+            for v in views
+        ],
     }

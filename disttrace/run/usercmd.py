@@ -17,8 +17,8 @@ from pathlib import Path
 
 import orjson
 
-from disttrace.store.records import Event
 from disttrace.errors import BadInput, JobFailed
+from disttrace.store.records import Event
 from disttrace.store.rundir import COMPLETE, LOCK, new_run_dir, write_json_atomic
 
 RUN_DIR_ENV = "DISTTRACE_RUN_DIR"  # the same name disttrace.run.attach reads
@@ -33,8 +33,17 @@ def prepare(out: Path, command: list[str], path_kind: str, fault: dict | None = 
     if not command:
         raise BadInput("--", "no command after '--' (e.g. -- torchrun --nproc-per-node 2 train.py)")
     run_dir = new_run_dir(out, command_key(command), path_kind).resolve()
-    write_json_atomic(run_dir / "run.json", {"path": path_kind, "fault": fault, "resume": None, "created": time.time(),
-                                             "pid": os.getpid(), "command": command})
+    write_json_atomic(
+        run_dir / "run.json",
+        {
+            "path": path_kind,
+            "fault": fault,
+            "resume": None,
+            "created": time.time(),
+            "pid": os.getpid(),
+            "command": command,
+        },
+    )
     return run_dir
 
 
@@ -46,7 +55,14 @@ def fault_spec(name: str, step: int, rank: int, params: dict) -> dict:
     cls = faults.get(name)
     merged = cls.parameters(params)
     cls.coordinates(step, rank)
-    return {"name": cls.name, "step": step, "rank": rank, "params": merged, "point": cls.point, "expect": cls.expect}
+    return {
+        "name": cls.name,
+        "step": step,
+        "rank": rank,
+        "params": merged,
+        "point": cls.point,
+        "expect": cls.expect,
+    }
 
 
 def execute(run_dir: Path, command: list[str]) -> None:
@@ -54,22 +70,34 @@ def execute(run_dir: Path, command: list[str]) -> None:
     never attached, JobFailed (exit 3) when the command failed."""
     env = {**os.environ, RUN_DIR_ENV: str(run_dir)}
     try:
-        proc = subprocess.run(command, env=env, stdout=sys.stderr.fileno() if hasattr(sys.stderr, "fileno") else None)
+        proc = subprocess.run(
+            command, env=env, stdout=sys.stderr.fileno() if hasattr(sys.stderr, "fileno") else None
+        )
     except FileNotFoundError:
         raise BadInput("--", f"command not found: {command[0]}") from None
     events = _events(run_dir)
     refused = [e for e in events if e.get("event") == Event.FAULT_REFUSED]
     if refused:
         e = refused[0]
-        raise BadInput(e.get("where") or "--fault", e.get("reason", "refused by the script"), field=e.get("field"))
+        raise BadInput(
+            e.get("where") or "--fault",
+            e.get("reason", "refused by the script"),
+            field=e.get("field"),
+        )
     if not (run_dir / LOCK).exists():
         if proc.returncode != 0:
-            raise JobFailed(f"the command exited with {proc.returncode} before attaching", str(run_dir))
-        raise BadInput("--", f"the command never called disttrace.api.attach (no {LOCK} in {run_dir})")
+            raise JobFailed(
+                f"the command exited with {proc.returncode} before attaching", str(run_dir)
+            )
+        raise BadInput(
+            "--", f"the command never called disttrace.api.attach (no {LOCK} in {run_dir})"
+        )
     if proc.returncode != 0:
         raise JobFailed(f"the command exited with {proc.returncode}", str(run_dir))
     if not (run_dir / COMPLETE).exists():
-        raise JobFailed("the command exited 0 but never closed the attached run (run.close())", str(run_dir))
+        raise JobFailed(
+            "the command exited 0 but never closed the attached run (run.close())", str(run_dir)
+        )
 
 
 def _events(run_dir: Path) -> list[dict]:

@@ -17,11 +17,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from disttrace.config.manifest import Manifest, validate
-from disttrace.store.records import Event
 from disttrace.errors import BadInput, DisttraceError
 from disttrace.run.complete import seal_and_complete
 from disttrace.run.hooks import process_exit
 from disttrace.store.paths import resume_checkpoint
+from disttrace.store.records import Event
 from disttrace.store.rundir import COMPLETE, LOCK, event, rank_file, read_json, write_json_atomic
 
 
@@ -31,16 +31,31 @@ class Context(SimpleNamespace):
     def save_checkpoint(self, step: int) -> None:
         from disttrace.run import checkpoint
 
-        path = checkpoint.save(self.strategy, self.run_dir, step, self.manifest_id, self.world, self.rank,
-                               self.bus, extra={"data_position": step * self.data.global_batch})
+        path = checkpoint.save(
+            self.strategy,
+            self.run_dir,
+            step,
+            self.manifest_id,
+            self.world,
+            self.rank,
+            self.bus,
+            extra={"data_position": step * self.data.global_batch},
+        )
         if self.rank == 0:
-            event(self.run_dir, Event.CHECKPOINT_SAVED, step=step, path=str(path.relative_to(self.run_dir)))
+            event(
+                self.run_dir,
+                Event.CHECKPOINT_SAVED,
+                step=step,
+                path=str(path.relative_to(self.run_dir)),
+            )
 
 
 def setup_torch(manifest: Manifest):
     import torch
 
-    torch.set_num_threads(1)  # several ranks share the host's cores; more threads per rank is slower
+    torch.set_num_threads(
+        1
+    )  # several ranks share the host's cores; more threads per rank is slower
     if manifest.debug.deterministic:
         torch.use_deterministic_algorithms(True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -62,7 +77,9 @@ def pick_backend(manifest: Manifest, torch) -> tuple:
 def run(run_dir: Path) -> None:
     lock = read_json(run_dir / LOCK)
     info = read_json(run_dir / "run.json")
-    if info.get("resume"):  # refused before any process group exists (run.json may come from elsewhere)
+    if info.get(
+        "resume"
+    ):  # refused before any process group exists (run.json may come from elsewhere)
         resume_checkpoint(run_dir, info["resume"])
     # validated once, here: the job reads the typed model (a misspelt field is an AttributeError, not a
     # silent default); a lock edited into a shape the model refuses is bad input naming file and field
@@ -71,25 +88,28 @@ def run(run_dir: Path) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from disttrace.run import faults, topology
-    from disttrace.run import flightrec
-    from disttrace.run.stepclock import StepClock
     from disttrace.data.windows import TokenData
-    from disttrace.run.hooks import HookBus
     from disttrace.model.llama import build_model
+    from disttrace.run import faults, flightrec, topology
+    from disttrace.run.hooks import HookBus
+    from disttrace.run.loop import emit_module_outputs, train
     from disttrace.run.parallel import build_strategy
     from disttrace.run.recorder import Recorder
-    from disttrace.run.loop import emit_module_outputs, train
+    from disttrace.run.stepclock import StepClock
 
     backend, device = pick_backend(manifest, torch)
     record = manifest.record
     trace_kind = flightrec.trace_mode(manifest, backend)
-    flightrec.prepare_env(trace_kind)  # the Flight Recorder's ring size is read when the first group is made
+    flightrec.prepare_env(
+        trace_kind
+    )  # the Flight Recorder's ring size is read when the first group is made
     timeout = timedelta(seconds=manifest.debug.collective_timeout_s)
     dist.init_process_group(backend, timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != manifest.world_size:
-        raise RuntimeError(f"the job has {world} ranks but the manifest's dp*tp*pp is {manifest.world_size}")
+        raise RuntimeError(
+            f"the job has {world} ranks but the manifest's dp*tp*pp is {manifest.world_size}"
+        )
     refuse_a_second_attempt(run_dir, rank)
     tracer = flightrec.build_trace(trace_kind, run_dir, rank)
     bus = None
@@ -108,20 +128,38 @@ def run(run_dir: Path) -> None:
             bus = HookBus(rank)
             tracer.attach(bus)
             clock = StepClock(run_dir, rank).attach(bus)  # step wall times, recorded or not
-            recorder = (Recorder(run_dir, rank, every=record.every, forward=record.forward).attach(bus)
-                        if record.enabled else None)
+            recorder = (
+                Recorder(run_dir, rank, every=record.every, forward=record.forward).attach(bus)
+                if record.enabled
+                else None
+            )
             # the token windows are shared with the gate's evaluation, which reads the stored JSON: the dict
-            data = TokenData(lock["manifest"], lock["resolved"]["data_path"], lock["resolved"]["tokenizer_path"])
+            data = TokenData(
+                lock["manifest"], lock["resolved"]["data_path"], lock["resolved"]["tokenizer_path"]
+            )
             dtype = getattr(torch, manifest.training.dtype)
             model = build_model(manifest.model, dtype, manifest.experiment.seed)
             model.to(device)
             emit_module_outputs(model, bus)
             strategy = build_strategy(manifest, model, mesh, bus)
             groups = {**topo["groups"], "world": [list(range(world))]}
-            ledger = attach_observers(run_dir, rank, manifest, strategy, recorder, bus, groups, device)
-            ctx = Context(run_dir=run_dir, manifest=manifest, manifest_id=lock["manifest_id"], rank=rank,
-                          world=world, dp_rank=coords["dp"], device=device, strategy=strategy, data=data, bus=bus,
-                          start_step=0, tracer=tracer)
+            ledger = attach_observers(
+                run_dir, rank, manifest, strategy, recorder, bus, groups, device
+            )
+            ctx = Context(
+                run_dir=run_dir,
+                manifest=manifest,
+                manifest_id=lock["manifest_id"],
+                rank=rank,
+                world=world,
+                dp_rank=coords["dp"],
+                device=device,
+                strategy=strategy,
+                data=data,
+                bus=bus,
+                start_step=0,
+                tracer=tracer,
+            )
             fault = faults.build(info.get("fault"))
             if fault is not None:
                 fault.attach(bus, ctx)
@@ -141,7 +179,9 @@ def run(run_dir: Path) -> None:
                     observer.close()
         tracer.close()
         dist.barrier()
-        seal_and_complete(run_dir, rank, recorder, dist, {"steps": manifest.training.steps, "world_size": world})
+        seal_and_complete(
+            run_dir, rank, recorder, dist, {"steps": manifest.training.steps, "world_size": world}
+        )
     except BaseException as e:
         if bus is not None:
             process_exit(bus, e)
@@ -158,9 +198,12 @@ def refuse_a_second_attempt(run_dir: Path, rank: int) -> None:
     edited. Recovery is a new run from a checkpoint (`disttrace recover`)."""
     index = run_dir / rank_file("trajectory", rank, ".steps.jsonl")
     if index.exists() and index.stat().st_size:
-        raise BadInput(index, "this run directory already holds an attempt's steps (a job restarted into it?): "
-                       "a run directory records one attempt; resume from a checkpoint into a new run with "
-                       "`disttrace recover`")
+        raise BadInput(
+            index,
+            "this run directory already holds an attempt's steps (a job restarted into it?): "
+            "a run directory records one attempt; resume from a checkpoint into a new run with "
+            "`disttrace recover`",
+        )
 
 
 def attach_observers(run_dir, rank, manifest: Manifest, strategy, recorder, bus, groups, device):
@@ -169,8 +212,15 @@ def attach_observers(run_dir, rank, manifest: Manifest, strategy, recorder, bus,
     from disttrace.run.memory import MemoryLedger
 
     if rank == 0:
-        write_json_atomic(run_dir / "replicas.json", {"groups": groups, "rules": strategy.replicas(),
-                                                      "strategy": strategy.name, "engine": strategy.engine})
+        write_json_atomic(
+            run_dir / "replicas.json",
+            {
+                "groups": groups,
+                "rules": strategy.replicas(),
+                "strategy": strategy.name,
+                "engine": strategy.engine,
+            },
+        )
     if manifest.debug.live_check:
         from disttrace.run.livecheck import LiveCheck
 
@@ -178,7 +228,9 @@ def attach_observers(run_dir, rank, manifest: Manifest, strategy, recorder, bus,
     if rank == 0:
         seen: dict = {}
 
-        def log_engine_facts(b, p):  # logged when it changes (DDP rebuilds its buckets after step 1)
+        def log_engine_facts(
+            b, p
+        ):  # logged when it changes (DDP rebuilds its buckets after step 1)
             facts = strategy.engine_facts()
             if facts != seen:
                 seen.clear()
@@ -186,7 +238,9 @@ def attach_observers(run_dir, rank, manifest: Manifest, strategy, recorder, bus,
                 event(run_dir, Event.ENGINE_FACTS, step=b.step, **facts)
 
         bus.on("step_end", log_engine_facts, order=95)
-    if recorder is None:  # record.enabled = false: the unrecorded baseline has no ledger (its saved-tensor hooks cost)
+    if (
+        recorder is None
+    ):  # record.enabled = false: the unrecorded baseline has no ledger (its saved-tensor hooks cost)
         return None
     return MemoryLedger(run_dir, rank, manifest, strategy).attach(bus)
 
@@ -198,8 +252,13 @@ def resume(ctx, spec: dict) -> int:
     path = resume_checkpoint(ctx.run_dir, spec)  # inside the runs root, or BadInput
     progress = checkpoint.load(ctx.strategy, path, ctx.rank, ctx.manifest_id)
     if ctx.rank == 0:
-        event(ctx.run_dir, Event.RESUMED, step=int(progress["step"]), checkpoint=spec["checkpoint"],
-              with_optimizer=progress["with_optimizer"])
+        event(
+            ctx.run_dir,
+            Event.RESUMED,
+            step=int(progress["step"]),
+            checkpoint=spec["checkpoint"],
+            with_optimizer=progress["with_optimizer"],
+        )
     return int(progress["step"])
 
 
@@ -215,8 +274,16 @@ def environment(torch, backend: str, views: list) -> dict:
             return None
 
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                                cwd=Path(__file__).parent).stdout.strip() or None
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+                cwd=Path(__file__).parent,
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         commit = None
     return {
@@ -226,11 +293,17 @@ def environment(torch, backend: str, views: list) -> dict:
         "backend": backend,
         "cuda": torch.version.cuda if torch.cuda.is_available() else None,
         "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        if torch.cuda.is_available() else ["cpu"],
+        if torch.cuda.is_available()
+        else ["cpu"],
         "hosts": sorted({v["host"] for v in views}),
         "git_commit": commit,
-        "packages": {p: ver(p) for p in ("disttrace", "torch", "numpy", "tokenizers", "xxhash", "orjson")},
-        "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "TORCH_DISTRIBUTED_DEBUG", "GLOO_SOCKET_IFNAME")},
+        "packages": {
+            p: ver(p) for p in ("disttrace", "torch", "numpy", "tokenizers", "xxhash", "orjson")
+        },
+        "env": {
+            k: os.environ.get(k)
+            for k in ("OMP_NUM_THREADS", "TORCH_DISTRIBUTED_DEBUG", "GLOO_SOCKET_IFNAME")
+        },
     }
 
 
@@ -248,20 +321,37 @@ def die_with_parent() -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m disttrace.worker", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--run-dir", required=True, type=Path, help="a run directory prepared by `disttrace run --prepare-only`")
+    ap = argparse.ArgumentParser(
+        prog="python -m disttrace.worker",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--run-dir",
+        required=True,
+        type=Path,
+        help="a run directory prepared by `disttrace run --prepare-only`",
+    )
     args = ap.parse_args(argv)
     run_dir = args.run_dir.resolve()
     die_with_parent()
     try:
         run(run_dir)
-    except BaseException as e:  # record why this rank stopped, then let the launcher see the failure
+    except (
+        BaseException
+    ) as e:  # record why this rank stopped, then let the launcher see the failure
         if not isinstance(e, SystemExit) and not (run_dir / COMPLETE).exists():
             rank = int(os.environ.get("RANK", -1))
-            event(run_dir, Event.RANK_FAILED, rank=rank, error=f"{type(e).__name__}: {e}"[:2000],
-                  where=traceback.format_exc(limit=3)[-1500:])
-        if isinstance(e, DisttraceError):  # bad input (e.g. a crafted run.json): one line, its exit code
+            event(
+                run_dir,
+                Event.RANK_FAILED,
+                rank=rank,
+                error=f"{type(e).__name__}: {e}"[:2000],
+                where=traceback.format_exc(limit=3)[-1500:],
+            )
+        if isinstance(
+            e, DisttraceError
+        ):  # bad input (e.g. a crafted run.json): one line, its exit code
             print(f"error: {e}", file=sys.stderr)
             return e.exit_code
         raise

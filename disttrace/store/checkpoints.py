@@ -29,13 +29,21 @@ def sha256_of(path: Path) -> str:
     return file_hash(path)["sha256"]
 
 
-def write_index(ckpt: Path, step: int, manifest_id: str, world_size: int, contents: list[str]) -> dict:
+def write_index(
+    ckpt: Path, step: int, manifest_id: str, world_size: int, contents: list[str]
+) -> dict:
     files = {}
     for p in sorted(ckpt.iterdir()):
         if p.is_file() and p.name != INDEX:
             files[p.name] = {"sha256": sha256_of(p), "bytes": p.stat().st_size}
-    index = {"format": "dcp", "step": step, "manifest_id": manifest_id, "world_size": world_size,
-             "contents": contents, "files": files}
+    index = {
+        "format": "dcp",
+        "step": step,
+        "manifest_id": manifest_id,
+        "world_size": world_size,
+        "contents": contents,
+        "files": files,
+    }
     write_json_atomic(ckpt / INDEX, index)
     return index
 
@@ -50,13 +58,20 @@ def verify(ckpt: Path | str, manifest_id: str | None = None) -> dict:
     if not isinstance(index, dict) or not isinstance(index.get("files"), dict):
         raise BadInput(ckpt / INDEX, "not a checkpoint index", field="files")
     if manifest_id is not None and index.get("manifest_id") != manifest_id:
-        raise BadInput(ckpt / INDEX, f"written for manifest {str(index.get('manifest_id'))[:12]}, "
-                       f"not {manifest_id[:12]}", field="manifest_id")
+        raise BadInput(
+            ckpt / INDEX,
+            f"written for manifest {str(index.get('manifest_id'))[:12]}, not {manifest_id[:12]}",
+            field="manifest_id",
+        )
     if ".metadata" not in index["files"]:
         raise BadInput(ckpt / INDEX, "lists no DCP .metadata file", field="files")
     for name, meta in sorted(index["files"].items()):
-        if not bare_name(name):  # the INDEX comes from the run store: its names must stay in this directory
-            raise BadInput(ckpt / INDEX, f"names '{name}', outside the checkpoint directory", field="files")
+        if not bare_name(
+            name
+        ):  # the INDEX comes from the run store: its names must stay in this directory
+            raise BadInput(
+                ckpt / INDEX, f"names '{name}', outside the checkpoint directory", field="files"
+            )
         p = ckpt / name
         if p.is_symlink():
             raise BadInput(p, "is a symbolic link (a checkpoint holds plain files only)")
@@ -64,16 +79,25 @@ def verify(ckpt: Path | str, manifest_id: str | None = None) -> dict:
             raise BadInput(p, "checkpoint file is missing")
         size = p.stat().st_size
         if size != meta.get("bytes"):
-            raise BadInput(p, f"size {size} differs from the index's {meta.get('bytes')} (truncated or altered)")
+            raise BadInput(
+                p,
+                f"size {size} differs from the index's {meta.get('bytes')} (truncated or altered)",
+            )
         if sha256_of(p) != meta.get("sha256"):
             raise BadInput(p, "sha256 differs from the index (corrupted)")
-    extra = sorted(p.name for p in ckpt.iterdir() if p.is_file() and p.name != INDEX and p.name not in index["files"])
+    extra = sorted(
+        p.name
+        for p in ckpt.iterdir()
+        if p.is_file() and p.name != INDEX and p.name not in index["files"]
+    )
     if extra:
         raise BadInput(ckpt / extra[0], "file not listed in the index")
     # the INDEX guards against accidents, not against its writer: also look at every pickle, unrun
     finding = scan_checkpoint(ckpt)
     if finding is not None:
-        raise BadInput(finding.file, (f"item {finding.item}: " if finding.item else "") + finding.reason)
+        raise BadInput(
+            finding.file, (f"item {finding.item}: " if finding.item else "") + finding.reason
+        )
     return index
 
 
@@ -82,7 +106,10 @@ def status(ckpt: Path, manifest_id: str | None = None) -> tuple[bool, str]:
         index = verify(ckpt, manifest_id)
         n = len(index["files"])
         size = sum(f["bytes"] for f in index["files"].values())
-        return True, f"ok ({n} files, {size} bytes, contents: {', '.join(index.get('contents', []))})"
+        return (
+            True,
+            f"ok ({n} files, {size} bytes, contents: {', '.join(index.get('contents', []))})",
+        )
     except BadInput as e:
         return False, str(e)
 

@@ -56,14 +56,18 @@ class RankState:
         if self.op is None:
             return text + ", no collective in its trace)"
         ago = f", {self.issued_ago_s:.1f} s ago" if self.issued_ago_s is not None else ""
-        return text + f"; last collective issued: {self.op} #{self.seq} on group [{self.group}]{ago})"
+        return (
+            text + f"; last collective issued: {self.op} #{self.seq} on group [{self.group}]{ago})"
+        )
 
 
 @dataclass
 class Stall:
     idle_s: float  # since a rank last finished a step
     threshold_s: float
-    behind: list[RankState]  # the ranks the others wait for (empty: the trace does not tell them apart)
+    behind: list[
+        RankState
+    ]  # the ranks the others wait for (empty: the trace does not tell them apart)
     others: list[RankState]
 
     def describe(self) -> str:
@@ -73,7 +77,9 @@ class Stall:
             if self.others:
                 text += "; waiting: " + ", ".join(r.describe() for r in self.others)
             return text
-        return head + "; no rank is behind the others: " + ", ".join(r.describe() for r in self.others)
+        return (
+            head + "; no rank is behind the others: " + ", ".join(r.describe() for r in self.others)
+        )
 
 
 @dataclass
@@ -139,18 +145,30 @@ def _first_line(text) -> str:
 def _notice(e: dict) -> Notice | None:
     kind, step, rank = e.get("event"), _int(e.get("step")), _int(e.get("rank"))
     if kind == Event.CHECKPOINT_SAVED:
-        return Notice("checkpoint", f"checkpoint of step {step} published: {e.get('path')}", step=step)
+        return Notice(
+            "checkpoint", f"checkpoint of step {step} published: {e.get('path')}", step=step
+        )
     if kind == Event.FAULT_FIRED:
-        return Notice("fault", f"fault {e.get('fault')} fired at step {step} rank {rank} "
-                               f"(micro-batch {e.get('micro_batch')}, {e.get('phase') or e.get('point')})",
-                      step=step, rank=rank)
+        return Notice(
+            "fault",
+            f"fault {e.get('fault')} fired at step {step} rank {rank} "
+            f"(micro-batch {e.get('micro_batch')}, {e.get('phase') or e.get('point')})",
+            step=step,
+            rank=rank,
+        )
     if kind == Event.RESUMED:
         return Notice(Event.RESUMED, f"resumed from the checkpoint of step {step}", step=step)
     if kind == Event.RANK_FAILED:
-        return Notice(Event.RANK_FAILED, f"rank {rank} failed: {_first_line(e.get('error'))}", rank=rank)
+        return Notice(
+            Event.RANK_FAILED, f"rank {rank} failed: {_first_line(e.get('error'))}", rank=rank
+        )
     if kind == Event.LIVE_CHECK_FAILED:
-        return Notice(Event.LIVE_CHECK_FAILED, f"live check failed at step {step}: {e.get('phase')} copies over "
-                                           f"group {e.get('group')} differ", step=step)
+        return Notice(
+            Event.LIVE_CHECK_FAILED,
+            f"live check failed at step {step}: {e.get('phase')} copies over "
+            f"group {e.get('group')} differ",
+            step=step,
+        )
     if kind == Event.JOB_FAILED:
         return Notice(Event.JOB_FAILED, f"job failed: {_first_line(e.get('reason'))}")
     return None
@@ -178,7 +196,12 @@ def collective_tail(path: Path, now: float | None = None) -> dict:
             continue
         if not isinstance(rec, dict) or _int(rec.get("seq")) is None or "op" not in rec:
             continue  # an end line
-        last = {"group": str(rec.get("group")), "seq": rec["seq"], "op": rec["op"], "start": rec.get("start")}
+        last = {
+            "group": str(rec.get("group")),
+            "seq": rec["seq"],
+            "op": rec["op"],
+            "start": rec.get("start"),
+        }
         groups[last["group"]] = last
     return {"groups": groups, "last": last}
 
@@ -256,9 +279,13 @@ class Follower:
         self._index: dict[int, _Tail] = {}
         self._events = _Tail(self.path / "events.jsonl")
         self.last: dict[int, int] = {}  # rank -> last finished step
-        self._ranges: dict[int, dict[int, tuple[int, int]]] = {}  # rank -> step -> (offset, length), not yet done
+        self._ranges: dict[
+            int, dict[int, tuple[int, int]]
+        ] = {}  # rank -> step -> (offset, length), not yet done
         self._step_s: dict[int, float] = {}  # step -> the slowest rank's seconds for it
-        self._loss_ranks: set[int] | None = None  # ranks whose steps hold a loss record (pp: the last stage)
+        self._loss_ranks: set[int] | None = (
+            None  # ranks whose steps hold a loss record (pp: the last stage)
+        )
         self.done = self.start_step
         self.loss: float | None = None
         self.failed = False
@@ -294,10 +321,25 @@ class Follower:
                 for s in [s for s in ranges if s <= done]:
                     del ranges[s]
         times = list(self._step_s.values())
-        progress = Progress(self.total, self.start_step, self.done, dict(self.last), self.loss,
-                            statistics.median(times) if times else None, complete, self.failed, notices)
-        if (not complete and not self.failed and times and not self._stall_reported and self.done < self.total
-                and now - self.last_growth > stall_threshold(times, self.timeout_s)):
+        progress = Progress(
+            self.total,
+            self.start_step,
+            self.done,
+            dict(self.last),
+            self.loss,
+            statistics.median(times) if times else None,
+            complete,
+            self.failed,
+            notices,
+        )
+        if (
+            not complete
+            and not self.failed
+            and times
+            and not self._stall_reported
+            and self.done < self.total
+            and now - self.last_growth > stall_threshold(times, self.timeout_s)
+        ):
             self._stall_reported = True
             progress.stall = self._stall(now, stall_threshold(times, self.timeout_s))
         return progress
@@ -327,24 +369,37 @@ class Follower:
                 if off is not None and length is not None and step > self.done:
                     self._ranges.setdefault(rank, {})[step] = (off, length)
                 t = e.get("time")
-                if isinstance(t, dict) and isinstance(t.get("start"), (int, float)) \
-                        and isinstance(t.get("end"), (int, float)):
-                    self._step_s[step] = max(self._step_s.get(step, 0.0), float(t["end"]) - float(t["start"]))
+                if (
+                    isinstance(t, dict)
+                    and isinstance(t.get("start"), (int, float))
+                    and isinstance(t.get("end"), (int, float))
+                ):
+                    self._step_s[step] = max(
+                        self._step_s.get(step, 0.0), float(t["end"]) - float(t["start"])
+                    )
         return grew
 
     def _loss(self, step: int) -> float | None:
         """The loss of one step, from that step's byte range only (the step index says where it is)."""
         values, have = [], set()
         for rank, ranges in self._ranges.items():
-            if step not in ranges or (self._loss_ranks is not None and rank not in self._loss_ranks):
+            if step not in ranges or (
+                self._loss_ranks is not None and rank not in self._loss_ranks
+            ):
                 continue
             off, length = ranges[step]
             try:  # the step's bytes only, through the one reader of the trajectory format (Run.records_of_step)
-                recs = self.run.records_of_step(rank, {"step": step, "offset": off, "length": length})
+                recs = self.run.records_of_step(
+                    rank, {"step": step, "offset": off, "length": length}
+                )
             except (OSError, BadInput):
                 continue
             for rec in recs:
-                if rec.get("phase") == "loss" and rec.get("tensor") == "loss" and isinstance(rec.get("sum"), (int, float)):
+                if (
+                    rec.get("phase") == "loss"
+                    and rec.get("tensor") == "loss"
+                    and isinstance(rec.get("sum"), (int, float))
+                ):
                     values.append(float(rec["sum"]))
                     have.add(rank)
         if self._loss_ranks is None and values:
@@ -362,10 +417,22 @@ class Follower:
                 states.append(RankState(r, self.last[r]))
                 continue
             start = last.get("start")
-            states.append(RankState(r, self.last[r], last["op"], last["seq"], last["group"],
-                                    wall - start if isinstance(start, (int, float)) else None))
-        return Stall(now - self.last_growth, threshold, [s for s in states if s.rank in behind],
-                     [s for s in states if s.rank not in behind])
+            states.append(
+                RankState(
+                    r,
+                    self.last[r],
+                    last["op"],
+                    last["seq"],
+                    last["group"],
+                    wall - start if isinstance(start, (int, float)) else None,
+                )
+            )
+        return Stall(
+            now - self.last_growth,
+            threshold,
+            [s for s in states if s.rank in behind],
+            [s for s in states if s.rank not in behind],
+        )
 
     def idle_s(self) -> float:
         """Seconds since anything the job writes last grew (step index, events, collective traces)."""

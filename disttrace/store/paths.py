@@ -23,11 +23,16 @@ def inside(path: Path | str, root: Path | str) -> bool:
         return False
 
 
-def contained(path: Path | str, root: Path | str, where: Path | str, field: str | None = None) -> Path:
+def contained(
+    path: Path | str, root: Path | str, where: Path | str, field: str | None = None
+) -> Path:
     """`path` resolved, if it lies inside `root`; else BadInput naming `where` (the file that named it)."""
     if not inside(path, root):
-        raise BadInput(where, f"'{path}' resolves outside {Path(root)} (a run store's paths stay inside it)",
-                       field=field)
+        raise BadInput(
+            where,
+            f"'{path}' resolves outside {Path(root)} (a run store's paths stay inside it)",
+            field=field,
+        )
     return Path(path).resolve()
 
 
@@ -43,12 +48,26 @@ def resume_checkpoint(run_dir: Path | str, spec: dict) -> Path:
     where = run_dir / "run.json"
     raw = spec.get("checkpoint") if isinstance(spec, dict) else None
     if not isinstance(raw, str) or not raw or "\0" in raw:
-        raise BadInput(where, "must be a path relative to the runs/<id12>/ directory", field="resume.checkpoint")
+        raise BadInput(
+            where,
+            "must be a path relative to the runs/<id12>/ directory",
+            field="resume.checkpoint",
+        )
     path = Path(raw)
     if path.is_absolute():
-        raise BadInput(where, f"'{raw}' is absolute; a resume checkpoint is relative to the runs/<id12>/ "
-                       "directory, inside the runs root", field="resume.checkpoint")
-    resolved = contained(run_dir.parent / path, runs_root(run_dir), where, field="resume.checkpoint")
+        raise BadInput(
+            where,
+            f"'{raw}' is absolute; a resume checkpoint is relative to the runs/<id12>/ "
+            "directory, inside the runs root",
+            field="resume.checkpoint",
+        )
+    resolved = contained(
+        run_dir.parent / path, runs_root(run_dir), where, field="resume.checkpoint"
+    )
     if not CHECKPOINT_NAME.fullmatch(resolved.name) or resolved.parent.name != "checkpoints":
-        raise BadInput(where, f"'{raw}' is not a run's checkpoints/step-NNNNNN directory", field="resume.checkpoint")
+        raise BadInput(
+            where,
+            f"'{raw}' is not a run's checkpoints/step-NNNNNN directory",
+            field="resume.checkpoint",
+        )
     return resolved

@@ -24,55 +24,94 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # torch dtypes pickle as the global torch.<name>
-TORCH_DTYPES = frozenset({
-    "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
-    "complex64", "complex128", "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64",
-})
+TORCH_DTYPES = frozenset(
+    {
+        "float64",
+        "float32",
+        "float16",
+        "bfloat16",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint8",
+        "bool",
+        "complex64",
+        "complex128",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "uint16",
+        "uint32",
+        "uint64",
+    }
+)
 _DCP = "torch.distributed.checkpoint"
 
 # everything DCP's Metadata is made of, as pickle.dump writes it (found by scanning; see the module doc)
-METADATA_GLOBALS = frozenset({
-    (f"{_DCP}.metadata", "Metadata"),
-    (f"{_DCP}.metadata", "TensorStorageMetadata"),
-    (f"{_DCP}.metadata", "BytesStorageMetadata"),
-    (f"{_DCP}.metadata", "ChunkStorageMetadata"),
-    (f"{_DCP}.metadata", "TensorProperties"),
-    (f"{_DCP}.metadata", "MetadataIndex"),
-    (f"{_DCP}.metadata", "StorageMeta"),
-    (f"{_DCP}.metadata", "_MEM_FORMAT_ENCODING"),  # an Enum: called with its value
-    (f"{_DCP}.filesystem", "_StorageInfo"),
-    ("torch.serialization", "_get_layout"),  # a dict lookup of torch's own layouts by name
-    ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id
-    ("torch", "Size"),
-    *(("torch", d) for d in TORCH_DTYPES),
-})
+METADATA_GLOBALS = frozenset(
+    {
+        (f"{_DCP}.metadata", "Metadata"),
+        (f"{_DCP}.metadata", "TensorStorageMetadata"),
+        (f"{_DCP}.metadata", "BytesStorageMetadata"),
+        (f"{_DCP}.metadata", "ChunkStorageMetadata"),
+        (f"{_DCP}.metadata", "TensorProperties"),
+        (f"{_DCP}.metadata", "MetadataIndex"),
+        (f"{_DCP}.metadata", "StorageMeta"),
+        (f"{_DCP}.metadata", "_MEM_FORMAT_ENCODING"),  # an Enum: called with its value
+        (f"{_DCP}.filesystem", "_StorageInfo"),
+        ("torch.serialization", "_get_layout"),  # a dict lookup of torch's own layouts by name
+        ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id
+        ("torch", "Size"),
+        *(("torch", d) for d in TORCH_DTYPES),
+    }
+)
 
 # what a torch.save of a tensor or a plain value names (torch.load(weights_only=True) reads it)
-_STORAGES = ("Float", "Double", "Half", "BFloat16", "Long", "Int", "Short", "Char", "Byte", "Bool",
-             "ComplexFloat", "ComplexDouble")
-TENSOR_GLOBALS = frozenset({
-    ("torch._utils", "_rebuild_tensor_v2"),
-    ("torch._utils", "_rebuild_parameter"),
-    ("torch.storage", "UntypedStorage"),
-    ("collections", "OrderedDict"),
-    ("torch", "Size"),
-    ("_codecs", "encode"),  # protocol 2 pickles bytes as _codecs.encode(str, "latin1") (an optimizer blob)
-    ("torch", "device"),
-    ("torch.serialization", "_get_layout"),
-    # a DTensor in an optimizer blob (pipeline stages sharded by FSDP2 over dp): torch's own weights-only list
-    ("torch._tensor", "_rebuild_from_type_v2"),
-    ("torch._utils", "_rebuild_wrapper_subclass"),
-    ("torch.distributed.tensor", "DTensor"),
-    ("torch.distributed.device_mesh", "DeviceMesh"),
-    ("torch.distributed._mesh_layout", "_FlatLayout"),
-    ("torch.distributed._mesh_layout", "_MeshLayout"),
-    ("torch.distributed.tensor._dtensor_spec", "DTensorSpec"),
-    ("torch.distributed.tensor._dtensor_spec", "ShardOrderEntry"),
-    ("torch.distributed.tensor._dtensor_spec", "TensorMeta"),
-    *(("torch.distributed.tensor.placement_types", n) for n in ("Shard", "Replicate", "Partial", "_StridedShard")),
-    *(("torch", f"{s}Storage") for s in _STORAGES),
-    *(("torch", d) for d in TORCH_DTYPES),
-})
+_STORAGES = (
+    "Float",
+    "Double",
+    "Half",
+    "BFloat16",
+    "Long",
+    "Int",
+    "Short",
+    "Char",
+    "Byte",
+    "Bool",
+    "ComplexFloat",
+    "ComplexDouble",
+)
+TENSOR_GLOBALS = frozenset(
+    {
+        ("torch._utils", "_rebuild_tensor_v2"),
+        ("torch._utils", "_rebuild_parameter"),
+        ("torch.storage", "UntypedStorage"),
+        ("collections", "OrderedDict"),
+        ("torch", "Size"),
+        (
+            "_codecs",
+            "encode",
+        ),  # protocol 2 pickles bytes as _codecs.encode(str, "latin1") (an optimizer blob)
+        ("torch", "device"),
+        ("torch.serialization", "_get_layout"),
+        # a DTensor in an optimizer blob (pipeline stages sharded by FSDP2 over dp): torch's own weights-only list
+        ("torch._tensor", "_rebuild_from_type_v2"),
+        ("torch._utils", "_rebuild_wrapper_subclass"),
+        ("torch.distributed.tensor", "DTensor"),
+        ("torch.distributed.device_mesh", "DeviceMesh"),
+        ("torch.distributed._mesh_layout", "_FlatLayout"),
+        ("torch.distributed._mesh_layout", "_MeshLayout"),
+        ("torch.distributed.tensor._dtensor_spec", "DTensorSpec"),
+        ("torch.distributed.tensor._dtensor_spec", "ShardOrderEntry"),
+        ("torch.distributed.tensor._dtensor_spec", "TensorMeta"),
+        *(
+            ("torch.distributed.tensor.placement_types", n)
+            for n in ("Shard", "Replicate", "Partial", "_StridedShard")
+        ),
+        *(("torch", f"{s}Storage") for s in _STORAGES),
+        *(("torch", d) for d in TORCH_DTYPES),
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -92,7 +131,15 @@ class _Mark:
 
 
 _MARK = _Mark()
-_STRINGS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "SHORT_BINSTRING", "BINSTRING", "STRING"}
+_STRINGS = {
+    "SHORT_BINUNICODE",
+    "BINUNICODE",
+    "BINUNICODE8",
+    "UNICODE",
+    "SHORT_BINSTRING",
+    "BINSTRING",
+    "STRING",
+}
 _GETS = {"GET", "BINGET", "LONG_BINGET"}
 _PUTS = {"PUT", "BINPUT", "LONG_BINPUT"}
 _BYTES = {"SHORT_BINBYTES", "BINBYTES", "BINBYTES8", "BYTEARRAY8"}
@@ -120,7 +167,10 @@ def scan(data: bytes) -> Scan:
                 module, _, attr = str(arg).partition(" ")
                 out.globals.append((module, attr))
             elif name == "STACK_GLOBAL":
-                attr, module = (stack[-1] if stack else None), (stack[-2] if len(stack) > 1 else None)
+                attr, module = (
+                    (stack[-1] if stack else None),
+                    (stack[-2] if len(stack) > 1 else None),
+                )
                 if not (isinstance(module, str) and isinstance(attr, str)):
                     out.globals.append(("?", f"a computed global at byte {pos}"))
                 else:
@@ -144,12 +194,14 @@ def scan(data: bytes) -> Scan:
                     stack.pop()
                 if stack:
                     stack.pop()
-                del stack[len(stack) - before.index(pickletools.markobject):]
+                del stack[len(stack) - before.index(pickletools.markobject) :]
             elif before:
-                del stack[max(0, len(stack) - len(before)):]
+                del stack[max(0, len(stack) - len(before)) :]
             if name in _STRINGS:
                 text = str(arg) if not isinstance(arg, bytes) else arg.decode("latin-1")
-                if text[:4] == "PK\x03\x04" or text[:1] == "\x80":  # bytes as protocol 2 writes them
+                if (
+                    text[:4] == "PK\x03\x04" or text[:1] == "\x80"
+                ):  # bytes as protocol 2 writes them
                     try:
                         out.blobs.append(text.encode("latin-1"))
                     except UnicodeEncodeError:
@@ -243,7 +295,9 @@ class _StubUnpickler:
             def find_class(self, module, name):
                 if (module, name) not in METADATA_GLOBALS:
                     raise pickle.UnpicklingError(f"global {module}.{name} not allowed")
-                return stubs.setdefault((module, name), type(name, (_Stub,), {"_origin": f"{module}.{name}"}))
+                return stubs.setdefault(
+                    (module, name), type(name, (_Stub,), {"_origin": f"{module}.{name}"})
+                )
 
             def persistent_load(self, pid):
                 raise pickle.UnpicklingError("persistent ids are not allowed")
@@ -268,7 +322,11 @@ def storage_items(metadata: bytes) -> list[tuple[str, int, int, str]]:
         if not isinstance(st, dict):
             raise ValueError("a storage entry without fields")
         rel, off, length = st.get("relative_path"), st.get("offset"), st.get("length")
-        if not (isinstance(rel, str) and isinstance(off, int) and isinstance(length, int)) or off < 0 or length < 0:
+        if (
+            not (isinstance(rel, str) and isinstance(off, int) and isinstance(length, int))
+            or off < 0
+            or length < 0
+        ):
             raise ValueError("a storage entry with a bad relative_path/offset/length")
         kst = getattr(key, "state", None)
         kst = kst[0] if isinstance(kst, tuple) else kst
@@ -279,7 +337,13 @@ def storage_items(metadata: bytes) -> list[tuple[str, int, int, str]]:
 
 def bare_name(name: str) -> bool:
     """A file name that stays in its directory: no separator, not '.' or '..', no NUL."""
-    return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name and "\0" not in name
+    return (
+        bool(name)
+        and name not in (".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and "\0" not in name
+    )
 
 
 def scan_checkpoint(ckpt: Path) -> Finding | None:
@@ -300,7 +364,9 @@ def scan_checkpoint(ckpt: Path) -> Finding | None:
     files: dict[str, bytes] = {}
     for rel, off, length, fqn in sorted(items):
         if not bare_name(rel):
-            return Finding(meta_path, f"item {fqn} points at '{rel}', outside the checkpoint directory")
+            return Finding(
+                meta_path, f"item {fqn} points at '{rel}', outside the checkpoint directory"
+            )
         if rel not in files:
             p = ckpt / rel
             if p.is_symlink() or not p.is_file():
@@ -309,7 +375,7 @@ def scan_checkpoint(ckpt: Path) -> Finding | None:
         data = files[rel]
         if off + length > len(data):
             return Finding(ckpt / rel, f"item {fqn} lies past the end of the file", item=fqn)
-        why = scan_torch_save(data[off:off + length])
+        why = scan_torch_save(data[off : off + length])
         if why:
             return Finding(ckpt / rel, why, item=fqn)
     return None

@@ -20,15 +20,21 @@ class Event(StrEnum):
     CREATED = "created"  # the run directory was prepared (path)
     LAUNCHED = "launched"  # a node's launcher started its ranks (nnodes, node_rank, endpoint)
     CHECKPOINT_SAVED = "checkpoint_saved"  # a checkpoint was published (step, path)
-    FAULT_FIRED = "fault_fired"  # the fault acted, with its proof (coordinates, digests before and after)
+    FAULT_FIRED = (
+        "fault_fired"  # the fault acted, with its proof (coordinates, digests before and after)
+    )
     FAULT_REFUSED = "fault_refused"  # an attached run could not offer the fault's hook point
     RESUMED = "resumed"  # the run resumed from a checkpoint (step, checkpoint, with_optimizer)
-    ENGINE_FACTS = "engine_facts"  # what the engine reported of itself (DDP's buckets), when it changed
+    ENGINE_FACTS = (
+        "engine_facts"  # what the engine reported of itself (DDP's buckets), when it changed
+    )
     RANK_FAILED = "rank_failed"  # a rank raised (rank, error, where)
     JOB_FAILED = "job_failed"  # the launcher saw the job fail (reason, failures)
     LIVE_CHECK_FAILED = "live_check_failed"  # the live replica check stopped the job
     ATTACHED = "attached"  # a user's script attached (engine, world size, manifest id)
-    COLLECTIVE_TRACE_EMPTY = "collective_trace_empty"  # the Flight Recorder ring was off: no trace, said so
+    COLLECTIVE_TRACE_EMPTY = (
+        "collective_trace_empty"  # the Flight Recorder ring was off: no trace, said so
+    )
     ATTACH_NOTE = "attach_note"  # an attached run could not install something (a hook) and says why
 
 
@@ -46,7 +52,7 @@ ATTACHED_SOURCE = "disttrace.api"
 # schema; `TrajectoryRecord` below is the shape of one of them as a dict (what the recorder buffers and the
 # record path reads), for type checkers and readers of this file.
 
-from typing import Any, Optional, TypedDict  # noqa: E402
+from typing import Any, TypedDict  # noqa: E402
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError  # noqa: E402
 
@@ -66,8 +72,8 @@ class TrajectoryRecord(TypedDict, total=False):
     shape: list[int]  # this rank's local shape
     numel: int
     digest: str  # xxh3-128 of the raw bytes, hex
-    sum: Optional[float]  # float64 statistics (None when not finite)
-    norm: Optional[float]
+    sum: float | None  # float64 statistics (None when not finite)
+    norm: float | None
     sketch: list[float]  # random projections, additive over shards
     nonfinite: int
     shard: dict  # {"offset": [...], "logical_shape": [...]} for a DTensor shard
@@ -86,7 +92,9 @@ class _Line(BaseModel):
         except ValidationError as e:
             err = e.errors()[0]
             field = ".".join(str(x) for x in err["loc"]) or "line"
-            raise BadInput(path, f"line {lineno}: '{field}' {err['msg'].lower()}", field=field) from None
+            raise BadInput(
+                path, f"line {lineno}: '{field}' {err['msg'].lower()}", field=field
+            ) from None
 
     def line(self) -> dict:
         """The dict a writer puts on disk (fields in declaration order, unset optionals left out)."""
@@ -103,11 +111,11 @@ class StepIndexEntry(_Line):
     offset: StrictInt = NonNegative  # byte offset of the step's first record in the trajectory file
     length: StrictInt = NonNegative  # bytes of the step's records
     records: StrictInt = NonNegative
-    digest: Optional[str] = None  # digest of the records' digests: equal steps are skipped unread
+    digest: str | None = None  # digest of the records' digests: equal steps are skipped unread
     time: dict = Field(default_factory=dict)  # start, collective_issue, end (and pipeline spans)
-    sha256: Optional[str] = None  # the step's raw bytes, what `verify` checks (store/seal.py)
-    xxh3: Optional[str] = None  # the same bytes, what diff checks on every step it reads or skips
-    chain: Optional[str] = None  # sha256 chained to the previous step's (store/seal.py)
+    sha256: str | None = None  # the step's raw bytes, what `verify` checks (store/seal.py)
+    xxh3: str | None = None  # the same bytes, what diff checks on every step it reads or skips
+    chain: str | None = None  # sha256 chained to the previous step's (store/seal.py)
 
 
 class FaultEvent(_Line):
@@ -119,11 +127,11 @@ class FaultEvent(_Line):
     step: StrictInt
     micro_batch: StrictInt = 0
     rank: StrictInt
-    point: Optional[str] = None  # the hook point it acted at (always written by the job)
+    point: str | None = None  # the hook point it acted at (always written by the job)
     params: dict = Field(default_factory=dict)
-    digest_before: Optional[Any] = None
-    digest_after: Optional[Any] = None
-    changed: Optional[bool] = None
+    digest_before: Any | None = None
+    digest_after: Any | None = None
+    changed: bool | None = None
 
 
 class Check(_Line):
@@ -131,7 +139,7 @@ class Check(_Line):
     requires every check); required False: advisory under the policy."""
 
     name: str
-    passed: Optional[bool]
+    passed: bool | None
     reason: str
     required: bool = True
 
@@ -146,13 +154,15 @@ class Verdict(_Line):
 
     passed: bool = Field(alias="pass")
     run: str
-    reference: Optional[str] = None
+    reference: str | None = None
     policy: dict = Field(default_factory=dict)
     checks: list[Check]
     flags: list[str] = Field(default_factory=list)
-    eval: Optional[dict] = None
-    reference_eval: Optional[dict] = None
+    eval: dict | None = None
+    reference_eval: dict | None = None
     time: float
 
     def line(self) -> dict:
-        return self.model_dump(by_alias=True)  # "pass" on disk and in --json, as the CLI contract says
+        return self.model_dump(
+            by_alias=True
+        )  # "pass" on disk and in --json, as the CLI contract says

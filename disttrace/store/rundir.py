@@ -22,16 +22,23 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import orjson
 
 from disttrace.errors import BadInput
-
-from disttrace.store.records import PATH_KINDS, PHASE_ORDER, PHASES  # noqa: F401  (re-exported)
-from disttrace.store.records import ATTACHED_SOURCE, Event, FaultEvent, StepIndexEntry
+from disttrace.store.records import (  # noqa: F401  (re-exported)
+    ATTACHED_SOURCE,
+    PATH_KINDS,
+    PHASE_ORDER,
+    PHASES,
+    Event,
+    FaultEvent,
+    StepIndexEntry,
+)
 
 LOCK = "manifest.lock.json"
 COMPLETE = "COMPLETE"
@@ -49,7 +56,9 @@ def write_json_atomic(path: Path | str, obj: Any) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    data = orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY)
+    data = orjson.dumps(
+        obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY
+    )
     with open(tmp, "wb") as f:
         f.write(data + b"\n")
         f.flush()
@@ -112,7 +121,9 @@ def event(run_dir: Path | str, kind: str, **fields: Any) -> bool:
     except OSError as e:
         import sys
 
-        print(f"disttrace: could not log event '{kind}' in {run_dir}: {e.strerror}", file=sys.stderr)
+        print(
+            f"disttrace: could not log event '{kind}' in {run_dir}: {e.strerror}", file=sys.stderr
+        )
         return False
 
 
@@ -232,8 +243,14 @@ class Run:
         if not (self.path / LOCK).exists():
             raise BadInput(self.path, f"not a run directory (no {LOCK})")
         self.lock = read_json(self.path / LOCK)
-        if not isinstance(self.lock, dict) or "manifest" not in self.lock or "manifest_id" not in self.lock:
-            raise BadInput(self.path / LOCK, "missing 'manifest' or 'manifest_id'", field="manifest")
+        if (
+            not isinstance(self.lock, dict)
+            or "manifest" not in self.lock
+            or "manifest_id" not in self.lock
+        ):
+            raise BadInput(
+                self.path / LOCK, "missing 'manifest' or 'manifest_id'", field="manifest"
+            )
         if not isinstance(self.lock["manifest"], dict):
             raise BadInput(self.path / LOCK, "must be an object", field="manifest")
         if not isinstance(self.lock["manifest_id"], str):
@@ -257,8 +274,10 @@ class Run:
         info = read_json(p)
         if not isinstance(info, dict):
             raise BadInput(p, "must be a JSON object")
-        for key, need in (("fault", {"name": str, "step": int, "rank": int}),
-                          ("resume", {"checkpoint": str, "step": int})):
+        for key, need in (
+            ("fault", {"name": str, "step": int, "rank": int}),
+            ("resume", {"checkpoint": str, "step": int}),
+        ):
             value = info.get(key)
             if value is None:
                 continue
@@ -288,10 +307,16 @@ class Run:
         out = []
         if d.is_dir():
             for p in d.iterdir():
-                m = re.fullmatch(r"rank-(\d{5})\.(?:jsonl|arrows)" if kind == "trajectory" else r"rank-(\d{5})\.jsonl",
-                                 p.name)
+                m = re.fullmatch(
+                    r"rank-(\d{5})\.(?:jsonl|arrows)"
+                    if kind == "trajectory"
+                    else r"rank-(\d{5})\.jsonl",
+                    p.name,
+                )
                 if m:
-                    if p.is_symlink():  # a rank file names its content by its place: it stays in the run
+                    if (
+                        p.is_symlink()
+                    ):  # a rank file names its content by its place: it stays in the run
                         from disttrace.store.paths import contained
 
                         contained(p, self.path, p)
@@ -335,7 +360,11 @@ class Run:
             return JsonlRead([], None)
         read = read_jsonl(p)
         for n, e in enumerate(read.records, 1):
-            if not isinstance(e.get("step"), int) or isinstance(e.get("step"), bool) or e["step"] < 0:
+            if (
+                not isinstance(e.get("step"), int)
+                or isinstance(e.get("step"), bool)
+                or e["step"] < 0
+            ):
                 raise BadInput(p, f"line {n}: 'step' must be a non-negative integer", field="step")
             sec = e.get("seconds")
             if not isinstance(sec, (int, float)) or isinstance(sec, bool) or not sec >= 0:
@@ -365,7 +394,9 @@ class Run:
         """Read only the byte range of one step (from the step index): diff seeks, never scans."""
         from disttrace.store.trajectory import records_of_range
 
-        return records_of_range(self.trajectory_path(rank), entry["offset"], entry["length"], entry.get("step"))
+        return records_of_range(
+            self.trajectory_path(rank), entry["offset"], entry["length"], entry.get("step")
+        )
 
     def checkpoint_dirs(self) -> list[Path]:
         d = self.path / "checkpoints"
@@ -378,7 +409,13 @@ class Run:
         acc: dict[int, list[float]] = {}
         for rank in self.ranks():
             for rec in self.records(rank, torn=[]):
-                if rec.get("phase") == "loss" and rec.get("tensor") == "loss" and isinstance(rec.get("step"), int):
-                    value = rec["sum"] if rec.get("sum") is not None else float("nan")  # a non-finite loss
+                if (
+                    rec.get("phase") == "loss"
+                    and rec.get("tensor") == "loss"
+                    and isinstance(rec.get("step"), int)
+                ):
+                    value = (
+                        rec["sum"] if rec.get("sum") is not None else float("nan")
+                    )  # a non-finite loss
                     acc.setdefault(rec["step"], []).append(value)
         return {s: sum(v) / len(v) for s, v in sorted(acc.items())}

@@ -49,7 +49,9 @@ def genesis(rank: int) -> str:
 
 def chain_next(prev: str, entry: dict) -> str:
     body = {k: v for k, v in entry.items() if k != "chain"}
-    return hashlib.sha256(prev.encode() + b"\n" + orjson.dumps(body, option=orjson.OPT_SORT_KEYS)).hexdigest()
+    return hashlib.sha256(
+        prev.encode() + b"\n" + orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
+    ).hexdigest()
 
 
 def file_hash(path: Path, limit: int | None = None) -> dict:
@@ -98,9 +100,16 @@ def build_seal(run_dir: Path | str, parts: list[dict]) -> dict:
         for d in sorted(ck.iterdir()):
             if d.is_dir() and not d.name.endswith(".partial") and (d / "INDEX.json").is_file():
                 files[f"checkpoints/{d.name}/INDEX.json"] = file_hash(d / "INDEX.json")
-    seal = {"version": SEAL_VERSION, "hash": "sha256", "files": dict(sorted(files.items())), "chains": chains}
+    seal = {
+        "version": SEAL_VERSION,
+        "hash": "sha256",
+        "files": dict(sorted(files.items())),
+        "chains": chains,
+    }
     if (run_dir / EVENTS).is_file():
-        seal["events"] = file_hash(run_dir / EVENTS)  # a prefix: lines may be appended after the job
+        seal["events"] = file_hash(
+            run_dir / EVENTS
+        )  # a prefix: lines may be appended after the job
     return seal
 
 

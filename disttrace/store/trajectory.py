@@ -37,8 +37,8 @@ import io
 import math
 import os
 import struct
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import orjson
@@ -64,52 +64,70 @@ SKETCH_K = 4
 _DEVICE_PREFIX = "dev:"
 
 _ints = pa.list_(pa.int64())
-SCHEMA = pa.schema([
-    ("step", pa.uint32()),
-    ("micro_batch", pa.uint32()),
-    ("phase", pa.string()),
-    ("rank", pa.uint32()),
-    ("index", pa.uint32()),
-    ("tensor", pa.string()),
-    ("dtype", pa.string()),
-    ("shape", _ints),
-    ("numel", pa.int64()),
-    ("digest", pa.binary(16)),
-    ("device_digest", pa.bool_()),  # the digest is the device checksum (run/digest.py), not xxh3 of the bytes
-    ("sum", pa.float64()),  # null: not finite
-    ("norm", pa.float64()),
-    ("sketch", pa.list_(pa.float32(), SKETCH_K)),  # float32-computed sketches (SKETCH_FLOAT32 dtypes)
-    ("sketch64", pa.list_(pa.float64(), SKETCH_K)),  # float64 and integer tensors' sketches
-    ("nonfinite", pa.int64()),
-    ("samples", _ints),  # data phase: the batch's sample ids
-    ("tokens", pa.int64()),  # loss phase: the tokens the loss is a mean over
-    ("shard_offset", _ints),  # a DTensor shard: where this rank's piece sits in the logical tensor
-    ("shard_shape", _ints),
-])
+SCHEMA = pa.schema(
+    [
+        ("step", pa.uint32()),
+        ("micro_batch", pa.uint32()),
+        ("phase", pa.string()),
+        ("rank", pa.uint32()),
+        ("index", pa.uint32()),
+        ("tensor", pa.string()),
+        ("dtype", pa.string()),
+        ("shape", _ints),
+        ("numel", pa.int64()),
+        ("digest", pa.binary(16)),
+        (
+            "device_digest",
+            pa.bool_(),
+        ),  # the digest is the device checksum (run/digest.py), not xxh3 of the bytes
+        ("sum", pa.float64()),  # null: not finite
+        ("norm", pa.float64()),
+        (
+            "sketch",
+            pa.list_(pa.float32(), SKETCH_K),
+        ),  # float32-computed sketches (SKETCH_FLOAT32 dtypes)
+        ("sketch64", pa.list_(pa.float64(), SKETCH_K)),  # float64 and integer tensors' sketches
+        ("nonfinite", pa.int64()),
+        ("samples", _ints),  # data phase: the batch's sample ids
+        ("tokens", pa.int64()),  # loss phase: the tokens the loss is a mean over
+        (
+            "shard_offset",
+            _ints,
+        ),  # a DTensor shard: where this rank's piece sits in the logical tensor
+        ("shard_shape", _ints),
+    ]
+)
 FIELDS = tuple(SCHEMA.names)
 
 # what is written now (docstring, "Two layouts"); bench/trajectory_columns.py measures what each column costs
-_SHAPE_INDEX = pa.int16()  # distinct shapes in one step: 32,767 at most (a model's tensors share a few dozen)
-SCHEMA_V2 = pa.schema([
-    ("step", pa.uint32()),
-    ("micro_batch", pa.uint32()),
-    ("phase", pa.string_view()),
-    ("rank", pa.uint32()),
-    ("index", pa.uint32()),
-    ("tensor", pa.string()),  # mostly longer than a view's 12 inline bytes: a view would cost 16 bytes a row
-    ("dtype", pa.string_view()),
-    ("shape", pa.dictionary(_SHAPE_INDEX, _ints)),  # numel is the product of the shape
-    ("digest", pa.binary(16)),
-    ("device_digest", pa.bool_()),
-    ("sum", pa.float64()),
-    ("norm", pa.float64()),
-    ("sketch", pa.list_(pa.float32(), SKETCH_K)),
-    ("sketch64", pa.list_(pa.float64(), SKETCH_K)),
-    ("nonfinite", pa.int64()),
-    ("samples", _ints),
-    ("tokens", pa.int64()),
-    ("shard", _ints),  # a DTensor shard: its offset, then the logical shape (as many of each)
-])
+_SHAPE_INDEX = (
+    pa.int16()
+)  # distinct shapes in one step: 32,767 at most (a model's tensors share a few dozen)
+SCHEMA_V2 = pa.schema(
+    [
+        ("step", pa.uint32()),
+        ("micro_batch", pa.uint32()),
+        ("phase", pa.string_view()),
+        ("rank", pa.uint32()),
+        ("index", pa.uint32()),
+        (
+            "tensor",
+            pa.string(),
+        ),  # mostly longer than a view's 12 inline bytes: a view would cost 16 bytes a row
+        ("dtype", pa.string_view()),
+        ("shape", pa.dictionary(_SHAPE_INDEX, _ints)),  # numel is the product of the shape
+        ("digest", pa.binary(16)),
+        ("device_digest", pa.bool_()),
+        ("sum", pa.float64()),
+        ("norm", pa.float64()),
+        ("sketch", pa.list_(pa.float32(), SKETCH_K)),
+        ("sketch64", pa.list_(pa.float64(), SKETCH_K)),
+        ("nonfinite", pa.int64()),
+        ("samples", _ints),
+        ("tokens", pa.int64()),
+        ("shard", _ints),  # a DTensor shard: its offset, then the logical shape (as many of each)
+    ]
+)
 _SCHEMAS = {1: SCHEMA, 2: SCHEMA_V2}
 VERSION = 2  # what a new stream is written in
 
@@ -145,7 +163,9 @@ def _messages_end(data: bytes, n: int) -> int:
 
 
 _OPTIONS = ipc.IpcWriteOptions(compression=COMPRESSION, use_threads=False)
-_READ = ipc.IpcReadOptions(use_threads=False)  # a step is small: a thread pool's hand-off costs more than it saves
+_READ = ipc.IpcReadOptions(
+    use_threads=False
+)  # a step is small: a thread pool's hand-off costs more than it saves
 _SCHEMA_MESSAGES = {v: schema.serialize().to_pybytes() for v, schema in _SCHEMAS.items()}
 
 
@@ -158,7 +178,9 @@ def _fields(records: list[dict]) -> dict[str, list]:
     cols = {k: [r.get(k) for r in records] for k in _PLAIN}
     digests = [r["digest"] for r in records]
     dev = [d.startswith(_DEVICE_PREFIX) for d in digests]
-    cols["digest"] = [bytes.fromhex(d[len(_DEVICE_PREFIX):] if v else d) for d, v in zip(digests, dev)]
+    cols["digest"] = [
+        bytes.fromhex(d[len(_DEVICE_PREFIX) :] if v else d) for d, v in zip(digests, dev)
+    ]
     cols["device_digest"] = dev
     in32 = [d in SKETCH_FLOAT32 for d in cols["dtype"]]
     sketches = [r.get("sketch") for r in records]
@@ -193,23 +215,52 @@ def _columns_v2(records: list[dict]) -> list[pa.Array]:
     distinct: dict = {}
     keys = []
     for s, n in zip(cols["shape"], cols["numel"]):
-        if s is None or n != math.prod(s):  # not stored: readers compute it, so it must be the product
-            raise ValueError(f"a trajectory record whose numel {n} is not the product of its shape {s}")
+        if s is None or n != math.prod(
+            s
+        ):  # not stored: readers compute it, so it must be the product
+            raise ValueError(
+                f"a trajectory record whose numel {n} is not the product of its shape {s}"
+            )
         keys.append(distinct.setdefault(tuple(s), len(distinct)))
-    if len(distinct) > 2 ** 15 - 1:
-        raise ValueError(f"{len(distinct)} distinct tensor shapes in one step: the trajectory holds 32,767")
-    cols["shape"] = pa.DictionaryArray.from_arrays(pa.array(keys, _SHAPE_INDEX),
-                                                   pa.array([list(k) for k in distinct], _ints))
-    cols["shard"] = [None if x is None else list(x["offset"]) + list(x["logical_shape"]) for x in cols["shard"]]
+    if len(distinct) > 2**15 - 1:
+        raise ValueError(
+            f"{len(distinct)} distinct tensor shapes in one step: the trajectory holds 32,767"
+        )
+    cols["shape"] = pa.DictionaryArray.from_arrays(
+        pa.array(keys, _SHAPE_INDEX), pa.array([list(k) for k in distinct], _ints)
+    )
+    cols["shard"] = [
+        None if x is None else list(x["offset"]) + list(x["logical_shape"]) for x in cols["shard"]
+    ]
     out = []
     for f in SCHEMA_V2:
         v = cols[f.name]
-        out.append(v if isinstance(v, pa.Array) else _view(v) if f.type == pa.string_view() else pa.array(v, f.type))
+        out.append(
+            v
+            if isinstance(v, pa.Array)
+            else _view(v)
+            if f.type == pa.string_view()
+            else pa.array(v, f.type)
+        )
     return out
 
 
-_PLAIN = ("step", "micro_batch", "phase", "rank", "index", "tensor", "dtype", "shape", "numel", "sum", "norm",
-          "nonfinite", "samples", "tokens")
+_PLAIN = (
+    "step",
+    "micro_batch",
+    "phase",
+    "rank",
+    "index",
+    "tensor",
+    "dtype",
+    "shape",
+    "numel",
+    "sum",
+    "norm",
+    "nonfinite",
+    "samples",
+    "tokens",
+)
 _KNOWN = frozenset(_PLAIN) | {"digest", "sketch", "shard"}
 _ENCODE = {1: _columns, 2: _columns_v2}
 
@@ -219,7 +270,11 @@ def _file_version(path: Path) -> int:
     try:
         with open(path, "rb") as f:
             message = ipc.read_message(pa.PythonFile(f, mode="r"))
-        if message is not None and message.type == "schema" and ipc.read_schema(message).equals(SCHEMA):
+        if (
+            message is not None
+            and message.type == "schema"
+            and ipc.read_schema(message).equals(SCHEMA)
+        ):
             return 1
     except (pa.ArrowException, OSError, ValueError, EOFError):
         pass
@@ -259,7 +314,7 @@ class TrajectoryWriter:
         writer.close()
         self._sink.take()  # its end-of-stream marker: close() writes the file's own
         if not self._with_schema:
-            data = data[_messages_end(data, 1):]
+            data = data[_messages_end(data, 1) :]
         self._with_schema = False
         self._f.write(data)
         self._f.flush()
@@ -302,7 +357,7 @@ def decode_step(path: Path, data: bytes, where: str) -> pa.RecordBatch:
         reader = pa.BufferReader(data)
         messages, version, body = [], None, 0
         while reader.tell() < len(data):
-            if data[reader.tell():reader.tell() + len(END_OF_STREAM)] == END_OF_STREAM:
+            if data[reader.tell() : reader.tell() + len(END_OF_STREAM)] == END_OF_STREAM:
                 break
             m = ipc.read_message(reader)
             if m is None:
@@ -324,8 +379,19 @@ def decode_step(path: Path, data: bytes, where: str) -> pa.RecordBatch:
         if layout == 2:
             batch = _from_v2(batch)
         _check_required(batch)
-    except (pa.ArrowException, ValueError, OSError, EOFError, StopIteration, IndexError, struct.error) as e:
-        raise BadInput(path, f"{where}: not a trajectory record batch ({(str(e) or type(e).__name__).splitlines()[0][:120]})") from None
+    except (
+        pa.ArrowException,
+        ValueError,
+        OSError,
+        EOFError,
+        StopIteration,
+        IndexError,
+        struct.error,
+    ) as e:
+        raise BadInput(
+            path,
+            f"{where}: not a trajectory record batch ({(str(e) or type(e).__name__).splitlines()[0][:120]})",
+        ) from None
     return batch
 
 
@@ -335,20 +401,60 @@ _STEP_MESSAGES = {1: ["record batch"], 2: ["dictionary", "record batch"]}
 def _from_v2(b: pa.RecordBatch) -> pa.RecordBatch:
     """A v2 batch as SCHEMA's: phase and dtype as plain strings, shape from its dictionary, numel computed, the
     shard split into offset and logical shape."""
-    (step, micro_batch, phase, rank, index, tensor, dtype, shape, digest, device_digest, sum_, norm, sketch,
-     sketch64, nonfinite, samples, tokens, shard) = b.columns
-    numel = pa.array([_product(s) for s in shape.dictionary.to_pylist()], pa.int64()).take(shape.indices)
+    (
+        step,
+        micro_batch,
+        phase,
+        rank,
+        index,
+        tensor,
+        dtype,
+        shape,
+        digest,
+        device_digest,
+        sum_,
+        norm,
+        sketch,
+        sketch64,
+        nonfinite,
+        samples,
+        tokens,
+        shard,
+    ) = b.columns
+    numel = pa.array([_product(s) for s in shape.dictionary.to_pylist()], pa.int64()).take(
+        shape.indices
+    )
     return pa.RecordBatch.from_arrays(
-        [step, micro_batch, phase.cast(pa.string()), rank, index, tensor, dtype.cast(pa.string()),
-         shape.dictionary.take(shape.indices), numel, digest, device_digest, sum_, norm, sketch, sketch64,
-         nonfinite, samples, tokens, *_split_shard(shard)], schema=SCHEMA)
+        [
+            step,
+            micro_batch,
+            phase.cast(pa.string()),
+            rank,
+            index,
+            tensor,
+            dtype.cast(pa.string()),
+            shape.dictionary.take(shape.indices),
+            numel,
+            digest,
+            device_digest,
+            sum_,
+            norm,
+            sketch,
+            sketch64,
+            nonfinite,
+            samples,
+            tokens,
+            *_split_shard(shard),
+        ],
+        schema=SCHEMA,
+    )
 
 
 def _product(shape: list | None) -> int | None:
     if shape is None:
         return None
     n = math.prod(shape)
-    if not -2 ** 63 <= n < 2 ** 63:
+    if not -(2**63) <= n < 2**63:
         raise ValueError(f"a shape whose product overflows int64 ({shape[:8]})")
     return n
 
@@ -368,16 +474,26 @@ def _split_shard(arr: pa.ListArray) -> tuple[pa.Array, pa.Array]:
     half = lengths // 2
     out = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(half, out=out[1:])
-    first = np.repeat(starts - out[:-1], half) + np.arange(out[-1])  # each row's offset part, in the child values
+    first = np.repeat(starts - out[:-1], half) + np.arange(
+        out[-1]
+    )  # each row's offset part, in the child values
     offsets_out, mask = pa.array(out, pa.int32()), pa.array(~valid)
-    return (pa.ListArray.from_arrays(offsets_out, arr.values.take(pa.array(first)), mask=mask),
-            pa.ListArray.from_arrays(offsets_out, arr.values.take(pa.array(first + np.repeat(half, half))), mask=mask))
+    return (
+        pa.ListArray.from_arrays(offsets_out, arr.values.take(pa.array(first)), mask=mask),
+        pa.ListArray.from_arrays(
+            offsets_out, arr.values.take(pa.array(first + np.repeat(half, half))), mask=mask
+        ),
+    )
 
 
 # an LZ4 frame expands at most ~255-fold (a match length grows by 255 per byte); a compressed buffer that says it
 # holds more is forged, and Arrow would allocate the size it says before decompressing
 _LZ4_MAX_EXPANSION = 256
-_REQUIRED = ("step", "digest", "device_digest")  # every record has them; readers index and hash them
+_REQUIRED = (
+    "step",
+    "digest",
+    "device_digest",
+)  # every record has them; readers index and hash them
 
 
 def _check_schema(message) -> int:
@@ -405,7 +521,9 @@ def _check_compressed_sizes(message) -> None:
     if message.type == "dictionary":  # DictionaryBatch: id (0), data (1), isDelta (2)
         at = _fb_field(fb, batch, 0)
         delta = _fb_field(fb, batch, 2)
-        if (at is not None and struct.unpack_from("<q", fb, at)[0] != 0) or (delta is not None and fb[delta]):
+        if (at is not None and struct.unpack_from("<q", fb, at)[0] != 0) or (
+            delta is not None and fb[delta]
+        ):
             raise ValueError("a dictionary message other than the step's shape dictionary")
         data = _fb_field(fb, batch, 1)
         if data is None:
@@ -416,7 +534,9 @@ def _check_compressed_sizes(message) -> None:
         return
     table = compression + struct.unpack_from("<I", fb, compression)[0]
     codec_at = _fb_field(fb, table, 0)
-    if codec_at is not None and fb[codec_at] != 0:  # BodyCompression.codec: 0 = LZ4_FRAME (the default), 1 = ZSTD
+    if (
+        codec_at is not None and fb[codec_at] != 0
+    ):  # BodyCompression.codec: 0 = LZ4_FRAME (the default), 1 = ZSTD
         # the bound below is LZ4's; zstd expands much further (a column of zeros), so its sizes cannot be
         # bounded this way: the trajectory is written with LZ4, another codec is not ours
         raise ValueError("a step compressed with zstd; disttrace's trajectory is LZ4")
@@ -468,15 +588,22 @@ def scan(path: Path, torn: list | None = None) -> Iterator[tuple[int, int, pa.Re
 
     def cut(pos: int):
         if torn is not None:
-            torn.append(f"{path}: the last step's bytes (from offset {start}) are torn (incomplete write), ignored")
+            torn.append(
+                f"{path}: the last step's bytes (from offset {start}) are torn (incomplete write), ignored"
+            )
             return
         raise BadInput(path, f"bytes from offset {pos} are not an Arrow message")
 
     while reader.tell() < len(data):
         pos = reader.tell()
-        if data[pos:pos + len(END_OF_STREAM)] == END_OF_STREAM:  # at close; a restarted job appends after it
+        if (
+            data[pos : pos + len(END_OF_STREAM)] == END_OF_STREAM
+        ):  # at close; a restarted job appends after it
             if first is not None:
-                raise BadInput(path, f"bytes {first}..{pos}: a dictionary message without its step's record batch")
+                raise BadInput(
+                    path,
+                    f"bytes {first}..{pos}: a dictionary message without its step's record batch",
+                )
             reader.seek(pos + len(END_OF_STREAM))
             start = reader.tell()
             continue
@@ -489,7 +616,11 @@ def scan(path: Path, torn: list | None = None) -> Iterator[tuple[int, int, pa.Re
         if msg.type == "schema" and first is None:
             try:
                 _check_schema(msg)
-            except (pa.ArrowException, ValueError, OSError) as e:  # a forged header: OSError from flatbuffers
+            except (
+                pa.ArrowException,
+                ValueError,
+                OSError,
+            ) as e:  # a forged header: OSError from flatbuffers
                 raise BadInput(path, f"bytes {pos}..{reader.tell()}: {e}") from None
             continue
         if first is None:
@@ -499,7 +630,9 @@ def scan(path: Path, torn: list | None = None) -> Iterator[tuple[int, int, pa.Re
         end = reader.tell()
         yield start, end - start, decode_step(path, data[first:end], f"bytes {first}..{end}")
         start, first = end, None
-    if first is not None:  # a dictionary message and no record batch after it: the write stopped in between
+    if (
+        first is not None
+    ):  # a dictionary message and no record batch after it: the write stopped in between
         cut(first)
 
 
@@ -509,7 +642,10 @@ def unindexed_tail(path: Path, end: int) -> int:
     size = Path(path).stat().st_size
     if size <= end:
         return 0
-    if size - end == len(END_OF_STREAM) and read_range(path, end, len(END_OF_STREAM)) == END_OF_STREAM:
+    if (
+        size - end == len(END_OF_STREAM)
+        and read_range(path, end, len(END_OF_STREAM)) == END_OF_STREAM
+    ):
         return 0
     return size - end
 
@@ -524,11 +660,20 @@ def to_records(batch: pa.RecordBatch) -> list[dict]:
     out = []
     for i in range(batch.num_rows):
         digest = cols["digest"][i].hex()
-        r = {"step": cols["step"][i], "micro_batch": cols["micro_batch"][i], "phase": cols["phase"][i],
-             "rank": cols["rank"][i], "index": cols["index"][i], "tensor": cols["tensor"][i],
-             "dtype": cols["dtype"][i], "shape": cols["shape"][i], "numel": cols["numel"][i],
-             "digest": _DEVICE_PREFIX + digest if cols["device_digest"][i] else digest,
-             "sum": cols["sum"][i], "norm": cols["norm"][i]}
+        r = {
+            "step": cols["step"][i],
+            "micro_batch": cols["micro_batch"][i],
+            "phase": cols["phase"][i],
+            "rank": cols["rank"][i],
+            "index": cols["index"][i],
+            "tensor": cols["tensor"][i],
+            "dtype": cols["dtype"][i],
+            "shape": cols["shape"][i],
+            "numel": cols["numel"][i],
+            "digest": _DEVICE_PREFIX + digest if cols["device_digest"][i] else digest,
+            "sum": cols["sum"][i],
+            "norm": cols["norm"][i],
+        }
         sk = cols["sketch"][i] or cols["sketch64"][i]
         if sk is not None:
             r["sketch"] = sk
@@ -537,7 +682,10 @@ def to_records(batch: pa.RecordBatch) -> list[dict]:
             if cols[k][i] is not None:
                 r[k] = cols[k][i]
         if cols["shard_offset"][i] is not None:
-            r["shard"] = {"offset": cols["shard_offset"][i], "logical_shape": cols["shard_shape"][i]}
+            r["shard"] = {
+                "offset": cols["shard_offset"][i],
+                "logical_shape": cols["shard_shape"][i],
+            }
         out.append(r)
     return out
 
@@ -549,7 +697,9 @@ def records_of_range(path: Path, offset: int, length: int, step: int | None = No
         try:
             return [orjson.loads(line) for line in data.splitlines() if line.strip()]
         except orjson.JSONDecodeError:
-            raise BadInput(path, f"step {step}: a record in bytes {offset}..{offset + length} is not valid JSON "
-                           "(the file does not match its step index)") from None
+            raise BadInput(
+                path,
+                f"step {step}: a record in bytes {offset}..{offset + length} is not valid JSON "
+                "(the file does not match its step index)",
+            ) from None
     return to_records(decode_step(path, data, f"step {step} (bytes {offset}..{offset + length})"))
-

@@ -31,7 +31,9 @@ from disttrace.store.paths import inside
 from disttrace.store.rundir import COMPLETE, Run, rank_file, read_json
 
 # written after COMPLETE, or not content: never sealed, never damage
-UNSEALED_BY_DESIGN = re.compile(r"(eval\.json|verdict\.json|\.launcher-node\d+\.lock|\..*\.tmp-\d+)")
+UNSEALED_BY_DESIGN = re.compile(
+    r"(eval\.json|verdict\.json|\.launcher-node\d+\.lock|\..*\.tmp-\d+)"
+)
 
 
 @dataclass
@@ -41,7 +43,11 @@ class Damage:
     step: int | None = None
 
     def line(self) -> str:
-        return f"{self.file}: " + (f"step {self.step}: " if self.step is not None else "") + self.reason
+        return (
+            f"{self.file}: "
+            + (f"step {self.step}: " if self.step is not None else "")
+            + self.reason
+        )
 
 
 @dataclass
@@ -50,7 +56,9 @@ class Verdict:
     status: str = "intact"  # intact | damaged | unsealed
     first_damage: dict | None = None
     damage: list[dict] = field(default_factory=list)
-    checked: dict = field(default_factory=lambda: {"files": 0, "steps": 0, "ranks": 0, "checkpoints": 0})
+    checked: dict = field(
+        default_factory=lambda: {"files": 0, "steps": 0, "ranks": 0, "checkpoints": 0}
+    )
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -88,7 +96,9 @@ class _Verifier:
             return None
         seal = done.get("seal") if isinstance(done, dict) else None
         if not isinstance(seal, dict) or not isinstance(seal.get("files"), dict):
-            self.v.notes.append("COMPLETE holds no seal (a run written before disttrace sealed its runs)")
+            self.v.notes.append(
+                "COMPLETE holds no seal (a run written before disttrace sealed its runs)"
+            )
             return None
         return seal
 
@@ -109,7 +119,9 @@ class _Verifier:
             self.damage(rel, "sha256 differs from the seal (altered after the run)")
             return
         if prefix and size > want["bytes"]:
-            self.v.notes.append(f"{rel}: {size - want['bytes']} bytes appended after the seal (not checked)")
+            self.v.notes.append(
+                f"{rel}: {size - want['bytes']} bytes appended after the seal (not checked)"
+            )
 
     # ------------------------------------------------------------ the step chain of one rank
     def check_rank(self, rank: int, seal: dict | None) -> None:
@@ -141,10 +153,15 @@ class _Verifier:
                 self.damage(idx_rel, f"line {lineno} is not valid JSON (torn or edited)", last_step)
                 return
             step = e.get("step") if isinstance(e, dict) else None
-            if not isinstance(e, dict) or not all(isinstance(e.get(k), int) and not isinstance(e.get(k), bool)
-                                                  for k in ("step", "offset", "length")):
-                self.damage(idx_rel, f"line {lineno} lacks an integer step/offset/length",
-                            step if isinstance(step, int) else None)
+            if not isinstance(e, dict) or not all(
+                isinstance(e.get(k), int) and not isinstance(e.get(k), bool)
+                for k in ("step", "offset", "length")
+            ):
+                self.damage(
+                    idx_rel,
+                    f"line {lineno} lacks an integer step/offset/length",
+                    step if isinstance(step, int) else None,
+                )
                 return
             n += 1
             if "sha256" not in e and "chain" not in e:
@@ -154,32 +171,50 @@ class _Verifier:
                 last_step = step
                 continue
             if e["offset"] != expect_offset:
-                self.damage(idx_rel, f"starts at byte {e['offset']}, the previous step ended at {expect_offset} "
-                            "(a step removed, reordered or moved)", step)
+                self.damage(
+                    idx_rel,
+                    f"starts at byte {e['offset']}, the previous step ended at {expect_offset} "
+                    "(a step removed, reordered or moved)",
+                    step,
+                )
                 return
-            chunk = data[e["offset"]:e["offset"] + e["length"]]
+            chunk = data[e["offset"] : e["offset"] + e["length"]]
             if len(chunk) != e["length"]:
                 self.damage(traj_rel, "the index points past the end of the file (truncated)", step)
                 return
             if sealing.step_hash(chunk) != e.get("sha256"):
-                self.damage(traj_rel, "the step's bytes differ from the sha256 its index line holds (edited)", step)
+                self.damage(
+                    traj_rel,
+                    "the step's bytes differ from the sha256 its index line holds (edited)",
+                    step,
+                )
                 return
             if prev is None or sealing.chain_next(prev, e) != e.get("chain"):
-                self.damage(idx_rel, "the chain is broken here (a step removed, reordered or its index line "
-                            "edited)", step)
+                self.damage(
+                    idx_rel,
+                    "the chain is broken here (a step removed, reordered or its index line edited)",
+                    step,
+                )
                 return
             prev = e["chain"]
             expect_offset = e["offset"] + e["length"]
             last_step = step
         self.v.checked["steps"] += n
         if unsealed_steps:
-            self.v.notes.append(f"{idx_rel}: {unsealed_steps} steps without hashes (written before step hashes)")
+            self.v.notes.append(
+                f"{idx_rel}: {unsealed_steps} steps without hashes (written before step hashes)"
+            )
             return
         # an Arrow stream ends with its end-of-stream marker, outside every step (sealed with the file)
-        end = expect_offset + (len(trajectory.END_OF_STREAM) if data[expect_offset:] == trajectory.END_OF_STREAM else 0)
+        end = expect_offset + (
+            len(trajectory.END_OF_STREAM) if data[expect_offset:] == trajectory.END_OF_STREAM else 0
+        )
         if len(data) != end:
-            self.damage(traj_rel, f"{len(data) - end} bytes after the last indexed step (appended)",
-                        last_step)
+            self.damage(
+                traj_rel,
+                f"{len(data) - end} bytes after the last indexed step (appended)",
+                last_step,
+            )
             return
         if seal is not None:
             want = (seal.get("chains") or {}).get(f"{rank:05d}")
@@ -187,8 +222,12 @@ class _Verifier:
                 self.damage(idx_rel, "this rank is not in the seal (a rank added after the run)")
                 return
             if want.get("chain") != (prev if n else None) or want.get("steps") != n:
-                self.damage(idx_rel, f"ends at step {last_step} after {n} steps, the seal says {want.get('steps')} "
-                            "steps and another last hash (steps removed at the end?)", last_step)
+                self.damage(
+                    idx_rel,
+                    f"ends at step {last_step} after {n} steps, the seal says {want.get('steps')} "
+                    "steps and another last hash (steps removed at the end?)",
+                    last_step,
+                )
 
     # ------------------------------------------------------------ everything
     def verify(self) -> Verdict:
@@ -207,8 +246,14 @@ class _Verifier:
         ranks = sorted(present | {int(k) for k in (seal or {}).get("chains", {}) if k.isdigit()})
         for rank in ranks:
             self.check_rank(rank, seal)
-        for rel in sorted(files):  # each rank's files, and any other the seal names (INDEX files: below)
-            if rel not in sealing.SHARED_FILES and not rel.startswith("checkpoints/") and rel not in self.damaged_files:
+        for rel in sorted(
+            files
+        ):  # each rank's files, and any other the seal names (INDEX files: below)
+            if (
+                rel not in sealing.SHARED_FILES
+                and not rel.startswith("checkpoints/")
+                and rel not in self.damaged_files
+            ):
                 self.check_file(rel, files[rel])
         if seal is not None:
             self.unsealed_files(files)
@@ -250,7 +295,9 @@ class _Verifier:
             try:
                 verify_checkpoint(ckpt, self.run.manifest_id)
             except BadInput as e:
-                self.damage(self.rel(e.where), f"{e.field + ': ' if e.field else ''}{e.reason}", step)
+                self.damage(
+                    self.rel(e.where), f"{e.field + ': ' if e.field else ''}{e.reason}", step
+                )
 
 
 def verify_run(run_dir: Path | str) -> Verdict:
@@ -264,8 +311,10 @@ def summary_line(v: Verdict) -> str:
         d = v.first_damage
         more = f" (and {len(v.damage) - 1} more)" if len(v.damage) > 1 else ""
         return "damaged: " + Damage(d["file"], d["reason"], d["step"]).line() + more
-    what = (f"{c['files']} sealed files, {c['steps']} steps on {c['ranks']} ranks, {c['checkpoints']} checkpoints "
-            "(every pickle scanned)")
+    what = (
+        f"{c['files']} sealed files, {c['steps']} steps on {c['ranks']} ranks, {c['checkpoints']} checkpoints "
+        "(every pickle scanned)"
+    )
     if v.status == "unsealed":
         why = "; ".join(n for n in v.notes if "COMPLETE" in n) or "no seal"
         return f"unsealed: {why}; checked what could be: {what}"

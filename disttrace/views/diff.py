@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from disttrace.fmt import abbrev, agreeing_digits, fmt_number, ranges, where
 
-GRID_STEPS = 60  # steps drawn in the rank x step grid; a later first divergence moves the window to it
+GRID_STEPS = (
+    60  # steps drawn in the rank x step grid; a later first divergence moves the window to it
+)
+
 
 def _cell(rank_entry: dict | None) -> tuple[str, str]:
     """One grid cell: (character, style)."""
@@ -52,17 +55,29 @@ def render_rich(result: dict, console) -> None:
         t.append(f"{label.upper()} ", style="bold")
         t.append(f"{s['kind'] or '?':<10} ", style="cyan")
         t.append(s["path"])
-        t.append("  complete" if s["complete"] else "  INCOMPLETE", style="green" if s["complete"] else "yellow")
+        t.append(
+            "  complete" if s["complete"] else "  INCOMPLETE",
+            style="green" if s["complete"] else "yellow",
+        )
         t.append(f"  manifest {s['manifest_id'][:12]}", style="dim")
         console.print(t)
     tol = result["tolerance"]
-    tol_txt = ("bit for bit" if tol["kind"] == "bitwise" else
-               f"rtol {tol['rtol']:g} atol {tol['atol']:g}" if tol["kind"] == "user" else
-               f"calibrated bounds from {tol['file']} (derived {tol['per_step']:.2e} per step elsewhere)"
-               if tol["kind"] == "calibrated" else
-               f"derived bound {tol['per_step']:.2e} per step × steps since agreement")
-    console.print(Text(f"mode {result['mode']} ({tol_txt}) · steps {cs['first']}..{cs['last']} ({cs['count']}): "
-                       f"{cs['why']}", style="dim"))
+    tol_txt = (
+        "bit for bit"
+        if tol["kind"] == "bitwise"
+        else f"rtol {tol['rtol']:g} atol {tol['atol']:g}"
+        if tol["kind"] == "user"
+        else f"calibrated bounds from {tol['file']} (derived {tol['per_step']:.2e} per step elsewhere)"
+        if tol["kind"] == "calibrated"
+        else f"derived bound {tol['per_step']:.2e} per step × steps since agreement"
+    )
+    console.print(
+        Text(
+            f"mode {result['mode']} ({tol_txt}) · steps {cs['first']}..{cs['last']} ({cs['count']}): "
+            f"{cs['why']}",
+            style="dim",
+        )
+    )
 
     f = result["first_divergence"]
     if f is None:
@@ -76,20 +91,41 @@ def render_rich(result: dict, console) -> None:
         a, b = f["a"] or {}, f["b"] or {}
         T = lambda v: Text(str(v))  # noqa: E731  cells quote the run store: never markup
         if f["missing_in"]:
-            t.add_row("record", *(("missing", "present") if f["missing_in"] == "a" else ("present", "missing")))
+            t.add_row(
+                "record",
+                *(("missing", "present") if f["missing_in"] == "a" else ("present", "missing")),
+            )
         t.add_row("digest", T(abbrev(a.get("digest"))), T(abbrev(b.get("digest"))))
         t.add_row("sum", T(fmt_number(a.get("sum"), ".10g")), T(fmt_number(b.get("sum"), ".10g")))
-        t.add_row("norm", T(fmt_number(a.get("norm"), ".10g")), T(fmt_number(b.get("norm"), ".10g")))
+        t.add_row(
+            "norm", T(fmt_number(a.get("norm"), ".10g")), T(fmt_number(b.get("norm"), ".10g"))
+        )
         if a.get("nonfinite") or b.get("nonfinite"):
-            t.add_row("non-finite", T(fmt_number(a.get("nonfinite"))), T(fmt_number(b.get("nonfinite"))), style="red")
-        t.add_row("dtype, shape", T(f"{a.get('dtype', '-')} {a.get('shape', '')}"),
-                  T(f"{b.get('dtype', '-')} {b.get('shape', '')}"))
+            t.add_row(
+                "non-finite",
+                T(fmt_number(a.get("nonfinite"))),
+                T(fmt_number(b.get("nonfinite"))),
+                style="red",
+            )
+        t.add_row(
+            "dtype, shape",
+            T(f"{a.get('dtype', '-')} {a.get('shape', '')}"),
+            T(f"{b.get('dtype', '-')} {b.get('shape', '')}"),
+        )
         console.print(t)
         rel = f["rel_err"]
-        bnd = ("0 (bitwise)" if result["mode"] == "bitwise" else
-               f"{fmt_number(f['bound'], '.3e')} ({f.get('bound_kind') or 'derived'})")
-        console.print(Text(f"rel err {fmt_number(rel, '.3e')}  vs bound {bnd}"
-                           + (f"  ({f['note']})" if f.get("note") else ""), style="red"))
+        bnd = (
+            "0 (bitwise)"
+            if result["mode"] == "bitwise"
+            else f"{fmt_number(f['bound'], '.3e')} ({f.get('bound_kind') or 'derived'})"
+        )
+        console.print(
+            Text(
+                f"rel err {fmt_number(rel, '.3e')}  vs bound {bnd}"
+                + (f"  ({f['note']})" if f.get("note") else ""),
+                style="red",
+            )
+        )
         n_div = len(result["propagation"]) - len(result["recovered_steps"])
         rec = result["recovered_steps"]
         msg = f"{n_div} divergent step(s) from step {f['step']}"
@@ -98,17 +134,31 @@ def render_rich(result: dict, console) -> None:
         console.print(Text(msg, style="dim"))
 
     if result["mode"] == "numeric" and result.get("numeric", {}).get("by_phase"):
-        t = Table(title="largest relative error per phase", box=None, header_style="bold", title_justify="left")
+        t = Table(
+            title="largest relative error per phase",
+            box=None,
+            header_style="bold",
+            title_justify="left",
+        )
         for c in ("phase", "max rel err", "bound there", "at", "worst err/bound"):
             t.add_column(c)
         for phase, e in result["numeric"]["by_phase"].items():
             w = e.get("max_ratio_at") or {}
-            t.add_row(Text(str(phase)), Text(fmt_number(e["max_rel_err"], ".2e")),
-                      Text(f"{fmt_number(e['bound'], '.2e')} ({e.get('bound_kind') or 'derived'})"
-                           if e.get("bound") is not None else fmt_number(e["bound"], ".2e")),
-                      Text(f"step {e['step']} rank {e['rank']}"),
-                      Text(f"{fmt_number(e.get('max_ratio'), '.2g')}" + (f" (step {w['step']})" if w else "")),
-                      style="red" if (e.get("max_ratio") or 0) > 1 else None)
+            t.add_row(
+                Text(str(phase)),
+                Text(fmt_number(e["max_rel_err"], ".2e")),
+                Text(
+                    f"{fmt_number(e['bound'], '.2e')} ({e.get('bound_kind') or 'derived'})"
+                    if e.get("bound") is not None
+                    else fmt_number(e["bound"], ".2e")
+                ),
+                Text(f"step {e['step']} rank {e['rank']}"),
+                Text(
+                    f"{fmt_number(e.get('max_ratio'), '.2g')}"
+                    + (f" (step {w['step']})" if w else "")
+                ),
+                style="red" if (e.get("max_ratio") or 0) > 1 else None,
+            )
         console.print(t)
 
     steps, per_step = _grid_cells(result)
@@ -125,9 +175,16 @@ def render_rich(result: dict, console) -> None:
                 line.append(ch, style=style)
             console.print(line)
         if len(steps) < cs["count"]:
-            console.print(Text(f"(grid shows {len(steps)} of {cs['count']} compared steps)", style="dim"))
-        console.print(Text("· equal   digit: -log10(max rel err), yellow within the bound, red beyond   "
-                           "■ missing, non-finite or bits only", style="dim"))
+            console.print(
+                Text(f"(grid shows {len(steps)} of {cs['count']} compared steps)", style="dim")
+            )
+        console.print(
+            Text(
+                "· equal   digit: -log10(max rel err), yellow within the bound, red beyond   "
+                "■ missing, non-finite or bits only",
+                style="dim",
+            )
+        )
     for w in result["warnings"]:
         console.print(Text(f"warning: {w}", style="yellow"))
 
@@ -144,26 +201,40 @@ def render_md(result: dict) -> str:
     lines.append("| --- | --- | --- | --- | --- |")
     for label in ("a", "b"):
         s = result[label]
-        lines.append(f"| {label.upper()} | `{s['path']}` | {s['kind'] or '?'} | {'yes' if s['complete'] else 'no'} | "
-                     f"`{s['manifest_id'][:12]}` |")
+        lines.append(
+            f"| {label.upper()} | `{s['path']}` | {s['kind'] or '?'} | {'yes' if s['complete'] else 'no'} | "
+            f"`{s['manifest_id'][:12]}` |"
+        )
     lines.append("")
     lines.append(f"Compared steps {cs['first']}..{cs['last']} ({cs['count']}): {cs['why']}.")
     lines.append("")
     if f is not None:
         a, b = f["a"] or {}, f["b"] or {}
-        lines.append(f"**First divergence**: {where(f)}"
-                     + (f", missing in {f['missing_in'].upper()}" if f["missing_in"] else "")
-                     + (f" ({f['note']})" if f.get("note") else ""))
+        lines.append(
+            f"**First divergence**: {where(f)}"
+            + (f", missing in {f['missing_in'].upper()}" if f["missing_in"] else "")
+            + (f" ({f['note']})" if f.get("note") else "")
+        )
         lines.append("")
         lines.append("| | A | B |")
         lines.append("| --- | --- | --- |")
-        lines.append(f"| digest | `{abbrev(a.get('digest'), 16)}` | `{abbrev(b.get('digest'), 16)}` |")
-        lines.append(f"| sum | {fmt_number(a.get('sum'), '.10g')} | {fmt_number(b.get('sum'), '.10g')} |")
-        lines.append(f"| norm | {fmt_number(a.get('norm'), '.10g')} | {fmt_number(b.get('norm'), '.10g')} |")
-        lines.append(f"| non-finite | {fmt_number(a.get('nonfinite'))} | {fmt_number(b.get('nonfinite'))} |")
+        lines.append(
+            f"| digest | `{abbrev(a.get('digest'), 16)}` | `{abbrev(b.get('digest'), 16)}` |"
+        )
+        lines.append(
+            f"| sum | {fmt_number(a.get('sum'), '.10g')} | {fmt_number(b.get('sum'), '.10g')} |"
+        )
+        lines.append(
+            f"| norm | {fmt_number(a.get('norm'), '.10g')} | {fmt_number(b.get('norm'), '.10g')} |"
+        )
+        lines.append(
+            f"| non-finite | {fmt_number(a.get('nonfinite'))} | {fmt_number(b.get('nonfinite'))} |"
+        )
         lines.append("")
-        lines.append(f"Relative error {fmt_number(f['rel_err'], '.3e')} vs bound {fmt_number(f['bound'], '.3e')}"
-                     + (f" ({f.get('bound_kind') or 'derived'})." if result["mode"] == "numeric" else "."))
+        lines.append(
+            f"Relative error {fmt_number(f['rel_err'], '.3e')} vs bound {fmt_number(f['bound'], '.3e')}"
+            + (f" ({f.get('bound_kind') or 'derived'})." if result["mode"] == "numeric" else ".")
+        )
         lines.append("")
         lines.append("| step | ranks with differences | tensors differing | max rel err |")
         lines.append("| --- | --- | --- | --- |")
@@ -172,11 +243,17 @@ def render_md(result: dict) -> str:
             rk = [r for r, v in e["ranks"].items() if v["differing"]]
             tot = sum(v["total"] for v in e["ranks"].values())
             rels = [v.get("max_rel_err") for v in e["ranks"].values() if v.get("max_rel_err")]
-            bounds = [(b, (e.get("bound_kind_by_phase") or {}).get(p, "derived"))
-                      for p, b in (e.get("bound_by_phase") or {}).items() if b is not None]
-            lines.append(f"| {e['step']} | {', '.join(rk) or '-'} | {e['differing']} / {tot} | "
-                         f"{fmt_number(max(rels), '.2e') if rels else '-'}"
-                         + (" (bound {:.2e} {})".format(*max(bounds)) if bounds else "") + " |")
+            bounds = [
+                (b, (e.get("bound_kind_by_phase") or {}).get(p, "derived"))
+                for p, b in (e.get("bound_by_phase") or {}).items()
+                if b is not None
+            ]
+            lines.append(
+                f"| {e['step']} | {', '.join(rk) or '-'} | {e['differing']} / {tot} | "
+                f"{fmt_number(max(rels), '.2e') if rels else '-'}"
+                + (" (bound {:.2e} {})".format(*max(bounds)) if bounds else "")
+                + " |"
+            )
         if len(result["propagation"]) > len(shown):
             lines.append(f"| … | | {len(result['propagation']) - len(shown)} more steps | |")
         if result["recovered_steps"]:
@@ -188,8 +265,10 @@ def render_md(result: dict) -> str:
         lines.append("| --- | --- | --- | --- |")
         for phase, e in result["numeric"]["by_phase"].items():
             kind = f" ({e.get('bound_kind') or 'derived'})" if e.get("bound") is not None else ""
-            lines.append(f"| {phase} | {fmt_number(e['max_rel_err'], '.2e')} | {fmt_number(e['bound'], '.2e')}{kind} | "
-                         f"{fmt_number(e.get('max_ratio'), '.2g')} |")
+            lines.append(
+                f"| {phase} | {fmt_number(e['max_rel_err'], '.2e')} | {fmt_number(e['bound'], '.2e')}{kind} | "
+                f"{fmt_number(e.get('max_ratio'), '.2g')} |"
+            )
     if result["warnings"]:
         lines.append("")
         for w in result["warnings"]:

@@ -16,12 +16,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.text import Text
 
-from disttrace.store.records import FAILURE_EVENTS, Event
 from disttrace.errors import EXIT_JOB_FAILED, EXIT_OK
 from disttrace.store.follow import Follower, Progress, writer_alive
+from disttrace.store.records import FAILURE_EVENTS, Event
 
 POLL_S = 0.5
-PLAIN_EVERY_S = 5.0  # plain mode: at most one progress line this often (DISTTRACE_PROGRESS_EVERY overrides)
+PLAIN_EVERY_S = (
+    5.0  # plain mode: at most one progress line this often (DISTTRACE_PROGRESS_EVERY overrides)
+)
 
 
 def plain_mode(console: Console) -> bool:
@@ -38,7 +40,13 @@ def plain_every() -> float:
 
 def _duration(s: float) -> str:
     s = int(round(s))
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+    return (
+        f"{s // 3600}h{s % 3600 // 60:02d}m"
+        if s >= 3600
+        else f"{s // 60}m{s % 60:02d}s"
+        if s >= 60
+        else f"{s}s"
+    )
 
 
 def status_line(p: Progress) -> str:
@@ -58,13 +66,20 @@ def status_line(p: Progress) -> str:
 class Display:
     """Renders successive Progress values: plain lines or a rich bar."""
 
-    def __init__(self, console: Console, label: str | None = None, plain: bool | None = None,
-                 show_job_failed: bool = True):
+    def __init__(
+        self,
+        console: Console,
+        label: str | None = None,
+        plain: bool | None = None,
+        show_job_failed: bool = True,
+    ):
         self.console = console
         self.prefix = f"{label}: " if label else ""
         self.plain = plain_mode(console) if plain is None else plain
         self.every = plain_every()
-        self.show_job_failed = show_job_failed  # the launcher reports its own failure once, after the bar
+        self.show_job_failed = (
+            show_job_failed  # the launcher reports its own failure once, after the bar
+        )
         self._printed: tuple | None = None  # (step, complete) of the last plain line
         self._printed_at = 0.0
         self._bar = None
@@ -78,8 +93,10 @@ class Display:
         for n in p.notices:
             if n.kind == Event.JOB_FAILED and not self.show_job_failed:
                 continue
-            self._line(n.text, "red" if n.kind in FAILURE_EVENTS
-                       else "yellow" if n.kind == "fault" else None)
+            self._line(
+                n.text,
+                "red" if n.kind in FAILURE_EVENTS else "yellow" if n.kind == "fault" else None,
+            )
         if p.stall is not None:
             self._line(p.stall.describe(), "yellow")
         line = status_line(p)
@@ -89,16 +106,26 @@ class Display:
             due = self._printed is not None and now - self._printed_at >= self.every
             # a line when a step was finished since the last one, at most every few seconds, and at the end
             key = (p.done, p.complete)
-            if key != (self._printed or (p.start_step, False)) and (first or due or final or p.complete):
+            if key != (self._printed or (p.start_step, False)) and (
+                first or due or final or p.complete
+            ):
                 self.console.print(Text(self.prefix + line), soft_wrap=True, highlight=False)
                 self._printed, self._printed_at = key, now
             return
         if self._bar is None:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn
+            from rich.progress import Progress as Bar
 
-            self._bar = Bar(TextColumn(self.prefix + "step"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("{task.fields[info]}"), console=self.console, transient=False,
-                            redirect_stdout=False, redirect_stderr=False)
+            self._bar = Bar(
+                TextColumn(self.prefix + "step"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"),
+                console=self.console,
+                transient=False,
+                redirect_stdout=False,
+                redirect_stderr=False,
+            )
             self._bar.start()
             self._task = self._bar.add_task("", total=p.total, completed=p.done, info="")
         info = line.split(" ", 2)[2] if line.count(" ") >= 2 else ""
@@ -114,14 +141,26 @@ class LiveProgress:
     """`with LiveProgress(run_dir, console):` shows the job's progress from a background thread while the
     body (the launcher) runs; on exit, one last poll so the final line says N/N when the job completed."""
 
-    def __init__(self, run_dir: Path | str, console: Console, label: str | None = None, enabled: bool = True,
-                 poll_s: float = POLL_S):
-        self.run_dir, self.console, self.label, self.enabled, self.poll_s = run_dir, console, label, enabled, poll_s
+    def __init__(
+        self,
+        run_dir: Path | str,
+        console: Console,
+        label: str | None = None,
+        enabled: bool = True,
+        poll_s: float = POLL_S,
+    ):
+        self.run_dir, self.console, self.label, self.enabled, self.poll_s = (
+            run_dir,
+            console,
+            label,
+            enabled,
+            poll_s,
+        )
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def __enter__(self) -> "LiveProgress":
+    def __enter__(self) -> LiveProgress:
         if not self.enabled:
             return self
         try:
@@ -139,7 +178,9 @@ class LiveProgress:
             try:
                 self.display.update(self.follower.poll(), final=final)
             except Exception as e:  # the display must never break the job it watches
-                self.console.print(Text(f"progress: {type(e).__name__}: {e}", style="dim"), soft_wrap=True)
+                self.console.print(
+                    Text(f"progress: {type(e).__name__}: {e}", style="dim"), soft_wrap=True
+                )
                 self._stop.set()
 
     def _loop(self) -> None:
@@ -155,12 +196,16 @@ class LiveProgress:
         self.display.close()
 
 
-def watch(run_dir: Path | str, console: Console, timeout_s: float | None = None, poll_s: float = POLL_S) -> int:
+def watch(
+    run_dir: Path | str, console: Console, timeout_s: float | None = None, poll_s: float = POLL_S
+) -> int:
     """Follow a run another process writes until it ends; returns its outcome as an exit code: 0 complete,
     3 failed (a rank failed, the launcher logged job_failed, its launcher is gone before COMPLETE, or
     nothing grew for timeout_s). Raises BadInput (exit 2) when run_dir is not a run."""
     follower = Follower(run_dir)
-    if timeout_s is None:  # a hung collective ends the job within its timeout; past twice that, nobody writes
+    if (
+        timeout_s is None
+    ):  # a hung collective ends the job within its timeout; past twice that, nobody writes
         timeout_s = 2 * float(follower.timeout_s or 60) + 60
     display = Display(console)
     try:
@@ -178,12 +223,17 @@ def watch(run_dir: Path | str, console: Console, timeout_s: float | None = None,
                 if p.complete:
                     return EXIT_OK
                 if not p.failed:
-                    display._line("job failed: its launcher is gone and the run is not complete", "red")
+                    display._line(
+                        "job failed: its launcher is gone and the run is not complete", "red"
+                    )
                 return EXIT_JOB_FAILED
             if follower.idle_s() > timeout_s:
                 display.update(follower.poll(), final=True)
-                display._line(f"job failed: nothing was written to the run for {timeout_s:.0f} s "
-                              f"(--timeout); the run is not complete", "red")
+                display._line(
+                    f"job failed: nothing was written to the run for {timeout_s:.0f} s "
+                    f"(--timeout); the run is not complete",
+                    "red",
+                )
                 return EXIT_JOB_FAILED
             time.sleep(poll_s)
     finally:
@@ -211,10 +261,18 @@ class StepBar:
     def __enter__(self):
         if plain_mode(self.console):
             return None
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn
+        from rich.progress import Progress as Bar
 
-        self._bar = Bar(TextColumn(f"{self.label}: step"), BarColumn(), MofNCompleteColumn(), console=self.console,
-                        transient=True, redirect_stdout=False, redirect_stderr=False)
+        self._bar = Bar(
+            TextColumn(f"{self.label}: step"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            console=self.console,
+            transient=True,
+            redirect_stdout=False,
+            redirect_stderr=False,
+        )
         self._bar.start()
         task = self._bar.add_task("", total=None)
         return lambda done, total: self._bar.update(task, completed=done, total=total)

@@ -19,25 +19,41 @@ import html
 import math
 import os
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
-from disttrace.store.records import FAILURE_EVENTS
-from disttrace.fmt import abbrev, agreeing_digits, fmt_number, ranges, where
 from disttrace.errors import BadInput
+from disttrace.fmt import abbrev, agreeing_digits, fmt_number, ranges, where
+from disttrace.store.records import FAILURE_EVENTS
 from disttrace.store.rundir import Run, iter_jsonl
 
 PALETTE = ("#1f6fd1", "#d1341f", "#1e9e54", "#8e44ad", "#e08a00", "#7f5539", "#0f9aa8", "#c2185b")
 DASHES = ("", "9 5", "2 5", "12 4 2 4", "6 3", "1 3")
 WIDTHS = (3.2, 2.2, 2.6, 2.0, 2.0, 2.0)
-COORD_COLOURS = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
-                 "#9c755f", "#bab0ac")
+COORD_COLOURS = (
+    "#4e79a7",
+    "#f28e2b",
+    "#59a14f",
+    "#e15759",
+    "#76b7b2",
+    "#edc948",
+    "#b07aa1",
+    "#ff9da7",
+    "#9c755f",
+    "#bab0ac",
+)
 EQUAL_COLOUR = "#cfeedd"
 WITHIN_COLOUR = "#ffe680"
 HARD_COLOUR = "#4a1486"
 NODATA_COLOUR = "#eceff3"
 # relative error -> colour: 1e-9 (pale) .. 1 (dark red), on -log10(rel)
-REL_STOPS = ((0.0, (127, 0, 0)), (3.0, (215, 48, 31)), (6.0, (252, 141, 89)), (9.0, (253, 212, 158)))
+REL_STOPS = (
+    (0.0, (127, 0, 0)),
+    (3.0, (215, 48, 31)),
+    (6.0, (252, 141, 89)),
+    (9.0, (253, 212, 158)),
+)
 GRID_MAX_STEPS = 120
 LOSS_TABLE_MAX_ROWS = 40
 NOT_RECORDED = "not recorded"
@@ -85,8 +101,10 @@ def _bytes(n: Any) -> str:
 def _table(head: Iterable[str], rows: Iterable[Iterable[str]], cls: str = "") -> str:
     """head: plain text (escaped); rows: cells already HTML."""
     h = "".join(f"<th>{e(c)}</th>" for c in head)
-    body = "".join("<tr>" + "".join(c if c.startswith("<td") else f"<td>{c}</td>" for c in r) + "</tr>"
-                   for r in rows)
+    body = "".join(
+        "<tr>" + "".join(c if c.startswith("<td") else f"<td>{c}</td>" for c in r) + "</tr>"
+        for r in rows
+    )
     return f'<table class="{e(cls)}"><thead><tr>{h}</tr></thead><tbody>{body}</tbody></table>'
 
 
@@ -115,8 +133,11 @@ def _nice_ticks(lo: float, hi: float, n: int = 5) -> tuple[list[float], float]:
 
 
 def _tick_label(v: float, step: float) -> str:
-    decimals = max(0, -math.floor(math.log10(step)) + (1 if round(step / 10 ** math.floor(math.log10(step)), 6)
-                                                          == 2.5 else 0))
+    decimals = max(
+        0,
+        -math.floor(math.log10(step))
+        + (1 if round(step / 10 ** math.floor(math.log10(step)), 6) == 2.5 else 0),
+    )
     return f"{v:.{decimals}f}"
 
 
@@ -127,8 +148,8 @@ def _lerp_colour(t: float) -> str:
         if t <= b:
             f = (t - a) / (b - a)
             rgb = tuple(round(x + (y - x) * f) for x, y in zip(ca, cb))
-            return "#%02x%02x%02x" % rgb
-    return "#%02x%02x%02x" % REL_STOPS[-1][1]
+            return "#{:02x}{:02x}{:02x}".format(*rgb)
+    return "#{:02x}{:02x}{:02x}".format(*REL_STOPS[-1][1])
 
 
 # ---------------------------------------------------------------- the runs
@@ -156,8 +177,9 @@ class _R:
         return _badge("complete", "ok") if self.complete else _badge("INCOMPLETE", "warn")
 
     def name_html(self) -> str:
-        return (f'<span class="swatch" style="background:{self.colour}"></span>'
-                f'<b>{e(self.label)}</b>')
+        return (
+            f'<span class="swatch" style="background:{self.colour}"></span><b>{e(self.label)}</b>'
+        )
 
     def tag_html(self) -> str:
         """The name, marked where the run is incomplete."""
@@ -186,16 +208,22 @@ def _overview(rs: list[_R], diffs: dict[int, Any]) -> str:
         resume = info.get("resume")
         what = []
         if fault:
-            what.append(f"fault <code>{e(fault.get('name'))}</code> at step {e(fault.get('step'))} "
-                        f"rank {e(fault.get('rank'))}")
+            what.append(
+                f"fault <code>{e(fault.get('name'))}</code> at step {e(fault.get('step'))} "
+                f"rank {e(fault.get('rank'))}"
+            )
             fired = _fault_fired(r)
             if fired is not None:
-                what.append(f"fired at step {e(fired.get('step'))} micro-batch {e(fired.get('micro_batch'))} "
-                            f"{e(fired.get('phase'))} rank {e(fired.get('rank'))}")
+                what.append(
+                    f"fired at step {e(fired.get('step'))} micro-batch {e(fired.get('micro_batch'))} "
+                    f"{e(fired.get('phase'))} rank {e(fired.get('rank'))}"
+                )
             else:
                 what.append('<span class="warn">no fault_fired event recorded</span>')
         if isinstance(resume, dict):
-            what.append(f"resumed from <code>{e(resume.get('checkpoint'))}</code> (step {e(resume.get('step'))})")
+            what.append(
+                f"resumed from <code>{e(resume.get('checkpoint'))}</code> (step {e(resume.get('step'))})"
+            )
         for f in _failures(r):
             what.append(f'<span class="bad">{e(f.get("event"))}: {e(failure_text(f))}</span>')
         if r.info_error:
@@ -206,16 +234,33 @@ def _overview(rs: list[_R], diffs: dict[int, Any]) -> str:
             d = diffs.get(r.index)
             if isinstance(d, dict):
                 f = d.get("first_divergence")
-                vs = _badge("equal", "ok") if f is None else _badge(f"diverged at step {f['step']}", "bad")
+                vs = (
+                    _badge("equal", "ok")
+                    if f is None
+                    else _badge(f"diverged at step {f['step']}", "bad")
+                )
             else:
                 vs = _badge("not compared", "na")
         gate = _verdict(r)
-        gate_html = (_badge("gate PASS", "ok") if gate.get("pass") else _badge("gate FAIL", "bad")) if gate else \
-            '<span class="nr">no verdict</span>'
-        rows.append([r.name_html(), f"<code>{e(r.kind)}</code>", r.status_badge(), vs, gate_html,
-                     "<br>".join(what) or '<span class="nr">-</span>',
-                     f'<code class="path">{e(r.path)}</code>'])
-    return _table(("run", "path", "state", "vs reference", "gate", "what happened", "directory"), rows, "wide")
+        gate_html = (
+            (_badge("gate PASS", "ok") if gate.get("pass") else _badge("gate FAIL", "bad"))
+            if gate
+            else '<span class="nr">no verdict</span>'
+        )
+        rows.append(
+            [
+                r.name_html(),
+                f"<code>{e(r.kind)}</code>",
+                r.status_badge(),
+                vs,
+                gate_html,
+                "<br>".join(what) or '<span class="nr">-</span>',
+                f'<code class="path">{e(r.path)}</code>',
+            ]
+        )
+    return _table(
+        ("run", "path", "state", "vs reference", "gate", "what happened", "directory"), rows, "wide"
+    )
 
 
 def _fault_fired(r: _R) -> dict | None:
@@ -250,9 +295,26 @@ def _verdict(r: _R) -> dict | None:
 
 
 KEY_SETTINGS = (
-    ("model", ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "max_seq_len")),
-    ("parallelism", ("world_size", "dp", "tp", "pp", "zero_stage", "architecture", "backend", "pp_schedule")),
-    ("training", ("steps", "micro_batch_size", "grad_accum_steps", "optimizer", "lr", "dtype", "weight_decay")),
+    (
+        "model",
+        ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "max_seq_len"),
+    ),
+    (
+        "parallelism",
+        ("world_size", "dp", "tp", "pp", "zero_stage", "architecture", "backend", "pp_schedule"),
+    ),
+    (
+        "training",
+        (
+            "steps",
+            "micro_batch_size",
+            "grad_accum_steps",
+            "optimizer",
+            "lr",
+            "dtype",
+            "weight_decay",
+        ),
+    ),
     ("checkpoint", ("interval",)),
     ("debug", ("deterministic", "collective_timeout_s")),
     ("eval", ("batch_size", "max_batches", "loss_rtol")),
@@ -280,14 +342,32 @@ def _manifest(rs: list[_R]) -> str:
         ("manifest id", f'<code class="path">{e(r0.run.manifest_id)}</code>'),
         ("description", e(exp.get("description", "-"))),
         ("seed", e(exp.get("seed", NOT_RECORDED))),
-        ("data", f"<code>{e(data.get('path', NOT_RECORDED))}</code> sha256 <code>{e(abbrev(data.get('sha256'), 16))}"
-                 f"</code> · eval split {e(data.get('eval_percent', '-'))}%"),
-        ("tokenizer", f"{e(tok.get('kind', NOT_RECORDED))} sha256 <code>{e(abbrev(tok.get('sha256'), 16))}</code>"),
-        ("source", f"<code>{e(r0.run.lock.get('source', '-'))}</code>"
-                   + (" with <code>" + e(" ".join(f"--set {o}" for o in r0.run.lock.get("overrides") or []))
-                      + "</code>" if r0.run.lock.get("overrides") else "")),
+        (
+            "data",
+            f"<code>{e(data.get('path', NOT_RECORDED))}</code> sha256 <code>{e(abbrev(data.get('sha256'), 16))}"
+            f"</code> · eval split {e(data.get('eval_percent', '-'))}%",
+        ),
+        (
+            "tokenizer",
+            f"{e(tok.get('kind', NOT_RECORDED))} sha256 <code>{e(abbrev(tok.get('sha256'), 16))}</code>",
+        ),
+        (
+            "source",
+            f"<code>{e(r0.run.lock.get('source', '-'))}</code>"
+            + (
+                " with <code>"
+                + e(" ".join(f"--set {o}" for o in r0.run.lock.get("overrides") or []))
+                + "</code>"
+                if r0.run.lock.get("overrides")
+                else ""
+            ),
+        ),
     ]
-    out = ['<table class="kv">' + "".join(f"<tr><th>{e(k)}</th><td>{v}</td></tr>" for k, v in head) + "</table>"]
+    out = [
+        '<table class="kv">'
+        + "".join(f"<tr><th>{e(k)}</th><td>{v}</td></tr>" for k, v in head)
+        + "</table>"
+    ]
     cards = []
     for section, keys in KEY_SETTINGS:
         sec = m.get(section)
@@ -295,7 +375,9 @@ def _manifest(rs: list[_R]) -> str:
             continue
         items = "".join(f"<tr><th>{e(k)}</th><td>{e(sec[k])}</td></tr>" for k in keys if k in sec)
         if items:
-            cards.append(f'<div class="card"><h4>{e(section)}</h4><table class="kv small">{items}</table></div>')
+            cards.append(
+                f'<div class="card"><h4>{e(section)}</h4><table class="kv small">{items}</table></div>'
+            )
     out.append(f'<div class="cards">{"".join(cards)}</div>')
     # the others: same manifest, or which fields differ
     base = _flatten(m)
@@ -310,11 +392,18 @@ def _manifest(rs: list[_R]) -> str:
             rows.append([r.name_html(), _badge("same manifest id", "ok")])
             continue
         diff = [k for k in sorted(base.keys() | other.keys()) if base.get(k) != other.get(k)]
-        cells = "<br>".join(f"<code>{e(k)}</code>: {e(base.get(k, '—'))} → {e(other.get(k, '—'))}"
-                            for k in diff[:20])
+        cells = "<br>".join(
+            f"<code>{e(k)}</code>: {e(base.get(k, '—'))} → {e(other.get(k, '—'))}"
+            for k in diff[:20]
+        )
         more = f"<br>… {len(diff) - 20} more" if len(diff) > 20 else ""
-        rows.append([r.name_html(), f"{_badge('other manifest ' + abbrev(r.run.manifest_id), 'warn')}<br>"
-                                    f"{cells or 'ids differ, fields equal'}{more}"])
+        rows.append(
+            [
+                r.name_html(),
+                f"{_badge('other manifest ' + abbrev(r.run.manifest_id), 'warn')}<br>"
+                f"{cells or 'ids differ, fields equal'}{more}",
+            ]
+        )
     if rows:
         out.append("<h3>the other runs</h3>" + _table(("run", "manifest"), rows))
     return "".join(out)
@@ -323,8 +412,10 @@ def _manifest(rs: list[_R]) -> str:
 def _topo_key(topo: dict | None) -> Any:
     if not isinstance(topo, dict):
         return None
-    return (repr(topo.get("mesh_shape")), repr([(x.get("rank"), x.get("coords"), x.get("host"))
-                                                for x in topo.get("ranks") or []]))
+    return (
+        repr(topo.get("mesh_shape")),
+        repr([(x.get("rank"), x.get("coords"), x.get("host")) for x in topo.get("ranks") or []]),
+    )
 
 
 def _topology(rs: list[_R]) -> str:
@@ -337,7 +428,9 @@ def _topology(rs: list[_R]) -> str:
             continue
         key = _topo_key(topo)
         if key is not None and key in seen:
-            out.append(f'<p class="muted">{r.name_html()}: same rank topology as {e(seen[key])}.</p>')
+            out.append(
+                f'<p class="muted">{r.name_html()}: same rank topology as {e(seen[key])}.</p>'
+            )
             continue
         if key is not None:
             seen[key] = rs[rs.index(r)].label
@@ -348,7 +441,9 @@ def _topology(rs: list[_R]) -> str:
 def _one_topology(r: _R, topo: dict | None) -> str:
     if not topo:
         par = r.run.manifest.get("parallelism") or {}
-        declared = " ".join(f"{k}={par[k]}" for k in ("world_size", "dp", "tp", "pp", "zero_stage") if k in par)
+        declared = " ".join(
+            f"{k}={par[k]}" for k in ("world_size", "dp", "tp", "pp", "zero_stage") if k in par
+        )
         return _nr(f"topology.json not recorded; the manifest declares {declared or 'nothing'}")
     dims = [d for d in topo.get("mesh_dims") or ("pp", "dp", "tp")]
     ranks = sorted(topo.get("ranks") or [], key=lambda x: x.get("rank", 0))
@@ -356,13 +451,19 @@ def _one_topology(r: _R, topo: dict | None) -> str:
     rows = []
     for x in ranks:
         c = x.get("coords") or {}
-        cells = [_td_num(e(x.get("rank"))), e(x.get("host")), _td_num(e(x.get("node_rank"))),
-                 _td_num(e(x.get("local_rank")))]
+        cells = [
+            _td_num(e(x.get("rank"))),
+            e(x.get("host")),
+            _td_num(e(x.get("node_rank"))),
+            _td_num(e(x.get("local_rank"))),
+        ]
         for d in dims:
             v = c.get(d)
             col = COORD_COLOURS[v % len(COORD_COLOURS)] if isinstance(v, int) else NODATA_COLOUR
             txt = "#fff" if _dark(col) else "#1c2230"
-            cells.append(f'<td class="num"><span class="chip" style="background:{col};color:{txt}">{e(v)}</span></td>')
+            cells.append(
+                f'<td class="num"><span class="chip" style="background:{col};color:{txt}">{e(v)}</span></td>'
+            )
         rows.append(cells)
     table = _table(("rank", "host", "node", "local", *dims), rows)
     grid = _topology_svg(ranks, dims)
@@ -371,9 +472,11 @@ def _one_topology(r: _R, topo: dict | None) -> str:
         if shape.get(d, 1) > 1 or d not in shape:
             groups.append(f"<li><b>{e(d)}</b> groups: <code>{e(gs)}</code></li>")
     mesh = " × ".join(f"{d}={shape.get(d, '?')}" for d in dims)
-    return (f'<p>world size <b>{e(topo.get("world_size", len(ranks)))}</b> · mesh {e(mesh)}</p>'
-            f'<div class="row"><div>{table}</div><div>{grid}</div></div>'
-            + (f"<ul>{''.join(groups)}</ul>" if groups else ""))
+    return (
+        f"<p>world size <b>{e(topo.get('world_size', len(ranks)))}</b> · mesh {e(mesh)}</p>"
+        f'<div class="row"><div>{table}</div><div>{grid}</div></div>'
+        + (f"<ul>{''.join(groups)}</ul>" if groups else "")
+    )
 
 
 def _topology_svg(ranks: list[dict], dims: list[str]) -> str:
@@ -384,26 +487,39 @@ def _topology_svg(ranks: list[dict], dims: list[str]) -> str:
     cw = max(14, min(40, 640 // max(n, 1)))
     ch, left, top = 26, 40, 20
     w, h = left + n * cw + 4, top + len(dims) * ch + 4
-    parts = [f'<svg class="topo" width="{w}" height="{h}" viewBox="0 0 {w} {h}" role="img" '
-             f'aria-label="rank topology grid">']
+    parts = [
+        f'<svg class="topo" width="{w}" height="{h}" viewBox="0 0 {w} {h}" role="img" '
+        f'aria-label="rank topology grid">'
+    ]
     for i, x in enumerate(ranks):
         if cw >= 18 or i % 4 == 0:
-            parts.append(f'<text x="{left + i * cw + cw / 2}" y="{top - 6}" text-anchor="middle" class="tick">'
-                         f'{e(x.get("rank"))}</text>')
+            parts.append(
+                f'<text x="{left + i * cw + cw / 2}" y="{top - 6}" text-anchor="middle" class="tick">'
+                f"{e(x.get('rank'))}</text>"
+            )
     for j, d in enumerate(dims):
         y = top + j * ch
-        parts.append(f'<text x="{left - 6}" y="{y + ch / 2 + 4}" text-anchor="end" class="axis">{e(d)}</text>')
+        parts.append(
+            f'<text x="{left - 6}" y="{y + ch / 2 + 4}" text-anchor="end" class="axis">{e(d)}</text>'
+        )
         for i, x in enumerate(ranks):
             v = (x.get("coords") or {}).get(d)
             col = COORD_COLOURS[v % len(COORD_COLOURS)] if isinstance(v, int) else NODATA_COLOUR
-            parts.append(f'<rect x="{left + i * cw + 1}" y="{y + 1}" width="{cw - 2}" height="{ch - 2}" rx="3" '
-                         f'fill="{col}"><title>rank {e(x.get("rank"))}: {e(d)}={e(v)}</title></rect>')
+            parts.append(
+                f'<rect x="{left + i * cw + 1}" y="{y + 1}" width="{cw - 2}" height="{ch - 2}" rx="3" '
+                f'fill="{col}"><title>rank {e(x.get("rank"))}: {e(d)}={e(v)}</title></rect>'
+            )
             if cw >= 16:
                 white = ' style="fill:#fff"' if _dark(col) else ""
-                parts.append(f'<text x="{left + i * cw + cw / 2}" y="{y + ch / 2 + 4}" text-anchor="middle" '
-                             f'class="cell"{white}>{e(v)}</text>')
+                parts.append(
+                    f'<text x="{left + i * cw + cw / 2}" y="{y + ch / 2 + 4}" text-anchor="middle" '
+                    f'class="cell"{white}>{e(v)}</text>'
+                )
     parts.append("</svg>")
-    return "".join(parts) + '<p class="muted small">columns: ranks · rows: mesh dimension · colour: coordinate</p>'
+    return (
+        "".join(parts)
+        + '<p class="muted small">columns: ranks · rows: mesh dimension · colour: coordinate</p>'
+    )
 
 
 def _loss(rs: list[_R]) -> str:
@@ -441,8 +557,10 @@ def _loss_agreement(series: list[tuple[_R, dict[int, float]]]) -> str:
             items.append(f"{r.name_html()}: the same loss, bit for bit, at {e(span)}")
         elif math.isfinite(worst):
             digits = max(0, int(math.floor(-math.log10(worst))))
-            items.append(f"{r.name_html()}: largest relative loss difference {worst:.1e} over {e(span)} "
-                         f"(agrees to about {digits} digits)")
+            items.append(
+                f"{r.name_html()}: largest relative loss difference {worst:.1e} over {e(span)} "
+                f"(agrees to about {digits} digits)"
+            )
         else:
             items.append(f"{r.name_html()}: a non-finite loss over {e(span)}")
     if not items:
@@ -474,15 +592,23 @@ def _loss_svg(series: list[tuple[_R, dict[int, float]]]) -> str:
         return mt + (1 - (v - y0) / (y1 - y0)) * ph
 
     total_h = H + legend_h
-    p = [f'<svg class="plot" width="{W}" height="{total_h}" viewBox="0 0 {W} {total_h}" role="img" '
-         f'aria-label="training loss per step">']
-    p.append(f'<rect x="{ml}" y="{mt}" width="{pw}" height="{ph}" fill="#fbfcfe" stroke="#d5dae3"/>')
+    p = [
+        f'<svg class="plot" width="{W}" height="{total_h}" viewBox="0 0 {W} {total_h}" role="img" '
+        f'aria-label="training loss per step">'
+    ]
+    p.append(
+        f'<rect x="{ml}" y="{mt}" width="{pw}" height="{ph}" fill="#fbfcfe" stroke="#d5dae3"/>'
+    )
     yt, ystep = _nice_ticks(y0, y1, 6)
     for t in yt:
         if y0 <= t <= y1:
-            p.append(f'<line x1="{ml}" x2="{ml + pw}" y1="{Y(t):.1f}" y2="{Y(t):.1f}" class="gridline"/>')
-            p.append(f'<text x="{ml - 8}" y="{Y(t) + 4:.1f}" text-anchor="end" class="tick">'
-                     f'{e(_tick_label(t, ystep))}</text>')
+            p.append(
+                f'<line x1="{ml}" x2="{ml + pw}" y1="{Y(t):.1f}" y2="{Y(t):.1f}" class="gridline"/>'
+            )
+            p.append(
+                f'<text x="{ml - 8}" y="{Y(t) + 4:.1f}" text-anchor="end" class="tick">'
+                f"{e(_tick_label(t, ystep))}</text>"
+            )
     if x1 - x0 <= 16:
         xt = [s for s in range(math.ceil(x0), math.floor(x1) + 1)]
     else:
@@ -490,29 +616,45 @@ def _loss_svg(series: list[tuple[_R, dict[int, float]]]) -> str:
         xt = sorted({int(round(t)) for t in xt_f})
     for s in xt:
         if x0 <= s <= x1:
-            p.append(f'<line x1="{X(s):.1f}" x2="{X(s):.1f}" y1="{mt}" y2="{mt + ph}" class="gridline"/>')
-            p.append(f'<text x="{X(s):.1f}" y="{mt + ph + 18}" text-anchor="middle" class="tick">{s}</text>')
-    p.append(f'<text x="{ml + pw / 2}" y="{mt + ph + 38}" text-anchor="middle" class="axis">step</text>')
-    p.append(f'<text x="16" y="{mt + ph / 2}" text-anchor="middle" class="axis" '
-             f'transform="rotate(-90 16 {mt + ph / 2})">training loss</text>')
+            p.append(
+                f'<line x1="{X(s):.1f}" x2="{X(s):.1f}" y1="{mt}" y2="{mt + ph}" class="gridline"/>'
+            )
+            p.append(
+                f'<text x="{X(s):.1f}" y="{mt + ph + 18}" text-anchor="middle" class="tick">{s}</text>'
+            )
+    p.append(
+        f'<text x="{ml + pw / 2}" y="{mt + ph + 38}" text-anchor="middle" class="axis">step</text>'
+    )
+    p.append(
+        f'<text x="16" y="{mt + ph / 2}" text-anchor="middle" class="axis" '
+        f'transform="rotate(-90 16 {mt + ph / 2})">training loss</text>'
+    )
     for i, (r, ls) in enumerate(series):
         good = [(s, v) for s, v in sorted(ls.items()) if math.isfinite(v)]
         dash = DASHES[i % len(DASHES)]
         width = WIDTHS[i % len(WIDTHS)]
         coords = " ".join(f"{X(s):.2f},{Y(v):.2f}" for s, v in good)
-        p.append(f'<polyline class="loss-line" data-run="{e(r.label)}" points="{coords}" fill="none" '
-                 f'stroke="{r.colour}" stroke-width="{width}" stroke-linecap="round" stroke-linejoin="round"'
-                 + (f' stroke-dasharray="{dash}"' if dash else "") + f'><title>{e(r.label)}</title></polyline>')
+        p.append(
+            f'<polyline class="loss-line" data-run="{e(r.label)}" points="{coords}" fill="none" '
+            f'stroke="{r.colour}" stroke-width="{width}" stroke-linecap="round" stroke-linejoin="round"'
+            + (f' stroke-dasharray="{dash}"' if dash else "")
+            + f"><title>{e(r.label)}</title></polyline>"
+        )
         for s, v in good:
-            p.append(f'<circle cx="{X(s):.2f}" cy="{Y(v):.2f}" r="{3.6 - 0.6 * min(i, 3):.1f}" fill="{r.colour}">'
-                     f'<title>{e(r.label)} step {s}: {v:.9g}</title></circle>')
+            p.append(
+                f'<circle cx="{X(s):.2f}" cy="{Y(v):.2f}" r="{3.6 - 0.6 * min(i, 3):.1f}" fill="{r.colour}">'
+                f"<title>{e(r.label)} step {s}: {v:.9g}</title></circle>"
+            )
     # legend, below the plot: it never covers a curve
     lx, ly = ml, H + 8
     for i, (r, _) in enumerate(series):
         dash = DASHES[i % len(DASHES)]
-        p.append(f'<line x1="{lx}" x2="{lx + 34}" y1="{ly + 6}" y2="{ly + 6}" stroke="{r.colour}" '
-                 f'stroke-width="{WIDTHS[i % len(WIDTHS)]}" stroke-linecap="round"'
-                 + (f' stroke-dasharray="{dash}"' if dash else "") + "/>")
+        p.append(
+            f'<line x1="{lx}" x2="{lx + 34}" y1="{ly + 6}" y2="{ly + 6}" stroke="{r.colour}" '
+            f'stroke-width="{WIDTHS[i % len(WIDTHS)]}" stroke-linecap="round"'
+            + (f' stroke-dasharray="{dash}"' if dash else "")
+            + "/>"
+        )
         text = r.label + ("" if r.complete else " (incomplete)")
         p.append(f'<text x="{lx + 42}" y="{ly + 10}" class="legend">{e(text)}</text>')
         lx += 60 + 7.5 * len(text)
@@ -534,7 +676,7 @@ def _loss_table(series: list[tuple[_R, dict[int, float]]]) -> str:
     rows = []
     for s in steps:
         cells = [_td_num(str(s))]
-        for i, (r, ls) in enumerate(series):
+        for i, (_r, ls) in enumerate(series):
             v = ls.get(s)
             if v is None:
                 cells.append('<td class="num nr">-</td>')
@@ -549,8 +691,10 @@ def _loss_table(series: list[tuple[_R, dict[int, float]]]) -> str:
             cells.append(_td_num(txt))
         rows.append(cells)
     head = ["step", *[r.label for r, _ in series]]
-    return ('<details class="losstable"><summary>loss per step (Δ against the reference; a loss that agrees to '
-            "6 digits can still hide a divergence)</summary>" + _table(head, rows) + note + "</details>")
+    return (
+        '<details class="losstable"><summary>loss per step (Δ against the reference; a loss that agrees to '
+        "6 digits can still hide a divergence)</summary>" + _table(head, rows) + note + "</details>"
+    )
 
 
 def _divergence(rs: list[_R], diffs: dict[int, Any]) -> str:
@@ -559,8 +703,10 @@ def _divergence(rs: list[_R], diffs: dict[int, Any]) -> str:
     out = []
     for r in rs[1:]:
         d = diffs.get(r.index)
-        out.append(f'<div class="diffblock"><h3>{rs[0].tag_html()} <span class="muted">vs</span> '
-                   f"{r.tag_html()}</h3>")
+        out.append(
+            f'<div class="diffblock"><h3>{rs[0].tag_html()} <span class="muted">vs</span> '
+            f"{r.tag_html()}</h3>"
+        )
         if isinstance(d, BaseException):
             out.append(_err("not compared", d))
         elif d is None:
@@ -574,31 +720,68 @@ def _divergence(rs: list[_R], diffs: dict[int, Any]) -> str:
 def _one_diff(d: dict) -> str:
     cs = d.get("compared_steps") or {}
     tol = d.get("tolerance") or {}
-    tol_txt = ("bit for bit" if tol.get("kind") == "bitwise" else
-               f"rtol {tol.get('rtol')} atol {tol.get('atol')}" if tol.get("kind") == "user" else
-               f"derived bound {fmt_number(tol.get('per_step'), '.2e')} per step")
-    out = [f'<p class="muted">mode <b>{e(d.get("mode"))}</b> ({e(tol_txt)}) · compared steps '
-           f'{e(cs.get("first"))}..{e(cs.get("last"))} ({e(cs.get("count"))}): {e(cs.get("why"))}</p>']
+    tol_txt = (
+        "bit for bit"
+        if tol.get("kind") == "bitwise"
+        else f"rtol {tol.get('rtol')} atol {tol.get('atol')}"
+        if tol.get("kind") == "user"
+        else f"derived bound {fmt_number(tol.get('per_step'), '.2e')} per step"
+    )
+    out = [
+        f'<p class="muted">mode <b>{e(d.get("mode"))}</b> ({e(tol_txt)}) · compared steps '
+        f"{e(cs.get('first'))}..{e(cs.get('last'))} ({e(cs.get('count'))}): {e(cs.get('why'))}</p>"
+    ]
     f = d.get("first_divergence")
     if f is None:
-        out.append(f'<p class="verdict ok">EQUAL over steps {e(cs.get("first"))}..{e(cs.get("last"))}</p>')
+        out.append(
+            f'<p class="verdict ok">EQUAL over steps {e(cs.get("first"))}..{e(cs.get("last"))}</p>'
+        )
     else:
         out.append(f'<p class="verdict bad">First divergence: {e(where(f))}</p>')
         a, b = f.get("a") or {}, f.get("b") or {}
         rows = []
         if f.get("missing_in"):
-            rows.append(["record", *(("missing", "present") if f["missing_in"] == "a" else ("present", "missing"))])
-        rows += [["digest", f"<code>{e(abbrev(a.get('digest'), 16))}</code>",
-                  f"<code>{e(abbrev(b.get('digest'), 16))}</code>"],
-                 ["sum", _td_num(e(fmt_number(a.get("sum"), ".10g"))), _td_num(e(fmt_number(b.get("sum"), ".10g")))],
-                 ["norm", _td_num(e(fmt_number(a.get("norm"), ".10g"))), _td_num(e(fmt_number(b.get("norm"), ".10g")))],
-                 ["non-finite", _td_num(e(fmt_number(a.get("nonfinite")))), _td_num(e(fmt_number(b.get("nonfinite"))))],
-                 ["dtype, shape", e(f"{a.get('dtype', '-')} {a.get('shape', '')}"),
-                  e(f"{b.get('dtype', '-')} {b.get('shape', '')}")]]
+            rows.append(
+                [
+                    "record",
+                    *(("missing", "present") if f["missing_in"] == "a" else ("present", "missing")),
+                ]
+            )
+        rows += [
+            [
+                "digest",
+                f"<code>{e(abbrev(a.get('digest'), 16))}</code>",
+                f"<code>{e(abbrev(b.get('digest'), 16))}</code>",
+            ],
+            [
+                "sum",
+                _td_num(e(fmt_number(a.get("sum"), ".10g"))),
+                _td_num(e(fmt_number(b.get("sum"), ".10g"))),
+            ],
+            [
+                "norm",
+                _td_num(e(fmt_number(a.get("norm"), ".10g"))),
+                _td_num(e(fmt_number(b.get("norm"), ".10g"))),
+            ],
+            [
+                "non-finite",
+                _td_num(e(fmt_number(a.get("nonfinite")))),
+                _td_num(e(fmt_number(b.get("nonfinite")))),
+            ],
+            [
+                "dtype, shape",
+                e(f"{a.get('dtype', '-')} {a.get('shape', '')}"),
+                e(f"{b.get('dtype', '-')} {b.get('shape', '')}"),
+            ],
+        ]
         bound = "0 (bitwise)" if d.get("mode") == "bitwise" else fmt_number(f.get("bound"), ".3e")
-        out.append('<div class="row"><div>' + _table(("", "A (reference)", "B"), rows) + "</div>"
-                   f'<div class="muted">relative error <b>{e(fmt_number(f.get("rel_err"), ".3e"))}</b> vs bound '
-                   f'{e(bound)}' + (f"<br>note: {e(f.get('note'))}" if f.get("note") else "") + "</div></div>")
+        out.append(
+            '<div class="row"><div>' + _table(("", "A (reference)", "B"), rows) + "</div>"
+            f'<div class="muted">relative error <b>{e(fmt_number(f.get("rel_err"), ".3e"))}</b> vs bound '
+            f"{e(bound)}"
+            + (f"<br>note: {e(f.get('note'))}" if f.get("note") else "")
+            + "</div></div>"
+        )
         prop = d.get("propagation") or []
         rec = d.get("recovered_steps") or []
         msg = f"{len(prop) - len(rec)} divergent step(s) from step {f.get('step')}"
@@ -613,15 +796,30 @@ def _one_diff(d: dict) -> str:
             ranks = ent.get("ranks") or {}
             rk = [k for k, v in ranks.items() if v.get("differing")]
             tot = sum(int(v.get("total") or 0) for v in ranks.values())
-            rels = [v.get("max_rel_err") for v in ranks.values() if v.get("max_rel_err") is not None]
-            phases = sorted({p for v in ranks.values() for p in (v.get("max_rel_err_by_phase") or {})})
-            rows.append([_td_num(e(ent.get("step"))), e(", ".join(rk) or "-"),
-                         _td_num(f"{e(ent.get('differing'))} / {tot}"),
-                         _td_num(e(fmt_number(max(rels), ".2e") if rels else "-")), e(", ".join(phases) or "-")])
+            rels = [
+                v.get("max_rel_err") for v in ranks.values() if v.get("max_rel_err") is not None
+            ]
+            phases = sorted(
+                {p for v in ranks.values() for p in (v.get("max_rel_err_by_phase") or {})}
+            )
+            rows.append(
+                [
+                    _td_num(e(ent.get("step"))),
+                    e(", ".join(rk) or "-"),
+                    _td_num(f"{e(ent.get('differing'))} / {tot}"),
+                    _td_num(e(fmt_number(max(rels), ".2e") if rels else "-")),
+                    e(", ".join(phases) or "-"),
+                ]
+            )
         more = f'<p class="muted small">… {len(prop) - 20} more steps</p>' if len(prop) > 20 else ""
-        out.append('<details><summary>propagation per step</summary>'
-                   + _table(("step", "ranks differing", "tensors differing", "max rel err", "phases"), rows)
-                   + more + "</details>")
+        out.append(
+            "<details><summary>propagation per step</summary>"
+            + _table(
+                ("step", "ranks differing", "tensors differing", "max rel err", "phases"), rows
+            )
+            + more
+            + "</details>"
+        )
     for w in d.get("warnings") or []:
         out.append(f'<p class="warn">warning: {e(w)}</p>')
     return "".join(out)
@@ -630,15 +828,23 @@ def _one_diff(d: dict) -> str:
 def _cell(entry: dict | None) -> tuple[str, str, str]:
     """(fill, label, description) of one grid cell."""
     if not entry or not entry.get("inexact"):
-        return EQUAL_COLOUR, "", "bit-identical" if entry is None or entry.get("total") is None else \
-            f"bit-identical ({entry.get('total')} tensors)"
+        return (
+            EQUAL_COLOUR,
+            "",
+            "bit-identical"
+            if entry is None or entry.get("total") is None
+            else f"bit-identical ({entry.get('total')} tensors)",
+        )
     differing = int(entry.get("differing") or 0)
     rel = entry.get("max_rel_err")
     hard = int(entry.get("hard") or 0)
     total = entry.get("total")
-    by_phase = ", ".join(f"{p} {v:.1e}" for p, v in (entry.get("max_rel_err_by_phase") or {}).items())
-    desc = f"{differing}/{total} tensors differ; max rel err {fmt_number(rel, '.2e')}" + (f" ({by_phase})" if by_phase
-                                                                                     else "")
+    by_phase = ", ".join(
+        f"{p} {v:.1e}" for p, v in (entry.get("max_rel_err_by_phase") or {}).items()
+    )
+    desc = f"{differing}/{total} tensors differ; max rel err {fmt_number(rel, '.2e')}" + (
+        f" ({by_phase})" if by_phase else ""
+    )
     if hard:
         desc += f"; {hard} missing, non-finite or bits-only"
     if not differing:
@@ -663,7 +869,9 @@ def _diff_grid(d: dict) -> str:
         per_step[ent["step"]] = ent.get("ranks") or {}
     f = d.get("first_divergence")
     start = first
-    if f and f["step"] - first > GRID_MAX_STEPS - 20:  # a late divergence: start the grid just before it
+    if (
+        f and f["step"] - first > GRID_MAX_STEPS - 20
+    ):  # a late divergence: start the grid just before it
         start = max(first, f["step"] - 10)
     steps = list(range(start, min(last, start + GRID_MAX_STEPS - 1) + 1))
     n = len(steps)
@@ -672,46 +880,63 @@ def _diff_grid(d: dict) -> str:
     left, top = 56, 22
     W = left + n * cw + 8
     H = top + len(ranks) * ch + 8
-    p = [f'<svg class="grid" width="{W}" height="{H}" viewBox="0 0 {W} {H}" role="img" '
-         f'aria-label="divergence grid, rank by step">']
+    p = [
+        f'<svg class="grid" width="{W}" height="{H}" viewBox="0 0 {W} {H}" role="img" '
+        f'aria-label="divergence grid, rank by step">'
+    ]
     label_every = 1 if cw >= 22 else 5 if cw >= 8 else 10
     for i, s in enumerate(steps):
         if s % label_every == 0 or i == 0 or s == steps[-1]:
-            p.append(f'<text x="{left + i * cw + cw / 2}" y="{top - 7}" text-anchor="middle" class="tick">{s}'
-                     "</text>")
+            p.append(
+                f'<text x="{left + i * cw + cw / 2}" y="{top - 7}" text-anchor="middle" class="tick">{s}'
+                "</text>"
+            )
     fcell = None
     for j, rk in enumerate(ranks):
         y = top + j * ch
         if ch >= 10:
-            p.append(f'<text x="{left - 8}" y="{y + ch / 2 + 4}" text-anchor="end" class="tick">rank {e(rk)}'
-                     "</text>")
+            p.append(
+                f'<text x="{left - 8}" y="{y + ch / 2 + 4}" text-anchor="end" class="tick">rank {e(rk)}'
+                "</text>"
+            )
         for i, s in enumerate(steps):
             x = left + i * cw
             fill, lab, desc = _cell((per_step.get(s) or {}).get(str(rk)))
-            p.append(f'<rect x="{x + 0.5}" y="{y + 0.5}" width="{cw - 1}" height="{ch - 1}" fill="{fill}">'
-                     f"<title>step {s} rank {e(rk)}: {e(desc)}</title></rect>")
+            p.append(
+                f'<rect x="{x + 0.5}" y="{y + 0.5}" width="{cw - 1}" height="{ch - 1}" fill="{fill}">'
+                f"<title>step {s} rank {e(rk)}: {e(desc)}</title></rect>"
+            )
             if lab and cw >= 14 and ch >= 14:
                 white = ' style="fill:#fff"' if _dark(fill) else ""
-                p.append(f'<text x="{x + cw / 2}" y="{y + ch / 2 + 4}" text-anchor="middle" class="cell"'
-                         f"{white}>{e(lab)}</text>")
+                p.append(
+                    f'<text x="{x + cw / 2}" y="{y + ch / 2 + 4}" text-anchor="middle" class="cell"'
+                    f"{white}>{e(lab)}</text>"
+                )
             if f and s == f.get("step") and rk == f.get("rank"):
                 fcell = (x, y)
     if fcell:
         x, y = fcell
-        p.append(f'<rect x="{x - 0.5}" y="{y - 0.5}" width="{cw + 1}" height="{ch + 1}" fill="none" '
-                 f'stroke="#111" stroke-width="3"><title>first divergence</title></rect>')
-        p.append(f'<rect x="{x + 2}" y="{y + 2}" width="{max(cw - 4, 1)}" height="{max(ch - 4, 1)}" fill="none" '
-                 f'stroke="#ffd400" stroke-width="2"><title>first divergence</title></rect>')
+        p.append(
+            f'<rect x="{x - 0.5}" y="{y - 0.5}" width="{cw + 1}" height="{ch + 1}" fill="none" '
+            f'stroke="#111" stroke-width="3"><title>first divergence</title></rect>'
+        )
+        p.append(
+            f'<rect x="{x + 2}" y="{y + 2}" width="{max(cw - 4, 1)}" height="{max(ch - 4, 1)}" fill="none" '
+            f'stroke="#ffd400" stroke-width="2"><title>first divergence</title></rect>'
+        )
     p.append("</svg>")
-    shown = "" if n >= (cs.get("count") or n) else \
-        f'<p class="muted small">grid shows steps {steps[0]}..{steps[-1]} of {first}..{last}</p>'
+    shown = (
+        ""
+        if n >= (cs.get("count") or n)
+        else f'<p class="muted small">grid shows steps {steps[0]}..{steps[-1]} of {first}..{last}</p>'
+    )
     return '<div class="gridbox">' + "".join(p) + "</div>" + shown + _grid_legend()
 
 
 def _dark(fill: str) -> bool:
     """White text on this fill? (relative luminance of a #rrggbb colour)"""
     try:
-        r, g, b = (int(fill[i:i + 2], 16) / 255 for i in (1, 3, 5))
+        r, g, b = (int(fill[i : i + 2], 16) / 255 for i in (1, 3, 5))
     except ValueError:
         return False
     return 0.2126 * r + 0.7152 * g + 0.0722 * b < 0.5
@@ -720,14 +945,27 @@ def _dark(fill: str) -> bool:
 def _grid_legend() -> str:
     sw = []
     sw.append(f'<span class="key"><i style="background:{EQUAL_COLOUR}"></i>bit-identical</span>')
-    sw.append(f'<span class="key"><i style="background:{WITHIN_COLOUR}"></i>inexact, within the bound</span>')
-    ramp = "".join(f'<i style="background:{_lerp_colour(t)}" title="rel err 1e-{t}"></i>' for t in range(9, -1, -1))
+    sw.append(
+        f'<span class="key"><i style="background:{WITHIN_COLOUR}"></i>inexact, within the bound</span>'
+    )
+    ramp = "".join(
+        f'<i style="background:{_lerp_colour(t)}" title="rel err 1e-{t}"></i>'
+        for t in range(9, -1, -1)
+    )
     sw.append(f'<span class="key ramp">beyond the bound: rel err 1e-9 {ramp} 1</span>')
-    sw.append(f'<span class="key"><i style="background:{HARD_COLOUR}"></i>missing, non-finite or bits only</span>')
-    sw.append('<span class="key"><i style="background:#fff;border:2px solid #111;box-shadow:inset 0 0 0 2px #ffd400">'
-              "</i>first divergence</span>")
-    return ('<div class="legend">' + "".join(sw) + '</div><p class="muted small">a cell\'s digit: -log10 of its '
-            "largest relative error (0 = every digit wrong); hover a cell for its tensors</p>")
+    sw.append(
+        f'<span class="key"><i style="background:{HARD_COLOUR}"></i>missing, non-finite or bits only</span>'
+    )
+    sw.append(
+        '<span class="key"><i style="background:#fff;border:2px solid #111;box-shadow:inset 0 0 0 2px #ffd400">'
+        "</i>first divergence</span>"
+    )
+    return (
+        '<div class="legend">'
+        + "".join(sw)
+        + '</div><p class="muted small">a cell\'s digit: -log10 of its '
+        "largest relative error (0 = every digit wrong); hover a cell for its tensors</p>"
+    )
 
 
 def _memory_rows(r: _R) -> tuple[list[dict], list[str]]:
@@ -751,13 +989,17 @@ def _memory(rs: list[_R]) -> str:
             continue
         notes += [f'<p class="warn">{e(r.label)}: {e(t)}</p>' for t in torn]
         if not recs:
-            rows.append([r.tag_html(), f'<td colspan="9" class="nr">memory ledger {NOT_RECORDED}</td>'])
+            rows.append(
+                [r.tag_html(), f'<td colspan="9" class="nr">memory ledger {NOT_RECORDED}</td>']
+            )
             continue
         for rec in recs:
             pred = rec.get("predicted") if isinstance(rec.get("predicted"), dict) else {}
             ratio = rec.get("ratio_model_state")
             if isinstance(ratio, (int, float)):
-                kind = "ok" if abs(ratio - 1) <= 0.05 else "warn" if abs(ratio - 1) <= 0.25 else "bad"
+                kind = (
+                    "ok" if abs(ratio - 1) <= 0.05 else "warn" if abs(ratio - 1) <= 0.25 else "bad"
+                )
                 ratio_html = _badge(f"{ratio:.4f}", kind)
             else:
                 ratio_html = '<span class="nr">-</span>'
@@ -767,27 +1009,54 @@ def _memory(rs: list[_R]) -> str:
                 if g not in footnotes:
                     footnotes.append(g)
                 marks.append(f'<sup class="fn">[{footnotes.index(g) + 1}]</sup>')
-            rows.append([
-                r.tag_html(), _td_num(e(rec.get("rank"))), _td_num(e(rec.get("step"))),
-                _td_num(e(_bytes(rec.get("params"))), f"{rec.get('params')} B · predicted {pred.get('params')} B"),
-                _td_num(e(_bytes(rec.get("grads"))), f"{rec.get('grads')} B · predicted {pred.get('grads')} B"),
-                _td_num(e(_bytes(rec.get("optimizer"))),
-                        f"{rec.get('optimizer')} B · predicted {pred.get('optimizer')} B"),
-                _td_num(f"<b>{e(_bytes(rec.get('model_state')))}</b> / {e(_bytes(pred.get('total')))}",
-                        f"{rec.get('model_state')} B measured / {pred.get('total')} B predicted"),
-                f'<td class="num">{ratio_html}</td>',
-                _td_num(e(_bytes(rec.get("activations_saved")))),
-                " ".join(marks) or '<span class="muted">none</span>',
-            ])
+            rows.append(
+                [
+                    r.tag_html(),
+                    _td_num(e(rec.get("rank"))),
+                    _td_num(e(rec.get("step"))),
+                    _td_num(
+                        e(_bytes(rec.get("params"))),
+                        f"{rec.get('params')} B · predicted {pred.get('params')} B",
+                    ),
+                    _td_num(
+                        e(_bytes(rec.get("grads"))),
+                        f"{rec.get('grads')} B · predicted {pred.get('grads')} B",
+                    ),
+                    _td_num(
+                        e(_bytes(rec.get("optimizer"))),
+                        f"{rec.get('optimizer')} B · predicted {pred.get('optimizer')} B",
+                    ),
+                    _td_num(
+                        f"<b>{e(_bytes(rec.get('model_state')))}</b> / {e(_bytes(pred.get('total')))}",
+                        f"{rec.get('model_state')} B measured / {pred.get('total')} B predicted",
+                    ),
+                    f'<td class="num">{ratio_html}</td>',
+                    _td_num(e(_bytes(rec.get("activations_saved")))),
+                    " ".join(marks) or '<span class="muted">none</span>',
+                ]
+            )
     if not rows:
         return "".join(notes) or _nr("memory ledger not recorded in any run")
-    head = ("run", "rank", "step", "params", "grads", "optimizer", "model state: measured / predicted", "ratio",
-            "activations saved", "gap notes")
+    head = (
+        "run",
+        "rank",
+        "step",
+        "params",
+        "grads",
+        "optimizer",
+        "model state: measured / predicted",
+        "ratio",
+        "activations saved",
+        "gap notes",
+    )
     fn = "".join(f"<li>{e(g)}</li>" for g in footnotes)
-    return (_table(head, rows, "wide") + (f'<ol class="footnotes">{fn}</ol>' if fn else "")
-            + '<p class="muted small">last recorded step per rank; predicted: the ZeRO formula for this strategy '
-            "(disttrace.plan.costs); ratio = measured / predicted model state. Hover a figure for exact bytes.</p>"
-            + "".join(notes))
+    return (
+        _table(head, rows, "wide")
+        + (f'<ol class="footnotes">{fn}</ol>' if fn else "")
+        + '<p class="muted small">last recorded step per rank; predicted: the ZeRO formula for this strategy '
+        "(disttrace.plan.costs); ratio = measured / predicted model state. Hover a figure for exact bytes.</p>"
+        + "".join(notes)
+    )
 
 
 def _collectives(rs: list[_R]) -> str:
@@ -813,26 +1082,40 @@ def _collectives(rs: list[_R]) -> str:
         if not groups:
             rows.append([name, '<td colspan="3" class="nr">no process group recorded</td>', status])
         for k, (g, v) in enumerate(groups):
-            rows.append([name if k == 0 else "", f"<code>{e(g)}</code>", _td_num(e(v.get("ops"))),
-                         _td_num(e(_bytes(v.get("bytes"))), f"{v.get('bytes')} B"), status if k == 0 else ""])
+            rows.append(
+                [
+                    name if k == 0 else "",
+                    f"<code>{e(g)}</code>",
+                    _td_num(e(v.get("ops"))),
+                    _td_num(e(_bytes(v.get("bytes"))), f"{v.get('bytes')} B"),
+                    status if k == 0 else "",
+                ]
+            )
         unfinished = res.get("unfinished") or []
         if unfinished:
             u = unfinished[0]
-            notes.append(f'<p class="warn">{e(r.label)}: {len(unfinished)} collective(s) issued but never finished, '
-                         f'first: rank {e(u.get("rank"))} group {e(u.get("group"))} seq {e(u.get("seq"))} '
-                         f'{e(u.get("op"))}</p>')
+            notes.append(
+                f'<p class="warn">{e(r.label)}: {len(unfinished)} collective(s) issued but never finished, '
+                f"first: rank {e(u.get('rank'))} group {e(u.get('group'))} seq {e(u.get('seq'))} "
+                f"{e(u.get('op'))}</p>"
+            )
         for w in res.get("warnings") or []:
             notes.append(f'<p class="warn">{e(r.label)}: {e(w)}</p>')
         try:
             for st in find_stragglers(r.run)[:3]:
-                notes.append(f'<p class="warn">{e(r.label)}: straggler: rank {e(st["rank"])} at step {e(st["step"])} '
-                             f'took {e(st["seconds"])} s to reach its collective (others {e(st["others_median"])} s)'
-                             "</p>")
+                notes.append(
+                    f'<p class="warn">{e(r.label)}: straggler: rank {e(st["rank"])} at step {e(st["step"])} '
+                    f"took {e(st['seconds'])} s to reach its collective (others {e(st['others_median'])} s)"
+                    "</p>"
+                )
         except Exception:  # noqa: BLE001 - timing is a flag, not evidence; never fatal
             pass
     head = ("run", "process group (ranks)", "ops", "bytes (first member)", "sync")
-    return _table(head, rows) + '<p class="muted small">every member of a group must issue the same sequence of ' \
+    return (
+        _table(head, rows)
+        + '<p class="muted small">every member of a group must issue the same sequence of '
         "(op, shapes, dtype); the first disagreement is named</p>" + "".join(notes)
+    )
 
 
 def _checkpoints(rs: list[_R]) -> str:
@@ -848,18 +1131,25 @@ def _checkpoints(rs: list[_R]) -> str:
             continue
         resume = r.info.get("resume") if isinstance(r.info.get("resume"), dict) else None
         if resume:
-            name += (f'<div class="muted small">resumed from <code>{e(resume.get("checkpoint"))}</code></div>')
+            name += f'<div class="muted small">resumed from <code>{e(resume.get("checkpoint"))}</code></div>'
         if not cks:
             rows.append([name, f'<td colspan="4" class="nr">checkpoints {NOT_RECORDED}</td>'])
             continue
         for k, c in enumerate(cks):
             ok = c.get("verified")
-            rows.append([name if k == 0 else "", f"<code>{e(c.get('checkpoint'))}</code>",
-                         _td_num(e(c.get("step") if c.get("step") is not None else "-")),
-                         _badge("verified", "ok") if ok else _badge("BAD", "bad"),
-                         e(c.get("detail")) if ok else f'<span class="bad">{e(c.get("detail"))}</span>'])
-    return _table(("run", "checkpoint", "step", "sha256", "detail"), rows) + \
-        '<p class="muted small">every file of every checkpoint is read and hashed against its INDEX.json</p>'
+            rows.append(
+                [
+                    name if k == 0 else "",
+                    f"<code>{e(c.get('checkpoint'))}</code>",
+                    _td_num(e(c.get("step") if c.get("step") is not None else "-")),
+                    _badge("verified", "ok") if ok else _badge("BAD", "bad"),
+                    e(c.get("detail")) if ok else f'<span class="bad">{e(c.get("detail"))}</span>',
+                ]
+            )
+    return (
+        _table(("run", "checkpoint", "step", "sha256", "detail"), rows)
+        + '<p class="muted small">every file of every checkpoint is read and hashed against its INDEX.json</p>'
+    )
 
 
 def _gate(rs: list[_R]) -> str:
@@ -875,24 +1165,32 @@ def _gate(rs: list[_R]) -> str:
             continue
         out.append((_badge("PASS", "ok") if v.get("pass") else _badge("FAIL", "bad")) + "</h3>")
         if v.get("reference"):
-            out.append(f'<p class="muted">against reference <code>{e(v.get("reference"))}</code></p>')
+            out.append(
+                f'<p class="muted">against reference <code>{e(v.get("reference"))}</code></p>'
+            )
         else:
             out.append('<p class="muted">no reference given</p>')
         rows = []
         for c in v.get("checks") or []:
-            res = {True: _badge("pass", "ok"), False: _badge("FAIL", "bad")}.get(c.get("passed"), _badge("n/a", "na"))
+            res = {True: _badge("pass", "ok"), False: _badge("FAIL", "bad")}.get(
+                c.get("passed"), _badge("n/a", "na")
+            )
             rows.append([f"<code>{e(c.get('name'))}</code>", res, e(c.get("reason"))])
         out.append(_table(("check", "result", "reason"), rows))
         for fl in v.get("flags") or []:
             out.append(f'<p class="warn">flag: {e(fl)}</p>')
         ev = v.get("eval")
         if isinstance(ev, dict) and "eval_loss" in ev:
-            out.append(f'<p class="muted">evaluation ({e(ev.get("process", "?"))}): eval loss '
-                       f'{e(fmt_number(ev.get("eval_loss"), ".6f"))}, token accuracy '
-                       f'{e(fmt_number(ev.get("token_accuracy"), ".4f"))}'
-                       f' on {e(ev.get("tokens"))} tokens of checkpoint {e(ev.get("checkpoint"))}</p>')
+            out.append(
+                f'<p class="muted">evaluation ({e(ev.get("process", "?"))}): eval loss '
+                f"{e(fmt_number(ev.get('eval_loss'), '.6f'))}, token accuracy "
+                f"{e(fmt_number(ev.get('token_accuracy'), '.4f'))}"
+                f" on {e(ev.get('tokens'))} tokens of checkpoint {e(ev.get('checkpoint'))}</p>"
+            )
     if not out:
-        return _nr("no gate verdict recorded (run `disttrace gate RUN --reference REF` to write one)")
+        return _nr(
+            "no gate verdict recorded (run `disttrace gate RUN --reference REF` to write one)"
+        )
     return "".join(out)
 
 
@@ -968,9 +1266,17 @@ ol.footnotes{font-size:12.5px;color:#34405a;margin:8px 0 0;padding-left:22px}
 footer{color:var(--muted);font-size:12px;text-align:center;padding:10px}
 """
 
-SECTIONS = (("runs", "Runs"), ("manifest", "Manifest"), ("topology", "Rank topology"), ("loss", "Loss curves"),
-            ("divergence", "Divergence"), ("memory", "Memory ledger"), ("collectives", "Collectives"),
-            ("checkpoints", "Checkpoints"), ("gate", "Gate verdict"))
+SECTIONS = (
+    ("runs", "Runs"),
+    ("manifest", "Manifest"),
+    ("topology", "Rank topology"),
+    ("loss", "Loss curves"),
+    ("divergence", "Divergence"),
+    ("memory", "Memory ledger"),
+    ("collectives", "Collectives"),
+    ("checkpoints", "Checkpoints"),
+    ("gate", "Gate verdict"),
+)
 
 
 def render_html(run_dirs: list[Path | str]) -> str:
@@ -978,7 +1284,9 @@ def render_html(run_dirs: list[Path | str]) -> str:
     if not run_dirs:
         raise BadInput("RUN", "give at least one run directory (the first is the reference)")
     paths = [Path(p) for p in run_dirs]
-    runs = [Run(p) for p in paths]  # a path that is not a run directory is bad input, before anything is written
+    runs = [
+        Run(p) for p in paths
+    ]  # a path that is not a run directory is bad input, before anything is written
     labels = _labels([r.path for r in runs])
     rs = [_R(run, labels[i], PALETTE[i % len(PALETTE)], i) for i, run in enumerate(runs)]
 
@@ -1005,9 +1313,11 @@ def render_html(run_dirs: list[Path | str]) -> str:
     incomplete = [r for r in rs if not r.complete]
     banner = ""
     if incomplete:
-        banner = ('<div class="banner"><b>Incomplete run(s):</b> ' + ", ".join(
-            f"{e(r.label)} (<code>{e(r.path)}</code>)" for r in incomplete)
-            + " have no COMPLETE marker: the job did not finish, and what they hold stops where it stopped.</div>")
+        banner = (
+            '<div class="banner"><b>Incomplete run(s):</b> '
+            + ", ".join(f"{e(r.label)} (<code>{e(r.path)}</code>)" for r in incomplete)
+            + " have no COMPLETE marker: the job did not finish, and what they hold stops where it stopped.</div>"
+        )
     try:
         exp = rs[0].run.manifest.get("experiment") or {}
         title = f"{exp.get('name', '?')} ({exp.get('edition', '?')})"
@@ -1033,8 +1343,10 @@ def render_html(run_dirs: list[Path | str]) -> str:
 
 # the page is inert whatever a run store holds: it writes no script, so none may run; nothing is fetched
 # (inline styles only: the page colours cells with style attributes; CSS cannot load anything under this)
-CSP = ("default-src 'none'; script-src 'none'; object-src 'none'; style-src 'unsafe-inline'; img-src data:; "
-       "font-src 'none'; connect-src 'none'; base-uri 'none'; form-action 'none'")
+CSP = (
+    "default-src 'none'; script-src 'none'; object-src 'none'; style-src 'unsafe-inline'; img-src data:; "
+    "font-src 'none'; connect-src 'none'; base-uri 'none'; form-action 'none'"
+)
 
 
 def build_report(run_dirs: list[Path], output: Path) -> Path:

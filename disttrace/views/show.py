@@ -10,11 +10,11 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from disttrace.store.records import FAILURE_EVENTS, Event
-from disttrace.store import checkpoints as checkpoint
-from disttrace.errors import BadInput
-from disttrace.store.rundir import Run, iter_jsonl
 from disttrace.analysis.sync import check_sync, find_stragglers, predicted_dp_volume, wire_volume
+from disttrace.errors import BadInput
+from disttrace.store import checkpoints as checkpoint
+from disttrace.store.records import FAILURE_EVENTS, Event
+from disttrace.store.rundir import Run, iter_jsonl
 
 VIEWS = ("summary", "checkpoints", "topology", "collectives", "memory", "events", "records")
 
@@ -25,7 +25,10 @@ def summary(run_dir: Path | str) -> dict:
     counts, torn = {}, []
     for rank in run.ranks():
         idx = run.step_index(rank)
-        counts[rank] = {"steps": len(idx.records), "records": sum(e["records"] for e in idx.records)}
+        counts[rank] = {
+            "steps": len(idx.records),
+            "records": sum(e["records"] for e in idx.records),
+        }
         if idx.torn:
             torn.append(idx.torn)
     events = run.events().records
@@ -41,7 +44,10 @@ def summary(run_dir: Path | str) -> dict:
         "manifest_id": run.manifest_id,
         "experiment": exp.get("name"),
         "edition": exp.get("edition"),
-        "topology": {k: par.get(k, 1 if k != "zero_stage" else 0) for k in ("world_size", "dp", "tp", "pp", "zero_stage")},
+        "topology": {
+            k: par.get(k, 1 if k != "zero_stage" else 0)
+            for k in ("world_size", "dp", "tp", "pp", "zero_stage")
+        },
         "fault": info.get("fault"),
         "resume": info.get("resume"),
         "loss": {str(k): v for k, v in run.losses().items()},
@@ -69,27 +75,43 @@ def render_summary(run_dir: Path | str, console: Console, brief: bool = False) -
     T = lambda v, style=None: Text(str(v), style=style or "")  # noqa: E731  text from files: never markup
     state = T("complete", "green") if s["complete"] else T("INCOMPLETE", "red")
     t = s["topology"]
-    console.print(T(s["experiment"], "bold") + T(f" ({s['edition']})  path={s['path']}  ") + state
-                  + T(f"  id={s['manifest_id'][:12]}  world={t['world_size']} dp={t['dp']} tp={t['tp']} pp={t['pp']} "
-                      f"zero={t['zero_stage']}"))
+    console.print(
+        T(s["experiment"], "bold")
+        + T(f" ({s['edition']})  path={s['path']}  ")
+        + state
+        + T(
+            f"  id={s['manifest_id'][:12]}  world={t['world_size']} dp={t['dp']} tp={t['tp']} pp={t['pp']} "
+            f"zero={t['zero_stage']}"
+        )
+    )
     if s["fault"]:
         f = s["fault"]
         fired = T("fired") if s["fault_fired"] else T("did not fire", "yellow")
-        console.print(T(f"fault: {f['name']} at step {f['step']} rank {f['rank']} (") + fired
-                      + T(f"); expected first divergence: {f.get('expect')}"))
+        console.print(
+            T(f"fault: {f['name']} at step {f['step']} rank {f['rank']} (")
+            + fired
+            + T(f"); expected first divergence: {f.get('expect')}")
+        )
     if s["resume"]:
         console.print(T(f"resumed from {s['resume']['checkpoint']} (step {s['resume']['step']})"))
     if s["loss"]:
         console.print("loss: " + "  ".join(f"{k}:{v:.4f}" for k, v in s["loss"].items()))
     if s["step_seconds"]:
         secs = sorted(s["step_seconds"])
-        console.print(f"step time (rank 0): median {secs[len(secs) // 2]:.3f} s over {len(secs)} steps; "
-                      f"{s['records']} trajectory records")
+        console.print(
+            f"step time (rank 0): median {secs[len(secs) // 2]:.3f} s over {len(secs)} steps; "
+            f"{s['records']} trajectory records"
+        )
     for f in s["failures"][:3]:
         console.print(T(f.get("event"), "red") + T(f": {failure_text(f)}"), soft_wrap=True)
     for st in s["stragglers"][:3]:
-        console.print(T("straggler", "yellow") + T(f": rank {st['rank']} at step {st['step']} took {st['seconds']}s "
-                                                  f"to reach its collective (others: {st['others_median']}s)"))
+        console.print(
+            T("straggler", "yellow")
+            + T(
+                f": rank {st['rank']} at step {st['step']} took {st['seconds']}s "
+                f"to reach its collective (others: {st['others_median']}s)"
+            )
+        )
     for w in s["warnings"]:
         console.print(T("warning", "yellow") + T(f": {w}"))
     if not brief:
@@ -107,10 +129,28 @@ def checkpoints_view(run: Run) -> list[dict]:
     out = []
     for p in run.checkpoint_dirs():
         ok, reason = checkpoint.status(p, run.manifest_id)
-        out.append({"checkpoint": p.name, "step": int(p.name.split("-")[1]), "verified": ok, "detail": reason})
-    partial = sorted(p.name for p in (run.path / "checkpoints").glob("*.partial")) if (run.path / "checkpoints").is_dir() else []
+        out.append(
+            {
+                "checkpoint": p.name,
+                "step": int(p.name.split("-")[1]),
+                "verified": ok,
+                "detail": reason,
+            }
+        )
+    partial = (
+        sorted(p.name for p in (run.path / "checkpoints").glob("*.partial"))
+        if (run.path / "checkpoints").is_dir()
+        else []
+    )
     for name in partial:
-        out.append({"checkpoint": name, "step": None, "verified": False, "detail": "partial write (never published)"})
+        out.append(
+            {
+                "checkpoint": name,
+                "step": None,
+                "verified": False,
+                "detail": "partial write (never published)",
+            }
+        )
     return out
 
 
@@ -125,8 +165,10 @@ def render_topology(run: Run, console: Console) -> dict | None:
     colours = ["cyan", "magenta", "green", "yellow", "blue", "red"]
     for r in topo["ranks"]:
         c = r["coords"]
-        tab.add_row(*[Text(str(r[k])) for k in ("rank", "host", "node_rank", "local_rank")],
-                    *[Text(str(c[d]), style=colours[c[d] % len(colours)]) for d in topo["mesh_dims"]])
+        tab.add_row(
+            *[Text(str(r[k])) for k in ("rank", "host", "node_rank", "local_rank")],
+            *[Text(str(c[d]), style=colours[c[d] % len(colours)]) for d in topo["mesh_dims"]],
+        )
     console.print(tab)
     console.print(mesh_picture(topo))
     for dim, groups in topo["groups"].items():
@@ -141,7 +183,9 @@ def mesh_picture(topo: dict) -> Text:
     fields come from topology.json and are never markup."""
     colours = ["cyan", "magenta", "green", "yellow", "blue", "red"]
     shape = topo["mesh_shape"]
-    by_coords = {(r["coords"]["pp"], r["coords"]["dp"], r["coords"]["tp"]): r for r in topo["ranks"]}
+    by_coords = {
+        (r["coords"]["pp"], r["coords"]["dp"], r["coords"]["tp"]): r for r in topo["ranks"]
+    }
     out = Text()
     for pp in range(shape["pp"]):
         if pp:
@@ -175,9 +219,18 @@ def show(run_dir: Path | str, view: str, console: Console) -> dict:
         return render_summary(run_dir, console)
     if view == "checkpoints":
         rows = checkpoints_view(run)
-        tab = _table("recovery checkpoints", ("checkpoint", "verified", "detail"),
-                     [(r["checkpoint"], Text("yes", "green") if r["verified"] else Text("NO", "red"), r["detail"])
-                      for r in rows])
+        tab = _table(
+            "recovery checkpoints",
+            ("checkpoint", "verified", "detail"),
+            [
+                (
+                    r["checkpoint"],
+                    Text("yes", "green") if r["verified"] else Text("NO", "red"),
+                    r["detail"],
+                )
+                for r in rows
+            ],
+        )
         console.print(tab if rows else "no checkpoints")
         return {"checkpoints": rows}
     if view == "topology":
@@ -186,10 +239,18 @@ def show(run_dir: Path | str, view: str, console: Console) -> dict:
         return render_record_counts(run, console)
     if view == "collectives":
         res = check_sync(run)
-        console.print(_table("collectives per process group", ("group", "ops", "bytes (rank 0 of group)"),
-                             [(g, v["ops"], v["bytes"]) for g, v in res["groups"].items()]))
-        console.print("[green]all groups in sync[/green]" if res["ok"] else
-                      f"[red]{escape(res['first_mismatch']['message'])}[/red]")
+        console.print(
+            _table(
+                "collectives per process group",
+                ("group", "ops", "bytes (rank 0 of group)"),
+                [(g, v["ops"], v["bytes"]) for g, v in res["groups"].items()],
+            )
+        )
+        console.print(
+            "[green]all groups in sync[/green]"
+            if res["ok"]
+            else f"[red]{escape(res['first_mismatch']['message'])}[/red]"
+        )
         vol = wire_volume(run)
         pred = predicted_dp_volume(run.manifest)
         tab = Table(title="rank 0: tensor traffic per step, ring model (bytes sent per rank)")
@@ -197,21 +258,34 @@ def show(run_dir: Path | str, view: str, console: Console) -> dict:
             tab.add_column(col, justify="right")
         for step, classes in vol["steps"].items():
             for cls, row in classes.items():
-                tab.add_row(Text(str(step)), Text(str(cls)), Text(str(row["calls"])), Text(str(row["bytes"])),
-                            f"{row['ring_bytes']:.0f}")
+                tab.add_row(
+                    Text(str(step)),
+                    Text(str(cls)),
+                    Text(str(row["calls"])),
+                    Text(str(row["bytes"])),
+                    f"{row['ring_bytes']:.0f}",
+                )
         console.print(tab)
         if pred is not None:
-            console.print(f"plan (ZeRO paper ring volumes): {pred} bytes per rank per step for this strategy")
+            console.print(
+                f"plan (ZeRO paper ring volumes): {pred} bytes per rank per step for this strategy"
+            )
             for step, classes in vol["steps"].items():
                 if step == "0":
                     continue  # set-up (DDP's initial parameter broadcast)
                 total = sum(r["ring_bytes"] for r in classes.values())
-                console.print(f"  step {step}: measured (trace, ring model) {total:.0f} / predicted {pred} = "
-                              f"{total / pred:.3f}" if pred else "")
+                console.print(
+                    f"  step {step}: measured (trace, ring model) {total:.0f} / predicted {pred} = "
+                    f"{total / pred:.3f}"
+                    if pred
+                    else ""
+                )
             accum = run.manifest.get("training", {}).get("grad_accum_steps", 1)
             if run.manifest.get("parallelism", {}).get("zero_stage") == 3 and accum > 1:
-                console.print(f"  gap: ZeRO-3 gathers the parameters again for each of the {accum} micro-batches; "
-                              "the paper's 3(n-1)/n Psi counts one forward and backward per step")
+                console.print(
+                    f"  gap: ZeRO-3 gathers the parameters again for each of the {accum} micro-batches; "
+                    "the paper's 3(n-1)/n Psi counts one forward and backward per step"
+                )
         res["wire_volume"], res["predicted_bytes_per_step"] = vol, pred
         return res
     if view == "memory":
@@ -219,8 +293,21 @@ def show(run_dir: Path | str, view: str, console: Console) -> dict:
         for rank in run.ranks("memory"):
             rows += list(iter_jsonl(run.rank_path("memory", rank), []))
         tab = Table(title="memory ledger (bytes held locally: distinct storages, measured)")
-        cols = ("step", "rank", "params", "grads", "optimizer", "model_state", "engine", "buffers", "measured_total",
-                "predicted", "ratio_total", "activations_saved", "resident")
+        cols = (
+            "step",
+            "rank",
+            "params",
+            "grads",
+            "optimizer",
+            "model_state",
+            "engine",
+            "buffers",
+            "measured_total",
+            "predicted",
+            "ratio_total",
+            "activations_saved",
+            "resident",
+        )
         for col in cols:
             tab.add_column(col, justify="right")
         for r in rows:
@@ -234,8 +321,12 @@ def show(run_dir: Path | str, view: str, console: Console) -> dict:
                 last[r.get("rank")] = r
         for rank, r in sorted(last.items(), key=lambda kv: str(kv[0])):
             pred = r.get("predicted") if isinstance(r.get("predicted"), dict) else {}
-            console.print(Text(f"rank {rank} step {r.get('step')}: measured {r.get('measured_total')} B, "
-                               f"predicted (ZeRO formula) {pred.get('total')} B"))
+            console.print(
+                Text(
+                    f"rank {rank} step {r.get('step')}: measured {r.get('measured_total')} B, "
+                    f"predicted (ZeRO formula) {pred.get('total')} B"
+                )
+            )
             for g in r.get("gap_bytes") or []:
                 if isinstance(g, dict):
                     why = f" ({g['why']})" if g.get("why") else ""
@@ -252,17 +343,26 @@ def record_counts(run: Run) -> dict:
     per_rank: dict[str, dict] = {}
     for rank in run.ranks():
         entries = run.step_index(rank).records
-        per_rank[str(rank)] = {"records": sum(e["records"] for e in entries), "steps": len(entries),
-                               "bytes": sum(e["length"] for e in entries)}
+        per_rank[str(rank)] = {
+            "records": sum(e["records"] for e in entries),
+            "steps": len(entries),
+            "bytes": sum(e["length"] for e in entries),
+        }
     total = sum(v["records"] for v in per_rank.values())
     size = sum(v["bytes"] for v in per_rank.values())
-    return {"records": total, "bytes": size, "bytes_per_record": round(size / total, 1) if total else None,
-            "ranks": per_rank}
+    return {
+        "records": total,
+        "bytes": size,
+        "bytes_per_record": round(size / total, 1) if total else None,
+        "ranks": per_rank,
+    }
 
 
 def render_record_counts(run: Run, console: Console) -> dict:
     res = record_counts(run)
-    tab = Table(title="trajectory records (export every one with `disttrace show RUN records --jsonl`)")
+    tab = Table(
+        title="trajectory records (export every one with `disttrace show RUN records --jsonl`)"
+    )
     for col in ("rank", "steps", "records", "bytes"):
         tab.add_column(col, justify="right")
     for rank, v in res["ranks"].items():

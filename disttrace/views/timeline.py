@@ -7,8 +7,8 @@ one on its track ended is drawn from that end: the track is a queue)."""
 
 from __future__ import annotations
 
-from disttrace.store.rundir import Run
 from disttrace.analysis.sync import load_traces
+from disttrace.store.rundir import Run
 
 
 def build_trace(run: Run) -> dict:
@@ -32,37 +32,81 @@ def build_trace(run: Run) -> dict:
 
     group_tid: dict[str, int] = {}
     for rank in sorted(set(steps) | set(traces)):
-        events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}})
-        events.append({"ph": "M", "name": "process_sort_index", "pid": rank, "args": {"sort_index": rank}})
-        events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": 0, "args": {"name": "compute"}})
+        events.append(
+            {"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}}
+        )
+        events.append(
+            {"ph": "M", "name": "process_sort_index", "pid": rank, "args": {"sort_index": rank}}
+        )
+        events.append(
+            {"ph": "M", "name": "thread_name", "pid": rank, "tid": 0, "args": {"name": "compute"}}
+        )
         last = 0.0
         for e in steps.get(rank, []):
             t = e.get("time", {})
             if "start" not in t or "end" not in t:
                 continue
             mid = t.get("collective_issue", t["end"])
-            blocks = ([(f"step {e['step']} {name}", a, b) for name, a, b in t["spans"]] if t.get("spans") else
-                      [(f"step {e['step']} forward+backward", t["start"], mid),
-                       (f"step {e['step']} reduce+optimizer", mid, t["end"])])
+            blocks = (
+                [(f"step {e['step']} {name}", a, b) for name, a, b in t["spans"]]
+                if t.get("spans")
+                else [
+                    (f"step {e['step']} forward+backward", t["start"], mid),
+                    (f"step {e['step']} reduce+optimizer", mid, t["end"]),
+                ]
+            )
             for name, a, b in blocks:
                 start = max(us(a), last)
                 end = max(us(b), start)
-                events.append({"ph": "X", "name": name, "pid": rank, "tid": 0, "ts": start, "dur": end - start,
-                               "args": {"step": e["step"], "records": e["records"]}})
+                events.append(
+                    {
+                        "ph": "X",
+                        "name": name,
+                        "pid": rank,
+                        "tid": 0,
+                        "ts": start,
+                        "dur": end - start,
+                        "args": {"step": e["step"], "records": e["records"]},
+                    }
+                )
                 last = end
         for group, ops in traces.get(rank, {}).items():
             tid = group_tid.setdefault(group, len(group_tid) + 1)
-            events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid,
-                           "args": {"name": f"group [{group}]"}})
+            events.append(
+                {
+                    "ph": "M",
+                    "name": "thread_name",
+                    "pid": rank,
+                    "tid": tid,
+                    "args": {"name": f"group [{group}]"},
+                }
+            )
             last = 0.0
             for op in ops:
                 start = max(us(op["start"]), last)
                 end = max(us(op.get("end", op["start"])), start)
-                events.append({"ph": "X", "name": op["op"], "pid": rank, "tid": tid, "ts": start,
-                               "dur": end - start, "cat": "collective",
-                               "args": {"seq": op["seq"], "step": op.get("step"), "shapes": op.get("shapes"),
-                                        "dtype": op.get("dtype"), "bytes": op.get("bytes"),
-                                        "finished": "end" in op}})
+                events.append(
+                    {
+                        "ph": "X",
+                        "name": op["op"],
+                        "pid": rank,
+                        "tid": tid,
+                        "ts": start,
+                        "dur": end - start,
+                        "cat": "collective",
+                        "args": {
+                            "seq": op["seq"],
+                            "step": op.get("step"),
+                            "shapes": op.get("shapes"),
+                            "dtype": op.get("dtype"),
+                            "bytes": op.get("bytes"),
+                            "finished": "end" in op,
+                        },
+                    }
+                )
                 last = end
-    return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"run": str(run.path), "manifest_id": run.manifest_id}}
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {"run": str(run.path), "manifest_id": run.manifest_id},
+    }

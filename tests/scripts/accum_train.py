@@ -60,9 +60,16 @@ def train(rank, world, args):
         for p in model.parameters():
             dist.broadcast(p.data, 0)
     optimizer = torch.optim.AdamW(net.parameters(), lr=args.lr)
-    config = {"lr": args.lr, "grad_accum_steps": args.accum, "micro_batch_size": 4, "steps": args.steps,
-              "max_grad_norm": 1.0}
-    run = disttrace.api.attach(net, optimizer, out=args.out, name="accum-train", config=config)  # disttrace
+    config = {
+        "lr": args.lr,
+        "grad_accum_steps": args.accum,
+        "micro_batch_size": 4,
+        "steps": args.steps,
+        "max_grad_norm": 1.0,
+    }
+    run = disttrace.api.attach(
+        net, optimizer, out=args.out, name="accum-train", config=config
+    )  # disttrace
     if args.resume:
         start = run.resume(args.resume)  # disttrace
     else:
@@ -81,10 +88,14 @@ def train(rank, world, args):
             run.batch(tokens)  # disttrace
             forward = net.module if args.bug == "unwrapped" else net
             sync = last or args.engine != "ddp"
-            with (net.no_sync() if not sync else contextlib.nullcontext()):
+            with net.no_sync() if not sync else contextlib.nullcontext():
                 logits = forward(tokens)
-                ce = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), ignore_index=PAD,
-                                     reduction="sum")
+                ce = F.cross_entropy(
+                    logits.reshape(-1, VOCAB),
+                    targets.reshape(-1),
+                    ignore_index=PAD,
+                    reduction="sum",
+                )
                 if args.bug == "token-norm":
                     loss = ce / int((targets != PAD).sum()) / args.accum
                 else:
@@ -120,7 +131,11 @@ def spawned(rank, world, port, args):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--bug", default="none", choices=["none", "token-norm", "unwrapped", "zero-grad", "late-reduce"])
+    ap.add_argument(
+        "--bug",
+        default="none",
+        choices=["none", "token-norm", "unwrapped", "zero-grad", "late-reduce"],
+    )
     ap.add_argument("--engine", default="ddp", choices=["ddp", "manual"])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--accum", type=int, default=2)

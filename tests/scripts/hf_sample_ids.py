@@ -37,7 +37,9 @@ class Logged(LlamaForCausalLM):
 class TwiceTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         first = super().compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
-        return (first + super().compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)) / 2
+        return (
+            first + super().compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        ) / 2
 
 
 class StepOfModel(TrainerCallback):
@@ -54,20 +56,44 @@ def main(out, log, variant=""):
     torch.set_num_threads(1)
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
-    data = [{"input_ids": ids, "labels": ids, "idx": i}
-            for i, ids in enumerate(torch.randint(0, 32, (24, 8), generator=g).tolist())]
-    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16)
+    data = [
+        {"input_ids": ids, "labels": ids, "idx": i}
+        for i, ids in enumerate(torch.randint(0, 32, (24, 8), generator=g).tolist())
+    ]
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+    )
     model = Logged(config)
     extra = {"train_sampling_strategy": "sequential"} if variant == "sequential" else {}
     if variant == "unseeded":
         extra["accelerator_config"] = {"use_seedable_sampler": False}
-    args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4,
-                             gradient_accumulation_steps=2, max_steps=4, learning_rate=1e-2, use_cpu=True,
-                             ddp_backend="gloo", report_to=[], logging_strategy="no", save_strategy="no", seed=0,
-                             data_seed=0, dataloader_drop_last=True, disable_tqdm=True, remove_unused_columns=False,
-                             **extra)
-    trainer = (TwiceTrainer if variant == "twice" else Trainer)(model=model, args=args, train_dataset=data)
+    args = TrainingArguments(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_steps=4,
+        learning_rate=1e-2,
+        use_cpu=True,
+        ddp_backend="gloo",
+        report_to=[],
+        logging_strategy="no",
+        save_strategy="no",
+        seed=0,
+        data_seed=0,
+        dataloader_drop_last=True,
+        disable_tqdm=True,
+        remove_unused_columns=False,
+        **extra,
+    )
+    trainer = (TwiceTrainer if variant == "twice" else Trainer)(
+        model=model, args=args, train_dataset=data
+    )
     model.log = Path(log) / f"rank{dist.get_rank()}.jsonl"
     callback = DisttraceCallback(trainer, out=out, name="hf-sample-ids")
     trainer.add_callback(StepOfModel(model))

@@ -32,13 +32,32 @@ def dataset(n=64, length=8, vocab=32):
 def main(out, accum, batch, variant=""):
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16)
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+    )
     model = LlamaForCausalLM(config)
-    args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch,
-                             gradient_accumulation_steps=accum, max_steps=3, learning_rate=1e-2, use_cpu=True,
-                             ddp_backend="gloo", report_to=[], logging_strategy="no", save_strategy="no", seed=0,
-                             data_seed=0, dataloader_drop_last=True, disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=accum,
+        max_steps=3,
+        learning_rate=1e-2,
+        use_cpu=True,
+        ddp_backend="gloo",
+        report_to=[],
+        logging_strategy="no",
+        save_strategy="no",
+        seed=0,
+        data_seed=0,
+        dataloader_drop_last=True,
+        disable_tqdm=True,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=dataset())
     if variant == "mean-per-micro-batch":
         trainer.model_accepts_loss_kwargs = False

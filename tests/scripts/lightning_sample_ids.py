@@ -37,7 +37,9 @@ class Tiny(L.LightningModule):
     def __init__(self, log: Path, self_call: bool):
         super().__init__()
         self.log, self.self_call = log, self_call
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+        )
 
     def forward(self, x):
         return self.net(x)
@@ -57,9 +59,19 @@ def main(out, log, variant=""):
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
     callback = DisttraceCallback(out=out, name="lightning-sample-ids")
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=3, accumulate_grad_batches=2,
-                        callbacks=[callback], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, use_distributed_sampler=variant != "random")
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=3,
+        accumulate_grad_batches=2,
+        callbacks=[callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=variant != "random",
+    )
     module = Tiny(Path(log) / f"rank{trainer.global_rank}.jsonl", variant == "self-call")
     trainer.fit(module, DataLoader(Indexed(), batch_size=4, shuffle=True))
     if trainer.global_rank == 0:

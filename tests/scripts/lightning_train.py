@@ -16,7 +16,9 @@ from disttrace.integrations.lightning import DisttraceCallback
 class Tiny(L.LightningModule):
     def __init__(self):
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+        )
 
     def training_step(self, batch, _):
         x, y = batch
@@ -32,9 +34,19 @@ def main(out):
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g))
     callback = DisttraceCallback(out=out, name="lightning-tiny")
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=3, accumulate_grad_batches=2,
-                        gradient_clip_val=1.0, callbacks=[callback], logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=3,
+        accumulate_grad_batches=2,
+        gradient_clip_val=1.0,
+        callbacks=[callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(Tiny(), DataLoader(data, batch_size=4))
     if trainer.global_rank == 0:
         print(callback.run_dir, flush=True)

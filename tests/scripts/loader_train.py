@@ -68,25 +68,47 @@ def train(rank, world, args):
     elif args.engine == "tp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Replicate
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
 
-        plan = {"embed": RowwiseParallel(input_layouts=Replicate()), "mix": ColwiseParallel(), "head": RowwiseParallel()}
+        plan = {
+            "embed": RowwiseParallel(input_layouts=Replicate()),
+            "mix": ColwiseParallel(),
+            "head": RowwiseParallel(),
+        }
         net = parallelize_module(model, init_device_mesh("cpu", (world,)), plan)
     else:
         net = DDP(model)
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
     replicas = 1 if (args.bug == "same-data") != (args.engine == "tp") else world
-    sampler = DistributedSampler(dataset(), num_replicas=replicas, rank=rank % replicas, shuffle=True,
-                                 seed=args.sampler_seed)
+    sampler = DistributedSampler(
+        dataset(), num_replicas=replicas, rank=rank % replicas, shuffle=True, seed=args.sampler_seed
+    )
     loader = DataLoader(dataset(), batch_size=BATCH, sampler=sampler)
     config = {"lr": 1e-2, "grad_accum_steps": ACCUM, "micro_batch_size": BATCH, "steps": args.steps}
     if args.engine == "ddp":
-        run = disttrace.api.attach(net, optimizer, out=args.out, name="loader-train", config=config,  # disttrace
-                                   loader=loader, forward=True)  # disttrace
+        run = disttrace.api.attach(
+            net,
+            optimizer,
+            out=args.out,
+            name="loader-train",
+            config=config,  # disttrace
+            loader=loader,
+            forward=True,
+        )  # disttrace
         batches = loader
     else:
-        run = disttrace.api.attach(net, optimizer, out=args.out, name="loader-train", config=config,  # disttrace
-                                   forward=["mix"])  # disttrace
+        run = disttrace.api.attach(
+            net,
+            optimizer,
+            out=args.out,
+            name="loader-train",
+            config=config,  # disttrace
+            forward=["mix"],
+        )  # disttrace
         batches = run.watch_loader(loader)  # disttrace
     step, epoch = 0, 0
     while step < args.steps:
@@ -102,7 +124,9 @@ def train(rank, world, args):
                 last = mb == ACCUM - 1
                 if args.engine == "fsdp2":
                     net.set_requires_gradient_sync(last)
-                ctx = net.no_sync() if args.engine == "ddp" and not last else contextlib.nullcontext()
+                ctx = (
+                    net.no_sync() if args.engine == "ddp" and not last else contextlib.nullcontext()
+                )
                 with ctx:
                     loss = F.cross_entropy(net(x).reshape(-1, VOCAB), y.reshape(-1)) / ACCUM
                     run.loss(loss).backward()  # disttrace

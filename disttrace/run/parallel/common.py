@@ -12,8 +12,12 @@ def optimizer_class_and_kwargs(manifest: Manifest):
     t = manifest.training
     if t.optimizer == "sgd":
         return torch.optim.SGD, {"lr": t.lr, "weight_decay": t.weight_decay, "foreach": False}
-    return torch.optim.AdamW, {"lr": t.lr, "betas": (t.beta1, t.beta2), "weight_decay": t.weight_decay,
-                               "foreach": False}
+    return torch.optim.AdamW, {
+        "lr": t.lr,
+        "betas": (t.beta1, t.beta2),
+        "weight_decay": t.weight_decay,
+        "foreach": False,
+    }
 
 
 def build_optimizer(manifest: Manifest, params):
@@ -24,11 +28,15 @@ def build_optimizer(manifest: Manifest, params):
 def optimizer_state_list(optimizer, named: list[tuple[int, str, torch.Tensor]]):
     """Optimizer state this rank holds, as (index, 'param:key', tensor): index = param index * 4 + key slot.
     Under ZeRO-1 only the owner of a parameter's partition holds its state."""
-    local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard's optimizer here
+    local = getattr(
+        optimizer, "optim", optimizer
+    )  # ZeroRedundancyOptimizer keeps its shard's optimizer here
     out = []
     for index, name, p in named:
         st = local.state.get(p, {})
-        for slot, key in enumerate(sorted(k for k, v in st.items() if torch.is_tensor(v) and v.numel() > 1)):
+        for slot, key in enumerate(
+            sorted(k for k, v in st.items() if torch.is_tensor(v) and v.numel() > 1)
+        ):
             out.append(TensorRef(index * 4 + slot, f"{name}:{key}", st[key]))
     return out
 
@@ -52,13 +60,20 @@ def load_optimizer_bytes(optimizer, blob) -> None:
     import io
 
     if not isinstance(blob, (bytes, bytearray)):
-        raise TypeError(f"optimizer blob is {type(blob).__name__}, not bytes (a checkpoint of an older format?)")
+        raise TypeError(
+            f"optimizer blob is {type(blob).__name__}, not bytes (a checkpoint of an older format?)"
+        )
     optimizer.load_state_dict(torch.load(io.BytesIO(blob), weights_only=True))
 
 
 SCALAR_INDEX = 1_000_000  # scalars sort after every tensor of their phase
 # the global gradient norm, the clip coefficient and the learning rate: one value for the whole job
-SCALARS_AGREE = {"phase": "clip", "dim": "world", "relation": "agree", "tensors": ["grad_norm", "clip_coef", "lr"]}
+SCALARS_AGREE = {
+    "phase": "clip",
+    "dim": "world",
+    "relation": "agree",
+    "tensors": ["grad_norm", "clip_coef", "lr"],
+}
 
 
 def global_norm(grads) -> torch.Tensor:
@@ -68,12 +83,20 @@ def global_norm(grads) -> torch.Tensor:
     by_mesh: dict = {}
     plain = []
     for g in grads:
-        (by_mesh.setdefault(id(g.device_mesh), []) if hasattr(g, "device_mesh") else plain).append(g)
+        (by_mesh.setdefault(id(g.device_mesh), []) if hasattr(g, "device_mesh") else plain).append(
+            g
+        )
     parts = []
     for group in by_mesh.values():
-        parts.append(torch.nn.utils.get_total_norm(group, 2.0, error_if_nonfinite=False, foreach=False).full_tensor())
+        parts.append(
+            torch.nn.utils.get_total_norm(
+                group, 2.0, error_if_nonfinite=False, foreach=False
+            ).full_tensor()
+        )
     if plain:
-        parts.append(torch.nn.utils.get_total_norm(plain, 2.0, error_if_nonfinite=False, foreach=False))
+        parts.append(
+            torch.nn.utils.get_total_norm(plain, 2.0, error_if_nonfinite=False, foreach=False)
+        )
     if len(parts) == 1:
         return parts[0]
     return torch.stack([x.to(parts[0].dtype) for x in parts]).pow(2).sum().sqrt()
@@ -97,18 +120,29 @@ def clip_gradients(bus, named, optimizer, max_norm: float | None, norm_group=Non
     norm = p["norm"]
     coef = torch.ones((), dtype=norm.dtype, device=norm.device)
     if max_norm is not None:
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # torch's clip_grads_with_norm_ formula
+        coef = torch.clamp(
+            max_norm / (norm + 1e-6), max=1.0
+        )  # torch's clip_grads_with_norm_ formula
         factor = float(coef)  # a plain number: DTensor grads on different meshes all take it
         for i, _, param in named:
             if param.grad is not None and i not in p["skip"]:
                 param.grad.mul_(factor)
-    lr = torch.tensor(optimizer.param_groups[0]["lr"], dtype=torch.float64) if optimizer.param_groups else None
-    scalars = [TensorRef(SCALAR_INDEX, "grad_norm", norm.detach()),
-               TensorRef(SCALAR_INDEX + 1, "clip_coef", coef.detach())]
+    lr = (
+        torch.tensor(optimizer.param_groups[0]["lr"], dtype=torch.float64)
+        if optimizer.param_groups
+        else None
+    )
+    scalars = [
+        TensorRef(SCALAR_INDEX, "grad_norm", norm.detach()),
+        TensorRef(SCALAR_INDEX + 1, "clip_coef", coef.detach()),
+    ]
     if lr is not None:
         scalars.append(TensorRef(SCALAR_INDEX + 2, "lr", lr))
-    bus.emit("clip", grads=grads_of(named, present_only=True)
-             if max_norm is not None else [], scalars=scalars)
+    bus.emit(
+        "clip",
+        grads=grads_of(named, present_only=True) if max_norm is not None else [],
+        scalars=scalars,
+    )
 
 
 class Strategy:
@@ -132,7 +166,9 @@ class Strategy:
 
     name: str = "strategy"  # short, for messages
     engine: str = ""  # the torch.distributed engine doing the work, for env.json and `show`
-    norm_group = None  # a group whose ranks hold different parameters (pipeline stages): the norm spans it
+    norm_group = (
+        None  # a group whose ranks hold different parameters (pipeline stages): the norm spans it
+    )
     runs_whole_step: bool = False
     spans: list | None = None
 
@@ -166,8 +202,12 @@ class Strategy:
         clip_gradients(self.bus, self.named, self.optimizer, self.max_grad_norm, self.norm_group)
         self.bus.emit("before_optimizer", optimizer=self.optimizer, params=self.named)
         self.optimizer.step()
-        self.bus.emit("optimizer", params=self.named, state=optimizer_state_list(self.optimizer, self.named),
-                      optimizer=self.optimizer)
+        self.bus.emit(
+            "optimizer",
+            params=self.named,
+            state=optimizer_state_list(self.optimizer, self.named),
+            optimizer=self.optimizer,
+        )
 
     def zero_grad(self):
         self.optimizer.zero_grad(set_to_none=True)
@@ -188,6 +228,11 @@ class Strategy:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
         if "optim" in state:
-            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            set_state_dict(
+                self.model,
+                self.optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optim"],
+            )
         else:  # a checkpoint saved without optimizer state: the optimizer starts fresh (and diff will say so)
             set_model_state_dict(self.model, state["model"])

@@ -14,24 +14,39 @@ import warnings
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from disttrace.run.hooks import TensorRef, grads_of, param_refs
 from disttrace.config.manifest import Manifest
+from disttrace.run.hooks import TensorRef, grads_of, param_refs
 from disttrace.run.parallel.common import Strategy, build_optimizer
 
 
-def apply_ddp(model, group, bus, names: dict[int, tuple[int, str]], bucket_cap_mb: float | None = None,
-              buckets: dict | None = None):
+def apply_ddp(
+    model,
+    group,
+    bus,
+    names: dict[int, tuple[int, str]],
+    bucket_cap_mb: float | None = None,
+    buckets: dict | None = None,
+):
     """Wrap `model` in DDP and route each bucket through the `backward` hook point before its all-reduce.
     `buckets` (if given) collects bucket index -> bytes as DDP's reducer hands them to the hook."""
-    with warnings.catch_warnings():  # broadcast_buffers is deprecated in 2.13, its successor absent in 2.5
+    with (
+        warnings.catch_warnings()
+    ):  # broadcast_buffers is deprecated in 2.13, its successor absent in 2.5
         warnings.simplefilter("ignore", FutureWarning)
         # our only buffers are RoPE tables, identical everywhere: no per-forward buffer broadcast
-        ddp = DDP(model, process_group=group, broadcast_buffers=False, bucket_cap_mb=bucket_cap_mb,
-                  device_ids=None if model.rope_cos.device.type == "cpu" else [model.rope_cos.device])
+        ddp = DDP(
+            model,
+            process_group=group,
+            broadcast_buffers=False,
+            bucket_cap_mb=bucket_cap_mb,
+            device_ids=None if model.rope_cos.device.type == "cpu" else [model.rope_cos.device],
+        )
     world = dist.get_world_size(group)
 
     def allreduce_with_hook(_state, bucket):
-        grads = [TensorRef(*names[id(p)], g) for p, g in zip(bucket.parameters(), bucket.gradients())]
+        grads = [
+            TensorRef(*names[id(p)], g) for p, g in zip(bucket.parameters(), bucket.gradients())
+        ]
         bus.emit("backward", grads=grads, before_collective=True)
         buf = bucket.buffer()
         if buckets is not None:
@@ -57,8 +72,9 @@ class DataParallel(Strategy):
         names = {id(p): (i, n) for i, n, p in self.named}
         self.group = mesh.get_group("dp")
         self._buckets: dict[int, int] = {}
-        self.model = apply_ddp(model, self.group, bus, names, manifest.debug.ddp_bucket_cap_mb,
-                               self._buckets)
+        self.model = apply_ddp(
+            model, self.group, bus, names, manifest.debug.ddp_bucket_cap_mb, self._buckets
+        )
         self.optimizer = build_optimizer(manifest, model.parameters())
 
     def engine_facts(self) -> dict:
@@ -73,7 +89,11 @@ class DataParallel(Strategy):
         return [
             {"phase": "data", "dim": "dp", "relation": "differ"},
             {"phase": "reduce", "dim": "dp", "relation": "agree"},
-            {"phase": "clip", "dim": "dp", "relation": "agree"},  # clipped gradients and the scalars
+            {
+                "phase": "clip",
+                "dim": "dp",
+                "relation": "agree",
+            },  # clipped gradients and the scalars
             {"phase": "optimizer", "dim": "dp", "relation": "agree"},
         ]
 
@@ -84,11 +104,15 @@ class DataParallel(Strategy):
         loss.backward()
         grads = grads_of(self.named)
         if not last:
-            self.bus.emit("backward", grads=grads)  # accumulated local gradient, nothing reduced yet
+            self.bus.emit(
+                "backward", grads=grads
+            )  # accumulated local gradient, nothing reduced yet
         else:
             self.bus.emit("reduce", grads=grads)  # DDP has averaged the buckets into p.grad
 
     def zero_grad(self):
-        self.optimizer.zero_grad(set_to_none=False)  # as the earliest runs did: keeps trajectories comparable
+        self.optimizer.zero_grad(
+            set_to_none=False
+        )  # as the earliest runs did: keeps trajectories comparable
 
     # checkpoint state, through DCP's state-dict helpers (they know DDP and FSDP alike)

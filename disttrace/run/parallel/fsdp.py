@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import contextlib
 
-from disttrace.run.hooks import TensorRef, grads_of, param_refs
 from disttrace.config.manifest import Manifest
+from disttrace.run.hooks import TensorRef, grads_of, param_refs
 from disttrace.run.parallel.common import SCALARS_AGREE, Strategy, build_optimizer
 
 
@@ -55,7 +55,9 @@ class FullyShardedZero(Strategy):
         return [{"phase": "data", "dim": "dp", "relation": "differ"}, SCALARS_AGREE]
 
     def micro_batch(self, last: bool):
-        self.model.set_requires_gradient_sync(last)  # accumulate unsharded locally until the last micro-batch
+        self.model.set_requires_gradient_sync(
+            last
+        )  # accumulate unsharded locally until the last micro-batch
         return contextlib.nullcontext()
 
     def backward(self, loss, last: bool):

@@ -16,11 +16,17 @@ import time
 
 import torch
 
+from disttrace.config.manifest import Manifest
 from disttrace.model.llama import lm_loss
 from disttrace.run.hooks import TensorRef, grads_of
-from disttrace.config.manifest import Manifest
-from disttrace.run.parallel.common import (OPTIMIZER_BLOB_TEMPLATE, SCALARS_AGREE, Strategy, build_optimizer,
-                                           load_optimizer_bytes, optimizer_bytes)
+from disttrace.run.parallel.common import (
+    OPTIMIZER_BLOB_TEMPLATE,
+    SCALARS_AGREE,
+    Strategy,
+    build_optimizer,
+    load_optimizer_bytes,
+    optimizer_bytes,
+)
 
 
 def stage_layers(n_layers: int, pp: int, stage: int) -> list[str]:
@@ -79,15 +85,25 @@ class PipelineParallel(Strategy):
         cfg, mbs = manifest.model, manifest.training.micro_batch_size
         dtype = getattr(torch, manifest.training.dtype)
         # float activations carry gradients between stages: the metadata must say so
-        hidden = torch.empty(mbs, cfg.max_seq_len, cfg.dim, dtype=dtype, device=device, requires_grad=True)
+        hidden = torch.empty(
+            mbs, cfg.max_seq_len, cfg.dim, dtype=dtype, device=device, requires_grad=True
+        )
         tokens = torch.empty(mbs, cfg.max_seq_len, dtype=torch.long, device=device)
         logits = torch.empty(mbs, cfg.max_seq_len, cfg.vocab_size, dtype=dtype, device=device)
-        self.stage = PipelineStage(model, self.stage_index, self.pp, device, group=self.group,
-                                   input_args=(tokens if self.stage_index == 0 else hidden,),
-                                   output_args=(logits if self.stage_index == self.pp - 1 else hidden,))
+        self.stage = PipelineStage(
+            model,
+            self.stage_index,
+            self.pp,
+            device,
+            group=self.group,
+            input_args=(tokens if self.stage_index == 0 else hidden,),
+            output_args=(logits if self.stage_index == self.pp - 1 else hidden,),
+        )
         schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[par.pp_schedule]
         # scale_grads divides by the micro-batch count: the mean over micro-batches, as accumulation does
-        self.schedule = schedule(self.stage, n_microbatches=self.accum, loss_fn=self._loss, scale_grads=True)
+        self.schedule = schedule(
+            self.stage, n_microbatches=self.accum, loss_fn=self._loss, scale_grads=True
+        )
         self.optimizer = build_optimizer(manifest, model.parameters())
         self._forwards = self._losses = 0
         model.register_forward_pre_hook(self._count_forward)
@@ -99,8 +115,9 @@ class PipelineParallel(Strategy):
         model.register_full_backward_pre_hook(lambda m, g: self._span_start("backward"))
         # the backward ends when every parameter of the stage has its gradient (a module backward hook fires
         # early on the first stage, whose token inputs need no gradient)
-        torch.autograd.graph.register_multi_grad_hook(list(model.parameters()),
-                                                      lambda grads: self._span_end("backward"), mode="all")
+        torch.autograd.graph.register_multi_grad_hook(
+            list(model.parameters()), lambda grads: self._span_end("backward"), mode="all"
+        )
 
     def _span_start(self, kind: str) -> None:
         self._open[kind] = time.time()
@@ -122,12 +139,17 @@ class PipelineParallel(Strategy):
         return self.bus.emit("loss", loss=loss, tokens=target.numel())["loss"]
 
     def replicas(self) -> list[dict]:
-        rules = [{"phase": "data", "dim": "pp", "relation": "agree"}, SCALARS_AGREE]  # every stage: same batch
+        rules = [
+            {"phase": "data", "dim": "pp", "relation": "agree"},
+            SCALARS_AGREE,
+        ]  # every stage: same batch
         if self.dp > 1:
             rules.append({"phase": "data", "dim": "dp", "relation": "differ"})
         if self.tp > 1:
-            rules += [{"phase": p, "dim": "tp", "relation": "agree", "tensors": "*norm.weight*"}
-                      for p in ("reduce", "clip", "optimizer")]
+            rules += [
+                {"phase": p, "dim": "tp", "relation": "agree", "tensors": "*norm.weight*"}
+                for p in ("reduce", "clip", "optimizer")
+            ]
         return rules
 
     def micro_batch(self, last: bool):
@@ -144,7 +166,9 @@ class PipelineParallel(Strategy):
         self.schedule.step(*args, target=targets if last else None)
         self.bus.micro_batch = self.accum - 1
         grads = grads_of(self.named)
-        if self.dp == 1 and self.tp == 1:  # with FSDP2 over dp the gradients are already reduce-scattered
+        if (
+            self.dp == 1 and self.tp == 1
+        ):  # with FSDP2 over dp the gradients are already reduce-scattered
             self.bus.emit("backward", grads=grads)  # this stage's accumulated gradients
         self.bus.emit("reduce", grads=grads)  # the final gradient of this stage
 
@@ -153,7 +177,9 @@ class PipelineParallel(Strategy):
     # the stage too: under one key DCP writes one rank's blob and every rank of the stage loads that one
     def _key(self) -> str:
         if self.dp == 1 and self.tp == 1:
-            return f"stage-{self.stage_index:03d}"  # the key checkpoints of plain pipelines always had
+            return (
+                f"stage-{self.stage_index:03d}"  # the key checkpoints of plain pipelines always had
+            )
         dp_rank, tp_rank = self.within_stage
         return f"stage-{self.stage_index:03d}-dp-{dp_rank:05d}-tp-{tp_rank:05d}"
 

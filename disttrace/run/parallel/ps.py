@@ -16,10 +16,16 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from disttrace.run.hooks import TensorRef, grads_of, param_refs
 from disttrace.config.manifest import Manifest
-from disttrace.run.parallel.common import (OPTIMIZER_BLOB_TEMPLATE, Strategy, build_optimizer, load_optimizer_bytes,
-                                           optimizer_bytes, optimizer_state_list)
+from disttrace.run.hooks import TensorRef, grads_of, param_refs
+from disttrace.run.parallel.common import (
+    OPTIMIZER_BLOB_TEMPLATE,
+    Strategy,
+    build_optimizer,
+    load_optimizer_bytes,
+    optimizer_bytes,
+    optimizer_state_list,
+)
 
 
 def flat(tensors) -> torch.Tensor:
@@ -30,7 +36,7 @@ def unflat_into(buffer: torch.Tensor, tensors) -> None:
     offset = 0
     for t in tensors:
         n = t.numel()
-        t.copy_(buffer[offset:offset + n].view_as(t))
+        t.copy_(buffer[offset : offset + n].view_as(t))
         offset += n
 
 
@@ -50,19 +56,27 @@ class ParameterServer(Strategy):
         if self.is_server:
             self.master = [torch.nn.Parameter(p.detach().clone()) for _, _, p in self.named]
             self.optimizer = build_optimizer(manifest, self.master)
-            self.versions: deque = deque([flat(self.master).detach().clone()], maxlen=self.staleness + 1)
+            self.versions: deque = deque(
+                [flat(self.master).detach().clone()], maxlen=self.staleness + 1
+            )
         else:
             self.master, self.optimizer = None, _NoOptimizer()
-        self.master_named = [TensorRef(i, n, m) for (i, n, _), m in zip(self.named, self.master or [])]
+        self.master_named = [
+            TensorRef(i, n, m) for (i, n, _), m in zip(self.named, self.master or [])
+        ]
 
     def replicas(self) -> list[dict]:
         rules = [{"phase": "data", "dim": "dp", "relation": "differ"}]
-        if self.staleness == 0:  # everyone pulled the same version; with staleness the server is ahead
+        if (
+            self.staleness == 0
+        ):  # everyone pulled the same version; with staleness the server is ahead
             rules.append({"phase": "optimizer", "dim": "dp", "relation": "agree", "exclude": "*:*"})
         return rules
 
     def micro_batch(self, last: bool):
-        return contextlib.nullcontext()  # gradients accumulate locally; the push happens after the last
+        return (
+            contextlib.nullcontext()
+        )  # gradients accumulate locally; the push happens after the last
 
     def backward(self, loss, last: bool):
         loss.backward()
@@ -79,7 +93,7 @@ class ParameterServer(Strategy):
                     dist.recv(buf, src=dist.get_global_rank(self.group, src), group=self.group)
                     total += buf
             total /= self.world
-            for m, (_, _, g) in zip(self.master, grads):
+            for m, (_, _, _g) in zip(self.master, grads):
                 m.grad = torch.empty_like(m)
             unflat_into(total, [m.grad for m in self.master])
             self.bus.emit("reduce", grads=grads_of(self.master_named))
@@ -87,7 +101,9 @@ class ParameterServer(Strategy):
             dist.send(local, dst=dist.get_global_rank(self.group, self.SERVER), group=self.group)
 
     def step(self):
-        self.bus.emit("before_optimizer", optimizer=self.optimizer, params=self.master_named or self.named)
+        self.bus.emit(
+            "before_optimizer", optimizer=self.optimizer, params=self.master_named or self.named
+        )
         if self.is_server:
             self.optimizer.step()
             # parameter faults act here, on the master state, so the version handed out carries them
@@ -99,7 +115,9 @@ class ParameterServer(Strategy):
                 if dst != self.SERVER:
                     dist.send(out, dst=dist.get_global_rank(self.group, dst), group=self.group)
         else:
-            out = torch.empty(sum(p.numel() for _, _, p in self.named), dtype=self.named[0][2].dtype)
+            out = torch.empty(
+                sum(p.numel() for _, _, p in self.named), dtype=self.named[0][2].dtype
+            )
             dist.recv(out, src=dist.get_global_rank(self.group, self.SERVER), group=self.group)
         with torch.no_grad():
             unflat_into(out, [p for _, _, p in self.named])
@@ -135,7 +153,9 @@ class ParameterServer(Strategy):
                 if "optim" in state:
                     load_optimizer_bytes(self.optimizer, state["optim"])
                 # the staleness window restarts at the loaded version (a documented limit of resume, k > 0)
-                self.versions = deque([flat(self.master).detach().clone()], maxlen=self.staleness + 1)
+                self.versions = deque(
+                    [flat(self.master).detach().clone()], maxlen=self.staleness + 1
+                )
 
 
 class _NoOptimizer:

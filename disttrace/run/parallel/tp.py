@@ -18,8 +18,8 @@ import contextlib
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from disttrace.run.hooks import TensorRef, grads_of
 from disttrace.config.manifest import Manifest
+from disttrace.run.hooks import TensorRef, grads_of
 from disttrace.run.parallel.common import SCALARS_AGREE, Strategy, build_optimizer
 
 
@@ -27,19 +27,23 @@ def tp_plan(model) -> dict:
     """Module path -> style, for the modules this (possibly pipeline-stage) model holds."""
     plan = {}
     if model.tok_embeddings is not None:
-        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        plan["tok_embeddings"] = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Replicate()
+        )
     if model.output is not None:
         plan["output"] = ColwiseParallel(output_layouts=Replicate())
     for i in model.layers:
-        plan.update({
-            f"layers.{i}.attention.wq": ColwiseParallel(),
-            f"layers.{i}.attention.wk": ColwiseParallel(),
-            f"layers.{i}.attention.wv": ColwiseParallel(),
-            f"layers.{i}.attention.wo": RowwiseParallel(),
-            f"layers.{i}.feed_forward.w1": ColwiseParallel(),
-            f"layers.{i}.feed_forward.w3": ColwiseParallel(),
-            f"layers.{i}.feed_forward.w2": RowwiseParallel(),
-        })
+        plan.update(
+            {
+                f"layers.{i}.attention.wq": ColwiseParallel(),
+                f"layers.{i}.attention.wk": ColwiseParallel(),
+                f"layers.{i}.attention.wv": ColwiseParallel(),
+                f"layers.{i}.attention.wo": RowwiseParallel(),
+                f"layers.{i}.feed_forward.w1": ColwiseParallel(),
+                f"layers.{i}.feed_forward.w3": ColwiseParallel(),
+                f"layers.{i}.feed_forward.w2": RowwiseParallel(),
+            }
+        )
     return plan
 
 
@@ -70,10 +74,14 @@ class TensorParallel(Strategy):
         self.optimizer = build_optimizer(manifest, model.parameters())
 
     def replicas(self) -> list[dict]:
-        rules = [{"phase": p, "dim": "tp", "relation": "agree", "tensors": "*norm.weight*"}
-                 for p in ("reduce", "clip", "optimizer")]
+        rules = [
+            {"phase": p, "dim": "tp", "relation": "agree", "tensors": "*norm.weight*"}
+            for p in ("reduce", "clip", "optimizer")
+        ]
         rules.append(SCALARS_AGREE)
-        rules.append({"phase": "data", "dim": "tp", "relation": "agree"})  # a tp group reads one batch
+        rules.append(
+            {"phase": "data", "dim": "tp", "relation": "agree"}
+        )  # a tp group reads one batch
         if self.dp > 1:
             rules.append({"phase": "data", "dim": "dp", "relation": "differ"})
         return rules
@@ -89,4 +97,6 @@ class TensorParallel(Strategy):
         if self.dp == 1:  # under FSDP2 the local gradient stays inside it until the reduce-scatter
             self.bus.emit("backward", grads=grads)
         if last:
-            self.bus.emit("reduce", grads=grads)  # tp's reductions ran inside backward; dp's (if any) just now
+            self.bus.emit(
+                "reduce", grads=grads
+            )  # tp's reductions ran inside backward; dp's (if any) just now

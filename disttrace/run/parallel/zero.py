@@ -5,13 +5,16 @@ optimizer state sharded)."""
 
 from __future__ import annotations
 
-
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from disttrace.config.manifest import Manifest
-from disttrace.run.parallel.common import (OPTIMIZER_BLOB_TEMPLATE, load_optimizer_bytes, optimizer_bytes,
-                                           optimizer_class_and_kwargs)
+from disttrace.run.parallel.common import (
+    OPTIMIZER_BLOB_TEMPLATE,
+    load_optimizer_bytes,
+    optimizer_bytes,
+    optimizer_class_and_kwargs,
+)
 from disttrace.run.parallel.ddp import DataParallel
 
 
@@ -22,8 +25,9 @@ class ZeroStage1(DataParallel):
     def __init__(self, manifest: Manifest, model, mesh, bus):
         super().__init__(manifest, model, mesh, bus)
         cls, kwargs = optimizer_class_and_kwargs(manifest)
-        self.optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls,
-                                                 process_group=self.group, **kwargs)
+        self.optimizer = ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=cls, process_group=self.group, **kwargs
+        )
 
     def replicas(self) -> list[dict]:
         # parameters are broadcast whole after each step: replicas; optimizer state is partitioned: not
