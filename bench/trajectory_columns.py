@@ -5,7 +5,7 @@ the writer does (a step's bytes carry its own dictionary; the schema message cou
 
     python bench/trajectory_columns.py RUN [--rank 0]
 
-Guides the bytes-per-record target (issue 14): a step's batch must decode on its own, so whatever repeats
+Guides the bytes-per-record target: a step's batch must decode on its own, so whatever repeats
 across steps (tensor names, the shape dictionary, each column's Arrow metadata and LZ4 frame) is paid every
 step. Reads either layout (v1: store/trajectory.py's SCHEMA; v2: SCHEMA_V2) as the file holds it.
 """

@@ -1,4 +1,4 @@
-"""User training scripts as first-class runs (issue 12): a hand-written DDP loop with gradient accumulation
+"""User training scripts as first-class runs: a hand-written DDP loop with gradient accumulation
 (tests/scripts/accum_train.py, 2 ranks on gloo) in a fix and a bug variant of four public silent-bug
 families. The oracle is the planted bug itself: where its evidence must first differ, and whether ranks
 stop agreeing. The runs are made once and shared."""

@@ -1,4 +1,4 @@
-"""The three paths on a user's own script (issue 12): `disttrace run -- torchrun ... train.py`, `disttrace
+"""The three paths on a user's own script: `disttrace run -- torchrun ... train.py`, `disttrace
 inject ... -- torchrun ... train.py` and the script resuming from its own checkpoint with run.resume().
 The oracle is the request: the fault's (step, rank) and its catalog hook point; the checkpoint it resumed."""
 

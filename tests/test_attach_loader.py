@@ -1,4 +1,4 @@
-"""What attach sees of a user's data and model (issue 12): the batches of a DataLoader driven by a
+"""What attach sees of a user's data and model: the batches of a DataLoader driven by a
 DistributedSampler (each micro-batch's `data` record with the sample ids the sampler yielded), the
 top-level blocks' outputs (`forward`), and FSDP2 and DTensor tensor-parallel scripts
 (tests/scripts/loader_train.py, 2 ranks on gloo).

@@ -166,7 +166,7 @@ def test_a_step_awaiting_its_device_digests_is_written_before_a_kill_rank_sigkil
     tmp_path, monkeypatch
 ):
     """On a GPU a finished step waits for its digests' copy; a kill-rank fault at the next step's start must not
-    take it down with the process (review B1). Here the copy never reports ready, as a slow GPU's would not."""
+    take it down with the process. Here the copy never reports ready, as a slow GPU's would not."""
     from types import SimpleNamespace
 
     from disttrace.config.manifest import read_toml, validate
@@ -205,7 +205,7 @@ def test_a_step_awaiting_its_device_digests_is_written_before_a_kill_rank_sigkil
 
 def test_an_attached_script_that_raises_keeps_its_last_finished_step(tmp_path):
     """An exception out of `with attach(...)` leaves the run incomplete but must not lose the finished step still
-    waiting for its device digests (review B2)."""
+    waiting for its device digests."""
     from conftest import run_snippet
 
     code = f"""

@@ -1,9 +1,9 @@
-"""Batched device digests (run/devdigest.py), review findings B3 and B6, on CPU tensors with
+"""Batched device digests (run/devdigest.py): long rows and tensors on several devices, on CPU tensors with
 `digest._digest_on_device` as the oracle (see tests/test_devdigest.py).
 
-B3: a row longer than the chunk (any 1-D tensor longer than it) is split along its columns, so the float64 and
+Long rows: a row longer than the chunk (any 1-D tensor longer than it) is split along its columns, so the float64 and
 int64 working copies stay within the chunk; the results still equal the oracle's (the checksum exactly).
-B6: a process may hold tensors on several devices; `collect` makes one host copy per device. CPU tensors are
+Several devices: a process may hold tensors on several devices; `collect` makes one host copy per device. CPU tensors are
 all on one device, so the multi-device test relabels the queued parts between two CPU "devices"."""
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def test_a_flipped_bit_in_a_later_column_chunk_changes_the_digest(shape, element
 
 
 def test_parts_on_two_devices_are_copied_per_device_and_their_rows_kept(monkeypatch):
-    """B6. A process holding tensors on two devices: the parts are grouped by device, one host copy each, and
+    """A process holding tensors on two devices: the parts are grouped by device, one host copy each, and
     every row still gets its own tensor's digest. The queued parts alternate between torch.device("cpu") and
     torch.device("cpu", 1) (no stream: both take the CPU path), so grouping reorders them."""
     items = _items() + _long_rows()

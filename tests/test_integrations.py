@@ -1,4 +1,4 @@
-"""disttrace inside real training libraries (issue 12): a transformers.Trainer and a Lightning Trainer, each a
+"""disttrace inside real training libraries: a transformers.Trainer and a Lightning Trainer, each a
 2-process CPU/gloo DDP run of a tiny model with gradient accumulation, recorded through a callback. `make
 test` installs the extras (disttrace[hf], disttrace[lightning]); a skip here means that install was impossible."""
 
@@ -85,7 +85,8 @@ def test_hf_trainer_run_is_recorded_with_its_accumulation(hf_runs):
 
 def test_hf_accumulation_2x4_equals_1x8_numerically(hf_runs):
     """The same global batch (2 ranks x 8 sequences per step), split in two micro-batches or not. Padded
-    sequences make per-micro-batch token counts differ: a per-micro-batch mean would diverge (#34191);
+    sequences make per-micro-batch token counts differ: a per-micro-batch mean would diverge
+    (https://github.com/huggingface/transformers/pull/34191);
     the Trainer's normalisation by the step's token count keeps them equivalent within the derived bound."""
     d = diff_runs(*hf_runs[:2])
     assert d["mode"] == "numeric" and d["compared_steps"]["count"] == 3
@@ -95,7 +96,7 @@ def test_hf_accumulation_2x4_equals_1x8_numerically(hf_runs):
 
 def test_hf_per_micro_batch_mean_is_not_equivalent(hf_runs):
     """The negative control: the same 2 x 4 run with each micro-batch's loss its own token mean / 2 (the
-    Trainer told the model takes no loss kwargs: #34191's normalisation) must diverge from 1 x 8 at the first
+    Trainer told the model takes no loss kwargs: the normalisation transformers pull request 34191 fixed) must diverge from 1 x 8 at the first
     reduced gradient, and from the correct 2 x 4 bit for bit at the first micro-batch's local gradient."""
     accum2, accum1, per_mb_mean = hf_runs
     d = diff_runs(accum1, per_mb_mean)

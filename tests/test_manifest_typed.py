@@ -1,4 +1,4 @@
-"""The job reads its manifest as the typed model (issue 15): validated once where the job starts, read by
+"""The job reads its manifest as the typed model: validated once where the job starts, read by
 attribute, so a misspelt field is an error, never a silent `.get` default. Attached runs write a manifest of
 their own shape: `AttachedManifest` states it, and what attach writes must validate against it."""
 

@@ -1,6 +1,6 @@
 """The trajectory's own format limits (store/trajectory.py), against pyarrow's reader as the oracle.
 
-Two layouts are read: v1 (every store written before issue 14) and v2 (written now). The v1 writer below is a
+Two layouts are read: v1 (the first Arrow layout) and v2 (the one written). The v1 writer below is a
 frozen copy of the code that wrote v1 stores, kept here so a change to store/trajectory.py cannot change what
 "a v1 stream" means to these tests.
 """
@@ -105,7 +105,7 @@ def _v1_columns(records: list[dict]) -> list[pa.Array]:
 
 
 def write_v1(path: Path, steps: list[list[dict]]) -> list[tuple[int, int]]:
-    """A v1 stream as the writer before issue 14 made it (one stream writer for the file, LZ4); the steps'
+    """A v1 stream as the v1 writer made it (one stream writer for the file, LZ4); the steps'
     (offset, length), as its step index held them."""
     sink, out, ranges = io.BytesIO(), bytearray(), []
     w = ipc.new_stream(

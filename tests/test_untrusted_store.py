@@ -1,4 +1,4 @@
-"""A run store from elsewhere executes nothing of its writer's (issue 16).
+"""A run store from elsewhere executes nothing of its writer's: its writer controls every byte.
 
 The crafted stores here are built from a real reference run the way an attacker would: a checkpoint's DCP
 `.metadata` replaced by a pickle whose `__reduce__` runs `touch MARKER`, every hash that could betray it

@@ -1,4 +1,4 @@
-"""`disttrace verify`, the step hash chain and the COMPLETE seal (issue 13 item 2), and diff's hash check of the
+"""`disttrace verify`, the step hash chain and the COMPLETE seal, and diff's hash check of the
 steps it skips. One real reference run (shared through the session cache); every test edits its own copy.
 
 The oracle for "intact" is an independent recomputation, here, of the documented format (sha256 of each

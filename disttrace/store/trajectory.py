@@ -15,7 +15,7 @@ readers decode with the schemas below, never with a schema read from the store, 
 change what a column means.
 
 Two layouts on disk, one for readers. Every reader gets `SCHEMA`'s batch (analysis, diff, `to_records`).
-Version 1 (stores written before issue 14) is `SCHEMA` itself. Version 2 (`SCHEMA_V2`, written now) stores
+Version 1 (the first Arrow layout, still read) is `SCHEMA` itself. Version 2 (`SCHEMA_V2`, the one written) stores
 the same records in fewer bytes: at ~180 records a step each column's Arrow metadata and LZ4 frame cost
 ~0.5 byte a record and a string or list column's int32 offsets ~4 (LZ4 cannot shorten an increasing
 sequence), so phase and dtype are string views (names of up to 12 bytes sit inside the 16-byte view, and
