@@ -59,11 +59,12 @@ def device_digest(t: torch.Tensor) -> str:
 # GEMM M += U_blk^T X_blk (K x C, accumulated in float64), and at the end a float64 contraction of M with W.
 # The same pass over the block hashes it (streamed xxh3 = the one-shot hash of the raw bytes) and takes
 # the float64 sum and sum of squares from a reused float64 buffer, so the tensor is read from memory once
-# (it was read four times, plus a fresh float64 copy, before). Measured (bench/digest_cost.py): numpy's
-# float64 contraction ran at ~4 GB/s and was ~40% of the digest; an X @ W GEMM with 4 columns ran at
-# ~2-6 GB/s (packing X), U^T X at ~8-14 GB/s. A float32 reduction over at most SKETCH_ROWS rows rounds by
-# about u32 * sqrt(SKETCH_ROWS) relative to ||x|| sqrt(numel) (tolerance.sketch_rounding, which diff adds
-# to the bound of the sketch terms). float64 tensors (and integers) use the same vectors in float64.
+# (a pass per statistic would read it four times, plus a fresh float64 copy). Measured
+# (bench/digest_cost.py): a numpy float64 contraction over the tensor ran at ~4 GB/s, ~40% of the digest;
+# an X @ W GEMM with 4 columns at ~2-6 GB/s (packing X), U^T X at ~8-14 GB/s. A float32 reduction over
+# at most SKETCH_ROWS rows rounds by about u32 * sqrt(SKETCH_ROWS) relative to ||x|| sqrt(numel)
+# (tolerance.sketch_rounding, which diff adds to the bound of the sketch terms). float64 tensors (and
+# integers) use the same vectors in float64.
 SKETCH_K = 4
 SKETCH_SEED = 0x5EED_D15C
 _BLOCK = 1 << 17  # elements per block: 512 KiB of float32, 1 MiB of its float64 copy (cache-sized)

@@ -27,8 +27,8 @@ keeps writing v1, so the file stays one stream.
 
 Any Arrow reader reads the file as it is (`pyarrow.ipc.open_stream`, `polars.read_ipc_stream`, DuckDB over
 the Arrow table): `disttrace show RUN records --jsonl` exports it as JSON lines. A crash mid-step leaves a
-torn final message: reported and left out, as a torn JSON line was. Run stores written before this format
-(`rank-NNNNN.jsonl`, one record a line) are still read.
+torn final message: reported and left out, as a torn JSON line is. JSON-lines trajectories
+(`rank-NNNNN.jsonl`, one record a line, the format before Arrow) are still read.
 """
 
 from __future__ import annotations
