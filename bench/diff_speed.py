@@ -1,4 +1,4 @@
-"""diff throughput: records per second to the first divergence on a large trajectory (docs/design.md; figures in README.md).
+"""diff throughput: records per second to the first divergence on a large trajectory (docs/design.md; figures in docs/benchmarks.md).
 
 Writes synthetic run stores (default 2 ranks x 500 steps x 1000 records = 1,000,000 records each) with the
 recorder's own writer (store/trajectory.py: an Arrow stream per rank + step index with byte offsets, digest of

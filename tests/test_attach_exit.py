@@ -1,4 +1,4 @@
-"""An attached script's exit (README, known limits). A closed run holds nothing of the user's job alive, and
+"""An attached script's exit (docs/limits.md). A closed run holds nothing of the user's job alive, and
 the seal's gather leaves no tensor for the process group's own thread to free later: that free, landing
 while the interpreter finalized, aborted scripts ("terminate called without an active exception")."""
 

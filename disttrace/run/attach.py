@@ -1010,7 +1010,7 @@ class AttachedRun:
         """The queued batch this forward consumes: the next in order, unless the forward reads the batch the
         previous forward took (its input in that batch's storage, and not in the next one's: the model run twice
         on one batch), which takes none: by order it took the next batch, and its ids. Storage addresses only,
-        so the device is never waited for; an input copied to another device is not recognised (see README)."""
+        so the device is never waited for; an input copied to another device is not recognised (docs/attach.md)."""
         where = _storage(_first_tensor(args, kwargs))
         if (
             where is not None
