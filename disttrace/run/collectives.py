@@ -2,8 +2,8 @@
 issue from C++ (DDP's reducer, FSDP, DTensor redistributions, pipeline send/recv).
 
 One interception point: a TorchDispatchMode sees every `c10d.*` and `_c10d_functional.*` op with its
-tensors and process group (docs/design.md, "Facts about torch.distributed we build on"; the Flight Recorder has no timings on gloo). The issue
-line is written and flushed *before* the op runs, so a rank that hangs or dies in a collective has
+tensors and process group (docs/design.md, "Facts"; the Flight Recorder has no timings on gloo). The
+issue line is written and flushed *before* the op runs, so a rank that hangs or dies in a collective has
 already said which one; the end time follows on its own line.
 """
 
