@@ -1,10 +1,12 @@
 """Batched device digests (run/devdigest.py): long rows and tensors on several devices, on CPU tensors with
 `digest._digest_on_device` as the oracle (see tests/test_devdigest.py).
 
-Long rows: a row longer than the chunk (any 1-D tensor longer than it) is split along its columns, so the float64 and
-int64 working copies stay within the chunk; the results still equal the oracle's (the checksum exactly).
-Several devices: a process may hold tensors on several devices; `collect` makes one host copy per device. CPU tensors are
-all on one device, so the multi-device test relabels the queued parts between two CPU "devices"."""
+Long rows: a row longer than the chunk (any 1-D tensor longer than it) is split along its columns, so the
+float64 and int64 working copies stay within the chunk; the results still equal the oracle's (the checksum
+exactly).
+Several devices: a process may hold tensors on several devices; `collect` makes one host copy per device.
+CPU tensors are all on one device, so the multi-device test relabels the queued parts between two CPU
+"devices"."""
 
 from __future__ import annotations
 

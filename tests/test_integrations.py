@@ -96,8 +96,9 @@ def test_hf_accumulation_2x4_equals_1x8_numerically(hf_runs):
 
 def test_hf_per_micro_batch_mean_is_not_equivalent(hf_runs):
     """The negative control: the same 2 x 4 run with each micro-batch's loss its own token mean / 2 (the
-    Trainer told the model takes no loss kwargs: the normalisation transformers pull request 34191 fixed) must diverge from 1 x 8 at the first
-    reduced gradient, and from the correct 2 x 4 bit for bit at the first micro-batch's local gradient."""
+    Trainer told the model takes no loss kwargs: the normalisation transformers pull request 34191 fixed)
+    must diverge from 1 x 8 at the first reduced gradient, and from the correct 2 x 4 bit for bit at the
+    first micro-batch's local gradient."""
     accum2, accum1, per_mb_mean = hf_runs
     d = diff_runs(accum1, per_mb_mean)
     assert d["mode"] == "numeric" and not d["equal"]

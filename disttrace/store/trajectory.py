@@ -15,15 +15,15 @@ readers decode with the schemas below, never with a schema read from the store, 
 change what a column means.
 
 Two layouts on disk, one for readers. Every reader gets `SCHEMA`'s batch (analysis, diff, `to_records`).
-Version 1 (the first Arrow layout, still read) is `SCHEMA` itself. Version 2 (`SCHEMA_V2`, the one written) stores
-the same records in fewer bytes: at ~180 records a step each column's Arrow metadata and LZ4 frame cost
-~0.5 byte a record and a string or list column's int32 offsets ~4 (LZ4 cannot shorten an increasing
-sequence), so phase and dtype are string views (names of up to 12 bytes sit inside the 16-byte view, and
-equal views compress to nothing), shape is a per-step dictionary of the distinct shapes, numel (the product
-of the shape, always) is not stored, and the shard's offset and logical shape share one list. A step's
-layout is told by its own bytes: a v2 step starts with its dictionary message, a v1 step with its record
-batch. A writer appending to a v1 stream (a job restarted into a run directory an older disttrace wrote)
-keeps writing v1, so the file stays one stream.
+Version 1 (the first Arrow layout, still read) is `SCHEMA` itself. Version 2 (`SCHEMA_V2`, the one
+written) stores the same records in fewer bytes: at ~180 records a step each column's Arrow metadata and
+LZ4 frame cost ~0.5 byte a record and a string or list column's int32 offsets ~4 (LZ4 cannot shorten an
+increasing sequence), so phase and dtype are string views (names of up to 12 bytes sit inside the 16-byte
+view, and equal views compress to nothing), shape is a per-step dictionary of the distinct shapes, numel
+(the product of the shape, always) is not stored, and the shard's offset and logical shape share one list.
+A step's layout is told by its own bytes: a v2 step starts with its dictionary message, a v1 step with its
+record batch. A writer appending to a v1 stream (a job restarted into a run directory an older disttrace
+wrote) keeps writing v1, so the file stays one stream.
 
 Any Arrow reader reads the file as it is (`pyarrow.ipc.open_stream`, `polars.read_ipc_stream`, DuckDB over
 the Arrow table): `disttrace show RUN records --jsonl` exports it as JSON lines. A crash mid-step leaves a

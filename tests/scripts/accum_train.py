@@ -4,7 +4,8 @@ people ship (the fix is the default):
 
   token-norm    each micro-batch's loss normalised by its own token count (mean / accum) instead of by the
                 step's token count (https://github.com/huggingface/transformers/pull/34191)
-  unwrapped     the forward runs through ddp.module, so DDP never reduces (https://github.com/pytorch/pytorch/issues/104336 family)
+  unwrapped     the forward runs through ddp.module, so DDP never reduces
+                (https://github.com/pytorch/pytorch/issues/104336 family)
   zero-grad     optimizer.zero_grad() inside the accumulation window: earlier micro-batches are lost
   late-reduce   --engine manual: the hand-written all-reduce runs before the last micro-batch's backward, which
                 stays local (https://github.com/deepspeedai/DeepSpeed/issues/7985 family)

@@ -5,7 +5,8 @@ gloo under torchrun), recorded through disttrace.integrations.hf.
 
 mean-per-micro-batch: the negative control. The Trainer is told the model takes no loss kwargs, so each
 micro-batch's loss is the model's own mean over that micro-batch's tokens, divided by the accumulation count:
-the normalisation that huggingface/transformers pull request 34191 replaced, which differs from the step's token count on padded sequences.
+the normalisation that huggingface/transformers pull request 34191 replaced, which differs from the
+step's token count on padded sequences.
 """
 
 import sys
