@@ -11,7 +11,6 @@ import os
 import sys
 from pathlib import Path
 
-import orjson
 import typer
 from rich.console import Console
 from rich.markup import escape
@@ -60,9 +59,10 @@ QuietOpt = typer.Option(
 
 
 def emit_json(obj) -> None:
-    sys.stdout.write(
-        orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode() + "\n"
-    )
+    """One document on stdout: a dict, or a typed result (its `to_json()`)."""
+    from disttrace.jsondoc import dumps
+
+    sys.stdout.write(dumps(obj))
     sys.stdout.flush()
 
 
@@ -588,7 +588,7 @@ def diff(
             result,
             Console(stderr=False, no_color=bool(os.environ.get("NO_COLOR")) or None, emoji=False),
         )
-    raise typer.Exit(verdict_exit(result["equal"]))
+    raise typer.Exit(verdict_exit(result.equal))
 
 
 @app.command()

@@ -40,11 +40,13 @@ def ranges(xs) -> str:
     return ", ".join(out)
 
 
-def where(f: dict) -> str:
-    """A finding's coordinates in the order that defines 'first' (docs/design.md, "Order")."""
+def where(f) -> str:
+    """A finding's coordinates in the order that defines 'first' (docs/design.md, "Order"): a typed finding
+    (a diff's `Divergence`) or a mapping of the same names."""
+    g = f.get if isinstance(f, dict) else (lambda k: getattr(f, k, None))
     return (
-        f"step {f.get('step')} · micro-batch {f.get('micro_batch')} · {f.get('phase')} · rank {f.get('rank')}"
-        f" · tensor {f.get('tensor')} (index {f.get('index')})"
+        f"step {g('step')} · micro-batch {g('micro_batch')} · {g('phase')} · rank {g('rank')}"
+        f" · tensor {g('tensor')} (index {g('index')})"
     )
 
 

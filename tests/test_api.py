@@ -43,7 +43,7 @@ def test_instrumented_tutorial_is_diffable(tmp_path):
     b = run_example(tmp_path)
     assert Run(a).complete and Run(a).ranks() == [0, 1]
     d = diff_runs(a, b)
-    assert d["equal"] and d["compared_steps"]["count"] == 5
+    assert d.equal and d.compared_steps.count == 5
     assert (
         cli("check", a).returncode == 0
     )  # DDP's replica map, inferred at attach: every copy agrees

@@ -74,8 +74,8 @@ def test_inject_fires_the_catalog_entry_once_at_its_point(paths):
     assert [(e["fault"], e["step"], e["rank"], e["point"]) for e in fired] == [
         ("skip-allreduce", 3, 1, "reduce")
     ]
-    f = diff_runs(paths["reference"], paths["fault"])["first_divergence"]
-    assert (f["step"], f["phase"], f["rank"]) == (3, "reduce", 1), f
+    f = diff_runs(paths["reference"], paths["fault"]).first_divergence
+    assert (f.step, f.phase, f.rank) == (3, "reduce", 1), f
     proc = cli("check", paths["fault"], "--json")
     assert proc.returncode == 1 and orjson.loads(proc.stdout)["first"]["step"] == 3
 
@@ -84,9 +84,7 @@ def test_the_script_resumes_from_its_checkpoint_as_the_recovered_path(paths):
     rec = Run(paths["recovered"])
     assert rec.info["path"] == "recovered" and rec.info["resume"]["step"] == 2
     d = diff_runs(paths["reference"], paths["recovered"])
-    assert d["equal"] and (d["compared_steps"]["first"], d["compared_steps"]["last"]) == (3, 4), d[
-        "compared_steps"
-    ]
+    assert d.equal and (d.compared_steps.first, d.compared_steps.last) == (3, 4), d.compared_steps
 
 
 def test_a_fault_needing_a_point_the_script_lacks_is_refused(paths):

@@ -62,9 +62,9 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
 def first(a: Path, b: Path) -> tuple:
     d = diff_runs(a, b)
-    assert not d["equal"]
-    f = d["first_divergence"]
-    return f["step"], f["micro_batch"], f["phase"], f["tensor"]
+    assert not d.equal
+    f = d.first_divergence
+    return f.step, f.micro_batch, f.phase, f.tensor
 
 
 def sampler_batches(rank: int, seed: int, epoch: int) -> list[list[int]]:
@@ -93,7 +93,7 @@ def test_data_records_carry_the_samplers_ids_per_micro_batch(runs, name, seed):
 @pytest.mark.parametrize("fix", ["ddp", "fsdp2", "tp"])
 def test_the_fix_twice_is_bit_identical_and_check_finds_nothing(runs, fix):
     d = diff_runs(runs[fix], runs[f"{fix}-again"])
-    assert d["mode"] == "bitwise" and d["equal"] and d["compared_steps"]["count"] == 3
+    assert d.mode == "bitwise" and d.equal and d.compared_steps.count == 3
     proc = cli("check", runs[fix], "--json")
     assert proc.returncode == 0 and orjson.loads(proc.stdout)["consistent"] is True, proc.stdout
 

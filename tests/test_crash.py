@@ -72,7 +72,7 @@ def test_killing_the_launcher_leaves_an_incomplete_recoverable_run(runs, tmp_pat
     assert Run(rec).info["resume"]["step"] == last
     ref = runs.get("run", DEFAULT, *SETS)
     d = diff_runs(ref, rec)
-    assert d["equal"] and d["compared_steps"]["first"] == last + 1
+    assert d.equal and d.compared_steps.first == last + 1
 
 
 def test_disk_full_ends_with_exit_3_and_an_intact_incomplete_run(tmp_path):
@@ -144,7 +144,7 @@ def test_killing_the_launcher_during_a_checkpoint_write(runs, tmp_path):
     ]
     assert all(c["verified"] for c in listed if c["step"] is not None)
     rec = cli("recover", run_dir, check=0).stdout.strip().splitlines()[-1]
-    assert diff_runs(runs.get("run", DEFAULT, *SETS), rec)["equal"]
+    assert diff_runs(runs.get("run", DEFAULT, *SETS), rec).equal
 
 
 def test_killing_the_gate_leaves_no_half_verdict(runs):

@@ -124,7 +124,8 @@ def _write(tmp_path, fmt: str, m, a, b):
         syn.FORMAT["suffix"] = ".arrows"
 
 
-def _comparable(doc: dict) -> dict:
+def _comparable(result) -> dict:
+    doc = result.to_dict()
     out = {k: v for k, v in doc.items() if k not in ("a", "b", "warnings")}
     out["stats"] = {k: v for k, v in doc["stats"].items() if k != "steps_hash_checked"}
     return out
@@ -142,13 +143,11 @@ def test_columns_and_records_give_the_same_result(tmp_path, seed, kw):
     jsonl = diff_runs(*_write(tmp_path, ".jsonl", m, a, b), **kw)
     assert _comparable(arrow) == _comparable(jsonl)
     # the comparison had something to find: inexact records in every mode, and divergences
-    assert arrow["stats"]["tensors_compared"] > arrow["stats"]["bit_equal"] > 0
-    assert arrow["first_divergence"] is not None
+    assert arrow.stats.tensors_compared > arrow.stats.bit_equal > 0
+    assert arrow.first_divergence is not None
     if kw.get("mode") == "numeric":
         within = sum(
-            e["ranks"][r].get("inexact", 0) - e["ranks"][r]["differing"]
-            for e in arrow["propagation"]
-            for r in e["ranks"]
+            e.ranks[r].inexact - e.ranks[r].differing for e in arrow.propagation for r in e.ranks
         )
         assert within > 0  # some records differ within the bound: compared, not flagged
 
@@ -206,13 +205,13 @@ def test_cross_topology_columns_and_records_give_the_same_result(tmp_path, seed,
             syn.FORMAT["suffix"] = ".arrows"
         docs[fmt] = diff_runs(ra, rb, **kw)
     arrow, jsonl = docs[".arrows"], docs[".jsonl"]
-    assert arrow["mode"] == "numeric" and not arrow["topology"]["same"]
+    assert arrow.mode == "numeric" and not arrow.topology.same
     assert _comparable(arrow) == _comparable(jsonl)
-    assert arrow["warnings"] == jsonl["warnings"]
-    assert any("records no 'clip' phase" in w for w in arrow["warnings"])
-    assert any("copy differs" in w for w in arrow["warnings"])
-    missing = [e for e in arrow["propagation"] for r in e["ranks"].values() if r.get("hard")]
-    assert arrow["first_divergence"] is not None and missing
+    assert arrow.warnings == jsonl.warnings
+    assert any("records no 'clip' phase" in w for w in arrow.warnings)
+    assert any("copy differs" in w for w in arrow.warnings)
+    missing = [e for e in arrow.propagation for r in e.ranks.values() if r.hard]
+    assert arrow.first_divergence is not None and missing
 
 
 def test_a_block_with_steps_without_records_aligns_and_sums_up_per_step():
@@ -311,7 +310,7 @@ def test_the_record_path_resolves_tied_errors_the_same_in_every_process(tmp_path
         ra, rb = _write(tmp_path / fmt[1:], fmt, m, {0: a}, {0: b})
         code = (
             f"from disttrace.analysis.diff import diff_runs; "
-            f"print(diff_runs({str(ra)!r}, {str(rb)!r}, mode='numeric')['numeric']['by_phase']['optimizer']['bound'])"
+            f"print(diff_runs({str(ra)!r}, {str(rb)!r}, mode='numeric').numeric.by_phase['optimizer'].bound)"
         )
         for seed in ("1", "2", "3", "4"):
             out = subprocess.run(

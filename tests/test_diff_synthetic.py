@@ -337,21 +337,17 @@ def pair(tmp_path):
 def test_identical_runs_are_equal_and_read_nothing(pair):
     a, b, _ = pair
     r = diff_runs(a, b())
-    assert r["equal"] is True and r["first_divergence"] is None and r["mode"] == "bitwise"
-    assert r["propagation"] == [] and r["warnings"] == []
-    assert r["compared_steps"] == {
+    assert r.equal is True and r.first_divergence is None and r.mode == "bitwise"
+    assert r.propagation == [] and r.warnings == []
+    assert r.compared_steps.to_dict() == {
         "first": 1,
         "last": 6,
         "count": 6,
         "why": "all 6 steps",
         "full": True,
     }
-    assert r["stats"]["steps_read"] == 0  # every step skipped on the index digests
-    assert (
-        r["a"]["kind"] == "reference"
-        and r["b"]["complete"] is True
-        and len(r["a"]["manifest_id"]) == 64
-    )
+    assert r.stats.steps_read == 0  # every step skipped on the index digests
+    assert r.a.kind == "reference" and r.b.complete is True and len(r.a.manifest_id) == 64
     orjson.dumps(r)  # one JSON document
 
 
@@ -360,20 +356,20 @@ def test_planted_difference_found_exactly(pair):
     recs = gen_records(m, range(1, 7))
     planted = plant(recs, 3, 0, "backward", 1, 2)
     r = diff_runs(a, b(recs))
-    f = r["first_divergence"]
-    assert not r["equal"]
-    assert (f["step"], f["micro_batch"], f["phase"], f["rank"], f["index"]) == (
+    f = r.first_divergence
+    assert not r.equal
+    assert (f.step, f.micro_batch, f.phase, f.rank, f.index) == (
         3,
         0,
         "backward",
         1,
         2,
     )
-    assert f["tensor"] == PARAMS[2] and f["missing_in"] is None and f["bound"] == 0.0
-    assert f["b"]["digest"] == planted["digest"] and f["a"]["digest"] != planted["digest"]
-    assert f["rel_err"] == pytest.approx(0.001 / 1.001)  # |dnorm| / max(norm_a, norm_b)
+    assert f.tensor == PARAMS[2] and f.missing_in is None and f.bound == 0.0
+    assert f.b.digest == planted["digest"] and f.a.digest != planted["digest"]
+    assert f.rel_err == pytest.approx(0.001 / 1.001)  # |dnorm| / max(norm_a, norm_b)
     assert (
-        r["stats"]["steps_read"] == 1
+        r.stats.steps_read == 1
     )  # only rank 1's step 3: everything else is skipped on the digests
 
 
@@ -384,9 +380,9 @@ def test_order_phase_before_rank_and_step_before_all(pair):
     plant(recs, 3, 0, "backward", 1, 3)  # the winner: backward < reduce, whatever the rank
     plant(recs, 4, 0, "data", 0, 0)  # a later step: never first
     plant(recs, 3, 0, "backward", 1, 1, salt="bits only")  # same step/phase/rank, lower index: wins
-    f = diff_runs(a, b(recs))["first_divergence"]
-    assert (f["step"], f["phase"], f["rank"], f["index"]) == (3, "backward", 1, 1)
-    assert f["rel_err"] == 0.0  # bits differ, statistics do not
+    f = diff_runs(a, b(recs)).first_divergence
+    assert (f.step, f.phase, f.rank, f.index) == (3, "backward", 1, 1)
+    assert f.rel_err == 0.0  # bits differ, statistics do not
 
 
 def test_micro_batch_orders_before_phase(tmp_path):
@@ -398,8 +394,8 @@ def test_micro_batch_orders_before_phase(tmp_path):
     recs = gen_records(m, range(1, 4))
     plant(recs, 2, 1, "data", 0, 0)  # micro-batch 1: later, though its phase is earlier
     plant(recs, 2, 0, "loss", 0, 0)
-    f = diff_runs(a, write_run(tmp_path / "b", m, recs))["first_divergence"]
-    assert (f["step"], f["micro_batch"], f["phase"]) == (2, 0, "loss")
+    f = diff_runs(a, write_run(tmp_path / "b", m, recs)).first_divergence
+    assert (f.step, f.micro_batch, f.phase) == (2, 0, "loss")
 
 
 def test_record_missing_on_one_side(pair):
@@ -407,37 +403,37 @@ def test_record_missing_on_one_side(pair):
     recs = gen_records(m, range(1, 7))
     recs[0].remove(find(recs, 2, 0, "forward", 0, 1))
     r = diff_runs(a, b(recs))
-    f = r["first_divergence"]
-    assert (f["step"], f["phase"], f["rank"], f["index"], f["missing_in"]) == (
+    f = r.first_divergence
+    assert (f.step, f.phase, f.rank, f.index, f.missing_in) == (
         2,
         "forward",
         0,
         1,
         "b",
     )
-    assert f["b"] is None and f["a"]["digest"]
-    r2 = diff_runs(r["b"]["path"], a)  # the other way round
-    assert r2["first_divergence"]["missing_in"] == "a"
+    assert f.b is None and f.a.digest
+    r2 = diff_runs(r.b.path, a)  # the other way round
+    assert r2.first_divergence.missing_in == "a"
 
 
 def test_recovered_run_compares_from_its_resume_step(pair):
     a, b, m = pair
     r = diff_runs(a, b(gen_records(m, range(3, 7)), kind="recovered", resume_step=2))
-    cs = r["compared_steps"]
-    assert r["equal"] and (cs["first"], cs["last"], cs["count"], cs["full"]) == (3, 6, 4, False)
-    assert "recovered" in cs["why"] and "checkpoint of step 2" in cs["why"]
-    assert r["b"]["resume_step"] == 2 and r["b"]["kind"] == "recovered"
+    cs = r.compared_steps
+    assert r.equal and (cs.first, cs.last, cs.count, cs.full) == (3, 6, 4, False)
+    assert "recovered" in cs.why and "checkpoint of step 2" in cs.why
+    assert r.b.resume_step == 2 and r.b.kind == "recovered"
 
 
 def test_incomplete_run_with_torn_line_warns_not_fails(pair):
     a, b, m = pair
     r = diff_runs(a, b(gen_records(m, range(1, 5)), complete=False, torn_rank=1))
-    cs = r["compared_steps"]
-    assert r["equal"] and (cs["first"], cs["last"]) == (1, 4)
-    assert "run B is incomplete: stops at step 4" in cs["why"]
-    assert any("torn" in w and f"rank-00001{FORMAT['suffix']}" in w for w in r["warnings"])
-    assert any("incomplete" in w for w in r["warnings"])
-    assert r["b"]["complete"] is False
+    cs = r.compared_steps
+    assert r.equal and (cs.first, cs.last) == (1, 4)
+    assert "run B is incomplete: stops at step 4" in cs.why
+    assert any("torn" in w and f"rank-00001{FORMAT['suffix']}" in w for w in r.warnings)
+    assert any("incomplete" in w for w in r.warnings)
+    assert r.b.complete is False
 
 
 def test_streaming_scan_agrees_with_index(pair):
@@ -446,9 +442,9 @@ def test_streaming_scan_agrees_with_index(pair):
     plant(recs, 5, 0, "optimizer", 1, 5)
     bb = b(recs, complete=False, torn_rank=0)
     r1, r2 = diff_runs(a, bb), diff_runs(a, bb, use_index=False)
-    assert r1["first_divergence"] == r2["first_divergence"]
-    assert r1["propagation"] == r2["propagation"]
-    assert r2["stats"]["steps_read"] == 12 and r1["stats"]["steps_read"] == 1
+    assert r1.first_divergence == r2.first_divergence
+    assert r1.propagation == r2.propagation
+    assert r2.stats.steps_read == 12 and r1.stats.steps_read == 1
 
 
 def test_propagation_counts_and_recovery(pair):
@@ -459,19 +455,19 @@ def test_propagation_counts_and_recovery(pair):
     plant(recs, 4, 0, "optimizer", 0, 1, factor=1.01)
     plant(recs, 4, 0, "optimizer", 1, 1, factor=1.01)
     r = diff_runs(a, b(recs))
-    prop = {e["step"]: e for e in r["propagation"]}
+    prop = {e.step: e for e in r.propagation}
     assert sorted(prop) == [3, 4, 5, 6]
     n = len(gen_records(m, [1], ranks=[0])[0])
-    s3 = prop[3]["ranks"]
-    assert s3["0"] == {"differing": 0, "total": n, "max_rel_err_by_phase": {}}
-    assert s3["1"]["differing"] == 2 and s3["1"]["total"] == n
-    assert s3["1"]["max_rel_err_by_phase"]["backward"] == pytest.approx(0.5 / 1.5)
-    assert s3["1"]["max_rel_err_by_phase"]["reduce"] == pytest.approx(0.001 / 1.001)
-    assert prop[4]["ranks"]["0"]["differing"] == 1 and prop[4]["ranks"]["1"]["differing"] == 1
-    assert prop[4]["differing"] == 2 and prop[5]["equal"] and prop[6]["equal"]
-    assert r["recovered_steps"] == [5, 6]
+    s3 = prop[3].ranks
+    assert s3[0].to_dict() == {"differing": 0, "total": n, "max_rel_err_by_phase": {}}
+    assert s3[1].differing == 2 and s3[1].total == n
+    assert s3[1].max_rel_err_by_phase["backward"] == pytest.approx(0.5 / 1.5)
+    assert s3[1].max_rel_err_by_phase["reduce"] == pytest.approx(0.001 / 1.001)
+    assert prop[4].ranks[0].differing == 1 and prop[4].ranks[1].differing == 1
+    assert prop[4].differing == 2 and prop[5].equal and prop[6].equal
+    assert r.recovered_steps == [5, 6]
     assert (
-        r["stats"]["steps_read"] == 3
+        r.stats.steps_read == 3
     )  # rank 1 at step 3, both ranks at step 4: equal ones are not read
 
 
@@ -480,7 +476,7 @@ def test_propagate_false_stops_at_first_divergent_step(pair):
     recs = gen_records(m, range(1, 7))
     plant(recs, 2, 0, "loss", 0, 0)
     r = diff_runs(a, b(recs), propagate=False)
-    assert [e["step"] for e in r["propagation"]] == [2]
+    assert [e.step for e in r.propagation] == [2]
 
 
 # ---------------------------------------------------------------- compatibility
@@ -495,7 +491,7 @@ def test_edition_mismatch_is_bad_input_unless_allowed(pair):
     assert e.value.field == "experiment.edition" and e.value.exit_code == 2
     assert "manifest.lock.json" in str(e.value) and "'v2'" in str(e.value)
     r = diff_runs(a, bb, allow_edition_mismatch=True)
-    assert r["equal"] and any("edition" in w for w in r["warnings"])
+    assert r.equal and any("edition" in w for w in r.warnings)
 
 
 def test_different_experiment_names_every_field(pair):
@@ -531,7 +527,7 @@ def test_bitwise_across_topologies_refused(tmp_path):
     with pytest.raises(BadInput) as e:
         diff_runs(a, b, mode="bitwise")
     assert "same topology" in str(e.value) and "parallelism.dp" in e.value.field
-    assert diff_runs(a, b)["mode"] == "numeric"
+    assert diff_runs(a, b).mode == "numeric"
 
 
 # ---------------------------------------------------------------- numeric
@@ -560,16 +556,14 @@ def test_numeric_across_topologies_small_errors_are_equal(tmp_path):
 
     a, b, m = _topologies(tmp_path, perturb)
     r = diff_runs(a, b)
-    assert r["mode"] == "numeric" and r["equal"], r["first_divergence"]
-    assert r["compared_phases"] == ["reduce", "optimizer"]
-    assert not any(
-        "'clip'" in w for w in r["warnings"]
-    )  # neither side records clip: nothing to say
-    bp = r["numeric"]["by_phase"]
+    assert r.mode == "numeric" and r.equal, r.first_divergence
+    assert r.compared_phases == ["reduce", "optimizer"]
+    assert not any("'clip'" in w for w in r.warnings)  # neither side records clip: nothing to say
+    bp = r.numeric.by_phase
     assert set(bp) == {"reduce", "optimizer"}
-    assert bp["reduce"]["max_rel_err"] == pytest.approx(0.1 * eps1, rel=1e-3)
-    assert bp["reduce"]["max_ratio"] <= 0.1 + 1e-9
-    assert r["tolerance"]["kind"] == "derived" and r["tolerance"]["per_step"] == pytest.approx(eps1)
+    assert bp["reduce"].max_rel_err == pytest.approx(0.1 * eps1, rel=1e-3)
+    assert bp["reduce"].max_ratio <= 0.1 + 1e-9
+    assert r.tolerance.kind == "derived" and r.tolerance.per_step == pytest.approx(eps1)
 
 
 def test_numeric_across_topologies_above_bound_diverges(tmp_path):
@@ -582,22 +576,22 @@ def test_numeric_across_topologies_above_bound_diverges(tmp_path):
 
     a, b, m = _topologies(tmp_path, perturb)
     r = diff_runs(a, b)
-    f = r["first_divergence"]
-    assert not r["equal"]
-    assert (f["step"], f["phase"], f["tensor"], f["rank"]) == (
+    f = r.first_divergence
+    assert not r.equal
+    assert (f.step, f.phase, f.tensor, f.rank) == (
         3,
         "optimizer",
         f"{PARAMS[1]}:exp_avg_sq",
         0,
     )
     # k = 3 steps since the common initial state; x2 for a second moment (tolerance.tensor_factor)
-    assert f["bound"] == pytest.approx(2 * 3 * eps1)
+    assert f.bound == pytest.approx(2 * 3 * eps1)
     x = 10 * 3 * eps1
-    assert f["rel_err"] == pytest.approx(x / (1 + x))
+    assert f.rel_err == pytest.approx(x / (1 + x))
     # the other way round: B (dp=2) holds replicas on ranks 0 and 1; each is compared
     r2 = diff_runs(b, a)
-    assert (r2["first_divergence"]["step"], r2["first_divergence"]["rank"]) == (3, 0)
-    assert r2["propagation"][0]["ranks"]["1"]["differing"] == 1
+    assert (r2.first_divergence.step, r2.first_divergence.rank) == (3, 0)
+    assert r2.propagation[0].ranks[1].differing == 1
 
 
 def test_numeric_replica_on_one_rank_only(tmp_path):
@@ -605,8 +599,8 @@ def test_numeric_replica_on_one_rank_only(tmp_path):
     ra, rb = gen_records(ma, range(1, 4)), gen_records(mb, range(1, 4))
     plant(rb, 2, 0, "reduce", 1, 3, factor=1.01)  # rank 1's copy of the reduced gradient drifted
     r = diff_runs(write_run(tmp_path / "a", ma, ra), write_run(tmp_path / "b", mb, rb))
-    f = r["first_divergence"]
-    assert (f["step"], f["phase"], f["rank"], f["tensor"]) == (2, "reduce", 1, PARAMS[3])
+    f = r.first_divergence
+    assert (f.step, f.phase, f.rank, f.tensor) == (2, "reduce", 1, PARAMS[3])
 
 
 def test_user_tolerance_overrides(tmp_path):
@@ -614,11 +608,11 @@ def test_user_tolerance_overrides(tmp_path):
         plant(rb, 2, 1, "reduce", 0, 0, factor=1 + 1e-3)
 
     a, b, m = _topologies(tmp_path, perturb)
-    assert not diff_runs(a, b)["equal"]
+    assert not diff_runs(a, b).equal
     r = diff_runs(a, b, rtol=1e-2)
-    assert r["equal"] and r["tolerance"] == {"kind": "user", "rtol": 1e-2, "atol": 0.0}
+    assert r.equal and r.tolerance.to_dict() == {"kind": "user", "rtol": 1e-2, "atol": 0.0}
     r = diff_runs(a, b, rtol=1e-4)
-    assert not r["equal"] and r["first_divergence"]["bound"] == pytest.approx(1e-4)
+    assert not r.equal and r.first_divergence.bound == pytest.approx(1e-4)
 
 
 def test_numeric_same_topology_explicit(pair):
@@ -626,23 +620,23 @@ def test_numeric_same_topology_explicit(pair):
     recs = gen_records(m, range(1, 7))
     plant(recs, 2, 0, "backward", 0, 1, factor=1 + 1e-9)
     r = diff_runs(a, b(recs), mode="numeric")
-    assert r["equal"] and r["numeric"]["by_step"][0]["step"] == 2
+    assert r.equal and r.numeric.by_step[0].step == 2
     plant(recs, 4, 0, "forward", 1, 0, factor=1.1)
     import shutil
 
-    shutil.rmtree(r["b"]["path"])
+    shutil.rmtree(r.b.path)
     r = diff_runs(a, b(recs), mode="numeric")
-    f = r["first_divergence"]
-    assert (f["step"], f["phase"], f["rank"]) == (4, "forward", 1) and f["rel_err"] > f["bound"] > 0
-    assert r["numeric"]["by_step"][0]["ranks"]["0"]["max_rel_err"] == pytest.approx(1e-9, rel=1e-3)
+    f = r.first_divergence
+    assert (f.step, f.phase, f.rank) == (4, "forward", 1) and f.rel_err > f.bound > 0
+    assert r.numeric.by_step[0].ranks[0].max_rel_err == pytest.approx(1e-9, rel=1e-3)
 
 
 def test_data_must_be_exact_in_numeric_mode(pair):
     a, b, m = pair
     recs = gen_records(m, range(1, 7))
     plant(recs, 2, 0, "data", 1, 0, factor=1 + 1e-12)
-    f = diff_runs(a, b(recs), mode="numeric")["first_divergence"]
-    assert (f["step"], f["phase"], f["bound"]) == (2, "data", 0.0)
+    f = diff_runs(a, b(recs), mode="numeric").first_divergence
+    assert (f.step, f.phase, f.bound) == (2, "data", 0.0)
 
 
 def test_nonfinite_is_a_divergence(tmp_path):
@@ -653,10 +647,10 @@ def test_nonfinite_is_a_divergence(tmp_path):
 
     a, b, m = _topologies(tmp_path, perturb)
     r = diff_runs(a, b)
-    f = r["first_divergence"]
-    assert (f["step"], f["phase"], f["index"]) == (2, "reduce", 2)
-    assert f["rel_err"] is None and f["b"]["nonfinite"] == 7 and f["note"] == "non-finite values"
-    assert r["propagation"][0]["ranks"]["0"]["hard"] == 1
+    f = r.first_divergence
+    assert (f.step, f.phase, f.index) == (2, "reduce", 2)
+    assert f.rel_err is None and f.b.nonfinite == 7 and f.note == "non-finite values"
+    assert r.propagation[0].ranks[0].hard == 1
 
 
 # ---------------------------------------------------------------- shards
@@ -706,10 +700,10 @@ def test_sharded_records_combine_into_the_logical_tensor(tmp_path):
     a = write_run(tmp_path / "a", ma, gen_records(ma, range(1, 4)))
     b = write_run(tmp_path / "b", mb, shard_records(mb, range(1, 4), {0: 0, 1: 1, 2: 0, 3: 1}))
     r = diff_runs(a, b)
-    assert r["equal"], r["first_divergence"]
-    opt = r["numeric"]["by_phase"]["optimizer"]
-    assert opt["max_rel_err"] < 1e-15  # only float rounding of the split itself
-    assert r["propagation"] == [] and not any("cover" in w for w in r["warnings"])
+    assert r.equal, r.first_divergence
+    opt = r.numeric.by_phase["optimizer"]
+    assert opt.max_rel_err < 1e-15  # only float rounding of the split itself
+    assert r.propagation == [] and not any("cover" in w for w in r.warnings)
     # a replicated shard's second copy (rank 2) is not counted twice: the combined norm would be off by far
     # a wrong shard on the lowest holder is a divergence, attributed to the lowest rank holding the tensor
 
@@ -721,11 +715,11 @@ def test_sharded_records_combine_into_the_logical_tensor(tmp_path):
         tmp_path / "b2", mb, shard_records(mb, range(1, 4), {0: 0, 1: 1, 2: 0, 3: 1}, tamper)
     )
     r2 = diff_runs(a, b2)
-    f = r2["first_divergence"]
-    assert (f["step"], f["phase"], f["index"], f["rank"]) == (2, "optimizer", 1, 0)
-    assert f["b"]["digest"].startswith("shards:") and f["b"]["shape"] == SHAPES[1]
+    f = r2.first_divergence
+    assert (f.step, f.phase, f.index, f.rank) == (2, "optimizer", 1, 0)
+    assert f.b.digest.startswith("shards:") and f.b.shape == SHAPES[1]
     # rank 3's copy of the same shard was not tampered: the replicas disagree, and diff says so
-    assert any("rank 3's copy differs from rank 1's" in w for w in r2["warnings"])
+    assert any("rank 3's copy differs from rank 1's" in w for w in r2.warnings)
 
 
 def test_missing_shard_is_reported(tmp_path):
@@ -736,8 +730,8 @@ def test_missing_shard_is_reported(tmp_path):
         tmp_path / "b", mb, shard_records(mb, range(1, 3), {0: 0, 1: 0, 2: 0, 3: 0})
     )  # half 1 lost
     r = diff_runs(a, b)
-    assert not r["equal"] and "shards incomplete" in r["first_divergence"]["note"]
-    assert any("do not cover" in w for w in r["warnings"])
+    assert not r.equal and "shards incomplete" in r.first_divergence.note
+    assert any("do not cover" in w for w in r.warnings)
 
 
 # ---------------------------------------------------------------- tolerance
@@ -775,7 +769,7 @@ def test_render_rich_and_md(pair):
         render_rich(r, Console(file=buf, width=120, color_system=None))
         out = buf.getvalue()
         md = render_md(r)
-        if r["equal"]:
+        if r.equal:
             assert "EQUAL" in out and "equal" in md
         else:
             assert "FIRST DIVERGENCE" in out and "backward" in out and "rank 1" in out

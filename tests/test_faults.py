@@ -52,11 +52,11 @@ def test_fault_is_located_at_its_coordinates(runs, name, step, rank, params, exp
         len(events) == 1 and events[0]["step"] == step and events[0]["rank"] == rank
     )  # exactly one firing
     d = diff_runs(ref, fault)
-    f = d["first_divergence"]
-    assert not d["equal"] and f is not None
-    assert (f["step"], f["rank"], f["phase"], f["micro_batch"]) == (step, rank, *expected), f
+    f = d.first_divergence
+    assert not d.equal and f is not None
+    assert (f.step, f.rank, f.phase, f.micro_batch) == (step, rank, *expected), f
     # nothing before the fault differs: the first divergence is not at an earlier step
-    assert all(p["step"] >= step for p in d["propagation"])
+    assert all(p.step >= step for p in d.propagation)
 
 
 def test_diff_cli_contract(runs):
@@ -133,7 +133,7 @@ def test_check_is_quiet_on_a_clean_run(runs):
 def test_slow_rank_keeps_numerics_and_is_flagged(runs):
     ref = runs.reference()
     slow = runs.fault("slow-rank", 3, 1, "--param", "seconds=0.6")
-    assert diff_runs(ref, slow)["equal"]
+    assert diff_runs(ref, slow).equal
     show = orjson.loads(cli("show", slow, "--json", check=0).stdout)
     assert [(s["step"], s["rank"]) for s in show["stragglers"]] == [(3, 1)]
 
@@ -174,7 +174,7 @@ def test_kill_rank_ends_with_exit_3_and_no_orphans(runs, tmp_path):
     rec = last_line(cli("recover", run_dir, check=0))
     assert Run(rec).info["resume"]["step"] == 2
     d = diff_runs(runs.reference(), rec)
-    assert d["equal"] and d["mode"] == "bitwise" and d["compared_steps"]["first"] == 3
+    assert d.equal and d.mode == "bitwise" and d.compared_steps.first == 3
 
 
 def test_collective_mismatch_names_rank_sequence_and_shapes(runs):
@@ -195,8 +195,8 @@ def test_recovered_path_rejoins_the_reference_bit_for_bit(runs):
     info = Run(rec).info
     assert info["resume"]["step"] == 2 and info["resume"]["from_run"] == str(fault)
     d = diff_runs(runs.reference(), rec)
-    assert d["equal"], d["first_divergence"]
-    assert (d["compared_steps"]["first"], d["compared_steps"]["last"]) == (3, 4)
+    assert d.equal, d.first_divergence
+    assert (d.compared_steps.first, d.compared_steps.last) == (3, 4)
 
 
 @pytest.mark.slow
@@ -206,11 +206,11 @@ def test_optimizer_reset_recovery_diverges_at_resume_in_optimizer_phase(runs):
     d = diff_runs(
         ref, fault
     )  # the training itself was fine; the checkpoint was not (its `checkpoint` phase)
-    assert {p["step"] for p in d["propagation"] if not p["equal"]} == {2}
-    assert (d["first_divergence"]["step"], d["first_divergence"]["phase"]) == (2, "checkpoint")
+    assert {p.step for p in d.propagation if not p.equal} == {2}
+    assert (d.first_divergence.step, d.first_divergence.phase) == (2, "checkpoint")
     rec = runs.get("recover", fault)
-    f = diff_runs(ref, rec)["first_divergence"]
-    assert (f["step"], f["phase"]) == (3, "optimizer"), f
+    f = diff_runs(ref, rec).first_divergence
+    assert (f.step, f.phase) == (3, "optimizer"), f
 
 
 def test_corrupt_checkpoint_is_reported_and_refused(runs):

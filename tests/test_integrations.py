@@ -89,9 +89,9 @@ def test_hf_accumulation_2x4_equals_1x8_numerically(hf_runs):
     (https://github.com/huggingface/transformers/pull/34191);
     the Trainer's normalisation by the step's token count keeps them equivalent within the derived bound."""
     d = diff_runs(*hf_runs[:2])
-    assert d["mode"] == "numeric" and d["compared_steps"]["count"] == 3
-    assert d["equal"], d["first_divergence"]
-    assert {"reduce", "optimizer"} <= set(d["compared_phases"])
+    assert d.mode == "numeric" and d.compared_steps.count == 3
+    assert d.equal, d.first_divergence
+    assert {"reduce", "optimizer"} <= set(d.compared_phases)
 
 
 def test_hf_per_micro_batch_mean_is_not_equivalent(hf_runs):
@@ -101,11 +101,11 @@ def test_hf_per_micro_batch_mean_is_not_equivalent(hf_runs):
     first micro-batch's local gradient."""
     accum2, accum1, per_mb_mean = hf_runs
     d = diff_runs(accum1, per_mb_mean)
-    assert d["mode"] == "numeric" and not d["equal"]
-    f = d["first_divergence"]
-    assert (f["step"], f["phase"]) == (1, "reduce"), f
-    f = diff_runs(accum2, per_mb_mean)["first_divergence"]
-    assert (f["step"], f["micro_batch"], f["phase"]) == (1, 0, "backward"), f
+    assert d.mode == "numeric" and not d.equal
+    f = d.first_divergence
+    assert (f.step, f.phase) == (1, "reduce"), f
+    f = diff_runs(accum2, per_mb_mean).first_divergence
+    assert (f.step, f.micro_batch, f.phase) == (1, 0, "backward"), f
 
 
 def test_lightning_run_is_recorded_with_its_accumulation(tmp_path):

@@ -72,7 +72,7 @@ def test_two_nodes_one_run_dir(tmp_path):
     assert sorted(r["local_rank"] for r in topo["ranks"]) == [0, 0, 1, 1]
     single = last_line(cli("run", DEFAULT, *SETS, "--out", tmp_path, check=0))
     d = diff_runs(single, run.path)
-    assert d["mode"] == "bitwise" and d["equal"]
+    assert d.mode == "bitwise" and d.equal
 
 
 def test_multinode_needs_endpoint_and_run_id(tmp_path):
@@ -178,4 +178,4 @@ def test_user_started_torchrun_workers_write_a_complete_run(tmp_path):
             check=0,
         )
     )
-    assert diff_runs(ours, run_dir)["equal"]  # torchrun by hand or our launcher: the same bits
+    assert diff_runs(ours, run_dir).equal  # torchrun by hand or our launcher: the same bits

@@ -90,20 +90,18 @@ def test_a_corrupted_checkpoint_file_is_a_checkpoint_divergence(runs, ref):
     fault = runs.fault("corrupt-checkpoint", 2, 1)
     fired = [e for e in Run(fault).events().records if e["event"] == "fault_fired"]
     d = diff_runs(ref, fault)
-    f = d["first_divergence"]
-    assert not d["equal"] and (f["step"], f["phase"], f["rank"]) == (2, "checkpoint", 1), f
-    assert f["tensor"] == f"file:{fired[0]['file']}"
+    f = d.first_divergence
+    assert not d.equal and (f.step, f.phase, f.rank) == (2, "checkpoint", 1), f
+    assert f.tensor == f"file:{fired[0]['file']}"
     # one record differs, the damaged file's; the training itself and the next checkpoint are bit-equal
-    assert [(p["step"], p["differing"]) for p in d["propagation"]] == [(2, 1), (3, 0), (4, 0)], d[
-        "propagation"
-    ]
+    assert [(p.step, p.differing) for p in d.propagation] == [(2, 1), (3, 0), (4, 0)], d.propagation
 
 
 def test_a_checkpoint_saved_without_optimizer_state_is_a_checkpoint_divergence(runs, ref):
     fault = runs.fault("optimizer-reset", 2, 0)
     d = diff_runs(ref, fault)
-    f = d["first_divergence"]
-    assert (f["step"], f["phase"], f["rank"]) == (2, "checkpoint", 0), f
-    assert f["missing_in"] == "b" and f["tensor"].startswith("optim."), (
+    f = d.first_divergence
+    assert (f.step, f.phase, f.rank) == (2, "checkpoint", 0), f
+    assert f.missing_in == "b" and f.tensor.startswith("optim."), (
         f
     )  # the optimizer state is what is gone

@@ -66,11 +66,11 @@ def test_numeric_diff_catches_what_sum_and_norm_cannot(tmp_path, kind):
     a, b, m = _pair(tmp_path / "with", x, y)
     _blind_to_sum_and_norm(x, y, m)
     d = diff_runs(a, b, mode="numeric")
-    f = d["first_divergence"]
-    assert not d["equal"] and (f["step"], f["phase"], f["index"]) == (STEP, "optimizer", INDEX), f
+    f = d.first_divergence
+    assert not d.equal and (f.step, f.phase, f.index) == (STEP, "optimizer", INDEX), f
     # the same records without their sketch: sum and norm alone call the runs equal (the blind spot)
     a0, b0, _ = _pair(tmp_path / "without", x, y, keep_sketch=False)
-    assert diff_runs(a0, b0, mode="numeric")["equal"]
+    assert diff_runs(a0, b0, mode="numeric").equal
 
 
 def test_sketch_is_the_projection_it_claims_and_adds_over_shards():
@@ -105,7 +105,7 @@ def _optimizer_records(run, rank, step):
 def test_zero3_shards_compare_with_dp1_through_their_sketches(topologies):
     one, zero3 = topologies
     d = diff_runs(one, zero3, mode="numeric")
-    assert d["equal"], d["first_divergence"]
+    assert d.equal, d.first_divergence
     # independently of diff: each sharded parameter's shard sketches, summed, give dp=1's sketch (to float32
     # rounding of a different summation order: far below 1e-4 of norm * sqrt(numel))
     whole = {r["tensor"]: r for r in _optimizer_records(one, 0, 4)}

@@ -181,10 +181,10 @@ def test_identical_values_sharded_differently_do_not_diverge_on_sketch_rounding(
     assert gap / scale > rtol
     assert gap / scale <= 2 * tolerance.sketch_rounding("float32", [64, 64])
     d = diff_runs(a, b, mode="numeric", rtol=rtol, atol=0.0)
-    assert d["equal"], d["first_divergence"]
-    assert diff_runs(a, b, mode="numeric")["equal"]
+    assert d.equal, d.first_divergence
+    assert diff_runs(a, b, mode="numeric").equal
     # and a permutation inside one shard still diverges at that step and tensor (the sketch still sees it)
     perm = halves[1].reshape(-1)[torch.randperm(halves[1].numel(), generator=g)].reshape(32, 64)
     a2, b2 = _runs(tmp_path / "permuted", x, [halves[0], perm])
-    f = diff_runs(a2, b2, mode="numeric")["first_divergence"]
-    assert (f["step"], f["phase"], f["tensor"]) == (STEP, "optimizer", PARAMS[INDEX]), f
+    f = diff_runs(a2, b2, mode="numeric").first_divergence
+    assert (f.step, f.phase, f.tensor) == (STEP, "optimizer", PARAMS[INDEX]), f

@@ -61,11 +61,9 @@ def test_strategy_matches_ddp_numerically_and_is_consistent(runs, name):
     other = runs.reference(*STRATEGIES[name])
     assert Run(other).complete
     d = diff_runs(ddp, other)
-    assert d["mode"] == "numeric"
-    assert d["equal"], d["first_divergence"]
-    assert {"reduce", "optimizer"} <= set(d["compared_phases"]) and d["stats"][
-        "tensors_compared"
-    ] > 100
+    assert d.mode == "numeric"
+    assert d.equal, d.first_divergence
+    assert {"reduce", "optimizer"} <= set(d.compared_phases) and d.stats.tensors_compared > 100
     # sharded records were really combined: the strategy stored shards, not full tensors
     recs = [r for r in Run(other).records(0) if r["step"] == 1 and r["phase"] == "optimizer"]
     if name in ("zero2", "zero3", "tp2", "dp2xtp2", "dp2xpp2"):
@@ -95,8 +93,8 @@ def test_fault_on_a_tensor_parallel_shard_names_rank_and_logical_tensor(runs):
     fault = runs.fault(
         "bitflip-grad", 3, 1, *tp, "--param", "tensor=layers.1.feed_forward.w1.weight"
     )
-    f = diff_runs(ref, fault)["first_divergence"]
-    assert (f["step"], f["phase"], f["rank"], f["tensor"]) == (
+    f = diff_runs(ref, fault).first_divergence
+    assert (f.step, f.phase, f.rank, f.tensor) == (
         3,
         "backward",
         1,
@@ -108,8 +106,8 @@ def test_fault_on_a_tensor_parallel_shard_names_rank_and_logical_tensor(runs):
 # test_fault_is_located_at_its_coordinates[skip-allreduce] locates the same hook's fault under DDP
 def test_skip_allreduce_under_zero1_is_located(runs):
     z1 = STRATEGIES["zero1"]
-    f = diff_runs(runs.reference(*z1), runs.fault("skip-allreduce", 3, 0, *z1))["first_divergence"]
-    assert (f["step"], f["phase"], f["rank"]) == (3, "reduce", 0)
+    f = diff_runs(runs.reference(*z1), runs.fault("skip-allreduce", 3, 0, *z1)).first_divergence
+    assert (f.step, f.phase, f.rank) == (3, "reduce", 0)
 
 
 def test_faults_without_their_hook_point_are_refused(tmp_path):
@@ -138,8 +136,8 @@ def test_sharded_checkpoint_resumes_bit_identically(runs, name):
     ref = runs.reference(*STRATEGIES[name])
     rec = runs.get("recover", ref, "--from-step", 2)
     d = diff_runs(ref, rec)
-    assert d["mode"] == "bitwise" and d["equal"], d["first_divergence"]
-    assert d["compared_steps"]["first"] == 3
+    assert d.mode == "bitwise" and d.equal, d.first_divergence
+    assert d.compared_steps.first == 3
 
 
 PS = ["--set", 'parallelism.architecture="parameter-server"']
@@ -149,31 +147,30 @@ PS = ["--set", 'parallelism.architecture="parameter-server"']
 def test_parameter_server_staleness_0_equals_allreduce_and_staleness_1_is_another_algorithm(runs):
     ddp = runs.reference()
     sync = diff_runs(ddp, runs.reference(*PS))
-    assert sync["equal"], sync["first_divergence"]
+    assert sync.equal, sync.first_divergence
     stale = diff_runs(ddp, runs.reference(*PS, "--set", "parallelism.staleness=1"))
-    assert not stale["equal"]
-    assert any("different algorithms" in w and "staleness" in w for w in stale["warnings"])
+    assert not stale.equal
+    assert any("different algorithms" in w and "staleness" in w for w in stale.warnings)
 
 
 @pytest.mark.slow
 def test_parameter_server_fault_on_a_worker_is_located(runs):
     ref = runs.reference(*PS)
-    f = diff_runs(ref, runs.fault("bitflip-grad", 3, 1, *PS))["first_divergence"]
-    assert (f["step"], f["phase"], f["rank"]) == (3, "backward", 1)
+    f = diff_runs(ref, runs.fault("bitflip-grad", 3, 1, *PS)).first_divergence
+    assert (f.step, f.phase, f.rank) == (3, "backward", 1)
     rec = runs.get("recover", ref, "--from-step", 2)
-    assert diff_runs(ref, rec)["equal"]
+    assert diff_runs(ref, rec).equal
 
 
 @pytest.mark.slow
 def test_pipeline_fault_on_the_last_stage_and_resume(runs):
     pp = STRATEGIES["pp2-1f1b"]
     ref = runs.reference(*pp)
-    f = diff_runs(ref, runs.fault("drop-microbatch", 3, 1, *pp, "--param", "micro_batch=2"))[
-        "first_divergence"
-    ]
-    assert (f["step"], f["micro_batch"], f["phase"], f["rank"]) == (3, 2, "loss", 1)
+    f = diff_runs(ref, runs.fault("drop-microbatch", 3, 1, *pp, "--param", "micro_batch=2"))
+    f = f.first_divergence
+    assert (f.step, f.micro_batch, f.phase, f.rank) == (3, 2, "loss", 1)
     rec = runs.get("recover", ref, "--from-step", 2)
-    assert diff_runs(ref, rec)["equal"]
+    assert diff_runs(ref, rec).equal
     trace = orjson.loads(
         cli("trace", ref, "-o", ref / "trace.json", check=0) and (ref / "trace.json").read_bytes()
     )
@@ -210,7 +207,7 @@ def test_clipping_across_meshes_keeps_replicas_consistent(runs):
     """dp x tp: norm weights live on the dp mesh, matmuls on dp x tp; the global norm combines both."""
     run = runs.reference(*STRATEGIES["dp2xtp2"], *CLIP)
     assert cli("check", run).returncode == 0
-    assert diff_runs(runs.reference(*CLIP), run)["equal"]
+    assert diff_runs(runs.reference(*CLIP), run).equal
 
 
 @pytest.mark.slow
@@ -253,5 +250,5 @@ def test_bitflip_param_is_located_under_every_sharding(runs, name):
         runs.reference(*sets),
         runs.fault("bitflip-param", 3, 1, *sets, "--param", f"tensor={tensor}"),
     )
-    f = f["first_divergence"]
-    assert (f["step"], f["phase"], f["rank"], f["tensor"]) == (3, "optimizer", 1, tensor), f
+    f = f.first_divergence
+    assert (f.step, f.phase, f.rank, f.tensor) == (3, "optimizer", 1, tensor), f

@@ -30,6 +30,22 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from disttrace.analysis import columnar, tolerance
+from disttrace.analysis.result import (
+    BoundKind,
+    ComparedSteps,
+    DiffResult,
+    DiffStats,
+    Divergence,
+    NumericSummary,
+    PhaseWorst,
+    RankEntry,
+    RecordsRead,
+    SideSummary,
+    StepEntry,
+    Tolerance,
+    TopologyComparison,
+    WorstRatio,
+)
 from disttrace.config.manifest import EXPERIMENT_FIELDS, TOPOLOGY_FIELDS, get_field, global_batch
 from disttrace.errors import BadInput
 from disttrace.fmt import ranges
@@ -242,16 +258,16 @@ class _Side:
         self.records_read += b.num_rows
         return b
 
-    def describe(self) -> dict:
-        return {
-            "path": str(self.path),
-            "kind": self.kind,
-            "complete": self.complete,
-            "manifest_id": self.run.manifest_id,
-            "resume_step": self.resume_step or None,
-            "ranks": self.ranks,
-            "steps": [self.steps[0], self.steps[-1]] if self.steps else None,
-        }
+    def describe(self) -> SideSummary:
+        return SideSummary(
+            path=str(self.path),
+            kind=self.kind,
+            complete=self.complete,
+            manifest_id=self.run.manifest_id,
+            resume_step=self.resume_step or None,
+            ranks=self.ranks,
+            steps=[self.steps[0], self.steps[-1]] if self.steps else None,
+        )
 
 
 def _line_step(line: bytes) -> int:
@@ -527,20 +543,19 @@ class _RankStep:
             if self.first is None or key < self.first[0]:
                 self.first = (key, unit)
 
-    def as_dict(self) -> dict:
-        d = {
-            "differing": self.differing,
-            "total": self.total,
-            "max_rel_err_by_phase": dict(
-                sorted(self.max_rel.items(), key=lambda kv: _phase_order(kv[0]))
-            ),
-        }
-        if self.inexact:
-            d["inexact"] = self.inexact
-            d["max_rel_err"] = max(self.max_rel.values()) if self.max_rel else None
-            d["max_ratio"] = self.max_ratio if self.max_ratio else None
-            d["hard"] = self.hard
-        return d
+    def entry(self) -> RankEntry:
+        by_phase = dict(sorted(self.max_rel.items(), key=lambda kv: _phase_order(kv[0])))
+        if not self.inexact:
+            return RankEntry(self.differing, self.total, by_phase)
+        return RankEntry(
+            self.differing,
+            self.total,
+            by_phase,
+            inexact=self.inexact,
+            max_rel_err=max(self.max_rel.values()) if self.max_rel else None,
+            max_ratio=self.max_ratio if self.max_ratio else None,
+            hard=self.hard,
+        )
 
 
 def _unit(step, rec_a, rec_b, rank, tol: _Tol, logical: bool = False) -> dict:
@@ -1032,7 +1047,7 @@ def _replica_warnings(xa, key_a, xb, key_b, logical_a, warnings, warned) -> None
 # ---------------------------------------------------------------- the comparison
 
 
-def _compared_steps(a: _Side, b: _Side) -> tuple[list[int], dict]:
+def _compared_steps(a: _Side, b: _Side) -> tuple[list[int], ComparedSteps]:
     common = sorted(set(a.steps) & set(b.steps))
     n_total = int(get_field(a.manifest, "training.steps") or 0)
     why: list[str] = []
@@ -1069,13 +1084,13 @@ def _compared_steps(a: _Side, b: _Side) -> tuple[list[int], dict]:
         )
     if not why:
         why.append(f"all {len(common)} steps")
-    return common, {
-        "first": common[0],
-        "last": common[-1],
-        "count": len(common),
-        "why": "; ".join(why),
-        "full": bool(n_total) and len(common) == n_total,
-    }
+    return common, ComparedSteps(
+        first=common[0],
+        last=common[-1],
+        count=len(common),
+        why="; ".join(why),
+        full=bool(n_total) and len(common) == n_total,
+    )
 
 
 def _agreed_since(x: _Side, other: _Side) -> int:
@@ -1230,49 +1245,42 @@ def _compare_block(
     return {s: (per[s], read[s]) for s in block}
 
 
-def _worst_by_phase(by_phase: dict, step: int, per_rank: dict, tol: _Tol) -> None:
+def _worst_by_phase(by_phase: dict[str, PhaseWorst], step: int, per_rank: dict, tol: _Tol) -> None:
     """Numeric mode: keep, per phase, the largest relative error seen and the largest error-to-bound ratio."""
     for r, rs in per_rank.items():
         if rs.first is None and rs.inexact == 0:
             continue
         for phase, rel in rs.max_rel.items():
-            cur = by_phase.setdefault(phase, {"max_rel_err": -1.0})
-            if rel > cur["max_rel_err"]:
+            cur = by_phase.setdefault(phase, PhaseWorst())
+            if rel > cur.max_rel_err:
                 bnd = None if tol.user else rs.max_rel_bound.get(phase, tol.derived(step, phase))
-                cur.update(
-                    max_rel_err=rel,
-                    bound=bnd,
-                    ratio=rel / bnd if bnd else None,
-                    step=step,
-                    rank=r,
-                    bound_kind=tol.kind(step, phase),
-                )
+                cur.max_rel_err, cur.bound, cur.ratio = rel, bnd, rel / bnd if bnd else None
+                cur.step, cur.rank, cur.bound_kind = step, r, BoundKind(tol.kind(step, phase))
         for phase, (ratio, rel, bnd) in rs.ratio_by_phase.items():
             cur = by_phase[phase]
-            if ratio > cur.get("max_ratio", -1.0):
-                cur.update(
-                    max_ratio=ratio,
-                    max_ratio_at={"step": step, "rank": r, "rel_err": rel, "bound": bnd},
-                )
+            if cur.max_ratio is None or ratio > cur.max_ratio:
+                cur.max_ratio, cur.max_ratio_at = ratio, WorstRatio(step, r, rel, bnd)
 
 
-def _tolerance_doc(mode: str, tol: _Tol, cal, since: int, ma: dict, mb: dict, rtol, atol) -> dict:
-    """What the comparison was held to, for the result document (and the views that print the bound)."""
+def _tolerance_doc(
+    mode: str, tol: _Tol, cal, since: int, ma: dict, mb: dict, rtol, atol
+) -> Tolerance:
+    """What the comparison was held to, for the result (and the views that print the bound)."""
     if mode == "bitwise":
-        return {"kind": "bitwise", "bound": 0.0}
+        return Tolerance(BoundKind.BITWISE, bound=0.0)
     if tol.user:
-        return {"kind": "user", "rtol": rtol or 0.0, "atol": atol or 0.0}
+        return Tolerance(BoundKind.USER, rtol=rtol or 0.0, atol=atol or 0.0)
     if cal is not None:
-        return {
-            "kind": "calibrated",
-            "file": str(cal.path),
-            "safety": cal.doc.get("safety"),
-            "manifest_id": cal.manifest_id,
-            "elsewhere": "derived",
-            "since_step": since,
-            **tolerance.explain(ma, mb),
-        }
-    return {"kind": "derived", "since_step": since, **tolerance.explain(ma, mb)}
+        return Tolerance(
+            BoundKind.CALIBRATED,
+            file=str(cal.path),
+            safety=cal.doc.get("safety"),
+            manifest_id=cal.manifest_id,
+            elsewhere="derived",
+            since_step=since,
+            derivation=tolerance.explain(ma, mb),
+        )
+    return Tolerance(BoundKind.DERIVED, since_step=since, derivation=tolerance.explain(ma, mb))
 
 
 def diff_runs(
@@ -1287,8 +1295,8 @@ def diff_runs(
     propagate: bool = True,
     on_step=None,
     calibration: str | Path | None = None,
-) -> dict:
-    """Compare run `b` against run `a`; returns the result document (the `diff --json` contract).
+) -> DiffResult:
+    """Compare run `b` against run `a`; `.to_json()` of the result is the `diff --json` document.
 
     mode: None (bitwise when the topologies are equal and no rtol/atol is given, else numeric), "bitwise"
     or "numeric". rtol/atol replace the derived tolerance (a missing one counts as 0).
@@ -1316,12 +1324,12 @@ def diff_runs(
     ranks = sorted(set(side_a.ranks) | set(side_b.ranks))
     logical = mode == "numeric" and not same_topology
 
-    first_div: dict | None = None
+    first_div: Divergence | None = None
     first_step: int | None = None
-    propagation: list[dict] = []
+    propagation: list[StepEntry] = []
     recovered: list[int] = []
-    by_step: list[dict] = []  # numeric: per-step errors of steps before the first divergence
-    by_phase: dict[str, dict] = {}
+    by_step: list[StepEntry] = []  # numeric: per-step errors of steps before the first divergence
+    by_phase: dict[str, PhaseWorst] = {}
     n_units = n_exact = 0
     read_steps = 0
     warned: dict = {}
@@ -1356,34 +1364,17 @@ def diff_runs(
         if first_step is None and diverged_here:
             first_step = step
             key, unit = min((rs.first for rs in diverged_here), key=lambda fu: fu[0])
-            first_div = {
-                k: unit[k]
-                for k in (
-                    "step",
-                    "micro_batch",
-                    "phase",
-                    "rank",
-                    "tensor",
-                    "index",
-                    "a",
-                    "b",
-                    "rel_err",
-                    "bound",
-                    "missing_in",
-                    "note",
-                )
-            }
-            first_div["bound_kind"] = tol.kind(step, unit["phase"])
-        entry = {
-            "step": step,
-            "equal": not diverged_here,
-            "differing": sum(rs.differing for rs in per_rank.values()),
-            "ranks": {str(r): per_rank[r].as_dict() for r in sorted(per_rank)},
-        }
+            first_div = Divergence.of_unit(unit, BoundKind(tol.kind(step, unit["phase"])))
+        entry = StepEntry(
+            step=step,
+            equal=not diverged_here,
+            differing=sum(rs.differing for rs in per_rank.values()),
+            ranks={r: per_rank[r].entry() for r in sorted(per_rank)},
+        )
         if mode == "numeric":  # the bound each phase's errors at this step are held to
             phases = sorted({p for rs in per_rank.values() for p in rs.max_rel}, key=_phase_order)
-            entry["bound_by_phase"] = {p: tol.compare_bound(step, p) for p in phases}
-            entry["bound_kind_by_phase"] = {p: tol.kind(step, p) for p in phases}
+            entry.bound_by_phase = {p: tol.compare_bound(step, p) for p in phases}
+            entry.bound_kind_by_phase = {p: BoundKind(tol.kind(step, p)) for p in phases}
         if first_step is not None:
             propagation.append(entry)
             if not diverged_here:
@@ -1393,36 +1384,34 @@ def diff_runs(
         elif mode == "numeric" and any(rs.inexact for rs in per_rank.values()):
             by_step.append(entry)
 
-    result: dict[str, Any] = {
-        "equal": first_div is None,
-        "mode": mode,
-        "a": side_a.describe(),
-        "b": side_b.describe(),
-        "topology": {"same": same_topology, "differs": [k for k, _, _ in topo]},
-        "compared_steps": compared,
-        # the grid's rows: across topologies values are attributed to B's ranks
-        "ranks": sorted(side_b.ranks) if logical else ranks,
-        "first_divergence": first_div,
-        "propagation": propagation,
-        "recovered_steps": recovered,
-        "tolerance": _tolerance_doc(mode, tol, cal, since, ma, mb, rtol, atol),
-        "stats": {
-            "tensors_compared": n_units,
-            "bit_equal": n_exact,
-            "steps_read": read_steps,
-            "index": use_index,
-            "steps_hash_checked": side_a.hash_checked + side_b.hash_checked,
-        },
-        "records_read": {"a": side_a.records_read, "b": side_b.records_read},  # parsed, each side
-        "warnings": warnings,
-    }
-    if logical:
-        result["compared_phases"] = [
-            p for p in CROSS_TOPOLOGY_PHASES if p in phases_seen.get("both", ())
-        ]
-    if mode == "numeric":
-        result["numeric"] = {
-            "by_phase": dict(sorted(by_phase.items(), key=lambda kv: _phase_order(kv[0]))),
-            "by_step": by_step,
-        }
-    return result
+    return DiffResult(
+        equal=first_div is None,
+        mode=mode,
+        a=side_a.describe(),
+        b=side_b.describe(),
+        topology=TopologyComparison(same=same_topology, differs=[k for k, _, _ in topo]),
+        compared_steps=compared,
+        ranks=sorted(side_b.ranks) if logical else ranks,
+        first_divergence=first_div,
+        propagation=propagation,
+        recovered_steps=recovered,
+        tolerance=_tolerance_doc(mode, tol, cal, since, ma, mb, rtol, atol),
+        stats=DiffStats(
+            tensors_compared=n_units,
+            bit_equal=n_exact,
+            steps_read=read_steps,
+            index=use_index,
+            steps_hash_checked=side_a.hash_checked + side_b.hash_checked,
+        ),
+        records_read=RecordsRead(a=side_a.records_read, b=side_b.records_read),
+        warnings=warnings,
+        compared_phases=[p for p in CROSS_TOPOLOGY_PHASES if p in phases_seen.get("both", ())]
+        if logical
+        else None,
+        numeric=NumericSummary(
+            by_phase=dict(sorted(by_phase.items(), key=lambda kv: _phase_order(kv[0]))),
+            by_step=by_step,
+        )
+        if mode == "numeric"
+        else None,
+    )

@@ -158,19 +158,17 @@ def gradient_equivalence(run: Run, ref: Run | None) -> dict:
         BadInput
     ) as e:  # e.g. no step in common (a job that died in its first step): not equivalent
         return check("gradient_equivalence", False, f"not comparable: {e}")
-    if d["equal"]:
-        cs = d["compared_steps"]
+    f = d.first_divergence
+    if f is None:
+        cs = d.compared_steps
         return check(
-            "gradient_equivalence",
-            True,
-            f"{d['mode']} equal over steps {cs.get('first')}..{cs.get('last')}",
+            "gradient_equivalence", True, f"{d.mode} equal over steps {cs.first}..{cs.last}"
         )
-    f = d["first_divergence"]
     return check(
         "gradient_equivalence",
         False,
-        f"first divergence at step {f['step']} micro-batch "
-        f"{f['micro_batch']} {f['phase']} rank {f['rank']} tensor {f['tensor']}",
+        f"first divergence at step {f.step} micro-batch "
+        f"{f.micro_batch} {f.phase} rank {f.rank} tensor {f.tensor}",
     )
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from rich.markup import escape
 
 from disttrace.analysis.diff import diff_runs
+from disttrace.analysis.result import DiffResult, Divergence
 from disttrace.config.manifest import freeze
 from disttrace.errors import BadInput, JobFailed
 from disttrace.gate.verdict import gate
@@ -45,7 +46,7 @@ def parse_prediction(text: str | None) -> dict | None:
     return {k: (int(v) if k != "phase" and v is not None else v) for k, v in m.groupdict().items()}
 
 
-def judge_prediction(pred: dict | None, first: dict | None) -> dict | None:
+def judge_prediction(pred: dict | None, first: Divergence | None) -> dict | None:
     if pred is None:
         return None
     if first is None:
@@ -56,15 +57,17 @@ def judge_prediction(pred: dict | None, first: dict | None) -> dict | None:
             "observed": None,
         }
     missed = [
-        f"{k}: predicted {pred[k]}, observed {first[k]}"
+        f"{k}: predicted {pred[k]}, observed {getattr(first, k)}"
         for k in ("phase", "step", "rank")
-        if pred.get(k) is not None and pred[k] != first[k]
+        if pred.get(k) is not None and pred[k] != getattr(first, k)
     ]
     return {
         "held": not missed,
         "missed": missed,
         "predicted": pred,
-        "observed": {k: first[k] for k in ("step", "micro_batch", "phase", "rank", "tensor")},
+        "observed": {
+            k: getattr(first, k) for k in ("step", "micro_batch", "phase", "rank", "tensor")
+        },
     }
 
 
@@ -115,10 +118,14 @@ def final_loss(run_dir: str) -> float | None:
 
 
 def expected_signature(
-    spec: dict, fault_res: dict, d_fault: dict | None, d_rec: dict | None, resume_step
+    spec: dict,
+    fault_res: dict,
+    d_fault: DiffResult | None,
+    d_rec: DiffResult | None,
+    resume_step,
 ) -> tuple[bool, str]:
     exp = spec["expect"]
-    first = d_fault and d_fault["first_divergence"]
+    first = d_fault.first_divergence if d_fault else None
     if exp == "exit-3":
         return fault_res["exit"] == 3, f"job ended with exit {fault_res['exit']}"
     if exp == "refused-at-load":
@@ -126,21 +133,18 @@ def expected_signature(
         ok, why = checkpoint.status(ck, Run(fault_res["run_dir"]).manifest_id)
         return (not ok), f"checkpoint of step {spec['step']}: {why}"
     if exp == "none":
-        return bool(d_fault and d_fault["equal"]), "numerics equal" if d_fault and d_fault[
-            "equal"
-        ] else "numerics differ"
+        equal = bool(d_fault and d_fault.equal)
+        return equal, "numerics equal" if equal else "numerics differ"
     if exp == "resume:optimizer":
-        f = d_rec and d_rec["first_divergence"]
-        ok = bool(f) and f["phase"] == "optimizer" and f["step"] == resume_step + 1
+        f = d_rec.first_divergence if d_rec else None
+        ok = f is not None and f.phase == "optimizer" and f.step == resume_step + 1
         return ok, (
-            f"recovered run diverges at step {f['step']} {f['phase']}"
-            if f
-            else "recovered run equal"
+            f"recovered run diverges at step {f.step} {f.phase}" if f else "recovered run equal"
         )
     if not first:
         return False, "no divergence found"
-    ok = first["step"] == spec["step"] and first["phase"] == exp and first["rank"] == spec["rank"]
-    return ok, f"first divergence at step {first['step']} {first['phase']} rank {first['rank']}"
+    ok = first.step == spec["step"] and first.phase == exp and first.rank == spec["rank"]
+    return ok, f"first divergence at step {first.step} {first.phase} rank {first.rank}"
 
 
 def run_lab(
@@ -200,7 +204,7 @@ def run_lab(
     if spec["expect"] == "resume:optimizer":
         recovered_ok = True  # the counter-example: its recovery is supposed to diverge
     else:
-        recovered_ok = bool(d_rec and d_rec["equal"] and g_rec and g_rec["pass"])
+        recovered_ok = bool(d_rec and d_rec.equal and g_rec and g_rec["pass"])
     accepted = sig_ok and recovered_ok and g_ref["pass"]
     paths = {
         "reference": {
@@ -213,7 +217,7 @@ def run_lab(
             "run_dir": str(fault_dir),
             "exit": fault_res["exit"],
             "final_loss": final_loss(fault_dir),
-            "first_divergence": d_fault["first_divergence"],
+            "first_divergence": d_fault.first_divergence,
             "gate": g_fault["pass"],
             "gate_failed": [c["name"] for c in g_fault["checks"] if c["passed"] is False],
         },
@@ -224,8 +228,8 @@ def run_lab(
             "exit": rec_res["exit"],
             "resumed_from_step": resume_step,
             "final_loss": final_loss(rec_res["run_dir"]),
-            "first_divergence": d_rec["first_divergence"],
-            "equal_to_reference": d_rec["equal"],
+            "first_divergence": d_rec.first_divergence,
+            "equal_to_reference": d_rec.equal,
             "gate": g_rec["pass"],
             "gate_failed": [c["name"] for c in g_rec["checks"] if c["passed"] is False],
         },
@@ -235,16 +239,16 @@ def run_lab(
         "fault": spec,
         "paths": paths,
         "expected_signature": {"expect": spec["expect"], "observed": sig_why, "held": sig_ok},
-        "prediction": judge_prediction(prediction, d_fault["first_divergence"]),
+        "prediction": judge_prediction(prediction, d_fault.first_divergence),
         "accepted": accepted,
         "diffs": {"fault": d_fault, "recovered": d_rec},
     }
 
 
-def fmt_first(f: dict | None) -> str:
+def fmt_first(f: Divergence | None) -> str:
     if not f:
         return "none"
-    return f"step {f['step']} mb {f['micro_batch']} {f['phase']} rank {f['rank']}\n{f['tensor']}"
+    return f"step {f.step} mb {f.micro_batch} {f.phase} rank {f.rank}\n{f.tensor}"
 
 
 def render(result: dict, console) -> None:

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from disttrace.analysis.result import DiffResult, RankEntry, RecordStats
 from disttrace.errors import BadInput
 from disttrace.fmt import abbrev, agreeing_digits, fmt_number, ranges, where
 from disttrace.store.records import FAILURE_EVENTS
@@ -232,12 +233,12 @@ def _overview(rs: list[_R], diffs: dict[int, Any]) -> str:
             vs = _badge("reference", "na")
         else:
             d = diffs.get(r.index)
-            if isinstance(d, dict):
-                f = d.get("first_divergence")
+            if isinstance(d, DiffResult):
+                f = d.first_divergence
                 vs = (
                     _badge("equal", "ok")
                     if f is None
-                    else _badge(f"diverged at step {f['step']}", "bad")
+                    else _badge(f"diverged at step {f.step}", "bad")
                 )
             else:
                 vs = _badge("not compared", "na")
@@ -717,96 +718,86 @@ def _divergence(rs: list[_R], diffs: dict[int, Any]) -> str:
     return "".join(out)
 
 
-def _one_diff(d: dict) -> str:
-    cs = d.get("compared_steps") or {}
-    tol = d.get("tolerance") or {}
+def _one_diff(d: DiffResult) -> str:
+    cs = d.compared_steps
+    tol = d.tolerance
     tol_txt = (
         "bit for bit"
-        if tol.get("kind") == "bitwise"
-        else f"rtol {tol.get('rtol')} atol {tol.get('atol')}"
-        if tol.get("kind") == "user"
-        else f"derived bound {fmt_number(tol.get('per_step'), '.2e')} per step"
+        if tol.kind == "bitwise"
+        else f"rtol {tol.rtol} atol {tol.atol}"
+        if tol.kind == "user"
+        else f"derived bound {fmt_number(tol.per_step, '.2e')} per step"
     )
     out = [
-        f'<p class="muted">mode <b>{e(d.get("mode"))}</b> ({e(tol_txt)}) · compared steps '
-        f"{e(cs.get('first'))}..{e(cs.get('last'))} ({e(cs.get('count'))}): {e(cs.get('why'))}</p>"
+        f'<p class="muted">mode <b>{e(d.mode)}</b> ({e(tol_txt)}) · compared steps '
+        f"{e(cs.first)}..{e(cs.last)} ({e(cs.count)}): {e(cs.why)}</p>"
     ]
-    f = d.get("first_divergence")
+    f = d.first_divergence
     if f is None:
-        out.append(
-            f'<p class="verdict ok">EQUAL over steps {e(cs.get("first"))}..{e(cs.get("last"))}</p>'
-        )
+        out.append(f'<p class="verdict ok">EQUAL over steps {e(cs.first)}..{e(cs.last)}</p>')
     else:
         out.append(f'<p class="verdict bad">First divergence: {e(where(f))}</p>')
-        a, b = f.get("a") or {}, f.get("b") or {}
+        a, b = f.a or RecordStats(), f.b or RecordStats()
         rows = []
-        if f.get("missing_in"):
+        if f.missing_in:
             rows.append(
                 [
                     "record",
-                    *(("missing", "present") if f["missing_in"] == "a" else ("present", "missing")),
+                    *(("missing", "present") if f.missing_in == "a" else ("present", "missing")),
                 ]
             )
         rows += [
             [
                 "digest",
-                f"<code>{e(abbrev(a.get('digest'), 16))}</code>",
-                f"<code>{e(abbrev(b.get('digest'), 16))}</code>",
+                f"<code>{e(abbrev(a.digest, 16))}</code>",
+                f"<code>{e(abbrev(b.digest, 16))}</code>",
             ],
             [
                 "sum",
-                _td_num(e(fmt_number(a.get("sum"), ".10g"))),
-                _td_num(e(fmt_number(b.get("sum"), ".10g"))),
+                _td_num(e(fmt_number(a.sum, ".10g"))),
+                _td_num(e(fmt_number(b.sum, ".10g"))),
             ],
             [
                 "norm",
-                _td_num(e(fmt_number(a.get("norm"), ".10g"))),
-                _td_num(e(fmt_number(b.get("norm"), ".10g"))),
+                _td_num(e(fmt_number(a.norm, ".10g"))),
+                _td_num(e(fmt_number(b.norm, ".10g"))),
             ],
             [
                 "non-finite",
-                _td_num(e(fmt_number(a.get("nonfinite")))),
-                _td_num(e(fmt_number(b.get("nonfinite")))),
+                _td_num(e(fmt_number(a.nonfinite))),
+                _td_num(e(fmt_number(b.nonfinite))),
             ],
             [
                 "dtype, shape",
-                e(f"{a.get('dtype', '-')} {a.get('shape', '')}"),
-                e(f"{b.get('dtype', '-')} {b.get('shape', '')}"),
+                e(f"{a.dtype if f.a else '-'} {a.shape if f.a else ''}"),
+                e(f"{b.dtype if f.b else '-'} {b.shape if f.b else ''}"),
             ],
         ]
-        bound = "0 (bitwise)" if d.get("mode") == "bitwise" else fmt_number(f.get("bound"), ".3e")
+        bound = "0 (bitwise)" if d.mode == "bitwise" else fmt_number(f.bound, ".3e")
         out.append(
             '<div class="row"><div>' + _table(("", "A (reference)", "B"), rows) + "</div>"
-            f'<div class="muted">relative error <b>{e(fmt_number(f.get("rel_err"), ".3e"))}</b> vs bound '
-            f"{e(bound)}"
-            + (f"<br>note: {e(f.get('note'))}" if f.get("note") else "")
-            + "</div></div>"
+            f'<div class="muted">relative error <b>{e(fmt_number(f.rel_err, ".3e"))}</b> vs bound '
+            f"{e(bound)}" + (f"<br>note: {e(f.note)}" if f.note else "") + "</div></div>"
         )
-        prop = d.get("propagation") or []
-        rec = d.get("recovered_steps") or []
-        msg = f"{len(prop) - len(rec)} divergent step(s) from step {f.get('step')}"
-        if rec:
-            msg += f"; equal again at step(s) {ranges(rec)}"
+        msg = f"{d.divergent_steps} divergent step(s) from step {f.step}"
+        if d.recovered_steps:
+            msg += f"; equal again at step(s) {ranges(d.recovered_steps)}"
         out.append(f'<p class="muted">{e(msg)}</p>')
     out.append(_diff_grid(d))
-    prop = d.get("propagation") or []
+    prop = d.propagation
     if prop:
         rows = []
         for ent in prop[:20]:
-            ranks = ent.get("ranks") or {}
-            rk = [k for k, v in ranks.items() if v.get("differing")]
-            tot = sum(int(v.get("total") or 0) for v in ranks.values())
-            rels = [
-                v.get("max_rel_err") for v in ranks.values() if v.get("max_rel_err") is not None
-            ]
-            phases = sorted(
-                {p for v in ranks.values() for p in (v.get("max_rel_err_by_phase") or {})}
-            )
+            ranks = ent.ranks
+            rk = [str(k) for k, v in ranks.items() if v.differing]
+            tot = sum(v.total for v in ranks.values())
+            rels = [v.max_rel_err for v in ranks.values() if v.max_rel_err is not None]
+            phases = sorted({p for v in ranks.values() for p in v.max_rel_err_by_phase})
             rows.append(
                 [
-                    _td_num(e(ent.get("step"))),
+                    _td_num(e(ent.step)),
                     e(", ".join(rk) or "-"),
-                    _td_num(f"{e(ent.get('differing'))} / {tot}"),
+                    _td_num(f"{e(ent.differing)} / {tot}"),
                     _td_num(e(fmt_number(max(rels), ".2e") if rels else "-")),
                     e(", ".join(phases) or "-"),
                 ]
@@ -820,28 +811,24 @@ def _one_diff(d: dict) -> str:
             + more
             + "</details>"
         )
-    for w in d.get("warnings") or []:
+    for w in d.warnings:
         out.append(f'<p class="warn">warning: {e(w)}</p>')
     return "".join(out)
 
 
-def _cell(entry: dict | None) -> tuple[str, str, str]:
+def _cell(entry: RankEntry | None) -> tuple[str, str, str]:
     """(fill, label, description) of one grid cell."""
-    if not entry or not entry.get("inexact"):
+    if not entry or not entry.inexact:
         return (
             EQUAL_COLOUR,
             "",
-            "bit-identical"
-            if entry is None or entry.get("total") is None
-            else f"bit-identical ({entry.get('total')} tensors)",
+            "bit-identical" if entry is None else f"bit-identical ({entry.total} tensors)",
         )
-    differing = int(entry.get("differing") or 0)
-    rel = entry.get("max_rel_err")
-    hard = int(entry.get("hard") or 0)
-    total = entry.get("total")
-    by_phase = ", ".join(
-        f"{p} {v:.1e}" for p, v in (entry.get("max_rel_err_by_phase") or {}).items()
-    )
+    differing = entry.differing
+    rel = entry.max_rel_err
+    hard = entry.hard
+    total = entry.total
+    by_phase = ", ".join(f"{p} {v:.1e}" for p, v in entry.max_rel_err_by_phase.items())
     desc = f"{differing}/{total} tensors differ; max rel err {fmt_number(rel, '.2e')}" + (
         f" ({by_phase})" if by_phase else ""
     )
@@ -856,23 +843,19 @@ def _cell(entry: dict | None) -> tuple[str, str, str]:
     return _lerp_colour(t), str(min(9, max(0, int(math.floor(t))))), desc
 
 
-def _diff_grid(d: dict) -> str:
-    cs = d.get("compared_steps") or {}
-    first, last = cs.get("first"), cs.get("last")
-    ranks = d.get("ranks") or []
-    if first is None or last is None or not ranks:
+def _diff_grid(d: DiffResult) -> str:
+    cs = d.compared_steps
+    first, last = cs.first, cs.last
+    ranks = d.ranks
+    if not ranks:
         return _nr("no common steps to draw")
-    per_step: dict[int, dict] = {}
-    for ent in (d.get("numeric") or {}).get("by_step") or []:
-        per_step[ent["step"]] = ent.get("ranks") or {}
-    for ent in d.get("propagation") or []:
-        per_step[ent["step"]] = ent.get("ranks") or {}
-    f = d.get("first_divergence")
+    per_step = {s: ent.ranks for s, ent in d.step_entries().items()}
+    f = d.first_divergence
     start = first
     if (
-        f and f["step"] - first > GRID_MAX_STEPS - 20
+        f and f.step - first > GRID_MAX_STEPS - 20
     ):  # a late divergence: start the grid just before it
-        start = max(first, f["step"] - 10)
+        start = max(first, f.step - 10)
     steps = list(range(start, min(last, start + GRID_MAX_STEPS - 1) + 1))
     n = len(steps)
     cw = max(6, min(44, 760 // max(n, 1)))
@@ -901,7 +884,7 @@ def _diff_grid(d: dict) -> str:
             )
         for i, s in enumerate(steps):
             x = left + i * cw
-            fill, lab, desc = _cell((per_step.get(s) or {}).get(str(rk)))
+            fill, lab, desc = _cell((per_step.get(s) or {}).get(rk))
             p.append(
                 f'<rect x="{x + 0.5}" y="{y + 0.5}" width="{cw - 1}" height="{ch - 1}" fill="{fill}">'
                 f"<title>step {s} rank {e(rk)}: {e(desc)}</title></rect>"
@@ -912,7 +895,7 @@ def _diff_grid(d: dict) -> str:
                     f'<text x="{x + cw / 2}" y="{y + ch / 2 + 4}" text-anchor="middle" class="cell"'
                     f"{white}>{e(lab)}</text>"
                 )
-            if f and s == f.get("step") and rk == f.get("rank"):
+            if f and s == f.step and rk == f.rank:
                 fcell = (x, y)
     if fcell:
         x, y = fcell
@@ -927,7 +910,7 @@ def _diff_grid(d: dict) -> str:
     p.append("</svg>")
     shown = (
         ""
-        if n >= (cs.get("count") or n)
+        if n >= (cs.count or n)
         else f'<p class="muted small">grid shows steps {steps[0]}..{steps[-1]} of {first}..{last}</p>'
     )
     return '<div class="gridbox">' + "".join(p) + "</div>" + shown + _grid_legend()

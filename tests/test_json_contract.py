@@ -1,0 +1,70 @@
+"""The `--json` documents are a contract: the typed results print exactly the bytes the commands printed
+when results were plain dicts. tests/golden/ holds those documents, written by the dict-returning code on
+runs made by the same command lines as the session's (`runs.reference()`, `runs.fault("bitflip-grad", 3,
+1)`, ZeRO-1); runs of one manifest are bit-identical, so only the run directories differ, and those are
+replaced by a name on both sides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, cli
+
+from disttrace.analysis.diff import diff_runs
+
+GOLDEN = Path(__file__).parent / "golden"
+ZERO1 = ("--set", "parallelism.zero_stage=1")
+
+
+@pytest.fixture(scope="module")
+def named(runs) -> dict[str, Path]:
+    return {
+        "<REF>": runs.reference(),
+        "<FAULT>": runs.fault("bitflip-grad", 3, 1),
+        "<ZERO1>": runs.reference(*ZERO1),
+    }
+
+
+def _named(text: str, named: dict[str, Path]) -> str:
+    for name, path in sorted(named.items(), key=lambda kv: -len(str(kv[1]))):
+        text = text.replace(str(path), name)
+    return text.replace(str(ROOT), "<ROOT>")
+
+
+def _golden(name: str) -> str:
+    return (GOLDEN / f"{name}.json").read_text()
+
+
+# (document, A, B, diff_runs keywords); the `diff-*` ones are also what `disttrace diff --json` printed
+DIFFS = [
+    ("diff-bitwise-equal", "<REF>", "<REF>", {}),
+    ("diff-bitwise-fault", "<REF>", "<FAULT>", {}),
+    ("diff-numeric-fault", "<REF>", "<FAULT>", {"mode": "numeric"}),
+    ("diff-numeric-zero1", "<REF>", "<ZERO1>", {}),
+    ("diff-user-zero1", "<REF>", "<ZERO1>", {"rtol": 1e-3}),
+    ("diff-user-atol-fault", "<REF>", "<FAULT>", {"rtol": 1e-3, "atol": 1e-9}),
+    ("api-diff-no-propagate-fault", "<REF>", "<FAULT>", {"propagate": False}),
+    ("api-diff-no-index-fault", "<REF>", "<FAULT>", {"use_index": False}),
+    (
+        "api-diff-numeric-no-propagate-fault",
+        "<REF>",
+        "<FAULT>",
+        {"mode": "numeric", "propagate": False},
+    ),
+    ("api-diff-fault-reversed", "<FAULT>", "<REF>", {}),
+    ("api-diff-zero1-reversed", "<ZERO1>", "<REF>", {}),
+]
+
+
+@pytest.mark.parametrize("name,a,b,kw", DIFFS, ids=[d[0] for d in DIFFS])
+def test_diff_result_prints_the_stored_document(named, name, a, b, kw):
+    result = diff_runs(named[a], named[b], **kw)
+    assert _named(result.to_json(), named) == _golden(name)
+
+
+def test_the_cli_prints_to_json(named):
+    """`disttrace diff --json` is the result's to_json(), nothing added."""
+    proc = cli("diff", named["<REF>"], named["<FAULT>"], "--mode", "numeric", "--json")
+    assert proc.returncode == 1
+    assert _named(proc.stdout, named) == _golden("diff-numeric-fault")
