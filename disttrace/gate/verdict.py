@@ -183,7 +183,8 @@ def eval_metric(
                 check(
                     "eval_metric",
                     None,
-                    "an attached run (disttrace.api): no held-out evaluation of the user's model",
+                    "an attached run (disttrace.api): the policy names no evaluation of the "
+                    "user's model ([eval] command)",
                 )
             ],
             None,
@@ -251,7 +252,10 @@ def gate(
     policy, source = gate_policy.resolve(
         ref.path if ref else None, ref.manifest if ref else None, policy_file, require_all
     )
+    from disttrace.gate import usereval
+
     ignored = gate_policy.candidate_differences(policy, run.manifest)
+    own_eval = usereval.candidate_differences(policy, run)  # never run, reported in one flag
     checks = [
         store_integrity(run, ref),
         checkpoint_integrity(run),
@@ -259,7 +263,10 @@ def gate(
         replica_consistency(run),
         gradient_equivalence(run, ref),
     ]
-    evals, evaluation, ref_eval = eval_metric(run, ref, policy.eval.loss_rtol)
+    if policy.eval.command is not None:  # the policy's own evaluation, for any run
+        evals, evaluation, ref_eval = usereval.eval_metric(run, ref, policy.eval)
+    else:
+        evals, evaluation, ref_eval = eval_metric(run, ref, policy.eval.loss_rtol)
     checks += evals + [completeness(run)]
 
     flags = [
@@ -272,13 +279,14 @@ def gate(
         f"{source} ({_policy_value(policy, name)})"
         for name, value in ignored.items()
     ]
+    flags += [usereval.flag(own_eval, source)] if own_eval else []
     apply_policy(checks, policy)
     passed = all(c["passed"] is not False for c in checks if c["required"])
     verdict = Verdict(
         passed=passed,
         run=str(run.path),
         reference=str(ref.path) if ref else None,
-        policy=gate_policy.as_record(policy, source, ignored),
+        policy=gate_policy.as_record(policy, source, {**ignored, **own_eval}),
         checks=checks,
         flags=flags,
         eval=evaluation,
