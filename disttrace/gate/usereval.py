@@ -218,6 +218,8 @@ def evaluate(run: Run, ev) -> dict:
         index = checkpoint.verify(ckpt, run.manifest_id)
     except BadInput as e:
         raise EvalFailure(str(e)) from None
+    if not ckpt.resolve().is_relative_to(run.path.resolve()):  # the path handed to the command
+        raise EvalFailure(f"{ckpt} resolves outside the run store (a symbolic link)")
     if ev.cwd is None or not Path(ev.cwd).is_dir():
         raise EvalFailure(f"the evaluation's working directory {ev.cwd} is not a directory")
     have = data_sha256(ev.data)
