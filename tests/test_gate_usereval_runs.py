@@ -260,3 +260,37 @@ def test_hf_the_same_script_scores_a_trainer_output_directory(hf, tmp_path):
     a = direct_score(SCRIPTS / "hf_eval_score.py", final, data, hf["work"])
     b = direct_score(SCRIPTS / "hf_eval_score.py", tmp_path / "out", data, hf["work"])
     assert a == b
+
+
+def test_lightning_the_callbacks_evaluation_scores_its_checkpoint_as_lightnings_own(tmp_path):
+    """The callback's eval_command is in the manifest and the gate scores the final checkpoint it wrote;
+    the same script on Lightning's own .ckpt of those weights (ModelCheckpoint) gives the same score."""
+    pytest.importorskip("lightning", reason="lightning could not be installed here")
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import lightning_eval_train
+        import torch
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    torch.save(lightning_eval_train.samples(7, 64), tmp_path / "heldout.pt")
+    script = SCRIPTS / "lightning_eval_train.py"
+    ref = job(
+        TORCHRUN,
+        "--nproc-per-node",
+        "2",
+        script,
+        tmp_path / "runs",
+        "heldout.pt",
+        tmp_path / "ckpt",
+        cwd=tmp_path,
+    )
+    assert Run(ref).manifest["eval"]["command"][-2:] == ["{checkpoint}", "{data}"]
+    v, checks = gate(ref, ref, expect=0)
+    assert checks["eval_metric"]["passed"] is True
+    own = direct_score(
+        SCRIPTS / "lightning_eval_score.py",
+        tmp_path / "ckpt" / "last.ckpt",
+        tmp_path / "heldout.pt",
+        tmp_path,
+    )
+    assert v["eval"]["score"] == v["reference_eval"]["score"] == own

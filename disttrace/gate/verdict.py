@@ -173,18 +173,22 @@ def gradient_equivalence(run: Run, ref: Run | None) -> dict:
 
 
 def eval_metric(
-    run: Run, ref: Run | None, loss_rtol: float
+    run: Run, ref: Run | None, loss_rtol: float, policy_eval=None
 ) -> tuple[list[dict], dict | None, dict | None]:
     """The held-out eval loss, scored by a fresh process, within the policy's tolerance of the reference's.
-    Returns the check(s) and both evaluations (for verdict.json)."""
+    Returns the check(s) and both evaluations (for verdict.json). A policy that names an evaluation command
+    (policy_eval.command) has it score any run instead (gate/usereval.py)."""
+    if policy_eval is not None and policy_eval.command is not None:
+        from disttrace.gate import usereval
+
+        return usereval.eval_metric(run, ref, policy_eval)
     if run.attached:  # the user's own model: disttrace has no evaluation of it
         return (
             [
                 check(
                     "eval_metric",
                     None,
-                    "an attached run (disttrace.api): the policy names no evaluation of the "
-                    "user's model ([eval] command)",
+                    "an attached run (disttrace.api): no held-out evaluation of the user's model",
                 )
             ],
             None,
@@ -263,10 +267,7 @@ def gate(
         replica_consistency(run),
         gradient_equivalence(run, ref),
     ]
-    if policy.eval.command is not None:  # the policy's own evaluation, for any run
-        evals, evaluation, ref_eval = usereval.eval_metric(run, ref, policy.eval)
-    else:
-        evals, evaluation, ref_eval = eval_metric(run, ref, policy.eval.loss_rtol)
+    evals, evaluation, ref_eval = eval_metric(run, ref, policy.eval.loss_rtol, policy.eval)
     checks += evals + [completeness(run)]
 
     flags = [
