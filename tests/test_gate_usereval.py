@@ -231,3 +231,32 @@ def test_a_candidate_naming_its_own_evaluation_is_reported():
         lock={"resolved": {"eval_data": "/d", "eval_cwd": "/w"}},
     )
     assert usereval.candidate_differences(policy, same) == {}
+
+
+def test_attach_fixes_the_evaluation_and_refuses_a_bad_one(tmp_path, monkeypatch):
+    from disttrace.run.attach import evaluation_section
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "heldout.jsonl").write_bytes(b"[3]\n")
+    sha = hashlib.sha256(b"[3]\n").hexdigest()
+    section, resolved = evaluation_section(
+        {"command": ("python", "eval.py", "{checkpoint}"), "data": "heldout.jsonl", "timeout_s": 5}
+    )
+    assert section == {
+        "command": ["python", "eval.py", "{checkpoint}"],
+        "timeout_s": 5,
+        "env": [],
+        "data_sha256": sha,
+    }
+    assert resolved == {"eval_data": str(tmp_path / "heldout.jsonl"), "eval_cwd": str(tmp_path)}
+    for spec, field in (
+        ({"command": ["python"]}, "data"),
+        ({"command": ["python"], "data": "missing.jsonl"}, "data"),
+        ({"command": ["python"], "data": "heldout.jsonl", "data_sha256": "0" * 64}, "data_sha256"),
+        ({"command": ["python"], "data": "heldout.jsonl", "metrc": "x"}, "metrc"),
+        ({"command": ["python"], "data": "heldout.jsonl", "better": "up"}, "better"),
+        ({"data": "heldout.jsonl"}, "command"),
+    ):
+        with pytest.raises(BadInput) as e:
+            evaluation_section(spec)
+        assert e.value.field == field and "attach(evaluation=)" in str(e.value), (spec, e.value)
