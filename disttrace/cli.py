@@ -601,8 +601,9 @@ def gate(
     policy: Path | None = typer.Option(
         None,
         "--policy",
-        help="a gate policy TOML ([eval] loss_rtol, "
-        "[checks] required / require_all); default: the reference's manifest",
+        help="a gate policy TOML ([eval] loss_rtol, or your own evaluation: command, metric, rtol, "
+        "data, data_sha256 (docs/gate.md); [checks] required / require_all); default: the "
+        "reference's manifest",
     ),
     require_all: bool = typer.Option(
         False, "--require-all", help="every check must apply: a check that is n/a fails (for CI)"

@@ -84,6 +84,20 @@ class AttachedRecord(Section):
     )
 
 
+class AttachedEval(Section):
+    """The evaluation the gate runs on the final checkpoint when this run is the reference (gate/policy.py's
+    [eval]); its data path and working directory are the machine's, in the lock's `resolved`."""
+
+    command: list[str]
+    metric: str = "eval_loss"
+    better: Literal["lower", "higher", "either"] = "lower"
+    rtol: float | None = None
+    atol: float = 0.0
+    timeout_s: float = 600.0
+    env: list[str] = Field(default_factory=list)
+    data_sha256: str
+
+
 class AttachedManifest(Section):
     experiment: AttachedExperiment
     parallelism: AttachedParallelism
@@ -94,6 +108,9 @@ class AttachedManifest(Section):
         default_factory=dict, description="the user's config, as given (JSON-able)"
     )
     record: AttachedRecord | None = None
+    eval: AttachedEval | None = Field(
+        default=None, description="the gate's evaluation, when attach was given one"
+    )
     checkpoint: Checkpoint | None = Field(
         default=None, description="never written by attach; see max_grad_norm"
     )

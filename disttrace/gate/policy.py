@@ -7,6 +7,15 @@ defaults when there is neither.
 
     [eval]
     loss_rtol = 0.02            # eval loss within this relative difference of the reference's
+    # the user's own evaluation (docs/gate.md, "Your own evaluation"); run by gate/usereval.py
+    command = ["python", "eval.py", "{checkpoint}", "{data}"]
+    metric = "eval_loss"        # the key of the JSON object on the command's last stdout line
+    better = "lower"            # lower | higher | either (either: within the tolerance on both sides)
+    rtol = 0.02                 # default loss_rtol; atol = 0.0
+    timeout_s = 600
+    env = ["PYTHONPATH"]        # the names passed through; otherwise only PATH
+    data = "heldout.jsonl"      # relative to this file's directory (the command's working directory)
+    data_sha256 = "..."         # checked before the command runs
     [checks]
     required = ["checkpoint_integrity", "eval_metric"]   # default: every check; the others are advisory
     require_all = false         # true: a check that cannot apply (n/a) fails, as `gate --require-all`
@@ -17,9 +26,18 @@ No torch here: the gate's readers run on a laptop.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from disttrace.errors import BadInput
 
@@ -42,8 +60,21 @@ class _Strict(BaseModel):
 
 class EvalPolicy(_Strict):
     loss_rtol: float = Field(default=DEFAULT_LOSS_RTOL, ge=0)
+    # the user's own evaluation: absent (None) for the harness's built-in one
+    command: list[str] | None = Field(
+        default=None, description="argv; {checkpoint}, {data} and {run} are filled in"
+    )
+    metric: str = "eval_loss"
+    better: Literal["lower", "higher", "either"] = "lower"
+    rtol: float | None = Field(default=None, ge=0, description="default: loss_rtol")
+    atol: float = Field(default=0.0, ge=0)
+    timeout_s: float = Field(default=600.0, gt=0)
+    env: list[str] = Field(default_factory=list, description="variables passed through")
+    data: str | None = Field(default=None, description="the held-out data (file or directory)")
+    data_sha256: str | None = None
+    cwd: str | None = Field(default=None, description="the command's working directory")
 
-    @field_validator("loss_rtol", mode="before")
+    @field_validator("loss_rtol", "rtol", "atol", "timeout_s", mode="before")
     @classmethod
     def _finite(cls, v):
         if isinstance(v, int) and not isinstance(v, bool):
@@ -51,6 +82,42 @@ class EvalPolicy(_Strict):
         if isinstance(v, float) and not math.isfinite(v):
             raise ValueError("must be a finite number")
         return v
+
+    @field_validator("command")
+    @classmethod
+    def _argv(cls, v):
+        if v is not None and (not v or not v[0]):
+            raise ValueError("names no program")
+        return v
+
+    @field_validator("data_sha256")
+    @classmethod
+    def _sha(cls, v):
+        if v is not None and not re.fullmatch(r"[0-9a-f]{64}", v):
+            raise ValueError("is not a sha256 (64 lowercase hex digits)")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _names(cls, v):
+        for name in v:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+                raise ValueError(f"{name!r} is not an environment variable's name")
+        return v
+
+    @model_validator(mode="after")
+    def _data_fixed(self):
+        if self.command is not None and (self.data is None or self.data_sha256 is None):
+            raise ValueError(
+                "an evaluation command needs its held-out data fixed: data and data_sha256 "
+                "(disttrace.api.data_sha256(PATH) computes it)"
+            )
+        return self
+
+    @property
+    def tolerance(self) -> tuple[float, float]:
+        """(rtol, atol) for the user's metric: rtol falls back to loss_rtol."""
+        return (self.loss_rtol if self.rtol is None else self.rtol), self.atol
 
 
 class ChecksPolicy(_Strict):
@@ -107,16 +174,45 @@ def read_policy(path: Path) -> GatePolicy:
         raise BadInput(path, msg, field=field) from None
 
 
-def from_manifest(manifest: dict, where: str | Path) -> GatePolicy:
-    """The policy a frozen manifest states (today: eval.loss_rtol); the manifest states no required checks."""
+USER_EVAL_KEYS = (
+    "command",
+    "metric",
+    "better",
+    "rtol",
+    "atol",
+    "timeout_s",
+    "env",
+    "data_sha256",
+)  # what a manifest's [eval] may state of the user's evaluation; its data path and working directory
+# are the machine's, in the lock's `resolved` (eval_data, eval_cwd), as the harness's data paths are
+
+
+def from_manifest(manifest: dict, where: str | Path, resolved: dict | None = None) -> GatePolicy:
+    """The policy a frozen manifest states (eval.loss_rtol, and the user's evaluation command when it names
+    one); the manifest states no required checks."""
     ev = manifest.get("eval") if isinstance(manifest, dict) else None
     rtol = ev.get("loss_rtol", DEFAULT_LOSS_RTOL) if isinstance(ev, dict) else DEFAULT_LOSS_RTOL
     try:
-        return GatePolicy(eval=EvalPolicy(loss_rtol=rtol))
+        policy = GatePolicy(eval=EvalPolicy(loss_rtol=rtol))
     except ValidationError:
         raise BadInput(
             where, f"{rtol!r} is not a tolerance (a number >= 0)", field="manifest.eval.loss_rtol"
         ) from None
+    if not isinstance(ev, dict) or ev.get("command") is None:
+        return policy
+    resolved = resolved if isinstance(resolved, dict) else {}
+    stated = {k: ev[k] for k in USER_EVAL_KEYS if k in ev}
+    stated.update(
+        loss_rtol=policy.eval.loss_rtol,
+        data=resolved.get("eval_data"),
+        cwd=resolved.get("eval_cwd"),
+    )
+    try:
+        return GatePolicy(eval=EvalPolicy.model_validate(stated))
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(["manifest.eval", *(str(x) for x in err["loc"])])
+        raise BadInput(where, err["msg"].removeprefix("Value error, "), field=field) from None
 
 
 def resolve(
@@ -129,9 +225,14 @@ def resolve(
     manifest is never consulted here."""
     if policy_file is not None:
         policy, source = read_policy(policy_file), f"policy file {policy_file}"
+        policy = _relative_to(policy, Path(policy_file).resolve().parent)
     elif reference_manifest is not None:
+        from disttrace.store.rundir import read_json
+
         lock = Path(reference_dir) / "manifest.lock.json"
-        policy, source = from_manifest(reference_manifest, lock), f"reference manifest {lock}"
+        resolved = read_json(lock).get("resolved")
+        policy = from_manifest(reference_manifest, lock, resolved)
+        source = f"reference manifest {lock}"
     else:
         policy, source = GatePolicy(), "default"
     if require_all:
@@ -139,6 +240,18 @@ def resolve(
             update={"checks": policy.checks.model_copy(update={"require_all": True})}
         )
     return policy, source
+
+
+def _relative_to(policy: GatePolicy, base: Path) -> GatePolicy:
+    """A policy file's data and working directory are relative to the file's own directory."""
+    ev = policy.eval
+    if ev.command is None:
+        return policy
+    data = base / ev.data if ev.data is not None else None
+    cwd = base / ev.cwd if ev.cwd is not None else base
+    return policy.model_copy(
+        update={"eval": ev.model_copy(update={"data": str(data), "cwd": str(cwd)})}
+    )
 
 
 def candidate_differences(policy: GatePolicy, candidate_manifest: dict) -> dict:

@@ -173,10 +173,15 @@ def gradient_equivalence(run: Run, ref: Run | None) -> dict:
 
 
 def eval_metric(
-    run: Run, ref: Run | None, loss_rtol: float
+    run: Run, ref: Run | None, loss_rtol: float, policy_eval=None
 ) -> tuple[list[dict], dict | None, dict | None]:
     """The held-out eval loss, scored by a fresh process, within the policy's tolerance of the reference's.
-    Returns the check(s) and both evaluations (for verdict.json)."""
+    Returns the check(s) and both evaluations (for verdict.json). A policy that names an evaluation command
+    (policy_eval.command) has it score any run instead (gate/usereval.py)."""
+    if policy_eval is not None and policy_eval.command is not None:
+        from disttrace.gate import usereval
+
+        return usereval.eval_metric(run, ref, policy_eval)
     if run.attached:  # the user's own model: disttrace has no evaluation of it
         return (
             [
@@ -251,7 +256,10 @@ def gate(
     policy, source = gate_policy.resolve(
         ref.path if ref else None, ref.manifest if ref else None, policy_file, require_all
     )
+    from disttrace.gate import usereval
+
     ignored = gate_policy.candidate_differences(policy, run.manifest)
+    own_eval = usereval.candidate_differences(policy, run)  # never run, reported in one flag
     checks = [
         store_integrity(run, ref),
         checkpoint_integrity(run),
@@ -259,7 +267,7 @@ def gate(
         replica_consistency(run),
         gradient_equivalence(run, ref),
     ]
-    evals, evaluation, ref_eval = eval_metric(run, ref, policy.eval.loss_rtol)
+    evals, evaluation, ref_eval = eval_metric(run, ref, policy.eval.loss_rtol, policy.eval)
     checks += evals + [completeness(run)]
 
     flags = [
@@ -272,13 +280,14 @@ def gate(
         f"{source} ({_policy_value(policy, name)})"
         for name, value in ignored.items()
     ]
+    flags += [usereval.flag(own_eval, source)] if own_eval else []
     apply_policy(checks, policy)
     passed = all(c["passed"] is not False for c in checks if c["required"])
     verdict = Verdict(
         passed=passed,
         run=str(run.path),
         reference=str(ref.path) if ref else None,
-        policy=gate_policy.as_record(policy, source, ignored),
+        policy=gate_policy.as_record(policy, source, {**ignored, **own_eval}),
         checks=checks,
         flags=flags,
         eval=evaluation,

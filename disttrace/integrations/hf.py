@@ -5,6 +5,11 @@
     trainer.add_callback(DisttraceCallback(trainer, out="runs"))
     trainer.train()            # every rank records; rank 0 prints nothing extra: the run dir is callback.run_dir
 
+eval_command=[...] (with evaluation={"data": ..., "metric": ..., ...}, the rest of a policy's [eval]; see
+docs/gate.md) names the gate's evaluation in the run's manifest, so that a gate judging a candidate against
+this run as its reference scores both final checkpoints with it; the callback then also writes a final
+disttrace checkpoint (run.checkpoint()) at the end of training, which is what the gate hands the command.
+
 At `on_train_begin` the Trainer has wrapped the model (DDP under torchrun) and built the optimizer: the
 callback attaches to those, so DDP's comm hook gives the `backward` point. The TrainingArguments that define
 the experiment (learning rate, batch, accumulation, steps, seed, clipping) go into the manifest's config.
@@ -25,6 +30,7 @@ import torch
 from transformers import TrainerCallback
 
 import disttrace.api
+from disttrace.integrations import evaluation_spec
 from disttrace.run.attach import _batch_inputs, _first_tensor
 
 ARG_FIELDS = (
@@ -45,9 +51,21 @@ ARG_FIELDS = (
 
 class DisttraceCallback(TrainerCallback):
     def __init__(
-        self, trainer=None, out="runs", name: str = "hf-trainer", config: dict | None = None
+        self,
+        trainer=None,
+        out="runs",
+        name: str = "hf-trainer",
+        config: dict | None = None,
+        eval_command: list[str] | None = None,
+        evaluation: dict | None = None,
+        final_checkpoint: bool | None = None,
     ):
         self.trainer, self.out, self.name, self.config = trainer, out, name, config or {}
+        self.evaluation = evaluation_spec(eval_command, evaluation)
+        # what the gate evaluates: the store's last checkpoint, written at the end when there is an evaluation
+        self.final_checkpoint = (
+            self.evaluation is not None if final_checkpoint is None else final_checkpoint
+        )
         self.run = None
         self._pairing = None
 
@@ -70,6 +88,7 @@ class DisttraceCallback(TrainerCallback):
             name=self.name,
             config=config,
             loader=train_dataloader,
+            evaluation=self.evaluation,
         )
         if (
             train_dataloader is not None
@@ -120,6 +139,8 @@ class DisttraceCallback(TrainerCallback):
             self._pairing.remove()
             self._pairing = None
         if self.run is not None:
+            if self.final_checkpoint:
+                self.run.checkpoint()
             self.run.close()
 
     @property

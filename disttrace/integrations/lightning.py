@@ -5,6 +5,9 @@
     trainer = L.Trainer(strategy="ddp", accumulate_grad_batches=2, callbacks=[callback], ...)
     trainer.fit(module, loader)          # callback.run_dir: the run directory
 
+eval_command=[...] (with evaluation={"data": ..., ...}; docs/gate.md) names the gate's evaluation in the
+run's manifest and writes a final disttrace checkpoint at the end of training, the one the gate evaluates.
+
 At `on_train_start` the strategy has wrapped the module (DDP under strategy="ddp") and built the optimizer:
 the callback attaches to those. The Trainer settings that define the experiment go into the manifest's config.
 
@@ -25,11 +28,24 @@ import inspect
 from lightning.pytorch.callbacks import Callback
 
 import disttrace.api
+from disttrace.integrations import evaluation_spec
 
 
 class DisttraceCallback(Callback):
-    def __init__(self, out="runs", name: str = "lightning", config: dict | None = None):
+    def __init__(
+        self,
+        out="runs",
+        name: str = "lightning",
+        config: dict | None = None,
+        eval_command: list[str] | None = None,
+        evaluation: dict | None = None,
+        final_checkpoint: bool | None = None,
+    ):
         self.out, self.name, self.config = out, name, config or {}
+        self.evaluation = evaluation_spec(eval_command, evaluation)
+        self.final_checkpoint = (
+            self.evaluation is not None if final_checkpoint is None else final_checkpoint
+        )
         self.run = None
         self._watching = False
 
@@ -45,7 +61,13 @@ class DisttraceCallback(Callback):
             config["steps"] = trainer.max_steps
         loader = _watchable_loader(trainer, model)
         self.run = disttrace.api.attach(
-            model, trainer.optimizers[0], out=self.out, name=self.name, config=config, loader=loader
+            model,
+            trainer.optimizers[0],
+            out=self.out,
+            name=self.name,
+            config=config,
+            loader=loader,
+            evaluation=self.evaluation,
         )
         self._watching = loader is not None
         if self._watching:
@@ -63,6 +85,8 @@ class DisttraceCallback(Callback):
 
     def on_train_end(self, trainer, pl_module):
         if self.run is not None:
+            if self.final_checkpoint:
+                self.run.checkpoint()
             self.run.close()
 
     @property

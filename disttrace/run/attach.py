@@ -425,6 +425,7 @@ def build_manifest(
     edition: str,
     seed: int | None,
     config: dict | None,
+    evaluation: dict | None = None,
 ) -> dict:
     """The experiment as attach sees it: the user's config plus the model's tensors, the optimizer and its
     hyper-parameters, the world, the engine and the default generator's seed. Two attached runs whose
@@ -484,6 +485,7 @@ def build_manifest(
             },
             "training": training,
             "config": cfg,
+            **({"eval": evaluation} if evaluation is not None else {}),
         }
     ).document()
 
@@ -1285,6 +1287,7 @@ def attach(
     config: dict | None = None,
     loader=None,
     forward=False,
+    evaluation: dict | None = None,
 ) -> AttachedRun:
     """Attach the recorder to a model and its optimizer; every rank calls it (it is collective).
 
@@ -1296,14 +1299,33 @@ def attach(
     batches become the `data` records, with its DistributedSampler's sample ids; see
     AttachedRun.watch_loader). forward: record each block's output (`forward`): True for the model's
     top-level children, or a list of module paths ("layers.0", "head"); the manifest's record.forward says
-    which. Under `disttrace run/inject -- CMD` the run directory (and fault) come from DISTTRACE_RUN_DIR and
-    `out` is ignored."""
+    which. evaluation: the gate's evaluation of this run's final checkpoint when it is the reference, the
+    policy's `[eval]` keys (command, metric, better, rtol, atol, timeout_s, env, data, data_sha256, cwd;
+    docs/gate.md): data and cwd are resolved against the working directory and the data hashed here, by
+    rank 0. Under `disttrace run/inject -- CMD` the run directory (and fault) come from DISTTRACE_RUN_DIR
+    and `out` is ignored."""
     rank, world = _rank_world()
     optimizer = unwrap_optimizer(optimizer)
     engine = detect_engine(model)
     named = list(enumerate(engine.inner.named_parameters()))
     views = _gather(local_view(engine, [(i, n, p) for i, (n, p) in named], rank))
-    manifest = build_manifest(engine, optimizer, views, name, edition, seed, config)
+    eval_section, eval_resolved, eval_error = None, {}, None
+    if evaluation is not None:
+        if rank == 0:
+            try:
+                eval_section, eval_resolved = evaluation_section(evaluation)
+            except BadInput as e:
+                eval_error = e
+        eval_section, eval_resolved, message = _broadcast(
+            (eval_section, eval_resolved, str(eval_error) if eval_error else None)
+        )
+        if eval_error is not None:
+            raise eval_error
+        if message:
+            raise BadInput("attach(evaluation=)", message)
+    manifest = build_manifest(
+        engine, optimizer, views, name, edition, seed, config, evaluation=eval_section
+    )
     blocks = _blocks(engine.inner, forward)
     # what is recorded, not the experiment (diff compares runs that differ here), as the harness's [record]
     manifest["record"] = {
@@ -1316,7 +1338,7 @@ def attach(
     path, failure = None, None
     if rank == 0:
         try:
-            path = _prepare_dir(prepared, out, manifest, manifest_id, engine, views)
+            path = _prepare_dir(prepared, out, manifest, manifest_id, engine, views, eval_resolved)
         except BadInput as e:
             failure = e
     path, error = _broadcast((path, str(failure) if failure else None))
@@ -1334,8 +1356,52 @@ def attach(
     return run
 
 
+def evaluation_section(spec: dict) -> tuple[dict, dict]:
+    """attach(evaluation=) -> (the manifest's `eval` section, the lock's resolved paths): validated as a
+    policy's [eval] is (gate/policy.py), the data's sha256 computed (or checked, if given) now."""
+    from pydantic import ValidationError
+
+    from disttrace.gate.policy import USER_EVAL_KEYS, EvalPolicy
+    from disttrace.gate.usereval import EvalFailure, data_sha256
+
+    where = "attach(evaluation=)"
+    if not isinstance(spec, dict) or not spec.get("command"):
+        raise BadInput(where, "needs a command (a list of strings)", field="command")
+    unknown = sorted(set(spec) - set(USER_EVAL_KEYS) - {"data", "cwd"})
+    if unknown:
+        raise BadInput(where, "unknown key", field=unknown[0])
+    cwd = Path(spec.get("cwd") or os.getcwd()).resolve()
+    if spec.get("data") is None:
+        raise BadInput(where, "names no held-out data (the gate checks it by hash)", field="data")
+    data = (cwd / spec["data"]).resolve()
+    try:
+        sha = data_sha256(data)
+    except EvalFailure as e:
+        raise BadInput(where, str(e), field="data") from None
+    if spec.get("data_sha256") not in (None, sha):
+        raise BadInput(where, f"{data} has sha256 {sha}, not the one given", field="data_sha256")
+    doc = {**spec, "data": str(data), "cwd": str(cwd), "data_sha256": sha}
+    doc["command"] = list(doc["command"])
+    doc["env"] = list(doc.get("env") or [])
+    try:
+        EvalPolicy.model_validate(doc)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise BadInput(
+            where, err["msg"].removeprefix("Value error, "), field=".".join(map(str, err["loc"]))
+        ) from None
+    section = {k: _jsonable(doc[k]) for k in USER_EVAL_KEYS if k in doc}
+    return section, {"eval_data": str(data), "eval_cwd": str(cwd)}
+
+
 def _prepare_dir(
-    prepared: str | None, out, manifest: dict, manifest_id: str, engine: Engine, views: list[dict]
+    prepared: str | None,
+    out,
+    manifest: dict,
+    manifest_id: str,
+    engine: Engine,
+    views: list[dict],
+    resolved: dict | None = None,
 ) -> str:
     """Rank 0: the run directory (prepared by the CLI, or a new one) with the lock, run.json, env.json,
     topology.json and replicas.json."""
@@ -1368,7 +1434,7 @@ def _prepare_dir(
             "manifest_id": manifest_id,
             "source": SOURCE,
             "overrides": [],
-            "resolved": {},
+            "resolved": dict(resolved or {}),
         },
     )
     dist = _dist()
