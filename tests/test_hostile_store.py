@@ -26,7 +26,7 @@ from pathlib import Path
 
 import orjson
 import pytest
-from conftest import ROOT, raw_records
+from conftest import ROOT, raw_records, rewrite_trajectory
 
 from disttrace.fmt import _INVISIBLE
 
@@ -315,3 +315,71 @@ def test_crafted_stores_are_refused_bounded_and_confined(ref, tmp_path, every_co
         assert not read, f"files outside the stores were read: {read}"
     for store in stores.values():  # nothing of ours was left in a store by reading it
         assert not list(store.glob("**/*.tmp-*"))
+
+
+# what a crafted name carries: an OSC 52 clipboard write, a screen clear and a cursor-home repaint, NUL, a C1
+# CSI, and the right-to-left override
+EVIL = "w\x1b]52;c;cGF5bG9hZA==\x07\x1b[2J\x1b[HPASS\x00\x9b31m\u202eSSAP"
+
+
+def _strings(doc) -> set[str]:
+    if isinstance(doc, str):
+        return {doc}
+    items = doc.values() if isinstance(doc, dict) else doc if isinstance(doc, list) else ()
+    return set().union(*(_strings(x) for x in items)) if items else set()
+
+
+def _evil_store(ref: Path, root: Path) -> Path:
+    run = _copy(ref, root, "escapes")
+    topo = orjson.loads((run / "topology.json").read_bytes())
+    for r in topo["ranks"]:
+        r["host"] = EVIL
+    (run / "topology.json").write_bytes(orjson.dumps(topo))
+    with open(run / "events.jsonl", "ab") as f:
+        f.write(
+            orjson.dumps({"event": "fault_fired", "time": 9.0, "fault": EVIL, "step": 2, "rank": 0})
+            + b"\n"
+        )
+    # every tensor renamed, and one backward gradient of step 3 changed: diff names it as the first divergence
+    for rank in (0, 1):
+        recs = [{**r, "tensor": EVIL + r["tensor"]} for r in raw_records(run, rank)]
+        if rank == 0:
+            hit = next(r for r in recs if r["step"] == 3 and r["phase"] == "backward")
+            hit["digest"] = hit["digest"][:-1] + ("0" if hit["digest"][-1] != "0" else "1")
+        rewrite_trajectory(run, rank, recs)
+    index = orjson.loads((run / CKPT / "INDEX.json").read_bytes())
+    index["files"][EVIL] = {"sha256": "0" * 64, "bytes": 1}
+    (run / CKPT / "INDEX.json").write_bytes(orjson.dumps(index))
+    return run
+
+
+def test_names_from_a_store_reach_the_terminal_escaped_and_json_exact(ref, tmp_path):
+    run = _evil_store(ref, tmp_path)
+    commands = {
+        **COMMANDS,
+        "md": ["diff", "{R}", "{S}", "--md"],
+        "topology": ["show", "{S}", "topology"],
+        "json": ["show", "{S}", "--json"],
+        "events-json": ["show", "{S}", "events", "--json"],
+    }
+    case = {
+        "name": "escapes",
+        "alarm": ALARM_S,
+        "commands": [(c, [a.format(S=run, R=ref) for a in args]) for c, args in commands.items()],
+    }
+    got = _drive([case], tmp_path)["escapes"]
+    assert got["status"] == 0
+    by = {r["command"]: r for r in got["results"]}
+    for name, r in by.items():
+        assert r["crash"] is None and r["rc"] != 3, (name, r["stderr"][-2000:])
+        text = r["stdout"] + r["stderr"]
+        if name.endswith("json"):
+            continue
+        assert not RAW & set(text), (name, [c for c in text if c in RAW][:5])
+    # each command that prints a crafted name printed it, made visible (so the test saw it at all)
+    shown = "w\\x1b]52;c;cGF5bG9hZA=="  # rich drops the BEL itself; a table cell may cut the rest
+    for name in ("diff", "md", "topology", "events", "checkpoints"):
+        assert shown in by[name]["stdout"] + by[name]["stderr"], (name, by[name]["stderr"][-1500:])
+    assert by["diff"]["rc"] == 1 and by["md"]["rc"] == 1
+    # --json stays exact: the very string, decoded
+    assert EVIL in _strings(orjson.loads(by["events-json"]["stdout"]))
