@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.text import Text
 
@@ -25,6 +24,8 @@ from disttrace.errors import (
     JobFailed,
     verdict_exit,
 )
+from disttrace.fmt import visible
+from disttrace.views.console import SafeConsole
 
 app = typer.Typer(
     add_completion=False,
@@ -39,7 +40,7 @@ app = typer.Typer(
     "last stdout line is its run directory.",
 )
 # emoji off: a ":smile:" in a tensor name or a path prints as written
-err = Console(
+err = SafeConsole(
     stderr=True, no_color=bool(os.environ.get("NO_COLOR")) or None, highlight=False, emoji=False
 )
 
@@ -526,7 +527,7 @@ def faults_cmd(json_: bool = JsonOpt):
             ", ".join(f"{k}={v}" for k, v in f["params"].items()),
             f["description"],
         )
-    Console(no_color=bool(os.environ.get("NO_COLOR")) or None).print(t)
+    SafeConsole(no_color=bool(os.environ.get("NO_COLOR")) or None).print(t)
 
 
 @app.command()
@@ -582,11 +583,13 @@ def diff(
     if json_:
         emit_json(result)
     elif md:
-        print(render_md(result))
+        print(visible(render_md(result), keep_newlines=True))
     else:
         render_rich(
             result,
-            Console(stderr=False, no_color=bool(os.environ.get("NO_COLOR")) or None, emoji=False),
+            SafeConsole(
+                stderr=False, no_color=bool(os.environ.get("NO_COLOR")) or None, emoji=False
+            ),
         )
     raise typer.Exit(verdict_exit(result.equal))
 

@@ -55,3 +55,24 @@ def agreeing_digits(rel: float | None) -> int | None:
     if not rel:
         return None
     return min(9, max(0, int(math.floor(-math.log10(rel))))) if rel > 0 else 9
+
+
+# what a terminal acts on instead of printing: C0 controls (ESC starts CSI/OSC sequences: a screen clear, a
+# clipboard write, a cursor move that repaints FAIL as PASS), DEL, C1 controls (U+009B is a one-byte CSI),
+# and the bidirectional overrides and isolates that reorder what follows them (U+202E), line and paragraph
+# separators, the byte order mark
+_INVISIBLE = (
+    [*range(0x20), 0x7F, *range(0x80, 0xA0)]
+    + [0x061C, 0x200E, 0x200F, 0x2028, 0x2029, 0xFEFF]
+    + [*range(0x202A, 0x202F), *range(0x2066, 0x206A)]
+)
+_ESCAPES = {c: (f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}") for c in _INVISIBLE}
+_KEEP_NEWLINE = {c: e for c, e in _ESCAPES.items() if c != 0x0A}
+
+
+def visible(text: Any, keep_newlines: bool = False) -> str:
+    """`text` with every control and bidi character written out as an escape (ESC as \\x1b, U+202E as
+    \\u202e), so a string from a run store reaches a terminal as characters, never as commands. The one
+    escaping function of every human output and --md (views/console.py applies it to everything a console
+    prints); --json is left exact. `keep_newlines`: a multi-line text's own line breaks stay."""
+    return str(text).translate(_KEEP_NEWLINE if keep_newlines else _ESCAPES)

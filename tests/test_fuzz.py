@@ -42,6 +42,7 @@ from disttrace.analysis.diff import diff_runs
 from disttrace.cli import app
 from disttrace.config.manifest import DEFAULT_MANIFEST, freeze
 from disttrace.errors import BadInput
+from disttrace.fmt import visible
 from disttrace.gate import verdict as gate_verdict
 from disttrace.store import trajectory
 from disttrace.store.follow import Follower
@@ -174,11 +175,12 @@ def _check_contract(test: str, args: list, result, expected_error, allowed: set[
         assert isinstance(e, BadInput), (
             f"the command said bad input, the reader did not raise: {lines[0]}"
         )
-        want = f"error: {e}".translate(RICH_STRIPS)  # rich drops these control codes when it prints
+        # rich drops these control codes when it prints; the console makes every other one visible
+        want = visible(f"error: {e}".translate(RICH_STRIPS))
         assert lines[0] == want, f"printed {lines[0]!r}\nraised  {want!r}"
         named = f"{e.where}: {e.field}: " if e.field else f"{e.where}: "
         assert (
-            named.translate(RICH_STRIPS) in lines[0]
+            visible(named.translate(RICH_STRIPS)) in lines[0]
         )  # the file, and the field where there is one
     elif "--json" in args:
         try:

@@ -12,12 +12,13 @@ from __future__ import annotations
 import fnmatch
 from collections import Counter
 
+from disttrace.store import safeio
 from disttrace.store.rundir import PHASE_ORDER, Run, read_json
 
 
 def load_rules(run: Run) -> dict | None:
     p = run.path / "replicas.json"
-    return read_json(p) if p.exists() else None
+    return read_json(p, run.path) if safeio.present(p) else None
 
 
 def rule_applies(rule: dict, rec: dict) -> bool:

@@ -49,7 +49,7 @@ from disttrace.analysis.result import (
 from disttrace.config.manifest import EXPERIMENT_FIELDS, TOPOLOGY_FIELDS, get_field, global_batch
 from disttrace.errors import BadInput
 from disttrace.fmt import ranges
-from disttrace.store import seal, trajectory
+from disttrace.store import safeio, seal, trajectory
 from disttrace.store.rundir import LOCK, PHASE_ORDER, PHASES, Run
 
 MODES = ("bitwise", "numeric")
@@ -132,18 +132,16 @@ class _Side:
 
     def _load_index(self, rank: int, use_index: bool) -> dict[int, dict]:
         traj = self.run.trajectory_path(rank)
-        if not traj.is_file():
-            raise BadInput(traj, "not a readable file")
-        size = traj.stat().st_size
+        size = safeio.size(traj, self.run.path)  # a regular file inside the run, or BadInput
         if size and not trajectory.is_arrow(traj):
-            with open(traj, "rb") as f:
+            with safeio.open_file(traj, self.run.path) as f:
                 f.seek(size - 1)
                 if f.read(1) != b"\n":
                     self.warnings.append(
                         f"run {self.label}: {traj}: last line is torn (incomplete write), ignored"
                     )
         steps_path = self.run.rank_path("trajectory", rank, ".steps.jsonl")
-        if use_index and steps_path.exists():
+        if use_index and safeio.present(steps_path):
             read = self.run.step_index(rank)
             if read.torn:
                 self.warnings.append(f"run {self.label}: {read.torn}")
@@ -287,32 +285,31 @@ def _scan_index(path: Path) -> dict[int, dict]:
     out: dict[int, dict] = {}
     cur: dict | None = None
     offset = 0
-    with open(path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            n = len(line)
-            if not line.endswith(b"\n"):
-                break  # torn last line (reported by the caller)
-            if line.strip():
-                try:
-                    step = _line_step(line)
-                except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
-                    raise BadInput(path, f"line {lineno} is not a trajectory record") from None
-                if cur is None or cur["step"] != step:
-                    if step in out:
-                        raise BadInput(
-                            path, f"line {lineno}: records of step {step} are not contiguous"
-                        )
-                    cur = out[step] = {
-                        "step": step,
-                        "offset": offset,
-                        "length": 0,
-                        "records": 0,
-                        "digest": None,
-                    }
-                cur["records"] += 1
-            if cur is not None:
-                cur["length"] = offset + n - cur["offset"]
-            offset += n
+    for lineno, line in safeio.lines(path, path.parent.parent):
+        n = len(line)
+        if not line.endswith(b"\n"):
+            break  # torn last line (reported by the caller)
+        if line.strip():
+            try:
+                step = _line_step(line)
+            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+                raise BadInput(path, f"line {lineno} is not a trajectory record") from None
+            if cur is None or cur["step"] != step:
+                if step in out:
+                    raise BadInput(
+                        path, f"line {lineno}: records of step {step} are not contiguous"
+                    )
+                cur = out[step] = {
+                    "step": step,
+                    "offset": offset,
+                    "length": 0,
+                    "records": 0,
+                    "digest": None,
+                }
+            cur["records"] += 1
+        if cur is not None:
+            cur["length"] = offset + n - cur["offset"]
+        offset += n
     return out
 
 

@@ -174,6 +174,11 @@ def launch(
             first_failed_rank=int(first[0]),
             reason=reason,
         )
+        bad = refused_input(run_dir, failures)
+        if (
+            bad is not None
+        ):  # a rank refused its input (exit 2): the same one line, the same exit code
+            raise bad from None
         raise JobFailed(reason, str(run_dir)) from None
     except Exception as e:  # rendezvous errors and the like
         event(run_dir, Event.JOB_FAILED, reason=f"{type(e).__name__}: {e}")
@@ -188,6 +193,29 @@ def launch(
         event(run_dir, Event.JOB_FAILED, reason="every rank exited 0 but COMPLETE was not written")
         raise JobFailed("every rank exited 0 but the run was not marked complete", str(run_dir))
     lock.close()
+
+
+def refused_input(run_dir: Path, failures: dict[int, int]):
+    """The BadInput a rank that exited with code 2 recorded (its rank_failed event's `bad_input`), or None."""
+    from disttrace.errors import EXIT_BAD_INPUT, BadInput
+    from disttrace.store.rundir import read_jsonl
+
+    bad_ranks = {r for r, c in failures.items() if c == EXIT_BAD_INPUT}
+    if not bad_ranks:
+        return None
+    try:
+        events = read_jsonl(run_dir / "events.jsonl", run_dir).records
+    except BadInput:
+        return None
+    for e in events:
+        bad = e.get("bad_input")
+        if (
+            e.get("event") == Event.RANK_FAILED
+            and e.get("rank") in bad_ranks
+            and isinstance(bad, dict)
+        ):
+            return BadInput(str(bad.get("where")), str(bad.get("reason")), bad.get("field"))
+    return None
 
 
 def describe_failure(run_dir: Path, failures: dict[int, int], first: int) -> str:

@@ -122,12 +122,21 @@ class SafePlanner(DefaultLoadPlanner):
                 lines[0] if lines else type(e).__name__,
             )
             raise BadInput(
-                self.ckpt, f"item {fqn} is not plain data ({why.strip()}); refused unread"
+                self._file_of(read_item),
+                f"item {fqn} is not plain data ({why.strip()}); refused unread",
             ) from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
             self.state_dict[fqn] = obj
+
+    def _file_of(self, read_item) -> Path:
+        """The .distcp file the item lies in (the checkpoint directory when the metadata does not say)."""
+        try:
+            rel = self.metadata.storage_data[read_item.storage_index].relative_path
+        except (AttributeError, KeyError, TypeError):
+            return self.ckpt
+        return self.ckpt / rel if isinstance(rel, str) and "/" not in rel else self.ckpt
 
 
 def _bad_input_inside(e: BaseException) -> BadInput | None:

@@ -342,12 +342,19 @@ def main(argv=None) -> int:
     ) as e:  # record why this rank stopped, then let the launcher see the failure
         if not isinstance(e, SystemExit) and not (run_dir / COMPLETE).exists():
             rank = int(os.environ.get("RANK", -1))
+            # bad input (a checkpoint item refused unread): the launcher reports it as exit 2, naming the file
+            bad = (
+                {"where": e.where, "field": e.field, "reason": e.reason}
+                if isinstance(e, BadInput)
+                else None
+            )
             event(
                 run_dir,
                 Event.RANK_FAILED,
                 rank=rank,
                 error=f"{type(e).__name__}: {e}"[:2000],
                 where=traceback.format_exc(limit=3)[-1500:],
+                **({"bad_input": bad} if bad else {}),
             )
         if isinstance(
             e, DisttraceError

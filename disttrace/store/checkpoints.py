@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from disttrace.errors import BadInput
+from disttrace.store import safeio
 from disttrace.store.pickles import bare_name, scan_checkpoint
 from disttrace.store.rundir import read_json, write_json_atomic
 from disttrace.store.seal import file_hash
@@ -48,13 +49,18 @@ def write_index(
     return index
 
 
-def verify(ckpt: Path | str, manifest_id: str | None = None) -> dict:
+def verify(
+    ckpt: Path | str, manifest_id: str | None = None, root: Path | str | None = None
+) -> dict:
     """Read every byte and scan every pickle (opcodes only, nothing loaded); raise BadInput naming the first
-    bad file. Returns the index."""
+    bad file. Returns the index. Every file is read inside `root` (by default the run the checkpoint is
+    in, `<run>/checkpoints/step-N`): a checkpoint directory linked out of its run is refused."""
     ckpt = Path(ckpt)
+    root = ckpt.parent.parent if root is None else Path(root)
     if not ckpt.is_dir():
         raise BadInput(ckpt, "checkpoint directory not found")
-    index = read_json(ckpt / INDEX)
+    safeio.confined(ckpt, root)
+    index = read_json(ckpt / INDEX, root)
     if not isinstance(index, dict) or not isinstance(index.get("files"), dict):
         raise BadInput(ckpt / INDEX, "not a checkpoint index", field="files")
     if manifest_id is not None and index.get("manifest_id") != manifest_id:
@@ -73,17 +79,19 @@ def verify(ckpt: Path | str, manifest_id: str | None = None) -> dict:
                 ckpt / INDEX, f"names '{name}', outside the checkpoint directory", field="files"
             )
         p = ckpt / name
+        if not isinstance(meta, dict):
+            raise BadInput(ckpt / INDEX, f"the entry of '{name}' is not an object", field="files")
         if p.is_symlink():
             raise BadInput(p, "is a symbolic link (a checkpoint holds plain files only)")
-        if not p.is_file():
+        if not safeio.present(p):
             raise BadInput(p, "checkpoint file is missing")
-        size = p.stat().st_size
+        size = safeio.size(p, root)  # a regular file, or BadInput naming what it is
         if size != meta.get("bytes"):
             raise BadInput(
                 p,
                 f"size {size} differs from the index's {meta.get('bytes')} (truncated or altered)",
             )
-        if sha256_of(p) != meta.get("sha256"):
+        if file_hash(p, root=root)["sha256"] != meta.get("sha256"):
             raise BadInput(p, "sha256 differs from the index (corrupted)")
     extra = sorted(
         p.name
@@ -93,7 +101,7 @@ def verify(ckpt: Path | str, manifest_id: str | None = None) -> dict:
     if extra:
         raise BadInput(ckpt / extra[0], "file not listed in the index")
     # the INDEX guards against accidents, not against its writer: also look at every pickle, unrun
-    finding = scan_checkpoint(ckpt)
+    finding = scan_checkpoint(ckpt, root)
     if finding is not None:
         raise BadInput(
             finding.file, (f"item {finding.item}: " if finding.item else "") + finding.reason

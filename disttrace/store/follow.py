@@ -20,11 +20,13 @@ from pathlib import Path
 import orjson
 
 from disttrace.errors import BadInput
+from disttrace.store import safeio
 from disttrace.store.records import FAILURE_EVENTS, Event
 from disttrace.store.rundir import COMPLETE, Run
 
 MIN_STALL_S = 3.0  # a stall is never declared sooner: start-up jitter, a slow checkpoint write
 STALL_STEPS = 10.0  # ... nor before this many median step times without a finished step
+TAIL_READ = 16 << 20  # the most one poll of a followed file reads (the next poll reads on)
 TAIL_BYTES = 64 * 1024  # how much of the end of a collective trace a stall report reads
 
 
@@ -111,19 +113,22 @@ def _int(v) -> int | None:
 class _Tail:
     """The complete lines appended to one file since the last read (a line still being written waits)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, root: Path):
         self.path = path
+        self.root = root
         self.offset = 0
 
     def read(self) -> list[dict]:
-        try:
-            with open(self.path, "rb") as f:
+        try:  # a regular file inside the run (a FIFO there would block the follower), a bounded read
+            with safeio.open_file(self.path, self.root) as f:
                 f.seek(self.offset)
-                data = f.read()
-        except OSError:  # not there yet
+                data = f.read(TAIL_READ)
+        except (OSError, BadInput):  # not there yet, or nothing a follower can read
             return []
         end = data.rfind(b"\n")
         if end < 0:
+            if len(data) == TAIL_READ:  # a line longer than any of ours: passed over
+                self.offset += len(data)
             return []
         self.offset += end + 1
         out = []
@@ -178,11 +183,11 @@ def collective_tail(path: Path, now: float | None = None) -> dict:
     """The end of one rank's collective trace (only its last TAIL_BYTES are read): for each group, the
     last collective issued ({op, seq, start}), and `last`, the last one issued on any group."""
     try:
-        with open(path, "rb") as f:
+        with safeio.open_file(path, Path(path).parent.parent) as f:
             size = f.seek(0, os.SEEK_END)
             f.seek(max(0, size - TAIL_BYTES))
             data = f.read()
-    except OSError:
+    except (OSError, BadInput):
         return {"groups": {}, "last": None}
     lines = data.split(b"\n")
     if size > TAIL_BYTES:
@@ -274,10 +279,12 @@ class Follower:
         self.total = _int((m.get("training") or {}).get("steps")) or 0
         self.timeout_s = (m.get("debug") or {}).get("collective_timeout_s")
         self.clock = clock
-        resume = (self.run.info.get("resume") or {}) if (self.path / "run.json").exists() else {}
+        resume = (
+            (self.run.info.get("resume") or {}) if safeio.present(self.path / "run.json") else {}
+        )
         self.start_step = _int(resume.get("step")) or 0
         self._index: dict[int, _Tail] = {}
-        self._events = _Tail(self.path / "events.jsonl")
+        self._events = _Tail(self.path / "events.jsonl", self.path)
         self.last: dict[int, int] = {}  # rank -> last finished step
         self._ranges: dict[
             int, dict[int, tuple[int, int]]
@@ -298,7 +305,7 @@ class Follower:
         now = self.clock()
         # COMPLETE is written after every index line: seen before the indexes are read, it means they are
         # all there (seen after, steps written in between would be reported complete but never shown)
-        complete = (self.path / COMPLETE).exists()
+        complete = safeio.present(self.path / COMPLETE)
         notices = []
         for e in self._events.read():
             n = _notice(e)
@@ -357,7 +364,7 @@ class Follower:
                 continue
             rank = int(m.group(1))
             if rank not in self._index:
-                self._index[rank] = _Tail(d / name)
+                self._index[rank] = _Tail(d / name, self.path)
                 self.last.setdefault(rank, self.start_step)
             for e in self._index[rank].read():
                 step = _int(e.get("step"))

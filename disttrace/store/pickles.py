@@ -155,11 +155,20 @@ class Scan:
     error: str | None = None  # not a pickle we can read opcode by opcode
 
 
-def scan(data: bytes) -> Scan:
-    """Opcodes only: the globals a pickle would import, without importing or building anything."""
+# the most bytes of strings a pickle may make its loader hold, counting a memoized string once for each time it
+# is fetched again (a 2-byte BINGET of a 1 MiB string costs 1 MiB more: DCP's PosixPath over a long string of
+# '/' grew ~2 MiB per 2 bytes), beyond the pickle's own length
+REFERENCED_LIMIT = 64 << 20
+
+
+def scan(data) -> Scan:
+    """Opcodes only: the globals a pickle would import, without importing or building anything. `data`: the
+    pickle's bytes, or a binary file positioned at it (left after its STOP)."""
     out = Scan([], [], False)
     stack: list = []
     memo: dict = {}
+    referenced = 0
+    length = len(data) if isinstance(data, (bytes, bytearray, memoryview)) else 0
     try:
         for op, arg, pos in pickletools.genops(data):
             name = op.name
@@ -181,6 +190,8 @@ def scan(data: bytes) -> Scan:
                 out.persistent_ids = True
             elif name in _BYTES and isinstance(arg, (bytes, bytearray)):
                 out.blobs.append(bytes(arg))
+                stack.append(bytes(arg))
+                continue
             # the stack, just far enough to know what STACK_GLOBAL and the memo see
             if name == "MEMOIZE":
                 memo[len(memo)] = stack[-1] if stack else None
@@ -208,13 +219,26 @@ def scan(data: bytes) -> Scan:
                         pass
                 stack.append(text)
             elif name in _GETS:
-                stack.append(memo.get(arg))
+                got = memo.get(arg)
+                if isinstance(got, (str, bytes)):
+                    referenced += len(got)
+                    if referenced > REFERENCED_LIMIT + length:
+                        out.error = (
+                            f"fetches {referenced} bytes of strings from its memo, more than a "
+                            "checkpoint's pickle does (refused unread)"
+                        )
+                        return out
+                stack.append(got)
             else:
                 for kind in op.stack_after:
                     stack.append(_MARK if kind is pickletools.markobject else None)
     except Exception as e:  # noqa: BLE001  a truncated or garbled pickle: damage, never a crash
         out.error = f"not a readable pickle ({type(e).__name__}: {e})"
     return out
+
+
+def _without_error(found: Scan) -> Scan:
+    return Scan(found.globals, found.blobs, found.persistent_ids)
 
 
 def forbidden(found: Scan, allowed: frozenset, persistent_ids: bool = False) -> str | None:
@@ -233,9 +257,27 @@ def _is_zip(data: bytes) -> bool:
     return data[:4] == b"PK\x03\x04"
 
 
-def scan_torch_save(data: bytes, depth: int = 0) -> str | None:
-    """A torch.save archive (or a bare pickle): every data.pkl inside names only TENSOR_GLOBALS; byte strings
-    that are themselves torch.save archives (an optimizer blob) are scanned too."""
+def pickles_in(data: bytes) -> list[Scan]:
+    """Every pickle at the start of `data`, one after the other (torch's legacy format is several in a row),
+    whatever its protocol (protocol 0 starts with an opcode such as '(' or 'c', not with b'\\x80'). The
+    last one may hold an error: raw tensor bytes are no pickle, or a pickle is cut or garbled there (a
+    loader would still have run what came before the error)."""
+    out: list[Scan] = []
+    f = io.BytesIO(data)
+    while f.tell() < len(data):
+        start = f.tell()
+        found = scan(f)
+        out.append(found)
+        if found.error or f.tell() == start:
+            break
+    return out
+
+
+def scan_torch_save(data: bytes, depth: int = 0, pickled: bool = False) -> str | None:
+    """A torch.save archive (or a bare pickle of any protocol): every pickle inside names only TENSOR_GLOBALS;
+    byte strings that are themselves archives or pickles (an optimizer blob) are scanned too. `pickled`: the
+    bytes are loaded by torch.load whatever they hold (a DCP bytes item), so bytes that are no pickle and no
+    archive are refused too; otherwise (a tensor item) they may be raw tensor bytes."""
     if depth > 3:
         return "torch.save archives nested too deep"
     pickles: list[bytes] = []
@@ -243,26 +285,35 @@ def scan_torch_save(data: bytes, depth: int = 0) -> str | None:
         try:
             with zipfile.ZipFile(io.BytesIO(data)) as z:
                 for info in z.infolist():
+                    if info.file_size > len(
+                        data
+                    ):  # torch.save stores, never compresses: a zip bomb
+                        return f"a member {info.filename!r} larger than its archive"
                     if info.filename.endswith(".pkl"):
                         pickles.append(z.read(info))
         except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
             return f"not a readable torch.save archive ({e})"
         if not pickles:
             return "a torch.save archive without data.pkl"
-    elif data[:1] == b"\x80":  # a bare pickle (torch's legacy format)
-        pickles.append(data)
-    else:
-        return None  # raw tensor bytes (DCP's non-torch.save format): nothing to unpickle
-    for p in pickles:
-        found = scan(p)
-        why = forbidden(found, TENSOR_GLOBALS, persistent_ids=True)
+        scans = [scan(p) for p in pickles]
+    else:  # a bare pickle (torch's legacy format), of any protocol, or raw tensor bytes
+        scans = pickles_in(data)
+        if pickled and not data:
+            return "an empty item where a pickle belongs"
+    for i, found in enumerate(scans):
+        # a pickle's error counts where a loader must unpickle these bytes (a bytes item's first pickle);
+        # elsewhere the bytes after the pickles are raw storage (torch's legacy format) or a raw tensor, and
+        # what counts is the globals named before the error: what a loader would have run by then
+        strict = pickled and i == 0
+        why = forbidden(
+            found if strict or not found.error else _without_error(found), TENSOR_GLOBALS, True
+        )
         if why:
             return why
         for blob in found.blobs:
-            if _is_zip(blob) or blob[:1] == b"\x80":
-                why = scan_torch_save(blob, depth + 1)
-                if why:
-                    return f"an embedded archive {why}"
+            why = scan_torch_save(blob, depth + 1)
+            if why:
+                return f"an embedded archive {why}"
     return None
 
 
@@ -335,6 +386,22 @@ def storage_items(metadata: bytes) -> list[tuple[str, int, int, str]]:
     return out
 
 
+def item_kinds(metadata: bytes) -> dict[str, str]:
+    """fqn -> 'bytes' or 'tensor', from the metadata's state_dict_metadata: a bytes item is loaded with
+    torch.load whatever its bytes are, so it is scanned as a pickle whatever its first byte."""
+    meta = _StubUnpickler(metadata).obj
+    state = getattr(meta, "state", None)
+    if isinstance(state, tuple):
+        state = state[0]
+    table = state.get("state_dict_metadata") if isinstance(state, dict) else None
+    if not isinstance(table, dict):
+        return {}
+    return {
+        str(k): "bytes" if getattr(v, "_origin", "").endswith("BytesStorageMetadata") else "tensor"
+        for k, v in table.items()
+    }
+
+
 def bare_name(name: str) -> bool:
     """A file name that stays in its directory: no separator, not '.' or '..', no NUL."""
     return (
@@ -346,14 +413,20 @@ def bare_name(name: str) -> bool:
     )
 
 
-def scan_checkpoint(ckpt: Path) -> Finding | None:
-    """Every pickle of one DCP checkpoint directory, by opcodes: the first damage found, or None."""
+def scan_checkpoint(ckpt: Path, root: Path | None = None) -> Finding | None:
+    """Every pickle of one DCP checkpoint directory, by opcodes: the first damage found, or None. Files are
+    read inside `root` (by default the checkpoint's run) through store/safeio.py; .distcp files are mapped,
+    and only the items are copied."""
+    from disttrace.errors import BadInput
+    from disttrace.store import safeio
+
     ckpt = Path(ckpt)
+    root = ckpt.parent.parent if root is None else root
     meta_path = ckpt / ".metadata"
     try:
-        meta = meta_path.read_bytes()
-    except OSError as e:
-        return Finding(meta_path, f"cannot read ({e.strerror})")
+        meta = safeio.read_bytes(meta_path, root, "metadata")
+    except BadInput as e:
+        return Finding(meta_path, e.reason)
     why = forbidden(scan(meta), METADATA_GLOBALS)
     if why:
         return Finding(meta_path, why)
@@ -361,7 +434,8 @@ def scan_checkpoint(ckpt: Path) -> Finding | None:
         items = storage_items(meta)
     except Exception as e:  # noqa: BLE001  a .metadata that scans clean but is not DCP's shape
         return Finding(meta_path, f"not a DCP metadata table ({type(e).__name__}: {e})")
-    files: dict[str, bytes] = {}
+    kinds = item_kinds(meta)
+    files: dict = {}
     for rel, off, length, fqn in sorted(items):
         if not bare_name(rel):
             return Finding(
@@ -369,13 +443,20 @@ def scan_checkpoint(ckpt: Path) -> Finding | None:
             )
         if rel not in files:
             p = ckpt / rel
-            if p.is_symlink() or not p.is_file():
+            if p.is_symlink() or not safeio.is_regular(p, root):
                 return Finding(p, "item file is missing or not a plain file")
-            files[rel] = p.read_bytes()
+            try:
+                files[rel] = safeio.mapped(p, root)
+            except BadInput as e:
+                return Finding(p, e.reason)
         data = files[rel]
         if off + length > len(data):
             return Finding(ckpt / rel, f"item {fqn} lies past the end of the file", item=fqn)
-        why = scan_torch_save(data[off : off + length])
+        if length > safeio.LIMITS["item"]:
+            return Finding(
+                ckpt / rel, f"item {fqn} of {length} bytes is larger than an item may be"
+            )
+        why = scan_torch_save(data[off : off + length], pickled=kinds.get(fqn) == "bytes")
         if why:
             return Finding(ckpt / rel, why, item=fqn)
     return None

@@ -30,6 +30,7 @@ from typing import Any
 import orjson
 
 from disttrace.errors import BadInput
+from disttrace.store import safeio
 from disttrace.store.records import (  # noqa: F401  (re-exported)
     ATTACHED_SOURCE,
     PATH_KINDS,
@@ -148,16 +149,15 @@ def mark_complete(run_dir: Path | str, summary: dict) -> None:
 # ---------------------------------------------------------------- reading
 
 
-def read_json(path: Path | str) -> Any:
+def read_json(path: Path | str, root: Path | str | None = None) -> Any:
+    """One JSON document of a run store, through store/safeio.py: a regular file inside `root` (the run
+    directory; by default the file's own directory), at most LIMITS['json'] bytes."""
     path = Path(path)
+    data = safeio.read_bytes(path, path.parent if root is None else root, "json")
     try:
-        return orjson.loads(path.read_bytes())
-    except FileNotFoundError:
-        raise BadInput(path, "file not found") from None
+        return orjson.loads(data)
     except orjson.JSONDecodeError as e:
         raise BadInput(path, f"not valid JSON ({e.msg} at line {e.lineno})") from None
-    except OSError as e:
-        raise BadInput(path, f"cannot read ({e.strerror})") from None
 
 
 @dataclass
@@ -166,28 +166,23 @@ class JsonlRead:
     torn: str | None  # a description of a torn/unparseable line, if any
 
 
-def iter_jsonl(path: Path | str, torn: list | None = None) -> Iterator[dict]:
-    """Yield objects line by line. A torn last line (a crash mid-write) is reported through `torn`,
-    not raised; a bad line in the middle is bad input."""
+def iter_jsonl(
+    path: Path | str, torn: list | None = None, root: Path | str | None = None
+) -> Iterator[dict]:
+    """Yield objects line by line (streamed, each line at most LIMITS['line'] bytes, the file confined to
+    `root`, by default its own run directory). A torn last line (a crash mid-write) is reported through
+    `torn`, not raised; a bad line in the middle is bad input."""
     path = Path(path)
-    try:
-        f = open(path, "rb")
-    except FileNotFoundError:
-        raise BadInput(path, "file not found") from None
-    except OSError as e:  # a directory in its place, no permission
-        raise BadInput(path, f"cannot read ({e.strerror})") from None
-    with f:
-        prev = None
-        lineno = 0
-        for raw in f:
-            lineno += 1
-            if prev is not None:
-                yield _parse_line(path, prev, lineno - 1, torn, last=False)
-            prev = raw
+    prev = None
+    lineno = 0
+    for lineno, raw in safeio.lines(path, path.parent.parent if root is None else root):
         if prev is not None:
-            obj = _parse_line(path, prev, lineno, torn, last=True)
-            if obj is not None:
-                yield obj
+            yield _parse_line(path, prev, lineno - 1, torn, last=False)
+        prev = raw
+    if prev is not None:
+        obj = _parse_line(path, prev, lineno, torn, last=True)
+        if obj is not None:
+            yield obj
 
 
 def _parse_line(path: Path, raw: bytes, lineno: int, torn: list | None, last: bool):
@@ -203,9 +198,17 @@ def _parse_line(path: Path, raw: bytes, lineno: int, torn: list | None, last: bo
     return obj
 
 
-def read_jsonl(path: Path | str) -> JsonlRead:
+def read_jsonl(path: Path | str, root: Path | str | None = None) -> JsonlRead:
+    path = Path(path)
+    base = path.parent.parent if root is None else root
+    kind = "events" if path.name == "events.jsonl" else "jsonl"
+    if safeio.size(path, base) > safeio.LIMITS[kind]:
+        raise BadInput(
+            path,
+            f"more than the {safeio.LIMITS[kind]} bytes a file of its kind may hold; refused unread",
+        )
     torn: list = []
-    recs = list(iter_jsonl(path, torn))
+    recs = list(iter_jsonl(path, torn, base))
     return JsonlRead(recs, torn[0] if torn else None)
 
 
@@ -240,9 +243,9 @@ class Run:
             raise BadInput(self.path, "no such run directory")
         if not self.path.is_dir():
             raise BadInput(self.path, "not a directory")
-        if not (self.path / LOCK).exists():
+        if not safeio.present(self.path / LOCK):
             raise BadInput(self.path, f"not a run directory (no {LOCK})")
-        self.lock = read_json(self.path / LOCK)
+        self.lock = read_json(self.path / LOCK, self.path)
         if (
             not isinstance(self.lock, dict)
             or "manifest" not in self.lock
@@ -269,9 +272,9 @@ class Run:
     @property
     def info(self) -> dict:
         p = self.path / "run.json"
-        if not p.exists():
+        if not safeio.present(p):
             return {}
-        info = read_json(p)
+        info = read_json(p, self.path)
         if not isinstance(info, dict):
             raise BadInput(p, "must be a JSON object")
         for key, need in (
@@ -290,7 +293,14 @@ class Run:
 
     @property
     def complete(self) -> bool:
-        return (self.path / COMPLETE).exists()
+        p = self.path / COMPLETE
+        if not safeio.present(p):
+            return False
+        if not safeio.is_regular(
+            p, self.path
+        ):  # a FIFO or a link out in its place: not a run's marker
+            raise BadInput(p, "not a regular file inside the run (COMPLETE is one the job writes)")
+        return True
 
     @property
     def attached(self) -> bool:
@@ -328,7 +338,7 @@ class Run:
 
     def events(self) -> JsonlRead:
         p = self.path / "events.jsonl"
-        return read_jsonl(p) if p.exists() else JsonlRead([], None)
+        return read_jsonl(p, self.path) if safeio.present(p) else JsonlRead([], None)
 
     def fault_events(self) -> list[dict]:
         """The `fault_fired` lines of events.jsonl, each validated by the writer's own model (FaultEvent)."""
@@ -342,13 +352,13 @@ class Run:
 
     def topology(self) -> dict | None:
         p = self.path / "topology.json"
-        return read_json(p) if p.exists() else None
+        return read_json(p, self.path) if safeio.present(p) else None
 
     def step_index(self, rank: int) -> JsonlRead:
         p = self.rank_path("trajectory", rank, ".steps.jsonl")
-        if not p.exists():
+        if not safeio.present(p):
             return JsonlRead([], None)
-        read = read_jsonl(p)
+        read = read_jsonl(p, self.path)
         for n, e in enumerate(read.records, 1):
             StepIndexEntry.parse_line(e, p, n)  # the writer's own model (store/records.py)
         return read
@@ -356,9 +366,9 @@ class Run:
     def step_times(self, rank: int) -> JsonlRead:
         """`steps/rank-N.jsonl` (run/stepclock.py): one line per step, kept whether the run records or not."""
         p = self.rank_path("steps", rank)
-        if not p.exists():
+        if not safeio.present(p):
             return JsonlRead([], None)
-        read = read_jsonl(p)
+        read = read_jsonl(p, self.path)
         for n, e in enumerate(read.records, 1):
             if (
                 not isinstance(e.get("step"), int)
@@ -383,11 +393,9 @@ class Run:
 
         path = self.trajectory_path(rank)
         if not trajectory.is_arrow(path):
-            yield from iter_jsonl(path, torn)
+            yield from iter_jsonl(path, torn, self.path)
             return
-        if not path.is_file():
-            raise BadInput(path, "file not found")
-        for _, _, batch in trajectory.scan(path, torn):
+        for _, _, batch in trajectory.scan(path, torn, self.path):
             yield from trajectory.to_records(batch)
 
     def records_of_step(self, rank: int, entry: dict) -> list[dict]:
@@ -395,7 +403,11 @@ class Run:
         from disttrace.store.trajectory import records_of_range
 
         return records_of_range(
-            self.trajectory_path(rank), entry["offset"], entry["length"], entry.get("step")
+            self.trajectory_path(rank),
+            entry["offset"],
+            entry["length"],
+            entry.get("step"),
+            root=self.path,
         )
 
     def checkpoint_dirs(self) -> list[Path]:

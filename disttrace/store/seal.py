@@ -26,6 +26,8 @@ from pathlib import Path
 import orjson
 import xxhash
 
+from disttrace.store import safeio
+
 SEAL_VERSION = 1
 SHARED_FILES = ("manifest.lock.json", "run.json", "env.json", "topology.json", "replicas.json")
 EVENTS = "events.jsonl"
@@ -54,11 +56,12 @@ def chain_next(prev: str, entry: dict) -> str:
     ).hexdigest()
 
 
-def file_hash(path: Path, limit: int | None = None) -> dict:
-    """sha256 and size of a file (of its first `limit` bytes, if given)."""
+def file_hash(path: Path, limit: int | None = None, root: Path | None = None) -> dict:
+    """sha256 and size of a file (of its first `limit` bytes, if given), streamed. A reader passes the run
+    directory as `root` (store/safeio.py: a regular file inside it, or BadInput); the writer hashes its own."""
     h = hashlib.sha256()
     n = 0
-    with open(path, "rb") as f:
+    with safeio.open_file(path, root) as f:
         while True:
             want = 1 << 20 if limit is None else min(1 << 20, limit - n)
             if want <= 0:
@@ -140,14 +143,16 @@ def first_chain_break(rank: int, entries: list[dict]) -> int | None:
     return None
 
 
-def step_bytes_match(path: Path, entry: dict) -> bool | None:
+def step_bytes_match(path: Path, entry: dict, root: Path | None = None) -> bool | None:
     """Whether a step's raw bytes still hash to its index line's xxh3 (or, in lines written before it, sha256);
-    None: the line holds no hash."""
+    None: the line holds no hash. The trajectory is read inside `root` (by default its run directory)."""
     if entry.get("xxh3") is None and entry.get("sha256") is None:
         return None
-    with open(path, "rb") as f:
-        f.seek(entry["offset"])
-        return step_data_match(f.read(entry["length"]), entry)
+    path = Path(path)
+    data = safeio.read_range(
+        path, path.parent.parent if root is None else root, entry["offset"], entry["length"]
+    )
+    return step_data_match(data, entry)
 
 
 def step_data_match(data: bytes, entry: dict) -> bool | None:

@@ -46,6 +46,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from disttrace.errors import BadInput
+from disttrace.store import safeio
 
 SUFFIX = ".arrows"  # Arrow's extension for the IPC stream format
 LEGACY_SUFFIX = ".jsonl"
@@ -338,10 +339,10 @@ def trajectory_path(run_path: Path, rank: int) -> Path:
     """This rank's trajectory: the Arrow stream, or a JSON-lines file of a store written before it."""
     base = Path(run_path) / "trajectory" / f"rank-{rank:05d}"
     arrow = base.with_name(base.name + SUFFIX)
-    if arrow.exists():
+    if safeio.present(arrow):  # whatever is there (a FIFO, a link): the reader refuses it, named
         return arrow
     legacy = base.with_name(base.name + LEGACY_SUFFIX)
-    return legacy if legacy.exists() else arrow
+    return legacy if safeio.present(legacy) else arrow
 
 
 def is_arrow(path: Path) -> bool:
@@ -371,8 +372,13 @@ def decode_step(path: Path, data: bytes, where: str) -> pa.RecordBatch:
         expected = _STEP_MESSAGES[layout]
         if kinds != expected or version not in (None, layout):
             raise ValueError(f"messages {kinds} where a step's {expected} belong")
-        for m in messages:
-            _check_compressed_sizes(m)  # before decoding: a forged size would be allocated whole
+        # before decoding: a forged size would be allocated whole, and many honest-looking ones (an LZ4 bomb:
+        # each buffer within LZ4's own expansion) would still add up to far more than a step of ours holds
+        declared = sum(_check_compressed_sizes(m) for m in messages)
+        if declared > _step_expansion(len(data)):
+            raise ValueError(
+                f"buffers that expand {len(data)} bytes to {declared}, more than a step's records do"
+            )
         stream = ipc.open_stream(_SCHEMA_MESSAGES[layout] + data[body:], options=_READ)
         batch = stream.read_next_batch()
         batch.validate(full=True)  # offsets, views and dictionary indices inside their buffers
@@ -505,18 +511,29 @@ def _check_schema(message) -> int:
     raise ValueError(f"the stream's schema is not a trajectory's (columns {schema.names[:6]})")
 
 
-def _check_compressed_sizes(message) -> None:
+def _step_expansion(n: int) -> int:
+    """The most bytes a step of `n` bytes may decompress to. A step's records compress ~4-fold (digests and
+    statistics hardly compress; measured by bench/trajectory_codec.py), the best case of a real step
+    (`tests/test_untrusted_store.py` measures the runs it writes) stays below STEP_EXPANSION-fold; an LZ4 bomb's
+    ~255-fold is refused."""
+    return STEP_EXPANSION * n + (1 << 20)
+
+
+STEP_EXPANSION = 32
+
+
+def _check_compressed_sizes(message) -> int:
     """Each LZ4-compressed buffer's uncompressed-length prefix against what its bytes can expand to, read
     from the message's flatbuffer header (Message.header: RecordBatch, or DictionaryBatch whose .data is one;
     RecordBatch.buffers, .compression). A dictionary message must replace dictionary 0 (the shape's), not
-    add to it: a step holds the whole of its dictionary."""
+    add to it: a step holds the whole of its dictionary. Returns the bytes its buffers decompress to."""
     meta, body = message.metadata, message.body
     if meta is None or body is None:
-        return
+        return 0
     fb, body = memoryview(meta), memoryview(body)
     header = _fb_field(fb, struct.unpack_from("<I", fb, 0)[0], 2)
     if header is None:
-        return
+        return 0
     batch = header + struct.unpack_from("<I", fb, header)[0]
     if message.type == "dictionary":  # DictionaryBatch: id (0), data (1), isDelta (2)
         at = _fb_field(fb, batch, 0)
@@ -527,11 +544,11 @@ def _check_compressed_sizes(message) -> None:
             raise ValueError("a dictionary message other than the step's shape dictionary")
         data = _fb_field(fb, batch, 1)
         if data is None:
-            return
+            return 0
         batch = data + struct.unpack_from("<I", fb, data)[0]
     compression = _fb_field(fb, batch, 3)
     if compression is None:  # no BodyCompression: the buffers are stored as they are
-        return
+        return len(body)
     table = compression + struct.unpack_from("<I", fb, compression)[0]
     codec_at = _fb_field(fb, table, 0)
     if (
@@ -542,8 +559,9 @@ def _check_compressed_sizes(message) -> None:
         raise ValueError("a step compressed with zstd; disttrace's trajectory is LZ4")
     vec = _fb_field(fb, batch, 2)
     if vec is None:
-        return
+        return 0
     vec += struct.unpack_from("<I", fb, vec)[0]
+    total = 0
     for i in range(struct.unpack_from("<I", fb, vec)[0]):
         offset, length = struct.unpack_from("<qq", fb, vec + 4 + 16 * i)
         if length < 8 or offset < 0 or offset + 8 > len(body):
@@ -551,6 +569,8 @@ def _check_compressed_sizes(message) -> None:
         size = struct.unpack_from("<q", body, offset)[0]
         if size != -1 and not 0 <= size <= _LZ4_MAX_EXPANSION * length:
             raise ValueError(f"a compressed buffer of {length} bytes says it holds {size} bytes")
+        total += length if size == -1 else size
+    return total
 
 
 def _fb_field(fb: memoryview, table: int, i: int) -> int | None:
@@ -571,19 +591,22 @@ def _check_required(batch: pa.RecordBatch) -> None:
             raise ValueError(f"a record without '{name}'")
 
 
-def read_range(path: Path, offset: int, length: int) -> bytes:
-    with open(path, "rb") as f:
-        f.seek(offset)
-        return f.read(length)
+def read_range(path: Path, offset: int, length: int, root: Path | None = None) -> bytes:
+    """One step's bytes (store/safeio.py: a regular file inside `root`, by default its run directory)."""
+    path = Path(path)
+    return safeio.read_range(path, path.parent.parent if root is None else root, offset, length)
 
 
-def scan(path: Path, torn: list | None = None) -> Iterator[tuple[int, int, pa.RecordBatch]]:
+def scan(
+    path: Path, torn: list | None = None, root: Path | None = None
+) -> Iterator[tuple[int, int, pa.RecordBatch]]:
     """(offset, length, batch) of every step in the file, in order, without the step index. A step's range
     runs from the end of the one before (the first step's holds the schema message) to the end of its record
     batch; a v2 step's dictionary message comes before its batch. A torn final step is reported through `torn`
-    and left out."""
-    data = Path(path).read_bytes()
-    reader = pa.BufferReader(data)
+    and left out. The file is mapped, not read: only the step being decoded is copied."""
+    path = Path(path)
+    data = safeio.mapped(path, path.parent.parent if root is None else root)
+    reader = pa.BufferReader(pa.py_buffer(data) if data else data)
     start, first = 0, None  # first: where the step's first message after any schema lies
 
     def cut(pos: int):
@@ -628,6 +651,8 @@ def scan(path: Path, torn: list | None = None) -> Iterator[tuple[int, int, pa.Re
         if msg.type == "dictionary":
             continue
         end = reader.tell()
+        if end - first > safeio.LIMITS["step"]:
+            raise BadInput(path, f"bytes {first}..{end}: a step larger than a step may be")
         yield start, end - start, decode_step(path, data[first:end], f"bytes {first}..{end}")
         start, first = end, None
     if (
@@ -636,15 +661,16 @@ def scan(path: Path, torn: list | None = None) -> Iterator[tuple[int, int, pa.Re
         cut(first)
 
 
-def unindexed_tail(path: Path, end: int) -> int:
+def unindexed_tail(path: Path, end: int, root: Path | None = None) -> int:
     """Bytes after `end` (the last indexed step) other than the end-of-stream marker: a step whose write a
     crash interrupted (its index line is written only after its bytes)."""
-    size = Path(path).stat().st_size
+    path = Path(path)
+    size = safeio.size(path, path.parent.parent if root is None else root)
     if size <= end:
         return 0
     if (
         size - end == len(END_OF_STREAM)
-        and read_range(path, end, len(END_OF_STREAM)) == END_OF_STREAM
+        and read_range(path, end, len(END_OF_STREAM), root) == END_OF_STREAM
     ):
         return 0
     return size - end
@@ -690,9 +716,11 @@ def to_records(batch: pa.RecordBatch) -> list[dict]:
     return out
 
 
-def records_of_range(path: Path, offset: int, length: int, step: int | None = None) -> list[dict]:
+def records_of_range(
+    path: Path, offset: int, length: int, step: int | None = None, root: Path | None = None
+) -> list[dict]:
     """One step's records, read by seeking to its byte range (from the step index)."""
-    data = read_range(path, offset, length)
+    data = read_range(path, offset, length, root)
     if not is_arrow(path):
         try:
             return [orjson.loads(line) for line in data.splitlines() if line.strip()]

@@ -24,8 +24,8 @@ from pathlib import Path
 import orjson
 
 from disttrace.errors import BadInput
+from disttrace.store import safeio, trajectory
 from disttrace.store import seal as sealing
-from disttrace.store import trajectory
 from disttrace.store.checkpoints import verify as verify_checkpoint
 from disttrace.store.paths import inside
 from disttrace.store.rundir import COMPLETE, Run, rank_file, read_json
@@ -86,11 +86,11 @@ class _Verifier:
 
     # ------------------------------------------------------------ the seal
     def read_seal(self) -> dict | None:
-        if not self.run.complete:
+        if not safeio.present(self.path / COMPLETE):
             self.v.notes.append("no COMPLETE: the run did not finish, so nothing sealed it")
             return None
         try:
-            done = read_json(self.path / COMPLETE)
+            done = read_json(self.path / COMPLETE, self.path)
         except BadInput as e:
             self.damage(COMPLETE, e.reason)
             return None
@@ -103,19 +103,29 @@ class _Verifier:
         return seal
 
     def check_file(self, rel: str, want: dict, prefix: bool = False) -> None:
-        p = self.path / rel
         self.v.checked["files"] += 1
+        if not safeio.store_name(
+            rel
+        ):  # a seal names files inside the store, never a path of the machine
+            self.damage(COMPLETE, f"the seal names {rel!r}, which is not a file inside the run")
+            return
+        p = self.path / rel
         if not isinstance(want, dict) or not isinstance(want.get("bytes"), int):
             self.damage(COMPLETE, f"the seal's entry for {rel} is malformed")
             return
-        if p.is_symlink() or not p.is_file():
+        if p.is_symlink() or not safeio.is_regular(p, self.path):
             self.damage(rel, "sealed at COMPLETE, now missing (or not a plain file)")
             return
-        size = p.stat().st_size
+        try:
+            size = safeio.size(p, self.path)
+            digest = sealing.file_hash(p, want["bytes"] if prefix else None, self.path)["sha256"]
+        except BadInput as e:
+            self.damage(rel, e.reason)
+            return
         if size < want["bytes"] or (size != want["bytes"] and not prefix):
             self.damage(rel, f"{size} bytes, sealed with {want['bytes']} (truncated or altered)")
             return
-        if sealing.file_hash(p, want["bytes"] if prefix else None)["sha256"] != want.get("sha256"):
+        if digest != want.get("sha256"):
             self.damage(rel, "sha256 differs from the seal (altered after the run)")
             return
         if prefix and size > want["bytes"]:
@@ -130,21 +140,30 @@ class _Verifier:
         idx_rel = rank_file("trajectory", rank, ".steps.jsonl")
         idx = self.path / idx_rel
         self.v.checked["ranks"] += 1
-        if not idx.is_file():
+        if not safeio.present(idx):
             self.damage(idx_rel, "missing: the step index of this rank's trajectory")
             return
-        try:
-            data = traj.read_bytes()
-            lines = idx.read_bytes().split(b"\n")
-        except OSError as e:
-            self.damage(traj_rel, f"cannot read ({e.strerror})")
+        try:  # the trajectory mapped (never read whole), the index streamed line by line
+            data = safeio.mapped(traj, self.path)
+            lines = (raw for _, raw in safeio.lines(idx, self.path))
+        except BadInput as e:
+            self.damage(self.rel(e.where), e.reason)
             return
         prev = sealing.genesis(rank)
         expect_offset = 0
         last_step = None
         unsealed_steps = 0
         n = 0
-        for lineno, raw in enumerate(lines, 1):
+        lineno = 0
+        while True:
+            try:
+                raw = next(lines, None)
+            except BadInput as e:  # a line longer than any index line, or the file refused
+                self.damage(idx_rel, e.reason, last_step)
+                return
+            if raw is None:
+                break
+            lineno += 1
             if not raw.strip():
                 continue
             try:
@@ -178,6 +197,9 @@ class _Verifier:
                     step,
                 )
                 return
+            if e["length"] > safeio.LIMITS["step"] or e["offset"] + e["length"] > len(data):
+                self.damage(traj_rel, "the index points past the end of the file (truncated)", step)
+                return
             chunk = data[e["offset"] : e["offset"] + e["length"]]
             if len(chunk) != e["length"]:
                 self.damage(traj_rel, "the index points past the end of the file (truncated)", step)
@@ -207,7 +229,10 @@ class _Verifier:
             return
         # an Arrow stream ends with its end-of-stream marker, outside every step (sealed with the file)
         end = expect_offset + (
-            len(trajectory.END_OF_STREAM) if data[expect_offset:] == trajectory.END_OF_STREAM else 0
+            len(trajectory.END_OF_STREAM)
+            if len(data) - expect_offset == len(trajectory.END_OF_STREAM)
+            and data[expect_offset:] == trajectory.END_OF_STREAM
+            else 0
         )
         if len(data) != end:
             self.damage(
@@ -293,7 +318,7 @@ class _Verifier:
                 self.damage(rel_index, "checkpoint not in the seal (added after the run)", step)
                 continue
             try:
-                verify_checkpoint(ckpt, self.run.manifest_id)
+                verify_checkpoint(ckpt, self.run.manifest_id, self.path)
             except BadInput as e:
                 self.damage(
                     self.rel(e.where), f"{e.field + ': ' if e.field else ''}{e.reason}", step

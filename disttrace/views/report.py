@@ -282,13 +282,13 @@ def _failures(r: _R) -> list[dict]:
 
 def _verdict(r: _R) -> dict | None:
     p = r.path / "verdict.json"
-    if not p.exists():
+    if not os.path.lexists(p):
         return None
     try:
         from disttrace.store.records import Verdict
         from disttrace.store.rundir import read_json
 
-        v = read_json(p)
+        v = read_json(p, r.path)
         Verdict.parse_line(v, p, 1)  # the gate's own model: a malformed verdict is not shown as one
         return v
     except BadInput:
