@@ -1297,6 +1297,29 @@ def _load_calibration(path, side_a: _Side, side_b: _Side):
     return cal
 
 
+CALIBRATION = "calibration.json"
+
+
+def _found_calibration(side_a: _Side, side_b: _Side) -> Path | None:
+    """The reference's own measured noise, used by default: `disttrace calibrate` writes calibration.json
+    beside the runs of its manifest (runs/<id12>/), so a reference carries it; A's first, then B's. A file
+    there that calibrates another manifest is not this run's and is left alone."""
+    from disttrace.analysis.calibration import KIND
+
+    for side in (side_a, side_b):
+        p = side.path.parent / CALIBRATION
+        if not p.is_file():
+            continue
+        try:
+            doc = orjson.loads(p.read_bytes())
+        except (OSError, orjson.JSONDecodeError):
+            raise BadInput(p, "not valid JSON (a calibration beside the run)") from None
+        if isinstance(doc, dict) and doc.get("kind") == KIND:
+            if doc.get("manifest_id") == side.run.manifest_id:
+                return p
+    return None
+
+
 BLOCK_ROWS = 1 << 14  # records per side a block of steps may hold (a few MB of columns)
 
 
@@ -1432,6 +1455,7 @@ def diff_runs(
     propagate: bool = True,
     on_step=None,
     calibration: str | Path | None = None,
+    find_calibration: bool = True,
 ) -> DiffResult:
     """Compare run `b` against run `a`; `.to_json()` of the result is the `diff --json` document.
 
@@ -1441,7 +1465,9 @@ def diff_runs(
     propagate=False stops at the first divergent step (propagation then holds that step only).
     on_step(done, total), if given, is called before each compared step (a progress display).
     calibration: a `disttrace calibrate` file of A's or B's manifest; its measured bounds replace the derived
-    ones where it has them (each bound in the result says `bound_kind`: derived or calibrated).
+    ones where it has them (each bound in the result says `bound_kind`: derived, calibrated or none). Without
+    it, a calibration of A's (else B's) manifest beside the run (`calibrate` writes runs/<id12>/
+    calibration.json) is used, unless find_calibration=False.
     Raises BadInput (exit 2) for unreadable or incompatible runs.
     """
     warnings: list[str] = []
@@ -1456,6 +1482,16 @@ def diff_runs(
 
     steps, compared = _compared_steps(side_a, side_b)
     since = max(_agreed_since(side_b, side_a), _agreed_since(side_a, side_b))
+    found = False
+    if (
+        calibration is None
+        and find_calibration
+        and mode == "numeric"
+        and rtol is None
+        and atol is None
+    ):
+        calibration = _found_calibration(side_a, side_b)
+        found = calibration is not None
     cal = _load_calibration(calibration, side_a, side_b) if calibration is not None else None
     from disttrace.analysis.magnitudes import Magnitudes
 
@@ -1541,7 +1577,7 @@ def diff_runs(
         first_divergence=first_div,
         propagation=propagation,
         recovered_steps=recovered,
-        tolerance=_tolerance_doc(mode, tol, cal, since, ma, mb, rtol, atol),
+        tolerance=_tolerance_doc(mode, tol, cal, since, ma, mb, rtol, atol, found),
         stats=DiffStats(
             tensors_compared=n_units,
             bit_equal=n_exact,
