@@ -188,3 +188,25 @@ def test_planted_contribution_diverges_at_its_coordinates(tmp_path):
     # the rounding any layout may do, and no sound bound on these statistics can tell it from noise
     b = _layout(tmp_path, "b", dp=1, accum=4, plant=(2, 1, 0), blocks=2)
     assert diff_runs(a, b).to_dict()["equal"]
+
+
+def test_a_calibration_beside_the_reference_is_used_by_default(tmp_path):
+    a = _layout(tmp_path, "a", dp=2, accum=2)
+    b = _layout(tmp_path, "b", dp=1, accum=4, blocks=2)
+    mid = orjson.loads((a / "manifest.lock.json").read_bytes())["manifest_id"]
+    cal = {
+        "kind": "disttrace-calibration",
+        "version": 1,
+        "manifest_id": "0" * 64,  # another manifest's: not this reference's, left alone
+        "safety": 10.0,
+        "bounds": {"2": {"reduce": 1e-15}},
+    }
+    (tmp_path / "calibration.json").write_bytes(orjson.dumps(cal))
+    assert diff_runs(a, b).to_dict()["tolerance"]["kind"] == "derived"
+    # the reference's own (a measured noise far below what another layout rounds: the verdict shows it is used)
+    (tmp_path / "calibration.json").write_bytes(orjson.dumps({**cal, "manifest_id": mid}))
+    d = diff_runs(a, b).to_dict()
+    assert d["tolerance"]["kind"] == "calibrated" and d["tolerance"]["found"] is True
+    f = d["first_divergence"]
+    assert (f["step"], f["phase"], f["bound_kind"]) == (2, "reduce", "calibrated")
+    assert diff_runs(a, b, find_calibration=False).to_dict()["equal"]
