@@ -155,7 +155,7 @@ def main() -> None:
             for name, sets, fault, equivalent in cases:
                 t = time.time()
                 r = launch(out, [*BASE, *models[model], *sets], fault)
-                d = diff_runs(base, r, mode="numeric")
+                d = diff_runs(base, r, mode="numeric").to_dict()
                 ratio, at = worst(d)
                 row = {
                     "model": model,

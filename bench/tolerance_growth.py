@@ -41,7 +41,7 @@ def main() -> None:
             self.available = False
 
         magnitudes.Magnitudes.__init__ = without
-    d = diffmod.diff_runs(args.a, args.b, mode="numeric")
+    d = diffmod.diff_runs(args.a, args.b, mode="numeric").to_dict()
     ma, mb = Run(args.a).manifest, Run(args.b).manifest
     eps1 = {p: tolerance.step_bound(ma, mb, p) for p in ("loss", "reduce", "clip", "optimizer")}
     entries = d["numeric"]["by_step"] + d["propagation"]
