@@ -14,6 +14,9 @@ small, so the Python cost per tensor is the largest share). Variants:
   off                      record.enabled = false: the loop and the step clock only
   recorder+ledger          trajectory digests every step, memory ledger, no collective trace
   default                  + the Flight Recorder collective trace (record.collectives = "metadata")
+  default+magnitudes       + the gradient magnitudes the numeric bound reads (run/scales.py: one sum of
+                           squares per module input and output gradient; the job records them whenever
+                           it records)
   default+live check       + debug.live_check (one 16-byte-per-rule all-gather per step)
   values                   recorder + ledger + the dispatch-mode tracer with payload digests ("values")
 
@@ -39,7 +42,14 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-VARIANTS = ("off", "recorder+ledger", "default", "default+live check", "values")
+VARIANTS = (
+    "off",
+    "recorder+ledger",
+    "default",
+    "default+magnitudes",
+    "default+live check",
+    "values",
+)
 REALISTIC = [
     "model.dim=512",
     "model.n_layers=4",
@@ -122,7 +132,7 @@ def worker(rank, world, port, frozen_doc, steps, out, q, device_type="cpu"):
     strategy = build_strategy(typed, model, mesh, bus)
     base = Path(out) / f"rank{rank}"
     flag = {"on": "off"}
-    recorded = {"recorder+ledger", "default", "default+live check", "values"}
+    recorded = {"recorder+ledger", "default", "default+magnitudes", "default+live check", "values"}
     StepClock(base / "off", rank).attach(bus)
     recorders, ledgers = {}, []
     spent: dict[
@@ -138,7 +148,12 @@ def worker(rank, world, port, frozen_doc, steps, out, q, device_type="cpu"):
             )
         )
     fr = FlightRecorderTrace(base / "default", rank).attach(
-        Gated(bus, flag, {"default", "default+live check"}, spent, "trace")
+        Gated(bus, flag, {"default", "default+magnitudes", "default+live check"}, spent, "trace")
+    )
+    from disttrace.run.scales import Magnitudes
+
+    mags = Magnitudes(base / "default+magnitudes", rank, model).attach(
+        Gated(bus, flag, {"default+magnitudes"}, spent, "magnitudes")
     )
     LiveCheck(
         base / "default+live check",
@@ -153,6 +168,7 @@ def worker(rank, world, port, frozen_doc, steps, out, q, device_type="cpu"):
     for step in range(1, steps + 1):
         for v in VARIANTS:
             flag["on"] = v
+            mags._on = v == "default+magnitudes"  # its module hooks fire in that variant only
             ctx = tracer if v == "values" else contextlib.nullcontext()
             dist.barrier()
             t = time.perf_counter()
@@ -186,7 +202,7 @@ def worker(rank, world, port, frozen_doc, steps, out, q, device_type="cpu"):
     fr.close()  # the end-of-run copy of what is left in the ring
     close_s = time.perf_counter() - t
     tracer.close()
-    for o in [*recorders.values(), *ledgers]:
+    for o in [*recorders.values(), *ledgers, mags]:
         o.close()
     if rank == 0:
         q.put(
@@ -196,7 +212,7 @@ def worker(rank, world, port, frozen_doc, steps, out, q, device_type="cpu"):
                 "own_ms_per_step": {
                     k: 1e3 * s / steps
                     for k, s in spent.items()
-                    if k.endswith("default") or k in ("trace", "live check")
+                    if k.endswith("default") or k in ("trace", "live check", "magnitudes")
                 },
                 "final_copy_ms": 1e3 * close_s,
             }
@@ -276,6 +292,8 @@ def measure(world: int, steps: int, sets: list[str], device_type: str = "cpu") -
                 _bytes(d / "default") - _bytes(d / "default" / "collectives") for d in ranks
             )
             / steps
+            + fr_trace,
+            "default+magnitudes": sum(_bytes(d / "default+magnitudes") for d in ranks) / steps
             + fr_trace,
             "default+live check": sum(_bytes(d / "default+live check") for d in ranks) / steps
             + fr_trace,

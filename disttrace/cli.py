@@ -555,7 +555,11 @@ def diff(
         "--calibration",
         help="numeric: a `disttrace calibrate` "
         "file of A's or B's manifest; its measured bounds replace the "
-        "derived ones where it has them",
+        "derived ones where it has them (default: the calibration.json "
+        "beside A's or B's run, if it calibrates that run's manifest)",
+    ),
+    no_calibration: bool = typer.Option(
+        False, "--no-calibration", help="numeric: ignore a calibration found beside the runs"
     ),
     json_: bool = JsonOpt,
     md: bool = typer.Option(False, "--md", help="print a Markdown table (PR comment)"),
@@ -579,6 +583,7 @@ def diff(
             allow_edition_mismatch=allow_edition_mismatch,
             on_step=on_step,
             calibration=calibration,
+            find_calibration=not no_calibration,
         )
     if json_:
         emit_json(result)

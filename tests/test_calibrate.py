@@ -65,16 +65,21 @@ def test_calibration_noise_is_the_measured_difference(calibrated):
 def test_diff_says_which_bounds_are_calibrated(calibrated):
     path, doc, zero3 = calibrated
     one = doc["runs"]["reference"]
-    plain = orjson.loads(cli("diff", one, zero3, "--json").stdout)
+    plain = orjson.loads(cli("diff", one, zero3, "--no-calibration", "--json").stdout)
     cal = orjson.loads(cli("diff", one, zero3, "--calibration", path, "--json").stdout)
     assert plain["tolerance"]["kind"] == "derived" and cal["tolerance"]["kind"] == "calibrated"
+    # the reference carries its calibration (written beside it): used by default, and said so
+    found = orjson.loads(cli("diff", one, zero3, "--json").stdout)
+    assert found["tolerance"]["kind"] == "calibrated" and found["tolerance"]["found"] is True
+    assert found["tolerance"]["file"] == str(path)
     kinds = {e.get("bound_kind") for e in cal["numeric"]["by_phase"].values()}
     assert kinds and kinds <= {"calibrated", "derived"} and "calibrated" in kinds
     for e in plain["numeric"]["by_phase"].values():
         assert e["bound_kind"] == "derived"
     human = cli("diff", one, zero3, "--calibration", path).stdout
     assert "(calibrated)" in human
-    assert "(derived)" in cli("diff", one, zero3).stdout
+    assert "(calibrated)" in cli("diff", one, zero3).stdout
+    assert "(derived)" in cli("diff", one, zero3, "--no-calibration").stdout
 
 
 def test_a_calibration_of_another_manifest_is_refused(calibrated, tmp_path):

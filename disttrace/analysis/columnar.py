@@ -169,11 +169,20 @@ def _sketch_rounding(f32: np.ndarray, numel: np.ndarray, cols: np.ndarray) -> np
 
 
 def compare(
-    ba: Columns, bb: Columns, *, bitwise: bool, user: tuple[float, float] | None, base_bound
+    ba: Columns,
+    bb: Columns,
+    *,
+    bitwise: bool,
+    user: tuple[float, float] | None,
+    base_bound,
+    magnitudes=None,
 ) -> Compared:
     """Rows of two aligned steps (see `aligned`). bitwise: every inexact row diverges. user: (rtol, atol) when
     the user gave the bound, else base_bound(rows, phase_order, tensor_names) -> per-row bounds of those row
-    positions (the derived or calibrated bound of the row's step and phase times the tensor's factor)."""
+    positions (the derived or calibrated bound of the row's step and phase times the tensor's factor).
+    magnitudes(rows) -> (magnitude, unbounded) per row, when the runs recorded them: the scale of the row's
+    difference is then the larger of the norms and the magnitude (analysis/magnitudes.py), and an unbounded
+    row (no sound bound) never diverges on its statistics."""
     n = ba.num_rows
     order = bb["phase_order"]
     same_type = same_dtype_and_shape(ba, bb)
@@ -202,8 +211,13 @@ def compare(
     rows = rows[simple]
     sa, sb, na, nb, numel = sa[simple], sb[simple], na[simple], nb[simple], numel[simple]
 
-    scale_n = np.maximum(np.maximum(na, nb), TINY)
-    scale_s = np.maximum(np.maximum(na, nb) * np.sqrt(numel), TINY)
+    top = np.maximum(na, nb)
+    unbounded = np.zeros(len(rows), dtype=bool)
+    if magnitudes is not None and user is None and len(rows):
+        extra, unbounded = magnitudes(rows)
+        top = np.maximum(top, extra)
+    scale_n = np.maximum(top, TINY)
+    scale_s = np.maximum(top * np.sqrt(numel), TINY)
     ka, kb = _sketches(ba)[rows], _sketches(bb)[rows]
     has_sketch = ~(np.isnan(ka).any(axis=1) | np.isnan(kb).any(axis=1))
     terms = np.empty((len(rows), 2 + SKETCH_K))
@@ -221,6 +235,7 @@ def compare(
     rounding = 2 * _sketch_rounding(
         f32[rows], ba["numel"][rows], _last_dim(ba.column("shape"))[rows]
     )
+    bn, bs = np.where(unbounded, np.inf, bn), np.where(unbounded, np.inf, bs)
     bounds = np.empty_like(terms)
     bounds[:, 0], bounds[:, 1] = bn, bs
     bounds[:, 2:] = (bs + rounding)[:, None]

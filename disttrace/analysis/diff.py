@@ -403,12 +403,68 @@ class _Tol:
         atol: float | None,
         since: int,
         calibration=None,
+        magnitudes=None,
     ):
         self.mode, self.ma, self.mb, self.since = mode, ma, mb, since
         self.user = mode == "numeric" and (rtol is not None or atol is not None)
         self.rtol, self.atol = (rtol or 0.0), (atol or 0.0)
         self.cal = calibration if mode == "numeric" and not self.user else None
         self._cache: dict[tuple[int, str], float] = {}
+        # (A's, B's) analysis.magnitudes.Magnitudes when both runs recorded them: a gradient's difference is then
+        # measured against the magnitudes that produced it, not against its own (possibly cancelled) norm
+        self.mags = (
+            magnitudes
+            if mode == "numeric"
+            and not self.user
+            and magnitudes
+            and all(m.available for m in magnitudes)
+            else None
+        )
+
+    def magnitude(self, step: int, ra: dict | None, rb: dict | None) -> tuple[float, bool]:
+        """(the larger side's magnitude, 0 if none; False where no sound bound exists) for a pair of records
+        or logical values (analysis/magnitudes.py)."""
+        if self.mags is None:
+            return 0.0, True
+        out, bounded = 0.0, True
+        for mag, r in zip(self.mags, (ra, rb)):
+            if r is None:
+                continue
+            m, ok = mag.of(
+                step,
+                r.get("phase"),
+                int(r.get("index") or 0),
+                r.get("logical") or r.get("tensor"),
+                r.get("rank"),
+                int(r.get("micro_batch") or 0),
+            )
+            bounded = bounded and ok
+            if m is not None:
+                out = max(out, m)
+        return out, bounded
+
+    def row_magnitudes(self, step_of_row, batch_a, batch_b, rows) -> tuple[np.ndarray, np.ndarray]:
+        """`magnitude` for rows of two aligned batches: (magnitudes, unbounded) arrays."""
+        n = len(rows)
+        if self.mags is None:
+            return np.zeros(n), np.zeros(n, dtype=bool)
+        take = pa.array(rows, pa.int64())
+        cols = ("phase", "index", "tensor", "rank", "micro_batch")
+        sides = [
+            [batch.column(c).take(take).to_pylist() for c in cols] for batch in (batch_a, batch_b)
+        ]
+        steps = step_of_row[rows].tolist()
+        extra, unbounded = np.zeros(n), np.zeros(n, dtype=bool)
+        for j in range(n):
+            m, ok = self.magnitude(
+                steps[j],
+                *[
+                    dict(zip(cols, (side[0][j], side[1][j], side[2][j], side[3][j], side[4][j])))
+                    for side in sides
+                ],
+            )
+            extra[j], unbounded[j] = m, not ok
+        return extra, unbounded
 
     def derived(self, step: int, phase: str) -> float:
         """The bound at (step, phase): the calibrated one where the calibration measured it, else derived."""
@@ -420,12 +476,28 @@ class _Tol:
             self._cache[k] = (
                 c
                 if c is not None
-                else tolerance.bound(self.ma, self.mb, step, phase, since=self.since)
+                else tolerance.bound(
+                    self.ma,
+                    self.mb,
+                    step,
+                    phase,
+                    since=self.since,
+                    magnitudes=self.mags is not None,
+                )
             )
         return self._cache[k]
 
-    def kind(self, step: int, phase: str) -> str:
-        """Where the bound at (step, phase) comes from: bitwise | user | calibrated | derived."""
+    def kind(self, step: int, phase: str, name: str | None = None) -> str:
+        """Where the bound at (step, phase) comes from: bitwise | user | calibrated | derived | none (no
+        sound bound: a parameter under Adam, analysis/magnitudes.py)."""
+        if (
+            self.mags is not None
+            and phase == "optimizer"
+            and name is not None
+            and ":" not in name
+            and not self.mags[0].of(step, phase, 0, name, None, 0)[1]
+        ):
+            return "none"
         if self.mode == "bitwise" or self.user:
             return "bitwise" if self.mode == "bitwise" else "user"
         return (
@@ -457,8 +529,11 @@ class _Tol:
             diverged = self.mode == "bitwise" or not same or note is not None
             return None, b0, diverged, note or "non-finite values"
         na, nb = float(ra["norm"]), float(rb["norm"])
-        scale_n = max(na, nb, TINY)
-        scale_s = max(max(na, nb) * math.sqrt(numel), TINY)
+        extra, bounded = self.magnitude(step, ra, rb)
+        if not bounded:
+            b0 = math.inf
+        scale_n = max(na, nb, extra, TINY)
+        scale_s = max(max(na, nb, extra) * math.sqrt(numel), TINY)
         # the sum and each sketch projection are <x, v> with ||v|| = sqrt(numel): one scale, one bound
         terms = (abs(na - nb) / scale_n, *tolerance.projection_terms(ra, rb, scale_s))
         if self.user:
@@ -655,6 +730,9 @@ def _fold_columns(
         bitwise=tol.mode == "bitwise",
         user=(tol.rtol, tol.atol) if tol.user else None,
         base_bound=base_bound,
+        magnitudes=(lambda rows: tol.row_magnitudes(row_step, ca.batch, cb.batch, rows))
+        if tol.mags is not None
+        else None,
     )
     summary = columnar.by_step(c, starts)
     for j, rs in enumerate(out):
@@ -788,6 +866,58 @@ def _compare_logical_step(
 ) -> dict[int, _RankStep]:
     recs_a, batches_a = _step_records(a, step)
     recs_b, batches_b = _step_records(b, step)
+    out = _compare_logical_tensors(
+        step, recs_a, batches_a, recs_b, batches_b, tol, warnings, warned, phases_seen
+    )
+    if tol.mode == "numeric":
+        _compare_losses(step, _losses(recs_a, batches_a), _losses(recs_b, batches_b), tol, out)
+    return out
+
+
+def _losses(recs: dict, batches: dict | None) -> dict[tuple, list[dict]]:
+    """A side's loss records keyed by the samples of their micro-batch (the `data` record's sample ids at
+    the same rank and micro-batch), in rank order: the same samples under the same parameters give the
+    same loss in any layout, so micro-batches that hold the same samples compare across topologies."""
+    if batches is not None:
+        want = pa.array(["data", "loss"], pa.string())
+        recs = {
+            r: trajectory.to_records(b.filter(pc.is_in(b.column("phase"), value_set=want)))
+            for r, b in batches.items()
+            if b is not None
+        }
+    out: dict[tuple, list[dict]] = {}
+    for rank in sorted(recs):
+        samples, losses = {}, {}
+        for r in recs[rank]:
+            if r.get("phase") == "data" and r.get("samples"):
+                samples[r.get("micro_batch", 0)] = tuple(r["samples"])
+            elif r.get("phase") == "loss":
+                losses[r.get("micro_batch", 0)] = r
+        for mb, r in losses.items():
+            if mb in samples:
+                out.setdefault(samples[mb], []).append(r)
+    return out
+
+
+def _compare_losses(step: int, la: dict, lb: dict, tol: _Tol, out: dict) -> None:
+    """Each of B's losses against A's loss of the same samples (A's lowest rank); micro-batches whose samples
+    the other run splits differently are not compared."""
+    for key in sorted(la.keys() & lb.keys()):
+        ra = la[key][0]
+        for rb in lb[key]:
+            rank = rb.get("rank", 0)
+            rs = out.setdefault(rank, _RankStep())
+            rs.total += 1
+            if _same_bits(ra, rb):
+                continue
+            u = _unit(step, ra, rb, rank, tol)
+            key_ = (rb.get("micro_batch", 0), _phase_order("loss"), "loss", rank, 0, "loss")
+            rs.add(key_, u)
+
+
+def _compare_logical_tensors(
+    step, recs_a, batches_a, recs_b, batches_b, tol, warnings, warned, phases_seen
+) -> dict[int, _RankStep]:
     if batches_a is not None and batches_b is not None:
         out = _compare_logical_step_columns(
             step, batches_a, batches_b, tol, warnings, warned, phases_seen
@@ -1164,6 +1294,29 @@ def _load_calibration(path, side_a: _Side, side_b: _Side):
     return cal
 
 
+CALIBRATION = "calibration.json"
+
+
+def _found_calibration(side_a: _Side, side_b: _Side) -> Path | None:
+    """The reference's own measured noise, used by default: `disttrace calibrate` writes calibration.json
+    beside the runs of its manifest (runs/<id12>/), so a reference carries it; A's first, then B's. A file
+    there that calibrates another manifest is not this run's and is left alone."""
+    from disttrace.analysis.calibration import KIND
+
+    for side in (side_a, side_b):
+        p = side.path.parent / CALIBRATION
+        if not p.is_file():
+            continue
+        try:
+            doc = orjson.loads(p.read_bytes())
+        except (OSError, orjson.JSONDecodeError):
+            raise BadInput(p, "not valid JSON (a calibration beside the run)") from None
+        if isinstance(doc, dict) and doc.get("kind") == KIND:
+            if doc.get("manifest_id") == side.run.manifest_id:
+                return p
+    return None
+
+
 BLOCK_ROWS = 1 << 14  # records per side a block of steps may hold (a few MB of columns)
 
 
@@ -1260,7 +1413,7 @@ def _worst_by_phase(by_phase: dict[str, PhaseWorst], step: int, per_rank: dict, 
 
 
 def _tolerance_doc(
-    mode: str, tol: _Tol, cal, since: int, ma: dict, mb: dict, rtol, atol
+    mode: str, tol: _Tol, cal, since: int, ma: dict, mb: dict, rtol, atol, found: bool = False
 ) -> Tolerance:
     """What the comparison was held to, for the result (and the views that print the bound)."""
     if mode == "bitwise":
@@ -1276,8 +1429,15 @@ def _tolerance_doc(
             elsewhere="derived",
             since_step=since,
             derivation=tolerance.explain(ma, mb),
+            scale="magnitudes" if tol.mags is not None else "norm",
+            found=found,
         )
-    return Tolerance(BoundKind.DERIVED, since_step=since, derivation=tolerance.explain(ma, mb))
+    return Tolerance(
+        BoundKind.DERIVED,
+        since_step=since,
+        derivation=tolerance.explain(ma, mb),
+        scale="magnitudes" if tol.mags is not None else "norm",
+    )
 
 
 def diff_runs(
@@ -1292,6 +1452,7 @@ def diff_runs(
     propagate: bool = True,
     on_step=None,
     calibration: str | Path | None = None,
+    find_calibration: bool = True,
 ) -> DiffResult:
     """Compare run `b` against run `a`; `.to_json()` of the result is the `diff --json` document.
 
@@ -1301,7 +1462,9 @@ def diff_runs(
     propagate=False stops at the first divergent step (propagation then holds that step only).
     on_step(done, total), if given, is called before each compared step (a progress display).
     calibration: a `disttrace calibrate` file of A's or B's manifest; its measured bounds replace the derived
-    ones where it has them (each bound in the result says `bound_kind`: derived or calibrated).
+    ones where it has them (each bound in the result says `bound_kind`: derived, calibrated or none). Without
+    it, a calibration of A's (else B's) manifest beside the run (`calibrate` writes runs/<id12>/
+    calibration.json) is used, unless find_calibration=False.
     Raises BadInput (exit 2) for unreadable or incompatible runs.
     """
     warnings: list[str] = []
@@ -1316,8 +1479,25 @@ def diff_runs(
 
     steps, compared = _compared_steps(side_a, side_b)
     since = max(_agreed_since(side_b, side_a), _agreed_since(side_a, side_b))
+    found = False
+    if (
+        calibration is None
+        and find_calibration
+        and mode == "numeric"
+        and rtol is None
+        and atol is None
+    ):
+        calibration = _found_calibration(side_a, side_b)
+        found = calibration is not None
     cal = _load_calibration(calibration, side_a, side_b) if calibration is not None else None
-    tol = _Tol(mode, ma, mb, rtol, atol, since, cal)
+    from disttrace.analysis.magnitudes import Magnitudes
+
+    mags = (
+        (Magnitudes(side_a.run, since), Magnitudes(side_b.run, since))
+        if mode == "numeric" and rtol is None and atol is None
+        else None
+    )
+    tol = _Tol(mode, ma, mb, rtol, atol, since, cal, mags)
     ranks = sorted(set(side_a.ranks) | set(side_b.ranks))
     logical = mode == "numeric" and not same_topology
 
@@ -1361,7 +1541,9 @@ def diff_runs(
         if first_step is None and diverged_here:
             first_step = step
             key, unit = min((rs.first for rs in diverged_here), key=lambda fu: fu[0])
-            first_div = Divergence.of_unit(unit, BoundKind(tol.kind(step, unit["phase"])))
+            first_div = Divergence.of_unit(
+                unit, BoundKind(tol.kind(step, unit["phase"], unit["tensor"]))
+            )
         entry = StepEntry(
             step=step,
             equal=not diverged_here,
@@ -1392,7 +1574,7 @@ def diff_runs(
         first_divergence=first_div,
         propagation=propagation,
         recovered_steps=recovered,
-        tolerance=_tolerance_doc(mode, tol, cal, since, ma, mb, rtol, atol),
+        tolerance=_tolerance_doc(mode, tol, cal, since, ma, mb, rtol, atol, found),
         stats=DiffStats(
             tensors_compared=n_units,
             bit_equal=n_exact,

@@ -20,6 +20,7 @@ class BoundKind(enum.StrEnum):
     USER = "user"  # explicit rtol / atol given by the caller
     CALIBRATED = "calibrated"  # measured run-to-run noise (`disttrace calibrate`)
     DERIVED = "derived"  # from the unit roundoff, reduction size and steps since agreement
+    NONE = "none"  # no sound bound exists (a parameter under Adam): the error is reported, never judged
 
     @property
     def label(self) -> str:
@@ -179,6 +180,10 @@ class Tolerance(JsonDoc):
     elsewhere: str | None = None  # calibrated: what holds where it measured nothing ("derived")
     since_step: int | None = None  # derived, calibrated: the step the runs last agreed at
     derivation: dict[str, Any] = field(default_factory=dict)
+    # derived, calibrated: what a relative error is relative to: "magnitudes" (the ||X|| ||dY|| behind each
+    # gradient, when both runs recorded them) or "norm" (each record's own norm)
+    scale: str | None = None
+    found: bool | None = None  # calibrated: the calibration was found beside the run (not named)
 
     @property
     def per_step(self) -> float | None:
@@ -198,7 +203,11 @@ class Tolerance(JsonDoc):
                 manifest_id=self.manifest_id,
                 elsewhere=self.elsewhere,
             )
+            if self.found is not None:
+                d["found"] = self.found
         d["since_step"] = self.since_step
+        if self.scale is not None:
+            d["scale"] = self.scale
         d.update(self.derivation)
         return d
 

@@ -158,17 +158,19 @@ def gradient_equivalence(run: Run, ref: Run | None) -> dict:
         BadInput
     ) as e:  # e.g. no step in common (a job that died in its first step): not equivalent
         return check("gradient_equivalence", False, f"not comparable: {e}")
+    # the reference's own measured noise, when it carries one (diff finds it beside the run)
+    how = " (calibrated)" if d.tolerance.kind == "calibrated" else ""
     f = d.first_divergence
     if f is None:
         cs = d.compared_steps
         return check(
-            "gradient_equivalence", True, f"{d.mode} equal over steps {cs.first}..{cs.last}"
+            "gradient_equivalence", True, f"{d.mode} equal over steps {cs.first}..{cs.last}{how}"
         )
     return check(
         "gradient_equivalence",
         False,
         f"first divergence at step {f.step} micro-batch "
-        f"{f.micro_batch} {f.phase} rank {f.rank} tensor {f.tensor}",
+        f"{f.micro_batch} {f.phase} rank {f.rank} tensor {f.tensor}{how}",
     )
 
 

@@ -989,3 +989,77 @@ class UnsyncedParam(SkipAllreduce):
             name,
             str(index),
         )  # a name, or an index as text (as `pick`)
+
+
+@register
+class LossScale(Fault):
+    name, point, expect = "loss-scale", "loss", "loss"
+    description = "multiplies one micro-batch's loss by a factor (default 1 + 1e-4) before backward"
+    defaults = {"micro_batch": 0, "factor": 1.0001}
+
+    @classmethod
+    def _check(cls, step, params, manifest):
+        import math
+
+        _check_mb(params, manifest)
+        if params["factor"] == 1.0 or not math.isfinite(params["factor"]):
+            raise BadInput(
+                "--param factor",
+                f"factor {params['factor']} would change nothing (or nothing finite): use a finite "
+                "factor != 1",
+            )
+
+    def install(self, bus):
+        def handler(bus, p):
+            if self.here(bus) and bus.micro_batch == self.params["micro_batch"]:
+                before = float(p["loss"])
+                p["loss"] = p["loss"] * self.params["factor"]
+                self.fire(
+                    bus,
+                    proof=(repr(before), repr(float(p["loss"]))),
+                    phase="loss",
+                    before=before,
+                    after=float(p["loss"]),
+                )
+
+        bus.on("loss", handler, order=10)
+
+
+@register
+class Bf16Reduce(Fault):
+    name, point, expect = "bf16-reduce", "backward", "backward"
+    description = (
+        "rounds the rank's gradient contribution to bfloat16 before the all-reduce (what an all-reduce "
+        "in bfloat16 does to each input where float32 is configured)"
+    )
+    requires = frozenset({"backward"})
+
+    def install(self, bus):
+        import torch
+
+        accum = self.manifest.training.grad_accum_steps
+        state = {"before": [], "after": []}
+
+        def handler(bus, p):
+            if bus.step != self.step or bus.rank != self.rank or bus.micro_batch != accum - 1:
+                return
+            # every bucket of the last micro-batch (DDP hands them one at a time); logged once, at the end
+            for _, _, g in p["grads"]:
+                if g is None:
+                    continue
+                t = g.to_local() if hasattr(g, "to_local") else g
+                state["before"].append(state_digest(t))
+                t.copy_(t.to(torch.bfloat16).to(t.dtype))
+                state["after"].append(state_digest(t))
+
+        def log(bus, p):
+            if bus.step == self.step and bus.rank == self.rank and not self.fired:
+                self.fire(
+                    bus,
+                    proof=(",".join(state["before"]), ",".join(state["after"])),
+                    phase="backward",
+                    tensors=len(state["before"]),
+                )
+
+        bus.on("backward", handler, order=10)
+        bus.on("reduce", log, order=10)

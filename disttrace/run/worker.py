@@ -141,6 +141,12 @@ def run(run_dir: Path) -> None:
             model = build_model(manifest.model, dtype, manifest.experiment.seed)
             model.to(device)
             emit_module_outputs(model, bus)
+            if recorder is not None:  # the magnitudes the numeric bound scales gradients by
+                from disttrace.run.scales import Magnitudes
+
+                magnitudes = Magnitudes(run_dir, rank, model, every=record.every).attach(bus)
+            else:
+                magnitudes = None
             strategy = build_strategy(manifest, model, mesh, bus)
             groups = {**topo["groups"], "world": [list(range(world))]}
             ledger = attach_observers(
@@ -174,7 +180,7 @@ def run(run_dir: Path) -> None:
                 ctx.start_step = resume(ctx, info["resume"])
             train(ctx)
             strategy.close()
-            for observer in (recorder, ledger, clock):
+            for observer in (recorder, magnitudes, ledger, clock):
                 if observer is not None:
                     observer.close()
         tracer.close()

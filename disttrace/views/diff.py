@@ -63,9 +63,18 @@ def render_rich(result: DiffResult, console) -> None:
         if tol.kind == "bitwise"
         else f"rtol {tol.rtol:g} atol {tol.atol:g}"
         if tol.kind == "user"
-        else f"calibrated bounds from {tol.file} (derived {tol.per_step:.2e} per step elsewhere)"
+        else f"calibrated bounds from {tol.file}"
+        + (" (found beside the run)" if tol.found else "")
+        + f" (derived {tol.per_step:.2e} per step elsewhere)"
         if tol.kind == "calibrated"
         else f"derived bound {tol.per_step:.2e} per step × steps since agreement"
+        + (
+            ", relative to the magnitudes behind each gradient"
+            if tol.scale == "magnitudes"
+            else ", relative to each record's norm (no magnitudes recorded)"
+            if tol.scale == "norm"
+            else ""
+        )
     )
     console.print(
         Text(

@@ -1,0 +1,156 @@
+"""The magnitudes that bound a record's difference (analysis/tolerance.py, "Magnitudes"), read from the
+``trajectory/rank-N.scales.jsonl`` files run/scales.py writes: per step, phase (backward, reduce),
+micro-batch and parameter index, the accumulated ``||X|| ||dY||`` of that rank.
+
+* ``backward`` (a rank's accumulated local gradient): that rank's own figure.
+* ``reduce`` and ``clip`` (the data-parallel gradient, then the same times a clip coefficient <= 1): the sum
+  over every rank's figure at the reduce divided by dp, the data-parallel mean the loop takes. Exact for
+  DDP and ZeRO (each rank contributed its local gradient); over tensor-parallel ranks it adds the local
+  output gradients' magnitudes (whose sum bounds the reduced one's), an over-estimate by at most sqrt(tp).
+* the clip phase's global gradient norm: ``|d||G||| <= ||dG|| <= eps sqrt(sum_i M_i^2)``, the root of the
+  squared magnitudes of every parameter's reduced gradient. (The clip coefficient and the learning rate
+  keep the norm-relative bound: a coefficient below 1 is ``max_norm / ||G||``, whose relative error is the
+  norm's; the learning rate is an input.)
+* optimizer state: Adam's moments are running averages of the gradient; a difference of the gradients
+  ``|dg| <= eps M_g`` reaches the first moment as ``sum_s beta1^(t-s) (1-beta1) eps_s M_g(s)`` and the second
+  (``|d g^2| <= 2 |g| |dg|``) as ``2 sum_s beta2^(t-s) (1-beta2) eps_s M_g(s)^2``; the recursion starts at
+  the step the two runs last agreed (their moments were equal there). With eps nondecreasing in s both are
+  at most ``eps_t`` times ``M_m(t)``, resp. ``2 eps_t M_v(t)`` (tolerance.tensor_factor gives the 2).
+* parameters: an Adam update ``m / sqrt(v)`` is a ratio of two quantities that may both cancel; its
+  difference has no bound in terms of what the store holds (it reaches the learning rate itself when
+  ``m`` cancels). No magnitude: diff says ``bound_kind: none`` for parameters under Adam and relies on
+  replicas being bit-identical (which they must be in one run) and on the next step's gradients, which
+  do carry a bound. Under SGD ``dp = -lr g``: ``M_p(t) = M_p(t-1) + lr M_g(t)``.
+
+No torch: a reader of the run store.
+"""
+
+from __future__ import annotations
+
+import math
+
+import orjson
+
+from disttrace.errors import BadInput
+from disttrace.store.rundir import Run, rank_file
+
+SUFFIX = ".scales.jsonl"
+GRADIENT_PHASES = ("backward", "reduce", "clip")
+
+
+def _read(path) -> dict[int, dict]:
+    """step -> {phase: {micro-batch: {index: magnitude}}}; a torn last line is left out."""
+    out: dict[int, dict] = {}
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    elif lines:
+        lines.pop()  # torn last line: written when the process died
+    for n, line in enumerate(lines, 1):
+        try:
+            doc = orjson.loads(line)
+            step, m = int(doc["step"]), doc["m"]
+            parsed = {
+                str(ph): {
+                    int(mb): {int(i): float(v) for i, v in idx.items()} for mb, idx in mbs.items()
+                }
+                for ph, mbs in m.items()
+            }
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
+            raise BadInput(path, f"line {n} is not a magnitudes line", field="m") from None
+        if any(
+            not math.isfinite(v) or v < 0
+            for mbs in parsed.values()
+            for idx in mbs.values()
+            for v in idx.values()
+        ):
+            raise BadInput(path, f"line {n}: a magnitude is not a finite number >= 0", field="m")
+        out[step] = parsed
+    return out
+
+
+class Magnitudes:
+    """One run's magnitudes, as diff asks for them. ``available`` is False for a store without them (written
+    before they existed, or by an attached script): diff then keeps the norm-relative bound."""
+
+    def __init__(self, run: Run, since: int = 0):
+        self.by_rank: dict[int, dict[int, dict]] = {}
+        for r in run.ranks():
+            p = run.path / rank_file("trajectory", r, SUFFIX)
+            if p.is_file():
+                self.by_rank[r] = _read(p)
+        self.available = bool(self.by_rank) and set(self.by_rank) == set(run.ranks())
+        m = run.manifest
+        par, t = m.get("parallelism", {}) or {}, m.get("training", {}) or {}
+        self.dp = max(int(par.get("dp", 1) or 1), 1)
+        self.optimizer = str(t.get("optimizer", "adamw"))
+        self.beta1, self.beta2 = float(t.get("beta1", 0.9)), float(t.get("beta2", 0.95))
+        self.lr = float(t.get("lr", 0.0) or 0.0)
+        self.since = since
+        self._reduce: dict[int, dict[int, float]] = {}
+        self._state: dict[int, dict[str, dict[int, float]]] = {}
+
+    def local(self, rank: int, step: int, phase: str, mb: int, index: int) -> float | None:
+        return self.by_rank.get(rank, {}).get(step, {}).get(phase, {}).get(mb, {}).get(index)
+
+    def reduced(self, step: int) -> dict[int, float]:
+        """index -> the data-parallel gradient's magnitude at `step` (sum over ranks / dp)."""
+        got = self._reduce.get(step)
+        if got is None:
+            got = {}
+            for steps in self.by_rank.values():
+                for mbs in (steps.get(step, {}).get("reduce") or {}).values():
+                    for i, v in mbs.items():
+                        got[i] = got.get(i, 0.0) + v
+            got = {i: v / self.dp for i, v in got.items()}
+            self._reduce[step] = got
+        return got
+
+    def _moments(self, step: int) -> dict[str, dict[int, float]]:
+        """Per parameter index: M_m (exp_avg), M_v (exp_avg_sq), M_p (SGD's parameter) at `step`, from the
+        recursion started at `since` (the moments were equal there); an index leaves the recursion at a step
+        without its magnitude (record.every > 1, a rank's file missing a step)."""
+        if step in self._state:
+            return self._state[step]
+        start = max((s for s in self._state if s < step), default=self.since)
+        cur = self._state.get(start) or {"exp_avg": {}, "exp_avg_sq": {}, "param": {}}
+        for s in range(start + 1, step + 1):
+            g = self.reduced(s)
+            first = s == self.since + 1
+            nxt: dict[str, dict[int, float]] = {"exp_avg": {}, "exp_avg_sq": {}, "param": {}}
+            for i, mg in g.items():
+                pm = 0.0 if first else cur["exp_avg"].get(i)
+                pv = 0.0 if first else cur["exp_avg_sq"].get(i)
+                pp = 0.0 if first else cur["param"].get(i)
+                if pm is not None:
+                    nxt["exp_avg"][i] = self.beta1 * pm + (1 - self.beta1) * mg
+                if pv is not None:
+                    nxt["exp_avg_sq"][i] = self.beta2 * pv + (1 - self.beta2) * mg * mg
+                if pp is not None:
+                    nxt["param"][i] = pp + self.lr * mg
+            self._state[s] = cur = nxt
+        return cur
+
+    def of(self, step: int, phase: str, index: int, name: str | None, rank: int | None, mb: int):
+        """(magnitude or None, bounded): the magnitude a record's difference is measured against; bounded False
+        where no sound magnitude exists (parameters under Adam)."""
+        if phase == "backward":
+            return (self.local(rank, step, phase, mb, index) if rank is not None else None), True
+        if phase in ("reduce", "clip"):
+            red = self.reduced(step)
+            if phase == "clip" and index not in red and name == "grad_norm":
+                # |d ||G||| <= ||dG|| <= eps sqrt(sum_i M_i^2): the global norm on the scale of its parts
+                return (math.sqrt(math.fsum(v * v for v in red.values())) if red else None), True
+            return red.get(index), True
+        if phase != "optimizer":
+            return None, True
+        name = name or ""
+        key = name.rsplit(":", 1)[1] if ":" in name else None
+        if key is None:  # a parameter
+            if self.optimizer == "sgd":
+                return self._moments(step)["param"].get(index), True
+            return None, False
+        if key in ("exp_avg", "exp_avg_sq"):
+            return self._moments(step)[key].get(index // 4), True
+        return None, True

@@ -1,0 +1,145 @@
+"""The magnitudes behind each gradient record: what a rounding or propagated error of a gradient is
+bounded by when the gradient itself cancels (analysis/tolerance.py, "Magnitudes").
+
+A parameter's gradient is a sum over tokens of products of what its module saw: a linear layer's
+``dW = dY^T X``, an RMSNorm's ``dw_j = sum_t dy_tj * xhat_tj``, an embedding's ``dE = onehot^T dY``. Each is
+a bilinear form in the module's input ``X`` and output gradient ``dY``; elementwise ``|dW| <= |dY|^T |X|``,
+and ``|| |dY|^T |X| ||_F <= ||X||_F ||dY||_F`` (Cauchy-Schwarz per element, then the Frobenius norm of a
+rank-one bound). A relative error ``eps`` in X and dY thus moves dW by at most ``~2 eps ||X|| ||dY||``
+however much the sum over tokens cancels. This observer records ``m = ||X||_F ||dY||_F`` per parameter and
+micro-batch (an embedding's ``||X||`` is the square root of its token count: one-hot rows; an RMSNorm's
+weight multiplies ``x / rms(x)``, whose Frobenius norm is at most the square root of its size), accumulated
+over the step's micro-batches the way the gradient accumulates, and writes at each `backward` and `reduce`
+record the value it had then: one line per step in ``trajectory/rank-N.scales.jsonl`` (sealed with the
+rank's other files). Diff sums a reduced gradient's magnitudes over the ranks that contributed to it.
+
+Cost: one sum of squares over each module's input (shared inputs counted once) and output gradient per
+micro-batch, on the tensors' device, in float32; no collective. A DTensor contributes its local part (the
+local shard's gradient is bounded by the local magnitudes). On an accelerator the step's figures reach
+the host in one copy at the step's end.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import orjson
+
+from disttrace.store.rundir import rank_file
+
+SUFFIX = ".scales.jsonl"
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _sq(t):
+    import torch
+
+    t = _local(t)
+    return torch.linalg.vector_norm(t.detach(), dtype=torch.float32) ** 2
+
+
+def _no_dispatch_modes():
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
+class Magnitudes:
+    """Observer: per parameter index, the step's accumulated ``||X|| ||dY||`` (see the module docstring)."""
+
+    ORDER = 91  # after the recorder (90): reads nothing it writes, but runs after faults like it
+
+    def __init__(self, run_dir: Path, rank: int, model, every: int = 1):
+        self.rank, self.every = rank, every
+        self.path = Path(run_dir) / rank_file("trajectory", rank, SUFFIX)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "ab")
+        self._acc: dict[int, object] = {}  # index -> 0-d tensor (device)
+        self._snap: list[tuple[str, int, dict]] = []  # (phase, micro-batch, {index: tensor})
+        self._last_in: tuple | None = None
+        self._handles = []
+        self._on = True
+        index = {id(p): i for i, (_, p) in enumerate(model.named_parameters())}
+        for module in model.modules():
+            own = [index[id(p)] for p in module.parameters(recurse=False) if id(p) in index]
+            if own:
+                self._handles.append(module.register_forward_hook(self._forward(own, module)))
+
+    def _forward(self, indices: list[int], module):
+        import torch
+
+        embedding = isinstance(module, torch.nn.Embedding)
+        # an RMSNorm's weight multiplies x / rms(x), whose rows have RMS <= 1: ||x_hat|| <= sqrt(numel)
+        normalised = not isinstance(module, torch.nn.Linear) and hasattr(module, "eps")
+
+        def hook(_mod, inputs, out):
+            if (
+                not self._on
+                or not torch.is_grad_enabled()
+                or not getattr(out, "requires_grad", False)
+            ):
+                return
+            with _no_dispatch_modes():
+                x = inputs[0] if inputs else None
+                if embedding or normalised or x is None or not torch.is_floating_point(_local(x)):
+                    sx = torch.tensor(float(_local(x).numel()) if x is not None else 0.0)
+                elif self._last_in is not None and self._last_in[0] is x:
+                    sx = self._last_in[1]  # q, k, v projections read one input: counted once
+                else:
+                    sx = _sq(x)
+                    self._last_in = (x, sx)
+
+            def on_grad(g, sx=sx):
+                with _no_dispatch_modes():
+                    m = (sx.to(_local(g).device) * _sq(g)).sqrt()
+                    for i in indices:
+                        prev = self._acc.get(i)
+                        self._acc[i] = m if prev is None else prev + m
+
+            out.register_hook(on_grad)
+
+        return hook
+
+    def attach(self, bus) -> Magnitudes:
+        bus.on("step_start", self._step_start, self.ORDER)
+        bus.on("backward", self._phase("backward"), self.ORDER)
+        bus.on("reduce", self._phase("reduce"), self.ORDER)
+        bus.on("step_end", self._step_end, self.ORDER)
+        return self
+
+    def _step_start(self, bus, p):
+        self._on = bus.step % self.every == 0
+        self._acc, self._snap, self._last_in = {}, [], None
+
+    def _phase(self, phase: str):
+        def handler(bus, p):
+            if not self._on:
+                return
+            snap = {int(i): self._acc[int(i)] for i, _, _ in p["grads"] if int(i) in self._acc}
+            self._snap.append((phase, int(bus.micro_batch), snap))
+
+        return handler
+
+    def _step_end(self, bus, p):
+        if not self._on:
+            return
+        import torch
+
+        flat = [(ph, mb, i, t) for ph, mb, snap in self._snap for i, t in snap.items()]
+        values = torch.stack([t.detach() for *_, t in flat]).cpu().tolist() if flat else []
+        out: dict[str, dict[str, dict[str, float]]] = {}
+        for (ph, mb, i, _), v in zip(flat, values):
+            if math.isfinite(v):
+                out.setdefault(ph, {}).setdefault(str(mb), {})[str(i)] = v
+        self._f.write(orjson.dumps({"step": int(bus.step), "m": out}) + b"\n")
+        self._f.flush()
+        self._acc, self._snap, self._last_in = {}, [], None
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._f.close()

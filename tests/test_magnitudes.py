@@ -1,0 +1,212 @@
+"""The magnitudes the numeric bound scales gradients by (run/scales.py, analysis/magnitudes.py): recorded
+figures against a formula, and diff on pairs whose true answer is known.
+
+* The recorder's ``||X|| ||dY||`` bounds every gradient it is recorded for (Cauchy-Schwarz), on a real model.
+* A gradient that cancels (a sum over tokens of nearly equal inputs times output gradients summing to ~0):
+  its float32 rounding against a float64 oracle is far above eps * its norm, and below eps * the magnitude.
+* Synthetic stores of two layouts computing the same mean of the same per-micro-batch gradients in another
+  order (float32, numpy): equal with magnitudes, a false divergence without them (the norm-relative bound),
+  and a planted contribution scaled by (1 + 1e-3) found at its coordinates.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import numpy as np
+import orjson
+import pytest
+import xxhash
+from test_diff_synthetic import manifest, write_run
+
+from disttrace.analysis import tolerance
+from disttrace.analysis.diff import diff_runs
+
+torch = pytest.importorskip("torch")
+
+
+def _cancelling(rng, tokens=64, d_in=8, d_out=16, spread=1e-3):
+    """(X, dY) whose product dY^T X nearly cancels: X's rows share one component, dY's rows sum to 0."""
+    x = np.ones((tokens, d_in)) + spread * rng.standard_normal((tokens, d_in))
+    dy = rng.standard_normal((tokens, d_out))
+    dy -= dy.mean(axis=0)
+    return x.astype(np.float32), dy.astype(np.float32)
+
+
+def test_magnitude_bounds_every_gradient_of_a_real_model(tmp_path):
+    from disttrace.config.manifest import freeze
+    from disttrace.model.llama import build_model, lm_loss
+    from disttrace.run.hooks import HookBus, grads_of, param_refs
+    from disttrace.run.scales import Magnitudes
+
+    m = freeze(None, ["model.dim=32", "model.n_layers=2", "model.max_seq_len=16"]).model()
+    model = build_model(m.model, torch.float32, 0)
+    bus = HookBus(0)
+    mags = Magnitudes(tmp_path, 0, model).attach(bus)
+    named = param_refs(model)
+    bus.step, bus.micro_batch = 1, 0
+    bus.emit("step_start")
+    g = torch.Generator().manual_seed(0)
+    for mb in range(2):
+        bus.micro_batch = mb
+        tokens = torch.randint(0, m.model.vocab_size, (2, 16), generator=g)
+        (lm_loss(model(tokens[:, :-1]), tokens[:, 1:]) / 2).backward()
+        bus.emit("backward" if mb == 0 else "reduce", grads=grads_of(named))
+    bus.emit("step_end")
+    mags.close()
+    line = orjson.loads((tmp_path / "trajectory/rank-00000.scales.jsonl").read_bytes())
+    assert line["step"] == 1
+    reduce = line["m"]["reduce"]["1"]
+    assert set(map(int, reduce)) == {i for i, _, _ in named}  # every parameter has its magnitude
+    for i, name, p in named:
+        norm = float(p.grad.double().norm())
+        assert norm <= reduce[str(i)] * (1 + 1e-5), name  # ||dW|| <= ||X|| ||dY||
+        # accumulated like the gradient: after two micro-batches at least the first one's figure
+        assert reduce[str(i)] >= line["m"]["backward"]["0"][str(i)]
+
+
+def test_cancelling_gradient_rounds_on_the_scale_of_its_magnitudes():
+    rng = np.random.default_rng(1)
+    x, dy = _cancelling(rng, tokens=512)
+    exact = dy.astype(np.float64).T @ x.astype(np.float64)  # the float64 oracle
+    # float32, summed over tokens in blocks (as another GEMM shape would)
+    got = sum(dy[i : i + 64].T @ x[i : i + 64] for i in range(0, 512, 64)).astype(np.float64)
+    err = np.linalg.norm(got - exact)
+    mag = np.linalg.norm(x.astype(np.float64)) * np.linalg.norm(dy.astype(np.float64))
+    u = tolerance.UNIT_ROUNDOFF["float32"]
+    assert np.linalg.norm(exact) < 1e-2 * mag  # it cancels
+    assert err > 20 * u * math.sqrt(512) * np.linalg.norm(exact)  # the norm-relative bound fails
+    assert err < 2 * u * math.sqrt(512) * mag  # the magnitude bound holds
+
+
+# ---------------------------------------------------------------- synthetic stores, known answer
+
+NAMES = ["layers.0.attention.wk.weight", "layers.0.feed_forward.w1.weight"]
+
+
+def _micro_batches(step: int, n: int):
+    """Per micro-batch and tensor: (X, dY); tensor 0 cancels, tensor 1 does not."""
+    rng = np.random.default_rng(step)
+    out = []
+    for _ in range(n):
+        c = _cancelling(rng)
+        x = rng.standard_normal((64, 8)).astype(np.float32)
+        dy = rng.standard_normal((64, 16)).astype(np.float32)
+        out.append([c, (x, dy)])
+    return out
+
+
+def _record(step, rank, index, arr, mb) -> dict:
+    a64 = arr.astype(np.float64)
+    return {
+        "step": step,
+        "micro_batch": mb,
+        "phase": "reduce",
+        "rank": rank,
+        "index": index,
+        "tensor": NAMES[index],
+        "dtype": "float32",
+        "shape": list(arr.shape),
+        "numel": int(arr.size),
+        "digest": xxhash.xxh3_128_hexdigest(np.ascontiguousarray(arr).tobytes()),
+        "sum": float(a64.sum()),
+        "norm": float(np.linalg.norm(a64)),
+        "nonfinite": 0,
+    }
+
+
+def _layout(tmp_path, name, dp, accum, steps=3, plant=None, blocks=1):
+    """A run of `dp` ranks x `accum` micro-batches over the same 4 micro-batches a step: each rank accumulates
+    its micro-batches' gradients (loss / accum) in float32, each summed over the tokens in `blocks` blocks
+    (another GEMM shape), the reduce averages the ranks (pairwise); the magnitudes file holds each rank's
+    accumulated ||X|| ||dY|| (with the same 1/accum)."""
+    m = manifest(**{"parallelism.dp": dp, "training.grad_accum_steps": accum})
+    records = {r: [] for r in range(dp)}
+    scales = {r: [] for r in range(dp)}
+    for step in range(1, steps + 1):
+        mbs = _micro_batches(step, 4)
+        reduced, local_m = [], {r: {} for r in range(dp)}
+        for t in range(len(NAMES)):
+            local = []
+            for r in range(dp):
+                acc = np.zeros((16, 8), np.float32)
+                mag = 0.0
+                for j in range(accum):
+                    x, dy = mbs[r * accum + j][t]
+                    n = len(x) // blocks
+                    g = sum(dy[i : i + n].T @ x[i : i + n] for i in range(0, len(x), n))
+                    g = g / np.float32(accum)
+                    if plant == (step, r * accum + j, t):
+                        g = g * np.float32(1 + 1e-3)
+                    acc = acc + g
+                    mag += float(np.linalg.norm(x) * np.linalg.norm(dy)) / accum
+                local.append(acc)
+                local_m[r][str(t)] = mag
+            red = local[0]
+            for other in local[1:]:
+                red = red + other
+            reduced.append(red / np.float32(dp))
+        for r in range(dp):
+            records[r] += [_record(step, r, t, reduced[t], accum - 1) for t in range(len(NAMES))]
+            scales[r].append({"step": step, "m": {"reduce": {str(accum - 1): local_m[r]}}})
+    path = write_run(tmp_path / name, m, records)
+    for r, lines in scales.items():
+        (path / f"trajectory/rank-{r:05d}.scales.jsonl").write_bytes(
+            b"".join(orjson.dumps(x) + b"\n" for x in lines)
+        )
+    return path
+
+
+def test_same_mean_in_another_order_is_equal_only_on_the_magnitudes_scale(tmp_path):
+    a = _layout(tmp_path, "a", dp=2, accum=2)
+    b = _layout(tmp_path, "b", dp=1, accum=4, blocks=2)
+    d = diff_runs(a, b).to_dict()
+    assert d["mode"] == "numeric" and d["tolerance"]["scale"] == "magnitudes"
+    assert d["equal"], d["first_divergence"]
+    assert d["stats"]["tensors_compared"] > d["stats"]["bit_equal"]  # it did round differently
+    # the same stores without magnitudes: the norm-relative bound calls the cancelling tensor divergent
+    for p in b.glob("trajectory/*.scales.jsonl"):
+        p.unlink()
+    d = diff_runs(a, b).to_dict()
+    assert d["tolerance"]["scale"] == "norm" and not d["equal"]
+    f = d["first_divergence"]
+    assert (f["step"], f["phase"], f["tensor"]) == (1, "reduce", NAMES[0])
+
+
+def test_planted_contribution_diverges_at_its_coordinates(tmp_path):
+    a = _layout(tmp_path, "a", dp=2, accum=2)
+    b = _layout(
+        tmp_path, "b", dp=1, accum=4, plant=(2, 1, 1), blocks=2
+    )  # step 2, micro-batch 1, tensor 1
+    d = diff_runs(a, b).to_dict()
+    f = d["first_divergence"]
+    assert not d["equal"] and (f["step"], f["phase"], f["tensor"]) == (2, "reduce", NAMES[1])
+    assert f["rel_err"] > f["bound"]
+    shutil.rmtree(b)
+    # the same planted change on the cancelling tensor is 1e-3 of a gradient 1e-3 of its magnitudes: inside
+    # the rounding any layout may do, and no sound bound on these statistics can tell it from noise
+    b = _layout(tmp_path, "b", dp=1, accum=4, plant=(2, 1, 0), blocks=2)
+    assert diff_runs(a, b).to_dict()["equal"]
+
+
+def test_a_calibration_beside_the_reference_is_used_by_default(tmp_path):
+    a = _layout(tmp_path, "a", dp=2, accum=2)
+    b = _layout(tmp_path, "b", dp=1, accum=4, blocks=2)
+    mid = orjson.loads((a / "manifest.lock.json").read_bytes())["manifest_id"]
+    cal = {
+        "kind": "disttrace-calibration",
+        "version": 1,
+        "manifest_id": "0" * 64,  # another manifest's: not this reference's, left alone
+        "safety": 10.0,
+        "bounds": {"2": {"reduce": 1e-15}},
+    }
+    (tmp_path / "calibration.json").write_bytes(orjson.dumps(cal))
+    assert diff_runs(a, b).to_dict()["tolerance"]["kind"] == "derived"
+    # the reference's own (a measured noise far below what another layout rounds: the verdict shows it is used)
+    (tmp_path / "calibration.json").write_bytes(orjson.dumps({**cal, "manifest_id": mid}))
+    d = diff_runs(a, b).to_dict()
+    assert d["tolerance"]["kind"] == "calibrated" and d["tolerance"]["found"] is True
+    f = d["first_divergence"]
+    assert (f["step"], f["phase"], f["bound_kind"]) == (2, "reduce", "calibrated")
+    assert diff_runs(a, b, find_calibration=False).to_dict()["equal"]
