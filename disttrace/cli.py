@@ -178,7 +178,8 @@ def _run_job_and_report(
     """Run `job()` (our launcher, or a user's command) for `run_dir`, then report it the one way every
     run-writing command does: a summary on stderr and the run directory as the last stdout line, or one
     JSON document; a failed job still reports what it wrote (exit 3)."""
-    from disttrace.views.show import render_summary, summary
+    from disttrace.analysis.facts import summary
+    from disttrace.views.show import render_summary
 
     err.print(Text(f"{what} ...", style="dim"))
     try:
@@ -189,15 +190,15 @@ def _run_job_and_report(
                 {
                     "run_dir": str(run_dir),
                     "complete": False,
-                    **(summary(run_dir) if summarize_failure else {}),
+                    **(summary(run_dir).to_dict() if summarize_failure else {}),
                 }
             )
             raise typer.Exit(EXIT_JOB_FAILED) from None
         raise
     if json_:
-        emit_json({"run_dir": str(run_dir), **summary(run_dir)})
+        emit_json({"run_dir": str(run_dir), **summary(run_dir).to_dict()})
     else:
-        render_summary(run_dir, err, brief=True)
+        render_summary(summary(run_dir), err)
         print(run_dir)
     return run_dir
 
@@ -456,30 +457,23 @@ def show(
     """Show a run: manifest, topology, loss per step, record counts, completeness, or one evidence view.
     `checkpoints` verifies each one (every file's sha256, every pickle scanned unrun) and exits 1 when a
     published checkpoint does not verify. `records --jsonl` exports the trajectory."""
-    from disttrace.views import show as views
+    from disttrace.analysis import facts as run_facts
+    from disttrace.store.rundir import Run
+    from disttrace.views.show import render
 
     if jsonl:
         if view != "records":
             raise BadInput("--jsonl", "only the `records` view exports JSON lines")
-        from disttrace.store.rundir import Run
-
-        n = views.export_records(Run(run_dir), sys.stdout.buffer)
+        n = run_facts.export_records(Run(run_dir), sys.stdout.buffer)
         sys.stdout.buffer.flush()
         err.print(Text(f"{n} records", style="dim"))
         return
-    result = views.show(run_dir, view, err)
+    result = run_facts.gather(run_dir, view)
+    render(result, err, Run(run_dir).topology() if view == "summary" else None)
     if json_:
         emit_json(result)
     if view == "checkpoints":
-        raise typer.Exit(
-            verdict_exit(
-                all(
-                    c["verified"]
-                    for c in result.get("checkpoints", [])
-                    if c.get("step") is not None
-                )
-            )
-        )
+        raise typer.Exit(verdict_exit(result.all_verified))
 
 
 @app.command()
@@ -621,14 +615,15 @@ def gate(
     """The independent evaluation gate: checkpoint integrity, collective sync, gradient equivalence, the eval
     metric scored by a fresh process on the held-out split, completeness. The thresholds are the reference's
     (or --policy's), never the candidate's own. Exit 0 pass, 1 fail, 2 bad input."""
-    from disttrace.gate import verdict as gate_mod
+    from disttrace.gate.verdict import gate as judge
+    from disttrace.views.gate import render
 
-    verdict = gate_mod.gate(run_dir, reference, policy_file=policy, require_all=require_all)
+    verdict = judge(run_dir, reference, policy_file=policy, require_all=require_all)
     if json_:
         emit_json(verdict)
     else:
-        gate_mod.render(verdict, err)
-    raise typer.Exit(verdict_exit(verdict["pass"]))
+        render(verdict, err)
+    raise typer.Exit(verdict_exit(verdict.passed))
 
 
 @app.command()
@@ -657,7 +652,8 @@ def lab(
     """The whole method in one command: reference (reused if verified), one fault, recover, diff, gate.
     Exit 0 when the attribution is accepted, 1 when not."""
     if list_:
-        from disttrace.lab.curriculum import list_labs, render_labs
+        from disttrace.lab.curriculum import list_labs
+        from disttrace.views.lab import render_labs
 
         labs = list_labs()
         emit_json(labs) if json_ else render_labs(labs, err)
@@ -682,9 +678,11 @@ def lab(
     if json_:
         emit_json(result)
     else:
-        lab_mod.render(result, err)
-        print(result["paths"]["fault"]["run_dir"])
-    raise typer.Exit(verdict_exit(result["accepted"]))
+        from disttrace.views.lab import render
+
+        render(result, err)
+        print(result.paths.fault.run_dir)
+    raise typer.Exit(verdict_exit(result.accepted))
 
 
 @app.command()
@@ -735,7 +733,9 @@ def plan(
     if json_:
         emit_json(result)
     else:
-        plan_mod.render_plan(result, err)
+        from disttrace.views.plan import render_plan
+
+        render_plan(result, err)
 
 
 def _plan_manifest(manifest, sets):
@@ -778,34 +778,34 @@ def check(run_dir: Path = typer.Argument(..., help="a run directory"), json_: bo
     if json_:
         emit_json(res)
     else:
-        f = res["first"]
-        if res["consistent"] is None:
+        f = res.first
+        if res.consistent is None:
             err.print(
-                Text(str(res["reason"]), style="yellow")
+                Text(str(res.reason), style="yellow")
             )  # Text: run-store strings are never markup
         elif f is None:
             err.print(
                 Text("consistent", style="green")
-                + Text(f": {res['steps_checked']} steps, every replica group agrees")
+                + Text(f": {res.steps_checked} steps, every replica group agrees")
             )
         else:
             err.print(
                 Text("inconsistent", style="red")
                 + Text(
-                    f" at step {f['step']} micro-batch {f['micro_batch']} {f['phase']} tensor {f['tensor']}: "
-                    f"{f['message']}; minority rank(s) {f['minority']} vs majority {f['majority']} in group {f['group']}"
+                    f" at step {f.step} micro-batch {f.micro_batch} {f.phase} tensor {f.tensor}: "
+                    f"{f.message}; minority rank(s) {f.minority} vs majority {f.majority} in group {f.group}"
                 ),
                 soft_wrap=True,
             )
-            for s in res["spread"][:20]:
+            for s in res.spread[:20]:
                 err.print(
                     Text(
-                        f"  step {s['step']}: {s['inconsistent']} inconsistent, minority {s['minority_ranks']}"
+                        f"  step {s.step}: {s.inconsistent} inconsistent, minority {s.minority_ranks}"
                     )
                 )
-    if res["consistent"] is None:
+    if res.consistent is None:
         raise typer.Exit(EXIT_BAD_INPUT)
-    raise typer.Exit(verdict_exit(res["consistent"]))
+    raise typer.Exit(verdict_exit(res.consistent))
 
 
 @app.command()
@@ -841,7 +841,7 @@ def report(
 ):
     """One self-contained HTML page (no network needed): manifest, topology, loss curves of every path,
     divergence grid, memory ledger against theory, collectives, checkpoints, gate verdict."""
-    from disttrace.views.report import build_report
+    from disttrace.report import build_report
 
     print(build_report(runs, output))
 

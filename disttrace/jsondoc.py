@@ -22,8 +22,9 @@ def omit_none(default: Any = None) -> Any:
 
 
 def plain(value: Any) -> Any:
-    """The JSON-ready form of a result: dataclasses by their `to_dict`, enums by value, int keys as str."""
-    if isinstance(value, JsonDoc):
+    """The JSON-ready form of a result: results by their `to_dict` (dataclasses, and the store's pydantic
+    lines), enums by value, int keys as str."""
+    if isinstance(value, JsonDoc) or callable(getattr(value, "to_dict", None)):
         return value.to_dict()
     if isinstance(value, enum.Enum):
         return value.value

@@ -9,9 +9,9 @@ import shutil
 import orjson
 from conftest import cli
 
+from disttrace.report import build_report
 from disttrace.store.records import FAILURE_EVENTS, Event
 from disttrace.store.rundir import event
-from disttrace.views.report import build_report
 
 # as the writers log them (run/livecheck.py, run/worker.py, run/launch.py)
 WRITTEN = {

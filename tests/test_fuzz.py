@@ -37,6 +37,7 @@ from hypothesis import strategies as st
 from rich.console import Console
 from typer.testing import CliRunner
 
+from disttrace.analysis import facts as run_facts
 from disttrace.analysis.consistency import check_run
 from disttrace.analysis.diff import diff_runs
 from disttrace.cli import app
@@ -44,13 +45,12 @@ from disttrace.config.manifest import DEFAULT_MANIFEST, freeze
 from disttrace.errors import BadInput
 from disttrace.fmt import visible
 from disttrace.gate import verdict as gate_verdict
+from disttrace.report import build_report
 from disttrace.store import trajectory
 from disttrace.store.follow import Follower
 from disttrace.store.rundir import Run
 from disttrace.store.trajectory import END_OF_STREAM, SCHEMA, SUFFIX, TrajectoryWriter
 from disttrace.store.verify import verify_run
-from disttrace.views import show as show_mod
-from disttrace.views.report import build_report
 
 SCALE = float(os.environ.get("DISTTRACE_FUZZ_SCALE", "1"))
 RANDOM = os.environ.get("DISTTRACE_FUZZ_SEED") == "random"
@@ -691,12 +691,11 @@ def legacy_runs(tmp_path_factory):
 
 
 def _run_cases(test: str, ref: Path, work: Path, case: str = "") -> None:
-    con = Console(file=io.StringIO(), width=200)
     cases = [
-        (["show", work, "--json"], raised(lambda: show_mod.show(work, "summary", con)), {0, 2}),
+        (["show", work, "--json"], raised(lambda: run_facts.gather(work, "summary")), {0, 2}),
         (
             ["show", work, "events", "--json"],
-            raised(lambda: show_mod.show(work, "events", con)),
+            raised(lambda: run_facts.gather(work, "events")),
             {0, 2},
         ),
         (["diff", ref, work, "--json"], raised(lambda: diff_runs(ref, work)), {0, 1, 2}),
@@ -1117,10 +1116,10 @@ def _check_case(test: str, args: list, result, run: Path, case: str) -> None:
             res = check_run(Run(run))
         except BadInput:
             res = None
-        if res is not None and res["consistent"] is None:
+        if res is not None and res.consistent is None:
             COUNTS[(test, "exit 2 (nothing to check)")] += 1
             try:
-                assert orjson.loads(result.stdout) == orjson.loads(orjson.dumps(res)), crash_report(
+                assert orjson.loads(result.stdout) == orjson.loads(res.to_json()), crash_report(
                     result, args
                 )
             except (AssertionError, orjson.JSONDecodeError) as e:
@@ -1133,13 +1132,12 @@ def _check_case(test: str, args: list, result, run: Path, case: str) -> None:
 
 def _run_readers(test: str, ref: Path, work: Path, case: str = "") -> None:
     """Every command that reads a trajectory, on the mutated run (and the pristine one beside it)."""
-    con = Console(file=io.StringIO(), width=200)
     out = work.parent / "report.html"
     cases = [
-        (["show", work, "--json"], raised(lambda: show_mod.show(work, "summary", con)), {0, 2}),
+        (["show", work, "--json"], raised(lambda: run_facts.gather(work, "summary")), {0, 2}),
         (
             ["show", work, "records", "--jsonl"],
-            raised(lambda: show_mod.export_records(Run(work), io.BytesIO())),
+            raised(lambda: run_facts.export_records(Run(work), io.BytesIO())),
             {0, 2},
         ),
         (["diff", ref, work, "--json"], raised(lambda: diff_runs(ref, work)), {0, 1, 2}),
@@ -1484,7 +1482,9 @@ def test_fuzz_deepspeed_config(manifest_dir, data, world):
 import html  # noqa: E402
 
 from disttrace import cli as cli_mod  # noqa: E402
-from disttrace.lab import method as lab_mod  # noqa: E402
+from disttrace.analysis import lab as lab_types  # noqa: E402
+from disttrace.analysis.result import BoundKind, Divergence  # noqa: E402
+from disttrace.views.lab import render as render_lab  # noqa: E402
 
 MARKUP = [
     "[/x]",
@@ -1604,37 +1604,55 @@ def human(tmp_path_factory):
     cli_mod.err = saved
 
 
-def _lab_result(name: str, ref: Path, work: Path) -> dict:
+def _lab_result(name: str, ref: Path, work: Path):
     """What `lab` hands its renderer, with the fuzzed text wherever a run store's text goes."""
-    first = {"step": 2, "micro_batch": 1, "phase": "reduce", "rank": 1, "tensor": name}
-    path = {
-        "run_dir": str(work),
-        "exit": 0,
-        "final_loss": 5.9,
-        "first_divergence": first,
-        "gate": False,
-        "gate_failed": [name],
-    }
-    return {
-        "fault": {"name": name, "step": 2, "rank": 1},
-        "paths": {
-            "reference": {
-                "run_dir": str(ref),
-                "final_loss": 5.9,
-                "first_divergence": None,
-                "gate": True,
-            },
-            "fault": path,
-            "recovered": {**path, "resumed_from_step": 1, "equal_to_reference": False},
-        },
-        "expected_signature": {
-            "expect": name,
-            "observed": f"first divergence at step 2 {name}",
-            "held": False,
-        },
-        "prediction": {"held": False, "missed": [f"phase: predicted {name}, observed reduce"]},
-        "accepted": False,
-    }
+    first = Divergence(
+        step=2,
+        micro_batch=1,
+        phase="reduce",
+        rank=1,
+        tensor=name,
+        index=0,
+        a=None,
+        b=None,
+        rel_err=None,
+        bound=None,
+        missing_in=None,
+        note=None,
+        bound_kind=BoundKind.BITWISE,
+    )
+
+    def path(**kw):
+        return lab_types.PathOutcome(
+            run_dir=str(work),
+            exit=0,
+            final_loss=5.9,
+            first_divergence=first,
+            gate=False,
+            gate_failed=[name],
+            **kw,
+        )
+
+    return lab_types.LabResult(
+        manifest_id="0" * 64,
+        fault={"name": name, "step": 2, "rank": 1},
+        paths=lab_types.LabPaths(
+            reference=lab_types.PathOutcome(run_dir=str(ref), final_loss=5.9, gate=True),
+            fault=path(),
+            recovered=path(resumed_from_step=1, equal_to_reference=False),
+        ),
+        expected_signature=lab_types.Signature(
+            expect=name, observed=f"first divergence at step 2 {name}", held=False
+        ),
+        prediction=lab_types.Prediction(
+            held=False,
+            missed=[f"phase: predicted {name}, observed reduce"],
+            predicted={"phase": name},
+            observed=None,
+        ),
+        accepted=False,
+        diffs=None,  # the renderer never reads them
+    )
 
 
 def _human_case(
@@ -1679,7 +1697,7 @@ def _human_case(
             FAILURES.setdefault(signature(result, str(e)), f"{case}\n{e}"[:6000])
     con = Console(file=io.StringIO(), width=1000, no_color=True, emoji=False)
     try:
-        lab_mod.render(_lab_result(name, ref, work), con)
+        render_lab(_lab_result(name, ref, work), con)
     except Exception:
         raise AssertionError(f"{case}\nlab's renderer failed:\n{traceback.format_exc()}") from None
     printed = con.file.getvalue()

@@ -6,12 +6,15 @@ replaced by a name on both sides."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+import orjson
 import pytest
 from conftest import ROOT, cli
 
 from disttrace.analysis.diff import diff_runs
+from disttrace.jsondoc import dumps
 
 GOLDEN = Path(__file__).parent / "golden"
 ZERO1 = ("--set", "parallelism.zero_stage=1")
@@ -68,3 +71,46 @@ def test_the_cli_prints_to_json(named):
     proc = cli("diff", named["<REF>"], named["<FAULT>"], "--mode", "numeric", "--json")
     assert proc.returncode == 1
     assert _named(proc.stdout, named) == _golden("diff-numeric-fault")
+
+
+# (document, command line with run names); the gate's time and evaluation key (a hash of checkpoint bytes,
+# which hold the run's own path) differ run to run and are masked on both sides
+COMMANDS = [
+    ("check-ref", ["check", "<REF>"]),
+    ("check-fault", ["check", "<FAULT>"]),
+    ("check-zero1", ["check", "<ZERO1>"]),
+    ("verify-ref", ["verify", "<REF>"]),
+    ("plan-default", ["plan", "<ROOT>/manifests/default.toml"]),
+    (
+        "plan-params",
+        ["plan", "--params", "7B", "--dp", "8", "--tp", "2", "--pp", "2", "--zero-stage", "3"]
+        + ["--seq", "2048", "--hidden", "4096", "--heads", "32", "--layers", "32"]
+        + ["--micro-batches", "8"],
+    ),
+    ("gate-ref", ["gate", "<REF>", "--reference", "<REF>"]),
+    ("gate-fault", ["gate", "<FAULT>", "--reference", "<REF>"]),
+]
+VOLATILE = re.compile(r'("(?:time|evaluation_key)": )[^,\n]+')
+
+
+@pytest.mark.parametrize("name,args", COMMANDS, ids=[c[0] for c in COMMANDS])
+def test_command_prints_the_stored_document(named, name, args):
+    where = {**{k: str(v) for k, v in named.items()}, "<ROOT>": str(ROOT)}
+    argv = [where.get(a, a.replace("<ROOT>", str(ROOT))) for a in args]
+    proc = cli(*argv, "--json", timeout=600)
+    assert proc.returncode in (0, 1), proc.stderr[-2000:]
+    got = VOLATILE.sub(r'\1"<VOLATILE>"', _named(proc.stdout, named))
+    want = _golden(name)
+    if name.startswith("gate-"):
+        got, want = _evaluations_sorted(got), _evaluations_sorted(want)
+    assert got == want
+
+
+def _evaluations_sorted(text: str) -> str:
+    """The evaluations' keys come in the evaluator's order when it ran, sorted when the gate's cache
+    answered (gate/evalcache.py): the same document either way, so both are compared sorted."""
+    doc = orjson.loads(text)
+    for k in ("eval", "reference_eval"):
+        if isinstance(doc.get(k), dict):
+            doc[k] = orjson.loads(orjson.dumps(doc[k], option=orjson.OPT_SORT_KEYS))
+    return dumps(doc)

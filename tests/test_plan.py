@@ -588,10 +588,12 @@ def test_plan_cli_args():
 def test_render_plan_prints_every_table():
     from rich.console import Console
 
+    from disttrace.views.plan import render_plan
+
     buf = io.StringIO()
     console = Console(file=buf, width=160, color_system=None)
-    P.render_plan(P.plan_from_manifest(_manifest()), console)
-    P.render_plan(P.plan(10**9, dp=4, zero_stage=1), console)
+    render_plan(P.plan_from_manifest(_manifest()), console)
+    render_plan(P.plan(10**9, dp=4, zero_stage=1), console)
     out = buf.getvalue()
     for text in (
         "Model states per device",

@@ -15,7 +15,7 @@ import pytest
 from conftest import DEFAULT, SHORT, cli, last_line, tear_trajectory
 
 from disttrace.errors import BadInput
-from disttrace.views.report import build_report
+from disttrace.report import build_report
 
 pytestmark = (
     pytest.mark.slow

@@ -440,7 +440,7 @@ def test_no_full_unpickling_left_in_the_package():
 
 
 def test_the_report_escapes_html_names_and_forbids_scripts(ref, tmp_path):
-    from disttrace.views.report import build_report
+    from disttrace.report import build_report
 
     tag = '<img src=x onerror="alert(1)">'
     run = _copy(ref, tmp_path / "runs")

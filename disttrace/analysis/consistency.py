@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import fnmatch
 from collections import Counter
+from dataclasses import dataclass, field
 
+from disttrace.jsondoc import JsonDoc, omit_none
 from disttrace.store import safeio
 from disttrace.store.rundir import PHASE_ORDER, Run, read_json
 
@@ -32,15 +34,49 @@ def rule_applies(rule: dict, rec: dict) -> bool:
     )
 
 
-def check_run(run: Run) -> dict:
+@dataclass
+class Finding(JsonDoc):
+    """Copies of one tensor in one replica group that break their rule (agree, or differ)."""
+
+    step: int
+    micro_batch: int
+    phase: str
+    index: int
+    tensor: str
+    group: list[int]
+    relation: str  # agree | differ
+    majority: list[int]
+    minority: list[int]  # the suspects: the odd ranks out (every disagreeing rank on a tie)
+    tie: bool
+    digests: dict[str, str]  # rank -> digest
+    message: str
+
+
+@dataclass
+class SpreadEntry(JsonDoc):
+    step: int
+    inconsistent: int
+    minority_ranks: list[int]
+
+
+@dataclass
+class CheckResult(JsonDoc):
+    """`disttrace check`: consistent True / False, or None when nothing could be checked (`reason`)."""
+
+    consistent: bool | None
+    reason: str | None = omit_none()
+    first: Finding | None = None
+    spread: list[SpreadEntry] = field(default_factory=list)
+    rules: list[dict] | None = omit_none()  # replicas.json's rules, as stored
+    steps_checked: int | None = omit_none()
+
+
+def check_run(run: Run) -> CheckResult:
     rules = load_rules(run)
     if rules is None:
-        return {
-            "consistent": None,
-            "reason": "nothing to check: no replicas.json (no replica map was written)",
-            "first": None,
-            "spread": [],
-        }
+        return CheckResult(
+            None, reason="nothing to check: no replicas.json (no replica map was written)"
+        )
     groups = rules["groups"]
     ranks = run.ranks()
     indexes = {r: {e["step"]: e for e in run.step_index(r).records} for r in ranks}
@@ -49,7 +85,7 @@ def check_run(run: Run) -> dict:
     compared = 0  # (step, tensor) tables with two or more copies to hold against each other
     for step in steps:
         by_rank = {r: run.records_of_step(r, indexes[r][step]) for r in ranks if step in indexes[r]}
-        step_bad: list[dict] = []
+        step_bad: list[Finding] = []
         for rule in rules["rules"]:
             for members in groups[rule["dim"]]:
                 present = [r for r in members if r in by_rank]
@@ -68,26 +104,26 @@ def check_run(run: Run) -> dict:
                     bad = _judge(rule["relation"], digests)
                     if bad:
                         step_bad.append(
-                            {
-                                "step": step,
-                                "micro_batch": mb,
-                                "phase": rule["phase"],
-                                "index": index,
-                                "tensor": tensor,
-                                "group": members,
-                                "relation": rule["relation"],
+                            Finding(
+                                step=step,
+                                micro_batch=mb,
+                                phase=rule["phase"],
+                                index=index,
+                                tensor=tensor,
+                                group=members,
+                                relation=rule["relation"],
                                 **bad,
-                            }
+                            )
                         )
         if step_bad:
-            step_bad.sort(key=lambda f: (f["micro_batch"], PHASE_ORDER[f["phase"]], f["index"]))
+            step_bad.sort(key=lambda f: (f.micro_batch, PHASE_ORDER[f.phase], f.index))
             findings.append(step_bad[0])
             spread.append(
-                {
-                    "step": step,
-                    "inconsistent": len(step_bad),
-                    "minority_ranks": sorted({r for f in step_bad for r in f["minority"]}),
-                }
+                SpreadEntry(
+                    step=step,
+                    inconsistent=len(step_bad),
+                    minority_ranks=sorted({r for f in step_bad for r in f.minority}),
+                )
             )
     if (
         not compared
@@ -97,22 +133,13 @@ def check_run(run: Run) -> dict:
             if not rules["rules"]
             else "no rule has two ranks' records to compare (one rank per group, or no records)"
         )
-        return {
-            "consistent": None,
-            "reason": f"nothing to check: {why}",
-            "first": None,
-            "spread": [],
-            "rules": rules["rules"],
-            "steps_checked": 0,
-        }
+        return CheckResult(
+            None, reason=f"nothing to check: {why}", rules=rules["rules"], steps_checked=0
+        )
     first = findings[0] if findings else None
-    return {
-        "consistent": first is None,
-        "first": first,
-        "spread": spread,
-        "rules": rules["rules"],
-        "steps_checked": len(steps),
-    }
+    return CheckResult(
+        first is None, first=first, spread=spread, rules=rules["rules"], steps_checked=len(steps)
+    )
 
 
 def _judge(relation: str, digests: dict[int, str]) -> dict | None:

@@ -20,9 +20,9 @@ from disttrace.store.rundir import Run, write_json_atomic
 REQUIRED_CONTENTS = {"model", "optim", "progress"}
 
 
-def check(name: str, passed: bool | None, reason: str) -> dict:
+def check(name: str, passed: bool | None, reason: str) -> Check:
     """passed None: not applicable (e.g. no reference given); it neither passes nor fails the gate."""
-    return Check(name=name, passed=passed, reason=reason).line()
+    return Check(name=name, passed=passed, reason=reason)
 
 
 def run_eval(run: Run) -> dict:
@@ -59,7 +59,7 @@ def run_eval(run: Run) -> dict:
     return result
 
 
-def store_integrity(run: Run, ref: Run | None) -> dict:
+def store_integrity(run: Run, ref: Run | None) -> Check:
     """`disttrace verify` of the run (and of the reference): damaged or unsealed fails, naming the first file."""
     from disttrace.store.verify import summary_line, verify_run
 
@@ -77,7 +77,7 @@ def store_integrity(run: Run, ref: Run | None) -> dict:
     )
 
 
-def checkpoint_integrity(run: Run) -> dict:
+def checkpoint_integrity(run: Run) -> Check:
     """Every checkpoint the run wrote verifies against its INDEX and holds model, optimizer and progress."""
     ckpts = run.checkpoint_dirs()
     bad = []
@@ -112,7 +112,7 @@ def checkpoint_integrity(run: Run) -> dict:
     )
 
 
-def collective_sync(run: Run) -> dict:
+def collective_sync(run: Run) -> Check:
     """Within every process group, every member issued the same sequence of collectives."""
     sync = check_sync(run)
     return check(
@@ -124,29 +124,26 @@ def collective_sync(run: Run) -> dict:
     )
 
 
-def replica_consistency(run: Run) -> dict:
+def replica_consistency(run: Run) -> Check:
     """Copies that must agree inside the run do (`disttrace check`; no reference needed)."""
     from disttrace.analysis.consistency import check_run
 
     cons = check_run(run)
-    if cons["consistent"] is None:
-        return check("replica_consistency", None, cons["reason"])
-    if cons["consistent"]:
+    if cons.consistent is None:
+        return check("replica_consistency", None, str(cons.reason))
+    f = cons.first
+    if f is None:
         return check(
-            "replica_consistency",
-            True,
-            f"{cons['steps_checked']} steps, every replica group agrees",
+            "replica_consistency", True, f"{cons.steps_checked} steps, every replica group agrees"
         )
-    f = cons["first"]
     return check(
         "replica_consistency",
         False,
-        f"step {f['step']} {f['phase']} {f['tensor']}: {f['message']}"
-        f" (ranks {f['minority']} vs {f['majority']})",
+        f"step {f.step} {f.phase} {f.tensor}: {f.message} (ranks {f.minority} vs {f.majority})",
     )
 
 
-def gradient_equivalence(run: Run, ref: Run | None) -> dict:
+def gradient_equivalence(run: Run, ref: Run | None) -> Check:
     """The run's trajectory equals the reference's (bitwise, or within the derived bound across topologies)."""
     from disttrace.analysis.diff import diff_runs
 
@@ -176,7 +173,7 @@ def gradient_equivalence(run: Run, ref: Run | None) -> dict:
 
 def eval_metric(
     run: Run, ref: Run | None, loss_rtol: float, policy_eval=None
-) -> tuple[list[dict], dict | None, dict | None]:
+) -> tuple[list[Check], dict | None, dict | None]:
     """The held-out eval loss, scored by a fresh process, within the policy's tolerance of the reference's.
     Returns the check(s) and both evaluations (for verdict.json). A policy that names an evaluation command
     (policy_eval.command) has it score any run instead (gate/usereval.py)."""
@@ -233,7 +230,7 @@ def eval_metric(
     )
 
 
-def completeness(run: Run) -> dict:
+def completeness(run: Run) -> Check:
     return check(
         "complete",
         run.complete,
@@ -246,7 +243,7 @@ def gate(
     reference: Path | None = None,
     policy_file: Path | None = None,
     require_all: bool = False,
-) -> dict:
+) -> Verdict:
     """The independent gate: each check a small function above, composed in this order because the cheap
     integrity checks come first (a damaged store is named before anything is computed from it) and the
     evaluation, a fresh process, last. Loss or throughput never pass it on their own."""
@@ -284,7 +281,7 @@ def gate(
     ]
     flags += [usereval.flag(own_eval, source)] if own_eval else []
     apply_policy(checks, policy)
-    passed = all(c["passed"] is not False for c in checks if c["required"])
+    passed = all(c.passed is not False for c in checks if c.required)
     verdict = Verdict(
         passed=passed,
         run=str(run.path),
@@ -295,55 +292,20 @@ def gate(
         eval=evaluation,
         reference_eval=ref_eval,
         time=time.time(),
-    ).line()
-    write_json_atomic(run.path / "verdict.json", verdict)
+    )
+    write_json_atomic(run.path / "verdict.json", verdict.line())
     return verdict
 
 
-def apply_policy(checks: list[dict], policy) -> None:
+def apply_policy(checks: list[Check], policy) -> None:
     """Mark each check required or advisory; under require_all a check that could not apply fails."""
     for c in checks:
-        c["required"] = policy.is_required(c["name"])
-        if policy.checks.require_all and c["passed"] is None:
-            c["passed"] = False
-            c["reason"] = f"n/a, and the policy requires every check: {c['reason']}"
+        c.required = policy.is_required(c.name)
+        if policy.checks.require_all and c.passed is None:
+            c.passed = False
+            c.reason = f"n/a, and the policy requires every check: {c.reason}"
 
 
 def _policy_value(policy, dotted: str):
     section, key = dotted.split(".", 1)
     return getattr(getattr(policy, section), key)
-
-
-def render(verdict: dict, console) -> None:
-    """Text objects throughout: reasons quote tensor names, paths and messages from the run store, which
-    must print as they are, never as rich markup."""
-    from rich.table import Table
-    from rich.text import Text
-
-    t = Table(title=Text(f"gate: {'PASS' if verdict['pass'] else 'FAIL'}  {verdict['run']}"))
-    t.add_column("check")
-    t.add_column("result")
-    t.add_column("reason")
-    for c in verdict["checks"]:
-        res = {
-            True: Text("pass", style="green"),
-            False: Text("FAIL", style="red"),
-            None: Text("n/a", style="dim"),
-        }[c["passed"]]
-        if not c.get("required", True):
-            res.append(" (advisory)", style="dim")
-        t.add_row(Text(c["name"]), res, Text(c["reason"]))
-    console.print(t)
-    pol = verdict.get("policy")
-    if pol:
-        req = pol["checks"]["required"]
-        console.print(
-            Text(
-                f"policy: eval.loss_rtol {pol['eval']['loss_rtol']}, required "
-                f"{'every check' if req is None else ', '.join(req) or 'none'}"
-                f"{', n/a fails' if pol['checks']['require_all'] else ''} (from the {pol['source']})",
-                style="dim",
-            )
-        )
-    for f in verdict["flags"]:
-        console.print(Text("flag", style="yellow") + Text(f": {f}"))

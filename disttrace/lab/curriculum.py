@@ -47,24 +47,3 @@ def list_labs(directory: Path = LABS_DIR) -> list[dict]:
         lab["command"] = f"disttrace lab {path} --fault {name} {' '.join(rest)}" if name else None
         labs.append(lab)
     return labs
-
-
-def render_labs(labs: list[dict], console) -> None:
-    from rich.table import Table
-    from rich.text import Text
-
-    t = Table(title="curriculum labs (manifests/labs/)")
-    for col in ("topic", "lab", "status", "question", "fault"):
-        t.add_column(col)
-    for lab in labs:  # Text: what the lab files say prints as written, never as markup
-        status = (
-            Text("runnable", style="green")
-            if lab["status"] == "runnable"
-            else Text(str(lab["status"]), style="yellow") + Text(f": {lab.get('reason')}")
-        )
-        t.add_row(
-            *[Text(str(lab.get(k, d))) for k, d in (("topic", "?"), ("lab", ""))],
-            status,
-            *[Text(str(lab.get(k) or "")) for k in ("question", "fault")],
-        )
-    console.print(t)

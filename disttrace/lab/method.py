@@ -10,10 +10,16 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from rich.markup import escape
-
 from disttrace.analysis.diff import diff_runs
-from disttrace.analysis.result import DiffResult, Divergence
+from disttrace.analysis.lab import (
+    LabDiffs,
+    LabPaths,
+    LabResult,
+    PathOutcome,
+    Signature,
+    judge_prediction,
+)
+from disttrace.analysis.result import DiffResult
 from disttrace.config.manifest import freeze
 from disttrace.errors import BadInput, JobFailed
 from disttrace.gate.verdict import gate
@@ -28,6 +34,8 @@ from disttrace.store.verify import verify_run
 
 def _e(v) -> str:
     """Progress lines are rich markup; paths and messages in them print as they are."""
+    from disttrace.views.lab import escape
+
     return escape(str(v))
 
 
@@ -44,31 +52,6 @@ def parse_prediction(text: str | None) -> dict | None:
             f"'{text}' is not PHASE[@STEP[:RANK]] with PHASE one of {', '.join(PHASES)}",
         )
     return {k: (int(v) if k != "phase" and v is not None else v) for k, v in m.groupdict().items()}
-
-
-def judge_prediction(pred: dict | None, first: Divergence | None) -> dict | None:
-    if pred is None:
-        return None
-    if first is None:
-        return {
-            "held": False,
-            "missed": ["no divergence was found"],
-            "predicted": pred,
-            "observed": None,
-        }
-    missed = [
-        f"{k}: predicted {pred[k]}, observed {getattr(first, k)}"
-        for k in ("phase", "step", "rank")
-        if pred.get(k) is not None and pred[k] != getattr(first, k)
-    ]
-    return {
-        "held": not missed,
-        "missed": missed,
-        "predicted": pred,
-        "observed": {
-            k: getattr(first, k) for k in ("step", "micro_batch", "phase", "rank", "tensor")
-        },
-    }
 
 
 def reusable_reference(out: Path, manifest_id: str) -> Path | None:
@@ -158,7 +141,7 @@ def run_lab(
     predict: str | None,
     progress,
     follow=None,
-) -> dict:
+) -> LabResult:
     frozen = freeze(manifest, sets)
     spec = faults.get(fault).spec(step, rank, params, frozen.model())
     prediction = parse_prediction(predict)
@@ -204,115 +187,39 @@ def run_lab(
     if spec["expect"] == "resume:optimizer":
         recovered_ok = True  # the counter-example: its recovery is supposed to diverge
     else:
-        recovered_ok = bool(d_rec and d_rec.equal and g_rec and g_rec["pass"])
-    accepted = sig_ok and recovered_ok and g_ref["pass"]
-    paths = {
-        "reference": {
-            "run_dir": str(ref),
-            "final_loss": final_loss(ref),
-            "first_divergence": None,
-            "gate": g_ref["pass"],
-        },
-        "fault": {
-            "run_dir": str(fault_dir),
-            "exit": fault_res["exit"],
-            "final_loss": final_loss(fault_dir),
-            "first_divergence": d_fault.first_divergence,
-            "gate": g_fault["pass"],
-            "gate_failed": [c["name"] for c in g_fault["checks"] if c["passed"] is False],
-        },
-        "recovered": None
+        recovered_ok = bool(d_rec and d_rec.equal and g_rec and g_rec.passed)
+    accepted = sig_ok and recovered_ok and g_ref.passed
+    paths = LabPaths(
+        reference=PathOutcome(
+            run_dir=str(ref), final_loss=final_loss(ref), first_divergence=None, gate=g_ref.passed
+        ),
+        fault=PathOutcome(
+            run_dir=str(fault_dir),
+            exit=fault_res["exit"],
+            final_loss=final_loss(fault_dir),
+            first_divergence=d_fault.first_divergence,
+            gate=g_fault.passed,
+            gate_failed=[c.name for c in g_fault.checks if c.passed is False],
+        ),
+        recovered=None
         if not rec_res
-        else {
-            "run_dir": rec_res["run_dir"],
-            "exit": rec_res["exit"],
-            "resumed_from_step": resume_step,
-            "final_loss": final_loss(rec_res["run_dir"]),
-            "first_divergence": d_rec.first_divergence,
-            "equal_to_reference": d_rec.equal,
-            "gate": g_rec["pass"],
-            "gate_failed": [c["name"] for c in g_rec["checks"] if c["passed"] is False],
-        },
-    }
-    return {
-        "manifest_id": frozen.manifest_id,
-        "fault": spec,
-        "paths": paths,
-        "expected_signature": {"expect": spec["expect"], "observed": sig_why, "held": sig_ok},
-        "prediction": judge_prediction(prediction, d_fault.first_divergence),
-        "accepted": accepted,
-        "diffs": {"fault": d_fault, "recovered": d_rec},
-    }
-
-
-def fmt_first(f: Divergence | None) -> str:
-    if not f:
-        return "none"
-    return f"step {f.step} mb {f.micro_batch} {f.phase} rank {f.rank}\n{f.tensor}"
-
-
-def render(result: dict, console) -> None:
-    """Text objects for everything read from runs (tensor names, phases, paths): never rich markup."""
-    from rich.table import Table
-    from rich.text import Text
-
-    p = result["paths"]
-    t = Table(
-        title=Text(
-            f"lab: {result['fault']['name']} at step {result['fault']['step']} rank "
-            f"{result['fault']['rank']}"
-        )
+        else PathOutcome(
+            run_dir=rec_res["run_dir"],
+            exit=rec_res["exit"],
+            resumed_from_step=resume_step,
+            final_loss=final_loss(rec_res["run_dir"]),
+            first_divergence=d_rec.first_divergence,
+            equal_to_reference=d_rec.equal,
+            gate=g_rec.passed,
+            gate_failed=[c.name for c in g_rec.checks if c.passed is False],
+        ),
     )
-    t.add_column("")
-    for name in ("reference", "fault", "recovered"):
-        t.add_column(name)
-    cols = [p["reference"], p["fault"], p["recovered"] or {}]
-
-    def loss(c):
-        return "-" if c.get("final_loss") is None else f"{c['final_loss']:.4f}"
-
-    def g(c):
-        if "gate" not in c:
-            return Text("-")
-        if c["gate"]:
-            return Text("PASS", style="green")
-        return Text("FAIL", style="red") + Text(" " + ", ".join(c.get("gate_failed", [])))
-
-    t.add_row("run", *[Text(Path(c["run_dir"]).name) if c else "-" for c in cols])
-    t.add_row("exit", *[str(c.get("exit", 0)) if c else "-" for c in cols])
-    t.add_row("final loss", *[loss(c) for c in cols])
-    t.add_row(
-        "first divergence",
-        "(reference)",
-        Text(fmt_first(p["fault"]["first_divergence"])),
-        Text(fmt_first(p["recovered"]["first_divergence"])) if p["recovered"] else "-",
-    )
-    t.add_row("gate", *[g(c) for c in cols])
-    console.print(t)
-    s = result["expected_signature"]
-    console.print(
-        Text(f"expected signature ({s['expect']}): ")
-        + (Text("held", style="green") if s["held"] else Text("did not hold", style="red"))
-        + Text(f" - {s['observed']}")
-    )
-    pr = result["prediction"]
-    if pr:
-        console.print(
-            Text("prediction: ")
-            + (
-                Text("held exactly", style="green")
-                if pr["held"]
-                else Text("missed", style="red") + Text(" (" + "; ".join(pr["missed"]) + ")")
-            )
-        )
-    console.print(
-        Text("attribution ")
-        + (
-            Text("ACCEPTED", style="green")
-            + Text(
-                ": the fault explains the divergence and the recovered path rejoins the reference"
-            )
-            if result["accepted"]
-            else Text("NOT accepted", style="red")
-        )
+    return LabResult(
+        manifest_id=frozen.manifest_id,
+        fault=spec,
+        paths=paths,
+        expected_signature=Signature(expect=spec["expect"], observed=sig_why, held=sig_ok),
+        prediction=judge_prediction(prediction, d_fault.first_divergence),
+        accepted=accepted,
+        diffs=LabDiffs(fault=d_fault, recovered=d_rec),
     )

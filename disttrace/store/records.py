@@ -100,6 +100,15 @@ class _Line(BaseModel):
         """The dict a writer puts on disk (fields in declaration order, unset optionals left out)."""
         return self.model_dump(exclude_none=True)
 
+    def to_dict(self) -> dict:
+        """The `--json` document of a result that is also a line on disk (the gate's verdict)."""
+        return self.line()
+
+    def to_json(self) -> str:
+        from disttrace.jsondoc import dumps
+
+        return dumps(self.to_dict())
+
 
 NonNegative = Field(ge=0)
 

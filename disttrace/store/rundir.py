@@ -416,6 +416,11 @@ class Run:
             return []
         return sorted(p for p in d.iterdir() if p.is_dir() and re.fullmatch(r"step-\d{6}", p.name))
 
+    def partial_checkpoints(self) -> list[str]:
+        """Names of checkpoint writes that never finished (`step-N.partial`, never published)."""
+        d = self.path / "checkpoints"
+        return sorted(p.name for p in d.glob("*.partial")) if d.is_dir() else []
+
     def losses(self) -> dict[int, float]:
         """Mean training loss per step (over micro-batches and data-parallel ranks), from loss records."""
         acc: dict[int, list[float]] = {}

@@ -1,31 +1,42 @@
 """Views of a diff result: a compact terminal view (rich) and a markdown summary (for CI job summaries).
 
 The comparison itself is `disttrace.analysis.diff.diff_runs`, which returns a `DiffResult`; this module
-only renders it. The HTML report draws the same result in `views/report.py` with the same formatters
-(`disttrace.fmt`).
+only renders it. The HTML report draws the same result in `views/report.py`; the wording of the tolerance
+and bounds, the A/B rows and the grid's cell classes are `views/diffparts.py`'s, shared by all three.
 """
 
 from __future__ import annotations
 
-from disttrace.analysis.result import DiffResult, RankEntry, RecordStats
-from disttrace.fmt import abbrev, agreeing_digits, fmt_number, ranges, where
+from disttrace.analysis.result import BoundKind, DiffResult, RankEntry
+from disttrace.fmt import fmt_number, ranges, where
+from disttrace.views.diffparts import (
+    CellClass,
+    ab_rows,
+    bound_text,
+    cell,
+    error_text,
+    tolerance_text,
+)
 
 GRID_STEPS = (
     60  # steps drawn in the rank x step grid; a later first divergence moves the window to it
 )
 
 
+# each cell class's character (None: the agreeing digits) and style on a terminal
+CELL_STYLE = {
+    CellClass.EQUAL: ("·", "green"),
+    CellClass.WITHIN: (None, "yellow"),
+    CellClass.BEYOND: (None, "red"),
+    CellClass.HARD: ("■", "bold red"),
+}
+
+
 def _cell(rank_entry: RankEntry | None) -> tuple[str, str]:
     """One grid cell: (character, style)."""
-    if not rank_entry or not rank_entry.inexact:
-        return "·", "green"
-    differing = rank_entry.differing
-    rel = rank_entry.max_rel_err
-    if differing and (rank_entry.hard or not rel):
-        return "■", "bold red"
-    if not rel:
-        return ("■", "bold red") if differing else ("·", "green")
-    return str(agreeing_digits(rel)), ("red" if differing else "yellow")
+    c = cell(rank_entry)
+    ch, style = CELL_STYLE[c.cls]
+    return ch or (str(c.digits) if c.digits is not None else "~"), style
 
 
 def _grid_cells(result: DiffResult) -> tuple[list[int], dict[int, dict[int, RankEntry]]]:
@@ -57,25 +68,7 @@ def render_rich(result: DiffResult, console) -> None:
         )
         t.append(f"  manifest {(s.manifest_id or '')[:12]}", style="dim")
         console.print(t)
-    tol = result.tolerance
-    tol_txt = (
-        "bit for bit"
-        if tol.kind == "bitwise"
-        else f"rtol {tol.rtol:g} atol {tol.atol:g}"
-        if tol.kind == "user"
-        else f"calibrated bounds from {tol.file}"
-        + (" (found beside the run)" if tol.found else "")
-        + f" (derived {tol.per_step:.2e} per step elsewhere)"
-        if tol.kind == "calibrated"
-        else f"derived bound {tol.per_step:.2e} per step × steps since agreement"
-        + (
-            ", relative to the magnitudes behind each gradient"
-            if tol.scale == "magnitudes"
-            else ", relative to each record's norm (no magnitudes recorded)"
-            if tol.scale == "norm"
-            else ""
-        )
-    )
+    tol_txt = tolerance_text(result.tolerance)
     console.print(
         Text(
             f"mode {result.mode} ({tol_txt}) · steps {cs.first}..{cs.last} ({cs.count}): {cs.why}",
@@ -92,42 +85,10 @@ def render_rich(result: DiffResult, console) -> None:
         t.add_column("")
         t.add_column("A")
         t.add_column("B")
-        a, b = f.a or RecordStats(), f.b or RecordStats()
-        T = lambda v: Text(str(v))  # noqa: E731  cells quote the run store: never markup
-        if f.missing_in:
-            t.add_row(
-                "record",
-                *(("missing", "present") if f.missing_in == "a" else ("present", "missing")),
-            )
-        t.add_row("digest", T(abbrev(a.digest)), T(abbrev(b.digest)))
-        t.add_row("sum", T(fmt_number(a.sum, ".10g")), T(fmt_number(b.sum, ".10g")))
-        t.add_row("norm", T(fmt_number(a.norm, ".10g")), T(fmt_number(b.norm, ".10g")))
-        if a.nonfinite or b.nonfinite:
-            t.add_row(
-                "non-finite",
-                T(fmt_number(a.nonfinite)),
-                T(fmt_number(b.nonfinite)),
-                style="red",
-            )
-        t.add_row(
-            "dtype, shape",
-            T(f"{a.dtype if f.a else '-'} {a.shape if f.a else ''}"),
-            T(f"{b.dtype if f.b else '-'} {b.shape if f.b else ''}"),
-        )
+        for row in ab_rows(f):  # Text: cells quote the run store, never markup
+            t.add_row(row.label, Text(row.a), Text(row.b), style="red" if row.alert else None)
         console.print(t)
-        rel = f.rel_err
-        bnd = (
-            "0 (bitwise)"
-            if result.mode == "bitwise"
-            else f"{fmt_number(f.bound, '.3e')} ({f.bound_kind.value})"
-        )
-        console.print(
-            Text(
-                f"rel err {fmt_number(rel, '.3e')}  vs bound {bnd}"
-                + (f"  ({f.note})" if f.note else ""),
-                style="red",
-            )
-        )
+        console.print(Text(error_text(f, result.mode), style="red"))
         n_div = result.divergent_steps
         rec = result.recovered_steps
         msg = f"{n_div} divergent step(s) from step {f.step}"
@@ -149,11 +110,7 @@ def render_rich(result: DiffResult, console) -> None:
             t.add_row(
                 Text(str(phase)),
                 Text(fmt_number(e.max_rel_err, ".2e")),
-                Text(
-                    f"{fmt_number(e.bound, '.2e')} ({e.bound_kind.value})"
-                    if e.bound is not None
-                    else fmt_number(e.bound, ".2e")
-                ),
+                Text(bound_text(e.bound, e.bound_kind, ".2e")),
                 Text(f"step {e.step} rank {e.rank}"),
                 Text(f"{fmt_number(e.max_ratio, '.2g')}" + (f" (step {w.step})" if w else "")),
                 style="red" if (e.max_ratio or 0) > 1 else None,
@@ -179,8 +136,9 @@ def render_rich(result: DiffResult, console) -> None:
             )
         console.print(
             Text(
-                "· equal   digit: -log10(max rel err), yellow within the bound, red beyond   "
-                "■ missing, non-finite or bits only",
+                "· bit-identical   digit: -log10(max rel err), yellow "
+                f"{CellClass.WITHIN.legend}, red {CellClass.BEYOND.legend}   "
+                f"■ {CellClass.HARD.legend}",
                 style="dim",
             )
         )
@@ -206,8 +164,9 @@ def render_md(result: DiffResult) -> str:
     lines.append("")
     lines.append(f"Compared steps {cs.first}..{cs.last} ({cs.count}): {cs.why}.")
     lines.append("")
+    lines.append(f"Held to: {tolerance_text(result.tolerance)}.")
+    lines.append("")
     if f is not None:
-        a, b = f.a or RecordStats(), f.b or RecordStats()
         lines.append(
             f"**First divergence**: {where(f)}"
             + (f", missing in {f.missing_in.upper()}" if f.missing_in else "")
@@ -216,15 +175,11 @@ def render_md(result: DiffResult) -> str:
         lines.append("")
         lines.append("| | A | B |")
         lines.append("| --- | --- | --- |")
-        lines.append(f"| digest | `{abbrev(a.digest, 16)}` | `{abbrev(b.digest, 16)}` |")
-        lines.append(f"| sum | {fmt_number(a.sum, '.10g')} | {fmt_number(b.sum, '.10g')} |")
-        lines.append(f"| norm | {fmt_number(a.norm, '.10g')} | {fmt_number(b.norm, '.10g')} |")
-        lines.append(f"| non-finite | {fmt_number(a.nonfinite)} | {fmt_number(b.nonfinite)} |")
+        for row in ab_rows(f):
+            a, b = (f"`{row.a}`", f"`{row.b}`") if row.code else (row.a, row.b)
+            lines.append(f"| {row.label} | {a} | {b} |")
         lines.append("")
-        lines.append(
-            f"Relative error {fmt_number(f.rel_err, '.3e')} vs bound {fmt_number(f.bound, '.3e')}"
-            + (f" ({f.bound_kind.value})." if result.mode == "numeric" else ".")
-        )
+        lines.append(error_text(f, result.mode) + ".")
         lines.append("")
         lines.append("| step | ranks with differences | tensors differing | max rel err |")
         lines.append("| --- | --- | --- | --- |")
@@ -235,14 +190,15 @@ def render_md(result: DiffResult) -> str:
             rels = [v.max_rel_err for v in e.ranks.values() if v.max_rel_err]
             kinds = e.bound_kind_by_phase or {}
             bounds = [
-                (b, kinds[p].value if p in kinds else "derived")
+                (b, kinds.get(p, BoundKind.DERIVED))
                 for p, b in (e.bound_by_phase or {}).items()
                 if b is not None
             ]
+            worst = max(bounds, key=lambda bk: bk[0]) if bounds else None
             lines.append(
                 f"| {e.step} | {', '.join(rk) or '-'} | {e.differing} / {tot} | "
                 f"{fmt_number(max(rels), '.2e') if rels else '-'}"
-                + (" (bound {:.2e} {})".format(*max(bounds)) if bounds else "")
+                + (f" (bound {bound_text(*worst, '.2e')})" if worst else "")
                 + " |"
             )
         if len(result.propagation) > len(shown):
@@ -255,9 +211,8 @@ def render_md(result: DiffResult) -> str:
         lines.append("| phase | max rel err | bound there | worst err/bound |")
         lines.append("| --- | --- | --- | --- |")
         for phase, e in result.numeric.by_phase.items():
-            kind = f" ({e.bound_kind.value})" if e.bound is not None else ""
             lines.append(
-                f"| {phase} | {fmt_number(e.max_rel_err, '.2e')} | {fmt_number(e.bound, '.2e')}{kind} | "
+                f"| {phase} | {fmt_number(e.max_rel_err, '.2e')} | {bound_text(e.bound, e.bound_kind, '.2e')} | "
                 f"{fmt_number(e.max_ratio, '.2g')} |"
             )
     if result.warnings:

@@ -1,8 +1,8 @@
-"""`disttrace report RUN... -o report.html`: one self-contained HTML page for a set of runs.
+"""The HTML page of `disttrace report RUN... -o report.html` (disttrace/report.py builds and writes it).
 
-    build_report([ref, fault, recovered], Path("report.html"))
+    render_html([ref, fault, recovered], {1: diff_of_fault, 2: diff_of_recovered})
 
-The first run is the reference: every other run is diffed against it. The page holds the manifest, the rank
+The first run is the reference: every other run comes with its diff against it. The page holds the manifest, the rank
 topology, the loss curves of all runs on one plot, the divergence grid (rank x step) of each run against the
 reference, the memory ledger against theory, the collective summary, the checkpoint table and the gate
 verdict where one was written. It needs nothing else to be read: no network, no external script, style
@@ -23,11 +23,12 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from disttrace.analysis.result import DiffResult, RankEntry, RecordStats
+from disttrace.analysis.result import DiffResult, RankEntry
 from disttrace.errors import BadInput
-from disttrace.fmt import abbrev, agreeing_digits, fmt_number, ranges, where
+from disttrace.fmt import abbrev, fmt_number, ranges, where
 from disttrace.store.records import FAILURE_EVENTS
 from disttrace.store.rundir import Run, iter_jsonl
+from disttrace.views.diffparts import CellClass, ab_rows, cell, error_text, tolerance_text
 
 PALETTE = ("#1f6fd1", "#d1341f", "#1e9e54", "#8e44ad", "#e08a00", "#7f5539", "#0f9aa8", "#c2185b")
 DASHES = ("", "9 5", "2 5", "12 4 2 4", "6 3", "1 3")
@@ -200,7 +201,7 @@ def _labels(paths: list[Path]) -> list[str]:
 
 
 def _overview(rs: list[_R], diffs: dict[int, Any]) -> str:
-    from disttrace.views.show import failure_text
+    from disttrace.analysis.facts import failure_text
 
     rows = []
     for r in rs:
@@ -720,14 +721,7 @@ def _divergence(rs: list[_R], diffs: dict[int, Any]) -> str:
 
 def _one_diff(d: DiffResult) -> str:
     cs = d.compared_steps
-    tol = d.tolerance
-    tol_txt = (
-        "bit for bit"
-        if tol.kind == "bitwise"
-        else f"rtol {tol.rtol} atol {tol.atol}"
-        if tol.kind == "user"
-        else f"derived bound {fmt_number(tol.per_step, '.2e')} per step"
-    )
+    tol_txt = tolerance_text(d.tolerance)
     out = [
         f'<p class="muted">mode <b>{e(d.mode)}</b> ({e(tol_txt)}) · compared steps '
         f"{e(cs.first)}..{e(cs.last)} ({e(cs.count)}): {e(cs.why)}</p>"
@@ -737,47 +731,16 @@ def _one_diff(d: DiffResult) -> str:
         out.append(f'<p class="verdict ok">EQUAL over steps {e(cs.first)}..{e(cs.last)}</p>')
     else:
         out.append(f'<p class="verdict bad">First divergence: {e(where(f))}</p>')
-        a, b = f.a or RecordStats(), f.b or RecordStats()
-        rows = []
-        if f.missing_in:
-            rows.append(
-                [
-                    "record",
-                    *(("missing", "present") if f.missing_in == "a" else ("present", "missing")),
-                ]
-            )
-        rows += [
+        rows = [
             [
-                "digest",
-                f"<code>{e(abbrev(a.digest, 16))}</code>",
-                f"<code>{e(abbrev(b.digest, 16))}</code>",
-            ],
-            [
-                "sum",
-                _td_num(e(fmt_number(a.sum, ".10g"))),
-                _td_num(e(fmt_number(b.sum, ".10g"))),
-            ],
-            [
-                "norm",
-                _td_num(e(fmt_number(a.norm, ".10g"))),
-                _td_num(e(fmt_number(b.norm, ".10g"))),
-            ],
-            [
-                "non-finite",
-                _td_num(e(fmt_number(a.nonfinite))),
-                _td_num(e(fmt_number(b.nonfinite))),
-            ],
-            [
-                "dtype, shape",
-                e(f"{a.dtype if f.a else '-'} {a.shape if f.a else ''}"),
-                e(f"{b.dtype if f.b else '-'} {b.shape if f.b else ''}"),
-            ],
+                e(row.label),
+                *(f"<code>{e(x)}</code>" if row.code else _td_num(e(x)) for x in (row.a, row.b)),
+            ]
+            for row in ab_rows(f)
         ]
-        bound = "0 (bitwise)" if d.mode == "bitwise" else fmt_number(f.bound, ".3e")
         out.append(
             '<div class="row"><div>' + _table(("", "A (reference)", "B"), rows) + "</div>"
-            f'<div class="muted">relative error <b>{e(fmt_number(f.rel_err, ".3e"))}</b> vs bound '
-            f"{e(bound)}" + (f"<br>note: {e(f.note)}" if f.note else "") + "</div></div>"
+            f'<div class="muted">{e(error_text(f, d.mode))}</div></div>'
         )
         msg = f"{d.divergent_steps} divergent step(s) from step {f.step}"
         if d.recovered_steps:
@@ -816,31 +779,19 @@ def _one_diff(d: DiffResult) -> str:
     return "".join(out)
 
 
-def _cell(entry: RankEntry | None) -> tuple[str, str, str]:
-    """(fill, label, description) of one grid cell."""
-    if not entry or not entry.inexact:
-        return (
-            EQUAL_COLOUR,
-            "",
-            "bit-identical" if entry is None else f"bit-identical ({entry.total} tensors)",
-        )
-    differing = entry.differing
-    rel = entry.max_rel_err
-    hard = entry.hard
-    total = entry.total
-    by_phase = ", ".join(f"{p} {v:.1e}" for p, v in entry.max_rel_err_by_phase.items())
-    desc = f"{differing}/{total} tensors differ; max rel err {fmt_number(rel, '.2e')}" + (
-        f" ({by_phase})" if by_phase else ""
-    )
-    if hard:
-        desc += f"; {hard} missing, non-finite or bits-only"
-    if not differing:
-        digits = str(agreeing_digits(rel)) if rel else ""
-        return WITHIN_COLOUR, digits, "within the bound: " + desc
-    if not rel:
-        return HARD_COLOUR, "■", desc
-    t = -math.log10(rel) if rel > 0 else 0.0
-    return _lerp_colour(t), str(min(9, max(0, int(math.floor(t))))), desc
+def _cell(entry: RankEntry | None) -> tuple[str, str, str, CellClass]:
+    """(fill, label, description, class) of one grid cell."""
+    c = cell(entry)
+    label = str(c.digits) if c.digits is not None else ""
+    if c.cls is CellClass.EQUAL:
+        return EQUAL_COLOUR, "", c.description, c.cls
+    if c.cls is CellClass.WITHIN:
+        return WITHIN_COLOUR, label, c.description, c.cls
+    if c.cls is CellClass.HARD:
+        return HARD_COLOUR, "■", c.description, c.cls
+    rel = entry.max_rel_err if entry is not None else None
+    t = -math.log10(rel) if rel and rel > 0 else 0.0
+    return _lerp_colour(t), label, c.description, c.cls
 
 
 def _diff_grid(d: DiffResult) -> str:
@@ -884,9 +835,10 @@ def _diff_grid(d: DiffResult) -> str:
             )
         for i, s in enumerate(steps):
             x = left + i * cw
-            fill, lab, desc = _cell((per_step.get(s) or {}).get(rk))
+            fill, lab, desc, cls = _cell((per_step.get(s) or {}).get(rk))
             p.append(
-                f'<rect x="{x + 0.5}" y="{y + 0.5}" width="{cw - 1}" height="{ch - 1}" fill="{fill}">'
+                f'<rect x="{x + 0.5}" y="{y + 0.5}" width="{cw - 1}" height="{ch - 1}" fill="{fill}" '
+                f'data-step="{s}" data-rank="{e(rk)}" data-cell="{cls}">'
                 f"<title>step {s} rank {e(rk)}: {e(desc)}</title></rect>"
             )
             if lab and cw >= 14 and ch >= 14:
@@ -927,17 +879,19 @@ def _dark(fill: str) -> bool:
 
 def _grid_legend() -> str:
     sw = []
-    sw.append(f'<span class="key"><i style="background:{EQUAL_COLOUR}"></i>bit-identical</span>')
     sw.append(
-        f'<span class="key"><i style="background:{WITHIN_COLOUR}"></i>inexact, within the bound</span>'
+        f'<span class="key"><i style="background:{EQUAL_COLOUR}"></i>{CellClass.EQUAL.legend}</span>'
+    )
+    sw.append(
+        f'<span class="key"><i style="background:{WITHIN_COLOUR}"></i>{CellClass.WITHIN.legend}</span>'
     )
     ramp = "".join(
         f'<i style="background:{_lerp_colour(t)}" title="rel err 1e-{t}"></i>'
         for t in range(9, -1, -1)
     )
-    sw.append(f'<span class="key ramp">beyond the bound: rel err 1e-9 {ramp} 1</span>')
+    sw.append(f'<span class="key ramp">{CellClass.BEYOND.legend}: rel err 1e-9 {ramp} 1</span>')
     sw.append(
-        f'<span class="key"><i style="background:{HARD_COLOUR}"></i>missing, non-finite or bits only</span>'
+        f'<span class="key"><i style="background:{HARD_COLOUR}"></i>{CellClass.HARD.legend}</span>'
     )
     sw.append(
         '<span class="key"><i style="background:#fff;border:2px solid #111;box-shadow:inset 0 0 0 2px #ffd400">'
@@ -1102,13 +1056,13 @@ def _collectives(rs: list[_R]) -> str:
 
 
 def _checkpoints(rs: list[_R]) -> str:
-    from disttrace.views.show import checkpoints_view
+    from disttrace.analysis.facts import checkpoints as checkpoint_facts
 
     rows = []
     for r in rs:
         name = r.tag_html()
         try:
-            cks = checkpoints_view(r.run)
+            cks = checkpoint_facts(r.run).checkpoints
         except Exception as exc:  # noqa: BLE001
             rows.append([name, f'<td colspan="4">{_err("checkpoints", exc)}</td>'])
             continue
@@ -1119,14 +1073,14 @@ def _checkpoints(rs: list[_R]) -> str:
             rows.append([name, f'<td colspan="4" class="nr">checkpoints {NOT_RECORDED}</td>'])
             continue
         for k, c in enumerate(cks):
-            ok = c.get("verified")
+            ok = c.verified
             rows.append(
                 [
                     name if k == 0 else "",
-                    f"<code>{e(c.get('checkpoint'))}</code>",
-                    _td_num(e(c.get("step") if c.get("step") is not None else "-")),
+                    f"<code>{e(c.checkpoint)}</code>",
+                    _td_num(e(c.step if c.step is not None else "-")),
                     _badge("verified", "ok") if ok else _badge("BAD", "bad"),
-                    e(c.get("detail")) if ok else f'<span class="bad">{e(c.get("detail"))}</span>',
+                    e(c.detail) if ok else f'<span class="bad">{e(c.detail)}</span>',
                 ]
             )
     return (
@@ -1262,8 +1216,9 @@ SECTIONS = (
 )
 
 
-def render_html(run_dirs: list[Path | str]) -> str:
-    """The report page as a string (build_report writes it)."""
+def render_html(run_dirs: list[Path | str], diffs: dict[int, DiffResult | BaseException]) -> str:
+    """The report page as a string (disttrace/report.py writes it). diffs[i]: run i against the first run,
+    or why it could not be compared."""
     if not run_dirs:
         raise BadInput("RUN", "give at least one run directory (the first is the reference)")
     paths = [Path(p) for p in run_dirs]
@@ -1272,15 +1227,6 @@ def render_html(run_dirs: list[Path | str]) -> str:
     ]  # a path that is not a run directory is bad input, before anything is written
     labels = _labels([r.path for r in runs])
     rs = [_R(run, labels[i], PALETTE[i % len(PALETTE)], i) for i, run in enumerate(runs)]
-
-    from disttrace.analysis.diff import diff_runs
-
-    diffs: dict[int, Any] = {}
-    for r in rs[1:]:
-        try:
-            diffs[r.index] = diff_runs(rs[0].path, r.path)
-        except Exception as exc:  # noqa: BLE001 - incompatible runs are shown as such, not fatal to the page
-            diffs[r.index] = exc
 
     body = {
         "runs": _guard("the run list", _overview, rs, diffs),
@@ -1330,14 +1276,3 @@ CSP = (
     "default-src 'none'; script-src 'none'; object-src 'none'; style-src 'unsafe-inline'; img-src data:; "
     "font-src 'none'; connect-src 'none'; base-uri 'none'; form-action 'none'"
 )
-
-
-def build_report(run_dirs: list[Path], output: Path) -> Path:
-    """Write the report of `run_dirs` (the first is the reference) to `output`, atomically; return its path."""
-    page = render_html(run_dirs)
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
-    tmp.write_text(page, encoding="utf-8")
-    os.replace(tmp, output)
-    return output

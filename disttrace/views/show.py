@@ -1,110 +1,62 @@
-"""`disttrace show`: what a run holds, read from the run store only."""
+"""`disttrace show`: what a run holds (analysis/facts.py gathers it from the run store), on a terminal."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import orjson
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from disttrace.analysis.sync import check_sync, find_stragglers, predicted_dp_volume, wire_volume
-from disttrace.errors import BadInput
-from disttrace.store import checkpoints as checkpoint
-from disttrace.store.records import FAILURE_EVENTS, Event
-from disttrace.store.rundir import Run, iter_jsonl
+from disttrace.analysis.facts import (
+    CheckpointFacts,
+    CollectiveFacts,
+    EventFacts,
+    MemoryFacts,
+    RecordCounts,
+    RunSummary,
+    TopologyFacts,
+    failure_text,
+)
 
-VIEWS = ("summary", "checkpoints", "topology", "collectives", "memory", "events", "records")
-
-
-def summary(run_dir: Path | str) -> dict:
-    run = Run(run_dir)
-    m = run.manifest
-    counts, torn = {}, []
-    for rank in run.ranks():
-        idx = run.step_index(rank)
-        counts[rank] = {
-            "steps": len(idx.records),
-            "records": sum(e["records"] for e in idx.records),
-        }
-        if idx.torn:
-            torn.append(idx.torn)
-    events = run.events().records
-    info = run.info
-    exp, par = m.get("experiment") or {}, m.get("parallelism") or {}
-    times = run.step_times(0)  # rank 0's, kept whether the run recorded or not
-    if times.torn:
-        torn.append(times.torn)
-    step_seconds = {e["step"]: e["seconds"] for e in times.records}
-    return {
-        "path": info.get("path"),
-        "complete": run.complete,
-        "manifest_id": run.manifest_id,
-        "experiment": exp.get("name"),
-        "edition": exp.get("edition"),
-        "topology": {
-            k: par.get(k, 1 if k != "zero_stage" else 0)
-            for k in ("world_size", "dp", "tp", "pp", "zero_stage")
-        },
-        "fault": info.get("fault"),
-        "resume": info.get("resume"),
-        "loss": {str(k): v for k, v in run.losses().items()},
-        "ranks": {str(k): v for k, v in counts.items()},
-        "records": sum(c["records"] for c in counts.values()),  # trajectory records over all ranks
-        "step_seconds": [step_seconds[k] for k in sorted(step_seconds)],  # rank 0, in step order
-        "fault_fired": run.fault_events(),
-        "failures": [e for e in events if e.get("event") in FAILURE_EVENTS],
-        "stragglers": find_stragglers(run),
-        "checkpoints": [p.name for p in run.checkpoint_dirs()],
-        "warnings": torn,
-    }
+COLOURS = ["cyan", "magenta", "green", "yellow", "blue", "red"]
 
 
-def failure_text(e: dict) -> str:
-    """What one failure event (FAILURE_EVENTS) says, in a line: a live check names the step, the phase and
-    the group whose copies differ; a failed rank or job its error or reason."""
-    if e.get("event") == Event.LIVE_CHECK_FAILED:
-        return f"step {e.get('step')}: {e.get('phase')} copies over group {e.get('group')} differ"
-    return str(e.get("reason") or e.get("error"))
-
-
-def render_summary(run_dir: Path | str, console: Console, brief: bool = False) -> dict:
-    s = summary(run_dir)
+def render_summary(s: RunSummary, console: Console, topology: dict | None = None) -> None:
+    """The run in a few lines; with `topology` (not a run command's brief summary) also the records per
+    rank and the rank topology."""
     T = lambda v, style=None: Text(str(v), style=style or "")  # noqa: E731  text from files: never markup
-    state = T("complete", "green") if s["complete"] else T("INCOMPLETE", "red")
-    t = s["topology"]
+    state = T("complete", "green") if s.complete else T("INCOMPLETE", "red")
+    t = s.topology
     console.print(
-        T(s["experiment"], "bold")
-        + T(f" ({s['edition']})  path={s['path']}  ")
+        T(s.experiment, "bold")
+        + T(f" ({s.edition})  path={s.path}  ")
         + state
         + T(
-            f"  id={s['manifest_id'][:12]}  world={t['world_size']} dp={t['dp']} tp={t['tp']} pp={t['pp']} "
-            f"zero={t['zero_stage']}"
+            f"  id={(s.manifest_id or '')[:12]}  world={t['world_size']} dp={t['dp']} tp={t['tp']} "
+            f"pp={t['pp']} zero={t['zero_stage']}"
         )
     )
-    if s["fault"]:
-        f = s["fault"]
-        fired = T("fired") if s["fault_fired"] else T("did not fire", "yellow")
+    if s.fault:
+        f = s.fault
+        fired = T("fired") if s.fault_fired else T("did not fire", "yellow")
         console.print(
             T(f"fault: {f['name']} at step {f['step']} rank {f['rank']} (")
             + fired
             + T(f"); expected first divergence: {f.get('expect')}")
         )
-    if s["resume"]:
-        console.print(T(f"resumed from {s['resume']['checkpoint']} (step {s['resume']['step']})"))
-    if s["loss"]:
-        console.print("loss: " + "  ".join(f"{k}:{v:.4f}" for k, v in s["loss"].items()))
-    if s["step_seconds"]:
-        secs = sorted(s["step_seconds"])
+    if s.resume:
+        console.print(T(f"resumed from {s.resume['checkpoint']} (step {s.resume['step']})"))
+    if s.loss:
+        console.print("loss: " + "  ".join(f"{k}:{v:.4f}" for k, v in s.loss.items()))
+    if s.step_seconds:
+        secs = sorted(s.step_seconds)
         console.print(
             f"step time (rank 0): median {secs[len(secs) // 2]:.3f} s over {len(secs)} steps; "
-            f"{s['records']} trajectory records"
+            f"{s.records} trajectory records"
         )
-    for f in s["failures"][:3]:
+    for f in s.failures[:3]:
         console.print(T(f.get("event"), "red") + T(f": {failure_text(f)}"), soft_wrap=True)
-    for st in s["stragglers"][:3]:
+    for st in s.stragglers[:3]:
         console.print(
             T("straggler", "yellow")
             + T(
@@ -112,69 +64,37 @@ def render_summary(run_dir: Path | str, console: Console, brief: bool = False) -
                 f"to reach its collective (others: {st['others_median']}s)"
             )
         )
-    for w in s["warnings"]:
+    for w in s.warnings:
         console.print(T("warning", "yellow") + T(f": {w}"))
-    if not brief:
+    if topology is not None:
         tab = Table(title="records per rank")
         for col in ("rank", "steps", "records"):
             tab.add_column(col, justify="right")
-        for r, c in s["ranks"].items():
-            tab.add_row(Text(r), str(c["steps"]), str(c["records"]))
+        for r, c in s.ranks.items():
+            tab.add_row(Text(r), str(c.steps), str(c.records))
         console.print(tab)
-        render_topology(Run(run_dir), console)
-    return s
+        render_topology(TopologyFacts(topology or None), console)
 
 
-def checkpoints_view(run: Run) -> list[dict]:
-    out = []
-    for p in run.checkpoint_dirs():
-        ok, reason = checkpoint.status(p, run.manifest_id)
-        out.append(
-            {
-                "checkpoint": p.name,
-                "step": int(p.name.split("-")[1]),
-                "verified": ok,
-                "detail": reason,
-            }
-        )
-    partial = (
-        sorted(p.name for p in (run.path / "checkpoints").glob("*.partial"))
-        if (run.path / "checkpoints").is_dir()
-        else []
-    )
-    for name in partial:
-        out.append(
-            {
-                "checkpoint": name,
-                "step": None,
-                "verified": False,
-                "detail": "partial write (never published)",
-            }
-        )
-    return out
-
-
-def render_topology(run: Run, console: Console) -> dict | None:
-    topo = run.topology()
+def render_topology(facts: TopologyFacts, console: Console) -> None:
+    topo = facts.topology
     if not topo:
         console.print("[yellow]no topology.json[/yellow]")
-        return None
+        return
     tab = Table(title=Text(f"rank topology (mesh {topo['mesh_shape']})"))
     for col in ("rank", "host", "node", "local", *topo["mesh_dims"]):
         tab.add_column(Text(str(col)), justify="right")
-    colours = ["cyan", "magenta", "green", "yellow", "blue", "red"]
     for r in topo["ranks"]:
         c = r["coords"]
         tab.add_row(
             *[Text(str(r[k])) for k in ("rank", "host", "node_rank", "local_rank")],
-            *[Text(str(c[d]), style=colours[c[d] % len(colours)]) for d in topo["mesh_dims"]],
+            *[Text(str(c[d]), style=COLOURS[c[d] % len(COLOURS)]) for d in topo["mesh_dims"]],
         )
     console.print(tab)
     console.print(mesh_picture(topo))
     for dim, groups in topo["groups"].items():
         if topo["mesh_shape"][dim] > 1:
             console.print(Text(f"{dim} groups: {groups}"))
-    return topo
 
 
 def mesh_picture(topo: dict) -> Text:
@@ -211,173 +131,130 @@ def _table(title: str, columns, rows, justify: str = "left") -> Table:
     return tab
 
 
-def show(run_dir: Path | str, view: str, console: Console) -> dict:
-    if view not in VIEWS:
-        raise BadInput("VIEW", f"unknown view '{view}'; one of: {', '.join(VIEWS)}")
-    run = Run(run_dir)
-    if view == "summary":
-        return render_summary(run_dir, console)
-    if view == "checkpoints":
-        rows = checkpoints_view(run)
-        tab = _table(
-            "recovery checkpoints",
-            ("checkpoint", "verified", "detail"),
-            [
-                (
-                    r["checkpoint"],
-                    Text("yes", "green") if r["verified"] else Text("NO", "red"),
-                    r["detail"],
-                )
-                for r in rows
-            ],
+def render_checkpoints(facts: CheckpointFacts, console: Console) -> None:
+    rows = [
+        (c.checkpoint, Text("yes", "green") if c.verified else Text("NO", "red"), c.detail)
+        for c in facts.checkpoints
+    ]
+    tab = _table("recovery checkpoints", ("checkpoint", "verified", "detail"), rows)
+    console.print(tab if rows else "no checkpoints")
+
+
+def render_collectives(facts: CollectiveFacts, console: Console) -> None:
+    sync = facts.sync
+    console.print(
+        _table(
+            "collectives per process group",
+            ("group", "ops", "bytes (rank 0 of group)"),
+            [(g, v["ops"], v["bytes"]) for g, v in sync["groups"].items()],
         )
-        console.print(tab if rows else "no checkpoints")
-        return {"checkpoints": rows}
-    if view == "topology":
-        return render_topology(run, console) or {}
-    if view == "records":
-        return render_record_counts(run, console)
-    if view == "collectives":
-        res = check_sync(run)
+    )
+    console.print(
+        "[green]all groups in sync[/green]"
+        if sync["ok"]
+        else f"[red]{escape(sync['first_mismatch']['message'])}[/red]"
+    )
+    tab = Table(title="rank 0: tensor traffic per step, ring model (bytes sent per rank)")
+    for col in ("step", "class", "calls", "buffer bytes", "ring bytes on the wire"):
+        tab.add_column(col, justify="right")
+    for step, classes in facts.wire_volume["steps"].items():
+        for cls, row in classes.items():
+            tab.add_row(
+                Text(str(step)),
+                Text(str(cls)),
+                Text(str(row["calls"])),
+                Text(str(row["bytes"])),
+                f"{row['ring_bytes']:.0f}",
+            )
+    console.print(tab)
+    pred = facts.predicted_bytes_per_step
+    if pred is None:
+        return
+    console.print(
+        f"plan (ZeRO paper ring volumes): {pred} bytes per rank per step for this strategy"
+    )
+    for step, total, ratio in facts.measured_over_predicted():
         console.print(
-            _table(
-                "collectives per process group",
-                ("group", "ops", "bytes (rank 0 of group)"),
-                [(g, v["ops"], v["bytes"]) for g, v in res["groups"].items()],
-            )
+            f"  step {step}: measured (trace, ring model) {total:.0f} / predicted {pred} = {ratio:.3f}"
+            if ratio is not None
+            else ""
         )
+    if facts.zero3_regathers:
         console.print(
-            "[green]all groups in sync[/green]"
-            if res["ok"]
-            else f"[red]{escape(res['first_mismatch']['message'])}[/red]"
+            f"  gap: ZeRO-3 gathers the parameters again for each of the {facts.zero3_regathers} "
+            "micro-batches; the paper's 3(n-1)/n Psi counts one forward and backward per step"
         )
-        vol = wire_volume(run)
-        pred = predicted_dp_volume(run.manifest)
-        tab = Table(title="rank 0: tensor traffic per step, ring model (bytes sent per rank)")
-        for col in ("step", "class", "calls", "buffer bytes", "ring bytes on the wire"):
-            tab.add_column(col, justify="right")
-        for step, classes in vol["steps"].items():
-            for cls, row in classes.items():
-                tab.add_row(
-                    Text(str(step)),
-                    Text(str(cls)),
-                    Text(str(row["calls"])),
-                    Text(str(row["bytes"])),
-                    f"{row['ring_bytes']:.0f}",
-                )
-        console.print(tab)
-        if pred is not None:
-            console.print(
-                f"plan (ZeRO paper ring volumes): {pred} bytes per rank per step for this strategy"
+
+
+MEMORY_COLUMNS = (
+    "step",
+    "rank",
+    "params",
+    "grads",
+    "optimizer",
+    "model_state",
+    "engine",
+    "buffers",
+    "measured_total",
+    "predicted",
+    "ratio_total",
+    "activations_saved",
+    "resident",
+)
+
+
+def render_memory(facts: MemoryFacts, console: Console) -> None:
+    tab = Table(title="memory ledger (bytes held locally: distinct storages, measured)")
+    for col in MEMORY_COLUMNS:
+        tab.add_column(col, justify="right")
+    for r in facts.memory:
+        pred = r.get("predicted")
+        cells = {**r, "predicted": pred.get("total") if isinstance(pred, dict) else pred}
+        tab.add_row(*[Text(str(cells.get(c, "-"))) for c in MEMORY_COLUMNS])
+    console.print(tab)
+    for rank, r in facts.last_per_rank():  # the gap of each rank's last step, named
+        pred = r.get("predicted") if isinstance(r.get("predicted"), dict) else {}
+        console.print(
+            Text(
+                f"rank {rank} step {r.get('step')}: measured {r.get('measured_total')} B, "
+                f"predicted (ZeRO formula) {pred.get('total')} B"
             )
-            for step, classes in vol["steps"].items():
-                if step == "0":
-                    continue  # set-up (DDP's initial parameter broadcast)
-                total = sum(r["ring_bytes"] for r in classes.values())
-                console.print(
-                    f"  step {step}: measured (trace, ring model) {total:.0f} / predicted {pred} = "
-                    f"{total / pred:.3f}"
-                    if pred
-                    else ""
-                )
-            accum = run.manifest.get("training", {}).get("grad_accum_steps", 1)
-            if run.manifest.get("parallelism", {}).get("zero_stage") == 3 and accum > 1:
-                console.print(
-                    f"  gap: ZeRO-3 gathers the parameters again for each of the {accum} micro-batches; "
-                    "the paper's 3(n-1)/n Psi counts one forward and backward per step"
-                )
-        res["wire_volume"], res["predicted_bytes_per_step"] = vol, pred
-        return res
-    if view == "memory":
-        rows = []
-        for rank in run.ranks("memory"):
-            rows += list(iter_jsonl(run.rank_path("memory", rank), []))
-        tab = Table(title="memory ledger (bytes held locally: distinct storages, measured)")
-        cols = (
-            "step",
-            "rank",
-            "params",
-            "grads",
-            "optimizer",
-            "model_state",
-            "engine",
-            "buffers",
-            "measured_total",
-            "predicted",
-            "ratio_total",
-            "activations_saved",
-            "resident",
         )
-        for col in cols:
-            tab.add_column(col, justify="right")
-        for r in rows:
-            pred = r.get("predicted")
-            cells = {**r, "predicted": pred.get("total") if isinstance(pred, dict) else pred}
-            tab.add_row(*[Text(str(cells.get(c, "-"))) for c in cols])
-        console.print(tab)
-        last: dict = {}
-        for r in rows:  # the gap of each rank's last step, named
-            if isinstance(r, dict):
-                last[r.get("rank")] = r
-        for rank, r in sorted(last.items(), key=lambda kv: str(kv[0])):
-            pred = r.get("predicted") if isinstance(r.get("predicted"), dict) else {}
-            console.print(
-                Text(
-                    f"rank {rank} step {r.get('step')}: measured {r.get('measured_total')} B, "
-                    f"predicted (ZeRO formula) {pred.get('total')} B"
-                )
-            )
-            for g in r.get("gap_bytes") or []:
-                if isinstance(g, dict):
-                    why = f" ({g['why']})" if g.get("why") else ""
-                    console.print(Text(f"  gap: {g.get('what')}: {g.get('bytes')} B{why}"))
-        return {"memory": rows}
-    ev = run.events()
-    for e in ev.records:
-        console.print(e)
-    return {"events": ev.records}
+        for g in r.get("gap_bytes") or []:
+            if isinstance(g, dict):
+                why = f" ({g['why']})" if g.get("why") else ""
+                console.print(Text(f"  gap: {g.get('what')}: {g.get('bytes')} B{why}"))
 
 
-def record_counts(run: Run) -> dict:
-    """Trajectory records per rank and phase, read from the step index (no record is parsed)."""
-    per_rank: dict[str, dict] = {}
-    for rank in run.ranks():
-        entries = run.step_index(rank).records
-        per_rank[str(rank)] = {
-            "records": sum(e["records"] for e in entries),
-            "steps": len(entries),
-            "bytes": sum(e["length"] for e in entries),
-        }
-    total = sum(v["records"] for v in per_rank.values())
-    size = sum(v["bytes"] for v in per_rank.values())
-    return {
-        "records": total,
-        "bytes": size,
-        "bytes_per_record": round(size / total, 1) if total else None,
-        "ranks": per_rank,
-    }
-
-
-def render_record_counts(run: Run, console: Console) -> dict:
-    res = record_counts(run)
+def render_record_counts(res: RecordCounts, console: Console) -> None:
     tab = Table(
         title="trajectory records (export every one with `disttrace show RUN records --jsonl`)"
     )
     for col in ("rank", "steps", "records", "bytes"):
         tab.add_column(col, justify="right")
-    for rank, v in res["ranks"].items():
-        tab.add_row(rank, str(v["steps"]), str(v["records"]), str(v["bytes"]))
+    for rank, v in res.ranks.items():
+        tab.add_row(rank, str(v.steps), str(v.records), str(v.bytes))
     console.print(tab)
-    return res
 
 
-def export_records(run: Run, out) -> int:
-    """Every trajectory record of every rank as JSON lines on `out` (a binary stream), rank by rank in
-    file order (which is the order key within a rank); each line validated as readers read it. Returns
-    the count. The export for tools that want JSON: DuckDB, Polars, jq."""
-    n = 0
-    for rank in run.ranks():
-        for rec in run.records(rank):
-            out.write(orjson.dumps(rec) + b"\n")
-            n += 1
-    return n
+def render_events(facts: EventFacts, console: Console) -> None:
+    for e in facts.events:
+        console.print(e)
+
+
+def render(facts, console: Console, topology: dict | None = None) -> None:
+    """Any `show` view's facts (analysis/facts.py's `gather`)."""
+    if isinstance(facts, RunSummary):
+        render_summary(facts, console, topology if topology is not None else {})
+    elif isinstance(facts, CheckpointFacts):
+        render_checkpoints(facts, console)
+    elif isinstance(facts, TopologyFacts):
+        render_topology(facts, console)
+    elif isinstance(facts, RecordCounts):
+        render_record_counts(facts, console)
+    elif isinstance(facts, CollectiveFacts):
+        render_collectives(facts, console)
+    elif isinstance(facts, MemoryFacts):
+        render_memory(facts, console)
+    else:
+        render_events(facts, console)

@@ -1,0 +1,271 @@
+"""What a run holds, as `disttrace show` reports it: the facts are gathered here, from the run store only;
+views/show.py renders them. Each `*Facts` prints its `show --json` document with `to_json()`.
+
+Free-form parts stay mappings where the store holds them so (run.json's fault and resume, events, the
+memory ledger's lines, topology.json, the collective trace's summary).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from disttrace.analysis.sync import check_sync, find_stragglers, predicted_dp_volume, wire_volume
+from disttrace.errors import BadInput
+from disttrace.jsondoc import JsonDoc
+from disttrace.store import checkpoints as checkpoint
+from disttrace.store.records import FAILURE_EVENTS, Event
+from disttrace.store.rundir import Run, iter_jsonl
+
+VIEWS = ("summary", "checkpoints", "topology", "collectives", "memory", "events", "records")
+
+
+@dataclass
+class RankCounts(JsonDoc):
+    steps: int
+    records: int
+
+
+@dataclass
+class RunSummary(JsonDoc):
+    """`disttrace show RUN --json`, and what a run command prints after its job."""
+
+    path: str | None  # reference | fault | recovered
+    complete: bool
+    manifest_id: str | None
+    experiment: str | None
+    edition: str | None
+    topology: dict[str, int]  # world_size, dp, tp, pp, zero_stage
+    fault: dict | None  # run.json's fault spec
+    resume: dict | None  # run.json's resume spec
+    loss: dict[str, float]  # step -> loss
+    ranks: dict[str, RankCounts]
+    records: int  # trajectory records over all ranks
+    step_seconds: list[float]  # rank 0, in step order
+    fault_fired: list[dict]
+    failures: list[dict]  # the FAILURE_EVENTS lines
+    stragglers: list[dict]
+    checkpoints: list[str]
+    warnings: list[str]
+
+
+def summary(run_dir: Path | str) -> RunSummary:
+    run = Run(run_dir)
+    m = run.manifest
+    counts, torn = {}, []
+    for rank in run.ranks():
+        idx = run.step_index(rank)
+        counts[rank] = RankCounts(
+            steps=len(idx.records), records=sum(e["records"] for e in idx.records)
+        )
+        if idx.torn:
+            torn.append(idx.torn)
+    events = run.events().records
+    info = run.info
+    exp, par = m.get("experiment") or {}, m.get("parallelism") or {}
+    times = run.step_times(0)  # rank 0's, kept whether the run recorded or not
+    if times.torn:
+        torn.append(times.torn)
+    step_seconds = {e["step"]: e["seconds"] for e in times.records}
+    return RunSummary(
+        path=info.get("path"),
+        complete=run.complete,
+        manifest_id=run.manifest_id,
+        experiment=exp.get("name"),
+        edition=exp.get("edition"),
+        topology={
+            k: par.get(k, 1 if k != "zero_stage" else 0)
+            for k in ("world_size", "dp", "tp", "pp", "zero_stage")
+        },
+        fault=info.get("fault"),
+        resume=info.get("resume"),
+        loss={str(k): v for k, v in run.losses().items()},
+        ranks={str(k): v for k, v in counts.items()},
+        records=sum(c.records for c in counts.values()),
+        step_seconds=[step_seconds[k] for k in sorted(step_seconds)],
+        fault_fired=run.fault_events(),
+        failures=[e for e in events if e.get("event") in FAILURE_EVENTS],
+        stragglers=find_stragglers(run),
+        checkpoints=[p.name for p in run.checkpoint_dirs()],
+        warnings=torn,
+    )
+
+
+def failure_text(e: dict) -> str:
+    """What one failure event (FAILURE_EVENTS) says, in a line: a live check names the step, the phase and
+    the group whose copies differ; a failed rank or job its error or reason."""
+    if e.get("event") == Event.LIVE_CHECK_FAILED:
+        return f"step {e.get('step')}: {e.get('phase')} copies over group {e.get('group')} differ"
+    return str(e.get("reason") or e.get("error"))
+
+
+@dataclass
+class CheckpointFact(JsonDoc):
+    checkpoint: str
+    step: int | None  # None: a partial write, never published
+    verified: bool
+    detail: str
+
+
+@dataclass
+class CheckpointFacts(JsonDoc):
+    checkpoints: list[CheckpointFact]
+
+    @property
+    def all_verified(self) -> bool:
+        """Every published checkpoint verifies (a partial write is listed, not judged)."""
+        return all(c.verified for c in self.checkpoints if c.step is not None)
+
+
+def checkpoints(run: Run) -> CheckpointFacts:
+    out = []
+    for p in run.checkpoint_dirs():
+        ok, reason = checkpoint.status(p, run.manifest_id)
+        out.append(CheckpointFact(p.name, int(p.name.split("-")[1]), ok, reason))
+    for name in run.partial_checkpoints():
+        out.append(CheckpointFact(name, None, False, "partial write (never published)"))
+    return CheckpointFacts(out)
+
+
+@dataclass
+class CollectiveFacts(JsonDoc):
+    """The collective trace: per-group sync (analysis/sync.py's document), the tensor traffic per step under
+    the ring model, and the ZeRO paper's prediction for this strategy."""
+
+    sync: dict[str, Any]
+    wire_volume: dict[str, Any]
+    predicted_bytes_per_step: int | None
+    # ZeRO-3 with accumulation gathers the parameters once per micro-batch; the paper's 3(n-1)/n Psi counts
+    # one forward and backward per step: the micro-batches per step where that gap applies, else None
+    zero3_regathers: int | None = None
+
+    def measured_over_predicted(self) -> list[tuple[str, float, float | None]]:
+        """(step, ring bytes measured, their ratio to the prediction) for each step after set-up."""
+        out = []
+        for step, classes in self.wire_volume["steps"].items():
+            if step == "0":
+                continue  # set-up (DDP's initial parameter broadcast)
+            total = sum(r["ring_bytes"] for r in classes.values())
+            pred = self.predicted_bytes_per_step
+            out.append((step, total, total / pred if pred else None))
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **self.sync,
+            "wire_volume": self.wire_volume,
+            "predicted_bytes_per_step": self.predicted_bytes_per_step,
+        }
+
+
+def collectives(run: Run) -> CollectiveFacts:
+    m = run.manifest
+    accum = m.get("training", {}).get("grad_accum_steps", 1)
+    zero3 = m.get("parallelism", {}).get("zero_stage") == 3 and accum > 1
+    return CollectiveFacts(
+        sync=check_sync(run),
+        wire_volume=wire_volume(run),
+        predicted_bytes_per_step=predicted_dp_volume(m),
+        zero3_regathers=accum if zero3 else None,
+    )
+
+
+@dataclass
+class MemoryFacts(JsonDoc):
+    memory: list[dict]  # the ledger's lines, every rank (memory/rank-N.jsonl)
+
+    def last_per_rank(self) -> list[tuple[Any, dict]]:
+        """Each rank's last ledger line, by rank."""
+        last: dict = {}
+        for r in self.memory:
+            if isinstance(r, dict):
+                last[r.get("rank")] = r
+        return sorted(last.items(), key=lambda kv: str(kv[0]))
+
+
+def memory(run: Run) -> MemoryFacts:
+    rows: list[dict] = []
+    for rank in run.ranks("memory"):
+        rows += list(iter_jsonl(run.rank_path("memory", rank), []))
+    return MemoryFacts(rows)
+
+
+@dataclass
+class EventFacts(JsonDoc):
+    events: list[dict]
+
+
+@dataclass
+class RankRecords(JsonDoc):
+    records: int
+    steps: int
+    bytes: int
+
+
+@dataclass
+class RecordCounts(JsonDoc):
+    """Trajectory records per rank, read from the step index (no record is parsed)."""
+
+    records: int
+    bytes: int
+    bytes_per_record: float | None
+    ranks: dict[str, RankRecords] = field(default_factory=dict)
+
+
+def record_counts(run: Run) -> RecordCounts:
+    per_rank: dict[str, RankRecords] = {}
+    for rank in run.ranks():
+        entries = run.step_index(rank).records
+        per_rank[str(rank)] = RankRecords(
+            records=sum(e["records"] for e in entries),
+            steps=len(entries),
+            bytes=sum(e["length"] for e in entries),
+        )
+    total = sum(v.records for v in per_rank.values())
+    size = sum(v.bytes for v in per_rank.values())
+    return RecordCounts(total, size, round(size / total, 1) if total else None, per_rank)
+
+
+@dataclass
+class TopologyFacts(JsonDoc):
+    """topology.json as the run wrote it (None: not written)."""
+
+    topology: dict | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.topology or {}
+
+
+def gather(run_dir: Path | str, view: str):
+    """The facts of one `show` view."""
+    if view not in VIEWS:
+        raise BadInput("VIEW", f"unknown view '{view}'; one of: {', '.join(VIEWS)}")
+    run = Run(run_dir)
+    if view == "summary":
+        return summary(run_dir)
+    if view == "checkpoints":
+        return checkpoints(run)
+    if view == "topology":
+        return TopologyFacts(run.topology())
+    if view == "records":
+        return record_counts(run)
+    if view == "collectives":
+        return collectives(run)
+    if view == "memory":
+        return memory(run)
+    return EventFacts(run.events().records)
+
+
+def export_records(run: Run, out) -> int:
+    """Every trajectory record of every rank as JSON lines on `out` (a binary stream), rank by rank in
+    file order (which is the order key within a rank); each line validated as readers read it. Returns
+    the count. The export for tools that want JSON: DuckDB, Polars, jq."""
+    n = 0
+    for rank in run.ranks():
+        for rec in run.records(rank):
+            out.write(orjson.dumps(rec) + b"\n")
+            n += 1
+    return n

@@ -1,0 +1,137 @@
+"""The parts of a diff's rendering that the terminal, markdown and HTML views share: the tolerance's wording
+(every bound kind), a bound with its kind, the A/B rows of the first divergence, and the class of a
+rank x step grid cell. Each view only styles them (rich, markdown, HTML); none re-derives them."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from disttrace.analysis.result import BoundKind, Divergence, RankEntry, RecordStats, Tolerance
+from disttrace.fmt import abbrev, agreeing_digits, fmt_number
+
+DIGEST_CHARS = 16
+
+
+def tolerance_text(tol: Tolerance) -> str:
+    """What the comparison was held to, in words."""
+    if tol.kind is BoundKind.BITWISE:
+        return "bit for bit"
+    if tol.kind is BoundKind.USER:
+        return f"explicit rtol {fmt_number(tol.rtol, 'g')} atol {fmt_number(tol.atol, 'g')}"
+    per_step = fmt_number(tol.per_step, ".2e")
+    if tol.kind is BoundKind.CALIBRATED:
+        found = " (found beside the run)" if tol.found else ""
+        return f"calibrated bounds from {tol.file}{found} (derived {per_step} per step elsewhere)"
+    scale = {
+        "magnitudes": ", relative to the magnitudes behind each gradient",
+        "norm": ", relative to each record's norm (no magnitudes recorded)",
+    }.get(tol.scale or "", "")
+    return f"derived bound {per_step} per step × steps since agreement{scale}"
+
+
+def bound_text(bound: float | None, kind: BoundKind, digits: str = ".3e") -> str:
+    """A bound and where it comes from: `0 (bitwise)`, `1.2e-06 (derived)`, `- (explicit)` where an
+    explicit atol makes the relative bound depend on the scale."""
+    if kind is BoundKind.BITWISE:
+        return "0 (bitwise)"
+    return f"{fmt_number(bound, digits)} ({kind.label})"
+
+
+@dataclass
+class Row:
+    """One row of the A/B table: a label and each side's text; `alert` marks a row to emphasise."""
+
+    label: str
+    a: str
+    b: str
+    alert: bool = False
+    code: bool = False  # a digest: monospace where the medium has it
+
+
+def ab_rows(f: Divergence) -> list[Row]:
+    """The first divergence side by side: presence, digest, sum, norm, non-finite count, dtype and shape."""
+    a, b = f.a or RecordStats(), f.b or RecordStats()
+    rows = []
+    if f.missing_in:
+        pair = ("missing", "present") if f.missing_in == "a" else ("present", "missing")
+        rows.append(Row("record", *pair, alert=True))
+    rows += [
+        Row("digest", abbrev(a.digest, DIGEST_CHARS), abbrev(b.digest, DIGEST_CHARS), code=True),
+        Row("sum", fmt_number(a.sum, ".10g"), fmt_number(b.sum, ".10g")),
+        Row("norm", fmt_number(a.norm, ".10g"), fmt_number(b.norm, ".10g")),
+        Row(
+            "non-finite",
+            fmt_number(a.nonfinite),
+            fmt_number(b.nonfinite),
+            alert=bool(a.nonfinite or b.nonfinite),
+        ),
+        Row(
+            "dtype, shape",
+            f"{a.dtype} {a.shape}" if f.a else "-",
+            f"{b.dtype} {b.shape}" if f.b else "-",
+        ),
+    ]
+    return rows
+
+
+def error_text(f: Divergence, mode: str) -> str:
+    """The first divergence's error against its bound, and the note (non-finite, shape differs...)."""
+    return (
+        f"rel err {fmt_number(f.rel_err, '.3e')} vs bound "
+        + bound_text(f.bound, BoundKind.BITWISE if mode == "bitwise" else f.bound_kind)
+        + (f" ({f.note})" if f.note else "")
+    )
+
+
+class CellClass(enum.StrEnum):
+    """What one rank showed at one step, as the grid draws it."""
+
+    EQUAL = "equal"  # every tensor bit-identical
+    WITHIN = "within"  # some bits differ, every value within its bound
+    BEYOND = "beyond"  # some value beyond its bound (labelled by the digits that still agree)
+    HARD = "hard"  # a divergence without a relative error: missing, non-finite, shape, bits only
+
+    @property
+    def legend(self) -> str:
+        return {
+            "equal": "bit-identical",
+            "within": "inexact, within the bound",
+            "beyond": "beyond the bound",
+            "hard": "missing, non-finite or bits only",
+        }[self.value]
+
+
+@dataclass
+class Cell:
+    cls: CellClass
+    digits: int | None  # decimal digits the worst tensor still agrees to (None: no relative error)
+    entry: RankEntry | None
+
+    @property
+    def description(self) -> str:
+        e = self.entry
+        if e is None:
+            return "bit-identical"
+        if self.cls is CellClass.EQUAL:
+            return f"bit-identical ({e.total} tensors)"
+        by_phase = ", ".join(f"{p} {v:.1e}" for p, v in e.max_rel_err_by_phase.items())
+        desc = f"{e.differing}/{e.total} tensors differ; max rel err {fmt_number(e.max_rel_err, '.2e')}"
+        desc += f" ({by_phase})" if by_phase else ""
+        if e.hard:
+            desc += f"; {e.hard} missing, non-finite or bits-only"
+        return ("within the bound: " if self.cls is CellClass.WITHIN else "") + desc
+
+
+def cell(entry: RankEntry | None) -> Cell:
+    """The one classification every grid uses."""
+    if entry is None or not entry.inexact:
+        return Cell(CellClass.EQUAL, None, entry)
+    rel = entry.max_rel_err
+    # equal statistics with other bits (rel err 0) agree to every digit shown
+    digits = agreeing_digits(rel) if rel else (9 if rel == 0 else None)
+    if not entry.differing:
+        return Cell(CellClass.WITHIN, digits, entry)
+    if entry.hard or not rel:
+        return Cell(CellClass.HARD, None, entry)
+    return Cell(CellClass.BEYOND, digits, entry)

@@ -1,0 +1,116 @@
+"""A plan (plan/costs.py) as rich tables: model states per ZeRO stage, activations, pipeline bubble, traffic."""
+
+from __future__ import annotations
+
+from disttrace.plan.costs import ACTIVATION_VARIANTS, human_bytes, human_count
+
+
+def render_plan(result: dict, console) -> None:
+    """Print a plan as rich tables: model states per ZeRO stage, activations, pipeline bubble, traffic."""
+    from rich.table import Table
+
+    inp = result.get("inputs", {})
+    selected = str(result.get("zero_stage", inp.get("zero_stage", 0)))
+    console.print(
+        f"[bold]Plan[/bold] for {human_count(result['params'])} parameters ({result['params']:,}) on "
+        f"dp={inp.get('dp')} x tp={inp.get('tp')} x pp={inp.get('pp')} = {inp.get('world_size')} devices, "
+        f"{inp.get('precision')} precision, {inp.get('optimizer')}"
+    )
+    if inp.get("params_source", "given") != "given":
+        console.print(f"  parameter count {inp['params_source']}")
+
+    bpp = result.get("bytes_per_param", {})
+    t = Table(
+        title="Model states per device (ZeRO, Rajbhandari et al. 2020)",
+        caption=f"Psi per model-parallel rank = {result.get('params_per_model_parallel_rank', 0):,}; "
+        f"bytes/param: weights {bpp.get('weights')}, grads {bpp.get('grads')}, "
+        f"optimizer K = {bpp.get('optimizer_K')}. 1 GiB = 2^30 bytes (the paper's GB = 10^9).",
+    )
+    for col in ("ZeRO stage", "shards", "params", "grads", "optimizer", "total"):
+        t.add_column(col, justify="right" if col not in ("ZeRO stage", "shards") else "left")
+    shards = {
+        "0": "nothing (DDP)",
+        "1": "optimizer",
+        "2": "optimizer + grads",
+        "3": "optimizer + grads + params",
+    }
+    breakdown = result.get("model_state_breakdown_per_device") or {}
+    for s, total in result["model_state_bytes_per_device"].items():
+        b = breakdown.get(s, {})
+        mark = " <- selected" if s == selected else ""
+        t.add_row(
+            f"{s}{mark}",
+            shards.get(s, ""),
+            human_bytes(b.get("params")),
+            human_bytes(b.get("grads")),
+            human_bytes(b.get("optimizer")),
+            human_bytes(total),
+            style="bold" if s == selected else None,
+        )
+    console.print(t)
+
+    acts = result.get("activation_bytes_per_layer")
+    if acts is None:
+        console.print("Activations: give the sequence length, hidden size and heads to plan them.")
+    else:
+        per_device = result.get("activation_bytes_per_device")
+        t = Table(
+            title="Activations (Korthikanti et al. 2022, Table 2)",
+            caption=f"s={inp.get('seq')} b={inp.get('micro_batch')} h={inp.get('hidden')} "
+            f"a={inp.get('heads')} t={inp.get('tp')}"
+            + (
+                "; per device = per layer x layers per stage x micro-batches in flight "
+                f"({inp.get('pp_schedule')})"
+                if per_device
+                else ""
+            ),
+        )
+        t.add_column("variant")
+        t.add_column("what")
+        t.add_column("formula")
+        t.add_column("per layer", justify="right")
+        if per_device:
+            t.add_column("per device", justify="right")
+        for k, v in acts.items():
+            formula, what = ACTIVATION_VARIANTS.get(k, ("", ""))
+            row = [k, what, formula, human_bytes(v)]
+            if per_device:
+                row.append(human_bytes(per_device.get(k)))
+            t.add_row(*row)
+        console.print(t)
+
+    bub = result["bubble_fraction"]
+    t = Table(
+        title=f"Pipeline bubble (p={inp.get('pp')} stages, m={inp.get('micro_batches')} micro-batches)",
+        caption="(p-1)/m: bubble time over ideal compute time (GPipe, 1F1B/PipeDream-Flush, Megatron-LM); "
+        "(p-1)/(m+p-1): over the whole step",
+    )
+    t.add_column("schedule")
+    t.add_column("bubble / ideal compute", justify="right")
+    t.add_column("bubble / whole step", justify="right")
+    t.add_row("GPipe", f"{bub['gpipe']:.1%}", f"{bub['of_total_time']:.1%}")
+    t.add_row("1F1B", f"{bub['1f1b']:.1%}", f"{bub['of_total_time']:.1%}")
+    console.print(t)
+
+    comm = result["comm_bytes_per_device"]
+    t = Table(
+        title="Data-parallel traffic per device per step (ring collectives, ZeRO paper Section 7)"
+    )
+    t.add_column("layout")
+    t.add_column("collectives")
+    t.add_column("bytes sent", justify="right")
+    what = {
+        "0": "all-reduce grads (= DDP)",
+        "1": "reduce-scatter grads + all-gather params",
+        "2": "reduce-scatter grads + all-gather params",
+        "3": "+ all-gather params again (1.5x DDP)",
+    }
+    for s in ("0", "1", "2", "3"):
+        mark = " <- selected" if s == selected else ""
+        t.add_row(
+            f"ZeRO {s}{mark}",
+            what[s],
+            human_bytes(comm[s]),
+            style="bold" if s == selected else None,
+        )
+    console.print(t)

@@ -1,0 +1,148 @@
+"""The terminal and the HTML report draw one diff result alike: every grid cell in the same class, every
+bound kind in the same words. The cells' oracle is what was planted (views/diffparts.py classifies for both
+views, so the test holds each view's drawing against the plant, not against the classifier)."""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import io
+import re
+
+import pytest
+from rich.console import Console
+from test_diff_synthetic import find, gen_records, manifest, plant, write_run
+
+from disttrace.analysis.diff import diff_runs
+from disttrace.analysis.result import BoundKind, Tolerance
+from disttrace.views.diff import render_md, render_rich
+from disttrace.views.report import render_html
+
+STEPS = range(1, 7)
+# (step, rank) -> the class the grid must draw there; every other cell is bit-identical
+PLANTED = {
+    (2, 0): "within",  # a backward gradient off by 1e-9 relative: inside the derived bound
+    (3, 1): "beyond",  # a forward activation off by 10%
+    (4, 0): "hard",  # a record missing on B
+    (5, 1): "within",  # other bits, the same statistics (relative error 0)
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("agree")
+    m = manifest()
+    a = write_run(tmp / "a", m, gen_records(m, STEPS))
+    recs = gen_records(m, STEPS)
+    plant(recs, 2, 0, "backward", 0, 1, factor=1 + 1e-9)
+    plant(recs, 3, 0, "forward", 1, 0, factor=1.1)
+    recs[0].remove(find(recs, 4, 0, "forward", 0, 1))
+    plant(recs, 5, 0, "optimizer", 1, 2, salt="other bits")
+    return a, write_run(tmp / "b", m, recs)
+
+
+SGR = re.compile(r"\x1b\[([0-9;]*)m")
+COLOUR = {"32": "green", "33": "yellow", "31": "red"}
+
+
+def _terminal(result) -> str:
+    buf = io.StringIO()
+    render_rich(result, Console(file=buf, width=400, force_terminal=True, color_system="standard"))
+    return buf.getvalue()
+
+
+def _terminal_cells(out: str) -> dict[tuple[int, int], str]:
+    """(step, rank) -> class, read from the grid's characters and their colours."""
+    plain = [SGR.sub("", line) for line in out.splitlines()]
+    head = next(
+        i for i, line in enumerate(plain) if line.startswith("steps ") and "every 10th" in line
+    )
+    first = int(re.match(r"steps (\d+)", plain[head]).group(1))
+    cells = {}
+    for line in out.splitlines()[head + 2 :]:
+        m = re.match(r"(?:\x1b\[[0-9;]*m)*\s*(\d+)  ", line)
+        if not m:
+            break
+        rank, style, col = int(m.group(1)), set(), 0
+        for code, ch in re.findall(r"\x1b\[([0-9;]*)m|(.)", line[m.end() :]):
+            if not ch:
+                style = set() if code in ("", "0") else style | set(code.split(";"))
+                continue
+            colour = next((COLOUR[c] for c in style if c in COLOUR), None)
+            cls = {
+                ("·", "green"): "equal",
+                ("■", "red"): "hard",
+            }.get((ch, colour)) or {"yellow": "within", "red": "beyond"}[colour]
+            assert cls != "hard" or "1" in style, "missing, non-finite or bits only is bold"
+            cells[(first + col, rank)] = cls
+            col += 1
+    return cells
+
+
+def _html_cells(page: str) -> dict[tuple[int, int], str]:
+    return {
+        (int(s), int(r)): c
+        for s, r, c in re.findall(r'data-step="(\d+)" data-rank="(\d+)" data-cell="(\w+)"', page)
+    }
+
+
+def test_every_cell_class_is_drawn_alike(runs):
+    a, b = runs
+    result = diff_runs(a, b, mode="numeric")
+    expected = {(s, r): PLANTED.get((s, r), "equal") for s in STEPS for r in (0, 1)}
+    assert set(expected.values()) == {"equal", "within", "beyond", "hard"}
+    assert _terminal_cells(_terminal(result)) == expected
+    assert _html_cells(render_html([a, b], {1: result})) == expected
+
+
+def _variants(a, b):
+    """One result per bound kind; the calibrated one is the derived result relabelled as a calibration
+    file would have it (a real one needs `disttrace calibrate` runs: tests/test_calibrate.py)."""
+    derived = diff_runs(a, b, mode="numeric")
+    cal = dataclasses.replace(
+        derived,
+        tolerance=Tolerance(
+            BoundKind.CALIBRATED,
+            file="noise/calibration.json",
+            safety=4.0,
+            manifest_id=derived.a.manifest_id,
+            elsewhere="derived",
+            since_step=0,
+            derivation=derived.tolerance.derivation,
+        ),
+        first_divergence=dataclasses.replace(
+            derived.first_divergence, bound_kind=BoundKind.CALIBRATED
+        ),
+    )
+    per_step = f"{derived.tolerance.per_step:.2e}"
+    return {
+        "bitwise": (diff_runs(a, b), ["bit for bit", "vs bound 0 (bitwise)"]),
+        "explicit": (
+            diff_runs(a, b, rtol=0.05, atol=0.0),
+            ["explicit rtol 0.05 atol 0", "vs bound 5.000e-02 (explicit)"],
+        ),
+        "derived": (
+            derived,
+            [f"derived bound {per_step} per step", "(derived)"],
+        ),
+        "calibrated": (
+            cal,
+            [
+                f"calibrated bounds from noise/calibration.json (derived {per_step} per step elsewhere)",
+                "(calibrated)",
+            ],
+        ),
+    }
+
+
+@pytest.mark.parametrize("kind", ["bitwise", "explicit", "derived", "calibrated"])
+def test_every_bound_kind_is_worded_alike(runs, kind):
+    a, b = runs
+    result, words = _variants(a, b)[kind]
+    terminal = SGR.sub("", _terminal(result))
+    page = render_html([a, b], {1: result})
+    md = render_md(result)
+    for w in words:
+        assert w in terminal, (kind, w)
+        assert html.escape(w) in page, (kind, w)
+        assert w in md, (kind, w)
