@@ -199,6 +199,12 @@ def test_a_planted_bitflip_grad_is_located_at_its_step_rank_and_phase(stages, tm
     assert [(e["step"], e["rank"], e["point"]) for e in fired] == [(2, 1, "backward")], fired
     f = diff_runs(stages[2], run)["first_divergence"]
     assert (f["step"], f["rank"], f["phase"], f["micro_batch"]) == (2, 1, "backward", 1), f
+    # the control across stages: the same flip seen from the clean stage-0 run, where only the reduced
+    # gradient is compared (numerically), first at the step it was planted
+    d = diff_runs(stages[0], run)
+    assert d["mode"] == "numeric" and not d["equal"], d["first_divergence"]
+    f = d["first_divergence"]
+    assert (f["step"], f["phase"]) == (2, "reduce"), f
 
 
 @pytest.mark.slow
@@ -206,11 +212,25 @@ def test_check_flags_a_rank_whose_replicated_parameter_drifted(tmp_path):
     """Stage 0: every rank holds every parameter, so a bit flipped in rank 1's copy after step 2 is a replica
     drift `check` finds without a reference, at that step and phase."""
     _need_deepspeed()
-    proc = _inject(tmp_path, "bitflip-param", 2, 1, "--stage", 0, params=["tensor=out.weight"])
+    proc = _inject(
+        tmp_path, "bitflip-param", 2, 1, "--stage", 0, "--checkpoint", params=["tensor=out.weight"]
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = cli("check", last_line(proc), "--json")
+    run = last_line(proc)
+    proc = cli("check", run, "--json")
     first = orjson.loads(proc.stdout)["first"]
     assert proc.returncode == 1 and (first["step"], first["phase"]) == (2, "optimizer"), first
+    # run.checkpoint() after step 2: DeepSpeed's own files, with our INDEX, verified; one byte changed is not
+    ckpt = Run(run).path / "checkpoints" / "step-000002"
+    index = orjson.loads((ckpt / "INDEX.json").read_bytes())
+    assert index["format"] == "deepspeed" and index["step"] == 2 and len(index["files"]) >= 1
+    assert cli("verify", run).returncode == 0
+    victim = ckpt / sorted(index["files"])[0]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    proc = cli("verify", run)
+    assert proc.returncode != 0 and victim.name in proc.stdout + proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.slow

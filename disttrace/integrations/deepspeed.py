@@ -36,13 +36,17 @@ under stage 0 (every rank holds everything) reduced gradients, parameters and op
 from __future__ import annotations
 
 import math
+import os
 import sys
+from pathlib import Path
 
 import torch
 
 from disttrace.errors import BadInput
 from disttrace.run.attach import AttachedRun, Engine, _dist
 from disttrace.run.parallel.common import SCALAR_INDEX, SCALARS_AGREE
+from disttrace.store.records import Event
+from disttrace.store.rundir import event
 
 KIND = "DeepSpeed"
 # the faults whose hook point an attached DeepSpeed engine offers (the rest are refused, exit 2)
@@ -347,6 +351,61 @@ class DeepSpeedRun(AttachedRun):
             for g, group in enumerate(self.optimizer.param_groups)
         ]
         self.bus.emit("optimizer", params=params, state=state + lrs, optimizer=self.optimizer)
+
+    def checkpoint(self, state: dict | None = None, step: int | None = None) -> Path:
+        """DeepSpeed's own engine.save_checkpoint (its files, every stage's partitions) into the run's
+        checkpoints/step-NNNNNN with disttrace's sha256 INDEX.json (format "deepspeed"), published atomically
+        as the harness's are; `verify`, `show checkpoints` and the gate's checkpoint integrity read it.
+        Collective: every rank calls it. DeepSpeed's load_checkpoint(run_dir/"checkpoints", tag) reads it."""
+        import shutil
+
+        from disttrace.store.checkpoints import step_dir, write_index
+
+        if state is not None:
+            raise BadInput(
+                "run.checkpoint",
+                "a DeepSpeed engine saves its own state: put extra state in the engine's client_state",
+            )
+        dist = _dist()
+        step = (self.step if self._stepped else self.step - 1) if step is None else int(step)
+        final = step_dir(self.run_dir, step)
+        # DeepSpeed writes save_dir/tag/ (and a recovery script into save_dir): a staging folder holds both
+        staging = final.with_name(f".{final.name}.staging")
+        self._paused = True
+        try:
+            self._call(
+                "save_checkpoint",
+                str(staging),
+                final.name,
+                client_state={"disttrace": {"step": step, "manifest_id": self.manifest_id}},
+                save_latest=False,
+            )
+        finally:
+            self._paused = False
+        if dist:
+            dist.barrier()
+        if self.rank == 0:
+            write_index(
+                staging / final.name,
+                step,
+                self.manifest_id,
+                self.manifest["parallelism"]["world_size"],
+                ["model", "optim"],
+                fmt="deepspeed",
+            )
+            os.replace(staging / final.name, final)
+            shutil.rmtree(staging, ignore_errors=True)
+            event(
+                self.run_dir,
+                Event.CHECKPOINT_SAVED,
+                step=step,
+                path=str(final.relative_to(self.run_dir)),
+            )
+        if dist:
+            dist.barrier()
+        self.bus.emit("checkpoint", path=final, step=step)
+        self._finish_step()
+        return final
 
     def _ds_save_checkpoint(self, save_dir, tag=None, *args, **kwargs):
         self._paused = True
