@@ -356,7 +356,8 @@ class DeepSpeedRun(AttachedRun):
         """DeepSpeed's own engine.save_checkpoint (its files, every stage's partitions) into the run's
         checkpoints/step-NNNNNN with disttrace's sha256 INDEX.json (format "deepspeed"), published atomically
         as the harness's are; `verify`, `show checkpoints` and the gate's checkpoint integrity read it.
-        Collective: every rank calls it. DeepSpeed's load_checkpoint(run_dir/"checkpoints", tag) reads it."""
+        Collective: every rank calls it. The directory is DeepSpeed's tag directory (load_dir = the run's
+        checkpoints/, tag = step-NNNNNN)."""
         import shutil
 
         from disttrace.store.checkpoints import step_dir, write_index
