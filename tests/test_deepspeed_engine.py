@@ -86,6 +86,28 @@ def test_partition_pieces_combine_into_the_whole_tensor_as_diff_reads_them():
     )
 
 
+def test_a_deepspeed_format_checkpoint_is_verified_by_its_files_and_their_pickles(tmp_path):
+    """The INDEX of a DeepSpeed checkpoint (format deepspeed) needs no DCP .metadata; its files are still
+    hashed, and a torch.save archive naming a global outside tensors and DeepSpeed's records is refused unread."""
+    from disttrace.errors import BadInput
+    from disttrace.store.checkpoints import verify, write_index
+
+    ckpt = tmp_path / "run" / "checkpoints" / "step-000001"
+    ckpt.mkdir(parents=True)
+    torch.save({"module": {"w": torch.ones(3)}}, ckpt / "mp_rank_00_model_states.pt")
+    write_index(ckpt, 1, "m" * 64, 2, ["model", "optim"], fmt="deepspeed")
+    assert verify(ckpt)["format"] == "deepspeed"
+    write_index(
+        ckpt, 1, "m" * 64, 2, ["model", "optim"]
+    )  # the same files called DCP's: no .metadata
+    with pytest.raises(BadInput, match="metadata"):
+        verify(ckpt)
+    torch.save({"x": os.system}, ckpt / "mp_rank_00_model_states.pt")
+    write_index(ckpt, 1, "m" * 64, 2, ["model", "optim"], fmt="deepspeed")
+    with pytest.raises(BadInput, match="system"):
+        verify(ckpt)
+
+
 # ---------------------------------------------------------------- end to end, on DeepSpeed itself
 
 
