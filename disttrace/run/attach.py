@@ -120,9 +120,8 @@ class Engine:
     kind: str  # plain | DDP | FSDP2 | DTensor | DeepSpeed
     inner: torch.nn.Module  # the user's module (DDP's .module)
     ddp: Any = None  # DDP, or the DeepSpeedEngine
-    group_ranks: list[int] = field(
-        default_factory=list
-    )  # DDP's (DeepSpeed's) dp group, global ranks
+    # DDP's (DeepSpeed's) data-parallel group, global ranks
+    group_ranks: list[int] = field(default_factory=list)
     zero_stage: int = 0
 
 
@@ -1312,7 +1311,8 @@ def attach(
 ) -> AttachedRun:
     """Attach the recorder to a model and its optimizer; every rank calls it (it is collective).
 
-    model: the module as trained (DDP-wrapped, FSDP2-sharded, DTensor or plain); optimizer: the torch
+    model: the module as trained (DDP-wrapped, FSDP2-sharded, DTensor or plain), or a
+    DeepSpeedEngine (integrations/deepspeed.py); optimizer: the torch
     optimizer (HF/Lightning wrappers are unwrapped). config: the experiment's settings (lr, batch, data...):
     stored in the manifest, so diff refuses runs of different experiments and names the fields; the keys
     grad_accum_steps, micro_batch_size and steps also fill the manifest's typed fields. seed: default the
