@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	@# tests skip, saying so, only when this install is impossible
 	$(BIN)/python -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-pin.txt
 	$(BIN)/pip install -q -c $(VENV)/torch-pin.txt -e '.[hf,lightning]' || echo "disttrace: the hf/lightning extras could not be installed; their tests will skip" >&2
+	@# DeepSpeed on its own line: a failed DeepSpeed install (it builds from source) never costs the others
+	$(BIN)/pip install -q -c $(VENV)/torch-pin.txt -e '.[deepspeed]' || echo "disttrace: the deepspeed extra could not be installed; its tests will skip" >&2
 	touch $(STAMP)
 
 install: $(STAMP)

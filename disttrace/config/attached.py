@@ -28,13 +28,15 @@ class AttachedExperiment(Section):
 
 
 class AttachedParallelism(Section):
-    dp: int = Field(ge=1, description="DDP's group size; the world without DDP")
+    dp: int = Field(ge=1, description="DDP's (DeepSpeed's) group size; the world without DDP")
     tp: int = Field(default=1, ge=1)
     pp: int = Field(default=1, ge=1)
-    zero_stage: int = Field(default=0, ge=0, le=3, description="3 under FSDP2, else 0")
+    zero_stage: int = Field(
+        default=0, ge=0, le=3, description="3 under FSDP2, DeepSpeed's ZeRO stage, else 0"
+    )
     world_size: int = Field(ge=1)
     architecture: Literal["allreduce", "parameter-server"] = "allreduce"
-    engine: Literal["plain", "DDP", "FSDP2", "DTensor"]
+    engine: Literal["plain", "DDP", "FSDP2", "DTensor", "DeepSpeed"]
 
 
 class TensorShape(Section):

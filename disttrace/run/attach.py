@@ -32,6 +32,7 @@ CMD` / `disttrace inject ... -- CMD`: the run directory (and the fault) come fro
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import time
 import weakref
@@ -59,7 +60,7 @@ from disttrace.store.rundir import LOCK, event, new_run_dir, read_json, write_js
 
 RUN_DIR_ENV = "DISTTRACE_RUN_DIR"  # set by `disttrace run -- CMD`: the prepared run directory
 SOURCE = ATTACHED_SOURCE  # the lock's `source` of attached runs (readers ask Run.attached)
-ENGINES = ("plain", "DDP", "FSDP2", "DTensor")
+ENGINES = ("plain", "DDP", "FSDP2", "DTensor", "DeepSpeed")
 
 
 def _dist():
@@ -116,15 +117,21 @@ def unwrap_optimizer(opt):
 
 @dataclass
 class Engine:
-    kind: str  # plain | DDP | FSDP2 | DTensor
+    kind: str  # plain | DDP | FSDP2 | DTensor | DeepSpeed
     inner: torch.nn.Module  # the user's module (DDP's .module)
-    ddp: Any = None
-    group_ranks: list[int] = field(default_factory=list)  # DDP's process group, global ranks
+    ddp: Any = None  # DDP, or the DeepSpeedEngine
+    # DDP's (DeepSpeed's) data-parallel group, global ranks
+    group_ranks: list[int] = field(default_factory=list)
+    zero_stage: int = 0
 
 
 def detect_engine(model) -> Engine:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from disttrace.integrations import deepspeed
+
+    if deepspeed.is_engine(model):
+        return deepspeed.detect(model)
     if isinstance(model, DDP):
         dist = _dist()
         ranks = dist.get_process_group_ranks(model.process_group) if dist else [0]
@@ -240,6 +247,7 @@ def local_view(engine: Engine, named, rank: int) -> dict:
         "pid": os.getpid(),
         "params": params,
         "ddp_group": engine.group_ranks,
+        "zero_stage": engine.zero_stage,
         "process_groups": _process_groups(),
         "fsdp_groups": _fsdp_groups(engine.inner) if engine.kind == "FSDP2" else [],
         "seed": torch.initial_seed(),
@@ -260,6 +268,10 @@ def infer_replicas(engine: str, views: list[dict]) -> dict:
     groups: dict[str, list[list[int]]] = {"world": [list(range(world))]}
     rules: list[dict] = []
     notes: list[str] = []
+    if engine == "DeepSpeed":
+        from disttrace.integrations import deepspeed
+
+        return deepspeed.replicas(views)
     if engine == "DDP":
         dp = sorted({tuple(v["ddp_group"]) for v in views})
         groups["dp"] = [list(g) for g in dp]
@@ -354,7 +366,7 @@ def attached_layout(kind: str, views: list[dict]) -> tuple[list[list[int]], list
     groups form the dp groups (a TP-only job on its whole world: dp = 1). A layout that is not a grid
     (a rank in two groups of one kind) keeps every rank its own tp group."""
     world = len(views)
-    if kind == "DDP":
+    if kind in ("DDP", "DeepSpeed"):
         dp = sorted({tuple(v["ddp_group"]) for v in views})
     else:
         dp = sorted({tuple(g) for v in views for g in v.get("fsdp_groups", [])})
@@ -447,6 +459,8 @@ def build_manifest(
         if isinstance(cfg.get(key), int) and not isinstance(cfg.get(key), bool):
             # accumulation and micro-batch are topology (the global batch is compared), not the experiment
             training[key] = cfg.pop(key) if key != "steps" else cfg[key]
+    from disttrace.integrations.deepspeed import logical_shape  # ZeRO-3 holds empty placeholders
+
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in inner.parameters()})
     training["dtype"] = dtypes[0] if len(dtypes) == 1 else "mixed"
     dp_groups, tp_groups = attached_layout(engine.kind, views)
@@ -466,16 +480,16 @@ def build_manifest(
                 "dp": len(dp_groups[0]),
                 "tp": len(tp_groups[0]),
                 "pp": 1,
-                "zero_stage": 3 if engine.kind == "FSDP2" else 0,
+                "zero_stage": 3 if engine.kind == "FSDP2" else engine.zero_stage,
                 "world_size": world,
                 "architecture": "allreduce",
                 "engine": engine.kind,
             },
             "model": {
                 "class": type(inner).__qualname__,
-                "parameters": sum(p.numel() for p in inner.parameters()),
+                "parameters": sum(math.prod(logical_shape(p)) for p in inner.parameters()),
                 "tensors": {
-                    n: {"shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch.")}
+                    n: {"shape": logical_shape(p), "dtype": str(p.dtype).removeprefix("torch.")}
                     for n, p in inner.named_parameters()
                 },
             },
@@ -505,6 +519,8 @@ def capabilities(engine: Engine, comm_hook: bool) -> set[str]:
     """The hook points an attached run offers (faults.capabilities' vocabulary)."""
     if engine.kind == "FSDP2":
         return set()  # FSDP2 reduce-scatters inside its own post-backward
+    if engine.kind == "DeepSpeed":
+        return {"backward"}  # a hook on each parameter; DeepSpeed's collectives are its own
     caps = {"backward"}
     if engine.kind == "DDP" and comm_hook:
         caps.add("collective_hook")
@@ -518,6 +534,10 @@ def build_fault(spec: dict, engine: Engine, caps: set[str], manifest: dict, name
 
     cls = faults.get(spec["name"])
     where = "--fault"
+    if engine.kind == "DeepSpeed":
+        from disttrace.integrations import deepspeed
+
+        deepspeed.check_fault(cls.name, engine.zero_stage)
     world = manifest["parallelism"]["world_size"]
     step, rank = spec["step"], spec["rank"]
     cls.coordinates(step, rank, world=world)
@@ -1291,7 +1311,8 @@ def attach(
 ) -> AttachedRun:
     """Attach the recorder to a model and its optimizer; every rank calls it (it is collective).
 
-    model: the module as trained (DDP-wrapped, FSDP2-sharded, DTensor or plain); optimizer: the torch
+    model: the module as trained (DDP-wrapped, FSDP2-sharded, DTensor or plain), or a
+    DeepSpeedEngine (integrations/deepspeed.py); optimizer: the torch
     optimizer (HF/Lightning wrappers are unwrapped). config: the experiment's settings (lr, batch, data...):
     stored in the manifest, so diff refuses runs of different experiments and names the fields; the keys
     grad_accum_steps, micro_batch_size and steps also fill the manifest's typed fields. seed: default the
@@ -1348,7 +1369,10 @@ def attach(
         raise RuntimeError(f"rank 0 could not prepare the run directory: {error}")
     run_dir = Path(path)
     info = read_json(run_dir / "run.json")
-    run = AttachedRun(
+    kind = AttachedRun
+    if engine.kind == "DeepSpeed":
+        from disttrace.integrations.deepspeed import DeepSpeedRun as kind
+    run = kind(
         model, optimizer, run_dir, rank, engine, manifest, manifest_id, info.get("fault"), blocks
     )
     if loader is not None:

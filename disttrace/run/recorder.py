@@ -39,7 +39,7 @@ def shard_info(t) -> dict:
     """For a DTensor that is sharded, where this rank's piece sits in the logical tensor (diff combines the
     pieces' sums and norms into the logical tensor's, so a shard compares with its full tensor)."""
     if not hasattr(t, "to_local") or not hasattr(t, "placements"):
-        return {}
+        return getattr(t, "_disttrace_shard", {})  # a piece an integration placed (DeepSpeed's)
     if all(p.is_replicate() for p in t.placements):
         return {}
     key = (tuple(t.shape), t.device_mesh, tuple(t.placements))

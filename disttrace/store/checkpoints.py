@@ -15,7 +15,7 @@ from pathlib import Path
 
 from disttrace.errors import BadInput
 from disttrace.store import safeio
-from disttrace.store.pickles import bare_name, scan_checkpoint
+from disttrace.store.pickles import bare_name, scan_checkpoint, scan_deepspeed_checkpoint
 from disttrace.store.rundir import read_json, write_json_atomic
 from disttrace.store.seal import file_hash
 
@@ -31,14 +31,14 @@ def sha256_of(path: Path) -> str:
 
 
 def write_index(
-    ckpt: Path, step: int, manifest_id: str, world_size: int, contents: list[str]
+    ckpt: Path, step: int, manifest_id: str, world_size: int, contents: list[str], fmt: str = "dcp"
 ) -> dict:
     files = {}
     for p in sorted(ckpt.iterdir()):
         if p.is_file() and p.name != INDEX:
             files[p.name] = {"sha256": sha256_of(p), "bytes": p.stat().st_size}
     index = {
-        "format": "dcp",
+        "format": fmt,  # dcp, or deepspeed (an attached DeepSpeed engine's own save_checkpoint)
         "step": step,
         "manifest_id": manifest_id,
         "world_size": world_size,
@@ -69,7 +69,10 @@ def verify(
             f"written for manifest {str(index.get('manifest_id'))[:12]}, not {manifest_id[:12]}",
             field="manifest_id",
         )
-    if ".metadata" not in index["files"]:
+    fmt = index.get("format", "dcp")
+    if fmt not in ("dcp", "deepspeed"):
+        raise BadInput(ckpt / INDEX, f"unknown checkpoint format {fmt!r}", field="format")
+    if fmt == "dcp" and ".metadata" not in index["files"]:
         raise BadInput(ckpt / INDEX, "lists no DCP .metadata file", field="files")
     for name, meta in sorted(index["files"].items()):
         if not bare_name(
@@ -101,7 +104,8 @@ def verify(
     if extra:
         raise BadInput(ckpt / extra[0], "file not listed in the index")
     # the INDEX guards against accidents, not against its writer: also look at every pickle, unrun
-    finding = scan_checkpoint(ckpt, root)
+    scanner = scan_checkpoint if fmt == "dcp" else scan_deepspeed_checkpoint
+    finding = scanner(ckpt, root)
     if finding is not None:
         raise BadInput(
             finding.file, (f"item {finding.item}: " if finding.item else "") + finding.reason

@@ -113,6 +113,16 @@ TENSOR_GLOBALS = frozenset(
     }
 )
 
+# what DeepSpeed 0.19's save_checkpoint stores beside the tensors (read from its files at ZeRO 0-3): plain
+# records of its own (a fragment's address, the stage, the fp32 loss scaler's settings). Named, never loaded:
+# DeepSpeed's load_checkpoint unpickles them in full, so `verify` is what says the bytes are the ones written
+DEEPSPEED_GLOBALS = TENSOR_GLOBALS | {
+    ("torch", "Tensor"),
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+    ("deepspeed.utils.tensor_fragment", "fragment_address"),
+}
+
 
 @dataclass(frozen=True)
 class Finding:
@@ -273,7 +283,9 @@ def pickles_in(data: bytes) -> list[Scan]:
     return out
 
 
-def scan_torch_save(data: bytes, depth: int = 0, pickled: bool = False) -> str | None:
+def scan_torch_save(
+    data: bytes, depth: int = 0, pickled: bool = False, allowed: frozenset = TENSOR_GLOBALS
+) -> str | None:
     """A torch.save archive (or a bare pickle of any protocol): every pickle inside names only TENSOR_GLOBALS;
     byte strings that are themselves archives or pickles (an optimizer blob) are scanned too. `pickled`: the
     bytes are loaded by torch.load whatever they hold (a DCP bytes item), so bytes that are no pickle and no
@@ -306,12 +318,12 @@ def scan_torch_save(data: bytes, depth: int = 0, pickled: bool = False) -> str |
         # what counts is the globals named before the error: what a loader would have run by then
         strict = pickled and i == 0
         why = forbidden(
-            found if strict or not found.error else _without_error(found), TENSOR_GLOBALS, True
+            found if strict or not found.error else _without_error(found), allowed, True
         )
         if why:
             return why
         for blob in found.blobs:
-            why = scan_torch_save(blob, depth + 1)
+            why = scan_torch_save(blob, depth + 1, allowed=allowed)
             if why:
                 return f"an embedded archive {why}"
     return None
@@ -459,4 +471,28 @@ def scan_checkpoint(ckpt: Path, root: Path | None = None) -> Finding | None:
         why = scan_torch_save(data[off : off + length], pickled=kinds.get(fqn) == "bytes")
         if why:
             return Finding(ckpt / rel, why, item=fqn)
+    return None
+
+
+def scan_deepspeed_checkpoint(ckpt: Path, root: Path | None = None) -> Finding | None:
+    """Every file of a DeepSpeed engine.save_checkpoint directory (torch.save archives), by opcodes, read
+    inside `root` as scan_checkpoint reads: names only tensors and the plain records DeepSpeed stores beside
+    them (DEEPSPEED_GLOBALS); nothing is loaded."""
+    from disttrace.errors import BadInput
+    from disttrace.store import safeio
+
+    ckpt = Path(ckpt)
+    root = ckpt.parent.parent if root is None else root
+    for p in sorted(ckpt.iterdir()):
+        if p.name == "INDEX.json" or not p.is_file():
+            continue
+        if p.is_symlink() or not safeio.is_regular(p, root):
+            return Finding(p, "is missing or not a plain file")
+        try:
+            data = safeio.mapped(p, root)
+        except BadInput as e:
+            return Finding(p, e.reason)
+        why = scan_torch_save(data, pickled=True, allowed=DEEPSPEED_GLOBALS)
+        if why:
+            return Finding(p, why)
     return None
