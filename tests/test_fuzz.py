@@ -15,6 +15,7 @@ DISTTRACE_FUZZ_COLLECT=1 keeps going after a failure and lists one input per dis
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import io
 import json
@@ -51,6 +52,7 @@ from disttrace.store.follow import Follower
 from disttrace.store.rundir import Run
 from disttrace.store.trajectory import END_OF_STREAM, SCHEMA, SUFFIX, TrajectoryWriter
 from disttrace.store.verify import verify_run
+from disttrace.views.timeline import build_trace
 
 SCALE = float(os.environ.get("DISTTRACE_FUZZ_SCALE", "1"))
 RANDOM = os.environ.get("DISTTRACE_FUZZ_SEED") == "random"
@@ -69,7 +71,7 @@ PHASES = [
 # the CI sample: each test's own count. `make fuzz` selects the long profile with DISTTRACE_FUZZ_EXAMPLES=N:
 # every test scales by N / CI_TOTAL (5% over, as a test whose inputs run out stops early), and the file
 # then generates at least N inputs (test_zz_no_collected_failures checks it when the whole file ran)
-CI_TOTAL = 1504  # the sum of the @fuzz(n) counts below (test_ci_total_is_the_sum_of_the_counts)
+CI_TOTAL = 1528  # the sum of the @fuzz(n) counts below (test_ci_total_is_the_sum_of_the_counts)
 LONG = int(os.environ.get("DISTTRACE_FUZZ_EXAMPLES") or 0)
 DECLARED: list[int] = []
 
@@ -1741,3 +1743,115 @@ def test_zz_no_collected_failures():
     assert not FAILURES, f"{len(FAILURES)} distinct failures: " + "; ".join(FAILURES)
     if LONG and len(EXAMPLES) == len(DECLARED):  # the long run's promise, when every fuzz test ran
         assert sum(EXAMPLES.values()) >= LONG, dict(EXAMPLES)
+
+
+# -- shape edits of every JSON and JSON-lines file kind of a real run store (written by a real job): each
+# edit keeps the syntax and changes what a field holds (another type, a missing key, a container where a
+# scalar was), and every command that reads the file must answer it with its exit code, never a crash
+
+SHAPE_FILES = [
+    "manifest.lock.json",
+    "run.json",
+    "env.json",
+    "topology.json",
+    "replicas.json",
+    "COMPLETE",
+    "checkpoints/step-000002/INDEX.json",
+    "events.jsonl",
+    "trajectory/rank-00000.steps.jsonl",
+    "collectives/rank-00000.jsonl",
+    "memory/rank-00000.jsonl",
+    "steps/rank-00000.jsonl",
+]
+# each drawn value a fresh object (sampled_from hands out the same list each time: an edit into it must not
+# change what later examples draw)
+SHAPE_VALUES = st.one_of(
+    json_values,
+    st.sampled_from([None, True, -1, 0, 2**63, 1.5, "", "x", [], {}, [1], {"a": 1}, "../../x"]),
+).map(copy.deepcopy)
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory):
+    """(a real reference run of four steps, a copy that each case edits and restores)."""
+    from conftest import DEFAULT, SHORT, cli, last_line
+
+    root = tmp_path_factory.mktemp("real")
+    ref = last_line(cli("run", DEFAULT, *SHORT, "--out", root / "runs", "--quiet", check=0))
+    work = root / "work" / ref.parent.name / ref.name
+    shutil.copytree(ref, work)
+    return ref, work
+
+
+def _shape_edit(draw, doc):
+    """One to three shape edits of a JSON document: a value replaced by one of another kind, a key removed, a
+    container emptied or replaced by a scalar."""
+    doc = json.loads(json.dumps(doc))
+    for _ in range(draw(st.integers(1, 3))):
+        paths = [p for p in _paths(doc) if p]
+        if not paths:
+            return draw(SHAPE_VALUES)
+        p = draw(st.sampled_from(paths))
+        parent = doc
+        try:
+            for k in p[:-1]:
+                parent = parent[k]
+            op = draw(st.sampled_from(["replace", "replace", "delete", "empty"]))
+            if op == "delete" and isinstance(parent, dict):
+                parent.pop(p[-1], None)
+            elif op == "empty" and isinstance(parent[p[-1]], (dict, list)):
+                parent[p[-1]] = type(parent[p[-1]])()
+            else:
+                parent[p[-1]] = draw(SHAPE_VALUES)
+        except (KeyError, IndexError, TypeError):
+            pass
+    return doc
+
+
+@st.composite
+def shape_edited(draw, rel: str, raw: bytes) -> bytes:
+    if rel.endswith(".json") or rel == "COMPLETE":
+        return dumps(_shape_edit(draw, json.loads(raw))).encode("utf-8", "surrogatepass")
+    lines = raw.split(b"\n")[:-1]
+    for _ in range(draw(st.integers(1, 2))):
+        i = draw(st.integers(0, len(lines) - 1))
+        line = json.loads(lines[i].decode("utf-8", "surrogatepass"))
+        lines[i] = dumps(_shape_edit(draw, line)).encode("utf-8", "surrogatepass")
+    return b"\n".join(lines) + b"\n"
+
+
+def _shape_readers(test: str, ref: Path, work: Path, case: str) -> None:
+    trace_out = work.parent / "trace.json"
+    cases = [
+        (["show", work, "--json"], raised(lambda: run_facts.gather(work, "summary")), {0, 2}),
+        *(
+            (["show", work, view], raised(lambda v=view: run_facts.gather(work, v)), {0, 1, 2})
+            for view in ("checkpoints", "topology", "collectives", "memory", "events")
+        ),
+        (["diff", ref, work, "--json"], raised(lambda: diff_runs(ref, work)), {0, 1, 2}),
+        (["verify", work, "--json"], raised(lambda: verify_run(work)), {0, 1, 2}),
+        (
+            ["trace", work, "-o", trace_out],
+            raised(lambda: build_trace(Run(work))),
+            {0, 2},
+        ),
+    ]
+    for args, expected, allowed in cases:
+        result = invoke(args)
+        if "internal error" in result.stderr:
+            check_contract(test, args, result, expected, set(), case)
+        check_contract(test, args, result, expected, allowed, case)
+    args = ["check", work, "--json"]
+    _check_case(test, args, invoke(args), work, case)
+
+
+@fuzz(24)
+@given(data=st.data())
+def test_fuzz_shape_edits_of_every_file_kind(real, data):
+    EXAMPLES["shape_edits"] += 1
+    ref, work = real
+    rel = data.draw(st.sampled_from(SHAPE_FILES))
+    raw = data.draw(shape_edited(rel, (ref / rel).read_bytes()))
+    with Mutated(ref, work, rel) as target:
+        target.write_bytes(raw)
+        _shape_readers(rel, ref, work, f"{rel} := {raw[:3000]!r}")

@@ -211,6 +211,21 @@ CASES = {
 }
 
 
+# the default tier's cases: one store per class (FIFO, device link, sparse file, bomb, outside link, seal
+# entry); the slow tier runs every case above with every command
+DEFAULT_CASES = (
+    "fifo-lock",
+    "fifo-trajectory",
+    "devzero-lock",
+    "sparse-lock",
+    "sparse-step-index",
+    "lz4-bomb",
+    "outside-events",
+    "outside-checkpoint",
+    "outside-seal-entry",
+)
+
+
 @pytest.fixture(scope="module")
 def ref(runs) -> Path:
     return runs.reference()
@@ -263,12 +278,14 @@ RAW = {chr(c) for c in _INVISIBLE} - {"\n"}
     "every_command", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["reading", "all"]
 )
 def test_crafted_stores_are_refused_bounded_and_confined(ref, tmp_path, every_command):
-    """The default tier runs, on each store, the commands that read the crafted file; the slow tier every
-    command on every store (those that do not read it must still end, bounded, and print nothing raw)."""
+    """The default tier runs one store of each class, with the commands that read the crafted file; the slow
+    tier every store with every command (those that do not read it must still end, bounded, and print nothing
+    raw)."""
     outside = _outside(tmp_path, ref)
-    stores = {name: _copy(ref, tmp_path / "stores", name) for name in ["pristine", *CASES]}
-    for name, (craft, _, _) in CASES.items():
-        craft(stores[name], outside)
+    names = list(CASES) if every_command else list(DEFAULT_CASES)
+    stores = {name: _copy(ref, tmp_path / "stores", name) for name in ["pristine", *names]}
+    for name in names:
+        CASES[name][0](stores[name], outside)
     watched = [outside / "events.jsonl", *(outside / "step-000002").iterdir()]
     _backdate(watched)
     atimes = {p: p.stat().st_atime for p in watched}
@@ -290,7 +307,8 @@ def test_crafted_stores_are_refused_bounded_and_confined(ref, tmp_path, every_co
     assert pristine["status"] == 0
     assert all(r["rc"] == 0 for r in pristine["results"]), pristine["results"]
     baseline_mib = pristine["peak_kib"] / 1024
-    for name, (_, expect, named) in CASES.items():
+    for name in names:
+        _, expect, named = CASES[name]
         case = got.get(name)
         assert case is not None and case["status"] == 0, (
             f"{name}: the commands did not end within {ALARM_S} s (status {case and case['status']})"
@@ -383,3 +401,116 @@ def test_names_from_a_store_reach_the_terminal_escaped_and_json_exact(ref, tmp_p
     assert by["diff"]["rc"] == 1 and by["md"]["rc"] == 1
     # --json stays exact: the very string, decoded
     assert EVIL in _strings(orjson.loads(by["events-json"]["stdout"]))
+
+
+def _protocol0_store(ref: Path, root: Path, marker: Path) -> tuple[Path, str]:
+    """A copy whose checkpoint of step 2 holds, in place of its `progress.step` item (a bytes item: DCP loads
+    it with torch.load), a protocol-0 pickle of os.system (it starts with 'c', not b'\\x80' or 'PK'), padded
+    to the item's length; the INDEX and the seal rewritten to agree (their writer controls them)."""
+    import hashlib
+
+    from disttrace.store.pickles import storage_items
+
+    run = _copy(ref, root, "protocol0")
+    ckpt = run / CKPT
+    items = storage_items((ckpt / ".metadata").read_bytes())
+    rel, off, length, _ = next(i for i in items if i[3] == "progress.step")
+    payload = f"cposix\nsystem\n(S'touch {marker}'\ntR.".encode()
+    assert len(payload) <= length
+    data = bytearray((ckpt / rel).read_bytes())
+    data[off : off + length] = payload + b" " * (length - len(payload))
+    (ckpt / rel).write_bytes(bytes(data))
+
+    def sha(p: Path) -> dict:
+        b = p.read_bytes()
+        return {"sha256": hashlib.sha256(b).hexdigest(), "bytes": len(b)}
+
+    index = orjson.loads((ckpt / "INDEX.json").read_bytes())
+    index["files"][rel] = sha(ckpt / rel)
+    (ckpt / "INDEX.json").write_bytes(orjson.dumps(index))
+    done = orjson.loads((run / "COMPLETE").read_bytes())
+    done["seal"]["files"][f"{CKPT}/INDEX.json"] = sha(ckpt / "INDEX.json")
+    (run / "COMPLETE").write_bytes(orjson.dumps(done))
+    return run, rel
+
+
+def test_a_protocol_0_pickle_item_is_scanned_and_refused(ref, tmp_path):
+    import pickle
+    import pickletools
+
+    marker = tmp_path / "MARKER"
+    run, rel = _protocol0_store(ref, tmp_path, marker)
+    item = pickle.dumps(
+        0, protocol=0
+    )  # the oracle that protocol 0 is what the payload is: not b"\x80"
+    assert item[:1] != b"\x80" and next(pickletools.genops(item))[0].proto == 0
+    case = {
+        "name": "protocol0",
+        "alarm": ALARM_S,
+        "commands": [
+            ("verify", ["verify", str(run)]),
+            ("checkpoints", ["show", str(run), "checkpoints"]),
+            ("recover", ["recover", str(run), "--from-step", "2", "--out", str(tmp_path / "out")]),
+        ],
+    }
+    by = {r["command"]: r for r in _drive([case], tmp_path)["protocol0"]["results"]}
+    assert by["verify"]["rc"] == 1 and by["checkpoints"]["rc"] == 1, by
+    assert by["recover"]["rc"] == 2, by["recover"]
+    for r in by.values():
+        assert rel in r["stderr"] and "posix.system" in r["stderr"], r["stderr"][-1500:]
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+def test_a_refusal_inside_a_rank_reaches_the_cli_as_bad_input(tmp_path):
+    """A rank that refuses its input records it (the worker's rank_failed event carries `bad_input`); the
+    launcher turns a rank's exit 2 with it into the same BadInput, exit 2, not 'the job failed'."""
+    from disttrace.errors import BadInput
+    from disttrace.run.launch import refused_input
+
+    line = {
+        "event": "rank_failed",
+        "rank": 1,
+        "error": "BadInput: ...",
+        "bad_input": {
+            "where": str(tmp_path / "checkpoints/step-000002/__1_0.distcp"),
+            "field": None,
+            "reason": "item progress.step is not plain data (global posix.system); refused unread",
+        },
+    }
+    (tmp_path / "events.jsonl").write_bytes(orjson.dumps(line) + b"\n")
+    bad = refused_input(tmp_path, {0: -15, 1: 2})
+    assert isinstance(bad, BadInput) and bad.exit_code == 2
+    assert "__1_0.distcp" in str(bad) and "posix.system" in str(bad)
+    assert refused_input(tmp_path, {0: -15, 1: 1}) is None  # exit 1: a failure, not refused input
+
+
+@pytest.mark.slow
+def test_a_refusal_inside_a_job_is_exit_2_naming_the_file_and_global(ref, tmp_path):
+    """The same protocol-0 item, met by a recovered job itself (its run directory prepared without the CLI's
+    checkpoint choice, as another tool could): the rank refuses it, and `launch` raises the rank's BadInput
+    (exit 2 at the CLI) naming the .distcp file and the global, not 'the job failed' (exit 3)."""
+    from conftest import run_snippet
+
+    marker = tmp_path / "MARKER"
+    run, rel = _protocol0_store(ref, tmp_path, marker)
+    code = f"""
+from pathlib import Path
+from disttrace.config.manifest import Frozen
+from disttrace.errors import BadInput
+from disttrace.run.launch import launch, prepare
+from disttrace.run.recovery import resume_spec
+from disttrace.store.rundir import Run
+run = Path({str(run)!r})
+frozen = Frozen.model_validate(Run(run).lock)
+root = run.parent.parent
+ckpt = run / {CKPT!r}
+run_dir = prepare(frozen, root, "recovered", resume=resume_spec(frozen, root, ckpt, run))
+try:
+    launch(run_dir, quiet=True)
+except BadInput as e:
+    print("BadInput", e.exit_code, e)
+"""
+    proc = run_snippet(code, timeout=300)
+    assert "BadInput 2" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    assert rel in proc.stdout and "posix.system" in proc.stdout, proc.stdout
+    assert not marker.exists()

@@ -14,6 +14,7 @@ import orjson
 
 from disttrace.analysis import tolerance
 from disttrace.errors import BadInput
+from disttrace.store import safeio
 from disttrace.store.rundir import Run
 
 KIND = "disttrace-calibration"
@@ -79,10 +80,8 @@ class Calibration:
 
     def __init__(self, path: Path | str):
         self.path = Path(path)
-        try:
-            doc = orjson.loads(self.path.read_bytes())
-        except OSError as e:
-            raise BadInput(self.path, f"cannot read: {e.strerror}") from None
+        try:  # a regular file of at most a JSON document's size (a FIFO or /dev/zero is refused unread)
+            doc = orjson.loads(safeio.read_bytes(self.path, None, "json"))
         except orjson.JSONDecodeError:
             raise BadInput(self.path, "not valid JSON") from None
         if not isinstance(doc, dict) or doc.get("kind") != KIND:

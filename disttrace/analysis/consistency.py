@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 
 from disttrace.jsondoc import JsonDoc, omit_none
 from disttrace.store import safeio
+from disttrace.store.records import Replicas, parse_doc
 from disttrace.store.rundir import PHASE_ORDER, Run, read_json
 
 
 def load_rules(run: Run) -> dict | None:
     p = run.path / "replicas.json"
-    return read_json(p, run.path) if safeio.present(p) else None
+    return parse_doc(Replicas, read_json(p, run.path), p) if safeio.present(p) else None
 
 
 def rule_applies(rule: dict, rec: dict) -> bool:

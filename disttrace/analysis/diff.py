@@ -1307,9 +1307,9 @@ def _found_calibration(side_a: _Side, side_b: _Side) -> Path | None:
         p = side.path.parent / CALIBRATION
         if not p.is_file():
             continue
-        try:
-            doc = orjson.loads(p.read_bytes())
-        except (OSError, orjson.JSONDecodeError):
+        try:  # beside the run, in its runs/<id12>/: read as a store's file is (store/safeio.py)
+            doc = orjson.loads(safeio.read_bytes(p, p.parent, "json"))
+        except orjson.JSONDecodeError:
             raise BadInput(p, "not valid JSON (a calibration beside the run)") from None
         if isinstance(doc, dict) and doc.get("kind") == KIND:
             if doc.get("manifest_id") == side.run.manifest_id:

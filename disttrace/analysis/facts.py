@@ -18,7 +18,7 @@ from disttrace.errors import BadInput
 from disttrace.jsondoc import JsonDoc
 from disttrace.store import checkpoints as checkpoint
 from disttrace.store.records import FAILURE_EVENTS, Event
-from disttrace.store.rundir import Run, iter_jsonl
+from disttrace.store.rundir import Run
 
 VIEWS = ("summary", "checkpoints", "topology", "collectives", "memory", "events", "records")
 
@@ -189,7 +189,7 @@ class MemoryFacts(JsonDoc):
 def memory(run: Run) -> MemoryFacts:
     rows: list[dict] = []
     for rank in run.ranks("memory"):
-        rows += list(iter_jsonl(run.rank_path("memory", rank), []))
+        rows += list(run.memory(rank, []))
     return MemoryFacts(rows)
 
 

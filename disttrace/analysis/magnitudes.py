@@ -28,10 +28,12 @@ No torch: a reader of the run store.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import orjson
 
 from disttrace.errors import BadInput
+from disttrace.store import safeio
 from disttrace.store.rundir import Run, rank_file
 
 SUFFIX = ".scales.jsonl"
@@ -41,7 +43,7 @@ GRADIENT_PHASES = ("backward", "reduce", "clip")
 def _read(path) -> dict[int, dict]:
     """step -> {phase: {micro-batch: {index: magnitude}}}; a torn last line is left out."""
     out: dict[int, dict] = {}
-    data = path.read_bytes()
+    data = safeio.read_bytes(path, Path(path).parent.parent, "jsonl")  # inside its run, bounded
     lines = data.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from disttrace.store.rundir import Run, iter_jsonl
+from disttrace.store.rundir import Run
 
 
 def load_traces(run: Run) -> tuple[dict[int, dict[str, list[dict]]], list[str]]:
@@ -19,7 +19,7 @@ def load_traces(run: Run) -> tuple[dict[int, dict[str, list[dict]]], list[str]]:
         groups: dict[str, list[dict]] = {}
         by_key: dict = {}
         seen_fr: set = set()
-        for rec in iter_jsonl(run.rank_path("collectives", rank), torn):
+        for rec in run.collectives(rank, torn):
             if (
                 "lost" in rec
             ):  # the Flight Recorder's ring wrapped past entries not yet copied (run/flightrec.py)

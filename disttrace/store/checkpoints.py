@@ -16,6 +16,7 @@ from pathlib import Path
 from disttrace.errors import BadInput
 from disttrace.store import safeio
 from disttrace.store.pickles import bare_name, scan_checkpoint, scan_deepspeed_checkpoint
+from disttrace.store.records import CheckpointIndex, parse_doc
 from disttrace.store.rundir import read_json, write_json_atomic
 from disttrace.store.seal import file_hash
 
@@ -63,6 +64,7 @@ def verify(
     index = read_json(ckpt / INDEX, root)
     if not isinstance(index, dict) or not isinstance(index.get("files"), dict):
         raise BadInput(ckpt / INDEX, "not a checkpoint index", field="files")
+    parse_doc(CheckpointIndex, index, ckpt / INDEX)
     if manifest_id is not None and index.get("manifest_id") != manifest_id:
         raise BadInput(
             ckpt / INDEX,

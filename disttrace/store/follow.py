@@ -250,9 +250,9 @@ def writer_alive(run_dir: Path | str) -> bool | None:
     if not locks:
         return None
     for p in locks:
-        try:
-            fd = os.open(p, os.O_RDONLY)
-        except OSError:
+        try:  # a regular file inside the run (a FIFO in its place would block the follower's open)
+            fd = safeio.open_fd(p, run_dir)
+        except BadInput:
             continue
         try:
             # the launcher writes its pid once it holds the lock; an empty file is a launcher taking it

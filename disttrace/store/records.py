@@ -175,3 +175,192 @@ class Verdict(_Line):
         return self.model_dump(
             by_alias=True
         )  # "pass" on disk and in --json, as the CLI contract says
+
+
+# ---------------------------------------------------------------- the store's other files, typed
+#
+# Each JSON document and JSON line a reader takes from a store is validated against one of these before any
+# field of it is used (a crafted store's one-field edit is then one line naming the file and field, exit 2,
+# never a KeyError deep in a view). They state what readers rely on; extra fields are kept (another
+# version of disttrace may add some). Readers still take the dict they validated: the model is the check.
+
+import math  # noqa: E402
+
+from pydantic import StrictBool, StrictFloat, StrictStr, model_validator  # noqa: E402
+
+Number = StrictInt | StrictFloat
+Groups = dict[str, list[list[StrictInt]]]
+
+
+class TopologyRank(_Line):
+    rank: StrictInt = NonNegative
+    host: StrictStr
+    node_rank: StrictInt
+    local_rank: StrictInt
+    coords: dict[str, StrictInt]
+
+
+class Topology(_Line):
+    """topology.json: the mesh and where each rank ran (run/topology.py)."""
+
+    groups: Groups = Field(default_factory=dict)
+    mesh_dims: list[StrictStr] = Field(default_factory=list)
+    mesh_shape: dict[str, StrictInt] = Field(default_factory=dict)
+    ranks: list[TopologyRank] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _mesh(self):
+        """Sizes of at least 1 whose product is the number of ranks listed, every rank's coordinates inside
+        them: what the views draw (a crafted size of 2**63 would draw forever)."""
+        if any(n < 1 for n in self.mesh_shape.values()):
+            raise ValueError("mesh_shape: every size must be at least 1")
+        named = [*self.mesh_dims, *self.groups]
+        if any(d not in self.mesh_shape for d in named):
+            raise ValueError("mesh_shape: a size for every dimension mesh_dims and groups name")
+        if any(d not in r.coords for r in self.ranks for d in self.mesh_dims):
+            raise ValueError("ranks: a coordinate for every dimension of mesh_dims")
+        if self.ranks and math.prod(self.mesh_shape.values()) != len(self.ranks):
+            raise ValueError(
+                f"mesh_shape: sizes whose product is not the {len(self.ranks)} ranks listed"
+            )
+        for r in self.ranks:
+            for dim, c in r.coords.items():
+                if dim in self.mesh_shape and not 0 <= c < self.mesh_shape[dim]:
+                    raise ValueError(
+                        f"ranks: rank {r.rank}'s {dim} coordinate {c} is outside the mesh"
+                    )
+        return self
+
+
+class ReplicaRule(_Line):
+    phase: StrictStr
+    dim: StrictStr
+    relation: StrictStr
+    tensors: StrictStr | list[StrictStr] = "*"
+
+
+class Replicas(_Line):
+    """replicas.json: which copies agree across which mesh dimension (`check` reads nothing else)."""
+
+    groups: Groups
+    rules: list[ReplicaRule]
+
+
+class FileHash(_Line):
+    sha256: StrictStr
+    bytes: StrictInt = NonNegative
+
+
+class CheckpointIndex(_Line):
+    """A checkpoint's INDEX.json: every file's hash and size, and whose checkpoint it is."""
+
+    format: StrictStr = "dcp"
+    step: StrictInt | None = None
+    manifest_id: StrictStr | None = None
+    world_size: StrictInt | None = None
+    contents: list[StrictStr] = Field(default_factory=list)
+    files: dict[str, FileHash]
+
+
+class ChainEnd(_Line):
+    chain: StrictStr | None = None
+    steps: StrictInt = NonNegative
+
+
+class Seal(_Line):
+    version: StrictInt = 1
+    hash: StrictStr = "sha256"
+    files: dict[str, FileHash]
+    chains: dict[str, ChainEnd] = Field(default_factory=dict)
+    events: FileHash | None = None
+
+
+class Complete(_Line):
+    """COMPLETE: written last by global rank 0, with the seal (store/seal.py)."""
+
+    completed: Number | None = None
+    seal: Seal | None = None
+
+
+class FaultSpec(_Line):
+    name: StrictStr
+    step: StrictInt
+    rank: StrictInt
+    params: dict = Field(default_factory=dict)
+
+
+class ResumeSpec(_Line):
+    checkpoint: StrictStr
+    step: StrictInt
+
+
+class RunInfo(_Line):
+    """run.json: which path, the fault spec, where it resumed from."""
+
+    path: StrictStr | None = None
+    fault: FaultSpec | None = None
+    resume: ResumeSpec | None = None
+
+
+class CollectiveLine(_Line):
+    """A line of collectives/rank-N.jsonl: one collective of the Flight Recorder's ring (or an end line)."""
+
+    seq: StrictInt | None = None
+    group: StrictStr | None = None
+    op: StrictStr | None = None
+    step: StrictInt | None = None
+    start: Number | None = None
+    end: Number | None = None
+    shapes: list[list[StrictInt]] | None = None
+    dtype: StrictStr | None = None
+    bytes: StrictInt | None = None
+    pg: StrictStr | None = None
+    fr_seq: StrictInt | None = None
+    lost: StrictInt | None = None  # entries the ring overwrote before they were copied
+    done: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _keyed(self):
+        if (self.op is not None or self.end is not None) and (
+            self.seq is None or self.group is None
+        ):
+            raise ValueError("a collective (or its end) needs its 'seq' and 'group'")
+        return self
+
+
+class MemoryLine(_Line):
+    """A line of memory/rank-N.jsonl: one step's memory ledger of one rank."""
+
+    step: StrictInt
+    rank: StrictInt
+    predicted: dict[str, Number | None] | None = None
+    gap_bytes: list[dict] | None = None
+
+
+class StepTime(_Line):
+    """A line of steps/rank-N.jsonl (run/stepclock.py)."""
+
+    step: StrictInt = NonNegative
+    seconds: Number = Field(ge=0)
+    start: Number | None = None
+    end: Number | None = None
+
+
+class StepTimes(_Line):
+    """The `time` of a step-index line: when the step started, issued its collective and ended."""
+
+    start: Number | None = None
+    collective_issue: Number | None = None
+    end: Number | None = None
+    spans: list | dict | None = None
+
+
+def parse_doc(model: type[_Line], obj: Any, path) -> Any:
+    """`obj` (a whole JSON document read from `path`) validated by `model`; BadInput naming the field."""
+    try:
+        model.model_validate(obj)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(x) for x in err["loc"]) or "document"
+        raise BadInput(path, f"'{field}' {err['msg'].lower()}", field=field) from None
+    return obj

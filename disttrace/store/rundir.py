@@ -36,9 +36,15 @@ from disttrace.store.records import (  # noqa: F401  (re-exported)
     PATH_KINDS,
     PHASE_ORDER,
     PHASES,
+    CollectiveLine,
     Event,
     FaultEvent,
+    MemoryLine,
+    RunInfo,
     StepIndexEntry,
+    StepTimes,
+    Topology,
+    parse_doc,
 )
 
 LOCK = "manifest.lock.json"
@@ -289,7 +295,7 @@ class Run:
             for k, typ in need.items():
                 if not isinstance(value.get(k), typ) or isinstance(value.get(k), bool):
                     raise BadInput(p, f"must be {typ.__name__}", field=f"{key}.{k}")
-        return info
+        return parse_doc(RunInfo, info, p)
 
     @property
     def complete(self) -> bool:
@@ -352,7 +358,7 @@ class Run:
 
     def topology(self) -> dict | None:
         p = self.path / "topology.json"
-        return read_json(p, self.path) if safeio.present(p) else None
+        return parse_doc(Topology, read_json(p, self.path), p) if safeio.present(p) else None
 
     def step_index(self, rank: int) -> JsonlRead:
         p = self.rank_path("trajectory", rank, ".steps.jsonl")
@@ -361,6 +367,7 @@ class Run:
         read = read_jsonl(p, self.path)
         for n, e in enumerate(read.records, 1):
             StepIndexEntry.parse_line(e, p, n)  # the writer's own model (store/records.py)
+            StepTimes.parse_line(e.get("time") or {}, p, n)
         return read
 
     def step_times(self, rank: int) -> JsonlRead:
@@ -380,6 +387,20 @@ class Run:
             if not isinstance(sec, (int, float)) or isinstance(sec, bool) or not sec >= 0:
                 raise BadInput(p, f"line {n}: 'seconds' must be a number >= 0", field="seconds")
         return read
+
+    def collectives(self, rank: int, torn: list | None = None) -> Iterator[dict]:
+        """`collectives/rank-N.jsonl`, each line validated (CollectiveLine)."""
+        p = self.rank_path("collectives", rank)
+        for n, rec in enumerate(iter_jsonl(p, torn, self.path), 1):
+            CollectiveLine.parse_line(rec, p, n)
+            yield rec
+
+    def memory(self, rank: int, torn: list | None = None) -> Iterator[dict]:
+        """`memory/rank-N.jsonl`, each line validated (MemoryLine)."""
+        p = self.rank_path("memory", rank)
+        for n, rec in enumerate(iter_jsonl(p, torn, self.path), 1):
+            MemoryLine.parse_line(rec, p, n)
+            yield rec
 
     def trajectory_path(self, rank: int) -> Path:
         """The rank's trajectory file: the Arrow stream, or the JSON lines of a store written before it."""

@@ -28,6 +28,7 @@ from disttrace.store import safeio, trajectory
 from disttrace.store import seal as sealing
 from disttrace.store.checkpoints import verify as verify_checkpoint
 from disttrace.store.paths import inside
+from disttrace.store.records import Complete, parse_doc
 from disttrace.store.rundir import COMPLETE, Run, rank_file, read_json
 
 # written after COMPLETE, or not content: never sealed, never damage
@@ -93,6 +94,11 @@ class _Verifier:
             done = read_json(self.path / COMPLETE, self.path)
         except BadInput as e:
             self.damage(COMPLETE, e.reason)
+            return None
+        try:
+            parse_doc(Complete, done, self.path / COMPLETE)
+        except BadInput as e:
+            self.damage(COMPLETE, f"{e.field}: {e.reason}" if e.field else e.reason)
             return None
         seal = done.get("seal") if isinstance(done, dict) else None
         if not isinstance(seal, dict) or not isinstance(seal.get("files"), dict):

@@ -27,7 +27,7 @@ from disttrace.analysis.result import DiffResult, RankEntry
 from disttrace.errors import BadInput
 from disttrace.fmt import abbrev, fmt_number, ranges, where
 from disttrace.store.records import FAILURE_EVENTS
-from disttrace.store.rundir import Run, iter_jsonl
+from disttrace.store.rundir import Run
 from disttrace.views.diffparts import CellClass, ab_rows, cell, error_text, tolerance_text
 
 PALETTE = ("#1f6fd1", "#d1341f", "#1e9e54", "#8e44ad", "#e08a00", "#7f5539", "#0f9aa8", "#c2185b")
@@ -909,7 +909,7 @@ def _memory_rows(r: _R) -> tuple[list[dict], list[str]]:
     last: dict[int, dict] = {}
     torn: list[str] = []
     for rank in r.run.ranks("memory"):
-        for rec in iter_jsonl(r.run.rank_path("memory", rank), torn):
+        for rec in r.run.memory(rank, torn):
             st = rec.get("step")
             if isinstance(st, int) and (rank not in last or st >= last[rank].get("step", -1)):
                 last[rank] = rec

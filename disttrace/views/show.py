@@ -102,10 +102,9 @@ def mesh_picture(topo: dict) -> Text:
     data-parallel coordinate (rows) - what crosses nodes is what spans rows or stages. A Text: the ranks'
     fields come from topology.json and are never markup."""
     colours = ["cyan", "magenta", "green", "yellow", "blue", "red"]
-    shape = topo["mesh_shape"]
-    by_coords = {
-        (r["coords"]["pp"], r["coords"]["dp"], r["coords"]["tp"]): r for r in topo["ranks"]
-    }
+    # a dimension the mesh does not name has size 1 (records.Topology holds the sizes to the ranks listed)
+    shape = {k: topo["mesh_shape"].get(k, 1) for k in ("pp", "dp", "tp")}
+    by_coords = {tuple(r["coords"].get(k, 0) for k in ("pp", "dp", "tp")): r for r in topo["ranks"]}
     out = Text()
     for pp in range(shape["pp"]):
         if pp:
