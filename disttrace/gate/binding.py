@@ -133,7 +133,9 @@ def coverage(ref: Run, run: Run) -> tuple[str | None, str]:
         missing_ranks = sorted(set(range(r.world_size)) - set(ranks))
         if missing_ranks:
             return f"the {who} has no trajectory for rank(s) {ranges(missing_ranks)}", ""
-    expected = expected_steps(ref)
+    # the steps its manifest says it records; a manifest that states no step count (an attached run's may
+    # not): the steps the reference recorded
+    expected = expected_steps(ref) or ref_steps
     lacking = sorted(set(expected) - set(ref_steps))
     if lacking:
         return f"the reference itself lacks step(s) {ranges(lacking)} of {len(expected)}", ""

@@ -197,13 +197,21 @@ def replay_check(
                 job["reproduced"] = False
                 return False, f"not replayed from step-{source:06d}: {e}", {**record, "jobs": jobs}
             job["run_dir"] = str(run_dir) if keep is not None else None
-            proc = subprocess.run(
-                [sys.executable, "-m", "disttrace.gate.replay", str(run_dir)],
-                capture_output=True,
-                text=True,
-                timeout=REPLAY_TIMEOUT_S,
-                env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
-            )
+            try:
+                proc = subprocess.run(
+                    [sys.executable, "-m", "disttrace.gate.replay", str(run_dir)],
+                    capture_output=True,
+                    text=True,
+                    timeout=REPLAY_TIMEOUT_S,
+                    env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
+                )
+            except subprocess.TimeoutExpired:
+                job["reproduced"] = False
+                return (
+                    False,
+                    f"re-executing steps {source + 1}..{until} took over {REPLAY_TIMEOUT_S} s",
+                    {**record, "jobs": jobs},
+                )
             if proc.returncode != 0:
                 job["reproduced"] = False
                 last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
