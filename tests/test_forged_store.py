@@ -173,12 +173,12 @@ def test_a_candidate_claiming_bfloat16_cannot_loosen_its_bound(ref, tmp_path):
     diff = orjson.loads(cli("diff", ref, loose, "--json").stdout)
     assert diff["mode"] == "numeric" and diff["tolerance"]["u"] == 2.0**-8  # diff takes its word
     c = gradient_equivalence(Run(loose), Run(ref))
-    assert c["passed"] is False, c
-    assert "training.compute_dtype = 'bfloat16'" in c["reason"] and "not trusted" in c["reason"]
+    assert c.passed is False, c
+    assert "training.compute_dtype = 'bfloat16'" in c.reason and "not trusted" in c.reason
     # the control: the same layout claim without a coarser precision is judged, and equal
     honest = claimed(ref, tmp_path / "fp32", compute_dtype="float32")
     c = gradient_equivalence(Run(honest), Run(ref))
-    assert c["passed"] is True and c["reason"].startswith("numeric equal over steps 1..4"), c
+    assert c.passed is True and c.reason.startswith("numeric equal over steps 1..4"), c
 
 
 @pytest.mark.slow
@@ -233,7 +233,7 @@ def test_a_planted_temporary_link_does_not_make_the_gate_write_outside(ref, tmp_
         for name in ("verdict.json", "eval.json"):
             (run / f".{name}.tmp-{pid}").symlink_to(victim)
     (run / "verdict.json").unlink(missing_ok=True)
-    verdict = run_gate(run, ref)
+    verdict = run_gate(run, ref).line()
     # verify sees the planted links as damage; what matters here is where the gate wrote
     assert not verdict["pass"] and ".tmp-" in by_name(verdict)["store_integrity"]["reason"]
     assert victim.read_text() == "untouched\n"
