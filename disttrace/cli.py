@@ -610,6 +610,17 @@ def gate(
     require_all: bool = typer.Option(
         False, "--require-all", help="every check must apply: a check that is n/a fails (for CI)"
     ),
+    replay: int = typer.Option(
+        0,
+        "--replay",
+        help="re-execute this many steps, drawn at random, from the run's own checkpoints and demand "
+        "its stored records reproduce bit for bit (a forged but self-consistent store fails)",
+    ),
+    replay_seed: int | None = typer.Option(
+        None,
+        "--replay-seed",
+        help="the draw's seed (default: a fresh random one; verdict.json says which)",
+    ),
     json_: bool = JsonOpt,
 ):
     """The independent evaluation gate: checkpoint integrity, collective sync, gradient equivalence, the eval
@@ -618,7 +629,16 @@ def gate(
     from disttrace.gate.verdict import gate as judge
     from disttrace.views.gate import render
 
-    verdict = judge(run_dir, reference, policy_file=policy, require_all=require_all)
+    if replay < 0 or (replay_seed is not None and replay_seed < 0):
+        raise BadInput("--replay", "must be a number >= 0")
+    verdict = judge(
+        run_dir,
+        reference,
+        policy_file=policy,
+        require_all=require_all,
+        replay=replay,
+        replay_seed=replay_seed,
+    )
     if json_:
         emit_json(verdict)
     else:

@@ -8,7 +8,6 @@ Reads the run store only (no torch).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from disttrace.analysis.diff import diff_runs
@@ -38,9 +37,8 @@ def build_report(run_dirs: list[Path], output: Path) -> Path:
     ) in run_dirs:  # a path that is not a run directory is bad input, before anything is computed
         Run(p)
     page = render_html(run_dirs, diffs_against_first([Path(p) for p in run_dirs]))
+    from disttrace.store.rundir import write_atomic
+
     output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
-    tmp.write_text(page, encoding="utf-8")
-    os.replace(tmp, output)
+    write_atomic(output, page.encode("utf-8"))  # follows no link, replaces only a regular file
     return output

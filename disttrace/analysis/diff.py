@@ -9,8 +9,10 @@
   topologies, and when the caller gives rtol/atol).
 * Order: records are ordered by (step, micro_batch, phase, rank, index); the first divergence is the
   smallest key whose records differ or that exists on one side only.
-* Work: the per-rank step index holds a digest of each step's record digests, so equal steps are skipped
-  without reading a record; only a step whose digests differ is read, by seeking to its byte range.
+* Work: the per-rank step index holds a digest of each step's record digests; a step whose digests agree
+  and whose raw bytes are the same on both sides is skipped without decoding a record (the index's digest
+  alone never skips a step: its writer may have forged it). Every other step is read, by seeking to its
+  byte range.
 * Propagation: from the first divergent step on, per step and rank, how many tensors differ out of how
   many, the largest relative error per phase, and the steps where everything is equal again.
 
@@ -97,6 +99,7 @@ class _Side:
         self.steps: list[int] = []
         self.records_read = 0  # trajectory records parsed (the `records_read` of the result)
         self._paths: dict[int, Path] = {}
+        self._last_bytes: tuple[tuple[int, int], bytes] | None = None
 
     def load(self) -> None:
         """Read (or rebuild) the step index of every rank; called after the compatibility check."""
@@ -209,13 +212,22 @@ class _Side:
     def entry(self, rank: int, step: int) -> dict | None:
         return self.index.get(rank, {}).get(step)
 
-    def check_step(self, rank: int, step: int) -> None:
-        """The step's raw bytes against the hash its index line holds (hashing, no parsing): a trajectory
-        edited after the run is refused, never skipped as equal by its (unchanged) digest of digests."""
+    def step_bytes(self, rank: int, step: int) -> bytes | None:
+        """The step's raw bytes, checked against the hash its index line holds (a trajectory edited after the
+        run is refused). Kept for the next read of the same step, which then decodes the bytes hashed."""
+        if self._last_bytes is not None and self._last_bytes[0] == (rank, step):
+            return self._last_bytes[1]
         e = self.entry(rank, step)
         if e is None:
-            return
-        self._hash_checked(rank, step, seal.step_bytes_match(self.traj_path(rank), e))
+            return None
+        data = trajectory.read_range(self.traj_path(rank), e["offset"], e["length"])
+        self._hash_checked(rank, step, seal.step_data_match(data, e))
+        self._last_bytes = ((rank, step), data)
+        return data
+
+    def check_step(self, rank: int, step: int) -> None:
+        """The step's raw bytes against the hash its index line holds (hashing, no parsing)."""
+        self.step_bytes(rank, step)
 
     def _hash_checked(self, rank: int, step: int, ok: bool | None) -> None:
         if ok is False:
@@ -246,10 +258,7 @@ class _Side:
         path = self.traj_path(rank)
         if e is None or not trajectory.is_arrow(path):
             return None
-        data = trajectory.read_range(path, e["offset"], e["length"])
-        self._hash_checked(
-            rank, step, seal.step_data_match(data, e)
-        )  # the bytes decoded are the bytes hashed
+        data = self.step_bytes(rank, step)  # the bytes decoded are the bytes hashed
         b = trajectory.decode_step(
             path, data, f"step {step} (bytes {e['offset']}..{e['offset'] + e['length']})"
         )
@@ -1338,7 +1347,9 @@ def _compare_block(
     block: list[int], ranks, side_a: _Side, side_b: _Side, tol: _Tol
 ) -> dict[int, tuple[dict, int]]:
     """Same topology, steps `block`, rank by rank: ({rank: _RankStep}, ranks read) per step. A rank whose index
-    digests agree is skipped unread, after its bytes are checked against the hash it was indexed with. A rank's
+    digests agree is skipped undecoded when its raw bytes are the same on both sides (each side's bytes also
+    checked against the hash it was indexed with): a digest in the index is the writer's word, equal bytes are
+    equal records whoever wrote the index. A rank's
     steps that are read and align row by row are compared in one column-wise call (a step's fixed cost of numpy
     and Arrow calls is paid once per block, not once per step and rank); each step's result is what it would
     be alone."""
@@ -1354,11 +1365,8 @@ def _compare_block(
                 and ea.get("digest") is not None
                 and ea.get("digest") == eb.get("digest")
                 and ea.get("records") == eb.get("records")
+                and side_a.step_bytes(r, s) == side_b.step_bytes(r, s)
             ):
-                side_a.check_step(
-                    r, s
-                )  # skipped by the index: its bytes must still be what was indexed
-                side_b.check_step(r, s)
                 per[s][r] = _RankStep(int(ea.get("records") or 0))
                 continue
             read[s] += 1

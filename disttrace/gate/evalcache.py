@@ -46,13 +46,17 @@ def _code_digest() -> str:
     return h.hexdigest()
 
 
-def evaluation_key(run: Run, ckpt: Path) -> str:
-    """The sha256 naming one evaluation; raises BadInput (naming the file) when the checkpoint does not
-    verify, as the evaluation itself would."""
+def evaluation_key(run: Run, ckpt: Path, data_from: Run | None = None) -> str:
+    """The sha256 naming one evaluation (of `run`'s checkpoint on `data_from`'s held-out split); raises
+    BadInput (naming the file) when the checkpoint does not verify, as the evaluation itself would."""
     checkpoint.verify(ckpt, run.manifest_id)  # every file's bytes match the INDEX hashed below
-    resolved = run.lock.get("resolved") or {}
+    data_from = data_from or run
+    resolved = data_from.lock.get("resolved") or {}
     inputs = {
         "lock": hashlib.sha256(orjson.dumps(run.lock, option=orjson.OPT_SORT_KEYS)).hexdigest(),
+        "data_lock": hashlib.sha256(
+            orjson.dumps(data_from.lock, option=orjson.OPT_SORT_KEYS)
+        ).hexdigest(),
         "checkpoint": ckpt.name,
         "index": checkpoint.sha256_of(ckpt / checkpoint.INDEX),
         "data": {

@@ -17,7 +17,42 @@ from disttrace.store.checkpoints import final_checkpoint
 from disttrace.store.rundir import Run, write_json_atomic
 
 
-def evaluate(run_dir: Path) -> dict:
+def verified_data(source: Run) -> tuple[str, str | None]:
+    """The data and tokenizer paths `source`'s lock resolved, each hash-checked against its manifest's
+    `data.sha256` / `tokenizer.sha256` (BadInput naming the file otherwise)."""
+    from disttrace.config.manifest import get_field, sha256_file
+    from disttrace.data.tokenizer import load_tokenizer
+
+    resolved = source.lock.get("resolved")
+    lock = source.path / "manifest.lock.json"
+    if not isinstance(resolved, dict) or not isinstance(resolved.get("data_path"), str):
+        raise BadInput(lock, "names no data file", field="resolved.data_path")
+    data_path, tok_path = resolved["data_path"], resolved.get("tokenizer_path")
+    want = get_field(source.manifest, "data.sha256")
+    try:
+        got = sha256_file(Path(data_path))
+    except OSError as e:
+        raise BadInput(data_path, f"cannot read ({e.strerror})") from None
+    if not isinstance(want, str) or got != want:
+        raise BadInput(
+            data_path,
+            f"sha256 {got[:12]}... is not the {want!s:.12}... {lock} states",
+            field="data.sha256",
+        )
+    kind = get_field(source.manifest, "tokenizer.kind")
+    tok = load_tokenizer(kind, tok_path)
+    if tok.sha256 != get_field(source.manifest, "tokenizer.sha256"):
+        raise BadInput(
+            tok_path or lock,
+            f"tokenizer sha256 {tok.sha256[:12]}... is not the one {lock} states",
+            field="tokenizer.sha256",
+        )
+    return data_path, tok_path
+
+
+def evaluate(run_dir: Path, data_dir: Path | None = None) -> dict:
+    """Score `run_dir`'s final checkpoint on the held-out split of `data_dir`'s manifest (the reference:
+    its data, split and eval batches, hash-checked), or of the run's own manifest without one."""
     import torch
 
     from disttrace.data.windows import TokenData
@@ -25,15 +60,18 @@ def evaluate(run_dir: Path) -> dict:
 
     torch.set_num_threads(1)
     run = Run(run_dir)
-    m = run.manifest
+    source = Run(data_dir) if data_dir is not None else run
+    m = (
+        source.manifest
+    )  # what is scored, and how: never the candidate's word when a reference is given
     ckpt = final_checkpoint(run)
     index = checkpoint.verify(ckpt, run.manifest_id)
-    data = TokenData(m, run.lock["resolved"]["data_path"], run.lock["resolved"]["tokenizer_path"])
+    data_path, tok_path = verified_data(source)
+    data = TokenData(m, data_path, tok_path)
     if data.split_report.get("eval_in_train", 1) != 0:
-        raise BadInput(
-            run.lock["resolved"]["data_path"], "an eval document is also in the training split"
-        )
-    dtype = getattr(torch, m["training"]["dtype"])
+        raise BadInput(data_path, "an eval document is also in the training split")
+    # the stored weights' dtype is the run's (a topology field); the model's shape is the experiment's
+    dtype = getattr(torch, run.manifest["training"]["dtype"])
     model = build_model(
         SimpleNamespace(**m["model"]), dtype, seed=0
     )  # weights come from the checkpoint
@@ -53,9 +91,7 @@ def evaluate(run_dir: Path) -> dict:
             correct += int((logits.argmax(-1) == targets).sum())
             tokens += targets.numel()
     if tokens == 0:
-        raise BadInput(
-            run.lock["resolved"]["data_path"], "the held-out split has no full sequence to score"
-        )
+        raise BadInput(data_path, "the held-out split has no full sequence to score")
     loss = total_loss / tokens
     return {
         "checkpoint": ckpt.name,
@@ -71,14 +107,16 @@ def evaluate(run_dir: Path) -> dict:
             "eval_in_train": data.split_report["eval_in_train"],
         },
         "process": "fresh single process, no process group",
+        "data_from": str(source.path),
     }
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     run_dir = Path(argv[0])
+    data_dir = Path(argv[1]) if len(argv) > 1 else None
     try:
-        result = evaluate(run_dir)
+        result = evaluate(run_dir, data_dir)
     except DisttraceError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code

@@ -48,6 +48,7 @@ CHECK_NAMES = (
     "collective_sync",
     "replica_consistency",
     "gradient_equivalence",
+    "replay",
     "eval_metric",
     "complete",
 )

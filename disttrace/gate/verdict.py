@@ -13,6 +13,7 @@ import orjson
 
 from disttrace.analysis.sync import check_sync, find_stragglers
 from disttrace.errors import BadInput
+from disttrace.gate import binding
 from disttrace.store import checkpoints as checkpoint
 from disttrace.store.records import Check, Verdict
 from disttrace.store.rundir import Run, write_json_atomic
@@ -25,15 +26,18 @@ def check(name: str, passed: bool | None, reason: str) -> Check:
     return Check(name=name, passed=passed, reason=reason)
 
 
-def run_eval(run: Run) -> dict:
+def run_eval(run: Run, data_from: Run | None = None) -> dict:
     """Score the run's final checkpoint in a fresh single process, or reuse the gate's own earlier score of
-    the same bytes from the user's cache (gate/evalcache.py); the store's eval.json is written, never read."""
+    the same bytes from the user's cache (gate/evalcache.py); the store's eval.json is written, never read.
+    The held-out data, its split and the batches scored are `data_from`'s (the reference's: a candidate
+    never chooses what it is scored on), hash-checked against that manifest; the run's own without one."""
     from disttrace.gate import evalcache
     from disttrace.store.checkpoints import final_checkpoint
 
+    data_from = data_from or run
     ckpt = final_checkpoint(run)
     out = run.path / "eval.json"
-    key = evalcache.evaluation_key(run, ckpt)
+    key = evalcache.evaluation_key(run, ckpt, data_from)
     result = evalcache.cached(key)
     if result is None:
         out.unlink(
@@ -41,7 +45,7 @@ def run_eval(run: Run) -> dict:
         )  # a stale or forged eval.json must not stand in for a failed evaluation
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         proc = subprocess.run(
-            [sys.executable, "-m", "disttrace.gate.evaluate", str(run.path)],
+            [sys.executable, "-m", "disttrace.gate.evaluate", str(run.path), str(data_from.path)],
             capture_output=True,
             text=True,
             env=env,
@@ -53,7 +57,9 @@ def run_eval(run: Run) -> dict:
             )
         # the evaluator's own stdout, not the file it wrote into a store someone else may be writing to
         result = {**orjson.loads(proc.stdout.strip().splitlines()[-1]), "evaluation_key": key}
-        if evalcache.evaluation_key(run, ckpt) == key:  # nothing it read changed while it ran
+        if (
+            evalcache.evaluation_key(run, ckpt, data_from) == key
+        ):  # nothing it read changed meanwhile
             evalcache.remember(key, result)
     write_json_atomic(out, result)
     return result
@@ -149,8 +155,12 @@ def gradient_equivalence(run: Run, ref: Run | None) -> Check:
 
     if ref is None:
         return check("gradient_equivalence", None, "not checked: no --reference given")
+    loosened = binding.loosened_bound(ref.manifest, run.manifest)
+    if loosened:
+        return check("gradient_equivalence", False, loosened)
     try:
         d = diff_runs(ref.path, run.path)
+        missing, covered = binding.coverage(ref, run) if d.equal else (None, "")
     except (
         BadInput
     ) as e:  # e.g. no step in common (a job that died in its first step): not equivalent
@@ -160,8 +170,16 @@ def gradient_equivalence(run: Run, ref: Run | None) -> Check:
     f = d.first_divergence
     if f is None:
         cs = d.compared_steps
+        if missing:  # equal over what was compared, but not over every step of the reference
+            return check(
+                "gradient_equivalence",
+                False,
+                f"{d.mode} equal over steps {cs.first}..{cs.last} only: {missing}",
+            )
         return check(
-            "gradient_equivalence", True, f"{d.mode} equal over steps {cs.first}..{cs.last}{how}"
+            "gradient_equivalence",
+            True,
+            f"{d.mode} equal over steps {cs.first}..{cs.last}{how} ({covered})",
         )
     return check(
         "gradient_equivalence",
@@ -193,8 +211,11 @@ def eval_metric(
             None,
             None,
         )
+    unbound = _unbound_checkpoint(run)
+    if unbound:
+        return [check("eval_metric", False, f"not evaluated: {unbound}")], None, None
     try:
-        evaluation = run_eval(run)
+        evaluation = run_eval(run, ref)
     except BadInput as e:
         return [check("eval_metric", False, str(e))], None, None
     loss = evaluation["eval_loss"]
@@ -230,6 +251,18 @@ def eval_metric(
     )
 
 
+def _unbound_checkpoint(run: Run) -> str | None:
+    """Why the checkpoint the gate would evaluate is not the one the run's trajectory describes (None: it
+    is, file by file): the evaluation must score the bytes whose computation the gate judged."""
+    from disttrace.store.checkpoints import final_checkpoint
+
+    try:
+        ckpt = final_checkpoint(run)
+        return binding.checkpoint_matches(ckpt, run, int(ckpt.name.split("-")[1]))
+    except BadInput as e:
+        return str(e)
+
+
 def completeness(run: Run) -> Check:
     return check(
         "complete",
@@ -243,6 +276,8 @@ def gate(
     reference: Path | None = None,
     policy_file: Path | None = None,
     require_all: bool = False,
+    replay: int = 0,
+    replay_seed: int | None = None,
 ) -> Verdict:
     """The independent gate: each check a small function above, composed in this order because the cheap
     integrity checks come first (a damaged store is named before anything is computed from it) and the
@@ -266,6 +301,16 @@ def gate(
         replica_consistency(run),
         gradient_equivalence(run, ref),
     ]
+    replayed = None
+    if replay > 0:
+        from disttrace.gate.replay import replay_check
+
+        if replay_seed is None:
+            import secrets
+
+            replay_seed = secrets.randbelow(2**32)  # unknown to the candidate's writer in advance
+        ok, why, replayed = replay_check(run, ref, replay, replay_seed)
+        checks.append(check("replay", ok, why))
     evals, evaluation, ref_eval = eval_metric(run, ref, policy.eval.loss_rtol, policy.eval)
     checks += evals + [completeness(run)]
 
@@ -292,9 +337,46 @@ def gate(
         eval=evaluation,
         reference_eval=ref_eval,
         time=time.time(),
+        replay=replayed,
+        trust=trust_record(ref is not None, replayed, evaluation is not None),
     )
     write_json_atomic(run.path / "verdict.json", verdict.line())
     return verdict
+
+
+def trust_record(with_reference: bool, replayed: dict | None, evaluated: bool) -> dict:
+    """What this verdict recomputed and what it took on the candidate writer's word (docs/trust.md)."""
+    steps = (replayed or {}).get("steps") or []
+    recomputed = [
+        "every hash the integrity checks compare (sha256 / xxh3 of the bytes themselves)",
+        "the final checkpoint's DCP files against the trajectory's `checkpoint` records of its step",
+    ]
+    if with_reference:
+        recomputed.insert(
+            1,
+            "the comparison with the reference: equal steps by their bytes on both sides, others "
+            "record by record; every step of the reference covered; the reference's tolerance",
+        )
+    if evaluated:
+        recomputed.append(
+            "the held-out evaluation, by a fresh process"
+            + (" on the reference's hash-checked data and split" if with_reference else "")
+        )
+    if steps:
+        recomputed.append(
+            f"step(s) {', '.join(map(str, steps))} re-executed from the run's own checkpoints"
+        )
+    on_trust = [
+        "that the stored records are what the candidate's job computed"
+        + (
+            f", for every step but {', '.join(map(str, steps))}"
+            if steps
+            else " (no step re-executed)"
+        ),
+        "the collective traces, memory ledger and step times (recorded, never recomputed)",
+        "the DCP .metadata of the evaluated checkpoint (no trajectory record covers it)",
+    ]
+    return {"recomputed": recomputed, "on_trust": on_trust}
 
 
 def apply_policy(checks: list[Check], policy) -> None:

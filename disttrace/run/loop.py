@@ -38,7 +38,9 @@ def train(ctx) -> None:
     steps = m.training.steps
     accum = m.training.grad_accum_steps
     interval = m.checkpoint.interval
-    for step in range(ctx.start_step + 1, steps + 1):  # steps are numbered from 1
+    # the gate's replay re-executes a few steps from a checkpoint and stops after the last it checks
+    last = min(steps, getattr(ctx, "stop_after", None) or steps)
+    for step in range(ctx.start_step + 1, last + 1):  # steps are numbered from 1
         bus.step, bus.micro_batch = step, 0
         bus.emit("step_start")
         strategy.zero_grad()

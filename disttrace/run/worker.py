@@ -178,6 +178,9 @@ def run(run_dir: Path) -> None:
             torch.manual_seed(manifest.experiment.seed * 1_000_003 + rank)
             if info.get("resume"):
                 ctx.start_step = resume(ctx, info["resume"])
+            stop = info.get("stop_after")  # `gate --replay`: steps up to this one only
+            if isinstance(stop, int) and not isinstance(stop, bool) and stop > 0:
+                ctx.stop_after = stop
             train(ctx)
             strategy.close()
             for observer in (recorder, magnitudes, ledger, clock):

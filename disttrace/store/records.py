@@ -170,6 +170,10 @@ class Verdict(_Line):
     eval: dict | None = None
     reference_eval: dict | None = None
     time: float
+    replay: dict | None = None  # `gate --replay K`: the seed, the steps drawn, each re-execution
+    trust: dict | None = (
+        None  # what the verdict recomputed and what it took on trust (docs/trust.md)
+    )
 
     def line(self) -> dict:
         return self.model_dump(

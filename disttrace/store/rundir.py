@@ -59,18 +59,83 @@ def rank_file(kind: str, rank: int, suffix: str = ".jsonl") -> str:
 
 
 def write_json_atomic(path: Path | str, obj: Any) -> None:
-    """Write JSON so a reader sees the old file or the new one, never half of one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    """Write JSON so a reader sees the old file or the new one, never half of one (write_atomic)."""
     data = orjson.dumps(
         obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY
     )
-    with open(tmp, "wb") as f:
-        f.write(data + b"\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, data + b"\n")
+
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_TMP_TRIES = 16
+
+
+def write_atomic(path: Path | str, data: bytes) -> None:
+    """Write `data` to `path` so a reader sees the old file or the new one, never half of one, and so that
+    nothing a directory's other writer planted is followed: the temporary is created by name inside the
+    opened parent directory with O_CREAT|O_EXCL|O_NOFOLLOW (a planted link or file of that name is never
+    opened; another random name is tried), and it replaces `path` only when `path` is absent or a regular
+    file (a link, device, FIFO or directory there is refused, BadInput, and left as it is). The temporary is
+    removed whatever fails."""
+    import secrets
+    import stat
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    dfd = os.open(path.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        _refuse_unless_regular(path, dfd)
+        for _ in range(_TMP_TRIES):
+            tmp = f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(6)}"
+            try:
+                fd = os.open(
+                    tmp,
+                    os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
+                    0o644,
+                    dir_fd=dfd,
+                )
+                break
+            except FileExistsError:
+                continue
+        else:
+            raise BadInput(
+                path.parent, "cannot create a temporary file there (every name is taken)"
+            )
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            _refuse_unless_regular(path, dfd)  # as late as possible before the rename
+            if not stat.S_ISREG(os.stat(tmp, dir_fd=dfd, follow_symlinks=False).st_mode):
+                raise BadInput(path.parent / tmp, "the temporary was replaced while it was written")
+            os.replace(tmp, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            try:
+                os.unlink(tmp, dir_fd=dfd)
+            except OSError:
+                pass
+            raise
+    finally:
+        os.close(dfd)
+
+
+def _refuse_unless_regular(path: Path, dfd: int) -> None:
+    import stat
+
+    try:
+        st = os.stat(path.name, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(st.st_mode):
+        kind = (
+            "a symbolic link"
+            if stat.S_ISLNK(st.st_mode)
+            else "a directory"
+            if stat.S_ISDIR(st.st_mode)
+            else "a device, FIFO or socket"
+        )
+        raise BadInput(path, f"is {kind}, not a regular file: refusing to replace it")
 
 
 def append_line(path: Path | str, obj: Any) -> None:
@@ -138,6 +203,8 @@ def new_run_dir(root: Path | str, manifest_id: str, path_kind: str) -> Path:
     """runs/<id12>/<path>[-n]: the first run of a path gets the bare name, later ones -2, -3, ..."""
     base = Path(root) / manifest_id[:12]
     base.mkdir(parents=True, exist_ok=True)
+    if base.is_symlink():  # run directories are made where the runs root says, never through a link
+        raise BadInput(base, "is a symbolic link: a run directory is never created through one")
     n = 1
     while True:
         name = path_kind if n == 1 else f"{path_kind}-{n}"
