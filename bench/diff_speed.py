@@ -169,7 +169,9 @@ def _noisy(recs: list[dict]) -> list[dict]:
     return out
 
 
-def write_runs(root: Path, ranks: int, steps: int, n: int, plant: tuple[int, int, int]):
+def write_runs(
+    root: Path, ranks: int, steps: int, n: int, plant: tuple[int, int, int], magnitudes=False
+):
     """Three run dirs written by the recorder's own writer (Arrow stream + sealed step index): `reference`,
     `fault` (equal but one record's digest, one bit) and `noisy` (every value rounded differently)."""
     from disttrace.store.trajectory import SUFFIX, TrajectoryWriter
@@ -220,6 +222,7 @@ def write_runs(root: Path, ranks: int, steps: int, n: int, plant: tuple[int, int
             k: StepChain(rank) for k in writers
         }  # the recorder's sha256 per step, chained: diff checks it
         index = {k: bytearray() for k in writers}
+        scales = {k: bytearray() for k in writers}
         for step in range(1, steps + 1):
             recs = step_records(step, rank, n)
             variants = {"reference": recs, "noisy": _noisy(recs), "fault": recs}
@@ -242,10 +245,22 @@ def write_runs(root: Path, ranks: int, steps: int, n: int, plant: tuple[int, int
                     "time": {"start": 0.0, "end": 0.0},
                 }
                 index[k] += orjson.dumps(chains[k].seal_entry(entry, blob)) + b"\n"
+                if (
+                    magnitudes
+                ):  # what run/scales.py writes: each gradient's ||X|| ||dY|| (here 10x its norm)
+                    m: dict = {}
+                    for r in rs:
+                        if r["phase"] in ("backward", "reduce") and r.get("norm") is not None:
+                            m.setdefault(r["phase"], {}).setdefault(str(r["micro_batch"]), {})[
+                                str(r["index"])
+                            ] = 10 * r["norm"]
+                    scales[k] += orjson.dumps({"step": step, "m": m}) + b"\n"
         for k in writers:
             d = dirs[k]
             writers[k].close()
             (d / f"trajectory/rank-{rank:05d}.steps.jsonl").write_bytes(bytes(index[k]))
+            if magnitudes:
+                (d / f"trajectory/rank-{rank:05d}.scales.jsonl").write_bytes(bytes(scales[k]))
     return dirs, planted
 
 
@@ -272,7 +287,7 @@ def child(a: str, b: str, mode: str, trace: bool) -> None:
 
         tracemalloc.start()
     t0 = time.perf_counter()
-    r = diff_runs(a, b, **kw)
+    r = diff_runs(a, b, **kw).to_dict()
     dt = time.perf_counter() - t0
     out = {
         "seconds": dt,
@@ -320,6 +335,11 @@ def main() -> None:
         help="write the stores in this trajectory layout (default: what the recorder writes now); "
         "readers take either, so two runs of the bench are an A/B of the layouts",
     )
+    ap.add_argument(
+        "--magnitudes",
+        action="store_true",
+        help="also write the gradient magnitudes (run/scales.py) the numeric bound reads",
+    )
     ap.add_argument("--child", nargs=3, metavar=("MODE", "A", "B"), help=argparse.SUPPRESS)
     ap.add_argument("--trace", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -336,7 +356,9 @@ def main() -> None:
     root = Path(args.dir or tempfile.mkdtemp(prefix="disttrace-bench-"))
     try:
         t0 = time.perf_counter()
-        dirs, planted = write_runs(root, args.ranks, args.steps, args.records, plant)
+        dirs, planted = write_runs(
+            root, args.ranks, args.steps, args.records, plant, args.magnitudes
+        )
         a, b = dirs["reference"], dirs["fault"]
         size = sum(p.stat().st_size for p in (a / "trajectory").glob("*.arrows"))
         n_run = args.ranks * args.steps * args.records

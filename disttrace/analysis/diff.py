@@ -453,26 +453,44 @@ class _Tol:
         return out, bounded
 
     def row_magnitudes(self, step_of_row, batch_a, batch_b, rows) -> tuple[np.ndarray, np.ndarray]:
-        """`magnitude` for rows of two aligned batches: (magnitudes, unbounded) arrays."""
+        """`magnitude` for rows of two aligned batches: (magnitudes, unbounded) arrays. Rows are grouped by
+        (step, phase, rank, micro-batch), and each group looked up in one pass over its indices."""
         n = len(rows)
-        if self.mags is None:
-            return np.zeros(n), np.zeros(n, dtype=bool)
-        take = pa.array(rows, pa.int64())
-        cols = ("phase", "index", "tensor", "rank", "micro_batch")
-        sides = [
-            [batch.column(c).take(take).to_pylist() for c in cols] for batch in (batch_a, batch_b)
-        ]
-        steps = step_of_row[rows].tolist()
         extra, unbounded = np.zeros(n), np.zeros(n, dtype=bool)
-        for j in range(n):
-            m, ok = self.magnitude(
-                steps[j],
-                *[
-                    dict(zip(cols, (side[0][j], side[1][j], side[2][j], side[3][j], side[4][j])))
-                    for side in sides
-                ],
-            )
-            extra[j], unbounded[j] = m, not ok
+        if self.mags is None or not n:
+            return extra, unbounded
+        take = pa.array(rows, pa.int64())
+        steps = step_of_row[rows]
+        for mag, batch in zip(self.mags, (batch_a, batch_b)):
+            phase = batch.column("phase").take(take).to_pylist()
+            names = batch.column("tensor").take(take).to_pylist()
+            index = np.asarray(batch.column("index").take(take).to_numpy(zero_copy_only=False))
+            rank = np.asarray(batch.column("rank").take(take).to_numpy(zero_copy_only=False))
+            mb = np.asarray(batch.column("micro_batch").take(take).to_numpy(zero_copy_only=False))
+            groups: dict[tuple, list[int]] = {}
+            for j, key in enumerate(zip(steps.tolist(), phase, rank.tolist(), mb.tolist())):
+                groups.setdefault(key, []).append(j)
+            for (step, ph, rk, m), pos in groups.items():
+                if ph in ("backward", "reduce") or (ph == "clip"):
+                    table = (
+                        mag.by_rank.get(rk, {}).get(step, {}).get(ph, {}).get(m, {})
+                        if ph == "backward"
+                        else mag.reduced(step)
+                    )
+                    vals = [table.get(i) for i in index[pos].tolist()]
+                    for k, j in enumerate(pos):
+                        v = vals[k]
+                        if v is None and ph == "clip":
+                            v, _ = mag.of(step, ph, int(index[j]), names[j], rk, m)
+                        if v is not None and v > extra[j]:
+                            extra[j] = v
+                    continue
+                for j in pos:
+                    v, ok = mag.of(step, ph, int(index[j]), names[j], rk, m)
+                    if not ok:
+                        unbounded[j] = True
+                    if v is not None and v > extra[j]:
+                        extra[j] = v
         return extra, unbounded
 
     def derived(self, step: int, phase: str) -> float:
