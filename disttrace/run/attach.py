@@ -46,7 +46,7 @@ import torch
 
 from disttrace.errors import BadInput
 from disttrace.run.collectives import CollectiveTracer
-from disttrace.run.complete import seal_and_complete
+from disttrace.run.complete import gather_released, seal_and_complete
 from disttrace.run.hooks import HookBus, process_exit
 from disttrace.run.parallel.common import (
     SCALAR_INDEX,
@@ -385,6 +385,24 @@ def attached_layout(kind: str, views: list[dict]) -> tuple[list[list[int]], list
     return [list(g) for g in dp], [list(g) for g in tp]
 
 
+def mesh_doc(views: list[dict]) -> dict | None:
+    """The device mesh the job's DTensor parameters (FSDP2's included) live on, as attach found it: each
+    named dimension's size, and which dimensions some parameter is replicated over or sharded over (HSDP:
+    replicate and shard; FSDP2 + TP: dp and tp both shard). None when no parameter is a DTensor."""
+    dims: dict[str, int] = {}
+    replicate: set[str] = set()
+    shard: set[str] = set()
+    for v in views:
+        for entry in v["params"].values():
+            for kind, into in (("replicate", replicate), ("shard", shard)):
+                for dim, gs in entry.get(kind, {}).items():
+                    dims[dim] = len(gs[0]) if gs else 1
+                    into.add(dim)
+    if not dims:
+        return None
+    return {"dims": dims, "replicate": sorted(replicate), "shard": sorted(shard)}
+
+
 def _partition(groups: list[tuple], world: int) -> bool:
     """Groups of one size that hold every rank exactly once."""
     ranks = sorted(r for g in groups for r in g)
@@ -484,6 +502,7 @@ def build_manifest(
                 "world_size": world,
                 "architecture": "allreduce",
                 "engine": engine.kind,
+                **({"mesh": mesh} if (mesh := mesh_doc(views)) else {}),
             },
             "model": {
                 "class": type(inner).__qualname__,
@@ -699,6 +718,10 @@ class AttachedRun:
         )
         self._loaders: list = []  # loaders whose class attach swapped (restored at close)
         self._comm_fired = self._bw_queued = self._reduced = self._clipped = False
+        # samples this rank's micro-batches of the current step held (None: one could not be counted), and
+        # the first completed step's count: the experiment's global batch is summed from it at close
+        self._samples: int | None = 0
+        self._observed: dict | None = None
         self.completed = 0  # the last step whose optimizer stepped
         self._paused = (
             False  # inside our own checkpoint load/save: DCP's helpers may step the optimizer
@@ -758,6 +781,7 @@ class AttachedRun:
         self.bus.micro_batch = mb
         ids = sample_ids.tolist() if torch.is_tensor(sample_ids) else list(sample_ids or [])
         self._data_mb.add(mb)
+        self._count(inputs)
         self.bus.emit(
             "data",
             batch={"inputs": inputs.detach(), "sample_ids": [int(i) for i in ids]},
@@ -944,6 +968,7 @@ class AttachedRun:
             self.ledger._hooks = None
         self.ledger.close()
         dist = _dist()
+        self._write_observed(dist)
         seal_and_complete(
             self.run_dir,
             self.rank,
@@ -955,6 +980,23 @@ class AttachedRun:
                 "world_size": self.manifest["parallelism"]["world_size"],
             },
         )
+
+    def _write_observed(self, dist) -> None:
+        """Collective: every rank's first completed step's sample count to rank 0, which writes the global
+        batch it sums to into the lock (as `observed`, beside the manifest the id was taken of), before the
+        seal hashes the lock."""
+        mine = self._observed or {"step": None, "samples": None, "micro_batches": 0}
+        parts = [mine]
+        if dist is not None:
+            parts = [None] * dist.get_world_size()
+            gather_released(dist, parts, mine)
+        if self.rank != 0:
+            return
+        topo = read_json(self.run_dir / "topology.json")
+        observed = observed_batch(parts, topo["groups"]["tp"])
+        lock = read_json(self.run_dir / LOCK)
+        lock["observed"] = observed
+        write_json_atomic(self.run_dir / LOCK, lock)
 
     def __enter__(self) -> AttachedRun:
         return self
@@ -1021,12 +1063,22 @@ class AttachedRun:
         watched = self._take_batch(args, kwargs)
         if mb not in self._data_mb:
             inputs, ids = watched if watched is not None else (_first_tensor(args, kwargs), [])
+            self._count(inputs)
             if inputs is not None:
                 self._data_mb.add(mb)
                 self.bus.emit(
                     "data", batch={"inputs": inputs.detach(), "sample_ids": ids}, fetch=None
                 )
         return None
+
+    def _count(self, inputs) -> None:
+        """Add a micro-batch's samples (its data tensor's leading dimension) to the step's count."""
+        if self._samples is None:
+            return
+        if torch.is_tensor(inputs) and inputs.dim() >= 1:
+            self._samples += int(inputs.shape[0])
+        else:
+            self._samples = None
 
     def _take_batch(self, args, kwargs):
         """The queued batch this forward consumes: the next in order, unless the forward reads the batch the
@@ -1142,6 +1194,12 @@ class AttachedRun:
         self.bus.emit("optimizer", params=self.named, state=state + lrs, optimizer=self.optimizer)
         self._stepped = True
         self.completed = self.step
+        if self._observed is None:
+            self._observed = {
+                "step": self.step,
+                "samples": self._samples if self._forwards else None,
+                "micro_batches": self._forwards,
+            }
 
     def _finish_step(self, start_next: bool = True):
         """Close the stepped step (its records are written) and open the next; deferred from the optimizer
@@ -1156,6 +1214,7 @@ class AttachedRun:
         self._forwards = 0
         self._data_mb = set()
         self._reduced = self._clipped = False
+        self._samples = 0
         self.bus.step, self.bus.micro_batch = self.step, 0
         self.bus.emit("step_start")
 
@@ -1163,6 +1222,32 @@ class AttachedRun:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+def observed_batch(parts: list[dict], tp_groups: list[list[int]]) -> dict:
+    """The global batch an attached job ran, from each rank's count of its first completed step (`parts`,
+    by rank): the ranks of a tensor-parallel group read one batch, so each group counts once (its first
+    rank's; the replica check's data rule holds the others to it), and the groups' counts are summed. None,
+    with why, when a rank counted nothing or the group's ranks stepped at different steps."""
+    per_rank = {str(r): p.get("samples") for r, p in enumerate(parts)}
+    doc = {
+        "global_batch": None,
+        "step": parts[0].get("step") if parts else None,
+        "samples": per_rank,
+        "micro_batches": {str(r): p.get("micro_batches") for r, p in enumerate(parts)},
+    }
+    if not parts or any(p.get("step") is None for p in parts):
+        doc["why"] = "a rank completed no optimizer step"
+        return doc
+    if len({p["step"] for p in parts}) > 1:
+        doc["why"] = "the ranks' first completed steps differ"
+        return doc
+    counts = [parts[g[0]].get("samples") for g in tp_groups]
+    if any(c is None for c in counts):
+        doc["why"] = "a micro-batch's input had no leading dimension to count"
+        return doc
+    doc["global_batch"] = sum(counts)
+    return doc
 
 
 def _lr(group: dict) -> torch.Tensor:
