@@ -75,6 +75,15 @@ SCALARS_AGREE = {
     "tensors": ["grad_norm", "clip_coef", "lr"],
 }
 
+# Without sequence parallelism every activation the loop records is replicated over tp: a block's output
+# (its wo and w2 are row-wise, reduced to Replicate, and the residual stream adds replicated terms), the
+# final norm's and the logits (gathered to Replicate); so is the loss computed from them. A tp rank whose
+# copy differs shows the bug at the forward, or loss, that first carries it.
+TP_ACTIVATIONS_AGREE = [
+    {"phase": "forward", "dim": "tp", "relation": "agree"},
+    {"phase": "loss", "dim": "tp", "relation": "agree"},
+]
+
 
 def global_norm(grads) -> torch.Tensor:
     """The L2 norm of all gradients of the job. DTensor gradients on one mesh are normed together (torch
