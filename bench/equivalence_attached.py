@@ -9,7 +9,8 @@ Pairs (A against B, 3 optimizer steps each):
   lightning 2x4 ~ 1x8 skew   control: rank 1's learning rate off by 1e-3 relative (rank 0's manifest shows
                              the configured one, so only the numbers can tell)
   hf 2x4 ~ 1x8               gradient_accumulation_steps x per_device_train_batch_size
-  hf 2x4 ~ 2x4 per-mb-mean   control: each micro-batch's loss its own token mean (transformers #34191)
+  hf 2x4 ~ 2x4 per-mb-mean   control: each micro-batch's loss its own token mean (the normalisation
+                             huggingface/transformers pull request 34191 replaced)
   hf 2x4 ~ 1x8 skew          control: rank 1's learning rate off by 1e-3 relative
 
 It prints a confusion table (false divergences, missed controls, refusals) and the margins: the largest
@@ -66,15 +67,15 @@ def torchrun(script: str, out: Path, args: tuple[str, ...]) -> Path:
     return Path(proc.stdout.strip().splitlines()[-1])
 
 
-def worst_ratio(d: dict) -> float | None:
-    ratios = [p.get("max_ratio") for p in (d.get("numeric") or {}).get("by_phase", {}).values()]
+def worst_ratio(d) -> float | None:
+    ratios = [p.max_ratio for p in (d.numeric.by_phase.values() if d.numeric else ())]
     ratios = [r for r in ratios if r is not None]
     return max(ratios) if ratios else None
 
 
-def first_ratio(d: dict) -> str:
-    f = d.get("first_divergence") or {}
-    err, bound = f.get("rel_err"), f.get("bound")
+def first_ratio(d) -> str:
+    f = d.first_divergence
+    err, bound = (f.rel_err, f.bound) if f is not None else (None, None)
     if err is None:
         return "-"
     return f"{err / bound:.3g}" if bound else f"{err:.3g} (bound 0)"
@@ -102,12 +103,12 @@ def main() -> None:
             refused += 1
             rows.append((name, "equal" if equivalent else "diverge", f"REFUSED: {e}", "-", "-"))
             continue
-        verdict = "equal" if d["equal"] else "diverge"
-        f = d["first_divergence"]
-        where = "-" if f is None else f"step {f['step']} mb {f['micro_batch']} {f['phase']}"
-        if equivalent and not d["equal"]:
+        verdict = "equal" if d.equal else "diverge"
+        f = d.first_divergence
+        where = "-" if f is None else f"step {f.step} mb {f.micro_batch} {f.phase} {f.tensor}"
+        if equivalent and not d.equal:
             false_div += 1
-        if not equivalent and d["equal"]:
+        if not equivalent and d.equal:
             missed += 1
         margin = worst_ratio(d) if equivalent else first_ratio(d)
         margin = f"{margin:.3g}" if isinstance(margin, float) else str(margin)

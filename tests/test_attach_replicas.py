@@ -83,7 +83,7 @@ def test_the_fixes_are_consistent_and_twice_bit_identical(runs, fix):
     assert code == 0 and doc["consistent"] is True, doc
     if fix == "tp-fix":
         d = diff_runs(runs["tp-fix"][0], runs["tp-fix-again"][0])
-        assert d["mode"] == "bitwise" and d["equal"] and d["compared_steps"]["count"] == 2
+        assert d.mode == "bitwise" and d.equal and d.compared_steps.count == 2
 
 
 @pytest.mark.parametrize(
@@ -104,8 +104,8 @@ def test_check_names_the_earliest_phase_a_rule_breaks(runs, bug, where):
 
 
 def test_diff_places_the_fsdp2_local_clip_at_the_clip(runs):
-    f = diff_runs(runs["fsdp-fix"][0], runs["local-clip"][0])["first_divergence"]
-    assert (f["step"], f["phase"]) == (1, "clip"), f
+    f = diff_runs(runs["fsdp-fix"][0], runs["local-clip"][0]).first_divergence
+    assert (f.step, f.phase) == (1, "clip"), f
 
 
 def test_the_rules_come_from_the_engine_and_the_styles(runs):

@@ -143,9 +143,9 @@ def test_an_attached_script_counts_its_batches_and_compares_as_one_experiment(tm
         obs = Run(path).lock["observed"]
         assert obs["global_batch"] == 6 and obs["micro_batches"] == {"0": accum}, obs
     d = diff_runs(a, b, mode="numeric")
-    assert d["equal"] and d["compared_steps"]["count"] == 2 and d["warnings"] == []
+    assert d.equal and d.compared_steps.count == 2 and d.warnings == []
     d = diff_runs(a, unfinished, mode="numeric")
-    assert sum("global_batch" in w for w in d["warnings"]) == 1, d["warnings"]
+    assert sum("global_batch" in w for w in d.warnings) == 1, d.warnings
 
 
 def test_an_attached_pair_of_different_global_batches_is_refused(tmp_path):

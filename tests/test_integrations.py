@@ -157,12 +157,12 @@ def test_lightning_accumulation_2x4_is_one_experiment_with_1x8(lightning_pairs):
     proc = cli("diff", lightning_pairs["2x4"], lightning_pairs["1x8"], "--mode", "numeric")
     assert proc.returncode == 0, proc.stderr[-2000:]
     d = diff_runs(lightning_pairs["2x4"], lightning_pairs["1x8"], mode="numeric")
-    assert d["equal"] and d["compared_steps"]["count"] == 3 and not d["topology"]["same"]
+    assert d.equal and d.compared_steps.count == 3 and not d.topology.same
     # the control: same global batch, so compared; it shows first where the learning rate is recorded,
     # step 1's clip scalars
     control = diff_runs(lightning_pairs["2x4"], lightning_pairs["1x8-skew"], mode="numeric")
-    f = control["first_divergence"]
-    assert not control["equal"] and (f["step"], f["phase"], f["tensor"]) == (1, "clip", "lr"), f
+    f = control.first_divergence
+    assert not control.equal and (f.step, f.phase, f.tensor) == (1, "clip", "lr"), f
     proc = cli("diff", lightning_pairs["2x4"], lightning_pairs["1x16"], "--mode", "numeric")
     assert proc.returncode == 2 and "global_batch 16 vs 32" in proc.stderr, proc.stderr
 
