@@ -94,10 +94,11 @@ def test_diff_names_the_bugs_origin(runs, fix, bug, origin):
     assert first(runs[fix], runs[bug]) == origin
 
 
-@pytest.mark.parametrize("bug,phase", [("unwrapped", "reduce"), ("late-reduce", "optimizer")])
+@pytest.mark.parametrize("bug,phase", [("unwrapped", "reduce"), ("late-reduce", "reduce")])
 def test_check_flags_the_step_where_ranks_stop_agreeing(runs, bug, phase):
     """No reference: DDP says reduced gradients agree over its group; without DDP, parameters identical at
-    attach must stay identical after each optimizer step."""
+    attach must have one reduced gradient (the last micro-batch's stayed local: the reduce shows it, before
+    the optimizer moves the parameters apart) and stay identical after each optimizer step."""
     proc = cli("check", runs[bug], "--json")
     assert proc.returncode == 1, proc.stdout
     f = orjson.loads(proc.stdout)["first"]

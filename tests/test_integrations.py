@@ -135,6 +135,38 @@ def test_lightning_run_is_recorded_with_its_accumulation(tmp_path):
     assert cli("check", run_dir).returncode == 0
 
 
+@pytest.fixture(scope="module")
+def lightning_pairs(tmp_path_factory):
+    pytest.importorskip("lightning", reason="lightning could not be installed here")
+    out = tmp_path_factory.mktemp("lightning-pairs")
+    return {
+        "2x4": torchrun("lightning_train.py", out, 2, 4),
+        "1x8": torchrun("lightning_train.py", out, 1, 8),
+        "1x8-skew": torchrun("lightning_train.py", out, 1, 8, "skew-lr"),
+        "1x16": torchrun("lightning_train.py", out, 1, 16),
+    }
+
+
+def test_lightning_accumulation_2x4_is_one_experiment_with_1x8(lightning_pairs):
+    """strategy="ddp" on 2 ranks: accumulate 2 x batch 4 and 1 x 8 train on the same 16 samples a step. The
+    callback states no batch size; the run counted it (16 both), so diff compares them, numerically equal
+    (exit 0). The control that must diverge: rank 1's learning rate off by 1e-3 relative (the manifest, rank
+    0's, cannot show it). 1 x 16 (32 a step) is another experiment."""
+    for name in ("2x4", "1x8"):
+        assert Run(lightning_pairs[name]).lock["observed"]["global_batch"] == 16
+    proc = cli("diff", lightning_pairs["2x4"], lightning_pairs["1x8"], "--mode", "numeric")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    d = diff_runs(lightning_pairs["2x4"], lightning_pairs["1x8"], mode="numeric")
+    assert d.equal and d.compared_steps.count == 3 and not d.topology.same
+    # the control: same global batch, so compared; it shows first where the learning rate is recorded,
+    # step 1's clip scalars
+    control = diff_runs(lightning_pairs["2x4"], lightning_pairs["1x8-skew"], mode="numeric")
+    f = control.first_divergence
+    assert not control.equal and (f.step, f.phase, f.tensor) == (1, "clip", "lr"), f
+    proc = cli("diff", lightning_pairs["2x4"], lightning_pairs["1x16"], "--mode", "numeric")
+    assert proc.returncode == 2 and "global_batch 16 vs 32" in proc.stderr, proc.stderr
+
+
 # ---------------------------------------------------------------- sample ids through the callbacks
 # The oracle is the data itself: every item carries its own index, and the model (HF) or training_step
 # (Lightning) logs per training forward the indices it was handed and the optimizer step it belongs to

@@ -48,7 +48,13 @@ from disttrace.analysis.result import (
     TopologyComparison,
     WorstRatio,
 )
-from disttrace.config.manifest import EXPERIMENT_FIELDS, TOPOLOGY_FIELDS, get_field, global_batch
+from disttrace.config.manifest import (
+    TOPOLOGY_FIELDS,
+    experiment_differences,
+    get_field,
+    observed_topology_differences,
+    unknown_line,
+)
 from disttrace.errors import BadInput
 from disttrace.fmt import ranges
 from disttrace.store import safeio, seal, trajectory
@@ -367,10 +373,9 @@ def _check_compatible(
         warnings.append(
             f"editions differ ({ea!r} vs {eb!r}): compared because it was explicitly allowed"
         )
-    diffs = _field_diffs(ma, mb, [f for f in EXPERIMENT_FIELDS if f != "experiment.edition"])
-    ga, gb = global_batch(ma), global_batch(mb)
-    if ga != gb:
-        diffs.append(("global_batch", ga, gb))
+    diffs, unknown = experiment_differences(a.run.lock, b.run.lock)
+    if unknown:
+        warnings.append(unknown_line(unknown))
     if diffs:
         names = ", ".join(k for k, _, _ in diffs)
         detail = "; ".join(f"{k} {_short(x)} vs {_short(y)}" for k, x, y in diffs)
@@ -1270,7 +1275,9 @@ def _choose_mode(side_a: _Side, side_b: _Side, mode: str | None, rtol, atol, war
     """bitwise when the topologies are equal and no explicit bound is given, else numeric; refuses a bitwise
     comparison across topologies and bad bounds. Returns (mode, the topology fields that differ)."""
     ma, mb = side_a.manifest, side_b.manifest
-    topo = _field_diffs(ma, mb, TOPOLOGY_FIELDS)
+    topo = _field_diffs(ma, mb, TOPOLOGY_FIELDS) + observed_topology_differences(
+        side_a.run.lock, side_b.run.lock
+    )
     algorithm = [
         (k, x, y)
         for k, x, y in _field_diffs(ma, mb, ("parallelism.architecture", "parallelism.staleness"))

@@ -27,6 +27,12 @@ class AttachedExperiment(Section):
     description: str = ""
 
 
+class AttachedMesh(Section):
+    dims: dict[str, int] = Field(description="each mesh dimension's size, by name")
+    replicate: list[str] = Field(description="dimensions some parameter is replicated over")
+    shard: list[str] = Field(description="dimensions some parameter is sharded over")
+
+
 class AttachedParallelism(Section):
     dp: int = Field(ge=1, description="DDP's (DeepSpeed's) group size; the world without DDP")
     tp: int = Field(default=1, ge=1)
@@ -37,6 +43,9 @@ class AttachedParallelism(Section):
     world_size: int = Field(ge=1)
     architecture: Literal["allreduce", "parameter-server"] = "allreduce"
     engine: Literal["plain", "DDP", "FSDP2", "DTensor", "DeepSpeed"]
+    mesh: AttachedMesh | None = Field(
+        default=None, description="the DTensor parameters' device mesh, when there is one"
+    )
 
 
 class TensorShape(Section):

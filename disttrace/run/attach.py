@@ -46,7 +46,7 @@ import torch
 
 from disttrace.errors import BadInput
 from disttrace.run.collectives import CollectiveTracer
-from disttrace.run.complete import seal_and_complete
+from disttrace.run.complete import gather_released, seal_and_complete
 from disttrace.run.hooks import HookBus, process_exit
 from disttrace.run.parallel.common import (
     SCALAR_INDEX,
@@ -250,20 +250,79 @@ def local_view(engine: Engine, named, rank: int) -> dict:
         "zero_stage": engine.zero_stage,
         "process_groups": _process_groups(),
         "fsdp_groups": _fsdp_groups(engine.inner) if engine.kind == "FSDP2" else [],
+        "replicated_outputs": {
+            path: {"dim": dim, "groups": gs}
+            for path, (dim, gs) in replicated_outputs(engine.inner).items()
+        },
         "seed": torch.initial_seed(),
     }
+
+
+def replicated_outputs(inner: torch.nn.Module) -> dict[str, tuple[str, list[list[int]]]]:
+    """Module path -> (mesh dimension, its rank groups) for the modules whose tensor-parallel style declares
+    their output Replicate over that dimension: a RowwiseParallel output after its reduction (its default),
+    a ColwiseParallel(output_layouts=Replicate()), a PrepareModuleOutput to Replicate. Read from the forward
+    hooks parallelize_module registered (DTensor's distribute_module closes over the style's output
+    function and the mesh; best effort: a torch that stores them otherwise gives none)."""
+    import functools
+
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ParallelStyle
+        from torch.distributed.tensor.placement_types import Placement
+    except ImportError:
+        return {}
+    out = {}
+    for path, module in inner.named_modules():
+        if not path:
+            continue
+        for hook in list(getattr(module, "_forward_hooks", {}).values()):
+            cells = []
+            for c in getattr(hook, "__closure__", None) or ():
+                try:
+                    cells.append(c.cell_contents)
+                except ValueError:  # an empty cell
+                    continue
+            mesh = next((c for c in cells if isinstance(c, DeviceMesh)), None)
+            layouts = None
+            for c in cells:
+                if (
+                    isinstance(c, functools.partial)
+                    and getattr(c.func, "__name__", "") == "_prepare_output_fn"
+                    and c.args
+                ):  # a style's static output function, given its output layouts
+                    layouts = c.args[0]
+                elif isinstance(c, ParallelStyle) and hasattr(c, "desired_output_layouts"):
+                    layouts = c.desired_output_layouts
+            if mesh is None or mesh.ndim != 1 or layouts is None:
+                continue
+            layouts = layouts if isinstance(layouts, (tuple, list)) else (layouts,)
+            known = [x for x in layouts if x is not None]
+            if (
+                known
+                and all(isinstance(x, Placement) for x in known)
+                and all(isinstance(x, Replicate) for x in known)
+            ):
+                dim = mesh.mesh_dim_names[0] if mesh.mesh_dim_names else "0"
+                out[path] = (dim, _mesh_groups(mesh, 0))
+    return out
 
 
 def infer_replicas(engine: str, views: list[dict]) -> dict:
     """replicas.json for an attached run, in the harness's format ({"groups": {dim: [[ranks]]}, "rules": [...]}).
 
     DDP: the engine says it (data differs, reduced gradients, clip scalars, parameters and optimizer state
-    agree over its group). DTensor without FSDP2 (tensor parallelism): ranks sharing a sharded tensor read
-    the same batch, and the clip scalars agree. FSDP2: its mesh is data parallelism (data differs there;
-    the global gradient norm, clip coefficient and learning rates agree over the world). DTensor/FSDP2: a
-    parameter's Replicate placements name mesh dimensions whose copies agree; Shard ones hold different
-    pieces. Otherwise: copies identical at attach must stay identical after every optimizer step (parameters whose elements are all equal are left out: equal by
-    construction, they show nothing)."""
+    agree over its group). FSDP2: its mesh is data parallelism (data differs there; the global gradient
+    norm, clip coefficient and learning rates agree over the world). Tensor parallelism (the mesh dimensions
+    a DTensor parameter is sharded over that are not FSDP2's): a tp group reads one batch and computes one
+    loss, the clip scalars agree, every output its style declares Replicate agrees (replicated_outputs),
+    and a plain parameter, which every rank of the group holds whole, has one reduced gradient and one value
+    after the step. A DTensor parameter's Replicate placements name dimensions whose copies agree after the
+    step (its gradient may legitimately be Partial until the optimizer reduces it, so not at `reduce`).
+    Otherwise: copies identical at attach must have one reduced gradient and stay identical after every
+    optimizer step (parameters whose elements are all equal are left out: equal by construction, they
+    show nothing). docs/replicas.md lists every rule."""
     world = len(views)
     groups: dict[str, list[list[int]]] = {"world": [list(range(world))]}
     rules: list[dict] = []
@@ -285,50 +344,75 @@ def infer_replicas(engine: str, views: list[dict]) -> dict:
             f"DDP over {groups['dp']}: reduced gradients, clip, parameters and optimizer state agree"
         )
         return {"groups": groups, "rules": rules, "inferred": {"engine": engine, "notes": notes}}
-    if engine == "FSDP2":  # FSDP2 shards over data parallelism: each rank's batch must differ there
-        fsdp = sorted({tuple(g) for v in views for g in v.get("fsdp_groups", [])})
-        if fsdp:
-            groups["dp"] = [list(g) for g in fsdp]
-            rules += [
-                {"phase": "data", "dim": "dp", "relation": "differ"},
-                SCALARS_AGREE,
-                {
-                    "phase": "optimizer",
-                    "dim": "world",
-                    "relation": "agree",
-                    "tensors": ["param_groups.*.lr"],
-                },
-            ]
-            notes.append(
-                f"FSDP2 shards over {groups['dp']}: data differs there; the global gradient norm, "
-                "clip coefficient and learning rates agree over the world"
-            )
-    if (
-        engine == "DTensor"
-    ):  # tensor parallelism (no FSDP): a group sharing a sharded tensor reads one batch
-        tp = {
-            f"mesh:{dim}": gs
-            for v in views
-            for e in v["params"].values()
-            for dim, gs in e.get("shard", {}).items()
-        }
-        for dim, gs in sorted(tp.items()):
-            groups[dim] = gs
-            rules.append({"phase": "data", "dim": dim, "relation": "agree"})
-            notes.append(f"tensors sharded over {gs} ({dim}): those ranks read the same batch")
-        if tp:
-            rules.append(SCALARS_AGREE)
+    fsdp = sorted({tuple(g) for v in views for g in v.get("fsdp_groups", [])})
+    if engine == "FSDP2" and fsdp:  # FSDP2 shards over data parallelism: each rank's batch differs
+        groups["dp"] = [list(g) for g in fsdp]
+        rules += [
+            {"phase": "data", "dim": "dp", "relation": "differ"},
+            SCALARS_AGREE,
+            {
+                "phase": "optimizer",
+                "dim": "world",
+                "relation": "agree",
+                "tensors": ["param_groups.*.lr"],
+            },
+        ]
+        notes.append(
+            f"FSDP2 shards over {groups['dp']}: data differs there; the global gradient norm, "
+            "clip coefficient and learning rates agree over the world"
+        )
+    tp: dict[str, list[list[int]]] = {}
+    if engine in (
+        "DTensor",
+        "FSDP2",
+    ):  # tensor parallelism: the shard dimensions that are not FSDP2's
+        for v in views:
+            for e in v["params"].values():
+                for dim, gs in e.get("shard", {}).items():
+                    if {tuple(g) for g in gs} != set(fsdp):
+                        tp[f"mesh:{dim}"] = gs
+    for dim, gs in sorted(tp.items()):
+        groups[dim] = gs
+        rules += [
+            {"phase": "data", "dim": dim, "relation": "agree"},
+            {"phase": "loss", "dim": dim, "relation": "agree"},
+        ]
+        notes.append(
+            f"tensors sharded over {gs} ({dim}): those ranks read the same batch and compute one loss"
+        )
+    if tp and SCALARS_AGREE not in rules:
+        rules.append(SCALARS_AGREE)
+    outputs: dict[str, list[str]] = {}
+    for v in views:
+        for path, e in v.get("replicated_outputs", {}).items():
+            key = f"mesh:{e['dim']}"
+            groups.setdefault(key, e["groups"])
+            outputs.setdefault(key, [])
+            if path not in outputs[key]:
+                outputs[key].append(path)
+    for key, paths in sorted(outputs.items()):
+        rules.append(
+            {"phase": "forward", "dim": key, "relation": "agree", "tensors": sorted(paths)}
+        )
+        notes.append(
+            f"{len(paths)} module output(s) declared Replicate over {key} by their parallel style"
+        )
     names = sorted({n for v in views for n in v["params"]})
     by_dims: dict[tuple, list[str]] = {}
-    placed: dict[str, list[list[int]]] = {}
+    whole: list[
+        str
+    ] = []  # plain parameters of a tensor-parallel job: every tp rank holds them whole
     for name in names:
         entries = {v["rank"]: v["params"][name] for v in views if name in v["params"]}
         first = next(iter(entries.values()))
         if "replicate" in first:  # a DTensor: its placements say it
             for dim, gs in first["replicate"].items():
                 key = f"mesh:{dim}"
-                placed[key] = gs
+                groups.setdefault(key, gs)
                 by_dims.setdefault((key,), []).append(name)
+            continue
+        if len(tp) == 1:
+            whole.append(name)
             continue
         if all(e["constant"] for e in entries.values()):
             continue
@@ -338,18 +422,28 @@ def infer_replicas(engine: str, views: list[dict]) -> dict:
         part = tuple(sorted(tuple(g) for g in buckets.values() if len(g) > 1))
         if part:
             by_dims.setdefault(part, []).append(name)
-    groups.update(placed)
+    if whole:
+        (key,) = tp
+        rules += [
+            {"phase": phase, "dim": key, "relation": "agree", "tensors": whole}
+            for phase in ("reduce", "optimizer")
+        ]
+        notes.append(
+            f"{len(whole)} plain parameter(s) held whole by every rank of {key}: one reduced gradient, "
+            "one value"
+        )
     n = 0
     for key, tensors in sorted(by_dims.items(), key=lambda kv: str(kv[0])):
         if isinstance(key[0], str):  # a mesh dimension
-            dim = key[0]
+            dim, phases = key[0], ("optimizer",)
         else:
             n += 1
-            dim = "replicas" if n == 1 else f"replicas-{n}"
+            dim, phases = ("replicas" if n == 1 else f"replicas-{n}"), ("reduce", "optimizer")
             groups[dim] = [list(g) for g in key]
-        rules.append(
-            {"phase": "optimizer", "dim": dim, "relation": "agree", "tensors": sorted(tensors)}
-        )
+        rules += [
+            {"phase": phase, "dim": dim, "relation": "agree", "tensors": sorted(tensors)}
+            for phase in phases
+        ]
         notes.append(
             f"{len(tensors)} parameter(s) identical across {groups[dim]} at attach ({dim})"
         )
@@ -383,6 +477,24 @@ def attached_layout(kind: str, views: list[dict]) -> tuple[list[list[int]], list
     if not _partition(dp, world):
         dp = [tuple(range(world))]
     return [list(g) for g in dp], [list(g) for g in tp]
+
+
+def mesh_doc(views: list[dict]) -> dict | None:
+    """The device mesh the job's DTensor parameters (FSDP2's included) live on, as attach found it: each
+    named dimension's size, and which dimensions some parameter is replicated over or sharded over (HSDP:
+    replicate and shard; FSDP2 + TP: dp and tp both shard). None when no parameter is a DTensor."""
+    dims: dict[str, int] = {}
+    replicate: set[str] = set()
+    shard: set[str] = set()
+    for v in views:
+        for entry in v["params"].values():
+            for kind, into in (("replicate", replicate), ("shard", shard)):
+                for dim, gs in entry.get(kind, {}).items():
+                    dims[dim] = len(gs[0]) if gs else 1
+                    into.add(dim)
+    if not dims:
+        return None
+    return {"dims": dims, "replicate": sorted(replicate), "shard": sorted(shard)}
 
 
 def _partition(groups: list[tuple], world: int) -> bool:
@@ -484,6 +596,7 @@ def build_manifest(
                 "world_size": world,
                 "architecture": "allreduce",
                 "engine": engine.kind,
+                **({"mesh": mesh} if (mesh := mesh_doc(views)) else {}),
             },
             "model": {
                 "class": type(inner).__qualname__,
@@ -594,8 +707,12 @@ def build_fault(spec: dict, engine: Engine, caps: set[str], manifest: dict, name
 # ---------------------------------------------------------------- the attached run
 
 
-_ACTIVE: list[AttachedRun] = []  # the run that torch.nn.utils.clip_grad_norm_ reports to
+_ACTIVE: list[AttachedRun] = []  # the run that torch.nn.utils' clipping reports to
 _ORIGINAL_CLIP = torch.nn.utils.clip_grad.clip_grad_norm_
+# torch >= 2.6 splits clip_grad_norm_ in two public halves (what torchtitan's clipping calls); clip_grad_norm_
+# calls the module's private names, so patching the public ones never records a clip twice
+_ORIGINAL_TOTAL_NORM = getattr(torch.nn.utils, "get_total_norm", None)
+_ORIGINAL_WITH_NORM = getattr(torch.nn.utils, "clip_grads_with_norm_", None)
 
 
 def _clip_grad_norm_(parameters, max_norm, *args, **kwargs):
@@ -604,10 +721,26 @@ def _clip_grad_norm_(parameters, max_norm, *args, **kwargs):
     return _ACTIVE[-1]._clip(parameters, max_norm, *args, **kwargs)
 
 
+def _get_total_norm(tensors, *args, **kwargs):
+    """The gradients are final when their norm is taken: the step's reduce is recorded first."""
+    if _ACTIVE:
+        _ACTIVE[-1]._flush_reduce()
+    return _ORIGINAL_TOTAL_NORM(tensors, *args, **kwargs)
+
+
+def _clip_grads_with_norm_(parameters, max_norm, total_norm, *args, **kwargs):
+    if not _ACTIVE:
+        return _ORIGINAL_WITH_NORM(parameters, max_norm, total_norm, *args, **kwargs)
+    return _ACTIVE[-1]._clip_with_norm(parameters, max_norm, total_norm, *args, **kwargs)
+
+
 def _patch_clip(on: bool) -> None:
     fn = _clip_grad_norm_ if on else _ORIGINAL_CLIP
     torch.nn.utils.clip_grad_norm_ = fn
     torch.nn.utils.clip_grad.clip_grad_norm_ = fn
+    if _ORIGINAL_TOTAL_NORM is not None and _ORIGINAL_WITH_NORM is not None:
+        torch.nn.utils.get_total_norm = _get_total_norm if on else _ORIGINAL_TOTAL_NORM
+        torch.nn.utils.clip_grads_with_norm_ = _clip_grads_with_norm_ if on else _ORIGINAL_WITH_NORM
 
 
 class _CommHookState:
@@ -699,6 +832,10 @@ class AttachedRun:
         )
         self._loaders: list = []  # loaders whose class attach swapped (restored at close)
         self._comm_fired = self._bw_queued = self._reduced = self._clipped = False
+        # samples this rank's micro-batches of the current step held (None: one could not be counted), and
+        # the first completed step's count: the experiment's global batch is summed from it at close
+        self._samples: int | None = 0
+        self._observed: dict | None = None
         self.completed = 0  # the last step whose optimizer stepped
         self._paused = (
             False  # inside our own checkpoint load/save: DCP's helpers may step the optimizer
@@ -758,6 +895,7 @@ class AttachedRun:
         self.bus.micro_batch = mb
         ids = sample_ids.tolist() if torch.is_tensor(sample_ids) else list(sample_ids or [])
         self._data_mb.add(mb)
+        self._count(inputs)
         self.bus.emit(
             "data",
             batch={"inputs": inputs.detach(), "sample_ids": [int(i) for i in ids]},
@@ -837,7 +975,11 @@ class AttachedRun:
         return self.bus.emit("loss", loss=loss, tokens=int(tokens))["loss"]
 
     def scalar(self, name: str, value) -> None:
-        """A scalar every rank should agree on, recorded in this step's clip phase."""
+        """A scalar every rank should agree on, recorded in this step's clip phase (after the step's reduce,
+        recorded first): run.scalar("grad_norm", norm) is a hand-written clip's norm, held to the rule the
+        clip scalars are (replicas.json)."""
+        if self._forwards:  # after the step's backward passes: its gradients are final
+            self._flush_reduce()
         t = (
             value.detach()
             if torch.is_tensor(value)
@@ -944,6 +1086,7 @@ class AttachedRun:
             self.ledger._hooks = None
         self.ledger.close()
         dist = _dist()
+        self._write_observed(dist)
         seal_and_complete(
             self.run_dir,
             self.rank,
@@ -955,6 +1098,23 @@ class AttachedRun:
                 "world_size": self.manifest["parallelism"]["world_size"],
             },
         )
+
+    def _write_observed(self, dist) -> None:
+        """Collective: every rank's first completed step's sample count to rank 0, which writes the global
+        batch it sums to into the lock (as `observed`, beside the manifest the id was taken of), before the
+        seal hashes the lock."""
+        mine = self._observed or {"step": None, "samples": None, "micro_batches": 0}
+        parts = [mine]
+        if dist is not None:
+            parts = [None] * dist.get_world_size()
+            gather_released(dist, parts, mine)
+        if self.rank != 0:
+            return
+        topo = read_json(self.run_dir / "topology.json")
+        observed = observed_batch(parts, topo["groups"]["tp"])
+        lock = read_json(self.run_dir / LOCK)
+        lock["observed"] = observed
+        write_json_atomic(self.run_dir / LOCK, lock)
 
     def __enter__(self) -> AttachedRun:
         return self
@@ -1021,12 +1181,22 @@ class AttachedRun:
         watched = self._take_batch(args, kwargs)
         if mb not in self._data_mb:
             inputs, ids = watched if watched is not None else (_first_tensor(args, kwargs), [])
+            self._count(inputs)
             if inputs is not None:
                 self._data_mb.add(mb)
                 self.bus.emit(
                     "data", batch={"inputs": inputs.detach(), "sample_ids": ids}, fetch=None
                 )
         return None
+
+    def _count(self, inputs) -> None:
+        """Add a micro-batch's samples (its data tensor's leading dimension) to the step's count."""
+        if self._samples is None:
+            return
+        if torch.is_tensor(inputs) and inputs.dim() >= 1:
+            self._samples += int(inputs.shape[0])
+        else:
+            self._samples = None
 
     def _take_batch(self, args, kwargs):
         """The queued batch this forward consumes: the next in order, unless the forward reads the batch the
@@ -1092,20 +1262,41 @@ class AttachedRun:
         parameters = list(parameters)
         self._flush_reduce()
         total = _ORIGINAL_CLIP(parameters, max_norm, *args, **kwargs)
-        if not self._clipped:  # the first clip of a step is the step's
-            self._clipped = True
-            norm = total.full_tensor() if hasattr(total, "full_tensor") else total
-            norm = norm.detach()
-            coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)  # torch's own formula
-            scalars = [(SCALAR_INDEX, "grad_norm", norm), (SCALAR_INDEX + 1, "clip_coef", coef)]
-            if self.optimizer.param_groups:
-                scalars.append((SCALAR_INDEX + 2, "lr", _lr(self.optimizer.param_groups[0])))
-            self.bus.emit(
-                "clip",
-                grads=[(i, n, p.grad) for i, n, p in self.named if p.grad is not None],
-                scalars=scalars,
-            )
+        self._record_clip(total, max_norm)
         return total
+
+    def _clip_with_norm(self, parameters, max_norm, total_norm, *args, **kwargs):
+        """torch.nn.utils.clip_grads_with_norm_: the clip by a norm the script took itself (through
+        get_total_norm, or any way it likes: a local shard's norm is recorded as what it is)."""
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        parameters = list(parameters)
+        self._flush_reduce()
+        out = _ORIGINAL_WITH_NORM(parameters, max_norm, total_norm, *args, **kwargs)
+        self._record_clip(total_norm, max_norm)
+        return out
+
+    def _record_clip(self, total, max_norm) -> None:
+        """`clip`: the clipped gradients and the scalars every rank must agree on (the first clip of a step
+        is the step's)."""
+        if self._clipped:
+            return
+        self._clipped = True
+        norm = total.full_tensor() if hasattr(total, "full_tensor") else total
+        norm = (
+            norm.detach()
+            if torch.is_tensor(norm)
+            else torch.tensor(float(norm), dtype=torch.float64)
+        )
+        coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)  # torch's own formula
+        scalars = [(SCALAR_INDEX, "grad_norm", norm), (SCALAR_INDEX + 1, "clip_coef", coef)]
+        if self.optimizer.param_groups:
+            scalars.append((SCALAR_INDEX + 2, "lr", _lr(self.optimizer.param_groups[0])))
+        self.bus.emit(
+            "clip",
+            grads=[(i, n, p.grad) for i, n, p in self.named if p.grad is not None],
+            scalars=scalars,
+        )
 
     def _before_step(self, _opt, args, kwargs):
         if self._paused:
@@ -1142,6 +1333,12 @@ class AttachedRun:
         self.bus.emit("optimizer", params=self.named, state=state + lrs, optimizer=self.optimizer)
         self._stepped = True
         self.completed = self.step
+        if self._observed is None:
+            self._observed = {
+                "step": self.step,
+                "samples": self._samples if self._forwards else None,
+                "micro_batches": self._forwards,
+            }
 
     def _finish_step(self, start_next: bool = True):
         """Close the stepped step (its records are written) and open the next; deferred from the optimizer
@@ -1156,6 +1353,7 @@ class AttachedRun:
         self._forwards = 0
         self._data_mb = set()
         self._reduced = self._clipped = False
+        self._samples = 0
         self.bus.step, self.bus.micro_batch = self.step, 0
         self.bus.emit("step_start")
 
@@ -1163,6 +1361,32 @@ class AttachedRun:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+def observed_batch(parts: list[dict], tp_groups: list[list[int]]) -> dict:
+    """The global batch an attached job ran, from each rank's count of its first completed step (`parts`,
+    by rank): the ranks of a tensor-parallel group read one batch, so each group counts once (its first
+    rank's; the replica check's data rule holds the others to it), and the groups' counts are summed. None,
+    with why, when a rank counted nothing or the group's ranks stepped at different steps."""
+    per_rank = {str(r): p.get("samples") for r, p in enumerate(parts)}
+    doc = {
+        "global_batch": None,
+        "step": parts[0].get("step") if parts else None,
+        "samples": per_rank,
+        "micro_batches": {str(r): p.get("micro_batches") for r, p in enumerate(parts)},
+    }
+    if not parts or any(p.get("step") is None for p in parts):
+        doc["why"] = "a rank completed no optimizer step"
+        return doc
+    if len({p["step"] for p in parts}) > 1:
+        doc["why"] = "the ranks' first completed steps differ"
+        return doc
+    counts = [parts[g[0]].get("samples") for g in tp_groups]
+    if any(c is None for c in counts):
+        doc["why"] = "a micro-batch's input had no leading dimension to count"
+        return doc
+    doc["global_batch"] = sum(counts)
+    return doc
 
 
 def _lr(group: dict) -> torch.Tensor:
@@ -1283,7 +1507,14 @@ def _blocks(inner: torch.nn.Module, forward) -> list[tuple[str, torch.nn.Module]
     if not forward:
         return []
     if forward is True:
-        return list(inner.named_children())
+        blocks = list(inner.named_children())
+        extra = [p for p in replicated_outputs(inner) if p not in dict(blocks)]
+        if not extra:
+            return blocks
+        # and every output a tensor-parallel style declares Replicate (the replica rules hold them), in
+        # post-order: a module's output is computed before its parent's
+        wanted = set(dict(blocks)) | set(extra)
+        return [(n, m) for n, m in _post_order(inner) if n in wanted]
     out = []
     for path in forward:
         try:
@@ -1295,6 +1526,13 @@ def _blocks(inner: torch.nn.Module, forward) -> list[tuple[str, torch.nn.Module]
                 f"the model has no module '{path}'; its top-level blocks: {children}",
             ) from None
     return out
+
+
+def _post_order(module: torch.nn.Module, prefix: str = ""):
+    for name, child in module.named_children():
+        path = f"{prefix}.{name}" if prefix else name
+        yield from _post_order(child, path)
+        yield path, child
 
 
 def attach(
@@ -1319,12 +1557,13 @@ def attach(
     default generator's (torch.initial_seed()). loader: the training DataLoader, watched in place (its
     batches become the `data` records, with its DistributedSampler's sample ids; see
     AttachedRun.watch_loader). forward: record each block's output (`forward`): True for the model's
-    top-level children, or a list of module paths ("layers.0", "head"); the manifest's record.forward says
-    which. evaluation: the gate's evaluation of this run's final checkpoint when it is the reference, the
-    policy's `[eval]` keys (command, metric, better, rtol, atol, timeout_s, env, data, data_sha256, cwd;
-    docs/gate.md): data and cwd are resolved against the working directory and the data hashed here, by
-    rank 0. Under `disttrace run/inject -- CMD` the run directory (and fault) come from DISTTRACE_RUN_DIR
-    and `out` is ignored."""
+    top-level children (and every module whose tensor-parallel style declares its output Replicate, which
+    the replica check holds to agree), or a list of module paths ("layers.0", "head"); the manifest's
+    record.forward says which. evaluation: the gate's evaluation of this run's final checkpoint when it is
+    the reference, the policy's `[eval]` keys (command, metric, better, rtol, atol, timeout_s, env, data,
+    data_sha256, cwd; docs/gate.md): data and cwd are resolved against the working directory and the data
+    hashed here, by rank 0. Under `disttrace run/inject -- CMD` the run directory (and fault) come from
+    DISTTRACE_RUN_DIR and `out` is ignored."""
     rank, world = _rank_world()
     optimizer = unwrap_optimizer(optimizer)
     engine = detect_engine(model)

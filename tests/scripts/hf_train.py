@@ -7,8 +7,10 @@ mean-per-micro-batch: the negative control. The Trainer is told the model takes 
 micro-batch's loss is the model's own mean over that micro-batch's tokens, divided by the accumulation count:
 the normalisation that huggingface/transformers pull request 34191 replaced, which differs from the
 step's token count on padded sequences.
+skew-lr: rank 1's learning rate off by 1e-3 relative (the manifest, rank 0's, shows 1e-2): must diverge.
 """
 
+import os
 import sys
 import tempfile
 
@@ -48,7 +50,9 @@ def main(out, accum, batch, variant=""):
         per_device_train_batch_size=batch,
         gradient_accumulation_steps=accum,
         max_steps=3,
-        learning_rate=1e-2,
+        learning_rate=1e-2 * (1 + 1e-3)
+        if variant == "skew-lr" and os.environ.get("RANK") == "1"
+        else 1e-2,
         use_cpu=True,
         ddp_backend="gloo",
         report_to=[],

@@ -75,6 +75,16 @@ SCALARS_AGREE = {
     "tensors": ["grad_norm", "clip_coef", "lr"],
 }
 
+# Without sequence parallelism the activations the loop records are replicated over tp: a block's output
+# (its wo and w2 are row-wise, reduced to Replicate, and the residual stream adds replicated terms) and the
+# final norm's; so is the loss, computed from the logits gathered to Replicate. The recorded `output` is not:
+# the loop's hook runs before the style's gather (registered first) and sees this rank's vocabulary shard.
+# A tp rank whose copy differs shows the bug at the forward, or loss, that first carries it.
+TP_ACTIVATIONS_AGREE = [
+    {"phase": "forward", "dim": "tp", "relation": "agree", "exclude": "output"},
+    {"phase": "loss", "dim": "tp", "relation": "agree"},
+]
+
 
 def global_norm(grads) -> torch.Tensor:
     """The L2 norm of all gradients of the job. DTensor gradients on one mesh are normed together (torch

@@ -22,6 +22,7 @@ from disttrace.run.hooks import TensorRef, grads_of
 from disttrace.run.parallel.common import (
     OPTIMIZER_BLOB_TEMPLATE,
     SCALARS_AGREE,
+    TP_ACTIVATIONS_AGREE,
     Strategy,
     build_optimizer,
     load_optimizer_bytes,
@@ -145,11 +146,13 @@ class PipelineParallel(Strategy):
         ]  # every stage: same batch
         if self.dp > 1:
             rules.append({"phase": "data", "dim": "dp", "relation": "differ"})
-        if self.tp > 1:
+        if (
+            self.tp > 1
+        ):  # a stage's tp group: one copy of its activations (the last stage's loss too)
             rules += [
                 {"phase": p, "dim": "tp", "relation": "agree", "tensors": "*norm.weight*"}
                 for p in ("reduce", "clip", "optimizer")
-            ]
+            ] + TP_ACTIVATIONS_AGREE
         return rules
 
     def micro_batch(self, last: bool):

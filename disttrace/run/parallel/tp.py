@@ -20,7 +20,12 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from disttrace.config.manifest import Manifest
 from disttrace.run.hooks import TensorRef, grads_of
-from disttrace.run.parallel.common import SCALARS_AGREE, Strategy, build_optimizer
+from disttrace.run.parallel.common import (
+    SCALARS_AGREE,
+    TP_ACTIVATIONS_AGREE,
+    Strategy,
+    build_optimizer,
+)
 
 
 def tp_plan(model) -> dict:
@@ -82,6 +87,7 @@ class TensorParallel(Strategy):
         rules.append(
             {"phase": "data", "dim": "tp", "relation": "agree"}
         )  # a tp group reads one batch
+        rules += TP_ACTIVATIONS_AGREE
         if self.dp > 1:
             rules.append({"phase": "data", "dim": "dp", "relation": "differ"})
         return rules
