@@ -143,13 +143,9 @@ def stages(tmp_path_factory) -> dict[int, Path]:
 def test_zero_stages_are_pairwise_equal_under_the_numeric_diff(stages):
     for a, b in itertools.combinations(sorted(stages), 2):
         d = diff_runs(stages[a], stages[b])
-        assert d["mode"] == "numeric" and d["compared_steps"]["count"] == 3, (
-            a,
-            b,
-            d["compared_steps"],
-        )
-        assert d["equal"], (a, b, d["first_divergence"])
-        assert {"reduce", "clip", "optimizer"} <= set(d["compared_phases"]), (a, b)
+        assert d.mode == "numeric" and d.compared_steps.count == 3, (a, b, d.compared_steps)
+        assert d.equal, (a, b, d.first_divergence)
+        assert {"reduce", "clip", "optimizer"} <= set(d.compared_phases), (a, b)
 
 
 @pytest.mark.slow
@@ -219,14 +215,14 @@ def test_a_planted_bitflip_grad_is_located_at_its_step_rank_and_phase(stages, tm
     run = last_line(proc)
     fired = [e for e in Run(run).events().records if e["event"] == "fault_fired"]
     assert [(e["step"], e["rank"], e["point"]) for e in fired] == [(2, 1, "backward")], fired
-    f = diff_runs(stages[2], run)["first_divergence"]
-    assert (f["step"], f["rank"], f["phase"], f["micro_batch"]) == (2, 1, "backward", 1), f
+    f = diff_runs(stages[2], run).first_divergence
+    assert (f.step, f.rank, f.phase, f.micro_batch) == (2, 1, "backward", 1), f
     # the control across stages: the same flip seen from the clean stage-0 run, where only the reduced
     # gradient is compared (numerically), first at the step it was planted
     d = diff_runs(stages[0], run)
-    assert d["mode"] == "numeric" and not d["equal"], d["first_divergence"]
-    f = d["first_divergence"]
-    assert (f["step"], f["phase"]) == (2, "reduce"), f
+    assert d.mode == "numeric" and not d.equal, d.first_divergence
+    f = d.first_divergence
+    assert (f.step, f.phase) == (2, "reduce"), f
 
 
 @pytest.mark.slow
