@@ -105,7 +105,9 @@ def test_command_prints_the_stored_document(named, name, args):
     proc = cli(*argv, "--json", timeout=600)
     assert proc.returncode in (0, 1), proc.stderr[-2000:]
     got = VOLATILE.sub(r'\1"<VOLATILE>"', _named(proc.stdout, named))
-    if os.environ.get("DISTTRACE_WRITE_GOLDEN"):  # a deliberate change of the contract: rewrite, then review
+    if os.environ.get(
+        "DISTTRACE_WRITE_GOLDEN"
+    ):  # a deliberate change of the contract: rewrite, then review
         (GOLDEN / f"{name}.json").write_text(got)
     want = _golden(name)
     if name.startswith("gate-"):
