@@ -43,7 +43,7 @@ def test_small_ring_trace_covers_every_ddp_bucket(small_ring):
             ops = [x for x in reduces if x["step"] == step]
             assert sorted(x["bytes"] for x in ops) == sorted(buckets), (rank, step)
         assert all(x["done"] for x in lines)  # a complete run: every collective finished
-    assert check_sync(run)["ok"]
+    assert check_sync(run).ok
 
 
 def test_mismatched_collective_is_named_from_the_dying_ranks_own_ring(runs):
@@ -61,8 +61,8 @@ def test_mismatched_collective_is_named_from_the_dying_ranks_own_ring(runs):
         and last[0]["shapes"] != [bad]
         and last[0]["seq"] == last[1]["seq"]
     )
-    m = check_sync(run)["first_mismatch"]
-    assert m["ranks"] == [1] and m["seq"] == last[1]["seq"] and m["step"] == 2
+    m = check_sync(run).first_mismatch
+    assert m.ranks == [1] and m.seq == last[1]["seq"] and m.step == 2
     assert (
         "collective desync" in proc.stderr
         and "rank(s) [1]" in proc.stderr

@@ -13,7 +13,13 @@ from typing import Any
 
 import orjson
 
-from disttrace.analysis.sync import check_sync, find_stragglers, predicted_dp_volume, wire_volume
+from disttrace.analysis.sync import (
+    SyncResult,
+    check_sync,
+    find_stragglers,
+    predicted_dp_volume,
+    wire_volume,
+)
 from disttrace.errors import BadInput
 from disttrace.jsondoc import JsonDoc
 from disttrace.store import checkpoints as checkpoint
@@ -135,7 +141,7 @@ class CollectiveFacts(JsonDoc):
     """The collective trace: per-group sync (analysis/sync.py's document), the tensor traffic per step under
     the ring model, and the ZeRO paper's prediction for this strategy."""
 
-    sync: dict[str, Any]
+    sync: SyncResult
     wire_volume: dict[str, Any]
     predicted_bytes_per_step: int | None
     # ZeRO-3 with accumulation gathers the parameters once per micro-batch; the paper's 3(n-1)/n Psi counts
@@ -155,7 +161,7 @@ class CollectiveFacts(JsonDoc):
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            **self.sync,
+            **self.sync.to_dict(),
             "wire_volume": self.wire_volume,
             "predicted_bytes_per_step": self.predicted_bytes_per_step,
         }

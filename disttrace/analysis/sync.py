@@ -6,7 +6,9 @@ should be: group, sequence number, the minority rank(s) and both sides.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 
+from disttrace.jsondoc import JsonDoc, omit_none
 from disttrace.store.rundir import Run
 
 
@@ -64,28 +66,73 @@ def describe(rec: dict | None) -> str:
     return f"{rec['op']} [{shapes}] {rec.get('dtype')}"
 
 
-def check_sync(run: Run) -> dict:
+@dataclass
+class GroupSync(JsonDoc):
+    """One process group's trace: its members, how many collectives, the bytes rank 0 of it moved."""
+
+    ranks: list[int] | str  # point-to-point pairs: "src->dst" as the trace names them
+    ops: int
+    bytes: int
+    note: str | None = omit_none()
+
+
+@dataclass
+class Mismatch(JsonDoc):
+    """The first collective of a group whose members issued different things."""
+
+    group: list[int]
+    seq: int
+    ranks: list[int]  # the minority
+    majority_ranks: list[int]
+    minority: str  # what the minority issued
+    majority: str
+    start: float
+    step: int | None
+    message: str
+
+
+@dataclass
+class Unfinished(JsonDoc):
+    rank: int
+    group: str
+    seq: int
+    op: str
+
+
+@dataclass
+class SyncResult(JsonDoc):
+    """Within every process group, did every member issue the same sequence of collectives."""
+
+    ok: bool
+    groups: dict[str, GroupSync]
+    first_mismatch: Mismatch | None
+    mismatches: list[Mismatch]
+    unfinished: list[Unfinished]  # issued, never finished (a hang, or a rank that died)
+    warnings: list[str]
+
+
+def check_sync(run: Run) -> SyncResult:
     traces, warnings = load_traces(run)
-    groups: dict[str, dict] = {}
-    mismatches = []
+    groups: dict[str, GroupSync] = {}
+    mismatches: list[Mismatch] = []
     for gkey in sorted({g for t in traces.values() for g in t}):
         if gkey.startswith("p2p:"):
-            groups[gkey] = {
-                "ranks": gkey[4:],
-                "ops": sum(len(t.get(gkey, [])) for t in traces.values()),
-                "bytes": sum(x.get("bytes", 0) for t in traces.values() for x in t.get(gkey, [])),
-                "note": "point-to-point: counted, not sequence-checked",
-            }
+            groups[gkey] = GroupSync(
+                ranks=gkey[4:],
+                ops=sum(len(t.get(gkey, [])) for t in traces.values()),
+                bytes=sum(x.get("bytes", 0) for t in traces.values() for x in t.get(gkey, [])),
+                note="point-to-point: counted, not sequence-checked",
+            )
             continue
         members = [int(r) for r in gkey.split(",")] if gkey != "?" else sorted(traces)
         present = [r for r in members if r in traces]
         seqs = {r: traces[r].get(gkey, []) for r in present}
         n = max((len(v) for v in seqs.values()), default=0)
-        groups[gkey] = {
-            "ranks": members,
-            "ops": n,
-            "bytes": sum(x.get("bytes", 0) for x in seqs[present[0]]) if present else 0,
-        }
+        groups[gkey] = GroupSync(
+            ranks=members,
+            ops=n,
+            bytes=sum(x.get("bytes", 0) for x in seqs[present[0]]) if present else 0,
+        )
         for k in range(n):
             recs = {r: (seqs[r][k] if k < len(seqs[r]) else None) for r in present}
             if any(v is None for v in recs.values()) and not run.complete:
@@ -100,18 +147,18 @@ def check_sync(run: Run) -> dict:
             odd = recs[minority[0]]
             start = min((v["start"] for v in recs.values() if v), default=0.0)
             mismatches.append(
-                {
-                    "group": members,
-                    "seq": k,
-                    "ranks": minority,
-                    "majority_ranks": agree,
-                    "minority": describe(odd),
-                    "majority": describe(example),
-                    "start": start,
-                    "step": (odd or example or {}).get("step"),
-                    "message": f"collective desync in group {members} at sequence {k}: rank(s) {minority} issued "
-                    f"{describe(odd)}, rank(s) {agree} issued {describe(example)}",
-                }
+                Mismatch(
+                    group=members,
+                    seq=k,
+                    ranks=minority,
+                    majority_ranks=agree,
+                    minority=describe(odd),
+                    majority=describe(example),
+                    start=start,
+                    step=(odd or example or {}).get("step"),
+                    message=f"collective desync in group {members} at sequence {k}: rank(s) {minority} "
+                    f"issued {describe(odd)}, rank(s) {agree} issued {describe(example)}",
+                )
             )
             break  # later ops of a desynced group are noise
     # the tracer writes an `end` line; the Flight Recorder's records say `done`
@@ -124,15 +171,15 @@ def check_sync(run: Run) -> dict:
             if "end" not in rec and not rec.get("done")
         }
     )
-    first = min(mismatches, key=lambda m: m["start"]) if mismatches else None
-    return {
-        "ok": first is None,
-        "groups": groups,
-        "first_mismatch": first,
-        "mismatches": mismatches,
-        "unfinished": [{"rank": r, "group": g, "seq": s, "op": o} for r, g, s, o in unfinished],
-        "warnings": warnings,
-    }
+    first = min(mismatches, key=lambda m: m.start) if mismatches else None
+    return SyncResult(
+        ok=first is None,
+        groups=groups,
+        first_mismatch=first,
+        mismatches=mismatches,
+        unfinished=[Unfinished(r, g, s, o) for r, g, s, o in unfinished],
+        warnings=warnings,
+    )
 
 
 def find_stragglers(run: Run, min_seconds: float = 0.1, factor: float = 2.0) -> list[dict]:

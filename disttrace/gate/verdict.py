@@ -123,10 +123,10 @@ def collective_sync(run: Run) -> Check:
     sync = check_sync(run)
     return check(
         "collective_sync",
-        sync["ok"],
-        sync["first_mismatch"]["message"]
-        if not sync["ok"]
-        else f"{len(sync['groups'])} process groups, every member issued the same sequence",
+        sync.ok,
+        sync.first_mismatch.message
+        if sync.first_mismatch is not None
+        else f"{len(sync.groups)} process groups, every member issued the same sequence",
     )
 
 

@@ -252,9 +252,9 @@ def describe_failure(run_dir: Path, failures: dict[int, int], first: int) -> str
     except Exception:  # evidence for the message, not a requirement
         pass
     try:
-        mismatch = check_sync(Run(run_dir))["first_mismatch"]
+        mismatch = check_sync(Run(run_dir)).first_mismatch
         if mismatch:
-            parts.append(mismatch["message"])
+            parts.append(mismatch.message)
     except Exception:  # the trace is evidence, not a requirement for reporting the failure
         pass
     return "; ".join(parts)

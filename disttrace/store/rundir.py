@@ -504,6 +504,14 @@ class Run:
             return []
         return sorted(p for p in d.iterdir() if p.is_dir() and re.fullmatch(r"step-\d{6}", p.name))
 
+    def verdict(self):
+        """verdict.json as the gate's own model (store/records.py's `Verdict`), None when the gate never
+        wrote one; a malformed one is BadInput naming the field."""
+        from disttrace.store.records import Verdict
+
+        p = self.path / "verdict.json"
+        return Verdict.parse_line(read_json(p, self.path), p, 1) if safeio.present(p) else None
+
     def partial_checkpoints(self) -> list[str]:
         """Names of checkpoint writes that never finished (`step-N.partial`, never published)."""
         d = self.path / "checkpoints"

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import html
 import math
-import os
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Any
 from disttrace.analysis.result import DiffResult, RankEntry
 from disttrace.errors import BadInput
 from disttrace.fmt import abbrev, fmt_number, ranges, where
-from disttrace.store.records import FAILURE_EVENTS
+from disttrace.store.records import FAILURE_EVENTS, Verdict
 from disttrace.store.rundir import Run
 from disttrace.views.diffparts import CellClass, ab_rows, cell, error_text, tolerance_text
 
@@ -245,7 +244,7 @@ def _overview(rs: list[_R], diffs: dict[int, Any]) -> str:
                 vs = _badge("not compared", "na")
         gate = _verdict(r)
         gate_html = (
-            (_badge("gate PASS", "ok") if gate.get("pass") else _badge("gate FAIL", "bad"))
+            (_badge("gate PASS", "ok") if gate.passed else _badge("gate FAIL", "bad"))
             if gate
             else '<span class="nr">no verdict</span>'
         )
@@ -281,17 +280,11 @@ def _failures(r: _R) -> list[dict]:
         return []
 
 
-def _verdict(r: _R) -> dict | None:
-    p = r.path / "verdict.json"
-    if not os.path.lexists(p):
-        return None
+def _verdict(r: _R) -> Verdict | None:
+    """The gate's verdict on this run; None when none was written or it does not read as one (a
+    malformed verdict is never shown as a verdict)."""
     try:
-        from disttrace.store.records import Verdict
-        from disttrace.store.rundir import read_json
-
-        v = read_json(p, r.path)
-        Verdict.parse_line(v, p, 1)  # the gate's own model: a malformed verdict is not shown as one
-        return v
+        return r.run.verdict()
     except BadInput:
         return None
 
@@ -1010,11 +1003,11 @@ def _collectives(rs: list[_R]) -> str:
         except Exception as exc:  # noqa: BLE001
             rows.append([name, f'<td colspan="4">{_err("collective trace", exc)}</td>'])
             continue
-        groups = list((res.get("groups") or {}).items())
-        if res.get("ok"):
+        groups = list(res.groups.items())
+        if res.first_mismatch is None:
             status = _badge("in sync", "ok")
         else:
-            msg = (res.get("first_mismatch") or {}).get("message")
+            msg = res.first_mismatch.message
             status = _badge("DESYNC", "bad") + f'<div class="bad small">{e(msg)}</div>'
         if not groups:
             rows.append([name, '<td colspan="3" class="nr">no process group recorded</td>', status])
@@ -1023,20 +1016,19 @@ def _collectives(rs: list[_R]) -> str:
                 [
                     name if k == 0 else "",
                     f"<code>{e(g)}</code>",
-                    _td_num(e(v.get("ops"))),
-                    _td_num(e(_bytes(v.get("bytes"))), f"{v.get('bytes')} B"),
+                    _td_num(e(v.ops)),
+                    _td_num(e(_bytes(v.bytes)), f"{v.bytes} B"),
                     status if k == 0 else "",
                 ]
             )
-        unfinished = res.get("unfinished") or []
+        unfinished = res.unfinished
         if unfinished:
             u = unfinished[0]
             notes.append(
                 f'<p class="warn">{e(r.label)}: {len(unfinished)} collective(s) issued but never finished, '
-                f"first: rank {e(u.get('rank'))} group {e(u.get('group'))} seq {e(u.get('seq'))} "
-                f"{e(u.get('op'))}</p>"
+                f"first: rank {e(u.rank)} group {e(u.group)} seq {e(u.seq)} {e(u.op)}</p>"
             )
-        for w in res.get("warnings") or []:
+        for w in res.warnings:
             notes.append(f'<p class="warn">{e(r.label)}: {e(w)}</p>')
         try:
             for st in find_stragglers(r.run)[:3]:
@@ -1100,23 +1092,21 @@ def _gate(rs: list[_R]) -> str:
         if v is None:
             out.append(f"</h3>{_nr('verdict.json could not be read')}")
             continue
-        out.append((_badge("PASS", "ok") if v.get("pass") else _badge("FAIL", "bad")) + "</h3>")
-        if v.get("reference"):
-            out.append(
-                f'<p class="muted">against reference <code>{e(v.get("reference"))}</code></p>'
-            )
+        out.append((_badge("PASS", "ok") if v.passed else _badge("FAIL", "bad")) + "</h3>")
+        if v.reference:
+            out.append(f'<p class="muted">against reference <code>{e(v.reference)}</code></p>')
         else:
             out.append('<p class="muted">no reference given</p>')
         rows = []
-        for c in v.get("checks") or []:
+        for c in v.checks:
             res = {True: _badge("pass", "ok"), False: _badge("FAIL", "bad")}.get(
-                c.get("passed"), _badge("n/a", "na")
+                c.passed, _badge("n/a", "na")
             )
-            rows.append([f"<code>{e(c.get('name'))}</code>", res, e(c.get("reason"))])
+            rows.append([f"<code>{e(c.name)}</code>", res, e(c.reason)])
         out.append(_table(("check", "result", "reason"), rows))
-        for fl in v.get("flags") or []:
+        for fl in v.flags:
             out.append(f'<p class="warn">flag: {e(fl)}</p>')
-        ev = v.get("eval")
+        ev = v.eval  # the evaluator's document, as it wrote it
         if isinstance(ev, dict) and "eval_loss" in ev:
             out.append(
                 f'<p class="muted">evaluation ({e(ev.get("process", "?"))}): eval loss '

@@ -145,13 +145,13 @@ def render_collectives(facts: CollectiveFacts, console: Console) -> None:
         _table(
             "collectives per process group",
             ("group", "ops", "bytes (rank 0 of group)"),
-            [(g, v["ops"], v["bytes"]) for g, v in sync["groups"].items()],
+            [(g, v.ops, v.bytes) for g, v in sync.groups.items()],
         )
     )
     console.print(
         "[green]all groups in sync[/green]"
-        if sync["ok"]
-        else f"[red]{escape(sync['first_mismatch']['message'])}[/red]"
+        if sync.first_mismatch is None
+        else f"[red]{escape(sync.first_mismatch.message)}[/red]"
     )
     tab = Table(title="rank 0: tensor traffic per step, ring model (bytes sent per rank)")
     for col in ("step", "class", "calls", "buffer bytes", "ring bytes on the wire"):
