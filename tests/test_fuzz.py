@@ -1820,10 +1820,16 @@ def shape_edited(draw, rel: str, raw: bytes) -> bytes:
     return b"\n".join(lines) + b"\n"
 
 
+def _summary_and_topology(work: Path) -> None:
+    """What `show RUN` reads: the summary's facts, then topology.json for the human part."""
+    run_facts.gather(work, "summary")
+    Run(work).topology()
+
+
 def _shape_readers(test: str, ref: Path, work: Path, case: str) -> None:
     trace_out = work.parent / "trace.json"
     cases = [
-        (["show", work, "--json"], raised(lambda: run_facts.gather(work, "summary")), {0, 2}),
+        (["show", work, "--json"], raised(lambda: _summary_and_topology(work)), {0, 2}),
         *(
             (["show", work, view], raised(lambda v=view: run_facts.gather(work, v)), {0, 1, 2})
             for view in ("checkpoints", "topology", "collectives", "memory", "events")
