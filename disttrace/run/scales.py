@@ -38,8 +38,10 @@ def _local(t):
 def _sq(t):
     import torch
 
-    t = _local(t)
-    return torch.linalg.vector_norm(t.detach(), dtype=torch.float32) ** 2
+    t = _local(t).detach()
+    # float32 or wider: the figure scales a bound, its own rounding is irrelevant (float64 stays float64)
+    wide = t.dtype if t.dtype == torch.float64 else torch.float32
+    return torch.linalg.vector_norm(t, dtype=wide) ** 2
 
 
 def _no_dispatch_modes():
