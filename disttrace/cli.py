@@ -79,21 +79,23 @@ def handled(fn):
         try:
             return fn(*args, **kwargs)
         except JobFailed as e:
-            err.print(Text("job failed: ", style="red") + Text(one_line(e)), soft_wrap=True)
+            err.print(Text("job failed: ", style="red") + Text(visible(str(e))), soft_wrap=True)
             if kwargs.get("json_"):
                 emit_json({"run_dir": e.run_dir, "complete": False, "error": one_line(e)})
             elif e.run_dir:
                 print(e.run_dir)
             raise typer.Exit(e.exit_code) from None
-        except DisttraceError as e:  # text from files and users: never markup, never two lines
-            err.print(Text("error: ", style="red") + Text(one_line(e)), soft_wrap=True)
+        # text from files and users: never markup, never two lines, made visible before rich sees it
+        # (rich would expand a tab and drop a carriage return, so the line would not say what was raised)
+        except DisttraceError as e:
+            err.print(Text("error: ", style="red") + Text(visible(str(e))), soft_wrap=True)
             raise typer.Exit(e.exit_code) from None
         except OSError as e:  # the disk filled up, or a path cannot be written: never a traceback
             import errno
 
             full = e.errno in (errno.ENOSPC, errno.EDQUOT)
             err.print(
-                Text("error: ", style="red") + Text(f"{e.filename or ''}: {e.strerror}"),
+                Text("error: ", style="red") + Text(visible(f"{e.filename or ''}: {e.strerror}")),
                 soft_wrap=True,
             )
             raise typer.Exit(EXIT_JOB_FAILED if full else EXIT_BAD_INPUT) from None
@@ -105,7 +107,7 @@ def handled(fn):
         # a bug of ours: one line, and never an exit code that reads as a verdict
         except Exception as e:
             err.print(
-                Text("internal error: ", style="red") + Text(f"{type(e).__name__}: {one_line(e)}"),
+                Text("internal error: ", style="red") + Text(visible(f"{type(e).__name__}: {e}")),
                 soft_wrap=True,
             )
             raise typer.Exit(EXIT_JOB_FAILED) from None

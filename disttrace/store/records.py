@@ -113,6 +113,38 @@ class _Line(BaseModel):
 NonNegative = Field(ge=0)
 
 
+class JsonRecord(_Line):
+    """One record of a JSON-lines trajectory (the format before Arrow), as its writer always wrote it. Strict:
+    the record path reads these fields as they are, so a string where a number belongs would fail deep in diff
+    instead of here, naming the line."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    step: int
+    micro_batch: int
+    phase: str
+    rank: int
+    index: int
+    tensor: str
+    dtype: str
+    shape: list[int]
+    numel: int
+    digest: str
+    sum: float | None = None
+    norm: float | None = None
+    nonfinite: int = 0
+    sketch: list[float] | None = None
+    shard: dict | None = None
+    samples: list[int] | None = None
+
+
+def checked_json_records(objs, path) -> list[dict]:
+    """The JSON-lines records `objs` (dicts as read), each validated as a `JsonRecord` and handed on as read."""
+    for n, obj in enumerate(objs, 1):
+        JsonRecord.parse_line(obj, path, n)
+    return objs
+
+
 class StepIndexEntry(_Line):
     """One line of `trajectory/rank-N.steps.jsonl`: where a step's records lie and what they add up to."""
 

@@ -481,7 +481,11 @@ class Run:
 
         path = self.trajectory_path(rank)
         if not trajectory.is_arrow(path):
-            yield from iter_jsonl(path, torn, self.path)
+            from disttrace.store.records import JsonRecord
+
+            for n, rec in enumerate(iter_jsonl(path, torn, self.path), 1):
+                JsonRecord.parse_line(rec, path, n)
+                yield rec
             return
         for _, _, batch in trajectory.scan(path, torn, self.path):
             yield from trajectory.to_records(batch)

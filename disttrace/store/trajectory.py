@@ -723,11 +723,16 @@ def records_of_range(
     data = read_range(path, offset, length, root)
     if not is_arrow(path):
         try:
-            return [orjson.loads(line) for line in data.splitlines() if line.strip()]
+            recs = [orjson.loads(line) for line in data.splitlines() if line.strip()]
         except orjson.JSONDecodeError:
             raise BadInput(
                 path,
                 f"step {step}: a record in bytes {offset}..{offset + length} is not valid JSON "
                 "(the file does not match its step index)",
             ) from None
+        from disttrace.store.records import checked_json_records
+
+        return checked_json_records(
+            recs, f"{path} (step {step}, bytes {offset}..{offset + length})"
+        )
     return to_records(decode_step(path, data, f"step {step} (bytes {offset}..{offset + length})"))

@@ -3,7 +3,7 @@ bug variant of a public silent-bug family. `--bug` plants one (none is the fix):
 
   loss-local-stats  --engine tp: a vocabulary-parallel cross-entropy with label smoothing takes the smoothing
                     term's mean logit from the local vocabulary shard instead of the whole vocabulary
-                    (the family of NVIDIA/Megatron-LM issue 737): the tp ranks compute different losses
+                    (the family of https://github.com/NVIDIA/Megatron-LM/issues/737): the tp ranks compute different losses
   unsummed-row      --engine tp: a fused row-parallel path tags its local partial sum Replicate instead of
                     reducing it: the rank's output is never summed over tp
   unreduced-norm    --engine tp: the sequence-parallel norm's weight gradient (a partial sum over the rank's
