@@ -48,6 +48,8 @@ from disttrace.store.records import (  # noqa: F401  (re-exported)
 )
 
 LOCK = "manifest.lock.json"
+# the most ranks a store is read for: 2^20, far above any job's, small enough for a per-rank list
+MAX_WORLD = 1 << 20
 COMPLETE = "COMPLETE"
 
 
@@ -382,8 +384,23 @@ class Run:
 
     @property
     def world_size(self) -> int:
+        """dp x tp x pp of the lock's manifest. Readers build per-rank lists from it, so a lock claiming more
+        ranks than any job has (a store's writer chooses every byte) is bad input, not a list of 10^11."""
         par = self.manifest.get("parallelism", {})
-        return int(par.get("dp", 1)) * int(par.get("tp", 1)) * int(par.get("pp", 1))
+        par = par if isinstance(par, dict) else {}
+        sizes = [par.get(k, 1) for k in ("dp", "tp", "pp")]
+        if not all(type(n) is int and n >= 1 for n in sizes):
+            raise BadInput(
+                self.path / LOCK, "dp, tp and pp must be positive integers", "parallelism"
+            )
+        world = sizes[0] * sizes[1] * sizes[2]
+        if world > MAX_WORLD:
+            raise BadInput(
+                self.path / LOCK,
+                f"dp*tp*pp = {world} ranks, more than a run store is read for ({MAX_WORLD})",
+                "parallelism",
+            )
+        return world
 
     def ranks(self, kind: str = "trajectory") -> list[int]:
         d = self.path / kind
