@@ -591,13 +591,14 @@ class DropMicrobatch(Fault):
     def _check(cls, step, params, manifest):
         _check_mb(params, manifest)
 
+    def factor(self) -> float:
+        return 0.0  # not skipped outright: backward still runs, so DDP's collectives stay matched
+
     def install(self, bus):
         def handler(bus, p):
             if self.here(bus) and bus.micro_batch == self.params["micro_batch"]:
                 before = float(p["loss"])
-                p["loss"] = (
-                    p["loss"] * 0.0
-                )  # backward still runs, so DDP's collectives stay matched
+                p["loss"] = p["loss"] * self.factor()
                 self.fire(
                     bus,
                     proof=(repr(before), repr(float(p["loss"]))),
@@ -992,7 +993,7 @@ class UnsyncedParam(SkipAllreduce):
 
 
 @register
-class LossScale(Fault):
+class LossScale(DropMicrobatch):
     name, point, expect = "loss-scale", "loss", "loss"
     description = "multiplies one micro-batch's loss by a factor (default 1 + 1e-4) before backward"
     defaults = {"micro_batch": 0, "factor": 1.0001}
@@ -1009,20 +1010,8 @@ class LossScale(Fault):
                 "factor != 1",
             )
 
-    def install(self, bus):
-        def handler(bus, p):
-            if self.here(bus) and bus.micro_batch == self.params["micro_batch"]:
-                before = float(p["loss"])
-                p["loss"] = p["loss"] * self.params["factor"]
-                self.fire(
-                    bus,
-                    proof=(repr(before), repr(float(p["loss"]))),
-                    phase="loss",
-                    before=before,
-                    after=float(p["loss"]),
-                )
-
-        bus.on("loss", handler, order=10)
+    def factor(self) -> float:
+        return self.params["factor"]
 
 
 @register
