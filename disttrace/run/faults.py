@@ -155,11 +155,16 @@ class Fault:
             )
         cls.check(step, merged, manifest)
         cls.check_target(rank, merged, manifest)
+        return cls.record(step, rank, merged)
+
+    @classmethod
+    def record(cls, step: int, rank: int, params: dict) -> dict:
+        """The fault as run.json records it (params already merged with the defaults and checked)."""
         return {
             "name": cls.name,
             "step": step,
             "rank": rank,
-            "params": merged,
+            "params": params,
             "point": cls.point,
             "expect": cls.expect,
         }

@@ -55,14 +55,7 @@ def fault_spec(name: str, step: int, rank: int, params: dict) -> dict:
     cls = faults.get(name)
     merged = cls.parameters(params)
     cls.coordinates(step, rank)
-    return {
-        "name": cls.name,
-        "step": step,
-        "rank": rank,
-        "params": merged,
-        "point": cls.point,
-        "expect": cls.expect,
-    }
+    return cls.record(step, rank, merged)
 
 
 def execute(run_dir: Path, command: list[str]) -> None:
