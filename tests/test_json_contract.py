@@ -1,6 +1,8 @@
 """The `--json` documents are a contract: the typed results print exactly the bytes the commands printed
-when results were plain dicts. tests/golden/ holds those documents, written by the dict-returning code on
-runs made by the same command lines as the session's (`runs.reference()`, `runs.fault("bitflip-grad", 3,
+when results were plain dicts. tests/golden/ holds those documents, written by the dict-returning code (the
+numeric diff, verify and gate documents were written again, and reviewed field by field, when the
+magnitude-scaled bound and the gate's binding legitimately changed their contents; DISTTRACE_WRITE_GOLDEN=1
+rewrites them) on runs made by the same command lines as the session's (`runs.reference()`, `runs.fault("bitflip-grad", 3,
 1)`, ZeRO-1); runs of one manifest are bit-identical, so only the run directories differ, and those are
 replaced by a name on both sides."""
 
