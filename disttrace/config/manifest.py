@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 from disttrace.errors import BadInput
 from disttrace.model.shapes import ffn_hidden_default
@@ -131,6 +139,14 @@ class Debug(Section):
     )
 
 
+class DepthSpec(Section):
+    """One step recorded at depth (docs/zoom.md): `module` digests every module's forward output and the
+    gradient with respect to it, in execution order; `op` also every aten op's output inside them."""
+
+    step: int = Field(ge=1, description="the step recorded at depth (steps count from 1)")
+    level: Literal["module", "op"] = "module"
+
+
 class Record(Section):
     """What the recorder writes (how much evidence, at what cost). Not part of the experiment: diff compares
     runs that differ here (on the steps both recorded)."""
@@ -148,6 +164,20 @@ class Record(Section):
     forward: bool = Field(
         default=True, description="record each block's output at the forward point"
     )
+    depth: DepthSpec | None = Field(
+        default=None,
+        description="record one step at depth (every module's output and output gradient, or every op's "
+        "output too) into depth/rank-N.arrows; None: no depth recording, no hooks installed",
+    )
+
+    @model_serializer(mode="wrap")
+    def _leave_out_unset_depth(self, handler: SerializerFunctionWrapHandler) -> dict:
+        # The manifest id is the sha256 of this dump: a manifest without depth recording must keep the id it
+        # had before the field existed, or every stored run would stop matching its own manifest.
+        doc = handler(self)
+        if doc.get("depth") is None:
+            doc.pop("depth", None)
+        return doc
 
 
 class Eval(Section):
@@ -229,6 +259,12 @@ def _not_supported_yet(m: Manifest) -> tuple[str, str] | None:
         return (
             "record.enabled",
             "debug.live_check compares the recorder's digests: it needs record.enabled = true",
+        )
+    depth = m.record.depth
+    if depth is not None and depth.step > m.training.steps:
+        return (
+            "record.depth.step",
+            f"step {depth.step} is past the run's last step (training.steps = {m.training.steps})",
         )
     if p.architecture == "allreduce" and p.staleness:
         return "parallelism.staleness", "staleness applies to the parameter server only"
