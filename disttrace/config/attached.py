@@ -1,4 +1,4 @@
-"""The manifest an attached run writes (`run/attach.py`, public `disttrace.api`): not a harness experiment
+"""The manifest an attached run writes (`run/attach/`, public `disttrace.api`): not a harness experiment
 but what attach sees of the user's script (the model's tensors, the optimizer and its hyper-parameters, the
 world and the engine) plus the user's own config.
 

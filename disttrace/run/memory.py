@@ -28,7 +28,7 @@ CATEGORIES = ("params", "grads", "optimizer", "buffers", "unregistered", "engine
 
 
 class _Read(BaseModel):
-    # read from a Manifest's attributes, or from the dict an attached run builds (run/attach.py)
+    # read from a Manifest's attributes, or from the dict an attached run builds (run/attach/)
     model_config = ConfigDict(from_attributes=True, extra="ignore", frozen=True)
 
 

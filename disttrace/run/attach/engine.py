@@ -1,0 +1,177 @@
+"""What attach sees of the model it is handed: the engine that wraps it and, per rank, its parameters'
+digests and placements, its process groups and where it runs (gathered into the replica map, the
+topology and the manifest)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from disttrace.run.attach.comm import _dist, _mesh_groups, _process_groups
+
+ENGINES = ("plain", "DDP", "FSDP2", "DTensor", "DeepSpeed")
+
+
+def unwrap_optimizer(opt):
+    """HF's AcceleratedOptimizer and Lightning's LightningOptimizer wrap the torch optimizer as .optimizer."""
+    while isinstance(getattr(opt, "optimizer", None), torch.optim.Optimizer):
+        opt = opt.optimizer
+    return opt
+
+
+@dataclass
+class Engine:
+    kind: str  # plain | DDP | FSDP2 | DTensor | DeepSpeed
+    inner: torch.nn.Module  # the user's module (DDP's .module)
+    ddp: Any = None  # DDP, or the DeepSpeedEngine
+    # DDP's (DeepSpeed's) data-parallel group, global ranks
+    group_ranks: list[int] = field(default_factory=list)
+    zero_stage: int = 0
+
+
+def detect_engine(model) -> Engine:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from disttrace.integrations import deepspeed
+
+    if deepspeed.is_engine(model):
+        return deepspeed.detect(model)
+    if isinstance(model, DDP):
+        dist = _dist()
+        ranks = dist.get_process_group_ranks(model.process_group) if dist else [0]
+        return Engine("DDP", model.module, model, sorted(ranks))
+    fsdp = False
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        fsdp = any(isinstance(m, FSDPModule) for m in model.modules())
+    except ImportError:
+        pass
+    dtensor = any(hasattr(p, "placements") for p in model.parameters())
+    return Engine("FSDP2" if fsdp else "DTensor" if dtensor else "plain", model)
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _is_constant(t) -> bool:
+    """A tensor whose elements are all equal (zeros, ones, a scalar) is equal on independent ranks by
+    construction, not by synchronisation: its equality at attach says nothing about replicas."""
+    t = _local(t).detach()
+    if t.numel() <= 1:
+        return True
+    flat = t.reshape(-1)
+    return bool((flat == flat[0]).all())
+
+
+def _fsdp_groups(model) -> list[list[int]]:
+    """The rank groups FSDP2 shards over (its data-parallel mesh, all of it for HSDP), from each
+    fully_shard unit's mesh (private FSDP2 state: best effort, empty if torch moved it)."""
+    groups = set()
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in model.modules():
+            group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
+            if group is not None:
+                groups.add(tuple(sorted(group.mesh_info.mesh.mesh.flatten().tolist())))
+    except (ImportError, AttributeError):
+        return []
+    return [list(g) for g in sorted(groups)]
+
+
+def local_view(engine: Engine, named, rank: int) -> dict:
+    """What this rank sees at attach: its parameters' digests, its process groups, where it runs."""
+    import socket
+
+    from disttrace.run.digest import digest_tensor
+
+    params = {}
+    for _, name, p in named:
+        with torch.no_grad():
+            params[name] = {"digest": digest_tensor(p)["digest"], "constant": _is_constant(p)}
+        if hasattr(p, "placements") and hasattr(p, "device_mesh"):
+            mesh = p.device_mesh
+            params[name]["replicate"] = {
+                (mesh.mesh_dim_names[d] if mesh.mesh_dim_names else str(d)): _mesh_groups(mesh, d)
+                for d, pl in enumerate(p.placements)
+                if pl.is_replicate()
+            }
+            params[name]["shard_dims"] = [d for d, pl in enumerate(p.placements) if pl.is_shard()]
+            params[name]["shard"] = {
+                (mesh.mesh_dim_names[d] if mesh.mesh_dim_names else str(d)): _mesh_groups(mesh, d)
+                for d, pl in enumerate(p.placements)
+                if pl.is_shard()
+            }
+    return {
+        "rank": rank,
+        "host": socket.gethostname(),
+        "node_rank": int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", 0))),
+        "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+        "pid": os.getpid(),
+        "params": params,
+        "ddp_group": engine.group_ranks,
+        "zero_stage": engine.zero_stage,
+        "process_groups": _process_groups(),
+        "fsdp_groups": _fsdp_groups(engine.inner) if engine.kind == "FSDP2" else [],
+        "replicated_outputs": {
+            path: {"dim": dim, "groups": gs}
+            for path, (dim, gs) in replicated_outputs(engine.inner).items()
+        },
+        "seed": torch.initial_seed(),
+    }
+
+
+def replicated_outputs(inner: torch.nn.Module) -> dict[str, tuple[str, list[list[int]]]]:
+    """Module path -> (mesh dimension, its rank groups) for the modules whose tensor-parallel style declares
+    their output Replicate over that dimension: a RowwiseParallel output after its reduction (its default),
+    a ColwiseParallel(output_layouts=Replicate()), a PrepareModuleOutput to Replicate. Read from the forward
+    hooks parallelize_module registered (DTensor's distribute_module closes over the style's output
+    function and the mesh; best effort: a torch that stores them otherwise gives none)."""
+    import functools
+
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ParallelStyle
+        from torch.distributed.tensor.placement_types import Placement
+    except ImportError:
+        return {}
+    out = {}
+    for path, module in inner.named_modules():
+        if not path:
+            continue
+        for hook in list(getattr(module, "_forward_hooks", {}).values()):
+            cells = []
+            for c in getattr(hook, "__closure__", None) or ():
+                try:
+                    cells.append(c.cell_contents)
+                except ValueError:  # an empty cell
+                    continue
+            mesh = next((c for c in cells if isinstance(c, DeviceMesh)), None)
+            layouts = None
+            for c in cells:
+                if (
+                    isinstance(c, functools.partial)
+                    and getattr(c.func, "__name__", "") == "_prepare_output_fn"
+                    and c.args
+                ):  # a style's static output function, given its output layouts
+                    layouts = c.args[0]
+                elif isinstance(c, ParallelStyle) and hasattr(c, "desired_output_layouts"):
+                    layouts = c.desired_output_layouts
+            if mesh is None or mesh.ndim != 1 or layouts is None:
+                continue
+            layouts = layouts if isinstance(layouts, (tuple, list)) else (layouts,)
+            known = [x for x in layouts if x is not None]
+            if (
+                known
+                and all(isinstance(x, Placement) for x in known)
+                and all(isinstance(x, Replicate) for x in known)
+            ):
+                dim = mesh.mesh_dim_names[0] if mesh.mesh_dim_names else "0"
+                out[path] = (dim, _mesh_groups(mesh, 0))
+    return out

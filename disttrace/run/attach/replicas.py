@@ -1,0 +1,239 @@
+"""The replica map (replicas.json) and topology (topology.json) of an attached job, inferred from every
+rank's view at attach (engine.local_view); docs/replicas.md lists every rule."""
+
+from __future__ import annotations
+
+from disttrace.run.attach.engine import Engine
+from disttrace.run.parallel.common import SCALARS_AGREE
+
+
+def infer_replicas(engine: str, views: list[dict]) -> dict:
+    """replicas.json for an attached run, in the harness's format ({"groups": {dim: [[ranks]]}, "rules": [...]}).
+
+    DDP: the engine says it (data differs, reduced gradients, clip scalars, parameters and optimizer state
+    agree over its group). FSDP2: its mesh is data parallelism (data differs there; the global gradient
+    norm, clip coefficient and learning rates agree over the world). Tensor parallelism (the mesh dimensions
+    a DTensor parameter is sharded over that are not FSDP2's): a tp group reads one batch and computes one
+    loss, the clip scalars agree, every output its style declares Replicate agrees (replicated_outputs),
+    and a plain parameter, which every rank of the group holds whole, has one reduced gradient and one value
+    after the step. A DTensor parameter's Replicate placements name dimensions whose copies agree after the
+    step (its gradient may legitimately be Partial until the optimizer reduces it, so not at `reduce`).
+    Otherwise: copies identical at attach must have one reduced gradient and stay identical after every
+    optimizer step (parameters whose elements are all equal are left out: equal by construction, they
+    show nothing). docs/replicas.md lists every rule."""
+    world = len(views)
+    groups: dict[str, list[list[int]]] = {"world": [list(range(world))]}
+    rules: list[dict] = []
+    notes: list[str] = []
+    if engine == "DeepSpeed":
+        from disttrace.integrations import deepspeed
+
+        return deepspeed.replicas(views)
+    if engine == "DDP":
+        dp = sorted({tuple(v["ddp_group"]) for v in views})
+        groups["dp"] = [list(g) for g in dp]
+        rules += [
+            {"phase": "data", "dim": "dp", "relation": "differ"},
+            {"phase": "reduce", "dim": "dp", "relation": "agree"},
+            {"phase": "clip", "dim": "dp", "relation": "agree"},
+            {"phase": "optimizer", "dim": "dp", "relation": "agree"},
+        ]
+        notes.append(
+            f"DDP over {groups['dp']}: reduced gradients, clip, parameters and optimizer state agree"
+        )
+        return {"groups": groups, "rules": rules, "inferred": {"engine": engine, "notes": notes}}
+    fsdp = sorted({tuple(g) for v in views for g in v.get("fsdp_groups", [])})
+    if engine == "FSDP2" and fsdp:  # FSDP2 shards over data parallelism: each rank's batch differs
+        groups["dp"] = [list(g) for g in fsdp]
+        rules += [
+            {"phase": "data", "dim": "dp", "relation": "differ"},
+            SCALARS_AGREE,
+            {
+                "phase": "optimizer",
+                "dim": "world",
+                "relation": "agree",
+                "tensors": ["param_groups.*.lr"],
+            },
+        ]
+        notes.append(
+            f"FSDP2 shards over {groups['dp']}: data differs there; the global gradient norm, "
+            "clip coefficient and learning rates agree over the world"
+        )
+    tp: dict[str, list[list[int]]] = {}
+    if engine in (
+        "DTensor",
+        "FSDP2",
+    ):  # tensor parallelism: the shard dimensions that are not FSDP2's
+        for v in views:
+            for e in v["params"].values():
+                for dim, gs in e.get("shard", {}).items():
+                    if {tuple(g) for g in gs} != set(fsdp):
+                        tp[f"mesh:{dim}"] = gs
+    for dim, gs in sorted(tp.items()):
+        groups[dim] = gs
+        rules += [
+            {"phase": "data", "dim": dim, "relation": "agree"},
+            {"phase": "loss", "dim": dim, "relation": "agree"},
+        ]
+        notes.append(
+            f"tensors sharded over {gs} ({dim}): those ranks read the same batch and compute one loss"
+        )
+    if tp and SCALARS_AGREE not in rules:
+        rules.append(SCALARS_AGREE)
+    outputs: dict[str, list[str]] = {}
+    for v in views:
+        for path, e in v.get("replicated_outputs", {}).items():
+            key = f"mesh:{e['dim']}"
+            groups.setdefault(key, e["groups"])
+            outputs.setdefault(key, [])
+            if path not in outputs[key]:
+                outputs[key].append(path)
+    for key, paths in sorted(outputs.items()):
+        rules.append(
+            {"phase": "forward", "dim": key, "relation": "agree", "tensors": sorted(paths)}
+        )
+        notes.append(
+            f"{len(paths)} module output(s) declared Replicate over {key} by their parallel style"
+        )
+    names = sorted({n for v in views for n in v["params"]})
+    by_dims: dict[tuple, list[str]] = {}
+    whole: list[
+        str
+    ] = []  # plain parameters of a tensor-parallel job: every tp rank holds them whole
+    for name in names:
+        entries = {v["rank"]: v["params"][name] for v in views if name in v["params"]}
+        first = next(iter(entries.values()))
+        if "replicate" in first:  # a DTensor: its placements say it
+            for dim, gs in first["replicate"].items():
+                key = f"mesh:{dim}"
+                groups.setdefault(key, gs)
+                by_dims.setdefault((key,), []).append(name)
+            continue
+        if len(tp) == 1:
+            whole.append(name)
+            continue
+        if all(e["constant"] for e in entries.values()):
+            continue
+        buckets: dict[str, list[int]] = {}
+        for r, e in entries.items():
+            buckets.setdefault(e["digest"], []).append(r)
+        part = tuple(sorted(tuple(g) for g in buckets.values() if len(g) > 1))
+        if part:
+            by_dims.setdefault(part, []).append(name)
+    if whole:
+        (key,) = tp
+        rules += [
+            {"phase": phase, "dim": key, "relation": "agree", "tensors": whole}
+            for phase in ("reduce", "optimizer")
+        ]
+        notes.append(
+            f"{len(whole)} plain parameter(s) held whole by every rank of {key}: one reduced gradient, "
+            "one value"
+        )
+    n = 0
+    for key, tensors in sorted(by_dims.items(), key=lambda kv: str(kv[0])):
+        if isinstance(key[0], str):  # a mesh dimension
+            dim, phases = key[0], ("optimizer",)
+        else:
+            n += 1
+            dim, phases = ("replicas" if n == 1 else f"replicas-{n}"), ("reduce", "optimizer")
+            groups[dim] = [list(g) for g in key]
+        rules += [
+            {"phase": phase, "dim": dim, "relation": "agree", "tensors": sorted(tensors)}
+            for phase in phases
+        ]
+        notes.append(
+            f"{len(tensors)} parameter(s) identical across {groups[dim]} at attach ({dim})"
+        )
+    if not rules:
+        notes.append("no parameter has an identical copy on another rank: nothing must agree")
+    return {"groups": groups, "rules": rules, "inferred": {"engine": engine, "notes": notes}}
+
+
+def attached_layout(kind: str, views: list[dict]) -> tuple[list[list[int]], list[list[int]]]:
+    """(data-parallel groups, tensor-parallel groups) of an attached job, from its engine and its parameters'
+    placements: DDP's group, or FSDP2's shard groups, are data parallelism; the mesh dimensions a DTensor
+    parameter is sharded over that are not FSDP2's are tensor parallelism. Without tensor parallelism each
+    rank is its own tp group; without an engine's data parallelism the ranks at one position of their tp
+    groups form the dp groups (a TP-only job on its whole world: dp = 1). A layout that is not a grid
+    (a rank in two groups of one kind) keeps every rank its own tp group."""
+    world = len(views)
+    if kind in ("DDP", "DeepSpeed"):
+        dp = sorted({tuple(v["ddp_group"]) for v in views})
+    else:
+        dp = sorted({tuple(g) for v in views for g in v.get("fsdp_groups", [])})
+    by_dim: dict[str, set] = {}
+    for v in views:
+        for entry in v["params"].values():
+            for dim, gs in entry.get("shard", {}).items():
+                by_dim.setdefault(dim, set()).update(tuple(g) for g in gs)
+    tp = sorted({g for gs in by_dim.values() if gs != set(dp) for g in gs})
+    if not _partition(tp, world):
+        tp = [(r,) for r in range(world)]
+    if not dp:
+        dp = [tuple(sorted(g[i] for g in tp)) for i in range(len(tp[0]))]
+    if not _partition(dp, world):
+        dp = [tuple(range(world))]
+    return [list(g) for g in dp], [list(g) for g in tp]
+
+
+def mesh_doc(views: list[dict]) -> dict | None:
+    """The device mesh the job's DTensor parameters (FSDP2's included) live on, as attach found it: each
+    named dimension's size, and which dimensions some parameter is replicated over or sharded over (HSDP:
+    replicate and shard; FSDP2 + TP: dp and tp both shard). None when no parameter is a DTensor."""
+    dims: dict[str, int] = {}
+    replicate: set[str] = set()
+    shard: set[str] = set()
+    for v in views:
+        for entry in v["params"].values():
+            for kind, into in (("replicate", replicate), ("shard", shard)):
+                for dim, gs in entry.get(kind, {}).items():
+                    dims[dim] = len(gs[0]) if gs else 1
+                    into.add(dim)
+    if not dims:
+        return None
+    return {"dims": dims, "replicate": sorted(replicate), "shard": sorted(shard)}
+
+
+def _partition(groups: list[tuple], world: int) -> bool:
+    """Groups of one size that hold every rank exactly once."""
+    ranks = sorted(r for g in groups for r in g)
+    return bool(groups) and len({len(g) for g in groups}) == 1 and ranks == list(range(world))
+
+
+def topology_doc(engine: Engine, views: list[dict]) -> dict:
+    """topology.json in the harness's shape (pp x dp x tp, coordinates per rank: a rank's place in its dp and
+    tp groups), plus every process group torch built, as the ranks reported them."""
+    world = len(views)
+    dp_groups, tp_groups = attached_layout(engine.kind, views)
+    place = {
+        dim: {r: i for g in gs for i, r in enumerate(g)}
+        for dim, gs in (("dp", dp_groups), ("tp", tp_groups))
+    }
+    pgs: dict[tuple, dict] = {}
+    for v in views:
+        for g in v["process_groups"]:
+            pgs.setdefault((g["name"], tuple(g["ranks"])), g)
+    return {
+        "world_size": world,
+        "mesh_dims": ["pp", "dp", "tp"],
+        "mesh_shape": {"pp": 1, "dp": len(dp_groups[0]), "tp": len(tp_groups[0])},
+        "groups": {"pp": [[r] for r in range(world)], "dp": dp_groups, "tp": tp_groups},
+        "ranks": [
+            {
+                "rank": v["rank"],
+                "host": v["host"],
+                "node_rank": v["node_rank"],
+                "local_rank": v["local_rank"],
+                "pid": v["pid"],
+                "coords": {
+                    "pp": 0,
+                    "dp": place["dp"].get(v["rank"], 0),
+                    "tp": place["tp"].get(v["rank"], 0),
+                },
+            }
+            for v in views
+        ],
+        "process_groups": [pgs[k] for k in sorted(pgs, key=lambda k: (len(k[1]), k))],
+        "engine": engine.kind,
+    }

@@ -1,0 +1,205 @@
+"""attach(): what every rank does before the run starts (the views gathered, the manifest built, rank 0's
+run directory with its lock, env, topology and replica map), then the AttachedRun."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from disttrace.errors import BadInput
+from disttrace.run.attach.comm import _broadcast, _dist, _gather, _rank_world
+from disttrace.run.attach.engine import (
+    Engine,
+    detect_engine,
+    local_view,
+    replicated_outputs,
+    unwrap_optimizer,
+)
+from disttrace.run.attach.manifest import SOURCE, build_manifest, evaluation_section, manifest_id_of
+from disttrace.run.attach.replicas import infer_replicas, topology_doc
+from disttrace.run.attach.run import AttachedRun
+from disttrace.store.records import Event
+from disttrace.store.rundir import LOCK, event, new_run_dir, read_json, write_json_atomic
+
+RUN_DIR_ENV = "DISTTRACE_RUN_DIR"  # set by `disttrace run -- CMD`: the prepared run directory
+
+
+def _blocks(inner: torch.nn.Module, forward) -> list[tuple[str, torch.nn.Module]]:
+    """The modules whose outputs the `forward` phase records: the model's top-level children (forward=True)
+    or the given module paths."""
+    if not forward:
+        return []
+    if forward is True:
+        blocks = list(inner.named_children())
+        extra = [p for p in replicated_outputs(inner) if p not in dict(blocks)]
+        if not extra:
+            return blocks
+        # and every output a tensor-parallel style declares Replicate (the replica rules hold them), in
+        # post-order: a module's output is computed before its parent's
+        wanted = set(dict(blocks)) | set(extra)
+        return [(n, m) for n, m in _post_order(inner) if n in wanted]
+    out = []
+    for path in forward:
+        try:
+            out.append((str(path), inner.get_submodule(str(path))))
+        except AttributeError:
+            children = ", ".join(n for n, _ in inner.named_children())
+            raise BadInput(
+                "attach(forward=...)",
+                f"the model has no module '{path}'; its top-level blocks: {children}",
+            ) from None
+    return out
+
+
+def _post_order(module: torch.nn.Module, prefix: str = ""):
+    for name, child in module.named_children():
+        path = f"{prefix}.{name}" if prefix else name
+        yield from _post_order(child, path)
+        yield path, child
+
+
+def attach(
+    model,
+    optimizer,
+    out: str | Path = "runs",
+    name: str = "user-script",
+    seed: int | None = None,
+    edition: str = "user",
+    config: dict | None = None,
+    loader=None,
+    forward=False,
+    evaluation: dict | None = None,
+) -> AttachedRun:
+    """Attach the recorder to a model and its optimizer; every rank calls it (it is collective).
+
+    model: the module as trained (DDP-wrapped, FSDP2-sharded, DTensor or plain), or a
+    DeepSpeedEngine (integrations/deepspeed.py); optimizer: the torch
+    optimizer (HF/Lightning wrappers are unwrapped). config: the experiment's settings (lr, batch, data...):
+    stored in the manifest, so diff refuses runs of different experiments and names the fields; the keys
+    grad_accum_steps, micro_batch_size and steps also fill the manifest's typed fields. seed: default the
+    default generator's (torch.initial_seed()). loader: the training DataLoader, watched in place (its
+    batches become the `data` records, with its DistributedSampler's sample ids; see
+    AttachedRun.watch_loader). forward: record each block's output (`forward`): True for the model's
+    top-level children (and every module whose tensor-parallel style declares its output Replicate, which
+    the replica check holds to agree), or a list of module paths ("layers.0", "head"); the manifest's
+    record.forward says which. evaluation: the gate's evaluation of this run's final checkpoint when it is
+    the reference, the policy's `[eval]` keys (command, metric, better, rtol, atol, timeout_s, env, data,
+    data_sha256, cwd; docs/gate.md): data and cwd are resolved against the working directory and the data
+    hashed here, by rank 0. Under `disttrace run/inject -- CMD` the run directory (and fault) come from
+    DISTTRACE_RUN_DIR and `out` is ignored."""
+    rank, world = _rank_world()
+    optimizer = unwrap_optimizer(optimizer)
+    engine = detect_engine(model)
+    named = list(enumerate(engine.inner.named_parameters()))
+    views = _gather(local_view(engine, [(i, n, p) for i, (n, p) in named], rank))
+    eval_section, eval_resolved, eval_error = None, {}, None
+    if evaluation is not None:
+        if rank == 0:
+            try:
+                eval_section, eval_resolved = evaluation_section(evaluation)
+            except BadInput as e:
+                eval_error = e
+        eval_section, eval_resolved, message = _broadcast(
+            (eval_section, eval_resolved, str(eval_error) if eval_error else None)
+        )
+        if eval_error is not None:
+            raise eval_error
+        if message:
+            raise BadInput("attach(evaluation=)", message)
+    manifest = build_manifest(
+        engine, optimizer, views, name, edition, seed, config, evaluation=eval_section
+    )
+    blocks = _blocks(engine.inner, forward)
+    # what is recorded, not the experiment (diff compares runs that differ here), as the harness's [record]
+    manifest["record"] = {
+        "every": 1,
+        "forward": bool(blocks),
+        "forward_modules": [n for n, _ in blocks],
+    }
+    manifest_id = manifest_id_of(manifest)
+    prepared = os.environ.get(RUN_DIR_ENV)
+    path, failure = None, None
+    if rank == 0:
+        try:
+            path = _prepare_dir(prepared, out, manifest, manifest_id, engine, views, eval_resolved)
+        except BadInput as e:
+            failure = e
+    path, error = _broadcast((path, str(failure) if failure else None))
+    if failure is not None:
+        raise failure
+    if error:
+        raise RuntimeError(f"rank 0 could not prepare the run directory: {error}")
+    run_dir = Path(path)
+    info = read_json(run_dir / "run.json")
+    kind = AttachedRun
+    if engine.kind == "DeepSpeed":
+        from disttrace.integrations.deepspeed import DeepSpeedRun as kind
+    run = kind(
+        model, optimizer, run_dir, rank, engine, manifest, manifest_id, info.get("fault"), blocks
+    )
+    if loader is not None:
+        run._watch_in_place(loader)
+    return run
+
+
+def _prepare_dir(
+    prepared: str | None,
+    out,
+    manifest: dict,
+    manifest_id: str,
+    engine: Engine,
+    views: list[dict],
+    resolved: dict | None = None,
+) -> str:
+    """Rank 0: the run directory (prepared by the CLI, or a new one) with the lock, run.json, env.json,
+    topology.json and replicas.json."""
+    from disttrace.run.worker import environment
+
+    if prepared:
+        run_dir = Path(prepared)
+        if not (run_dir / "run.json").exists():
+            raise BadInput(run_dir, f"{RUN_DIR_ENV} is not a prepared run directory (no run.json)")
+        if (run_dir / LOCK).exists():
+            raise BadInput(
+                run_dir / LOCK, "this run directory was attached already (one attach per run)"
+            )
+    else:
+        run_dir = new_run_dir(out, manifest_id, "reference")
+        write_json_atomic(
+            run_dir / "run.json",
+            {
+                "path": "reference",
+                "fault": None,
+                "resume": None,
+                "created": time.time(),
+                "pid": os.getpid(),
+            },
+        )
+    write_json_atomic(
+        run_dir / LOCK,
+        {
+            "manifest": manifest,
+            "manifest_id": manifest_id,
+            "source": SOURCE,
+            "overrides": [],
+            "resolved": dict(resolved or {}),
+        },
+    )
+    dist = _dist()
+    backend = dist.get_backend() if dist else None
+    write_json_atomic(run_dir / "env.json", environment(torch, backend, views))
+    write_json_atomic(run_dir / "topology.json", topology_doc(engine, views))
+    replicas = infer_replicas(engine.kind, views)
+    write_json_atomic(run_dir / "replicas.json", replicas)
+    event(
+        run_dir,
+        Event.ATTACHED,
+        engine=engine.kind,
+        world_size=len(views),
+        manifest_id=manifest_id,
+        replica_rules=len(replicas["rules"]),
+    )
+    return str(run_dir)
