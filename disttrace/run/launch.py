@@ -28,9 +28,12 @@ def prepare(
     fault: dict | None = None,
     resume: dict | None = None,
     origin: dict | None = None,
+    name: str | None = None,
+    extra: dict | None = None,
 ) -> Path:
-    """Create runs/<id12>/<path>[-n]/ with the lock written first, then run.json."""
-    run_dir = new_run_dir(out, frozen.manifest_id, path_kind)
+    """Create runs/<id12>/<name or path>[-n]/ with the lock written first, then run.json (with `extra`'s
+    keys beside the path's own)."""
+    run_dir = new_run_dir(out, frozen.manifest_id, name or path_kind)
     write_json_atomic(run_dir / LOCK, frozen.model_dump())
     write_json_atomic(
         run_dir / "run.json",
@@ -41,6 +44,7 @@ def prepare(
             "origin": origin,
             "created": time.time(),
             "argv": sys.argv,
+            **(extra or {}),
         },
     )
     event(run_dir, Event.CREATED, path=path_kind)

@@ -64,3 +64,20 @@ def resume_spec(frozen: Frozen, root: Path, ckpt: Path, from_run: Path) -> dict:
         "step": int(ckpt.name.split("-")[1]),
         "from_run": str(Path(from_run).resolve()),
     }
+
+
+def checkpoint_before(run_path: Path, step: int) -> tuple[Frozen, Path | None, str]:
+    """The last checkpoint of the run at or before `step` that verifies, for a replay of step + 1; None
+    when there is none (the replay then starts from the manifest's initial state, step 0)."""
+    run = Run(run_path)
+    frozen = Frozen.model_validate(run.lock)
+    ckpts = {int(p.name.split("-")[1]): contained(p, run.path, p) for p in run.checkpoint_dirs()}
+    rejected = []
+    for s in sorted((s for s in ckpts if s <= step), reverse=True):
+        ok, reason = checkpoint.status(ckpts[s], run.manifest_id)
+        if ok:
+            note = f"; skipped: {'; '.join(rejected)}" if rejected else ""
+            return frozen, ckpts[s], f"last verified checkpoint at or before step {step}{note}"
+        rejected.append(reason)
+    why = "no checkpoint at or before step " + str(step)
+    return frozen, None, why + (f" verifies ({'; '.join(rejected)})" if rejected else "")

@@ -1,0 +1,165 @@
+"""`disttrace replay RUN --step S`: re-execute RUN's step S from its last verified checkpoint before it.
+
+The replay is a run store of its own kind (run.json `path: "replay"`, directory `replay-<S>` beside RUN,
+`replay.of` naming RUN), written by the ordinary job and recorder and sealed like any other, so `verify`,
+`show` and `diff` read it. It resumes from RUN's last checkpoint at or before S-1 that verifies (recover's
+machinery; the manifest's initial state when there is none), runs to S and stops. RUN's fault goes with it
+only when the fault's nature says it recurs when its step is executed again (faults.RECURRENCES): a
+standing bug does, a bit flip does not, a faulty device does, wherever its slot is. With
+`permute_ranks`, logical rank r runs in launch slot (r + 1) % world (worker.take_permuted_rank).
+
+The attribution (analysis/attribution.py) then reads the three stores only. docs/replay.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from disttrace.analysis.attribution import ReplayResult, attribute
+from disttrace.errors import BadInput
+from disttrace.store.rundir import Run
+
+DEPTHS = ("module", "op")
+
+
+def default_reference(run_dir: Path) -> Path | None:
+    """The reference `lab` reuses for RUN: a complete, verified reference run of its manifest in its runs
+    root (runs/<id12>/reference*)."""
+    from disttrace.lab.method import reusable_reference
+
+    run = Run(run_dir)
+    return reusable_reference(Path(run_dir).resolve().parent.parent, run.manifest_id)
+
+
+def kept_fault(spec: dict | None) -> dict | None:
+    """RUN's fault, if it recurs when its step is executed again; else None (the replay runs without it)."""
+    from disttrace.run import faults
+
+    if not spec:
+        return None
+    cls = faults.REGISTRY.get(spec.get("name"))
+    if cls is None:
+        raise BadInput("run.json", f"unknown fault '{spec.get('name')}'", field="fault.name")
+    return spec if cls.recurrence in ("persistent", "device") else None
+
+
+def _with_depth(frozen, step: int, depth: str):
+    """The replay's manifest with `record.depth` = {step, level}: depth recording at step S only (the
+    data and tokenizer stay the ones RUN's lock resolved and hashed)."""
+    import hashlib
+
+    from disttrace.config.manifest import Record, canonical_json, validate
+
+    if "depth" not in Record.model_fields:
+        raise BadInput("--depth", "depth recording is not available")
+    manifest = {**frozen.manifest, "record": {**frozen.manifest.get("record", {})}}
+    manifest["record"]["depth"] = {"step": step, "level": depth}
+    canonical = validate(manifest, frozen.source).model_dump(mode="json")
+    return frozen.model_copy(
+        update={
+            "manifest": canonical,
+            "manifest_id": hashlib.sha256(canonical_json(canonical)).hexdigest(),
+        }
+    )
+
+
+def prepare_replay(
+    run_dir: Path, step: int, *, depth: str | None = None, permute_ranks: bool = False
+) -> Path:
+    """Create the replay's run directory (nothing launched): lock, run.json with resume, stop and link."""
+    from disttrace.run.launch import prepare
+    from disttrace.run.recovery import checkpoint_before, resume_spec
+    from disttrace.store.records import PATH_KINDS
+
+    run_dir = Path(run_dir)
+    run = Run(run_dir)
+    if run.attached:
+        raise BadInput(
+            run_dir,
+            "an attached run (disttrace.api): its steps are the user's script's, which a replay of "
+            "disttrace's own trainer cannot re-execute",
+        )
+    kind = run.info.get("path")
+    if kind not in PATH_KINDS or kind == "replay":
+        raise BadInput(run_dir / "run.json", f"cannot replay a '{kind}' run", field="path")
+    if depth is not None and depth not in DEPTHS:
+        raise BadInput("--depth", f"'{depth}' is not one of {', '.join(DEPTHS)}")
+    recorded = _recorded_steps(run)
+    if step not in recorded:
+        raise BadInput(
+            "--step",
+            f"step {step} is not a recorded step of {run_dir} (recorded: "
+            f"{_ranges(recorded) or 'none'})",
+        )
+    frozen, ckpt, why = checkpoint_before(run_dir, step - 1)
+    world = frozen.model().world_size
+    if permute_ranks and world < 2:
+        raise BadInput("--permute-ranks", "a world of one rank has nothing to permute")
+    if depth is not None:
+        frozen = _with_depth(frozen, step, depth)
+    root = run_dir.resolve().parent.parent
+    resume = resume_spec(frozen, root, ckpt, run_dir) if ckpt is not None else None
+    return prepare(
+        frozen,
+        root,
+        "replay",
+        fault=kept_fault(run.info.get("fault")),
+        resume=resume,
+        name=f"replay-{step}",
+        extra={
+            "stop_after": step,
+            "replay": {
+                "of": str(run_dir.resolve()),
+                "step": step,
+                "rank_shift": 1 if permute_ranks else None,
+                "from": why,
+                "depth": depth,
+            },
+        },
+    )
+
+
+def _recorded_steps(run: Run) -> list[int]:
+    steps: set[int] | None = None
+    for r in run.ranks():
+        s = {e["step"] for e in run.step_index(r).records}
+        steps = s if steps is None else steps & s
+    return sorted(steps or ())
+
+
+def _ranges(steps: list[int]) -> str:
+    from disttrace.fmt import ranges
+
+    return ranges(steps)
+
+
+def replay_run(
+    run_dir: Path,
+    step: int,
+    *,
+    depth: str | None = None,
+    reference: Path | None = None,
+    permute_ranks: bool = False,
+    launch_job=None,
+) -> ReplayResult:
+    """Replay RUN's step `step` and attribute its divergence (docs/replay.md). Raises BadInput (exit 2) for
+    bad input or when no reference is found, JobFailed (exit 3) when the replay's job fails.
+    `launch_job(run_dir)`, if given, runs the job (a caller's live progress); else run/launch.py's launch."""
+    run_dir = Path(run_dir)
+    if reference is None:
+        reference = default_reference(run_dir)
+        if reference is None:
+            raise BadInput(
+                "--reference",
+                f"no complete, verified reference run of {run_dir}'s manifest in its runs root: "
+                "give --reference REF",
+            )
+    Run(reference)  # a reference that is not a run is bad input before any job starts
+    replay_dir = prepare_replay(run_dir, step, depth=depth, permute_ranks=permute_ranks)
+    if launch_job is None:
+        from disttrace.run.launch import launch
+
+        launch(replay_dir)
+    else:
+        launch_job(replay_dir)
+    return attribute(run_dir, replay_dir, reference)
