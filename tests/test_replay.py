@@ -14,6 +14,7 @@ from pathlib import Path
 import orjson
 import pytest
 from conftest import cli
+from test_forged_store import copy_run
 
 from disttrace.run import faults
 
@@ -43,14 +44,27 @@ def ref(runs) -> Path:
     return runs.reference()
 
 
-def test_bitflip_is_transient_and_the_replay_is_a_store_of_its_own(runs, ref):
+@pytest.fixture
+def root(ref, tmp_path) -> Path:
+    """A runs root of the test's own holding a copy of the reference (the one `replay` finds by default):
+    replays are written beside the run they replay, so the session's shared runs stay as other tests
+    expect them (no replay beside them for the gate to attribute)."""
+    copy_run(ref, tmp_path)
+    return tmp_path
+
+
+def private(run: Path, root: Path) -> Path:
+    return copy_run(run, root)
+
+
+def test_bitflip_is_transient_and_the_replay_is_a_store_of_its_own(runs, ref, root):
     """A bit flipped at step 3 on rank 1 does not recur: the replay from the checkpoint of step 2 matches the
     reference (found as `lab` finds it, in the runs root), not the stored step."""
-    run = runs.fault("bitflip-grad", 3, 1)
+    run = private(runs.fault("bitflip-grad", 3, 1), root)
     doc = replay(run, 3)
     assert doc["attribution"] == "transient", doc["reason"]
     assert doc["reproduces"] is False and doc["matches_reference"] is True
-    assert doc["reference"] == str(ref)
+    assert doc["reference"] == str(root / ref.parent.name / ref.name)
     assert doc["from_checkpoint"] == 2 and doc["replayed_steps"] == [3]
     # the stored divergence is the planted one: step 3, rank 1, backward
     first = doc["stored"]["first"]
@@ -64,14 +78,13 @@ def test_bitflip_is_transient_and_the_replay_is_a_store_of_its_own(runs, ref):
     # read by the same readers as any run: sealed, shown, diffed
     assert cli("verify", out).returncode == 0
     assert cli("show", out, "--json").returncode == 0
-    assert cli("diff", ref, out).returncode == 0  # equal to the reference on steps 3
-    assert cli("diff", run, out).returncode == 1  # not the stored step 3
+    assert cli("diff", ref, out).returncode == 0  # equal to the reference on step 3
 
 
-def test_skip_allreduce_is_persistent(runs):
+def test_skip_allreduce_is_persistent(runs, root):
     """A skipped all-reduce is a standing bug: its step re-executed from the checkpoint diverges again, bit for
     bit as stored."""
-    run = runs.fault("skip-allreduce", 3, 1)
+    run = private(runs.fault("skip-allreduce", 3, 1), root)
     doc = replay(run, 3)
     assert doc["attribution"] == "persistent", doc["reason"]
     assert doc["reproduces"] is True and doc["matches_reference"] is False
@@ -80,31 +93,36 @@ def test_skip_allreduce_is_persistent(runs):
     assert run_info(Path(doc["replay"]))["fault"]["name"] == "skip-allreduce"
 
 
-def test_bad_input_is_one_line_and_nothing_written(runs, ref, tmp_path):
-    run = runs.fault("bitflip-grad", 3, 1)
+def test_bad_input_is_one_line_and_nothing_written(runs, root):
+    run = private(runs.fault("bitflip-grad", 3, 1), root)
     before = sorted(p.name for p in run.parent.iterdir())
-    for args in (("--step", 9), ("--step", 3, "--depth", "layer"), ("--step", 0)):
+    for args, says in (
+        (("--step", 9), "step 9 is not a recorded step"),
+        (("--step", 3, "--depth", "module"), "depth recording is not available"),
+    ):
         proc = cli("replay", run, *args)
-        assert proc.returncode == 2, proc.stderr
+        assert proc.returncode == 2 and says in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
-    assert cli("replay", tmp_path, "--step", 3).returncode == 2  # not a run
     assert sorted(p.name for p in run.parent.iterdir()) == before
 
 
 @pytest.mark.slow
-def test_reference_has_nothing_to_attribute(runs, ref):
-    doc = replay(ref, 4)
+def test_reference_has_nothing_to_attribute(ref, root):
+    doc = replay(root / ref.parent.name / ref.name, 4)
     assert doc["attribution"] == "none", doc["reason"]
     assert doc["reproduces"] is True and doc["matches_reference"] is True
     assert doc["replayed_steps"] == [3, 4]  # step 3 replayed before 4, and reproduced
 
 
 @pytest.mark.slow
-def test_faulty_device_stays_on_its_slot_when_ranks_move(runs, ref):
+def test_faulty_device_stays_on_its_slot_when_ranks_move(runs, ref, root):
     """The device under rank 1 at launch (slot 1) corrupts every linear output from step 3 on. Replayed in
     place, the divergence reproduces (persistent: the replay cannot tell the hardware from the code); with
     the ranks rotated over the slots it leaves rank 1 for rank 0, which now runs on slot 1: device, slot 1."""
-    run = runs.fault("faulty-device", 3, 1)
+    run = private(runs.fault("faulty-device", 3, 1), root)
+    first = cli("diff", ref, run, "--json")
+    f = orjson.loads(first.stdout)["first_divergence"]
+    assert (f["step"], f["rank"], f["phase"]) == (3, 1, "forward")
     events = [
         orjson.loads(x)
         for x in (run / "events.jsonl").read_bytes().splitlines()
@@ -122,9 +140,9 @@ def test_faulty_device_stays_on_its_slot_when_ranks_move(runs, ref):
 
 
 @pytest.mark.slow
-def test_a_standing_bug_moves_with_the_rank(runs):
+def test_a_standing_bug_moves_with_the_rank(runs, root):
     """The control for `device`: ranks rotated, a skipped all-reduce on rank 1 stays on rank 1, bit for bit."""
-    doc = replay(runs.fault("skip-allreduce", 3, 1), 3, "--permute-ranks")
+    doc = replay(private(runs.fault("skip-allreduce", 3, 1), root), 3, "--permute-ranks")
     assert doc["attribution"] == "persistent", doc["reason"]
     assert doc["reproduces"] is True and doc["rank_shift"] == 1
 
@@ -145,3 +163,17 @@ def test_a_store_that_its_code_does_not_reproduce_is_not_replayable(runs, ref, t
     planted = faults.get("bitflip-grad").defaults["tensor"]
     assert (f["step"], f["rank"], f["phase"], f["tensor"]) == (3, 1, "backward", planted)
     assert doc["replayed_steps"] == [3, 4] and doc["matches_reference"] is None
+
+
+@pytest.mark.slow
+def test_the_gate_records_the_attribution_of_a_replay(runs, ref, root):
+    """verdict.json carries the attribution the gate recomputes from the run, its replay and the reference;
+    without a replay the key is absent (the document is what it was)."""
+    run = private(runs.fault("bitflip-grad", 3, 1), root)
+    before = cli("gate", run, "--reference", ref, "--json")
+    assert before.returncode == 1 and "attribution" not in orjson.loads(before.stdout)
+    replay(run, 3)
+    after = cli("gate", run, "--reference", ref, "--json")
+    a = orjson.loads(after.stdout)["attribution"]
+    assert (a["step"], a["attribution"], a["reproduces"]) == (3, "transient", False)
+    assert "attribution" in orjson.loads((run / "verdict.json").read_bytes())
