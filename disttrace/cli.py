@@ -466,13 +466,19 @@ def replay(
     and attribute the divergence from the trajectories alone: persistent (it reproduces), transient (the
     replay matches the reference instead), device (with --permute-ranks it stays on one physical slot),
     not-replayable (RUN is not deterministic from its checkpoint), none (RUN agrees with the reference at
-    S). Exit 0 when a verdict is reached, 2 bad input, 3 the replay's job failed (docs/replay.md)."""
+    S). Exit 0 when a verdict is reached, 2 bad input, 3 the replay's job failed (docs/replay.md).
+    An attached run: `disttrace replay RUN --step S -- CMD ARGS...` runs your script again with the replay's
+    directory (from its start, or from the checkpoint it resumes from with run.resume)."""
     from disttrace.run.replay import replay_run
     from disttrace.views.progress import LiveProgress
     from disttrace.views.replay import render
 
     def job(replay_dir):
         err.print(Text(f"replaying step {step} of {run_dir} into {replay_dir} ...", style="dim"))
+        if USER_COMMAND is not None:
+            from disttrace.run import usercmd
+
+            return usercmd.execute(replay_dir, USER_COMMAND)
         with LiveProgress(replay_dir, err, enabled=not quiet):
             from disttrace.run.launch import launch
 
@@ -484,6 +490,7 @@ def replay(
         depth=depth,
         reference=reference,
         permute_ranks=permute_ranks,
+        command=USER_COMMAND,
         launch_job=job,
     )
     if json_:
@@ -927,7 +934,7 @@ def main():
     global USER_COMMAND
     argv = sys.argv[1:]
     if (
-        len(argv) > 1 and argv[0] in ("run", "inject") and "--" in argv
+        len(argv) > 1 and argv[0] in ("run", "inject", "replay") and "--" in argv
     ):  # a user command, passed through whole
         cut = argv.index("--")
         USER_COMMAND = argv[cut + 1 :]

@@ -177,3 +177,27 @@ def test_the_gate_records_the_attribution_of_a_replay(runs, ref, root):
     a = orjson.loads(after.stdout)["attribution"]
     assert (a["step"], a["attribution"], a["reproduces"]) == (3, "transient", False)
     assert "attribution" in orjson.loads((run / "verdict.json").read_bytes())
+
+
+@pytest.mark.slow
+def test_an_attached_script_is_replayed_with_its_own_command(tmp_path):
+    """`disttrace replay RUN --step S -- CMD`: the user's script runs again attached to a replay store beside
+    RUN, here resuming from RUN's own checkpoint of step 2 with run.resume(); a skipped all-reduce on rank 1
+    at step 3 (kept: it recurs) reproduces bit for bit."""
+    from conftest import last_line
+    from test_attach_cli import CMD
+
+    cli("run", "--out", tmp_path, "--", *CMD, check=0)
+    inject = ("inject", "--out", tmp_path, "--fault", "skip-allreduce", "--step", 3, "--rank", 1)
+    run = last_line(cli(*inject, "--", *CMD, check=0))
+    again = [*CMD, "--resume", run / "checkpoints" / "step-000002"]
+    proc = cli("replay", run, "--step", 3, "--json", "--", *again, timeout=300, check=0)
+    doc = orjson.loads(proc.stdout)
+    assert doc["attribution"] == "persistent", doc["reason"]
+    assert doc["reproduces"] is True and doc["matches_reference"] is False
+    assert doc["from_checkpoint"] == 2 and doc["replayed_steps"] == [3]
+    out = Path(doc["replay"])
+    assert out.parent == run.parent and run_info(out)["path"] == "replay"
+    assert cli("verify", out).returncode == 0
+    # an attached run replayed without its command is refused (disttrace runs no command of the store's)
+    assert cli("replay", run, "--step", 3).returncode == 2

@@ -24,11 +24,23 @@ DEPTHS = ("module", "op")
 
 def default_reference(run_dir: Path) -> Path | None:
     """The reference `lab` reuses for RUN: a complete, verified reference run of its manifest in its runs
-    root (runs/<id12>/reference*)."""
+    root (runs/<id12>/reference*). An attached run's: the same beside it, checkpoints or not (a user's
+    script need not save any)."""
     from disttrace.lab.method import reusable_reference
+    from disttrace.store.verify import verify_run
 
     run = Run(run_dir)
-    return reusable_reference(Path(run_dir).resolve().parent.parent, run.manifest_id)
+    here = Path(run_dir).resolve()
+    if not run.attached:
+        return reusable_reference(here.parent.parent, run.manifest_id)
+    for d in sorted(here.parent.glob("reference*"), reverse=True):
+        try:
+            ref = Run(d)
+            if ref.complete and ref.manifest_id == run.manifest_id and verify_run(d).exit_ok:
+                return d
+        except BadInput:
+            continue
+    return None
 
 
 def kept_fault(spec: dict | None) -> dict | None:
@@ -76,8 +88,8 @@ def prepare_replay(
     if run.attached:
         raise BadInput(
             run_dir,
-            "an attached run (disttrace.api): its steps are the user's script's, which a replay of "
-            "disttrace's own trainer cannot re-execute",
+            "an attached run (disttrace.api): give its script's command after '--' "
+            "(disttrace replay RUN --step S -- torchrun ... train.py)",
         )
     kind = run.info.get("path")
     if kind not in PATH_KINDS or kind == "replay":
@@ -119,6 +131,58 @@ def prepare_replay(
     )
 
 
+def prepare_attached_replay(
+    run_dir: Path, step: int, command: list[str], *, depth: str | None = None
+) -> Path:
+    """An attached run's replay directory (beside it, nothing launched), for its script to attach to."""
+    import os
+    import time
+
+    from disttrace.store.rundir import new_run_dir, write_json_atomic
+
+    run_dir = Path(run_dir)
+    run = Run(run_dir)
+    if not run.attached:
+        raise BadInput(
+            run_dir,
+            "not an attached run: replay it without a command (disttrace replays its own jobs)",
+        )
+    if not command:
+        raise BadInput("--", "no command after '--' (e.g. -- torchrun --nproc-per-node 2 train.py)")
+    if depth is not None:
+        if depth not in DEPTHS:
+            raise BadInput("--depth", f"'{depth}' is not one of {', '.join(DEPTHS)}")
+        raise BadInput("--depth", "depth recording is not available")
+    recorded = _recorded_steps(run)
+    if step not in recorded:
+        raise BadInput(
+            "--step",
+            f"step {step} is not a recorded step of {run_dir} (recorded: "
+            f"{_ranges(recorded) or 'none'})",
+        )
+    here = run_dir.resolve()
+    replay_dir = new_run_dir(here.parent.parent, here.parent.name, f"replay-{step}")
+    write_json_atomic(
+        replay_dir / "run.json",
+        {
+            "path": "replay",
+            "fault": kept_fault(run.info.get("fault")),
+            "resume": None,  # the script's run.resume(...) says where it starts, if anywhere
+            "created": time.time(),
+            "pid": os.getpid(),
+            "command": command,
+            "replay": {
+                "of": str(here),
+                "step": step,
+                "rank_shift": None,
+                "from": "the script's own start, or the checkpoint it resumes from",
+                "depth": depth,
+            },
+        },
+    )
+    return replay_dir
+
+
 def _recorded_steps(run: Run) -> list[int]:
     steps: set[int] | None = None
     for r in run.ranks():
@@ -140,11 +204,14 @@ def replay_run(
     depth: str | None = None,
     reference: Path | None = None,
     permute_ranks: bool = False,
+    command: list[str] | None = None,
     launch_job=None,
 ) -> ReplayResult:
     """Replay RUN's step `step` and attribute its divergence (docs/replay.md). Raises BadInput (exit 2) for
     bad input or when no reference is found, JobFailed (exit 3) when the replay's job fails.
-    `launch_job(run_dir)`, if given, runs the job (a caller's live progress); else run/launch.py's launch."""
+    `command`: an attached run's script (`disttrace replay RUN --step S -- CMD`), run with the replay's
+    directory in DISTTRACE_RUN_DIR (usercmd.execute). `launch_job(run_dir)`, if given, runs the job (a
+    caller's live progress); else run/launch.py's launch, or usercmd.execute with a command."""
     run_dir = Path(run_dir)
     if reference is None:
         reference = default_reference(run_dir)
@@ -155,6 +222,17 @@ def replay_run(
                 "give --reference REF",
             )
     Run(reference)  # a reference that is not a run is bad input before any job starts
+    if command is not None:
+        if permute_ranks:
+            raise BadInput(
+                "--permute-ranks",
+                "an attached script's launcher places its ranks: a replay with a command is not permuted",
+            )
+        from disttrace.run import usercmd
+
+        replay_dir = prepare_attached_replay(run_dir, step, command, depth=depth)
+        (launch_job or (lambda d: usercmd.execute(d, command)))(replay_dir)
+        return attribute(run_dir, replay_dir, reference)
     replay_dir = prepare_replay(run_dir, step, depth=depth, permute_ranks=permute_ranks)
     if launch_job is None:
         from disttrace.run.launch import launch
