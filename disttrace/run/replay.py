@@ -221,7 +221,10 @@ def replay_run(
                 f"no complete, verified reference run of {run_dir}'s manifest in its runs root: "
                 "give --reference REF",
             )
-    Run(reference)  # a reference that is not a run is bad input before any job starts
+    from disttrace.analysis.diff import diff_runs
+
+    # a reference that is not a run, or not of RUN's experiment, is bad input before any job starts
+    diff_runs(reference, run_dir, propagate=False)
     if command is not None:
         if permute_ranks:
             raise BadInput(
