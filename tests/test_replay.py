@@ -98,7 +98,7 @@ def test_bad_input_is_one_line_and_nothing_written(runs, root):
     before = sorted(p.name for p in run.parent.iterdir())
     for args, says in (
         (("--step", 9), "step 9 is not a recorded step"),
-        (("--step", 3, "--depth", "module"), "depth recording is not available"),
+        (("--step", 3, "--depth", "layer"), "'layer' is not one of module, op"),
     ):
         proc = cli("replay", run, *args)
         assert proc.returncode == 2 and says in proc.stderr, proc.stderr
@@ -201,3 +201,21 @@ def test_an_attached_script_is_replayed_with_its_own_command(tmp_path):
     assert cli("verify", out).returncode == 0
     # an attached run replayed without its command is refused (disttrace runs no command of the store's)
     assert cli("replay", run, "--step", 3).returncode == 2
+
+
+@pytest.mark.slow
+def test_a_replay_at_depth_states_it_in_its_manifest_and_resumes_the_run_checkpoint(runs, root):
+    """`--depth module`: the replay's lock asks for step S at depth (record.depth, what `zoom` records), its
+    manifest id is its own, and it still resumes the checkpoint of the run it replays (what is recorded at
+    depth is not what is computed) and lives beside it; the attribution is unchanged."""
+    run = private(runs.fault("bitflip-grad", 3, 1), root)
+    doc = replay(run, 3, "--depth", "module")
+    assert doc["attribution"] == "transient", doc["reason"]
+    out = Path(doc["replay"])
+    lock = orjson.loads((out / "manifest.lock.json").read_bytes())
+    assert lock["manifest"]["record"]["depth"] == {"step": 3, "level": "module"}
+    assert (
+        lock["manifest_id"]
+        != orjson.loads((run / "manifest.lock.json").read_bytes())["manifest_id"]
+    )
+    assert out.parent == run.parent and doc["from_checkpoint"] == 2

@@ -30,10 +30,12 @@ def prepare(
     origin: dict | None = None,
     name: str | None = None,
     extra: dict | None = None,
+    folder: str | None = None,
 ) -> Path:
     """Create runs/<id12>/<name or path>[-n]/ with the lock written first, then run.json (with `extra`'s
-    keys beside the path's own)."""
-    run_dir = new_run_dir(out, frozen.manifest_id, name or path_kind)
+    keys beside the path's own). `folder`: another manifest id whose runs/<id12>/ holds it (a replay
+    recording at depth lives beside the run it replays)."""
+    run_dir = new_run_dir(out, folder or frozen.manifest_id, name or path_kind)
     write_json_atomic(run_dir / LOCK, frozen.model_dump())
     write_json_atomic(
         run_dir / "run.json",

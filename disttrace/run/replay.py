@@ -55,15 +55,26 @@ def kept_fault(spec: dict | None) -> dict | None:
     return spec if cls.recurrence in ("persistent", "device") else None
 
 
+def checkpoint_identity(manifest) -> str:
+    """The manifest id a checkpoint loaded by this job must carry: the manifest's own, computed without
+    `record.depth` (what is recorded at depth is not what is computed: a replay recording step S at depth
+    resumes from the checkpoint of the run it replays)."""
+    import hashlib
+
+    from disttrace.config.manifest import canonical_json
+
+    doc = manifest.model_dump(mode="json")
+    doc["record"].pop("depth", None)
+    return hashlib.sha256(canonical_json(doc)).hexdigest()
+
+
 def _with_depth(frozen, step: int, depth: str):
     """The replay's manifest with `record.depth` = {step, level}: depth recording at step S only (the
     data and tokenizer stay the ones RUN's lock resolved and hashed)."""
     import hashlib
 
-    from disttrace.config.manifest import Record, canonical_json, validate
+    from disttrace.config.manifest import canonical_json, validate
 
-    if "depth" not in Record.model_fields:
-        raise BadInput("--depth", "depth recording is not available")
     manifest = {**frozen.manifest, "record": {**frozen.manifest.get("record", {})}}
     manifest["record"]["depth"] = {"step": step, "level": depth}
     canonical = validate(manifest, frozen.source).model_dump(mode="json")
@@ -107,14 +118,15 @@ def prepare_replay(
     world = frozen.model().world_size
     if permute_ranks and world < 2:
         raise BadInput("--permute-ranks", "a world of one rank has nothing to permute")
-    if depth is not None:
-        frozen = _with_depth(frozen, step, depth)
     root = run_dir.resolve().parent.parent
     resume = resume_spec(frozen, root, ckpt, run_dir) if ckpt is not None else None
+    if depth is not None:
+        frozen = _with_depth(frozen, step, depth)
     return prepare(
         frozen,
         root,
         "replay",
+        folder=run.manifest_id,
         fault=kept_fault(run.info.get("fault")),
         resume=resume,
         name=f"replay-{step}",
@@ -152,7 +164,9 @@ def prepare_attached_replay(
     if depth is not None:
         if depth not in DEPTHS:
             raise BadInput("--depth", f"'{depth}' is not one of {', '.join(DEPTHS)}")
-        raise BadInput("--depth", "depth recording is not available")
+        raise BadInput(
+            "--depth", "depth recording is not available for an attached script's replay"
+        )
     recorded = _recorded_steps(run)
     if step not in recorded:
         raise BadInput(

@@ -275,7 +275,12 @@ def resume(ctx, spec: dict) -> int:
     from disttrace.run import checkpoint
 
     path = resume_checkpoint(ctx.run_dir, spec)  # inside the runs root, or BadInput
-    progress = checkpoint.load(ctx.strategy, path, ctx.rank, ctx.manifest_id)
+    identity = ctx.manifest_id
+    if ctx.manifest.record.depth is not None:  # a replay recording at depth
+        from disttrace.run.replay import checkpoint_identity
+
+        identity = checkpoint_identity(ctx.manifest)
+    progress = checkpoint.load(ctx.strategy, path, ctx.rank, identity)
     if ctx.rank == 0:
         event(
             ctx.run_dir,
