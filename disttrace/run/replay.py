@@ -43,7 +43,7 @@ def default_reference(run_dir: Path) -> Path | None:
     return None
 
 
-def kept_fault(spec: dict | None) -> dict | None:
+def kept_fault(spec: dict | None, where: Path | str = "run.json") -> dict | None:
     """RUN's fault, if it recurs when its step is executed again; else None (the replay runs without it)."""
     from disttrace.run import faults
 
@@ -51,7 +51,7 @@ def kept_fault(spec: dict | None) -> dict | None:
         return None
     cls = faults.REGISTRY.get(spec.get("name"))
     if cls is None:
-        raise BadInput("run.json", f"unknown fault '{spec.get('name')}'", field="fault.name")
+        raise BadInput(where, f"unknown fault '{spec.get('name')}'", field="fault.name")
     return spec if cls.recurrence in ("persistent", "device") else None
 
 
@@ -127,7 +127,7 @@ def prepare_replay(
         root,
         "replay",
         folder=run.manifest_id,
-        fault=kept_fault(run.info.get("fault")),
+        fault=kept_fault(run.info.get("fault"), run.path / "run.json"),
         resume=resume,
         name=f"replay-{step}",
         extra={
@@ -180,7 +180,7 @@ def prepare_attached_replay(
         replay_dir / "run.json",
         {
             "path": "replay",
-            "fault": kept_fault(run.info.get("fault")),
+            "fault": kept_fault(run.info.get("fault"), run.path / "run.json"),
             "resume": None,  # the script's run.resume(...) says where it starts, if anywhere
             "created": time.time(),
             "pid": os.getpid(),
