@@ -438,6 +438,68 @@ def recover(
     _launch_and_report(run_dir, json_, quiet=quiet)
 
 
+@app.command()
+@handled
+def replay(
+    run_dir: Path = typer.Argument(..., help="the run to replay (usually a fault run)"),
+    step: int = typer.Option(
+        ..., "--step", help="the step to re-execute (usually its first divergence)"
+    ),
+    reference: Path | None = typer.Option(
+        None,
+        "--reference",
+        help="the reference run (default: the complete, verified reference `lab` reuses, in RUN's runs root)",
+    ),
+    permute_ranks: bool = typer.Option(
+        False,
+        "--permute-ranks",
+        help="run rank r in launch slot (r + 1) % world: a divergence bound to the hardware stays on its "
+        "slot, one bound to the rank's data or code moves with the rank",
+    ),
+    depth: str | None = typer.Option(
+        None, "--depth", help="module | op: record step S at depth (zoom)"
+    ),
+    json_: bool = JsonOpt,
+    quiet: bool = QuietOpt,
+):
+    """Re-execute RUN's step S from its last verified checkpoint before it, into a replay store beside RUN,
+    and attribute the divergence from the trajectories alone: persistent (it reproduces), transient (the
+    replay matches the reference instead), device (with --permute-ranks it stays on one physical slot),
+    not-replayable (RUN is not deterministic from its checkpoint), none (RUN agrees with the reference at
+    S). Exit 0 when a verdict is reached, 2 bad input, 3 the replay's job failed (docs/replay.md).
+    An attached run: `disttrace replay RUN --step S -- CMD ARGS...` runs your script again with the replay's
+    directory (from its start, or from the checkpoint it resumes from with run.resume)."""
+    from disttrace.run.replay import replay_run
+    from disttrace.views.progress import LiveProgress
+    from disttrace.views.replay import render
+
+    def job(replay_dir):
+        err.print(Text(f"replaying step {step} of {run_dir} into {replay_dir} ...", style="dim"))
+        if USER_COMMAND is not None:
+            from disttrace.run import usercmd
+
+            return usercmd.execute(replay_dir, USER_COMMAND)
+        with LiveProgress(replay_dir, err, enabled=not quiet):
+            from disttrace.run.launch import launch
+
+            launch(replay_dir)
+
+    result = replay_run(
+        run_dir,
+        step,
+        depth=depth,
+        reference=reference,
+        permute_ranks=permute_ranks,
+        command=USER_COMMAND,
+        launch_job=job,
+    )
+    if json_:
+        emit_json(result)
+    else:
+        render(result, err)
+        print(result.replay)
+
+
 # ---------------------------------------------------------------- reading runs
 
 
@@ -872,7 +934,7 @@ def main():
     global USER_COMMAND
     argv = sys.argv[1:]
     if (
-        len(argv) > 1 and argv[0] in ("run", "inject") and "--" in argv
+        len(argv) > 1 and argv[0] in ("run", "inject", "replay") and "--" in argv
     ):  # a user command, passed through whole
         cut = argv.index("--")
         USER_COMMAND = argv[cut + 1 :]

@@ -339,9 +339,46 @@ def gate(
         time=time.time(),
         replay=replayed,
         trust=trust_record(ref is not None, replayed, evaluation is not None),
+        attribution=replay_attribution(run, ref),
     )
     write_json_atomic(run.path / "verdict.json", verdict.line())
     return verdict
+
+
+def replay_attribution(run: Run, ref: Run | None) -> dict | None:
+    """The attribution of the run's latest complete replay (`disttrace replay`: a `replay-<S>` store beside
+    it whose run.json names it), recomputed here from the run, the replay and the gate's reference; None
+    when there is no replay or no reference."""
+    from disttrace.analysis.attribution import attribute
+
+    if ref is None:
+        return None
+    me = str(run.path.resolve())
+    found = []
+    for d in run.path.parent.glob("replay-*"):
+        try:
+            r = Run(d)
+            info = r.info.get("replay") or {}
+            if info.get("of") == me and r.complete:
+                found.append((float(r.info.get("created") or 0), d))
+        except BadInput:
+            continue
+    if not found:
+        return None
+    replay_dir = max(found)[1]
+    try:
+        res = attribute(run.path, replay_dir, ref.path)
+    except BadInput as e:
+        return {"replay": str(replay_dir), "attribution": None, "reason": str(e)}
+    return {
+        "replay": str(replay_dir),
+        "step": res.step,
+        "attribution": res.attribution,
+        **({"slot": res.slot.index} if res.slot is not None else {}),
+        "reproduces": res.reproduces,
+        "matches_reference": res.matches_reference,
+        "reason": res.reason,
+    }
 
 
 def trust_record(with_reference: bool, replayed: dict | None, evaluated: bool) -> dict:

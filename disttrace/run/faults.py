@@ -20,7 +20,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from disttrace.config.attached import AttachedManifest
 from disttrace.config.manifest import Manifest
@@ -40,11 +40,19 @@ def register(cls):
     return cls
 
 
+# How a fault behaves when its step is executed again (`disttrace replay`, docs/replay.md): a one-off event
+# that does not recur (a bit flip, a crash: "transient"), a standing bug of code, data or configuration that
+# does ("persistent"), or hardware bound to a physical slot, not to a rank ("device"). A replay keeps the
+# fault only when it recurs; the attribution never reads this, only the replayed and stored trajectories.
+RECURRENCES = ("transient", "persistent", "device")
+
+
 class Fault:
     name = ""
     point = ""
     expect = ""
     description = ""
+    recurrence: ClassVar[str] = ""  # one of RECURRENCES; every catalog entry states its own
     defaults: dict = {}
     needs_dp2 = False
     needs_checkpoint_step = False
@@ -409,6 +417,7 @@ def _check_tensor(cls, rank: int, params: dict, manifest: Manifest) -> None:
 @register
 class BitflipGrad(Fault):
     name, point, expect = "bitflip-grad", "backward", "backward"
+    recurrence = "transient"
     description = "flips one bit of one element of a local gradient before the reduce"
     defaults = {
         "tensor": "layers.0.attention.wq.weight",
@@ -455,6 +464,7 @@ class BitflipGrad(Fault):
 @register
 class BitflipParam(Fault):
     name, point, expect = "bitflip-param", "optimizer", "optimizer"
+    recurrence = "transient"
     description = (
         "flips one bit of a parameter after the optimizer step (default a mantissa bit: silent)"
     )
@@ -492,6 +502,7 @@ def _target(fault: Fault) -> str:
 @register
 class SkipAllreduce(Fault):
     name, point, expect = "skip-allreduce", "reduce", "reduce"
+    recurrence = "persistent"
     description = (
         "the rank keeps its local gradient instead of the reduced one (the collective still runs)"
     )
@@ -532,6 +543,7 @@ class SkipAllreduce(Fault):
 @register
 class GradScale(Fault):
     name, point, expect = "grad-scale", "reduce", "reduce"
+    recurrence = "persistent"
     description = "divides the reduced gradient by the data-parallel size a second time"
     needs_dp2 = True
 
@@ -550,6 +562,7 @@ class GradScale(Fault):
 @register
 class DataSwap(Fault):
     name, point, expect = "data-swap", "data", "data"
+    recurrence = "persistent"
     description = "the rank reads another data-parallel rank's shard for that step"
     defaults = {"micro_batch": 0}
     needs_dp2 = True
@@ -587,6 +600,7 @@ def _check_mb(params, manifest: AnyManifest):
 @register
 class DropMicrobatch(Fault):
     name, point, expect = "drop-microbatch", "loss", "loss"
+    recurrence = "persistent"
     description = (
         "skips one micro-batch of the accumulation (its loss enters backward multiplied by zero)"
     )
@@ -618,6 +632,7 @@ class DropMicrobatch(Fault):
 @register
 class StaleParam(Fault):
     name, point, expect = "stale-param", "optimizer", "optimizer"
+    recurrence = "persistent"
     description = "applies the step's update to the previous step's parameters"
 
     @classmethod
@@ -651,6 +666,7 @@ class StaleParam(Fault):
 @register
 class LrSkew(Fault):
     name, point, expect = "lr-skew", "optimizer", "optimizer"
+    recurrence = "persistent"
     description = "uses the learning rate times k for one step"
     defaults = {"k": 2.0}
 
@@ -692,6 +708,7 @@ class LrSkew(Fault):
 @register
 class OptimizerReset(Fault):
     name, point, expect = "optimizer-reset", "checkpoint", "resume:optimizer"
+    recurrence = "persistent"
     description = "the checkpoint at step S is written without optimizer state (on every rank: one checkpoint)"
     needs_checkpoint_step = True
 
@@ -718,6 +735,7 @@ class OptimizerReset(Fault):
 @register
 class CorruptCheckpoint(Fault):
     name, point, expect = "corrupt-checkpoint", "checkpoint", "refused-at-load"
+    recurrence = "transient"
     description = "flips bytes in one shard file of the checkpoint written at step S"
     defaults = {"nbytes": 1}
     needs_checkpoint_step = True
@@ -758,6 +776,7 @@ class CorruptCheckpoint(Fault):
 @register
 class KillRank(Fault):
     name, point, expect = "kill-rank", "step_start", "exit-3"
+    recurrence = "transient"
     description = "the rank dies with SIGKILL at the start of the step"
 
     def install(self, bus):
@@ -775,6 +794,7 @@ class KillRank(Fault):
 @register
 class SlowRank(Fault):
     name, point, expect = "slow-rank", "backward", "none"
+    recurrence = "transient"
     description = (
         "the rank sleeps before its collectives (until the file `until` exists, if given, for at "
         "most `seconds`); numerics stay equal, the run flags it as straggler"
@@ -809,6 +829,7 @@ class SlowRank(Fault):
 @register
 class CollectiveMismatch(Fault):
     name, point, expect = "collective-mismatch", "backward", "exit-3"
+    recurrence = "persistent"
     description = (
         "the rank issues an all-reduce of a different shape; the job ends with exit 3 naming it"
     )
@@ -877,6 +898,7 @@ class _ClipFault(Fault):
 @register
 class ClipLocalNorm(_ClipFault):
     name = "clip-local-norm"
+    recurrence = "persistent"
     description = (
         "the rank clips with the norm of its local gradient shard instead of the global norm"
     )
@@ -900,6 +922,7 @@ class ClipLocalNorm(_ClipFault):
 @register
 class ClipSkipReplicated(_ClipFault):
     name = "clip-skip-replicated"
+    recurrence = "persistent"
     description = (
         "under tensor parallel, the rank leaves its replicated (unsharded) parameters unclipped"
     )
@@ -933,6 +956,7 @@ class LateMicrobatch(Fault):
         "backward",
         "backward",
     )  # what it sends is the first evidence
+    recurrence = "persistent"
     description = (
         "the last micro-batch's gradient misses the all-reduce and is added locally after it"
     )
@@ -980,6 +1004,7 @@ class LateMicrobatch(Fault):
 @register
 class UnsyncedParam(SkipAllreduce):
     name, point, expect = "unsynced-param", "reduce", "reduce"
+    recurrence = "persistent"
     description = (
         "one parameter's gradient is never reduced on the rank (as when its copy is replaced after "
         "wrapping): it keeps the local gradient, every other tensor is reduced"
@@ -1000,6 +1025,7 @@ class UnsyncedParam(SkipAllreduce):
 @register
 class LossScale(DropMicrobatch):
     name, point, expect = "loss-scale", "loss", "loss"
+    recurrence = "persistent"
     description = "multiplies one micro-batch's loss by a factor (default 1 + 1e-4) before backward"
     defaults = {"micro_batch": 0, "factor": 1.0001}
 
@@ -1022,6 +1048,7 @@ class LossScale(DropMicrobatch):
 @register
 class Bf16Reduce(Fault):
     name, point, expect = "bf16-reduce", "backward", "backward"
+    recurrence = "persistent"
     description = (
         "rounds the rank's gradient contribution to bfloat16 before the all-reduce (what an all-reduce "
         "in bfloat16 does to each input where float32 is configured)"
@@ -1057,3 +1084,99 @@ class Bf16Reduce(Fault):
 
         bus.on("backward", handler, order=10)
         bus.on("reduce", log, order=10)
+
+
+def launch_slot(device=None) -> int:
+    """The physical slot this process runs in, from what its launcher put in its environment, never from
+    its rank: node (GROUP_RANK) times processes per node (LOCAL_WORLD_SIZE) plus the local slot, which on a
+    GPU is the CUDA device the process computes on (`device`), LOCAL_RANK otherwise. A process started
+    without those variables is slot 0."""
+    env = os.environ
+    local = int(env.get("LOCAL_RANK", 0))
+    if device is not None and getattr(device, "type", None) == "cuda" and device.index is not None:
+        local = device.index
+    node = int(env.get("GROUP_RANK", env.get("NODE_RANK", 0)))
+    return node * int(env.get("LOCAL_WORLD_SIZE", 1)) + local
+
+
+FAULTY_OPS = ("linear", "embedding")
+
+
+@register
+class FaultyDevice(Fault):
+    name, point, expect = "faulty-device", "forward", "forward"
+    recurrence = "device"
+    description = (
+        "from step S on, the physical slot rank R held at launch (local process slot; CUDA device on a "
+        "GPU) flips one bit of one element of every output of one kind of op it computes, whichever rank "
+        "runs there"
+    )
+    # slot -1: the launch slot of rank R (the launcher hands out ranks in slot order)
+    defaults = {"op": "linear", "element": 0, "bit": 20, "slot": -1}
+
+    @classmethod
+    def _check(cls, step, params, manifest):
+        _check_bit(params, manifest)
+        if params["op"] not in FAULTY_OPS:
+            raise BadInput("--param op", f"'{params['op']}' is not one of {', '.join(FAULTY_OPS)}")
+
+    @classmethod
+    def check_target(cls, rank, params, manifest):
+        world = manifest.parallelism.world_size
+        if not -1 <= params["slot"] < world:
+            raise BadInput("--param slot", f"slot {params['slot']} does not exist: {world} slots")
+
+    @classmethod
+    def record(cls, step, rank, params):
+        slot = rank if params["slot"] < 0 else params["slot"]
+        return super().record(step, rank, {**params, "slot": slot})
+
+    def attach(self, bus, ctx):
+        # bound to the slot, not to the rank: under `replay --permute-ranks` another rank runs there
+        self.ctx, self.manifest, self.fired = ctx, typed(ctx.manifest), False
+        self.slot = launch_slot(getattr(ctx, "device", None))
+        if self.slot == self.params["slot"]:
+            self.install(bus)
+
+    def install(self, bus):
+        import torch
+
+        kind = {"linear": torch.nn.Linear, "embedding": torch.nn.Embedding}[self.params["op"]]
+        model = getattr(getattr(self.ctx, "strategy", None), "plain", None)
+        if model is None:
+            raise BadInput(
+                "--fault", f"'{self.name}' needs the model's modules, which this run lacks"
+            )
+        logged = set()
+
+        def corrupt(name, _mod, _inp, out):
+            if bus.step < self.step:
+                return
+            t = out.to_local() if hasattr(out, "to_local") else out
+            flat = t.detach().view(-1)
+            if not flat.numel():
+                return
+            element = self.params["element"] % flat.numel()
+            before = float(flat[element])
+            ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+            bit = self.params["bit"]
+            mask = (1 << bit) if bit < flat.element_size() * 8 - 1 else -(1 << bit)
+            flat[element : element + 1].view(ints).bitwise_xor_(mask)
+            if (
+                bus.step not in logged
+            ):  # every output is corrupted; the first of each step is logged
+                logged.add(bus.step)
+                self.fire(
+                    bus,
+                    proof=(repr(before), repr(float(flat[element]))),
+                    phase="forward",
+                    slot=self.slot,
+                    op=self.params["op"],
+                    module=name,
+                    element=element,
+                    bit=bit,
+                )
+
+        for name, module in model.named_modules():
+            if isinstance(module, kind):
+                module.register_forward_hook(lambda m, i, o, name=name: corrupt(name, m, i, o))

@@ -28,9 +28,14 @@ def prepare(
     fault: dict | None = None,
     resume: dict | None = None,
     origin: dict | None = None,
+    name: str | None = None,
+    extra: dict | None = None,
+    folder: str | None = None,
 ) -> Path:
-    """Create runs/<id12>/<path>[-n]/ with the lock written first, then run.json."""
-    run_dir = new_run_dir(out, frozen.manifest_id, path_kind)
+    """Create runs/<id12>/<name or path>[-n]/ with the lock written first, then run.json (with `extra`'s
+    keys beside the path's own). `folder`: another manifest id whose runs/<id12>/ holds it (a replay
+    recording at depth lives beside the run it replays)."""
+    run_dir = new_run_dir(out, folder or frozen.manifest_id, name or path_kind)
     write_json_atomic(run_dir / LOCK, frozen.model_dump())
     write_json_atomic(
         run_dir / "run.json",
@@ -41,6 +46,7 @@ def prepare(
             "origin": origin,
             "created": time.time(),
             "argv": sys.argv,
+            **(extra or {}),
         },
     )
     event(run_dir, Event.CREATED, path=path_kind)

@@ -64,3 +64,26 @@ def resume_spec(frozen: Frozen, root: Path, ckpt: Path, from_run: Path) -> dict:
         "step": int(ckpt.name.split("-")[1]),
         "from_run": str(Path(from_run).resolve()),
     }
+
+
+def checkpoint_before(run_path: Path, step: int) -> tuple[Frozen, Path | None, str]:
+    """The last checkpoint of the run at or before `step` that verifies, for a replay of step + 1; None
+    when there is none (the replay then starts from the manifest's initial state, step 0)."""
+    from disttrace.store.paths import resume_checkpoint
+
+    run = Run(run_path)
+    frozen = Frozen.model_validate(run.lock)
+    ckpts = {int(p.name.split("-")[1]): contained(p, run.path, p) for p in run.checkpoint_dirs()}
+    resumed = run.info.get("resume")
+    if resumed and resumed["step"] <= step and resumed["step"] not in ckpts:
+        # a recovered run's state at its resume step is the checkpoint it resumed from (another run's)
+        ckpts[resumed["step"]] = resume_checkpoint(run.path, resumed)
+    rejected = []
+    for s in sorted((s for s in ckpts if s <= step), reverse=True):
+        ok, reason = checkpoint.status(ckpts[s], run.manifest_id)
+        if ok:
+            note = f"; skipped: {'; '.join(rejected)}" if rejected else ""
+            return frozen, ckpts[s], f"last verified checkpoint at or before step {step}{note}"
+        rejected.append(reason)
+    why = "no checkpoint at or before step " + str(step)
+    return frozen, None, why + (f" verifies ({'; '.join(rejected)})" if rejected else "")

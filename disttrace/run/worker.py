@@ -104,6 +104,7 @@ def run(run_dir: Path) -> None:
         trace_kind
     )  # the Flight Recorder's ring size is read when the first group is made
     timeout = timedelta(seconds=manifest.debug.collective_timeout_s)
+    take_permuted_rank(info)
     dist.init_process_group(backend, timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != manifest.world_size:
@@ -201,6 +202,21 @@ def run(run_dir: Path) -> None:
             dist.destroy_process_group()
 
 
+def take_permuted_rank(info: dict) -> None:
+    """`disttrace replay --permute-ranks`: run.json's `replay.rank_shift` k moves logical rank r to launch
+    slot (r + k) % world. The launcher hands each process its slot as RANK (node-major, then LOCAL_RANK);
+    this process takes logical rank (slot - k) % world instead, before the process group reads RANK.
+    LOCAL_RANK, and the CUDA device chosen from it, stay the slot's: what is bound to the hardware (a
+    faulty device) stays where it was, what is bound to the rank (its data shard, its code path) moves."""
+    shift = (info.get("replay") or {}).get("rank_shift") if isinstance(info, dict) else None
+    if not shift:
+        return
+    if not isinstance(shift, int) or isinstance(shift, bool):
+        raise BadInput("run.json", "must be an integer", field="replay.rank_shift")
+    world, slot = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    os.environ["RANK"] = str((slot - shift) % world)
+
+
 def refuse_a_second_attempt(run_dir: Path, rank: int) -> None:
     """A run directory holds one attempt: a job restarted into it (torchrun --max-restarts, or the worker
     started again by hand) would append a second step chain to the first's records, and the run would read as
@@ -259,7 +275,12 @@ def resume(ctx, spec: dict) -> int:
     from disttrace.run import checkpoint
 
     path = resume_checkpoint(ctx.run_dir, spec)  # inside the runs root, or BadInput
-    progress = checkpoint.load(ctx.strategy, path, ctx.rank, ctx.manifest_id)
+    identity = ctx.manifest_id
+    if ctx.manifest.record.depth is not None:  # a replay recording at depth
+        from disttrace.run.replay import checkpoint_identity
+
+        identity = checkpoint_identity(ctx.manifest)
+    progress = checkpoint.load(ctx.strategy, path, ctx.rank, identity)
     if ctx.rank == 0:
         event(
             ctx.run_dir,

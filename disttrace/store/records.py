@@ -11,7 +11,7 @@ from enum import StrEnum
 # the order that defines "first" (docs/design.md, "Order"): data < forward < ... < checkpoint
 PHASES = ("data", "forward", "loss", "backward", "reduce", "clip", "optimizer", "checkpoint")
 PHASE_ORDER = {p: i for i, p in enumerate(PHASES)}
-PATH_KINDS = ("reference", "fault", "recovered")
+PATH_KINDS = ("reference", "fault", "recovered", "replay")
 
 
 class Event(StrEnum):
@@ -206,11 +206,17 @@ class Verdict(_Line):
     trust: dict | None = (
         None  # what the verdict recomputed and what it took on trust (docs/trust.md)
     )
+    # the attribution of a replay of the run (`disttrace replay`, docs/replay.md), recomputed by the gate
+    # from the stores; left out of the document when the run has no replay
+    attribution: dict | None = None
 
     def line(self) -> dict:
-        return self.model_dump(
+        doc = self.model_dump(
             by_alias=True
         )  # "pass" on disk and in --json, as the CLI contract says
+        if doc.get("attribution") is None:
+            doc.pop("attribution", None)
+        return doc
 
 
 # ---------------------------------------------------------------- the store's other files, typed

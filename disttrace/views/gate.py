@@ -38,3 +38,10 @@ def render(verdict: Verdict, console) -> None:
         )
     for f in verdict.flags:
         console.print(Text("flag", style="yellow") + Text(f": {f}"))
+    a = verdict.attribution
+    if a:
+        slot = f", slot {a['slot']}" if a.get("slot") is not None else ""
+        console.print(
+            Text("attribution", style="bold")
+            + Text(f": {a.get('attribution')}{slot} at step {a.get('step')} ({a.get('reason')})")
+        )

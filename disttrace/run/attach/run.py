@@ -211,7 +211,8 @@ class AttachedRun(LoaderWatch, HookPoints, StepCycle):
             info_path = self.run_dir / "run.json"
             info = read_json(info_path)
             info.update(
-                path="recovered",
+                # a replay (`disttrace replay RUN -- CMD`) resuming is still a replay
+                path="replay" if info.get("path") == "replay" else "recovered",
                 resume={
                     "checkpoint": str(path),
                     "step": step,
