@@ -69,7 +69,7 @@ def run(out: Path, sets: list[str], steps: int) -> Path:
 
 
 def step_ms(run_dir: Path) -> float:
-    times = [e["time"]["end"] - e["time"]["start"] for e in Run(run_dir).step_index(0).records[1:]]
+    times = [e.time["end"] - e.time["start"] for e in Run(run_dir).step_index(0).records[1:]]
     return statistics.median(times) * 1e3 if times else float("nan")
 
 

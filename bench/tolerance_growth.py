@@ -42,7 +42,7 @@ def main() -> None:
 
         magnitudes.Magnitudes.__init__ = without
     d = diffmod.diff_runs(args.a, args.b, mode="numeric").to_dict()
-    ma, mb = Run(args.a).manifest, Run(args.b).manifest
+    ma, mb = Run(args.a).manifest_doc, Run(args.b).manifest_doc
     eps1 = {p: tolerance.step_bound(ma, mb, p) for p in ("loss", "reduce", "clip", "optimizer")}
     entries = d["numeric"]["by_step"] + d["propagation"]
     print(f"scale: {d['tolerance'].get('scale')}; eps_1 = {eps1['reduce']:.3g}")

@@ -352,7 +352,7 @@ def _warn_if_not_fired(run_dir: Path) -> None:
                 style="yellow",
             )
         )
-    elif any(e.get("changed") is False for e in fired):
+    elif any(e.changed is False for e in fired):
         err.print(
             Text(
                 "warning: the fault fired but changed nothing (its digest before and after are equal, see "

@@ -1,5 +1,5 @@
-"""`disttrace report`: diff every run against the first (analysis), render the page (views/report.py), write
-it atomically.
+"""`disttrace report`: diff every run against the first and gather what the page shows of each run
+(analysis), render the page (views/report.py), write it atomically.
 
     build_report([ref, fault, recovered], Path("report.html"))
 
@@ -8,13 +8,36 @@ Reads the run store only (no torch).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from disttrace.analysis.diff import diff_runs
+from disttrace.analysis.facts import CheckpointFacts, checkpoints
 from disttrace.analysis.result import DiffResult
+from disttrace.analysis.sync import Straggler, SyncResult, check_sync, find_stragglers
 from disttrace.errors import BadInput
 from disttrace.store.rundir import Run
 from disttrace.views.report import render_html
+
+
+@dataclass
+class RunEvidence:
+    """What the page shows of one run that analysis computes; a part that could not be computed holds
+    why (the page names it and goes on)."""
+
+    sync: SyncResult | BaseException | None  # None: no collective trace recorded
+    checkpoints: CheckpointFacts | BaseException
+    stragglers: list[Straggler] = field(default_factory=list)  # a flag: unreadable timing is none
+
+
+@dataclass
+class ReportFacts:
+    """Everything the page shows that analysis computes, run by run (the first is the reference)."""
+
+    diffs: dict[int, DiffResult | BaseException]  # run i against the first, i >= 1
+    evidence: list[RunEvidence]  # by the runs' positions
 
 
 def diffs_against_first(run_dirs: list[Path]) -> dict[int, DiffResult | BaseException]:
@@ -28,6 +51,38 @@ def diffs_against_first(run_dirs: list[Path]) -> dict[int, DiffResult | BaseExce
     return out
 
 
+def _attempt(fn: Callable[[Run], Any], run: Run) -> Any:
+    try:
+        return fn(run)
+    except Exception as exc:  # noqa: BLE001 - a report shows what it can and names what it could not read
+        return exc
+
+
+def _sync(run: Run) -> SyncResult | None:
+    return check_sync(run) if run.ranks("collectives") else None
+
+
+def evidence(run: Run) -> RunEvidence:
+    """One run's collective sync, checkpoints and stragglers (only where a trace was recorded)."""
+    sync = _attempt(_sync, run)
+    stragglers = []
+    if isinstance(sync, SyncResult):
+        found = _attempt(find_stragglers, run)
+        stragglers = found if isinstance(found, list) else []
+    return RunEvidence(sync=sync, checkpoints=_attempt(checkpoints, run), stragglers=stragglers)
+
+
+def report_facts(
+    run_dirs: list[Path | str], diffs: dict[int, DiffResult | BaseException] | None = None
+) -> ReportFacts:
+    """The facts of the page of `run_dirs`: `diffs` if given (run i against the first), else computed."""
+    paths = [Path(p) for p in run_dirs]
+    return ReportFacts(
+        diffs=diffs_against_first(paths) if diffs is None else diffs,
+        evidence=[evidence(Run(p)) for p in paths],
+    )
+
+
 def build_report(run_dirs: list[Path], output: Path) -> Path:
     """Write the report of `run_dirs` (the first is the reference) to `output`, atomically; return its path."""
     if not run_dirs:
@@ -36,7 +91,7 @@ def build_report(run_dirs: list[Path], output: Path) -> Path:
         p
     ) in run_dirs:  # a path that is not a run directory is bad input, before anything is computed
         Run(p)
-    page = render_html(run_dirs, diffs_against_first([Path(p) for p in run_dirs]))
+    page = render_html(run_dirs, report_facts(run_dirs))
     from disttrace.store.rundir import write_atomic
 
     output = Path(output)

@@ -130,9 +130,7 @@ def test_attached_run_store_is_complete(runs):
     run = Run(runs["fix"])
     assert run.complete and run.ranks() == [0, 1]
     topo = run.topology()
-    assert topo["groups"]["dp"] == [[0, 1]] and any(
-        g["ranks"] == [0, 1] for g in topo["process_groups"]
-    )
+    assert topo.groups["dp"] == [[0, 1]] and any(g["ranks"] == [0, 1] for g in topo.process_groups)
     assert read_json(run.path / "env.json")["backend"] == "gloo"
     assert [e["event"] for e in run.events().records][0] == "attached"
     mem = list(iter_jsonl(run.rank_path("memory", 0)))
@@ -140,7 +138,7 @@ def test_attached_run_store_is_complete(runs):
     assert [m["step"] for m in mem] == [1, 2, 3] and mem[-1][
         "params"
     ] == 4 * n_params  # float32 weights
-    m = run.manifest
+    m = run.manifest_doc
     assert (
         m["config"]["lr"] == 1e-2
         and m["parallelism"]["engine"] == "DDP"

@@ -58,7 +58,7 @@ def paths(tmp_path_factory) -> dict[str, Path]:
 def test_run_passes_a_prepared_directory_to_the_command(paths):
     ref = Run(paths["reference"])
     assert ref.complete and ref.info["path"] == "reference" and ref.info["command"] == CMD
-    assert ref.manifest["config"]["steps"] == 4 and ref.lock["source"] == "disttrace.api"
+    assert ref.manifest_doc["config"]["steps"] == 4 and ref.lock["source"] == "disttrace.api"
     assert cli("verify", ref.path).returncode == 0  # sealed like a harness run
     gate = orjson.loads(cli("gate", ref.path, "--json").stdout)
     checks = {c["name"]: c["passed"] for c in gate["checks"]}

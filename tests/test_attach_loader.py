@@ -111,7 +111,7 @@ def test_forward_records_every_top_level_block_and_name_the_perturbed_one(runs):
     assert [(r["micro_batch"], r["tensor"]) for r in recs] == [
         (m, b) for m in (0, 1) for b in ("embed", "mix", "head")
     ]
-    assert Run(runs["ddp"]).manifest["record"] == {
+    assert Run(runs["ddp"]).manifest_doc["record"] == {
         "every": 1,
         "forward": True,
         "forward_modules": ["embed", "mix", "head"],
@@ -124,8 +124,8 @@ def test_forward_records_every_top_level_block_and_name_the_perturbed_one(runs):
 def test_fsdp2_run_records_shards_where_they_sit(runs):
     run = Run(runs["fsdp2"])
     assert (
-        run.manifest["parallelism"]["engine"] == "FSDP2"
-        and run.manifest["parallelism"]["zero_stage"] == 3
+        run.manifest_doc["parallelism"]["engine"] == "FSDP2"
+        and run.manifest_doc["parallelism"]["zero_stage"] == 3
     )
     assert {r["tensor"] for r in run.records(0) if r["phase"] == "forward"} == {
         "mix"
@@ -142,17 +142,15 @@ def test_fsdp2_run_records_shards_where_they_sit(runs):
     assert {r["phase"] for r in replicas["rules"]} == {"data", "clip", "optimizer"}
     topo = run.topology()
     assert (
-        topo["engine"] == "FSDP2"
-        and topo["groups"]["dp"] == [[0, 1]]
-        and topo["groups"]["tp"] == [[0], [1]]
+        topo.engine == "FSDP2" and topo.groups["dp"] == [[0, 1]] and topo.groups["tp"] == [[0], [1]]
     )
-    assert (run.manifest["parallelism"]["dp"], run.manifest["parallelism"]["tp"]) == (2, 1)
+    assert (run.manifest_doc["parallelism"]["dp"], run.manifest_doc["parallelism"]["tp"]) == (2, 1)
 
 
 @pytest.mark.slow
 def test_tensor_parallel_run_records_shards_and_its_replica_map(runs):
     run = Run(runs["tp"])
-    assert run.manifest["parallelism"]["engine"] == "DTensor"
+    assert run.manifest_doc["parallelism"]["engine"] == "DTensor"
     by = {(r["phase"], r["tensor"]): r for r in run.records(1) if r["step"] == 1}
     # mix column-wise (weight rows split), head row-wise (weight columns split, bias replicated)
     assert by[("optimizer", "mix.weight")]["shard"] == {"offset": [8, 0], "logical_shape": [16, 16]}
@@ -171,9 +169,9 @@ def test_tensor_parallel_run_records_shards_and_its_replica_map(runs):
     } in rules
     # the evidence states the layout: one tensor-parallel group of both ranks, no data parallelism
     topo = run.topology()
-    assert topo["groups"]["tp"] == [[0, 1]] and topo["groups"]["dp"] == [[0], [1]]
-    assert [r["coords"]["tp"] for r in topo["ranks"]] == [0, 1]
-    assert (run.manifest["parallelism"]["dp"], run.manifest["parallelism"]["tp"]) == (1, 2)
+    assert topo.groups["tp"] == [[0, 1]] and topo.groups["dp"] == [[0], [1]]
+    assert [r.coords["tp"] for r in topo.ranks] == [0, 1]
+    assert (run.manifest_doc["parallelism"]["dp"], run.manifest_doc["parallelism"]["tp"]) == (1, 2)
 
 
 @pytest.mark.slow

@@ -117,10 +117,10 @@ def test_the_rules_come_from_the_engine_and_the_styles(runs):
 
 
 def test_attached_manifests_name_the_mesh_that_ran(runs):
-    tp = Run(runs["tp-fix"][0]).manifest["parallelism"]
+    tp = Run(runs["tp-fix"][0]).manifest_doc["parallelism"]
     assert (tp["dp"], tp["tp"], tp["engine"]) == (1, 2, "DTensor")
     assert tp["mesh"] == {"dims": {"tp": 2}, "replicate": [], "shard": ["tp"]}
-    fsdp = Run(runs["fsdp-fix"][0]).manifest["parallelism"]
+    fsdp = Run(runs["fsdp-fix"][0]).manifest_doc["parallelism"]
     assert (fsdp["dp"], fsdp["tp"], fsdp["zero_stage"], fsdp["engine"]) == (2, 1, 3, "FSDP2")
     assert fsdp["mesh"] == {"dims": {"dp": 2}, "replicate": [], "shard": ["dp"]}
     # a tp group reads one batch: 4 samples a step, not 8

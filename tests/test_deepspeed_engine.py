@@ -168,11 +168,11 @@ def test_every_stage_records_the_whole_optimizer_state_once_per_element(stages):
 
 @pytest.mark.slow
 def test_zero3_is_recorded_by_logical_names_and_shapes(stages):
-    m = Run(stages[3]).manifest
+    m = Run(stages[3]).manifest_doc
     assert m["parallelism"]["engine"] == "DeepSpeed" and m["parallelism"]["zero_stage"] == 3
     assert m["model"]["parameters"] == sum(math.prod(s) for s in PARAMS.values())
     assert {n: t["shape"] for n, t in m["model"]["tensors"].items()} == PARAMS
-    assert m["model"] == Run(stages[0]).manifest["model"]  # the same experiment as stage 0
+    assert m["model"] == Run(stages[0]).manifest_doc["model"]  # the same experiment as stage 0
     # nothing empty was recorded in its place
     assert all(r["numel"] > 0 for rank in (0, 1) for r in Run(stages[3]).records(rank))
 

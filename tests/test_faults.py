@@ -316,7 +316,7 @@ def test_live_check_stops_the_job_at_the_first_inconsistent_step(runs, tmp_path)
     run = Run(last_line(proc))
     assert [e["step"] for e in run.events().records if e["event"] == "live_check_failed"] == [3]
     assert (
-        max(e["step"] for e in run.step_index(0).records) == 2
+        max(e.step for e in run.step_index(0).records) == 2
     )  # stopped: step 3 never written as done
 
 

@@ -23,8 +23,8 @@ def test_reference_run_is_complete_and_has_the_evidence(runs):
     assert run.complete
     assert run.ranks() == [0, 1]
     topo = run.topology()
-    assert topo["world_size"] == 2 and topo["groups"]["dp"] == [[0, 1]]
-    assert [r["coords"]["dp"] for r in topo["ranks"]] == [0, 1]
+    assert topo.world_size == 2 and topo.groups["dp"] == [[0, 1]]
+    assert [r.coords["dp"] for r in topo.ranks] == [0, 1]
     recs = all_records(run_dir)[1]
     phases = {r["phase"] for r in recs}
     assert {"data", "forward", "loss", "backward", "reduce", "optimizer"} <= phases
@@ -85,7 +85,7 @@ def test_dp2_equals_dp1_with_accumulation(runs, dtype):
     d1 = runs.reference(
         *sets, "--set", "parallelism.dp=1", "--set", "training.grad_accum_steps=4"
     )  # test_sketch's
-    ma, mb = Run(d2).manifest, Run(d1).manifest
+    ma, mb = Run(d2).manifest_doc, Run(d1).manifest_doc
     worst = 0.0
     for step in (1, 4):
         pa, pb = params_after(d2, step), params_after(d1, step)

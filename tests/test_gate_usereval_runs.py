@@ -284,7 +284,7 @@ def test_lightning_the_callbacks_evaluation_scores_its_checkpoint_as_lightnings_
         tmp_path / "ckpt",
         cwd=tmp_path,
     )
-    assert Run(ref).manifest["eval"]["command"][-2:] == ["{checkpoint}", "{data}"]
+    assert Run(ref).manifest_doc["eval"]["command"][-2:] == ["{checkpoint}", "{data}"]
     v, checks = gate(ref, ref, expect=0)
     assert checks["eval_metric"]["passed"] is True
     own = direct_score(

@@ -66,10 +66,10 @@ def hf_runs(tmp_path_factory):
 def test_hf_trainer_run_is_recorded_with_its_accumulation(hf_runs):
     accum2 = hf_runs[0]
     run = Run(accum2)
-    assert run.complete and run.manifest["parallelism"]["engine"] == "DDP"
+    assert run.complete and run.manifest_doc["parallelism"]["engine"] == "DDP"
     assert (
-        run.manifest["training"]["grad_accum_steps"] == 2
-        and run.manifest["config"]["learning_rate"] == 1e-2
+        run.manifest_doc["training"]["grad_accum_steps"] == 2
+        and run.manifest_doc["config"]["learning_rate"] == 1e-2
     )
     seen = phases_of_step(accum2, 2)
     assert {
@@ -116,7 +116,11 @@ def test_lightning_run_is_recorded_with_its_accumulation(tmp_path):
     )
     run_dir = torchrun("lightning_train.py", tmp_path)
     run = Run(run_dir)
-    assert run.complete and run.manifest["parallelism"]["engine"] == "DDP" and run.ranks() == [0, 1]
+    assert (
+        run.complete
+        and run.manifest_doc["parallelism"]["engine"] == "DDP"
+        and run.ranks() == [0, 1]
+    )
     for step in (
         1,
         2,

@@ -68,8 +68,8 @@ def test_two_nodes_one_run_dir(tmp_path):
     run = Run(dirs.pop())
     assert run.complete and run.ranks() == [0, 1, 2, 3]
     topo = run.topology()
-    assert sorted({r["node_rank"] for r in topo["ranks"]}) == [0, 1]
-    assert sorted(r["local_rank"] for r in topo["ranks"]) == [0, 0, 1, 1]
+    assert sorted({r.node_rank for r in topo.ranks}) == [0, 1]
+    assert sorted(r.local_rank for r in topo.ranks) == [0, 0, 1, 1]
     single = last_line(cli("run", DEFAULT, *SETS, "--out", tmp_path, check=0))
     d = diff_runs(single, run.path)
     assert d.mode == "bitwise" and d.equal

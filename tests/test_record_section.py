@@ -61,7 +61,7 @@ def test_show_json_carries_step_seconds_and_records(runs):
     rows = sum(len(raw_records(run.path, r)) for r in run.ranks())
     assert doc["records"] == rows > 0  # the oracle: the trajectory's own rows, read by pyarrow
     # rank 0's step index holds the recorder's span of each step: the step clock's lies around it
-    idx = {e["step"]: e["time"] for e in run.step_index(0).records}
+    idx = {e.step: e.time for e in run.step_index(0).records}
     assert len(doc["step_seconds"]) == len(idx) == 4
     for step, seconds in zip(sorted(idx), doc["step_seconds"]):
         assert seconds >= idx[step]["end"] - idx[step]["start"] - 1e-3, step
@@ -71,7 +71,7 @@ def test_show_json_carries_step_seconds_and_records(runs):
 def test_record_every_2_diffs_on_the_steps_both_runs_recorded(runs):
     ref = runs.reference()
     sparse = runs.reference(*EVERY2)
-    assert [e["step"] for e in Run(sparse).step_index(1).records] == [2, 4]
+    assert [e.step for e in Run(sparse).step_index(1).records] == [2, 4]
     doc = orjson.loads(cli("diff", ref, sparse, "--json", check=EXIT_OK).stdout)
     assert doc["equal"] and (doc["compared_steps"]["first"], doc["compared_steps"]["count"]) == (
         2,
@@ -92,12 +92,12 @@ def test_diff_json_counts_the_records_it_read(runs):
     doc = orjson.loads(cli("diff", ref, fault, "--json", check=EXIT_DIVERGED).stdout)
     expect = {"a": 0, "b": 0}
     for r in (0, 1):
-        ia = {e["step"]: e for e in Run(ref).step_index(r).records}
-        ib = {e["step"]: e for e in Run(fault).step_index(r).records}
+        ia = {e.step: e for e in Run(ref).step_index(r).records}
+        ib = {e.step: e for e in Run(fault).step_index(r).records}
         for step in ia:
-            if ia[step]["digest"] != ib[step]["digest"]:
-                expect["a"] += ia[step]["records"]
-                expect["b"] += ib[step]["records"]
+            if ia[step].digest != ib[step].digest:
+                expect["a"] += ia[step].records
+                expect["b"] += ib[step].records
     assert expect["a"] > 0 and doc["records_read"] == expect
 
 

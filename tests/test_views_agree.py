@@ -15,6 +15,7 @@ from test_diff_synthetic import find, gen_records, manifest, plant, write_run
 
 from disttrace.analysis.diff import diff_runs
 from disttrace.analysis.result import BoundKind, Tolerance
+from disttrace.report import report_facts
 from disttrace.views.diff import render_md, render_rich
 from disttrace.views.report import render_html
 
@@ -92,7 +93,7 @@ def test_every_cell_class_is_drawn_alike(runs):
     expected = {(s, r): PLANTED.get((s, r), "equal") for s in STEPS for r in (0, 1)}
     assert set(expected.values()) == {"equal", "within", "beyond", "hard"}
     assert _terminal_cells(_terminal(result)) == expected
-    assert _html_cells(render_html([a, b], {1: result})) == expected
+    assert _html_cells(render_html([a, b], report_facts([a, b], {1: result}))) == expected
 
 
 def _variants(a, b):
@@ -140,7 +141,7 @@ def test_every_bound_kind_is_worded_alike(runs, kind):
     a, b = runs
     result, words = _variants(a, b)[kind]
     terminal = SGR.sub("", _terminal(result))
-    page = render_html([a, b], {1: result})
+    page = render_html([a, b], report_facts([a, b], {1: result}))
     md = render_md(result)
     for w in words:
         assert w in terminal, (kind, w)

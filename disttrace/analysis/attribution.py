@@ -116,10 +116,10 @@ class ReplayResult(JsonDoc):
 def step_records(run: Run, rank: int, step: int) -> list[dict]:
     """One step's records of one rank, from the bytes its step index names, checked against the index's hash."""
     for e in run.step_index(rank).records:
-        if e["step"] == step:
+        if e.step == step:
             path = run.trajectory_path(rank)
-            data = trajectory.read_range(path, e["offset"], e["length"])
-            if seal.step_data_match(data, e) is False:
+            data = trajectory.read_range(path, e.offset, e.length)
+            if seal.step_data_match(data, e.as_read()) is False:
                 raise BadInput(
                     path, f"step {step}: the bytes differ from the hash in the step index"
                 )
@@ -173,18 +173,17 @@ def _same(a: dict, b: dict) -> bool:
 def slot_of(run: Run, rank: int) -> Slot | None:
     """Where `rank` ran in `run`, from its topology.json (written from each process's environment)."""
     topo = run.topology()
-    if not topo:
+    if topo is None or not topo.as_read():  # an empty document holds no topology either
         return None
-    ranks = topo["ranks"]
-    me = next((r for r in ranks if r["rank"] == rank), None)
+    me = next((r for r in topo.ranks if r.rank == rank), None)
     if me is None:
         return None
-    per_node = sum(1 for r in ranks if r["node_rank"] == me["node_rank"])
+    per_node = sum(1 for r in topo.ranks if r.node_rank == me.node_rank)
     return Slot(
-        index=me["node_rank"] * per_node + me["local_rank"],
-        node=me["node_rank"],
-        local=me["local_rank"],
-        host=me.get("host"),
+        index=me.node_rank * per_node + me.local_rank,
+        node=me.node_rank,
+        local=me.local_rank,
+        host=me.host,
     )
 
 

@@ -15,23 +15,22 @@ from dataclasses import dataclass, field
 
 from disttrace.jsondoc import JsonDoc, omit_none
 from disttrace.store import safeio
-from disttrace.store.records import Replicas, parse_doc
+from disttrace.store.records import ReplicaRule, Replicas, parse_doc
 from disttrace.store.rundir import PHASE_ORDER, Run, read_json
 
 
-def load_rules(run: Run) -> dict | None:
+def load_rules(run: Run) -> Replicas | None:
     p = run.path / "replicas.json"
     return parse_doc(Replicas, read_json(p, run.path), p) if safeio.present(p) else None
 
 
-def rule_applies(rule: dict, rec: dict) -> bool:
+def rule_applies(rule: ReplicaRule, rec: dict) -> bool:
     """Does replica rule `rule` cover record `rec` (its phase, tensor patterns, exclusion)?"""
-    pats = rule.get("tensors", "*")
-    pats = [pats] if isinstance(pats, str) else pats
+    pats = [rule.tensors] if isinstance(rule.tensors, str) else rule.tensors
     return (
-        rec["phase"] == rule["phase"]
+        rec["phase"] == rule.phase
         and any(fnmatch.fnmatchcase(rec["tensor"], x) for x in pats)
-        and not ("exclude" in rule and fnmatch.fnmatchcase(rec["tensor"], rule["exclude"]))
+        and not (rule.exclude is not None and fnmatch.fnmatchcase(rec["tensor"], rule.exclude))
     )
 
 
@@ -78,17 +77,18 @@ def check_run(run: Run) -> CheckResult:
         return CheckResult(
             None, reason="nothing to check: no replicas.json (no replica map was written)"
         )
-    groups = rules["groups"]
+    groups = rules.groups
+    stored = rules.as_read()["rules"]  # the document names them as replicas.json holds them
     ranks = run.ranks()
-    indexes = {r: {e["step"]: e for e in run.step_index(r).records} for r in ranks}
+    indexes = {r: {e.step: e for e in run.step_index(r).records} for r in ranks}
     steps = sorted(set().union(*[set(v) for v in indexes.values()])) if indexes else []
     findings, spread = [], []
     compared = 0  # (step, tensor) tables with two or more copies to hold against each other
     for step in steps:
         by_rank = {r: run.records_of_step(r, indexes[r][step]) for r in ranks if step in indexes[r]}
         step_bad: list[Finding] = []
-        for rule in rules["rules"]:
-            for members in groups[rule["dim"]]:
+        for rule in rules.rules:
+            for members in groups[rule.dim]:
                 present = [r for r in members if r in by_rank]
                 if len(present) < 2:
                     continue
@@ -102,17 +102,17 @@ def check_run(run: Run) -> CheckResult:
                 for (mb, index, tensor), recs in sorted(table.items()):
                     compared += len(recs) >= 2
                     digests = {r: rec["digest"] for r, rec in recs.items()}
-                    bad = _judge(rule["relation"], digests)
+                    bad = _judge(rule.relation, digests)
                     if bad:
                         step_bad.append(
                             Finding(
                                 step=step,
                                 micro_batch=mb,
-                                phase=rule["phase"],
+                                phase=rule.phase,
                                 index=index,
                                 tensor=tensor,
                                 group=members,
-                                relation=rule["relation"],
+                                relation=rule.relation,
                                 **bad,
                             )
                         )
@@ -131,15 +131,13 @@ def check_run(run: Run) -> CheckResult:
     ):  # no rule had two copies to compare: a pass here would claim what was never checked
         why = (
             "it states no replica rule"
-            if not rules["rules"]
+            if not rules.rules
             else "no rule has two ranks' records to compare (one rank per group, or no records)"
         )
-        return CheckResult(
-            None, reason=f"nothing to check: {why}", rules=rules["rules"], steps_checked=0
-        )
+        return CheckResult(None, reason=f"nothing to check: {why}", rules=stored, steps_checked=0)
     first = findings[0] if findings else None
     return CheckResult(
-        first is None, first=first, spread=spread, rules=rules["rules"], steps_checked=len(steps)
+        first is None, first=first, spread=spread, rules=stored, steps_checked=len(steps)
     )
 
 

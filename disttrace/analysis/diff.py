@@ -137,7 +137,7 @@ class _Side:
 
     @property
     def manifest(self) -> dict:
-        return self.run.manifest
+        return self.run.manifest_doc
 
     def _load_index(self, rank: int, use_index: bool) -> dict[int, dict]:
         traj = self.run.trajectory_path(rank)
@@ -152,9 +152,11 @@ class _Side:
         steps_path = self.run.rank_path("trajectory", rank, ".steps.jsonl")
         if use_index and safeio.present(steps_path):
             read = self.run.step_index(rank)
+            # the stored lines: the same shape as the entries a scan rebuilds without an index
+            lines = [e.as_read() for e in read.records]
             if read.torn:
                 self.warnings.append(f"run {self.label}: {read.torn}")
-            broken = seal.first_chain_break(rank, read.records)
+            broken = seal.first_chain_break(rank, lines)
             if (
                 broken is not None
             ):  # an index edited after the run must never let a step be skipped as equal
@@ -164,7 +166,7 @@ class _Side:
                     "edited after the run; see `disttrace verify`)",
                 )
             out: dict[int, dict] = {}
-            for n, e in enumerate(read.records, 1):
+            for n, e in enumerate(lines, 1):
                 for k in ("step", "offset", "length"):
                     if not isinstance(e.get(k), int):
                         raise BadInput(steps_path, f"line {n} lacks an integer '{k}'", field=k)
@@ -249,7 +251,7 @@ class _Side:
         if e is None:
             return []
         self.check_step(rank, step)
-        recs = self.run.records_of_step(rank, e)
+        recs = self.run.records_of_range(rank, e["offset"], e["length"], e.get("step"))
         self.records_read += len(recs)
         return recs
 

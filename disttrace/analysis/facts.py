@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 
 from disttrace.analysis.sync import (
+    Straggler,
     SyncResult,
     check_sync,
     find_stragglers,
@@ -23,7 +24,8 @@ from disttrace.analysis.sync import (
 from disttrace.errors import BadInput
 from disttrace.jsondoc import JsonDoc
 from disttrace.store import checkpoints as checkpoint
-from disttrace.store.records import FAILURE_EVENTS, Event
+from disttrace.store.manifest import ParallelismView
+from disttrace.store.records import FAILURE_EVENTS, Event, Topology
 from disttrace.store.rundir import Run
 
 VIEWS = ("summary", "checkpoints", "topology", "collectives", "memory", "events", "records")
@@ -53,7 +55,7 @@ class RunSummary(JsonDoc):
     step_seconds: list[float]  # rank 0, in step order
     fault_fired: list[dict]
     failures: list[dict]  # the FAILURE_EVENTS lines
-    stragglers: list[dict]
+    stragglers: list[Straggler]
     checkpoints: list[str]
     warnings: list[str]
 
@@ -65,13 +67,12 @@ def summary(run_dir: Path | str) -> RunSummary:
     for rank in run.ranks():
         idx = run.step_index(rank)
         counts[rank] = RankCounts(
-            steps=len(idx.records), records=sum(e["records"] for e in idx.records)
+            steps=len(idx.records), records=sum(e.records for e in idx.records)
         )
         if idx.torn:
             torn.append(idx.torn)
     events = run.events().records
     info = run.info
-    exp, par = m.get("experiment") or {}, m.get("parallelism") or {}
     times = run.step_times(0)  # rank 0's, kept whether the run recorded or not
     if times.torn:
         torn.append(times.torn)
@@ -80,24 +81,28 @@ def summary(run_dir: Path | str) -> RunSummary:
         path=info.get("path"),
         complete=run.complete,
         manifest_id=run.manifest_id,
-        experiment=exp.get("name"),
-        edition=exp.get("edition"),
-        topology={
-            k: par.get(k, 1 if k != "zero_stage" else 0)
-            for k in ("world_size", "dp", "tp", "pp", "zero_stage")
-        },
+        experiment=m.experiment.name,
+        edition=m.experiment.edition,
+        topology=_layout(m.parallelism),
         fault=info.get("fault"),
         resume=info.get("resume"),
         loss={str(k): v for k, v in run.losses().items()},
         ranks={str(k): v for k, v in counts.items()},
         records=sum(c.records for c in counts.values()),
         step_seconds=[step_seconds[k] for k in sorted(step_seconds)],
-        fault_fired=run.fault_events(),
+        fault_fired=[e.as_read() for e in run.fault_events()],
         failures=[e for e in events if e.get("event") in FAILURE_EVENTS],
         stragglers=find_stragglers(run),
         checkpoints=[p.name for p in run.checkpoint_dirs()],
         warnings=torn,
     )
+
+
+def _layout(par: ParallelismView) -> dict[str, int]:
+    """world_size, dp, tp, pp, zero_stage as the manifest states them (unstated: 1, and ZeRO stage 0)."""
+    fields = ("world_size", "dp", "tp", "pp", "zero_stage")
+    stated = par.model_dump(include=set(fields), exclude_unset=True)
+    return {k: stated.get(k, 1 if k != "zero_stage" else 0) for k in fields}
 
 
 def failure_text(e: dict) -> str:
@@ -169,12 +174,12 @@ class CollectiveFacts(JsonDoc):
 
 def collectives(run: Run) -> CollectiveFacts:
     m = run.manifest
-    accum = m.get("training", {}).get("grad_accum_steps", 1)
-    zero3 = m.get("parallelism", {}).get("zero_stage") == 3 and accum > 1
+    accum = m.training.grad_accum_steps or 1
+    zero3 = m.parallelism.zero_stage == 3 and accum > 1
     return CollectiveFacts(
         sync=check_sync(run),
         wire_volume=wire_volume(run),
-        predicted_bytes_per_step=predicted_dp_volume(m),
+        predicted_bytes_per_step=predicted_dp_volume(run.manifest_doc),
         zero3_regathers=accum if zero3 else None,
     )
 
@@ -226,9 +231,9 @@ def record_counts(run: Run) -> RecordCounts:
     for rank in run.ranks():
         entries = run.step_index(rank).records
         per_rank[str(rank)] = RankRecords(
-            records=sum(e["records"] for e in entries),
+            records=sum(e.records for e in entries),
             steps=len(entries),
-            bytes=sum(e["length"] for e in entries),
+            bytes=sum(e.length for e in entries),
         )
     total = sum(v.records for v in per_rank.values())
     size = sum(v.bytes for v in per_rank.values())
@@ -237,12 +242,12 @@ def record_counts(run: Run) -> RecordCounts:
 
 @dataclass
 class TopologyFacts(JsonDoc):
-    """topology.json as the run wrote it (None: not written)."""
+    """topology.json (None: not written); its document is the file as the run wrote it."""
 
-    topology: dict | None
+    topology: Topology | None
 
     def to_dict(self) -> dict[str, Any]:
-        return self.topology or {}
+        return self.topology.as_read() if self.topology is not None else {}
 
 
 def gather(run_dir: Path | str, view: str):

@@ -83,12 +83,12 @@ class Magnitudes:
             if p.is_file():
                 self.by_rank[r] = _read(p)
         self.available = bool(self.by_rank) and set(self.by_rank) == set(run.ranks())
-        m = run.manifest
-        par, t = m.get("parallelism", {}) or {}, m.get("training", {}) or {}
-        self.dp = max(int(par.get("dp", 1) or 1), 1)
-        self.optimizer = str(t.get("optimizer", "adamw"))
-        self.beta1, self.beta2 = float(t.get("beta1", 0.9)), float(t.get("beta2", 0.95))
-        self.lr = float(t.get("lr", 0.0) or 0.0)
+        t = run.manifest.training
+        self.dp = max(run.manifest.parallelism.dp or 1, 1)
+        self.optimizer = t.optimizer if t.optimizer is not None else "adamw"
+        self.beta1 = float(t.beta1 if t.beta1 is not None else 0.9)
+        self.beta2 = float(t.beta2 if t.beta2 is not None else 0.95)
+        self.lr = float(t.lr or 0.0)
         self.since = since
         self._reduce: dict[int, dict[int, float]] = {}
         self._state: dict[int, dict[str, dict[int, float]]] = {}

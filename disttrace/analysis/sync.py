@@ -182,15 +182,32 @@ def check_sync(run: Run) -> SyncResult:
     )
 
 
-def find_stragglers(run: Run, min_seconds: float = 0.1, factor: float = 2.0) -> list[dict]:
+@dataclass
+class Straggler(JsonDoc):
+    """A rank that reached its step's first gradient collective late: its time from the step's start, and
+    the median of the other ranks'."""
+
+    step: int
+    rank: int
+    seconds: float
+    others_median: float
+
+    def text(self) -> str:
+        return (
+            f"rank {self.rank} at step {self.step} took {self.seconds}s to reach its collective "
+            f"(others {self.others_median}s)"
+        )
+
+
+def find_stragglers(run: Run, min_seconds: float = 0.1, factor: float = 2.0) -> list[Straggler]:
     """A straggler makes everyone wait: per step, compare each rank's time from step start to issuing its
     first gradient collective with the other ranks'. Numerics cannot show this; timing does."""
     per_step: dict[int, dict[int, float]] = {}
     for rank in run.ranks():
         for entry in run.step_index(rank).records:
-            t = entry.get("time") or {}
+            t = entry.time
             if "collective_issue" in t and "start" in t:
-                per_step.setdefault(entry["step"], {})[rank] = t["collective_issue"] - t["start"]
+                per_step.setdefault(entry.step, {})[rank] = t["collective_issue"] - t["start"]
     out = []
     for step, times in sorted(per_step.items()):
         if len(times) < 2:
@@ -199,14 +216,7 @@ def find_stragglers(run: Run, min_seconds: float = 0.1, factor: float = 2.0) -> 
             others = sorted(v for r, v in times.items() if r != rank)
             median = others[len(others) // 2]
             if t - median > min_seconds and t > factor * median:
-                out.append(
-                    {
-                        "step": step,
-                        "rank": rank,
-                        "seconds": round(t, 4),
-                        "others_median": round(median, 4),
-                    }
-                )
+                out.append(Straggler(step, rank, round(t, 4), round(median, 4)))
     return out
 
 

@@ -34,7 +34,7 @@ def recorded_steps(run: Run) -> tuple[list[int], list[int]]:
     steps: set[int] | None = None
     ranks = run.ranks()
     for r in ranks:
-        s = {e["step"] for e in run.step_index(r).records}
+        s = {e.step for e in run.step_index(r).records}
         steps = s if steps is None else steps & s
     return sorted(steps or ()), ranks
 
@@ -42,8 +42,8 @@ def recorded_steps(run: Run) -> tuple[list[int], list[int]]:
 def expected_steps(run: Run) -> list[int]:
     """The steps a run of this manifest records: every `record.every`-th of `training.steps`."""
     m = run.manifest
-    n = int((m.get("training") or {}).get("steps") or 0)
-    every = max(1, int((m.get("record") or {}).get("every") or 1))
+    n = m.training.steps or 0
+    every = max(1, m.record.every or 1)
     return [s for s in range(1, n + 1) if s % every == 0]
 
 
@@ -51,10 +51,10 @@ def step_records(run: Run, rank: int, step: int) -> list[dict]:
     """One step's records of one rank, from the bytes its step index names, checked against the index's
     hash (the same bytes diff judged)."""
     for e in run.step_index(rank).records:
-        if e["step"] == step:
+        if e.step == step:
             path = run.trajectory_path(rank)
-            data = trajectory.read_range(path, e["offset"], e["length"])
-            if seal.step_data_match(data, e) is False:
+            data = trajectory.read_range(path, e.offset, e.length)
+            if seal.step_data_match(data, e.as_read()) is False:
                 raise BadInput(
                     path, f"step {step}: the bytes differ from the hash in the step index"
                 )

@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import orjson
 
@@ -28,7 +27,7 @@ def verified_data(source: Run) -> tuple[str, str | None]:
     if not isinstance(resolved, dict) or not isinstance(resolved.get("data_path"), str):
         raise BadInput(lock, "names no data file", field="resolved.data_path")
     data_path, tok_path = resolved["data_path"], resolved.get("tokenizer_path")
-    want = get_field(source.manifest, "data.sha256")
+    want = get_field(source.manifest_doc, "data.sha256")
     try:
         got = sha256_file(Path(data_path))
     except OSError as e:
@@ -39,15 +38,30 @@ def verified_data(source: Run) -> tuple[str, str | None]:
             f"sha256 {got[:12]}... is not the {want!s:.12}... {lock} states",
             field="data.sha256",
         )
-    kind = get_field(source.manifest, "tokenizer.kind")
+    kind = get_field(source.manifest_doc, "tokenizer.kind")
     tok = load_tokenizer(kind, tok_path)
-    if tok.sha256 != get_field(source.manifest, "tokenizer.sha256"):
+    if tok.sha256 != get_field(source.manifest_doc, "tokenizer.sha256"):
         raise BadInput(
             tok_path or lock,
             f"tokenizer sha256 {tok.sha256[:12]}... is not the one {lock} states",
             field="tokenizer.sha256",
         )
     return data_path, tok_path
+
+
+def model_shape(source: Run):
+    """The model `source`'s manifest describes, as the harness's `Model` (what the evaluation builds: the
+    job validated the same section); BadInput naming the lock and the field otherwise."""
+    from pydantic import ValidationError
+
+    from disttrace.config.manifest import Model
+
+    try:
+        return Model.model_validate(source.manifest_doc.get("model"))
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(["model", *map(str, err["loc"])])
+        raise BadInput(source.path / "manifest.lock.json", err["msg"], field=field) from None
 
 
 def evaluate(run_dir: Path, data_dir: Path | None = None) -> dict:
@@ -67,14 +81,12 @@ def evaluate(run_dir: Path, data_dir: Path | None = None) -> dict:
     ckpt = final_checkpoint(run)
     index = checkpoint.verify(ckpt, run.manifest_id)
     data_path, tok_path = verified_data(source)
-    data = TokenData(m, data_path, tok_path)
+    data = TokenData(source.manifest_doc, data_path, tok_path)
     if data.split_report.get("eval_in_train", 1) != 0:
         raise BadInput(data_path, "an eval document is also in the training split")
     # the stored weights' dtype is the run's (a topology field); the model's shape is the experiment's
-    dtype = getattr(torch, run.manifest["training"]["dtype"])
-    model = build_model(
-        SimpleNamespace(**m["model"]), dtype, seed=0
-    )  # weights come from the checkpoint
+    dtype = getattr(torch, run.manifest.training.dtype)
+    model = build_model(model_shape(source), dtype, seed=0)  # weights come from the checkpoint
     state = {"model": model.state_dict()}
     from disttrace.run import safeload
 
@@ -85,7 +97,7 @@ def evaluate(run_dir: Path, data_dir: Path | None = None) -> dict:
     model.eval()
     total_loss, tokens, correct = 0.0, 0, 0
     with torch.no_grad():
-        for inputs, targets in data.eval_batches(m["eval"]["batch_size"], m["eval"]["max_batches"]):
+        for inputs, targets in data.eval_batches(m.eval.batch_size, m.eval.max_batches):
             logits = model(inputs)
             total_loss += float(lm_loss(logits, targets)) * targets.numel()
             correct += int((logits.argmax(-1) == targets).sum())

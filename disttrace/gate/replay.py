@@ -64,7 +64,9 @@ def _experiment_differences(ref: Run, run: Run) -> list[str]:
     from disttrace.config.manifest import EXPERIMENT_FIELDS, get_field
 
     return [
-        f for f in EXPERIMENT_FIELDS if get_field(ref.manifest, f) != get_field(run.manifest, f)
+        f
+        for f in EXPERIMENT_FIELDS
+        if get_field(ref.manifest_doc, f) != get_field(run.manifest_doc, f)
     ]
 
 
@@ -89,7 +91,7 @@ def _prepare(run: Run, ref: Run, source: int, until: int, root: Path) -> Path:
 
     data_path, tok_path = verified_data(ref)
     frozen = Frozen(
-        manifest=run.manifest,
+        manifest=run.manifest_doc,
         manifest_id=run.manifest_id,
         source=str(run.path / "manifest.lock.json"),
         overrides=[],
@@ -160,7 +162,9 @@ def replay_check(
                 f"not replayed: the candidate's manifest is not the reference's experiment "
                 f"({', '.join(differ)})"
             )
-    lock_id = hashlib.sha256(orjson.dumps(run.manifest, option=orjson.OPT_SORT_KEYS)).hexdigest()
+    lock_id = hashlib.sha256(
+        orjson.dumps(run.manifest_doc, option=orjson.OPT_SORT_KEYS)
+    ).hexdigest()
     if lock_id != run.manifest_id:
         return _refuse(
             f"not replayed: {run.path / 'manifest.lock.json'}'s manifest_id is not the sha256 of its "
@@ -169,7 +173,7 @@ def replay_check(
     try:
         from disttrace.config.manifest import validate
 
-        validate(run.manifest, run.path / "manifest.lock.json")
+        validate(run.manifest_doc, run.path / "manifest.lock.json")
         candidates = replayable(run)
     except BadInput as e:
         return _refuse(f"not replayed: {e}")

@@ -313,7 +313,7 @@ def eval_metric(run: Run, ref: Run | None, ev) -> tuple[list[dict], dict | None,
 def candidate_differences(policy, run: Run) -> dict:
     """What the candidate's own store names of an evaluation that differs from the policy in force: its
     manifest's `[eval]` keys and its lock's data path and working directory (reported, never run)."""
-    ev = run.manifest.get("eval") if isinstance(run.manifest, dict) else None
+    ev = run.manifest_doc.get("eval")
     resolved = run.lock.get("resolved") if isinstance(run.lock, dict) else None
     stated = {}
     if isinstance(ev, dict):

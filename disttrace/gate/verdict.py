@@ -155,7 +155,7 @@ def gradient_equivalence(run: Run, ref: Run | None) -> Check:
 
     if ref is None:
         return check("gradient_equivalence", None, "not checked: no --reference given")
-    loosened = binding.loosened_bound(ref.manifest, run.manifest)
+    loosened = binding.loosened_bound(ref.manifest_doc, run.manifest_doc)
     if loosened:
         return check("gradient_equivalence", False, loosened)
     try:
@@ -288,11 +288,11 @@ def gate(
     ref = Run(reference) if reference else None
     # the policy is the reference's (or a policy file's), never the candidate's own manifest's
     policy, source = gate_policy.resolve(
-        ref.path if ref else None, ref.manifest if ref else None, policy_file, require_all
+        ref.path if ref else None, ref.manifest_doc if ref else None, policy_file, require_all
     )
     from disttrace.gate import usereval
 
-    ignored = gate_policy.candidate_differences(policy, run.manifest)
+    ignored = gate_policy.candidate_differences(policy, run.manifest_doc)
     own_eval = usereval.candidate_differences(policy, run)  # never run, reported in one flag
     checks = [
         store_integrity(run, ref),
@@ -314,11 +314,7 @@ def gate(
     evals, evaluation, ref_eval = eval_metric(run, ref, policy.eval.loss_rtol, policy.eval)
     checks += evals + [completeness(run)]
 
-    flags = [
-        f"straggler: rank {s['rank']} at step {s['step']} took {s['seconds']}s to reach its collective "
-        f"(others {s['others_median']}s)"
-        for s in find_stragglers(run)
-    ]
+    flags = [f"straggler: {s.text()}" for s in find_stragglers(run)]
     flags += [
         f"the candidate's manifest states {name} = {value}; ignored: the gate's policy comes from the "
         f"{source} ({_policy_value(policy, name)})"

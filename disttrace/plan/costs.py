@@ -20,10 +20,12 @@ This module imports no torch and never builds a model: a 1T-parameter plan is as
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
 from disttrace.errors import BadInput
+from disttrace.jsondoc import JsonDoc, omit_none
 from disttrace.model.shapes import ffn_hidden_default  # noqa: F401  (the planner's public name too)
 
 GB = 10**9  # the ZeRO paper's "GB" (decimal)
@@ -387,6 +389,69 @@ def comm_bytes_per_device(params: int, dp: int, bytes_per_grad: int = 2) -> dict
 # --------------------------------------------------------------------------------------------------
 
 
+@dataclass
+class PlanInputs(JsonDoc):
+    """What a plan was worked out for (precision and optimizer as the formulas name them)."""
+
+    params: int
+    dp: int
+    tp: int
+    pp: int
+    zero_stage: int
+    optimizer: str
+    precision: str
+    seq: int | None
+    micro_batch: int
+    hidden: int | None
+    heads: int | None
+    n_layers: int | None
+    micro_batches: int
+    pp_schedule: str
+    world_size: int
+    dtype: str | None = omit_none()  # planned from a manifest: its training.dtype
+    params_source: str | None = omit_none()  # planned from the command line: given or estimated
+
+
+@dataclass
+class BytesPerParam(JsonDoc):
+    weights: int
+    grads: int
+    optimizer_K: int  # the ZeRO paper's K: optimizer-state bytes per parameter
+
+
+@dataclass
+class PlanModel(JsonDoc):
+    """The model shape a manifest's plan counted its parameters from."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+    max_seq_len: int
+    ffn_hidden: int
+
+
+@dataclass
+class Plan(JsonDoc):
+    """One layout's plan, `disttrace plan --json`. Per-stage mappings are keyed by the ZeRO stage as text
+    ("0".."3"; comm_bytes_per_device also "ddp"), activations by ACTIVATION_VARIANTS' names; a
+    breakdown is model_state_bytes' {params, grads, optimizer, total}."""
+
+    params: int
+    params_per_model_parallel_rank: int
+    zero_stage: int
+    inputs: PlanInputs
+    bytes_per_param: BytesPerParam
+    model_state_bytes_per_device: dict[str, int]
+    model_state_breakdown_per_device: dict[str, dict[str, int]]
+    activation_bytes_per_layer: dict[str, int] | None  # None: no seq, hidden and heads given
+    activation_bytes_per_device: dict[str, int] | None  # None: no layer count given either
+    bubble_fraction: dict[str, float]  # gpipe, 1f1b ((p-1)/m) and of_total_time ((p-1)/(m+p-1))
+    comm_bytes_per_device: dict[str, int]
+    model: PlanModel | None = omit_none()  # planned from a manifest
+
+
 def plan(
     params: int,
     dp: int = 1,
@@ -402,8 +467,8 @@ def plan(
     n_layers: int | None = None,
     micro_batches: int = 1,
     pp_schedule: str = "1f1b",
-) -> dict[str, Any]:
-    """Everything above for one layout, as a JSON-able dict (ints, floats, strings, None).
+) -> Plan:
+    """Everything above for one layout.
 
     Tensor and pipeline parallelism each hold a 1/(tp*pp) slice of the model, so the model-state and
     data-parallel traffic figures use Psi_local = ceil(Psi / (tp*pp)) (embeddings and norms are assumed to
@@ -442,39 +507,39 @@ def plan(
             in_flight = micro_batches_in_flight(pp, micro_batches, pp_schedule)
             per_device = {k: v * layers_per_stage * in_flight for k, v in activations.items()}
 
-    return {
-        "params": params,
-        "params_per_model_parallel_rank": local,
-        "zero_stage": zero_stage,
-        "inputs": {
-            "params": params,
-            "dp": dp,
-            "tp": tp,
-            "pp": pp,
-            "zero_stage": zero_stage,
-            "optimizer": optimizer,
-            "precision": precision,
-            "seq": seq,
-            "micro_batch": micro_batch,
-            "hidden": hidden,
-            "heads": heads,
-            "n_layers": n_layers,
-            "micro_batches": micro_batches,
-            "pp_schedule": pp_schedule,
-            "world_size": dp * tp * pp,
-        },
-        "bytes_per_param": {
-            "weights": bytes_["weights"],
-            "grads": bytes_["grads"],
-            "optimizer_K": optimizer_bytes_per_param(optimizer, precision),
-        },
-        "model_state_bytes_per_device": {s: b["total"] for s, b in breakdown.items()},
-        "model_state_breakdown_per_device": breakdown,
-        "activation_bytes_per_layer": activations,
-        "activation_bytes_per_device": per_device,
-        "bubble_fraction": bubble_fraction(pp, micro_batches),
-        "comm_bytes_per_device": comm_bytes_per_device(local, dp, bytes_["grads"]),
-    }
+    return Plan(
+        params=params,
+        params_per_model_parallel_rank=local,
+        zero_stage=zero_stage,
+        inputs=PlanInputs(
+            params=params,
+            dp=dp,
+            tp=tp,
+            pp=pp,
+            zero_stage=zero_stage,
+            optimizer=optimizer,
+            precision=precision,
+            seq=seq,
+            micro_batch=micro_batch,
+            hidden=hidden,
+            heads=heads,
+            n_layers=n_layers,
+            micro_batches=micro_batches,
+            pp_schedule=pp_schedule,
+            world_size=dp * tp * pp,
+        ),
+        bytes_per_param=BytesPerParam(
+            weights=bytes_["weights"],
+            grads=bytes_["grads"],
+            optimizer_K=optimizer_bytes_per_param(optimizer, precision),
+        ),
+        model_state_bytes_per_device={s: b["total"] for s, b in breakdown.items()},
+        model_state_breakdown_per_device=breakdown,
+        activation_bytes_per_layer=activations,
+        activation_bytes_per_device=per_device,
+        bubble_fraction=bubble_fraction(pp, micro_batches),
+        comm_bytes_per_device=comm_bytes_per_device(local, dp, bytes_["grads"]),
+    )
 
 
 def _section(manifest: dict, name: str) -> dict:
@@ -501,7 +566,7 @@ _MANIFEST_OPTIMIZER = {
 }
 
 
-def plan_from_manifest(manifest: Any) -> dict[str, Any]:
+def plan_from_manifest(manifest: Any) -> Plan:
     """Plan the layout a manifest describes, from its numbers alone (never builds the model).
 
     model {dim, n_layers, n_heads, n_kv_heads, vocab_size, max_seq_len, multiple_of, ffn_hidden|None}
@@ -578,16 +643,8 @@ def plan_from_manifest(manifest: Any) -> dict[str, Any]:
         )
     except ValueError as e:
         raise BadInput("manifest", str(e)) from None
-    result["model"] = {
-        "dim": dim,
-        "n_layers": n_layers,
-        "n_heads": n_heads,
-        "n_kv_heads": n_kv_heads,
-        "vocab_size": vocab,
-        "max_seq_len": seq,
-        "ffn_hidden": ffn,
-    }
-    result["inputs"]["dtype"] = dtype
+    result.model = PlanModel(dim, n_layers, n_heads, n_kv_heads, vocab, seq, ffn)
+    result.inputs.dtype = dtype
     return result
 
 
@@ -605,7 +662,7 @@ def plan_cli_args(
     heads: int | None = None,
     layers: int | None = None,
     micro_batches: int = 1,
-) -> dict[str, Any]:
+) -> Plan:
     """What `disttrace plan --params 7.5B --dp 64 ...` runs. params may be '7.5B'-style text; without it,
     hidden and layers give the 12*L*h^2 estimate (noted in inputs.params_source). Errors raise BadInput
     naming the option."""
@@ -638,27 +695,5 @@ def plan_cli_args(
         )
     except ValueError as e:
         raise BadInput("disttrace plan", str(e)) from None
-    result["inputs"]["params_source"] = source
+    result.inputs.params_source = source
     return result
-
-
-# --------------------------------------------------------------------------------------------------
-# Rendering
-# --------------------------------------------------------------------------------------------------
-
-
-def human_bytes(n: int | None) -> str:
-    """Binary units: 1 GiB = 2^30 bytes (the ZeRO paper's GB are 10^9)."""
-    if n is None:
-        return "-"
-    for unit, size in (("TiB", 2**40), ("GiB", GiB), ("MiB", MiB), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:,.2f} {unit}"
-    return f"{n} B"
-
-
-def human_count(n: int) -> str:
-    for unit, size in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
-        if n >= size:
-            return f"{n / size:.2f}{unit}"
-    return str(n)

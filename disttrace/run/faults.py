@@ -28,9 +28,7 @@ from disttrace.errors import BadInput
 from disttrace.store.records import FaultEvent
 from disttrace.store.rundir import event
 
-AnyManifest = (
-    Manifest | AttachedManifest
-)  # the harness's job, or an attached script (run/attach.py)
+AnyManifest = Manifest | AttachedManifest  # the harness's job, or an attached script (run/attach/)
 
 REGISTRY: dict[str, type[Fault]] = {}
 
@@ -65,8 +63,8 @@ class Fault:
 
     # ---------------------------------------------------------- checked before any process starts
     # Three callers check a fault request: `spec` (our trainer, against the manifest), usercmd.fault_spec
-    # (`inject -- CMD`, before the user's command runs: what needs no job) and attach.build_fault (inside the
-    # user's job, against what the script offers). The checks themselves live here, once.
+    # (`inject -- CMD`, before the user's command runs: what needs no job) and `attached` (attach.build_fault,
+    # inside the user's job, against what the script offers). The checks themselves live here, once.
     @classmethod
     def parameters(cls, params: dict) -> dict:
         """The defaults with the given parameters over them, each converted to its default's type."""
@@ -163,6 +161,69 @@ class Fault:
             )
         cls.check(step, merged, manifest)
         cls.check_target(rank, merged, manifest)
+        return cls.record(step, rank, merged)
+
+    @classmethod
+    def attached(
+        cls,
+        step: int,
+        rank: int,
+        params: dict,
+        manifest: dict,
+        engine: str,
+        caps: set[str],
+        names: list[str],
+    ) -> dict:
+        """Inside an attached job (attach.build_fault): the checks against the manifest attach built (its stored
+        dict), the hook points the script offers (`attached_capabilities`) and the model's parameter `names`."""
+        from disttrace.config.manifest import Checkpoint
+
+        where = "--fault"
+        m = typed(manifest)
+        cls.coordinates(step, rank, world=m.parallelism.world_size)
+        if cls.point == "data":
+            raise BadInput(
+                where,
+                f"'{cls.name}' needs the data point to fetch another rank's shard, which an "
+                "attached script does not offer",
+            )
+        own_hook = (
+            ", its own DDP comm hook"
+            if engine == "DDP" and "backward" in caps and "collective_hook" not in caps
+            else ""
+        )
+        cls.offered(m.parallelism.dp, caps, "this script", f"this script ({engine}{own_hook})")
+        merged = cls.parameters(params)
+        # what a script may do at any step: clip, and checkpoint
+        training = m.training.model_copy(update={"max_grad_norm": 1.0, "steps": max(step, 1)})
+        pseudo = m.model_copy(update={"checkpoint": Checkpoint(interval=1), "training": training})
+        accum = m.training.grad_accum_steps
+        try:
+            cls.check(step, merged, pseudo)
+        except (KeyError, TypeError):
+            raise BadInput(
+                where,
+                f"'{cls.name}' needs the accumulation count: pass config={{'grad_accum_steps': N}} "
+                "to attach",
+            ) from None
+        if accum is None and (
+            "micro_batch" in merged and merged["micro_batch"] < 0 or cls.name == "late-microbatch"
+        ):
+            raise BadInput(
+                where,
+                f"'{cls.name}' needs the accumulation count: pass config={{'grad_accum_steps': N}} "
+                "to attach",
+            )
+        if (
+            "tensor" in merged
+            and merged["tensor"] not in names
+            and not (str(merged["tensor"]).isdigit() and int(merged["tensor"]) < len(names))
+        ):
+            raise BadInput(
+                "--param tensor",
+                f"this model has no tensor '{merged['tensor']}'; it has: "
+                f"{', '.join(names[:8])}{' ...' if len(names) > 8 else ''}",
+            )
         return cls.record(step, rank, merged)
 
     @classmethod
@@ -280,6 +341,20 @@ def _capabilities(manifest: Manifest) -> set[str]:
     if p.zero_stage >= 2:
         return set()  # FSDP2 reduce-scatters inside its own post-backward
     return {"backward", "collective_hook"}
+
+
+def attached_capabilities(engine: str, comm_hook: bool) -> set[str]:
+    """The hook points an attached script offers (the vocabulary of `capabilities`), by the engine attach
+    found: FSDP2 none (it reduce-scatters inside its own post-backward), DeepSpeed `backward` (a hook on each
+    parameter; its collectives are its own), DDP also `collective_hook` while attach's comm hook is in place."""
+    if engine == "FSDP2":
+        return set()
+    if engine == "DeepSpeed":
+        return {"backward"}
+    caps = {"backward"}
+    if engine == "DDP" and comm_hook:
+        caps.add("collective_hook")
+    return caps
 
 
 def catalog() -> list[dict]:

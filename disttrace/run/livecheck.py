@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from disttrace.analysis.consistency import rule_applies
 from disttrace.run.digest import digest_of_digests
-from disttrace.store.records import Event
+from disttrace.store.records import Event, ReplicaRule
 from disttrace.store.rundir import event
 
 
@@ -27,12 +27,13 @@ class LiveCheck:
         self,
         run_dir,
         recorder,
-        rules: list[dict],
+        rules: list[dict],  # the strategy's replica rules (records.ReplicaRule's shape)
         groups: dict[str, list[list[int]]],
         rank: int,
         device=None,
     ):
-        self.run_dir, self.recorder, self.rules, self.rank = run_dir, recorder, rules, rank
+        self.run_dir, self.recorder, self.rank = run_dir, recorder, rank
+        self.rules = [ReplicaRule.model_validate(r) for r in rules]
         self.groups, self.device = groups, device
 
     def attach(self, bus) -> LiveCheck:
@@ -68,27 +69,23 @@ class LiveCheck:
         gather(everyone, mine)  # ranks' rows one after another along dim 0
         table = everyone.view(world, *mine.shape).cpu()
         for k, rule in enumerate(self.rules):
-            for members in self.groups[rule["dim"]]:
+            for members in self.groups[rule.dim]:
                 if len(members) < 2:
                     continue
                 seen = [bytes(table[r, k].tolist()).hex() for r in members]
-                bad = (
-                    len(set(seen)) > 1
-                    if rule["relation"] == "agree"
-                    else len(set(seen)) < len(seen)
-                )
+                bad = len(set(seen)) > 1 if rule.relation == "agree" else len(set(seen)) < len(seen)
                 if not bad:
                     continue
                 msg = (
-                    f"live check: step {bus.step} {rule['phase']} copies over {rule['dim']} group {members} "
-                    f"{'differ' if rule['relation'] == 'agree' else 'repeat'}"
+                    f"live check: step {bus.step} {rule.phase} copies over {rule.dim} group {members} "
+                    f"{'differ' if rule.relation == 'agree' else 'repeat'}"
                 )
                 if self.rank == min(members):
                     event(
                         self.run_dir,
                         Event.LIVE_CHECK_FAILED,
                         step=bus.step,
-                        phase=rule["phase"],
+                        phase=rule.phase,
                         group=members,
                         digests={str(r): d for r, d in zip(members, seen)},
                     )

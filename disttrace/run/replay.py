@@ -200,7 +200,7 @@ def prepare_attached_replay(
 def _recorded_steps(run: Run) -> list[int]:
     steps: set[int] | None = None
     for r in run.ranks():
-        s = {e["step"] for e in run.step_index(r).records}
+        s = {e.step for e in run.step_index(r).records}
         steps = s if steps is None else steps & s
     return sorted(steps or ())
 

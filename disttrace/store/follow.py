@@ -276,8 +276,8 @@ class Follower:
         self.run = Run(run_dir)
         self.path = self.run.path
         m = self.run.manifest
-        self.total = _int((m.get("training") or {}).get("steps")) or 0
-        self.timeout_s = (m.get("debug") or {}).get("collective_timeout_s")
+        self.total = m.training.steps or 0
+        self.timeout_s = m.debug.collective_timeout_s
         self.clock = clock
         resume = (
             (self.run.info.get("resume") or {}) if safeio.present(self.path / "run.json") else {}
@@ -395,10 +395,8 @@ class Follower:
             ):
                 continue
             off, length = ranges[step]
-            try:  # the step's bytes only, through the one reader of the trajectory format (Run.records_of_step)
-                recs = self.run.records_of_step(
-                    rank, {"step": step, "offset": off, "length": length}
-                )
+            try:  # the step's bytes only, through the one reader of the trajectory format (Run's)
+                recs = self.run.records_of_range(rank, off, length, step)
             except (OSError, BadInput):
                 continue
             for rec in recs:

@@ -52,9 +52,16 @@ ATTACHED_SOURCE = "disttrace.api"
 # schema; `TrajectoryRecord` below is the shape of one of them as a dict (what the recorder buffers and the
 # record path reads), for type checkers and readers of this file.
 
-from typing import Any, TypedDict  # noqa: E402
+from typing import Any, TypedDict, TypeVar  # noqa: E402
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError  # noqa: E402
+from pydantic import (  # noqa: E402
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    StrictInt,
+    ValidationError,
+)
 
 from disttrace.errors import BadInput  # noqa: E402
 
@@ -83,18 +90,26 @@ class TrajectoryRecord(TypedDict, total=False):
 class _Line(BaseModel):
     # other writers (an older or newer disttrace) may add fields: keep them, readers take what they know
     model_config = ConfigDict(extra="allow")
+    _read: Any = PrivateAttr(default=None)  # the object a reader validated, as it was in the file
 
     @classmethod
     def parse_line(cls, obj: Any, path, lineno: int):
         """Validate one line read from `path`; BadInput naming the line and the first bad field."""
         try:
-            return cls.model_validate(obj)
+            out = cls.model_validate(obj)
         except ValidationError as e:
             err = e.errors()[0]
             field = ".".join(str(x) for x in err["loc"]) or "line"
             raise BadInput(
                 path, f"line {lineno}: '{field}' {err['msg'].lower()}", field=field
             ) from None
+        out._read = obj
+        return out
+
+    def as_read(self) -> dict:
+        """The line as the store holds it: every key, in the file's order (a document that echoes a store's
+        line, and a hash taken over it, need its bytes, not the model's dump); a line built here: `line()`."""
+        return self._read if self._read is not None else self.line()
 
     def line(self) -> dict:
         """The dict a writer puts on disk (fields in declaration order, unset optionals left out)."""
@@ -174,6 +189,11 @@ class FaultEvent(_Line):
     digest_after: Any | None = None
     changed: bool | None = None
 
+    @property
+    def phase(self) -> str | None:
+        """The phase the fault acted in, when it says (a detail it adds: kept an extra, in its place)."""
+        return (self.model_extra or {}).get("phase")
+
 
 class Check(_Line):
     """One check of the gate. passed None: not applicable (it neither passes nor fails, unless the policy
@@ -224,13 +244,15 @@ class Verdict(_Line):
 # Each JSON document and JSON line a reader takes from a store is validated against one of these before any
 # field of it is used (a crafted store's one-field edit is then one line naming the file and field, exit 2,
 # never a KeyError deep in a view). They state what readers rely on; extra fields are kept (another
-# version of disttrace may add some). Readers still take the dict they validated: the model is the check.
+# version of disttrace may add some). Readers take the model they validated (`as_read()` is the line as
+# stored, for documents that echo it).
 
 import math  # noqa: E402
 
 from pydantic import StrictBool, StrictFloat, StrictStr, model_validator  # noqa: E402
 
 Number = StrictInt | StrictFloat
+_L = TypeVar("_L", bound=_Line)
 Groups = dict[str, list[list[StrictInt]]]
 
 
@@ -249,6 +271,8 @@ class Topology(_Line):
     mesh_dims: list[StrictStr] = Field(default_factory=list)
     mesh_shape: dict[str, StrictInt] = Field(default_factory=dict)
     ranks: list[TopologyRank] = Field(default_factory=list)
+    world_size: StrictInt | None = None
+    engine: StrictStr | None = None  # an attached run's (run/attach/replicas.py)
 
     @model_validator(mode="after")
     def _mesh(self):
@@ -279,6 +303,7 @@ class ReplicaRule(_Line):
     dim: StrictStr
     relation: StrictStr
     tensors: StrictStr | list[StrictStr] = "*"
+    exclude: StrictStr | None = None  # a pattern of tensors the rule leaves out
 
 
 class Replicas(_Line):
@@ -397,12 +422,13 @@ class StepTimes(_Line):
     spans: list | dict | None = None
 
 
-def parse_doc(model: type[_Line], obj: Any, path) -> Any:
+def parse_doc(model: type[_L], obj: Any, path) -> _L:
     """`obj` (a whole JSON document read from `path`) validated by `model`; BadInput naming the field."""
     try:
-        model.model_validate(obj)
+        out = model.model_validate(obj)
     except ValidationError as e:
         err = e.errors()[0]
         field = ".".join(str(x) for x in err["loc"]) or "document"
         raise BadInput(path, f"'{field}' {err['msg'].lower()}", field=field) from None
-    return obj
+    out._read = obj
+    return out

@@ -31,6 +31,7 @@ import orjson
 
 from disttrace.errors import BadInput
 from disttrace.store import safeio
+from disttrace.store.manifest import StoredManifest
 from disttrace.store.records import (  # noqa: F401  (re-exported)
     ATTACHED_SOURCE,
     PATH_KINDS,
@@ -334,11 +335,27 @@ class Run:
         if not isinstance(self.lock["manifest_id"], str):
             raise BadInput(self.path / LOCK, "must be a string", field="manifest_id")
         _check_shape(self.path / LOCK, self.lock["manifest"], LOCK_SHAPE)
+        self._manifest: StoredManifest | None = None
 
     # -- identity
     @property
-    def manifest(self) -> dict:
+    def manifest_doc(self) -> dict:
+        """The manifest as stored: what identity is taken over (the id, field-by-field comparisons)."""
         return self.lock["manifest"]
+
+    @property
+    def manifest(self) -> StoredManifest:
+        """The manifest's fields readers use, typed (store/manifest.py); checked once, when first read."""
+        if self._manifest is None:
+            from pydantic import ValidationError
+
+            try:
+                self._manifest = StoredManifest.model_validate(self.manifest_doc)
+            except ValidationError as e:
+                err = e.errors()[0]
+                field = ".".join(["manifest", *map(str, err["loc"])])
+                raise BadInput(self.path / LOCK, err["msg"].lower(), field=field) from None
+        return self._manifest
 
     @property
     def manifest_id(self) -> str:
@@ -364,7 +381,8 @@ class Run:
             for k, typ in need.items():
                 if not isinstance(value.get(k), typ) or isinstance(value.get(k), bool):
                     raise BadInput(p, f"must be {typ.__name__}", field=f"{key}.{k}")
-        return parse_doc(RunInfo, info, p)
+        parse_doc(RunInfo, info, p)
+        return info  # a mapping: the fault's and the resume's free-form parts, as recorded
 
     @property
     def complete(self) -> bool:
@@ -386,7 +404,7 @@ class Run:
     def world_size(self) -> int:
         """dp x tp x pp of the lock's manifest. Readers build per-rank lists from it, so a lock claiming more
         ranks than any job has (a store's writer chooses every byte) is bad input, not a list of 10^11."""
-        par = self.manifest.get("parallelism", {})
+        par = self.manifest_doc.get("parallelism", {})
         par = par if isinstance(par, dict) else {}
         sizes = [par.get(k, 1) for k in ("dp", "tp", "pp")]
         if not all(type(n) is int and n >= 1 for n in sizes):
@@ -430,29 +448,31 @@ class Run:
         p = self.path / "events.jsonl"
         return read_jsonl(p, self.path) if safeio.present(p) else JsonlRead([], None)
 
-    def fault_events(self) -> list[dict]:
-        """The `fault_fired` lines of events.jsonl, each validated by the writer's own model (FaultEvent)."""
+    def fault_events(self) -> list[FaultEvent]:
+        """The `fault_fired` lines of events.jsonl, each validated by the writer's own model."""
         p = self.path / "events.jsonl"
-        out = []
-        for n, e in enumerate(self.events().records, 1):
-            if isinstance(e, dict) and e.get("event") == Event.FAULT_FIRED:
-                FaultEvent.parse_line(e, p, n)
-                out.append(e)
-        return out
+        return [
+            FaultEvent.parse_line(e, p, n)
+            for n, e in enumerate(self.events().records, 1)
+            if isinstance(e, dict) and e.get("event") == Event.FAULT_FIRED
+        ]
 
-    def topology(self) -> dict | None:
+    def topology(self) -> Topology | None:
+        """topology.json (`as_read()`: the document as written); None when the run wrote none."""
         p = self.path / "topology.json"
         return parse_doc(Topology, read_json(p, self.path), p) if safeio.present(p) else None
 
     def step_index(self, rank: int) -> JsonlRead:
+        """The rank's step index: `records` are StepIndexEntry lines (the writer's own model)."""
         p = self.rank_path("trajectory", rank, ".steps.jsonl")
         if not safeio.present(p):
             return JsonlRead([], None)
         read = read_jsonl(p, self.path)
+        entries = []
         for n, e in enumerate(read.records, 1):
-            StepIndexEntry.parse_line(e, p, n)  # the writer's own model (store/records.py)
+            entries.append(StepIndexEntry.parse_line(e, p, n))
             StepTimes.parse_line(e.get("time") or {}, p, n)
-        return read
+        return JsonlRead(entries, read.torn)
 
     def step_times(self, rank: int) -> JsonlRead:
         """`steps/rank-N.jsonl` (run/stepclock.py): one line per step, kept whether the run records or not."""
@@ -507,17 +527,17 @@ class Run:
         for _, _, batch in trajectory.scan(path, torn, self.path):
             yield from trajectory.to_records(batch)
 
-    def records_of_step(self, rank: int, entry: dict) -> list[dict]:
+    def records_of_step(self, rank: int, entry: StepIndexEntry) -> list[dict]:
         """Read only the byte range of one step (from the step index): diff seeks, never scans."""
+        return self.records_of_range(rank, entry.offset, entry.length, entry.step)
+
+    def records_of_range(
+        self, rank: int, offset: int, length: int, step: int | None = None
+    ) -> list[dict]:
+        """The records in bytes offset..offset+length of the rank's trajectory (one step's, if `step`)."""
         from disttrace.store.trajectory import records_of_range
 
-        return records_of_range(
-            self.trajectory_path(rank),
-            entry["offset"],
-            entry["length"],
-            entry.get("step"),
-            root=self.path,
-        )
+        return records_of_range(self.trajectory_path(rank), offset, length, step, root=self.path)
 
     def checkpoint_dirs(self) -> list[Path]:
         d = self.path / "checkpoints"

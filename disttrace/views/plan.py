@@ -2,29 +2,46 @@
 
 from __future__ import annotations
 
-from disttrace.plan.costs import ACTIVATION_VARIANTS, human_bytes, human_count
+from disttrace.plan.costs import ACTIVATION_VARIANTS, GiB, MiB, Plan
 
 
-def render_plan(result: dict, console) -> None:
+def human_bytes(n: int | None) -> str:
+    """Binary units: 1 GiB = 2^30 bytes (the ZeRO paper's GB are 10^9)."""
+    if n is None:
+        return "-"
+    for unit, size in (("TiB", 2**40), ("GiB", GiB), ("MiB", MiB), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n} B"
+
+
+def human_count(n: int) -> str:
+    for unit, size in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+def render_plan(result: Plan, console) -> None:
     """Print a plan as rich tables: model states per ZeRO stage, activations, pipeline bubble, traffic."""
     from rich.table import Table
 
-    inp = result.get("inputs", {})
-    selected = str(result.get("zero_stage", inp.get("zero_stage", 0)))
+    inp = result.inputs
+    selected = str(result.zero_stage)
     console.print(
-        f"[bold]Plan[/bold] for {human_count(result['params'])} parameters ({result['params']:,}) on "
-        f"dp={inp.get('dp')} x tp={inp.get('tp')} x pp={inp.get('pp')} = {inp.get('world_size')} devices, "
-        f"{inp.get('precision')} precision, {inp.get('optimizer')}"
+        f"[bold]Plan[/bold] for {human_count(result.params)} parameters ({result.params:,}) on "
+        f"dp={inp.dp} x tp={inp.tp} x pp={inp.pp} = {inp.world_size} devices, "
+        f"{inp.precision} precision, {inp.optimizer}"
     )
-    if inp.get("params_source", "given") != "given":
-        console.print(f"  parameter count {inp['params_source']}")
+    if inp.params_source not in (None, "given"):
+        console.print(f"  parameter count {inp.params_source}")
 
-    bpp = result.get("bytes_per_param", {})
+    bpp = result.bytes_per_param
     t = Table(
         title="Model states per device (ZeRO, Rajbhandari et al. 2020)",
-        caption=f"Psi per model-parallel rank = {result.get('params_per_model_parallel_rank', 0):,}; "
-        f"bytes/param: weights {bpp.get('weights')}, grads {bpp.get('grads')}, "
-        f"optimizer K = {bpp.get('optimizer_K')}. 1 GiB = 2^30 bytes (the paper's GB = 10^9).",
+        caption=f"Psi per model-parallel rank = {result.params_per_model_parallel_rank:,}; "
+        f"bytes/param: weights {bpp.weights}, grads {bpp.grads}, "
+        f"optimizer K = {bpp.optimizer_K}. 1 GiB = 2^30 bytes (the paper's GB = 10^9).",
     )
     for col in ("ZeRO stage", "shards", "params", "grads", "optimizer", "total"):
         t.add_column(col, justify="right" if col not in ("ZeRO stage", "shards") else "left")
@@ -34,8 +51,8 @@ def render_plan(result: dict, console) -> None:
         "2": "optimizer + grads",
         "3": "optimizer + grads + params",
     }
-    breakdown = result.get("model_state_breakdown_per_device") or {}
-    for s, total in result["model_state_bytes_per_device"].items():
+    breakdown = result.model_state_breakdown_per_device
+    for s, total in result.model_state_bytes_per_device.items():
         b = breakdown.get(s, {})
         mark = " <- selected" if s == selected else ""
         t.add_row(
@@ -49,18 +66,17 @@ def render_plan(result: dict, console) -> None:
         )
     console.print(t)
 
-    acts = result.get("activation_bytes_per_layer")
+    acts = result.activation_bytes_per_layer
     if acts is None:
         console.print("Activations: give the sequence length, hidden size and heads to plan them.")
     else:
-        per_device = result.get("activation_bytes_per_device")
+        per_device = result.activation_bytes_per_device
         t = Table(
             title="Activations (Korthikanti et al. 2022, Table 2)",
-            caption=f"s={inp.get('seq')} b={inp.get('micro_batch')} h={inp.get('hidden')} "
-            f"a={inp.get('heads')} t={inp.get('tp')}"
+            caption=f"s={inp.seq} b={inp.micro_batch} h={inp.hidden} a={inp.heads} t={inp.tp}"
             + (
                 "; per device = per layer x layers per stage x micro-batches in flight "
-                f"({inp.get('pp_schedule')})"
+                f"({inp.pp_schedule})"
                 if per_device
                 else ""
             ),
@@ -79,9 +95,9 @@ def render_plan(result: dict, console) -> None:
             t.add_row(*row)
         console.print(t)
 
-    bub = result["bubble_fraction"]
+    bub = result.bubble_fraction
     t = Table(
-        title=f"Pipeline bubble (p={inp.get('pp')} stages, m={inp.get('micro_batches')} micro-batches)",
+        title=f"Pipeline bubble (p={inp.pp} stages, m={inp.micro_batches} micro-batches)",
         caption="(p-1)/m: bubble time over ideal compute time (GPipe, 1F1B/PipeDream-Flush, Megatron-LM); "
         "(p-1)/(m+p-1): over the whole step",
     )
@@ -92,7 +108,7 @@ def render_plan(result: dict, console) -> None:
     t.add_row("1F1B", f"{bub['1f1b']:.1%}", f"{bub['of_total_time']:.1%}")
     console.print(t)
 
-    comm = result["comm_bytes_per_device"]
+    comm = result.comm_bytes_per_device
     t = Table(
         title="Data-parallel traffic per device per step (ring collectives, ZeRO paper Section 7)"
     )

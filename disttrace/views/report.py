@@ -1,6 +1,6 @@
 """The HTML page of `disttrace report RUN... -o report.html` (disttrace/report.py builds and writes it).
 
-    render_html([ref, fault, recovered], {1: diff_of_fault, 2: diff_of_recovered})
+    render_html([ref, fault, recovered], report_facts([ref, fault, recovered]))   # disttrace/report.py
 
 The first run is the reference: every other run comes with its diff against it. The page holds the manifest, the rank
 topology, the loss curves of all runs on one plot, the divergence grid (rank x step) of each run against the
@@ -20,14 +20,17 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from disttrace.analysis.result import DiffResult, RankEntry
 from disttrace.errors import BadInput
 from disttrace.fmt import abbrev, fmt_number, ranges, where
-from disttrace.store.records import FAILURE_EVENTS, Verdict
+from disttrace.store.records import FAILURE_EVENTS, FaultEvent, Topology, TopologyRank, Verdict
 from disttrace.store.rundir import Run
 from disttrace.views.diffparts import CellClass, ab_rows, cell, error_text, tolerance_text
+
+if TYPE_CHECKING:
+    from disttrace.report import ReportFacts, RunEvidence
 
 PALETTE = ("#1f6fd1", "#d1341f", "#1e9e54", "#8e44ad", "#e08a00", "#7f5539", "#0f9aa8", "#c2185b")
 DASHES = ("", "9 5", "2 5", "12 4 2 4", "6 3", "1 3")
@@ -82,6 +85,10 @@ def _guard(what: str, fn: Callable[..., str], *args) -> str:
         return fn(*args)
     except Exception as exc:  # noqa: BLE001 - a report shows what it can and names what it could not read
         return _err(f"{what} could not be read", exc)
+
+
+def _or(value: Any, absent: str) -> Any:
+    return absent if value is None else value
 
 
 def _badge(text: str, kind: str) -> str:
@@ -159,8 +166,9 @@ def _lerp_colour(t: float) -> str:
 class _R:
     """One run as the page sees it."""
 
-    def __init__(self, run: Run, label: str, colour: str, index: int):
+    def __init__(self, run: Run, label: str, colour: str, index: int, evidence: RunEvidence):
         self.run = run
+        self.evidence = evidence
         self.path = run.path
         self.label = label
         self.colour = colour
@@ -216,8 +224,8 @@ def _overview(rs: list[_R], diffs: dict[int, Any]) -> str:
             fired = _fault_fired(r)
             if fired is not None:
                 what.append(
-                    f"fired at step {e(fired.get('step'))} micro-batch {e(fired.get('micro_batch'))} "
-                    f"{e(fired.get('phase'))} rank {e(fired.get('rank'))}"
+                    f"fired at step {e(fired.step)} micro-batch {e(fired.micro_batch)} "
+                    f"{e(fired.phase)} rank {e(fired.rank)}"
                 )
             else:
                 what.append('<span class="warn">no fault_fired event recorded</span>')
@@ -264,7 +272,7 @@ def _overview(rs: list[_R], diffs: dict[int, Any]) -> str:
     )
 
 
-def _fault_fired(r: _R) -> dict | None:
+def _fault_fired(r: _R) -> FaultEvent | None:
     try:
         fired = r.run.fault_events()
         return fired[0] if fired else None
@@ -328,7 +336,7 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
 
 def _manifest(rs: list[_R]) -> str:
     r0 = rs[0]
-    m = r0.run.manifest
+    m = r0.run.manifest_doc  # shown as stored, every key
     exp = m.get("experiment") or {}
     data, tok = m.get("data") or {}, m.get("tokenizer") or {}
     head = [
@@ -379,7 +387,7 @@ def _manifest(rs: list[_R]) -> str:
     rows = []
     for r in rs[1:]:
         try:
-            other = _flatten(r.run.manifest)
+            other = _flatten(r.run.manifest_doc)
         except Exception as exc:  # noqa: BLE001
             rows.append([r.name_html(), _err("manifest", exc)])
             continue
@@ -404,13 +412,10 @@ def _manifest(rs: list[_R]) -> str:
     return "".join(out)
 
 
-def _topo_key(topo: dict | None) -> Any:
-    if not isinstance(topo, dict):
+def _topo_key(topo: Topology | None) -> Any:
+    if topo is None:
         return None
-    return (
-        repr(topo.get("mesh_shape")),
-        repr([(x.get("rank"), x.get("coords"), x.get("host")) for x in topo.get("ranks") or []]),
-    )
+    return (repr(topo.mesh_shape), repr([(x.rank, x.coords, x.host) for x in topo.ranks]))
 
 
 def _topology(rs: list[_R]) -> str:
@@ -433,24 +438,24 @@ def _topology(rs: list[_R]) -> str:
     return "".join(out)
 
 
-def _one_topology(r: _R, topo: dict | None) -> str:
-    if not topo:
-        par = r.run.manifest.get("parallelism") or {}
+def _one_topology(r: _R, topo: Topology | None) -> str:
+    if topo is None or not topo.as_read():  # an empty document holds no topology either
+        par = r.run.manifest_doc.get("parallelism") or {}
         declared = " ".join(
             f"{k}={par[k]}" for k in ("world_size", "dp", "tp", "pp", "zero_stage") if k in par
         )
         return _nr(f"topology.json not recorded; the manifest declares {declared or 'nothing'}")
-    dims = [d for d in topo.get("mesh_dims") or ("pp", "dp", "tp")]
-    ranks = sorted(topo.get("ranks") or [], key=lambda x: x.get("rank", 0))
-    shape = topo.get("mesh_shape") or {}
+    dims = list(topo.mesh_dims or ("pp", "dp", "tp"))
+    ranks = sorted(topo.ranks, key=lambda x: x.rank)
+    shape = topo.mesh_shape
     rows = []
     for x in ranks:
-        c = x.get("coords") or {}
+        c = x.coords
         cells = [
-            _td_num(e(x.get("rank"))),
-            e(x.get("host")),
-            _td_num(e(x.get("node_rank"))),
-            _td_num(e(x.get("local_rank"))),
+            _td_num(e(x.rank)),
+            e(x.host),
+            _td_num(e(x.node_rank)),
+            _td_num(e(x.local_rank)),
         ]
         for d in dims:
             v = c.get(d)
@@ -463,18 +468,18 @@ def _one_topology(r: _R, topo: dict | None) -> str:
     table = _table(("rank", "host", "node", "local", *dims), rows)
     grid = _topology_svg(ranks, dims)
     groups = []
-    for d, gs in (topo.get("groups") or {}).items():
+    for d, gs in topo.groups.items():
         if shape.get(d, 1) > 1 or d not in shape:
             groups.append(f"<li><b>{e(d)}</b> groups: <code>{e(gs)}</code></li>")
     mesh = " × ".join(f"{d}={shape.get(d, '?')}" for d in dims)
     return (
-        f"<p>world size <b>{e(topo.get('world_size', len(ranks)))}</b> · mesh {e(mesh)}</p>"
+        f"<p>world size <b>{e(topo.world_size or len(ranks))}</b> · mesh {e(mesh)}</p>"
         f'<div class="row"><div>{table}</div><div>{grid}</div></div>'
         + (f"<ul>{''.join(groups)}</ul>" if groups else "")
     )
 
 
-def _topology_svg(ranks: list[dict], dims: list[str]) -> str:
+def _topology_svg(ranks: list[TopologyRank], dims: list[str]) -> str:
     """Rows: mesh dimensions; columns: ranks; a cell's colour and number: the rank's coordinate."""
     if not ranks:
         return _nr("no ranks recorded")
@@ -490,7 +495,7 @@ def _topology_svg(ranks: list[dict], dims: list[str]) -> str:
         if cw >= 18 or i % 4 == 0:
             parts.append(
                 f'<text x="{left + i * cw + cw / 2}" y="{top - 6}" text-anchor="middle" class="tick">'
-                f"{e(x.get('rank'))}</text>"
+                f"{e(x.rank)}</text>"
             )
     for j, d in enumerate(dims):
         y = top + j * ch
@@ -498,11 +503,11 @@ def _topology_svg(ranks: list[dict], dims: list[str]) -> str:
             f'<text x="{left - 6}" y="{y + ch / 2 + 4}" text-anchor="end" class="axis">{e(d)}</text>'
         )
         for i, x in enumerate(ranks):
-            v = (x.get("coords") or {}).get(d)
+            v = x.coords.get(d)
             col = COORD_COLOURS[v % len(COORD_COLOURS)] if isinstance(v, int) else NODATA_COLOUR
             parts.append(
                 f'<rect x="{left + i * cw + 1}" y="{y + 1}" width="{cw - 2}" height="{ch - 2}" rx="3" '
-                f'fill="{col}"><title>rank {e(x.get("rank"))}: {e(d)}={e(v)}</title></rect>'
+                f'fill="{col}"><title>rank {e(x.rank)}: {e(d)}={e(v)}</title></rect>'
             )
             if cw >= 16:
                 white = ' style="fill:#fff"' if _dark(col) else ""
@@ -990,18 +995,15 @@ def _memory(rs: list[_R]) -> str:
 
 
 def _collectives(rs: list[_R]) -> str:
-    from disttrace.analysis.sync import check_sync, find_stragglers
-
     rows, notes = [], []
     for r in rs:
         name = r.tag_html()
-        if not r.run.ranks("collectives"):
+        res = r.evidence.sync
+        if res is None:
             rows.append([name, f'<td colspan="4" class="nr">collective trace {NOT_RECORDED}</td>'])
             continue
-        try:
-            res = check_sync(r.run)
-        except Exception as exc:  # noqa: BLE001
-            rows.append([name, f'<td colspan="4">{_err("collective trace", exc)}</td>'])
+        if isinstance(res, BaseException):
+            rows.append([name, f'<td colspan="4">{_err("collective trace", res)}</td>'])
             continue
         groups = list(res.groups.items())
         if res.first_mismatch is None:
@@ -1030,15 +1032,12 @@ def _collectives(rs: list[_R]) -> str:
             )
         for w in res.warnings:
             notes.append(f'<p class="warn">{e(r.label)}: {e(w)}</p>')
-        try:
-            for st in find_stragglers(r.run)[:3]:
-                notes.append(
-                    f'<p class="warn">{e(r.label)}: straggler: rank {e(st["rank"])} at step {e(st["step"])} '
-                    f"took {e(st['seconds'])} s to reach its collective (others {e(st['others_median'])} s)"
-                    "</p>"
-                )
-        except Exception:  # noqa: BLE001 - timing is a flag, not evidence; never fatal
-            pass
+        for st in r.evidence.stragglers[:3]:
+            notes.append(
+                f'<p class="warn">{e(r.label)}: straggler: rank {e(st.rank)} at step {e(st.step)} '
+                f"took {e(st.seconds)} s to reach its collective (others {e(st.others_median)} s)"
+                "</p>"
+            )
     head = ("run", "process group (ranks)", "ops", "bytes (first member)", "sync")
     return (
         _table(head, rows)
@@ -1048,16 +1047,15 @@ def _collectives(rs: list[_R]) -> str:
 
 
 def _checkpoints(rs: list[_R]) -> str:
-    from disttrace.analysis.facts import checkpoints as checkpoint_facts
-
     rows = []
     for r in rs:
         name = r.tag_html()
-        try:
-            cks = checkpoint_facts(r.run).checkpoints
-        except Exception as exc:  # noqa: BLE001
-            rows.append([name, f'<td colspan="4">{_err("checkpoints", exc)}</td>'])
+        if isinstance(r.evidence.checkpoints, BaseException):
+            rows.append(
+                [name, f'<td colspan="4">{_err("checkpoints", r.evidence.checkpoints)}</td>']
+            )
             continue
+        cks = r.evidence.checkpoints.checkpoints
         resume = r.info.get("resume") if isinstance(r.info.get("resume"), dict) else None
         if resume:
             name += f'<div class="muted small">resumed from <code>{e(resume.get("checkpoint"))}</code></div>'
@@ -1206,9 +1204,9 @@ SECTIONS = (
 )
 
 
-def render_html(run_dirs: list[Path | str], diffs: dict[int, DiffResult | BaseException]) -> str:
-    """The report page as a string (disttrace/report.py writes it). diffs[i]: run i against the first run,
-    or why it could not be compared."""
+def render_html(run_dirs: list[Path | str], facts: ReportFacts) -> str:
+    """The report page as a string (disttrace/report.py gathers `facts` and writes it). facts.diffs[i]: run i
+    against the first run, or why it could not be compared; facts.evidence[i]: what analysis found of run i."""
     if not run_dirs:
         raise BadInput("RUN", "give at least one run directory (the first is the reference)")
     paths = [Path(p) for p in run_dirs]
@@ -1216,7 +1214,11 @@ def render_html(run_dirs: list[Path | str], diffs: dict[int, DiffResult | BaseEx
         Run(p) for p in paths
     ]  # a path that is not a run directory is bad input, before anything is written
     labels = _labels([r.path for r in runs])
-    rs = [_R(run, labels[i], PALETTE[i % len(PALETTE)], i) for i, run in enumerate(runs)]
+    rs = [
+        _R(run, labels[i], PALETTE[i % len(PALETTE)], i, facts.evidence[i])
+        for i, run in enumerate(runs)
+    ]
+    diffs = facts.diffs
 
     body = {
         "runs": _guard("the run list", _overview, rs, diffs),
@@ -1238,8 +1240,8 @@ def render_html(run_dirs: list[Path | str], diffs: dict[int, DiffResult | BaseEx
             + " have no COMPLETE marker: the job did not finish, and what they hold stops where it stopped.</div>"
         )
     try:
-        exp = rs[0].run.manifest.get("experiment") or {}
-        title = f"{exp.get('name', '?')} ({exp.get('edition', '?')})"
+        exp = rs[0].run.manifest.experiment
+        title = f"{_or(exp.name, '?')} ({_or(exp.edition, '?')})"
     except Exception:  # noqa: BLE001
         title = "?"
     stamp = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime())

@@ -17,11 +17,12 @@ from disttrace.analysis.facts import (
     TopologyFacts,
     failure_text,
 )
+from disttrace.store.records import Topology
 
 COLOURS = ["cyan", "magenta", "green", "yellow", "blue", "red"]
 
 
-def render_summary(s: RunSummary, console: Console, topology: dict | None = None) -> None:
+def render_summary(s: RunSummary, console: Console, topology: TopologyFacts | None = None) -> None:
     """The run in a few lines; with `topology` (not a run command's brief summary) also the records per
     rank and the rank topology."""
     T = lambda v, style=None: Text(str(v), style=style or "")  # noqa: E731  text from files: never markup
@@ -60,8 +61,8 @@ def render_summary(s: RunSummary, console: Console, topology: dict | None = None
         console.print(
             T("straggler", "yellow")
             + T(
-                f": rank {st['rank']} at step {st['step']} took {st['seconds']}s "
-                f"to reach its collective (others: {st['others_median']}s)"
+                f": rank {st.rank} at step {st.step} took {st.seconds}s "
+                f"to reach its collective (others: {st.others_median}s)"
             )
         )
     for w in s.warnings:
@@ -73,38 +74,38 @@ def render_summary(s: RunSummary, console: Console, topology: dict | None = None
         for r, c in s.ranks.items():
             tab.add_row(Text(r), str(c.steps), str(c.records))
         console.print(tab)
-        render_topology(TopologyFacts(topology or None), console)
+        render_topology(topology, console)
 
 
 def render_topology(facts: TopologyFacts, console: Console) -> None:
     topo = facts.topology
-    if not topo:
+    if topo is None or not topo.as_read():  # an empty document holds no topology either
         console.print("[yellow]no topology.json[/yellow]")
         return
-    tab = Table(title=Text(f"rank topology (mesh {topo['mesh_shape']})"))
-    for col in ("rank", "host", "node", "local", *topo["mesh_dims"]):
+    tab = Table(title=Text(f"rank topology (mesh {topo.mesh_shape})"))
+    for col in ("rank", "host", "node", "local", *topo.mesh_dims):
         tab.add_column(Text(str(col)), justify="right")
-    for r in topo["ranks"]:
-        c = r["coords"]
+    for r in topo.ranks:
+        c = r.coords
         tab.add_row(
-            *[Text(str(r[k])) for k in ("rank", "host", "node_rank", "local_rank")],
-            *[Text(str(c[d]), style=COLOURS[c[d] % len(COLOURS)]) for d in topo["mesh_dims"]],
+            *[Text(str(v)) for v in (r.rank, r.host, r.node_rank, r.local_rank)],
+            *[Text(str(c[d]), style=COLOURS[c[d] % len(COLOURS)]) for d in topo.mesh_dims],
         )
     console.print(tab)
     console.print(mesh_picture(topo))
-    for dim, groups in topo["groups"].items():
-        if topo["mesh_shape"][dim] > 1:
+    for dim, groups in topo.groups.items():
+        if topo.mesh_shape[dim] > 1:
             console.print(Text(f"{dim} groups: {groups}"))
 
 
-def mesh_picture(topo: dict) -> Text:
+def mesh_picture(topo: Topology) -> Text:
     """The mesh as a picture: one dp x tp grid of global ranks per pipeline stage, each rank coloured by its
     data-parallel coordinate (rows) - what crosses nodes is what spans rows or stages. A Text: the ranks'
     fields come from topology.json and are never markup."""
     colours = ["cyan", "magenta", "green", "yellow", "blue", "red"]
     # a dimension the mesh does not name has size 1 (records.Topology holds the sizes to the ranks listed)
-    shape = {k: topo["mesh_shape"].get(k, 1) for k in ("pp", "dp", "tp")}
-    by_coords = {tuple(r["coords"].get(k, 0) for k in ("pp", "dp", "tp")): r for r in topo["ranks"]}
+    shape = {k: topo.mesh_shape.get(k, 1) for k in ("pp", "dp", "tp")}
+    by_coords = {tuple(r.coords.get(k, 0) for k in ("pp", "dp", "tp")): r for r in topo.ranks}
     out = Text()
     for pp in range(shape["pp"]):
         if pp:
@@ -115,7 +116,7 @@ def mesh_picture(topo: dict) -> Text:
             out.append(f"\n  dp={dp:<3}   ")
             for i, tp in enumerate(range(shape["tp"])):
                 r = by_coords.get((pp, dp, tp))
-                cell = f"r{r['rank']}@n{r['node_rank']}" if r else "?"
+                cell = f"r{r.rank}@n{r.node_rank}" if r else "?"
                 out.append((" " if i else "") + f"{cell:<8}", style=colours[dp % len(colours)])
     return out
 
@@ -241,10 +242,10 @@ def render_events(facts: EventFacts, console: Console) -> None:
         console.print(e)
 
 
-def render(facts, console: Console, topology: dict | None = None) -> None:
-    """Any `show` view's facts (analysis/facts.py's `gather`)."""
+def render(facts, console: Console, topology: Topology | None = None) -> None:
+    """Any `show` view's facts (analysis/facts.py's `gather`); `topology`: the run's, for the summary."""
     if isinstance(facts, RunSummary):
-        render_summary(facts, console, topology if topology is not None else {})
+        render_summary(facts, console, TopologyFacts(topology))
     elif isinstance(facts, CheckpointFacts):
         render_checkpoints(facts, console)
     elif isinstance(facts, TopologyFacts):

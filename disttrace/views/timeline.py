@@ -18,7 +18,7 @@ def build_trace(run: Run) -> dict:
     traces, _ = load_traces(run)
     for entries in steps.values():
         for e in entries:
-            t = e.get("time", {})
+            t = e.time
             if "start" in t:
                 t0 = t["start"] if t0 is None else min(t0, t["start"])
     for per_group in traces.values():
@@ -43,16 +43,16 @@ def build_trace(run: Run) -> dict:
         )
         last = 0.0
         for e in steps.get(rank, []):
-            t = e.get("time", {})
+            t = e.time
             if "start" not in t or "end" not in t:
                 continue
             mid = t.get("collective_issue", t["end"])
             blocks = (
-                [(f"step {e['step']} {name}", a, b) for name, a, b in t["spans"]]
+                [(f"step {e.step} {name}", a, b) for name, a, b in t["spans"]]
                 if t.get("spans")
                 else [
-                    (f"step {e['step']} forward+backward", t["start"], mid),
-                    (f"step {e['step']} reduce+optimizer", mid, t["end"]),
+                    (f"step {e.step} forward+backward", t["start"], mid),
+                    (f"step {e.step} reduce+optimizer", mid, t["end"]),
                 ]
             )
             for name, a, b in blocks:
@@ -66,7 +66,7 @@ def build_trace(run: Run) -> dict:
                         "tid": 0,
                         "ts": start,
                         "dur": end - start,
-                        "args": {"step": e["step"], "records": e["records"]},
+                        "args": {"step": e.step, "records": e.records},
                     }
                 )
                 last = end

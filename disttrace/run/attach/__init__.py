@@ -29,8 +29,8 @@ are identical now (they must stay identical after every optimizer step). Run it 
 CMD` / `disttrace inject ... -- CMD`: the run directory (and the fault) come from DISTTRACE_RUN_DIR.
 
 The package holds one concern a module: comm (the collectives attach runs), engine (what attach sees of
-the model), replicas (the replica map and topology it infers), manifest, faults (admission and the fault's
-context), points (the hook points installed in torch), steps (the step cycle), loader (loader watching),
+the model), replicas (the replica map and topology it infers), manifest, faults (the fault's context and
+build_fault), points (the hook points installed in torch), steps (the step cycle), loader (loader watching),
 run (AttachedRun, the user's calls) and start (attach() and the run directory).
 """
 
@@ -43,7 +43,7 @@ from disttrace.run.attach.engine import (
     replicated_outputs,
     unwrap_optimizer,
 )
-from disttrace.run.attach.faults import FaultContext, build_fault, capabilities
+from disttrace.run.attach.faults import FaultContext, build_fault
 from disttrace.run.attach.loader import (
     WatchedLoader,
     _batch_inputs,
@@ -80,7 +80,6 @@ __all__ = [
     "attached_layout",
     "build_fault",
     "build_manifest",
-    "capabilities",
     "detect_engine",
     "evaluation_section",
     "infer_replicas",

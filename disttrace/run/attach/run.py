@@ -10,9 +10,10 @@ from types import SimpleNamespace
 import torch
 
 from disttrace.errors import BadInput
+from disttrace.run import faults
 from disttrace.run.attach.comm import _dist
 from disttrace.run.attach.engine import Engine
-from disttrace.run.attach.faults import FaultContext, FaultGroup, build_fault, capabilities
+from disttrace.run.attach.faults import FaultContext, FaultGroup, build_fault
 from disttrace.run.attach.loader import LoaderWatch
 from disttrace.run.attach.manifest import SOURCE
 from disttrace.run.attach.points import _ACTIVE, HookPoints, _patch_clip
@@ -88,7 +89,7 @@ class AttachedRun(LoaderWatch, HookPoints, StepCycle):
                 for index, (name, module) in enumerate(blocks)
             ]
         self.comm_hook = self._install_backward_points()
-        self.capabilities = capabilities(engine, self.comm_hook)
+        self.capabilities = faults.attached_capabilities(engine.kind, self.comm_hook)
         self.fault = None
         if fault_spec:
             names = [n for _, n, _ in self.named]
