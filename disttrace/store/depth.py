@@ -1,0 +1,47 @@
+"""Reading a run's depth records (`depth/rank-NNNNN.jsonl`, written by run/depth.py; docs/zoom.md). No torch.
+
+Each line is validated by `store.records.DepthRecord` before any field of it is used, through the run store's
+confined reader (store/safeio.py); a torn last line (a crash mid-write) is reported, not fatal."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from disttrace.store import safeio
+from disttrace.store.records import DepthRecord
+from disttrace.store.rundir import Run, iter_jsonl
+
+KIND = "depth"
+
+
+@dataclass
+class DepthRead:
+    by_rank: dict[int, list[dict]] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def count(self) -> int:
+        return sum(len(v) for v in self.by_rank.values())
+
+
+def read_depth(run: Run) -> DepthRead:
+    """Every rank's depth records, in the order each rank wrote them (execution order)."""
+    out = DepthRead()
+    for rank in run.ranks(KIND):
+        path = run.rank_path(KIND, rank)
+        if safeio.size(path, run.path) > safeio.LIMITS["jsonl"]:
+            from disttrace.errors import BadInput
+
+            raise BadInput(path, "more than a depth file may hold; refused unread")
+        torn: list[str] = []
+        recs = []
+        for n, obj in enumerate(iter_jsonl(path, torn, run.path), 1):
+            DepthRecord.parse_line(obj, path, n)
+            if obj.get("rank") != rank:
+                from disttrace.errors import BadInput
+
+                raise BadInput(path, f"line {n}: a record of rank {obj.get('rank')}", field="rank")
+            recs.append(obj)
+        out.warnings += torn
+        out.by_rank[rank] = recs
+    return out
