@@ -10,7 +10,7 @@ import pytest
 from conftest import DEFAULT, cli
 
 from disttrace.config.manifest import canonical_json, freeze
-from disttrace.errors import EXIT_BAD_INPUT
+from disttrace.errors import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_OK
 
 DEPTH_OP = "record.depth={step = 2, level = 'op'}"
 
@@ -44,3 +44,113 @@ def test_bad_depth_is_one_line_naming_file_and_field(setting, field):
     assert proc.returncode == EXIT_BAD_INPUT
     line = proc.stderr.strip()
     assert len(line.splitlines()) == 1 and "default.toml" in line and field in line, line
+
+
+# ---------------------------------------------------------------- zooming into planted faults
+#
+# The oracle is where the fault was planted (its module, direction, step, rank and micro-batch), never the
+# zoom's own output: `corrupt-module` scales one element of an op's output inside one module's forward, or of
+# the gradient arriving at the module's output in backward.
+
+FFN = "layers.1.feed_forward.w1"
+WQ = "layers.0.attention.wq"
+
+
+def _zoom(a, b, *args, expect) -> dict:
+    proc = cli("zoom", a, b, *args, "--json", timeout=600, check=expect)
+    return orjson.loads(proc.stdout)
+
+
+def _fault(runs, *params):
+    extra = [x for p in params for x in ("--param", p)]
+    return runs.fault("corrupt-module", 3, 1, *extra)
+
+
+def test_zoom_names_the_module_a_forward_corruption_was_planted_in(runs):
+    ref, bad = runs.reference(), _fault(runs, f"module={FFN}")
+    doc = _zoom(ref, bad, "--depth", "module", expect=EXIT_DIVERGED)
+    f = doc["first_divergence"]
+    # diff's own fields first: the block output of layer 1 at the planted coordinates
+    assert (f["step"], f["micro_batch"], f["phase"], f["rank"]) == (3, 0, "forward", 1)
+    assert (f["module"], f["direction"]) == (FFN, "forward")
+    assert "op" not in f and doc["step"] == 3 and doc["depth"] == "module"
+    at = f["at_depth"]
+    assert (at["micro_batch"], at["rank"], at["kind"]) == (0, 1, "module")
+    assert at["a"]["digest"] != at["b"]["digest"] and at["a"]["shape"] == [4, 64, 192]
+    # the depth re-run of the reference computes what the stored reference did, bit for bit
+    deep_ref = doc["deep"]["a"]
+    same = orjson.loads(cli("diff", ref, deep_ref, "--json", check=None).stdout)
+    assert same["equal"] and same["mode"] == "bitwise", same["first_divergence"]
+    assert same["compared_steps"]["last"] == 3
+
+
+def test_a_run_without_depth_recording_writes_no_depth_records(runs):
+    from pathlib import Path
+
+    assert not (Path(runs.reference()) / "depth").exists()
+
+
+@pytest.mark.slow
+def test_op_depth_names_the_op_of_a_forward_corruption(runs):
+    ref, bad = runs.reference(), _fault(runs, f"module={FFN}")
+    f = _zoom(ref, bad, "--depth", "op", expect=EXIT_DIVERGED)["first_divergence"]
+    assert (f["module"], f["direction"], f["op"]) == (FFN, "forward", "aten.mm")
+    assert (f["at_depth"]["micro_batch"], f["at_depth"]["rank"]) == (0, 1)
+    # the op's index among the module call's ops is what the same module runs in the reference
+    assert isinstance(f["op_index"], int) and f["op_index"] >= 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("depth", ["module", "op"])
+def test_zoom_names_the_module_a_backward_corruption_was_planted_in(runs, depth):
+    ref, bad = runs.reference(), _fault(runs, f"module={WQ}", "direction=backward")
+    f = _zoom(ref, bad, "--depth", depth, expect=EXIT_DIVERGED)["first_divergence"]
+    assert (f["step"], f["phase"], f["rank"]) == (3, "backward", 1)
+    # forward agrees everywhere; the first record that differs is the planted gradient's module
+    assert (f["module"], f["direction"]) == (WQ, "backward")
+    if depth == "op":  # the first op of that module's backward consumes the corrupted gradient
+        assert f["op_index"] == 0 and f["op"].startswith("aten.")
+
+
+# ---------------------------------------------------------------- across topologies
+
+DP1 = ("--set", "parallelism.dp=1")
+TP2 = ("--set", "parallelism.dp=1", "--set", "parallelism.tp=2")
+ROW = "layers.0.feed_forward.w2"
+
+
+@pytest.mark.slow
+def test_an_unsummed_row_parallel_output_is_named_against_a_dp1_reference(runs):
+    ref = runs.reference(*DP1)
+    bad = runs.fault("tp-unsummed-row", 2, 0, *TP2, "--param", f"module={ROW}")
+    doc = _zoom(ref, bad, expect=EXIT_DIVERGED)
+    f = doc["first_divergence"]
+    assert doc["mode"] == "numeric" and doc["deep"]["logical"] and f["step"] == 2
+    assert (f["module"], f["direction"]) == (ROW, "forward")
+    at = f["at_depth"]
+    assert at["rel_err"] > at["bound"] > 0 and at["bound_kind"] == "derived"
+    # op depth is for runs of one topology: refused, naming the option
+    proc = cli("zoom", ref, bad, "--depth", "op", "--json")
+    assert proc.returncode == EXIT_BAD_INPUT and "--depth" in proc.stderr and not proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "a_sets, b_sets",
+    [
+        (DP1, TP2),  # tensor parallel: every module's output as logical tensors, shards combined
+        (("--set", "parallelism.dp=1", "--set", "training.micro_batch_size=8"), ()),  # dp=1 vs dp=2
+    ],
+    ids=["tp2-vs-dp1", "dp2-vs-dp1"],
+)
+def test_equivalent_layouts_zoom_equal(runs, a_sets, b_sets):
+    a, b = runs.reference(*a_sets), runs.reference(*b_sets)
+    doc = _zoom(a, b, "--step", "2", expect=EXIT_OK)
+    assert doc["equal"] and doc["first_divergence"] is None and doc["deep"]["logical"]
+    assert doc["deep"]["compared"] > 50  # every module, both directions
+
+
+def test_zoom_refuses_an_unknown_depth(runs):
+    ref = runs.reference()
+    proc = cli("zoom", ref, ref, "--depth", "kernel", "--json")
+    assert proc.returncode == EXIT_BAD_INPUT and "--depth" in proc.stderr and not proc.stdout

@@ -54,7 +54,7 @@ class CorruptModule(Fault):
         "module": "layers.1.feed_forward.w1",
         "direction": "forward",
         "op": "aten.mm",
-        "element": 0,
+        "element": 1000,  # inside the tensor (a causal attention's first position has a zero query gradient)
         "scale": 1.5,
         "micro_batch": 0,
     }
