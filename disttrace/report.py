@@ -28,6 +28,23 @@ def diffs_against_first(run_dirs: list[Path]) -> dict[int, DiffResult | BaseExce
     return out
 
 
+def zooms_of(run_dirs: list[Path], diffs: dict) -> dict:
+    """Run i's zoom into its first divergent step, where `disttrace zoom` already recorded both sides at depth
+    (nothing is launched here: lab/zoom.py's stored_zoom reads the depth runs it finds)."""
+    from disttrace.lab.zoom import stored_zoom
+
+    out: dict = {}
+    for i, d in diffs.items():
+        if isinstance(d, DiffResult) and d.first_divergence is not None:
+            try:
+                z = stored_zoom(d, run_dirs[0], run_dirs[i])
+            except Exception as exc:  # noqa: BLE001 - shown on the page as not zoomed, with why
+                z = exc
+            if z is not None:
+                out[i] = z
+    return out
+
+
 def build_report(run_dirs: list[Path], output: Path) -> Path:
     """Write the report of `run_dirs` (the first is the reference) to `output`, atomically; return its path."""
     if not run_dirs:
@@ -36,7 +53,8 @@ def build_report(run_dirs: list[Path], output: Path) -> Path:
         p
     ) in run_dirs:  # a path that is not a run directory is bad input, before anything is computed
         Run(p)
-    page = render_html(run_dirs, diffs_against_first([Path(p) for p in run_dirs]))
+    diffs = diffs_against_first([Path(p) for p in run_dirs])
+    page = render_html(run_dirs, diffs, zooms_of(run_dirs, diffs))
     from disttrace.store.rundir import write_atomic
 
     output = Path(output)

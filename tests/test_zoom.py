@@ -66,7 +66,7 @@ def _fault(runs, *params):
     return runs.fault("corrupt-module", 3, 1, *extra)
 
 
-def test_zoom_names_the_module_a_forward_corruption_was_planted_in(runs):
+def test_zoom_names_the_module_a_forward_corruption_was_planted_in(runs, tmp_path):
     ref, bad = runs.reference(), _fault(runs, f"module={FFN}")
     doc = _zoom(ref, bad, "--depth", "module", expect=EXIT_DIVERGED)
     f = doc["first_divergence"]
@@ -82,6 +82,14 @@ def test_zoom_names_the_module_a_forward_corruption_was_planted_in(runs):
     same = orjson.loads(cli("diff", ref, deep_ref, "--json", check=None).stdout)
     assert same["equal"] and same["mode"] == "bitwise", same["first_divergence"]
     assert same["compared_steps"]["last"] == 3
+    # one result, three renderings (views/diffparts.py's rows): the terminal, --md (diff --zoom reuses the
+    # depth runs) and the HTML report, which shows the zoom a `zoom` already recorded
+    said = f"step 3: first differs at {FFN}, forward (output)"
+    assert said in cli("zoom", ref, bad, check=EXIT_DIVERGED).stdout
+    assert said in cli("diff", ref, bad, "--zoom", "--md", check=EXIT_DIVERGED).stdout
+    page = tmp_path / "report.html"
+    cli("report", ref, bad, "-o", page, check=0)
+    assert said in page.read_text()
 
 
 def test_a_run_without_depth_recording_writes_no_depth_records(runs):

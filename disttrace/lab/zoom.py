@@ -19,6 +19,7 @@ import orjson
 from disttrace.analysis.diff import diff_runs
 from disttrace.analysis.zoom import DEPTHS, ZoomResult, refuse_op_across, zoom_result
 from disttrace.errors import BadInput, JobFailed
+from disttrace.store.depth import find_depth_run, origin
 from disttrace.store.rundir import LOCK, Run, read_json, write_json_atomic
 
 PRODUCED_BY = "rerun"
@@ -26,6 +27,13 @@ PRODUCED_BY = "rerun"
 
 def _quiet(msg: str) -> None:
     pass
+
+
+def _e(v) -> str:
+    """Progress lines are rich markup; paths in them print as they are."""
+    from disttrace.lab.method import _e as escape
+
+    return escape(v)
 
 
 def depth_frozen(run: Run, step: int, level: str):
@@ -77,33 +85,26 @@ def deep_run(run_dir: Path, step: int, level: str, progress: Callable = _quiet) 
             field="resume",
         )
     if not run.complete:
-        progress(f"[yellow]{run.path} is incomplete: its re-run may stop where it did[/yellow]")
+        progress(f"[yellow]{_e(run.path)} is incomplete: its re-run may stop where it did[/yellow]")
     frozen = depth_frozen(run, step, level)
     data_path, tok_path = verified_data(run)
     frozen.resolved = {"data_path": data_path, "tokenizer_path": tok_path}
-    root = run.path.parent.parent
-    origin = {"depth_of": str(run.path.resolve()), "step": step, "level": level}
-    base = root / frozen.manifest_id[:12]
-    if base.is_dir():
-        for p in sorted(base.iterdir()):
-            try:
-                r = Run(p)
-                if (
-                    r.complete
-                    and r.manifest_id == frozen.manifest_id
-                    and r.info.get("origin") == origin
-                ):
-                    progress(f"depth records of {run.path.name} step {step}: reusing {p}")
-                    return p
-            except BadInput:
-                continue
+    found = find_depth_run(run, step, level)
+    if found is not None and found.manifest_id == frozen.manifest_id:
+        progress(f"depth records of {_e(run.path.name)} step {step}: reusing {_e(found.path)}")
+        return found.path
     kind = info.get("path") or "reference"
-    run_dir = prepare(frozen, root, kind, fault=info.get("fault"), origin=origin)
+    root = run.path.parent.parent
+    run_dir = prepare(
+        frozen, root, kind, fault=info.get("fault"), origin=origin(run.path, step, level)
+    )
     extra = {"stop_after": step}
     if info.get("perturb"):
         extra["perturb"] = info["perturb"]
     write_json_atomic(run_dir / "run.json", {**read_json(run_dir / "run.json"), **extra})
-    progress(f"depth records of {run.path.name} step {step} ({level}): re-running into {run_dir}")
+    progress(
+        f"depth records of {_e(run.path.name)} step {step} ({level}): re-running into {_e(run_dir)}"
+    )
     try:
         launch(run_dir)
     except JobFailed as e:
@@ -139,3 +140,16 @@ def zoom(
     return zoom_result(
         diff, step, depth, (Run(deep_a), Run(deep_b), PRODUCED_BY), rtol=rtol, atol=atol
     )
+
+
+def stored_zoom(diff, run_a: Path, run_b: Path) -> ZoomResult | None:
+    """The zoom of a divergent `diff` from depth runs a `zoom` already made (op depth first), launching
+    nothing: what the HTML report shows. None when there are none."""
+    f = diff.first_divergence
+    if f is None:
+        return None
+    for level in ("op", "module") if diff.topology.same else ("module",):
+        a, b = find_depth_run(Run(run_a), f.step, level), find_depth_run(Run(run_b), f.step, level)
+        if a is not None and b is not None:
+            return zoom_result(diff, f.step, level, (a, b, PRODUCED_BY))
+    return None

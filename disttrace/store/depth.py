@@ -45,3 +45,27 @@ def read_depth(run: Run) -> DepthRead:
         out.warnings += torn
         out.by_rank[rank] = recs
     return out
+
+
+def origin(run_path, step: int, level: str) -> dict:
+    """What a depth run's run.json names as its origin (lab/zoom.py writes it): the run it re-computes."""
+    from pathlib import Path
+
+    return {"depth_of": str(Path(run_path).resolve()), "step": step, "level": level}
+
+
+def find_depth_run(run: Run, step: int, level: str) -> Run | None:
+    """A complete run beside `run` (under the same runs root) that recorded `run`'s `step` at depth `level`,
+    if `zoom` made one; found by the origin its run.json names. Reads run.json files only."""
+    from disttrace.errors import BadInput
+
+    want = origin(run.path, step, level)
+    root = run.path.parent.parent
+    for info in sorted(root.glob("*/*/run.json")):
+        try:
+            r = Run(info.parent)
+            if r.info.get("origin") == want and r.complete:
+                return r
+        except BadInput:
+            continue
+    return None
