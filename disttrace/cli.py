@@ -799,6 +799,12 @@ def lab(
     out: Path = OutOpt,
     json_: bool = JsonOpt,
     quiet: bool = QuietOpt,
+    zoom_: bool = typer.Option(
+        False,
+        "--zoom",
+        help="also zoom into the fault path's first divergent step: the module (and op) inside it",
+    ),
+    depth: str = typer.Option("module", "--depth", help="with --zoom: module | op"),
 ):
     """The whole method in one command: reference (reused if verified), one fault, recover, diff, gate.
     Exit 0 when the attribution is accepted, 1 when not."""
@@ -825,6 +831,7 @@ def lab(
         predict,
         progress=lambda msg: err.print(msg, soft_wrap=True),
         follow=lambda run_dir, path: LiveProgress(run_dir, err, label=path, enabled=not quiet),
+        zoom_depth=depth if zoom_ else None,
     )
     if json_:
         emit_json(result)

@@ -37,10 +37,12 @@ def test_a_manifest_without_depth_keeps_its_id():
         ("record.depth={step = 2, level = 'kernel'}", "record.depth.level"),
         ("record.depth={step = 99}", "record.depth.step"),
         ("record.depth={step = 2, op = true}", "record.depth.op"),
+        ("record.depth={step = 2}\x00parallelism.pp=2", "record.depth"),
     ],
 )
 def test_bad_depth_is_one_line_naming_file_and_field(setting, field):
-    proc = cli("freeze", DEFAULT, "--set", setting)
+    sets = [x for s in setting.split("\x00") for x in ("--set", s)]
+    proc = cli("freeze", DEFAULT, *sets)
     assert proc.returncode == EXIT_BAD_INPUT
     line = proc.stderr.strip()
     assert len(line.splitlines()) == 1 and "default.toml" in line and field in line, line
@@ -162,3 +164,31 @@ def test_zoom_refuses_an_unknown_depth(runs):
     ref = runs.reference()
     proc = cli("zoom", ref, ref, "--depth", "kernel", "--json")
     assert proc.returncode == EXIT_BAD_INPUT and "--depth" in proc.stderr and not proc.stdout
+
+
+@pytest.mark.slow
+def test_lab_zoom_adds_the_module_to_the_fault_path(tmp_path):
+    proc = cli(
+        "lab", DEFAULT, "--set", "training.steps=4", "--set", "checkpoint.interval=2",
+        "--fault", "corrupt-module", "--step", 3, "--rank", 1, "--param", f"module={FFN}",
+        "--zoom", "--json", "--out", tmp_path, timeout=900, check=0,
+    )  # fmt: skip
+    doc = orjson.loads(proc.stdout)
+    f = doc["paths"]["fault"]["first_divergence"]
+    assert doc["accepted"] and (f["step"], f["phase"], f["rank"]) == (3, "forward", 1)
+    assert (f["module"], f["direction"]) == (FFN, "forward")
+
+
+def test_the_lab_table_shows_a_zoomed_divergence_inside_its_step():
+    from disttrace.analysis.result import BoundKind
+    from disttrace.analysis.zoom import ZoomDivergence
+    from disttrace.views.lab import fmt_first
+
+    base = dict(step=3, micro_batch=0, phase="forward", rank=1, tensor="layers.1", index=1, a=None,
+                b=None, rel_err=None, bound=0.0, missing_in=None, note=None,
+                bound_kind=BoundKind.BITWISE)  # fmt: skip
+    assert "in " not in fmt_first(ZoomDivergence(**base))  # not zoomed: diff's coordinates only
+    text = fmt_first(
+        ZoomDivergence(**base, module=FFN, direction="forward", op="aten.mm", op_index=2)
+    )
+    assert text.endswith(f"in {FFN} (forward)\nop aten.mm #2")
