@@ -89,8 +89,8 @@ def deep_run(run_dir: Path, step: int, level: str, progress: Callable = _quiet) 
     frozen = depth_frozen(run, step, level)
     data_path, tok_path = verified_data(run)
     frozen.resolved = {"data_path": data_path, "tokenizer_path": tok_path}
-    found = find_depth_run(run, step, level)
-    if found is not None and found.manifest_id == frozen.manifest_id:
+    found = find_depth_run(run, step, level, frozen.manifest_id)
+    if found is not None:
         progress(f"depth records of {_e(run.path.name)} step {step}: reusing {_e(found.path)}")
         return found.path
     kind = info.get("path") or "reference"
@@ -148,8 +148,15 @@ def stored_zoom(diff, run_a: Path, run_b: Path) -> ZoomResult | None:
     f = diff.first_divergence
     if f is None:
         return None
+    runs = (Run(run_a), Run(run_b))
     for level in ("op", "module") if diff.topology.same else ("module",):
-        a, b = find_depth_run(Run(run_a), f.step, level), find_depth_run(Run(run_b), f.step, level)
+        try:
+            a, b = (
+                find_depth_run(r, f.step, level, depth_frozen(r, f.step, level).manifest_id)
+                for r in runs
+            )
+        except BadInput:  # an attached run, or a lock the harness would not run: no depth run of it
+            return None
         if a is not None and b is not None:
             return zoom_result(diff, f.step, level, (a, b, PRODUCED_BY))
     return None

@@ -54,17 +54,20 @@ def origin(run_path, step: int, level: str) -> dict:
     return {"depth_of": str(Path(run_path).resolve()), "step": step, "level": level}
 
 
-def find_depth_run(run: Run, step: int, level: str) -> Run | None:
-    """A complete run beside `run` (under the same runs root) that recorded `run`'s `step` at depth `level`,
-    if `zoom` made one; found by the origin its run.json names. Reads run.json files only."""
+def find_depth_run(run: Run, step: int, level: str, manifest_id: str) -> Run | None:
+    """The complete run that recorded `run`'s `step` at depth `level`, if `zoom` made one: under the same
+    runs root, in the directory of its depth manifest's id (`manifest_id`, record.depth set), naming `run` as
+    its origin. Reads nothing outside that one directory's run.json files."""
     from disttrace.errors import BadInput
 
     want = origin(run.path, step, level)
-    root = run.path.parent.parent
-    for info in sorted(root.glob("*/*/run.json")):
+    base = run.path.parent.parent / str(manifest_id)[:12]
+    if not safeio.store_name(base.name) or not base.is_dir():
+        return None
+    for info in sorted(base.glob("*/run.json")):
         try:
             r = Run(info.parent)
-            if r.info.get("origin") == want and r.complete:
+            if r.manifest_id == manifest_id and r.info.get("origin") == want and r.complete:
                 return r
         except BadInput:
             continue
