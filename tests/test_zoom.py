@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 
 import orjson
 import pytest
@@ -31,21 +32,28 @@ def test_a_manifest_without_depth_keeps_its_id():
 
 
 @pytest.mark.parametrize(
-    "setting, field",
+    "sets, field",
     [
-        ("record.depth={step = 0}", "record.depth.step"),
-        ("record.depth={step = 2, level = 'kernel'}", "record.depth.level"),
-        ("record.depth={step = 99}", "record.depth.step"),
-        ("record.depth={step = 2, op = true}", "record.depth.op"),
-        ("record.depth={step = 2}\x00parallelism.pp=2", "record.depth"),
+        (["record.depth={step = 0}"], "record.depth.step"),
+        (["record.depth={step = 2, level = 'kernel'}"], "record.depth.level"),
+        (["record.depth={step = 99}"], "record.depth.step"),
+        (["record.depth={step = 2, op = true}"], "record.depth.op"),
+        (["record.depth={step = 2}", "parallelism.pp=2"], "record.depth"),
     ],
 )
-def test_bad_depth_is_one_line_naming_file_and_field(setting, field):
-    sets = [x for s in setting.split("\x00") for x in ("--set", s)]
-    proc = cli("freeze", DEFAULT, *sets)
+def test_bad_depth_is_refused_naming_the_field(sets, field):
+    from disttrace.errors import BadInput
+
+    with pytest.raises(BadInput) as e:
+        freeze(None, sets)
+    assert e.value.field == field and "default.toml" in str(e.value)
+
+
+def test_bad_depth_on_the_command_line_is_one_line_naming_file_and_field():
+    proc = cli("freeze", DEFAULT, "--set", "record.depth={step = 0}")
     assert proc.returncode == EXIT_BAD_INPUT
     line = proc.stderr.strip()
-    assert len(line.splitlines()) == 1 and "default.toml" in line and field in line, line
+    assert len(line.splitlines()) == 1 and "default.toml" in line and "record.depth.step" in line
 
 
 # ---------------------------------------------------------------- zooming into planted faults
@@ -87,11 +95,19 @@ def test_zoom_names_the_module_a_forward_corruption_was_planted_in(runs, tmp_pat
     # one result, three renderings (views/diffparts.py's rows): the terminal, --md (diff --zoom reuses the
     # depth runs) and the HTML report, which shows the zoom a `zoom` already recorded
     said = f"step 3: first differs at {FFN}, forward (output)"
-    assert said in cli("zoom", ref, bad, check=EXIT_DIVERGED).stdout
     assert said in cli("diff", ref, bad, "--zoom", "--md", check=EXIT_DIVERGED).stdout
-    page = tmp_path / "report.html"
-    cli("report", ref, bad, "-o", page, check=0)
-    assert said in page.read_text()
+    from rich.console import Console
+
+    from disttrace.lab.zoom import zoom
+    from disttrace.report import build_report
+    from disttrace.views.zoom import render_rich
+
+    console = Console(record=True, width=200, file=open(os.devnull, "w"))  # noqa: SIM115
+    render_rich(
+        zoom(ref, bad, depth="module"), console
+    )  # the depth runs are reused: nothing launched
+    assert said in console.export_text()
+    assert said in build_report([ref, bad], tmp_path / "report.html").read_text()
 
 
 def test_a_run_without_depth_recording_writes_no_depth_records(runs):
