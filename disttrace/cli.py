@@ -621,6 +621,13 @@ def diff(
     ),
     json_: bool = JsonOpt,
     md: bool = typer.Option(False, "--md", help="print a Markdown table (PR comment)"),
+    zoom_: bool = typer.Option(
+        False,
+        "--zoom",
+        help="also record the first divergent step at depth on both sides and name the first module "
+        "(and op) inside it that differs, as `disttrace zoom` (exit 3: a depth job failed)",
+    ),
+    depth: str = typer.Option("module", "--depth", help="with --zoom: module | op"),
 ):
     """Find the first divergence (step, micro-batch, phase, rank, tensor) between two runs and how it spread.
     Exit 0 equal, 1 divergent, 2 incompatible or unreadable runs."""
@@ -643,6 +650,14 @@ def diff(
             calibration=calibration,
             find_calibration=not no_calibration,
         )
+    if zoom_:
+        from disttrace.lab.zoom import zoom as zoom_runs
+
+        z = zoom_runs(
+            run_a, run_b, depth=depth, rtol=rtol, atol=atol, diff=result, progress=err.print
+        )
+        _show_zoom(z, json_, md)
+        raise typer.Exit(verdict_exit(z.equal))
     if json_:
         emit_json(result)
     elif md:
@@ -655,6 +670,58 @@ def diff(
             ),
         )
     raise typer.Exit(verdict_exit(result.equal))
+
+
+def _show_zoom(z, json_: bool, md: bool) -> None:
+    from disttrace.views.zoom import render_md, render_rich
+
+    if json_:
+        emit_json(z)
+    elif md:
+        print(visible(render_md(z), keep_newlines=True))
+    else:
+        render_rich(
+            z,
+            SafeConsole(
+                stderr=False, no_color=bool(os.environ.get("NO_COLOR")) or None, emoji=False
+            ),
+        )
+
+
+@app.command()
+@handled
+def zoom(
+    run_a: Path = typer.Argument(..., help="first run (usually the reference)"),
+    run_b: Path = typer.Argument(..., help="second run (fault, or another topology)"),
+    depth: str = typer.Option(
+        "module",
+        "--depth",
+        help="module: every module's output and output gradient; op: every aten op's output too "
+        "(runs of one topology)",
+    ),
+    step: int | None = typer.Option(
+        None, "--step", help="zoom into this step (default: diff's first divergent step)"
+    ),
+    mode: str | None = typer.Option(None, "--mode", help="bitwise | numeric, as diff"),
+    rtol: float | None = typer.Option(None, "--rtol", help="numeric: an explicit bound, as diff"),
+    atol: float | None = typer.Option(None, "--atol", help="numeric: absolute part, as diff"),
+    json_: bool = JsonOpt,
+    md: bool = typer.Option(False, "--md", help="print Markdown (PR comment)"),
+):
+    """diff A B, then record the first divergent step at depth on both sides and name the first module (forward
+    in execution order, then backward) and, at op depth, the first op whose output differs (docs/zoom.md).
+    Exit 0 equal, 1 a divergence found, 2 bad input, 3 a depth job failed."""
+    from disttrace.lab.zoom import zoom as zoom_runs
+
+    if mode not in (None, "bitwise", "numeric"):
+        raise BadInput("--mode", f"'{mode}' is not bitwise or numeric")
+    if step is not None and step < 1:
+        raise BadInput("--step", f"step {step} does not exist: steps count from 1")
+    z = zoom_runs(
+        run_a, run_b, depth=depth, step=step, mode=mode, rtol=rtol, atol=atol, progress=err.print
+    )
+    _show_zoom(z, json_, md)
+    raise typer.Exit(verdict_exit(z.equal))
 
 
 @app.command()
@@ -732,6 +799,12 @@ def lab(
     out: Path = OutOpt,
     json_: bool = JsonOpt,
     quiet: bool = QuietOpt,
+    zoom_: bool = typer.Option(
+        False,
+        "--zoom",
+        help="also zoom into the fault path's first divergent step: the module (and op) inside it",
+    ),
+    depth: str = typer.Option("module", "--depth", help="with --zoom: module | op"),
 ):
     """The whole method in one command: reference (reused if verified), one fault, recover, diff, gate.
     Exit 0 when the attribution is accepted, 1 when not."""
@@ -758,6 +831,7 @@ def lab(
         predict,
         progress=lambda msg: err.print(msg, soft_wrap=True),
         follow=lambda run_dir, path: LiveProgress(run_dir, err, label=path, enabled=not quiet),
+        zoom_depth=depth if zoom_ else None,
     )
     if json_:
         emit_json(result)

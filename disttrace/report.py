@@ -17,6 +17,7 @@ from disttrace.analysis.diff import diff_runs
 from disttrace.analysis.facts import CheckpointFacts, checkpoints
 from disttrace.analysis.result import DiffResult
 from disttrace.analysis.sync import Straggler, SyncResult, check_sync, find_stragglers
+from disttrace.analysis.zoom import ZoomResult
 from disttrace.errors import BadInput
 from disttrace.store.rundir import Run
 from disttrace.views.report import render_html
@@ -38,6 +39,8 @@ class ReportFacts:
 
     diffs: dict[int, DiffResult | BaseException]  # run i against the first, i >= 1
     evidence: list[RunEvidence]  # by the runs' positions
+    # run i's zoom into its first divergent step, where `disttrace zoom` already recorded both sides at depth
+    zooms: dict[int, ZoomResult | BaseException] = field(default_factory=dict)
 
 
 def diffs_against_first(run_dirs: list[Path]) -> dict[int, DiffResult | BaseException]:
@@ -77,10 +80,29 @@ def report_facts(
 ) -> ReportFacts:
     """The facts of the page of `run_dirs`: `diffs` if given (run i against the first), else computed."""
     paths = [Path(p) for p in run_dirs]
+    diffs = diffs_against_first(paths) if diffs is None else diffs
     return ReportFacts(
-        diffs=diffs_against_first(paths) if diffs is None else diffs,
-        evidence=[evidence(Run(p)) for p in paths],
+        diffs=diffs, evidence=[evidence(Run(p)) for p in paths], zooms=zooms_of(paths, diffs)
     )
+
+
+def zooms_of(
+    run_dirs: list[Path], diffs: dict[int, DiffResult | BaseException]
+) -> dict[int, ZoomResult | BaseException]:
+    """Run i's zoom into its first divergent step, where `disttrace zoom` already recorded both sides at depth
+    (nothing is launched here: lab/zoom.py's stored_zoom reads the depth runs it finds)."""
+    from disttrace.lab.zoom import stored_zoom
+
+    out: dict[int, ZoomResult | BaseException] = {}
+    for i, d in diffs.items():
+        if isinstance(d, DiffResult) and d.first_divergence is not None:
+            try:
+                z = stored_zoom(d, run_dirs[0], run_dirs[i])
+            except Exception as exc:  # noqa: BLE001 - shown on the page as not zoomed, with why
+                z = exc
+            if z is not None:
+                out[i] = z
+    return out
 
 
 def build_report(run_dirs: list[Path], output: Path) -> Path:

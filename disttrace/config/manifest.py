@@ -266,6 +266,12 @@ def _not_supported_yet(m: Manifest) -> tuple[str, str] | None:
             "record.depth.step",
             f"step {depth.step} is past the run's last step (training.steps = {m.training.steps})",
         )
+    if depth is not None and p.pp > 1:
+        return (
+            "record.depth",
+            "depth recording follows one micro-batch at a time; a pipeline schedule interleaves them "
+            "(not supported yet)",
+        )
     if p.architecture == "allreduce" and p.staleness:
         return "parallelism.staleness", "staleness applies to the parameter server only"
     return None

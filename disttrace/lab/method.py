@@ -141,6 +141,7 @@ def run_lab(
     predict: str | None,
     progress,
     follow=None,
+    zoom_depth: str | None = None,
 ) -> LabResult:
     frozen = freeze(manifest, sets)
     spec = faults.get(fault).spec(step, rank, params, frozen.model())
@@ -184,6 +185,16 @@ def run_lab(
     g_rec = gate(Path(rec_res["run_dir"]), ref) if rec_res else None
 
     sig_ok, sig_why = expected_signature(spec, fault_res, d_fault, d_rec, resume_step)
+    fault_first = d_fault.first_divergence
+    if zoom_depth and fault_first is not None and not fault_res["exit"]:
+        from disttrace.lab.zoom import zoom
+
+        try:  # the module (and op) inside the fault path's first divergent step (docs/zoom.md)
+            fault_first = zoom(
+                ref, fault_dir, depth=zoom_depth, diff=d_fault, progress=progress
+            ).first_divergence
+        except (BadInput, JobFailed) as e:
+            progress(f"[yellow]not zoomed:[/yellow] {_e(e)}")
     if spec["expect"] == "resume:optimizer":
         recovered_ok = True  # the counter-example: its recovery is supposed to diverge
     else:
@@ -197,7 +208,7 @@ def run_lab(
             run_dir=str(fault_dir),
             exit=fault_res["exit"],
             final_loss=final_loss(fault_dir),
-            first_divergence=d_fault.first_divergence,
+            first_divergence=fault_first,
             gate=g_fault.passed,
             gate_failed=[c.name for c in g_fault.checks if c.passed is False],
         ),

@@ -1255,3 +1255,7 @@ class FaultyDevice(Fault):
         for name, module in model.named_modules():
             if isinstance(module, kind):
                 module.register_forward_hook(lambda m, i, o, name=name: corrupt(name, m, i, o))
+
+
+# faults that act inside one module (what `zoom` names): their own file, registered in the same catalog
+from disttrace.run import module_faults  # noqa: E402, F401

@@ -148,6 +148,22 @@ def run(run_dir: Path) -> None:
                 magnitudes = Magnitudes(run_dir, rank, model, every=record.every).attach(bus)
             else:
                 magnitudes = None
+            if (
+                record.depth is not None
+            ):  # one step recorded at depth (docs/zoom.md); else no hooks at all
+                from disttrace.run.depth import DepthRecorder
+
+                DepthRecorder(
+                    run_dir,
+                    rank,
+                    model,
+                    record.depth.step,
+                    record.depth.level,
+                    dp=manifest.parallelism.dp,
+                    dp_rank=coords["dp"],
+                    micro_batch_size=manifest.training.micro_batch_size,
+                    global_batch=manifest.global_batch,
+                ).attach(bus)
             strategy = build_strategy(manifest, model, mesh, bus)
             groups = {**topo["groups"], "world": [list(range(world))]}
             ledger = attach_observers(

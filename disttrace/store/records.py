@@ -432,3 +432,48 @@ def parse_doc(model: type[_L], obj: Any, path) -> _L:
         raise BadInput(path, f"'{field}' {err['msg'].lower()}", field=field) from None
     out._read = obj
     return out
+
+
+# ---------------------------------------------------------------- depth records (docs/zoom.md)
+
+DEPTH_DIRECTIONS = ("forward", "backward")
+DEPTH_KINDS = ("module", "op")
+
+
+class DepthShard(_Line):
+    offset: list[StrictInt]
+    logical_shape: list[StrictInt]
+
+
+class DepthRecord(_Line):
+    """A line of depth/rank-N.jsonl (run/depth.py): one tensor inside the step recorded at depth.
+
+    `module`: a module's forward output (direction forward) or the gradient with respect to it (backward),
+    `module` its path in the plain model and `call` which of its calls in the micro-batch; `op`: an aten op's
+    output, `module` the innermost module it ran in (backward: the module whose output gradient arrived last)
+    and `op_index` its place among that module call's ops. `seq`: execution order inside (micro_batch,
+    direction) on this rank. `shard` places the tensor in the step's logical tensor (the batch dimension over
+    the step's micro-batches and data-parallel ranks, DTensor shards over tp); `weight` turns this rank's
+    statistics into the logical tensor's (an output gradient of a local mean loss: 1 / dp)."""
+
+    step: StrictInt = NonNegative
+    micro_batch: StrictInt = NonNegative
+    rank: StrictInt = NonNegative
+    direction: str = Field(pattern="^(forward|backward)$")
+    kind: str = Field(pattern="^(module|op)$")
+    seq: StrictInt = NonNegative
+    module: StrictStr
+    call: StrictInt = NonNegative
+    op: StrictStr | None = None
+    op_index: StrictInt | None = Field(default=None, ge=0)
+    output: StrictInt = NonNegative
+    dtype: StrictStr
+    shape: list[StrictInt]
+    numel: StrictInt = NonNegative
+    digest: StrictStr
+    sum: Number | None = None
+    norm: Number | None = None
+    sketch: list[Number] | None = None
+    nonfinite: StrictInt = 0
+    shard: DepthShard | None = None
+    weight: Number = 1.0

@@ -135,3 +135,58 @@ def cell(entry: RankEntry | None) -> Cell:
     if entry.hard or not rel:
         return Cell(CellClass.HARD, None, entry)
     return Cell(CellClass.BEYOND, digits, entry)
+
+
+# ---------------------------------------------------------------- zoom (docs/zoom.md)
+
+
+def zoom_headline(z) -> str:
+    """What the zoom found inside the step, in one line (a `ZoomResult`)."""
+    return f"ZOOM ({z.depth} depth): {z.inside}"
+
+
+def zoom_rows(z) -> list[tuple[str, str]]:
+    """(label, text) rows of where inside the step the runs first differ, and where the records came from."""
+    f, d = z.first_divergence, z.deep
+    rows: list[tuple[str, str]] = []
+    at = f.at_depth if f is not None else None
+    if at is not None:
+        rows.append(("module", f.module or "(outside every module)"))
+        rows.append(
+            (
+                "direction",
+                f"{f.direction} ({'output gradient' if f.direction == 'backward' else 'output'})",
+            )
+        )
+        if f.op is not None:
+            rows.append(("op", f"{f.op} (index {f.op_index} in its module call)"))
+        rows.append(
+            (
+                "where",
+                "logical tensor over the step's batch (both layouts' pieces combined)"
+                if at.micro_batch is None
+                else f"micro-batch {at.micro_batch} · rank {at.rank} · call {at.call}",
+            )
+        )
+    if d is not None:
+        rows.append(
+            (
+                "depth records",
+                f"A {d.a} ({d.records.a}), B {d.b} ({d.records.b}); {d.compared} compared; "
+                + ("re-run from the start" if d.produced_by == "rerun" else d.produced_by),
+            )
+        )
+    return rows
+
+
+def zoom_ab_rows(z) -> list[Row]:
+    """Both sides' values at the first deep record that differs (the A/B rows of `ab_rows`)."""
+    f = z.first_divergence
+    return ab_rows(f.at_depth) if f is not None and f.at_depth is not None else []
+
+
+def zoom_error_text(z) -> str | None:
+    f = z.first_divergence
+    if f is None or f.at_depth is None:
+        return None
+    return error_text(f.at_depth, z.mode)

@@ -15,7 +15,13 @@ __all__ = ["escape", "fmt_first", "render", "render_labs"]
 def fmt_first(f: Divergence | None) -> str:
     if not f:
         return "none"
-    return f"step {f.step} mb {f.micro_batch} {f.phase} rank {f.rank}\n{f.tensor}"
+    text = f"step {f.step} mb {f.micro_batch} {f.phase} rank {f.rank}\n{f.tensor}"
+    module = getattr(f, "module", None)  # a zoomed divergence (lab --zoom): where inside the step
+    if module is not None:
+        text += f"\nin {module or '(outside every module)'} ({f.direction})"
+        if getattr(f, "op", None):
+            text += f"\nop {f.op} #{f.op_index}"
+    return text
 
 
 def render(result: LabResult, console) -> None:

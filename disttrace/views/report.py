@@ -27,7 +27,17 @@ from disttrace.errors import BadInput
 from disttrace.fmt import abbrev, fmt_number, ranges, where
 from disttrace.store.records import FAILURE_EVENTS, FaultEvent, Topology, TopologyRank, Verdict
 from disttrace.store.rundir import Run
-from disttrace.views.diffparts import CellClass, ab_rows, cell, error_text, tolerance_text
+from disttrace.views.diffparts import (
+    CellClass,
+    ab_rows,
+    cell,
+    error_text,
+    tolerance_text,
+    zoom_ab_rows,
+    zoom_error_text,
+    zoom_headline,
+    zoom_rows,
+)
 
 if TYPE_CHECKING:
     from disttrace.report import ReportFacts, RunEvidence
@@ -697,7 +707,7 @@ def _loss_table(series: list[tuple[_R, dict[int, float]]]) -> str:
     )
 
 
-def _divergence(rs: list[_R], diffs: dict[int, Any]) -> str:
+def _divergence(rs: list[_R], diffs: dict[int, Any], zooms: dict[int, Any] | None = None) -> str:
     if len(rs) < 2:
         return _nr("one run only: nothing to diff against the reference")
     out = []
@@ -713,6 +723,11 @@ def _divergence(rs: list[_R], diffs: dict[int, Any]) -> str:
             out.append(_nr("not compared"))
         else:
             out.append(_guard("the diff", _one_diff, d))
+            z = (zooms or {}).get(r.index)
+            if isinstance(z, BaseException):
+                out.append(_err("not zoomed", z))
+            elif z is not None:
+                out.append(_guard("the zoom", _one_zoom, z))
         out.append("</div>")
     return "".join(out)
 
@@ -773,6 +788,31 @@ def _one_diff(d: DiffResult) -> str:
             + "</details>"
         )
     for w in d.warnings:
+        out.append(f'<p class="warn">warning: {e(w)}</p>')
+    return "".join(out)
+
+
+def _one_zoom(z) -> str:
+    """Where inside the first divergent step the runs first differ (views/diffparts.py's zoom rows)."""
+    f = z.first_divergence
+    bad = f is not None and f.at_depth is not None
+    out = [f'<p class="verdict {"bad" if bad else "ok"}">{e(zoom_headline(z))}</p>']
+    rows = [[e(label), e(text)] for label, text in zoom_rows(z)]
+    if rows:
+        out.append(_table(("", ""), rows))
+    ab = [
+        [
+            e(row.label),
+            *(f"<code>{e(x)}</code>" if row.code else _td_num(e(x)) for x in (row.a, row.b)),
+        ]
+        for row in zoom_ab_rows(z)
+    ]
+    if ab:
+        out.append(
+            '<div class="row"><div>' + _table(("", "A (reference)", "B"), ab) + "</div>"
+            f'<div class="muted">{e(zoom_error_text(z))}</div></div>'
+        )
+    for w in z.warnings:
         out.append(f'<p class="warn">warning: {e(w)}</p>')
     return "".join(out)
 
@@ -1206,7 +1246,9 @@ SECTIONS = (
 
 def render_html(run_dirs: list[Path | str], facts: ReportFacts) -> str:
     """The report page as a string (disttrace/report.py gathers `facts` and writes it). facts.diffs[i]: run i
-    against the first run, or why it could not be compared; facts.evidence[i]: what analysis found of run i."""
+    against the first run, or why it could not be compared; facts.evidence[i]: what analysis found of run i;
+    facts.zooms[i]: its zoom into the first divergent step (analysis/zoom.py's ZoomResult, or why it could
+    not be read), where `disttrace zoom` recorded both sides at depth."""
     if not run_dirs:
         raise BadInput("RUN", "give at least one run directory (the first is the reference)")
     paths = [Path(p) for p in run_dirs]
@@ -1225,7 +1267,7 @@ def render_html(run_dirs: list[Path | str], facts: ReportFacts) -> str:
         "manifest": _guard("the manifest", _manifest, rs),
         "topology": _guard("the topology", _topology, rs),
         "loss": _guard("the losses", _loss, rs),
-        "divergence": _guard("the divergence", _divergence, rs, diffs),
+        "divergence": _guard("the divergence", _divergence, rs, diffs, facts.zooms),
         "memory": _guard("the memory ledger", _memory, rs),
         "collectives": _guard("the collective trace", _collectives, rs),
         "checkpoints": _guard("the checkpoints", _checkpoints, rs),
