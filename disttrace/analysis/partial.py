@@ -59,6 +59,9 @@ MAX_PARTIAL_BYTES = (
 MAX_PARTIALS = 65_536
 MAX_SPEC_ITEMS = 4096  # comma-separated items of a --ranks / --steps spec
 MAX_STEP = 1 << 40
+MAX_STEPS_HELD = (
+    20_000_000  # rank-steps a partial's step lists may name in all (expanded in memory)
+)
 
 
 class WorkerFailed(DisttraceError):
@@ -191,10 +194,27 @@ def _trivial(rs) -> bool:
     )
 
 
+def _equal_spans(pairs) -> list[list[int]]:
+    """(rank, total) pairs -> [[first rank, last rank, total], ...] of consecutive ranks with one total."""
+    out: list[list[int]] = []
+    for r, t in sorted(pairs):
+        if out and out[-1][1] + 1 == r and out[-1][2] == t:
+            out[-1][1] = r
+        else:
+            out.append([r, r, t])
+    return out
+
+
+def _span_ranks(spans) -> list[int]:
+    return [r for lo, hi, _ in spans for r in range(lo, hi + 1)]
+
+
+def _step_ranks(e: dict) -> list[int]:
+    return sorted([r for r, _ in e["ranks"]] + _span_ranks(e["equal"]))
+
+
 def _enc_rank(rs):
-    """A rank's result at one step: its total alone when nothing differed, else every field the fold reads."""
-    if _trivial(rs):
-        return int(rs.total)
+    """A rank's result at one step (one where something was not bit-equal): every field the fold reads."""
     return {
         "d": int(rs.differing),
         "t": int(rs.total),
@@ -210,8 +230,6 @@ def _enc_rank(rs):
 
 
 def _dec_rank(v):
-    if isinstance(v, int):
-        return D._RankStep(v)
     rs = D._RankStep(v["t"])
     rs.differing, rs.inexact, rs.hard = v["d"], v["i"], v["h"]
     rs.max_ratio = _uf(v["mx"])
@@ -242,7 +260,12 @@ def _enc_step(o: D.StepOutcome) -> dict:
         "step": int(o.step),
         "read": int(o.read),
         "io": [int(ra), int(ha), int(rb), int(hb)],
-        "ranks": [[int(r), _enc_rank(rs)] for r, rs in o.per_rank.items()],
+        # ranks where nothing differed as spans of (first, last, records each): a bitwise run's equal steps
+        # cost a few numbers however many ranks; the others in the order the comparison gave them
+        "equal": _equal_spans(
+            (int(r), int(rs.total)) for r, rs in o.per_rank.items() if _trivial(rs)
+        ),
+        "ranks": [[int(r), _enc_rank(rs)] for r, rs in o.per_rank.items() if not _trivial(rs)],
         "kinds": [[p, n, k] for (p, n), k in kinds.items()],
         "bounds": [[p, _f(look.compare_bound(o.step, p))] for p in phases],
         "events": [[k, t] for k, t in o.events],
@@ -265,7 +288,9 @@ class _Look:
         return k
 
     def compare_bound(self, step: int, phase: str):
-        return self.bounds.get(phase)
+        if phase not in self.bounds:
+            raise BadInput("--merge", f"step {step}: no bound for {phase}", field="bounds")
+        return self.bounds[phase]
 
     def derived(self, step: int, phase: str):
         return None  # only a default the fold never takes: every phase's error carries its bound
@@ -387,13 +412,20 @@ def _share(task: dict) -> dict:
     if task["steps"] is not None:
         want = set(task["steps"])
         steps = [s for s in steps if s in want]
+    if task.get("share") is not None:  # the K-th of N machines' share of the steps
+        k, n = task["share"]
+        steps = steps[k * len(steps) // n : (k + 1) * len(steps) // n]
     if (
         task["part"] is not None
     ):  # a share of the steps: contiguous, so a block of steps stays together
         k, n = task["part"]
         steps = steps[k * len(steps) // n : (k + 1) * len(steps) // n]
     ranks = sorted(only & set(st.ranks)) if only is not None else st.ranks
-    cover_steps = steps if (task["steps"] is not None or task["part"] is not None) else None
+    cover_steps = (
+        steps
+        if (task["steps"] is not None or task["part"] is not None or task.get("share"))
+        else None
+    )
     return _payload(st, st.outcomes(steps), ranks, cover_steps, opts)
 
 
@@ -426,12 +458,33 @@ def _run_shares(tasks: list[dict], jobs: int) -> list[dict]:
     return [r[1] for r in results]
 
 
-def _plan(a, b, opts: dict, jobs: int, ranks: list[int] | None, steps: list[int] | None):
-    """The shares: ranks split where the topologies are the same (each process reads only its ranks), steps
-    across topologies (a step's ranks are read together)."""
+def _plan(
+    a,
+    b,
+    opts: dict,
+    jobs: int,
+    ranks: list[int] | None,
+    steps: list[int] | None,
+    share: tuple[int, int] | None = None,
+):
+    """The processes' shares: ranks split where the topologies are the same (each process reads only its
+    ranks), steps across topologies (a step's ranks are read together). `share` (k, n): the k-th of n equal
+    shares of the ranks (or, across topologies, of the steps), for the k-th of n machines."""
     st = _setup(a, b, opts, only=set(), compare=False)
     everyone = sorted(set(st.side_a.all_ranks) | set(st.side_b.all_ranks))
-    base = {"a": str(a), "b": str(b), "opts": opts}
+    base = {"a": str(a), "b": str(b), "opts": opts, "share": None}
+    if share is not None:
+        k, n = share
+        if st.logical:
+            base["share"] = share
+        else:
+            ranks = everyone[k * len(everyone) // n : (k + 1) * len(everyone) // n]
+            if not ranks:
+                raise BadInput(
+                    "--share",
+                    f"share {k}/{n} holds no rank: the runs have {len(everyone)} rank(s); "
+                    "give at most that many shares",
+                )
     if ranks is not None:
         if st.logical:
             raise BadInput(
@@ -439,14 +492,12 @@ def _plan(a, b, opts: dict, jobs: int, ranks: list[int] | None, steps: list[int]
                 "a diff across topologies reads every rank of a step together (a logical tensor is "
                 "combined from several ranks' shards, replicas are checked against each other); "
                 "split it by steps with --steps",
-                field="ranks",
             )
         chosen = [r for r in ranks if r in set(everyone)]
         if not chosen:
             raise BadInput(
                 "--ranks",
                 f"names none of the runs' ranks ({ranges(everyone) or 'none'})",
-                field="ranks",
             )
     else:
         chosen = everyone
@@ -498,11 +549,17 @@ def _combine(payloads: list[dict]) -> dict:
         for e in p["steps"]:
             cur = merged.get(e["step"])
             if cur is None:
-                merged[e["step"]] = {**e, "io": list(e["io"]), "ranks": list(e["ranks"])}
+                merged[e["step"]] = {
+                    **e,
+                    "io": list(e["io"]),
+                    "ranks": list(e["ranks"]),
+                    "equal": list(e["equal"]),
+                }
                 continue
             cur["read"] += e["read"]
             cur["io"] = [x + y for x, y in zip(cur["io"], e["io"])]
             cur["ranks"] = cur["ranks"] + e["ranks"]
+            cur["equal"] = cur["equal"] + e["equal"]
             cur["kinds"] = cur["kinds"] + e["kinds"]
             cur["bounds"] = cur["bounds"] + e["bounds"]
             cur["events"] = cur["events"] + e["events"]
@@ -510,6 +567,7 @@ def _combine(payloads: list[dict]) -> dict:
     if by_rank:  # one process compares a step's ranks in rank order
         for e in merged.values():
             e["ranks"].sort(key=lambda rv: rv[0])
+            e["equal"] = _equal_spans((r, t) for lo, hi, t in e["equal"] for r in range(lo, hi + 1))
     out["steps"] = [merged[s] for s in sorted(merged)]
     return out
 
@@ -566,7 +624,7 @@ def _fold(payload: dict, whole: bool) -> DiffResult:
         if not run["logical"]:  # one process compares every rank at every step
             of = _unspan(payload["covers"]["of_ranks"])
             for s in steps:
-                got = [r for r, _ in have[s]["ranks"]]
+                got = _step_ranks(have[s])
                 if got != of:
                     raise BadInput(
                         "--merge",
@@ -585,6 +643,11 @@ def _fold(payload: dict, whole: bool) -> DiffResult:
         )
         io = ((e["io"][0], e["io"][1]), (e["io"][2], e["io"][3]))
         per_rank = {r: _dec_rank(v) for r, v in e["ranks"]}
+        for lo, hi, total in e[
+            "equal"
+        ]:  # (where nothing differed, the order of ranks does not matter)
+            for r in range(lo, hi + 1):
+                per_rank[r] = D._RankStep(total)
         fold.add(
             D.StepOutcome(
                 s, per_rank, e["read"], io, [tuple(x) for x in e["events"]], e["both"], look
@@ -592,6 +655,10 @@ def _fold(payload: dict, whole: bool) -> DiffResult:
         )
     t = dict(run["tolerance"])
     t["kind"] = BoundKind(t["kind"])
+    grid = _unspan(run["grid_ranks"])
+    if not whole and payload["covers"]["steps"] is None:  # a share of ranks draws only its own rows
+        mine = set(_unspan(payload["covers"]["ranks"]))
+        grid = [r for r in grid if r in mine]
     return D._result(
         fold,
         mode=run["mode"],
@@ -599,7 +666,7 @@ def _fold(payload: dict, whole: bool) -> DiffResult:
         b=summaries["b"],
         topo_differs=run["topology_differs"],
         compared=compared,
-        ranks=_unspan(run["grid_ranks"]),
+        ranks=grid,
         tolerance=Tolerance(**t),
         use_index=run["use_index"],
         warnings=warnings,
@@ -628,6 +695,14 @@ class PartialDiff:
         self.result = _fold(payload, whole=False)
 
     @property
+    def covered(self) -> str:
+        """What it read, in words: 'ranks 0..63' or 'steps 1..500'."""
+        cov = self.payload["covers"]
+        if cov["steps"] is None:
+            return f"ranks {ranges(_unspan(cov['ranks']))}"
+        return f"steps {ranges(_unspan(cov['steps']))}"
+
+    @property
     def diverged(self) -> bool:
         return self.result.first_divergence is not None
 
@@ -647,15 +722,34 @@ class PartialDiff:
         return dumps(self.to_dict())
 
 
+def parse_share(text: str) -> tuple[int, int]:
+    """'3/16' -> (3, 16): the 3rd (from 0) of 16 shares; anything else is BadInput naming --share."""
+    k, sep, n = text.strip().partition("/")
+    if not (sep and k.strip().isdigit() and n.strip().isdigit()):
+        raise BadInput("--share", f"{text!r} is not K/N (this machine's index from 0, of N)")
+    k_, n_ = int(k), int(n)
+    if not 0 <= k_ < n_ or n_ > MAX_WORLD:
+        raise BadInput("--share", f"{text!r}: K/N needs 0 <= K < N <= {MAX_WORLD}")
+    return k_, n_
+
+
 def diff_partial(
-    a, b, *, ranks: list[int] | None = None, steps: list[int] | None = None, jobs: int = 1, **opts
+    a,
+    b,
+    *,
+    ranks: list[int] | None = None,
+    steps: list[int] | None = None,
+    share: tuple[int, int] | None = None,
+    jobs: int = 1,
+    **opts,
 ) -> PartialDiff:
-    """What `ranks` (same topology) or `steps` of the comparison show, for a later merge_partials."""
+    """What `ranks` (same topology), `steps`, or the k-th of n `share`s of the comparison show, for a later
+    merge_partials."""
     if jobs < 1:
         raise BadInput("--jobs", f"must be at least 1 (got {jobs})", field="jobs")
-    if ranks is not None and steps is not None:
-        raise BadInput("--ranks", "give --ranks or --steps, not both", field="ranks")
-    tasks, _ = _plan(a, b, opts, jobs, ranks, steps)
+    if sum(x is not None for x in (ranks, steps, share)) > 1:
+        raise BadInput("--ranks", "give one of --ranks, --steps and --share")
+    tasks, _ = _plan(a, b, opts, jobs, ranks, steps, share)
     return PartialDiff(_combine(_run_shares(tasks, jobs)))
 
 
@@ -724,8 +818,18 @@ class _Step(_M):
     step: Annotated[int, Field(strict=True, ge=0, le=MAX_STEP)]
     read: Annotated[int, Field(strict=True, ge=0)]
     io: Annotated[list[Annotated[int, Field(strict=True, ge=0)]], Field(min_length=4, max_length=4)]
+    equal: Annotated[
+        list[
+            tuple[
+                Annotated[int, Field(strict=True, ge=0, lt=MAX_WORLD)],
+                Annotated[int, Field(strict=True, ge=0, lt=MAX_WORLD)],
+                Annotated[int, Field(strict=True, ge=0)],
+            ]
+        ],
+        Field(max_length=MAX_WORLD),
+    ]
     ranks: Annotated[
-        list[tuple[Annotated[int, Field(strict=True, ge=0, lt=MAX_WORLD)], StrictInt | _Rank]],
+        list[tuple[Annotated[int, Field(strict=True, ge=0, lt=MAX_WORLD)], _Rank]],
         Field(max_length=MAX_WORLD),
     ]
     kinds: Annotated[
@@ -825,11 +929,8 @@ class _Payload(_M):
 def _read_partial(path: Path) -> dict:
     import orjson
 
-    try:
-        with safeio.open_file(path, None, MAX_PARTIAL_BYTES) as f:
-            data = f.read(MAX_PARTIAL_BYTES + 1)
-    except FileNotFoundError:
-        raise BadInput(path, "no such partial document") from None
+    with safeio.open_file(path, None, MAX_PARTIAL_BYTES) as f:  # a regular file, size-capped
+        data = f.read(MAX_PARTIAL_BYTES + 1)
     if len(data) > MAX_PARTIAL_BYTES:
         raise BadInput(path, f"more than the {MAX_PARTIAL_BYTES} bytes a partial document may hold")
     try:
@@ -854,7 +955,39 @@ def _read_partial(path: Path) -> dict:
         raise BadInput(path, err["msg"].lower(), field=loc) from None
     if set(payload["sides"]) != {"a", "b"}:
         raise BadInput(path, "must hold sides a and b", field="partial.sides")
+    _check_sizes(payload, path)
     return payload
+
+
+def _span_count(spans, path, field: str, limit: int) -> int:
+    """How many numbers `spans` name: each span low to high, all of them at most `limit` (they are
+    expanded in memory)."""
+    n = 0
+    for lo, hi, *_ in spans:
+        if hi < lo:
+            raise BadInput(path, f"a span runs from {lo} down to {hi}", field=field)
+        n += hi - lo + 1
+        if n > limit:
+            raise BadInput(path, f"names more than {limit}", field=field)
+    return n
+
+
+def _check_sizes(p: dict, path) -> None:
+    for k in ("ranks", "of_ranks"):
+        _span_count(p["covers"][k], path, f"partial.covers.{k}", MAX_WORLD)
+    if p["covers"]["steps"] is not None:
+        _span_count(p["covers"]["steps"], path, "partial.covers.steps", MAX_STEPS_HELD)
+    _span_count(p["run"]["grid_ranks"], path, "partial.run.grid_ranks", MAX_WORLD)
+    held = 0
+    for label in ("a", "b"):
+        side = p["sides"][label]
+        _span_count(side["all_ranks"], path, f"partial.sides.{label}.all_ranks", MAX_WORLD)
+        for _, spans in side["rank_steps"]:
+            held += _span_count(
+                spans, path, f"partial.sides.{label}.rank_steps", MAX_STEPS_HELD - held
+            )
+    for n, e in enumerate(p["steps"]):
+        _span_count(e["equal"], path, f"partial.steps.{n}.equal", MAX_WORLD)
 
 
 def _belongs(first: dict, p: dict, where: Path, first_where: Path) -> None:
@@ -925,7 +1058,7 @@ def merge_partials(paths: list[Path | str]) -> DiffResult:
             }
             if not held <= set(mine):
                 raise BadInput(where, "holds ranks it does not cover", field="partial.sides")
-            if any(r not in set(mine) for e in p["steps"] for r, _ in e["ranks"]):
+            if any(r not in set(mine) for e in p["steps"] for r in _step_ranks(e)):
                 raise BadInput(
                     where, "holds results of ranks it does not cover", field="partial.steps"
                 )

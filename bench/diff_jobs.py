@@ -1,0 +1,107 @@
+"""diff --jobs N against one process, on the same stores (docs/scale.md).
+
+Writes synthetic run stores with the recorder's own writer (bench/diff_speed.py's `write_runs`: a
+reference, a fault run with one bit changed late, a noisy run whose every value is rounded differently,
+and a run of another topology), then runs each comparison in fresh processes, one process and `--jobs N`
+alternately (`--repeat` times each, medians), through the CLI (`disttrace diff A B --json`) as a user
+would, and prints the wall times, their ratio and whether the two `--json` documents are byte-identical:
+
+  full     bitwise to the planted divergence, then propagation over every later step (ranks split)
+  numeric  every record of both runs read and held to the derived bound (ranks split)
+  cross    across topologies: logical tensors of every rank (steps split)
+
+It also prints the machine's load average before and after: on a shared machine the ratio is only as
+good as the cores the processes actually got.
+
+    python bench/diff_jobs.py [--jobs 2] [--ranks 8] [--steps 200] [--records 500] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from diff_speed import write_runs  # noqa: E402
+
+
+def run_cli(a: Path, b: Path, extra: list[str]) -> tuple[float, str, int]:
+    t0 = time.perf_counter()
+    p = subprocess.run(
+        [sys.executable, "-m", "disttrace", "diff", str(a), str(b), "--json", *extra],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    dt = time.perf_counter() - t0
+    if p.returncode not in (0, 1):
+        raise SystemExit(f"diff {' '.join(extra)} failed ({p.returncode}): {p.stderr[-500:]}")
+    return dt, p.stdout, p.returncode
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--records", type=int, default=500, help="records per rank and step")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--only", default="full,numeric,cross", help="which comparisons")
+    ap.add_argument(
+        "--dir", default=None, help="where to write the runs (default: a temporary one)"
+    )
+    args = ap.parse_args()
+    root = Path(args.dir or tempfile.mkdtemp(prefix="disttrace-jobs-"))
+    try:
+        t0 = time.perf_counter()
+        plant = (max(1, args.steps - 10), args.ranks - 1, args.records // 2)
+        dirs, planted = write_runs(root, args.ranks, args.steps, args.records, plant)
+        n_run = args.ranks * args.steps * args.records
+        print(
+            f"wrote 4 runs x {n_run:,} records ({args.ranks} ranks x {args.steps} steps x "
+            f"{args.records} records) in {time.perf_counter() - t0:.1f} s; planted: step "
+            f"{planted[0]} rank {planted[1]}; {os.cpu_count()} CPUs, load average "
+            f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+        )
+        pairs = {
+            "full": (dirs["reference"], dirs["fault"]),
+            "numeric": (dirs["reference"], dirs["noisy"]),
+            "cross": (dirs["reference"], dirs["half"]),
+        }
+        extra = {"full": [], "numeric": ["--mode", "numeric"], "cross": []}
+        for name in args.only.split(","):
+            a, b = pairs[name]
+            one_t, many_t, same = [], [], True
+            for _ in range(args.repeat):  # alternately, so a change of load hits both
+                t, doc1, rc1 = run_cli(a, b, extra[name])
+                one_t.append(t)
+                t, docn, rcn = run_cli(a, b, [*extra[name], "--jobs", str(args.jobs)])
+                many_t.append(t)
+                same = same and doc1 == docn and rc1 == rcn
+            m1, mn = statistics.median(one_t), statistics.median(many_t)
+            print(
+                f"{name:>8}: one process {m1:6.2f} s, --jobs {args.jobs} {mn:6.2f} s: "
+                f"{m1 / mn:4.2f}x  (runs {', '.join(f'{x:.2f}' for x in one_t)} | "
+                f"{', '.join(f'{x:.2f}' for x in many_t)}); --json identical: {same}",
+                flush=True,
+            )
+            if not same:
+                raise SystemExit(f"{name}: --jobs {args.jobs} printed another document")
+        print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    finally:
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
