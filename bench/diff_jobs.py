@@ -33,18 +33,27 @@ sys.path.insert(0, str(ROOT / "bench"))
 from diff_speed import write_runs  # noqa: E402
 
 
-def run_cli(a: Path, b: Path, extra: list[str]) -> tuple[float, str, int]:
+def run_cli(a: Path, b: Path, extra: list[str]) -> tuple[float, str, int, float]:
+    """(wall seconds, stdout, exit code, peak RSS in MiB of the largest of the command's processes)."""
     t0 = time.perf_counter()
-    p = subprocess.run(
-        [sys.executable, "-m", "disttrace", "diff", str(a), str(b), "--json", *extra],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
-    dt = time.perf_counter() - t0
-    if p.returncode not in (0, 1):
-        raise SystemExit(f"diff {' '.join(extra)} failed ({p.returncode}): {p.stderr[-500:]}")
-    return dt, p.stdout, p.returncode
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        p = subprocess.Popen(
+            [sys.executable, "-m", "disttrace", "diff", str(a), str(b), "--json", *extra],
+            stdout=out,
+            stderr=err,
+            cwd=ROOT,
+        )
+        _, status, usage = os.wait4(
+            p.pid, 0
+        )  # its own and its reaped descendants' (the workers) peak
+        dt = time.perf_counter() - t0
+        rc = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read().decode(), err.read().decode()
+    if rc not in (0, 1):
+        raise SystemExit(f"diff {' '.join(extra)} failed ({rc}): {stderr[-500:]}")
+    return dt, stdout, rc, usage.ru_maxrss / 1024
 
 
 def main() -> None:
@@ -81,18 +90,21 @@ def main() -> None:
         extra = {"full": [], "numeric": ["--mode", "numeric"], "cross": []}
         for name in args.only.split(","):
             a, b = pairs[name]
-            one_t, many_t, same = [], [], True
+            one_t, many_t, rss1, rssn, same = [], [], [], [], True
             for _ in range(args.repeat):  # alternately, so a change of load hits both
-                t, doc1, rc1 = run_cli(a, b, extra[name])
+                t, doc1, rc1, m = run_cli(a, b, extra[name])
                 one_t.append(t)
-                t, docn, rcn = run_cli(a, b, [*extra[name], "--jobs", str(args.jobs)])
+                rss1.append(m)
+                t, docn, rcn, m = run_cli(a, b, [*extra[name], "--jobs", str(args.jobs)])
                 many_t.append(t)
+                rssn.append(m)
                 same = same and doc1 == docn and rc1 == rcn
             m1, mn = statistics.median(one_t), statistics.median(many_t)
             print(
                 f"{name:>8}: one process {m1:6.2f} s, --jobs {args.jobs} {mn:6.2f} s: "
                 f"{m1 / mn:4.2f}x  (runs {', '.join(f'{x:.2f}' for x in one_t)} | "
-                f"{', '.join(f'{x:.2f}' for x in many_t)}); --json identical: {same}",
+                f"{', '.join(f'{x:.2f}' for x in many_t)}); peak RSS of the largest process "
+                f"{max(rss1):.0f} vs {max(rssn):.0f} MiB; --json identical: {same}",
                 flush=True,
             )
             if not same:

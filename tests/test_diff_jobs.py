@@ -103,6 +103,8 @@ def _oracle(result, planted) -> None:
 
 
 def _shares(case: str) -> list[dict]:
+    if case.endswith("-equal") and case != "bitwise-equal":  # --share K/N: ranks, or steps across
+        return [{"share": (0, 2)}, {"share": (1, 2)}]
     if case.startswith("cross"):
         return [{"steps": [1, 2, 3]}, {"steps": list(range(4, STEPS + 1))}]
     return [{"ranks": [0, 3]}, {"ranks": [1, 2]}]  # interleaved: the merge puts ranks in order
@@ -167,11 +169,16 @@ def test_rank_specs(spec, want):
 
 
 @pytest.mark.parametrize("spec", ["", "a", "1-", "-1", "3-1", "1,,2", "+1", "0-99999999999", "1.5"])
-def test_a_bad_spec_is_one_line_naming_the_option(stores, spec):
+def test_a_bad_spec_is_one_line_naming_the_option(spec):
     with pytest.raises(BadInput, match=r"^--ranks: "):
         partial.parse_spec(spec, "--ranks")
-    p = cli("diff", str(stores["a"]), str(stores["same"]), f"--ranks={spec}")
-    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "--ranks" in p.stderr
+
+
+def test_the_cli_refuses_a_bad_spec_in_one_line(stores):
+    for args in (["--ranks=3-1"], ["--share", "2/2"]):
+        p = cli("diff", str(stores["a"]), str(stores["same"]), *args)
+        assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+        assert p.stderr.startswith(f"error: {args[0].split('=')[0]}: "), p.stderr
 
 
 def test_ranks_across_topologies_are_refused(stores):

@@ -447,11 +447,15 @@ def _context():
 
 
 def _run_shares(tasks: list[dict], jobs: int) -> list[dict]:
+    """Every task's payload, in order: this process computes the first share while the pool (started
+    meanwhile) computes the others."""
     if len(tasks) == 1:
         results = [_work(tasks[0])]
     else:
-        with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=_context()) as ex:
-            results = list(ex.map(_work, tasks))
+        workers = max(1, min(jobs - 1, len(tasks) - 1))
+        with ProcessPoolExecutor(max_workers=workers, mp_context=_context()) as ex:
+            pending = [ex.submit(_work, t) for t in tasks[1:]]
+            results = [_work(tasks[0])] + [f.result() for f in pending]
     for r in results:
         if r[0] == "error":
             raise WorkerFailed(r[1], r[2])
