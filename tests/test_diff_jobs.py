@@ -14,7 +14,7 @@ import shutil
 import orjson
 import pytest
 from conftest import cli
-from test_diff_synthetic import digest, gen_records, manifest, shard_records, write_run
+from test_diff_synthetic import FORMAT, digest, gen_records, manifest, shard_records, write_run
 from test_json_contract import DIFFS, ZERO1, _golden, _named
 
 from disttrace.analysis import partial
@@ -65,6 +65,14 @@ def stores(tmp_path_factory):
     # 1 and 2 alone cannot know
     short = {r: [x for x in v if r != 3 or x["step"] <= 6] for r, v in recs.items()}
     s["incomplete"] = write_run(root / "incomplete", m, short, kind="fault", complete=False)
+    FORMAT["suffix"] = (
+        ".jsonl"  # the JSON lines of stores written before the Arrow stream: the record path
+    )
+    try:
+        s["ja"] = write_run(root / "ja", m, recs)
+        s["jplanted"] = write_run(root / "jplanted", m, _planted(recs, PLANT, 1.0))
+    finally:
+        FORMAT["suffix"] = ".arrows"
     ma = manifest(**{"parallelism.dp": 1, "training.grad_accum_steps": 2, "training.steps": STEPS})
     mb = manifest(**{"parallelism.tp": 2, "training.steps": STEPS})
     halves = {0: 0, 1: 1, 2: 0, 3: 1}  # B: tp=2 x dp=2, optimizer state in halves
@@ -86,6 +94,7 @@ CASES = [
     ("numeric-planted", "a", "planted", {"mode": "numeric"}, PLANT[:3]),
     ("numeric-equal", "a", "noisy", {"mode": "numeric"}, None),
     ("bitwise-incomplete", "a", "incomplete", {}, None),
+    ("numeric-planted-jsonl", "ja", "jplanted", {"mode": "numeric"}, PLANT[:3]),
     ("cross-equal", "xa", "xb", {}, None),
     # the tampered half is rank 1's, but a logical tensor's divergence is B's lowest rank holding it
     ("cross-planted", "xa", "xc", {}, (PLANT_X[0], 0, PLANT_X[2])),
