@@ -65,6 +65,8 @@ def stores(tmp_path_factory):
     # 1 and 2 alone cannot know
     short = {r: [x for x in v if r != 3 or x["step"] <= 6] for r, v in recs.items()}
     s["incomplete"] = write_run(root / "incomplete", m, short, kind="fault", complete=False)
+    # rank 3 wrote no trajectory at all: its records are missing in A
+    s["three"] = write_run(root / "three", m, {r: v for r, v in recs.items() if r != 3})
     FORMAT["suffix"] = (
         ".jsonl"  # the JSON lines of stores written before the Arrow stream: the record path
     )
@@ -95,6 +97,7 @@ CASES = [
     ("numeric-equal", "a", "noisy", {"mode": "numeric"}, None),
     ("bitwise-incomplete", "a", "incomplete", {}, None),
     ("numeric-planted-jsonl", "ja", "jplanted", {"mode": "numeric"}, PLANT[:3]),
+    ("bitwise-rank-missing", "three", "a", {}, (1, 3, "data")),
     ("cross-equal", "xa", "xb", {}, None),
     # the tampered half is rank 1's, but a logical tensor's divergence is B's lowest rank holding it
     ("cross-planted", "xa", "xc", {}, (PLANT_X[0], 0, PLANT_X[2])),
@@ -112,6 +115,8 @@ def _oracle(result, planted) -> None:
 
 
 def _shares(case: str) -> list[dict]:
+    if case == "bitwise-rank-missing":  # a share of the rank A lacks, alone
+        return [{"ranks": [0, 1, 2]}, {"ranks": [3]}]
     if case.endswith("-equal") and case != "bitwise-equal":  # --share K/N: ranks, or steps across
         return [{"share": (0, 2)}, {"share": (1, 2)}]
     if case.startswith("cross"):

@@ -1651,6 +1651,10 @@ class _Setup:
         self.n_pre = len(warnings)
         side_a.load()
         side_b.load()
+        if only is not None:  # a side that holds none of these ranks does not limit their steps
+            for x, y in ((side_a, side_b), (side_b, side_a)):
+                if not x.ranks and x.all_ranks:
+                    x.steps = y.steps
         self.n_loaded = len(warnings)
         self.rtol, self.atol, self.use_index = rtol, atol, use_index
         self.ma, self.mb = ma, mb = side_a.manifest, side_b.manifest

@@ -591,11 +591,18 @@ def _fold(payload: dict, whole: bool) -> DiffResult:
     run = payload["run"]
     warnings = list(run["pre"])
     views, summaries = {}, {}
+    held = {
+        label: {r: _unspan(s) for r, s in payload["sides"][label]["rank_steps"]}
+        for label in ("a", "b")
+    }
     for label in ("a", "b"):
         f = payload["sides"][label]
-        rank_steps = {r: _unspan(s) for r, s in f["rank_steps"]}
+        rank_steps = held[label]
         all_ranks = _unspan(f["all_ranks"])
         steps = D.common_steps(rank_steps[r] for r in sorted(rank_steps))
+        if not rank_steps and all_ranks and not whole:  # a share of ranks this side lacks
+            other = held["b" if label == "a" else "a"]
+            steps = D.common_steps(other[r] for r in sorted(other))
         rw = dict((r, w) for r, w in f["rank_warnings"])
         for r in sorted(rank_steps):
             warnings.extend(rw.get(r, ()))
