@@ -1082,11 +1082,10 @@ def merge_partials(paths: list[Path | str]) -> DiffResult:
                 field="ranks",
             )
     else:
-        held_steps = sorted(seen)
         for p, where in zip(payloads, paths):
-            if any(e["step"] not in set(_unspan(p["covers"]["steps"])) for e in p["steps"]):
+            mine = set(_unspan(p["covers"]["steps"]))
+            if any(e["step"] not in mine for e in p["steps"]):
                 raise BadInput(
                     where, "holds results of steps it does not cover", field="partial.steps"
                 )
-        del held_steps
     return _fold(_combine(payloads), whole=True)
