@@ -1,7 +1,8 @@
 """disttrace command line. Human output goes to stderr (rich); stdout carries what pipelines consume:
 the run directory as the last line of a run command, or exactly one JSON document with --json.
 
-Exit codes: 0 ok/equal/pass, 1 divergence or failed gate, 2 bad input, 3 the distributed job failed.
+Exit codes: 0 ok/equal/pass, 1 divergence or failed gate, 2 bad input, 3 the distributed job failed,
+4 a partial diff (some ranks or steps) that found no divergence: no verdict.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ app = typer.Typer(
     "inject one fault, recover, diff to the first divergence, and gate the result.",
     epilog="Start: `disttrace run` (the embedded default manifest), then `disttrace lab --list`. "
     "Exit codes: 0 ok / equal / pass, 1 divergence or failed gate, 2 bad input (one line naming the file "
-    "and field), 3 the distributed job failed. --json prints one JSON document on stdout; a run command's "
+    "and field), 3 the distributed job failed, 4 a partial diff without divergence (no verdict). --json "
+    "prints one JSON document on stdout; a run command's "
     "last stdout line is its run directory.",
 )
 # emoji off: a ":smile:" in a tensor name or a path prints as written
@@ -591,8 +593,12 @@ def faults_cmd(json_: bool = JsonOpt):
 @app.command()
 @handled
 def diff(
-    run_a: Path = typer.Argument(..., help="first run (usually the reference)"),
-    run_b: Path = typer.Argument(..., help="second run (fault, recovered, or another topology)"),
+    runs: list[Path] = typer.Argument(
+        ...,
+        help="run A (usually the reference) and run B (fault, recovered, or another topology); "
+        "with --merge, the partial documents to combine",
+        show_default=False,
+    ),
     mode: str | None = typer.Option(
         None,
         "--mode",
@@ -619,6 +625,36 @@ def diff(
     no_calibration: bool = typer.Option(
         False, "--no-calibration", help="numeric: ignore a calibration found beside the runs"
     ),
+    jobs: int = typer.Option(
+        1,
+        "--jobs",
+        "-j",
+        help="compare in N processes (ranks split between them when the topologies are the "
+        "same, steps across topologies); the result is the one-process result",
+    ),
+    ranks: str | None = typer.Option(
+        None,
+        "--ranks",
+        help="a partial diff of these ranks only, e.g. 0-63 or 0,2,4-7 (same topology): its --json "
+        "is a partial document for --merge; exit 1 if they diverge, 4 (no verdict) if not",
+    ),
+    steps: str | None = typer.Option(
+        None,
+        "--steps",
+        help="a partial diff of these steps only (any topology; every rank read), e.g. 1-500",
+    ),
+    share: str | None = typer.Option(
+        None,
+        "--share",
+        help="K/N: a partial diff of the K-th (from 0) of N equal shares of the ranks (of the steps "
+        "across topologies), e.g. a cluster node's index and the node count",
+    ),
+    merge: bool = typer.Option(
+        False,
+        "--merge",
+        help="combine partial documents (`--ranks`/`--steps` ... --json) covering every rank or "
+        "step once into the whole result",
+    ),
     json_: bool = JsonOpt,
     md: bool = typer.Option(False, "--md", help="print a Markdown table (PR comment)"),
     zoom_: bool = typer.Option(
@@ -630,45 +666,118 @@ def diff(
     depth: str = typer.Option("module", "--depth", help="with --zoom: module | op"),
 ):
     """Find the first divergence (step, micro-batch, phase, rank, tensor) between two runs and how it spread.
-    Exit 0 equal, 1 divergent, 2 incompatible or unreadable runs."""
+    Exit 0 equal, 1 divergent, 2 incompatible or unreadable runs, 4 a partial diff without divergence."""
     from disttrace.analysis.diff import diff_runs
     from disttrace.views.diff import render_md, render_rich
 
+    if jobs < 1:
+        raise BadInput("--jobs", f"must be at least 1 (got {jobs})")
+    if zoom_ and (merge or ranks is not None or steps is not None or share is not None):
+        raise BadInput("--zoom", "zooms into two whole runs, not a partial or merged diff")
+    if merge:
+        given = [
+            name
+            for name, v in (
+                ("--mode", mode),
+                ("--rtol", rtol),
+                ("--atol", atol),
+                ("--calibration", calibration),
+                ("--ranks", ranks),
+                ("--steps", steps),
+                ("--share", share),
+            )
+            if v is not None
+        ] + [
+            name
+            for name, v in (
+                ("--allow-edition-mismatch", allow_edition_mismatch),
+                ("--no-calibration", no_calibration),
+                ("--jobs", jobs != 1),
+            )
+            if v
+        ]
+        if given:
+            raise BadInput(
+                "--merge",
+                f"takes partial documents only, not {', '.join(given)}: the partials were made with "
+                "their options, and a merge uses theirs",
+            )
+    elif len(runs) != 2:
+        raise BadInput(
+            " ".join(str(r) for r in runs) or "diff",
+            f"takes two runs A B (got {len(runs)}), or --merge PARTIAL.json...",
+        )
     if mode not in (None, "bitwise", "numeric"):
         raise BadInput("--mode", f"'{mode}' is not bitwise or numeric")
-    from disttrace.views.progress import StepBar
+    opts = dict(
+        mode=mode,
+        rtol=rtol,
+        atol=atol,
+        allow_edition_mismatch=allow_edition_mismatch,
+        calibration=calibration,
+        find_calibration=not no_calibration,
+    )
+    part = None
+    if merge:
+        from disttrace.analysis.partial import merge_partials
 
-    with StepBar(err, "diff") as on_step:  # a terminal only; a pipe or CI sees nothing
-        result = diff_runs(
-            run_a,
-            run_b,
-            mode=mode,
-            rtol=rtol,
-            atol=atol,
-            allow_edition_mismatch=allow_edition_mismatch,
-            on_step=on_step,
-            calibration=calibration,
-            find_calibration=not no_calibration,
+        result = merge_partials(runs)
+    elif ranks is not None or steps is not None or share is not None:
+        from disttrace.analysis.partial import diff_partial, parse_share, parse_spec
+
+        part = diff_partial(
+            runs[0],
+            runs[1],
+            ranks=parse_spec(ranks, "--ranks") if ranks is not None else None,
+            steps=parse_spec(steps, "--steps", limit=1 << 22) if steps is not None else None,
+            share=parse_share(share) if share is not None else None,
+            jobs=jobs,
+            **opts,
         )
+        result = part.result
+    elif jobs > 1:
+        result = diff_runs(runs[0], runs[1], jobs=jobs, **opts)
+    else:
+        from disttrace.views.progress import StepBar
+
+        with StepBar(err, "diff") as on_step:  # a terminal only; a pipe or CI sees nothing
+            result = diff_runs(runs[0], runs[1], on_step=on_step, **opts)
+    what = part.covered if part is not None else None
     if zoom_:
         from disttrace.lab.zoom import zoom as zoom_runs
 
         z = zoom_runs(
-            run_a, run_b, depth=depth, rtol=rtol, atol=atol, diff=result, progress=err.print
+            runs[0], runs[1], depth=depth, rtol=rtol, atol=atol, diff=result, progress=err.print
         )
         _show_zoom(z, json_, md)
         raise typer.Exit(verdict_exit(z.equal))
     if json_:
-        emit_json(result)
+        emit_json(part if part is not None else result)
     elif md:
-        print(visible(render_md(result), keep_newlines=True))
+        print(visible(render_md(result, partial=what), keep_newlines=True))
     else:
         render_rich(
             result,
             SafeConsole(
                 stderr=False, no_color=bool(os.environ.get("NO_COLOR")) or None, emoji=False
             ),
+            partial=what,
         )
+    if part is not None:
+        err.print(
+            Text(
+                f"partial diff of {what}: "
+                + (
+                    "they diverge (so do the runs)"
+                    if part.diverged
+                    else "no divergence there, no verdict on the rest"
+                )
+                + "; `disttrace diff --merge` of every share gives the whole result",
+                style="yellow",
+            ),
+            soft_wrap=True,
+        )
+        raise typer.Exit(part.exit_code)
     raise typer.Exit(verdict_exit(result.equal))
 
 

@@ -6,6 +6,9 @@ EXIT_BAD_INPUT = (
     2  # unreadable/invalid manifest, incompatible runs, unknown fault, corrupt checkpoint
 )
 EXIT_JOB_FAILED = 3  # the distributed job itself failed (a rank died, a collective timed out)
+# a partial diff (`diff --ranks` / `--steps`) that found no divergence in what it read: no verdict on the rest,
+# so never 0; `diff --merge` of the partials gives the verdict (a partial that diverges exits 1)
+EXIT_PARTIAL = 4
 EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT (128 + 2)
 
 

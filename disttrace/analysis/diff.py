@@ -84,9 +84,18 @@ class _Side:
     With ``use_index`` the index is the recorder's ``rank-NNNNN.steps.jsonl``. Without it (or when a rank
     has none), the index is rebuilt by scanning the trajectory's lines for their step number, and carries
     no digests, so every step is read and compared record by record (the baseline the bench measures).
+    ``only`` restricts what is read to those ranks (a partial diff, or one process of ``--jobs``); what the
+    side says of the whole run (its ranks, the ranks its world lacks) still counts every rank's file.
     """
 
-    def __init__(self, label: str, path: str | Path, use_index: bool, warnings: list[str]):
+    def __init__(
+        self,
+        label: str,
+        path: str | Path,
+        use_index: bool,
+        warnings: list[str],
+        only: set[int] | None = None,
+    ):
         self.label = label
         self.run = Run(path)
         self.path = self.run.path
@@ -98,46 +107,50 @@ class _Side:
         self.resume_step = int(resume.get("step") or 0) if isinstance(resume, dict) else 0
         self.resume_checkpoint = resume.get("checkpoint") if isinstance(resume, dict) else None
         self.complete = self.run.complete
-        self.ranks = self.run.ranks()
+        self.all_ranks = self.run.ranks()
+        self.ranks = [r for r in self.all_ranks if only is None or r in only]
         self.use_index = use_index
         self.hash_checked = 0  # step ranges whose bytes were checked against the index's sha256
         self.index: dict[int, dict[int, dict]] = {}
         self.steps: list[int] = []
         self.records_read = 0  # trajectory records parsed (the `records_read` of the result)
+        # per step: [records parsed, step ranges hash-checked], so results of different ranks combine exactly
+        self.io: dict[int, list[int]] = {}
+        self.rank_warnings: dict[int, list[str]] = {}  # what reading each rank's index said
         self._paths: dict[int, Path] = {}
         self._last_bytes: tuple[tuple[int, int], bytes] | None = None
 
     def load(self) -> None:
         """Read (or rebuild) the step index of every rank; called after the compatibility check."""
-        label, warnings = self.label, self.warnings
-        self.index = {r: self._load_index(r, self.use_index) for r in self.ranks}
-        if not self.ranks:
-            warnings.append(f"run {label} ({self.path}) has no trajectory files")
-        world = self.run.world_size
-        missing = [r for r in range(world) if r not in self.index]
-        if missing and self.ranks:
-            warnings.append(
-                f"run {label}: no trajectory for rank(s) {missing} of world size {world}"
-            )
-        steps: set[int] | None = None
+        warnings = self.warnings
         for r in self.ranks:
-            s = set(self.index[r])
-            steps = s if steps is None else steps & s
-        self.steps = sorted(steps or ())
-        if not self.complete:
-            last = self.steps[-1] if self.steps else None
-            warnings.append(
-                f"run {label} is incomplete (no COMPLETE marker): "
-                + (
-                    f"its records stop at step {last}"
-                    if last is not None
-                    else "it has no full step"
-                )
+            mark = len(warnings)
+            self.index[r] = self._load_index(r, self.use_index)
+            self.rank_warnings[r] = warnings[mark:]
+        self.steps = common_steps(self.index[r] for r in self.ranks)
+        warnings.extend(
+            side_warnings(
+                self.label,
+                self.path,
+                self.all_ranks,
+                self.run.world_size,
+                self.complete,
+                self.steps,
             )
+        )
 
     @property
     def manifest(self) -> dict:
         return self.run.manifest_doc
+
+    def _count(self, step: int, records: int = 0, hashed: int = 0) -> None:
+        self.records_read += records
+        self.hash_checked += hashed
+        io = self.io.get(step)
+        if io is None:
+            io = self.io[step] = [0, 0]
+        io[0] += records
+        io[1] += hashed
 
     def _load_index(self, rank: int, use_index: bool) -> dict[int, dict]:
         traj = self.run.trajectory_path(rank)
@@ -244,7 +257,8 @@ class _Side:
                 f"step {step}: the bytes differ from the hash "
                 "in the step index (edited after the run; see `disttrace verify`)",
             )
-        self.hash_checked += ok is True
+        if ok is True:
+            self._count(step, hashed=1)
 
     def records(self, rank: int, step: int) -> list[dict]:
         e = self.entry(rank, step)
@@ -252,7 +266,7 @@ class _Side:
             return []
         self.check_step(rank, step)
         recs = self.run.records_of_range(rank, e["offset"], e["length"], e.get("step"))
-        self.records_read += len(recs)
+        self._count(step, records=len(recs))
         return recs
 
     def traj_path(self, rank: int) -> Path:
@@ -270,7 +284,7 @@ class _Side:
         b = trajectory.decode_step(
             path, data, f"step {step} (bytes {e['offset']}..{e['offset'] + e['length']})"
         )
-        self.records_read += b.num_rows
+        self._count(step, records=b.num_rows)
         return b
 
     def describe(self) -> SideSummary:
@@ -280,9 +294,39 @@ class _Side:
             complete=self.complete,
             manifest_id=self.run.manifest_id,
             resume_step=self.resume_step or None,
-            ranks=self.ranks,
+            ranks=self.all_ranks,
             steps=[self.steps[0], self.steps[-1]] if self.steps else None,
         )
+
+
+def common_steps(indexes) -> list[int]:
+    """The steps every one of `indexes` (step -> entry, or a collection of steps) holds, in order."""
+    steps: set[int] | None = None
+    for index in indexes:
+        s = set(index)
+        steps = s if steps is None else steps & s
+    return sorted(steps or ())
+
+
+def side_warnings(
+    label: str, path, all_ranks: list[int], world: int, complete: bool, steps: list[int]
+) -> list[str]:
+    """What a side says of the whole run once its ranks' indexes are read: no trajectory at all, the ranks its
+    world lacks, incomplete (where its records stop)."""
+    out = []
+    if not all_ranks:
+        out.append(f"run {label} ({path}) has no trajectory files")
+    have = set(all_ranks)
+    missing = [r for r in range(world) if r not in have]
+    if missing and all_ranks:
+        out.append(f"run {label}: no trajectory for rank(s) {missing} of world size {world}")
+    if not complete:
+        last = steps[-1] if steps else None
+        out.append(
+            f"run {label} is incomplete (no COMPLETE marker): "
+            + (f"its records stop at step {last}" if last is not None else "it has no full step")
+        )
+    return out
 
 
 def _line_step(line: bytes) -> int:
@@ -814,6 +858,54 @@ def _fold_columns(
 # ---------------------------------------------------------------- logical tensors (across topologies)
 
 
+class StepWarnings:
+    """What comparing one step across topologies warns of, each warning with its kind, and the phases both
+    runs record. The comparison's driver replays them in step order (`Warned`), so results of steps compared
+    in different processes warn as one process would."""
+
+    __slots__ = ("events", "both", "_counts")
+
+    def __init__(self):
+        self.events: list[
+            tuple[str, str]
+        ] = []  # (kind, text); kind "phase:<name>" is warned once a run
+        self.both: set[str] = set()
+        self._counts: dict[str, int] = {}
+
+    def wants(self, kind: str) -> bool:
+        """Whether a capped warning of `kind` could still be printed (none beyond the cap in one step)."""
+        return self._counts.get(kind, 0) < MAX_WARNINGS_OF_A_KIND
+
+    def capped(self, kind: str, text: str) -> None:
+        self._counts[kind] = self._counts.get(kind, 0) + 1
+        self.events.append((kind, text))
+
+    def phase(self, phase: str, text: str) -> None:
+        self.events.append(("phase:" + phase, text))
+
+
+class Warned:
+    """The comparison's warnings replayed in step order: a phase one run lacks once, at most
+    MAX_WARNINGS_OF_A_KIND of each other kind."""
+
+    def __init__(self, warnings: list[str]):
+        self.warnings = warnings
+        self.counts: dict[str, int] = {}
+        self.phases: set[str] = set()
+        self.both: set[str] = set()
+
+    def replay(self, events, both) -> None:
+        self.both.update(both)
+        for kind, text in events:
+            if kind.startswith("phase:"):
+                if kind not in self.phases:
+                    self.phases.add(kind)
+                    self.warnings.append(text)
+            elif self.counts.get(kind, 0) < MAX_WARNINGS_OF_A_KIND:
+                self.counts[kind] = self.counts.get(kind, 0) + 1
+                self.warnings.append(text)
+
+
 class _Logical:
     """One logical tensor of one step and phase on one side: its shards (distinct offsets, lowest rank
     wins) or, for a replicated tensor, each rank's copy."""
@@ -896,13 +988,11 @@ def _step_records(side: _Side, step: int) -> tuple[dict[int, list[dict]], dict |
 
 
 def _compare_logical_step(
-    step: int, a: _Side, b: _Side, tol: _Tol, warnings: list[str], warned: dict, phases_seen: dict
+    step: int, a: _Side, b: _Side, tol: _Tol, ev: StepWarnings
 ) -> dict[int, _RankStep]:
     recs_a, batches_a = _step_records(a, step)
     recs_b, batches_b = _step_records(b, step)
-    out = _compare_logical_tensors(
-        step, recs_a, batches_a, recs_b, batches_b, tol, warnings, warned, phases_seen
-    )
+    out = _compare_logical_tensors(step, recs_a, batches_a, recs_b, batches_b, tol, ev)
     if tol.mode == "numeric":
         _compare_losses(step, _losses(recs_a, batches_a), _losses(recs_b, batches_b), tol, out)
     return out
@@ -950,12 +1040,10 @@ def _compare_losses(step: int, la: dict, lb: dict, tol: _Tol, out: dict) -> None
 
 
 def _compare_logical_tensors(
-    step, recs_a, batches_a, recs_b, batches_b, tol, warnings, warned, phases_seen
+    step, recs_a, batches_a, recs_b, batches_b, tol, ev: StepWarnings
 ) -> dict[int, _RankStep]:
     if batches_a is not None and batches_b is not None:
-        out = _compare_logical_step_columns(
-            step, batches_a, batches_b, tol, warnings, warned, phases_seen
-        )
+        out = _compare_logical_step_columns(step, batches_a, batches_b, tol, ev)
         if out is not None:
             return out
     if batches_a is not None:
@@ -965,12 +1053,10 @@ def _compare_logical_tensors(
     la = _logicals(recs_a, CROSS_TOPOLOGY_PHASES)
     lb = _logicals(recs_b, CROSS_TOPOLOGY_PHASES)
     pa, pb = {p for p, _ in la}, {p for p, _ in lb}
-    phases_seen.setdefault("both", set()).update(pa & pb)
+    ev.both.update(pa & pb)
     for p in pa ^ pb:  # a phase one side does not record at all: nothing to compare it with
-        if p not in phases_seen:
-            phases_seen[p] = True  # warned once
-            side = "A" if p not in pa else "B"
-            warnings.append(f"run {side} records no '{p}' phase: that phase is not compared")
+        side = "A" if p not in pa else "B"
+        ev.phase(p, f"run {side} records no '{p}' phase: that phase is not compared")
     out: dict[int, _RankStep] = {}
 
     def rank_step(r: int) -> _RankStep:
@@ -998,21 +1084,17 @@ def _compare_logical_tensors(
             if x is None or (side == "B" and len(units) > 1):
                 continue
             for r, r0 in _replica_mismatches(x.recs):
-                if warned.setdefault("replica", 0) < MAX_WARNINGS_OF_A_KIND:
-                    warned["replica"] += 1
-                    warnings.append(
+                if ev.wants("replica"):
+                    ev.capped(
+                        "replica",
                         f"run {side}: step {step} {phase} {name}: rank {r.get('rank')}'s copy differs "
-                        f"from rank {r0.get('rank')}'s (replicas should be bit-identical)"
+                        f"from rank {r0.get('rank')}'s (replicas should be bit-identical)",
                     )
         for side, v in (("A", va), ("B", vb)):
-            if (
-                v is not None
-                and not v[2]
-                and warned.setdefault("cover", 0) < MAX_WARNINGS_OF_A_KIND
-            ):
-                warned["cover"] += 1
-                warnings.append(
-                    f"run {side}: step {step} {phase} {name}: the shards do not cover the logical shape"
+            if v is not None and not v[2] and ev.wants("cover"):
+                ev.capped(
+                    "cover",
+                    f"run {side}: step {step} {phase} {name}: the shards do not cover the logical shape",
                 )
         for rank, ra, rb in units:
             rs = rank_step(rank)
@@ -1063,9 +1145,7 @@ def _compare_logical_step_columns(
     batches_a: dict,
     batches_b: dict,
     tol: _Tol,
-    warnings: list[str],
-    warned: dict,
-    phases_seen: dict,
+    ev: StepWarnings,
 ) -> dict[int, _RankStep] | None:
     """_compare_logical_step column-wise, for tensors that are whole on every rank (replicas: A's lowest
     rank's copy is the logical value, each of B's copies is compared with it); None hands the step to the
@@ -1077,13 +1157,12 @@ def _compare_logical_step_columns(
         set(pc.unique(xa.column("phase")).to_pylist()),
         set(pc.unique(xb.column("phase")).to_pylist()),
     )
-    phases_seen.setdefault("both", set()).update(pa_ & pb_)
+    ev.both.update(pa_ & pb_)
     for p in sorted(pa_ ^ pb_, key=lambda p: (_phase_order(p), p)):
-        if p not in phases_seen:
-            phases_seen[p] = True
-            warnings.append(
-                f"run {'A' if p not in pa_ else 'B'} records no '{p}' phase: that phase is not compared"
-            )
+        ev.phase(
+            p,
+            f"run {'A' if p not in pa_ else 'B'} records no '{p}' phase: that phase is not compared",
+        )
     if pa_ != pb_:
         both = pa.array(sorted(pa_ & pb_), pa.string())
         xa = xa.filter(pc.is_in(xa.column("phase"), value_set=both))
@@ -1096,7 +1175,7 @@ def _compare_logical_step_columns(
     first_a = np.asarray(
         pc.index_in(logical_a, value_set=key_a).to_numpy(zero_copy_only=False), dtype=np.int64
     )
-    _replica_warnings(xa, key_a, xb, key_b, logical_a, warnings, warned)
+    _replica_warnings(xa, key_a, xb, key_b, logical_a, ev)
     match = pc.index_in(key_b, value_set=logical_a)
     matched = np.asarray(match.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
     in_b = np.asarray(
@@ -1190,7 +1269,7 @@ def _replica_mismatch_rows(side: str, x, keys) -> list[tuple]:
     return out
 
 
-def _replica_warnings(xa, key_a, xb, key_b, logical_a, warnings, warned) -> None:
+def _replica_warnings(xa, key_a, xb, key_b, logical_a, ev: StepWarnings) -> None:
     """A's replicas, and B's of the tensors A lacks (B's other copies are each compared with A's value)."""
     found = _replica_mismatch_rows("A", xa, key_a)
     only_b = ~np.asarray(
@@ -1200,9 +1279,8 @@ def _replica_warnings(xa, key_a, xb, key_b, logical_a, warnings, warned) -> None
         rows = pa.array(np.nonzero(only_b)[0])
         found += _replica_mismatch_rows("B", xb.take(rows), key_b.take(rows))
     for _, text in sorted(found, key=lambda f: f[0]):
-        if warned.setdefault("replica", 0) < MAX_WARNINGS_OF_A_KIND:
-            warned["replica"] += 1
-            warnings.append(text)
+        if ev.wants("replica"):
+            ev.capped("replica", text)
 
 
 # ---------------------------------------------------------------- the comparison
@@ -1475,6 +1553,220 @@ def _tolerance_doc(
     )
 
 
+class StepOutcome:
+    """One compared step as the fold reads it: each rank's result (in the order the comparison produced
+    them), the (step, rank) pairs read, each side's [records parsed, ranges hash-checked], the warnings the
+    step raised, the phases both runs record (across topologies), and where the bounds come from (`look`:
+    `.user`, `.kind(step, phase, name)`, `.compare_bound(step, phase)`, `.derived(step, phase)`; the
+    comparison's `_Tol` in the process that compared it, a table of the same answers in a merge)."""
+
+    __slots__ = ("step", "per_rank", "read", "io", "events", "both", "look")
+
+    def __init__(self, step, per_rank, read, io, events, both, look):
+        self.step, self.per_rank, self.read, self.io = step, per_rank, read, io
+        self.events, self.both, self.look = events, both, look
+
+
+class _Fold:
+    """The result's step-wise parts, from the compared steps in order: the first divergence, propagation,
+    recovered steps, numeric summary, counts, and the comparison's warnings."""
+
+    def __init__(self, mode: str, warnings: list[str]):
+        self.mode = mode
+        self.first_div: Divergence | None = None
+        self.first_step: int | None = None
+        self.propagation: list[StepEntry] = []
+        self.recovered: list[int] = []
+        self.by_step: list[
+            StepEntry
+        ] = []  # numeric: per-step errors of steps before the first divergence
+        self.by_phase: dict[str, PhaseWorst] = {}
+        self.n_units = self.n_exact = 0
+        self.read_steps = 0
+        self.records = [0, 0]
+        self.hashed = 0
+        self.warned = Warned(warnings)
+
+    def add(self, o: StepOutcome) -> bool:
+        """Fold one step in; True once the first divergence has been seen."""
+        step, per_rank, look = o.step, o.per_rank, o.look
+        self.read_steps += o.read
+        (ra, ha), (rb, hb) = o.io
+        self.records[0] += ra
+        self.records[1] += rb
+        self.hashed += ha + hb
+        self.warned.replay(o.events, o.both)
+        for rs in per_rank.values():
+            self.n_units += rs.total
+            self.n_exact += rs.total - rs.inexact
+        if self.mode == "numeric":
+            _worst_by_phase(self.by_phase, step, per_rank, look)
+        diverged_here = [rs for rs in per_rank.values() if rs.differing]
+        if self.first_step is None and diverged_here:
+            self.first_step = step
+            key, unit = min((rs.first for rs in diverged_here), key=lambda fu: fu[0])
+            self.first_div = Divergence.of_unit(
+                unit, BoundKind(look.kind(step, unit["phase"], unit["tensor"]))
+            )
+        entry = StepEntry(
+            step=step,
+            equal=not diverged_here,
+            differing=sum(rs.differing for rs in per_rank.values()),
+            ranks={r: per_rank[r].entry() for r in sorted(per_rank)},
+        )
+        if self.mode == "numeric":  # the bound each phase's errors at this step are held to
+            phases = sorted({p for rs in per_rank.values() for p in rs.max_rel}, key=_phase_order)
+            entry.bound_by_phase = {p: look.compare_bound(step, p) for p in phases}
+            entry.bound_kind_by_phase = {p: BoundKind(look.kind(step, p)) for p in phases}
+        if self.first_step is not None:
+            self.propagation.append(entry)
+            if not diverged_here:
+                self.recovered.append(step)
+            return True
+        if self.mode == "numeric" and any(rs.inexact for rs in per_rank.values()):
+            self.by_step.append(entry)
+        return False
+
+
+class _Setup:
+    """Both sides read and checked, the mode chosen, the steps and the bound settled: what comparing any
+    rank's steps needs. `only` restricts the ranks read (a partial diff, one process of `--jobs`)."""
+
+    def __init__(
+        self,
+        a,
+        b,
+        mode,
+        rtol,
+        atol,
+        allow_edition_mismatch,
+        use_index,
+        calibration,
+        find_calibration,
+        only: set[int] | None = None,
+        compare: bool = True,
+    ):
+        self.warnings = warnings = []
+        self.side_a = side_a = _Side("A", a, use_index, warnings, only)
+        self.side_b = side_b = _Side("B", b, use_index, warnings, only)
+        _check_compatible(side_a, side_b, allow_edition_mismatch, warnings)
+        self.n_pre = len(warnings)
+        side_a.load()
+        side_b.load()
+        if only is not None:  # a side that holds none of these ranks does not limit their steps
+            for x, y in ((side_a, side_b), (side_b, side_a)):
+                if not x.ranks and x.all_ranks:
+                    x.steps = y.steps
+        self.n_loaded = len(warnings)
+        self.rtol, self.atol, self.use_index = rtol, atol, use_index
+        self.ma, self.mb = ma, mb = side_a.manifest, side_b.manifest
+        self.mode, self.topo = _choose_mode(side_a, side_b, mode, rtol, atol, warnings)
+        self.n_setup = len(warnings)
+        self.same_topology = not self.topo
+        self.logical = self.mode == "numeric" and not self.same_topology
+        self.ranks = sorted(set(side_a.ranks) | set(side_b.ranks))  # the ranks compared here
+        all_ranks = sorted(set(side_a.all_ranks) | set(side_b.all_ranks))
+        self.grid_ranks = sorted(side_b.all_ranks) if self.logical else all_ranks
+        if not compare:
+            return
+        self.steps, self.compared = _compared_steps(side_a, side_b)
+        self.since = since = max(_agreed_since(side_b, side_a), _agreed_since(side_a, side_b))
+        found = False
+        if (
+            calibration is None
+            and find_calibration
+            and self.mode == "numeric"
+            and rtol is None
+            and atol is None
+        ):
+            calibration = _found_calibration(side_a, side_b)
+            found = calibration is not None
+        self.calibration, self.found = calibration, found
+        cal = _load_calibration(calibration, side_a, side_b) if calibration is not None else None
+        from disttrace.analysis.magnitudes import Magnitudes
+
+        mags = (
+            (Magnitudes(side_a.run, since), Magnitudes(side_b.run, since))
+            if self.mode == "numeric" and rtol is None and atol is None
+            else None
+        )
+        self.tol = _Tol(self.mode, ma, mb, rtol, atol, since, cal, mags)
+        self.tolerance = _tolerance_doc(self.mode, self.tol, cal, since, ma, mb, rtol, atol, found)
+
+    def outcomes(self, steps: list[int], propagate: bool = True, on_step=None):
+        """StepOutcome of each of `steps`, in order, computed as they are asked for (a block of steps at once
+        where the topologies are the same; one at a time when the first divergent step ends the comparison)."""
+        side_a, side_b, tol, ranks = self.side_a, self.side_b, self.tol, self.ranks
+        ahead: dict = {}  # steps compared ahead of the loop (a block)
+        nothing = [0, 0]
+        for n, step in enumerate(steps):
+            if on_step is not None:
+                on_step(n, len(steps))
+            ev = StepWarnings()
+            if self.logical:
+                per_rank = _compare_logical_step(step, side_a, side_b, tol, ev)
+                read = 1
+            else:
+                if step not in ahead:
+                    ahead = _compare_block(
+                        _block(steps, n, ranks, (side_a, side_b), BLOCK_ROWS if propagate else 0),
+                        ranks,
+                        side_a,
+                        side_b,
+                        tol,
+                    )
+                per_rank, read = ahead.pop(step)
+            io = (side_a.io.get(step, nothing), side_b.io.get(step, nothing))
+            yield StepOutcome(step, per_rank, read, io, ev.events, ev.both, tol)
+
+
+def _result(
+    fold: _Fold,
+    *,
+    mode: str,
+    a: SideSummary,
+    b: SideSummary,
+    topo_differs: list[str],
+    compared: ComparedSteps,
+    ranks: list[int],
+    tolerance: Tolerance,
+    use_index: bool,
+    warnings: list[str],
+    logical: bool,
+) -> DiffResult:
+    return DiffResult(
+        equal=fold.first_div is None,
+        mode=mode,
+        a=a,
+        b=b,
+        topology=TopologyComparison(same=not topo_differs, differs=list(topo_differs)),
+        compared_steps=compared,
+        ranks=ranks,
+        first_divergence=fold.first_div,
+        propagation=fold.propagation,
+        recovered_steps=fold.recovered,
+        tolerance=tolerance,
+        stats=DiffStats(
+            tensors_compared=fold.n_units,
+            bit_equal=fold.n_exact,
+            steps_read=fold.read_steps,
+            index=use_index,
+            steps_hash_checked=fold.hashed,
+        ),
+        records_read=RecordsRead(a=fold.records[0], b=fold.records[1]),
+        warnings=warnings,
+        compared_phases=[p for p in CROSS_TOPOLOGY_PHASES if p in fold.warned.both]
+        if logical
+        else None,
+        numeric=NumericSummary(
+            by_phase=dict(sorted(fold.by_phase.items(), key=lambda kv: _phase_order(kv[0]))),
+            by_step=fold.by_step,
+        )
+        if mode == "numeric"
+        else None,
+    )
+
+
 def diff_runs(
     a: str | Path,
     b: str | Path,
@@ -1488,6 +1780,7 @@ def diff_runs(
     on_step=None,
     calibration: str | Path | None = None,
     find_calibration: bool = True,
+    jobs: int = 1,
 ) -> DiffResult:
     """Compare run `b` against run `a`; `.to_json()` of the result is the `diff --json` document.
 
@@ -1500,132 +1793,44 @@ def diff_runs(
     ones where it has them (each bound in the result says `bound_kind`: derived, calibrated or none). Without
     it, a calibration of A's (else B's) manifest beside the run (`calibrate` writes runs/<id12>/
     calibration.json) is used, unless find_calibration=False.
+    jobs > 1 compares in that many processes (analysis/partial.py: ranks split between them where the
+    topologies are the same, steps across topologies); the result is the one this process would return.
     Raises BadInput (exit 2) for unreadable or incompatible runs.
     """
-    warnings: list[str] = []
-    side_a = _Side("A", a, use_index, warnings)
-    side_b = _Side("B", b, use_index, warnings)
-    _check_compatible(side_a, side_b, allow_edition_mismatch, warnings)
-    side_a.load()
-    side_b.load()
-    ma, mb = side_a.manifest, side_b.manifest
-    mode, topo = _choose_mode(side_a, side_b, mode, rtol, atol, warnings)
-    same_topology = not topo
+    if jobs != 1:
+        from disttrace.analysis import partial
 
-    steps, compared = _compared_steps(side_a, side_b)
-    since = max(_agreed_since(side_b, side_a), _agreed_since(side_a, side_b))
-    found = False
-    if (
-        calibration is None
-        and find_calibration
-        and mode == "numeric"
-        and rtol is None
-        and atol is None
-    ):
-        calibration = _found_calibration(side_a, side_b)
-        found = calibration is not None
-    cal = _load_calibration(calibration, side_a, side_b) if calibration is not None else None
-    from disttrace.analysis.magnitudes import Magnitudes
-
-    mags = (
-        (Magnitudes(side_a.run, since), Magnitudes(side_b.run, since))
-        if mode == "numeric" and rtol is None and atol is None
-        else None
+        if not propagate:
+            raise BadInput("--jobs", "needs the whole propagation (propagate=True)", field="jobs")
+        return partial.diff_jobs(
+            a,
+            b,
+            jobs,
+            mode=mode,
+            rtol=rtol,
+            atol=atol,
+            allow_edition_mismatch=allow_edition_mismatch,
+            use_index=use_index,
+            calibration=calibration,
+            find_calibration=find_calibration,
+        )
+    st = _Setup(
+        a, b, mode, rtol, atol, allow_edition_mismatch, use_index, calibration, find_calibration
     )
-    tol = _Tol(mode, ma, mb, rtol, atol, since, cal, mags)
-    ranks = sorted(set(side_a.ranks) | set(side_b.ranks))
-    logical = mode == "numeric" and not same_topology
-
-    first_div: Divergence | None = None
-    first_step: int | None = None
-    propagation: list[StepEntry] = []
-    recovered: list[int] = []
-    by_step: list[StepEntry] = []  # numeric: per-step errors of steps before the first divergence
-    by_phase: dict[str, PhaseWorst] = {}
-    n_units = n_exact = 0
-    read_steps = 0
-    warned: dict = {}
-    phases_seen: dict = {}
-    ahead: dict = {}  # steps compared ahead of the loop (a block)
-
-    for n, step in enumerate(steps):
-        if on_step is not None:
-            on_step(n, len(steps))
-        if logical:
-            per_rank = _compare_logical_step(
-                step, side_a, side_b, tol, warnings, warned, phases_seen
-            )
-            read_steps += 1
-        else:  # a block of steps at once; one at a time when the first divergent step ends the comparison
-            if step not in ahead:
-                ahead = _compare_block(
-                    _block(steps, n, ranks, (side_a, side_b), BLOCK_ROWS if propagate else 0),
-                    ranks,
-                    side_a,
-                    side_b,
-                    tol,
-                )
-            per_rank, read = ahead.pop(step)
-            read_steps += read
-        for rs in per_rank.values():
-            n_units += rs.total
-            n_exact += rs.total - rs.inexact
-        if mode == "numeric":
-            _worst_by_phase(by_phase, step, per_rank, tol)
-        diverged_here = [rs for rs in per_rank.values() if rs.differing]
-        if first_step is None and diverged_here:
-            first_step = step
-            key, unit = min((rs.first for rs in diverged_here), key=lambda fu: fu[0])
-            first_div = Divergence.of_unit(
-                unit, BoundKind(tol.kind(step, unit["phase"], unit["tensor"]))
-            )
-        entry = StepEntry(
-            step=step,
-            equal=not diverged_here,
-            differing=sum(rs.differing for rs in per_rank.values()),
-            ranks={r: per_rank[r].entry() for r in sorted(per_rank)},
-        )
-        if mode == "numeric":  # the bound each phase's errors at this step are held to
-            phases = sorted({p for rs in per_rank.values() for p in rs.max_rel}, key=_phase_order)
-            entry.bound_by_phase = {p: tol.compare_bound(step, p) for p in phases}
-            entry.bound_kind_by_phase = {p: BoundKind(tol.kind(step, p)) for p in phases}
-        if first_step is not None:
-            propagation.append(entry)
-            if not diverged_here:
-                recovered.append(step)
-            if not propagate:
-                break
-        elif mode == "numeric" and any(rs.inexact for rs in per_rank.values()):
-            by_step.append(entry)
-
-    return DiffResult(
-        equal=first_div is None,
-        mode=mode,
-        a=side_a.describe(),
-        b=side_b.describe(),
-        topology=TopologyComparison(same=same_topology, differs=[k for k, _, _ in topo]),
-        compared_steps=compared,
-        ranks=sorted(side_b.ranks) if logical else ranks,
-        first_divergence=first_div,
-        propagation=propagation,
-        recovered_steps=recovered,
-        tolerance=_tolerance_doc(mode, tol, cal, since, ma, mb, rtol, atol, found),
-        stats=DiffStats(
-            tensors_compared=n_units,
-            bit_equal=n_exact,
-            steps_read=read_steps,
-            index=use_index,
-            steps_hash_checked=side_a.hash_checked + side_b.hash_checked,
-        ),
-        records_read=RecordsRead(a=side_a.records_read, b=side_b.records_read),
-        warnings=warnings,
-        compared_phases=[p for p in CROSS_TOPOLOGY_PHASES if p in phases_seen.get("both", ())]
-        if logical
-        else None,
-        numeric=NumericSummary(
-            by_phase=dict(sorted(by_phase.items(), key=lambda kv: _phase_order(kv[0]))),
-            by_step=by_step,
-        )
-        if mode == "numeric"
-        else None,
+    fold = _Fold(st.mode, st.warnings)
+    for o in st.outcomes(st.steps, propagate, on_step):
+        if fold.add(o) and not propagate:
+            break
+    return _result(
+        fold,
+        mode=st.mode,
+        a=st.side_a.describe(),
+        b=st.side_b.describe(),
+        topo_differs=[k for k, _, _ in st.topo],
+        compared=st.compared,
+        ranks=st.grid_ranks,
+        tolerance=st.tolerance,
+        use_index=use_index,
+        warnings=st.warnings,
+        logical=st.logical,
     )

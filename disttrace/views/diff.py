@@ -51,8 +51,9 @@ def _grid_cells(result: DiffResult) -> tuple[list[int], dict[int, dict[int, Rank
     return steps, per_step
 
 
-def render_rich(result: DiffResult, console) -> None:
-    """A compact human view of a diff result on a rich Console."""
+def render_rich(result: DiffResult, console, partial: str | None = None) -> None:
+    """A compact human view of a diff result on a rich Console. `partial` names what a partial diff read
+    (its ranks or steps): no divergence there is then no verdict, never "equal"."""
     from rich.table import Table
     from rich.text import Text
 
@@ -77,7 +78,15 @@ def render_rich(result: DiffResult, console) -> None:
     )
 
     f = result.first_divergence
-    if f is None:
+    if f is None and partial is not None:
+        console.print(
+            Text(
+                f"NO DIVERGENCE in {partial} over steps {cs.first}..{cs.last} "
+                "(a partial diff: no verdict on the rest)",
+                style="bold yellow",
+            )
+        )
+    elif f is None:
         console.print(Text(f"EQUAL over steps {cs.first}..{cs.last}", style="bold green"))
     else:
         console.print(Text("FIRST DIVERGENCE  " + where(f), style="bold red"))
@@ -146,12 +155,18 @@ def render_rich(result: DiffResult, console) -> None:
         console.print(Text(f"warning: {w}", style="yellow"))
 
 
-def render_md(result: DiffResult) -> str:
-    """The result as markdown, for a pull-request comment."""
+def render_md(result: DiffResult, partial: str | None = None) -> str:
+    """The result as markdown, for a pull-request comment (`partial`: as render_rich's)."""
     cs = result.compared_steps
     f = result.first_divergence
     lines = []
     verdict = "✅ equal" if f is None else "❌ diverged"
+    if partial is not None:
+        verdict = (
+            f"no divergence in {partial} (partial: no verdict on the rest)"
+            if f is None
+            else f"❌ diverged in {partial} (partial)"
+        )
     lines.append(f"### disttrace diff: {verdict} ({result.mode})")
     lines.append("")
     lines.append("| run | path | kind | complete | manifest |")
