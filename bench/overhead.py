@@ -301,9 +301,17 @@ def _per_record(dirs: list[Path]) -> float | None:
     return size / records if records else None
 
 
-def measure(world: int, steps: int, sets: list[str], device_type: str = "cpu", tp: int = 1) -> dict:
+def measure(
+    world: int,
+    steps: int,
+    sets: list[str],
+    device_type: str = "cpu",
+    tp: int = 1,
+    only: list[str] | None = None,
+) -> dict:
     """Median step time (rank 0) per variant and run-store bytes per step (all ranks), for one world size;
-    `tp` > 1: tensor parallel over tp ranks (dp = world / tp), the TP_SPECS variants."""
+    `tp` > 1: tensor parallel over tp ranks (dp = world / tp), the TP_SPECS variants; `only`: these of
+    them (and off)."""
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch.multiprocessing as mp
 
@@ -311,6 +319,11 @@ def measure(world: int, steps: int, sets: list[str], device_type: str = "cpu", t
     from disttrace.run.launch import free_port
 
     specs = TP_SPECS if tp > 1 else SPECS
+    if only:
+        unknown = set(only) - set(specs)
+        if unknown:
+            raise SystemExit(f"--variants: unknown {sorted(unknown)}; known: {list(specs)}")
+        specs = {v: spec for v, spec in specs.items() if v == "off" or v in only}
     frozen = freeze(
         ROOT / "manifests" / "default.toml",
         [
@@ -422,10 +435,16 @@ def main():
     ap.add_argument(
         "--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, one rank per GPU"
     )
+    ap.add_argument(
+        "--variants",
+        default="",
+        help="measure only these variants (and off), separated by ';' (names hold commas)",
+    )
     args = ap.parse_args()
+    only = [v.strip() for v in args.variants.split(";") if v.strip()]
     report(
         "realistic",
-        measure(args.world, args.steps, REALISTIC + args.set, args.device, args.tp),
+        measure(args.world, args.steps, REALISTIC + args.set, args.device, args.tp, only),
         args.world,
         args.steps,
         args.tp,
@@ -433,7 +452,7 @@ def main():
     if not args.no_tiny:
         report(
             "worst case: the tiny default model",
-            measure(args.world, max(args.steps, 12), TINY, args.device, args.tp),
+            measure(args.world, max(args.steps, 12), TINY, args.device, args.tp, only),
             args.world,
             max(args.steps, 12),
             args.tp,
