@@ -2,7 +2,8 @@
 baseline (`record.enabled = false`), in the same processes, same data, steps interleaved so machine noise
 hits every variant alike. Prints medians, ratios and run-store bytes per step.
 
-    python bench/overhead.py [--world 2] [--steps 8] [--set model.dim=768 ...] [--no-tiny] [--device cuda]
+    python bench/overhead.py [--world 2] [--steps 8] [--set model.dim=768 ...] [--no-tiny] [--tp 2]
+                             [--device cuda]
 
 `--device cuda` runs the same on GPUs with NCCL, one rank per GPU (bench/gpu_check.sh): each step's time is
 taken after a device synchronisation, so it includes whatever the digests make the device or the host wait.
@@ -14,11 +15,24 @@ small, so the Python cost per tensor is the largest share). Variants:
   off                      record.enabled = false: the loop and the step clock only
   recorder+ledger          trajectory digests every step, memory ledger, no collective trace
   default                  + the Flight Recorder collective trace (record.collectives = "metadata")
+  default, full digests    the same, every tensor digested in full (Recorder(reuse=False): the recorder
+                           before run/digest.py's `Seen`, which hashes only the bytes it digested lately)
   default+magnitudes       + the gradient magnitudes the numeric bound reads (run/scales.py: one sum of
                            squares per module input and output gradient; the job records them whenever
                            it records)
   default+live check       + debug.live_check (one 16-byte-per-rule all-gather per step)
   values                   recorder + ledger + the dispatch-mode tracer with payload digests ("values")
+
+`--tp 2` runs the realistic model tensor parallel (DTensor, dp = world / 2) and measures what the replica
+rules of tensor parallelism cost (docs/replicas.md: a tp group's forward outputs and loss agree, so do the
+reduced gradients of the norm weights it replicates and the clip scalars), against the same run without
+them:
+
+  default, no forward      recorded as default, without forward records (record.forward = false)
+  default                  with them (what the forward rule reads)
+  default, full digests    as above, every tensor digested in full
+  live check, no tp rules  + debug.live_check with the strategy's rules minus those
+  live check, all rules    + debug.live_check with every rule
 
 The Flight Recorder ring is set to 64 entries here so that it is copied several times within a short bench
 (its copy costs per entry in the ring, so the amortised cost per step is the same as with torch's 2,000);
@@ -42,14 +56,31 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-VARIANTS = (
-    "off",
-    "recorder+ledger",
-    "default",
-    "default+magnitudes",
-    "default+live check",
-    "values",
-)
+# name -> what runs in that variant: the recorder (digesting every tensor in full with reuse=False: the
+# recorder before run/digest.py's `Seen`; without forward records with forward=False), the memory ledger,
+# the Flight Recorder trace, the magnitudes, the live check (its rules: "all" the strategy's, or "no tp
+# rules": without the rules a tp group's replicated activations, loss, reduced norm gradients and clip
+# scalars add), the dispatch-mode tracer with payload digests
+ON = {"recorder": True, "ledger": True, "trace": True}
+SPECS = {
+    "off": {},
+    "recorder+ledger": {"recorder": True, "ledger": True},
+    "default": ON,
+    "default, full digests": {**ON, "reuse": False},
+    "default+magnitudes": {**ON, "magnitudes": True},
+    "default+live check": {**ON, "live": "all"},
+    "values": {"recorder": True, "ledger": True, "values": True},
+}
+# --tp: what the replica rules of tensor parallelism cost, against the same run without them
+TP_SPECS = {
+    "off": {},
+    "default, no forward": {**ON, "forward": False},
+    "default": ON,
+    "default, full digests": {**ON, "reuse": False},
+    "live check, no tp rules": {**ON, "live": "no tp rules"},
+    "live check, all rules": {**ON, "live": "all"},
+}
+VARIANTS = tuple(SPECS)
 REALISTIC = [
     "model.dim=512",
     "model.n_layers=4",
@@ -63,7 +94,8 @@ WARMUP = 2  # steps left out of the medians (DDP rebuilds its buckets after step
 
 class Gated:
     """A view of the hook bus whose handlers run only while `flag["on"]` names their variant, timing them:
-    an observer's own seconds (`spent[label]`) are a figure the machine's noise does not swamp."""
+    an observer's own seconds (`spent[label]`, per step: the worker takes the median over the steps after
+    the warm-up) are a figure the machine's noise does not swamp."""
 
     def __init__(self, bus, flag: dict, names: set[str], spent: dict, label: str):
         self.bus, self.flag, self.names, self.spent, self.label = bus, flag, names, spent, label
@@ -82,7 +114,7 @@ class Gated:
         return self.bus.listening(point)
 
 
-def worker(rank, world, port, frozen_doc, steps, out, q, device_type="cpu"):
+def worker(rank, world, port, frozen_doc, steps, out, q, device_type="cpu", specs=None):
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -106,10 +138,13 @@ def worker(rank, world, port, frozen_doc, steps, out, q, device_type="cpu"):
     from disttrace.run.loop import emit_module_outputs
     from disttrace.run.memory import MemoryLedger
     from disttrace.run.parallel import build_strategy
+    from disttrace.run.parallel.common import SCALARS_AGREE, TP_ACTIVATIONS_AGREE
     from disttrace.run.recorder import Recorder
+    from disttrace.run.scales import Magnitudes
     from disttrace.run.stepclock import StepClock
     from disttrace.run.topology import groups_of
 
+    specs = specs or SPECS
     torch.set_num_threads(1)
     cuda = device_type == "cuda"
     if cuda:
@@ -120,7 +155,8 @@ def worker(rank, world, port, frozen_doc, steps, out, q, device_type="cpu"):
     typed = Manifest.model_validate(
         m
     )  # strategies, ledger and topology read the typed manifest, as in the job
-    mesh = init_device_mesh(device_type, (1, world, 1), mesh_dim_names=("pp", "dp", "tp"))
+    tp = typed.parallelism.tp
+    mesh = init_device_mesh(device_type, (1, world // tp, tp), mesh_dim_names=("pp", "dp", "tp"))
     data = TokenData(
         m, frozen_doc["resolved"]["data_path"], frozen_doc["resolved"]["tokenizer_path"]
     )
@@ -130,46 +166,63 @@ def worker(rank, world, port, frozen_doc, steps, out, q, device_type="cpu"):
     )
     emit_module_outputs(model, bus)
     strategy = build_strategy(typed, model, mesh, bus)
+    dp_rank = mesh["dp"].get_local_rank()
     base = Path(out) / f"rank{rank}"
     flag = {"on": "off"}
-    recorded = {"recorder+ledger", "default", "default+magnitudes", "default+live check", "values"}
     StepClock(base / "off", rank).attach(bus)
-    recorders, ledgers = {}, []
-    spent: dict[
-        str, float
-    ] = {}  # own seconds of each observer's hook handlers, in the default variant
-    for v in sorted(recorded):  # each variant writes its own run dir, so its bytes are its own
-        recorders[v] = Recorder(base / v, rank).attach(
-            Gated(bus, flag, {v}, spent, f"recorder {v}")
-        )
-        ledgers.append(
-            MemoryLedger(base / v, rank, typed, strategy).attach(
-                Gated(bus, flag, {v}, spent, f"ledger {v}")
+    closing = []
+    recorders = {}
+    # own seconds of each observer's hook handlers, per variant ("recorder <variant>", ...)
+    spent: dict[str, float] = {}
+    groups = {**groups_of(typed), "world": [list(range(world))]}
+    all_rules = strategy.replicas()
+    tp_rules = [*TP_ACTIVATIONS_AGREE, SCALARS_AGREE]
+    without = [
+        r for r in all_rules if r not in tp_rules and not (r["phase"] == "reduce" and tp > 1)
+    ]
+    for v, spec in specs.items():  # each variant writes its own run dir, so its bytes are its own
+        if not spec.get("recorder"):
+            continue
+        rec = Recorder(
+            base / v, rank, forward=spec.get("forward", True), reuse=spec.get("reuse", True)
+        ).attach(Gated(bus, flag, {v}, spent, f"recorder {v}"))
+        closing.append(rec)
+        recorders[v] = rec
+        if spec.get("ledger"):
+            closing.append(
+                MemoryLedger(base / v, rank, typed, strategy).attach(
+                    Gated(bus, flag, {v}, spent, f"ledger {v}")
+                )
             )
-        )
+        if spec.get("live"):
+            rules = all_rules if spec["live"] == "all" else without
+            LiveCheck(base / v, rec, rules, groups, rank).attach(
+                Gated(bus, flag, {v}, spent, f"live check {v} ({len(rules)} rules)")
+            )
+    traced = {v for v, spec in specs.items() if spec.get("trace")}
     fr = FlightRecorderTrace(base / "default", rank).attach(
-        Gated(bus, flag, {"default", "default+magnitudes", "default+live check"}, spent, "trace")
+        Gated(bus, flag, traced, spent, "trace")
     )
-    from disttrace.run.scales import Magnitudes
-
-    mags = Magnitudes(base / "default+magnitudes", rank, model).attach(
-        Gated(bus, flag, {"default+magnitudes"}, spent, "magnitudes")
-    )
-    LiveCheck(
-        base / "default+live check",
-        recorders["default+live check"],
-        strategy.replicas(),
-        {**groups_of(typed), "world": [list(range(world))]},
-        rank,
-    ).attach(Gated(bus, flag, {"default+live check"}, spent, "live check"))
+    magnified = [v for v, spec in specs.items() if spec.get("magnitudes")]
+    mags = None
+    if magnified:
+        mags = Magnitudes(base / magnified[0], rank, model).attach(
+            Gated(bus, flag, set(magnified), spent, "magnitudes")
+        )
+        closing.append(mags)
     tracer = CollectiveTracer(base / "values", rank, values=True)
-    times = {v: [] for v in VARIANTS}
+    times = {v: [] for v in specs}
+    own_steps: dict[str, list[float]] = {}
+    first_turn = {"trace": "default", "magnitudes": magnified[0] if magnified else None}
     accum = m["training"]["grad_accum_steps"]
     for step in range(1, steps + 1):
-        for v in VARIANTS:
+        for v, spec in specs.items():
             flag["on"] = v
-            mags._on = v == "default+magnitudes"  # its module hooks fire in that variant only
-            ctx = tracer if v == "values" else contextlib.nullcontext()
+            if mags is not None:
+                mags._on = bool(
+                    spec.get("magnitudes")
+                )  # its module hooks fire in that variant only
+            ctx = tracer if spec.get("values") else contextlib.nullcontext()
             dist.barrier()
             t = time.perf_counter()
             with ctx:
@@ -178,7 +231,7 @@ def worker(rank, world, port, frozen_doc, steps, out, q, device_type="cpu"):
                 strategy.zero_grad()
                 for mb in range(accum):
                     bus.micro_batch = mb
-                    batch = data.batch(step, mb, rank)
+                    batch = data.batch(step, mb, dp_rank)
                     batch = {
                         **batch,
                         "inputs": batch["inputs"].to(device),
@@ -197,24 +250,31 @@ def worker(rank, world, port, frozen_doc, steps, out, q, device_type="cpu"):
                 if cuda:
                     torch.cuda.synchronize()
             times[v].append(time.perf_counter() - t)
+            if step > WARMUP:  # each observer's seconds in this step: their median is its own time
+                for label, secs in spent.items():
+                    if secs and (label not in first_turn or first_turn[label] == v):
+                        own_steps.setdefault(label, []).append(secs)
+            spent.update(dict.fromkeys(spent, 0.0))
     dumps = fr.dumps
     t = time.perf_counter()
     fr.close()  # the end-of-run copy of what is left in the ring
     close_s = time.perf_counter() - t
     tracer.close()
-    for o in [*recorders.values(), *ledgers, mags]:
+    for o in closing:
         o.close()
     if rank == 0:
         q.put(
             {
                 "times": {v: statistics.median(ts[WARMUP:]) for v, ts in times.items()},
                 "dumps": dumps,
-                "own_ms_per_step": {
-                    k: 1e3 * s / steps
-                    for k, s in spent.items()
-                    if k.endswith("default") or k in ("trace", "live check", "magnitudes")
-                },
+                "own_ms_per_step": {k: 1e3 * statistics.median(v) for k, v in own_steps.items()},
                 "final_copy_ms": 1e3 * close_s,
+                # what each recorder hashed only (bytes it had digested lately: digest.Seen)
+                "hashed_mib_per_step": {
+                    v: rec._seen.hit_bytes / 2**20 / steps
+                    for v, rec in recorders.items()
+                    if rec._seen is not None
+                },
             }
         )
     dist.barrier()
@@ -241,17 +301,37 @@ def _per_record(dirs: list[Path]) -> float | None:
     return size / records if records else None
 
 
-def measure(world: int, steps: int, sets: list[str], device_type: str = "cpu") -> dict:
-    """Median step time (rank 0) per variant and run-store bytes per step (all ranks), for one world size."""
+def measure(
+    world: int,
+    steps: int,
+    sets: list[str],
+    device_type: str = "cpu",
+    tp: int = 1,
+    only: list[str] | None = None,
+) -> dict:
+    """Median step time (rank 0) per variant and run-store bytes per step (all ranks), for one world size;
+    `tp` > 1: tensor parallel over tp ranks (dp = world / tp), the TP_SPECS variants; `only`: these of
+    them (and off)."""
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch.multiprocessing as mp
 
     from disttrace.config.manifest import freeze
     from disttrace.run.launch import free_port
 
+    specs = TP_SPECS if tp > 1 else SPECS
+    if only:
+        unknown = set(only) - set(specs)
+        if unknown:
+            raise SystemExit(f"--variants: unknown {sorted(unknown)}; known: {list(specs)}")
+        specs = {v: spec for v, spec in specs.items() if v == "off" or v in only}
     frozen = freeze(
         ROOT / "manifests" / "default.toml",
-        [f"parallelism.dp={world}", f"training.steps={steps}", *sets],
+        [
+            f"parallelism.dp={world // tp}",
+            f"parallelism.tp={tp}",
+            f"training.steps={steps}",
+            *sets,
+        ],
     )
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -260,7 +340,7 @@ def measure(world: int, steps: int, sets: list[str], device_type: str = "cpu") -
         procs = [
             ctx.Process(
                 target=worker,
-                args=(r, world, port, frozen.model_dump(), steps, out, q, device_type),
+                args=(r, world, port, frozen.model_dump(), steps, out, q, device_type, specs),
             )
             for r in range(world)
         ]
@@ -283,53 +363,47 @@ def measure(world: int, steps: int, sets: list[str], device_type: str = "cpu") -
         for p in procs:
             p.join()
         ranks = [Path(out) / f"rank{r}" for r in range(world)]
-        fr_trace = sum(_bytes(d / "default" / "collectives") for d in ranks) / (
-            len(VARIANTS) * steps
-        )
-        stored = {
-            "recorder+ledger": sum(_bytes(d / "recorder+ledger") for d in ranks) / steps,
-            "default": sum(
-                _bytes(d / "default") - _bytes(d / "default" / "collectives") for d in ranks
-            )
-            / steps
-            + fr_trace,
-            "default+magnitudes": sum(_bytes(d / "default+magnitudes") for d in ranks) / steps
-            + fr_trace,
-            "default+live check": sum(_bytes(d / "default+live check") for d in ranks) / steps
-            + fr_trace,
-            "values": sum(_bytes(d / "values") for d in ranks) / steps,
-        }
+        # the trace's file is shared by the traced variants, which issue the same collectives
+        fr_trace = sum(_bytes(d / "default" / "collectives") for d in ranks) / (len(specs) * steps)
+        stored = {}
+        for v, spec in specs.items():
+            if not spec.get("recorder"):
+                continue
+            own = sum(_bytes(d / v) - _bytes(d / v / "collectives") for d in ranks) / steps
+            stored[v] = own + (fr_trace if spec.get("trace") else 0.0)
         res["bytes_per_record"] = _per_record(
             [d / "default" for d in ranks]
         )  # before the directory goes
     m = frozen.manifest["model"]
     return {
         **res,
+        "specs": list(specs),
         "bytes_per_step": stored,
         "model": f"dim {m['dim']}, {m['n_layers']} layers, seq {m['max_seq_len']}",
     }
 
 
-def report(title: str, r: dict, world: int, steps: int) -> None:
+def report(title: str, r: dict, world: int, steps: int, tp: int = 1) -> None:
     base = r["times"]["off"]
+    layout = f"dp={world // tp}" + (f", tp={tp}" if tp > 1 else "")
     print(
-        f"{title} ({r['model']}, dp={world}, accumulation 2): {steps} steps x {len(VARIANTS)} variants "
+        f"{title} ({r['model']}, {layout}, accumulation 2): {steps} steps x {len(r['specs'])} variants "
         f"interleaved, median of steps {WARMUP + 1}..{steps} on rank 0; Flight Recorder copies: {r['dumps']}"
     )
-    for v in VARIANTS:
+    for v in r["specs"]:
         t = r["times"][v]
         kib = r["bytes_per_step"].get(v)
         size = f"   {kib / 1024:8.1f} KiB/step" if kib is not None else ""
-        print(f"  {v:18s} {t * 1e3:9.1f} ms   ratio vs off {t / base:5.3f}{size}", flush=True)
-    own = ", ".join(
-        f"{k.removesuffix(' default')} {ms:.2f} ms ({ms / (base * 1e3):.2%})"
-        for k, ms in r["own_ms_per_step"].items()
-    )
+        print(f"  {v:24s} {t * 1e3:9.1f} ms   ratio vs off {t / base:5.3f}{size}", flush=True)
     print(
-        f"  default variant, each observer's own hook time per step (share of the off step): {own}; "
+        "  each observer's own hook time per step (share of the off step): "
         f"end-of-run ring copy {r['final_copy_ms']:.1f} ms",
         flush=True,
     )
+    for k, ms in r["own_ms_per_step"].items():
+        print(f"    {k:48s} {ms:8.2f} ms  {ms / (base * 1e3):6.2%}", flush=True)
+    hashed = ", ".join(f"{v} {mib:.1f}" for v, mib in r["hashed_mib_per_step"].items())
+    print(f"  MiB a step hashed only (digested before, digest.Seen): {hashed}", flush=True)
     if r.get("bytes_per_record"):
         print(
             f"  trajectory: {r['bytes_per_record']:.1f} bytes per record (Arrow stream, all ranks)",
@@ -353,21 +427,35 @@ def main():
         "--no-tiny", action="store_true", help="skip the tiny default model (the worst case)"
     )
     ap.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor parallel over this many ranks (the replica rules' cost, TP_SPECS)",
+    )
+    ap.add_argument(
         "--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, one rank per GPU"
     )
+    ap.add_argument(
+        "--variants",
+        default="",
+        help="measure only these variants (and off), separated by ';' (names hold commas)",
+    )
     args = ap.parse_args()
+    only = [v.strip() for v in args.variants.split(";") if v.strip()]
     report(
         "realistic",
-        measure(args.world, args.steps, REALISTIC + args.set, args.device),
+        measure(args.world, args.steps, REALISTIC + args.set, args.device, args.tp, only),
         args.world,
         args.steps,
+        args.tp,
     )
     if not args.no_tiny:
         report(
             "worst case: the tiny default model",
-            measure(args.world, max(args.steps, 12), TINY, args.device),
+            measure(args.world, max(args.steps, 12), TINY, args.device, args.tp, only),
             args.world,
             max(args.steps, 12),
+            args.tp,
         )
 
 

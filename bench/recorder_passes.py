@@ -1,0 +1,274 @@
+"""Where the recorder's own time goes in one step: the bytes it reads at each phase, as passes over the
+model's parameter bytes, and the time per phase; then, inside one tensor's digest, the time of each of the
+operations every cache-sized block goes through. The job is a real one in this process: the manifest's
+model, the DDP strategy and hook bus on a gloo world of one rank (a DDP step's phases and tensors are those
+of every rank of a larger world; bench/overhead.py measures the world of two).
+
+    python bench/recorder_passes.py [--steps 6] [--set model.dim=768 ...] [--clip] [--checkpoint]
+
+Two recorders listen, one step each in turn (warm-up steps left out): the recorder as it is (host tensors
+whose bytes it digested lately are hashed only: run/digest.py, `Seen`) and the same recorder digesting every
+tensor in full (`reuse=False`, the recorder before `Seen`). `--clip` sets training.max_grad_norm high enough
+that the clip coefficient is 1 (the clipped gradients are the reduced ones); `--checkpoint` hands the
+strategy's state dict to `before_checkpoint` every step, as a checkpoint step does (no files written).
+Prints, per phase, the tensors, MiB and passes (MiB over the parameters' MiB) each recorder digested in full,
+what the recorder hashed only, the medians of its time, and the step's own time against the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+REALISTIC = [
+    "model.dim=512",
+    "model.n_layers=4",
+    "model.max_seq_len=256",
+    "training.grad_accum_steps=2",
+]
+WARMUP = 2
+
+
+def run(steps: int, sets: list[str], clip: bool, checkpoint: bool) -> dict:
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", OMP_NUM_THREADS="1")
+    from disttrace.run.launch import free_port
+
+    os.environ["MASTER_PORT"] = str(free_port())
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from disttrace.config.manifest import Manifest, freeze
+    from disttrace.data.windows import TokenData
+    from disttrace.model.llama import build_model, lm_loss
+    from disttrace.run.hooks import HookBus
+    from disttrace.run.loop import emit_module_outputs
+    from disttrace.run.parallel import build_strategy
+    from disttrace.run.recorder import Recorder
+
+    torch.set_num_threads(1)
+    extra = ["training.max_grad_norm=1e9"] if clip else []
+    frozen = freeze(
+        ROOT / "manifests" / "default.toml",
+        ["parallelism.dp=1", f"training.steps={steps}", *sets, *extra],
+    )
+    doc = frozen.model_dump()
+    m = doc["manifest"]
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("pp", "dp", "tp"))
+    data = TokenData(m, doc["resolved"]["data_path"], doc["resolved"]["tokenizer_path"])
+    bus = HookBus(0)
+    model = build_model(SimpleNamespace(**m["model"]), torch.float32, m["experiment"]["seed"])
+    emit_module_outputs(model, bus)
+    strategy = build_strategy(Manifest.model_validate(m), model, mesh, bus)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    class Counted(Recorder):
+        """The recorder, its phases' bytes and seconds tallied (`tally[phase] = [tensors, bytes, s]`)."""
+
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.tally = defaultdict(lambda: [0, 0, 0.0])
+            self.write_s = 0.0
+
+        def _records(self, bus, phase, refs, *a, **k):
+            t = time.perf_counter()
+            super()._records(bus, phase, refs, *a, **k)
+            e = self.tally[phase]
+            e[0] += len(refs)
+            e[1] += sum(x.numel() * x.element_size() for _, _, x in refs)
+            e[2] += time.perf_counter() - t
+
+        def _write(self, *a):
+            t = time.perf_counter()
+            super()._write(*a)
+            self.write_s += time.perf_counter() - t
+
+    flag = {"on": None}
+
+    class Turn:
+        """The bus as one recorder sees it: its handlers run in its turns only."""
+
+        def __init__(self, name):
+            self.name = name
+
+        def on(self, point, fn, order=50):
+            bus.on(point, lambda b, p: fn(b, p) if flag["on"] == self.name else None, order)
+
+    out = Path(tempfile.mkdtemp())
+    recorders = {
+        "reuse": Counted(out / "reuse", 0),
+        "full": Counted(out / "full", 0, reuse=False),
+    }
+    for name, r in recorders.items():
+        r.attach(Turn(name))
+    accum = m["training"]["grad_accum_steps"]
+    per_step = {
+        name: [] for name in recorders
+    }  # (step s, own s, tally snapshot, hashed-only bytes)
+    for step in range(1, steps + 1):
+        for name, r in recorders.items():
+            flag["on"] = name
+            r.tally.clear()
+            r.write_s = 0.0
+            before = r._seen.hit_bytes if r._seen is not None else 0
+            bus.step = step
+            t = time.perf_counter()
+            bus.emit("step_start")
+            strategy.zero_grad()
+            for mb in range(accum):
+                bus.micro_batch = mb
+                batch = bus.emit("data", batch=data.batch(step, mb, 0), fetch=None)["batch"]
+                with strategy.micro_batch(mb == accum - 1):
+                    loss = lm_loss(strategy.model(batch["inputs"]), batch["targets"])
+                    loss = bus.emit("loss", loss=loss, tokens=0)["loss"]
+                    strategy.backward(loss / accum, mb == accum - 1)
+            strategy.step()
+            if checkpoint:
+                bus.emit("before_checkpoint", state=strategy.state_dict())
+            bus.emit("step_end")
+            wall = time.perf_counter() - t
+            own = sum(e[2] for e in r.tally.values()) + r.write_s
+            hashed = (r._seen.hit_bytes if r._seen is not None else 0) - before
+            per_step[name].append((wall, own, {k: list(v) for k, v in r.tally.items()}, hashed))
+    for r in recorders.values():
+        r.close()
+    dist.destroy_process_group()
+    return {"params": params, "per_step": per_step, "model": m["model"]}
+
+
+def components(sets: list[str], repeats: int = 5) -> dict[str, float]:
+    """Seconds per GiB of each operation run over every cache-sized block of one step's large tensors
+    (gradients and parameters after a real step), one operation at a time, and of the whole digest."""
+    import numpy as np
+    import torch
+    import xxhash
+
+    from disttrace.config.manifest import freeze
+    from disttrace.model.llama import build_model, lm_loss
+    from disttrace.run import digest as D
+
+    m = freeze(ROOT / "manifests" / "default.toml", sets).manifest
+    model = build_model(SimpleNamespace(**m["model"]), torch.float32, m["experiment"]["seed"])
+    tokens = torch.randint(0, m["model"]["vocab_size"], (4, m["model"]["max_seq_len"] + 1))
+    lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+    tensors = [p.grad for p in model.parameters()] + [p.detach() for p in model.parameters()]
+    tensors = [t for t in tensors if t.numel() > D.SMALL]
+    gib = sum(t.numel() * t.element_size() for t in tensors) / 2**30
+    blocks = []
+    for t in tensors:
+        x = t.numpy()
+        plan = D._plan(x.shape, (0,) * x.ndim, x.shape)
+        x2 = x.reshape(-1, x.shape[-1])
+        blocks += [
+            (x2[r0 : r0 + plan.block_rows], plan.ut32[:, r0 : r0 + plan.block_rows])
+            for r0 in range(0, x2.shape[0], plan.block_rows)
+        ]
+    buf = np.empty(D._BLOCK)
+
+    def xxh3():
+        h = xxhash.xxh3_128()
+        for blk, _ in blocks:
+            h.update(blk)
+
+    def convert():
+        for blk, _ in blocks:
+            np.copyto(buf[: blk.size], blk.reshape(-1))
+
+    def total():
+        for blk, _ in blocks:
+            float(buf[: blk.size].sum())
+
+    def squares():
+        for blk, _ in blocks:
+            b = buf[: blk.size]
+            float(np.dot(b, b))
+
+    def sketch():
+        for blk, ut in blocks:
+            ut @ blk
+
+    def whole():
+        for t in tensors:
+            D.digest_tensor(t)
+
+    ops = {
+        "xxh3 (the digest)": xxh3,
+        "float32 -> float64 block copy": convert,
+        "float64 sum": total,
+        "float64 sum of squares (dot)": squares,
+        "sketch GEMM U^T X (float32)": sketch,
+        "digest_tensor (all of them)": whole,
+    }
+    times = {k: [] for k in ops}
+    for _ in range(repeats):
+        for k, f in ops.items():
+            t = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) / gib for k, v in times.items()}, len(tensors), len(blocks)
+
+
+def main():
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--set", action="append", default=[], help="override the model")
+    ap.add_argument("--clip", action="store_true", help="clip (with a coefficient of 1)")
+    ap.add_argument("--checkpoint", action="store_true", help="a checkpoint's state every step")
+    ap.add_argument("--no-components", action="store_true")
+    args = ap.parse_args()
+    sets = REALISTIC + args.set
+    r = run(args.steps, sets, args.clip, args.checkpoint)
+    mib = r["params"] / 2**20
+    mm = r["model"]
+    print(
+        f"dim {mm['dim']}, {mm['n_layers']} layers, seq {mm['max_seq_len']}, accumulation 2, DDP "
+        f"(world 1){', clip' if args.clip else ''}{', checkpoint state' if args.checkpoint else ''}: "
+        f"parameters {mib:.1f} MiB; median of steps {WARMUP + 1}..{args.steps} of each recorder"
+    )
+    for name, rows in r["per_step"].items():
+        rows = rows[WARMUP:]
+        wall = statistics.median(w for w, *_ in rows)
+        own = statistics.median(o for _, o, *_ in rows)
+        hashed = statistics.median(h for *_, h in rows) / 2**20
+        print(
+            f"  recorder {name:5s}: own {own * 1e3:6.1f} ms a step = {own / wall:5.2%} of the step "
+            f"({wall * 1e3:.0f} ms); hashed only (bytes digested before): {hashed:6.1f} MiB"
+        )
+        phases = rows[-1][2]
+        full_mib = 0.0
+        for ph, (n, b, _) in phases.items():
+            s = statistics.median(row[2][ph][2] for row in rows)
+            full_mib += b / 2**20
+            print(
+                f"    {ph:10s} {n:4d} tensors {b / 2**20:7.1f} MiB = {b / r['params']:4.2f} passes "
+                f"{s * 1e3:7.1f} ms"
+            )
+        print(
+            f"    all        {full_mib:7.1f} MiB handed over = {full_mib / mib:4.2f} passes; "
+            f"{full_mib - hashed:7.1f} MiB digested in full = {(full_mib - hashed) / mib:4.2f} passes"
+        )
+    if not args.no_components:
+        per_gib, n, blocks = components(sets)
+        print(
+            f"inside a digest ({n} gradients and parameters, {blocks} blocks of at most "
+            f"{1 << 17} elements): ms per GiB of tensor bytes, each operation over every block alone"
+        )
+        for k, v in per_gib.items():
+            print(f"  {k:32s} {v * 1e3:7.1f} ms/GiB ({1 / v:5.2f} GiB/s)")
+
+
+if __name__ == "__main__":
+    main()
