@@ -298,7 +298,7 @@ def zoom_result(
     deep_a, deep_b, produced_by = deep
     logical = not diff.topology.same
     refuse_op_across(diff, depth)
-    ma, mb = deep_a.manifest, deep_b.manifest
+    ma, mb = deep_a.manifest_doc, deep_b.manifest_doc
     since = diff.tolerance.since_step or 0
     tol = _Tol(diff.mode, ma, mb, rtol, atol, since)
     unit, compared, (na, nb), more = compare(deep_a, deep_b, step, depth, logical=logical, tol=tol)

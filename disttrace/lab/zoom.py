@@ -47,7 +47,7 @@ def depth_frozen(run: Run, step: int, level: str):
             "command (disttrace replay RUN -- CMD)",
             field="source",
         )
-    doc = orjson.loads(orjson.dumps(run.manifest))
+    doc = orjson.loads(orjson.dumps(run.manifest_doc))
     record = doc.setdefault("record", {})
     if not isinstance(record, dict):
         raise BadInput(run.path / LOCK, "must be a table", field="manifest.record")
