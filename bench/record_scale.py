@@ -4,7 +4,7 @@ recorder+ledger; default = + the Flight Recorder collective trace; +live = defau
 values = the dispatch-mode tracer with payload digests), interleaved in the same processes, and the
 run-store bytes per step of the default.
 
-    python bench/scale.py [--steps 20] [--max-world 4]
+    python bench/record_scale.py [--steps 20] [--max-world 4]
 """
 
 from __future__ import annotations
