@@ -107,6 +107,12 @@ class _Side:
         self.records_read = 0  # trajectory records parsed (the `records_read` of the result)
         self._paths: dict[int, Path] = {}
         self._last_bytes: tuple[tuple[int, int], bytes] | None = None
+        # records of all ranks that batch() may decode ahead of the step asked for (0: one step at a time): a
+        # reader that then asks for the following steps in order gets them from one decode
+        self.read_ahead = 0
+        self._order: dict[int, int] = {}  # the steps it reads ahead along, and their positions
+        self._order_steps: list[int] = []
+        self._ahead: dict[tuple[int, int], pa.RecordBatch] = {}
 
     def load(self) -> None:
         """Read (or rebuild) the step index of every rank; called after the compatibility check."""
@@ -262,11 +268,23 @@ class _Side:
         return self._paths[rank]
 
     def batch(self, rank: int, step: int):
-        """The step's Arrow record batch (hash-checked), or None for a JSON-lines store or a missing step."""
+        """The step's Arrow record batch (hash-checked), or None for a JSON-lines store or a missing step.
+        With `read_ahead`, the rank's following steps are decoded with it (a block) and kept for their turn."""
         e = self.entry(rank, step)
         path = self.traj_path(rank)
         if e is None or not trajectory.is_arrow(path):
             return None
+        kept = self._ahead.pop((rank, step), None)
+        if kept is not None:
+            return kept
+        if self.read_ahead:
+            block = self._following(rank, step)
+            if len(block) > 1:
+                batch, starts = self.batches(rank, block)
+                ends = np.append(starts[1:], batch.num_rows)
+                for s, a, b in zip(block, starts.tolist(), ends.tolist()):
+                    self._ahead[(rank, s)] = batch.slice(a, b - a)
+                return self._ahead.pop((rank, step))
         data = self.step_bytes(rank, step)  # the bytes decoded are the bytes hashed
         b = trajectory.decode_step(
             path, data, f"step {step} (bytes {e['offset']}..{e['offset'] + e['length']})"
@@ -291,6 +309,28 @@ class _Side:
         batch, starts = trajectory.decode_steps(path, parts)
         self.records_read += batch.num_rows
         return batch, starts
+
+    def read_along(self, steps: list[int], rows: int) -> None:
+        """Let batch() decode ahead, along `steps` (the steps the comparison will ask for, in its order), as
+        far as `rows` records over all ranks reach: each step decoded ahead is one it will ask for."""
+        self.read_ahead, self._order_steps = rows, list(steps)
+        self._order = {s: i for i, s in enumerate(self._order_steps)}
+
+    def _following(self, rank: int, step: int) -> list[int]:
+        """`step` and the rank's steps after it, as far as read_ahead records over all ranks reach."""
+        at = self._order.get(step)
+        if at is None:
+            return [step]
+        out, rows, width = [], 0, max(1, len(self.ranks))
+        for s in self._order_steps[at:]:
+            e = self.entry(rank, s)
+            if e is None:
+                break
+            rows += width * int(e.get("records") or 0)
+            if out and rows > self.read_ahead:
+                break
+            out.append(s)
+        return out
 
     def _ranges(self, rank: int, path: Path, entries: list[dict]) -> list[bytes]:
         """Each entry's bytes; a run of entries that follow one another in the file in one read."""
@@ -1591,6 +1631,11 @@ def diff_runs(
     tol = _Tol(mode, ma, mb, rtol, atol, since, cal, mags)
     ranks = sorted(set(side_a.ranks) | set(side_b.ranks))
     logical = mode == "numeric" and not same_topology
+    if (
+        logical and propagate
+    ):  # every step read, every rank of a step at once: a block of steps a rank
+        side_a.read_along(steps, BLOCK_ROWS)
+        side_b.read_along(steps, BLOCK_ROWS)
 
     first_div: Divergence | None = None
     first_step: int | None = None
