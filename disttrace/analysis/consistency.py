@@ -13,6 +13,10 @@ import fnmatch
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from disttrace.jsondoc import JsonDoc, omit_none
 from disttrace.store import safeio
 from disttrace.store.records import ReplicaRule, Replicas, parse_doc
@@ -77,45 +81,23 @@ def check_run(run: Run) -> CheckResult:
         return CheckResult(
             None, reason="nothing to check: no replicas.json (no replica map was written)"
         )
-    groups = rules.groups
     stored = rules.as_read()["rules"]  # the document names them as replicas.json holds them
     ranks = run.ranks()
     indexes = {r: {e.step: e for e in run.step_index(r).records} for r in ranks}
     steps = sorted(set().union(*[set(v) for v in indexes.values()])) if indexes else []
     findings, spread = [], []
     compared = 0  # (step, tensor) tables with two or more copies to hold against each other
-    for step in steps:
-        by_rank = {r: run.records_of_step(r, indexes[r][step]) for r in ranks if step in indexes[r]}
-        step_bad: list[Finding] = []
-        for rule in rules.rules:
-            for members in groups[rule.dim]:
-                present = [r for r in members if r in by_rank]
-                if len(present) < 2:
-                    continue
-                table: dict[tuple, dict[int, dict]] = {}
-                for r in present:
-                    for rec in by_rank[r]:
-                        if rule_applies(rule, rec):
-                            table.setdefault((rec["micro_batch"], rec["index"], rec["tensor"]), {})[
-                                r
-                            ] = rec
-                for (mb, index, tensor), recs in sorted(table.items()):
-                    compared += len(recs) >= 2
-                    digests = {r: rec["digest"] for r, rec in recs.items()}
-                    bad = _judge(rule.relation, digests)
-                    if bad:
-                        step_bad.append(
-                            Finding(
-                                step=step,
-                                micro_batch=mb,
-                                phase=rule.phase,
-                                index=index,
-                                tensor=tensor,
-                                group=members,
-                                relation=rule.relation,
-                                **bad,
-                            )
-                        )
+    columns = _Columns(run, rules) if ranks and all(_arrow(run, r) for r in ranks) else None
+    for n, step in enumerate(steps):
+        step_bad = columns.step(steps, n, indexes) if columns is not None else None
+        if step_bad is None:  # JSON lines, or a step the columns hand back: the records
+            by_rank = {
+                r: run.records_of_step(r, indexes[r][step]) for r in ranks if step in indexes[r]
+            }
+            step_bad, n_compared = _check_step(step, by_rank, rules)
+        else:
+            step_bad, n_compared = step_bad
+        compared += n_compared
         if step_bad:
             step_bad.sort(key=lambda f: (f.micro_batch, PHASE_ORDER[f.phase], f.index))
             findings.append(step_bad[0])
@@ -139,6 +121,250 @@ def check_run(run: Run) -> CheckResult:
     return CheckResult(
         first is None, first=first, spread=spread, rules=stored, steps_checked=len(steps)
     )
+
+
+def _check_step(step: int, by_rank: dict[int, list[dict]], rules: Replicas) -> tuple[list, int]:
+    """One step on the records (the reference the columns are held to): the findings, and how many tensors
+    had two or more copies to compare."""
+    groups = rules.groups
+    step_bad: list[Finding] = []
+    compared = 0
+    for rule in rules.rules:
+        for members in groups[rule.dim]:
+            present = [r for r in members if r in by_rank]
+            if len(present) < 2:
+                continue
+            table: dict[tuple, dict[int, dict]] = {}
+            for r in present:
+                for rec in by_rank[r]:
+                    if rule_applies(rule, rec):
+                        table.setdefault((rec["micro_batch"], rec["index"], rec["tensor"]), {})[
+                            r
+                        ] = rec
+            for (mb, index, tensor), recs in sorted(table.items()):
+                compared += len(recs) >= 2
+                digests = {r: rec["digest"] for r, rec in recs.items()}
+                bad = _judge(rule.relation, digests)
+                if bad:
+                    step_bad.append(
+                        Finding(
+                            step=step,
+                            micro_batch=mb,
+                            phase=rule.phase,
+                            index=index,
+                            tensor=tensor,
+                            group=members,
+                            relation=rule.relation,
+                            **bad,
+                        )
+                    )
+    return step_bad, compared
+
+
+def _arrow(run: Run, rank: int) -> bool:
+    from disttrace.store import trajectory
+
+    return trajectory.is_arrow(run.trajectory_path(rank))
+
+
+BLOCK_ROWS = 1 << 16  # records of all ranks decoded together (a block of steps), at least one step
+
+
+class _Columns:
+    """The check of a step on Arrow columns: every rank's batch of the step side by side, each rule's rows
+    selected once (its tensor patterns matched once per distinct name), and the copies of each tensor in
+    each group compared as 16-byte digests sorted by (group, micro-batch, index, tensor); the few tensors
+    whose copies break their rule are judged by `_judge`, as on the records. A step a rank holds twice
+    the same key in, or without a name or phase, is handed back to the record path (None). Steps are
+    decoded a block at a time per rank (trajectory.decode_steps)."""
+
+    def __init__(self, run: Run, rules: Replicas):
+        self.run = run
+        self.rules = rules.rules
+        self.groups = rules.groups
+        self.names: list[dict[str, bool]] = [{} for _ in self.rules]
+        self.ahead: dict[int, dict] = {}
+
+    def step(self, steps: list[int], n: int, indexes: dict) -> tuple[list, int] | None:
+        step = steps[n]
+        if step not in self.ahead:
+            self.ahead = self._read(steps, n, indexes)
+        by_rank = self.ahead.pop(step)
+        return _check_step_columns(step, by_rank, self.rules, self.groups, self.names)
+
+    def _read(self, steps: list[int], n: int, indexes: dict) -> dict[int, dict]:
+        from disttrace.store import trajectory
+
+        block, rows = [], 0
+        for s in steps[n:]:
+            rows += sum(int(ix[s].records or 0) for ix in indexes.values() if s in ix)
+            if block and rows > BLOCK_ROWS:
+                break
+            block.append(s)
+        out: dict[int, dict] = {s: {} for s in block}
+        for r, ix in indexes.items():
+            have = [s for s in block if s in ix]
+            if not have:
+                continue
+            path = self.run.trajectory_path(r)
+            parts = [
+                (
+                    trajectory.read_range(path, ix[s].offset, ix[s].length, self.run.path),
+                    f"step {s} (bytes {ix[s].offset}..{ix[s].offset + ix[s].length})",
+                )
+                for s in have
+            ]
+            batch, starts = trajectory.decode_steps(path, parts)
+            ends = np.append(starts[1:], batch.num_rows)
+            for s, a, b in zip(have, starts.tolist(), ends.tolist()):
+                out[s][r] = batch.slice(a, b - a)
+        return out
+
+
+def _name_applies(rule: ReplicaRule, name: str) -> bool:
+    pats = [rule.tensors] if isinstance(rule.tensors, str) else rule.tensors
+    return any(fnmatch.fnmatchcase(name, x) for x in pats) and not (
+        rule.exclude is not None and fnmatch.fnmatchcase(name, rule.exclude)
+    )
+
+
+def _check_step_columns(
+    step: int, by_rank: dict, rules: list, groups: dict, names: list
+) -> tuple[list, int] | None:
+    if not by_rank:
+        return [], 0
+    ranks = list(by_rank)
+    batch = pa.concat_batches([by_rank[r] for r in ranks])
+    if batch.column("tensor").null_count or batch.column("phase").null_count:
+        return None
+    rank = np.repeat(
+        np.array(ranks, dtype=np.int64), [by_rank[r].num_rows for r in ranks]
+    )  # the file's rank, as the record path keys them
+    tensor = batch.column("tensor")
+    distinct = pc.unique(tensor)
+    code = np.asarray(pc.index_in(tensor, value_set=distinct).to_numpy(), dtype=np.int64)
+    distinct_names = distinct.to_pylist()
+    mb = np.asarray(batch.column("micro_batch").to_numpy(zero_copy_only=False), dtype=np.int64)
+    index = np.asarray(batch.column("index").to_numpy(zero_copy_only=False), dtype=np.int64)
+    digest = batch.column("digest")
+    raw = np.frombuffer(digest.buffers()[1], dtype=np.uint8)[
+        digest.offset * 16 : (digest.offset + len(digest)) * 16
+    ]
+    hi, lo = raw.reshape(-1, 16).view("<u8").T
+    dev = np.asarray(batch.column("device_digest").to_numpy(zero_copy_only=False), dtype=bool)
+    phase = batch.column("phase")
+    findings: list[Finding] = []
+    compared = 0
+    for k, rule in enumerate(rules):
+        cache = names[k]
+        applies = np.array(
+            [
+                cache[nm] if nm in cache else cache.setdefault(nm, _name_applies(rule, nm))
+                for nm in distinct_names
+            ],
+            dtype=bool,
+        )
+        is_phase = np.asarray(
+            pc.equal(phase, rule.phase).to_numpy(zero_copy_only=False), dtype=bool
+        )
+        member_groups = groups[rule.dim]
+        rows = np.nonzero(is_phase & applies[code])[0]
+        if not rows.size:
+            continue
+        gid = {}  # rank -> its group's position, for the groups with two ranks or more holding the step
+        for g, members in enumerate(member_groups):
+            present = [r for r in members if r in by_rank]
+            if len(present) < 2:
+                continue
+            for r in present:
+                if (
+                    r in gid
+                ):  # a rank in two groups of one dimension: group by group, on the records
+                    return None
+                gid[r] = g
+        if not gid:
+            continue
+        lookup = np.full(max(ranks) + 1, -1, dtype=np.int64)
+        lookup[list(gid)] = list(gid.values())
+        g_of = lookup[rank[rows]]
+        rows, g_of = rows[g_of >= 0], g_of[g_of >= 0]
+        if not rows.size:
+            continue
+        o = np.lexsort(
+            (hi[rows], lo[rows], dev[rows], rank[rows], code[rows], index[rows], mb[rows], g_of)
+        )
+        rows, g_of = rows[o], g_of[o]
+        same_key = (
+            (g_of[1:] == g_of[:-1])
+            & (mb[rows][1:] == mb[rows][:-1])
+            & (index[rows][1:] == index[rows][:-1])
+            & (code[rows][1:] == code[rows][:-1])
+        )
+        if (same_key & (rank[rows][1:] == rank[rows][:-1])).any():
+            return None  # a key twice in one rank's step: the record path keeps the last
+        head = np.concatenate(([True], ~same_key))
+        key_of = np.cumsum(head) - 1
+        starts = np.flatnonzero(head)
+        sizes = np.diff(np.append(starts, len(rows)))
+        compared += int((sizes >= 2).sum())
+        if rule.relation == "agree":  # every copy as the first of its key
+            f = starts[key_of]
+            off = (
+                (hi[rows] != hi[rows][f]) | (lo[rows] != lo[rows][f]) | (dev[rows] != dev[rows][f])
+            )
+            bad_keys = np.unique(key_of[off])
+        else:  # "differ": two copies of one key with the same digest
+            # sorted by digest within a key but ranks first: equal digests need not be adjacent; sort again
+            o2 = np.lexsort((rank[rows], hi[rows], lo[rows], dev[rows], key_of))
+            r2 = rows[o2]
+            k2 = key_of[o2]
+            dup = (
+                (k2[1:] == k2[:-1])
+                & (hi[r2][1:] == hi[r2][:-1])
+                & (lo[r2][1:] == lo[r2][:-1])
+                & (dev[r2][1:] == dev[r2][:-1])
+            )
+            bad_keys = np.unique(k2[1:][dup])
+        found = []
+        for key in bad_keys.tolist():
+            a, b = int(starts[key]), int(starts[key] + sizes[key])
+            these = rows[a:b]
+            members = member_groups[int(g_of[a])]
+            holder = {int(rank[x]): int(x) for x in these.tolist()}
+            digests = {
+                r: _hex(raw, holder[r], dev[holder[r]]) for r in members if r in holder
+            }  # in the group's order, as the record path fills its table
+            bad = _judge(rule.relation, digests)
+            if bad:
+                x = int(these[0])
+                found.append(
+                    (
+                        int(g_of[a]),
+                        (int(mb[x]), int(index[x]), distinct_names[code[x]]),
+                        members,
+                        bad,
+                    )
+                )
+        found.sort(key=lambda t: (t[0], t[1]))
+        for _, (m, i, name), members, bad in found:
+            findings.append(
+                Finding(
+                    step=step,
+                    micro_batch=m,
+                    phase=rule.phase,
+                    index=i,
+                    tensor=name,
+                    group=members,
+                    relation=rule.relation,
+                    **bad,
+                )
+            )
+    return findings, compared
+
+
+def _hex(raw: np.ndarray, row: int, device: bool) -> str:
+    h = raw[row * 16 : row * 16 + 16].tobytes().hex()
+    return "dev:" + h if device else h
 
 
 def _judge(relation: str, digests: dict[int, str]) -> dict | None:

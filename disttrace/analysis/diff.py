@@ -67,6 +67,7 @@ MODES = ("bitwise", "numeric")
 CROSS_TOPOLOGY_PHASES = ("reduce", "clip", "optimizer")
 TINY = 1e-300
 MAX_WARNINGS_OF_A_KIND = 5
+_SPAN = 64 << 20  # the most bytes read in one range for a block of steps
 
 _UNKNOWN_PHASE = len(PHASES)
 
@@ -119,6 +120,12 @@ class _Side:
         self.rank_warnings: dict[int, list[str]] = {}  # what reading each rank's index said
         self._paths: dict[int, Path] = {}
         self._last_bytes: tuple[tuple[int, int], bytes] | None = None
+        # records of all ranks that batch() may decode ahead of the step asked for (0: one step at a time): a
+        # reader that then asks for the following steps in order gets them from one decode
+        self.read_ahead = 0
+        self._order: dict[int, int] = {}  # the steps it reads ahead along, and their positions
+        self._order_steps: list[int] = []
+        self._ahead: dict[tuple[int, int], pa.RecordBatch] = {}
 
     def load(self) -> None:
         """Read (or rebuild) the step index of every rank; called after the compatibility check."""
@@ -275,17 +282,97 @@ class _Side:
         return self._paths[rank]
 
     def batch(self, rank: int, step: int):
-        """The step's Arrow record batch (hash-checked), or None for a JSON-lines store or a missing step."""
+        """The step's Arrow record batch (hash-checked), or None for a JSON-lines store or a missing step.
+        With `read_ahead`, the rank's following steps are decoded with it (a block) and kept for their turn."""
         e = self.entry(rank, step)
         path = self.traj_path(rank)
         if e is None or not trajectory.is_arrow(path):
             return None
+        kept = self._ahead.pop((rank, step), None)
+        if kept is not None:
+            return kept
+        if self.read_ahead:
+            block = self._following(rank, step)
+            if len(block) > 1:
+                batch, starts = self.batches(rank, block)
+                ends = np.append(starts[1:], batch.num_rows)
+                for s, a, b in zip(block, starts.tolist(), ends.tolist()):
+                    self._ahead[(rank, s)] = batch.slice(a, b - a)
+                return self._ahead.pop((rank, step))
         data = self.step_bytes(rank, step)  # the bytes decoded are the bytes hashed
         b = trajectory.decode_step(
             path, data, f"step {step} (bytes {e['offset']}..{e['offset'] + e['length']})"
         )
         self._count(step, records=b.num_rows)
         return b
+
+    def batches(self, rank: int, steps: list[int]):
+        """Several steps' records (hash-checked) as one Arrow batch, the steps one after the other, with each
+        step's first row; None for a JSON-lines store. Steps that lie one after the other in the file are read
+        in one range and decoded together (trajectory.decode_steps: a step's fixed cost paid once a block)."""
+        path = self.traj_path(rank)
+        entries = [self.entry(rank, s) for s in steps]
+        if not trajectory.is_arrow(path) or any(e is None for e in entries):
+            return None
+        parts = []
+        for e, data in zip(entries, self._ranges(rank, path, entries)):
+            self._hash_checked(rank, e["step"], seal.step_data_match(data, e))
+            parts.append(
+                (data, f"step {e['step']} (bytes {e['offset']}..{e['offset'] + e['length']})")
+            )
+        batch, starts = trajectory.decode_steps(path, parts)
+        # counted per step, as a step read alone is: results of ranks or steps read elsewhere then combine
+        ends = np.append(starts[1:], batch.num_rows)
+        for s, a, z in zip(steps, starts.tolist(), ends.tolist()):
+            self._count(s, records=z - a)
+        return batch, starts
+
+    def read_along(self, steps: list[int], rows: int) -> None:
+        """Let batch() decode ahead, along `steps` (the steps the comparison will ask for, in its order), as
+        far as `rows` records over all ranks reach: each step decoded ahead is one it will ask for."""
+        self.read_ahead, self._order_steps = rows, list(steps)
+        self._order = {s: i for i, s in enumerate(self._order_steps)}
+
+    def _following(self, rank: int, step: int) -> list[int]:
+        """`step` and the rank's steps after it, as far as read_ahead records over all ranks reach."""
+        at = self._order.get(step)
+        if at is None:
+            return [step]
+        out, rows, width = [], 0, max(1, len(self.ranks))
+        for s in self._order_steps[at:]:
+            e = self.entry(rank, s)
+            if e is None:
+                break
+            rows += width * int(e.get("records") or 0)
+            if out and rows > self.read_ahead:
+                break
+            out.append(s)
+        return out
+
+    def _ranges(self, rank: int, path: Path, entries: list[dict]) -> list[bytes]:
+        """Each entry's bytes; a run of entries that follow one another in the file in one read."""
+        out: list[bytes] = []
+        i = 0
+        while i < len(entries):
+            j, end, span = i + 1, entries[i]["offset"] + entries[i]["length"], entries[i]["length"]
+            while (
+                j < len(entries)
+                and entries[j]["offset"] == end
+                and min(entries[i]["length"], entries[j]["length"]) >= 0
+                and span + entries[j]["length"] <= _SPAN
+            ):
+                end += entries[j]["length"]
+                span += entries[j]["length"]
+                j += 1
+            if j == i + 1:
+                out.append(trajectory.read_range(path, entries[i]["offset"], entries[i]["length"]))
+            else:
+                data = memoryview(trajectory.read_range(path, entries[i]["offset"], span))
+                for e in entries[i:j]:
+                    at = e["offset"] - entries[i]["offset"]
+                    out.append(bytes(data[at : at + e["length"]]))
+            i = j
+        return out
 
     def describe(self) -> SideSummary:
         return SideSummary(
@@ -1454,14 +1541,14 @@ def _compare_block(
     """Same topology, steps `block`, rank by rank: ({rank: _RankStep}, ranks read) per step. A rank whose index
     digests agree is skipped undecoded when its raw bytes are the same on both sides (each side's bytes also
     checked against the hash it was indexed with): a digest in the index is the writer's word, equal bytes are
-    equal records whoever wrote the index. A rank's
-    steps that are read and align row by row are compared in one column-wise call (a step's fixed cost of numpy
+    equal records whoever wrote the index. A rank's steps that are read are decoded together (one batch a
+    side) and, where they align row by row, compared in one column-wise call (a step's fixed cost of numpy
     and Arrow calls is paid once per block, not once per step and rank); each step's result is what it would
     be alone."""
     per = {s: {} for s in block}
     read = dict.fromkeys(block, 0)
     for r in ranks:
-        items = []
+        todo = []
         for s in block:
             ea, eb = side_a.entry(r, s), side_b.entry(r, s)
             if (
@@ -1475,37 +1562,49 @@ def _compare_block(
                 per[s][r] = _RankStep(int(ea.get("records") or 0))
                 continue
             read[s] += 1
-            ba, bb = side_a.batch(r, s), side_b.batch(r, s)
-            if (
-                ba is None or bb is None
-            ):  # a JSON-lines side: the record path (a side decoded already is not read again)
-                per[s][r] = _compare_rank_step(
-                    s,
-                    r,
-                    trajectory.to_records(ba) if ba is not None else side_a.records(r, s),
-                    trajectory.to_records(bb) if bb is not None else side_b.records(r, s),
-                    tol,
-                )
-            elif ba.num_rows != bb.num_rows:
-                per[s][r] = _compare_rank_step_columns(s, r, ba, bb, tol)
-            else:
-                items.append((s, ba, bb))
-        if len(items) > 1:
-            ca, starts = columnar.concat([ba for _, ba, _ in items])
-            cb, _ = columnar.concat([bb for _, _, bb in items])
-            if columnar.aligned_block(ca, cb, starts):
-                out = [_RankStep(ba.num_rows) for _, ba, _ in items]
-                _fold_columns([s for s, _, _ in items], r, ca, cb, starts, tol, out)
-                for (s, _, _), rs in zip(items, out):
-                    per[s][r] = rs
-                continue
-        for (
-            s,
-            ba,
-            bb,
-        ) in items:  # one step, or a block in which some step does not align: one by one
-            per[s][r] = _compare_rank_step_columns(s, r, ba, bb, tol)
+            todo.append(s)
+        if not todo:
+            continue
+        if not all(
+            trajectory.is_arrow(x.traj_path(r)) and all(x.entry(r, s) is not None for s in todo)
+            for x in (side_a, side_b)
+        ):  # a JSON-lines side, or a step one side lacks: step by step
+            for s in todo:
+                per[s][r] = _compare_step_alone(s, r, side_a, side_b, tol)
+            continue
+        (ba, starts_a), (bb, starts_b) = side_a.batches(r, todo), side_b.batches(r, todo)
+        ca, cb = columnar.Columns(ba), columnar.Columns(bb)
+        if (
+            len(todo) > 1
+            and np.array_equal(starts_a, starts_b)
+            and columnar.aligned_block(ca, cb, starts_a)
+        ):
+            out = [_RankStep(n) for n in np.diff(np.append(starts_a, ba.num_rows)).tolist()]
+            _fold_columns(todo, r, ca, cb, starts_a, tol, out)
+            for s, rs in zip(todo, out):
+                per[s][r] = rs
+            continue
+        # one step, or a block in which some step does not align: one by one
+        ends_a, ends_b = np.append(starts_a[1:], ba.num_rows), np.append(starts_b[1:], bb.num_rows)
+        for j, s in enumerate(todo):
+            sa = ba.slice(int(starts_a[j]), int(ends_a[j] - starts_a[j]))
+            sb = bb.slice(int(starts_b[j]), int(ends_b[j] - starts_b[j]))
+            per[s][r] = _compare_rank_step_columns(s, r, sa, sb, tol)
     return {s: (per[s], read[s]) for s in block}
+
+
+def _compare_step_alone(s: int, r: int, side_a: _Side, side_b: _Side, tol: _Tol) -> _RankStep:
+    """One rank's step on the record path, where a side is JSON lines (a side decoded is not read again)."""
+    ba, bb = side_a.batch(r, s), side_b.batch(r, s)
+    if ba is not None and bb is not None:
+        return _compare_rank_step_columns(s, r, ba, bb, tol)
+    return _compare_rank_step(
+        s,
+        r,
+        trajectory.to_records(ba) if ba is not None else side_a.records(r, s),
+        trajectory.to_records(bb) if bb is not None else side_b.records(r, s),
+        tol,
+    )
 
 
 def _worst_by_phase(by_phase: dict[str, PhaseWorst], step: int, per_rank: dict, tol: _Tol) -> None:
@@ -1697,6 +1796,11 @@ class _Setup:
         """StepOutcome of each of `steps`, in order, computed as they are asked for (a block of steps at once
         where the topologies are the same; one at a time when the first divergent step ends the comparison)."""
         side_a, side_b, tol, ranks = self.side_a, self.side_b, self.tol, self.ranks
+        if (
+            self.logical and propagate
+        ):  # every step read, every rank of a step: a block of steps a rank
+            side_a.read_along(steps, BLOCK_ROWS)
+            side_b.read_along(steps, BLOCK_ROWS)
         ahead: dict = {}  # steps compared ahead of the loop (a block)
         nothing = [0, 0]
         for n, step in enumerate(steps):

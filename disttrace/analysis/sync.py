@@ -5,6 +5,7 @@ should be: group, sequence number, the minority rank(s) and both sides.
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 from dataclasses import dataclass
 
@@ -208,13 +209,25 @@ def find_stragglers(run: Run, min_seconds: float = 0.1, factor: float = 2.0) -> 
             t = entry.time
             if "collective_issue" in t and "start" in t:
                 per_step.setdefault(entry.step, {})[rank] = t["collective_issue"] - t["start"]
+    return stragglers(per_step, min_seconds, factor)
+
+
+def stragglers(
+    per_step: dict[int, dict[int, float]], min_seconds: float = 0.1, factor: float = 2.0
+) -> list[Straggler]:
+    """find_stragglers on {step: {rank: seconds to the first gradient collective}}: a rank later than the
+    median of the other ranks by more than `min_seconds` and more than `factor` times it."""
     out = []
     for step, times in sorted(per_step.items()):
         if len(times) < 2:
             continue
+        # each rank's median of the others, from one sort of the step's times: the others are `ordered`
+        # without one copy of the rank's own time (at `at`), so their middle one is ordered[k] or ordered[k + 1]
+        ordered = sorted(times.values())
+        k = (len(ordered) - 1) // 2
         for rank, t in times.items():
-            others = sorted(v for r, v in times.items() if r != rank)
-            median = others[len(others) // 2]
+            at = bisect.bisect_left(ordered, t)
+            median = ordered[k] if k < at else ordered[k + 1]
             if t - median > min_seconds and t > factor * median:
                 out.append(Straggler(step, rank, round(t, 4), round(median, 4)))
     return out

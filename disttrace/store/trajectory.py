@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 
 from disttrace.errors import BadInput
@@ -349,64 +350,147 @@ def is_arrow(path: Path) -> bool:
     return Path(path).suffix == SUFFIX
 
 
+_DECODE_ERRORS = (
+    pa.ArrowException,
+    ValueError,
+    OSError,
+    EOFError,
+    StopIteration,
+    IndexError,
+    struct.error,
+)
+
+
+def _refusal(path: Path, where: str, e: BaseException) -> BadInput:
+    why = (str(e) or type(e).__name__).splitlines()[0][:120]
+    return BadInput(path, f"{where}: not a trajectory record batch ({why})")
+
+
 def decode_step(path: Path, data: bytes, where: str) -> pa.RecordBatch:
     """SCHEMA's record batch from one step's bytes: a schema message first (the file's first step) is checked
     to be one of ours and skipped, our own schema used instead; then a v2 step's shape dictionary and its
     record batch, or a v1 step's record batch, and nothing else. Anything else (a torn, edited or foreign
     message) is bad input naming the file and step."""
     try:
+        return _decode_block([data])[0]
+    except _DECODE_ERRORS as e:
+        raise _refusal(path, where, e) from None
+
+
+def decode_steps(path: Path, steps: list[tuple[bytes, str]]) -> tuple[pa.RecordBatch, np.ndarray]:
+    """Several steps' bytes (each with where it lies, for a refusal) as one SCHEMA record batch, the steps'
+    records one after the other, and each step's first row. Every step is checked as `decode_step` checks it
+    alone (its messages, each compressed buffer's declared size, the step's total expansion, full validation,
+    the shape products); the checks run over the block's arrays at once and the block is decoded by one
+    stream reader and converted in one call per column, so the fixed cost of a step (a stream, a dozen
+    pyarrow calls, a Python loop over its buffers) is paid once a block (docs/design.md, "The trajectory's
+    format"). A block that is refused is decoded step by step, so the refusal names the step at fault, and
+    whatever each step alone accepts is accepted."""
+    if len(steps) < 2:
+        return _joined([decode_step(path, d, w) for d, w in steps])
+    try:
+        return _decode_block([d for d, _ in steps])
+    except _DECODE_ERRORS:
+        pass
+    batches = [decode_step(path, d, w) for d, w in steps]  # raises, naming the step
+    return _joined(batches)
+
+
+def _joined(batches: list[pa.RecordBatch]) -> tuple[pa.RecordBatch, np.ndarray]:
+    counts = np.array([b.num_rows for b in batches], dtype=np.int64)
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
+    if not batches:
+        return pa.RecordBatch.from_arrays(
+            [pa.array([], f.type) for f in SCHEMA], schema=SCHEMA
+        ), starts
+    return (batches[0] if len(batches) == 1 else pa.concat_batches(batches)), starts
+
+
+_STEP_MESSAGES = {1: ["record batch"], 2: ["dictionary", "record batch"]}
+
+
+def _decode_block(steps: list[bytes]) -> tuple[pa.RecordBatch, np.ndarray]:
+    """decode_steps' work (ValueError and Arrow's errors for a refusal, unattributed)."""
+    layout = None
+    parts: list[bytes] = []  # each step's messages after any schema message, joined below
+    plain = np.zeros(len(steps))  # per step: bytes of the buffers stored uncompressed
+    buffers = []  # per message with LZ4 buffers: (step, where its body starts in the joined bytes, its
+    # length, its buffers' (offset, length) pairs)
+    at = 0  # where the step's part starts in the joined bytes
+    for i, data in enumerate(steps):
         reader = pa.BufferReader(data)
-        messages, version, body = [], None, 0
+        messages, version, body, end = [], None, 0, 0
         while reader.tell() < len(data):
             if data[reader.tell() : reader.tell() + len(END_OF_STREAM)] == END_OF_STREAM:
                 break
             m = ipc.read_message(reader)
             if m is None:
                 break
+            end = reader.tell()
             if m.type == "schema" and version is None and not messages:
-                version, body = _check_schema(m), reader.tell()
+                version, body = _check_schema(m), end
                 continue
-            messages.append(m)
-        kinds = [m.type for m in messages]
-        layout = 2 if kinds[:1] == ["dictionary"] else 1  # told by the step's own bytes
-        expected = _STEP_MESSAGES[layout]
-        if kinds != expected or version not in (None, layout):
+            messages.append((m, end))
+        kinds = [m.type for m, _ in messages]
+        step_layout = 2 if kinds[:1] == ["dictionary"] else 1  # told by the step's own bytes
+        expected = _STEP_MESSAGES[step_layout]
+        if kinds != expected or version not in (None, step_layout):
             raise ValueError(f"messages {kinds} where a step's {expected} belong")
-        # before decoding: a forged size would be allocated whole, and many honest-looking ones (an LZ4 bomb:
-        # each buffer within LZ4's own expansion) would still add up to far more than a step of ours holds
-        declared = sum(_check_compressed_sizes(m) for m in messages)
-        if declared > _step_expansion(len(data)):
-            raise ValueError(
-                f"buffers that expand {len(data)} bytes to {declared}, more than a step's records do"
-            )
-        stream = ipc.open_stream(_SCHEMA_MESSAGES[layout] + data[body:], options=_READ)
-        batch = stream.read_next_batch()
+        if layout is None:
+            layout = step_layout
+        elif step_layout != layout:
+            raise ValueError("steps of both layouts in one block")
+        for m, m_end in messages:
+            uncompressed, pairs = _message_buffers(m)
+            plain[i] += uncompressed
+            if pairs is not None and len(pairs):
+                size = m.body.size
+                buffers.append((i, at + m_end - body - size, size, pairs))
+        parts.append(data[body:end] if body or end != len(data) else data)
+        at += end - body
+    joined = b"".join(parts)
+    declared = plain + _declared_sizes(joined, buffers, len(steps))
+    # before decoding: a forged size would be allocated whole, and many honest-looking ones (an LZ4 bomb: each
+    # buffer within LZ4's own expansion) would still add up to far more than a step of ours holds
+    limit = np.array([_step_expansion(len(d)) for d in steps], dtype=np.float64)
+    over = np.nonzero(declared > limit)[0]
+    if over.size:
+        j = int(over[0])
+        raise ValueError(
+            f"buffers that expand {len(steps[j])} bytes to {int(declared[j])}, more than a step's records do"
+        )
+    reader = ipc.open_stream(_SCHEMA_MESSAGES[layout] + joined, options=_READ)
+    if len(steps) == 1:
+        batch = reader.read_next_batch()
         batch.validate(full=True)  # offsets, views and dictionary indices inside their buffers
-        if layout == 2:
-            batch = _from_v2(batch)
-        _check_required(batch)
-    except (
-        pa.ArrowException,
-        ValueError,
-        OSError,
-        EOFError,
-        StopIteration,
-        IndexError,
-        struct.error,
-    ) as e:
-        raise BadInput(
-            path,
-            f"{where}: not a trajectory record batch ({(str(e) or type(e).__name__).splitlines()[0][:120]})",
-        ) from None
-    return batch
+        columns = [[c] for c in batch.columns]
+        counts = [batch.num_rows]
+    else:
+        table = reader.read_all()
+        table.validate(full=True)  # the same, batch by batch
+        columns = [c.chunks for c in table.columns]
+        counts = [len(c) for c in columns[0]]
+    if len(counts) != len(steps):
+        raise ValueError(f"{len(counts)} record batches where {len(steps)} steps are")
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
+    batch = (
+        _from_v2(columns)
+        if layout == 2
+        else pa.RecordBatch.from_arrays([_concat(c) for c in columns], schema=SCHEMA)
+    )
+    _check_required(batch)
+    return batch, starts
 
 
-_STEP_MESSAGES = {1: ["record batch"], 2: ["dictionary", "record batch"]}
+def _concat(chunks: list[pa.Array]) -> pa.Array:
+    return chunks[0] if len(chunks) == 1 else pa.concat_arrays(chunks)
 
 
-def _from_v2(b: pa.RecordBatch) -> pa.RecordBatch:
-    """A v2 batch as SCHEMA's: phase and dtype as plain strings, shape from its dictionary, numel computed, the
-    shard split into offset and logical shape."""
+def _from_v2(columns: list[list[pa.Array]]) -> pa.RecordBatch:
+    """v2 batches (each column's chunks, one a step) as one SCHEMA batch: phase and dtype as plain strings,
+    shape from each step's own dictionary, numel computed, the shard split into offset and logical shape.
+    Each step's dictionary indices were validated against its own dictionary; they are then moved to where
+    that dictionary sits in the steps' dictionaries concatenated, and every shape is taken in one call."""
     (
         step,
         micro_batch,
@@ -426,43 +510,121 @@ def _from_v2(b: pa.RecordBatch) -> pa.RecordBatch:
         samples,
         tokens,
         shard,
-    ) = b.columns
-    numel = pa.array([_product(s) for s in shape.dictionary.to_pylist()], pa.int64()).take(
-        shape.indices
-    )
+    ) = columns
+    chunks = shape
+    if len(chunks) == 1:
+        shapes, indices = chunks[0].dictionary, chunks[0].indices
+        base = None
+    else:
+        dictionaries = [c.dictionary for c in chunks]
+        sizes = np.array([len(d) for d in dictionaries], dtype=np.int64)
+        shapes = pa.concat_arrays(dictionaries)
+        indices = pa.concat_arrays([c.indices for c in chunks])
+        base = np.repeat(np.cumsum(sizes) - sizes, [len(c) for c in chunks])
+    numel, known = _products(shapes)
+    if indices.null_count:
+        if base is not None:
+            indices = pc.add(indices.cast(pa.int64()), pa.array(base))
+        shapes_of_rows, numel_of_rows = shapes.take(indices), pa.array(numel).take(indices)
+        numel_of_rows = pc.if_else(
+            pa.array(known).take(indices), numel_of_rows, pa.scalar(None, pa.int64())
+        )
+    else:
+        at = indices.to_numpy().astype(np.int64)
+        if base is not None:
+            at += base
+        shapes_of_rows = shapes.take(pa.array(at))
+        numel_of_rows = pa.array(numel[at], pa.int64(), mask=None if known.all() else ~known[at])
     return pa.RecordBatch.from_arrays(
         [
-            step,
-            micro_batch,
-            phase.cast(pa.string()),
-            rank,
-            index,
-            tensor,
-            dtype.cast(pa.string()),
-            shape.dictionary.take(shape.indices),
-            numel,
-            digest,
-            device_digest,
-            sum_,
-            norm,
-            sketch,
-            sketch64,
-            nonfinite,
-            samples,
-            tokens,
-            *_split_shard(shard),
+            _concat(step),
+            _concat(micro_batch),
+            _concat(phase).cast(pa.string()),
+            _concat(rank),
+            _concat(index),
+            _concat(tensor),
+            _concat(dtype).cast(pa.string()),
+            shapes_of_rows,
+            numel_of_rows,
+            _concat(digest),
+            _concat(device_digest),
+            _concat(sum_),
+            _concat(norm),
+            _concat(sketch),
+            _concat(sketch64),
+            _concat(nonfinite),
+            _concat(samples),
+            _concat(tokens),
+            *_split_shard(_concat(shard)),
         ],
         schema=SCHEMA,
     )
 
 
-def _product(shape: list | None) -> int | None:
-    if shape is None:
-        return None
-    n = math.prod(shape)
-    if not -(2**63) <= n < 2**63:
-        raise ValueError(f"a shape whose product overflows int64 ({shape[:8]})")
-    return n
+_FEW_SHAPES = 64
+
+
+def _products(shapes: pa.ListArray) -> tuple[np.ndarray, np.ndarray]:
+    """Each shape's product (numel; 1 for a scalar) and whether it has one (not for a null shape); ValueError
+    for one that overflows int64 or has a null dimension. Multiplied in int64 (which wraps, silently) beside a
+    sum of log2 magnitudes (which cannot overflow): the few whose sum comes near 63 bits are recomputed
+    exactly."""
+    n = len(shapes)
+    if n <= _FEW_SHAPES:  # a step's few distinct shapes: a loop costs less than a dozen numpy calls
+        out, valid = np.ones(n, dtype=np.int64), np.ones(n, dtype=bool)
+        for i, shape in enumerate(shapes.to_pylist()):
+            if shape is None:
+                valid[i] = False
+                continue
+            if None in shape:
+                raise ValueError("a shape with a null dimension")
+            exact = math.prod(shape)
+            if not -(2**63) <= exact < 2**63:
+                raise ValueError(f"a shape whose product overflows int64 ({shape[:8]})")
+            out[i] = exact
+        return out, valid
+    offsets = shapes.offsets.to_numpy().astype(np.int64)
+    lengths = offsets[1:] - offsets[:-1]
+    if shapes.null_count:
+        valid = np.asarray(shapes.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+        lengths = np.where(valid, lengths, 0)  # a null shape's range (if any) is not read
+    else:
+        valid = np.ones(n, dtype=bool)
+    first = int(offsets[0])
+    out = np.ones(n, dtype=np.int64)
+    if int(offsets[-1]) == first:
+        return out, valid
+    used = shapes.values.slice(first, int(offsets[-1]) - first)
+    if used.null_count:
+        dims = np.asarray(used.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+        owner = np.repeat(np.arange(n), offsets[1:] - offsets[:-1])
+        if (~dims & valid[owner]).any():
+            raise ValueError("a shape with a null dimension")
+        used = used.fill_null(0)
+    values = np.asarray(used.to_numpy(zero_copy_only=False), dtype=np.int64)
+    full = lengths > 0
+    if not full.any():
+        return out, valid
+    starts = offsets[:-1][full] - first
+    ends = starts + lengths[full]
+    if (ends[:-1] != starts[1:]).any():
+        # reduceat runs each shape to the next one's start: past a null shape's range too, so cut it out
+        values = values[
+            np.concatenate([np.arange(a, b) for a, b in zip(starts.tolist(), ends.tolist())])
+        ]
+        ends = np.cumsum(lengths[full])
+        starts = ends - lengths[full]
+    values = values[: int(ends[-1])]  # nor may the last one run past its own end
+    out[full] = np.multiply.reduceat(values, starts)
+    bits = np.add.reduceat(np.log2(np.maximum(np.abs(values.astype(np.float64)), 1.0)), starts)
+    for j in np.nonzero(bits > 62)[0].tolist():
+        stop = starts[j + 1] if j + 1 < len(starts) else len(values)
+        exact = math.prod(values[starts[j] : stop].tolist())
+        if not -(2**63) <= exact < 2**63:
+            dims = values[starts[j] : min(stop, starts[j] + 8)].tolist()
+            raise ValueError(f"a shape whose product overflows int64 ({dims})")
+        out[np.nonzero(full)[0][j]] = exact
+    return out, valid
 
 
 def _split_shard(arr: pa.ListArray) -> tuple[pa.Array, pa.Array]:
@@ -522,67 +684,108 @@ def _step_expansion(n: int) -> int:
 STEP_EXPANSION = 32
 
 
-def _check_compressed_sizes(message) -> int:
-    """Each LZ4-compressed buffer's uncompressed-length prefix against what its bytes can expand to, read
-    from the message's flatbuffer header (Message.header: RecordBatch, or DictionaryBatch whose .data is one;
-    RecordBatch.buffers, .compression). A dictionary message must replace dictionary 0 (the shape's), not
-    add to it: a step holds the whole of its dictionary. Returns the bytes its buffers decompress to."""
+def _message_buffers(message) -> tuple[int, np.ndarray | None]:
+    """What a message's buffers decompress to, read from its flatbuffer header (Message.header: RecordBatch,
+    or DictionaryBatch whose .data is one; RecordBatch.buffers, .compression): (bytes stored as they are, the
+    (offset, length) in its body of each LZ4-compressed buffer, or None). A dictionary message must replace
+    dictionary 0 (the shape's), not add to it: a step holds the whole of its dictionary."""
     meta, body = message.metadata, message.body
     if meta is None or body is None:
-        return 0
-    fb, body = memoryview(meta), memoryview(body)
-    header = _fb_field(fb, struct.unpack_from("<I", fb, 0)[0], 2)
+        return 0, None
+    fb = memoryview(meta)
+    (header,) = _fb_fields(fb, _u32(fb, 0), (2,))
     if header is None:
-        return 0
-    batch = header + struct.unpack_from("<I", fb, header)[0]
+        return 0, None
+    batch = header + _u32(fb, header)
     if message.type == "dictionary":  # DictionaryBatch: id (0), data (1), isDelta (2)
-        at = _fb_field(fb, batch, 0)
-        delta = _fb_field(fb, batch, 2)
+        at, data, delta = _fb_fields(fb, batch, (0, 1, 2))
         if (at is not None and struct.unpack_from("<q", fb, at)[0] != 0) or (
             delta is not None and fb[delta]
         ):
             raise ValueError("a dictionary message other than the step's shape dictionary")
-        data = _fb_field(fb, batch, 1)
         if data is None:
-            return 0
-        batch = data + struct.unpack_from("<I", fb, data)[0]
-    compression = _fb_field(fb, batch, 3)
+            return 0, None
+        batch = data + _u32(fb, data)
+    vec, compression = _fb_fields(fb, batch, (2, 3))  # RecordBatch: buffers (2), compression (3)
     if compression is None:  # no BodyCompression: the buffers are stored as they are
-        return len(body)
-    table = compression + struct.unpack_from("<I", fb, compression)[0]
-    codec_at = _fb_field(fb, table, 0)
+        return body.size, None
+    (codec_at,) = _fb_fields(fb, compression + _u32(fb, compression), (0,))
     if (
         codec_at is not None and fb[codec_at] != 0
     ):  # BodyCompression.codec: 0 = LZ4_FRAME (the default), 1 = ZSTD
         # the bound below is LZ4's; zstd expands much further (a column of zeros), so its sizes cannot be
         # bounded this way: the trajectory is written with LZ4, another codec is not ours
         raise ValueError("a step compressed with zstd; disttrace's trajectory is LZ4")
-    vec = _fb_field(fb, batch, 2)
     if vec is None:
-        return 0
-    vec += struct.unpack_from("<I", fb, vec)[0]
-    total = 0
-    for i in range(struct.unpack_from("<I", fb, vec)[0]):
-        offset, length = struct.unpack_from("<qq", fb, vec + 4 + 16 * i)
-        if length < 8 or offset < 0 or offset + 8 > len(body):
-            continue  # empty, or out of the body: Arrow refuses it without allocating
-        size = struct.unpack_from("<q", body, offset)[0]
-        if size != -1 and not 0 <= size <= _LZ4_MAX_EXPANSION * length:
-            raise ValueError(f"a compressed buffer of {length} bytes says it holds {size} bytes")
-        total += length if size == -1 else size
-    return total
+        return 0, None
+    vec += _u32(fb, vec)
+    n = _u32(fb, vec)
+    if vec + 4 + 16 * n > len(fb):
+        raise ValueError("a malformed message header")
+    return 0, np.frombuffer(fb, dtype="<i8", count=2 * n, offset=vec + 4).reshape(n, 2)
 
 
-def _fb_field(fb: memoryview, table: int, i: int) -> int | None:
-    """Where field `i` of the flatbuffer table at `table` lies, or None when absent."""
+def _u32(fb: memoryview, at: int) -> int:
+    if at < 0:  # struct would count a negative offset from the end
+        raise ValueError("a malformed message header")
+    return struct.unpack_from("<I", fb, at)[0]
+
+
+def _fb_fields(fb: memoryview, table: int, which: tuple[int, ...]) -> list[int | None]:
+    """Where fields `which` (increasing) of the flatbuffer table at `table` lie, None for an absent one."""
+    if table < 0:
+        raise ValueError("a malformed message header")
     vtable = table - struct.unpack_from("<i", fb, table)[0]
-    if table < 0 or vtable < 0:  # struct would count a negative offset from the end
+    if vtable < 0:
         raise ValueError("a malformed message header")
     vsize = struct.unpack_from("<H", fb, vtable)[0]
-    if 4 + 2 * i + 2 > vsize:
-        return None
-    at = struct.unpack_from("<H", fb, vtable + 4 + 2 * i)[0]
-    return table + at if at else None
+    have = min(max((vsize - 4) // 2, 0), which[-1] + 1)
+    at = struct.unpack_from(f"<{have}H", fb, vtable + 4)
+    return [table + at[i] if i < have and at[i] else None for i in which]
+
+
+def _declared_sizes(joined: bytes, buffers: list, n_steps: int) -> np.ndarray:
+    """Per step, the bytes its LZ4 buffers say they decompress to (each buffer's 8-byte length prefix, all
+    read at once), ValueError for a buffer that claims more than LZ4 can expand its bytes to. A buffer that
+    is empty or lies outside its message's body counts nothing: Arrow refuses it without allocating."""
+    if not buffers:
+        return np.zeros(n_steps)
+    if len(buffers) <= 2:  # one step's messages: a loop costs less than a dozen numpy calls
+        out = np.zeros(n_steps)
+        for i, start, body, pairs in buffers:
+            for offset, length in pairs.tolist():
+                if length < 8 or offset < 0 or offset + 8 > body:
+                    continue  # empty, or out of the body: Arrow refuses it without allocating
+                size = struct.unpack_from("<q", joined, start + offset)[0]
+                if size != -1 and not 0 <= size <= _LZ4_MAX_EXPANSION * length:
+                    raise ValueError(
+                        f"a compressed buffer of {length} bytes says it holds {size} bytes"
+                    )
+                out[i] += length if size == -1 else size
+        return out
+    counts = [len(p) for *_, p in buffers]
+    step, start, body = (
+        np.repeat(np.array([b[k] for b in buffers], dtype=np.int64), counts) for k in range(3)
+    )
+    pairs = np.concatenate([p for *_, p in buffers])
+    offset, length = pairs[:, 0], pairs[:, 1]
+    inside = (length >= 8) & (offset >= 0) & (offset <= body - 8)
+    step, at, length = step[inside], (start + offset)[inside], length[inside]
+    raw = np.frombuffer(joined, dtype=np.uint8)
+    size = raw[at[:, None] + np.arange(8)].copy().view("<i8").reshape(-1)
+    # size <= 256 * length without overflow: ceil(size / 256) <= length
+    bad = (size != -1) & (
+        (size < 0) | (size // _LZ4_MAX_EXPANSION + (size % _LZ4_MAX_EXPANSION > 0) > length)
+    )
+    if bad.any():
+        j = int(np.nonzero(bad)[0][0])
+        raise ValueError(
+            f"a compressed buffer of {int(length[j])} bytes says it holds {int(size[j])} bytes"
+        )
+    counted = np.where(size == -1, length, size).astype(
+        np.float64
+    )  # exact below 2^53, far past any bound
+    return np.bincount(step, weights=counted, minlength=n_steps)
 
 
 def _check_required(batch: pa.RecordBatch) -> None:
@@ -603,11 +806,26 @@ def scan(
     """(offset, length, batch) of every step in the file, in order, without the step index. A step's range
     runs from the end of the one before (the first step's holds the schema message) to the end of its record
     batch; a v2 step's dictionary message comes before its batch. A torn final step is reported through `torn`
-    and left out. The file is mapped, not read: only the step being decoded is copied."""
+    and left out. The file is mapped, not read: only the steps being decoded are copied, up to SCAN_BYTES of
+    them decoded together (decode_steps)."""
     path = Path(path)
     data = safeio.mapped(path, path.parent.parent if root is None else root)
     reader = pa.BufferReader(pa.py_buffer(data) if data else data)
     start, first = 0, None  # first: where the step's first message after any schema lies
+    pending: list[
+        tuple[int, int, int, int]
+    ] = []  # framed steps not yet decoded: start, length, first, end
+
+    def flush():
+        if not pending:
+            return
+        batch, starts = decode_steps(
+            path, [(data[a:b], f"bytes {a}..{b}") for _, _, a, b in pending]
+        )
+        ends = np.append(starts[1:], batch.num_rows)
+        for (offset, length, _, _), i, j in zip(pending, starts.tolist(), ends.tolist()):
+            yield offset, length, batch.slice(i, j - i)
+        pending.clear()
 
     def cut(pos: int):
         if torn is not None:
@@ -623,6 +841,7 @@ def scan(
             data[pos : pos + len(END_OF_STREAM)] == END_OF_STREAM
         ):  # at close; a restarted job appends after it
             if first is not None:
+                yield from flush()
                 raise BadInput(
                     path,
                     f"bytes {first}..{pos}: a dictionary message without its step's record batch",
@@ -633,6 +852,7 @@ def scan(
         try:
             msg = ipc.read_message(reader)
         except (pa.ArrowException, OSError, ValueError, EOFError):
+            yield from flush()
             return cut(pos)
         if msg is None:
             break
@@ -652,13 +872,20 @@ def scan(
             continue
         end = reader.tell()
         if end - first > safeio.LIMITS["step"]:
+            yield from flush()
             raise BadInput(path, f"bytes {first}..{end}: a step larger than a step may be")
-        yield start, end - start, decode_step(path, data[first:end], f"bytes {first}..{end}")
+        pending.append((start, end - start, first, end))
+        if sum(b - a for _, _, a, b in pending) >= SCAN_BYTES:
+            yield from flush()
         start, first = end, None
+    yield from flush()
     if (
         first is not None
     ):  # a dictionary message and no record batch after it: the write stopped in between
         cut(first)
+
+
+SCAN_BYTES = 1 << 20  # steps decoded together by scan (~15,000 records)
 
 
 def unindexed_tail(path: Path, end: int, root: Path | None = None) -> int:
