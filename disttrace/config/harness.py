@@ -15,8 +15,8 @@ the statement on trust where attach can see for itself (`claim_differences`):
 - the global batch the attached run counted against the harness's stated one (as for any pair).
 
 What attach cannot see (which windows the script read, which initial weights it built) is not stated away:
-the `data` records are token ids compared exactly, and the parameters after the first step are compared
-numerically, so a script that reads other windows or builds another initialisation diverges at step 1.
+a script that reads other windows or builds another initialisation computes other gradients, and the
+numeric diff diverges at step 1's `reduce`.
 """
 
 from __future__ import annotations

@@ -58,6 +58,7 @@ def main():
         optimizer,
         out=args.out,
         name="ds-harness",
+        edition=m.experiment.edition,
         seed=m.experiment.seed,
         config=harness_config(frozen),
         forward=blocks if m.record.forward else False,
