@@ -26,6 +26,7 @@ from disttrace.config.harness import CLAIM, harness_config, model_tensors
 from disttrace.config.manifest import experiment_differences, read_lock
 from disttrace.errors import BadInput
 from disttrace.store.records import ATTACHED_SOURCE
+from disttrace.store.rundir import Run
 
 SCRIPT = str(ROOT / "tests" / "scripts" / "ds_harness_train.py")
 TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
@@ -264,9 +265,58 @@ def pair(tmp_path_factory):
 
 @pytest.mark.slow
 def test_the_harness_fsdp2_run_equals_the_users_deepspeed_zero2_run(pair):
+    """The imported ZeRO-2 config runs on FSDP2 in the harness and on DeepSpeed's engine in the script:
+    every reduced gradient piece, clipped gradient, clip scalar, parameter and Adam moment of the 3 steps
+    within the derived bound, and the losses of the micro-batches holding the same samples."""
     tmp, ds, lock, harness, deepspeed = pair
     assert read_lock(lock).manifest["parallelism"]["zero_stage"] == 2
+    assert Run(harness).manifest["parallelism"]["dp"] == 2  # FSDP2 over both ranks
+    assert Run(deepspeed).manifest["parallelism"]["engine"] == "DeepSpeed"
+    assert Run(deepspeed).manifest["parallelism"]["zero_stage"] == 2
     proc = cli("diff", harness, deepspeed, "--mode", "numeric", "--json")
     doc = orjson.loads(proc.stdout)
-    assert proc.returncode == 0 and doc["equal"], (doc.get("first_divergence"), doc.get("warnings"))
-    assert {"reduce", "clip", "optimizer"} <= set(doc["compared_phases"]), doc["compared_phases"]
+    assert proc.returncode == 0 and doc["equal"], (doc.get("first_divergence"), doc["warnings"])
+    assert doc["compared_steps"]["count"] == 3 and doc["warnings"] == [], doc["warnings"]
+    assert doc["compared_phases"] == ["reduce", "clip", "optimizer"]
+    assert doc["tolerance"]["kind"] == "derived"
+    by_phase = doc["numeric"]["by_phase"]
+    assert {"loss", "reduce", "clip", "optimizer"} <= set(by_phase), by_phase
+    # two engines, two summation orders: not the same bits, and well inside the bound
+    assert by_phase["reduce"]["max_rel_err"] > 0
+    assert all(p["max_ratio"] < 1 for p in by_phase.values()), by_phase
+
+
+def _refused(proc, field: str) -> None:
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and f": {field}: not the same experiment" in last, proc.stderr[
+        -2000:
+    ]
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+@pytest.mark.slow
+def test_a_deepspeed_run_at_another_lr_is_refused_naming_it(pair):
+    """The script's DeepSpeed optimizer runs 1.001 x the lr the lock (and its statement) says."""
+    tmp, ds, lock, harness, _ = pair
+    other = ds_run(tmp / "runs", lock, ds, "--lr-scale", "1.001")
+    _refused(cli("diff", harness, other, "--mode", "numeric"), "optimizer.param_groups.0.lr")
+
+
+@pytest.mark.slow
+def test_a_deepspeed_run_of_another_global_batch_is_refused_naming_it(pair):
+    """Accumulation 4 instead of 2 (train_batch_size 32): the batch the run counted is 32, not 16."""
+    tmp, _, _, harness, _ = pair
+    ds, lock = freeze_lock(tmp, "ds2-accum4", ds_config(accum=4))
+    other = ds_run(tmp / "runs", lock, ds)
+    _refused(cli("diff", harness, other, "--mode", "numeric"), "global_batch")
+
+
+@pytest.mark.slow
+def test_a_deepspeed_run_that_builds_another_initialisation_diverges_at_step_1(pair):
+    """What attach cannot see (the script built the model from another seed than it states) is found by
+    the numbers: the first micro-batch's loss already differs beyond the bound."""
+    tmp, ds, lock, harness, _ = pair
+    other = ds_run(tmp / "runs", lock, ds, "--init-seed", "99")
+    proc = cli("diff", harness, other, "--mode", "numeric", "--json")
+    first = orjson.loads(proc.stdout)["first_divergence"]
+    assert proc.returncode == 1 and first["step"] == 1, first

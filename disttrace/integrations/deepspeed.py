@@ -249,9 +249,9 @@ class _Partitions:
             keys |= {k for k, v in st.items() if torch.is_tensor(v) and v.numel() > 1}
         return sorted(keys)
 
-    def collect(self, what: str, base_index: int = 0) -> list[tuple]:
+    def collect(self, what: str, base_index: int = 0, named=None) -> list[tuple]:
         n, out = len(self.named), []
-        for i, name, p in self.named:
+        for i, name, p in self.named if named is None else named:
             got = self._fragment(p, what)
             if got is not None and got[0] is not None:
                 out += pieces(base_index + i, n, name, got[0], got[1], logical_shape(p))
@@ -272,8 +272,8 @@ class DeepSpeedRun(AttachedRun):
             self._orig[name] = engine_obj.__dict__.get(name)
             setattr(engine_obj, name, getattr(self, f"_ds_{name}"))
         # ZeRO 1-2 clip each group's flat fp32 gradient partition right before its optimizer step
-        self._zo_clip = None
-        if self.parts.stage in (1, 2) and hasattr(self.parts.zo, "unscale_and_clip_grads"):
+        self._zo_clip = None  # (ZeRO-3: each sub-group's, right before that sub-group's step)
+        if self.parts.stage > 0 and hasattr(self.parts.zo, "unscale_and_clip_grads"):
             self._zo_clip = self.parts.zo.__dict__.get("unscale_and_clip_grads")
             self.parts.zo.unscale_and_clip_grads = self._zo_unscale_and_clip_grads
 
@@ -328,6 +328,19 @@ class DeepSpeedRun(AttachedRun):
         if self._paused or self._closed or not self.ds.gradient_clipping():
             return out  # without clipping `clip` holds the scalars only, as the harness's does
         zo, n = self.parts.zo, len(self.named)
+        if self.parts.stage == 3:  # grad_groups_flat: the sub-group's index
+            flat = zo.fp32_partitioned_groups_flat[grad_groups_flat].grad
+            dist = _dist()
+            for i, name, p in self.named:
+                pos = zo.grad_position.get(zo.get_param_id(p))
+                if pos is None or pos[0] != grad_groups_flat:
+                    continue
+                part = dist.get_rank(group=p.ds_process_group) if dist else 0
+                frag = flat.narrow(0, int(pos[1]), int(pos[2])).clone()
+                self._clipped += pieces(
+                    i, n, name, frag, part * p.ds_tensor.ds_numel, logical_shape(p)
+                )
+            return out
         fp32 = getattr(zo, "single_partition_of_fp32_groups", [])
         for flat in grad_groups_flat:
             group = next((g for g, t in enumerate(fp32) if t.grad is flat), None)
@@ -377,11 +390,9 @@ class DeepSpeedRun(AttachedRun):
         norm = norm if norm is not None else self._norm_stage0
         if norm is None:
             return
-        # in the dtype DeepSpeed computed it in (the fp32 gradients'), as the harness records its norm
-        dtype = (
-            norm.dtype if torch.is_tensor(norm) else self.named[0][2].dtype if self.named else None
-        )
-        norm = torch.tensor(float(norm), dtype=dtype or torch.float32)
+        # in the gradients' dtype, as the harness records its norm (ZeRO-3 computes it in float64)
+        dtype = self.named[0][2].dtype if self.named else torch.float32
+        norm = torch.tensor(float(norm), dtype=dtype)
         clip = float(self.ds.gradient_clipping() or 0.0)
         coef = (
             torch.clamp(clip / (norm + 1e-6), max=1.0)
@@ -485,7 +496,7 @@ class DeepSpeedRun(AttachedRun):
                     self.ds.__dict__.pop(name, None)
                 else:
                     setattr(self.ds, name, own)
-            if self.parts.stage in (1, 2) and "unscale_and_clip_grads" in self.parts.zo.__dict__:
+            if self.parts.stage > 0 and "unscale_and_clip_grads" in self.parts.zo.__dict__:
                 if self._zo_clip is None:
                     del self.parts.zo.unscale_and_clip_grads
                 else:
