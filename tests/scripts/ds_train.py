@@ -3,6 +3,7 @@ JSON-style config (ZeRO stage, accumulation 2, clipping), `engine.backward(loss)
 micro-batch, attached to disttrace in the marked lines. On CPU DeepSpeed picks its CPU accelerator and gloo.
 
     torchrun --nproc-per-node 2 tests/scripts/ds_train.py OUT --stage 2 [--steps 3] [--no-attach]
+    deepspeed --num_gpus 2 tests/scripts/ds_train.py OUT --stage 2     (LOCAL_SIZE=2 on a CPU machine)
     disttrace inject --fault bitflip-grad ... -- torchrun --nproc-per-node 2 tests/scripts/ds_train.py OUT
 """
 
@@ -43,6 +44,9 @@ def main():
     ap.add_argument("--accum", type=int, default=2)
     ap.add_argument("--no-attach", action="store_true")
     ap.add_argument("--checkpoint", action="store_true", help="run.checkpoint() after step 2")
+    ap.add_argument(
+        "--local_rank", type=int, default=None, help="what the deepspeed launcher passes"
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
