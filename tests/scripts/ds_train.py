@@ -3,7 +3,6 @@ JSON-style config (ZeRO stage, accumulation 2, clipping), `engine.backward(loss)
 micro-batch, attached to disttrace in the marked lines. On CPU DeepSpeed picks its CPU accelerator and gloo.
 
     torchrun --nproc-per-node 2 tests/scripts/ds_train.py OUT --stage 2 [--steps 3] [--no-attach]
-    deepspeed --num_gpus 2 tests/scripts/ds_train.py OUT --stage 2     (LOCAL_SIZE=2 on a CPU machine)
     disttrace inject --fault bitflip-grad ... -- torchrun --nproc-per-node 2 tests/scripts/ds_train.py OUT
 """
 
