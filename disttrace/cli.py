@@ -47,7 +47,9 @@ err = SafeConsole(
 )
 
 ManifestArg = typer.Argument(
-    None, help="manifest TOML (default: manifests/default.toml)", show_default=False
+    None,
+    help="manifest TOML (default: manifests/default.toml), or a lock `freeze -o` wrote (.json), run as frozen",
+    show_default=False,
 )
 SetOpt = typer.Option(None, "--set", help="override a manifest key: section.key=value (repeatable)")
 OutOpt = typer.Option(Path("runs"), "--out", help="runs root directory")
@@ -118,8 +120,14 @@ def handled(fn):
 
 
 def _freeze(manifest: Path | None, sets: list[str] | None):
-    from disttrace.config.manifest import freeze
+    from disttrace.config.manifest import freeze, read_lock
 
+    if manifest is not None and manifest.suffix == ".json":
+        if sets:
+            raise BadInput(
+                "--set", "a lock is run as frozen: freeze again with the override instead"
+            )
+        return read_lock(manifest)
     return freeze(manifest, sets or [])
 
 

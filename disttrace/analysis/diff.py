@@ -1448,7 +1448,7 @@ def _choose_mode(side_a: _Side, side_b: _Side, mode: str | None, rtol, atol, war
     algorithm = [
         (k, x, y)
         for k, x, y in _field_diffs(ma, mb, ("parallelism.architecture", "parallelism.staleness"))
-        if k != "parallelism.architecture"
+        if (k != "parallelism.architecture" and (x or y))  # an attached run states no staleness: 0
         or ma.get("parallelism", {}).get("staleness")
         or mb.get("parallelism", {}).get("staleness")
     ]

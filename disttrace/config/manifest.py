@@ -382,6 +382,54 @@ def freeze(path: Path | str | None, overrides: list[str] | None = None) -> Froze
     return freeze_doc(read_toml(path), path, overrides)
 
 
+def read_lock(path: Path | str) -> Frozen:
+    """A lock `freeze -o` wrote (e.g. from `--from-deepspeed`), as the harness would run it: its manifest
+    validated, its id recomputed, its data and tokenizer files (the paths it resolved) hashed against it and
+    the features it needs supported. Refused, naming the lock and the field, where any of these fails: a lock
+    is run exactly as frozen, or not at all."""
+    path = Path(path)
+    try:
+        doc = orjson.loads(read_text_file(path, "lock"))
+    except orjson.JSONDecodeError as e:
+        raise BadInput(path, f"not valid JSON ({e})") from None
+    try:
+        frozen = Frozen.model_validate(doc)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise BadInput(path, err["msg"], field=".".join(map(str, err["loc"])) or None) from None
+    m = validate(frozen.manifest, path)
+    canonical = orjson.loads(canonical_json(m.model_dump(mode="json")))
+    if canonical != frozen.manifest:
+        raise BadInput(path, "not in the canonical form freeze writes", field="manifest")
+    if hashlib.sha256(canonical_json(canonical)).hexdigest() != frozen.manifest_id:
+        raise BadInput(path, "is not the sha256 of the lock's manifest", field="manifest_id")
+    for key, what, stated in (
+        ("data_path", "data", m.data.sha256),
+        ("tokenizer_path", "tokenizer", m.tokenizer.sha256),
+    ):
+        file = frozen.resolved.get(key)
+        if file is None and what == "tokenizer" and m.tokenizer.kind == "byte":
+            continue
+        if not isinstance(file, str) or not Path(file).is_file():
+            raise BadInput(path, f"{what} file not found: {file}", field=f"resolved.{key}")
+        if what == "data":
+            actual = sha256_file(Path(file))
+        else:
+            from disttrace.data.tokenizer import load_tokenizer
+
+            actual = load_tokenizer(m.tokenizer.kind, file).sha256
+        if actual != stated:
+            raise BadInput(
+                path,
+                f"{file} has sha256 {actual[:12]}..., not the lock's {str(stated)[:12]}...",
+                field=f"manifest.{what}.sha256",
+            )
+    unsupported = _not_supported_yet(m)
+    if unsupported:
+        raise BadInput(path, unsupported[1], field=f"manifest.{unsupported[0]}")
+    return frozen
+
+
 # Fields that make two manifests different experiments (diff refuses them) vs a different topology of
 # one experiment (diff compares them numerically).
 EXPERIMENT_FIELDS = (
@@ -492,7 +540,10 @@ def experiment_differences(
     def side(x, y) -> str:
         return "A and B" if _unknown("", x) and _unknown("", y) else "A" if _unknown("", x) else "B"
 
-    for f in (x for x in EXPERIMENT_FIELDS if x != "experiment.edition"):
+    claimed = _claimed_pair(lock_a, lock_b)
+    if claimed is not None:  # an attached run stating the harness experiment it trains: held to it
+        diffs += claimed
+    for f in (x for x in EXPERIMENT_FIELDS if x != "experiment.edition" and claimed is None):
         va, vb = get_field(ma, f), get_field(mb, f)
         if va is None and vb is None:
             continue
@@ -524,6 +575,18 @@ def experiment_differences(
         why = "; ".join(f"{s}: {w}" for s, (g, w) in zip("AB", known) if g is None)
         unknown.append(f"global_batch ({why})")
     return diffs, unknown
+
+
+def _claimed_pair(lock_a: dict, lock_b: dict) -> list[tuple[str, Any, Any]] | None:
+    """A harness lock and an attached one that states a harness experiment (config/harness.py): the
+    fields in which they are not one experiment, as (field, A's, B's); None for any other pair."""
+    from disttrace.config.harness import claim_differences, claim_of
+
+    if not _attached(lock_a) and claim_of(lock_b) is not None:
+        return claim_differences(lock_a, lock_b)
+    if not _attached(lock_b) and claim_of(lock_a) is not None:
+        return [(f, y, x) for f, x, y in claim_differences(lock_b, lock_a)]
+    return None
 
 
 def observed_topology_differences(lock_a: dict, lock_b: dict) -> list[tuple[str, Any, Any]]:

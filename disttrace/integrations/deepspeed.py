@@ -172,6 +172,17 @@ def pieces(index: int, n: int, name: str, frag, start: int, shape: list[int]) ->
     return out
 
 
+def _copies(entries: list[tuple]) -> list[tuple]:
+    """(index, name, a copy of the piece, keeping its place in the logical tensor)."""
+    out = []
+    for index, name, t in entries:
+        c = t.detach().clone()
+        if hasattr(t, SHARD_ATTR):
+            setattr(c, SHARD_ATTR, getattr(t, SHARD_ATTR))
+        out.append((index, name, c))
+    return out
+
+
 # ---------------------------------------------------------------- where DeepSpeed keeps each rank's piece
 
 
@@ -238,9 +249,9 @@ class _Partitions:
             keys |= {k for k, v in st.items() if torch.is_tensor(v) and v.numel() > 1}
         return sorted(keys)
 
-    def collect(self, what: str, base_index: int = 0) -> list[tuple]:
+    def collect(self, what: str, base_index: int = 0, named=None) -> list[tuple]:
         n, out = len(self.named), []
-        for i, name, p in self.named:
+        for i, name, p in self.named if named is None else named:
             got = self._fragment(p, what)
             if got is not None and got[0] is not None:
                 out += pieces(base_index + i, n, name, got[0], got[1], logical_shape(p))
@@ -254,11 +265,17 @@ class DeepSpeedRun(AttachedRun):
         self.ds = engine_obj
         super().__init__(engine_obj, optimizer, *args, **kwargs)
         self.parts = _Partitions(engine_obj, self.named)
-        self._norm = None
+        self._norm, self._norm_stage0 = None, None
+        self._clipped: list[tuple] = []  # this step's gradient pieces after clipping, for `clip`
         self._orig = {}  # the engine's methods this run replaced on the instance (own ones kept)
         for name in ("step", "clip_fp32_gradients", "save_checkpoint"):
             self._orig[name] = engine_obj.__dict__.get(name)
             setattr(engine_obj, name, getattr(self, f"_ds_{name}"))
+        # ZeRO 1-2 clip each group's flat fp32 gradient partition right before its optimizer step
+        self._zo_clip = None  # (ZeRO-3: each sub-group's, right before that sub-group's step)
+        if self.parts.stage > 0 and hasattr(self.parts.zo, "unscale_and_clip_grads"):
+            self._zo_clip = self.parts.zo.__dict__.get("unscale_and_clip_grads")
+            self.parts.zo.unscale_and_clip_grads = self._zo_unscale_and_clip_grads
 
     def _call(self, name: str, *args, **kwargs):
         """The engine's own method (the script's, if it had replaced it on the instance)."""
@@ -300,6 +317,45 @@ class DeepSpeedRun(AttachedRun):
             max_norm=self.ds.gradient_clipping(),
             mpu=self.ds.mpu,
         )
+        if not (self._paused or self._closed):
+            self._clipped = _copies(self.parts.collect("grad"))
+
+    def _zo_unscale_and_clip_grads(self, grad_groups_flat, total_norm, *args, **kwargs):
+        """ZeRO 1-2: the gradient partition each group's optimizer step reads, after DeepSpeed clipped it
+        (copied: DeepSpeed reuses or frees the buffer after the step)."""
+        own = self._zo_clip or type(self.parts.zo).unscale_and_clip_grads.__get__(self.parts.zo)
+        out = own(grad_groups_flat, total_norm, *args, **kwargs)
+        if self._paused or self._closed or not self.ds.gradient_clipping():
+            return out  # without clipping `clip` holds the scalars only, as the harness's does
+        zo, n = self.parts.zo, len(self.named)
+        if self.parts.stage == 3:  # grad_groups_flat: the sub-group's index
+            flat = zo.fp32_partitioned_groups_flat[grad_groups_flat].grad
+            dist = _dist()
+            for i, name, p in self.named:
+                pos = zo.grad_position.get(zo.get_param_id(p))
+                if pos is None or pos[0] != grad_groups_flat:
+                    continue
+                part = dist.get_rank(group=p.ds_process_group) if dist else 0
+                frag = flat.narrow(0, int(pos[1]), int(pos[2])).clone()
+                self._clipped += pieces(
+                    i, n, name, frag, part * p.ds_tensor.ds_numel, logical_shape(p)
+                )
+            return out
+        fp32 = getattr(zo, "single_partition_of_fp32_groups", [])
+        for flat in grad_groups_flat:
+            group = next((g for g, t in enumerate(fp32) if t.grad is flat), None)
+            if group is None or not torch.is_tensor(flat):  # offload's sub-partition lists
+                continue
+            for i, name, p in self.named:
+                hp = getattr(p, "_hp_mapping", None)
+                if hp is None or hp.param_group_index != group:
+                    continue
+                a = hp.hp_fragment_address
+                frag = flat.narrow(0, a.start, a.numel).clone()
+                self._clipped += pieces(
+                    i, n, name, frag, hp.lp_fragment_address.start, logical_shape(p)
+                )
+        return out
 
     def _ds_step(self, *args, **kwargs):
         if self._paused or self._closed or not self.ds.is_gradient_accumulation_boundary():
@@ -309,30 +365,46 @@ class DeepSpeedRun(AttachedRun):
         if grads:
             self.bus.emit("reduce", grads=grads)
         self.bus.emit("before_optimizer", optimizer=self.optimizer, params=self.named)
-        self._norm = None
+        self._norm, self._norm_stage0 = None, None
+        self._clipped = []
+        if self.parts.stage == 0 and not self.ds.gradient_clipping():
+            # stage 0 without clipping computes no norm; every rank holds the whole reduced gradient,
+            # so its norm is the global one, taken as the harness takes it (before the step frees it)
+            g = [p.grad for _, _, p in self.named if p.grad is not None]
+            self._norm_stage0 = torch.nn.utils.get_total_norm(g, 2.0, foreach=False) if g else None
         out = self._call("step", *args, **kwargs)
         self._record_clip()
         self._record_optimizer()
         self._stepped = True
         self.completed = self.step
+        if self._observed is None:  # the experiment's global batch is summed from it at close
+            self._observed = {
+                "step": self.step,
+                "samples": self._samples if self._forwards else None,
+                "micro_batches": self._forwards,
+            }
         return out
 
     def _record_clip(self) -> None:
         norm = self._norm if self._norm is not None else self.ds.get_global_grad_norm()
+        norm = norm if norm is not None else self._norm_stage0
         if norm is None:
             return
-        norm = torch.tensor(float(norm), dtype=torch.float64)
+        # in the gradients' dtype, as the harness records its norm (ZeRO-3 computes it in float64)
+        dtype = self.named[0][2].dtype if self.named else torch.float32
+        norm = torch.tensor(float(norm), dtype=dtype)
         clip = float(self.ds.gradient_clipping() or 0.0)
         coef = (
             torch.clamp(clip / (norm + 1e-6), max=1.0)
             if clip > 0
-            else torch.ones((), dtype=torch.float64)
+            else torch.ones((), dtype=norm.dtype)
         )
         scalars = [(SCALAR_INDEX, "grad_norm", norm), (SCALAR_INDEX + 1, "clip_coef", coef)]
         if self.optimizer.param_groups:
             lr = self.optimizer.param_groups[0].get("lr", 0.0)
             scalars.append((SCALAR_INDEX + 2, "lr", torch.tensor(float(lr), dtype=torch.float64)))
-        self.bus.emit("clip", grads=[], scalars=scalars)
+        grads, self._clipped = self._clipped, []
+        self.bus.emit("clip", grads=grads, scalars=scalars)
 
     def _record_optimizer(self) -> None:
         params = self.parts.collect("param")
@@ -342,6 +414,7 @@ class DeepSpeedRun(AttachedRun):
             for index, name, t in self.parts.collect(key, base_index=0):
                 # after every parameter piece: BOXES strides of the parameters, then one per key
                 state.append((BOXES * n * (1 + slot) + index - len(params), f"{name}:{key}", t))
+        # group 0's lr is the `clip` phase's (as the harness records it); the other groups' are here
         lrs = [
             (
                 SCALAR_INDEX * 4 + g - len(params),
@@ -349,6 +422,7 @@ class DeepSpeedRun(AttachedRun):
                 torch.tensor(float(group.get("lr", 0.0)), dtype=torch.float64),
             )
             for g, group in enumerate(self.optimizer.param_groups)
+            if g > 0
         ]
         self.bus.emit("optimizer", params=params, state=state + lrs, optimizer=self.optimizer)
 
@@ -422,4 +496,9 @@ class DeepSpeedRun(AttachedRun):
                     self.ds.__dict__.pop(name, None)
                 else:
                     setattr(self.ds, name, own)
+            if self.parts.stage > 0 and "unscale_and_clip_grads" in self.parts.zo.__dict__:
+                if self._zo_clip is None:
+                    del self.parts.zo.unscale_and_clip_grads
+                else:
+                    self.parts.zo.unscale_and_clip_grads = self._zo_clip
         super().close()

@@ -43,6 +43,9 @@ def main():
     ap.add_argument("--accum", type=int, default=2)
     ap.add_argument("--no-attach", action="store_true")
     ap.add_argument("--checkpoint", action="store_true", help="run.checkpoint() after step 2")
+    ap.add_argument(
+        "--local_rank", type=int, default=None, help="what the deepspeed launcher passes"
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
