@@ -210,3 +210,33 @@ def test_a_calibration_beside_the_reference_is_used_by_default(tmp_path):
     f = d["first_divergence"]
     assert (f["step"], f["phase"], f["bound_kind"]) == (2, "reduce", "calibrated")
     assert diff_runs(a, b, find_calibration=False).to_dict()["equal"]
+
+
+def test_an_attached_runs_reduction_size_is_what_it_counted():
+    """An attached manifest states no micro-batch size nor sequence length: T is the batch the run counted
+    (its lock's `observed`), the tokens when it counted token ids, never a factor of 1 where a count exists;
+    d is the widest matrix it holds. Oracle: the formula 2 u (sqrt(T) + sqrt(d)) with T and d written out."""
+    attached = {
+        "parallelism": {"dp": 2, "world_size": 2, "engine": "DDP"},
+        "training": {"optimizer": "AdamW", "dtype": "float32", "grad_accum_steps": 2},
+        "model": {
+            "class": "m.Net",
+            "parameters": 0,
+            "tensors": {
+                "emb.weight": {"shape": [96, 48], "dtype": "torch.float32"},
+                "fc.weight": {"shape": [192, 48], "dtype": "torch.float32"},
+                "fc.bias": {"shape": [192], "dtype": "torch.float32"},
+            },
+        },
+    }
+    u = 2.0**-24
+    counted = {"global_batch": 16, "tokens": 16 * 31}
+    for observed, t in ((counted, 16 * 31), ({"global_batch": 16}, 16), (None, 2 * 2)):
+        got = tolerance.step_bound(attached, attached, "reduce", (observed, observed))
+        assert got == pytest.approx(2 * u * (math.sqrt(t) + math.sqrt(192))), observed
+    assert tolerance.explain(attached, attached, (counted, counted))["T"] == 16 * 31
+    # the harness's manifest states every factor: an `observed` beside it changes nothing
+    m = manifest()
+    assert tolerance.step_bound(m, m, "reduce", (counted, counted)) == tolerance.step_bound(
+        m, m, "reduce"
+    )

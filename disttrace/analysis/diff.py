@@ -420,8 +420,11 @@ class _Tol:
         since: int,
         calibration=None,
         magnitudes=None,
+        observed: tuple = (None, None),
     ):
         self.mode, self.ma, self.mb, self.since = mode, ma, mb, since
+        # each lock's `observed` (attached runs count their batch: the reduction size of the bound)
+        self.observed = observed
         self.user = mode == "numeric" and (rtol is not None or atol is not None)
         self.rtol, self.atol = (rtol or 0.0), (atol or 0.0)
         self.cal = calibration if mode == "numeric" and not self.user else None
@@ -517,6 +520,7 @@ class _Tol:
                     phase,
                     since=self.since,
                     magnitudes=self.mags is not None,
+                    observed=self.observed,
                 )
             )
         return self._cache[k]
@@ -1463,14 +1467,14 @@ def _tolerance_doc(
             manifest_id=cal.manifest_id,
             elsewhere="derived",
             since_step=since,
-            derivation=tolerance.explain(ma, mb),
+            derivation=tolerance.explain(ma, mb, tol.observed),
             scale="magnitudes" if tol.mags is not None else "norm",
             found=found,
         )
     return Tolerance(
         BoundKind.DERIVED,
         since_step=since,
-        derivation=tolerance.explain(ma, mb),
+        derivation=tolerance.explain(ma, mb, tol.observed),
         scale="magnitudes" if tol.mags is not None else "norm",
     )
 
@@ -1532,7 +1536,10 @@ def diff_runs(
         if mode == "numeric" and rtol is None and atol is None
         else None
     )
-    tol = _Tol(mode, ma, mb, rtol, atol, since, cal, mags)
+    observed = tuple(
+        o if isinstance(o := s.run.lock.get("observed"), dict) else None for s in (side_a, side_b)
+    )
+    tol = _Tol(mode, ma, mb, rtol, atol, since, cal, mags, observed)
     ranks = sorted(set(side_a.ranks) | set(side_b.ranks))
     logical = mode == "numeric" and not same_topology
 
