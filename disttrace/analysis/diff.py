@@ -57,6 +57,7 @@ from disttrace.config.manifest import (
 )
 from disttrace.errors import BadInput
 from disttrace.fmt import ranges
+from disttrace.model.names import tensor_class
 from disttrace.store import safeio, seal, trajectory
 from disttrace.store.rundir import LOCK, PHASE_ORDER, PHASES, Run
 
@@ -428,6 +429,7 @@ class _Tol:
         self.user = mode == "numeric" and (rtol is not None or atol is not None)
         self.rtol, self.atol = (rtol or 0.0), (atol or 0.0)
         self.cal = calibration if mode == "numeric" and not self.user else None
+        self._cls: dict[str, str] = {}
         self._cache: dict[tuple[int, str], float] = {}
         # (A's, B's) analysis.magnitudes.Magnitudes when both runs recorded them: a gradient's difference is then
         # measured against the magnitudes that produced it, not against its own (possibly cancelled) norm
@@ -439,6 +441,12 @@ class _Tol:
             and all(m.available for m in magnitudes)
             else None
         )
+        if self.cal is not None and self.cal.scale == "magnitudes" and self.mags is None:
+            # its noise was measured against the magnitudes: it says nothing of an error on a norm's scale
+            self.ignored_calibration = self.cal
+            self.cal = None
+        else:
+            self.ignored_calibration = None
 
     def magnitude(self, step: int, ra: dict | None, rb: dict | None) -> tuple[float, bool]:
         """(the larger side's magnitude, 0 if none; False where no sound bound exists) for a pair of records
@@ -503,13 +511,30 @@ class _Tol:
                         extra[j] = v
         return extra, unbounded
 
-    def derived(self, step: int, phase: str) -> float:
-        """The bound at (step, phase): the calibrated one where the calibration measured it, else derived."""
+    def _class(self, name: str | None) -> str | None:
+        """The calibration's key for a tensor: its class where the calibration has classes, else None."""
+        if name is None or self.cal is None or self.cal.by_class is None:
+            return None
+        got = self._cls.get(name)
+        if got is None:
+            got = self._cls[name] = tensor_class(name)
+        return got
+
+    def derived(self, step: int, phase: str, name: str | None = None) -> float:
+        """The bound at (step, phase) for tensor `name`: the calibrated one where the calibration measured it
+        (per tensor class where it has classes), else derived."""
         if self.mode == "bitwise":
             return 0.0
-        k = (step, phase)
+        cls = self._class(name)
+        k = (step, phase, cls)
         if k not in self._cache:
-            c = self.cal.bound(step, phase) if self.cal is not None else None
+            c = None
+            if self.cal is not None:
+                c = (
+                    self.cal.by_class.get((int(step), phase, cls))
+                    if cls is not None
+                    else self.cal.bound(step, phase)
+                )
             self._cache[k] = (
                 c
                 if c is not None
@@ -540,7 +565,7 @@ class _Tol:
             return "bitwise" if self.mode == "bitwise" else "user"
         return (
             "calibrated"
-            if self.cal is not None and self.cal.bound(step, phase) is not None
+            if self.cal is not None and self.cal.bound(step, phase, name) is not None
             else "derived"
         )
 
@@ -559,9 +584,8 @@ class _Tol:
         if ra.get("shape") != rb.get("shape") or ra.get("dtype") != rb.get("dtype"):
             note = "shape or dtype differs"
         fa, fb = _nonfinite(ra), _nonfinite(rb)
-        b0 = self.derived(step, phase) * tolerance.tensor_factor(
-            ra.get("tensor") or rb.get("tensor")
-        )
+        name = ra.get("tensor") or rb.get("tensor")
+        b0 = self.derived(step, phase, name) * tolerance.tensor_factor(name)
         if fa or fb:
             same = fa and fb and ra.get("nonfinite") == rb.get("nonfinite")
             diverged = self.mode == "bitwise" or not same or note is not None
@@ -753,6 +777,15 @@ def _fold_columns(
     n_orders = len(PHASES) + 1
 
     def base_bound(rows, order, names):
+        if tol.cal is not None and tol.cal.by_class is not None:  # per tensor class: row by row
+            steps_, names_ = row_step[rows].tolist(), names.to_pylist()
+            per_row = np.array(
+                [
+                    tol.derived(s, columnar.phase_name(int(o)), n)
+                    for s, o, n in zip(steps_, order.tolist(), names_)
+                ]
+            )
+            return per_row * columnar.tensor_factors(names)
         pairs, inv = np.unique(row_step[rows] * n_orders + order, return_inverse=True)
         derived = np.array(
             [
@@ -1540,6 +1573,11 @@ def diff_runs(
         o if isinstance(o := s.run.lock.get("observed"), dict) else None for s in (side_a, side_b)
     )
     tol = _Tol(mode, ma, mb, rtol, atol, since, cal, mags, observed)
+    if tol.ignored_calibration is not None:
+        warnings.append(
+            f"calibration {tol.ignored_calibration.path} not used: its noise was measured against the "
+            "magnitudes, and these runs do not both record them (derived bounds instead)"
+        )
     ranks = sorted(set(side_a.ranks) | set(side_b.ranks))
     logical = mode == "numeric" and not same_topology
 
@@ -1616,7 +1654,7 @@ def diff_runs(
         first_divergence=first_div,
         propagation=propagation,
         recovered_steps=recovered,
-        tolerance=_tolerance_doc(mode, tol, cal, since, ma, mb, rtol, atol, found),
+        tolerance=_tolerance_doc(mode, tol, tol.cal, since, ma, mb, rtol, atol, found),
         stats=DiffStats(
             tensors_compared=n_units,
             bit_equal=n_exact,
