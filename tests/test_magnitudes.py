@@ -66,6 +66,35 @@ def test_magnitude_bounds_every_gradient_of_a_real_model(tmp_path):
         assert reduce[str(i)] >= line["m"]["backward"]["0"][str(i)]
 
 
+def test_magnitude_bounds_biases_and_layer_norms(tmp_path):
+    """A user's model of the usual parts (linear layers with biases, a LayerNorm, a 3-D input): every
+    parameter's gradient, biases included (dB sums dY over positions: ||dB|| <= sqrt(positions) ||dY||),
+    within its recorded magnitude (Cauchy-Schwarz), with the biases' inputs centred so that a bias bounded
+    by ||X|| ||dY|| would not hold."""
+    from disttrace.run.hooks import HookBus, grads_of, param_refs
+    from disttrace.run.scales import Magnitudes
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, 12), torch.nn.LayerNorm(12), torch.nn.Tanh(), torch.nn.Linear(12, 3)
+    )
+    bus = HookBus(0)
+    mags = Magnitudes(tmp_path, 0, model).attach(bus)
+    named = param_refs(model)
+    bus.step, bus.micro_batch = 1, 0
+    bus.emit("step_start")
+    x = 1e-3 * torch.randn(4, 16, 6)  # small inputs: ||X|| ||dY|| far below a bias's gradient
+    (model(x) ** 2).sum().backward()
+    bus.emit("reduce", grads=grads_of(named))
+    bus.emit("step_end")
+    mags.close()
+    line = orjson.loads((tmp_path / "trajectory/rank-00000.scales.jsonl").read_bytes())
+    reduce = line["m"]["reduce"]["0"]
+    assert set(map(int, reduce)) == {i for i, _, _ in named}
+    for i, name, p in named:
+        assert float(p.grad.double().norm()) <= reduce[str(i)] * (1 + 1e-5), name
+
+
 def test_cancelling_gradient_rounds_on_the_scale_of_its_magnitudes():
     rng = np.random.default_rng(1)
     x, dy = _cancelling(rng, tokens=512)
