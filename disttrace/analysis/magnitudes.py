@@ -82,7 +82,7 @@ def _number(v, default):
 
 class Magnitudes:
     """One run's magnitudes, as diff asks for them. ``available`` is False for a store without them (written
-    before they existed, or by an attached script): diff then keeps the norm-relative bound."""
+    before they existed, or by an attached DeepSpeed engine): diff then keeps the norm-relative bound."""
 
     def __init__(self, run: Run, since: int = 0):
         self.by_rank: dict[int, dict[int, dict]] = {}
@@ -156,6 +156,10 @@ class Magnitudes:
         if phase != "optimizer":
             return None, True
         name = name or ""
+        if name.startswith(
+            "param_groups."
+        ):  # a learning rate an attached run records: an input, no sum
+            return None, True
         key = name.rsplit(":", 1)[1] if ":" in name else None
         if key is None:  # a parameter
             if self.optimizer == "sgd":

@@ -79,7 +79,7 @@ Adam's moments the same running averages of the gradients' M that the moments ar
 of ``d(g^2) = 2 g dg``), started where the runs last agreed. With magnitudes, diff's relative error of a
 record is taken against ``max(norm_a, norm_b, M_a, M_b)`` instead of ``max(norm_a, norm_b)``: at least as
 large as before, so the bound is never tighter than the old one anywhere, and it is the scale the
-rounding-error theorem is stated in. Stores without magnitudes (written before them, attached scripts)
+rounding-error theorem is stated in. Stores without magnitudes (written before them, or by an attached DeepSpeed engine)
 keep the norm-relative bound, and diff says so (``tolerance.scale: "norm"``).
 
 Where no sound bound exists: a parameter under Adam moves by ``lr * m / (sqrt(v) + eps)``, a ratio of two
