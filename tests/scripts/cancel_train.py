@@ -51,16 +51,19 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
+    launched = "WORLD_SIZE" in os.environ  # under torchrun, also with one rank
+    if launched:
         dist.init_process_group("gloo")
-    rank = dist.get_rank() if world > 1 else 0
+    rank = dist.get_rank() if launched else 0
     assert args.mb * args.accum * world == 16, "16 samples a step in every layout"
     torch.manual_seed(0)
     model = Centred()
     net = model
     if world > 1 and args.engine == "ddp":
         net = nn.parallel.DistributedDataParallel(model)
-    elif world > 1 and args.engine == "fsdp2":
+    elif (
+        launched and args.engine == "fsdp2"
+    ):  # one rank too: FSDP2's model class is the experiment's
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -88,7 +91,7 @@ def main():
     run.close()  # disttrace
     if rank == 0:
         print(run.run_dir, flush=True)
-    if world > 1:
+    if launched:
         dist.destroy_process_group()
 
 
