@@ -45,7 +45,7 @@ def train(out: Path, *args, ranks: int = 1, launcher: bool = False) -> Path:
 def _magnitudes_bound_the_gradients(run: Path) -> None:
     """||g|| <= sum over ranks of each rank's ||X|| ||dY|| / dp for every reduced gradient recorded."""
     r = Run(run)
-    dp = r.manifest["parallelism"]["dp"]
+    dp = r.manifest.parallelism.dp
     mags: dict = {}
     for rank in r.ranks():
         for line in (run / f"trajectory/rank-{rank:05d}.scales.jsonl").read_bytes().splitlines():
