@@ -409,6 +409,7 @@ def main() -> None:
         r = run_child(a, dirs["noisy"], "numeric")
         r["traced_peak_mib"] = run_child(a, dirs["noisy"], "numeric", trace=True)["traced_peak_mib"]
         assert r["equal"] and r["records_read"] == 2 * n_run, r
+        results_numeric = r
         print(
             f"numeric: {r['seconds']:7.3f} s  {r['records_read'] / r['seconds']:>14,.0f} records/s read and "
             f"compared ({r['records_read']:,} records, every one inexact)  peak RSS {r['maxrss_mib']:6.0f} MiB  "
@@ -423,6 +424,27 @@ def main() -> None:
             f"{r['tensors_compared'] / r['seconds']:,.0f} logical tensors/s compared ({r['records_read']:,} records "
             f"read, {r['tensors_compared']:,} compared)  peak RSS {r['maxrss_mib']:6.0f} MiB"
         )
+        if (
+            args.magnitudes
+        ):  # the same stores without them, in the same run: what reading them costs
+            with_m = {"numeric": results_numeric, "cross": r}
+            hidden = []
+            for d in (a, dirs["noisy"], dirs["half"]):
+                for f in (d / "trajectory").glob("*.scales.jsonl"):
+                    hidden.append((f, f.with_suffix(".hidden")))
+                    f.rename(hidden[-1][1])
+            try:
+                for mode, other in (("numeric", dirs["noisy"]), ("cross", dirs["half"])):
+                    n = run_child(a, other, mode)
+                    ratio = n["seconds"] / with_m[mode]["seconds"]
+                    print(
+                        f"{mode:>7} without magnitudes: {n['seconds']:7.3f} s  "
+                        f"{n['records_read'] / n['seconds']:>14,.0f} records/s; with them "
+                        f"{ratio:.2f}x the speed of without"
+                    )
+            finally:
+                for f, h in hidden:
+                    h.rename(f)
     finally:
         if not args.keep and not args.dir:
             shutil.rmtree(root, ignore_errors=True)

@@ -6,10 +6,14 @@ pair (below 1: equal) and the smallest of any control (above 1: divergent).
     python bench/equivalence_sweep.py                      # the default sample (a few minutes)
     python bench/equivalence_sweep.py --full               # every pair x every model (long)
     python bench/equivalence_sweep.py --models deep --pairs "dp=2 x accum 2" --controls ""
+    python bench/equivalence_sweep.py --calibrate          # also under the reference's calibrated bound
 
 The reference is dp=1, micro-batch 4, accumulation 4 (16 sequences a step). Controls run dp=2 x accumulation
 2 with one fault at step 2 on rank 1 and are compared with the same reference, numerically, as a user
-comparing a new layout would.
+comparing a new layout would. With --calibrate the reference is run by `disttrace run --calibrate` (its
+measured noise, per step, phase and tensor class, written beside it) and every case is compared twice: under
+the derived bound (`find_calibration=False`) and under the calibrated one (found beside the reference, as
+diff does by default); both confusion tables are printed.
 """
 
 from __future__ import annotations
@@ -78,11 +82,11 @@ SAMPLE = {
 }
 
 
-def launch(out: Path, sets: list[str], fault: tuple | None = None) -> Path:
+def launch(out: Path, sets: list[str], fault: tuple | None = None, calibrate: bool = False) -> Path:
     args = [a for s in sets for a in ("--set", s)]
     cmd = [sys.executable, "-m", "disttrace"]
     if fault is None:
-        cmd += ["run", "manifests/default.toml", *args]
+        cmd += ["run", "manifests/default.toml", *args] + (["--calibrate"] if calibrate else [])
     else:
         name, params = fault
         cmd += ["inject", "manifests/default.toml", "--fault", name, "--step", "2", "--rank", "1"]
@@ -120,91 +124,19 @@ def worst(d: dict) -> tuple[float, dict | None]:
     return best, at
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--full", action="store_true", help="every pair x every model, every control")
-    ap.add_argument("--models", help="comma-separated: " + ", ".join(MODELS))
-    ap.add_argument("--pairs", help="comma-separated (';' also): " + "; ".join(PAIRS))
-    ap.add_argument("--controls", help="semicolon-separated: " + "; ".join(CONTROLS))
-    ap.add_argument("--control-models", default="default", help="models the controls run on")
-    ap.add_argument("--steps", type=int, help="override every model's training.steps")
-    ap.add_argument("--json", help="write the rows to this file")
-    ap.add_argument("--out", help="keep the runs here (default: a temporary directory)")
-    args = ap.parse_args()
-    pick = {"models": list(MODELS), "pairs": list(PAIRS), "controls": list(CONTROLS)}
-    if not args.full:
-        pick = {k: list(v) for k, v in SAMPLE.items()}
-    if args.models:
-        pick["models"] = args.models.split(",")
-    if args.pairs is not None:
-        pick["pairs"] = [p for p in args.pairs.split(";") if p]
-    if args.controls is not None:
-        pick["controls"] = [c for c in args.controls.split(";") if c]
-    control_models = [m for m in args.control_models.split(",") if m]
-    models = {
-        k: [*v, f"training.steps={args.steps}"] if args.steps else v for k, v in MODELS.items()
-    }
+def _first(d: dict) -> dict | None:
+    f = d["first_divergence"]
+    keys = ("step", "phase", "rank", "tensor", "rel_err", "bound", "bound_kind")
+    return {k: f.get(k) for k in keys} if f else None
 
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(args.out or tmp)
-        for model in pick["models"]:
-            t0 = time.time()
-            base = launch(out, [*BASE, *models[model]])
-            cases = [(p, PAIRS[p], None, True) for p in pick["pairs"]]
-            if model in control_models:
-                cases += [(c, CONTROL_BASE, CONTROLS[c], False) for c in pick["controls"]]
-            for name, sets, fault, equivalent in cases:
-                t = time.time()
-                r = launch(out, [*BASE, *models[model], *sets], fault)
-                if isinstance(r, str):
-                    print(f"{model:12} {name:38} n/a: {r}", flush=True)
-                    continue
-                d = diff_runs(base, r, mode="numeric").to_dict()
-                ratio, at = worst(d)
-                row = {
-                    "model": model,
-                    "case": name,
-                    "equivalent": equivalent,
-                    "equal": d["equal"],
-                    "correct": d["equal"] == equivalent or name in NOISE,
-                    "noise_floor": name in NOISE,
-                    "worst_ratio": ratio,
-                    "at": at,
-                    "first_divergence": {
-                        k: (d["first_divergence"] or {}).get(k)
-                        for k in (
-                            "step",
-                            "phase",
-                            "rank",
-                            "tensor",
-                            "rel_err",
-                            "bound",
-                            "bound_kind",
-                        )
-                    }
-                    if d["first_divergence"]
-                    else None,
-                    "scale": d["tolerance"].get("scale"),
-                    "seconds": round(time.time() - t, 1),
-                }
-                rows.append(row)
-                fd = row["first_divergence"]
-                print(
-                    f"{model:12} {name:38} {'equiv' if equivalent else 'control':7} "
-                    f"{'equal' if d['equal'] else 'DIVERGED':8} {'ok' if row['correct'] else 'WRONG':5} "
-                    f"err/bound {ratio:9.3g}"
-                    + (f"  first: step {fd['step']} {fd['phase']} {fd['tensor']}" if fd else ""),
-                    flush=True,
-                )
-            print(f"  ({model}: {time.time() - t0:.0f} s)", flush=True)
 
+def _table(rows: list[dict], title: str) -> None:
+    """The confusion table and the margins of `rows` (each with equivalent, equal, worst_ratio)."""
     eq = [r for r in rows if r["equivalent"]]
     ct = [r for r in rows if not r["equivalent"] and not r["noise_floor"]]
     floor = [r for r in rows if r["noise_floor"]]
     print()
+    print(f"{title}:")
     print("                      verdict equal   verdict divergent")
     print(
         f"equivalent pairs      {sum(r['equal'] for r in eq):13d}   {sum(not r['equal'] for r in eq):17d}"
@@ -229,9 +161,110 @@ def main() -> None:
             f"below the noise floor of any sound bound ({r['model']}, {r['case']}): "
             f"{'equal' if r['equal'] else 'divergent'}, err/bound {r['worst_ratio']:.3g}"
         )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--full", action="store_true", help="every pair x every model, every control")
+    ap.add_argument("--models", help="comma-separated: " + ", ".join(MODELS))
+    ap.add_argument("--pairs", help="comma-separated (';' also): " + "; ".join(PAIRS))
+    ap.add_argument("--controls", help="semicolon-separated: " + "; ".join(CONTROLS))
+    ap.add_argument("--control-models", default="default", help="models the controls run on")
+    ap.add_argument("--steps", type=int, help="override every model's training.steps")
+    ap.add_argument("--json", help="write the rows to this file")
+    ap.add_argument("--out", help="keep the runs here (default: a temporary directory)")
+    ap.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="calibrate each reference (run --calibrate) and compare under both bounds",
+    )
+    args = ap.parse_args()
+    pick = {"models": list(MODELS), "pairs": list(PAIRS), "controls": list(CONTROLS)}
+    if not args.full:
+        pick = {k: list(v) for k, v in SAMPLE.items()}
+    if args.models:
+        pick["models"] = args.models.split(",")
+    if args.pairs is not None:
+        pick["pairs"] = [p for p in args.pairs.split(";") if p]
+    if args.controls is not None:
+        pick["controls"] = [c for c in args.controls.split(";") if c]
+    control_models = [m for m in args.control_models.split(",") if m]
+    models = {
+        k: [*v, f"training.steps={args.steps}"] if args.steps else v for k, v in MODELS.items()
+    }
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(args.out or tmp)
+        for model in pick["models"]:
+            t0 = time.time()
+            base = launch(out, [*BASE, *models[model]], calibrate=args.calibrate)
+            cases = [(p, PAIRS[p], None, True) for p in pick["pairs"]]
+            if model in control_models:
+                cases += [(c, CONTROL_BASE, CONTROLS[c], False) for c in pick["controls"]]
+            for name, sets, fault, equivalent in cases:
+                t = time.time()
+                r = launch(out, [*BASE, *models[model], *sets], fault)
+                if isinstance(r, str):
+                    print(f"{model:12} {name:38} n/a: {r}", flush=True)
+                    continue
+                d = diff_runs(base, r, mode="numeric", find_calibration=False).to_dict()
+                ratio, at = worst(d)
+                cal = None
+                if args.calibrate:
+                    dc = diff_runs(base, r, mode="numeric").to_dict()
+                    assert dc["tolerance"]["kind"] == "calibrated", dc["tolerance"]
+                    cal = {
+                        "equal": dc["equal"],
+                        "correct": dc["equal"] == equivalent or name in NOISE,
+                        "worst_ratio": worst(dc)[0],
+                        "at": worst(dc)[1],
+                        "first_divergence": _first(dc),
+                    }
+                row = {
+                    "model": model,
+                    "case": name,
+                    "equivalent": equivalent,
+                    "equal": d["equal"],
+                    "correct": d["equal"] == equivalent or name in NOISE,
+                    "noise_floor": name in NOISE,
+                    "worst_ratio": ratio,
+                    "at": at,
+                    "first_divergence": _first(d),
+                    "scale": d["tolerance"].get("scale"),
+                    "calibrated": cal,
+                    "seconds": round(time.time() - t, 1),
+                }
+                rows.append(row)
+                fd = row["first_divergence"]
+                print(
+                    f"{model:12} {name:38} {'equiv' if equivalent else 'control':7} "
+                    f"{'equal' if d['equal'] else 'DIVERGED':8} {'ok' if row['correct'] else 'WRONG':5} "
+                    f"err/bound {ratio:9.3g}"
+                    + (f"  first: step {fd['step']} {fd['phase']} {fd['tensor']}" if fd else "")
+                    + (
+                        f"  | calibrated: {'equal' if cal['equal'] else 'DIVERGED'} "
+                        f"{'ok' if cal['correct'] else 'WRONG'} err/bound {cal['worst_ratio']:.3g}"
+                        if cal
+                        else ""
+                    ),
+                    flush=True,
+                )
+            print(f"  ({model}: {time.time() - t0:.0f} s)", flush=True)
+
+    _table(rows, "derived bound")
+    if args.calibrate:
+        _table(
+            [{**r, **r["calibrated"]} for r in rows if r.get("calibrated")],
+            "calibrated bound (the reference's calibration.json)",
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
-    if any(not r["correct"] for r in rows):
+    if any(
+        not r["correct"] or (r.get("calibrated") and not r["calibrated"]["correct"]) for r in rows
+    ):
         sys.exit(1)
 
 

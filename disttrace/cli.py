@@ -185,7 +185,7 @@ def freeze(
 
 
 def _run_job_and_report(
-    run_dir: Path, json_: bool, job, what: str, summarize_failure: bool = True
+    run_dir: Path, json_: bool, job, what: str, summarize_failure: bool = True, extra=None
 ) -> Path:
     """Run `job()` (our launcher, or a user's command) for `run_dir`, then report it the one way every
     run-writing command does: a summary on stderr and the run directory as the last stdout line, or one
@@ -208,7 +208,7 @@ def _run_job_and_report(
             raise typer.Exit(EXIT_JOB_FAILED) from None
         raise
     if json_:
-        emit_json({"run_dir": str(run_dir), **summary(run_dir).to_dict()})
+        emit_json({"run_dir": str(run_dir), **summary(run_dir).to_dict(), **(extra or {})})
     else:
         render_summary(summary(run_dir), err)
         print(run_dir)
@@ -253,6 +253,15 @@ def run(
         "nothing: then `torchrun ... -m disttrace.worker --run-dir DIR`",
     ),
     quiet: bool = QuietOpt,
+    calibrate_: bool = typer.Option(
+        False,
+        "--calibrate",
+        help="also measure the reference's noise (a repeat and a perturbed run, as `disttrace "
+        "calibrate`) and write its calibration.json beside it",
+    ),
+    safety: float = typer.Option(
+        10.0, "--safety", help="--calibrate: calibrated bound = safety x measured noise"
+    ),
 ):
     """Run the reference path: a real multi-process torch.distributed job that records the full evidence.
     Multi-node: start one `disttrace run` per node with the same --nnodes, --rdzv-endpoint and --run-id.
@@ -260,10 +269,21 @@ def run(
     the prepared run dir reaches it in DISTTRACE_RUN_DIR; its stdout goes to stderr)."""
     from disttrace.run.launch import prepare, prepare_shared
 
+    if calibrate_ and (USER_COMMAND is not None or nnodes > 1 or prepare_only):
+        raise BadInput(
+            "--calibrate",
+            "calibrates a reference this command launches on one node (not a user's command, "
+            "--nnodes or --prepare-only); run `disttrace calibrate` there instead",
+        )
     if USER_COMMAND is not None:
         return _user_command(manifest, out, json_, "reference", None)
 
     frozen = _freeze(manifest, set_)
+    if calibrate_:
+        import math
+
+        if not (math.isfinite(safety) and safety >= 1):  # refused before anything runs
+            raise BadInput("--safety", f"must be a finite number >= 1 (got {safety})")
     if nnodes > 1:
         if not run_id or not rdzv_endpoint:
             raise BadInput(
@@ -281,7 +301,23 @@ def run(
         )
         emit_json({"run_dir": str(run_dir), "prepared": True}) if json_ else print(run_dir)
         return
-    _launch_and_report(run_dir, json_, nnodes, node_rank, rdzv_endpoint, quiet=quiet)
+    if not calibrate_:
+        _launch_and_report(run_dir, json_, nnodes, node_rank, rdzv_endpoint, quiet=quiet)
+        return
+    from disttrace.run.launch import launch
+    from disttrace.views.progress import LiveProgress
+
+    extra: dict = {}
+
+    def job():
+        with LiveProgress(run_dir, err, enabled=not quiet):
+            launch(run_dir)
+        path, doc = _calibration(frozen, out, safety, reference=run_dir)
+        extra["calibration"] = str(path)
+        if not json_:
+            _print_calibration(path, doc)
+
+    _run_job_and_report(run_dir, json_, job, f"launching {run_dir}", extra=extra)
 
 
 def parse_params(params: list[str] | None) -> dict:
@@ -384,8 +420,21 @@ def calibrate(
     json_: bool = JsonOpt,
 ):
     """Measure run-to-run noise: the reference twice (must be bit-identical) and once with its initial
-    parameters perturbed by one unit in the last place; writes <out>/<id12>/calibration.json (use it with
-    `diff --calibration FILE`) and prints the noise per step and phase. The last stdout line is the file."""
+    parameters perturbed by one unit in the last place; writes <out>/<id12>/calibration.json (diff and gate
+    use it by default for runs of this manifest) and prints the noise per step and phase. The last stdout
+    line is the file. `disttrace run --calibrate` does the same and reports the reference run."""
+    frozen = _freeze(manifest, set_)
+    path, doc = _calibration(frozen, out, safety)
+    if json_:
+        emit_json({**doc, "file": str(path)})
+        return
+    _print_calibration(path, doc)
+    print(path)
+
+
+def _calibration(frozen, out: Path, safety: float, reference: Path | None = None):
+    """Run what a calibration needs (the reference unless given, its repeat, the perturbed reference) and
+    write <out>/<id12>/calibration.json; -> (its path, the document)."""
     import math
 
     from disttrace.analysis.calibration import build
@@ -395,10 +444,11 @@ def calibrate(
 
     if not (math.isfinite(safety) and safety >= 1):
         raise BadInput("--safety", f"must be a finite number >= 1 (got {safety})")
-    frozen = _freeze(manifest, set_)
     relative = 2 * unit_roundoff(frozen.manifest)  # one unit in the last place
-    dirs = {}
+    dirs = {} if reference is None else {"reference": str(reference)}
     for label in ("reference", "repeat", "perturbed"):
+        if label in dirs:
+            continue
         run_dir = prepare(frozen, out, "reference")
         if label == "perturbed":
             info = read_json(run_dir / "run.json")
@@ -411,19 +461,25 @@ def calibrate(
     doc = build(frozen.manifest_id, dirs, relative, safety)
     path = Path(out) / frozen.manifest_id[:12] / "calibration.json"
     write_json_atomic(path, doc)
-    if json_:
-        emit_json({**doc, "file": str(path)})
-        return
+    return path, doc
+
+
+def _print_calibration(path: Path, doc: dict) -> None:
     err.print(
         Text(
             f"repeat run bit-identical: {doc['repeat_bit_identical']} (max rel err "
-            f"{doc['repeat_max_rel_err']:.2e}); perturbation {relative:.2e} relative"
+            f"{doc['repeat_max_rel_err']:.2e}); perturbation {doc['perturbation']['relative']:.2e} "
+            f"relative; noise taken on the {doc['scale']} scale"
         )
     )
     for step, phases in doc["noise"].items():
         err.print(Text(f"  step {step}: " + ", ".join(f"{p} {v:.2e}" for p, v in phases.items())))
-    err.print(Text(f"calibrated bound = {safety:g} x noise, written to {path}"))
-    print(path)
+    err.print(
+        Text(
+            f"calibrated bound = {doc['safety']:g} x noise, per step, phase and tensor class "
+            f"({', '.join(doc['classes'])}), written to {path}"
+        )
+    )
 
 
 @app.command()

@@ -1,6 +1,7 @@
 """bench/equivalence_sweep.py's CI sample, both directions on real multi-process runs: two layouts of the same
 training compare equal against dp=1 x accumulation 4, and planted controls diverge where they were planted
-(the oracle is the fault's own coordinates, not the bound). The fast known-answer cases are in
+(the oracle is the fault's own coordinates, not the bound), under the derived bound and under the reference's
+calibration (`run --calibrate`, per step, phase and tensor class). The fast known-answer cases are in
 tests/test_magnitudes.py; the sweep's full matrix is `python bench/equivalence_sweep.py --full`."""
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ def test_sweep_sample_both_directions(tmp_path):
             "--steps",
             "3",
             "--pairs",
-            "dp=2 x accum 2;micro-batch 8, no accum;ZeRO-1",
+            "dp=2 x accum 2;micro-batch 8, no accum;ZeRO-1;ZeRO-2",
             "--controls",
             "bf16 all-reduce;loss x (1 + 1e-4), one micro-batch;lr x (1 + 1e-3), one rank",
             "--out",
             str(tmp_path / "runs"),
             "--json",
             str(out),
+            "--calibrate",
         ],
         cwd=ROOT,
         capture_output=True,
@@ -43,16 +45,21 @@ def test_sweep_sample_both_directions(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = {r["case"]: r for r in json.loads(out.read_text())}
-    for case in ("dp=2 x accum 2", "micro-batch 8, no accum", "ZeRO-1"):
-        assert rows[case]["equal"] and rows[case]["worst_ratio"] < 1, rows[case]
-    # the faults fire at step 2 on rank 1; nothing before it may differ
-    loss = rows["loss x (1 + 1e-4), one micro-batch"]["first_divergence"]
-    assert (loss["step"], loss["phase"], loss["rank"]) == (2, "loss", 1)
-    bf16 = rows["bf16 all-reduce"]["first_divergence"]
-    assert bf16["step"] == 2 and bf16["phase"] in ("reduce", "clip", "optimizer")
-    lr = rows["lr x (1 + 1e-3), one rank"]["first_divergence"]
-    assert lr["step"] in (
-        2,
-        3,
-    )  # the update at step 2 (unbounded under Adam) shows in step 3's gradients
-    assert "equivalent pairs" in proc.stdout and "controls" in proc.stdout
+    # both directions under both bounds: the derived one, and the reference's calibration (run --calibrate)
+    for verdict in (lambda r: r, lambda r: r["calibrated"]):
+        for case in ("dp=2 x accum 2", "micro-batch 8, no accum", "ZeRO-1", "ZeRO-2"):
+            assert verdict(rows[case])["equal"] and verdict(rows[case])["worst_ratio"] < 1, rows[
+                case
+            ]
+        # the faults fire at step 2 on rank 1; nothing before it may differ
+        loss = verdict(rows["loss x (1 + 1e-4), one micro-batch"])["first_divergence"]
+        assert (loss["step"], loss["phase"], loss["rank"]) == (2, "loss", 1)
+        bf16 = verdict(rows["bf16 all-reduce"])["first_divergence"]
+        assert bf16["step"] == 2 and bf16["phase"] in ("reduce", "clip", "optimizer")
+        lr = verdict(rows["lr x (1 + 1e-3), one rank"])["first_divergence"]
+        assert lr["step"] in (
+            2,
+            3,
+        )  # the update at step 2 (unbounded under Adam) shows in step 3's gradients
+    assert rows["ZeRO-2"]["calibrated"]["first_divergence"] is None
+    assert "equivalent pairs" in proc.stdout and "calibrated bound" in proc.stdout

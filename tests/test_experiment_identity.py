@@ -107,6 +107,23 @@ def test_observed_batch_counts_each_tensor_parallel_group_once():
     assert doc["global_batch"] is None and "leading dimension" in doc["why"]
 
 
+def test_observed_tokens_are_the_bounds_reduction_size():
+    """The tokens a step summed over (the numeric bound's T), counted like the samples: once a tensor-parallel
+    group; left out where a rank could not count them. Token ids count every element, a float input every
+    vector of its last dimension."""
+    parts = [{"step": 1, "samples": 4, "tokens": 4 * 31, "micro_batches": 2} for _ in range(4)]
+    assert observed_batch(parts, [[0, 1], [2, 3]])["tokens"] == 2 * 4 * 31
+    parts[3]["tokens"] = None
+    assert "tokens" not in observed_batch(parts, [[0], [1], [2], [3]])
+    torch = pytest.importorskip("torch")
+    from disttrace.run.attach.steps import tokens_of
+
+    assert tokens_of(torch.zeros(4, 31, dtype=torch.long)) == 4 * 31
+    assert tokens_of(torch.zeros(4, 31, 8)) == 4 * 31
+    assert tokens_of(torch.zeros(4)) == 4
+    assert tokens_of(None) is None and tokens_of(torch.tensor(1.0)) is None
+
+
 SCRIPT = """
 import torch, disttrace.api as d
 torch.manual_seed(0)

@@ -66,6 +66,35 @@ def test_magnitude_bounds_every_gradient_of_a_real_model(tmp_path):
         assert reduce[str(i)] >= line["m"]["backward"]["0"][str(i)]
 
 
+def test_magnitude_bounds_biases_and_layer_norms(tmp_path):
+    """A user's model of the usual parts (linear layers with biases, a LayerNorm, a 3-D input): every
+    parameter's gradient, biases included (dB sums dY over positions: ||dB|| <= sqrt(positions) ||dY||),
+    within its recorded magnitude (Cauchy-Schwarz), with the biases' inputs centred so that a bias bounded
+    by ||X|| ||dY|| would not hold."""
+    from disttrace.run.hooks import HookBus, grads_of, param_refs
+    from disttrace.run.scales import Magnitudes
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, 12), torch.nn.LayerNorm(12), torch.nn.Tanh(), torch.nn.Linear(12, 3)
+    )
+    bus = HookBus(0)
+    mags = Magnitudes(tmp_path, 0, model).attach(bus)
+    named = param_refs(model)
+    bus.step, bus.micro_batch = 1, 0
+    bus.emit("step_start")
+    x = 1e-3 * torch.randn(4, 16, 6)  # small inputs: ||X|| ||dY|| far below a bias's gradient
+    (model(x) ** 2).sum().backward()
+    bus.emit("reduce", grads=grads_of(named))
+    bus.emit("step_end")
+    mags.close()
+    line = orjson.loads((tmp_path / "trajectory/rank-00000.scales.jsonl").read_bytes())
+    reduce = line["m"]["reduce"]["0"]
+    assert set(map(int, reduce)) == {i for i, _, _ in named}
+    for i, name, p in named:
+        assert float(p.grad.double().norm()) <= reduce[str(i)] * (1 + 1e-5), name
+
+
 def test_cancelling_gradient_rounds_on_the_scale_of_its_magnitudes():
     rng = np.random.default_rng(1)
     x, dy = _cancelling(rng, tokens=512)
@@ -210,3 +239,117 @@ def test_a_calibration_beside_the_reference_is_used_by_default(tmp_path):
     f = d["first_divergence"]
     assert (f["step"], f["phase"], f["bound_kind"]) == (2, "reduce", "calibrated")
     assert diff_runs(a, b, find_calibration=False).to_dict()["equal"]
+
+
+def test_an_attached_runs_reduction_size_is_what_it_counted():
+    """An attached manifest states no micro-batch size nor sequence length: T is the batch the run counted
+    (its lock's `observed`), the tokens when it counted token ids, never a factor of 1 where a count exists;
+    d is the widest matrix it holds. Oracle: the formula 2 u (sqrt(T) + sqrt(d)) with T and d written out."""
+    attached = {
+        "parallelism": {"dp": 2, "world_size": 2, "engine": "DDP"},
+        "training": {"optimizer": "AdamW", "dtype": "float32", "grad_accum_steps": 2},
+        "model": {
+            "class": "m.Net",
+            "parameters": 0,
+            "tensors": {
+                "emb.weight": {"shape": [96, 48], "dtype": "torch.float32"},
+                "fc.weight": {"shape": [192, 48], "dtype": "torch.float32"},
+                "fc.bias": {"shape": [192], "dtype": "torch.float32"},
+            },
+        },
+    }
+    u = 2.0**-24
+    counted = {"global_batch": 16, "tokens": 16 * 31}
+    for observed, t in ((counted, 16 * 31), ({"global_batch": 16}, 16), (None, 2 * 2)):
+        got = tolerance.step_bound(attached, attached, "reduce", (observed, observed))
+        assert got == pytest.approx(2 * u * (math.sqrt(t) + math.sqrt(192))), observed
+    assert tolerance.explain(attached, attached, (counted, counted))["T"] == 16 * 31
+    # the harness's manifest states every factor: an `observed` beside it changes nothing
+    m = manifest()
+    assert tolerance.step_bound(m, m, "reduce", (counted, counted)) == tolerance.step_bound(
+        m, m, "reduce"
+    )
+
+
+def _class_noise(ref, other) -> dict:
+    """The oracle of a calibration's noise, recomputed here from the raw records and the magnitudes files:
+    per (step, class), the largest |d norm| / S and |d sum| / (S sqrt(numel)), S = max(norms, magnitude),
+    the magnitude of a reduced record being the sum over ranks of each rank's figure / dp."""
+    from disttrace.store.rundir import Run
+
+    def mags(run):
+        out: dict = {}
+        for p in sorted(run.glob("trajectory/*.scales.jsonl")):
+            for line in p.read_bytes().splitlines():
+                doc = orjson.loads(line)
+                for mbs in doc["m"]["reduce"].values():
+                    for i, v in mbs.items():
+                        out[(doc["step"], int(i))] = out.get((doc["step"], int(i)), 0.0) + v
+        dp = orjson.loads((run / "manifest.lock.json").read_bytes())["manifest"]["parallelism"][
+            "dp"
+        ]
+        return {k: v / dp for k, v in out.items()}
+
+    ma, mb = mags(ref), mags(other)
+    left = {(r["step"], r["index"]): r for r in Run(ref).records(0)}
+    want: dict = {}
+    for r in Run(other).records(0):
+        a = left[(r["step"], r["index"])]
+        s = max(a["norm"], r["norm"], ma[(r["step"], r["index"])], mb[(r["step"], r["index"])])
+        e = max(
+            abs(a["norm"] - r["norm"]) / s, abs(a["sum"] - r["sum"]) / (s * math.sqrt(r["numel"]))
+        )
+        cls = "attention" if "attention" in r["tensor"] else "mlp"
+        want[(r["step"], cls)] = max(want.get((r["step"], cls), 0.0), e)
+    return want
+
+
+def test_a_calibration_per_tensor_class_both_directions(tmp_path):
+    """`calibrate`'s document on stores whose noise is known (the perturbed reference sums each gradient over
+    the tokens in another blocking): per step, phase and tensor class, safety x the noise recomputed here.
+    Under it, a layout computing the same mean in another order is equal, and a contribution scaled by
+    (1 + 1e-3) is found at its planted coordinates, against its own class's bound."""
+    from disttrace.analysis.calibration import build
+
+    ref = _layout(tmp_path, "ref", dp=1, accum=4)
+    repeat = _layout(tmp_path, "repeat", dp=1, accum=4)
+    perturbed = _layout(tmp_path, "perturbed", dp=1, accum=4, blocks=2)
+    mid = orjson.loads((ref / "manifest.lock.json").read_bytes())["manifest_id"]
+    runs = {"reference": str(ref), "repeat": str(repeat), "perturbed": str(perturbed)}
+    doc = build(mid, runs, 2**-23, 10.0)
+    assert doc["repeat_bit_identical"] and doc["scale"] == "magnitudes"
+    want = _class_noise(ref, perturbed)
+    got = {
+        (int(s), c): v for s, ph in doc["bounds_by_class"].items() for c, v in ph["reduce"].items()
+    }
+    assert got.keys() == want.keys() and len({c for _, c in got}) == 2
+    for k, v in want.items():
+        assert got[k] == pytest.approx(10.0 * v, rel=1e-12), k
+    for s, ph in doc[
+        "bounds"
+    ].items():  # the phase's bound is its loosest class's (what v1 readers read)
+        assert ph["reduce"] == max(v for (t, _), v in got.items() if t == int(s))
+    (tmp_path / "calibration.json").write_bytes(orjson.dumps(doc))
+
+    same = _layout(tmp_path, "same", dp=2, accum=2, blocks=2)
+    d = diff_runs(ref, same).to_dict()
+    assert d["tolerance"]["kind"] == "calibrated" and d["tolerance"]["found"] is True
+    assert d["equal"], d["first_divergence"]
+    assert d["stats"]["tensors_compared"] > d["stats"]["bit_equal"]  # it did round differently
+
+    planted = _layout(tmp_path, "planted", dp=2, accum=2, blocks=2, plant=(2, 1, 1))
+    f = diff_runs(ref, planted).to_dict()["first_divergence"]
+    assert (f["step"], f["phase"], f["tensor"], f["bound_kind"]) == (
+        2,
+        "reduce",
+        NAMES[1],
+        "calibrated",
+    )
+    assert f["bound"] == pytest.approx(got[(2, "mlp")]) and f["rel_err"] > f["bound"]
+
+    # measured against the magnitudes: it says nothing of a store compared on its norms, and is not used
+    for p in same.glob("trajectory/*.scales.jsonl"):
+        p.unlink()
+    d = diff_runs(ref, same).to_dict()
+    assert d["tolerance"]["kind"] == "derived"
+    assert any("calibration" in w and "magnitudes" in w for w in d["warnings"])

@@ -1,9 +1,16 @@
-"""Measured run-to-run noise (`disttrace calibrate MANIFEST`): where the derived bound of tolerance.py is in
-doubt, measure instead. The reference runs twice (same bits expected: determinism) and once with its
-initial parameters perturbed by one unit in the last place (run/perturb.py, as TTrace estimates its
-thresholds); the largest relative error per (step, phase) between the reference and the perturbed run is
-the noise, and `safety` times it is the calibrated bound that `diff --calibration FILE` uses (a phase the
-perturbation never reached, noise 0, keeps its derived bound). No torch here: it reads run stores."""
+"""Measured run-to-run noise (`disttrace calibrate MANIFEST`, or `disttrace run --calibrate`): where the
+derived bound of tolerance.py is in doubt, measure instead, the way TTrace sets its thresholds: perturb,
+measure, multiply by a stated safety factor. The reference runs twice (same bits expected: determinism) and
+once with its initial parameters perturbed by one unit in the last place (run/perturb.py); the largest
+relative error between the reference and the perturbed run, per step, phase and tensor class (embedding,
+attention, mlp, norm, output, other: model/names.py's `tensor_class`), is the noise, and `safety` times it
+is the calibrated bound diff and gate use (where the perturbation never reached, noise 0, the derived bound
+holds). The error is taken on the scale diff compares on: against the magnitudes that produced each record
+when the runs recorded them (analysis/magnitudes.py), else against the records' norms; the file says which
+(`scale`), and diff uses a calibration of the magnitudes' scale only where it compares on it.
+Per class because one class's noise is not another's: an attention projection's gradient cancels through
+the softmax, an RMSNorm weight sees a normalised input; one bound per phase is the loosest class's.
+No torch here: it reads run stores."""
 
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ import orjson
 
 from disttrace.analysis import tolerance
 from disttrace.errors import BadInput
+from disttrace.model.names import CLASSES, tensor_class
 from disttrace.store import safeio
 from disttrace.store.rundir import Run
 
@@ -21,46 +29,93 @@ KIND = "disttrace-calibration"
 DEFAULT_SAFETY = 10.0
 
 
-def rel_err(ra: dict, rb: dict) -> float | None:
-    """diff's relative error of two records (norm, sum and sketch terms); None without finite statistics."""
+def rel_err(ra: dict, rb: dict, magnitude: float = 0.0) -> float | None:
+    """diff's relative error of two records (norm, sum and sketch terms) on diff's scale: the larger of their
+    norms and `magnitude` (what produced them, analysis/magnitudes.py; 0 for a store without magnitudes);
+    None without finite statistics."""
     if any(r.get(k) is None for r in (ra, rb) for k in ("sum", "norm")):
         return None
     na, nb = float(ra["norm"]), float(rb["norm"])
-    scale = max(na, nb, 1e-300)
+    scale = max(na, nb, magnitude, 1e-300)
     numel = max(int(ra.get("numel") or 0), int(rb.get("numel") or 0), 1)
     return max(abs(na - nb) / scale, *tolerance.projection_terms(ra, rb, scale * math.sqrt(numel)))
 
 
-def noise(a: Path, b: Path) -> dict[int, dict[str, float]]:
-    """Largest rel_err per (step, phase) between two runs of one manifest (same topology)."""
+def noise(a: Path, b: Path, magnitudes: bool = True) -> tuple[dict, dict, str]:
+    """Largest rel_err per (step, phase) and per (step, phase, tensor class) between two runs of one
+    manifest (same topology), and the scale it was taken on: "magnitudes" when both runs recorded them
+    (the scale diff compares on; a record with no sound bound, a parameter under Adam, is left out as diff
+    never judges it), else "norm"."""
+    from disttrace.analysis.magnitudes import Magnitudes
+
     ra, rb = Run(a), Run(b)
-    out: dict[int, dict[str, float]] = {}
+    mags = (Magnitudes(ra), Magnitudes(rb)) if magnitudes else None
+    if mags is not None and not all(m.available for m in mags):
+        mags = None
+    by_phase: dict[int, dict[str, float]] = {}
+    by_class: dict[int, dict[str, dict[str, float]]] = {}
+    key = lambda r: (r["step"], r["micro_batch"], r["phase"], r["index"], r["tensor"])  # noqa: E731
     for rank in ra.ranks():
-        key = lambda r: (r["step"], r["micro_batch"], r["phase"], r["index"], r["tensor"])  # noqa: E731
         left = {key(r): r for r in ra.records(rank)}
         for r in rb.records(rank):
             other = left.get(key(r))
             if other is None:
                 continue
-            e = 0.0 if other.get("digest") == r.get("digest") else rel_err(other, r)
+            m = 0.0
+            if mags is not None:
+                found = [
+                    mag.of(
+                        x["step"],
+                        x["phase"],
+                        int(x["index"]),
+                        x["tensor"],
+                        x.get("rank"),
+                        int(x["micro_batch"]),
+                    )
+                    for mag, x in zip(mags, (other, r))
+                ]
+                if not all(ok for _, ok in found):
+                    continue  # no sound bound: diff reports it, never judges it
+                m = max((v for v, _ in found if v is not None), default=0.0)
+            e = 0.0 if other.get("digest") == r.get("digest") else rel_err(other, r, m)
             if e is None:
                 continue
-            cur = out.setdefault(r["step"], {})
-            cur[r["phase"]] = max(cur.get(r["phase"], 0.0), e)
-    return out
+            step, phase = r["step"], r["phase"]
+            cur = by_phase.setdefault(step, {})
+            cur[phase] = max(cur.get(phase, 0.0), e)
+            cls = by_class.setdefault(step, {}).setdefault(phase, {})
+            c = tensor_class(r["tensor"])
+            cls[c] = max(cls.get(c, 0.0), e)
+    return by_phase, by_class, "magnitudes" if mags is not None else "norm"
 
 
 def build(manifest_id: str, runs: dict[str, str], relative: float, safety: float) -> dict:
-    repeat = noise(Path(runs["reference"]), Path(runs["repeat"]))
-    perturbed = noise(Path(runs["reference"]), Path(runs["perturbed"]))
+    """The calibration document: `safety` x the larger of the perturbed run's and the repeat's noise, per
+    step and phase (`bounds`, what a reader of the first version reads) and per step, phase and tensor
+    class (`bounds_by_class`, what diff uses when present). A (step, phase[, class]) whose noise is 0 (the
+    perturbation did not reach it) gets no bound: the derived one holds there."""
+    repeat, repeat_cls, _ = noise(Path(runs["reference"]), Path(runs["repeat"]))
+    perturbed, perturbed_cls, scale = noise(Path(runs["reference"]), Path(runs["perturbed"]))
     rep_max = max((v for ph in repeat.values() for v in ph.values()), default=0.0)
     bounds = {
         str(s): {p: safety * max(v, repeat.get(s, {}).get(p, 0.0)) for p, v in ph.items() if v > 0}
         for s, ph in sorted(perturbed.items())
     }
+    by_class = {
+        str(s): {
+            p: {
+                c: safety * max(v, repeat_cls.get(s, {}).get(p, {}).get(c, 0.0))
+                for c, v in sorted(cls.items())
+                if v > 0
+            }
+            for p, cls in ph.items()
+            if any(v > 0 for v in cls.values())
+        }
+        for s, ph in sorted(perturbed_cls.items())
+    }
     return {
         "kind": KIND,
-        "version": 1,
+        "version": 2,
         "manifest_id": manifest_id,
         "runs": runs,
         "perturbation": {
@@ -70,9 +125,24 @@ def build(manifest_id: str, runs: dict[str, str], relative: float, safety: float
         "repeat_bit_identical": rep_max == 0.0,
         "repeat_max_rel_err": rep_max,
         "safety": safety,
+        "scale": scale,
+        "classes": list(CLASSES),
         "noise": {str(s): ph for s, ph in sorted(perturbed.items())},
         "bounds": bounds,
+        "noise_by_class": {
+            str(s): {p: dict(sorted(c.items())) for p, c in ph.items()}
+            for s, ph in sorted(perturbed_cls.items())
+        },
+        "bounds_by_class": by_class,
     }
+
+
+def _bound_value(path, where: str, v) -> float:
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+        raise BadInput(
+            path, f"{where}: {v!r} is not a finite number >= 0", field=where.split(".")[0]
+        )
+    return float(v)
 
 
 class Calibration:
@@ -100,15 +170,43 @@ class Calibration:
                     field="bounds",
                 )
             for p, v in phases.items():
-                if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                self.bounds[(int(s), p)] = _bound_value(self.path, f"bounds.{s}.{p}", v)
+        # per tensor class (version 2); a file without them calibrates per step and phase only
+        self.by_class: dict[tuple[int, str, str], float] | None = None
+        classes = doc.get("bounds_by_class")
+        if classes is not None:
+            if not isinstance(classes, dict):
+                raise BadInput(
+                    self.path, "bounds_by_class is not an object", field="bounds_by_class"
+                )
+            self.by_class = {}
+            for s, phases in classes.items():
+                if not (isinstance(s, str) and s.isdigit() and isinstance(phases, dict)) or not all(
+                    isinstance(c, dict) for c in phases.values()
+                ):
                     raise BadInput(
                         self.path,
-                        f"bounds.{s}.{p}: {v!r} is not a finite number >= 0",
-                        field="bounds",
+                        f"bounds_by_class: step {s!r} is not a step number with phases of classes",
+                        field="bounds_by_class",
                     )
-                self.bounds[(int(s), p)] = float(v)
+                for p, cls in phases.items():
+                    for c, v in cls.items():
+                        where = f"bounds_by_class.{s}.{p}.{c}"
+                        self.by_class[(int(s), p, c)] = _bound_value(self.path, where, v)
+        scale = doc.get("scale", "norm")
+        if scale not in ("norm", "magnitudes"):
+            raise BadInput(
+                self.path, f"scale {scale!r} is neither norm nor magnitudes", field="scale"
+            )
+        # the scale its noise was measured on: a calibration on the magnitudes' scale says nothing of
+        # errors taken against a record's norm (a store without magnitudes), see diff's _Tol
+        self.scale = scale
         self.manifest_id = doc["manifest_id"]
         self.doc = doc
 
-    def bound(self, step: int, phase: str) -> float | None:
+    def bound(self, step: int, phase: str, name: str | None = None) -> float | None:
+        """The calibrated bound of a record of tensor `name` at (step, phase): its class's where the file
+        has classes, else its phase's; None where nothing was measured (the derived bound holds)."""
+        if name is not None and self.by_class is not None:
+            return self.by_class.get((int(step), phase, tensor_class(name)))
         return self.bounds.get((int(step), phase))

@@ -57,6 +57,7 @@ from disttrace.config.manifest import (
 )
 from disttrace.errors import BadInput
 from disttrace.fmt import ranges
+from disttrace.model.names import tensor_class
 from disttrace.store import safeio, seal, trajectory
 from disttrace.store.rundir import LOCK, PHASE_ORDER, PHASES, Run
 
@@ -551,11 +552,15 @@ class _Tol:
         since: int,
         calibration=None,
         magnitudes=None,
+        observed: tuple = (None, None),
     ):
         self.mode, self.ma, self.mb, self.since = mode, ma, mb, since
+        # each lock's `observed` (attached runs count their batch: the reduction size of the bound)
+        self.observed = observed
         self.user = mode == "numeric" and (rtol is not None or atol is not None)
         self.rtol, self.atol = (rtol or 0.0), (atol or 0.0)
         self.cal = calibration if mode == "numeric" and not self.user else None
+        self._cls: dict[str, str] = {}
         self._cache: dict[tuple[int, str], float] = {}
         # (A's, B's) analysis.magnitudes.Magnitudes when both runs recorded them: a gradient's difference is then
         # measured against the magnitudes that produced it, not against its own (possibly cancelled) norm
@@ -567,6 +572,12 @@ class _Tol:
             and all(m.available for m in magnitudes)
             else None
         )
+        if self.cal is not None and self.cal.scale == "magnitudes" and self.mags is None:
+            # its noise was measured against the magnitudes: it says nothing of an error on a norm's scale
+            self.ignored_calibration = self.cal
+            self.cal = None
+        else:
+            self.ignored_calibration = None
 
     def magnitude(self, step: int, ra: dict | None, rb: dict | None) -> tuple[float, bool]:
         """(the larger side's magnitude, 0 if none; False where no sound bound exists) for a pair of records
@@ -631,13 +642,30 @@ class _Tol:
                         extra[j] = v
         return extra, unbounded
 
-    def derived(self, step: int, phase: str) -> float:
-        """The bound at (step, phase): the calibrated one where the calibration measured it, else derived."""
+    def _class(self, name: str | None) -> str | None:
+        """The calibration's key for a tensor: its class where the calibration has classes, else None."""
+        if name is None or self.cal is None or self.cal.by_class is None:
+            return None
+        got = self._cls.get(name)
+        if got is None:
+            got = self._cls[name] = tensor_class(name)
+        return got
+
+    def derived(self, step: int, phase: str, name: str | None = None) -> float:
+        """The bound at (step, phase) for tensor `name`: the calibrated one where the calibration measured it
+        (per tensor class where it has classes), else derived."""
         if self.mode == "bitwise":
             return 0.0
-        k = (step, phase)
+        cls = self._class(name)
+        k = (step, phase, cls)
         if k not in self._cache:
-            c = self.cal.bound(step, phase) if self.cal is not None else None
+            c = None
+            if self.cal is not None:
+                c = (
+                    self.cal.by_class.get((int(step), phase, cls))
+                    if cls is not None
+                    else self.cal.bound(step, phase)
+                )
             self._cache[k] = (
                 c
                 if c is not None
@@ -648,6 +676,7 @@ class _Tol:
                     phase,
                     since=self.since,
                     magnitudes=self.mags is not None,
+                    observed=self.observed,
                 )
             )
         return self._cache[k]
@@ -667,7 +696,7 @@ class _Tol:
             return "bitwise" if self.mode == "bitwise" else "user"
         return (
             "calibrated"
-            if self.cal is not None and self.cal.bound(step, phase) is not None
+            if self.cal is not None and self.cal.bound(step, phase, name) is not None
             else "derived"
         )
 
@@ -686,9 +715,8 @@ class _Tol:
         if ra.get("shape") != rb.get("shape") or ra.get("dtype") != rb.get("dtype"):
             note = "shape or dtype differs"
         fa, fb = _nonfinite(ra), _nonfinite(rb)
-        b0 = self.derived(step, phase) * tolerance.tensor_factor(
-            ra.get("tensor") or rb.get("tensor")
-        )
+        name = ra.get("tensor") or rb.get("tensor")
+        b0 = self.derived(step, phase, name) * tolerance.tensor_factor(name)
         if fa or fb:
             same = fa and fb and ra.get("nonfinite") == rb.get("nonfinite")
             diverged = self.mode == "bitwise" or not same or note is not None
@@ -880,6 +908,15 @@ def _fold_columns(
     n_orders = len(PHASES) + 1
 
     def base_bound(rows, order, names):
+        if tol.cal is not None and tol.cal.by_class is not None:  # per tensor class: row by row
+            steps_, names_ = row_step[rows].tolist(), names.to_pylist()
+            per_row = np.array(
+                [
+                    tol.derived(s, columnar.phase_name(int(o)), n)
+                    for s, o, n in zip(steps_, order.tolist(), names_)
+                ]
+            )
+            return per_row * columnar.tensor_factors(names)
         pairs, inv = np.unique(row_step[rows] * n_orders + order, return_inverse=True)
         derived = np.array(
             [
@@ -1640,14 +1677,14 @@ def _tolerance_doc(
             manifest_id=cal.manifest_id,
             elsewhere="derived",
             since_step=since,
-            derivation=tolerance.explain(ma, mb),
+            derivation=tolerance.explain(ma, mb, tol.observed),
             scale="magnitudes" if tol.mags is not None else "norm",
             found=found,
         )
     return Tolerance(
         BoundKind.DERIVED,
         since_step=since,
-        derivation=tolerance.explain(ma, mb),
+        derivation=tolerance.explain(ma, mb, tol.observed),
         scale="magnitudes" if tol.mags is not None else "norm",
     )
 
@@ -1789,8 +1826,21 @@ class _Setup:
             if self.mode == "numeric" and rtol is None and atol is None
             else None
         )
-        self.tol = _Tol(self.mode, ma, mb, rtol, atol, since, cal, mags)
-        self.tolerance = _tolerance_doc(self.mode, self.tol, cal, since, ma, mb, rtol, atol, found)
+        # each lock's `observed` (attached runs count their batch: the reduction size of the bound)
+        observed = tuple(
+            o if isinstance(o := s.run.lock.get("observed"), dict) else None
+            for s in (side_a, side_b)
+        )
+        self.tol = tol = _Tol(self.mode, ma, mb, rtol, atol, since, cal, mags, observed)
+        if tol.ignored_calibration is not None:
+            warnings.append(
+                f"calibration {tol.ignored_calibration.path} not used: its noise was measured against the "
+                "magnitudes, and these runs do not both record them (derived bounds instead)"
+            )
+            self.n_setup = len(
+                warnings
+            )  # a warning of the setup: every share of a partial diff says it
+        self.tolerance = _tolerance_doc(self.mode, tol, tol.cal, since, ma, mb, rtol, atol, found)
 
     def outcomes(self, steps: list[int], propagate: bool = True, on_step=None):
         """StepOutcome of each of `steps`, in order, computed as they are asked for (a block of steps at once

@@ -72,9 +72,17 @@ def _read(path) -> dict[int, dict]:
     return out
 
 
+def _number(v, default):
+    """A hyper-parameter as a number: an attached run's may be absent, null, or what another optimizer keeps
+    under that name (a list, a string); then the harness's default."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return default
+    return type(default)(v)
+
+
 class Magnitudes:
     """One run's magnitudes, as diff asks for them. ``available`` is False for a store without them (written
-    before they existed, or by an attached script): diff then keeps the norm-relative bound."""
+    before they existed, or by an attached DeepSpeed engine): diff then keeps the norm-relative bound."""
 
     def __init__(self, run: Run, since: int = 0):
         self.by_rank: dict[int, dict[int, dict]] = {}
@@ -84,11 +92,11 @@ class Magnitudes:
                 self.by_rank[r] = _read(p)
         self.available = bool(self.by_rank) and set(self.by_rank) == set(run.ranks())
         t = run.manifest.training
-        self.dp = max(run.manifest.parallelism.dp or 1, 1)
-        self.optimizer = t.optimizer if t.optimizer is not None else "adamw"
-        self.beta1 = float(t.beta1 if t.beta1 is not None else 0.9)
-        self.beta2 = float(t.beta2 if t.beta2 is not None else 0.95)
-        self.lr = float(t.lr or 0.0)
+        self.dp = max(_number(run.manifest.parallelism.dp, 1), 1)
+        # the harness writes "adamw"; an attached run the optimizer's class name ("AdamW", "SGD")
+        self.optimizer = str(t.optimizer if t.optimizer is not None else "adamw").lower()
+        self.beta1, self.beta2 = _number(t.beta1, 0.9), _number(t.beta2, 0.95)
+        self.lr = _number(t.lr, 0.0)
         self.since = since
         self._reduce: dict[int, dict[int, float]] = {}
         self._state: dict[int, dict[str, dict[int, float]]] = {}
@@ -148,6 +156,10 @@ class Magnitudes:
         if phase != "optimizer":
             return None, True
         name = name or ""
+        if name.startswith(
+            "param_groups."
+        ):  # a learning rate an attached run records: an input, no sum
+            return None, True
         key = name.rsplit(":", 1)[1] if ":" in name else None
         if key is None:  # a parameter
             if self.optimizer == "sgd":

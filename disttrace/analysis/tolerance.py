@@ -79,7 +79,7 @@ Adam's moments the same running averages of the gradients' M that the moments ar
 of ``d(g^2) = 2 g dg``), started where the runs last agreed. With magnitudes, diff's relative error of a
 record is taken against ``max(norm_a, norm_b, M_a, M_b)`` instead of ``max(norm_a, norm_b)``: at least as
 large as before, so the bound is never tighter than the old one anywhere, and it is the scale the
-rounding-error theorem is stated in. Stores without magnitudes (written before them, attached scripts)
+rounding-error theorem is stated in. Stores without magnitudes (written before them, or by an attached DeepSpeed engine)
 keep the norm-relative bound, and diff says so (``tolerance.scale: "norm"``).
 
 Where no sound bound exists: a parameter under Adam moves by ``lr * m / (sqrt(v) + eps)``, a ratio of two
@@ -141,20 +141,48 @@ def unit_roundoff(manifest: dict) -> float:
     return max(us) if us else UNIT_ROUNDOFF["float32"]
 
 
-def tokens_per_step(manifest: dict) -> int:
-    from disttrace.config.manifest import global_batch
+def tokens_per_step(manifest: dict, observed: dict | None = None) -> int:
+    """T, the tokens of one global batch: the harness states it (dp x micro-batch x accumulation x sequence
+    length). An attached run states no such factors; it counted them (`observed`, written into its lock at
+    close: the samples of a step summed over the world, and the tokens when its inputs were token ids).
+    A factor nobody counted is taken as 1 only where nothing better is known: the bound must have a number,
+    and a smaller T only makes it tighter, never looser."""
+    from disttrace.config.manifest import global_batch, known_global_batch
 
-    return global_batch(manifest) * int((manifest.get("model", {}) or {}).get("max_seq_len", 1))
+    seq = int((manifest.get("model", {}) or {}).get("max_seq_len", 1) or 1)
+    if manifest.get("data") is not None or not isinstance(observed, dict):
+        return global_batch(manifest) * seq
+    tokens = observed.get("tokens")
+    if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 1:
+        return tokens
+    counted, _ = known_global_batch(manifest, observed)
+    return (counted if counted is not None else global_batch(manifest)) * seq
 
 
 def inner_dim(manifest: dict) -> int:
+    """d, the widest inner dimension: the model's width or its FFN's. An attached run's manifest lists its
+    tensors instead: the largest dimension of any matrix (a linear layer contracts over its input dimension
+    forward and its output dimension backward; an embedding's vocabulary is counted too, which only widens
+    the bound)."""
     m = manifest.get("model", {}) or {}
+    if "dim" not in m and isinstance(m.get("tensors"), dict):
+        dims = [
+            int(n)
+            for t in m["tensors"].values()
+            if isinstance(t, dict) and isinstance(t.get("shape"), list) and len(t["shape"]) >= 2
+            for n in t["shape"]
+            if isinstance(n, int)
+        ]
+        return max(dims, default=1)
     dim = int(m.get("dim", 1))
     return max(dim, int(m.get("ffn_hidden") or dim))
 
 
-def step_bound(manifest_a: dict, manifest_b: dict, phase: str) -> float:
-    """eps for one step (k = 1) of one phase; see the module docstring."""
+def step_bound(
+    manifest_a: dict, manifest_b: dict, phase: str, observed: tuple = (None, None)
+) -> float:
+    """eps for one step (k = 1) of one phase; see the module docstring. `observed`: each run's lock's
+    `observed` (attached runs; see tokens_per_step)."""
     if phase in EXACT_PHASES:
         return 0.0
     u = max(unit_roundoff(manifest_a), unit_roundoff(manifest_b))
@@ -162,7 +190,7 @@ def step_bound(manifest_a: dict, manifest_b: dict, phase: str) -> float:
         m = manifest_a.get("model", {}) or {}
         d = max(inner_dim(manifest_a), int(m.get("max_seq_len", 1)), int(m.get("vocab_size", 1)))
         return C_ORDER * u * math.sqrt(d * int(m.get("n_layers", 1)))
-    t = max(tokens_per_step(manifest_a), tokens_per_step(manifest_b))
+    t = max(tokens_per_step(manifest_a, observed[0]), tokens_per_step(manifest_b, observed[1]))
     return C_ORDER * u * (math.sqrt(t) + math.sqrt(inner_dim(manifest_a)))
 
 
@@ -178,6 +206,7 @@ def bound(
     phase: str,
     since: int = 0,
     magnitudes: bool = False,
+    observed: tuple = (None, None),
 ) -> float:
     """The largest relative error (see module docstring) two runs may show at `step` in `phase` and still
     count as the same computation: ``max(1, step - since) * step_bound(...)`` relative to the records' norms;
@@ -185,8 +214,8 @@ def bound(
     norms and the magnitudes that produced the record (see "Magnitudes")."""
     k = max(1, int(step) - int(since))
     if magnitudes and phase not in ACTIVATION_PHASES:
-        return growth(k) * step_bound(manifest_a, manifest_b, phase)
-    return k * step_bound(manifest_a, manifest_b, phase)
+        return growth(k) * step_bound(manifest_a, manifest_b, phase, observed)
+    return k * step_bound(manifest_a, manifest_b, phase, observed)
 
 
 def tensor_factor(name: str | None) -> float:
@@ -266,14 +295,16 @@ def combine_sketches(sketches: list) -> list[float] | None:
         return None
 
 
-def explain(manifest_a: dict, manifest_b: dict) -> dict:
+def explain(manifest_a: dict, manifest_b: dict, observed: tuple = (None, None)) -> dict:
     """The ingredients of the bound, for the diff result (so a reader can redo the arithmetic)."""
     u = max(unit_roundoff(manifest_a), unit_roundoff(manifest_b))
     return {
         "formula": "k * c * u * (sqrt(T) + sqrt(d))  (gradients, optimizer); k = steps since the runs last agreed",
         "u": u,
         "c": C_ORDER,
-        "T": max(tokens_per_step(manifest_a), tokens_per_step(manifest_b)),
+        "T": max(
+            tokens_per_step(manifest_a, observed[0]), tokens_per_step(manifest_b, observed[1])
+        ),
         "d": inner_dim(manifest_a),
-        "per_step": step_bound(manifest_a, manifest_b, "reduce"),
+        "per_step": step_bound(manifest_a, manifest_b, "reduce", observed),
     }

@@ -8,7 +8,8 @@ and ``|| |dY|^T |X| ||_F <= ||X||_F ||dY||_F`` (Cauchy-Schwarz per element, then
 rank-one bound). A relative error ``eps`` in X and dY thus moves dW by at most ``~2 eps ||X|| ||dY||``
 however much the sum over tokens cancels. This observer records ``m = ||X||_F ||dY||_F`` per parameter and
 micro-batch (an embedding's ``||X||`` is the square root of its token count: one-hot rows; an RMSNorm's
-weight multiplies ``x / rms(x)``, whose Frobenius norm is at most the square root of its size), accumulated
+weight multiplies ``x / rms(x)``, whose Frobenius norm is at most the square root of its size; a bias's
+gradient sums dY over the positions it is broadcast to, so its ``||X||`` is the square root of their count), accumulated
 over the step's micro-batches the way the gradient accumulates, and writes at each `backward` and `reduce`
 record the value it had then: one line per step in ``trajectory/rank-N.scales.jsonl`` (sealed with the
 rank's other files). Diff sums a reduced gradient's magnitudes over the ranks that contributed to it.
@@ -67,11 +68,18 @@ class Magnitudes:
         self._on = True
         index = {id(p): i for i, (_, p) in enumerate(model.named_parameters())}
         for module in model.modules():
-            own = [index[id(p)] for p in module.parameters(recurse=False) if id(p) in index]
+            own = [
+                (index[id(p)], p.numel() if n.endswith("bias") else 0)
+                for n, p in module.named_parameters(recurse=False)
+                if id(p) in index
+            ]
             if own:
                 self._handles.append(module.register_forward_hook(self._forward(own, module)))
 
-    def _forward(self, indices: list[int], module):
+    def _forward(self, own: list[tuple[int, int]], module):
+        """`own`: (index, 0) for a parameter that multiplies the module's input, (index, its size) for a
+        bias: a bias's gradient sums the output gradient over the positions it is broadcast to, so its X is
+        a vector of ones over them (``||X|| = sqrt(numel(dY) / numel(bias))``)."""
         import torch
 
         embedding = isinstance(module, torch.nn.Embedding)
@@ -97,10 +105,12 @@ class Magnitudes:
 
             def on_grad(g, sx=sx):
                 with _no_dispatch_modes():
-                    m = (sx.to(_local(g).device) * _sq(g)).sqrt()
-                    for i in indices:
+                    sg = _sq(g)
+                    m = (sx.to(sg.device) * sg).sqrt()
+                    for i, bias in own:
+                        mi = m if not bias else (sg * (g.numel() / bias)).sqrt()
                         prev = self._acc.get(i)
-                        self._acc[i] = m if prev is None else prev + m
+                        self._acc[i] = mi if prev is None else prev + mi
 
             out.register_hook(on_grad)
 

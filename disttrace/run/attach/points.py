@@ -252,6 +252,7 @@ class HookPoints:
             self._observed = {
                 "step": self.step,
                 "samples": self._samples if self._forwards else None,
+                "tokens": self._tokens if self._forwards else None,
                 "micro_batches": self._forwards,
             }
 

@@ -23,6 +23,7 @@ from disttrace.run.complete import seal_and_complete
 from disttrace.run.hooks import HookBus, process_exit
 from disttrace.run.parallel.common import SCALAR_INDEX, Strategy
 from disttrace.run.recorder import Recorder
+from disttrace.run.scales import Magnitudes
 from disttrace.store.records import Event
 from disttrace.store.rundir import event, read_json, write_json_atomic
 
@@ -115,6 +116,15 @@ class AttachedRun(LoaderWatch, HookPoints, StepCycle):
                 strategy=FaultGroup(group=getattr(engine.ddp, "process_group", None)),
             )
             self.fault.attach(self.bus, ctx)
+        # the magnitudes the numeric bound scales each gradient by (run/scales.py), from module hooks on the
+        # model as trained: DDP's, FSDP2's and a plain script's modules alike (the HF and Lightning callbacks
+        # reach this run too); after the fault check, which would leave them on the model when it refuses.
+        # Not under DeepSpeed, whose engine owns the backward: its stores keep the norm's scale, diff says so
+        self.scales = (
+            Magnitudes(run_dir, rank, self.inner).attach(self.bus)
+            if engine.kind != "DeepSpeed"
+            else None
+        )
         self.tracer.__enter__()
         _ACTIVE.append(self)
         _patch_clip(True)
@@ -250,6 +260,8 @@ class AttachedRun(LoaderWatch, HookPoints, StepCycle):
         self.tracer.__exit__(None, None, None)
         self.tracer.close()
         self.recorder.close()
+        if self.scales is not None:
+            self.scales.close()
         if self.ledger._hooks is not None:  # the step that never ran: nothing to write
             self.ledger._hooks.__exit__(None, None, None)
             self.ledger._hooks = None

@@ -25,6 +25,9 @@ class StepCycle:
         # samples this rank's micro-batches of the current step held (None: one could not be counted), and
         # the first completed step's count: the experiment's global batch is summed from it at close
         self._samples: int | None = 0
+        self._tokens: int | None = (
+            0  # and the tokens they held (the numeric bound's reduction size)
+        )
         self._observed: dict | None = None
         self.completed = 0  # the last step whose optimizer stepped
         # inside our own checkpoint load/save: DCP's helpers may step the optimizer
@@ -34,7 +37,11 @@ class StepCycle:
         self._closed = False
 
     def _count(self, inputs) -> None:
-        """Add a micro-batch's samples (its data tensor's leading dimension) to the step's count."""
+        """Add a micro-batch's samples (its data tensor's leading dimension) to the step's count, and its
+        tokens (`tokens_of`) to the step's tokens."""
+        if self._tokens is not None:
+            n = tokens_of(inputs)
+            self._tokens = self._tokens + n if n is not None else None
         if self._samples is None:
             return
         if torch.is_tensor(inputs) and inputs.dim() >= 1:
@@ -55,7 +62,7 @@ class StepCycle:
         self._forwards = 0
         self._data_mb = set()
         self._reduced = self._clipped = False
-        self._samples = 0
+        self._samples = self._tokens = 0
         self.bus.step, self.bus.micro_batch = self.step, 0
         self.bus.emit("step_start")
 
@@ -100,4 +107,22 @@ def observed_batch(parts: list[dict], tp_groups: list[list[int]]) -> dict:
         doc["why"] = "a micro-batch's input had no leading dimension to count"
         return doc
     doc["global_batch"] = sum(counts)
+    # the numeric bound's reduction size (analysis/tolerance.py): the tokens one step summed over, where
+    # every group counted them
+    tokens = [parts[g[0]].get("tokens") for g in tp_groups]
+    if all(isinstance(t, int) and t >= 1 for t in tokens):
+        doc["tokens"] = sum(tokens)
     return doc
+
+
+def tokens_of(inputs) -> int | None:
+    """The tokens of a micro-batch's data tensor: every element of integer inputs (token ids), every vector
+    of floating ones (the last dimension is a token's features; a 1-D tensor is one value a sample); None
+    for anything else."""
+    if not torch.is_tensor(inputs) or inputs.dim() < 1:
+        return None
+    if not (torch.is_floating_point(inputs) or torch.is_complex(inputs)):
+        return int(inputs.numel())
+    if inputs.dim() == 1:
+        return int(inputs.shape[0])
+    return int(inputs.numel() // max(int(inputs.shape[-1]), 1))
