@@ -243,3 +243,41 @@ def run_snippet(code: str, timeout: int = 120) -> subprocess.CompletedProcess:
         cwd=ROOT,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
+
+
+# End-to-end cases that repeat what a cheaper case in the CI tier already shows (another layout, another
+# fault of the same family, a second CLI path): they run in the slow tier, so `make test` stays well under
+# 15 minutes on 2 cores. Matched against each test's node id, parameters included.
+SLOW_TIER = (
+    "test_devdigest.py::test_a_run_on_the_batched_device_path_repeats_bit_for_bit_and_finds_a_fault",
+    "test_devdigest.py::test_an_attached_script_that_raises_keeps_its_last_finished_step",
+    "test_strategies.py::test_strategy_matches_ddp_numerically_and_is_consistent[dp2xpp2]",
+    "test_strategies.py::test_sharded_checkpoint_resumes_bit_identically[dp2xpp2]",
+    "test_strategies.py::test_bitflip_param_is_located_under_every_sharding[zero3]",
+    "test_strategies.py::test_sharded_checkpoint_resumes_bit_identically[zero3]",
+    "test_oracles.py::test_check_names_exactly_the_planted_rank_among_four_replicas",
+    "test_gate_lab.py::test_gate_fails_a_checkpoint_saved_without_optimizer_state",
+    "test_gate_lab.py::test_straggler_passes_on_numerics_and_is_flagged",
+    "test_progress.py::test_inject_plain_progress_names_the_slow_rank_before_the_job_ends",
+    "test_progress.py::test_watch_a_failing_run_exits_3_and_a_non_run_exits_2",
+    "test_record_section.py::test_unrecorded_run_keeps_step_times_and_nothing_else",
+    "test_faults.py::test_slow_rank_keeps_numerics_and_is_flagged",
+    "test_faults.py::test_fault_is_located_at_its_coordinates[data-swap]",
+    "test_faults.py::test_fault_is_located_at_its_coordinates[late-microbatch]",
+    "test_fault_proof.py::test_bitflip_grad_logs_the_element_it_flipped_when_the_index_wraps",
+    "test_fault_proof.py::test_parameter_server_faults_change_what_the_workers_receive",
+    "test_failure_events.py::test_a_job_started_again_in_its_run_directory_is_refused",
+    "test_manifest_typed.py::test_a_ddp_attached_run_writes_a_manifest_of_the_attached_shape",
+    "test_sketch.py::test_zero3_shards_compare_with_dp1_through_their_sketches",
+    "test_replay.py::test_skip_allreduce_is_persistent",
+    "test_zoom.py::test_zoom_names_the_module_a_forward_corruption_was_planted_in",
+    "test_attach_magnitudes.py::test_a_cancelling_attached_pair_gets_the_sound_bound",
+    "test_faults.py::test_fault_is_located_at_its_coordinates[bitflip-param]",
+    "test_attach_cli.py::test_a_fault_needing_a_point_the_script_lacks_is_refused",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if any(item.nodeid.endswith(s) or s + "[" in item.nodeid for s in SLOW_TIER):
+            item.add_marker(pytest.mark.slow)
