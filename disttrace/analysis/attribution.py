@@ -30,7 +30,6 @@ import orjson
 from disttrace.analysis.result import DiffResult
 from disttrace.errors import BadInput
 from disttrace.jsondoc import JsonDoc, omit_none
-from disttrace.store import seal, trajectory
 from disttrace.store.records import PHASE_ORDER
 from disttrace.store.rundir import Run
 
@@ -113,22 +112,6 @@ class ReplayResult(JsonDoc):
 # ---------------------------------------------------------------- evidence
 
 
-def step_records(run: Run, rank: int, step: int) -> list[dict]:
-    """One step's records of one rank, from the bytes its step index names, checked against the index's hash."""
-    for e in run.step_index(rank).records:
-        if e.step == step:
-            path = run.trajectory_path(rank)
-            data = trajectory.read_range(path, e.offset, e.length)
-            if seal.step_data_match(data, e.as_read()) is False:
-                raise BadInput(
-                    path, f"step {step}: the bytes differ from the hash in the step index"
-                )
-            if not trajectory.is_arrow(path):
-                return run.records_of_step(rank, e)
-            return trajectory.to_records(trajectory.decode_step(path, data, f"step {step}"))
-    return []
-
-
 def _key(rec: dict) -> tuple:
     return (
         rec.get("micro_batch") or 0,
@@ -143,8 +126,8 @@ def first_difference(stored: Run, replayed: Run, step: int) -> RecordAt | None:
     """The first record (in the order of docs/design.md) of `step` whose every field is not the same in
     both, or that exists on one side only, over every rank of both; None when the step is the same."""
     ranks = sorted(set(stored.ranks()) | set(replayed.ranks()))
-    a = {_key(r): r for rank in ranks for r in step_records(stored, rank, step)}
-    b = {_key(r): r for rank in ranks for r in step_records(replayed, rank, step)}
+    a = {_key(r): r for rank in ranks for r in stored.checked_step_records(rank, step)}
+    b = {_key(r): r for rank in ranks for r in replayed.checked_step_records(rank, step)}
     if not a and not b:
         return None
     for k in sorted(set(a) | set(b)):

@@ -22,7 +22,6 @@ import xxhash
 
 from disttrace.errors import BadInput
 from disttrace.fmt import ranges
-from disttrace.store import seal, trajectory
 from disttrace.store.rundir import Run
 
 FILE_RECORD = "file:"
@@ -47,28 +46,11 @@ def expected_steps(run: Run) -> list[int]:
     return [s for s in range(1, n + 1) if s % every == 0]
 
 
-def step_records(run: Run, rank: int, step: int) -> list[dict]:
-    """One step's records of one rank, from the bytes its step index names, checked against the index's
-    hash (the same bytes diff judged)."""
-    for e in run.step_index(rank).records:
-        if e.step == step:
-            path = run.trajectory_path(rank)
-            data = trajectory.read_range(path, e.offset, e.length)
-            if seal.step_data_match(data, e.as_read()) is False:
-                raise BadInput(
-                    path, f"step {step}: the bytes differ from the hash in the step index"
-                )
-            if not trajectory.is_arrow(path):
-                return run.records_of_step(rank, e)
-            return trajectory.to_records(trajectory.decode_step(path, data, f"step {step}"))
-    return []
-
-
 def file_digests(run: Run, step: int) -> dict[str, str]:
     """{DCP file name: xxh3} as the trajectory's `checkpoint` records of `step` state them, over every rank."""
     out: dict[str, str] = {}
     for r in run.ranks():
-        for rec in step_records(run, r, step):
+        for rec in run.checked_step_records(r, step):
             name = rec.get("tensor") or ""
             if rec.get("phase") == "checkpoint" and name.startswith(FILE_RECORD):
                 out[name[len(FILE_RECORD) :]] = str(rec.get("digest"))

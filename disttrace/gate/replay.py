@@ -124,8 +124,8 @@ def _prepare(run: Run, ref: Run, source: int, until: int, root: Path) -> Path:
 def _first_difference(run: Run, replay: Run, step: int) -> str | None:
     """None when every rank's records of `step` are the same in both, field for field; else the first."""
     for r in sorted(set(run.ranks()) | set(replay.ranks())):
-        stored = binding.step_records(run, r, step)
-        again = binding.step_records(replay, r, step)
+        stored = run.checked_step_records(r, step)
+        again = replay.checked_step_records(r, step)
         if not again:
             return f"rank {r}: re-execution recorded nothing at step {step}"
         if len(stored) != len(again):

@@ -527,6 +527,24 @@ class Run:
         for _, _, batch in trajectory.scan(path, torn, self.path):
             yield from trajectory.to_records(batch)
 
+    def checked_step_records(self, rank: int, step: int) -> list[dict]:
+        """One step's records of one rank, from the bytes its step index names, checked against the index's
+        hash (the same bytes diff judged); [] when the rank has no such step."""
+        from disttrace.store import seal, trajectory
+
+        for e in self.step_index(rank).records:
+            if e.step == step:
+                path = self.trajectory_path(rank)
+                data = trajectory.read_range(path, e.offset, e.length)
+                if seal.step_data_match(data, e.as_read()) is False:
+                    raise BadInput(
+                        path, f"step {step}: the bytes differ from the hash in the step index"
+                    )
+                if not trajectory.is_arrow(path):
+                    return self.records_of_step(rank, e)
+                return trajectory.to_records(trajectory.decode_step(path, data, f"step {step}"))
+        return []
+
     def records_of_step(self, rank: int, entry: StepIndexEntry) -> list[dict]:
         """Read only the byte range of one step (from the step index): diff seeks, never scans."""
         return self.records_of_range(rank, entry.offset, entry.length, entry.step)
