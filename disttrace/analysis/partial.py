@@ -55,7 +55,7 @@ from pydantic import (
 
 from disttrace import __version__
 from disttrace.analysis import diff as D
-from disttrace.analysis.result import BoundKind, DiffResult, SideSummary, Tolerance
+from disttrace.analysis.result import BoundKind, DiffResult, SideSummary, Tolerance, Unit
 from disttrace.config.manifest import get_field
 from disttrace.errors import EXIT_DIVERGED, EXIT_PARTIAL, BadInput, DisttraceError
 from disttrace.fmt import ranges
@@ -242,22 +242,22 @@ class _Unit(_M):
     note: _S | None
 
     @classmethod
-    def of(cls, u: dict) -> _Unit:
-        fields = {k: _i(v) for k, v in u.items()}
+    def of(cls, u: Unit) -> _Unit:
+        fields = {k: _i(getattr(u, k)) for k in cls.model_fields}
         fields.update(
-            rel_err=_float(u["rel_err"]),
-            bound=_float(u["bound"]),
-            a=_Stats.of(u["a"]),
-            b=_Stats.of(u["b"]),
+            rel_err=_float(u.rel_err),
+            bound=_float(u.bound),
+            a=_Stats.of(u.a),
+            b=_Stats.of(u.b),
         )
         return cls(**fields)
 
-    def unit(self) -> dict:
+    def unit(self) -> Unit:
         """As diff's comparison holds it."""
-        out = {k: getattr(self, k) for k in type(self).model_fields}
-        out["a"] = self.a.stats() if self.a is not None else None
-        out["b"] = self.b.stats() if self.b is not None else None
-        return out
+        fields = {k: getattr(self, k) for k in type(self).model_fields}
+        fields["a"] = self.a.stats() if self.a is not None else None
+        fields["b"] = self.b.stats() if self.b is not None else None
+        return Unit(**fields)
 
 
 _Key = Annotated[list[StrictInt | _S | None], Field(min_length=6, max_length=6)]
@@ -359,7 +359,7 @@ class _Step(_M):
             phases.update(dict.fromkeys(rs.max_rel))
             if rs.first is not None:
                 u = rs.first[1]
-                kinds[(u["phase"], u["tensor"])] = str(look.kind(o.step, u["phase"], u["tensor"]))
+                kinds[(u.phase, u.tensor)] = str(look.kind(o.step, u.phase, u.tensor))
         for p in phases:
             kinds[(p, None)] = str(look.kind(o.step, p))
         (ra, ha), (rb, hb) = o.io
