@@ -384,7 +384,7 @@ def child(argv: list[str]) -> None:
         "disttrace.views.diff",
         "disttrace.views.show",
         "disttrace.views.report",
-        "disttrace.views.timeline",
+        "disttrace.analysis.timeline",
     ):
         try:
             importlib.import_module(name)

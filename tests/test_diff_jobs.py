@@ -9,7 +9,9 @@ The stores are written by the recorder's own writer (tests/test_diff_synthetic.p
 from __future__ import annotations
 
 import copy
+import os
 import shutil
+from pathlib import Path
 
 import orjson
 import pytest
@@ -295,3 +297,24 @@ def test_real_runs_jobs_and_merged_shares_print_the_stored_document(runs, tmp_pa
         p = partial.diff_partial(named[a], named[b], share=(n, 2), **kw)
         files.append(_write(tmp_path, f"share-{n}.json", p))
     assert _named(partial.merge_partials(files).to_json(), named) == want
+
+
+# ---------------------------------------------------------------- the partial document itself
+
+PARTIALS = Path(__file__).parent / "golden" / "partial"
+
+
+@pytest.mark.parametrize("case,a,b,kw,planted", CASES, ids=IDS)
+def test_partial_documents_are_the_stored_ones(stores, case, a, b, kw, planted):
+    """Each share's partial document byte for byte as stored in tests/golden/partial/ (written by the
+    code before the partial's models became its data; DISTTRACE_WRITE_GOLDEN=1 rewrites them): the
+    document another machine's merge reads does not change with the code that writes it."""
+    root = str(stores["a"].parent)
+    for n, share in enumerate(_shares(case)):
+        got = partial.diff_partial(stores[a], stores[b], **share, **kw).to_json()
+        got = got.replace(root, "<STORES>")
+        path = PARTIALS / f"{case}-{n}.json"
+        if os.environ.get("DISTTRACE_WRITE_GOLDEN"):
+            path.parent.mkdir(exist_ok=True)
+            path.write_text(got)
+        assert got == path.read_text(), path.name

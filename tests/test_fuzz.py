@@ -41,6 +41,7 @@ from typer.testing import CliRunner
 from disttrace.analysis import facts as run_facts
 from disttrace.analysis.consistency import check_run
 from disttrace.analysis.diff import diff_runs
+from disttrace.analysis.timeline import build_trace
 from disttrace.cli import app
 from disttrace.config.manifest import DEFAULT_MANIFEST, freeze
 from disttrace.errors import BadInput
@@ -52,7 +53,6 @@ from disttrace.store.follow import Follower
 from disttrace.store.rundir import Run
 from disttrace.store.trajectory import END_OF_STREAM, SCHEMA, SUFFIX, TrajectoryWriter
 from disttrace.store.verify import verify_run
-from disttrace.views.timeline import build_trace
 
 SCALE = float(os.environ.get("DISTTRACE_FUZZ_SCALE", "1"))
 RANDOM = os.environ.get("DISTTRACE_FUZZ_SEED") == "random"

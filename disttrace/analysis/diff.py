@@ -46,6 +46,7 @@ from disttrace.analysis.result import (
     StepEntry,
     Tolerance,
     TopologyComparison,
+    Unit,
     WorstRatio,
 )
 from disttrace.config.manifest import (
@@ -785,11 +786,11 @@ class _RankStep:
         self.ratio_by_phase: dict[
             str, tuple[float, float, float]
         ] = {}  # phase -> (ratio, rel_err, bound)
-        self.first: tuple | None = None  # (key, unit dict)
+        self.first: tuple[tuple, Unit] | None = None  # (key, unit)
 
-    def add(self, key: tuple, unit: dict) -> None:
+    def add(self, key: tuple, unit: Unit) -> None:
         self.inexact += 1
-        rel, bnd, phase = unit["rel_err"], unit["bound"], unit["phase"]
+        rel, bnd, phase = unit.rel_err, unit.bound, unit.phase
         if rel is not None:
             if rel > self.max_rel.get(phase, -1.0):
                 self.max_rel[phase] = rel
@@ -801,9 +802,9 @@ class _RankStep:
                 self.max_ratio = max(self.max_ratio, ratio)
                 if ratio > self.ratio_by_phase.get(phase, (-1.0,))[0]:
                     self.ratio_by_phase[phase] = (ratio, rel, bnd)
-        if unit["diverged"]:
+        if unit.diverged:
             self.differing += 1
-            if rel is None or unit["missing_in"] or unit["note"]:
+            if rel is None or unit.missing_in or unit.note:
                 self.hard += 1
             if self.first is None or key < self.first[0]:
                 self.first = (key, unit)
@@ -823,28 +824,28 @@ class _RankStep:
         )
 
 
-def _unit(step, rec_a, rec_b, rank, tol: _Tol, logical: bool = False) -> dict:
+def _unit(step, rec_a, rec_b, rank, tol: _Tol, logical: bool = False) -> Unit:
     ref = rec_b if rec_b is not None else rec_a
     phase = ref["phase"]
     if rec_a is None or rec_b is None:
         rel, bnd, diverged, note = None, tol.derived(step, phase), True, None
     else:
         rel, bnd, diverged, note = tol.compare(step, phase, rec_a, rec_b)
-    return {
-        "step": step,
-        "micro_batch": ref.get("micro_batch", 0),
-        "phase": phase,
-        "rank": rank,
-        "tensor": (ref.get("logical") or ref.get("tensor")) if logical else ref.get("tensor"),
-        "index": ref.get("index", 0),
-        "a": _stats(rec_a) if rec_a is not None else None,
-        "b": _stats(rec_b) if rec_b is not None else None,
-        "rel_err": rel,
-        "bound": bnd,
-        "diverged": diverged,
-        "missing_in": "a" if rec_a is None else ("b" if rec_b is None else None),
-        "note": note,
-    }
+    return Unit(
+        step=step,
+        micro_batch=ref.get("micro_batch", 0),
+        phase=phase,
+        rank=rank,
+        tensor=(ref.get("logical") or ref.get("tensor")) if logical else ref.get("tensor"),
+        index=ref.get("index", 0),
+        a=_stats(rec_a) if rec_a is not None else None,
+        b=_stats(rec_b) if rec_b is not None else None,
+        rel_err=rel,
+        bound=bnd,
+        diverged=diverged,
+        missing_in="a" if rec_a is None else ("b" if rec_b is None else None),
+        note=note,
+    )
 
 
 def _keyed(recs: list[dict]) -> dict[tuple, dict]:
@@ -1228,7 +1229,7 @@ def _compare_logical_tensors(
             u = _unit(step, ra, rb, rank, tol, logical=True)
             incomplete = [s for s, v in (("a", va), ("b", vb)) if v is not None and not v[2]]
             if incomplete:
-                u["diverged"], u["note"] = True, f"shards incomplete in {incomplete[0]}"
+                u.diverged, u.note = True, f"shards incomplete in {incomplete[0]}"
             ref = rb if rb is not None else ra
             key = (
                 ref.get("micro_batch", 0),
@@ -1742,7 +1743,7 @@ class _Fold:
             self.first_step = step
             key, unit = min((rs.first for rs in diverged_here), key=lambda fu: fu[0])
             self.first_div = Divergence.of_unit(
-                unit, BoundKind(look.kind(step, unit["phase"], unit["tensor"]))
+                unit, BoundKind(look.kind(step, unit.phase, unit.tensor))
             )
         entry = StepEntry(
             step=step,

@@ -37,15 +37,25 @@ import hashlib
 import math
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    StrictBool,
+    StrictInt,
+    ValidationError,
+)
 
 from disttrace import __version__
 from disttrace.analysis import diff as D
-from disttrace.analysis.result import BoundKind, DiffResult, SideSummary, Tolerance
+from disttrace.analysis.result import BoundKind, DiffResult, SideSummary, Tolerance, Unit
 from disttrace.config.manifest import get_field
 from disttrace.errors import EXIT_DIVERGED, EXIT_PARTIAL, BadInput, DisttraceError
 from disttrace.fmt import ranges
@@ -121,65 +131,181 @@ def _unspan(spans) -> list[int]:
     return [x for lo, hi in spans for x in range(lo, hi + 1)]
 
 
-# ---------------------------------------------------------------- encoding (lossless: inf and nan survive)
+# ---------------------------------------------------------------- the document's parts, as data
+#
+# A partial document is these models dumped; a merge validates what someone else wrote into the same
+# models, and the fold reads them. Numbers survive losslessly: a non-finite float is written as "inf",
+# "-inf" or "nan" (JSON has none) and read back as the float.
+
+_S = Annotated[str, Field(strict=True, max_length=1 << 20)]
+_StrictFloat = Annotated[float, Field(strict=True)]
+_NONFINITE = {"inf", "-inf", "nan"}
 
 
-def _f(x):
-    if x is None:
-        return None
-    x = float(x)
-    if math.isfinite(x):
-        return x
-    return "nan" if x != x else ("inf" if x > 0 else "-inf")
+def _num_in(x):
+    return float(x) if isinstance(x, str) and x in _NONFINITE else x
 
 
-def _uf(x):
-    return float(x) if isinstance(x, str) else x
+def _num_out(x) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan" if x != x else ("inf" if x > 0 else "-inf")
+    return x
+
+
+_Num = Annotated[
+    StrictInt | _StrictFloat, BeforeValidator(_num_in), PlainSerializer(_num_out, return_type=Any)
+]
+_Count = Annotated[int, Field(strict=True, ge=0)]
+_RankNo = Annotated[int, Field(strict=True, ge=0, lt=MAX_WORLD)]
+_Spans = Annotated[
+    list[
+        Annotated[
+            list[Annotated[int, Field(strict=True, ge=0, le=MAX_STEP)]],
+            Field(min_length=2, max_length=2),
+        ]
+    ],
+    Field(max_length=1 << 24),
+]
+
+
+def _float(x):
+    """A number as the document holds it: numpy's as Python's, an int as a float."""
+    return None if x is None else float(x)
+
+
+def _floats_only(x):
+    """A float as Python's (numpy's included); an int or None as it is."""
+    return float(x) if isinstance(x, (float, np.floating)) else x
 
 
 def _i(x):
     return int(x) if isinstance(x, (int, np.integer)) and not isinstance(x, bool) else x
 
 
-def _enc_stats(st: dict | None):
-    if st is None:
-        return None
-    out = dict(st)
-    for k in ("sum", "norm"):
-        if isinstance(out.get(k), (float, np.floating)):
-            out[k] = _f(out[k])
-    for k in ("nonfinite", "numel"):
-        out[k] = _i(out.get(k))
-    if out.get("sketch") is not None:
-        out["sketch"] = [_f(v) if v is not None else None for v in out["sketch"]]
-    if out.get("shape") is not None:
-        out["shape"] = [_i(v) for v in out["shape"]]
-    return out
+class _M(BaseModel):
+    model_config = ConfigDict(extra="forbid")
 
 
-def _dec_stats(st: dict | None):
-    if st is None:
-        return None
-    out = dict(st)
-    for k in ("sum", "norm"):
-        out[k] = _uf(out.get(k))
-    if out.get("sketch") is not None:
-        out["sketch"] = [_uf(v) for v in out["sketch"]]
-    return out
+class _Stats(_M):
+    """One side's record of a compared unit (diff.py's `_stats`)."""
+
+    digest: _S | None
+    sum: _Num | None
+    norm: _Num | None
+    sketch: Annotated[list[_Num | None], Field(max_length=4096)] | None
+    nonfinite: StrictInt | None
+    dtype: _S | None
+    shape: Annotated[list[StrictInt], Field(max_length=64)] | None
+    numel: StrictInt | None
+
+    @classmethod
+    def of(cls, st: dict | None) -> _Stats | None:
+        if st is None:
+            return None
+        sk, shape = st.get("sketch"), st.get("shape")
+        return cls(
+            digest=st.get("digest"),
+            sum=_floats_only(st.get("sum")),
+            norm=_floats_only(st.get("norm")),
+            sketch=[_float(v) for v in sk] if sk is not None else None,
+            nonfinite=_i(st.get("nonfinite")),
+            dtype=st.get("dtype"),
+            shape=[_i(v) for v in shape] if shape is not None else None,
+            numel=_i(st.get("numel")),
+        )
+
+    def stats(self) -> dict:
+        """As diff's comparison holds it."""
+        out = {k: getattr(self, k) for k in type(self).model_fields}
+        if self.sketch is not None:
+            out["sketch"] = list(self.sketch)
+        if self.shape is not None:
+            out["shape"] = list(self.shape)
+        return out
 
 
-def _enc_unit(u: dict) -> dict:
-    out = {k: _i(v) for k, v in u.items()}
-    out["rel_err"], out["bound"] = _f(u["rel_err"]), _f(u["bound"])
-    out["a"], out["b"] = _enc_stats(u["a"]), _enc_stats(u["b"])
-    return out
+class _Unit(_M):
+    """A compared unit (diff.py's `_unit`): the first divergent one of a rank at a step."""
+
+    step: StrictInt
+    micro_batch: StrictInt | None
+    phase: _S
+    rank: StrictInt
+    tensor: _S | None
+    index: StrictInt | None
+    a: _Stats | None
+    b: _Stats | None
+    rel_err: _Num | None
+    bound: _Num | None
+    diverged: StrictBool
+    missing_in: Literal["a", "b"] | None
+    note: _S | None
+
+    @classmethod
+    def of(cls, u: Unit) -> _Unit:
+        fields = {k: _i(getattr(u, k)) for k in cls.model_fields}
+        fields.update(
+            rel_err=_float(u.rel_err),
+            bound=_float(u.bound),
+            a=_Stats.of(u.a),
+            b=_Stats.of(u.b),
+        )
+        return cls(**fields)
+
+    def unit(self) -> Unit:
+        """As diff's comparison holds it."""
+        fields = {k: getattr(self, k) for k in type(self).model_fields}
+        fields["a"] = self.a.stats() if self.a is not None else None
+        fields["b"] = self.b.stats() if self.b is not None else None
+        return Unit(**fields)
 
 
-def _dec_unit(u: dict) -> dict:
-    out = dict(u)
-    out["rel_err"], out["bound"] = _uf(u["rel_err"]), _uf(u["bound"])
-    out["a"], out["b"] = _dec_stats(u["a"]), _dec_stats(u["b"])
-    return out
+_Key = Annotated[list[StrictInt | _S | None], Field(min_length=6, max_length=6)]
+
+
+class _Rank(_M):
+    """A rank's result at one step where something was not bit-equal (diff.py's `_RankStep`): every field
+    the fold reads."""
+
+    d: StrictInt  # tensors divergent
+    t: StrictInt  # tensors compared
+    i: StrictInt  # not bit-equal
+    h: StrictInt  # divergent without a relative error
+    mx: _Num  # the largest error / bound
+    mr: Annotated[
+        list[tuple[_S, _Num, _Num | None]], Field(max_length=64)
+    ]  # phase, error, its bound
+    rp: Annotated[
+        list[tuple[_S, _Num, _Num, _Num]], Field(max_length=64)
+    ]  # phase, ratio, error, bound
+    f: tuple[_Key, _Unit] | None  # the first divergent unit, with its key
+
+    @classmethod
+    def of(cls, rs: D._RankStep) -> _Rank:
+        return cls(
+            d=int(rs.differing),
+            t=int(rs.total),
+            i=int(rs.inexact),
+            h=int(rs.hard),
+            mx=_float(rs.max_ratio),
+            mr=[(p, _float(v), _float(rs.max_rel_bound.get(p))) for p, v in rs.max_rel.items()],
+            rp=[(p, _float(x), _float(y), _float(z)) for p, (x, y, z) in rs.ratio_by_phase.items()],
+            f=([_i(k) for k in rs.first[0]], _Unit.of(rs.first[1]))
+            if rs.first is not None
+            else None,
+        )
+
+    def rank_step(self) -> D._RankStep:
+        rs = D._RankStep(self.t)
+        rs.differing, rs.inexact, rs.hard, rs.max_ratio = self.d, self.i, self.h, self.mx
+        for p, rel, bnd in self.mr:
+            rs.max_rel[p] = rel
+            rs.max_rel_bound[p] = bnd
+        for p, x, y, z in self.rp:
+            rs.ratio_by_phase[p] = (x, y, z)
+        if self.f is not None:
+            rs.first = (tuple(self.f[0]), self.f[1].unit())
+        return rs
 
 
 def _trivial(rs) -> bool:
@@ -194,83 +320,113 @@ def _trivial(rs) -> bool:
     )
 
 
-def _equal_spans(pairs) -> list[list[int]]:
-    """(rank, total) pairs -> [[first rank, last rank, total], ...] of consecutive ranks with one total."""
+def _equal_spans(pairs) -> list[tuple[int, int, int]]:
+    """(rank, total) pairs -> [(first rank, last rank, total), ...] of consecutive ranks with one total."""
     out: list[list[int]] = []
     for r, t in sorted(pairs):
         if out and out[-1][1] + 1 == r and out[-1][2] == t:
             out[-1][1] = r
         else:
             out.append([r, r, t])
-    return out
+    return [(lo, hi, t) for lo, hi, t in out]
+
+
+_BoundKind = Literal[tuple(k.value for k in BoundKind)]
+
+
+class _Step(_M):
+    """One compared step's outcome (diff.py's `StepOutcome`), with where its bounds came from, so that a
+    merge needs no store and no bound code."""
+
+    step: Annotated[int, Field(strict=True, ge=0, le=MAX_STEP)]
+    read: _Count
+    io: Annotated[list[_Count], Field(min_length=4, max_length=4)]  # A's parsed, hashed; B's
+    # ranks where nothing differed as spans of (first, last, records each): a bitwise run's equal steps
+    # cost a few numbers however many ranks; the others in the order the comparison gave them
+    equal: Annotated[list[tuple[_RankNo, _RankNo, _Count]], Field(max_length=MAX_WORLD)]
+    ranks: Annotated[list[tuple[_RankNo, _Rank]], Field(max_length=MAX_WORLD)]
+    kinds: Annotated[list[tuple[_S, _S | None, _BoundKind]], Field(max_length=1 << 20)]
+    bounds: Annotated[list[tuple[_S, _Num | None]], Field(max_length=64)]
+    events: Annotated[list[tuple[_S, _S]], Field(max_length=1024)]
+    both: Annotated[list[_S], Field(max_length=64)]
+
+    @classmethod
+    def of(cls, o: D.StepOutcome) -> _Step:
+        look = o.look
+        phases: dict[str, None] = {}
+        kinds: dict[tuple, str] = {}
+        for rs in o.per_rank.values():
+            phases.update(dict.fromkeys(rs.max_rel))
+            if rs.first is not None:
+                u = rs.first[1]
+                kinds[(u.phase, u.tensor)] = str(look.kind(o.step, u.phase, u.tensor))
+        for p in phases:
+            kinds[(p, None)] = str(look.kind(o.step, p))
+        (ra, ha), (rb, hb) = o.io
+        return cls(
+            step=int(o.step),
+            read=int(o.read),
+            io=[int(ra), int(ha), int(rb), int(hb)],
+            equal=_equal_spans(
+                (int(r), int(rs.total)) for r, rs in o.per_rank.items() if _trivial(rs)
+            ),
+            ranks=[(int(r), _Rank.of(rs)) for r, rs in o.per_rank.items() if not _trivial(rs)],
+            kinds=[(p, n, k) for (p, n), k in kinds.items()],
+            bounds=[(p, _float(look.compare_bound(o.step, p))) for p in phases],
+            events=[(k, t) for k, t in o.events],
+            both=sorted(o.both),
+        )
+
+    def held_ranks(self) -> list[int]:
+        return sorted([r for r, _ in self.ranks] + _span_ranks(self.equal))
+
+    def outcome(self, user: bool) -> D.StepOutcome:
+        """The step as the fold reads it; its bounds from the table the comparison wrote."""
+        look = _Look(
+            user,
+            {(p, n): BoundKind(k) for p, n, k in self.kinds},
+            {p: v for p, v in self.bounds},
+        )
+        io = ((self.io[0], self.io[1]), (self.io[2], self.io[3]))
+        per_rank = {r: v.rank_step() for r, v in self.ranks}
+        for (
+            lo,
+            hi,
+            total,
+        ) in self.equal:  # (where nothing differed, the order of ranks does not matter)
+            for r in range(lo, hi + 1):
+                per_rank[r] = D._RankStep(total)
+        return D.StepOutcome(
+            self.step, per_rank, self.read, io, [tuple(x) for x in self.events], self.both, look
+        )
+
+    @classmethod
+    def joined(cls, parts: list[_Step], by_rank: bool) -> _Step:
+        """One step from the shares that compared it (their ranks, or all of them)."""
+        first = parts[0]
+        ranks = [rv for e in parts for rv in e.ranks]
+        equal = [x for e in parts for x in e.equal]
+        if by_rank:  # one process compares a step's ranks in rank order
+            ranks.sort(key=lambda rv: rv[0])
+            equal = _equal_spans((r, t) for lo, hi, t in equal for r in range(lo, hi + 1))
+        if len(parts) == 1:
+            return first.model_copy(update={"ranks": ranks, "equal": equal})
+        return first.model_copy(
+            update={
+                "read": sum(e.read for e in parts),
+                "io": [sum(x) for x in zip(*(e.io for e in parts))],
+                "ranks": ranks,
+                "equal": equal,
+                "kinds": [x for e in parts for x in e.kinds],
+                "bounds": [x for e in parts for x in e.bounds],
+                "events": [x for e in parts for x in e.events],
+                "both": sorted({x for e in parts for x in e.both}),
+            }
+        )
 
 
 def _span_ranks(spans) -> list[int]:
     return [r for lo, hi, _ in spans for r in range(lo, hi + 1)]
-
-
-def _step_ranks(e: dict) -> list[int]:
-    return sorted([r for r, _ in e["ranks"]] + _span_ranks(e["equal"]))
-
-
-def _enc_rank(rs):
-    """A rank's result at one step (one where something was not bit-equal): every field the fold reads."""
-    return {
-        "d": int(rs.differing),
-        "t": int(rs.total),
-        "i": int(rs.inexact),
-        "h": int(rs.hard),
-        "mx": _f(rs.max_ratio),
-        "mr": [[p, _f(v), _f(rs.max_rel_bound.get(p))] for p, v in rs.max_rel.items()],
-        "rp": [[p, _f(x), _f(y), _f(z)] for p, (x, y, z) in rs.ratio_by_phase.items()],
-        "f": [[_i(k) for k in rs.first[0]], _enc_unit(rs.first[1])]
-        if rs.first is not None
-        else None,
-    }
-
-
-def _dec_rank(v):
-    rs = D._RankStep(v["t"])
-    rs.differing, rs.inexact, rs.hard = v["d"], v["i"], v["h"]
-    rs.max_ratio = _uf(v["mx"])
-    for p, rel, bnd in v["mr"]:
-        rs.max_rel[p] = _uf(rel)
-        rs.max_rel_bound[p] = _uf(bnd)
-    for p, x, y, z in v["rp"]:
-        rs.ratio_by_phase[p] = (_uf(x), _uf(y), _uf(z))
-    if v["f"] is not None:
-        rs.first = (tuple(v["f"][0]), _dec_unit(v["f"][1]))
-    return rs
-
-
-def _enc_step(o: D.StepOutcome) -> dict:
-    """One step's outcome, with where its bounds came from (so a merge needs no store and no bound code)."""
-    look = o.look
-    phases: dict[str, None] = {}
-    kinds: dict[tuple, str] = {}
-    for rs in o.per_rank.values():
-        phases.update(dict.fromkeys(rs.max_rel))
-        if rs.first is not None:
-            u = rs.first[1]
-            kinds[(u["phase"], u["tensor"])] = str(look.kind(o.step, u["phase"], u["tensor"]))
-    for p in phases:
-        kinds[(p, None)] = str(look.kind(o.step, p))
-    (ra, ha), (rb, hb) = o.io
-    return {
-        "step": int(o.step),
-        "read": int(o.read),
-        "io": [int(ra), int(ha), int(rb), int(hb)],
-        # ranks where nothing differed as spans of (first, last, records each): a bitwise run's equal steps
-        # cost a few numbers however many ranks; the others in the order the comparison gave them
-        "equal": _equal_spans(
-            (int(r), int(rs.total)) for r, rs in o.per_rank.items() if _trivial(rs)
-        ),
-        "ranks": [[int(r), _enc_rank(rs)] for r, rs in o.per_rank.items() if not _trivial(rs)],
-        "kinds": [[p, n, k] for (p, n), k in kinds.items()],
-        "bounds": [[p, _f(look.compare_bound(o.step, p))] for p in phases],
-        "events": [[k, t] for k, t in o.events],
-        "both": sorted(o.both),
-    }
 
 
 class _Look:
@@ -296,6 +452,174 @@ class _Look:
         return None  # only a default the fold never takes: every phase's error carries its bound
 
 
+class _SideFacts(_M):
+    """What the fold needs of a run: its facts, and per rank the steps its index holds and the warnings
+    reading it raised."""
+
+    label: Literal["A", "B"]
+    path: _S
+    kind: _S | None
+    complete: StrictBool
+    manifest_id: _S
+    resume_step: StrictInt
+    all_ranks: _Spans
+    world: Annotated[int, Field(strict=True, ge=1, le=MAX_WORLD)]
+    n_total: StrictInt
+    every: Annotated[int, Field(strict=True, ge=1)]
+    rank_steps: Annotated[list[tuple[_Count, _Spans]], Field(max_length=MAX_WORLD)]
+    rank_warnings: Annotated[
+        list[tuple[StrictInt, Annotated[list[_S], Field(max_length=64)]]],
+        Field(max_length=MAX_WORLD),
+    ]
+
+    @classmethod
+    def of(cls, side: D._Side) -> _SideFacts:
+        return cls(
+            label=side.label,
+            path=str(side.path),
+            kind=side.kind,
+            complete=side.complete,
+            manifest_id=side.run.manifest_id,
+            resume_step=int(side.resume_step),
+            all_ranks=_spans(side.all_ranks),
+            world=side.run.world_size,
+            n_total=int(get_field(side.manifest, "training.steps") or 0),
+            every=max(1, int(get_field(side.manifest, "record.every") or 1)),
+            rank_steps=[(r, _spans(side.index[r])) for r in side.ranks],
+            rank_warnings=[(r, w) for r, w in side.rank_warnings.items() if w],
+        )
+
+    def held(self) -> dict[int, list[int]]:
+        """Rank -> the steps its index holds."""
+        return {r: _unspan(s) for r, s in self.rank_steps}
+
+    def summary(self, steps: list[int]) -> SideSummary:
+        return SideSummary(
+            path=self.path,
+            kind=self.kind,
+            complete=self.complete,
+            manifest_id=self.manifest_id,
+            resume_step=self.resume_step or None,
+            ranks=_unspan(self.all_ranks),
+            steps=[steps[0], steps[-1]] if steps else None,
+        )
+
+
+class _Sides(_M):
+    a: _SideFacts
+    b: _SideFacts
+    # (iterating a model gives its (name, value) pairs: ("a", A's facts), ("b", B's))
+
+
+class _Tolerance(_M):
+    """The result's `Tolerance`, every field (its document leaves some out by kind)."""
+
+    kind: _BoundKind
+    bound: _Num | None
+    rtol: _Num | None
+    atol: _Num | None
+    file: _S | None
+    safety: Any
+    manifest_id: _S | None
+    elsewhere: _S | None
+    since_step: StrictInt | None
+    derivation: dict[_S, Any]
+    scale: _S | None
+    found: StrictBool | None
+
+    @classmethod
+    def of(cls, t: Tolerance) -> _Tolerance:
+        fields = {k: getattr(t, k) for k in cls.model_fields}
+        return cls(**{**fields, "kind": t.kind.value})
+
+    def tolerance(self) -> Tolerance:
+        fields = {k: getattr(self, k) for k in type(self).model_fields}
+        return Tolerance(**{**fields, "kind": BoundKind(self.kind)})
+
+
+class _Run(_M):
+    """The comparison's facts that every share computes alike."""
+
+    mode: Literal["bitwise", "numeric"]
+    topology_differs: Annotated[list[_S], Field(max_length=256)]
+    logical: StrictBool
+    user: StrictBool
+    use_index: StrictBool
+    grid_ranks: _Spans
+    tolerance: _Tolerance
+    pre: Annotated[list[_S], Field(max_length=256)]  # the warnings before the comparison
+    post: Annotated[list[_S], Field(max_length=256)]  # and those after the runs' steps were read
+
+
+class _SideBinding(_M):
+    manifest_id: _S
+    seal: _S | None
+
+
+class _Options(_M):
+    """The diff's options as the partials are bound to them."""
+
+    mode: Literal["bitwise", "numeric"] | None
+    rtol: _Num | None
+    atol: _Num | None
+    allow_edition_mismatch: StrictBool
+    use_index: StrictBool
+    calibration: _S | None
+    find_calibration: StrictBool
+
+    @classmethod
+    def of(cls, opts: dict) -> _Options:
+        cal = opts.get("calibration")
+        return cls(
+            mode=opts.get("mode"),
+            rtol=opts.get("rtol"),
+            atol=opts.get("atol"),
+            allow_edition_mismatch=bool(opts.get("allow_edition_mismatch")),
+            use_index=bool(opts.get("use_index", True)),
+            calibration=str(cal) if cal is not None else None,
+            find_calibration=bool(opts.get("find_calibration", True)),
+        )
+
+
+class _Binding(_M):
+    """What a share is bound to: both runs (manifest ids, the sha256 of their COMPLETE), the options and
+    the version that compared."""
+
+    a: _SideBinding
+    b: _SideBinding
+    options: _Options
+    version: _S
+
+
+class _Covers(_M):
+    ranks: _Spans
+    steps: _Spans | None  # None: a share of ranks, every step
+    of_ranks: _Spans  # every rank of either run
+
+
+class _Payload(_M):
+    """The `partial` object of a partial document."""
+
+    format: Literal["disttrace-diff-partial/1"]
+    note: _S
+    covers: _Covers
+    binding: _Binding
+    run: _Run
+    sides: _Sides
+    steps: Annotated[list[_Step], Field(max_length=1 << 24)]
+
+    @property
+    def by_rank(self) -> bool:
+        """A share of ranks (every step); else a share of steps (every rank)."""
+        return self.covers.steps is None
+
+
+_NOTE = (
+    "a partial result: no verdict on the ranks or steps it does not cover; "
+    "`disttrace diff --merge` combines the partials into the whole result"
+)
+
+
 # ---------------------------------------------------------------- one process's share
 
 
@@ -304,54 +628,6 @@ def _seal(side: D._Side) -> str | None:
     if not side.complete:
         return None
     return hashlib.sha256(safeio.read_bytes(side.path / COMPLETE, side.path, "json")).hexdigest()
-
-
-def _side_facts(side: D._Side) -> dict:
-    return {
-        "label": side.label,
-        "path": str(side.path),
-        "kind": side.kind,
-        "complete": side.complete,
-        "manifest_id": side.run.manifest_id,
-        "resume_step": int(side.resume_step),
-        "all_ranks": _spans(side.all_ranks),
-        "world": side.run.world_size,
-        "n_total": int(get_field(side.manifest, "training.steps") or 0),
-        "every": max(1, int(get_field(side.manifest, "record.every") or 1)),
-        "rank_steps": [[r, _spans(side.index[r])] for r in side.ranks],
-        "rank_warnings": [[r, w] for r, w in side.rank_warnings.items() if w],
-    }
-
-
-def _tolerance_fields(t: Tolerance) -> dict:
-    return {
-        "kind": t.kind.value,
-        "bound": t.bound,
-        "rtol": t.rtol,
-        "atol": t.atol,
-        "file": t.file,
-        "safety": t.safety,
-        "manifest_id": t.manifest_id,
-        "elsewhere": t.elsewhere,
-        "since_step": t.since_step,
-        "derivation": t.derivation,
-        "scale": t.scale,
-        "found": t.found,
-    }
-
-
-def _options(opts: dict) -> dict:
-    """The diff's options as the partials are bound to them."""
-    cal = opts.get("calibration")
-    return {
-        "mode": opts.get("mode"),
-        "rtol": opts.get("rtol"),
-        "atol": opts.get("atol"),
-        "allow_edition_mismatch": bool(opts.get("allow_edition_mismatch")),
-        "use_index": bool(opts.get("use_index", True)),
-        "calibration": str(cal) if cal is not None else None,
-        "find_calibration": bool(opts.get("find_calibration", True)),
-    }
 
 
 def _setup(a, b, opts: dict, only=None, compare: bool = True) -> D._Setup:
@@ -370,69 +646,68 @@ def _setup(a, b, opts: dict, only=None, compare: bool = True) -> D._Setup:
     )
 
 
-def _payload(st: D._Setup, outcomes, ranks: list[int], steps: list[int] | None, opts) -> dict:
+def _payload(st: D._Setup, outcomes, ranks: list[int], steps: list[int] | None, opts) -> _Payload:
     a, b = st.side_a, st.side_b
-    return {
-        "format": FORMAT,
-        "note": "a partial result: no verdict on the ranks or steps it does not cover; "
-        "`disttrace diff --merge` combines the partials into the whole result",
-        "covers": {
-            "ranks": _spans(ranks),
-            "steps": _spans(steps) if steps is not None else None,
-            "of_ranks": _spans(sorted(set(a.all_ranks) | set(b.all_ranks))),
-        },
-        "binding": {
-            "a": {"manifest_id": a.run.manifest_id, "seal": _seal(a)},
-            "b": {"manifest_id": b.run.manifest_id, "seal": _seal(b)},
-            "options": _options(opts),
-            "version": __version__,
-        },
-        "run": {
-            "mode": st.mode,
-            "topology_differs": [k for k, _, _ in st.topo],
-            "logical": st.logical,
-            "user": bool(st.tol.user),
-            "use_index": st.use_index,
-            "grid_ranks": _spans(st.grid_ranks),
-            "tolerance": _tolerance_fields(st.tolerance),
-            "pre": st.warnings[: st.n_pre],
-            "post": st.warnings[st.n_loaded : st.n_setup],
-        },
-        "sides": {"a": _side_facts(a), "b": _side_facts(b)},
-        "steps": [_enc_step(o) for o in outcomes],
-    }
-
-
-def _share(task: dict) -> dict:
-    """One process's share: its ranks (or steps) compared, as a payload."""
-    a, b, opts = task["a"], task["b"], task["opts"]
-    only = set(task["ranks"]) if task["ranks"] is not None else None
-    st = _setup(a, b, opts, only=only)
-    steps = st.steps
-    if task["steps"] is not None:
-        want = set(task["steps"])
-        steps = [s for s in steps if s in want]
-    if task.get("share") is not None:  # the K-th of N machines' share of the steps
-        k, n = task["share"]
-        steps = steps[k * len(steps) // n : (k + 1) * len(steps) // n]
-    if (
-        task["part"] is not None
-    ):  # a share of the steps: contiguous, so a block of steps stays together
-        k, n = task["part"]
-        steps = steps[k * len(steps) // n : (k + 1) * len(steps) // n]
-    ranks = sorted(only & set(st.ranks)) if only is not None else st.ranks
-    cover_steps = (
-        steps
-        if (task["steps"] is not None or task["part"] is not None or task.get("share"))
-        else None
+    return _Payload(
+        format=FORMAT,
+        note=_NOTE,
+        covers=_Covers(
+            ranks=_spans(ranks),
+            steps=_spans(steps) if steps is not None else None,
+            of_ranks=_spans(sorted(set(a.all_ranks) | set(b.all_ranks))),
+        ),
+        binding=_Binding(
+            a=_SideBinding(manifest_id=a.run.manifest_id, seal=_seal(a)),
+            b=_SideBinding(manifest_id=b.run.manifest_id, seal=_seal(b)),
+            options=_Options.of(opts),
+            version=__version__,
+        ),
+        run=_Run(
+            mode=st.mode,
+            topology_differs=[k for k, _, _ in st.topo],
+            logical=st.logical,
+            user=bool(st.tol.user),
+            use_index=st.use_index,
+            grid_ranks=_spans(st.grid_ranks),
+            tolerance=_Tolerance.of(st.tolerance),
+            pre=st.warnings[: st.n_pre],
+            post=st.warnings[st.n_loaded : st.n_setup],
+        ),
+        sides=_Sides(a=_SideFacts.of(a), b=_SideFacts.of(b)),
+        steps=[_Step.of(o) for o in outcomes],
     )
-    return _payload(st, st.outcomes(steps), ranks, cover_steps, opts)
 
 
-def _work(task: dict):
+@dataclass(frozen=True)
+class _Task:
+    """One process's share: the runs, the options, and which ranks or steps it compares."""
+
+    a: str
+    b: str
+    opts: dict
+    ranks: list[int] | None  # these ranks (same topology); None: every rank
+    steps: list[int] | None  # these steps (--steps); None: every compared step
+    share: tuple[int, int] | None = None  # the k-th of n machines' share of the steps
+    part: tuple[int, int] | None = None  # the k-th of n processes' share of the steps
+
+    def payload(self) -> _Payload:
+        only = set(self.ranks) if self.ranks is not None else None
+        st = _setup(self.a, self.b, self.opts, only=only)
+        steps = st.steps
+        if self.steps is not None:
+            want = set(self.steps)
+            steps = [s for s in steps if s in want]
+        for k, n in (x for x in (self.share, self.part) if x is not None):
+            steps = steps[k * len(steps) // n : (k + 1) * len(steps) // n]  # contiguous blocks
+        ranks = sorted(only & set(st.ranks)) if only is not None else st.ranks
+        split = self.steps is not None or self.part is not None or bool(self.share)
+        return _payload(st, st.outcomes(steps), ranks, steps if split else None, self.opts)
+
+
+def _work(task: _Task):
     """The process pool's entry: ("ok", payload) or ("error", one line, exit code), never a traceback."""
     try:
-        return ("ok", _share(task))
+        return ("ok", task.payload())
     except DisttraceError as e:
         return ("error", str(e), e.exit_code)
 
@@ -446,7 +721,7 @@ def _context():
     return multiprocessing.get_context("spawn")
 
 
-def _run_shares(tasks: list[dict], jobs: int) -> list[dict]:
+def _run_shares(tasks: list[_Task], jobs: int) -> list[_Payload]:
     """Every task's payload, in order: this process computes the first share while the pool (started
     meanwhile) computes the others."""
     if len(tasks) == 1:
@@ -470,17 +745,17 @@ def _plan(
     ranks: list[int] | None,
     steps: list[int] | None,
     share: tuple[int, int] | None = None,
-):
+) -> list[_Task]:
     """The processes' shares: ranks split where the topologies are the same (each process reads only its
     ranks), steps across topologies (a step's ranks are read together). `share` (k, n): the k-th of n equal
     shares of the ranks (or, across topologies, of the steps), for the k-th of n machines."""
     st = _setup(a, b, opts, only=set(), compare=False)
     everyone = sorted(set(st.side_a.all_ranks) | set(st.side_b.all_ranks))
-    base = {"a": str(a), "b": str(b), "opts": opts, "share": None}
+    step_share = None
     if share is not None:
         k, n = share
         if st.logical:
-            base["share"] = share
+            step_share = share
         else:
             ranks = everyone[k * len(everyone) // n : (k + 1) * len(everyone) // n]
             if not ranks:
@@ -508,181 +783,125 @@ def _plan(
     if not st.logical and steps is None:
         n = max(1, min(jobs, len(chosen)))
         parts = [chosen[k * len(chosen) // n : (k + 1) * len(chosen) // n] for k in range(n)]
-        return [{**base, "ranks": p, "steps": None, "part": None} for p in parts], chosen
-    return [
-        {**base, "ranks": None, "steps": steps, "part": (k, max(1, jobs))}
-        for k in range(max(1, jobs))
-    ], chosen
+        return [_Task(str(a), str(b), opts, p, None) for p in parts]
+    n = max(1, jobs)
+    return [_Task(str(a), str(b), opts, None, steps, step_share, (k, n)) for k in range(n)]
 
 
 # ---------------------------------------------------------------- combining payloads
 
 
-def _combine(payloads: list[dict]) -> dict:
+def _combine(payloads: list[_Payload]) -> _Payload:
     """One payload from shares of one comparison (already checked to belong together)."""
     first = payloads[0]
     if len(payloads) == 1:
         return first
-    by_rank = (
-        first["covers"]["steps"] is None
-    )  # shares of ranks; else shares of steps, every rank read
-    out = {k: v for k, v in first.items() if k not in ("covers", "sides", "steps")}
-    ranks = sorted({r for p in payloads for r in _unspan(p["covers"]["ranks"])})
-    steps = (
-        None
-        if by_rank
-        else sorted({s for p in payloads for s in _unspan(p["covers"]["steps"] or [])})
+    by_rank = first.by_rank
+    ranks = sorted({r for p in payloads for r in _unspan(p.covers.ranks)})
+    steps = None if by_rank else sorted({s for p in payloads for s in _unspan(p.covers.steps)})
+    covers = _Covers(
+        ranks=_spans(ranks),
+        steps=_spans(steps) if steps is not None else None,
+        of_ranks=first.covers.of_ranks,
     )
-    out["covers"] = {
-        "ranks": _spans(ranks),
-        "steps": _spans(steps) if steps is not None else None,
-        "of_ranks": first["covers"]["of_ranks"],
-    }
-    sides = {}
-    for label in ("a", "b"):
-        s = dict(first["sides"][label])
-        if by_rank:
-            rs = {r: v for p in payloads for r, v in p["sides"][label]["rank_steps"]}
-            rw = {r: v for p in payloads for r, v in p["sides"][label]["rank_warnings"]}
-            s["rank_steps"] = sorted(rs.items())
-            s["rank_warnings"] = sorted(rw.items())
-        sides[label] = s
-    out["sides"] = sides
-    merged: dict[int, dict] = {}
+    sides = first.sides
+    if by_rank:
+
+        def joined(label: str) -> _SideFacts:
+            rs = {r: v for p in payloads for r, v in getattr(p.sides, label).rank_steps}
+            rw = {r: v for p in payloads for r, v in getattr(p.sides, label).rank_warnings}
+            return getattr(first.sides, label).model_copy(
+                update={"rank_steps": sorted(rs.items()), "rank_warnings": sorted(rw.items())}
+            )
+
+        sides = _Sides(a=joined("a"), b=joined("b"))
+    parts: dict[int, list[_Step]] = {}
     for p in payloads:
-        for e in p["steps"]:
-            cur = merged.get(e["step"])
-            if cur is None:
-                merged[e["step"]] = {
-                    **e,
-                    "io": list(e["io"]),
-                    "ranks": list(e["ranks"]),
-                    "equal": list(e["equal"]),
-                }
-                continue
-            cur["read"] += e["read"]
-            cur["io"] = [x + y for x, y in zip(cur["io"], e["io"])]
-            cur["ranks"] = cur["ranks"] + e["ranks"]
-            cur["equal"] = cur["equal"] + e["equal"]
-            cur["kinds"] = cur["kinds"] + e["kinds"]
-            cur["bounds"] = cur["bounds"] + e["bounds"]
-            cur["events"] = cur["events"] + e["events"]
-            cur["both"] = sorted(set(cur["both"]) | set(e["both"]))
-    if by_rank:  # one process compares a step's ranks in rank order
-        for e in merged.values():
-            e["ranks"].sort(key=lambda rv: rv[0])
-            e["equal"] = _equal_spans((r, t) for lo, hi, t in e["equal"] for r in range(lo, hi + 1))
-    out["steps"] = [merged[s] for s in sorted(merged)]
-    return out
+        for e in p.steps:
+            parts.setdefault(e.step, []).append(e)
+    steps_out = [_Step.joined(parts[s], by_rank) for s in sorted(parts)]
+    return first.model_copy(update={"covers": covers, "sides": sides, "steps": steps_out})
 
 
 class _SideView:
     """A side as `_compared_steps` reads it, rebuilt from a payload."""
 
-    def __init__(self, f: dict, steps: list[int]):
-        self.label, self.path, self.kind = f["label"], Path(f["path"]), f["kind"]
-        self.complete, self.resume_step, self.steps = f["complete"], f["resume_step"], steps
-        self.manifest = {"training": {"steps": f["n_total"]}, "record": {"every": f["every"]}}
+    def __init__(self, f: _SideFacts, steps: list[int]):
+        self.label, self.path, self.kind = f.label, Path(f.path), f.kind
+        self.complete, self.resume_step, self.steps = f.complete, f.resume_step, steps
+        self.manifest = {"training": {"steps": f.n_total}, "record": {"every": f.every}}
 
 
-def _fold(payload: dict, whole: bool) -> DiffResult:
+def _fold(payload: _Payload, whole: bool) -> DiffResult:
     """The result of a payload: the one-process result when it covers every rank and step (`whole`), else
     the result of what it covers."""
-    run = payload["run"]
-    warnings = list(run["pre"])
+    run = payload.run
+    warnings = list(run.pre)
     views, summaries = {}, {}
-    held = {
-        label: {r: _unspan(s) for r, s in payload["sides"][label]["rank_steps"]}
-        for label in ("a", "b")
-    }
-    for label in ("a", "b"):
-        f = payload["sides"][label]
+    held = {label: f.held() for label, f in payload.sides}
+    for label, f in payload.sides:
         rank_steps = held[label]
-        all_ranks = _unspan(f["all_ranks"])
+        all_ranks = _unspan(f.all_ranks)
         steps = D.common_steps(rank_steps[r] for r in sorted(rank_steps))
         if not rank_steps and all_ranks and not whole:  # a share of ranks this side lacks
             other = held["b" if label == "a" else "a"]
             steps = D.common_steps(other[r] for r in sorted(other))
-        rw = dict((r, w) for r, w in f["rank_warnings"])
+        rw = dict(f.rank_warnings)
         for r in sorted(rank_steps):
             warnings.extend(rw.get(r, ()))
         warnings.extend(
-            D.side_warnings(
-                f["label"], Path(f["path"]), all_ranks, f["world"], f["complete"], steps
-            )
+            D.side_warnings(f.label, Path(f.path), all_ranks, f.world, f.complete, steps)
         )
         views[label] = _SideView(f, steps)
-        summaries[label] = SideSummary(
-            path=f["path"],
-            kind=f["kind"],
-            complete=f["complete"],
-            manifest_id=f["manifest_id"],
-            resume_step=f["resume_step"] or None,
-            ranks=all_ranks,
-            steps=[steps[0], steps[-1]] if steps else None,
-        )
-    warnings.extend(run["post"])
+        summaries[label] = f.summary(steps)
+    warnings.extend(run.post)
     steps, compared = D._compared_steps(views["a"], views["b"])
-    have = {e["step"]: e for e in payload["steps"]}
+    have = {e.step: e for e in payload.steps}
     if whole:
-        lacking = [s for s in steps if s not in have]
-        if lacking:
-            raise BadInput(
-                "--merge",
-                f"no partial holds step(s) {ranges(lacking)} of the steps every rank holds",
-                field="steps",
-            )
-        if not run["logical"]:  # one process compares every rank at every step
-            of = _unspan(payload["covers"]["of_ranks"])
-            for s in steps:
-                got = _step_ranks(have[s])
-                if got != of:
-                    raise BadInput(
-                        "--merge",
-                        f"step {s}: results of rank(s) {ranges(set(of) ^ set(got))} missing or twice",
-                        field="steps",
-                    )
-    fold = D._Fold(run["mode"], warnings)
+        _check_whole(payload, steps, have)
+    fold = D._Fold(run.mode, warnings)
     for s in steps:
-        e = have.get(s)
-        if e is None:
-            continue
-        look = _Look(
-            run["user"],
-            {(p, n): BoundKind(k) for p, n, k in e["kinds"]},
-            {p: _uf(v) for p, v in e["bounds"]},
-        )
-        io = ((e["io"][0], e["io"][1]), (e["io"][2], e["io"][3]))
-        per_rank = {r: _dec_rank(v) for r, v in e["ranks"]}
-        for lo, hi, total in e[
-            "equal"
-        ]:  # (where nothing differed, the order of ranks does not matter)
-            for r in range(lo, hi + 1):
-                per_rank[r] = D._RankStep(total)
-        fold.add(
-            D.StepOutcome(
-                s, per_rank, e["read"], io, [tuple(x) for x in e["events"]], e["both"], look
-            )
-        )
-    t = dict(run["tolerance"])
-    t["kind"] = BoundKind(t["kind"])
-    grid = _unspan(run["grid_ranks"])
-    if not whole and payload["covers"]["steps"] is None:  # a share of ranks draws only its own rows
-        mine = set(_unspan(payload["covers"]["ranks"]))
+        if s in have:
+            fold.add(have[s].outcome(run.user))
+    grid = _unspan(run.grid_ranks)
+    if not whole and payload.by_rank:  # a share of ranks draws only its own rows
+        mine = set(_unspan(payload.covers.ranks))
         grid = [r for r in grid if r in mine]
     return D._result(
         fold,
-        mode=run["mode"],
+        mode=run.mode,
         a=summaries["a"],
         b=summaries["b"],
-        topo_differs=run["topology_differs"],
+        topo_differs=run.topology_differs,
         compared=compared,
         ranks=grid,
-        tolerance=Tolerance(**t),
-        use_index=run["use_index"],
+        tolerance=run.tolerance.tolerance(),
+        use_index=run.use_index,
         warnings=warnings,
-        logical=run["logical"],
+        logical=run.logical,
     )
+
+
+def _check_whole(payload: _Payload, steps: list[int], have: dict[int, _Step]) -> None:
+    """A merge holds every step every rank holds, and (same topology) every rank at each exactly once."""
+    lacking = [s for s in steps if s not in have]
+    if lacking:
+        raise BadInput(
+            "--merge",
+            f"no partial holds step(s) {ranges(lacking)} of the steps every rank holds",
+            field="steps",
+        )
+    if payload.run.logical:
+        return
+    of = _unspan(payload.covers.of_ranks)
+    for s in steps:  # one process compares every rank at every step
+        got = have[s].held_ranks()
+        if got != of:
+            raise BadInput(
+                "--merge",
+                f"step {s}: results of rank(s) {ranges(set(of) ^ set(got))} missing or twice",
+                field="steps",
+            )
 
 
 # ---------------------------------------------------------------- the entry points
@@ -692,8 +911,8 @@ def diff_jobs(a, b, jobs: int, **opts) -> DiffResult:
     """diff_runs(a, b, **opts) computed in `jobs` processes: the same result."""
     if jobs < 1:
         raise BadInput("--jobs", f"must be at least 1 (got {jobs})", field="jobs")
-    tasks, _ = _plan(a, b, opts, jobs, None, None)
-    if len(tasks) <= 1 and tasks and tasks[0]["part"] is None:
+    tasks = _plan(a, b, opts, jobs, None, None)
+    if len(tasks) <= 1 and tasks and tasks[0].part is None:
         return D.diff_runs(a, b, **opts)
     return _fold(_combine(_run_shares(tasks, jobs)), whole=True)
 
@@ -701,17 +920,17 @@ def diff_jobs(a, b, jobs: int, **opts) -> DiffResult:
 class PartialDiff:
     """A partial diff: `result` is what its ranks (or steps) show, `payload` what a merge needs."""
 
-    def __init__(self, payload: dict):
+    def __init__(self, payload: _Payload):
         self.payload = payload
         self.result = _fold(payload, whole=False)
 
     @property
     def covered(self) -> str:
         """What it read, in words: 'ranks 0..63' or 'steps 1..500'."""
-        cov = self.payload["covers"]
-        if cov["steps"] is None:
-            return f"ranks {ranges(_unspan(cov['ranks']))}"
-        return f"steps {ranges(_unspan(cov['steps']))}"
+        cov = self.payload.covers
+        if cov.steps is None:
+            return f"ranks {ranges(_unspan(cov.ranks))}"
+        return f"steps {ranges(_unspan(cov.steps))}"
 
     @property
     def diverged(self) -> bool:
@@ -725,7 +944,7 @@ class PartialDiff:
     def to_dict(self) -> dict:
         doc = self.result.to_dict()
         doc["equal"] = False if self.diverged else None
-        return {"partial": self.payload, **doc}
+        return {"partial": self.payload.model_dump(), **doc}
 
     def to_json(self) -> str:
         from disttrace.jsondoc import dumps
@@ -760,184 +979,14 @@ def diff_partial(
         raise BadInput("--jobs", f"must be at least 1 (got {jobs})", field="jobs")
     if sum(x is not None for x in (ranks, steps, share)) > 1:
         raise BadInput("--ranks", "give one of --ranks, --steps and --share")
-    tasks, _ = _plan(a, b, opts, jobs, ranks, steps, share)
+    tasks = _plan(a, b, opts, jobs, ranks, steps, share)
     return PartialDiff(_combine(_run_shares(tasks, jobs)))
 
 
 # ---------------------------------------------------------------- reading partials someone else wrote
 
-_S = Annotated[str, Field(strict=True, max_length=1 << 20)]
-_StrictFloat = Annotated[float, Field(strict=True)]
-_Num = StrictInt | _StrictFloat | Literal["inf", "-inf", "nan"]
-_Spans = Annotated[
-    list[
-        Annotated[
-            list[Annotated[int, Field(strict=True, ge=0, le=MAX_STEP)]],
-            Field(min_length=2, max_length=2),
-        ]
-    ],
-    Field(max_length=1 << 24),
-]
 
-
-class _M(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class _Stats(_M):
-    digest: _S | None
-    sum: _Num | None
-    norm: _Num | None
-    sketch: Annotated[list[_Num | None], Field(max_length=4096)] | None
-    nonfinite: StrictInt | None
-    dtype: _S | None
-    shape: Annotated[list[StrictInt], Field(max_length=64)] | None
-    numel: StrictInt | None
-
-
-class _Unit(_M):
-    step: StrictInt
-    micro_batch: StrictInt | None
-    phase: _S
-    rank: StrictInt
-    tensor: _S | None
-    index: StrictInt | None
-    a: _Stats | None
-    b: _Stats | None
-    rel_err: _Num | None
-    bound: _Num | None
-    diverged: StrictBool
-    missing_in: Literal["a", "b"] | None
-    note: _S | None
-
-
-_Key = Annotated[list[StrictInt | _S | None], Field(min_length=6, max_length=6)]
-
-
-class _Rank(_M):
-    d: StrictInt
-    t: StrictInt
-    i: StrictInt
-    h: StrictInt
-    mx: _Num
-    mr: Annotated[list[tuple[_S, _Num, _Num | None]], Field(max_length=64)]
-    rp: Annotated[list[tuple[_S, _Num, _Num, _Num]], Field(max_length=64)]
-    f: tuple[_Key, _Unit] | None
-
-
-class _Step(_M):
-    step: Annotated[int, Field(strict=True, ge=0, le=MAX_STEP)]
-    read: Annotated[int, Field(strict=True, ge=0)]
-    io: Annotated[list[Annotated[int, Field(strict=True, ge=0)]], Field(min_length=4, max_length=4)]
-    equal: Annotated[
-        list[
-            tuple[
-                Annotated[int, Field(strict=True, ge=0, lt=MAX_WORLD)],
-                Annotated[int, Field(strict=True, ge=0, lt=MAX_WORLD)],
-                Annotated[int, Field(strict=True, ge=0)],
-            ]
-        ],
-        Field(max_length=MAX_WORLD),
-    ]
-    ranks: Annotated[
-        list[tuple[Annotated[int, Field(strict=True, ge=0, lt=MAX_WORLD)], _Rank]],
-        Field(max_length=MAX_WORLD),
-    ]
-    kinds: Annotated[
-        list[tuple[_S, _S | None, Literal[tuple(k.value for k in BoundKind)]]],
-        Field(max_length=1 << 20),
-    ]
-    bounds: Annotated[list[tuple[_S, _Num | None]], Field(max_length=64)]
-    events: Annotated[list[tuple[_S, _S]], Field(max_length=1024)]
-    both: Annotated[list[_S], Field(max_length=64)]
-
-
-class _SideFacts(_M):
-    label: Literal["A", "B"]
-    path: _S
-    kind: _S | None
-    complete: StrictBool
-    manifest_id: _S
-    resume_step: StrictInt
-    all_ranks: _Spans
-    world: Annotated[int, Field(strict=True, ge=1, le=MAX_WORLD)]
-    n_total: StrictInt
-    every: Annotated[int, Field(strict=True, ge=1)]
-    rank_steps: Annotated[
-        list[tuple[Annotated[int, Field(strict=True, ge=0)], _Spans]], Field(max_length=MAX_WORLD)
-    ]
-    rank_warnings: Annotated[
-        list[tuple[StrictInt, Annotated[list[_S], Field(max_length=64)]]],
-        Field(max_length=MAX_WORLD),
-    ]
-
-
-class _Tolerance(_M):
-    kind: Literal[tuple(k.value for k in BoundKind)]
-    bound: _Num | None
-    rtol: _Num | None
-    atol: _Num | None
-    file: _S | None
-    safety: Any
-    manifest_id: _S | None
-    elsewhere: _S | None
-    since_step: StrictInt | None
-    derivation: dict[_S, Any]
-    scale: _S | None
-    found: StrictBool | None
-
-
-class _Run(_M):
-    mode: Literal["bitwise", "numeric"]
-    topology_differs: Annotated[list[_S], Field(max_length=256)]
-    logical: StrictBool
-    user: StrictBool
-    use_index: StrictBool
-    grid_ranks: _Spans
-    tolerance: _Tolerance
-    pre: Annotated[list[_S], Field(max_length=256)]
-    post: Annotated[list[_S], Field(max_length=256)]
-
-
-class _SideBinding(_M):
-    manifest_id: _S
-    seal: _S | None
-
-
-class _Options(_M):
-    mode: Literal["bitwise", "numeric"] | None
-    rtol: _Num | None
-    atol: _Num | None
-    allow_edition_mismatch: StrictBool
-    use_index: StrictBool
-    calibration: _S | None
-    find_calibration: StrictBool
-
-
-class _Binding(_M):
-    a: _SideBinding
-    b: _SideBinding
-    options: _Options
-    version: _S
-
-
-class _Covers(_M):
-    ranks: _Spans
-    steps: _Spans | None
-    of_ranks: _Spans
-
-
-class _Payload(_M):
-    format: Literal["disttrace-diff-partial/1"]
-    note: _S
-    covers: _Covers
-    binding: _Binding
-    run: _Run
-    sides: dict[Literal["a", "b"], _SideFacts]
-    steps: Annotated[list[_Step], Field(max_length=1 << 24)]
-
-
-def _read_partial(path: Path) -> dict:
+def _read_partial(path: Path) -> _Payload:
     import orjson
 
     with safeio.open_file(path, None, MAX_PARTIAL_BYTES) as f:  # a regular file, size-capped
@@ -957,15 +1006,12 @@ def _read_partial(path: Path) -> dict:
             "`disttrace diff A B --ranks SPEC --json`)",
             field="partial",
         )
-    payload = doc["partial"]
     try:
-        _Payload.model_validate(payload)
+        payload = _Payload.model_validate(doc["partial"])
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(x) for x in ("partial", *err["loc"]))
         raise BadInput(path, err["msg"].lower(), field=loc) from None
-    if set(payload["sides"]) != {"a", "b"}:
-        raise BadInput(path, "must hold sides a and b", field="partial.sides")
     _check_sizes(payload, path)
     return payload
 
@@ -983,49 +1029,101 @@ def _span_count(spans, path, field: str, limit: int) -> int:
     return n
 
 
-def _check_sizes(p: dict, path) -> None:
-    for k in ("ranks", "of_ranks"):
-        _span_count(p["covers"][k], path, f"partial.covers.{k}", MAX_WORLD)
-    if p["covers"]["steps"] is not None:
-        _span_count(p["covers"]["steps"], path, "partial.covers.steps", MAX_STEPS_HELD)
-    _span_count(p["run"]["grid_ranks"], path, "partial.run.grid_ranks", MAX_WORLD)
+def _check_sizes(p: _Payload, path) -> None:
+    _span_count(p.covers.ranks, path, "partial.covers.ranks", MAX_WORLD)
+    _span_count(p.covers.of_ranks, path, "partial.covers.of_ranks", MAX_WORLD)
+    if p.covers.steps is not None:
+        _span_count(p.covers.steps, path, "partial.covers.steps", MAX_STEPS_HELD)
+    _span_count(p.run.grid_ranks, path, "partial.run.grid_ranks", MAX_WORLD)
     held = 0
-    for label in ("a", "b"):
-        side = p["sides"][label]
-        _span_count(side["all_ranks"], path, f"partial.sides.{label}.all_ranks", MAX_WORLD)
-        for _, spans in side["rank_steps"]:
+    for label, side in p.sides:
+        _span_count(side.all_ranks, path, f"partial.sides.{label}.all_ranks", MAX_WORLD)
+        for _, spans in side.rank_steps:
             held += _span_count(
                 spans, path, f"partial.sides.{label}.rank_steps", MAX_STEPS_HELD - held
             )
-    for n, e in enumerate(p["steps"]):
-        _span_count(e["equal"], path, f"partial.steps.{n}.equal", MAX_WORLD)
+    for n, e in enumerate(p.steps):
+        _span_count(e.equal, path, f"partial.steps.{n}.equal", MAX_WORLD)
 
 
-def _belongs(first: dict, p: dict, where: Path, first_where: Path) -> None:
+def _differing_field(x: BaseModel, y: BaseModel, skip=()) -> str | None:
+    return next(
+        (k for k in type(x).model_fields if k not in skip and getattr(x, k) != getattr(y, k)),
+        None,
+    )
+
+
+def _belongs(first: _Payload, p: _Payload, where: Path, first_where: Path) -> None:
     """`p` is a share of the same comparison as `first`: the same runs (manifest ids, seals), options and
     version, the same facts of the runs."""
     for key in ("binding", "run"):
-        if p[key] != first[key]:
-            sub = next((k for k in p[key] if p[key].get(k) != first[key].get(k)), key)
+        sub = _differing_field(getattr(p, key), getattr(first, key))
+        if sub is not None:
             raise BadInput(
                 where,
                 f"is not a share of the same comparison as {first_where}: its {key}.{sub} differs "
                 "(other runs, other seals or other options)",
                 field=f"partial.{key}.{sub}",
             )
-    if p["covers"]["of_ranks"] != first["covers"]["of_ranks"]:
+    if p.covers.of_ranks != first.covers.of_ranks:
         raise BadInput(
             where, f"the runs' ranks differ from {first_where}'s", field="partial.covers.of_ranks"
         )
-    for label in ("a", "b"):
-        x, y = p["sides"][label], first["sides"][label]
-        for k in x:
-            if k not in ("rank_steps", "rank_warnings") and x[k] != y[k]:
+    for (label, x), (_, y) in zip(p.sides, first.sides):
+        k = _differing_field(x, y, skip=("rank_steps", "rank_warnings"))
+        if k is not None:
+            raise BadInput(
+                where,
+                f"run {label.upper()}'s {k} differs from {first_where}'s",
+                field=f"partial.sides.{label}.{k}",
+            )
+
+
+def _check_covers(payloads: list[_Payload], paths: list[Path]) -> None:
+    """Together the partials cover every rank (or step) exactly once, each only what it says it covers."""
+    first, first_where = payloads[0], paths[0]
+    by_rank = [p.by_rank for p in payloads]
+    if len(set(by_rank)) > 1:
+        raise BadInput(
+            paths[by_rank.index(not by_rank[0])],
+            f"splits by {'ranks' if not by_rank[0] else 'steps'} and {first_where} by the other",
+            field="partial.covers",
+        )
+    of = _unspan(first.covers.of_ranks)
+    seen: dict[int, Path] = {}
+    key = "ranks" if by_rank[0] else "steps"
+    for p, where in zip(payloads, paths):
+        mine = _unspan(getattr(p.covers, key))
+        again = [x for x in mine if x in seen]
+        if again:
+            raise BadInput(
+                where,
+                f"{key} {ranges(again)} are also covered by {seen[again[0]]}",
+                field=f"partial.covers.{key}",
+            )
+        seen.update(dict.fromkeys(mine, where))
+        if key == "steps" and _unspan(p.covers.ranks) != of:
+            raise BadInput(
+                where, "a share of steps must cover every rank", field="partial.covers.ranks"
+            )
+        if key == "ranks":  # what it says it covers is what it holds
+            held = {r for _, side in p.sides for r, _ in side.rank_steps}
+            if not held <= set(mine):
+                raise BadInput(where, "holds ranks it does not cover", field="partial.sides")
+            if any(r not in set(mine) for e in p.steps for r in e.held_ranks()):
                 raise BadInput(
-                    where,
-                    f"run {label.upper()}'s {k} differs from {first_where}'s",
-                    field=f"partial.sides.{label}.{k}",
+                    where, "holds results of ranks it does not cover", field="partial.steps"
                 )
+        elif any(e.step not in set(mine) for e in p.steps):
+            raise BadInput(where, "holds results of steps it does not cover", field="partial.steps")
+    if key == "ranks":
+        lacking = [r for r in of if r not in seen]
+        if lacking:
+            raise BadInput(
+                "--merge",
+                f"no partial covers rank(s) {ranges(lacking)} of {ranges(of)}",
+                field="ranks",
+            )
 
 
 def merge_partials(paths: list[Path | str]) -> DiffResult:
@@ -1036,56 +1134,7 @@ def merge_partials(paths: list[Path | str]) -> DiffResult:
         raise BadInput("--merge", f"more than {MAX_PARTIALS} partial documents", field="merge")
     paths = [Path(p) for p in paths]
     payloads = [_read_partial(p) for p in paths]
-    first, first_where = payloads[0], paths[0]
     for p, where in zip(payloads[1:], paths[1:]):
-        _belongs(first, p, where, first_where)
-    by_rank = [p["covers"]["steps"] is None for p in payloads]
-    if len(set(by_rank)) > 1:
-        raise BadInput(
-            paths[by_rank.index(not by_rank[0])],
-            f"splits by {'ranks' if not by_rank[0] else 'steps'} and {first_where} by the other",
-            field="partial.covers",
-        )
-    of = _unspan(first["covers"]["of_ranks"])
-    seen: dict[int, Path] = {}
-    key = "ranks" if by_rank[0] else "steps"
-    for p, where in zip(payloads, paths):
-        mine = _unspan(p["covers"][key])
-        again = [x for x in mine if x in seen]
-        if again:
-            raise BadInput(
-                where,
-                f"{key} {ranges(again)} are also covered by {seen[again[0]]}",
-                field=f"partial.covers.{key}",
-            )
-        seen.update(dict.fromkeys(mine, where))
-        if key == "steps" and _unspan(p["covers"]["ranks"]) != of:
-            raise BadInput(
-                where, "a share of steps must cover every rank", field="partial.covers.ranks"
-            )
-        if key == "ranks":  # what it says it covers is what it holds
-            held = {r for r, _ in p["sides"]["a"]["rank_steps"]} | {
-                r for r, _ in p["sides"]["b"]["rank_steps"]
-            }
-            if not held <= set(mine):
-                raise BadInput(where, "holds ranks it does not cover", field="partial.sides")
-            if any(r not in set(mine) for e in p["steps"] for r in _step_ranks(e)):
-                raise BadInput(
-                    where, "holds results of ranks it does not cover", field="partial.steps"
-                )
-    if key == "ranks":
-        lacking = [r for r in of if r not in seen]
-        if lacking:
-            raise BadInput(
-                "--merge",
-                f"no partial covers rank(s) {ranges(lacking)} of {ranges(of)}",
-                field="ranks",
-            )
-    else:
-        for p, where in zip(payloads, paths):
-            mine = set(_unspan(p["covers"]["steps"]))
-            if any(e["step"] not in mine for e in p["steps"]):
-                raise BadInput(
-                    where, "holds results of steps it does not cover", field="partial.steps"
-                )
+        _belongs(payloads[0], p, where, paths[0])
+    _check_covers(payloads, paths)
     return _fold(_combine(payloads), whole=True)

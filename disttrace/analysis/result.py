@@ -55,6 +55,27 @@ class RecordStats(JsonDoc):
         )
 
 
+@dataclass(slots=True)
+class Unit:
+    """diff's comparison unit: one record (or logical tensor) of both runs at a step, compared. `a` and `b`
+    are each side's statistics (a record's digest, sum, norm, sketch, nonfinite, dtype, shape, numel), None
+    where that side lacks it; `rel_err` None where no relative error exists (missing, non-finite)."""
+
+    step: int
+    micro_batch: int
+    phase: str
+    rank: int
+    tensor: str | None
+    index: int
+    a: dict | None
+    b: dict | None
+    rel_err: float | None
+    bound: float | None
+    diverged: bool
+    missing_in: str | None  # "a" | "b"
+    note: str | None
+
+
 @dataclass
 class Divergence(JsonDoc):
     """The first divergence: the smallest (step, micro_batch, phase, rank, index) whose records differ or
@@ -75,21 +96,21 @@ class Divergence(JsonDoc):
     bound_kind: BoundKind
 
     @classmethod
-    def of_unit(cls, unit: dict, kind: BoundKind) -> Divergence:
-        """From diff's internal comparison unit (a dict of these names)."""
+    def of_unit(cls, unit: Unit, kind: BoundKind) -> Divergence:
+        """From diff's comparison unit."""
         return cls(
-            step=unit["step"],
-            micro_batch=unit["micro_batch"],
-            phase=unit["phase"],
-            rank=unit["rank"],
-            tensor=unit["tensor"],
-            index=unit["index"],
-            a=RecordStats.of(unit["a"]) if unit["a"] is not None else None,
-            b=RecordStats.of(unit["b"]) if unit["b"] is not None else None,
-            rel_err=unit["rel_err"],
-            bound=unit["bound"],
-            missing_in=unit["missing_in"],
-            note=unit["note"],
+            step=unit.step,
+            micro_batch=unit.micro_batch,
+            phase=unit.phase,
+            rank=unit.rank,
+            tensor=unit.tensor,
+            index=unit.index,
+            a=RecordStats.of(unit.a) if unit.a is not None else None,
+            b=RecordStats.of(unit.b) if unit.b is not None else None,
+            rel_err=unit.rel_err,
+            bound=unit.bound,
+            missing_in=unit.missing_in,
+            note=unit.note,
             bound_kind=BoundKind(kind),
         )
 

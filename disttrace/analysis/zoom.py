@@ -33,6 +33,7 @@ from disttrace.analysis.result import (
 from disttrace.errors import BadInput
 from disttrace.jsondoc import JsonDoc, omit_none
 from disttrace.store.depth import read_depth
+from disttrace.store.records import DepthRecord
 from disttrace.store.rundir import Run
 
 DEPTHS = ("module", "op")
@@ -101,45 +102,50 @@ class ZoomResult(JsonDoc):
 # ---------------------------------------------------------------- comparing
 
 
-def _stats(rec: dict) -> RecordStats:
-    return RecordStats.of(rec)
+def _stats(values: dict) -> RecordStats:
+    return RecordStats.of(values)
 
 
-def _weighted(rec: dict) -> dict:
-    w = float(rec.get("weight") or 1.0)
+def _values(rec: DepthRecord) -> dict:
+    """A record's statistics as diff's comparator reads them (its line as the file held it)."""
+    return rec.as_read()
+
+
+def _weighted(rec: DepthRecord) -> dict:
+    """This rank's statistics as the logical tensor's (`weight`: an output gradient of a local mean loss)."""
+    out = dict(_values(rec))
+    w = float(rec.weight or 1.0)
     if w == 1.0:
-        return rec
-    out = dict(rec)
-    for k in ("sum", "norm"):
+        return out
+    for k, scale in (("sum", w), ("norm", abs(w))):
         if out.get(k) is not None:
-            out[k] = abs(w) * out[k] if k == "norm" else w * out[k]
+            out[k] = scale * out[k]
     if isinstance(out.get("sketch"), list):
         out["sketch"] = [w * x for x in out["sketch"]]
     return out
 
 
-def _logical(recs: list[dict]) -> tuple[dict, bool]:
+def _logical(recs: list[DepthRecord]) -> tuple[dict, bool]:
     """One logical tensor from its pieces (distinct offsets; the lowest rank's copy of a replicated piece):
-    (a record-like dict, whether the pieces cover the logical shape)."""
-    pieces: dict[tuple, dict] = {}
-    for r in sorted(recs, key=lambda r: (r["rank"], r["micro_batch"], r["seq"])):
-        sh = r.get("shard") or {"offset": [0] * len(r["shape"]), "logical_shape": r["shape"]}
-        pieces.setdefault(tuple(sh["offset"]), _weighted(r))
+    (its statistics as a record's, whether the pieces cover the logical shape)."""
+    pieces: dict[tuple, tuple[DepthRecord, dict]] = {}
+    for r in sorted(recs, key=lambda r: (r.rank, r.micro_batch, r.seq)):
+        offset = r.shard.offset if r.shard is not None else [0] * len(r.shape)
+        pieces.setdefault(tuple(offset), (r, _weighted(r)))
     ordered = [pieces[k] for k in sorted(pieces)]
-    first = ordered[0]
-    lshape = (first.get("shard") or {}).get("logical_shape") or first["shape"]
-    numel = math.prod(lshape) if lshape else int(first.get("numel") or 0)
-    covered = sum(int(r.get("numel") or 0) for r in ordered)
-    finite = all(r.get("sum") is not None and r.get("norm") is not None for r in ordered)
+    first = ordered[0][0]
+    lshape = (first.shard.logical_shape if first.shard is not None else None) or first.shape
+    numel = math.prod(lshape) if lshape else int(first.numel or 0)
+    covered = sum(int(r.numel or 0) for r, _ in ordered)
+    vals = [v for _, v in ordered]
+    finite = all(v.get("sum") is not None and v.get("norm") is not None for v in vals)
     v = {
-        "digest": "shards:" + ",".join(str(r.get("digest")) for r in ordered),
-        "sum": math.fsum(r["sum"] for r in ordered) if finite else None,
-        "norm": math.sqrt(math.fsum(r["norm"] ** 2 for r in ordered)) if finite else None,
-        "sketch": tolerance.combine_sketches([r.get("sketch") for r in ordered])
-        if finite
-        else None,
-        "nonfinite": sum(int(r.get("nonfinite") or 0) for r in ordered),
-        "dtype": first.get("dtype"),
+        "digest": "shards:" + ",".join(str(r.digest) for r, _ in ordered),
+        "sum": math.fsum(x["sum"] for x in vals) if finite else None,
+        "norm": math.sqrt(math.fsum(x["norm"] ** 2 for x in vals)) if finite else None,
+        "sketch": tolerance.combine_sketches([x.get("sketch") for x in vals]) if finite else None,
+        "nonfinite": sum(int(r.nonfinite or 0) for r, _ in ordered),
+        "dtype": first.dtype,
         "shape": list(lshape),
         "numel": numel,
     }
@@ -153,8 +159,8 @@ def _same_bits(a: dict, b: dict) -> bool:
 @dataclass
 class _Unit:
     order: tuple
-    rec: dict  # the reference record (A's, else B's): module, direction, kind, op...
-    a: dict | None
+    rec: DepthRecord  # the reference record (A's, else B's): module, direction, kind, op...
+    a: dict | None  # each side's statistics, as diff's comparator reads them
     b: dict | None
     micro_batch: int | None
     rank: int | None
@@ -163,39 +169,32 @@ class _Unit:
     note: str | None = None
 
 
-def _record_key(r: dict) -> tuple:
-    return (
-        r["rank"],
-        r["micro_batch"],
-        r["direction"],
-        r["kind"],
-        r["module"],
-        r["call"],
-        r.get("op_index"),
-        r["output"],
-    )
+def _record_key(r: DepthRecord) -> tuple:
+    return (r.rank, r.micro_batch, r.direction, r.kind, r.module, r.call, r.op_index, r.output)
 
 
-def _order(r: dict) -> tuple:
-    return (_DIRECTION[r["direction"]], r["micro_batch"], r["seq"], r["rank"])
+def _order(r: DepthRecord) -> tuple:
+    return (_DIRECTION[r.direction], r.micro_batch, r.seq, r.rank)
 
 
-def _units_same_topology(ra: list[dict], rb: list[dict]) -> list[_Unit]:
+def _units_same_topology(ra: list[DepthRecord], rb: list[DepthRecord]) -> list[_Unit]:
     ka = {_record_key(r): r for r in ra}
     kb = {_record_key(r): r for r in rb}
     out = []
     for k in ka.keys() | kb.keys():
         x, y = ka.get(k), kb.get(k)
         ref = x if x is not None else y
-        out.append(_Unit(_order(ref), ref, x, y, ref["micro_batch"], ref["rank"]))
+        va = _values(x) if x is not None else None
+        vb = _values(y) if y is not None else None
+        out.append(_Unit(_order(ref), ref, va, vb, ref.micro_batch, ref.rank))
     return out
 
 
-def _units_logical(ra: list[dict], rb: list[dict]) -> tuple[list[_Unit], list[str]]:
+def _units_logical(ra: list[DepthRecord], rb: list[DepthRecord]) -> tuple[list[_Unit], list[str]]:
     def group(recs):
-        g: dict[tuple, list[dict]] = {}
+        g: dict[tuple, list[DepthRecord]] = {}
         for r in recs:
-            g.setdefault((r["direction"], r["module"], r["call"], r["output"]), []).append(r)
+            g.setdefault((r.direction, r.module, r.call, r.output), []).append(r)
         return g
 
     ga, gb = group(ra), group(rb)
@@ -206,7 +205,7 @@ def _units_logical(ra: list[dict], rb: list[dict]) -> tuple[list[_Unit], list[st
         va = _logical(xs) if xs else None
         vb = _logical(ys) if ys else None
         u = _Unit(
-            (_DIRECTION[ref["direction"]], ref["micro_batch"], ref["seq"], 0),
+            (_DIRECTION[ref.direction], ref.micro_batch, ref.seq, 0),
             ref,
             va[0] if va else None,
             vb[0] if vb else None,
@@ -240,10 +239,7 @@ def compare(
 
     def of(read, kind):
         return [
-            r
-            for recs in read.by_rank.values()
-            for r in recs
-            if r["step"] == step and r["kind"] == kind
+            r for recs in read.by_rank.values() for r in recs if r.step == step and r.kind == kind
         ]
 
     kinds = ["op", "module"] if depth == "op" else ["module"]
@@ -259,11 +255,11 @@ def compare(
         units.sort(key=lambda u: u.order)
         for u in units:
             if u.a is None or u.b is None:
-                u.bound = tol.derived(step, u.rec["direction"])
+                u.bound = tol.derived(step, u.rec.direction)
                 return u, compared, (read_a.count, read_b.count), warnings
             if u.note is None and _same_bits(u.a, u.b):
                 continue
-            rel, bnd, diverged, note = tol.compare(step, u.rec["direction"], u.a, u.b)
+            rel, bnd, diverged, note = tol.compare(step, u.rec.direction, u.a, u.b)
             u.rel_err, u.bound, u.note = rel, bnd, u.note or note
             if diverged or u.note is not None:
                 return u, compared, (read_a.count, read_b.count), warnings
@@ -304,7 +300,7 @@ def zoom_result(
     unit, compared, (na, nb), more = compare(deep_a, deep_b, step, depth, logical=logical, tol=tol)
     warnings += more
     kind = BoundKind(
-        tol.kind(step, unit.rec["direction"]) if unit is not None else diff.tolerance.kind
+        tol.kind(step, unit.rec.direction) if unit is not None else diff.tolerance.kind
     )
     runs = DeepRuns(
         a=str(deep_a.path),
@@ -338,9 +334,9 @@ def zoom_result(
         )
     r = unit.rec
     at = AtDepth(
-        kind=r["kind"],
-        call=r["call"],
-        output=r["output"],
+        kind=r.kind,
+        call=r.call,
+        output=r.output,
         micro_batch=unit.micro_batch,
         rank=unit.rank,
         a=_stats(unit.a) if unit.a is not None else None,
@@ -355,9 +351,9 @@ def zoom_result(
         first = ZoomDivergence(
             step=step,
             micro_batch=unit.micro_batch or 0,
-            phase=r["direction"],
+            phase=r.direction,
             rank=unit.rank or 0,
-            tensor=r["module"],
+            tensor=r.module,
             index=0,
             a=at.a,
             b=at.b,
@@ -367,19 +363,19 @@ def zoom_result(
             note=unit.note,
             bound_kind=kind,
         )
-    first.module, first.direction, first.at_depth = r["module"], r["direction"], at
-    if r["kind"] == "op":
-        first.op, first.op_index = r["op"], r["op_index"]
-    name = r["module"] or "(outside every module)"
-    what = f"{r['op']} #{r['op_index']} in {name}" if r["kind"] == "op" else name
-    side = "output gradient" if r["direction"] == "backward" else "output"
+    first.module, first.direction, first.at_depth = r.module, r.direction, at
+    if r.kind == "op":
+        first.op, first.op_index = r.op, r.op_index
+    name = r.module or "(outside every module)"
+    what = f"{r.op} #{r.op_index} in {name}" if r.kind == "op" else name
+    side = "output gradient" if r.direction == "backward" else "output"
     return ZoomResult(
         equal=False,
         depth=depth,
         step=step,
         mode=diff.mode,
         first_divergence=first,
-        inside=f"step {step}: first differs at {what}, {r['direction']} ({side})",
+        inside=f"step {step}: first differs at {what}, {r.direction} ({side})",
         deep=runs,
         diff=diff,
         warnings=warnings,

@@ -16,7 +16,7 @@ KIND = "depth"
 
 @dataclass
 class DepthRead:
-    by_rank: dict[int, list[dict]] = field(default_factory=dict)
+    by_rank: dict[int, list[DepthRecord]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -36,12 +36,12 @@ def read_depth(run: Run) -> DepthRead:
         torn: list[str] = []
         recs = []
         for n, obj in enumerate(iter_jsonl(path, torn, run.path), 1):
-            DepthRecord.parse_line(obj, path, n)
-            if obj.get("rank") != rank:
+            rec = DepthRecord.parse_line(obj, path, n)
+            if rec.rank != rank:
                 from disttrace.errors import BadInput
 
-                raise BadInput(path, f"line {n}: a record of rank {obj.get('rank')}", field="rank")
-            recs.append(obj)
+                raise BadInput(path, f"line {n}: a record of rank {rec.rank}", field="rank")
+            recs.append(rec)
         out.warnings += torn
         out.by_rank[rank] = recs
     return out

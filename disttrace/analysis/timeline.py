@@ -2,8 +2,9 @@
 
 One process per rank; track 0 is compute (each step split into forward+backward up to the first gradient
 collective, then the rest), one track per process group for its collectives, with sizes in args.
-Read from the run store only. Events on one track never overlap (an op that starts before the previous
-one on its track ended is drawn from that end: the track is a queue)."""
+Read from the run store only: the trace is a data file that Perfetto draws, built here like any other
+analysis. Events on one track never overlap (an op that starts before the previous one on its track ended
+is drawn from that end: the track is a queue)."""
 
 from __future__ import annotations
 
