@@ -19,12 +19,15 @@ import contextlib
 import os
 import signal
 import time
+from dataclasses import dataclass, fields
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, ClassVar
 
 from disttrace.config.attached import AttachedManifest
 from disttrace.config.manifest import Manifest
 from disttrace.errors import BadInput
+from disttrace.run.hooks import Point
 from disttrace.store.records import FaultEvent
 from disttrace.store.rundir import event
 
@@ -45,21 +48,73 @@ def register(cls):
 RECURRENCES = ("transient", "persistent", "device")
 
 
+class Capability(StrEnum):
+    """What a strategy's hook points carry (see `capabilities`): a fault `requires` some of them."""
+
+    BACKWARD = "backward"  # the local gradient before any data-parallel reduce reaches `backward`
+    COLLECTIVE_HOOK = (
+        "collective_hook"  # that point runs right before the gradient collective is issued
+    )
+    SHARDED_GRADS = "sharded_grads"  # ranks hold different pieces of the gradient
+    TP = "tp"  # tensor parallel: replicated (norm) parameters beside sharded ones
+
+
+@dataclass(frozen=True)
+class NoArgs:
+    """The parameters of a fault that takes none."""
+
+
+@dataclass(frozen=True)
+class _Hook:
+    point: Point
+    order: int
+    anytime: bool
+
+
+def at(point: Point, *, order: int = 10, anytime: bool = False):
+    """Declare a fault's method a handler at `point` (its `order` among the point's handlers: 10 acts before
+    the recorder at 90 observes, so the record shows what was done). It is called only at the fault's own
+    (step, rank) while it has not fired, unless `anytime` (the method decides)."""
+
+    def mark(fn):
+        fn.__fault_hook__ = _Hook(point, order, anytime)
+        return fn
+
+    return mark
+
+
 class Fault:
-    name = ""
-    point = ""
-    expect = ""
-    description = ""
+    """One catalog entry. A subclass states its name, point, expected signature, recurrence, parameters
+    (`Args`, a frozen dataclass whose defaults are the catalog's) and the capabilities it needs, and marks
+    what it does with `@at(point)`; `attach` installs those handlers on the rank it acts on."""
+
+    name: ClassVar[str] = ""
+    point: ClassVar[Point]  # the hook point it acts at, as run.json and the catalog name it
+    expect: ClassVar[str] = ""
+    description: ClassVar[str] = ""
     recurrence: ClassVar[str] = ""  # one of RECURRENCES; every catalog entry states its own
-    defaults: dict = {}
-    needs_dp2 = False
-    needs_checkpoint_step = False
-    requires: frozenset = (
-        frozenset()
-    )  # hook capabilities the strategy must offer (see `capabilities`)
+    Args: ClassVar[type] = NoArgs
+    defaults: ClassVar[dict] = {}  # Args' defaults, by field (derived)
+    needs_dp2: ClassVar[bool] = False
+    needs_checkpoint_step: ClassVar[bool] = False
+    # hook capabilities the strategy must offer (see `capabilities`)
+    requires: ClassVar[frozenset[Capability]] = frozenset()
+    _hooks: ClassVar[tuple[tuple[str, _Hook], ...]] = ()
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        cls.defaults = {f.name: f.default for f in fields(cls.Args)}
+        found: dict[str, _Hook] = {}
+        for klass in reversed(cls.__mro__):
+            for attr, fn in vars(klass).items():
+                hook = getattr(fn, "__fault_hook__", None)
+                if hook is not None:
+                    found[attr] = hook
+        cls._hooks = tuple(found.items())
 
     def __init__(self, step: int, rank: int, params: dict):
         self.step, self.rank, self.params = step, rank, params
+        self.args = self.Args(**self.parameters(params))
 
     # ---------------------------------------------------------- checked before any process starts
     # Three callers check a fault request: `spec` (our trainer, against the manifest), usercmd.fault_spec
@@ -135,7 +190,7 @@ class Fault:
         )
         if (
             par.architecture == "parameter-server"
-            and cls.point in ("reduce", "optimizer", "before_clip")
+            and cls.point in (Point.REDUCE, Point.OPTIMIZER, Point.BEFORE_CLIP)
             and rank != 0
         ):
             raise BadInput(
@@ -143,7 +198,7 @@ class Fault:
                 f"under the parameter server only rank 0 reduces and steps the optimizer: "
                 f"'{cls.name}' must target --rank 0",
             )
-        if par.pp > 1 and cls.point == "loss":
+        if par.pp > 1 and cls.point == Point.LOSS:
             from disttrace.run.topology import coords_of, mesh_shape
 
             if coords_of(rank, mesh_shape(manifest)[0])["pp"] != par.pp - 1:
@@ -160,7 +215,7 @@ class Fault:
                 f"{step} (checkpoint.interval = {interval})",
             )
         cls.check(step, merged, manifest)
-        cls.check_target(rank, merged, manifest)
+        cls.check_target(rank, cls.Args(**merged), manifest)
         return cls.record(step, rank, merged)
 
     @classmethod
@@ -181,7 +236,7 @@ class Fault:
         where = "--fault"
         m = typed(manifest)
         cls.coordinates(step, rank, world=m.parallelism.world_size)
-        if cls.point == "data":
+        if cls.point == Point.DATA:
             raise BadInput(
                 where,
                 f"'{cls.name}' needs the data point to fetch another rank's shard, which an "
@@ -206,22 +261,22 @@ class Fault:
                 f"'{cls.name}' needs the accumulation count: pass config={{'grad_accum_steps': N}} "
                 "to attach",
             ) from None
-        if accum is None and (
-            "micro_batch" in merged and merged["micro_batch"] < 0 or cls.name == "late-microbatch"
-        ):
+        args = cls.Args(**merged)
+        if accum is None and (getattr(args, "micro_batch", 0) < 0 or cls.name == "late-microbatch"):
             raise BadInput(
                 where,
                 f"'{cls.name}' needs the accumulation count: pass config={{'grad_accum_steps': N}} "
                 "to attach",
             )
+        tensor = getattr(args, "tensor", None)
         if (
-            "tensor" in merged
-            and merged["tensor"] not in names
-            and not (str(merged["tensor"]).isdigit() and int(merged["tensor"]) < len(names))
+            tensor is not None
+            and tensor not in names
+            and not (str(tensor).isdigit() and int(tensor) < len(names))
         ):
             raise BadInput(
                 "--param tensor",
-                f"this model has no tensor '{merged['tensor']}'; it has: "
+                f"this model has no tensor '{tensor}'; it has: "
                 f"{', '.join(names[:8])}{' ...' if len(names) > 8 else ''}",
             )
         return cls.record(step, rank, merged)
@@ -234,21 +289,22 @@ class Fault:
             "step": step,
             "rank": rank,
             "params": params,
-            "point": cls.point,
+            "point": cls.point.value,
             "expect": cls.expect,
         }
 
     @classmethod
     def check(cls, step: int, params: dict, manifest: AnyManifest | dict) -> None:
-        """Fault-specific validation (raise BadInput). attach.build_fault hands its manifest as a dict."""
-        cls._check(step, params, typed(manifest))
+        """Fault-specific validation (raise BadInput) of the merged parameters. attach.build_fault hands
+        its manifest as a dict."""
+        cls._check(step, cls.Args(**params), typed(manifest))
 
     @classmethod
-    def _check(cls, step: int, params: dict, manifest: AnyManifest) -> None:
-        """A fault's own checks of its parameters against the manifest (raise BadInput)."""
+    def _check(cls, step: int, args, manifest: AnyManifest) -> None:
+        """A fault's own checks of its parameters (`Args`) against the manifest (raise BadInput)."""
 
     @classmethod
-    def check_target(cls, rank: int, params: dict, manifest: Manifest) -> None:
+    def check_target(cls, rank: int, args, manifest: Manifest) -> None:
         """Refuse a target that does not exist on that rank (raise BadInput): a fault that could change
         nothing must not produce a 'fault run' that is a second reference."""
 
@@ -256,11 +312,27 @@ class Fault:
     def attach(self, bus, ctx) -> None:
         self.ctx, self.manifest = ctx, typed(ctx.manifest)
         self.fired = False
-        if bus.rank == self.rank:
+        if self.installs_here(bus):
             self.install(bus)
 
+    def installs_here(self, bus) -> bool:
+        """Whether this process runs the fault: on its rank (a fault every rank must run alike says so)."""
+        return bus.rank == self.rank
+
     def install(self, bus) -> None:
-        raise NotImplementedError
+        """Put the `@at` handlers in place (a fault acting through torch's own hooks adds them here)."""
+        for attr, hook in self._hooks:
+            bus.on(self.where(hook.point), self._handler(getattr(self, attr), hook), hook.order)
+
+    def _handler(self, method, hook: _Hook):
+        if hook.anytime:
+            return method
+        return lambda bus, p: method(bus, p) if self.here(bus) else None
+
+    def where(self, point: Point) -> Point:
+        """The point a handler declared at `point` installs at under this manifest (its own, but for faults
+        whose point moves with the strategy)."""
+        return point
 
     def here(self, bus) -> bool:
         return not self.fired and bus.step == self.step and bus.rank == self.rank
@@ -286,7 +358,7 @@ class Fault:
             step=bus.step,
             micro_batch=bus.micro_batch,
             rank=bus.rank,
-            point=self.point,
+            point=self.point.value,
             params=self.params,
             **detail,
         ).line()
@@ -361,7 +433,7 @@ def catalog() -> list[dict]:
     return [
         {
             "name": c.name,
-            "point": c.point,
+            "point": c.point.value,
             "expect": c.expect,
             "description": c.description,
             "params": c.defaults,
@@ -437,13 +509,13 @@ def flip_bit(t, element: int, bit: int) -> dict:
 
 
 def _fire_flip(fault: Fault, bus, phase: str, name: str, tensor, **extra) -> None:
-    out = flip_bit(tensor, fault.params["element"], fault.params["bit"])
+    out = flip_bit(tensor, fault.args.element, fault.args.bit)
     fault.fire(
         bus,
         proof=out.pop("proof"),
         phase=phase,
         tensor=name,
-        requested_element=fault.params["element"],
+        requested_element=fault.args.element,
         **out,
         **extra,
     )
@@ -457,13 +529,13 @@ def pick(grads, tensor: str):
     return None
 
 
-def _check_bit(params, manifest: AnyManifest):
+def _check_bit(args, manifest: AnyManifest):
     bits = 64 if manifest.training.dtype == "float64" else 32
-    if not 0 <= params["bit"] < bits:
-        raise BadInput("--param bit", f"bit {params['bit']} does not exist in a {bits}-bit value")
+    if not 0 <= args.bit < bits:
+        raise BadInput("--param bit", f"bit {args.bit} does not exist in a {bits}-bit value")
 
 
-def _check_tensor(cls, rank: int, params: dict, manifest: Manifest) -> None:
+def _check_tensor(cls, rank: int, args, manifest: Manifest) -> None:
     """The named tensor (a name, or an index as text, as `pick`) must be a parameter the rank holds."""
     from disttrace.model.names import parameter_names
 
@@ -474,7 +546,7 @@ def _check_tensor(cls, rank: int, params: dict, manifest: Manifest) -> None:
 
         stage = coords_of(rank, mesh_shape(manifest)[0])["pp"]
     names = parameter_names(manifest.model.model_dump(), par.pp, stage)
-    want = str(params["tensor"])
+    want = str(args.tensor)
     if want in names or (want.isdigit() and int(want) < len(names)):
         return
     where = f" (pipeline stage {stage} of rank {rank})" if par.pp > 1 else ""
@@ -486,103 +558,114 @@ def _check_tensor(cls, rank: int, params: dict, manifest: Manifest) -> None:
     )
 
 
+def _check_mb(args, manifest: AnyManifest):
+    accum = manifest.training.grad_accum_steps
+    if not 0 <= args.micro_batch < accum:
+        raise BadInput(
+            "--param micro_batch",
+            f"micro-batch {args.micro_batch} does not exist: training.grad_accum_steps = {accum}",
+        )
+
+
+class _TensorFault(Fault):
+    """A fault on one named parameter (or its gradient): the rank must hold it."""
+
+    @classmethod
+    def check_target(cls, rank, args, manifest):
+        _check_tensor(cls, rank, args, manifest)
+
+
+class _ParamFault(Fault):
+    """A fault on the parameters after the optimizer step. Under the parameter server it acts on the server's
+    master parameters before it hands them out (`server_update`), else the next pull would overwrite it."""
+
+    def where(self, point: Point) -> Point:
+        return Point.SERVER_UPDATE if point == Point.OPTIMIZER and self._on_server() else point
+
+    def _on_server(self) -> bool:
+        return self.manifest.parallelism.architecture == "parameter-server"
+
+    def _target(self) -> str:
+        return "master" if self._on_server() else "local"
+
+
 # ---------------------------------------------------------------- the catalog
 
 
 @register
-class BitflipGrad(Fault):
-    name, point, expect = "bitflip-grad", "backward", "backward"
+class BitflipGrad(_TensorFault):
+    name, point, expect = "bitflip-grad", Point.BACKWARD, "backward"
     recurrence = "transient"
     description = "flips one bit of one element of a local gradient before the reduce"
-    defaults = {
-        "tensor": "layers.0.attention.wq.weight",
-        "element": 0,
-        "bit": 30,
-        "micro_batch": -1,
-    }
-    requires = frozenset({"backward"})
+    requires = frozenset({Capability.BACKWARD})
+
+    @dataclass(frozen=True)
+    class Args:
+        tensor: str = "layers.0.attention.wq.weight"
+        element: int = 0
+        bit: int = 30
+        micro_batch: int = -1
 
     @classmethod
-    def _check(cls, step, params, manifest):
-        _check_bit(params, manifest)
+    def _check(cls, step, args, manifest):
+        _check_bit(args, manifest)
         accum = manifest.training.grad_accum_steps
-        if not -accum <= params["micro_batch"] < accum:
+        if not -accum <= args.micro_batch < accum:
             raise BadInput(
                 "--param micro_batch",
-                f"micro-batch {params['micro_batch']} does not exist: "
+                f"micro-batch {args.micro_batch} does not exist: "
                 f"training.grad_accum_steps = {accum} (-1 is the last)",
             )
-        if manifest.parallelism.pp > 1 and params["micro_batch"] % accum != accum - 1:
+        if manifest.parallelism.pp > 1 and args.micro_batch % accum != accum - 1:
             raise BadInput(
                 "--param micro_batch",
                 "under pipeline parallel the backward point is after the "
                 "schedule (the accumulated gradient): only the last micro-batch (-1)",
             )
 
-    @classmethod
-    def check_target(cls, rank, params, manifest):
-        _check_tensor(cls, rank, params, manifest)
-
-    def install(self, bus):
-        accum = self.manifest.training.grad_accum_steps
-        mb = self.params["micro_batch"] % accum  # -1: the last, the one the reduce follows
-
-        def handler(bus, p):
-            if self.here(bus) and bus.micro_batch == mb:
-                entry = pick(p["grads"], self.params["tensor"])
-                if entry is not None:
-                    _fire_flip(self, bus, "backward", entry[1], entry[2])
-
-        bus.on("backward", handler, order=10)
+    @at(Point.BACKWARD)
+    def flip(self, bus, p):
+        # -1: the last micro-batch, the one the reduce follows
+        if bus.micro_batch == self.args.micro_batch % self.manifest.training.grad_accum_steps:
+            entry = pick(p["grads"], self.args.tensor)
+            if entry is not None:
+                _fire_flip(self, bus, "backward", entry[1], entry[2])
 
 
 @register
-class BitflipParam(Fault):
-    name, point, expect = "bitflip-param", "optimizer", "optimizer"
+class BitflipParam(_TensorFault, _ParamFault):
+    name, point, expect = "bitflip-param", Point.OPTIMIZER, "optimizer"
     recurrence = "transient"
     description = (
         "flips one bit of a parameter after the optimizer step (default a mantissa bit: silent)"
     )
-    defaults = {"tensor": "layers.0.attention.wq.weight", "element": 0, "bit": 16}
+
+    @dataclass(frozen=True)
+    class Args:
+        tensor: str = "layers.0.attention.wq.weight"
+        element: int = 0
+        bit: int = 16
 
     @classmethod
-    def _check(cls, step, params, manifest):
-        _check_bit(params, manifest)
+    def _check(cls, step, args, manifest):
+        _check_bit(args, manifest)
 
-    @classmethod
-    def check_target(cls, rank, params, manifest):
-        _check_tensor(cls, rank, params, manifest)
-
-    def install(self, bus):
-        def handler(bus, p):
-            if self.here(bus):
-                entry = pick(p["params"], self.params["tensor"])
-                if entry is not None:
-                    _fire_flip(self, bus, "optimizer", entry[1], entry[2], target=_target(self))
-
-        bus.on(_param_point(self), handler, order=10)
-
-
-def _param_point(fault: Fault) -> str:
-    """Where a parameter fault acts: after the optimizer step; under the parameter server on the server's
-    master parameters before it hands them out (`server_update`), else the next pull would overwrite it."""
-    ps = fault.manifest.parallelism.architecture == "parameter-server"
-    return "server_update" if ps else "optimizer"
-
-
-def _target(fault: Fault) -> str:
-    return "master" if _param_point(fault) == "server_update" else "local"
+    @at(Point.OPTIMIZER)
+    def flip(self, bus, p):
+        entry = pick(p["params"], self.args.tensor)
+        if entry is not None:
+            _fire_flip(self, bus, "optimizer", entry[1], entry[2], target=self._target())
 
 
 @register
 class SkipAllreduce(Fault):
-    name, point, expect = "skip-allreduce", "reduce", "reduce"
+    name, point, expect = "skip-allreduce", Point.REDUCE, "reduce"
     recurrence = "persistent"
     description = (
         "the rank keeps its local gradient instead of the reduced one (the collective still runs)"
     )
     needs_dp2 = True
-    requires = frozenset({"collective_hook"})
+    requires = frozenset({Capability.COLLECTIVE_HOOK})
 
     def keeps(self, index: int, name: str) -> bool:
         """Which tensors keep their local gradient: all of them."""
@@ -590,381 +673,351 @@ class SkipAllreduce(Fault):
 
     def install(self, bus):
         self.local: dict = {}
+        super().install(bus)
 
-        def keep_local(bus, p):
-            if self.here(bus) and p.get("before_collective"):
-                for index, name, g, *_ in p["grads"]:
-                    if self.keeps(index, name):
-                        self.local[index] = g.detach().clone()
+    @at(Point.BACKWARD, order=95)  # after any other handler: what was really sent
+    def keep_local(self, bus, p):
+        if p.get("before_collective"):
+            for index, name, g, *_ in p["grads"]:
+                if self.keeps(index, name):
+                    self.local[index] = g.detach().clone()
 
-        def restore(bus, p):
-            if self.here(bus):
-                kept = [(name, g) for index, name, g, *_ in p["grads"] if index in self.local]
-                with self.changing(
-                    bus,
-                    [g for _, g in kept],
-                    phase="reduce",
-                    tensors=len(self.local),
-                    names=[n for n, _ in kept][:8],
-                ):
-                    for index, _name, g, *_ in p["grads"]:
-                        if index in self.local:
-                            g.copy_(self.local[index])
-
-        bus.on("backward", keep_local, order=95)  # after any other handler: what was really sent
-        bus.on("reduce", restore, order=10)
+    @at(Point.REDUCE)
+    def restore(self, bus, p):
+        kept = [(name, g) for index, name, g, *_ in p["grads"] if index in self.local]
+        with self.changing(
+            bus,
+            [g for _, g in kept],
+            phase="reduce",
+            tensors=len(self.local),
+            names=[n for n, _ in kept][:8],
+        ):
+            for index, _name, g, *_ in p["grads"]:
+                if index in self.local:
+                    g.copy_(self.local[index])
 
 
 @register
 class GradScale(Fault):
-    name, point, expect = "grad-scale", "reduce", "reduce"
+    name, point, expect = "grad-scale", Point.REDUCE, "reduce"
     recurrence = "persistent"
     description = "divides the reduced gradient by the data-parallel size a second time"
     needs_dp2 = True
 
-    def install(self, bus):
-        def handler(bus, p):
-            if self.here(bus):
-                world = self.manifest.parallelism.dp
-                grads = [g for _, _, g, *_ in p["grads"]]
-                with self.changing(bus, grads, phase="reduce", divisor=world):
-                    for g in grads:
-                        g.div_(world)
-
-        bus.on("reduce", handler, order=10)
+    @at(Point.REDUCE)
+    def divide(self, bus, p):
+        world = self.manifest.parallelism.dp
+        grads = [g for _, _, g, *_ in p["grads"]]
+        with self.changing(bus, grads, phase="reduce", divisor=world):
+            for g in grads:
+                g.div_(world)
 
 
 @register
 class DataSwap(Fault):
-    name, point, expect = "data-swap", "data", "data"
+    name, point, expect = "data-swap", Point.DATA, "data"
     recurrence = "persistent"
     description = "the rank reads another data-parallel rank's shard for that step"
-    defaults = {"micro_batch": 0}
     needs_dp2 = True
 
+    @dataclass(frozen=True)
+    class Args:
+        micro_batch: int = 0
+
     @classmethod
-    def _check(cls, step, params, manifest):
-        _check_mb(params, manifest)
+    def _check(cls, step, args, manifest):
+        _check_mb(args, manifest)
 
-    def install(self, bus):
-        def handler(bus, p):
-            if self.here(bus) and bus.micro_batch == self.params["micro_batch"]:
-                other = (self.ctx.dp_rank + 1) % self.manifest.parallelism.dp
-                before = state_digest(p["batch"]["inputs"], p["batch"]["targets"])
-                p["batch"] = p["fetch"](other)
-                self.fire(
-                    bus,
-                    proof=(before, state_digest(p["batch"]["inputs"], p["batch"]["targets"])),
-                    phase="data",
-                    read_shard_of_dp_rank=other,
-                )
-
-        bus.on("data", handler, order=10)
-
-
-def _check_mb(params, manifest: AnyManifest):
-    accum = manifest.training.grad_accum_steps
-    if not 0 <= params["micro_batch"] < accum:
-        raise BadInput(
-            "--param micro_batch",
-            f"micro-batch {params['micro_batch']} does not exist: "
-            f"training.grad_accum_steps = {accum}",
-        )
+    @at(Point.DATA)
+    def swap(self, bus, p):
+        if bus.micro_batch == self.args.micro_batch:
+            other = (self.ctx.dp_rank + 1) % self.manifest.parallelism.dp
+            before = state_digest(p["batch"]["inputs"], p["batch"]["targets"])
+            p["batch"] = p["fetch"](other)
+            self.fire(
+                bus,
+                proof=(before, state_digest(p["batch"]["inputs"], p["batch"]["targets"])),
+                phase="data",
+                read_shard_of_dp_rank=other,
+            )
 
 
 @register
 class DropMicrobatch(Fault):
-    name, point, expect = "drop-microbatch", "loss", "loss"
+    name, point, expect = "drop-microbatch", Point.LOSS, "loss"
     recurrence = "persistent"
     description = (
         "skips one micro-batch of the accumulation (its loss enters backward multiplied by zero)"
     )
-    defaults = {"micro_batch": 0}
+
+    @dataclass(frozen=True)
+    class Args:
+        micro_batch: int = 0
 
     @classmethod
-    def _check(cls, step, params, manifest):
-        _check_mb(params, manifest)
+    def _check(cls, step, args, manifest):
+        _check_mb(args, manifest)
 
     def factor(self) -> float:
         return 0.0  # not skipped outright: backward still runs, so DDP's collectives stay matched
 
-    def install(self, bus):
-        def handler(bus, p):
-            if self.here(bus) and bus.micro_batch == self.params["micro_batch"]:
-                before = float(p["loss"])
-                p["loss"] = p["loss"] * self.factor()
-                self.fire(
-                    bus,
-                    proof=(repr(before), repr(float(p["loss"]))),
-                    phase="loss",
-                    before=before,
-                    after=float(p["loss"]),
-                )
-
-        bus.on("loss", handler, order=10)
+    @at(Point.LOSS)
+    def scale(self, bus, p):
+        if bus.micro_batch == self.args.micro_batch:
+            before = float(p["loss"])
+            p["loss"] = p["loss"] * self.factor()
+            self.fire(
+                bus,
+                proof=(repr(before), repr(float(p["loss"]))),
+                phase="loss",
+                before=before,
+                after=float(p["loss"]),
+            )
 
 
 @register
-class StaleParam(Fault):
-    name, point, expect = "stale-param", "optimizer", "optimizer"
+class StaleParam(_ParamFault):
+    name, point, expect = "stale-param", Point.OPTIMIZER, "optimizer"
     recurrence = "persistent"
     description = "applies the step's update to the previous step's parameters"
 
     @classmethod
-    def _check(cls, step, params, manifest):
+    def _check(cls, step, args, manifest):
         if step < 2:
             raise BadInput("--step", "'stale-param' needs a previous step: use --step >= 2")
 
     def install(self, bus):
         self.saved: dict = {}
+        super().install(bus)
 
-        def before(bus, p):
-            if bus.step in (self.step - 1, self.step) and not self.fired:
-                self.saved[bus.step] = [t.detach().clone() for _, _, t in p["params"]]
+    # under the parameter server `before_optimizer` hands the server its master parameters already
+    @at(Point.BEFORE_OPTIMIZER, anytime=True)
+    def keep(self, bus, p):
+        if bus.step in (self.step - 1, self.step) and not self.fired:
+            self.saved[bus.step] = [t.detach().clone() for _, _, t in p["params"]]
 
-        def after(bus, p):
-            if self.here(bus):
-                tensors = [t for _, _, t in p["params"]]
-                with self.changing(
-                    bus, tensors, phase="optimizer", tensors=len(tensors), target=_target(self)
-                ):
-                    for t, prev, cur in zip(
-                        tensors, self.saved[self.step - 1], self.saved[self.step]
-                    ):
-                        t.data.copy_(prev + (t.detach() - cur))
-
-        # under the parameter server `before_optimizer` hands the server its master parameters already
-        bus.on("before_optimizer", before, order=10)
-        bus.on(_param_point(self), after, order=10)
+    @at(Point.OPTIMIZER)
+    def restale(self, bus, p):
+        tensors = [t for _, _, t in p["params"]]
+        with self.changing(
+            bus, tensors, phase="optimizer", tensors=len(tensors), target=self._target()
+        ):
+            for t, prev, cur in zip(tensors, self.saved[self.step - 1], self.saved[self.step]):
+                t.data.copy_(prev + (t.detach() - cur))
 
 
 @register
 class LrSkew(Fault):
-    name, point, expect = "lr-skew", "optimizer", "optimizer"
+    name, point, expect = "lr-skew", Point.OPTIMIZER, "optimizer"
     recurrence = "persistent"
     description = "uses the learning rate times k for one step"
-    defaults = {"k": 2.0}
+
+    @dataclass(frozen=True)
+    class Args:
+        k: float = 2.0
 
     @classmethod
-    def _check(cls, step, params, manifest):
+    def _check(cls, step, args, manifest):
         import math
 
-        if params["k"] == 1.0 or not math.isfinite(params["k"]):
+        if args.k == 1.0 or not math.isfinite(args.k):
             raise BadInput(
                 "--param k",
-                f"k = {params['k']} would change nothing (or nothing finite): use a finite k != 1",
+                f"k = {args.k} would change nothing (or nothing finite): use a finite k != 1",
             )
 
-    def install(self, bus):
-        def before(bus, p):
-            if self.here(bus):
-                self.saved = [g["lr"] for g in p["optimizer"].param_groups]
-                for g in p["optimizer"].param_groups:
-                    g["lr"] = g["lr"] * self.params["k"]
+    @at(Point.BEFORE_OPTIMIZER)
+    def skew(self, bus, p):
+        self.saved = [g["lr"] for g in p["optimizer"].param_groups]
+        for g in p["optimizer"].param_groups:
+            g["lr"] = g["lr"] * self.args.k
 
-        def after(bus, p):
-            if self.here(bus):
-                used = [g["lr"] for g in p["optimizer"].param_groups]
-                for g, lr in zip(p["optimizer"].param_groups, self.saved):
-                    g["lr"] = lr
-                self.fire(
-                    bus,
-                    proof=(repr(self.saved), repr(used)),
-                    phase="optimizer",
-                    k=self.params["k"],
-                    lr_before=self.saved,
-                    lr_used=used,
-                )
-
-        bus.on("before_optimizer", before, order=10)
-        bus.on("optimizer", after, order=10)
+    # at `optimizer` itself (the parameter server's too): the learning rates are the optimizer's
+    @at(Point.OPTIMIZER)
+    def restore(self, bus, p):
+        used = [g["lr"] for g in p["optimizer"].param_groups]
+        for g, lr in zip(p["optimizer"].param_groups, self.saved):
+            g["lr"] = lr
+        self.fire(
+            bus,
+            proof=(repr(self.saved), repr(used)),
+            phase="optimizer",
+            k=self.args.k,
+            lr_before=self.saved,
+            lr_used=used,
+        )
 
 
 @register
 class OptimizerReset(Fault):
-    name, point, expect = "optimizer-reset", "checkpoint", "resume:optimizer"
+    name, point, expect = "optimizer-reset", Point.CHECKPOINT, "resume:optimizer"
     recurrence = "persistent"
     description = "the checkpoint at step S is written without optimizer state (on every rank: one checkpoint)"
     needs_checkpoint_step = True
 
-    def attach(self, bus, ctx):
-        # a checkpoint is one collective object: the state must be dropped on every rank alike;
-        # the event is logged once, by the named rank
-        self.ctx, self.manifest, self.fired = ctx, typed(ctx.manifest), False
+    def installs_here(self, bus) -> bool:
+        return (
+            True  # a checkpoint is one collective object: the state is dropped on every rank alike
+        )
 
-        def handler(bus, p):
-            if bus.step == self.step and "optim" in p["state"]:
-                before = sorted(p["state"])
-                del p["state"]["optim"]
-                if bus.rank == self.rank:
-                    self.fire(
-                        bus,
-                        proof=(repr(before), repr(sorted(p["state"]))),
-                        phase="checkpoint",
-                        dropped="optim",
-                    )
-
-        bus.on("before_checkpoint", handler, order=10)
+    @at(Point.BEFORE_CHECKPOINT, anytime=True)
+    def drop(self, bus, p):
+        if bus.step == self.step and "optim" in p["state"]:
+            before = sorted(p["state"])
+            del p["state"]["optim"]
+            if bus.rank == self.rank:  # the event is logged once, by the named rank
+                self.fire(
+                    bus,
+                    proof=(repr(before), repr(sorted(p["state"]))),
+                    phase="checkpoint",
+                    dropped="optim",
+                )
 
 
 @register
 class CorruptCheckpoint(Fault):
-    name, point, expect = "corrupt-checkpoint", "checkpoint", "refused-at-load"
+    name, point, expect = "corrupt-checkpoint", Point.CHECKPOINT, "refused-at-load"
     recurrence = "transient"
     description = "flips bytes in one shard file of the checkpoint written at step S"
-    defaults = {"nbytes": 1}
     needs_checkpoint_step = True
 
+    @dataclass(frozen=True)
+    class Args:
+        nbytes: int = 1
+
     @classmethod
-    def _check(cls, step, params, manifest):
-        if params["nbytes"] < 1:
+    def _check(cls, step, args, manifest):
+        if args.nbytes < 1:
             raise BadInput(
-                "--param nbytes", f"nbytes = {params['nbytes']} flips nothing: use nbytes >= 1"
+                "--param nbytes", f"nbytes = {args.nbytes} flips nothing: use nbytes >= 1"
             )
 
-    def install(self, bus):
-        def handler(bus, p):
-            if self.here(bus):
-                target = Path(p["path"]) / f"__{self.rank}_0.distcp"
-                if not target.exists():
-                    target = sorted(Path(p["path"]).glob("*.distcp"))[0]
-                import hashlib
+    @at(Point.CHECKPOINT)
+    def corrupt(self, bus, p):
+        import hashlib
 
-                data = bytearray(target.read_bytes())
-                before = hashlib.sha256(data).hexdigest()
-                at = len(data) // 2
-                for i in range(self.params["nbytes"]):
-                    data[(at + i) % len(data)] ^= 0xFF
-                target.write_bytes(bytes(data))
-                self.fire(
-                    bus,
-                    proof=(before, hashlib.sha256(target.read_bytes()).hexdigest()),
-                    phase="checkpoint",
-                    file=target.name,
-                    offset=at,
-                    nbytes=min(self.params["nbytes"], len(data)),
-                )
-
-        bus.on("checkpoint", handler, order=10)
+        target = Path(p["path"]) / f"__{self.rank}_0.distcp"
+        if not target.exists():
+            target = sorted(Path(p["path"]).glob("*.distcp"))[0]
+        data = bytearray(target.read_bytes())
+        before = hashlib.sha256(data).hexdigest()
+        at = len(data) // 2
+        for i in range(self.args.nbytes):
+            data[(at + i) % len(data)] ^= 0xFF
+        target.write_bytes(bytes(data))
+        self.fire(
+            bus,
+            proof=(before, hashlib.sha256(target.read_bytes()).hexdigest()),
+            phase="checkpoint",
+            file=target.name,
+            offset=at,
+            nbytes=min(self.args.nbytes, len(data)),
+        )
 
 
 @register
 class KillRank(Fault):
-    name, point, expect = "kill-rank", "step_start", "exit-3"
+    name, point, expect = "kill-rank", Point.STEP_START, "exit-3"
     recurrence = "transient"
     description = "the rank dies with SIGKILL at the start of the step"
 
-    def install(self, bus):
-        def handler(bus, p):
-            if self.here(bus):
-                self.fire(bus, phase="data")
-                bus.emit(
-                    "process_exit", reason=self.name
-                )  # SIGKILL leaves no chance to write later
-                os.kill(os.getpid(), signal.SIGKILL)
-
-        bus.on("step_start", handler, order=10)
+    @at(Point.STEP_START)
+    def kill(self, bus, p):
+        self.fire(bus, phase="data")
+        bus.emit("process_exit", reason=self.name)  # SIGKILL leaves no chance to write later
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 @register
 class SlowRank(Fault):
-    name, point, expect = "slow-rank", "backward", "none"
+    name, point, expect = "slow-rank", Point.BACKWARD, "none"
     recurrence = "transient"
     description = (
         "the rank sleeps before its collectives (until the file `until` exists, if given, for at "
         "most `seconds`); numerics stay equal, the run flags it as straggler"
     )
-    defaults = {"seconds": 0.5, "until": ""}
-    requires = frozenset({"collective_hook"})
+    requires = frozenset({Capability.COLLECTIVE_HOOK})
+
+    @dataclass(frozen=True)
+    class Args:
+        seconds: float = 0.5
+        until: str = ""
 
     @classmethod
-    def _check(cls, step, params, manifest):
-        if not params["seconds"] > 0:
+    def _check(cls, step, args, manifest):
+        if not args.seconds > 0:
             raise BadInput(
-                "--param seconds", f"seconds = {params['seconds']} delays nothing: use seconds > 0"
+                "--param seconds", f"seconds = {args.seconds} delays nothing: use seconds > 0"
             )
 
     def _wait(self) -> float:
         """`until`: a file another process creates ends the wait (tests order events by it, not by time)."""
-        start, until, seconds = time.monotonic(), self.params["until"], self.params["seconds"]
+        start, until, seconds = time.monotonic(), self.args.until, self.args.seconds
         if not until:
             time.sleep(seconds)
         while until and not os.path.exists(until) and time.monotonic() - start < seconds:
             time.sleep(0.05)
         return round(time.monotonic() - start, 3)
 
-    def install(self, bus):
-        def handler(bus, p):
-            if self.here(bus) and p.get("before_collective"):
-                self.fire(bus, phase="backward", seconds=self._wait())
-
-        bus.on("backward", handler, order=10)
+    @at(Point.BACKWARD)
+    def sleep(self, bus, p):
+        if p.get("before_collective"):
+            self.fire(bus, phase="backward", seconds=self._wait())
 
 
 @register
 class CollectiveMismatch(Fault):
-    name, point, expect = "collective-mismatch", "backward", "exit-3"
+    name, point, expect = "collective-mismatch", Point.BACKWARD, "exit-3"
     recurrence = "persistent"
     description = (
         "the rank issues an all-reduce of a different shape; the job ends with exit 3 naming it"
     )
-    defaults = {"extra": 1}
     needs_dp2 = True
-    requires = frozenset({"collective_hook"})
+    requires = frozenset({Capability.COLLECTIVE_HOOK})
+
+    @dataclass(frozen=True)
+    class Args:
+        extra: int = 1
 
     @classmethod
-    def _check(cls, step, params, manifest):
-        if params["extra"] < 1:
+    def _check(cls, step, args, manifest):
+        if args.extra < 1:
             raise BadInput(
-                "--param extra",
-                f"extra = {params['extra']} issues a matching shape: use extra >= 1",
+                "--param extra", f"extra = {args.extra} issues a matching shape: use extra >= 1"
             )
 
-    def install(self, bus):
-        def handler(bus, p):
-            if self.here(bus) and p.get("before_collective"):
-                import torch
-                import torch.distributed as dist
+    @at(Point.BACKWARD)
+    def mismatch(self, bus, p):
+        if p.get("before_collective"):
+            import torch
+            import torch.distributed as dist
 
-                g = p["grads"][0][2]
-                self.fire(bus, phase="backward", shape=[g.numel() + self.params["extra"]])
-                bad = torch.zeros(g.numel() + self.params["extra"], dtype=g.dtype, device=g.device)
-                dist.all_reduce(bad, group=self.ctx.strategy.group)
-
-        bus.on("backward", handler, order=10)
-
-
-def _needs_clipping(cls, manifest: AnyManifest):
-    if not manifest.training.max_grad_norm:
-        raise BadInput(
-            "--set training.max_grad_norm",
-            f"'{cls.name}' acts on gradient clipping: set "
-            "training.max_grad_norm (small enough that clipping is active)",
-        )
+            g = p["grads"][0][2]
+            self.fire(bus, phase="backward", shape=[g.numel() + self.args.extra])
+            bad = torch.zeros(g.numel() + self.args.extra, dtype=g.dtype, device=g.device)
+            dist.all_reduce(bad, group=self.ctx.strategy.group)
 
 
 class _ClipFault(Fault):
-    """A fault on the clip phase: it changes the norm a rank clips with, or what it clips."""
+    """A fault on the clip phase: it changes the norm a rank clips with, or what it clips (`act`)."""
 
-    point, expect = "before_clip", "clip"
+    point, expect = Point.BEFORE_CLIP, "clip"
 
     @classmethod
-    def _check(cls, step, params, manifest):
-        _needs_clipping(cls, manifest)
+    def _check(cls, step, args, manifest):
+        if not manifest.training.max_grad_norm:
+            raise BadInput(
+                "--set training.max_grad_norm",
+                f"'{cls.name}' acts on gradient clipping: set "
+                "training.max_grad_norm (small enough that clipping is active)",
+            )
 
-    def install(self, bus):
-        def handler(bus, p):
-            if self.here(bus):
-                before = (repr(float(p["norm"])), sorted(p["skip"]))
-                detail = self.act(p)
-                self.fire(
-                    bus,
-                    proof=(repr(before), repr((repr(float(p["norm"])), sorted(p["skip"])))),
-                    phase="clip",
-                    **detail,
-                )
-
-        bus.on("before_clip", handler, order=10)
+    @at(Point.BEFORE_CLIP)
+    def clip(self, bus, p):
+        before = (repr(float(p["norm"])), sorted(p["skip"]))
+        detail = self.act(p)
+        after = (repr(float(p["norm"])), sorted(p["skip"]))
+        self.fire(bus, proof=(repr(before), repr(after)), phase="clip", **detail)
 
     def act(self, payload: dict) -> dict:
         raise NotImplementedError
@@ -977,7 +1030,7 @@ class ClipLocalNorm(_ClipFault):
     description = (
         "the rank clips with the norm of its local gradient shard instead of the global norm"
     )
-    requires = frozenset({"sharded_grads"})
+    requires = frozenset({Capability.SHARDED_GRADS})
 
     def act(self, p):
         import torch
@@ -1001,11 +1054,11 @@ class ClipSkipReplicated(_ClipFault):
     description = (
         "under tensor parallel, the rank leaves its replicated (unsharded) parameters unclipped"
     )
-    requires = frozenset({"tp"})
+    requires = frozenset({Capability.TP})
 
     @classmethod
-    def _check(cls, step, params, manifest):
-        super()._check(step, params, manifest)
+    def _check(cls, step, args, manifest):
+        super()._check(step, args, manifest)
         if manifest.parallelism.dp > 1:
             raise BadInput(
                 "--fault",
@@ -1026,19 +1079,16 @@ class ClipSkipReplicated(_ClipFault):
 
 @register
 class LateMicrobatch(Fault):
-    name, point, expect = (
-        "late-microbatch",
-        "backward",
-        "backward",
-    )  # what it sends is the first evidence
+    # expect backward: what it sends is the first evidence
+    name, point, expect = "late-microbatch", Point.BACKWARD, "backward"
     recurrence = "persistent"
     description = (
         "the last micro-batch's gradient misses the all-reduce and is added locally after it"
     )
-    requires = frozenset({"collective_hook"})
+    requires = frozenset({Capability.COLLECTIVE_HOOK})
 
     @classmethod
-    def _check(cls, step, params, manifest):
+    def _check(cls, step, args, manifest):
         if manifest.training.grad_accum_steps < 2:
             raise BadInput(
                 "--set training.grad_accum_steps",
@@ -1046,119 +1096,120 @@ class LateMicrobatch(Fault):
             )
 
     def install(self, bus):
-        import torch
-
-        accum = self.manifest.training.grad_accum_steps
         self.before_last: dict = {}
         self.late: dict = {}
+        super().install(bus)
 
-        def remember(bus, p):  # the accumulated gradient before the last micro-batch
-            if self.here(bus) and bus.micro_batch == accum - 2 and not p.get("before_collective"):
-                self.before_last = {i: g.detach().clone() for i, _, g, *_ in p["grads"]}
+    @at(Point.BACKWARD)
+    def remember(self, bus, p):  # the accumulated gradient before the last micro-batch
+        accum = self.manifest.training.grad_accum_steps
+        if bus.micro_batch == accum - 2 and not p.get("before_collective"):
+            self.before_last = {i: g.detach().clone() for i, _, g, *_ in p["grads"]}
 
-        def hold_back(bus, p):  # in the comm hook: send everything but the last micro-batch's part
-            if self.here(bus) and p.get("before_collective"):
-                for i, _, g, *_ in p["grads"]:
-                    prev = self.before_last.get(i, torch.zeros_like(g))
-                    self.late[i] = g.detach() - prev
-                    g.copy_(prev)
+    @at(Point.BACKWARD, order=11)
+    def hold_back(
+        self, bus, p
+    ):  # in the comm hook: send everything but the last micro-batch's part
+        import torch
 
-        def add_late(bus, p):
-            if self.here(bus):
-                touched = [g for i, _, g, *_ in p["grads"] if i in self.late]
-                with self.changing(bus, touched, phase="reduce", tensors=len(self.late)):
-                    for i, _, g, *_ in p["grads"]:
-                        if i in self.late:
-                            g.add_(self.late[i])
+        if p.get("before_collective"):
+            for i, _, g, *_ in p["grads"]:
+                prev = self.before_last.get(i, torch.zeros_like(g))
+                self.late[i] = g.detach() - prev
+                g.copy_(prev)
 
-        bus.on("backward", remember, order=10)
-        bus.on("backward", hold_back, order=11)
-        bus.on("reduce", add_late, order=10)
+    @at(Point.REDUCE)
+    def add_late(self, bus, p):
+        touched = [g for i, _, g, *_ in p["grads"] if i in self.late]
+        with self.changing(bus, touched, phase="reduce", tensors=len(self.late)):
+            for i, _, g, *_ in p["grads"]:
+                if i in self.late:
+                    g.add_(self.late[i])
 
 
 @register
-class UnsyncedParam(SkipAllreduce):
-    name, point, expect = "unsynced-param", "reduce", "reduce"
+class UnsyncedParam(_TensorFault, SkipAllreduce):
+    name, point, expect = "unsynced-param", Point.REDUCE, "reduce"
     recurrence = "persistent"
     description = (
         "one parameter's gradient is never reduced on the rank (as when its copy is replaced after "
         "wrapping): it keeps the local gradient, every other tensor is reduced"
     )
-    defaults = {"tensor": "layers.0.attention_norm.weight"}
 
-    @classmethod
-    def check_target(cls, rank, params, manifest):
-        _check_tensor(cls, rank, params, manifest)
+    @dataclass(frozen=True)
+    class Args:
+        tensor: str = "layers.0.attention_norm.weight"
 
     def keeps(self, index: int, name: str) -> bool:
-        return self.params["tensor"] in (
-            name,
-            str(index),
-        )  # a name, or an index as text (as `pick`)
+        return self.args.tensor in (name, str(index))  # a name, or an index as text (as `pick`)
 
 
 @register
 class LossScale(DropMicrobatch):
-    name, point, expect = "loss-scale", "loss", "loss"
+    name, point, expect = "loss-scale", Point.LOSS, "loss"
     recurrence = "persistent"
     description = "multiplies one micro-batch's loss by a factor (default 1 + 1e-4) before backward"
-    defaults = {"micro_batch": 0, "factor": 1.0001}
+
+    @dataclass(frozen=True)
+    class Args:
+        micro_batch: int = 0
+        factor: float = 1.0001
 
     @classmethod
-    def _check(cls, step, params, manifest):
+    def _check(cls, step, args, manifest):
         import math
 
-        _check_mb(params, manifest)
-        if params["factor"] == 1.0 or not math.isfinite(params["factor"]):
+        _check_mb(args, manifest)
+        if args.factor == 1.0 or not math.isfinite(args.factor):
             raise BadInput(
                 "--param factor",
-                f"factor {params['factor']} would change nothing (or nothing finite): use a finite "
+                f"factor {args.factor} would change nothing (or nothing finite): use a finite "
                 "factor != 1",
             )
 
     def factor(self) -> float:
-        return self.params["factor"]
+        return self.args.factor
 
 
 @register
 class Bf16Reduce(Fault):
-    name, point, expect = "bf16-reduce", "backward", "backward"
+    name, point, expect = "bf16-reduce", Point.BACKWARD, "backward"
     recurrence = "persistent"
     description = (
         "rounds the rank's gradient contribution to bfloat16 before the all-reduce (what an all-reduce "
         "in bfloat16 does to each input where float32 is configured)"
     )
-    requires = frozenset({"backward"})
+    requires = frozenset({Capability.BACKWARD})
 
     def install(self, bus):
+        self.before: list[str] = []
+        self.after: list[str] = []
+        super().install(bus)
+
+    # every bucket of the last micro-batch (DDP hands them one at a time); logged once, at the end
+    @at(Point.BACKWARD, anytime=True)
+    def to_bf16(self, bus, p):
         import torch
 
         accum = self.manifest.training.grad_accum_steps
-        state = {"before": [], "after": []}
+        if bus.step != self.step or bus.rank != self.rank or bus.micro_batch != accum - 1:
+            return
+        for _, _, g in p["grads"]:
+            if g is None:
+                continue
+            t = g.to_local() if hasattr(g, "to_local") else g
+            self.before.append(state_digest(t))
+            t.copy_(t.to(torch.bfloat16).to(t.dtype))
+            self.after.append(state_digest(t))
 
-        def handler(bus, p):
-            if bus.step != self.step or bus.rank != self.rank or bus.micro_batch != accum - 1:
-                return
-            # every bucket of the last micro-batch (DDP hands them one at a time); logged once, at the end
-            for _, _, g in p["grads"]:
-                if g is None:
-                    continue
-                t = g.to_local() if hasattr(g, "to_local") else g
-                state["before"].append(state_digest(t))
-                t.copy_(t.to(torch.bfloat16).to(t.dtype))
-                state["after"].append(state_digest(t))
-
-        def log(bus, p):
-            if bus.step == self.step and bus.rank == self.rank and not self.fired:
-                self.fire(
-                    bus,
-                    proof=(",".join(state["before"]), ",".join(state["after"])),
-                    phase="backward",
-                    tensors=len(state["before"]),
-                )
-
-        bus.on("backward", handler, order=10)
-        bus.on("reduce", log, order=10)
+    @at(Point.REDUCE)
+    def log(self, bus, p):
+        self.fire(
+            bus,
+            proof=(",".join(self.before), ",".join(self.after)),
+            phase="backward",
+            tensors=len(self.before),
+        )
 
 
 def launch_slot(device=None) -> int:
@@ -1179,44 +1230,47 @@ FAULTY_OPS = ("linear", "embedding")
 
 @register
 class FaultyDevice(Fault):
-    name, point, expect = "faulty-device", "forward", "forward"
+    name, point, expect = "faulty-device", Point.FORWARD, "forward"
     recurrence = "device"
     description = (
         "from step S on, the physical slot rank R held at launch (local process slot; CUDA device on a "
         "GPU) flips one bit of one element of every output of one kind of op it computes, whichever rank "
         "runs there"
     )
-    # slot -1: the launch slot of rank R (the launcher hands out ranks in slot order)
-    defaults = {"op": "linear", "element": 0, "bit": 20, "slot": -1}
+
+    @dataclass(frozen=True)
+    class Args:
+        op: str = "linear"
+        element: int = 0
+        bit: int = 20
+        slot: int = -1  # the launch slot of rank R (the launcher hands out ranks in slot order)
 
     @classmethod
-    def _check(cls, step, params, manifest):
-        _check_bit(params, manifest)
-        if params["op"] not in FAULTY_OPS:
-            raise BadInput("--param op", f"'{params['op']}' is not one of {', '.join(FAULTY_OPS)}")
+    def _check(cls, step, args, manifest):
+        _check_bit(args, manifest)
+        if args.op not in FAULTY_OPS:
+            raise BadInput("--param op", f"'{args.op}' is not one of {', '.join(FAULTY_OPS)}")
 
     @classmethod
-    def check_target(cls, rank, params, manifest):
+    def check_target(cls, rank, args, manifest):
         world = manifest.parallelism.world_size
-        if not -1 <= params["slot"] < world:
-            raise BadInput("--param slot", f"slot {params['slot']} does not exist: {world} slots")
+        if not -1 <= args.slot < world:
+            raise BadInput("--param slot", f"slot {args.slot} does not exist: {world} slots")
 
     @classmethod
     def record(cls, step, rank, params):
         slot = rank if params["slot"] < 0 else params["slot"]
         return super().record(step, rank, {**params, "slot": slot})
 
-    def attach(self, bus, ctx):
+    def installs_here(self, bus) -> bool:
         # bound to the slot, not to the rank: under `replay --permute-ranks` another rank runs there
-        self.ctx, self.manifest, self.fired = ctx, typed(ctx.manifest), False
-        self.slot = launch_slot(getattr(ctx, "device", None))
-        if self.slot == self.params["slot"]:
-            self.install(bus)
+        self.slot = launch_slot(getattr(self.ctx, "device", None))
+        return self.slot == self.args.slot
 
     def install(self, bus):
         import torch
 
-        kind = {"linear": torch.nn.Linear, "embedding": torch.nn.Embedding}[self.params["op"]]
+        kind = {"linear": torch.nn.Linear, "embedding": torch.nn.Embedding}[self.args.op]
         model = getattr(getattr(self.ctx, "strategy", None), "plain", None)
         if model is None:
             raise BadInput(
@@ -1231,10 +1285,10 @@ class FaultyDevice(Fault):
             flat = t.detach().view(-1)
             if not flat.numel():
                 return
-            element = self.params["element"] % flat.numel()
+            element = self.args.element % flat.numel()
             before = float(flat[element])
             ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
-            bit = self.params["bit"]
+            bit = self.args.bit
             mask = (1 << bit) if bit < flat.element_size() * 8 - 1 else -(1 << bit)
             flat[element : element + 1].view(ints).bitwise_xor_(mask)
             if (
@@ -1246,7 +1300,7 @@ class FaultyDevice(Fault):
                     proof=(repr(before), repr(float(flat[element]))),
                     phase="forward",
                     slot=self.slot,
-                    op=self.params["op"],
+                    op=self.args.op,
                     module=name,
                     element=element,
                     bit=bit,

@@ -8,6 +8,7 @@ A handler may mutate the payload in place or replace entries of it; `emit` retur
 from __future__ import annotations
 
 from collections.abc import Callable
+from enum import StrEnum
 from typing import Any, NamedTuple
 
 
@@ -31,25 +32,31 @@ def grads_of(params: list[TensorRef], present_only: bool = False) -> list[Tensor
     return [TensorRef(i, n, p.grad) for i, n, p in params if not present_only or p.grad is not None]
 
 
-POINTS = (
-    "step_start",  # process: kill-rank, slow-rank live here
-    "data",  # payload: batch (inputs, targets, sample_ids), fetch(dp_rank) for another shard
-    "forward",  # payload: name, index, tensor (a module output)
-    "loss",  # payload: loss (micro-batch mean), scale (1/accum)
-    "backward",  # payload: grads [TensorRef] local, accumulated, before any reduce (change in place)
-    "reduce",  # payload: grads [TensorRef] after the data-parallel reduce
-    "before_clip",  # payload: norm (the global gradient norm to clip with), skip (indices not clipped)
-    "clip",  # payload: grads after clipping (if clipping), scalars [TensorRef]
-    "before_optimizer",  # payload: optimizer, params
-    "server_update",  # parameter server only, on the server after its optimizer step and before it hands the
-    # parameters out: params = the master [TensorRef], optimizer
-    "optimizer",  # payload: params [TensorRef], state [TensorRef]
-    "before_checkpoint",  # payload: state (the dict about to be saved)
-    "checkpoint",  # payload: path (the published checkpoint directory)
-    "step_end",
-    "process_exit",  # payload: reason. The process ends without reaching step_end (a kill-rank fault's SIGKILL, an
+class Point(StrEnum):
+    """The hook points, in the order a step reaches them (a str: `bus.on("backward", ...)` still reads)."""
+
+    STEP_START = "step_start"  # process: kill-rank, slow-rank live here
+    DATA = "data"  # payload: batch (inputs, targets, sample_ids), fetch(dp_rank) for another shard
+    FORWARD = "forward"  # payload: name, index, tensor (a module output)
+    LOSS = "loss"  # payload: loss (micro-batch mean), tokens
+    BACKWARD = "backward"  # payload: grads [TensorRef] local, accumulated, before any reduce
+    REDUCE = "reduce"  # payload: grads [TensorRef] after the data-parallel reduce
+    BEFORE_CLIP = "before_clip"  # payload: norm (to clip with), skip (indices not clipped)
+    CLIP = "clip"  # payload: grads after clipping (if clipping), scalars [TensorRef]
+    BEFORE_OPTIMIZER = "before_optimizer"  # payload: optimizer, params
+    # parameter server only, on the server after its optimizer step and before it hands the parameters
+    # out: params = the master [TensorRef], optimizer
+    SERVER_UPDATE = "server_update"
+    OPTIMIZER = "optimizer"  # payload: params [TensorRef], state [TensorRef]
+    BEFORE_CHECKPOINT = "before_checkpoint"  # payload: state (the dict about to be saved)
+    CHECKPOINT = "checkpoint"  # payload: path (the published checkpoint directory)
+    STEP_END = "step_end"
+    # payload: reason. The process ends without reaching step_end (a kill-rank fault's SIGKILL, an
     # exception): observers write what they still hold (the recorder's step awaiting its digests)
-)
+    PROCESS_EXIT = "process_exit"
+
+
+POINTS = tuple(p.value for p in Point)
 
 
 class HookBus:
@@ -59,7 +66,7 @@ class HookBus:
         self.micro_batch = 0
         self._handlers: dict[str, list[tuple[int, Callable]]] = {p: [] for p in POINTS}
 
-    def on(self, point: str, fn: Callable[[HookBus, dict], Any], order: int = 50) -> None:
+    def on(self, point: Point | str, fn: Callable[[HookBus, dict], Any], order: int = 50) -> None:
         if point not in self._handlers:
             raise KeyError(f"unknown hook point {point!r}; known: {', '.join(POINTS)}")
         self._handlers[point].append((order, fn))

@@ -15,8 +15,11 @@ Registered in the catalog (run/faults.py) like every other fault: checked before
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from disttrace.errors import BadInput
-from disttrace.run.faults import Fault, capabilities, register, state_digest
+from disttrace.run.faults import Capability, Fault, at, capabilities, register, state_digest
+from disttrace.run.hooks import Point
 
 
 def _module_paths(manifest) -> set[str]:
@@ -31,189 +34,199 @@ def _module_paths(manifest) -> set[str]:
     return out
 
 
-def _check_module(cls, params, manifest) -> None:
+def _check_module(cls, args, manifest) -> None:
     paths = _module_paths(manifest)
-    if params["module"] not in paths:
-        close = sorted(p for p in paths if params["module"].split(".")[-1] in p)[:3]
+    if args.module not in paths:
+        close = sorted(p for p in paths if args.module.split(".")[-1] in p)[:3]
         raise BadInput(
             "--param module",
-            f"'{cls.name}' names module '{params['module']}', which is not a module of this model"
+            f"'{cls.name}' names module '{args.module}', which is not a module of this model"
             + (f"; e.g. {', '.join(close)}" if close else ""),
         )
 
 
+class _ModuleFault(Fault):
+    """A fault inside one module of the model: the module must exist."""
+
+    @classmethod
+    def check_target(cls, rank, args, manifest):
+        _check_module(cls, args, manifest)
+
+
 @register
-class CorruptModule(Fault):
-    name, point, expect = "corrupt-module", "forward", "forward"
+class CorruptModule(_ModuleFault):
+    name, point, expect = "corrupt-module", Point.FORWARD, "forward"
     recurrence = "transient"  # fires once, at its step: a replay of that step does not see it again
     description = (
         "scales one element of an op's output inside one module's forward, or of the gradient "
         "with respect to its output in backward (direction=backward)"
     )
-    defaults = {
-        "module": "layers.1.feed_forward.w1",
-        "direction": "forward",
-        "op": "aten.mm",
-        "element": 1000,  # inside the tensor (a causal attention's first position has a zero query gradient)
-        "scale": 1.5,
-        "micro_batch": 0,
-    }
+
+    @dataclass(frozen=True)
+    class Args:
+        module: str = "layers.1.feed_forward.w1"
+        direction: str = "forward"
+        op: str = "aten.mm"
+        # inside the tensor (a causal attention's first position has a zero query gradient)
+        element: int = 1000
+        scale: float = 1.5
+        micro_batch: int = 0
 
     @classmethod
     def spec(cls, step, rank, params, manifest):
         out = super().spec(step, rank, params, manifest)
         if out["params"]["direction"] == "backward":
             # the parameter gradients it changes: the local ones where the strategy offers them
-            out["expect"] = "backward" if "backward" in capabilities(manifest) else "reduce"
+            out["expect"] = (
+                "backward" if Capability.BACKWARD in capabilities(manifest) else "reduce"
+            )
         return out
 
     @classmethod
-    def _check(cls, step, params, manifest):
-        if params["direction"] not in ("forward", "backward"):
-            raise BadInput(
-                "--param direction", f"'{params['direction']}' is not forward or backward"
-            )
+    def _check(cls, step, args, manifest):
+        if args.direction not in ("forward", "backward"):
+            raise BadInput("--param direction", f"'{args.direction}' is not forward or backward")
         accum = manifest.training.grad_accum_steps
-        if not 0 <= params["micro_batch"] < accum:
+        if not 0 <= args.micro_batch < accum:
             raise BadInput(
                 "--param micro_batch",
-                f"micro-batch {params['micro_batch']} does not exist: training.grad_accum_steps = {accum}",
+                f"micro-batch {args.micro_batch} does not exist: training.grad_accum_steps = {accum}",
             )
-        if params["scale"] == 1.0:
+        if args.scale == 1.0:
             raise BadInput("--param scale", "a scale of 1 changes nothing")
         if manifest.parallelism.pp > 1:
             raise BadInput("--fault", f"'{cls.name}' does not support pipeline parallel yet")
 
-    @classmethod
-    def check_target(cls, rank, params, manifest):
-        _check_module(cls, params, manifest)
-
     def install(self, bus):
+        self.module = self.ctx.strategy.plain.get_submodule(self.args.module)
+        self.inside = 0  # how deep the forward is inside the module at the step's micro-batch
+        self.handles: list = []
+        self.mode = None
+        self.bus = bus
+        super().install(bus)
+
+    def active(self, bus) -> bool:
+        return self.here(bus) and bus.micro_batch == self.args.micro_batch
+
+    def corrupt(self, t, **detail):
+        """A copy of `t` with one element scaled; fires with the proof."""
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            out = t.clone()  # below autograd (a dispatch mode) or a gradient: a plain copy
+            local = out._local_tensor if hasattr(out, "_local_tensor") else out
+            flat = local.view(-1)
+            if flat.numel() == 0:
+                return t
+            e = self.args.element % flat.numel()
+            before, d0 = float(flat[e]), state_digest(local)
+            flat[e] = flat[e] * self.args.scale
+            self.fire(
+                self.bus,
+                proof=(d0, state_digest(local)),
+                phase=self.args.direction,
+                module=self.args.module,
+                element=e,
+                before=before,
+                after=float(flat[e]),
+                **detail,
+            )
+        return out
+
+    def _pre(self, mod, args):
+        if self.active(self.bus):
+            self.inside += 1
+
+    def _post(self, mod, args, out):
         import torch
 
-        module = self.ctx.strategy.plain.get_submodule(self.params["module"])
-        state = {"inside": 0, "handles": [], "mode": None}
-        mb = self.params["micro_batch"]
+        if self.inside:
+            self.inside -= 1
+        if (
+            self.args.direction == "backward"
+            and self.active(self.bus)
+            and isinstance(out, torch.Tensor)
+            and out.requires_grad
+        ):
+            out.register_hook(lambda g: self.corrupt(g) if not self.fired else None)
 
-        def active(b) -> bool:
-            return self.here(b) and b.micro_batch == mb
+    @at(Point.STEP_START)
+    def start(self, bus, p):
+        self.handles = [
+            self.module.register_forward_pre_hook(self._pre),
+            self.module.register_forward_hook(self._post),
+        ]
+        if self.args.direction == "forward":
+            self.mode = _corrupting_mode(self)
+            self.mode.__enter__()
 
-        def corrupt(t, **detail):
-            """A copy of `t` with one element scaled; fires with the proof."""
-            from torch.utils._python_dispatch import _disable_current_modes
+    @at(
+        Point.STEP_END, order=99, anytime=True
+    )  # after the depth recorder's mode (above it) is gone
+    def end(self, bus, p):
+        if self.mode is not None:
+            self.mode.__exit__(None, None, None)
+            self.mode = None
+        for h in self.handles:
+            h.remove()
+        self.handles = []
 
-            with _disable_current_modes():
-                out = t.clone()  # below autograd (a dispatch mode) or a gradient: a plain copy
-                local = out._local_tensor if hasattr(out, "_local_tensor") else out
-                flat = local.view(-1)
-                if flat.numel() == 0:
-                    return t
-                e = self.params["element"] % flat.numel()
-                before, d0 = float(flat[e]), state_digest(local)
-                flat[e] = flat[e] * self.params["scale"]
-                self.fire(
-                    bus,
-                    proof=(d0, state_digest(local)),
-                    phase=self.params["direction"],
-                    module=self.params["module"],
-                    element=e,
-                    before=before,
-                    after=float(flat[e]),
-                    **detail,
-                )
+
+def _corrupting_mode(fault: CorruptModule):
+    """A dispatch mode that hands back the first output of the fault's op run inside its module (outside
+    autograd's own nodes) corrupted."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Corrupt(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if (
+                fault.inside
+                and not fault.fired
+                and str(func.overloadpacket) == fault.args.op
+                and isinstance(out, torch.Tensor)
+                and torch._C._current_autograd_node() is None
+            ):
+                return fault.corrupt(out, op=fault.args.op)
             return out
 
-        fault = self
-
-        class _Corrupt(torch.utils._python_dispatch.TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                if (
-                    state["inside"]
-                    and not fault.fired
-                    and str(func.overloadpacket) == fault.params["op"]
-                    and isinstance(out, torch.Tensor)
-                    and torch._C._current_autograd_node() is None
-                ):
-                    return corrupt(out, op=fault.params["op"])
-                return out
-
-        def pre(mod, args):
-            if active(bus):
-                state["inside"] += 1
-
-        def post(mod, args, out):
-            if state["inside"]:
-                state["inside"] -= 1
-            if (
-                self.params["direction"] == "backward"
-                and active(bus)
-                and isinstance(out, torch.Tensor)
-                and out.requires_grad
-            ):
-                out.register_hook(lambda g: corrupt(g) if not self.fired else None)
-
-        def start(b, p):
-            if b.step != self.step:
-                return
-            state["handles"] = [
-                module.register_forward_pre_hook(pre),
-                module.register_forward_hook(post),
-            ]
-            if self.params["direction"] == "forward":
-                state["mode"] = _Corrupt()
-                state["mode"].__enter__()
-
-        def end(b, p):
-            if state["mode"] is not None:
-                state["mode"].__exit__(None, None, None)
-                state["mode"] = None
-            for h in state["handles"]:
-                h.remove()
-            state["handles"] = []
-
-        bus.on("step_start", start, order=10)
-        bus.on(
-            "step_end", end, order=99
-        )  # after the depth recorder's mode (above this one) is gone
+    return _Corrupt()
 
 
 _ROW_PARALLEL = ("attention.wo", "feed_forward.w2")
 
 
 @register
-class TpUnsummedRow(Fault):
-    name, point, expect = "tp-unsummed-row", "forward", "forward"
+class TpUnsummedRow(_ModuleFault):
+    name, point, expect = "tp-unsummed-row", Point.FORWARD, "forward"
     recurrence = "persistent"  # a standing bug from its step on
     description = (
         "from step on, a row-parallel module's output is the rank's partial sum, tagged Replicate "
         "instead of summed over tp (every rank)"
     )
-    defaults = {"module": "layers.0.feed_forward.w2"}
-    requires = frozenset({"tp"})
+    requires = frozenset({Capability.TP})
+
+    @dataclass(frozen=True)
+    class Args:
+        module: str = "layers.0.feed_forward.w2"
 
     @classmethod
-    def _check(cls, step, params, manifest):
-        m = params["module"]
+    def _check(cls, step, args, manifest):
+        m = args.module
         if not (m.startswith("layers.") and m.split(".", 2)[-1] in _ROW_PARALLEL):
             raise BadInput(
                 "--param module",
                 f"'{m}' is not a row-parallel module (layers.K.attention.wo or layers.K.feed_forward.w2)",
             )
 
-    @classmethod
-    def check_target(cls, rank, params, manifest):
-        _check_module(cls, params, manifest)
-
-    def attach(self, bus, ctx) -> None:
-        self.ctx, self.manifest = ctx, ctx.manifest
-        self.fired = False
-        self.install(bus)  # on every rank: the sum is left out everywhere, or the group would hang
+    def installs_here(self, bus) -> bool:
+        return True  # on every rank: the sum is left out everywhere, or the group would hang
 
     def install(self, bus):
         from torch.distributed.tensor import DTensor, Replicate
 
-        module = self.ctx.strategy.plain.get_submodule(self.params["module"])
+        module = self.ctx.strategy.plain.get_submodule(self.args.module)
 
         def unsummed(mod, args, out):
             if bus.step < self.step or not isinstance(out, DTensor):
@@ -233,7 +246,7 @@ class TpUnsummedRow(Fault):
                     bus,
                     proof=(f"partial:{d}", f"replicate:{d}"),
                     phase="forward",
-                    module=self.params["module"],
+                    module=self.args.module,
                     placements=[str(p) for p in out.placements],
                 )
             return replaced
