@@ -22,7 +22,13 @@ from pathlib import Path
 import orjson
 
 from disttrace.analysis.diff import diff_runs
-from disttrace.analysis.zoom import DEPTHS, ZoomResult, refuse_op_across, zoom_result
+from disttrace.analysis.zoom import (
+    DEPTHS,
+    ZoomResult,
+    refuse_attached_split,
+    refuse_op_across,
+    zoom_result,
+)
 from disttrace.errors import BadInput, JobFailed
 from disttrace.store.depth import find_depth_run, origin
 from disttrace.store.rundir import LOCK, Run, read_json, write_json_atomic
@@ -209,6 +215,8 @@ def zoom(
     if step is None:
         return zoom_result(diff, None, depth, None)
     refuse_op_across(diff, depth)
+    if not diff.topology.same:  # before any replay runs
+        refuse_attached_split(Run(run_a), Run(run_b))
     commands = _commands(Run(run_a), Run(run_b), step, depth, command)
     deep_a = deep_run(Path(run_a), step, depth, progress, commands[0])
     deep_b = deep_run(Path(run_b), step, depth, progress, commands[1])
