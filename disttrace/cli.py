@@ -367,7 +367,7 @@ def inject(
 
 
 USER_COMMAND: list[str] | None = (
-    None  # what followed `--` on `disttrace run|inject ... -- CMD ARGS...`
+    None  # what followed `--` on `disttrace run|inject|replay|zoom|diff ... -- CMD ARGS...`
 )
 
 
@@ -738,6 +738,10 @@ def diff(
         raise BadInput("--jobs", f"must be at least 1 (got {jobs})")
     if zoom_ and (merge or ranks is not None or steps is not None or share is not None):
         raise BadInput("--zoom", "zooms into two whole runs, not a partial or merged diff")
+    if USER_COMMAND is not None and not zoom_:
+        raise BadInput(
+            "--", "a command after '--' replays an attached side at depth: it needs --zoom"
+        )
     if merge:
         given = [
             name
@@ -811,7 +815,14 @@ def diff(
         from disttrace.lab.zoom import zoom as zoom_runs
 
         z = zoom_runs(
-            runs[0], runs[1], depth=depth, rtol=rtol, atol=atol, diff=result, progress=err.print
+            runs[0],
+            runs[1],
+            depth=depth,
+            rtol=rtol,
+            atol=atol,
+            diff=result,
+            progress=err.print,
+            command=USER_COMMAND,
         )
         _show_zoom(z, json_, md)
         raise typer.Exit(verdict_exit(z.equal))
@@ -891,7 +902,15 @@ def zoom(
     if step is not None and step < 1:
         raise BadInput("--step", f"step {step} does not exist: steps count from 1")
     z = zoom_runs(
-        run_a, run_b, depth=depth, step=step, mode=mode, rtol=rtol, atol=atol, progress=err.print
+        run_a,
+        run_b,
+        depth=depth,
+        step=step,
+        mode=mode,
+        rtol=rtol,
+        atol=atol,
+        progress=err.print,
+        command=USER_COMMAND,
     )
     _show_zoom(z, json_, md)
     raise typer.Exit(verdict_exit(z.equal))
@@ -1181,7 +1200,7 @@ def main():
     global USER_COMMAND
     argv = sys.argv[1:]
     if (
-        len(argv) > 1 and argv[0] in ("run", "inject", "replay") and "--" in argv
+        len(argv) > 1 and argv[0] in ("run", "inject", "replay", "zoom", "diff") and "--" in argv
     ):  # a user command, passed through whole
         cut = argv.index("--")
         USER_COMMAND = argv[cut + 1 :]

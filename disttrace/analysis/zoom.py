@@ -77,7 +77,8 @@ class DeepRuns(JsonDoc):
     a: str
     b: str
     produced_by: (
-        str  # rerun: the frozen manifest re-run from its start with record.depth set | replay
+        str  # rerun: the frozen manifest re-run from its start with record.depth set; replay: an attached
+        # script replayed with its own command; "rerun/replay": A's and B's when they differ
     )
     records: RecordsRead
     compared: int  # comparison units (records, or logical tensors across topologies)
@@ -294,6 +295,8 @@ def zoom_result(
     deep_a, deep_b, produced_by = deep
     logical = not diff.topology.same
     refuse_op_across(diff, depth)
+    if logical:
+        refuse_attached_split(deep_a, deep_b)
     ma, mb = deep_a.manifest_doc, deep_b.manifest_doc
     since = diff.tolerance.since_step or 0
     tol = _Tol(diff.mode, ma, mb, rtol, atol, since)
@@ -389,6 +392,23 @@ def refuse_op_across(diff: DiffResult, depth: str) -> None:
             "op depth compares runs of one topology (an op's outputs are laid out as the engine splits "
             f"them; these differ in {', '.join(diff.topology.differs)}): use --depth module",
         )
+
+
+def refuse_attached_split(*deep: Run) -> None:
+    """Across layouts a record is placed in the step's logical batch by micro-batch and data-parallel rank
+    as the harness splits it (data/windows.py). How an attached script's data-parallel ranks split a batch
+    is the script's own (a DistributedSampler interleaves the samples), so its rows cannot be placed: an
+    attached side must be dp = 1 there."""
+    for r in deep:
+        dp = (r.manifest_doc.get("parallelism") or {}).get("dp")
+        if r.attached and isinstance(dp, int) and dp > 1:
+            raise BadInput(
+                r.path / "manifest.lock.json",
+                f"an attached script's run at dp={dp}: across layouts zoom places each record in the "
+                "step's batch, and how the script's data-parallel ranks split it is its own (compare "
+                "runs of one topology, or a dp=1 layout)",
+                field="manifest.parallelism.dp",
+            )
 
 
 def _from_diff(d: Divergence | None) -> ZoomDivergence | None:

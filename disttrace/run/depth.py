@@ -20,6 +20,11 @@ Hooks are installed at the step's start and removed at its end: every other step
 depth recording, and with `record.depth` unset nothing here is even built (run/worker.py). The records are
 written at the step's end to `depth/rank-NNNNN.jsonl` (one `store.records.DepthRecord` a line), sealed with
 the rank's other files.
+
+An attached script (run/attach/) is recorded by the same recorder, on its own bus, when its run.json asks
+for it (`depth`, written by `disttrace replay RUN --step S --depth LEVEL -- CMD`: `attached_spec`). There the
+micro-batch size is what the step's first micro-batch holds (`saw_batch`) and the global batch the replayed
+run counted, and a script that resumes renumbers its steps (`renumbered`).
 """
 
 from __future__ import annotations
@@ -37,6 +42,27 @@ from disttrace.store.records import DepthRecord
 from disttrace.store.rundir import JsonlWriter, rank_file
 
 KIND = "depth"
+LEVELS = ("module", "op")
+
+
+def attached_spec(info: dict, where) -> dict | None:
+    """An attached run's depth request, from its run.json's `depth` ({step, level, global_batch}), checked:
+    None when there is none; BadInput naming the field when it is not one."""
+    from disttrace.errors import BadInput
+
+    spec = info.get("depth")
+    if spec is None:
+        return None
+    if not isinstance(spec, dict):
+        raise BadInput(where, "must be a table {step, level}", field="depth")
+    step, level, batch = spec.get("step"), spec.get("level"), spec.get("global_batch")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise BadInput(where, f"{step!r} is not a step (an integer from 1)", field="depth.step")
+    if level not in LEVELS:
+        raise BadInput(where, f"{level!r} is not one of {', '.join(LEVELS)}", field="depth.level")
+    if batch is not None and (not isinstance(batch, int) or isinstance(batch, bool) or batch < 1):
+        raise BadInput(where, f"{batch!r} is not a batch size", field="depth.global_batch")
+    return {"step": step, "level": level, "global_batch": batch}
 
 
 def _tensors(x):
@@ -114,8 +140,8 @@ class DepthRecorder:
         *,
         dp: int,
         dp_rank: int,
-        micro_batch_size: int,
-        global_batch: int,
+        micro_batch_size: int | None,
+        global_batch: int | None,
     ):
         self.rank, self.model, self.step, self.ops = rank, model, step, level == "op"
         self.path = Path(run_dir) / rank_file(KIND, rank)
@@ -164,15 +190,18 @@ class DepthRecorder:
             self._mode = _OpTracer(self)
             self._mode.__enter__()
 
-    def _end(self, bus, p) -> None:
-        if bus.step != self.step or self._written:
-            return
+    def _remove(self) -> None:
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode = None
         for h in self._handles:
             h.remove()
         self._handles = []
+
+    def _end(self, bus, p) -> None:
+        if bus.step != self.step or self._written:
+            return
+        self._remove()
         self._written = True
         out = JsonlWriter(self.path)
         for rec in self.records:
@@ -183,8 +212,31 @@ class DepthRecorder:
     def close(self) -> None:
         """Nothing to do: the records were written at the step's end."""
 
+    # ---------------------------------------------------------- an attached script's step
+    def renumbered(self, bus) -> None:
+        """The script resumed: its step is now `bus.step`, without a step_start. Hooks installed for the step
+        it was in are removed unwritten (that step never ran); the new step's are installed if it is ours."""
+        if self._written:
+            return
+        if self._handles or self._mode is not None:
+            self._remove()
+            self.records, self._seq, self._op_index = [], {}, {}
+            self._scope = ModuleScope()
+        self._start(bus, None)
+
+    def saw_batch(self, inputs) -> None:
+        """An attached script's micro-batch about to run: the first of our step gives the micro-batch size
+        (the batch is placed in the step's logical batch when the global batch is known too)."""
+        if self.mbs is None and self.bus is not None and self.bus.step == self.step:
+            if isinstance(inputs, torch.Tensor) and inputs.dim() >= 1:
+                self.mbs = int(inputs.shape[0])
+
     # ---------------------------------------------------------- module hooks
     def _pre(self, path, module, args):
+        if (
+            not torch.is_grad_enabled()
+        ):  # an attached script's evaluation inside the step: no micro-batch
+            return
         self._scope.enter(self.bus.micro_batch, path)
 
     def _placed(self, path, module, args, out):
@@ -202,6 +254,8 @@ class DepthRecorder:
             self._raw.pop(path, None)
 
     def _post(self, path, module, args, out):
+        if not torch.is_grad_enabled():
+            return
         _, call = self._scope.leave()
         mb = self.bus.micro_batch
         for i, t in enumerate(_tensors(out)):
@@ -255,7 +309,7 @@ class DepthRecorder:
                     s = _shard_info(shape, mesh, placements)["shard"]
         offset = list(s.get("offset") or [0] * t.dim())
         logical = list(s.get("logical_shape") or t.shape)
-        if t.dim() and logical and logical[0] == self.mbs:
+        if t.dim() and logical and self.global_batch and logical[0] == self.mbs:
             offset[0] += (mb * self.dp + self.dp_rank) * self.mbs
             logical[0] = self.global_batch
         elif not s:

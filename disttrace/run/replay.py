@@ -161,12 +161,8 @@ def prepare_attached_replay(
         )
     if not command:
         raise BadInput("--", "no command after '--' (e.g. -- torchrun --nproc-per-node 2 train.py)")
-    if depth is not None:
-        if depth not in DEPTHS:
-            raise BadInput("--depth", f"'{depth}' is not one of {', '.join(DEPTHS)}")
-        raise BadInput(
-            "--depth", "depth recording is not available for an attached script's replay"
-        )
+    if depth is not None and depth not in DEPTHS:
+        raise BadInput("--depth", f"'{depth}' is not one of {', '.join(DEPTHS)}")
     recorded = _recorded_steps(run)
     if step not in recorded:
         raise BadInput(
@@ -176,9 +172,17 @@ def prepare_attached_replay(
         )
     here = run_dir.resolve()
     replay_dir = new_run_dir(here.parent.parent, here.parent.name, f"replay-{step}")
+    extra = {}
+    if depth is not None:
+        # what the script's attach reads (run/depth.py attached_spec): the step, the level, and the global
+        # batch RUN counted, which places each micro-batch's records in the step's logical batch
+        observed = run.lock.get("observed")
+        batch = observed.get("global_batch") if isinstance(observed, dict) else None
+        extra["depth"] = {"step": step, "level": depth, "global_batch": batch}
     write_json_atomic(
         replay_dir / "run.json",
         {
+            **extra,
             "path": "replay",
             "fault": kept_fault(run.info.get("fault"), run.path / "run.json"),
             "resume": None,  # the script's run.resume(...) says where it starts, if anywhere

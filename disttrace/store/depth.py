@@ -72,3 +72,35 @@ def find_depth_run(run: Run, step: int, level: str, manifest_id: str) -> Run | N
         except BadInput:
             continue
     return None
+
+
+def depth_replays(run: Run, step: int, level: str) -> list[Run]:
+    """The complete replays of an attached `run` that recorded its `step` at depth `level` (`disttrace replay
+    RUN --step S --depth LEVEL -- CMD`), newest first: the `replay-*` directories beside it whose run.json
+    names it, the step and the level. Reads nothing outside those directories' run.json files."""
+    from disttrace.errors import BadInput
+
+    here = str(run.path.resolve())
+    out = []
+    for info in sorted(run.path.parent.glob("replay-*/run.json")):
+        if not safeio.store_name(info.parent.name):
+            continue
+        try:
+            r = Run(info.parent)
+            doc, spec = r.info.get("replay"), r.info.get("depth")
+            if not (isinstance(doc, dict) and isinstance(spec, dict)):
+                continue
+            if (doc.get("of"), doc.get("step"), spec.get("step"), spec.get("level")) != (
+                here,
+                step,
+                step,
+                level,
+            ):
+                continue
+            if r.complete:
+                out.append(r)
+        except BadInput:
+            continue
+    created = [r.info.get("created") for r in out]
+    order = [c if isinstance(c, (int, float)) else 0 for c in created]
+    return [r for _, r in sorted(zip(order, out), key=lambda x: x[0], reverse=True)]

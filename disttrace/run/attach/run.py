@@ -57,6 +57,7 @@ class AttachedRun(LoaderWatch, HookPoints, StepCycle):
         manifest_id: str,
         fault_spec: dict | None,
         blocks: list[tuple[str, torch.nn.Module]] = (),
+        depth: dict | None = None,
     ):
         self.run_dir, self.rank = run_dir, rank
         self.model, self.engine, self.manifest, self.manifest_id = (
@@ -125,6 +126,22 @@ class AttachedRun(LoaderWatch, HookPoints, StepCycle):
             if engine.kind != "DeepSpeed"
             else None
         )
+        # one step recorded at depth (run.json's `depth`: a replay for `zoom`, docs/zoom.md); else nothing
+        self.depth = None
+        if depth is not None:
+            from disttrace.run.depth import DepthRecorder
+
+            self.depth = DepthRecorder(
+                run_dir,
+                rank,
+                self.inner,
+                depth["step"],
+                depth["level"],
+                dp=depth["dp"],
+                dp_rank=depth["dp_rank"],
+                micro_batch_size=None,  # the step's first micro-batch tells
+                global_batch=depth["global_batch"],
+            ).attach(self.bus)
         self.tracer.__enter__()
         _ACTIVE.append(self)
         _patch_clip(True)
@@ -241,6 +258,8 @@ class AttachedRun(LoaderWatch, HookPoints, StepCycle):
         self.step = step + 1
         self.bus.step, self.bus.micro_batch = self.step, 0
         self.tracer.step = self.step
+        if self.depth is not None:
+            self.depth.renumbered(self.bus)
         return step
 
     def close(self) -> None:

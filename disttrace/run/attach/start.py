@@ -138,11 +138,34 @@ def attach(
     if engine.kind == "DeepSpeed":
         from disttrace.integrations.deepspeed import DeepSpeedRun as kind
     run = kind(
-        model, optimizer, run_dir, rank, engine, manifest, manifest_id, info.get("fault"), blocks
+        model,
+        optimizer,
+        run_dir,
+        rank,
+        engine,
+        manifest,
+        manifest_id,
+        info.get("fault"),
+        blocks,
+        depth=_depth_request(info, run_dir, rank, engine, views),
     )
     if loader is not None:
         run._watch_in_place(loader)
     return run
+
+
+def _depth_request(info: dict, run_dir: Path, rank: int, engine: Engine, views) -> dict | None:
+    """run.json's `depth` (a replay recording one step at depth, docs/zoom.md), with this rank's place in
+    the data-parallel layout the records are placed by; None when there is none."""
+    from disttrace.run.attach.replicas import attached_layout
+    from disttrace.run.depth import attached_spec
+
+    spec = attached_spec(info, run_dir / "run.json")
+    if spec is None:
+        return None
+    dp_groups, _ = attached_layout(engine.kind, views)
+    group = next((g for g in dp_groups if rank in g), [rank])
+    return {**spec, "dp": len(group), "dp_rank": group.index(rank)}
 
 
 def _prepare_dir(

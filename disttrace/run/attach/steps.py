@@ -39,6 +39,8 @@ class StepCycle:
     def _count(self, inputs) -> None:
         """Add a micro-batch's samples (its data tensor's leading dimension) to the step's count, and its
         tokens (`tokens_of`) to the step's tokens."""
+        if self.depth is not None:
+            self.depth.saw_batch(inputs)
         if self._tokens is not None:
             n = tokens_of(inputs)
             self._tokens = self._tokens + n if n is not None else None
