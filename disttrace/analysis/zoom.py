@@ -311,28 +311,27 @@ def zoom_result(
         logical=logical,
     )
     if unit is None:
-        where = (
-            f"step {step}: every module's output and output gradient agree"
-            + (" and every op's output" if depth == "op" else "")
-            + (
-                f"; the divergence is outside forward and backward ({first.phase})"
-                if first is not None
-                else ""
-            )
-        )
+        where = _agree_inside(step, depth, first)
         return result(equal=diff.equal, step=step, first_divergence=first, inside=where, deep=runs)
-    kind = BoundKind(tol.kind(step, unit.rec.direction))
-    first = _deep_divergence(first, unit, step, kind)
+    first = _deep_divergence(first, unit, step, BoundKind(tol.kind(step, unit.rec.direction)))
     r = unit.rec
     name = r.module or "(outside every module)"
     what = f"{r.op} #{r.op_index} in {name}" if r.kind == "op" else name
     side = "output gradient" if r.direction == "backward" else "output"
-    return result(
-        equal=False,
-        step=step,
-        first_divergence=first,
-        inside=f"step {step}: first differs at {what}, {r.direction} ({side})",
-        deep=runs,
+    inside = f"step {step}: first differs at {what}, {r.direction} ({side})"
+    return result(equal=False, step=step, first_divergence=first, inside=inside, deep=runs)
+
+
+def _agree_inside(step: int, depth: str, first: ZoomDivergence | None) -> str:
+    """What a zoom that found every deep record equal says, in one line."""
+    return (
+        f"step {step}: every module's output and output gradient agree"
+        + (" and every op's output" if depth == "op" else "")
+        + (
+            f"; the divergence is outside forward and backward ({first.phase})"
+            if first is not None
+            else ""
+        )
     )
 
 

@@ -174,6 +174,35 @@ def _recovered(
         return None, None
 
 
+def _zoomed(ref: Path, fault_dir: Path, depth: str, d_fault: DiffResult, progress):
+    """The fault path's first divergence with the module (and op) inside its step (docs/zoom.md); diff's,
+    where the step could not be zoomed into."""
+    from disttrace.lab.zoom import zoom
+
+    try:
+        return zoom(ref, fault_dir, depth=depth, diff=d_fault, progress=progress).first_divergence
+    except (BadInput, JobFailed) as e:
+        progress(f"[yellow]not zoomed:[/yellow] {_e(e)}")
+        return d_fault.first_divergence
+
+
+def _recovered_outcome(
+    rec_res: Launched | None, resume_step: int | None, d_rec: DiffResult | None, g_rec
+) -> PathOutcome | None:
+    if rec_res is None:
+        return None
+    return PathOutcome(
+        run_dir=rec_res.run_dir,
+        exit=rec_res.exit,
+        resumed_from_step=resume_step,
+        final_loss=final_loss(rec_res.run_dir),
+        first_divergence=d_rec.first_divergence,
+        equal_to_reference=d_rec.equal,
+        gate=g_rec.passed,
+        gate_failed=[c.name for c in g_rec.checks if c.passed is False],
+    )
+
+
 def run_lab(
     manifest: Path | None,
     fault: str,
@@ -192,13 +221,11 @@ def run_lab(
     prediction = parse_prediction(predict)
     if prediction:
         progress(f"prediction written down before the run: first divergence in {_e(predict)}")
-
     ref = _reference(frozen, out, progress, follow)
     fault_dir = prepare(frozen, out, "fault", fault=spec)
     progress(f"fault: {_e(fault)} at step {step} rank {rank}: {_e(fault_dir)}")
     fault_res = _run(fault_dir, progress, follow, "fault")
     rec_res, resume_step = _recovered(frozen, out, fault_dir, progress, follow)
-
     progress("diff and gate ...")
     d_fault = diff_runs(ref, fault_dir)
     d_rec = diff_runs(ref, rec_res.run_dir) if rec_res else None
@@ -209,19 +236,10 @@ def run_lab(
     sig_ok, sig_why = expected_signature(spec, fault_res, d_fault, d_rec, resume_step)
     fault_first = d_fault.first_divergence
     if zoom_depth and fault_first is not None and not fault_res.exit:
-        from disttrace.lab.zoom import zoom
-
-        try:  # the module (and op) inside the fault path's first divergent step (docs/zoom.md)
-            fault_first = zoom(
-                ref, fault_dir, depth=zoom_depth, diff=d_fault, progress=progress
-            ).first_divergence
-        except (BadInput, JobFailed) as e:
-            progress(f"[yellow]not zoomed:[/yellow] {_e(e)}")
-    if spec["expect"] == "resume:optimizer":
-        recovered_ok = True  # the counter-example: its recovery is supposed to diverge
-    else:
-        recovered_ok = bool(d_rec and d_rec.equal and g_rec and g_rec.passed)
-    accepted = sig_ok and recovered_ok and g_ref.passed
+        fault_first = _zoomed(ref, fault_dir, zoom_depth, d_fault, progress)
+    recovered_ok = spec["expect"] == "resume:optimizer" or bool(  # that one's recovery diverges
+        d_rec and d_rec.equal and g_rec and g_rec.passed
+    )
     paths = LabPaths(
         reference=PathOutcome(
             run_dir=str(ref), final_loss=final_loss(ref), first_divergence=None, gate=g_ref.passed
@@ -234,18 +252,7 @@ def run_lab(
             gate=g_fault.passed,
             gate_failed=[c.name for c in g_fault.checks if c.passed is False],
         ),
-        recovered=None
-        if not rec_res
-        else PathOutcome(
-            run_dir=rec_res.run_dir,
-            exit=rec_res.exit,
-            resumed_from_step=resume_step,
-            final_loss=final_loss(rec_res.run_dir),
-            first_divergence=d_rec.first_divergence,
-            equal_to_reference=d_rec.equal,
-            gate=g_rec.passed,
-            gate_failed=[c.name for c in g_rec.checks if c.passed is False],
-        ),
+        recovered=_recovered_outcome(rec_res, resume_step, d_rec, g_rec),
     )
     return LabResult(
         manifest_id=frozen.manifest_id,
@@ -253,6 +260,6 @@ def run_lab(
         paths=paths,
         expected_signature=Signature(expect=spec["expect"], observed=sig_why, held=sig_ok),
         prediction=judge_prediction(prediction, d_fault.first_divergence),
-        accepted=accepted,
+        accepted=sig_ok and recovered_ok and g_ref.passed,
         diffs=LabDiffs(fault=d_fault, recovered=d_rec),
     )
