@@ -1170,9 +1170,7 @@ def verify(run_dir: Path = typer.Argument(..., help="a run directory"), json_: b
 
     v = verify_run(run_dir)
     if json_:
-        from dataclasses import asdict
-
-        emit_json({**asdict(v), "intact": v.exit_ok})
+        emit_json(v.to_dict())
     else:
         style = {"intact": "green", "damaged": "red"}.get(v.status, "yellow")
         line = summary_line(v)

@@ -147,3 +147,54 @@ def test_every_bound_kind_is_worded_alike(runs, kind):
         assert w in terminal, (kind, w)
         assert html.escape(w) in page, (kind, w)
         assert w in md, (kind, w)
+
+
+def _md_ab(md: str) -> list[list[str]]:
+    lines = md.splitlines()
+    at = lines.index("| | A | B |")
+    rows = []
+    for line in lines[at + 2 :]:
+        if not line.startswith("| "):
+            break
+        rows.append([c.strip().strip("`") for c in line.strip("|").split(" | ")])
+    return rows
+
+
+def _html_ab(page: str) -> list[list[str]]:
+    div = page.index('<p class="verdict bad">First divergence:')
+    table = re.search(r"<table.*?</table>", page[div:], re.S).group(0)
+    rows = []
+    for tr in re.findall(r"<tr>(.*?)</tr>", table, re.S)[1:]:  # the header row left out
+        cells = re.findall(r"<t[dh][^>]*>(.*?)</t[dh]>", tr, re.S)
+        rows.append([html.unescape(re.sub(r"<[^>]+>", "", c)).strip() for c in cells])
+    return rows
+
+
+def _terminal_ab(out: str, rows: list[list[str]]) -> None:
+    """The terminal's A/B table holds `rows`, in order, each cell as given (columns padded by spaces)."""
+    plain = [SGR.sub("", line).rstrip() for line in out.splitlines()]
+    at = next(i for i, line in enumerate(plain) if line.startswith("FIRST DIVERGENCE"))
+    for line, (label, a, b) in zip(plain[at + 2 :], rows, strict=False):  # the header row left out
+        pattern = rf"\s*{re.escape(label)}\s+{re.escape(a)}\s+{re.escape(b)}"
+        assert re.fullmatch(pattern, line), (line, label, a, b)
+
+
+# (mode, the planted (step, rank) it stops at first, the factor planted on that record's values)
+FIRSTS = [("bitwise", (2, 0), 1 + 1e-9), ("numeric", (3, 1), 1.1)]
+
+
+@pytest.mark.parametrize("mode,planted,factor", FIRSTS, ids=[m for m, _, _ in FIRSTS])
+def test_the_first_divergence_is_tabled_alike(runs, mode, planted, factor):
+    """The first divergence's A/B table, cell for cell, in the terminal, the markdown and the report, at
+    the (step, rank) that was planted (bitwise: the first inexact cell; numeric: the first beyond), its
+    sums as planted."""
+    a, b = runs
+    result = diff_runs(a, b, mode=mode)
+    f = result.first_divergence
+    assert (f.step, f.rank) == planted
+    md = _md_ab(render_md(result))
+    assert [r[0] for r in md] == ["digest", "sum", "norm", "non-finite", "dtype, shape"]
+    assert md[0][1] != md[0][2]  # the digests differ
+    assert float(md[1][2]) == pytest.approx(factor * float(md[1][1]), rel=1e-9)
+    assert _html_ab(render_html([a, b], report_facts([a, b], {1: result}))) == md
+    _terminal_ab(_terminal(result), md)

@@ -16,6 +16,7 @@ import orjson
 from disttrace.analysis.sync import (
     Straggler,
     SyncResult,
+    WireVolume,
     check_sync,
     find_stragglers,
     predicted_dp_volume,
@@ -147,7 +148,7 @@ class CollectiveFacts(JsonDoc):
     the ring model, and the ZeRO paper's prediction for this strategy."""
 
     sync: SyncResult
-    wire_volume: dict[str, Any]
+    wire_volume: WireVolume
     predicted_bytes_per_step: int | None
     # ZeRO-3 with accumulation gathers the parameters once per micro-batch; the paper's 3(n-1)/n Psi counts
     # one forward and backward per step: the micro-batches per step where that gap applies, else None
@@ -156,10 +157,10 @@ class CollectiveFacts(JsonDoc):
     def measured_over_predicted(self) -> list[tuple[str, float, float | None]]:
         """(step, ring bytes measured, their ratio to the prediction) for each step after set-up."""
         out = []
-        for step, classes in self.wire_volume["steps"].items():
+        for step, classes in self.wire_volume.steps.items():
             if step == "0":
                 continue  # set-up (DDP's initial parameter broadcast)
-            total = sum(r["ring_bytes"] for r in classes.values())
+            total = sum(r.ring_bytes for r in classes.values())
             pred = self.predicted_bytes_per_step
             out.append((step, total, total / pred if pred else None))
         return out
@@ -167,7 +168,7 @@ class CollectiveFacts(JsonDoc):
     def to_dict(self) -> dict[str, Any]:
         return {
             **self.sync.to_dict(),
-            "wire_volume": self.wire_volume,
+            "wire_volume": self.wire_volume.to_dict(),
             "predicted_bytes_per_step": self.predicted_bytes_per_step,
         }
 

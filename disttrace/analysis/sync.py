@@ -10,44 +10,41 @@ from collections import Counter
 from dataclasses import dataclass
 
 from disttrace.jsondoc import JsonDoc, omit_none
+from disttrace.store.records import CollectiveLine
 from disttrace.store.rundir import Run
 
 
-def load_traces(run: Run) -> tuple[dict[int, dict[str, list[dict]]], list[str]]:
-    """rank -> group -> issued ops in order (with 'end' merged in when the op completed)."""
-    traces: dict[int, dict[str, list[dict]]] = {}
+def load_traces(run: Run) -> tuple[dict[int, dict[str, list[CollectiveLine]]], list[str]]:
+    """rank -> group -> issued ops in order (with `end` set from the op's end line when it completed)."""
+    traces: dict[int, dict[str, list[CollectiveLine]]] = {}
     warnings: list[str] = []
     for rank in run.ranks("collectives"):
         torn: list = []
-        groups: dict[str, list[dict]] = {}
-        by_key: dict = {}
+        groups: dict[str, list[CollectiveLine]] = {}
+        by_key: dict[tuple, CollectiveLine] = {}
         seen_fr: set = set()
         for rec in run.collectives(rank, torn):
-            if (
-                "lost" in rec
-            ):  # the Flight Recorder's ring wrapped past entries not yet copied (run/flightrec.py)
+            if rec.lost is not None:
+                # the Flight Recorder's ring wrapped past entries not yet copied (run/flightrec.py)
                 warnings.append(
-                    f"rank {rank}: {rec['lost']} collective(s) lost from the trace near step "
-                    f"{rec.get('step')} (Flight Recorder ring overwritten before it was copied)"
+                    f"rank {rank}: {rec.lost} collective(s) lost from the trace near step "
+                    f"{rec.step} (Flight Recorder ring overwritten before it was copied)"
                 )
                 continue
-            if (
-                "fr_seq" in rec
-            ):  # a dump from a signal handler may repeat entries a dump in progress wrote
-                key = (rec.get("pg"), rec["fr_seq"], rec.get("op") in P2P)
+            if rec.fr_seq is not None:
+                # a dump from a signal handler may repeat entries a dump in progress wrote
+                key = (rec.pg, rec.fr_seq, rec.op in P2P)
                 if key in seen_fr:
                     continue
                 seen_fr.add(key)
-            if "op" in rec:
-                groups.setdefault(rec["group"], []).append(rec)
-                by_key[(rec["group"], rec["seq"])] = rec
-                if (
-                    rec["op"] in P2P
-                ):  # point-to-point pairs a send with a recv: not a group sequence
-                    groups[rec["group"]].pop()
-                    groups.setdefault(f"p2p:{rec['group']}", []).append(rec)
-            elif "end" in rec and (rec.get("group"), rec.get("seq")) in by_key:
-                by_key[(rec["group"], rec["seq"])]["end"] = rec["end"]
+            if rec.op is not None:
+                groups.setdefault(rec.group, []).append(rec)
+                by_key[(rec.group, rec.seq)] = rec
+                if rec.op in P2P:  # point-to-point pairs a send with a recv: not a group sequence
+                    groups[rec.group].pop()
+                    groups.setdefault(f"p2p:{rec.group}", []).append(rec)
+            elif rec.end is not None and (rec.group, rec.seq) in by_key:
+                by_key[(rec.group, rec.seq)].end = rec.end
         traces[rank] = groups
         warnings += torn
     return traces, warnings
@@ -56,15 +53,15 @@ def load_traces(run: Run) -> tuple[dict[int, dict[str, list[dict]]], list[str]]:
 P2P = {"send", "recv_", "recv_any_source_"}
 
 
-def fingerprint(rec: dict) -> tuple:
-    return (rec["op"], tuple(tuple(s) for s in rec.get("shapes", [])), rec.get("dtype"))
+def fingerprint(rec: CollectiveLine) -> tuple:
+    return (rec.op, tuple(tuple(s) for s in rec.shapes or []), rec.dtype)
 
 
-def describe(rec: dict | None) -> str:
+def describe(rec: CollectiveLine | None) -> str:
     if rec is None:
         return "nothing"
-    shapes = ",".join("x".join(map(str, s)) or "scalar" for s in rec.get("shapes", []))
-    return f"{rec['op']} [{shapes}] {rec.get('dtype')}"
+    shapes = ",".join("x".join(map(str, s)) or "scalar" for s in rec.shapes or [])
+    return f"{rec.op} [{shapes}] {rec.dtype}"
 
 
 @dataclass
@@ -121,55 +118,29 @@ def check_sync(run: Run) -> SyncResult:
             groups[gkey] = GroupSync(
                 ranks=gkey[4:],
                 ops=sum(len(t.get(gkey, [])) for t in traces.values()),
-                bytes=sum(x.get("bytes", 0) for t in traces.values() for x in t.get(gkey, [])),
+                bytes=sum(x.bytes or 0 for t in traces.values() for x in t.get(gkey, [])),
                 note="point-to-point: counted, not sequence-checked",
             )
             continue
         members = [int(r) for r in gkey.split(",")] if gkey != "?" else sorted(traces)
         present = [r for r in members if r in traces]
         seqs = {r: traces[r].get(gkey, []) for r in present}
-        n = max((len(v) for v in seqs.values()), default=0)
         groups[gkey] = GroupSync(
             ranks=members,
-            ops=n,
-            bytes=sum(x.get("bytes", 0) for x in seqs[present[0]]) if present else 0,
+            ops=max((len(v) for v in seqs.values()), default=0),
+            bytes=sum(x.bytes or 0 for x in seqs[present[0]]) if present else 0,
         )
-        for k in range(n):
-            recs = {r: (seqs[r][k] if k < len(seqs[r]) else None) for r in present}
-            if any(v is None for v in recs.values()) and not run.complete:
-                break  # a rank's trace ended (it died or hung earlier): not a desync of this op
-            prints = {r: (fingerprint(v) if v else None) for r, v in recs.items()}
-            if len(set(prints.values())) <= 1:
-                continue
-            majority, _ = Counter(prints.values()).most_common(1)[0]
-            minority = sorted(r for r, p in prints.items() if p != majority)
-            agree = sorted(r for r, p in prints.items() if p == majority)
-            example = next(recs[r] for r in agree) if agree else None
-            odd = recs[minority[0]]
-            start = min((v["start"] for v in recs.values() if v), default=0.0)
-            mismatches.append(
-                Mismatch(
-                    group=members,
-                    seq=k,
-                    ranks=minority,
-                    majority_ranks=agree,
-                    minority=describe(odd),
-                    majority=describe(example),
-                    start=start,
-                    step=(odd or example or {}).get("step"),
-                    message=f"collective desync in group {members} at sequence {k}: rank(s) {minority} "
-                    f"issued {describe(odd)}, rank(s) {agree} issued {describe(example)}",
-                )
-            )
-            break  # later ops of a desynced group are noise
+        found = _first_mismatch(members, seqs, run.complete)
+        if found is not None:
+            mismatches.append(found)
     # the tracer writes an `end` line; the Flight Recorder's records say `done`
     unfinished = sorted(
         {
-            (r, g, rec["seq"], rec["op"])
+            (r, g, rec.seq, rec.op)
             for r, t in traces.items()
             for g, lst in t.items()
             for rec in lst
-            if "end" not in rec and not rec.get("done")
+            if rec.end is None and not rec.done
         }
     )
     first = min(mismatches, key=lambda m: m.start) if mismatches else None
@@ -181,6 +152,39 @@ def check_sync(run: Run) -> SyncResult:
         unfinished=[Unfinished(r, g, s, o) for r, g, s, o in unfinished],
         warnings=warnings,
     )
+
+
+def _first_mismatch(
+    members: list[int], seqs: dict[int, list[CollectiveLine]], complete: bool
+) -> Mismatch | None:
+    """The first collective of one group whose members issued different things (later ops of a desynced
+    group are noise); None where they agree."""
+    n = max((len(v) for v in seqs.values()), default=0)
+    for k in range(n):
+        recs = {r: (v[k] if k < len(v) else None) for r, v in seqs.items()}
+        if any(v is None for v in recs.values()) and not complete:
+            return None  # a rank's trace ended (it died or hung earlier): not a desync of this op
+        prints = {r: (fingerprint(v) if v else None) for r, v in recs.items()}
+        if len(set(prints.values())) <= 1:
+            continue
+        majority, _ = Counter(prints.values()).most_common(1)[0]
+        minority = sorted(r for r, p in prints.items() if p != majority)
+        agree = sorted(r for r, p in prints.items() if p == majority)
+        example = next(recs[r] for r in agree) if agree else None
+        odd = recs[minority[0]]
+        return Mismatch(
+            group=members,
+            seq=k,
+            ranks=minority,
+            majority_ranks=agree,
+            minority=describe(odd),
+            majority=describe(example),
+            start=min((v.start for v in recs.values() if v), default=0.0),
+            step=(odd or example).step if (odd or example) is not None else None,
+            message=f"collective desync in group {members} at sequence {k}: rank(s) {minority} "
+            f"issued {describe(odd)}, rank(s) {agree} issued {describe(example)}",
+        )
+    return None
 
 
 @dataclass
@@ -262,26 +266,42 @@ def op_class(op: str) -> str | None:
     return None
 
 
-def wire_volume(run: Run, rank: int = 0) -> dict:
+@dataclass
+class ClassVolume(JsonDoc):
+    """One collective class's traffic at one step: calls, the buffers' bytes, the ring model's bytes sent."""
+
+    calls: int = 0
+    bytes: int = 0
+    ring_bytes: float = 0.0
+
+
+@dataclass
+class WireVolume(JsonDoc):
+    """One rank's tensor traffic per step (str of the step) and collective class."""
+
+    rank: int
+    steps: dict[str, dict[str, ClassVolume]]
+
+
+def wire_volume(run: Run, rank: int = 0) -> WireVolume:
     """Per step, for one rank: calls and bytes per collective class and the ring model's bytes on the wire,
     counting tensor traffic (floating point: gradients, parameters, activations), not the small integer
     and byte messages of object collectives (checkpoint planning, topology exchange)."""
     traces, _ = load_traces(run)
-    steps: dict[int, dict] = {}
+    steps: dict[int, dict[str, ClassVolume]] = {}
     for group, ops in traces.get(rank, {}).items():
         members = group.removeprefix("p2p:").split(",")
         n = len(members) if members != ["?"] else 1
         for op in ops:
-            cls = op_class(op["op"])
-            if cls is None or not str(op.get("dtype") or "").startswith(("float", "bfloat")):
+            cls = op_class(op.op)
+            if cls is None or not str(op.dtype or "").startswith(("float", "bfloat")):
                 continue
-            row = steps.setdefault(op.get("step", 0), {}).setdefault(
-                cls, {"calls": 0, "bytes": 0, "ring_bytes": 0.0}
-            )
-            row["calls"] += 1
-            row["bytes"] += op.get("bytes", 0)
-            row["ring_bytes"] += RING[cls](n) * op.get("bytes", 0) if n > 1 else 0.0
-    return {"rank": rank, "steps": {str(s): v for s, v in sorted(steps.items())}}
+            step = op.step if op.step is not None else 0
+            row = steps.setdefault(step, {}).setdefault(cls, ClassVolume())
+            row.calls += 1
+            row.bytes += op.bytes or 0
+            row.ring_bytes += RING[cls](n) * (op.bytes or 0) if n > 1 else 0.0
+    return WireVolume(rank, {str(s): v for s, v in sorted(steps.items())})
 
 
 def predicted_dp_volume(manifest: dict) -> int | None:

@@ -25,7 +25,8 @@ def build_trace(run: Run) -> dict:
     for per_group in traces.values():
         for ops in per_group.values():
             for op in ops:
-                t0 = op["start"] if t0 is None else min(t0, op["start"])
+                if op.start is not None:
+                    t0 = op.start if t0 is None else min(t0, op.start)
     t0 = t0 or 0.0
 
     def us(t):
@@ -84,24 +85,26 @@ def build_trace(run: Run) -> dict:
             )
             last = 0.0
             for op in ops:
-                start = max(us(op["start"]), last)
-                end = max(us(op.get("end", op["start"])), start)
+                if op.start is None:
+                    continue  # an op the trace never saw start: nowhere on the timeline
+                start = max(us(op.start), last)
+                end = max(us(op.end if op.end is not None else op.start), start)
                 events.append(
                     {
                         "ph": "X",
-                        "name": op["op"],
+                        "name": op.op,
                         "pid": rank,
                         "tid": tid,
                         "ts": start,
                         "dur": end - start,
                         "cat": "collective",
                         "args": {
-                            "seq": op["seq"],
-                            "step": op.get("step"),
-                            "shapes": op.get("shapes"),
-                            "dtype": op.get("dtype"),
-                            "bytes": op.get("bytes"),
-                            "finished": "end" in op,
+                            "seq": op.seq,
+                            "step": op.step,
+                            "shapes": op.shapes,
+                            "dtype": op.dtype,
+                            "bytes": op.bytes,
+                            "finished": op.end is not None,
                         },
                     }
                 )

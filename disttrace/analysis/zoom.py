@@ -280,31 +280,28 @@ def zoom_result(
     """The zoom of `diff` into `step` with the two runs `deep` = (A's, B's, how they were produced) that hold
     its depth records (None: nothing to zoom into)."""
     warnings = list(warnings or [])
+    first = _from_diff(diff.first_divergence)
+
+    def result(**fields) -> ZoomResult:
+        return ZoomResult(depth=depth, mode=diff.mode, diff=diff, warnings=warnings, **fields)
+
     if deep is None or step is None:
-        return ZoomResult(
+        return result(
             equal=diff.equal,
-            depth=depth,
             step=None,
-            mode=diff.mode,
-            first_divergence=_from_diff(diff.first_divergence),
+            first_divergence=first,
             inside="diff found no divergence: no step to zoom into",
             deep=None,
-            diff=diff,
-            warnings=warnings,
         )
     deep_a, deep_b, produced_by = deep
     logical = not diff.topology.same
     refuse_op_across(diff, depth)
     if logical:
         refuse_attached_split(deep_a, deep_b)
-    ma, mb = deep_a.manifest_doc, deep_b.manifest_doc
     since = diff.tolerance.since_step or 0
-    tol = _Tol(diff.mode, ma, mb, rtol, atol, since)
+    tol = _Tol(diff.mode, deep_a.manifest_doc, deep_b.manifest_doc, rtol, atol, since)
     unit, compared, (na, nb), more = compare(deep_a, deep_b, step, depth, logical=logical, tol=tol)
     warnings += more
-    kind = BoundKind(
-        tol.kind(step, unit.rec.direction) if unit is not None else diff.tolerance.kind
-    )
     runs = DeepRuns(
         a=str(deep_a.path),
         b=str(deep_b.path),
@@ -313,28 +310,36 @@ def zoom_result(
         compared=compared,
         logical=logical,
     )
-    first = _from_diff(diff.first_divergence)
     if unit is None:
-        where = (
-            f"step {step}: every module's output and output gradient agree"
-            + (" and every op's output" if depth == "op" else "")
-            + (
-                f"; the divergence is outside forward and backward ({first.phase})"
-                if first is not None
-                else ""
-            )
+        where = _agree_inside(step, depth, first)
+        return result(equal=diff.equal, step=step, first_divergence=first, inside=where, deep=runs)
+    first = _deep_divergence(first, unit, step, BoundKind(tol.kind(step, unit.rec.direction)))
+    r = unit.rec
+    name = r.module or "(outside every module)"
+    what = f"{r.op} #{r.op_index} in {name}" if r.kind == "op" else name
+    side = "output gradient" if r.direction == "backward" else "output"
+    inside = f"step {step}: first differs at {what}, {r.direction} ({side})"
+    return result(equal=False, step=step, first_divergence=first, inside=inside, deep=runs)
+
+
+def _agree_inside(step: int, depth: str, first: ZoomDivergence | None) -> str:
+    """What a zoom that found every deep record equal says, in one line."""
+    return (
+        f"step {step}: every module's output and output gradient agree"
+        + (" and every op's output" if depth == "op" else "")
+        + (
+            f"; the divergence is outside forward and backward ({first.phase})"
+            if first is not None
+            else ""
         )
-        return ZoomResult(
-            equal=diff.equal,
-            depth=depth,
-            step=step,
-            mode=diff.mode,
-            first_divergence=first,
-            inside=where,
-            deep=runs,
-            diff=diff,
-            warnings=warnings,
-        )
+    )
+
+
+def _deep_divergence(
+    first: ZoomDivergence | None, unit: _Unit, step: int, kind: BoundKind
+) -> ZoomDivergence:
+    """diff's first divergence (or, where diff called the runs equal, one at the unit) with the module, op
+    and deep record where the two runs first differ inside the step."""
     r = unit.rec
     at = AtDepth(
         kind=r.kind,
@@ -369,20 +374,7 @@ def zoom_result(
     first.module, first.direction, first.at_depth = r.module, r.direction, at
     if r.kind == "op":
         first.op, first.op_index = r.op, r.op_index
-    name = r.module or "(outside every module)"
-    what = f"{r.op} #{r.op_index} in {name}" if r.kind == "op" else name
-    side = "output gradient" if r.direction == "backward" else "output"
-    return ZoomResult(
-        equal=False,
-        depth=depth,
-        step=step,
-        mode=diff.mode,
-        first_divergence=first,
-        inside=f"step {step}: first differs at {what}, {r.direction} ({side})",
-        deep=runs,
-        diff=diff,
-        warnings=warnings,
-    )
+    return first
 
 
 def refuse_op_across(diff: DiffResult, depth: str) -> None:

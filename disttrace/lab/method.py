@@ -8,6 +8,7 @@ the first divergence will be; the lab says whether it held, or in which coordina
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from disttrace.analysis.diff import diff_runs
@@ -81,7 +82,16 @@ def reusable_reference(out: Path, manifest_id: str) -> Path | None:
     return None
 
 
-def _run(run_dir: Path, progress, follow=None, path: str = "") -> dict:
+@dataclass(frozen=True)
+class Launched:
+    """How one path's job ended: exit 0, or 3 with why (a fault may make the job fail)."""
+
+    run_dir: str
+    exit: int = 0
+    reason: str | None = None
+
+
+def _run(run_dir: Path, progress, follow=None, path: str = "") -> Launched:
     """Launch one path; `follow(run_dir, path)`, if given, is a context manager that shows its live progress."""
     try:
         if follow is None:
@@ -89,10 +99,10 @@ def _run(run_dir: Path, progress, follow=None, path: str = "") -> dict:
         else:
             with follow(run_dir, path):
                 launch(run_dir)
-        return {"run_dir": str(run_dir), "exit": 0}
+        return Launched(str(run_dir))
     except JobFailed as e:
         progress(f"[yellow]job failed (exit 3), as a fault may make it:[/yellow] {_e(e)}")
-        return {"run_dir": str(run_dir), "exit": 3, "reason": str(e)}
+        return Launched(str(run_dir), 3, str(e))
 
 
 def final_loss(run_dir: str) -> float | None:
@@ -102,7 +112,7 @@ def final_loss(run_dir: str) -> float | None:
 
 def expected_signature(
     spec: dict,
-    fault_res: dict,
+    fault_res: Launched,
     d_fault: DiffResult | None,
     d_rec: DiffResult | None,
     resume_step,
@@ -110,10 +120,10 @@ def expected_signature(
     exp = spec["expect"]
     first = d_fault.first_divergence if d_fault else None
     if exp == "exit-3":
-        return fault_res["exit"] == 3, f"job ended with exit {fault_res['exit']}"
+        return fault_res.exit == 3, f"job ended with exit {fault_res.exit}"
     if exp == "refused-at-load":
-        ck = Path(fault_res["run_dir"]) / "checkpoints" / f"step-{spec['step']:06d}"
-        ok, why = checkpoint.status(ck, Run(fault_res["run_dir"]).manifest_id)
+        ck = Path(fault_res.run_dir) / "checkpoints" / f"step-{spec['step']:06d}"
+        ok, why = checkpoint.status(ck, Run(fault_res.run_dir).manifest_id)
         return (not ok), f"checkpoint of step {spec['step']}: {why}"
     if exp == "none":
         equal = bool(d_fault and d_fault.equal)
@@ -128,6 +138,69 @@ def expected_signature(
         return False, "no divergence found"
     ok = first.step == spec["step"] and first.phase == exp and first.rank == spec["rank"]
     return ok, f"first divergence at step {first.step} {first.phase} rank {first.rank}"
+
+
+def _reference(frozen, out: Path, progress, follow) -> Path:
+    """The reference path: a complete, verified one of the manifest under `out` reused, else run."""
+    ref = reusable_reference(out, frozen.manifest_id)
+    if ref:
+        progress(f"reference: reusing complete, verified {_e(ref)}")
+        return ref
+    ref = prepare(frozen, out, "reference")
+    progress(f"reference: running {_e(ref)}")
+    res = _run(ref, progress, follow, "reference")
+    if res.exit:
+        raise JobFailed(f"the reference run failed: {res.reason}", str(ref))
+    return ref
+
+
+def _recovered(
+    frozen, out: Path, fault_dir: Path, progress, follow
+) -> tuple[Launched | None, int | None]:
+    """The recovered path: the fault removed, resumed from the fault run's last good checkpoint (None where
+    it has none), and the step it resumed from."""
+    try:
+        _, ckpt, why = choose_checkpoint(fault_dir, None)
+        resume_step = int(ckpt.name.split("-")[1])
+        rec_dir = prepare(
+            frozen, out, "recovered", resume=resume_spec(frozen, out, ckpt, fault_dir)
+        )
+        progress(
+            f"recovered: fault removed, resuming from {_e(ckpt.name)} ({_e(why)}): {_e(rec_dir)}"
+        )
+        return _run(rec_dir, progress, follow, "recovered"), resume_step
+    except BadInput as e:
+        progress(f"[yellow]no recovery possible:[/yellow] {_e(e)}")
+        return None, None
+
+
+def _zoomed(ref: Path, fault_dir: Path, depth: str, d_fault: DiffResult, progress):
+    """The fault path's first divergence with the module (and op) inside its step (docs/zoom.md); diff's,
+    where the step could not be zoomed into."""
+    from disttrace.lab.zoom import zoom
+
+    try:
+        return zoom(ref, fault_dir, depth=depth, diff=d_fault, progress=progress).first_divergence
+    except (BadInput, JobFailed) as e:
+        progress(f"[yellow]not zoomed:[/yellow] {_e(e)}")
+        return d_fault.first_divergence
+
+
+def _recovered_outcome(
+    rec_res: Launched | None, resume_step: int | None, d_rec: DiffResult | None, g_rec
+) -> PathOutcome | None:
+    if rec_res is None:
+        return None
+    return PathOutcome(
+        run_dir=rec_res.run_dir,
+        exit=rec_res.exit,
+        resumed_from_step=resume_step,
+        final_loss=final_loss(rec_res.run_dir),
+        first_divergence=d_rec.first_divergence,
+        equal_to_reference=d_rec.equal,
+        gate=g_rec.passed,
+        gate_failed=[c.name for c in g_rec.checks if c.passed is False],
+    )
 
 
 def run_lab(
@@ -148,82 +221,38 @@ def run_lab(
     prediction = parse_prediction(predict)
     if prediction:
         progress(f"prediction written down before the run: first divergence in {_e(predict)}")
-
-    ref = reusable_reference(out, frozen.manifest_id)
-    if ref:
-        progress(f"reference: reusing complete, verified {_e(ref)}")
-    else:
-        ref = prepare(frozen, out, "reference")
-        progress(f"reference: running {_e(ref)}")
-        res = _run(ref, progress, follow, "reference")
-        if res["exit"]:
-            raise JobFailed(f"the reference run failed: {res.get('reason')}", str(ref))
-
+    ref = _reference(frozen, out, progress, follow)
     fault_dir = prepare(frozen, out, "fault", fault=spec)
     progress(f"fault: {_e(fault)} at step {step} rank {rank}: {_e(fault_dir)}")
     fault_res = _run(fault_dir, progress, follow, "fault")
-
-    rec_res, resume_step = None, None
-    try:
-        _, ckpt, why = choose_checkpoint(fault_dir, None)
-        resume_step = int(ckpt.name.split("-")[1])
-        rec_dir = prepare(
-            frozen, out, "recovered", resume=resume_spec(frozen, out, ckpt, fault_dir)
-        )
-        progress(
-            f"recovered: fault removed, resuming from {_e(ckpt.name)} ({_e(why)}): {_e(rec_dir)}"
-        )
-        rec_res = _run(rec_dir, progress, follow, "recovered")
-    except BadInput as e:
-        progress(f"[yellow]no recovery possible:[/yellow] {_e(e)}")
-
+    rec_res, resume_step = _recovered(frozen, out, fault_dir, progress, follow)
     progress("diff and gate ...")
     d_fault = diff_runs(ref, fault_dir)
-    d_rec = diff_runs(ref, rec_res["run_dir"]) if rec_res else None
+    d_rec = diff_runs(ref, rec_res.run_dir) if rec_res else None
     g_ref = gate(ref)
     g_fault = gate(fault_dir, ref)
-    g_rec = gate(Path(rec_res["run_dir"]), ref) if rec_res else None
+    g_rec = gate(Path(rec_res.run_dir), ref) if rec_res else None
 
     sig_ok, sig_why = expected_signature(spec, fault_res, d_fault, d_rec, resume_step)
     fault_first = d_fault.first_divergence
-    if zoom_depth and fault_first is not None and not fault_res["exit"]:
-        from disttrace.lab.zoom import zoom
-
-        try:  # the module (and op) inside the fault path's first divergent step (docs/zoom.md)
-            fault_first = zoom(
-                ref, fault_dir, depth=zoom_depth, diff=d_fault, progress=progress
-            ).first_divergence
-        except (BadInput, JobFailed) as e:
-            progress(f"[yellow]not zoomed:[/yellow] {_e(e)}")
-    if spec["expect"] == "resume:optimizer":
-        recovered_ok = True  # the counter-example: its recovery is supposed to diverge
-    else:
-        recovered_ok = bool(d_rec and d_rec.equal and g_rec and g_rec.passed)
-    accepted = sig_ok and recovered_ok and g_ref.passed
+    if zoom_depth and fault_first is not None and not fault_res.exit:
+        fault_first = _zoomed(ref, fault_dir, zoom_depth, d_fault, progress)
+    recovered_ok = spec["expect"] == "resume:optimizer" or bool(  # that one's recovery diverges
+        d_rec and d_rec.equal and g_rec and g_rec.passed
+    )
     paths = LabPaths(
         reference=PathOutcome(
             run_dir=str(ref), final_loss=final_loss(ref), first_divergence=None, gate=g_ref.passed
         ),
         fault=PathOutcome(
             run_dir=str(fault_dir),
-            exit=fault_res["exit"],
+            exit=fault_res.exit,
             final_loss=final_loss(fault_dir),
             first_divergence=fault_first,
             gate=g_fault.passed,
             gate_failed=[c.name for c in g_fault.checks if c.passed is False],
         ),
-        recovered=None
-        if not rec_res
-        else PathOutcome(
-            run_dir=rec_res["run_dir"],
-            exit=rec_res["exit"],
-            resumed_from_step=resume_step,
-            final_loss=final_loss(rec_res["run_dir"]),
-            first_divergence=d_rec.first_divergence,
-            equal_to_reference=d_rec.equal,
-            gate=g_rec.passed,
-            gate_failed=[c.name for c in g_rec.checks if c.passed is False],
-        ),
+        recovered=_recovered_outcome(rec_res, resume_step, d_rec, g_rec),
     )
     return LabResult(
         manifest_id=frozen.manifest_id,
@@ -231,6 +260,6 @@ def run_lab(
         paths=paths,
         expected_signature=Signature(expect=spec["expect"], observed=sig_why, held=sig_ok),
         prediction=judge_prediction(prediction, d_fault.first_divergence),
-        accepted=accepted,
+        accepted=sig_ok and recovered_ok and g_ref.passed,
         diffs=LabDiffs(fault=d_fault, recovered=d_rec),
     )

@@ -133,7 +133,7 @@ def not_reproduced(run: Run, replay: Run, step: int) -> str | None:
         d = first_difference(run, replay, s)
         if d is not None:
             return f"replayed step {s} does not reproduce the stored one, first at {d.line()}"
-    if not any(r["step"] == step for recs in read_depth(replay).by_rank.values() for r in recs):
+    if not any(r.step == step for recs in read_depth(replay).by_rank.values() for r in recs):
         return f"it holds no depth records of step {step} (did the script attach to it?)"
     return None
 

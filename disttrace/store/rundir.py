@@ -492,12 +492,11 @@ class Run:
                 raise BadInput(p, f"line {n}: 'seconds' must be a number >= 0", field="seconds")
         return read
 
-    def collectives(self, rank: int, torn: list | None = None) -> Iterator[dict]:
+    def collectives(self, rank: int, torn: list | None = None) -> Iterator[CollectiveLine]:
         """`collectives/rank-N.jsonl`, each line validated (CollectiveLine)."""
         p = self.rank_path("collectives", rank)
         for n, rec in enumerate(iter_jsonl(p, torn, self.path), 1):
-            CollectiveLine.parse_line(rec, p, n)
-            yield rec
+            yield CollectiveLine.parse_line(rec, p, n)
 
     def memory(self, rank: int, torn: list | None = None) -> Iterator[dict]:
         """`memory/rank-N.jsonl`, each line validated (MemoryLine)."""

@@ -18,12 +18,13 @@ without the seal was, and found nothing), or bad input (exit 2: not a run direct
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
 
 from disttrace.errors import BadInput
+from disttrace.jsondoc import JsonDoc
 from disttrace.store import safeio, trajectory
 from disttrace.store import seal as sealing
 from disttrace.store.checkpoints import verify as verify_checkpoint
@@ -38,7 +39,9 @@ UNSEALED_BY_DESIGN = re.compile(
 
 
 @dataclass
-class Damage:
+class Damage(JsonDoc):
+    """What is wrong with one file of the run (at one step of it, where the file holds steps)."""
+
     file: str  # relative to the run directory
     reason: str
     step: int | None = None
@@ -52,19 +55,32 @@ class Damage:
 
 
 @dataclass
-class Verdict:
+class Checked(JsonDoc):
+    """What was checked: sealed files, steps of the chains, ranks, checkpoints."""
+
+    files: int = 0
+    steps: int = 0
+    ranks: int = 0
+    checkpoints: int = 0
+
+
+@dataclass
+class Verdict(JsonDoc):
+    """The `verify --json` document (with `intact` added: `to_dict`)."""
+
     run: str
     status: str = "intact"  # intact | damaged | unsealed
-    first_damage: dict | None = None
-    damage: list[dict] = field(default_factory=list)
-    checked: dict = field(
-        default_factory=lambda: {"files": 0, "steps": 0, "ranks": 0, "checkpoints": 0}
-    )
+    first_damage: Damage | None = None
+    damage: list[Damage] = field(default_factory=list)
+    checked: Checked = field(default_factory=Checked)
     notes: list[str] = field(default_factory=list)
 
     @property
     def exit_ok(self) -> bool:
         return self.status == "intact"
+
+    def to_dict(self) -> dict:
+        return {**super().to_dict(), "intact": self.exit_ok}
 
 
 class _Verifier:
@@ -83,7 +99,7 @@ class _Verifier:
 
     def damage(self, file: str, reason: str, step: int | None = None) -> None:
         self.damaged_files.add(file)
-        self.v.damage.append(asdict(Damage(file, reason, step)))
+        self.v.damage.append(Damage(file, reason, step))
 
     # ------------------------------------------------------------ the seal
     def read_seal(self) -> dict | None:
@@ -109,7 +125,7 @@ class _Verifier:
         return seal
 
     def check_file(self, rel: str, want: dict, prefix: bool = False) -> None:
-        self.v.checked["files"] += 1
+        self.v.checked.files += 1
         if not safeio.store_name(
             rel
         ):  # a seal names files inside the store, never a path of the machine
@@ -145,7 +161,7 @@ class _Verifier:
         traj_rel = f"trajectory/{traj.name}"
         idx_rel = rank_file("trajectory", rank, ".steps.jsonl")
         idx = self.path / idx_rel
-        self.v.checked["ranks"] += 1
+        self.v.checked.ranks += 1
         if not safeio.present(idx):
             self.damage(idx_rel, "missing: the step index of this rank's trajectory")
             return
@@ -227,7 +243,7 @@ class _Verifier:
             prev = e["chain"]
             expect_offset = e["offset"] + e["length"]
             last_step = step
-        self.v.checked["steps"] += n
+        self.v.checked.steps += n
         if unsealed_steps:
             self.v.notes.append(
                 f"{idx_rel}: {unsealed_steps} steps without hashes (written before step hashes)"
@@ -316,7 +332,7 @@ class _Verifier:
             if ckpt.is_symlink():
                 continue  # reported by links_out (or a link inside the run: its target is checked there)
             rel_index = f"checkpoints/{ckpt.name}/INDEX.json"
-            self.v.checked["checkpoints"] += 1
+            self.v.checked.checkpoints += 1
             step = int(ckpt.name.split("-")[1])
             if files and rel_index in files:
                 self.check_file(rel_index, files[rel_index])
@@ -339,11 +355,10 @@ def verify_run(run_dir: Path | str) -> Verdict:
 def summary_line(v: Verdict) -> str:
     c = v.checked
     if v.status == "damaged":
-        d = v.first_damage
         more = f" (and {len(v.damage) - 1} more)" if len(v.damage) > 1 else ""
-        return "damaged: " + Damage(d["file"], d["reason"], d["step"]).line() + more
+        return "damaged: " + v.first_damage.line() + more
     what = (
-        f"{c['files']} sealed files, {c['steps']} steps on {c['ranks']} ranks, {c['checkpoints']} checkpoints "
+        f"{c.files} sealed files, {c.steps} steps on {c.ranks} ranks, {c.checkpoints} checkpoints "
         "(every pickle scanned)"
     )
     if v.status == "unsealed":

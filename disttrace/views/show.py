@@ -157,14 +157,14 @@ def render_collectives(facts: CollectiveFacts, console: Console) -> None:
     tab = Table(title="rank 0: tensor traffic per step, ring model (bytes sent per rank)")
     for col in ("step", "class", "calls", "buffer bytes", "ring bytes on the wire"):
         tab.add_column(col, justify="right")
-    for step, classes in facts.wire_volume["steps"].items():
+    for step, classes in facts.wire_volume.steps.items():
         for cls, row in classes.items():
             tab.add_row(
                 Text(str(step)),
                 Text(str(cls)),
-                Text(str(row["calls"])),
-                Text(str(row["bytes"])),
-                f"{row['ring_bytes']:.0f}",
+                Text(str(row.calls)),
+                Text(str(row.bytes)),
+                f"{row.ring_bytes:.0f}",
             )
     console.print(tab)
     pred = facts.predicted_bytes_per_step
