@@ -12,9 +12,10 @@ import argparse
 import os
 import sys
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from types import SimpleNamespace
+from typing import Any
 
 from disttrace.config.manifest import Manifest, validate
 from disttrace.errors import BadInput, DisttraceError
@@ -25,8 +26,23 @@ from disttrace.store.records import Event
 from disttrace.store.rundir import COMPLETE, LOCK, event, rank_file, read_json, write_json_atomic
 
 
-class Context(SimpleNamespace):
+@dataclass
+class Context:
     """What the loop and the faults may see of the worker."""
+
+    run_dir: Path
+    manifest: Manifest
+    manifest_id: str
+    rank: int
+    world: int
+    dp_rank: int
+    device: Any
+    strategy: Any  # a run/parallel Strategy
+    data: Any  # the rank's token windows (data/windows.py's TokenData)
+    bus: Any  # the HookBus
+    tracer: Any  # the collective tracer (run/flightrec.py or run/collectives.py)
+    start_step: int = 0  # the step a resumed run starts after
+    stop_after: int | None = None  # `gate --replay`: the last step to run
 
     def save_checkpoint(self, step: int) -> None:
         from disttrace.run import checkpoint
@@ -180,7 +196,6 @@ def run(run_dir: Path) -> None:
                 strategy=strategy,
                 data=data,
                 bus=bus,
-                start_step=0,
                 tracer=tracer,
             )
             fault = faults.build(info.get("fault"))
