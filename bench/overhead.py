@@ -133,7 +133,7 @@ def worker(rank, world, port, frozen_doc, steps, out, q, device_type="cpu", spec
     from disttrace.model.llama import build_model, lm_loss
     from disttrace.run.collectives import CollectiveTracer
     from disttrace.run.flightrec import FlightRecorderTrace
-    from disttrace.run.hooks import HookBus
+    from disttrace.run.hooks import Batch, Data, HookBus, Loss
     from disttrace.run.livecheck import LiveCheck
     from disttrace.run.loop import emit_module_outputs
     from disttrace.run.memory import MemoryLedger
@@ -231,19 +231,14 @@ def worker(rank, world, port, frozen_doc, steps, out, q, device_type="cpu", spec
                 strategy.zero_grad()
                 for mb in range(accum):
                     bus.micro_batch = mb
-                    batch = data.batch(step, mb, dp_rank)
-                    batch = {
-                        **batch,
-                        "inputs": batch["inputs"].to(device),
-                        "targets": batch["targets"].to(device),
-                    }
-                    batch = bus.emit("data", batch=batch, fetch=None)["batch"]
+                    read = data.batch(step, mb, dp_rank)
+                    batch = Batch(
+                        read["inputs"].to(device), read["targets"].to(device), read["sample_ids"]
+                    )
+                    batch = bus.emit(Data(batch)).batch
                     with strategy.micro_batch(mb == accum - 1):
-                        loss = bus.emit(
-                            "loss",
-                            loss=lm_loss(strategy.model(batch["inputs"]), batch["targets"]),
-                            tokens=0,
-                        )["loss"]
+                        logits = strategy.model(batch.inputs)
+                        loss = bus.emit(Loss(lm_loss(logits, batch.targets))).loss
                         strategy.backward(loss / accum, mb == accum - 1)
                 strategy.step()
                 bus.emit("step_end")

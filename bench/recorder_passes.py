@@ -51,7 +51,7 @@ def run(steps: int, sets: list[str], clip: bool, checkpoint: bool) -> dict:
     from disttrace.config.manifest import Manifest, freeze
     from disttrace.data.windows import TokenData
     from disttrace.model.llama import build_model, lm_loss
-    from disttrace.run.hooks import HookBus
+    from disttrace.run.hooks import Batch, BeforeCheckpoint, Data, HookBus, Loss
     from disttrace.run.loop import emit_module_outputs
     from disttrace.run.parallel import build_strategy
     from disttrace.run.recorder import Recorder
@@ -128,14 +128,14 @@ def run(steps: int, sets: list[str], clip: bool, checkpoint: bool) -> dict:
             strategy.zero_grad()
             for mb in range(accum):
                 bus.micro_batch = mb
-                batch = bus.emit("data", batch=data.batch(step, mb, 0), fetch=None)["batch"]
+                batch = bus.emit(Data(Batch(**data.batch(step, mb, 0)))).batch
                 with strategy.micro_batch(mb == accum - 1):
-                    loss = lm_loss(strategy.model(batch["inputs"]), batch["targets"])
-                    loss = bus.emit("loss", loss=loss, tokens=0)["loss"]
+                    loss = lm_loss(strategy.model(batch.inputs), batch.targets)
+                    loss = bus.emit(Loss(loss)).loss
                     strategy.backward(loss / accum, mb == accum - 1)
             strategy.step()
             if checkpoint:
-                bus.emit("before_checkpoint", state=strategy.state_dict())
+                bus.emit(BeforeCheckpoint(strategy.state_dict(), step))
             bus.emit("step_end")
             wall = time.perf_counter() - t
             own = sum(e[2] for e in r.tally.values()) + r.write_s

@@ -10,7 +10,7 @@ import torch
 from conftest import DEFAULT, SHORT, cli, last_line, raw_records, traj_file
 
 from disttrace.run import digest as D
-from disttrace.run.hooks import HookBus, grads_of, param_refs
+from disttrace.run.hooks import Batch, HookBus, grads_of, param_refs
 from disttrace.run.loop import emit_module_outputs
 from disttrace.run.parallel.common import clip_gradients, optimizer_state_list
 from disttrace.run.recorder import Recorder
@@ -67,10 +67,10 @@ def test_reused_statistics_are_the_full_digests_and_a_hidden_write_is_seen(tmp_p
         for mb in (0, 1):
             bus.micro_batch = mb
             tokens = torch.randint(0, vocab, (2, 17), generator=g)
-            bus.emit("data", batch={"inputs": tokens[:, :-1], "sample_ids": [2 * mb, 2 * mb + 1]})
+            bus.emit("data", batch=Batch(tokens[:, :-1], sample_ids=[2 * mb, 2 * mb + 1]))
             logits = model(tokens[:, :-1])
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-            loss = bus.emit("loss", loss=loss, tokens=32)["loss"]
+            loss = bus.emit("loss", loss=loss, tokens=32).loss
             (loss / 2).backward()
             bus.emit("backward", grads=grads_of(named))
         bus.emit("reduce", grads=grads_of(named))
@@ -78,7 +78,9 @@ def test_reused_statistics_are_the_full_digests_and_a_hidden_write_is_seen(tmp_p
         opt.step()
         bus.emit("optimizer", params=named, state=optimizer_state_list(opt, named), optimizer=opt)
         bus.emit(
-            "before_checkpoint", state={"model": model.state_dict(), "optim": opt.state_dict()}
+            "before_checkpoint",
+            state={"model": model.state_dict(), "optim": opt.state_dict()},
+            step=step,
         )
         bus.emit("step_end")
     reuse.close()

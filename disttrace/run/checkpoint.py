@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from disttrace.run.hooks import BeforeCheckpoint, Checkpoint
 from disttrace.store.checkpoints import step_dir, verify, write_index
 
 
@@ -25,7 +26,7 @@ def save(
 
     final = step_dir(run_dir, step)
     partial = final.with_name(final.name + ".partial")
-    state = bus.emit("before_checkpoint", state=strategy.state_dict(), step=step)["state"]
+    state = bus.emit(BeforeCheckpoint(state=strategy.state_dict(), step=step)).state
     # per-rank entries (RNG) get per-rank keys: DCP writes replicated keys once, these it must keep apart
     state[f"rng/rank-{rank:05d}"] = torch.get_rng_state()
     state["progress"] = {"step": step, **extra}
@@ -39,7 +40,7 @@ def save(
         write_index(partial, step, manifest_id, world_size, contents)
         os.replace(partial, final)
     dist.barrier()
-    bus.emit("checkpoint", path=final, step=step)
+    bus.emit(Checkpoint(path=final, step=step))
     return final
 
 

@@ -27,7 +27,8 @@ from typing import Any, ClassVar
 from disttrace.config.attached import AttachedManifest
 from disttrace.config.manifest import Manifest
 from disttrace.errors import BadInput
-from disttrace.run.hooks import Point
+from disttrace.run import hooks
+from disttrace.run.hooks import Point, ProcessExit
 from disttrace.store.records import FaultEvent
 from disttrace.store.rundir import event
 
@@ -624,10 +625,10 @@ class BitflipGrad(_TensorFault):
             )
 
     @at(Point.BACKWARD)
-    def flip(self, bus, p):
+    def flip(self, bus, p: hooks.Backward):
         # -1: the last micro-batch, the one the reduce follows
         if bus.micro_batch == self.args.micro_batch % self.manifest.training.grad_accum_steps:
-            entry = pick(p["grads"], self.args.tensor)
+            entry = pick(p.grads, self.args.tensor)
             if entry is not None:
                 _fire_flip(self, bus, "backward", entry[1], entry[2])
 
@@ -651,8 +652,8 @@ class BitflipParam(_TensorFault, _ParamFault):
         _check_bit(args, manifest)
 
     @at(Point.OPTIMIZER)
-    def flip(self, bus, p):
-        entry = pick(p["params"], self.args.tensor)
+    def flip(self, bus, p: hooks.Optimizer):
+        entry = pick(p.params, self.args.tensor)
         if entry is not None:
             _fire_flip(self, bus, "optimizer", entry[1], entry[2], target=self._target())
 
@@ -676,15 +677,15 @@ class SkipAllreduce(Fault):
         super().install(bus)
 
     @at(Point.BACKWARD, order=95)  # after any other handler: what was really sent
-    def keep_local(self, bus, p):
-        if p.get("before_collective"):
-            for index, name, g, *_ in p["grads"]:
+    def keep_local(self, bus, p: hooks.Backward):
+        if p.before_collective:
+            for index, name, g, *_ in p.grads:
                 if self.keeps(index, name):
                     self.local[index] = g.detach().clone()
 
     @at(Point.REDUCE)
-    def restore(self, bus, p):
-        kept = [(name, g) for index, name, g, *_ in p["grads"] if index in self.local]
+    def restore(self, bus, p: hooks.Reduce):
+        kept = [(name, g) for index, name, g, *_ in p.grads if index in self.local]
         with self.changing(
             bus,
             [g for _, g in kept],
@@ -692,7 +693,7 @@ class SkipAllreduce(Fault):
             tensors=len(self.local),
             names=[n for n, _ in kept][:8],
         ):
-            for index, _name, g, *_ in p["grads"]:
+            for index, _name, g, *_ in p.grads:
                 if index in self.local:
                     g.copy_(self.local[index])
 
@@ -705,9 +706,9 @@ class GradScale(Fault):
     needs_dp2 = True
 
     @at(Point.REDUCE)
-    def divide(self, bus, p):
+    def divide(self, bus, p: hooks.Reduce):
         world = self.manifest.parallelism.dp
-        grads = [g for _, _, g, *_ in p["grads"]]
+        grads = [g for _, _, g, *_ in p.grads]
         with self.changing(bus, grads, phase="reduce", divisor=world):
             for g in grads:
                 g.div_(world)
@@ -729,14 +730,14 @@ class DataSwap(Fault):
         _check_mb(args, manifest)
 
     @at(Point.DATA)
-    def swap(self, bus, p):
+    def swap(self, bus, p: hooks.Data):
         if bus.micro_batch == self.args.micro_batch:
             other = (self.ctx.dp_rank + 1) % self.manifest.parallelism.dp
-            before = state_digest(p["batch"]["inputs"], p["batch"]["targets"])
-            p["batch"] = p["fetch"](other)
+            before = state_digest(p.batch.inputs, p.batch.targets)
+            p.batch = p.fetch(other)
             self.fire(
                 bus,
-                proof=(before, state_digest(p["batch"]["inputs"], p["batch"]["targets"])),
+                proof=(before, state_digest(p.batch.inputs, p.batch.targets)),
                 phase="data",
                 read_shard_of_dp_rank=other,
             )
@@ -762,16 +763,16 @@ class DropMicrobatch(Fault):
         return 0.0  # not skipped outright: backward still runs, so DDP's collectives stay matched
 
     @at(Point.LOSS)
-    def scale(self, bus, p):
+    def scale(self, bus, p: hooks.Loss):
         if bus.micro_batch == self.args.micro_batch:
-            before = float(p["loss"])
-            p["loss"] = p["loss"] * self.factor()
+            before = float(p.loss)
+            p.loss = p.loss * self.factor()
             self.fire(
                 bus,
-                proof=(repr(before), repr(float(p["loss"]))),
+                proof=(repr(before), repr(float(p.loss))),
                 phase="loss",
                 before=before,
-                after=float(p["loss"]),
+                after=float(p.loss),
             )
 
 
@@ -792,13 +793,13 @@ class StaleParam(_ParamFault):
 
     # under the parameter server `before_optimizer` hands the server its master parameters already
     @at(Point.BEFORE_OPTIMIZER, anytime=True)
-    def keep(self, bus, p):
+    def keep(self, bus, p: hooks.BeforeOptimizer):
         if bus.step in (self.step - 1, self.step) and not self.fired:
-            self.saved[bus.step] = [t.detach().clone() for _, _, t in p["params"]]
+            self.saved[bus.step] = [t.detach().clone() for _, _, t in p.params]
 
     @at(Point.OPTIMIZER)
-    def restale(self, bus, p):
-        tensors = [t for _, _, t in p["params"]]
+    def restale(self, bus, p: hooks.Optimizer):
+        tensors = [t for _, _, t in p.params]
         with self.changing(
             bus, tensors, phase="optimizer", tensors=len(tensors), target=self._target()
         ):
@@ -827,16 +828,16 @@ class LrSkew(Fault):
             )
 
     @at(Point.BEFORE_OPTIMIZER)
-    def skew(self, bus, p):
-        self.saved = [g["lr"] for g in p["optimizer"].param_groups]
-        for g in p["optimizer"].param_groups:
+    def skew(self, bus, p: hooks.BeforeOptimizer):
+        self.saved = [g["lr"] for g in p.optimizer.param_groups]
+        for g in p.optimizer.param_groups:
             g["lr"] = g["lr"] * self.args.k
 
     # at `optimizer` itself (the parameter server's too): the learning rates are the optimizer's
     @at(Point.OPTIMIZER)
-    def restore(self, bus, p):
-        used = [g["lr"] for g in p["optimizer"].param_groups]
-        for g, lr in zip(p["optimizer"].param_groups, self.saved):
+    def restore(self, bus, p: hooks.Optimizer):
+        used = [g["lr"] for g in p.optimizer.param_groups]
+        for g, lr in zip(p.optimizer.param_groups, self.saved):
             g["lr"] = lr
         self.fire(
             bus,
@@ -861,14 +862,14 @@ class OptimizerReset(Fault):
         )
 
     @at(Point.BEFORE_CHECKPOINT, anytime=True)
-    def drop(self, bus, p):
-        if bus.step == self.step and "optim" in p["state"]:
-            before = sorted(p["state"])
-            del p["state"]["optim"]
+    def drop(self, bus, p: hooks.BeforeCheckpoint):
+        if bus.step == self.step and "optim" in p.state:
+            before = sorted(p.state)
+            del p.state["optim"]
             if bus.rank == self.rank:  # the event is logged once, by the named rank
                 self.fire(
                     bus,
-                    proof=(repr(before), repr(sorted(p["state"]))),
+                    proof=(repr(before), repr(sorted(p.state))),
                     phase="checkpoint",
                     dropped="optim",
                 )
@@ -893,12 +894,12 @@ class CorruptCheckpoint(Fault):
             )
 
     @at(Point.CHECKPOINT)
-    def corrupt(self, bus, p):
+    def corrupt(self, bus, p: hooks.Checkpoint):
         import hashlib
 
-        target = Path(p["path"]) / f"__{self.rank}_0.distcp"
+        target = Path(p.path) / f"__{self.rank}_0.distcp"
         if not target.exists():
-            target = sorted(Path(p["path"]).glob("*.distcp"))[0]
+            target = sorted(Path(p.path).glob("*.distcp"))[0]
         data = bytearray(target.read_bytes())
         before = hashlib.sha256(data).hexdigest()
         at = len(data) // 2
@@ -922,9 +923,9 @@ class KillRank(Fault):
     description = "the rank dies with SIGKILL at the start of the step"
 
     @at(Point.STEP_START)
-    def kill(self, bus, p):
+    def kill(self, bus, p: hooks.StepStart):
         self.fire(bus, phase="data")
-        bus.emit("process_exit", reason=self.name)  # SIGKILL leaves no chance to write later
+        bus.emit(ProcessExit(reason=self.name))  # SIGKILL leaves no chance to write later
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -960,8 +961,8 @@ class SlowRank(Fault):
         return round(time.monotonic() - start, 3)
 
     @at(Point.BACKWARD)
-    def sleep(self, bus, p):
-        if p.get("before_collective"):
+    def sleep(self, bus, p: hooks.Backward):
+        if p.before_collective:
             self.fire(bus, phase="backward", seconds=self._wait())
 
 
@@ -987,12 +988,12 @@ class CollectiveMismatch(Fault):
             )
 
     @at(Point.BACKWARD)
-    def mismatch(self, bus, p):
-        if p.get("before_collective"):
+    def mismatch(self, bus, p: hooks.Backward):
+        if p.before_collective:
             import torch
             import torch.distributed as dist
 
-            g = p["grads"][0][2]
+            g = p.grads[0][2]
             self.fire(bus, phase="backward", shape=[g.numel() + self.args.extra])
             bad = torch.zeros(g.numel() + self.args.extra, dtype=g.dtype, device=g.device)
             dist.all_reduce(bad, group=self.ctx.strategy.group)
@@ -1013,13 +1014,13 @@ class _ClipFault(Fault):
             )
 
     @at(Point.BEFORE_CLIP)
-    def clip(self, bus, p):
-        before = (repr(float(p["norm"])), sorted(p["skip"]))
+    def clip(self, bus, p: hooks.BeforeClip):
+        before = (repr(float(p.norm)), sorted(p.skip))
         detail = self.act(p)
-        after = (repr(float(p["norm"])), sorted(p["skip"]))
+        after = (repr(float(p.norm)), sorted(p.skip))
         self.fire(bus, proof=(repr(before), repr(after)), phase="clip", **detail)
 
-    def act(self, payload: dict) -> dict:
+    def act(self, p: hooks.BeforeClip) -> dict:
         raise NotImplementedError
 
 
@@ -1032,19 +1033,17 @@ class ClipLocalNorm(_ClipFault):
     )
     requires = frozenset({Capability.SHARDED_GRADS})
 
-    def act(self, p):
+    def act(self, p: hooks.BeforeClip):
         import torch
 
         local = [
             g.to_local() if hasattr(g, "to_local") else g
-            for _, _, t in p["named"]
+            for _, _, t in p.named
             if (g := t.grad) is not None
         ]
-        global_norm = float(p["norm"])
-        p["norm"] = torch.linalg.vector_norm(
-            torch.stack([torch.linalg.vector_norm(g) for g in local])
-        )
-        return {"global_norm": global_norm, "local_norm": float(p["norm"])}
+        global_norm = float(p.norm)
+        p.norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in local]))
+        return {"global_norm": global_norm, "local_norm": float(p.norm)}
 
 
 @register
@@ -1067,13 +1066,13 @@ class ClipSkipReplicated(_ClipFault):
                 "too): the selection is empty and the fault would change nothing; use dp = 1",
             )
 
-    def act(self, p):
+    def act(self, p: hooks.BeforeClip):
         replicated = [
             (i, n)
-            for i, n, t in p["named"]
+            for i, n, t in p.named
             if not (hasattr(t, "placements") and any(pl.is_shard() for pl in t.placements))
         ]
-        p["skip"] |= {i for i, _ in replicated}
+        p.skip |= {i for i, _ in replicated}
         return {"skipped": len(replicated), "tensors": [n for _, n in replicated][:8]}
 
 
@@ -1100,29 +1099,29 @@ class LateMicrobatch(Fault):
         self.late: dict = {}
         super().install(bus)
 
-    @at(Point.BACKWARD)
-    def remember(self, bus, p):  # the accumulated gradient before the last micro-batch
+    @at(Point.BACKWARD)  # the accumulated gradient before the last micro-batch
+    def remember(self, bus, p: hooks.Backward):
         accum = self.manifest.training.grad_accum_steps
-        if bus.micro_batch == accum - 2 and not p.get("before_collective"):
-            self.before_last = {i: g.detach().clone() for i, _, g, *_ in p["grads"]}
+        if bus.micro_batch == accum - 2 and not p.before_collective:
+            self.before_last = {i: g.detach().clone() for i, _, g, *_ in p.grads}
 
-    @at(Point.BACKWARD, order=11)
-    def hold_back(
-        self, bus, p
-    ):  # in the comm hook: send everything but the last micro-batch's part
+    @at(
+        Point.BACKWARD, order=11
+    )  # in the comm hook: send everything but the last micro-batch's part
+    def hold_back(self, bus, p: hooks.Backward):
         import torch
 
-        if p.get("before_collective"):
-            for i, _, g, *_ in p["grads"]:
+        if p.before_collective:
+            for i, _, g, *_ in p.grads:
                 prev = self.before_last.get(i, torch.zeros_like(g))
                 self.late[i] = g.detach() - prev
                 g.copy_(prev)
 
     @at(Point.REDUCE)
-    def add_late(self, bus, p):
-        touched = [g for i, _, g, *_ in p["grads"] if i in self.late]
+    def add_late(self, bus, p: hooks.Reduce):
+        touched = [g for i, _, g, *_ in p.grads if i in self.late]
         with self.changing(bus, touched, phase="reduce", tensors=len(self.late)):
-            for i, _, g, *_ in p["grads"]:
+            for i, _, g, *_ in p.grads:
                 if i in self.late:
                     g.add_(self.late[i])
 
@@ -1188,13 +1187,13 @@ class Bf16Reduce(Fault):
 
     # every bucket of the last micro-batch (DDP hands them one at a time); logged once, at the end
     @at(Point.BACKWARD, anytime=True)
-    def to_bf16(self, bus, p):
+    def to_bf16(self, bus, p: hooks.Backward):
         import torch
 
         accum = self.manifest.training.grad_accum_steps
         if bus.step != self.step or bus.rank != self.rank or bus.micro_batch != accum - 1:
             return
-        for _, _, g in p["grads"]:
+        for _, _, g in p.grads:
             if g is None:
                 continue
             t = g.to_local() if hasattr(g, "to_local") else g
@@ -1203,7 +1202,7 @@ class Bf16Reduce(Fault):
             self.after.append(state_digest(t))
 
     @at(Point.REDUCE)
-    def log(self, bus, p):
+    def log(self, bus, p: hooks.Reduce):
         self.fire(
             bus,
             proof=(",".join(self.before), ",".join(self.after)),

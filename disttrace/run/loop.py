@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from disttrace.model.llama import lm_loss
+from disttrace.run.hooks import Batch, Data, Forward, Loss, StepEnd, StepStart
 
 
 def emit_module_outputs(model, bus) -> list:
@@ -16,20 +17,20 @@ def emit_module_outputs(model, bus) -> list:
             continue
 
         def hook(_mod, _inp, out, name=name, index=index):
-            bus.emit("forward", name=name, index=index, tensor=out)
+            bus.emit(Forward(name=name, index=index, tensor=out))
 
         handles.append(module.register_forward_hook(hook))
     return handles
 
 
-def read_batch(ctx, step: int, mb: int) -> dict:
+def read_batch(ctx, step: int, mb: int) -> Batch:
     """This rank's micro-batch, through the `data` point (a fault may hand it another rank's shard)."""
     ctx.bus.micro_batch = mb
-    return ctx.bus.emit(
-        "data",
-        batch=ctx.data.batch(step, mb, ctx.dp_rank),
-        fetch=lambda r: ctx.data.batch(step, mb, r),
-    )["batch"]
+    read = Data(
+        Batch(**ctx.data.batch(step, mb, ctx.dp_rank)),
+        fetch=lambda r: Batch(**ctx.data.batch(step, mb, r)),
+    )
+    return ctx.bus.emit(read).batch
 
 
 def train(ctx) -> None:
@@ -39,10 +40,10 @@ def train(ctx) -> None:
     accum = m.training.grad_accum_steps
     interval = m.checkpoint.interval
     # the gate's replay re-executes a few steps from a checkpoint and stops after the last it checks
-    last = min(steps, getattr(ctx, "stop_after", None) or steps)
+    last = min(steps, ctx.stop_after or steps)
     for step in range(ctx.start_step + 1, last + 1):  # steps are numbered from 1
         bus.step, bus.micro_batch = step, 0
-        bus.emit("step_start")
+        bus.emit(StepStart())
         strategy.zero_grad()
         if strategy.runs_whole_step:
             # a pipeline schedule owns the micro-batch loop (it interleaves stages' forwards and backwards):
@@ -52,14 +53,14 @@ def train(ctx) -> None:
             for mb in range(accum):
                 last = mb == accum - 1
                 batch = read_batch(ctx, step, mb)
-                inputs, targets = batch["inputs"].to(ctx.device), batch["targets"].to(ctx.device)
+                inputs, targets = batch.inputs.to(ctx.device), batch.targets.to(ctx.device)
                 with strategy.micro_batch(last):
                     loss = lm_loss(strategy.model(inputs), targets)
-                    loss = bus.emit("loss", loss=loss, tokens=targets.numel())["loss"]
+                    loss = bus.emit(Loss(loss=loss, tokens=targets.numel())).loss
                     strategy.backward(loss / accum, last)
         strategy.step()
         if interval and (
             step % interval == 0 or step == steps
         ):  # the last step too: the gate evaluates it
             ctx.save_checkpoint(step)
-        bus.emit("step_end", spans=strategy.spans)  # a strategy's own timing, if it keeps one
+        bus.emit(StepEnd(spans=strategy.spans))  # a strategy's own timing, if it keeps one

@@ -198,9 +198,9 @@ class MemoryLedger:
     def _engine_buffers(self, bus, p):
         """DDP's comm hook hands the bucket's gradients, views into the bucket buffer: its storage is the
         engine's copy of the gradients (unless gradient_as_bucket_view makes it the .grad itself)."""
-        if not p.get("before_collective"):
+        if not p.before_collective:
             return
-        for entry in p["grads"]:
+        for entry in p.grads:
             g = entry[2]
             if g is not None and torch.is_tensor(g) and not hasattr(g, "to_local"):
                 st = g.untyped_storage()

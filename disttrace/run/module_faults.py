@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from disttrace.errors import BadInput
+from disttrace.run import hooks
 from disttrace.run.faults import Capability, Fault, at, capabilities, register, state_digest
 from disttrace.run.hooks import Point
 
@@ -151,7 +152,7 @@ class CorruptModule(_ModuleFault):
             out.register_hook(lambda g: self.corrupt(g) if not self.fired else None)
 
     @at(Point.STEP_START)
-    def start(self, bus, p):
+    def start(self, bus, p: hooks.StepStart):
         self.handles = [
             self.module.register_forward_pre_hook(self._pre),
             self.module.register_forward_hook(self._post),
@@ -160,10 +161,9 @@ class CorruptModule(_ModuleFault):
             self.mode = _corrupting_mode(self)
             self.mode.__enter__()
 
-    @at(
-        Point.STEP_END, order=99, anytime=True
-    )  # after the depth recorder's mode (above it) is gone
-    def end(self, bus, p):
+    # after the depth recorder's mode (above it) is gone
+    @at(Point.STEP_END, order=99, anytime=True)
+    def end(self, bus, p: hooks.StepEnd):
         if self.mode is not None:
             self.mode.__exit__(None, None, None)
             self.mode = None

@@ -227,30 +227,25 @@ class Recorder:
             self._seen.next_step()
 
     def _data(self, bus, p):
-        b = p["batch"]
-        self.add(bus, "data", 0, "inputs", b["inputs"], samples=list(b["sample_ids"]))
+        self.add(bus, "data", 0, "inputs", p.batch.inputs, samples=list(p.batch.sample_ids))
 
     def _forward(self, bus, p):
-        self.add(bus, "forward", p["index"], p["name"], p["tensor"])
+        self.add(bus, "forward", p.index, p.name, p.tensor)
 
     def _loss(self, bus, p):
-        self.add(bus, "loss", 0, "loss", p["loss"], tokens=int(p.get("tokens", 0)))
+        self.add(bus, "loss", 0, "loss", p.loss, tokens=int(p.tokens))
 
     def _grads(self, phase):
         def handler(bus, p):
-            if (
-                phase == "backward"
-                and "collective_issue" not in self._t
-                and p.get("before_collective")
-            ):
+            if phase == "backward" and "collective_issue" not in self._t and p.before_collective:
                 self._t["collective_issue"] = time.time()
-            self.add_all(bus, phase, p["grads"])
+            self.add_all(bus, phase, p.grads)
 
         return handler
 
     def _clip(self, bus, p):
         # a coefficient of 1 multiplies the reduced gradients into the bytes they had (their version moves on)
-        coef = next((t for _, n, t in p["scalars"] if n == "clip_coef"), None)
+        coef = next((t for _, n, t in p.scalars if n == "clip_coef"), None)
         unchanged = (
             coef is not None
             and not hasattr(coef, "to_local")
@@ -258,19 +253,19 @@ class Recorder:
             and coef.numel() == 1
             and float(coef) == 1.0
         )
-        self.add_all(bus, "clip", p["grads"], recheck=unchanged)
-        self.add_all(bus, "clip", p["scalars"])
+        self.add_all(bus, "clip", p.grads, recheck=unchanged)
+        self.add_all(bus, "clip", p.scalars)
 
     def _optimizer(self, bus, p):
-        self.add_all(bus, "optimizer", p["params"])
-        self.add_all(bus, "optimizer", p.get("state", []), base=len(p["params"]))
+        self.add_all(bus, "optimizer", p.params)
+        self.add_all(bus, "optimizer", p.state, base=len(p.params))
 
     # the `checkpoint` phase: what was saved, so diff sees a checkpoint that differs from the reference's
     def _saved_state(self, bus, p):
         """Each tensor handed to DCP (after any fault at before_checkpoint); per-rank RNG entries are left
         out (they are not the experiment's state)."""
         n = 0
-        for name, t in _tensor_leaves(p["state"]):
+        for name, t in _tensor_leaves(p.state):
             if not name.startswith("rng/"):
                 self.add(bus, "checkpoint", n, name, t)
                 n += 1
@@ -284,7 +279,7 @@ class Recorder:
 
         if not self._on:
             return
-        for i, f in enumerate(sorted(Path(p["path"]).glob(f"__{self.rank}_*.distcp"))):
+        for i, f in enumerate(sorted(Path(p.path).glob(f"__{self.rank}_*.distcp"))):
             data = f.read_bytes()
             self._buf.append(
                 {
@@ -316,8 +311,8 @@ class Recorder:
             self._buf, self._waiting = [], []
             return
         t = {**self._t, "end": time.time()}
-        if p.get("spans"):
-            t["spans"] = p["spans"]
+        if p.spans:
+            t["spans"] = p.spans
         step = _Step(
             bus.step, self._buf, t, self._waiting, self._device.collect() if self._waiting else None
         )

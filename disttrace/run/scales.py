@@ -131,7 +131,7 @@ class Magnitudes:
         def handler(bus, p):
             if not self._on:
                 return
-            snap = {int(i): self._acc[int(i)] for i, _, _ in p["grads"] if int(i) in self._acc}
+            snap = {int(i): self._acc[int(i)] for i, _, _ in p.grads if int(i) in self._acc}
             self._snap.append((phase, int(bus.micro_batch), snap))
 
         return handler

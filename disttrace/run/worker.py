@@ -12,9 +12,10 @@ import argparse
 import os
 import sys
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from types import SimpleNamespace
+from typing import Any
 
 from disttrace.config.manifest import Manifest, validate
 from disttrace.errors import BadInput, DisttraceError
@@ -25,8 +26,23 @@ from disttrace.store.records import Event
 from disttrace.store.rundir import COMPLETE, LOCK, event, rank_file, read_json, write_json_atomic
 
 
-class Context(SimpleNamespace):
+@dataclass
+class Context:
     """What the loop and the faults may see of the worker."""
+
+    run_dir: Path
+    manifest: Manifest
+    manifest_id: str
+    rank: int
+    world: int
+    dp_rank: int
+    device: Any
+    strategy: Any  # a run/parallel Strategy
+    data: Any  # the rank's token windows (data/windows.py's TokenData)
+    bus: Any  # the HookBus
+    tracer: Any  # the collective tracer (run/flightrec.py or run/collectives.py)
+    start_step: int = 0  # the step a resumed run starts after
+    stop_after: int | None = None  # `gate --replay`: the last step to run
 
     def save_checkpoint(self, step: int) -> None:
         from disttrace.run import checkpoint
@@ -86,11 +102,10 @@ def run(run_dir: Path) -> None:
     manifest = validate(lock["manifest"], run_dir / LOCK)
     torch = setup_torch(manifest)
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     from disttrace.data.windows import TokenData
     from disttrace.model.llama import build_model
-    from disttrace.run import faults, flightrec, topology
+    from disttrace.run import flightrec
     from disttrace.run.hooks import HookBus
     from disttrace.run.loop import emit_module_outputs, train
     from disttrace.run.parallel import build_strategy
@@ -116,14 +131,7 @@ def run(run_dir: Path) -> None:
     bus = None
     try:
         with tracer:
-            shape, dims = topology.mesh_shape(manifest)
-            mesh = init_device_mesh(device.type, shape, mesh_dim_names=dims)
-            views: list = [None] * world
-            dist.all_gather_object(views, topology.local_view(manifest, rank))
-            topo = topology.merge(views)
-            if rank == 0:
-                write_json_atomic(run_dir / "topology.json", topo)
-                write_json_atomic(run_dir / "env.json", environment(torch, backend, views))
+            mesh, topo = lay_out(run_dir, manifest, rank, world, device, backend)
             coords = topo["ranks"][rank]["coords"]
 
             bus = HookBus(rank)
@@ -142,28 +150,9 @@ def run(run_dir: Path) -> None:
             model = build_model(manifest.model, dtype, manifest.experiment.seed)
             model.to(device)
             emit_module_outputs(model, bus)
-            if recorder is not None:  # the magnitudes the numeric bound scales gradients by
-                from disttrace.run.scales import Magnitudes
-
-                magnitudes = Magnitudes(run_dir, rank, model, every=record.every).attach(bus)
-            else:
-                magnitudes = None
-            if (
-                record.depth is not None
-            ):  # one step recorded at depth (docs/zoom.md); else no hooks at all
-                from disttrace.run.depth import DepthRecorder
-
-                DepthRecorder(
-                    run_dir,
-                    rank,
-                    model,
-                    record.depth.step,
-                    record.depth.level,
-                    dp=manifest.parallelism.dp,
-                    dp_rank=coords["dp"],
-                    micro_batch_size=manifest.training.micro_batch_size,
-                    global_batch=manifest.global_batch,
-                ).attach(bus)
+            magnitudes = attach_model_observers(
+                run_dir, rank, manifest, model, bus, recorder is not None, coords["dp"]
+            )
             strategy = build_strategy(manifest, model, mesh, bus)
             groups = {**topo["groups"], "world": [list(range(world))]}
             ledger = attach_observers(
@@ -180,24 +169,13 @@ def run(run_dir: Path) -> None:
                 strategy=strategy,
                 data=data,
                 bus=bus,
-                start_step=0,
                 tracer=tracer,
             )
-            fault = faults.build(info.get("fault"))
-            if fault is not None:
-                fault.attach(bus, ctx)
-            if info.get("perturb"):  # `disttrace calibrate`'s perturbed reference
-                from disttrace.run import perturb
-
-                perturb.attach(bus, ctx, info["perturb"])
+            attach_perturbation(bus, ctx, info)
             # a fixed global RNG state: checkpoints save it, and the `checkpoint` phase digests their bytes,
             # which must then be the same in two runs of one manifest (a resume restores it from the file)
             torch.manual_seed(manifest.experiment.seed * 1_000_003 + rank)
-            if info.get("resume"):
-                ctx.start_step = resume(ctx, info["resume"])
-            stop = info.get("stop_after")  # `gate --replay`: steps up to this one only
-            if isinstance(stop, int) and not isinstance(stop, bool) and stop > 0:
-                ctx.stop_after = stop
+            start_point(ctx, info)
             train(ctx)
             strategy.close()
             for observer in (recorder, magnitudes, ledger, clock):
@@ -216,6 +194,76 @@ def run(run_dir: Path) -> None:
         tracer.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def lay_out(run_dir: Path, manifest: Manifest, rank: int, world: int, device, backend: str):
+    """The device mesh, and the topology every rank agrees on (rank 0 writes it, and env.json)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from disttrace.run import topology
+
+    shape, dims = topology.mesh_shape(manifest)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=dims)
+    views: list = [None] * world
+    dist.all_gather_object(views, topology.local_view(manifest, rank))
+    topo = topology.merge(views)
+    if rank == 0:
+        write_json_atomic(run_dir / "topology.json", topo)
+        write_json_atomic(run_dir / "env.json", environment(torch, backend, views))
+    return mesh, topo
+
+
+def attach_model_observers(
+    run_dir: Path, rank: int, manifest: Manifest, model, bus, recorded: bool, dp_rank: int
+):
+    """What watches the plain model's modules: the magnitudes the numeric bound scales gradients by (with
+    the recorder), and the one step recorded at depth (docs/zoom.md; unset, no hooks at all). Returns the
+    magnitudes (to close)."""
+    magnitudes = None
+    if recorded:
+        from disttrace.run.scales import Magnitudes
+
+        magnitudes = Magnitudes(run_dir, rank, model, every=manifest.record.every).attach(bus)
+    depth = manifest.record.depth
+    if depth is not None:
+        from disttrace.run.depth import DepthRecorder
+
+        DepthRecorder(
+            run_dir,
+            rank,
+            model,
+            depth.step,
+            depth.level,
+            dp=manifest.parallelism.dp,
+            dp_rank=dp_rank,
+            micro_batch_size=manifest.training.micro_batch_size,
+            global_batch=manifest.global_batch,
+        ).attach(bus)
+    return magnitudes
+
+
+def attach_perturbation(bus, ctx: Context, info: dict) -> None:
+    """run.json's fault (at most one), and `disttrace calibrate`'s perturbed reference."""
+    from disttrace.run import faults
+
+    fault = faults.build(info.get("fault"))
+    if fault is not None:
+        fault.attach(bus, ctx)
+    if info.get("perturb"):
+        from disttrace.run import perturb
+
+        perturb.attach(bus, ctx, info["perturb"])
+
+
+def start_point(ctx: Context, info: dict) -> None:
+    """Where the run starts (a resume loads its checkpoint) and, for `gate --replay`, where it stops."""
+    if info.get("resume"):
+        ctx.start_step = resume(ctx, info["resume"])
+    stop = info.get("stop_after")  # `gate --replay`: steps up to this one only
+    if isinstance(stop, int) and not isinstance(stop, bool) and stop > 0:
+        ctx.stop_after = stop
 
 
 def take_permuted_rank(info: dict) -> None:

@@ -10,6 +10,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from disttrace.run.attach.loader import _first_tensor
+from disttrace.run.hooks import (
+    Backward,
+    Batch,
+    BeforeOptimizer,
+    Clip,
+    Data,
+    Forward,
+    Optimizer,
+    Reduce,
+)
 from disttrace.run.parallel.common import SCALAR_INDEX, optimizer_state_list
 from disttrace.store.records import Event
 from disttrace.store.rundir import event
@@ -74,7 +84,7 @@ def _allreduce_with_hook(state: _CommHookState, bucket):
     if run is not None and not run._closed:
         run._comm_fired = True
         grads = [(*state.names[id(p)], g) for p, g in zip(bucket.parameters(), bucket.gradients())]
-        run.bus.emit("backward", grads=grads, before_collective=True)
+        run.bus.emit(Backward(grads=grads, before_collective=True))
     buf = bucket.buffer()
     buf.div_(state.size)
     fut = dist.all_reduce(buf, group=state.group, async_op=True).get_future()
@@ -125,9 +135,7 @@ class HookPoints:
             self._count(inputs)
             if inputs is not None:
                 self._data_mb.add(mb)
-                self.bus.emit(
-                    "data", batch={"inputs": inputs.detach(), "sample_ids": ids}, fetch=None
-                )
+                self.bus.emit(Data(Batch(inputs.detach(), sample_ids=ids)))
         return None
 
     def _block_output_hook(self, index: int, name: str):
@@ -141,7 +149,7 @@ class HookPoints:
                 return None
             t = _first_tensor((out,), {})
             if t is not None:
-                self.bus.emit("forward", name=name, index=index, tensor=t.detach())
+                self.bus.emit(Forward(name=name, index=index, tensor=t.detach()))
             return None
 
         return hook
@@ -158,7 +166,7 @@ class HookPoints:
             return
         self.bus.micro_batch = max(self._forwards - 1, 0)
         self.bus.emit(
-            "backward", grads=[(i, n, p.grad) for i, n, p in self.named if p.grad is not None]
+            Backward(grads=[(i, n, p.grad) for i, n, p in self.named if p.grad is not None])
         )
 
     def _flush_reduce(self):
@@ -169,7 +177,7 @@ class HookPoints:
         self.bus.micro_batch = max(self._forwards - 1, 0)
         grads = [(i, n, p.grad) for i, n, p in self.named if p.grad is not None]
         if grads:
-            self.bus.emit("reduce", grads=grads)
+            self.bus.emit(Reduce(grads=grads))
 
     def _clip(self, parameters, max_norm, *args, **kwargs):
         if isinstance(parameters, torch.Tensor):
@@ -208,9 +216,10 @@ class HookPoints:
         if self.optimizer.param_groups:
             scalars.append((SCALAR_INDEX + 2, "lr", _lr(self.optimizer.param_groups[0])))
         self.bus.emit(
-            "clip",
-            grads=[(i, n, p.grad) for i, n, p in self.named if p.grad is not None],
-            scalars=scalars,
+            Clip(
+                grads=[(i, n, p.grad) for i, n, p in self.named if p.grad is not None],
+                scalars=scalars,
+            )
         )
 
     def _before_step(self, _opt, args, kwargs):
@@ -224,14 +233,14 @@ class HookPoints:
             def closure_then_reduce():
                 loss = closure()
                 self._flush_reduce()
-                self.bus.emit("before_optimizer", optimizer=self.optimizer, params=self.named)
+                self.bus.emit(BeforeOptimizer(optimizer=self.optimizer, params=self.named))
                 return loss
 
             if "closure" in kwargs:
                 return args, {**kwargs, "closure": closure_then_reduce}
             return (closure_then_reduce, *args[1:]), kwargs
         self._flush_reduce()
-        self.bus.emit("before_optimizer", optimizer=self.optimizer, params=self.named)
+        self.bus.emit(BeforeOptimizer(optimizer=self.optimizer, params=self.named))
         return None
 
     def _after_step(self, _opt, _args, _kwargs):
@@ -245,7 +254,7 @@ class HookPoints:
             (SCALAR_INDEX * 4 + g - base, f"param_groups.{g}.lr", _lr(group))
             for g, group in enumerate(self.optimizer.param_groups)
         ]
-        self.bus.emit("optimizer", params=self.named, state=state + lrs, optimizer=self.optimizer)
+        self.bus.emit(Optimizer(params=self.named, state=state + lrs, optimizer=self.optimizer))
         self._stepped = True
         self.completed = self.step
         if self._observed is None:

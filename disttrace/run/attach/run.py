@@ -20,7 +20,7 @@ from disttrace.run.attach.points import _ACTIVE, HookPoints, _patch_clip
 from disttrace.run.attach.steps import StepCycle
 from disttrace.run.collectives import CollectiveTracer
 from disttrace.run.complete import seal_and_complete
-from disttrace.run.hooks import HookBus, process_exit
+from disttrace.run.hooks import Batch, Data, HookBus, Loss, StepStart, process_exit
 from disttrace.run.parallel.common import SCALAR_INDEX, Strategy
 from disttrace.run.recorder import Recorder
 from disttrace.run.scales import Magnitudes
@@ -146,7 +146,7 @@ class AttachedRun(LoaderWatch, HookPoints, StepCycle):
         _ACTIVE.append(self)
         _patch_clip(True)
         self.bus.step, self.bus.micro_batch = 1, 0
-        self.bus.emit("step_start")
+        self.bus.emit(StepStart())
 
     # ---------------------------------------------------------- the user's calls
     def batch(self, inputs, sample_ids=None) -> None:
@@ -157,17 +157,13 @@ class AttachedRun(LoaderWatch, HookPoints, StepCycle):
         ids = sample_ids.tolist() if torch.is_tensor(sample_ids) else list(sample_ids or [])
         self._data_mb.add(mb)
         self._count(inputs)
-        self.bus.emit(
-            "data",
-            batch={"inputs": inputs.detach(), "sample_ids": [int(i) for i in ids]},
-            fetch=None,
-        )
+        self.bus.emit(Data(Batch(inputs.detach(), sample_ids=[int(i) for i in ids])))
 
     def loss(self, loss: torch.Tensor, tokens: int = 0) -> torch.Tensor:
         """Record the loss of the current micro-batch (the last forward); returns the loss to backprop (a
         fault on the loss point acts on what this returns)."""
         self.bus.micro_batch = max(self._forwards - 1, 0)
-        return self.bus.emit("loss", loss=loss, tokens=int(tokens))["loss"]
+        return self.bus.emit(Loss(loss=loss, tokens=int(tokens))).loss
 
     def scalar(self, name: str, value) -> None:
         """A scalar every rank should agree on, recorded in this step's clip phase (after the step's reduce,

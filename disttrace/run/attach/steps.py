@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from disttrace.run.complete import gather_released
+from disttrace.run.hooks import StepEnd, StepStart
 from disttrace.store.rundir import LOCK, read_json, write_json_atomic
 
 
@@ -57,7 +58,7 @@ class StepCycle:
         if not self._stepped:
             return
         self._stepped = False
-        self.bus.emit("step_end")
+        self.bus.emit(StepEnd())
         if not start_next:
             return
         self.step += 1
@@ -66,7 +67,7 @@ class StepCycle:
         self._reduced = self._clipped = False
         self._samples = self._tokens = 0
         self.bus.step, self.bus.micro_batch = self.step, 0
-        self.bus.emit("step_start")
+        self.bus.emit(StepStart())
 
     def _write_observed(self, dist) -> None:
         """Collective: every rank's first completed step's sample count to rank 0, which writes the global

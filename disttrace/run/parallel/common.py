@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from disttrace.config.manifest import Manifest
-from disttrace.run.hooks import TensorRef, grads_of
+from disttrace.run.hooks import BeforeClip, BeforeOptimizer, Clip, Optimizer, TensorRef, grads_of
 
 
 def optimizer_class_and_kwargs(manifest: Manifest):
@@ -126,8 +126,8 @@ def clip_gradients(bus, named, optimizer, max_norm: float | None, norm_group=Non
         sq = norm.detach().pow(2)
         dist.all_reduce(sq, group=norm_group)
         norm = sq.sqrt()
-    p = bus.emit("before_clip", norm=norm, named=named, skip=set(), max_norm=max_norm)
-    norm = p["norm"]
+    p = bus.emit(BeforeClip(norm=norm, named=named, skip=set(), max_norm=max_norm))
+    norm = p.norm
     coef = torch.ones((), dtype=norm.dtype, device=norm.device)
     if max_norm is not None:
         coef = torch.clamp(
@@ -135,7 +135,7 @@ def clip_gradients(bus, named, optimizer, max_norm: float | None, norm_group=Non
         )  # torch's clip_grads_with_norm_ formula
         factor = float(coef)  # a plain number: DTensor grads on different meshes all take it
         for i, _, param in named:
-            if param.grad is not None and i not in p["skip"]:
+            if param.grad is not None and i not in p.skip:
                 param.grad.mul_(factor)
     lr = (
         torch.tensor(optimizer.param_groups[0]["lr"], dtype=torch.float64)
@@ -149,9 +149,10 @@ def clip_gradients(bus, named, optimizer, max_norm: float | None, norm_group=Non
     if lr is not None:
         scalars.append(TensorRef(SCALAR_INDEX + 2, "lr", lr))
     bus.emit(
-        "clip",
-        grads=grads_of(named, present_only=True) if max_norm is not None else [],
-        scalars=scalars,
+        Clip(
+            grads=grads_of(named, present_only=True) if max_norm is not None else [],
+            scalars=scalars,
+        )
     )
 
 
@@ -210,13 +211,14 @@ class Strategy:
 
     def step(self):
         clip_gradients(self.bus, self.named, self.optimizer, self.max_grad_norm, self.norm_group)
-        self.bus.emit("before_optimizer", optimizer=self.optimizer, params=self.named)
+        self.bus.emit(BeforeOptimizer(optimizer=self.optimizer, params=self.named))
         self.optimizer.step()
         self.bus.emit(
-            "optimizer",
-            params=self.named,
-            state=optimizer_state_list(self.optimizer, self.named),
-            optimizer=self.optimizer,
+            Optimizer(
+                params=self.named,
+                state=optimizer_state_list(self.optimizer, self.named),
+                optimizer=self.optimizer,
+            )
         )
 
     def zero_grad(self):

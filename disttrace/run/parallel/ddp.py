@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from disttrace.config.manifest import Manifest
-from disttrace.run.hooks import TensorRef, grads_of, param_refs
+from disttrace.run.hooks import Backward, Reduce, TensorRef, grads_of, param_refs
 from disttrace.run.parallel.common import Strategy, build_optimizer
 
 
@@ -47,7 +47,7 @@ def apply_ddp(
         grads = [
             TensorRef(*names[id(p)], g) for p, g in zip(bucket.parameters(), bucket.gradients())
         ]
-        bus.emit("backward", grads=grads, before_collective=True)
+        bus.emit(Backward(grads=grads, before_collective=True))
         buf = bucket.buffer()
         if buckets is not None:
             buckets[bucket.index()] = buf.numel() * buf.element_size()
@@ -104,11 +104,9 @@ class DataParallel(Strategy):
         loss.backward()
         grads = grads_of(self.named)
         if not last:
-            self.bus.emit(
-                "backward", grads=grads
-            )  # accumulated local gradient, nothing reduced yet
+            self.bus.emit(Backward(grads=grads))  # accumulated local gradient, nothing reduced yet
         else:
-            self.bus.emit("reduce", grads=grads)  # DDP has averaged the buckets into p.grad
+            self.bus.emit(Reduce(grads=grads))  # DDP has averaged the buckets into p.grad
 
     def zero_grad(self):
         self.optimizer.zero_grad(

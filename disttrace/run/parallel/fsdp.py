@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 
 from disttrace.config.manifest import Manifest
-from disttrace.run.hooks import TensorRef, grads_of, param_refs
+from disttrace.run.hooks import Reduce, TensorRef, grads_of, param_refs
 from disttrace.run.parallel.common import SCALARS_AGREE, Strategy, build_optimizer
 
 
@@ -63,4 +63,4 @@ class FullyShardedZero(Strategy):
     def backward(self, loss, last: bool):
         loss.backward()
         if last:
-            self.bus.emit("reduce", grads=grads_of(self.named))
+            self.bus.emit(Reduce(grads=grads_of(self.named)))

@@ -18,7 +18,7 @@ import torch
 
 from disttrace.config.manifest import Manifest
 from disttrace.model.llama import lm_loss
-from disttrace.run.hooks import TensorRef, grads_of
+from disttrace.run.hooks import Backward, Batch, Loss, Reduce, TensorRef, grads_of
 from disttrace.run.parallel.common import (
     OPTIMIZER_BLOB_TEMPLATE,
     SCALARS_AGREE,
@@ -137,7 +137,7 @@ class PipelineParallel(Strategy):
         self.bus.micro_batch = self._losses
         self._losses += 1
         loss = lm_loss(output, target)
-        return self.bus.emit("loss", loss=loss, tokens=target.numel())["loss"]
+        return self.bus.emit(Loss(loss=loss, tokens=target.numel())).loss
 
     def replicas(self) -> list[dict]:
         rules = [
@@ -158,10 +158,10 @@ class PipelineParallel(Strategy):
     def micro_batch(self, last: bool):
         return contextlib.nullcontext()
 
-    def train_step(self, batches: list[dict]) -> None:
+    def train_step(self, batches: list[Batch]) -> None:
         """The schedule owns the micro-batch loop: forward, loss and backward of all micro-batches."""
-        inputs = torch.cat([b["inputs"] for b in batches]).to(self.stage.device)
-        targets = torch.cat([b["targets"] for b in batches]).to(self.stage.device)
+        inputs = torch.cat([b.inputs for b in batches]).to(self.stage.device)
+        targets = torch.cat([b.targets for b in batches]).to(self.stage.device)
         self._forwards = self._losses = 0
         self.spans = []
         first, last = self.stage_index == 0, self.stage_index == self.pp - 1
@@ -172,8 +172,8 @@ class PipelineParallel(Strategy):
         if (
             self.dp == 1 and self.tp == 1
         ):  # with FSDP2 over dp the gradients are already reduce-scattered
-            self.bus.emit("backward", grads=grads)  # this stage's accumulated gradients
-        self.bus.emit("reduce", grads=grads)  # the final gradient of this stage
+            self.bus.emit(Backward(grads=grads))  # this stage's accumulated gradients
+        self.bus.emit(Reduce(grads=grads))  # the final gradient of this stage
 
     # the optimizer state of a stage belongs to that stage alone: saved and loaded under its own key. With
     # dp or tp inside the stage each rank holds its own shards of it, so the key names the rank's place in

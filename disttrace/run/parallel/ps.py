@@ -17,7 +17,16 @@ import torch
 import torch.distributed as dist
 
 from disttrace.config.manifest import Manifest
-from disttrace.run.hooks import TensorRef, grads_of, param_refs
+from disttrace.run.hooks import (
+    Backward,
+    BeforeOptimizer,
+    Optimizer,
+    Reduce,
+    ServerUpdate,
+    TensorRef,
+    grads_of,
+    param_refs,
+)
 from disttrace.run.parallel.common import (
     OPTIMIZER_BLOB_TEMPLATE,
     Strategy,
@@ -81,7 +90,7 @@ class ParameterServer(Strategy):
     def backward(self, loss, last: bool):
         loss.backward()
         grads = grads_of(self.named)
-        self.bus.emit("backward", grads=grads, before_collective=last)
+        self.bus.emit(Backward(grads=grads, before_collective=last))
         if not last:
             return
         local = flat(g for _, _, g in grads)
@@ -96,18 +105,18 @@ class ParameterServer(Strategy):
             for m, (_, _, _g) in zip(self.master, grads):
                 m.grad = torch.empty_like(m)
             unflat_into(total, [m.grad for m in self.master])
-            self.bus.emit("reduce", grads=grads_of(self.master_named))
+            self.bus.emit(Reduce(grads=grads_of(self.master_named)))
         else:
             dist.send(local, dst=dist.get_global_rank(self.group, self.SERVER), group=self.group)
 
     def step(self):
         self.bus.emit(
-            "before_optimizer", optimizer=self.optimizer, params=self.master_named or self.named
+            BeforeOptimizer(optimizer=self.optimizer, params=self.master_named or self.named)
         )
         if self.is_server:
             self.optimizer.step()
             # parameter faults act here, on the master state, so the version handed out carries them
-            self.bus.emit("server_update", params=self.master_named, optimizer=self.optimizer)
+            self.bus.emit(ServerUpdate(params=self.master_named, optimizer=self.optimizer))
             self.versions.append(flat(self.master).detach().clone())
             # staleness k: hand out the parameters of k updates ago (the oldest kept version)
             out = self.versions[0]
@@ -122,7 +131,7 @@ class ParameterServer(Strategy):
         with torch.no_grad():
             unflat_into(out, [p for _, _, p in self.named])
         state = optimizer_state_list(self.optimizer, self.master_named) if self.is_server else []
-        self.bus.emit("optimizer", params=self.named, state=state, optimizer=self.optimizer)
+        self.bus.emit(Optimizer(params=self.named, state=state, optimizer=self.optimizer))
 
     def zero_grad(self):
         for _, _, p in self.named:

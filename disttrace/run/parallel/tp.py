@@ -19,7 +19,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from disttrace.config.manifest import Manifest
-from disttrace.run.hooks import TensorRef, grads_of
+from disttrace.run.hooks import Backward, Reduce, TensorRef, grads_of
 from disttrace.run.parallel.common import (
     SCALARS_AGREE,
     TP_ACTIVATIONS_AGREE,
@@ -101,8 +101,8 @@ class TensorParallel(Strategy):
         loss.backward()
         grads = grads_of(self.named)
         if self.dp == 1:  # under FSDP2 the local gradient stays inside it until the reduce-scatter
-            self.bus.emit("backward", grads=grads)
+            self.bus.emit(Backward(grads=grads))
         if last:
             self.bus.emit(
-                "reduce", grads=grads
+                Reduce(grads=grads)
             )  # tp's reductions ran inside backward; dp's (if any) just now
