@@ -563,6 +563,7 @@ class _Tol:
         self.cal = calibration if mode == "numeric" and not self.user else None
         self._cls: dict[str, str] = {}
         self._cache: dict[tuple[int, str], float] = {}
+        self._eps: dict[str, float] = {}
         # (A's, B's) analysis.magnitudes.Magnitudes when both runs recorded them: a gradient's difference is then
         # measured against the magnitudes that produced it, not against its own (possibly cancelled) norm
         self.mags = (
@@ -652,6 +653,13 @@ class _Tol:
             got = self._cls[name] = tensor_class(name)
         return got
 
+    def _step_bound(self, phase: str) -> float:
+        """tolerance.step_bound of the two manifests: per phase, the same at every step."""
+        eps = self._eps.get(phase)
+        if eps is None:
+            eps = self._eps[phase] = tolerance.step_bound(self.ma, self.mb, phase, self.observed)
+        return eps
+
     def derived(self, step: int, phase: str, name: str | None = None) -> float:
         """The bound at (step, phase) for tensor `name`: the calibrated one where the calibration measured it
         (per tensor class where it has classes), else derived."""
@@ -678,6 +686,7 @@ class _Tol:
                     since=self.since,
                     magnitudes=self.mags is not None,
                     observed=self.observed,
+                    eps=self._step_bound(phase),
                 )
             )
         return self._cache[k]
@@ -1556,15 +1565,17 @@ def _found_calibration(side_a: _Side, side_b: _Side) -> Path | None:
     return None
 
 
-BLOCK_ROWS = 1 << 14  # records per side a block of steps may hold (a few MB of columns)
+# records a block of steps may hold, per side: of one rank where ranks are compared one after another (a few MB
+# of columns), of all ranks where a step's ranks are read together (across topologies)
+BLOCK_ROWS = 1 << 14
 
 
 def _block(steps: list[int], n: int, ranks, sides: tuple[_Side, _Side], rows: int) -> list[int]:
-    """steps[n:] as far as `rows` records of either side (over all ranks) reach, at least one step."""
+    """steps[n:] as far as `rows` records of any one rank of either side reach, at least one step."""
     out, total = [], 0
     for step in steps[n:]:
-        total += max(
-            sum(int((side.entry(r, step) or {}).get("records") or 0) for r in ranks)
+        total += max(  # a rank's steps are decoded and compared together, one rank after another
+            max((int((side.entry(r, step) or {}).get("records") or 0) for r in ranks), default=0)
             for side in sides
         )
         if out and total > rows:
