@@ -23,6 +23,11 @@ divided by the wall time), peak RSS of the child (ru_maxrss) and the peak of Pyt
 (tracemalloc, measured in a separate untimed pass).
 
     .venv/bin/python bench/diff_speed.py [--ranks 2] [--steps 500] [--records 1000] [--plant-step 490] [--layout 1|2]
+        [--modes numeric,...] [--repeat N] [--against OTHER_CHECKOUT] [--dir D]
+
+With --against, each diff also runs with another checkout's disttrace (the same child code, the same stores,
+interleaved), its figures and the speed ratio printed by wall time and by CPU time, and the results must be
+the same. The CPU time is the figure to compare on a machine other work shares.
 """
 
 from __future__ import annotations
@@ -42,7 +47,9 @@ import orjson
 import xxhash
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+# whose disttrace this process imports: the checkout the script lies in, or (a child measuring --against)
+# another checkout's
+sys.path.insert(0, os.environ.get("DISTTRACE_BENCH_CODE") or str(ROOT))
 
 from disttrace.store.seal import StepChain  # noqa: E402
 
@@ -286,11 +293,12 @@ def child(a: str, b: str, mode: str, trace: bool) -> None:
         import tracemalloc
 
         tracemalloc.start()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     r = diff_runs(a, b, **kw).to_dict()
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     out = {
         "seconds": dt,
+        "cpu_seconds": cpu,
         "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "first_divergence": r["first_divergence"],
         "steps_read": r["stats"]["steps_read"],
@@ -303,7 +311,11 @@ def child(a: str, b: str, mode: str, trace: bool) -> None:
     print(json.dumps(out))
 
 
-def run_child(a: Path, b: Path, mode: str, trace: bool = False) -> dict:
+def run_child(a: Path, b: Path, mode: str, trace: bool = False, code: Path | None = None) -> dict:
+    """One diff in a fresh process (this script's child); `code`: the checkout whose disttrace it imports."""
+    env = dict(os.environ)
+    if code is not None:
+        env["DISTTRACE_BENCH_CODE"] = str(code)
     p = subprocess.run(
         [sys.executable, __file__, "--child", mode, str(a), str(b)]
         + (["--trace"] if trace else []),
@@ -311,8 +323,36 @@ def run_child(a: Path, b: Path, mode: str, trace: bool = False) -> dict:
         text=True,
         check=True,
         cwd=ROOT,
+        env=env,
     )
     return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def measure(a: Path, b: Path, mode: str, repeat: int, against: Path | None):
+    """The run of median wall time of `repeat` fresh processes, and with --against the same of the other
+    checkout's code, the two interleaved (a machine shared with other work loads both alike)."""
+    ours, theirs = [], []
+    for _ in range(repeat):
+        ours.append(run_child(a, b, mode))
+        if against is not None:
+            theirs.append(run_child(a, b, mode, code=against))
+    median = lambda rs: sorted(rs, key=lambda r: r["seconds"])[len(rs) // 2]  # noqa: E731
+    return median(ours), median(theirs) if theirs else None
+
+
+def _versus(mode: str, r: dict, base: dict | None, against: Path | None) -> None:
+    if base is None:
+        return
+    print(
+        f"{'':>7}  against {against}: {base['seconds']:7.3f} s wall, {base['cpu_seconds']:.3f} s CPU; "
+        f"this code {base['seconds'] / r['seconds']:.2f}x its speed by wall time, "
+        f"{base['cpu_seconds'] / r['cpu_seconds']:.2f}x by CPU time"
+    )
+    for k in ("first_divergence", "equal", "records_read", "steps_read", "tensors_compared"):
+        assert r[k] == base[k], f"{mode}: {k} differs from {against}'s: {r[k]} vs {base[k]}"
+
+
+MODES = ("index", "scan", "full", "numeric", "cross")
 
 
 def main() -> None:
@@ -324,7 +364,10 @@ def main() -> None:
     ap.add_argument("--records", type=int, default=1000, help="records per rank and step")
     ap.add_argument("--plant-step", type=int, default=None, help="default: steps - 10")
     ap.add_argument(
-        "--dir", default=None, help="where to write the runs (default: a temporary directory)"
+        "--dir",
+        default=None,
+        help="where to write the runs (default: a temporary directory); runs this script wrote there "
+        "with the same arguments are used again",
     )
     ap.add_argument("--keep", action="store_true")
     ap.add_argument(
@@ -340,12 +383,33 @@ def main() -> None:
         action="store_true",
         help="also write the gradient magnitudes (run/scales.py) the numeric bound reads",
     )
+    ap.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help=f"which diffs to measure, comma-separated (default: {','.join(MODES)})",
+    )
+    ap.add_argument(
+        "--repeat", type=int, default=1, help="fresh processes per diff; the median is reported"
+    )
+    ap.add_argument(
+        "--against",
+        type=Path,
+        default=None,
+        help="another checkout of disttrace (e.g. `git worktree add /tmp/base main`): each diff also "
+        "runs with its code, interleaved with this code's runs on the same stores, and the speed ratio "
+        "is printed, by wall and by CPU time (the fair one on a shared machine); results must agree",
+    )
     ap.add_argument("--child", nargs=3, metavar=("MODE", "A", "B"), help=argparse.SUPPRESS)
     ap.add_argument("--trace", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child(args.child[1], args.child[2], args.child[0], args.trace)
         return
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        ap.error(f"--modes: unknown {sorted(unknown)}")
+    against = args.against.resolve() if args.against else None
 
     if args.layout is not None:
         from disttrace.store import trajectory
@@ -354,18 +418,39 @@ def main() -> None:
     plant_step = args.plant_step or max(1, args.steps - 10)
     plant = (plant_step, args.ranks - 1, args.records // 2)
     root = Path(args.dir or tempfile.mkdtemp(prefix="disttrace-bench-"))
+    params = {
+        "ranks": args.ranks,
+        "steps": args.steps,
+        "records": args.records,
+        "plant": plant,
+        "magnitudes": args.magnitudes,
+        "layout": args.layout,
+    }
+    written = root / "bench.json"
     try:
         t0 = time.perf_counter()
-        dirs, planted = write_runs(
-            root, args.ranks, args.steps, args.records, plant, args.magnitudes
-        )
+        if written.is_file() and orjson.loads(written.read_bytes())["params"] == orjson.loads(
+            orjson.dumps(params)
+        ):
+            planted = tuple(orjson.loads(written.read_bytes())["planted"])
+            dirs = {k: root / k for k in ("reference", "fault", "noisy", "half")}
+            how = "the runs written before in"
+        else:
+            dirs, planted = write_runs(
+                root, args.ranks, args.steps, args.records, plant, args.magnitudes
+            )
+            written.write_bytes(orjson.dumps({"params": params, "planted": planted}))
+            how = "wrote"
         a, b = dirs["reference"], dirs["fault"]
         size = sum(p.stat().st_size for p in (a / "trajectory").glob("*.arrows"))
         n_run = args.ranks * args.steps * args.records
         print(
-            f"wrote 4 runs x {n_run:,} records ({size / 2**20:.0f} MiB each, {size / n_run:.1f} bytes per record) "
-            f"in {time.perf_counter() - t0:.1f} s; planted: step {planted[0]} rank {planted[1]} {planted[2]} "
-            f"index {planted[3]}"
+            f"{how} 4 runs x {n_run:,} records ({size / 2**20:.0f} MiB each, {size / n_run:.1f} bytes per "
+            f"record) in {time.perf_counter() - t0:.1f} s; planted: step {planted[0]} rank {planted[1]} "
+            f"{planted[2]} index {planted[3]}"
+        )
+        print(
+            f"load: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f} (1, 5, 15 min)"
         )
         base = subprocess.run(
             [
@@ -386,8 +471,8 @@ def main() -> None:
             2 * args.ranks * plant_step * args.records
         )  # both runs, every rank, steps 1..divergent
         results = {}
-        for mode in ("index", "scan", "full"):
-            r = run_child(a, b, mode)
+        for mode in [m for m in ("index", "scan", "full") if m in modes]:
+            r, vs = measure(a, b, mode, args.repeat, against)
             r["traced_peak_mib"] = run_child(a, b, mode, trace=True)["traced_peak_mib"]
             results[mode] = r
             f = r["first_divergence"]
@@ -396,38 +481,47 @@ def main() -> None:
                 f"{r['steps_read']:>5}  peak RSS {r['maxrss_mib']:6.0f} MiB  traced peak {r['traced_peak_mib']:7.1f} MiB"
                 f"  -> step {f['step']} rank {f['rank']} {f['phase']} index {f['index']}"
             )
-            assert (f["step"], f["rank"], f["phase"], f["index"]) == planted, (
+            _versus(mode, r, vs, against)
+            assert (f["step"], f["rank"], f["phase"], f["index"]) == tuple(planted), (
                 f"wrong divergence {f}"
             )
-        ratio = results["scan"]["seconds"] / results["index"]["seconds"]
-        print(
-            f"index vs scan: {ratio:,.0f}x faster to the first divergence "
-            f"({'meets' if results['index']['seconds'] < 2 else 'MISSES'} the 2 s target)"
-        )
+        if "scan" in results and "index" in results:
+            ratio = results["scan"]["seconds"] / results["index"]["seconds"]
+            print(
+                f"index vs scan: {ratio:,.0f}x faster to the first divergence "
+                f"({'meets' if results['index']['seconds'] < 2 else 'MISSES'} the 2 s target)"
+            )
         # numeric: every record of both runs read and held to the derived bound (what a cross-topology or
         # rounding-level comparison costs); the records are within it, so the runs compare equal
-        r = run_child(a, dirs["noisy"], "numeric")
-        r["traced_peak_mib"] = run_child(a, dirs["noisy"], "numeric", trace=True)["traced_peak_mib"]
-        assert r["equal"] and r["records_read"] == 2 * n_run, r
-        results_numeric = r
-        print(
-            f"numeric: {r['seconds']:7.3f} s  {r['records_read'] / r['seconds']:>14,.0f} records/s read and "
-            f"compared ({r['records_read']:,} records, every one inexact)  peak RSS {r['maxrss_mib']:6.0f} MiB  "
-            f"traced peak {r['traced_peak_mib']:7.1f} MiB"
-        )
+        if "numeric" in modes:
+            r, vs = measure(a, dirs["noisy"], "numeric", args.repeat, against)
+            r["traced_peak_mib"] = run_child(a, dirs["noisy"], "numeric", trace=True)[
+                "traced_peak_mib"
+            ]
+            assert r["equal"] and r["records_read"] == 2 * n_run, r
+            results["numeric"] = r
+            print(
+                f"numeric: {r['seconds']:7.3f} s  {r['records_read'] / r['seconds']:>14,.0f} records/s read and "
+                f"compared ({r['records_read']:,} records, every one inexact)  peak RSS {r['maxrss_mib']:6.0f} MiB  "
+                f"traced peak {r['traced_peak_mib']:7.1f} MiB; {r['records_read'] / r['cpu_seconds']:,.0f} "
+                "records per CPU second"
+            )
+            _versus("numeric", r, vs, against)
         # across topologies: the reduced gradients and optimizer state of every rank of `half` against the
         # reference's (the logical tensors; per-micro-batch phases differ by design and are not compared)
-        r = run_child(a, dirs["half"], "cross")
-        assert r["equal"], r
-        print(
-            f"  cross: {r['seconds']:7.3f} s  {r['records_read'] / r['seconds']:>14,.0f} records/s read, "
-            f"{r['tensors_compared'] / r['seconds']:,.0f} logical tensors/s compared ({r['records_read']:,} records "
-            f"read, {r['tensors_compared']:,} compared)  peak RSS {r['maxrss_mib']:6.0f} MiB"
-        )
+        if "cross" in modes:
+            r, vs = measure(a, dirs["half"], "cross", args.repeat, against)
+            assert r["equal"], r
+            results["cross"] = r
+            print(
+                f"  cross: {r['seconds']:7.3f} s  {r['records_read'] / r['seconds']:>14,.0f} records/s read, "
+                f"{r['tensors_compared'] / r['seconds']:,.0f} logical tensors/s compared ({r['records_read']:,} records "
+                f"read, {r['tensors_compared']:,} compared)  peak RSS {r['maxrss_mib']:6.0f} MiB"
+            )
+            _versus("cross", r, vs, against)
         if (
             args.magnitudes
         ):  # the same stores without them, in the same run: what reading them costs
-            with_m = {"numeric": results_numeric, "cross": r}
             hidden = []
             for d in (a, dirs["noisy"], dirs["half"]):
                 for f in (d / "trajectory").glob("*.scales.jsonl"):
@@ -435,8 +529,10 @@ def main() -> None:
                     f.rename(hidden[-1][1])
             try:
                 for mode, other in (("numeric", dirs["noisy"]), ("cross", dirs["half"])):
+                    if mode not in results:
+                        continue
                     n = run_child(a, other, mode)
-                    ratio = n["seconds"] / with_m[mode]["seconds"]
+                    ratio = n["seconds"] / results[mode]["seconds"]
                     print(
                         f"{mode:>7} without magnitudes: {n['seconds']:7.3f} s  "
                         f"{n['records_read'] / n['seconds']:>14,.0f} records/s; with them "

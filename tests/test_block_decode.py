@@ -252,3 +252,71 @@ def test_shape_products_are_math_prod(size):
             continue
         numel, known = trajectory._products(arr)
         assert [int(v) if k else None for v, k in zip(numel, known)] == want
+
+
+def _headers_of(step: bytes) -> list[tuple[int, int]]:
+    """Where each message's prefix and flatbuffer header lie in a step's bytes (pyarrow's framing)."""
+    r, out = pa.BufferReader(step), []
+    while r.tell() < len(step):
+        at = r.tell()
+        m = ipc.read_message(r)
+        out.append((at, at + 8 + m.metadata.size))
+    return out
+
+
+def _outcome(fn, *args):
+    try:
+        return fn(*args)
+    except (BadInput, *trajectory._DECODE_ERRORS) as e:
+        return e
+
+
+@pytest.mark.parametrize("layout", [1, 2])
+def test_the_block_framing_reads_what_the_message_loop_reads(tmp_path, monkeypatch, layout):
+    """_frame_block reads every step's message headers at once; _frame_steps, the oracle, reads them message by
+    message (pyarrow's reader for each message, the header's fields one by one). On the writer's own blocks
+    the fast framing is taken; on blocks whose header bytes are changed (a flipped, zeroed or saturated byte
+    in a message's prefix or flatbuffer) it gives the same layout, bytes and declared sizes as the loop or
+    declines (None, for the loop to read), never less strict, and decode_steps returns the same batch or the
+    same refusal with it as without it."""
+    rng = random.Random(layout)
+    path = tmp_path / "rank-00000.arrows"
+    steps = [every_kind(1), _realistic(2, rng), every_kind(3, seed=2), _realistic(4, rng)]
+    steps += [every_kind(s, seed=s) for s in range(5, 9)]
+    parts = _steps(path, (write_v1 if layout == 1 else write_v2)(path, steps))[1:]
+    good = [d for d, _ in parts]
+    fast, slow = trajectory._frame_block(good), trajectory._frame_steps(good)
+    assert fast is not None, "the writer's block takes the fast framing"
+    assert fast[:2] == slow[:2] and fast[2].tolist() == slow[2].tolist()
+    assert fast[0] == layout
+    declined = agreed = refused = 0
+    for trial in range(100):
+        block = [bytearray(d) for d in good]
+        for _ in range(rng.randint(1, 2)):
+            i = rng.randrange(len(block))
+            a, b = rng.choice(_headers_of(good[i]))
+            block[i][rng.randrange(a, b)] = rng.choice([0, 0xFF, rng.randrange(256)])
+        block = [bytes(x) for x in block]
+        f = _outcome(trajectory._frame_block, block)
+        s = _outcome(trajectory._frame_steps, block)
+        if isinstance(f, Exception):  # the declared sizes refused: the loop refuses too
+            assert isinstance(s, Exception), (trial, f)
+            refused += 1
+        elif f is None:
+            declined += 1
+        elif not isinstance(
+            s, Exception
+        ):  # (the loop's pyarrow may refuse a header the decoder then refuses)
+            assert f[:2] == s[:2] and f[2].tolist() == s[2].tolist(), trial
+            agreed += 1
+        named = [(d, w) for d, (_, w) in zip(block, parts)]
+        with_fast = _outcome(trajectory.decode_steps, path, named)
+        with monkeypatch.context() as mp:
+            mp.setattr(trajectory, "_frame_block", lambda _: None)
+            without = _outcome(trajectory.decode_steps, path, named)
+        if isinstance(without, tuple):
+            assert isinstance(with_fast, tuple), (trial, with_fast)
+            assert with_fast[0].equals(without[0]) and with_fast[1].tolist() == without[1].tolist()
+        else:
+            assert str(with_fast) == str(without), trial
+    assert declined and agreed and (refused or layout == 1), (declined, agreed, refused)

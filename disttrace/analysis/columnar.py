@@ -220,10 +220,9 @@ def compare(
     scale_s = np.maximum(top * np.sqrt(numel), TINY)
     ka, kb = _sketches(ba)[rows], _sketches(bb)[rows]
     has_sketch = ~(np.isnan(ka).any(axis=1) | np.isnan(kb).any(axis=1))
-    terms = np.empty((len(rows), 2 + SKETCH_K))
-    terms[:, 0] = np.abs(na - nb) / scale_n
-    terms[:, 1] = np.abs(sa - sb) / scale_s
-    terms[:, 2:] = np.abs(ka - kb) / scale_s[:, None]
+    # the terms (norm, sum, each sketch projection) and their bounds, a column each; the sketch's bounds are one
+    tn, ts = np.abs(na - nb) / scale_n, np.abs(sa - sb) / scale_s
+    tk = np.abs(ka - kb) / scale_s[:, None]
 
     if user is not None:
         rtol, atol = user
@@ -236,23 +235,24 @@ def compare(
         f32[rows], ba["numel"][rows], _last_dim(ba.column("shape"))[rows]
     )
     bn, bs = np.where(unbounded, np.inf, bn), np.where(unbounded, np.inf, bs)
-    bounds = np.empty_like(terms)
-    bounds[:, 0], bounds[:, 1] = bn, bs
-    bounds[:, 2:] = (bs + rounding)[:, None]
+    bk = bs + rounding  # each sketch projection also carries its own float32 rounding
 
-    valid = np.ones_like(terms, dtype=bool)
-    valid[:, 2:] = has_sketch[:, None]  # a record without a sketch compares on norm and sum alone
-    over = (terms > bounds) & valid
-    all_equal = np.where(valid, bounds == bounds[:, :1], True).all(axis=1)
+    # a record without a sketch compares on norm and sum alone
+    over = (tn > bn) | (ts > bs) | (has_sketch & (tk > bk[:, None]).any(axis=1))
+    all_equal = (bn == bn) & (bs == bn) & (~has_sketch | (bk == bn))
+    pick = np.empty((len(rows), 2 + SKETCH_K))
     with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = np.where(bounds > 0, terms / bounds, np.where(terms > 0, np.inf, 0.0))
-    pick = np.where(all_equal[:, None], terms, ratio)
-    pick = np.where(valid, pick, -np.inf)
+        for j, (t, bd) in enumerate(((tn, bn), (ts, bs), (tk, bk[:, None]))):
+            ratio = np.where(bd > 0, t / bd, np.where(t > 0, np.inf, 0.0))
+            eq = all_equal if t.ndim == 1 else all_equal[:, None]
+            pick[:, j if j < 2 else slice(2, None)] = np.where(eq, t, ratio)
+    pick[~has_sketch, 2:] = -np.inf
     i = np.argmax(pick, axis=1)  # the first maximum, as Python's max() in the record path
-    at = np.arange(len(rows))
-    rel, bnd = terms[at, i], bounds[at, i]
+    k = tk[np.arange(len(rows)), np.maximum(i - 2, 0)]
+    rel = np.where(i == 0, tn, np.where(i == 1, ts, k))
+    bnd = np.where(i == 0, bn, np.where(i == 1, bs, bk))
     rel = np.where(np.isfinite(rel), rel, np.nan)
-    diverged = np.full(len(rows), True) if bitwise else (over.any(axis=1) | np.isnan(rel))
+    diverged = np.full(len(rows), True) if bitwise else (over | np.isnan(rel))
     # coordinates are B's (the record path reports B's record when both exist)
     return Compared(
         n=n,
@@ -334,14 +334,14 @@ def by_step(c: Compared, starts: np.ndarray) -> StepSummary:
         g_step, g_phase = si[rows], c.phase_order[c.inexact[rows]]
         gkey = g_step * (len(PHASES) + 1) + g_phase
         rel, bnd = c.rel[rows], c.bound[rows]
-        o = np.lexsort((rows, -rel, gkey))  # per group: the largest error, the first among equals
-        heads = np.concatenate(([True], gkey[o][1:] != gkey[o][:-1]))
-        best = o[heads]
         pos = bnd > 0
         ratio = np.where(pos, rel / np.where(pos, bnd, 1.0), -1.0)
-        o2 = np.lexsort((rows, -ratio, gkey))
-        heads2 = np.concatenate(([True], gkey[o2][1:] != gkey[o2][:-1]))
-        best_ratio = dict(zip(gkey[o2][heads2].tolist(), o2[heads2].tolist()))
+        # per group: the largest error, the first among equals; the same for the ratio
+        best, best_ratio = (
+            _group_firsts_of_max(gkey, rows, rel),
+            _group_firsts_of_max(gkey, rows, ratio),
+        )
+        best_ratio = dict(zip(gkey[best_ratio].tolist(), best_ratio.tolist()))
         for j in best.tolist():
             k = best_ratio[int(gkey[j])]
             groups.append(
@@ -354,6 +354,22 @@ def by_step(c: Compared, starts: np.ndarray) -> StepSummary:
                 )
             )
     return StepSummary(inexact, differing, hard, special, first, groups)
+
+
+def _group_firsts_of_max(gkey: np.ndarray, rows: np.ndarray, value: np.ndarray) -> np.ndarray:
+    """Per group of `gkey` (in increasing key order): the position of its largest `value` (no NaN), the one of
+    smallest `rows` among equals. Where the keys already come in groups of increasing key (one micro-batch:
+    the recorder's order is the phases' order), by reductions over the runs; else by sorting."""
+    if len(gkey) and (gkey[1:] >= gkey[:-1]).all():
+        starts = np.flatnonzero(np.concatenate(([True], gkey[1:] != gkey[:-1])))
+        top = np.maximum.reduceat(value, starts)
+        sizes = np.diff(np.append(starts, len(gkey)))
+        at = np.arange(len(gkey))
+        # rows increase with position here (they are positions in an increasing list), so the first position
+        # holding the maximum is the smallest row among equals
+        return np.minimum.reduceat(np.where(value == np.repeat(top, sizes), at, len(gkey)), starts)
+    o = np.lexsort((rows, -value, gkey))
+    return o[np.concatenate(([True], gkey[o][1:] != gkey[o][:-1]))]
 
 
 _SQUARED = ":exp_avg_sq"

@@ -255,6 +255,18 @@ class _Side:
         self._last_bytes = ((rank, step), data)
         return data
 
+    def raw_steps(self, rank: int, steps: list[int]) -> list[bytes]:
+        """The steps' raw bytes, not yet checked (the caller checks each with `checked`, in its order): steps
+        that lie one after another in the file are read in one range, so a rank's file is opened once a block
+        of steps, not once a step."""
+        return self._ranges(rank, self.traj_path(rank), [self.entry(rank, s) for s in steps])
+
+    def checked(self, rank: int, step: int, data: bytes) -> bytes:
+        """`data` (the step's bytes from raw_steps) checked against the hash its index line holds, as
+        step_bytes checks them."""
+        self._hash_checked(rank, step, seal.step_data_match(data, self.entry(rank, step)))
+        return data
+
     def check_step(self, rank: int, step: int) -> None:
         """The step's raw bytes against the hash its index line holds (hashing, no parsing)."""
         self.step_bytes(rank, step)
@@ -563,6 +575,7 @@ class _Tol:
         self.cal = calibration if mode == "numeric" and not self.user else None
         self._cls: dict[str, str] = {}
         self._cache: dict[tuple[int, str], float] = {}
+        self._eps: dict[str, float] = {}
         # (A's, B's) analysis.magnitudes.Magnitudes when both runs recorded them: a gradient's difference is then
         # measured against the magnitudes that produced it, not against its own (possibly cancelled) norm
         self.mags = (
@@ -652,6 +665,13 @@ class _Tol:
             got = self._cls[name] = tensor_class(name)
         return got
 
+    def _step_bound(self, phase: str) -> float:
+        """tolerance.step_bound of the two manifests: per phase, the same at every step."""
+        eps = self._eps.get(phase)
+        if eps is None:
+            eps = self._eps[phase] = tolerance.step_bound(self.ma, self.mb, phase, self.observed)
+        return eps
+
     def derived(self, step: int, phase: str, name: str | None = None) -> float:
         """The bound at (step, phase) for tensor `name`: the calibrated one where the calibration measured it
         (per tensor class where it has classes), else derived."""
@@ -678,6 +698,7 @@ class _Tol:
                     since=self.since,
                     magnitudes=self.mags is not None,
                     observed=self.observed,
+                    eps=self._step_bound(phase),
                 )
             )
         return self._cache[k]
@@ -1556,15 +1577,17 @@ def _found_calibration(side_a: _Side, side_b: _Side) -> Path | None:
     return None
 
 
-BLOCK_ROWS = 1 << 14  # records per side a block of steps may hold (a few MB of columns)
+# records a block of steps may hold, per side: of one rank where ranks are compared one after another (a few MB
+# of columns), of all ranks where a step's ranks are read together (across topologies)
+BLOCK_ROWS = 1 << 14
 
 
 def _block(steps: list[int], n: int, ranks, sides: tuple[_Side, _Side], rows: int) -> list[int]:
-    """steps[n:] as far as `rows` records of either side (over all ranks) reach, at least one step."""
+    """steps[n:] as far as `rows` records of any one rank of either side reach, at least one step."""
     out, total = [], 0
     for step in steps[n:]:
-        total += max(
-            sum(int((side.entry(r, step) or {}).get("records") or 0) for r in ranks)
+        total += max(  # a rank's steps are decoded and compared together, one rank after another
+            max((int((side.entry(r, step) or {}).get("records") or 0) for r in ranks), default=0)
             for side in sides
         )
         if out and total > rows:
@@ -1587,6 +1610,7 @@ def _compare_block(
     read = dict.fromkeys(block, 0)
     for r in ranks:
         todo = []
+        agree = []  # steps whose index digests agree: skipped if their bytes are the same on both sides
         for s in block:
             ea, eb = side_a.entry(r, s), side_b.entry(r, s)
             if (
@@ -1595,9 +1619,18 @@ def _compare_block(
                 and ea.get("digest") is not None
                 and ea.get("digest") == eb.get("digest")
                 and ea.get("records") == eb.get("records")
-                and side_a.step_bytes(r, s) == side_b.step_bytes(r, s)
             ):
-                per[s][r] = _RankStep(int(ea.get("records") or 0))
+                agree.append(s)
+        same = set()
+        if (
+            agree
+        ):  # each side's steps read together, checked step by step (a refusal names the first)
+            for s, da, db in zip(agree, side_a.raw_steps(r, agree), side_b.raw_steps(r, agree)):
+                if side_a.checked(r, s, da) == side_b.checked(r, s, db):
+                    same.add(s)
+        for s in block:
+            if s in same:
+                per[s][r] = _RankStep(int(side_a.entry(r, s).get("records") or 0))
                 continue
             read[s] += 1
             todo.append(s)

@@ -207,15 +207,19 @@ def bound(
     since: int = 0,
     magnitudes: bool = False,
     observed: tuple = (None, None),
+    eps: float | None = None,
 ) -> float:
     """The largest relative error (see module docstring) two runs may show at `step` in `phase` and still
     count as the same computation: ``max(1, step - since) * step_bound(...)`` relative to the records' norms;
     with `magnitudes` (both runs recorded them), ``growth(k) * step_bound(...)`` relative to the larger of the
-    norms and the magnitudes that produced the record (see "Magnitudes")."""
+    norms and the magnitudes that produced the record (see "Magnitudes"). `eps`: step_bound(...) of these
+    manifests and phase, when the caller has it (it does not depend on the step)."""
     k = max(1, int(step) - int(since))
+    if eps is None:
+        eps = step_bound(manifest_a, manifest_b, phase, observed)
     if magnitudes and phase not in ACTIVATION_PHASES:
-        return growth(k) * step_bound(manifest_a, manifest_b, phase, observed)
-    return k * step_bound(manifest_a, manifest_b, phase, observed)
+        return growth(k) * eps
+    return k * eps
 
 
 def tensor_factor(name: str | None) -> float:

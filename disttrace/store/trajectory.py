@@ -381,9 +381,10 @@ def decode_steps(path: Path, steps: list[tuple[bytes, str]]) -> tuple[pa.RecordB
     """Several steps' bytes (each with where it lies, for a refusal) as one SCHEMA record batch, the steps'
     records one after the other, and each step's first row. Every step is checked as `decode_step` checks it
     alone (its messages, each compressed buffer's declared size, the step's total expansion, full validation,
-    the shape products); the checks run over the block's arrays at once and the block is decoded by one
-    stream reader and converted in one call per column, so the fixed cost of a step (a stream, a dozen
-    pyarrow calls, a Python loop over its buffers) is paid once a block (docs/design.md, "The trajectory's
+    the shape products); the checks run over the block's arrays at once (every step's message headers read
+    in one numpy pass where the block is as the writer writes it) and the block is decoded by one stream
+    reader and its columns concatenated in one call, so the fixed cost of a step (a stream, a dozen pyarrow
+    calls, a Python loop over its messages and buffers) is paid once a block (docs/design.md, "The trajectory's
     format"). A block that is refused is decoded step by step, so the refusal names the step at fault, and
     whatever each step alone accepts is accepted."""
     if len(steps) < 2:
@@ -407,10 +408,67 @@ def _joined(batches: list[pa.RecordBatch]) -> tuple[pa.RecordBatch, np.ndarray]:
 
 
 _STEP_MESSAGES = {1: ["record batch"], 2: ["dictionary", "record batch"]}
+_SHAPE = SCHEMA_V2.get_field_index(
+    "shape"
+)  # the one column whose chunks (their dictionaries) stay apart
 
 
 def _decode_block(steps: list[bytes]) -> tuple[pa.RecordBatch, np.ndarray]:
     """decode_steps' work (ValueError and Arrow's errors for a refusal, unattributed)."""
+    framed = _frame_block(steps) if len(steps) > 1 else None
+    if framed is None:  # one step, or a block not as the writer writes it: message by message
+        layout, joined, declared = _frame_steps(steps)
+    else:
+        layout, joined, declared = framed
+    # before decoding: a forged size would be allocated whole, and many honest-looking ones (an LZ4 bomb: each
+    # buffer within LZ4's own expansion) would still add up to far more than a step of ours holds
+    sizes = np.fromiter(map(len, steps), dtype=np.float64, count=len(steps))
+    over = np.nonzero(declared > _step_expansion(sizes))[0]
+    if over.size:
+        j = int(over[0])
+        raise ValueError(
+            f"buffers that expand {len(steps[j])} bytes to {int(declared[j])}, more than a step's records do"
+        )
+    reader = ipc.open_stream(_SCHEMA_MESSAGES[layout] + joined, options=_READ)
+    if len(steps) == 1:
+        batch = reader.read_next_batch()
+        batch.validate(full=True)  # offsets, views and dictionary indices inside their buffers
+        columns, shapes, counts = batch.columns, [batch.column(_SHAPE)], [batch.num_rows]
+    else:
+        table = reader.read_all()
+        table.validate(full=True)  # the same, batch by batch
+        counts = [len(c) for c in table.column(0).chunks]
+        if len(counts) != len(steps):
+            raise ValueError(f"{len(counts)} record batches where {len(steps)} steps are")
+        shapes = table.column(_SHAPE).chunks if layout == 2 else None
+        # every other column's chunks concatenated in one call (each step's dictionary is handled below)
+        rest = (table.remove_column(_SHAPE) if layout == 2 else table).combine_chunks()
+        columns = [_one_chunk(c) for c in rest.columns]
+        if layout == 2:
+            columns.insert(_SHAPE, None)
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
+    batch = (
+        _from_v2(columns, shapes)
+        if layout == 2
+        else pa.RecordBatch.from_arrays(columns, schema=SCHEMA)
+    )
+    _check_required(batch)
+    return batch, starts
+
+
+def _one_chunk(column: pa.ChunkedArray) -> pa.Array:
+    if column.num_chunks == 1:
+        return column.chunk(0)
+    if column.num_chunks == 0:
+        return pa.array([], column.type)
+    return pa.concat_arrays(column.chunks)
+
+
+def _frame_steps(steps: list[bytes]) -> tuple[int, bytes, np.ndarray]:
+    """Each step's messages read one by one: the layout, the steps' messages after any schema message joined
+    (what the stream reader decodes), and per step the bytes its buffers declare they decompress to. A
+    schema message (the file's first step) is checked to be one of ours; a step's messages must be its
+    layout's; the headers' sizes are read and bounded (_message_buffers)."""
     layout = None
     parts: list[bytes] = []  # each step's messages after any schema message, joined below
     plain = np.zeros(len(steps))  # per step: bytes of the buffers stored uncompressed
@@ -449,48 +507,161 @@ def _decode_block(steps: list[bytes]) -> tuple[pa.RecordBatch, np.ndarray]:
         parts.append(data[body:end] if body or end != len(data) else data)
         at += end - body
     joined = b"".join(parts)
-    declared = plain + _declared_sizes(joined, buffers, len(steps))
-    # before decoding: a forged size would be allocated whole, and many honest-looking ones (an LZ4 bomb: each
-    # buffer within LZ4's own expansion) would still add up to far more than a step of ours holds
-    limit = np.array([_step_expansion(len(d)) for d in steps], dtype=np.float64)
-    over = np.nonzero(declared > limit)[0]
-    if over.size:
-        j = int(over[0])
-        raise ValueError(
-            f"buffers that expand {len(steps[j])} bytes to {int(declared[j])}, more than a step's records do"
+    return layout, joined, plain + _declared_sizes(joined, buffers, len(steps))
+
+
+# the Arrow IPC flatbuffers' field numbers (format/Message.fbs) that the framing reads
+_MESSAGE_FIELDS = 4  # Message: version, header_type, header, bodyLength
+_HEADER_TYPE, _HEADER, _BODY_LENGTH = 1, 2, 3
+_DICTIONARY, _RECORD_BATCH = 2, 3  # MessageHeader: Schema = 1, DictionaryBatch = 2, RecordBatch = 3
+_BATCH_FIELDS = 4  # RecordBatch: length, nodes, buffers, compression
+_BUFFERS, _COMPRESSION = 2, 3
+
+
+def _frame_block(steps: list[bytes]) -> tuple[int, bytes, np.ndarray] | None:
+    """_frame_steps for a block of steps as the writer writes them, every step's headers read at once (numpy
+    over the joined bytes: the Python loop over a step's messages and buffers is most of what a small step
+    costs): each step exactly its layout's messages, each with the continuation marker, an LZ4-compressed
+    body and its buffers' list, reads inside its own header. The same layout, joined bytes and declared
+    sizes as _frame_steps gives; None for a block with anything else in it (a schema message, another
+    codec, a header out of the ordinary), which _frame_steps then reads, and refuses if it is malformed."""
+    n = len(steps)
+    size = np.fromiter(map(len, steps), dtype=np.int64, count=n)
+    stop = np.cumsum(size)
+    joined = b"".join(steps)
+    raw = np.frombuffer(joined, dtype=np.uint8)
+    first = _headers(raw, stop - size, stop)
+    if first is None:
+        return None
+    kinds = first[0]
+    layout = 2 if (kinds == _DICTIONARY).all() else 1 if (kinds == _RECORD_BATCH).all() else None
+    if layout is None:
+        return None
+    messages = [first]
+    if layout == 2:
+        second = _headers(raw, first[3], stop)
+        if second is None or (second[0] != _RECORD_BATCH).any():
+            return None
+        messages.append(second)
+    if (messages[-1][3] != stop).any():  # nothing after the step's record batch
+        return None
+    # per buffer: its step, where its message's body starts and how long it is, its offset and length there
+    columns: list[list[np.ndarray]] = [[], [], [], [], []]
+    for kind, meta_start, meta_end, body_end, header in messages:
+        buffers = _buffer_list(raw, kind, meta_start, meta_end, header)
+        if buffers is None:
+            return None
+        count, offset, length = buffers
+        for out, x in zip(columns, (np.arange(n), meta_end, body_end - meta_end)):
+            out.append(np.repeat(x, count))
+        columns[3].append(offset)
+        columns[4].append(length)
+    step, start, body, offset, length = (np.concatenate(c) for c in columns)
+    return layout, joined, _declared(raw, step, start, body, offset, length, n)
+
+
+def _le(raw: np.ndarray, at: np.ndarray, dtype: str) -> np.ndarray:
+    """The little-endian values of `dtype` at byte positions `at` (checked to lie inside `raw`)."""
+    width = np.dtype(dtype).itemsize
+    return raw[at[:, None] + np.arange(width)].view(dtype).reshape(-1).astype(np.int64)
+
+
+def _table_fields(raw, table, lo, hi, k: int) -> np.ndarray | None:
+    """_fb_fields for many tables at once: (tables, k) positions of fields 0..k-1, -1 for an absent one; None
+    where a read would leave the table's header [lo, hi)."""
+    if ((table < lo) | (table + 4 > hi)).any():
+        return None
+    vtable = table - _le(raw, table, "<i4")
+    if ((vtable < lo) | (vtable + 2 > hi)).any():
+        return None
+    have = np.minimum(np.maximum((_le(raw, vtable, "<u2") - 4) // 2, 0), k)
+    if (vtable + 4 + 2 * have > hi).any():
+        return None
+    present = np.arange(k) < have[:, None]
+    at = np.zeros(present.shape, dtype=np.int64)
+    at[present] = _le(raw, (vtable[:, None] + 4 + 2 * np.arange(k))[present], "<u2")
+    return np.where(present & (at > 0), table[:, None] + at, -1)
+
+
+def _value(raw, at, hi, dtype: str) -> np.ndarray | None:
+    """The field at each of `at` (0 where absent, -1), or None where one would leave its header."""
+    out = np.zeros(len(at), dtype=np.int64)
+    present = at >= 0
+    if present.any():
+        p = at[present]
+        if (p + np.dtype(dtype).itemsize > hi[present]).any():
+            return None
+        out[present] = _le(raw, p, dtype)
+    return out
+
+
+def _headers(raw, at, stop):
+    """The message starting at each of `at` (one a step, the step ending at `stop`): (header type, where its
+    flatbuffer starts and ends, where its body ends, where its header table lies), or None."""
+    if (at + 8 > stop).any():
+        return None
+    marker, length = _le(raw, at, "<i4"), _le(raw, at + 4, "<i4")
+    lo, hi = at + 8, at + 8 + length
+    if (marker != -1).any() or (length < 4).any() or (hi > stop).any():
+        return None
+    fields = _table_fields(raw, lo + _le(raw, lo, "<u4"), lo, hi, _MESSAGE_FIELDS)
+    if fields is None or (fields[:, _HEADER] < 0).any():
+        return None
+    kind = _value(raw, fields[:, _HEADER_TYPE], hi, "u1")
+    body = _value(raw, fields[:, _BODY_LENGTH], hi, "<i8")
+    header = _value(raw, fields[:, _HEADER], hi, "<u4")
+    if kind is None or body is None or header is None or (body < 0).any():
+        return None
+    if (hi + body > stop).any():
+        return None
+    return kind, lo, hi, hi + body, fields[:, _HEADER] + header
+
+
+def _buffer_list(raw, kind, lo, hi, header):
+    """_message_buffers for one message of each step: (buffers per message, their offsets and lengths in the
+    body), or None for a message with no LZ4 buffer list, or a dictionary other than the step's own."""
+    batch = header
+    if kind[0] == _DICTIONARY:  # DictionaryBatch: id, data, isDelta
+        fields = _table_fields(raw, header, lo, hi, 3)
+        if fields is None or (fields[:, 1] < 0).any():
+            return None
+        ids, data, delta = (
+            _value(raw, fields[:, 0], hi, "<i8"),
+            _value(raw, fields[:, 1], hi, "<u4"),
+            _value(raw, fields[:, 2], hi, "u1"),
         )
-    reader = ipc.open_stream(_SCHEMA_MESSAGES[layout] + joined, options=_READ)
-    if len(steps) == 1:
-        batch = reader.read_next_batch()
-        batch.validate(full=True)  # offsets, views and dictionary indices inside their buffers
-        columns = [[c] for c in batch.columns]
-        counts = [batch.num_rows]
-    else:
-        table = reader.read_all()
-        table.validate(full=True)  # the same, batch by batch
-        columns = [c.chunks for c in table.columns]
-        counts = [len(c) for c in columns[0]]
-    if len(counts) != len(steps):
-        raise ValueError(f"{len(counts)} record batches where {len(steps)} steps are")
-    starts = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
-    batch = (
-        _from_v2(columns)
-        if layout == 2
-        else pa.RecordBatch.from_arrays([_concat(c) for c in columns], schema=SCHEMA)
+        if ids is None or data is None or delta is None or ids.any() or delta.any():
+            return None
+        batch = fields[:, 1] + data
+    fields = _table_fields(raw, batch, lo, hi, _BATCH_FIELDS)
+    if fields is None or (fields[:, _BUFFERS] < 0).any() or (fields[:, _COMPRESSION] < 0).any():
+        return None
+    compression = _value(raw, fields[:, _COMPRESSION], hi, "<u4")
+    vector = _value(raw, fields[:, _BUFFERS], hi, "<u4")
+    if compression is None or vector is None:
+        return None
+    codec = _table_fields(raw, fields[:, _COMPRESSION] + compression, lo, hi, 1)
+    if codec is None:
+        return None
+    codec = _value(raw, codec[:, 0], hi, "u1")  # BodyCompression.codec: 0 = LZ4_FRAME
+    if codec is None or codec.any():
+        return None
+    vector += fields[:, _BUFFERS]
+    count = _value(raw, vector, hi, "<u4")
+    if count is None or (vector + 4 + 16 * count > hi).any():
+        return None
+    first = np.repeat(vector + 4 - 16 * (np.cumsum(count) - count), count) + 16 * np.arange(
+        count.sum()
     )
-    _check_required(batch)
-    return batch, starts
+    return count, _le(raw, first, "<i8"), _le(raw, first + 8, "<i8")
 
 
-def _concat(chunks: list[pa.Array]) -> pa.Array:
-    return chunks[0] if len(chunks) == 1 else pa.concat_arrays(chunks)
-
-
-def _from_v2(columns: list[list[pa.Array]]) -> pa.RecordBatch:
-    """v2 batches (each column's chunks, one a step) as one SCHEMA batch: phase and dtype as plain strings,
-    shape from each step's own dictionary, numel computed, the shard split into offset and logical shape.
-    Each step's dictionary indices were validated against its own dictionary; they are then moved to where
-    that dictionary sits in the steps' dictionaries concatenated, and every shape is taken in one call."""
+def _from_v2(columns: list[pa.Array | None], chunks: list[pa.DictionaryArray]) -> pa.RecordBatch:
+    """v2 batches (each column's steps concatenated; the shape's chunks, one a step, apart) as one SCHEMA
+    batch: phase and dtype as plain strings, shape from each step's own dictionary, numel computed, the shard
+    split into offset and logical shape. Each step's dictionary indices were validated against its own
+    dictionary; they are then moved to where that dictionary sits in the steps' dictionaries concatenated,
+    and every shape is taken in one call."""
     (
         step,
         micro_batch,
@@ -499,7 +670,7 @@ def _from_v2(columns: list[list[pa.Array]]) -> pa.RecordBatch:
         index,
         tensor,
         dtype,
-        shape,
+        _,
         digest,
         device_digest,
         sum_,
@@ -511,7 +682,6 @@ def _from_v2(columns: list[list[pa.Array]]) -> pa.RecordBatch:
         tokens,
         shard,
     ) = columns
-    chunks = shape
     if len(chunks) == 1:
         shapes, indices = chunks[0].dictionary, chunks[0].indices
         base = None
@@ -537,25 +707,25 @@ def _from_v2(columns: list[list[pa.Array]]) -> pa.RecordBatch:
         numel_of_rows = pa.array(numel[at], pa.int64(), mask=None if known.all() else ~known[at])
     return pa.RecordBatch.from_arrays(
         [
-            _concat(step),
-            _concat(micro_batch),
-            _concat(phase).cast(pa.string()),
-            _concat(rank),
-            _concat(index),
-            _concat(tensor),
-            _concat(dtype).cast(pa.string()),
+            step,
+            micro_batch,
+            phase.cast(pa.string()),
+            rank,
+            index,
+            tensor,
+            dtype.cast(pa.string()),
             shapes_of_rows,
             numel_of_rows,
-            _concat(digest),
-            _concat(device_digest),
-            _concat(sum_),
-            _concat(norm),
-            _concat(sketch),
-            _concat(sketch64),
-            _concat(nonfinite),
-            _concat(samples),
-            _concat(tokens),
-            *_split_shard(_concat(shard)),
+            digest,
+            device_digest,
+            sum_,
+            norm,
+            sketch,
+            sketch64,
+            nonfinite,
+            samples,
+            tokens,
+            *_split_shard(shard),
         ],
         schema=SCHEMA,
     )
@@ -673,7 +843,7 @@ def _check_schema(message) -> int:
     raise ValueError(f"the stream's schema is not a trajectory's (columns {schema.names[:6]})")
 
 
-def _step_expansion(n: int) -> int:
+def _step_expansion(n):
     """The most bytes a step of `n` bytes may decompress to. A step's records compress ~4-fold (digests and
     statistics hardly compress; measured by bench/trajectory_codec.py), the best case of a real step
     (`tests/test_untrusted_store.py` measures the runs it writes) stays below STEP_EXPANSION-fold; an LZ4 bomb's
@@ -768,10 +938,15 @@ def _declared_sizes(joined: bytes, buffers: list, n_steps: int) -> np.ndarray:
         np.repeat(np.array([b[k] for b in buffers], dtype=np.int64), counts) for k in range(3)
     )
     pairs = np.concatenate([p for *_, p in buffers])
-    offset, length = pairs[:, 0], pairs[:, 1]
+    raw = np.frombuffer(joined, dtype=np.uint8)
+    return _declared(raw, step, start, body, pairs[:, 0], pairs[:, 1], n_steps)
+
+
+def _declared(raw, step, start, body, offset, length, n_steps: int) -> np.ndarray:
+    """_declared_sizes over arrays, one entry a buffer: its step, where its message's body starts in `raw`
+    and how long it is, the buffer's offset and length in that body."""
     inside = (length >= 8) & (offset >= 0) & (offset <= body - 8)
     step, at, length = step[inside], (start + offset)[inside], length[inside]
-    raw = np.frombuffer(joined, dtype=np.uint8)
     size = raw[at[:, None] + np.arange(8)].copy().view("<i8").reshape(-1)
     # size <= 256 * length without overflow: ceil(size / 256) <= length
     bad = (size != -1) & (
