@@ -11,15 +11,14 @@ from __future__ import annotations
 import itertools
 import math
 import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import orjson
 import pytest
 import torch
 from conftest import ROOT, cli, last_line
+from launchers import deepspeed_cmd, job_env, launch, need_deepspeed, torchrun_cmd
 
 from disttrace.analysis.diff import _Logical, diff_runs
 from disttrace.integrations.deepspeed import flat_boxes, pieces
@@ -27,8 +26,7 @@ from disttrace.run.digest import digest_tensor
 from disttrace.store.rundir import Run
 
 SCRIPT = str(ROOT / "tests" / "scripts" / "ds_train.py")
-TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
-CMD = [TORCHRUN, "--nproc-per-node", "2", SCRIPT]
+CMD = torchrun_cmd(SCRIPT)
 PARAMS = {"inp.weight": [10, 6], "inp.bias": [10], "out.weight": [3, 10], "out.bias": [3]}
 
 
@@ -112,31 +110,14 @@ def test_a_deepspeed_format_checkpoint_is_verified_by_its_files_and_their_pickle
 
 
 def _need_deepspeed():
-    pytest.importorskip(
-        "deepspeed",
-        reason="deepspeed could not be installed here (make test installs disttrace[deepspeed]); "
-        "the DeepSpeed integration is untested on this machine",
-    )
-
-
-def torchrun(out: Path, *args) -> Path:
-    proc = subprocess.run(
-        [*CMD, str(out), *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return Path(proc.stdout.strip().splitlines()[-1])
+    need_deepspeed("the DeepSpeed integration")
 
 
 @pytest.fixture(scope="module")
 def stages(tmp_path_factory) -> dict[int, Path]:
     _need_deepspeed()
     out = tmp_path_factory.mktemp("ds")
-    return {s: torchrun(out, "--stage", s) for s in (0, 1, 2, 3)}
+    return {s: launch(CMD, out, "--stage", s) for s in (0, 1, 2, 3)}
 
 
 @pytest.mark.slow
@@ -203,6 +184,7 @@ def _inject(
         out,
         *map(str, args),
         timeout=900,
+        env=job_env(),
     )
 
 
@@ -257,3 +239,29 @@ def test_a_fault_without_a_deepspeed_point_is_refused(tmp_path):
     proc = _inject(tmp_path, "skip-allreduce", 1, 0, "--stage", 2)
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 2 and "DeepSpeed" in last and "--fault" in last, proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_the_deepspeed_launcher_runs_an_attached_script_as_torchrun_does(stages, tmp_path):
+    """`disttrace run -- deepspeed --num_gpus 2 ...`: DeepSpeed's own launcher (its runner, then
+    deepspeed.launcher.launch, which sets the ranks' environment and passes --local_rank) starts the same
+    ZeRO-2 script; the run is the torchrun one's bit for bit."""
+    proc = cli(
+        "run",
+        "--out",
+        tmp_path,
+        "--",
+        *deepspeed_cmd(SCRIPT),
+        tmp_path,
+        "--stage",
+        2,
+        timeout=900,
+        env=job_env(),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = Run(last_line(proc))
+    assert run.complete and run.ranks() == [0, 1]
+    assert run.manifest_doc["parallelism"]["engine"] == "DeepSpeed"
+    assert run.manifest_doc["parallelism"]["zero_stage"] == 2
+    d = diff_runs(stages[2], run.path, mode="bitwise")
+    assert d.equal and d.compared_steps.count == 3, d.first_divergence
