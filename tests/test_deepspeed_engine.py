@@ -207,6 +207,54 @@ def test_a_planted_bitflip_grad_is_located_at_its_step_rank_and_phase(stages, tm
     assert (f.step, f.phase) == (2, "reduce"), f
 
 
+def _digests(run: Path, step: int, rank: int) -> dict:
+    """The rank's parameter pieces after the step (no optimizer state): (tensor, index) -> digest."""
+    return {
+        (r["tensor"], r["index"]): r["digest"]
+        for r in Run(run).records(rank)
+        if (r["step"], r["phase"]) == (step, "optimizer") and ":" not in r["tensor"]
+    }
+
+
+def _clip_scalar(run: Path, step: int, rank: int, name: str) -> float:
+    (v,) = [
+        r["sum"]
+        for r in Run(run).records(rank)
+        if (r["step"], r["phase"], r["tensor"]) == (step, "clip", name)
+    ]
+    return v
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "fault,stage,rank,phase,tensor,acted",
+    [
+        # the reduced partition divided by the dp size a second time: DeepSpeed's norm is then another
+        ("grad-scale", 1, 0, "reduce", None, "grad_norm"),
+        # one step at 2 x the lr: the rank's lr scalar shows it, and its parameters after that step
+        ("lr-skew", 3, 1, "clip", "lr", None),
+    ],
+)
+def test_the_other_offered_faults_are_located_where_they_act(
+    stages, tmp_path, fault, stage, rank, phase, tensor, acted
+):
+    proc = _inject(tmp_path, fault, 2, rank, "--stage", stage)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = last_line(proc)
+    fired = [e for e in Run(run).events().records if e["event"] == "fault_fired"]
+    assert [(e["step"], e["rank"]) for e in fired] == [(2, rank)], fired
+    d = diff_runs(stages[stage], run)
+    f = d.first_divergence
+    assert not d.equal and (f.step, f.rank, f.phase) == (2, rank, phase), f
+    assert tensor is None or f.tensor == tensor, f
+    if acted:  # it changed what DeepSpeed computed, not only what was recorded
+        assert _clip_scalar(run, 1, 0, acted) == _clip_scalar(stages[stage], 1, 0, acted)
+        assert _clip_scalar(run, 2, 0, acted) != _clip_scalar(stages[stage], 2, 0, acted)
+    else:  # the rank's fp32 master partition after step 2 moved by another amount
+        assert _digests(run, 1, rank) == _digests(stages[stage], 1, rank)
+        assert _digests(run, 2, rank) != _digests(stages[stage], 2, rank)
+
+
 @pytest.mark.slow
 def test_check_flags_a_rank_whose_replicated_parameter_drifted(tmp_path):
     """Stage 0: every rank holds every parameter, so a bit flipped in rank 1's copy after step 2 is a replica
@@ -225,12 +273,15 @@ def test_check_flags_a_rank_whose_replicated_parameter_drifted(tmp_path):
     index = orjson.loads((ckpt / "INDEX.json").read_bytes())
     assert index["format"] == "deepspeed" and index["step"] == 2 and len(index["files"]) >= 1
     assert cli("verify", run).returncode == 0
+    listed = orjson.loads(cli("show", run, "checkpoints", "--json", check=0).stdout)["checkpoints"]
+    assert [(c["step"], c["verified"]) for c in listed] == [(2, True)], listed
     victim = ckpt / sorted(index["files"])[0]
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x01
     victim.write_bytes(bytes(data))
     proc = cli("verify", run)
     assert proc.returncode != 0 and victim.name in proc.stdout + proc.stderr, proc.stderr[-2000:]
+    assert cli("show", run, "checkpoints").returncode == 1
 
 
 @pytest.mark.slow
