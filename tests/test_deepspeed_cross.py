@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import orjson
 import pytest
 from conftest import ROOT, cli, last_line
+from launchers import launch, need_deepspeed, torchrun_cmd
 
 from disttrace.config.deepspeed import freeze_from_deepspeed
 from disttrace.config.harness import CLAIM, harness_config, model_tensors
@@ -29,7 +27,6 @@ from disttrace.store.records import ATTACHED_SOURCE
 from disttrace.store.rundir import Run
 
 SCRIPT = str(ROOT / "tests" / "scripts" / "ds_harness_train.py")
-TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
 SETS = ["training.steps=3", "checkpoint.interval=0"]
 
 
@@ -223,35 +220,11 @@ def test_a_lock_runs_as_frozen_or_not_at_all(tmp_path, locks):
 
 
 def _need_deepspeed():
-    pytest.importorskip(
-        "deepspeed",
-        reason="deepspeed could not be installed here (make test installs disttrace[deepspeed]); "
-        "the cross-engine comparison is untested on this machine",
-    )
+    need_deepspeed("the cross-engine comparison")
 
 
 def ds_run(out: Path, lock: Path, ds: Path, *args) -> Path:
-    proc = subprocess.run(
-        [
-            TORCHRUN,
-            "--nproc-per-node",
-            "2",
-            SCRIPT,
-            str(out),
-            "--lock",
-            str(lock),
-            "--ds-config",
-            str(ds),
-            *map(str, args),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return Path(proc.stdout.strip().splitlines()[-1])
+    return launch(torchrun_cmd(SCRIPT), out, "--lock", lock, "--ds-config", ds, *args)
 
 
 @pytest.fixture(scope="module")

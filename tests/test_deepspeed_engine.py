@@ -11,15 +11,14 @@ from __future__ import annotations
 import itertools
 import math
 import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import orjson
 import pytest
 import torch
 from conftest import ROOT, cli, last_line
+from launchers import deepspeed_cmd, job_env, launch, need_deepspeed, torchrun_cmd
 
 from disttrace.analysis.diff import _Logical, diff_runs
 from disttrace.integrations.deepspeed import flat_boxes, pieces
@@ -27,8 +26,7 @@ from disttrace.run.digest import digest_tensor
 from disttrace.store.rundir import Run
 
 SCRIPT = str(ROOT / "tests" / "scripts" / "ds_train.py")
-TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
-CMD = [TORCHRUN, "--nproc-per-node", "2", SCRIPT]
+CMD = torchrun_cmd(SCRIPT)
 PARAMS = {"inp.weight": [10, 6], "inp.bias": [10], "out.weight": [3, 10], "out.bias": [3]}
 
 
@@ -112,31 +110,14 @@ def test_a_deepspeed_format_checkpoint_is_verified_by_its_files_and_their_pickle
 
 
 def _need_deepspeed():
-    pytest.importorskip(
-        "deepspeed",
-        reason="deepspeed could not be installed here (make test installs disttrace[deepspeed]); "
-        "the DeepSpeed integration is untested on this machine",
-    )
-
-
-def torchrun(out: Path, *args) -> Path:
-    proc = subprocess.run(
-        [*CMD, str(out), *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return Path(proc.stdout.strip().splitlines()[-1])
+    need_deepspeed("the DeepSpeed integration")
 
 
 @pytest.fixture(scope="module")
 def stages(tmp_path_factory) -> dict[int, Path]:
     _need_deepspeed()
     out = tmp_path_factory.mktemp("ds")
-    return {s: torchrun(out, "--stage", s) for s in (0, 1, 2, 3)}
+    return {s: launch(CMD, out, "--stage", s) for s in (0, 1, 2, 3)}
 
 
 @pytest.mark.slow
@@ -203,6 +184,7 @@ def _inject(
         out,
         *map(str, args),
         timeout=900,
+        env=job_env(),
     )
 
 
@@ -225,6 +207,54 @@ def test_a_planted_bitflip_grad_is_located_at_its_step_rank_and_phase(stages, tm
     assert (f.step, f.phase) == (2, "reduce"), f
 
 
+def _digests(run: Path, step: int, rank: int) -> dict:
+    """The rank's parameter pieces after the step (no optimizer state): (tensor, index) -> digest."""
+    return {
+        (r["tensor"], r["index"]): r["digest"]
+        for r in Run(run).records(rank)
+        if (r["step"], r["phase"]) == (step, "optimizer") and ":" not in r["tensor"]
+    }
+
+
+def _clip_scalar(run: Path, step: int, rank: int, name: str) -> float:
+    (v,) = [
+        r["sum"]
+        for r in Run(run).records(rank)
+        if (r["step"], r["phase"], r["tensor"]) == (step, "clip", name)
+    ]
+    return v
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "fault,stage,rank,phase,tensor,acted",
+    [
+        # the reduced partition divided by the dp size a second time: DeepSpeed's norm is then another
+        ("grad-scale", 1, 0, "reduce", None, "grad_norm"),
+        # one step at 2 x the lr: the rank's lr scalar shows it, and its parameters after that step
+        ("lr-skew", 3, 1, "clip", "lr", None),
+    ],
+)
+def test_the_other_offered_faults_are_located_where_they_act(
+    stages, tmp_path, fault, stage, rank, phase, tensor, acted
+):
+    proc = _inject(tmp_path, fault, 2, rank, "--stage", stage)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = last_line(proc)
+    fired = [e for e in Run(run).events().records if e["event"] == "fault_fired"]
+    assert [(e["step"], e["rank"]) for e in fired] == [(2, rank)], fired
+    d = diff_runs(stages[stage], run)
+    f = d.first_divergence
+    assert not d.equal and (f.step, f.rank, f.phase) == (2, rank, phase), f
+    assert tensor is None or f.tensor == tensor, f
+    if acted:  # it changed what DeepSpeed computed, not only what was recorded
+        assert _clip_scalar(run, 1, 0, acted) == _clip_scalar(stages[stage], 1, 0, acted)
+        assert _clip_scalar(run, 2, 0, acted) != _clip_scalar(stages[stage], 2, 0, acted)
+    else:  # the rank's fp32 master partition after step 2 moved by another amount
+        assert _digests(run, 1, rank) == _digests(stages[stage], 1, rank)
+        assert _digests(run, 2, rank) != _digests(stages[stage], 2, rank)
+
+
 @pytest.mark.slow
 def test_check_flags_a_rank_whose_replicated_parameter_drifted(tmp_path):
     """Stage 0: every rank holds every parameter, so a bit flipped in rank 1's copy after step 2 is a replica
@@ -243,12 +273,15 @@ def test_check_flags_a_rank_whose_replicated_parameter_drifted(tmp_path):
     index = orjson.loads((ckpt / "INDEX.json").read_bytes())
     assert index["format"] == "deepspeed" and index["step"] == 2 and len(index["files"]) >= 1
     assert cli("verify", run).returncode == 0
+    listed = orjson.loads(cli("show", run, "checkpoints", "--json", check=0).stdout)["checkpoints"]
+    assert [(c["step"], c["verified"]) for c in listed] == [(2, True)], listed
     victim = ckpt / sorted(index["files"])[0]
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x01
     victim.write_bytes(bytes(data))
     proc = cli("verify", run)
     assert proc.returncode != 0 and victim.name in proc.stdout + proc.stderr, proc.stderr[-2000:]
+    assert cli("show", run, "checkpoints").returncode == 1
 
 
 @pytest.mark.slow
@@ -257,3 +290,29 @@ def test_a_fault_without_a_deepspeed_point_is_refused(tmp_path):
     proc = _inject(tmp_path, "skip-allreduce", 1, 0, "--stage", 2)
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 2 and "DeepSpeed" in last and "--fault" in last, proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_the_deepspeed_launcher_runs_an_attached_script_as_torchrun_does(stages, tmp_path):
+    """`disttrace run -- deepspeed --num_gpus 2 ...`: DeepSpeed's own launcher (its runner, then
+    deepspeed.launcher.launch, which sets the ranks' environment and passes --local_rank) starts the same
+    ZeRO-2 script; the run is the torchrun one's bit for bit."""
+    proc = cli(
+        "run",
+        "--out",
+        tmp_path,
+        "--",
+        *deepspeed_cmd(SCRIPT),
+        tmp_path,
+        "--stage",
+        2,
+        timeout=900,
+        env=job_env(),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = Run(last_line(proc))
+    assert run.complete and run.ranks() == [0, 1]
+    assert run.manifest_doc["parallelism"]["engine"] == "DeepSpeed"
+    assert run.manifest_doc["parallelism"]["zero_stage"] == 2
+    d = diff_runs(stages[2], run.path, mode="bitwise")
+    assert d.equal and d.compared_steps.count == 3, d.first_divergence

@@ -373,8 +373,7 @@ class DeepSpeedRun(AttachedRun):
             g = [p.grad for _, _, p in self.named if p.grad is not None]
             self._norm_stage0 = torch.nn.utils.get_total_norm(g, 2.0, foreach=False) if g else None
         out = self._call("step", *args, **kwargs)
-        self._record_clip()
-        self._record_optimizer()
+        self._record_optimizer(lr0=not self._record_clip())
         self._stepped = True
         self.completed = self.step
         if self._observed is None:  # the experiment's global batch is summed from it at close
@@ -385,11 +384,12 @@ class DeepSpeedRun(AttachedRun):
             }
         return out
 
-    def _record_clip(self) -> None:
+    def _record_clip(self) -> bool:
+        """`clip`'s scalars (and the clipped gradient); False where DeepSpeed computed no norm."""
         norm = self._norm if self._norm is not None else self.ds.get_global_grad_norm()
         norm = norm if norm is not None else self._norm_stage0
         if norm is None:
-            return
+            return False
         # in the gradients' dtype, as the harness records its norm (ZeRO-3 computes it in float64)
         dtype = self.named[0][2].dtype if self.named else torch.float32
         norm = torch.tensor(float(norm), dtype=dtype)
@@ -405,8 +405,9 @@ class DeepSpeedRun(AttachedRun):
             scalars.append((SCALAR_INDEX + 2, "lr", torch.tensor(float(lr), dtype=torch.float64)))
         grads, self._clipped = self._clipped, []
         self.bus.emit("clip", grads=grads, scalars=scalars)
+        return True
 
-    def _record_optimizer(self) -> None:
+    def _record_optimizer(self, lr0: bool = False) -> None:
         params = self.parts.collect("param")
         n = len(self.named)
         state = []
@@ -414,7 +415,8 @@ class DeepSpeedRun(AttachedRun):
             for index, name, t in self.parts.collect(key, base_index=0):
                 # after every parameter piece: BOXES strides of the parameters, then one per key
                 state.append((BOXES * n * (1 + slot) + index - len(params), f"{name}:{key}", t))
-        # group 0's lr is the `clip` phase's (as the harness records it); the other groups' are here
+        # group 0's lr is the `clip` phase's (as the harness and a plain attached run that clips record it);
+        # here only in a step that recorded no `clip` (lr0); the other groups' are always here
         lrs = [
             (
                 SCALAR_INDEX * 4 + g - len(params),
@@ -422,7 +424,7 @@ class DeepSpeedRun(AttachedRun):
                 torch.tensor(float(group.get("lr", 0.0)), dtype=torch.float64),
             )
             for g, group in enumerate(self.optimizer.param_groups)
-            if g > 0
+            if g > 0 or lr0
         ]
         self.bus.emit("optimizer", params=params, state=state + lrs, optimizer=self.optimizer)
 

@@ -250,9 +250,12 @@ class HookPoints:
         base = len(
             self.named
         )  # the recorder puts state at base + index: lrs after every state tensor
+        # group 0's lr once a step: in a step that clipped it is `clip`'s lr (where the harness and the
+        # DeepSpeed integration record it, so a diff against them pairs it), else here
         lrs = [
             (SCALAR_INDEX * 4 + g - base, f"param_groups.{g}.lr", _lr(group))
             for g, group in enumerate(self.optimizer.param_groups)
+            if g > 0 or not self._clipped
         ]
         self.bus.emit(Optimizer(params=self.named, state=state + lrs, optimizer=self.optimizer))
         self._stepped = True
