@@ -171,3 +171,10 @@ def test_the_same_attached_tp_script_without_the_bug_zooms_equal(tp_runs):
     assert z["equal"] and z["first_divergence"] is None and z["deep"]["logical"]
     assert z["deep"]["compared"] == 2 * len(_called_modules())  # every module, both directions
     assert "agree" in z["inside"]
+
+
+def test_a_command_after_dashes_is_for_zoom_only(tmp_path):
+    """`diff A B -- CMD` without --zoom would run nothing: refused in one line before any run is read."""
+    proc = cli("diff", tmp_path / "a", tmp_path / "b", "--", "python", "train.py")
+    assert proc.returncode == EXIT_BAD_INPUT and "--zoom" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1

@@ -22,6 +22,14 @@ BatchSamplerShard; see attach._planned_sample_ids), else no ids. A batch is pair
 training forward only when that forward's input is the tensor the loader handed out (on the CPU: equal to it);
 otherwise (a Trainer whose compute_loss runs the model twice, or rebuilds the inputs) the queued batches are
 dropped and those micro-batches have no ids. Batches fetched in an epoch that stopped early are dropped at the next epoch.
+
+checkpoints=True writes a disttrace checkpoint (run.checkpoint(): DCP with its sha256 INDEX) each time the
+Trainer saves its own. resume=PATH, with `trainer.train(resume_from_checkpoint=...)` of the same step, loads
+that verified disttrace checkpoint into the model and optimizer the Trainer restored and numbers the run's
+steps from it (run.resume()): the Trainer's own checkpoint restores its scheduler, generator states and data
+position, which disttrace does not hold. This is how `disttrace replay RUN --step S -- CMD` replays a Trainer
+run from its checkpoint (docs/replay.md); a Trainer that resumed without `resume=` is refused, since its
+steps would be numbered from 1.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import torch
 from transformers import TrainerCallback
 
 import disttrace.api
+from disttrace.errors import BadInput
 from disttrace.integrations import evaluation_spec
 from disttrace.run.attach import _batch_inputs, _first_tensor
 
@@ -59,8 +68,11 @@ class DisttraceCallback(TrainerCallback):
         eval_command: list[str] | None = None,
         evaluation: dict | None = None,
         final_checkpoint: bool | None = None,
+        checkpoints: bool = False,
+        resume=None,
     ):
         self.trainer, self.out, self.name, self.config = trainer, out, name, config or {}
+        self.checkpoints, self.resume = checkpoints, resume
         self.evaluation = evaluation_spec(eval_command, evaluation)
         # what the gate evaluates: the store's last checkpoint, written at the end when there is an evaluation
         self.final_checkpoint = (
@@ -81,6 +93,13 @@ class DisttraceCallback(TrainerCallback):
         )
         if args.max_steps and args.max_steps > 0:
             config["steps"] = args.max_steps
+        if state.global_step and self.resume is None:
+            raise BadInput(
+                "DisttraceCallback(resume=)",
+                f"the Trainer resumed from its own checkpoint at step {state.global_step}: give the "
+                "disttrace checkpoint of that step (written with checkpoints=True), or the run's steps "
+                "would be numbered from 1",
+            )
         self.run = disttrace.api.attach(
             wrapped if wrapped is not None else model,
             optimizer,
@@ -90,6 +109,14 @@ class DisttraceCallback(TrainerCallback):
             loader=train_dataloader,
             evaluation=self.evaluation,
         )
+        if self.resume is not None:
+            step = self.run.resume(self.resume)
+            if step != state.global_step:
+                raise BadInput(
+                    "DisttraceCallback(resume=)",
+                    f"{self.resume} is the checkpoint of step {step}, the Trainer resumed at step "
+                    f"{state.global_step}",
+                )
         if (
             train_dataloader is not None
         ):  # runs before attach's own pre-hook, which takes the queued batch
@@ -127,6 +154,10 @@ class DisttraceCallback(TrainerCallback):
         if not same:
             run.drop_queued_batches()
         return None
+
+    def on_save(self, args, state, control, **kwargs):
+        if self.checkpoints and self.run is not None:  # every rank: DCP's save is collective
+            self.run.checkpoint()
 
     def on_epoch_begin(self, args, state, control, **kwargs):
         if (

@@ -19,6 +19,14 @@ Under DDP Lightning runs every training_step through the DDP wrapper's forward, 
 a time: that forward takes the batch. Other strategies (the module's own forward runs as often as the
 training_step calls it), several loaders (CombinedLoader's batches), unsized ones (prefetched) and a
 training_step taking `dataloader_iter` are not watched: their `data` is the forward's input, without ids.
+
+checkpoints=True writes a disttrace checkpoint (run.checkpoint(): DCP with its sha256 INDEX) each time
+Lightning saves one of its own. resume=PATH, with `trainer.fit(..., ckpt_path=...)` of the same step, loads
+that verified disttrace checkpoint into the module and optimizer Lightning restored and numbers the run's
+steps from it (run.resume()); Lightning's own checkpoint restores its loops and callbacks, which disttrace
+does not hold. This is how `disttrace replay RUN --step S -- CMD` replays a Lightning run from its
+checkpoint (docs/replay.md); a fit that resumed without `resume=` is refused, since its steps would be
+numbered from 1.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import inspect
 from lightning.pytorch.callbacks import Callback
 
 import disttrace.api
+from disttrace.errors import BadInput
 from disttrace.integrations import evaluation_spec
 
 
@@ -40,8 +49,11 @@ class DisttraceCallback(Callback):
         eval_command: list[str] | None = None,
         evaluation: dict | None = None,
         final_checkpoint: bool | None = None,
+        checkpoints: bool = False,
+        resume=None,
     ):
         self.out, self.name, self.config = out, name, config or {}
+        self.checkpoints, self.resume = checkpoints, resume
         self.evaluation = evaluation_spec(eval_command, evaluation)
         self.final_checkpoint = (
             self.evaluation is not None if final_checkpoint is None else final_checkpoint
@@ -59,6 +71,13 @@ class DisttraceCallback(Callback):
         }
         if trainer.max_steps and trainer.max_steps > 0:
             config["steps"] = trainer.max_steps
+        if trainer.global_step and self.resume is None:
+            raise BadInput(
+                "DisttraceCallback(resume=)",
+                f"the fit resumed from Lightning's checkpoint at step {trainer.global_step}: give the "
+                "disttrace checkpoint of that step (written with checkpoints=True), or the run's steps "
+                "would be numbered from 1",
+            )
         loader = _watchable_loader(trainer, model)
         self.run = disttrace.api.attach(
             model,
@@ -72,6 +91,18 @@ class DisttraceCallback(Callback):
         self._watching = loader is not None
         if self._watching:
             _first_epoch(trainer, self.run, loader)
+        if self.resume is not None:
+            step = self.run.resume(self.resume)
+            if step != trainer.global_step:
+                raise BadInput(
+                    "DisttraceCallback(resume=)",
+                    f"{self.resume} is the checkpoint of step {step}, the fit resumed at step "
+                    f"{trainer.global_step}",
+                )
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        if self.checkpoints and self.run is not None:  # every rank: DCP's save is collective
+            self.run.checkpoint()
 
     def on_train_epoch_start(self, trainer, pl_module):
         if (
