@@ -19,6 +19,7 @@ from disttrace.analysis.result import DiffResult
 from disttrace.analysis.sync import Straggler, SyncResult, check_sync, find_stragglers
 from disttrace.analysis.zoom import ZoomResult
 from disttrace.errors import BadInput
+from disttrace.store.records import FAILURE_EVENTS, FaultEvent, Verdict
 from disttrace.store.rundir import Run
 from disttrace.views.report import render_html
 
@@ -31,6 +32,49 @@ class RunEvidence:
     sync: SyncResult | BaseException | None  # None: no collective trace recorded
     checkpoints: CheckpointFacts | BaseException
     stragglers: list[Straggler] = field(default_factory=list)  # a flag: unreadable timing is none
+    state: RunState | None = None
+
+
+@dataclass
+class RunState:
+    """What the store says happened to one run: run.json, its COMPLETE marker, its events, the gate's verdict."""
+
+    complete: bool
+    # run.json as recorded (the fault's and the resume's free-form parts); {} when absent or unreadable
+    info: dict[str, Any] = field(default_factory=dict)
+    info_error: str | None = None  # why run.json could not be read
+    fault_fired: FaultEvent | None = (
+        None  # the first `fault_fired` event; None also when unreadable
+    )
+    failures: list[dict] = field(default_factory=list)  # the first three failure events, as written
+    has_verdict: bool = False  # verdict.json is present (whether or not it reads as one)
+    verdict: Verdict | None = None  # None when absent or malformed: a malformed one is never shown
+
+
+def run_state(run: Run) -> RunState:
+    try:
+        info = run.info
+        info, info_error = (info if isinstance(info, dict) else {}), None
+    except BadInput as exc:
+        info, info_error = {}, str(exc)
+    state = RunState(complete=run.complete, info=info, info_error=info_error)
+    try:
+        fired = run.fault_events()
+        state.fault_fired = fired[0] if fired else None
+    except BadInput:
+        pass
+    try:
+        state.failures = [ev for ev in run.events().records if ev.get("event") in FAILURE_EVENTS][
+            :3
+        ]
+    except BadInput:
+        pass
+    state.has_verdict = (run.path / "verdict.json").exists()
+    try:
+        state.verdict = run.verdict()
+    except BadInput:
+        pass
+    return state
 
 
 @dataclass
@@ -72,7 +116,12 @@ def evidence(run: Run) -> RunEvidence:
     if isinstance(sync, SyncResult):
         found = _attempt(find_stragglers, run)
         stragglers = found if isinstance(found, list) else []
-    return RunEvidence(sync=sync, checkpoints=_attempt(checkpoints, run), stragglers=stragglers)
+    return RunEvidence(
+        sync=sync,
+        checkpoints=_attempt(checkpoints, run),
+        stragglers=stragglers,
+        state=run_state(run),
+    )
 
 
 def report_facts(

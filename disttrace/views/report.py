@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from disttrace.analysis.result import DiffResult, RankEntry
 from disttrace.errors import BadInput
 from disttrace.fmt import abbrev, fmt_number, ranges, where
-from disttrace.store.records import FAILURE_EVENTS, FaultEvent, Topology, TopologyRank, Verdict
+from disttrace.store.records import Topology, TopologyRank
 from disttrace.store.rundir import Run
 from disttrace.views.diffparts import (
     CellClass,
@@ -183,14 +183,10 @@ class _R:
         self.label = label
         self.colour = colour
         self.index = index
-        try:
-            info = run.info
-            self.info = info if isinstance(info, dict) else {}
-            self.info_error = None
-        except BadInput as exc:
-            self.info, self.info_error = {}, str(exc)
+        state = evidence.state
+        self.info, self.info_error = state.info, state.info_error
         self.kind = self.info.get("path") or "?"
-        self.complete = run.complete
+        self.complete = state.complete
 
     def status_badge(self) -> str:
         return _badge("complete", "ok") if self.complete else _badge("INCOMPLETE", "warn")
@@ -231,7 +227,7 @@ def _overview(rs: list[_R], diffs: dict[int, Any]) -> str:
                 f"fault <code>{e(fault.get('name'))}</code> at step {e(fault.get('step'))} "
                 f"rank {e(fault.get('rank'))}"
             )
-            fired = _fault_fired(r)
+            fired = r.evidence.state.fault_fired
             if fired is not None:
                 what.append(
                     f"fired at step {e(fired.step)} micro-batch {e(fired.micro_batch)} "
@@ -243,7 +239,7 @@ def _overview(rs: list[_R], diffs: dict[int, Any]) -> str:
             what.append(
                 f"resumed from <code>{e(resume.get('checkpoint'))}</code> (step {e(resume.get('step'))})"
             )
-        for f in _failures(r):
+        for f in r.evidence.state.failures:
             what.append(f'<span class="bad">{e(f.get("event"))}: {e(failure_text(f))}</span>')
         if r.info_error:
             what.append(f'<span class="bad">run.json: {e(r.info_error)}</span>')
@@ -260,7 +256,7 @@ def _overview(rs: list[_R], diffs: dict[int, Any]) -> str:
                 )
             else:
                 vs = _badge("not compared", "na")
-        gate = _verdict(r)
+        gate = r.evidence.state.verdict
         gate_html = (
             (_badge("gate PASS", "ok") if gate.passed else _badge("gate FAIL", "bad"))
             if gate
@@ -280,31 +276,6 @@ def _overview(rs: list[_R], diffs: dict[int, Any]) -> str:
     return _table(
         ("run", "path", "state", "vs reference", "gate", "what happened", "directory"), rows, "wide"
     )
-
-
-def _fault_fired(r: _R) -> FaultEvent | None:
-    try:
-        fired = r.run.fault_events()
-        return fired[0] if fired else None
-    except BadInput:
-        return None
-    return None
-
-
-def _failures(r: _R) -> list[dict]:
-    try:
-        return [ev for ev in r.run.events().records if ev.get("event") in FAILURE_EVENTS][:3]
-    except BadInput:
-        return []
-
-
-def _verdict(r: _R) -> Verdict | None:
-    """The gate's verdict on this run; None when none was written or it does not read as one (a
-    malformed verdict is never shown as a verdict)."""
-    try:
-        return r.run.verdict()
-    except BadInput:
-        return None
 
 
 KEY_SETTINGS = (
@@ -1122,10 +1093,9 @@ def _checkpoints(rs: list[_R]) -> str:
 def _gate(rs: list[_R]) -> str:
     out = []
     for r in rs:
-        p = r.path / "verdict.json"
-        if not p.exists():
+        if not r.evidence.state.has_verdict:
             continue
-        v = _verdict(r)
+        v = r.evidence.state.verdict
         out.append(f"<h3>{r.tag_html()} ")
         if v is None:
             out.append(f"</h3>{_nr('verdict.json could not be read')}")
