@@ -19,6 +19,7 @@ from disttrace.analysis.result import DiffResult
 from disttrace.analysis.sync import Straggler, SyncResult, check_sync, find_stragglers
 from disttrace.analysis.zoom import ZoomResult
 from disttrace.errors import BadInput
+from disttrace.store.manifest import ExperimentView
 from disttrace.store.records import FAILURE_EVENTS, FaultEvent, Verdict
 from disttrace.store.rundir import Run
 from disttrace.views.report import render_html
@@ -33,6 +34,31 @@ class RunEvidence:
     checkpoints: CheckpointFacts | BaseException
     stragglers: list[Straggler] = field(default_factory=list)  # a flag: unreadable timing is none
     state: RunState | None = None
+    manifest: ManifestFacts | None = None
+
+
+@dataclass
+class ManifestFacts:
+    """The run's manifest lock: the manifest as stored (a free-form mapping: the page shows every key and
+    compares runs field by field), its id, and what it was frozen from."""
+
+    doc: dict[str, Any]
+    manifest_id: str
+    source: Any  # the lock's `source`, "-" when it names none
+    overrides: list[str] | None  # the `--set` overrides it was frozen with
+    experiment: (
+        ExperimentView | BaseException
+    )  # typed; why not, where the manifest does not validate
+
+
+def manifest_facts(run: Run) -> ManifestFacts:
+    return ManifestFacts(
+        doc=run.manifest_doc,
+        manifest_id=run.manifest_id,
+        source=run.lock.get("source", "-"),
+        overrides=run.lock.get("overrides"),
+        experiment=_attempt(lambda r: r.manifest.experiment, run),
+    )
 
 
 @dataclass
@@ -121,6 +147,7 @@ def evidence(run: Run) -> RunEvidence:
         checkpoints=_attempt(checkpoints, run),
         stragglers=stragglers,
         state=run_state(run),
+        manifest=manifest_facts(run),
     )
 
 

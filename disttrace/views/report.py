@@ -317,13 +317,14 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
 
 def _manifest(rs: list[_R]) -> str:
     r0 = rs[0]
-    m = r0.run.manifest_doc  # shown as stored, every key
+    m0 = r0.evidence.manifest
+    m = m0.doc  # shown as stored, every key
     exp = m.get("experiment") or {}
     data, tok = m.get("data") or {}, m.get("tokenizer") or {}
     head = [
         ("experiment", f"<b>{e(exp.get('name', NOT_RECORDED))}</b>"),
         ("edition", f"<code>{e(exp.get('edition', NOT_RECORDED))}</code>"),
-        ("manifest id", f'<code class="path">{e(r0.run.manifest_id)}</code>'),
+        ("manifest id", f'<code class="path">{e(m0.manifest_id)}</code>'),
         ("description", e(exp.get("description", "-"))),
         ("seed", e(exp.get("seed", NOT_RECORDED))),
         (
@@ -337,12 +338,10 @@ def _manifest(rs: list[_R]) -> str:
         ),
         (
             "source",
-            f"<code>{e(r0.run.lock.get('source', '-'))}</code>"
+            f"<code>{e(m0.source)}</code>"
             + (
-                " with <code>"
-                + e(" ".join(f"--set {o}" for o in r0.run.lock.get("overrides") or []))
-                + "</code>"
-                if r0.run.lock.get("overrides")
+                " with <code>" + e(" ".join(f"--set {o}" for o in m0.overrides or [])) + "</code>"
+                if m0.overrides
                 else ""
             ),
         ),
@@ -368,11 +367,11 @@ def _manifest(rs: list[_R]) -> str:
     rows = []
     for r in rs[1:]:
         try:
-            other = _flatten(r.run.manifest_doc)
+            other = _flatten(r.evidence.manifest.doc)
         except Exception as exc:  # noqa: BLE001
             rows.append([r.name_html(), _err("manifest", exc)])
             continue
-        if r.run.manifest_id == r0.run.manifest_id:
+        if r.evidence.manifest.manifest_id == m0.manifest_id:
             rows.append([r.name_html(), _badge("same manifest id", "ok")])
             continue
         diff = [k for k in sorted(base.keys() | other.keys()) if base.get(k) != other.get(k)]
@@ -384,7 +383,7 @@ def _manifest(rs: list[_R]) -> str:
         rows.append(
             [
                 r.name_html(),
-                f"{_badge('other manifest ' + abbrev(r.run.manifest_id), 'warn')}<br>"
+                f"{_badge('other manifest ' + abbrev(r.evidence.manifest.manifest_id), 'warn')}<br>"
                 f"{cells or 'ids differ, fields equal'}{more}",
             ]
         )
@@ -421,7 +420,7 @@ def _topology(rs: list[_R]) -> str:
 
 def _one_topology(r: _R, topo: Topology | None) -> str:
     if topo is None or not topo.as_read():  # an empty document holds no topology either
-        par = r.run.manifest_doc.get("parallelism") or {}
+        par = r.evidence.manifest.doc.get("parallelism") or {}
         declared = " ".join(
             f"{k}={par[k]}" for k in ("world_size", "dp", "tp", "pp", "zero_stage") if k in par
         )
@@ -1251,11 +1250,10 @@ def render_html(run_dirs: list[Path | str], facts: ReportFacts) -> str:
             + ", ".join(f"{e(r.label)} (<code>{e(r.path)}</code>)" for r in incomplete)
             + " have no COMPLETE marker: the job did not finish, and what they hold stops where it stopped.</div>"
         )
-    try:
-        exp = rs[0].run.manifest.experiment
-        title = f"{_or(exp.name, '?')} ({_or(exp.edition, '?')})"
-    except Exception:  # noqa: BLE001
-        title = "?"
+    exp = rs[0].evidence.manifest.experiment
+    title = (
+        "?" if isinstance(exp, BaseException) else f"{_or(exp.name, '?')} ({_or(exp.edition, '?')})"
+    )
     stamp = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime())
     nav = "".join(f'<a href="#{k}">{e(t)}</a>' for k, t in SECTIONS)
     sections = "".join(f'<section id="{k}"><h2>{e(t)}</h2>{body[k]}</section>' for k, t in SECTIONS)
@@ -1267,7 +1265,7 @@ def render_html(run_dirs: list[Path | str], facts: ReportFacts) -> str:
         f"<title>disttrace report: {e(title)}</title><style>{CSS}</style></head><body>"
         f"<header><h1>disttrace report · {e(title)}</h1>"
         f'<div class="sub">{len(rs)} run(s) · reference <code>{e(rs[0].label)}</code> · manifest '
-        f"<code>{e(abbrev(rs[0].run.manifest_id, 12))}</code> · generated {e(stamp)}</div></header>"
+        f"<code>{e(abbrev(rs[0].evidence.manifest.manifest_id, 12))}</code> · generated {e(stamp)}</div></header>"
         f"<nav>{nav}</nav><main>{banner}{sections}</main>"
         "<footer>disttrace: did this distributed run compute the same thing as the reference, and if not, where "
         "did it first go wrong? Read from the run store only.</footer></body></html>\n"
