@@ -20,7 +20,7 @@ from disttrace.analysis.sync import Straggler, SyncResult, check_sync, find_stra
 from disttrace.analysis.zoom import ZoomResult
 from disttrace.errors import BadInput
 from disttrace.store.manifest import ExperimentView
-from disttrace.store.records import FAILURE_EVENTS, FaultEvent, Verdict
+from disttrace.store.records import FAILURE_EVENTS, FaultEvent, Topology, Verdict
 from disttrace.store.rundir import Run
 from disttrace.views.report import render_html
 
@@ -35,6 +35,9 @@ class RunEvidence:
     stragglers: list[Straggler] = field(default_factory=list)  # a flag: unreadable timing is none
     state: RunState | None = None
     manifest: ManifestFacts | None = None
+    # topology.json; None when the run wrote none; why not, where it could not be read (BadInput: the page
+    # names it under the run; anything else: the whole section could not be read)
+    topology: Topology | BaseException | None = None
 
 
 @dataclass
@@ -148,6 +151,7 @@ def evidence(run: Run) -> RunEvidence:
         stragglers=stragglers,
         state=run_state(run),
         manifest=manifest_facts(run),
+        topology=_attempt(lambda r: r.topology(), run),
     )
 
 

@@ -401,11 +401,12 @@ def _topo_key(topo: Topology | None) -> Any:
 def _topology(rs: list[_R]) -> str:
     out, seen = [], {}
     for r in rs:
-        try:
-            topo = r.run.topology()
-        except BadInput as exc:
-            out.append(f"<h3>{r.name_html()}</h3>" + _err("topology.json", exc))
+        topo = r.evidence.topology
+        if isinstance(topo, BadInput):
+            out.append(f"<h3>{r.name_html()}</h3>" + _err("topology.json", topo))
             continue
+        if isinstance(topo, BaseException):
+            raise topo  # not a malformed document: the section says it could not be read
         key = _topo_key(topo)
         if key is not None and key in seen:
             out.append(
