@@ -38,6 +38,7 @@ class RunEvidence:
     # topology.json; None when the run wrote none; why not, where it could not be read (BadInput: the page
     # names it under the run; anything else: the whole section could not be read)
     topology: Topology | BaseException | None = None
+    losses: dict[int, float] | BaseException = field(default_factory=dict)  # mean loss per step
 
 
 @dataclass
@@ -138,6 +139,10 @@ def _sync(run: Run) -> SyncResult | None:
     return check_sync(run) if run.ranks("collectives") else None
 
 
+def _losses(run: Run) -> dict[int, float]:
+    return {int(k): float(v) for k, v in run.losses().items()}
+
+
 def evidence(run: Run) -> RunEvidence:
     """One run's collective sync, checkpoints and stragglers (only where a trace was recorded)."""
     sync = _attempt(_sync, run)
@@ -152,6 +157,7 @@ def evidence(run: Run) -> RunEvidence:
         state=run_state(run),
         manifest=manifest_facts(run),
         topology=_attempt(lambda r: r.topology(), run),
+        losses=_attempt(_losses, run),
     )
 
 

@@ -507,10 +507,9 @@ def _loss(rs: list[_R]) -> str:
     series: list[tuple[_R, dict[int, float]]] = []
     notes = []
     for r in rs:
-        try:
-            ls = {int(k): float(v) for k, v in r.run.losses().items()}
-        except Exception as exc:  # noqa: BLE001
-            notes.append(_err(f"{r.label}: loss records", exc))
+        ls = r.evidence.losses
+        if isinstance(ls, BaseException):
+            notes.append(_err(f"{r.label}: loss records", ls))
             ls = {}
         if not ls:
             notes.append(f'<p class="nr">{e(r.label)}: loss {NOT_RECORDED}</p>')
