@@ -39,6 +39,16 @@ class RunEvidence:
     # names it under the run; anything else: the whole section could not be read)
     topology: Topology | BaseException | None = None
     losses: dict[int, float] | BaseException = field(default_factory=dict)  # mean loss per step
+    memory: MemoryFacts | BaseException | None = None
+
+
+@dataclass
+class MemoryFacts:
+    """The memory ledger's last recorded step of each rank, by rank: each a line of memory/rank-N.jsonl as
+    written (validated by store/records.py's MemoryLine; its figures are free-form), and the torn tails."""
+
+    last: list[dict[str, Any]]
+    torn: list[str]
 
 
 @dataclass
@@ -143,6 +153,17 @@ def _losses(run: Run) -> dict[int, float]:
     return {int(k): float(v) for k, v in run.losses().items()}
 
 
+def _memory(run: Run) -> MemoryFacts:
+    last: dict[int, dict] = {}
+    torn: list[str] = []
+    for rank in run.ranks("memory"):
+        for rec in run.memory(rank, torn):
+            st = rec.get("step")
+            if isinstance(st, int) and (rank not in last or st >= last[rank].get("step", -1)):
+                last[rank] = rec
+    return MemoryFacts(last=[last[k] for k in sorted(last)], torn=torn)
+
+
 def evidence(run: Run) -> RunEvidence:
     """One run's collective sync, checkpoints and stragglers (only where a trace was recorded)."""
     sync = _attempt(_sync, run)
@@ -158,6 +179,7 @@ def evidence(run: Run) -> RunEvidence:
         manifest=manifest_facts(run),
         topology=_attempt(lambda r: r.topology(), run),
         losses=_attempt(_losses, run),
+        memory=_attempt(_memory, run),
     )
 
 

@@ -913,25 +913,14 @@ def _grid_legend() -> str:
     )
 
 
-def _memory_rows(r: _R) -> tuple[list[dict], list[str]]:
-    last: dict[int, dict] = {}
-    torn: list[str] = []
-    for rank in r.run.ranks("memory"):
-        for rec in r.run.memory(rank, torn):
-            st = rec.get("step")
-            if isinstance(st, int) and (rank not in last or st >= last[rank].get("step", -1)):
-                last[rank] = rec
-    return [last[k] for k in sorted(last)], torn
-
-
 def _memory(rs: list[_R]) -> str:
     rows, notes, footnotes = [], [], []
     for r in rs:
-        try:
-            recs, torn = _memory_rows(r)
-        except Exception as exc:  # noqa: BLE001
-            notes.append(_err(f"{r.label}: memory ledger", exc))
+        mem = r.evidence.memory
+        if isinstance(mem, BaseException):
+            notes.append(_err(f"{r.label}: memory ledger", mem))
             continue
+        recs, torn = mem.last, mem.torn
         notes += [f'<p class="warn">{e(r.label)}: {e(t)}</p>' for t in torn]
         if not recs:
             rows.append(
