@@ -8,9 +8,9 @@ reference, the memory ledger against theory, the collective summary, the checkpo
 verdict where one was written. It needs nothing else to be read: no network, no external script, style
 sheet or font; plots are inline SVG, style is inline CSS, and there is no script at all.
 
-Everything here reads the run store only (no torch). A run that is incomplete, or lacks a file, still gets
-its page: a missing piece says "not recorded", a piece that cannot be read says why, and an incomplete run
-is marked as such wherever it appears. Only a path that is not a run directory at all is bad input.
+It reads no file: disttrace/report.py's report_facts reads the run store (no torch), this renders what it
+gathered. A run that is incomplete, or lacks a file, still gets its page: a missing piece says "not
+recorded", a piece that cannot be read says why, and an incomplete run is marked as such wherever it appears. Only a path that is not a run directory at all is bad input.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from disttrace.analysis.result import DiffResult, RankEntry
 from disttrace.errors import BadInput
 from disttrace.fmt import abbrev, fmt_number, ranges, where
 from disttrace.store.records import Topology, TopologyRank
-from disttrace.store.rundir import Run
 from disttrace.views.diffparts import (
     CellClass,
     ab_rows,
@@ -176,10 +175,9 @@ def _lerp_colour(t: float) -> str:
 class _R:
     """One run as the page sees it."""
 
-    def __init__(self, run: Run, label: str, colour: str, index: int, evidence: RunEvidence):
-        self.run = run
+    def __init__(self, path: Path, label: str, colour: str, index: int, evidence: RunEvidence):
         self.evidence = evidence
-        self.path = run.path
+        self.path = path
         self.label = label
         self.colour = colour
         self.index = index
@@ -1209,14 +1207,11 @@ def render_html(run_dirs: list[Path | str], facts: ReportFacts) -> str:
     not be read), where `disttrace zoom` recorded both sides at depth."""
     if not run_dirs:
         raise BadInput("RUN", "give at least one run directory (the first is the reference)")
-    paths = [Path(p) for p in run_dirs]
-    runs = [
-        Run(p) for p in paths
-    ]  # a path that is not a run directory is bad input, before anything is written
-    labels = _labels([r.path for r in runs])
+    paths = [Path(p) for p in run_dirs]  # report_facts already read each as a run directory
+    labels = _labels(paths)
     rs = [
-        _R(run, labels[i], PALETTE[i % len(PALETTE)], i, facts.evidence[i])
-        for i, run in enumerate(runs)
+        _R(p, labels[i], PALETTE[i % len(PALETTE)], i, facts.evidence[i])
+        for i, p in enumerate(paths)
     ]
     diffs = facts.diffs
 
