@@ -27,19 +27,19 @@ from disttrace.views.report import render_html
 
 @dataclass
 class RunEvidence:
-    """What the page shows of one run that analysis computes; a part that could not be computed holds
-    why (the page names it and goes on)."""
+    """What the page shows of one run, read from its store here so that the page reads nothing; a part
+    that could not be read or computed holds why (the page names it and goes on)."""
 
+    state: RunState
+    manifest: ManifestFacts
+    # topology.json; None when the run wrote none; why not, where it could not be read (BadInput: the page
+    # names it under the run; anything else: the whole section could not be read)
+    topology: Topology | BaseException | None
+    losses: dict[int, float] | BaseException  # mean loss per step
+    memory: MemoryFacts | BaseException
     sync: SyncResult | BaseException | None  # None: no collective trace recorded
     checkpoints: CheckpointFacts | BaseException
     stragglers: list[Straggler] = field(default_factory=list)  # a flag: unreadable timing is none
-    state: RunState | None = None
-    manifest: ManifestFacts | None = None
-    # topology.json; None when the run wrote none; why not, where it could not be read (BadInput: the page
-    # names it under the run; anything else: the whole section could not be read)
-    topology: Topology | BaseException | None = None
-    losses: dict[int, float] | BaseException = field(default_factory=dict)  # mean loss per step
-    memory: MemoryFacts | BaseException | None = None
 
 
 @dataclass
