@@ -19,18 +19,102 @@ from disttrace.analysis.result import DiffResult
 from disttrace.analysis.sync import Straggler, SyncResult, check_sync, find_stragglers
 from disttrace.analysis.zoom import ZoomResult
 from disttrace.errors import BadInput
+from disttrace.store.manifest import ExperimentView
+from disttrace.store.records import FAILURE_EVENTS, FaultEvent, Topology, Verdict
 from disttrace.store.rundir import Run
 from disttrace.views.report import render_html
 
 
 @dataclass
 class RunEvidence:
-    """What the page shows of one run that analysis computes; a part that could not be computed holds
-    why (the page names it and goes on)."""
+    """What the page shows of one run, read from its store here so that the page reads nothing; a part
+    that could not be read or computed holds why (the page names it and goes on)."""
 
+    state: RunState
+    manifest: ManifestFacts
+    # topology.json; None when the run wrote none; why not, where it could not be read (BadInput: the page
+    # names it under the run; anything else: the whole section could not be read)
+    topology: Topology | BaseException | None
+    losses: dict[int, float] | BaseException  # mean loss per step
+    memory: MemoryFacts | BaseException
     sync: SyncResult | BaseException | None  # None: no collective trace recorded
     checkpoints: CheckpointFacts | BaseException
     stragglers: list[Straggler] = field(default_factory=list)  # a flag: unreadable timing is none
+
+
+@dataclass
+class MemoryFacts:
+    """The memory ledger's last recorded step of each rank, by rank: each a line of memory/rank-N.jsonl as
+    written (validated by store/records.py's MemoryLine; its figures are free-form), and the torn tails."""
+
+    last: list[dict[str, Any]]
+    torn: list[str]
+
+
+@dataclass
+class ManifestFacts:
+    """The run's manifest lock: the manifest as stored (a free-form mapping: the page shows every key and
+    compares runs field by field), its id, and what it was frozen from."""
+
+    doc: dict[str, Any]
+    manifest_id: str
+    source: Any  # the lock's `source`, "-" when it names none
+    overrides: list[str] | None  # the `--set` overrides it was frozen with
+    experiment: (
+        ExperimentView | BaseException
+    )  # typed; why not, where the manifest does not validate
+
+
+def manifest_facts(run: Run) -> ManifestFacts:
+    return ManifestFacts(
+        doc=run.manifest_doc,
+        manifest_id=run.manifest_id,
+        source=run.lock.get("source", "-"),
+        overrides=run.lock.get("overrides"),
+        experiment=_attempt(lambda r: r.manifest.experiment, run),
+    )
+
+
+@dataclass
+class RunState:
+    """What the store says happened to one run: run.json, its COMPLETE marker, its events, the gate's verdict."""
+
+    complete: bool
+    # run.json as recorded (the fault's and the resume's free-form parts); {} when absent or unreadable
+    info: dict[str, Any] = field(default_factory=dict)
+    info_error: str | None = None  # why run.json could not be read
+    fault_fired: FaultEvent | None = (
+        None  # the first `fault_fired` event; None also when unreadable
+    )
+    failures: list[dict] = field(default_factory=list)  # the first three failure events, as written
+    has_verdict: bool = False  # verdict.json is present (whether or not it reads as one)
+    verdict: Verdict | None = None  # None when absent or malformed: a malformed one is never shown
+
+
+def run_state(run: Run) -> RunState:
+    try:
+        info = run.info
+        info, info_error = (info if isinstance(info, dict) else {}), None
+    except BadInput as exc:
+        info, info_error = {}, str(exc)
+    state = RunState(complete=run.complete, info=info, info_error=info_error)
+    try:
+        fired = run.fault_events()
+        state.fault_fired = fired[0] if fired else None
+    except BadInput:
+        pass
+    try:
+        state.failures = [ev for ev in run.events().records if ev.get("event") in FAILURE_EVENTS][
+            :3
+        ]
+    except BadInput:
+        pass
+    state.has_verdict = (run.path / "verdict.json").exists()
+    try:
+        state.verdict = run.verdict()
+    except BadInput:
+        pass
+    return state
 
 
 @dataclass
@@ -65,6 +149,21 @@ def _sync(run: Run) -> SyncResult | None:
     return check_sync(run) if run.ranks("collectives") else None
 
 
+def _losses(run: Run) -> dict[int, float]:
+    return {int(k): float(v) for k, v in run.losses().items()}
+
+
+def _memory(run: Run) -> MemoryFacts:
+    last: dict[int, dict] = {}
+    torn: list[str] = []
+    for rank in run.ranks("memory"):
+        for rec in run.memory(rank, torn):
+            st = rec.get("step")
+            if isinstance(st, int) and (rank not in last or st >= last[rank].get("step", -1)):
+                last[rank] = rec
+    return MemoryFacts(last=[last[k] for k in sorted(last)], torn=torn)
+
+
 def evidence(run: Run) -> RunEvidence:
     """One run's collective sync, checkpoints and stragglers (only where a trace was recorded)."""
     sync = _attempt(_sync, run)
@@ -72,7 +171,16 @@ def evidence(run: Run) -> RunEvidence:
     if isinstance(sync, SyncResult):
         found = _attempt(find_stragglers, run)
         stragglers = found if isinstance(found, list) else []
-    return RunEvidence(sync=sync, checkpoints=_attempt(checkpoints, run), stragglers=stragglers)
+    return RunEvidence(
+        sync=sync,
+        checkpoints=_attempt(checkpoints, run),
+        stragglers=stragglers,
+        state=run_state(run),
+        manifest=manifest_facts(run),
+        topology=_attempt(lambda r: r.topology(), run),
+        losses=_attempt(_losses, run),
+        memory=_attempt(_memory, run),
+    )
 
 
 def report_facts(

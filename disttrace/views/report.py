@@ -8,9 +8,9 @@ reference, the memory ledger against theory, the collective summary, the checkpo
 verdict where one was written. It needs nothing else to be read: no network, no external script, style
 sheet or font; plots are inline SVG, style is inline CSS, and there is no script at all.
 
-Everything here reads the run store only (no torch). A run that is incomplete, or lacks a file, still gets
-its page: a missing piece says "not recorded", a piece that cannot be read says why, and an incomplete run
-is marked as such wherever it appears. Only a path that is not a run directory at all is bad input.
+It reads no file: disttrace/report.py's report_facts reads the run store (no torch), this renders what it
+gathered. A run that is incomplete, or lacks a file, still gets its page: a missing piece says "not
+recorded", a piece that cannot be read says why, and an incomplete run is marked as such wherever it appears. Only a path that is not a run directory at all is bad input.
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from typing import TYPE_CHECKING, Any
 from disttrace.analysis.result import DiffResult, RankEntry
 from disttrace.errors import BadInput
 from disttrace.fmt import abbrev, fmt_number, ranges, where
-from disttrace.store.records import FAILURE_EVENTS, FaultEvent, Topology, TopologyRank, Verdict
-from disttrace.store.rundir import Run
+from disttrace.store.records import Topology, TopologyRank
 from disttrace.views.diffparts import (
     CellClass,
     ab_rows,
@@ -176,21 +175,16 @@ def _lerp_colour(t: float) -> str:
 class _R:
     """One run as the page sees it."""
 
-    def __init__(self, run: Run, label: str, colour: str, index: int, evidence: RunEvidence):
-        self.run = run
+    def __init__(self, path: Path, label: str, colour: str, index: int, evidence: RunEvidence):
         self.evidence = evidence
-        self.path = run.path
+        self.path = path
         self.label = label
         self.colour = colour
         self.index = index
-        try:
-            info = run.info
-            self.info = info if isinstance(info, dict) else {}
-            self.info_error = None
-        except BadInput as exc:
-            self.info, self.info_error = {}, str(exc)
+        state = evidence.state
+        self.info, self.info_error = state.info, state.info_error
         self.kind = self.info.get("path") or "?"
-        self.complete = run.complete
+        self.complete = state.complete
 
     def status_badge(self) -> str:
         return _badge("complete", "ok") if self.complete else _badge("INCOMPLETE", "warn")
@@ -231,7 +225,7 @@ def _overview(rs: list[_R], diffs: dict[int, Any]) -> str:
                 f"fault <code>{e(fault.get('name'))}</code> at step {e(fault.get('step'))} "
                 f"rank {e(fault.get('rank'))}"
             )
-            fired = _fault_fired(r)
+            fired = r.evidence.state.fault_fired
             if fired is not None:
                 what.append(
                     f"fired at step {e(fired.step)} micro-batch {e(fired.micro_batch)} "
@@ -243,7 +237,7 @@ def _overview(rs: list[_R], diffs: dict[int, Any]) -> str:
             what.append(
                 f"resumed from <code>{e(resume.get('checkpoint'))}</code> (step {e(resume.get('step'))})"
             )
-        for f in _failures(r):
+        for f in r.evidence.state.failures:
             what.append(f'<span class="bad">{e(f.get("event"))}: {e(failure_text(f))}</span>')
         if r.info_error:
             what.append(f'<span class="bad">run.json: {e(r.info_error)}</span>')
@@ -260,7 +254,7 @@ def _overview(rs: list[_R], diffs: dict[int, Any]) -> str:
                 )
             else:
                 vs = _badge("not compared", "na")
-        gate = _verdict(r)
+        gate = r.evidence.state.verdict
         gate_html = (
             (_badge("gate PASS", "ok") if gate.passed else _badge("gate FAIL", "bad"))
             if gate
@@ -280,31 +274,6 @@ def _overview(rs: list[_R], diffs: dict[int, Any]) -> str:
     return _table(
         ("run", "path", "state", "vs reference", "gate", "what happened", "directory"), rows, "wide"
     )
-
-
-def _fault_fired(r: _R) -> FaultEvent | None:
-    try:
-        fired = r.run.fault_events()
-        return fired[0] if fired else None
-    except BadInput:
-        return None
-    return None
-
-
-def _failures(r: _R) -> list[dict]:
-    try:
-        return [ev for ev in r.run.events().records if ev.get("event") in FAILURE_EVENTS][:3]
-    except BadInput:
-        return []
-
-
-def _verdict(r: _R) -> Verdict | None:
-    """The gate's verdict on this run; None when none was written or it does not read as one (a
-    malformed verdict is never shown as a verdict)."""
-    try:
-        return r.run.verdict()
-    except BadInput:
-        return None
 
 
 KEY_SETTINGS = (
@@ -346,13 +315,14 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
 
 def _manifest(rs: list[_R]) -> str:
     r0 = rs[0]
-    m = r0.run.manifest_doc  # shown as stored, every key
+    m0 = r0.evidence.manifest
+    m = m0.doc  # shown as stored, every key
     exp = m.get("experiment") or {}
     data, tok = m.get("data") or {}, m.get("tokenizer") or {}
     head = [
         ("experiment", f"<b>{e(exp.get('name', NOT_RECORDED))}</b>"),
         ("edition", f"<code>{e(exp.get('edition', NOT_RECORDED))}</code>"),
-        ("manifest id", f'<code class="path">{e(r0.run.manifest_id)}</code>'),
+        ("manifest id", f'<code class="path">{e(m0.manifest_id)}</code>'),
         ("description", e(exp.get("description", "-"))),
         ("seed", e(exp.get("seed", NOT_RECORDED))),
         (
@@ -366,12 +336,10 @@ def _manifest(rs: list[_R]) -> str:
         ),
         (
             "source",
-            f"<code>{e(r0.run.lock.get('source', '-'))}</code>"
+            f"<code>{e(m0.source)}</code>"
             + (
-                " with <code>"
-                + e(" ".join(f"--set {o}" for o in r0.run.lock.get("overrides") or []))
-                + "</code>"
-                if r0.run.lock.get("overrides")
+                " with <code>" + e(" ".join(f"--set {o}" for o in m0.overrides or [])) + "</code>"
+                if m0.overrides
                 else ""
             ),
         ),
@@ -397,11 +365,11 @@ def _manifest(rs: list[_R]) -> str:
     rows = []
     for r in rs[1:]:
         try:
-            other = _flatten(r.run.manifest_doc)
+            other = _flatten(r.evidence.manifest.doc)
         except Exception as exc:  # noqa: BLE001
             rows.append([r.name_html(), _err("manifest", exc)])
             continue
-        if r.run.manifest_id == r0.run.manifest_id:
+        if r.evidence.manifest.manifest_id == m0.manifest_id:
             rows.append([r.name_html(), _badge("same manifest id", "ok")])
             continue
         diff = [k for k in sorted(base.keys() | other.keys()) if base.get(k) != other.get(k)]
@@ -413,7 +381,7 @@ def _manifest(rs: list[_R]) -> str:
         rows.append(
             [
                 r.name_html(),
-                f"{_badge('other manifest ' + abbrev(r.run.manifest_id), 'warn')}<br>"
+                f"{_badge('other manifest ' + abbrev(r.evidence.manifest.manifest_id), 'warn')}<br>"
                 f"{cells or 'ids differ, fields equal'}{more}",
             ]
         )
@@ -431,11 +399,12 @@ def _topo_key(topo: Topology | None) -> Any:
 def _topology(rs: list[_R]) -> str:
     out, seen = [], {}
     for r in rs:
-        try:
-            topo = r.run.topology()
-        except BadInput as exc:
-            out.append(f"<h3>{r.name_html()}</h3>" + _err("topology.json", exc))
+        topo = r.evidence.topology
+        if isinstance(topo, BadInput):
+            out.append(f"<h3>{r.name_html()}</h3>" + _err("topology.json", topo))
             continue
+        if isinstance(topo, BaseException):
+            raise topo  # not a malformed document: the section says it could not be read
         key = _topo_key(topo)
         if key is not None and key in seen:
             out.append(
@@ -450,7 +419,7 @@ def _topology(rs: list[_R]) -> str:
 
 def _one_topology(r: _R, topo: Topology | None) -> str:
     if topo is None or not topo.as_read():  # an empty document holds no topology either
-        par = r.run.manifest_doc.get("parallelism") or {}
+        par = r.evidence.manifest.doc.get("parallelism") or {}
         declared = " ".join(
             f"{k}={par[k]}" for k in ("world_size", "dp", "tp", "pp", "zero_stage") if k in par
         )
@@ -536,10 +505,9 @@ def _loss(rs: list[_R]) -> str:
     series: list[tuple[_R, dict[int, float]]] = []
     notes = []
     for r in rs:
-        try:
-            ls = {int(k): float(v) for k, v in r.run.losses().items()}
-        except Exception as exc:  # noqa: BLE001
-            notes.append(_err(f"{r.label}: loss records", exc))
+        ls = r.evidence.losses
+        if isinstance(ls, BaseException):
+            notes.append(_err(f"{r.label}: loss records", ls))
             ls = {}
         if not ls:
             notes.append(f'<p class="nr">{e(r.label)}: loss {NOT_RECORDED}</p>')
@@ -943,25 +911,14 @@ def _grid_legend() -> str:
     )
 
 
-def _memory_rows(r: _R) -> tuple[list[dict], list[str]]:
-    last: dict[int, dict] = {}
-    torn: list[str] = []
-    for rank in r.run.ranks("memory"):
-        for rec in r.run.memory(rank, torn):
-            st = rec.get("step")
-            if isinstance(st, int) and (rank not in last or st >= last[rank].get("step", -1)):
-                last[rank] = rec
-    return [last[k] for k in sorted(last)], torn
-
-
 def _memory(rs: list[_R]) -> str:
     rows, notes, footnotes = [], [], []
     for r in rs:
-        try:
-            recs, torn = _memory_rows(r)
-        except Exception as exc:  # noqa: BLE001
-            notes.append(_err(f"{r.label}: memory ledger", exc))
+        mem = r.evidence.memory
+        if isinstance(mem, BaseException):
+            notes.append(_err(f"{r.label}: memory ledger", mem))
             continue
+        recs, torn = mem.last, mem.torn
         notes += [f'<p class="warn">{e(r.label)}: {e(t)}</p>' for t in torn]
         if not recs:
             rows.append(
@@ -1122,10 +1079,9 @@ def _checkpoints(rs: list[_R]) -> str:
 def _gate(rs: list[_R]) -> str:
     out = []
     for r in rs:
-        p = r.path / "verdict.json"
-        if not p.exists():
+        if not r.evidence.state.has_verdict:
             continue
-        v = _verdict(r)
+        v = r.evidence.state.verdict
         out.append(f"<h3>{r.tag_html()} ")
         if v is None:
             out.append(f"</h3>{_nr('verdict.json could not be read')}")
@@ -1251,14 +1207,11 @@ def render_html(run_dirs: list[Path | str], facts: ReportFacts) -> str:
     not be read), where `disttrace zoom` recorded both sides at depth."""
     if not run_dirs:
         raise BadInput("RUN", "give at least one run directory (the first is the reference)")
-    paths = [Path(p) for p in run_dirs]
-    runs = [
-        Run(p) for p in paths
-    ]  # a path that is not a run directory is bad input, before anything is written
-    labels = _labels([r.path for r in runs])
+    paths = [Path(p) for p in run_dirs]  # report_facts already read each as a run directory
+    labels = _labels(paths)
     rs = [
-        _R(run, labels[i], PALETTE[i % len(PALETTE)], i, facts.evidence[i])
-        for i, run in enumerate(runs)
+        _R(p, labels[i], PALETTE[i % len(PALETTE)], i, facts.evidence[i])
+        for i, p in enumerate(paths)
     ]
     diffs = facts.diffs
 
@@ -1281,11 +1234,10 @@ def render_html(run_dirs: list[Path | str], facts: ReportFacts) -> str:
             + ", ".join(f"{e(r.label)} (<code>{e(r.path)}</code>)" for r in incomplete)
             + " have no COMPLETE marker: the job did not finish, and what they hold stops where it stopped.</div>"
         )
-    try:
-        exp = rs[0].run.manifest.experiment
-        title = f"{_or(exp.name, '?')} ({_or(exp.edition, '?')})"
-    except Exception:  # noqa: BLE001
-        title = "?"
+    exp = rs[0].evidence.manifest.experiment
+    title = (
+        "?" if isinstance(exp, BaseException) else f"{_or(exp.name, '?')} ({_or(exp.edition, '?')})"
+    )
     stamp = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime())
     nav = "".join(f'<a href="#{k}">{e(t)}</a>' for k, t in SECTIONS)
     sections = "".join(f'<section id="{k}"><h2>{e(t)}</h2>{body[k]}</section>' for k, t in SECTIONS)
@@ -1297,7 +1249,7 @@ def render_html(run_dirs: list[Path | str], facts: ReportFacts) -> str:
         f"<title>disttrace report: {e(title)}</title><style>{CSS}</style></head><body>"
         f"<header><h1>disttrace report · {e(title)}</h1>"
         f'<div class="sub">{len(rs)} run(s) · reference <code>{e(rs[0].label)}</code> · manifest '
-        f"<code>{e(abbrev(rs[0].run.manifest_id, 12))}</code> · generated {e(stamp)}</div></header>"
+        f"<code>{e(abbrev(rs[0].evidence.manifest.manifest_id, 12))}</code> · generated {e(stamp)}</div></header>"
         f"<nav>{nav}</nav><main>{banner}{sections}</main>"
         "<footer>disttrace: did this distributed run compute the same thing as the reference, and if not, where "
         "did it first go wrong? Read from the run store only.</footer></body></html>\n"
