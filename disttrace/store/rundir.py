@@ -526,23 +526,6 @@ class Run:
         for _, _, batch in trajectory.scan(path, torn, self.path):
             yield from trajectory.to_records(batch)
 
-    def _loss_records(self, rank: int) -> Iterator[dict]:
-        """The rank's records, or of an Arrow trajectory only those of the loss phase's `loss` tensor (picked
-        from the columns: a dict for each of a step's records would cost more than the rest of `show`)."""
-        from disttrace.store import trajectory
-
-        path = self.trajectory_path(rank)
-        if not trajectory.is_arrow(path):
-            yield from self.records(rank, torn=[])
-            return
-        import pyarrow.compute as pc
-
-        for _, _, batch in trajectory.scan(path, [], self.path):
-            loss = pc.and_(
-                pc.equal(batch.column("phase"), "loss"), pc.equal(batch.column("tensor"), "loss")
-            )
-            yield from trajectory.to_records(batch.filter(loss))
-
     def checked_step_records(self, rank: int, step: int) -> list[dict]:
         """One step's records of one rank, from the bytes its step index names, checked against the index's
         hash (the same bytes diff judged); [] when the rank has no such step."""
@@ -596,7 +579,7 @@ class Run:
         """Mean training loss per step (over micro-batches and data-parallel ranks), from loss records."""
         acc: dict[int, list[float]] = {}
         for rank in self.ranks():
-            for rec in self._loss_records(rank):
+            for rec in self.records(rank, torn=[]):
                 if (
                     rec.get("phase") == "loss"
                     and rec.get("tensor") == "loss"
