@@ -243,9 +243,9 @@ def test_the_harness_fsdp2_run_equals_the_users_deepspeed_zero2_run(pair):
     within the derived bound, and the losses of the micro-batches holding the same samples."""
     tmp, ds, lock, harness, deepspeed = pair
     assert read_lock(lock).manifest["parallelism"]["zero_stage"] == 2
-    assert Run(harness).manifest["parallelism"]["dp"] == 2  # FSDP2 over both ranks
-    assert Run(deepspeed).manifest["parallelism"]["engine"] == "DeepSpeed"
-    assert Run(deepspeed).manifest["parallelism"]["zero_stage"] == 2
+    assert Run(harness).manifest_doc["parallelism"]["dp"] == 2  # FSDP2 over both ranks
+    assert Run(deepspeed).manifest_doc["parallelism"]["engine"] == "DeepSpeed"
+    assert Run(deepspeed).manifest_doc["parallelism"]["zero_stage"] == 2
     proc = cli("diff", harness, deepspeed, "--mode", "numeric", "--json")
     doc = orjson.loads(proc.stdout)
     assert proc.returncode == 0 and doc["equal"], (doc.get("first_divergence"), doc["warnings"])
