@@ -285,6 +285,62 @@ def sketch_rounding(dtype, shape) -> float:
     )
 
 
+# run/digest.py reduces a float32 tensor's sum and sum of squares in runs of at most this many consecutive
+# elements (one float32 dot product each, the runs added in float64)
+STAT_CHUNK = 128
+
+
+def _computed_in(dtype) -> float:
+    """The unit roundoff of the arithmetic run/digest.py reduces a tensor of this dtype in: float32 for
+    float32 and the narrower floats (converted to float32 exactly), float64 otherwise."""
+    name = str(dtype).removeprefix("torch.")
+    return UNIT_ROUNDOFF["float32" if name in SKETCH_FLOAT32 else "float64"]
+
+
+def _numel(shape) -> int | None:
+    try:
+        return max(math.prod(int(n) for n in shape or []), 1)
+    except (TypeError, ValueError):
+        return None  # a malformed shape: diff reports the record's shape, not a crash
+
+
+def sum_rounding(dtype, shape) -> float:
+    """The rounding of a recorded sum, relative to norm * sqrt(numel) (the scale of projection_terms: the sum
+    is <x, 1>). run/digest.py sums a float32 tensor in runs of n <= STAT_CHUNK consecutive elements in
+    float32 (a dot product with ones, in whatever order the BLAS takes), the runs' sums added in float64. A
+    run's sum is off by at most gamma_n times its sum of magnitudes (Higham Thm 3.1), u sqrt(n) in the
+    probabilistic model the sketch's rounding uses, and sum |x| <= ||x|| sqrt(numel) (Cauchy-Schwarz);
+    u64 sqrt(numel) covers the float64 stage and a sum taken wholly in float64 in any order (small tensors
+    digested together, device digests, one-row tensors). A scalar's sum is its value. A logical tensor
+    combined from shards: the shards' errors add up to at most the same figure (Cauchy-Schwarz again)."""
+    numel = _numel(shape)
+    if numel is None or not shape:
+        return 0.0
+    u64 = UNIT_ROUNDOFF["float64"]
+    return _computed_in(dtype) * math.sqrt(min(numel, STAT_CHUNK)) + u64 * math.sqrt(numel)
+
+
+def norm_rounding(dtype, shape) -> float:
+    """The rounding of a recorded norm, relative to the norm. run/digest.py adds a float32 tensor's squares
+    in the same runs (a dot product: gamma_n of the run's sum, every term positive, plus u for the squares
+    themselves when the products are not fused), the runs in float64 (u64 sqrt(numel) covers any float64
+    order); the square root halves a relative error and rounds once more. A float32 sum of squares that
+    overflows or reaches the subnormal range is taken again in float64 (stats_in_range), so float32's
+    exponent range adds nothing."""
+    numel = _numel(shape)
+    if numel is None:
+        return 0.0
+    u, u64 = _computed_in(dtype), UNIT_ROUNDOFF["float64"]
+    return 0.5 * (u * (math.sqrt(min(numel, STAT_CHUNK)) + 1) + u64 * math.sqrt(numel)) + u64
+
+
+def stats_in_range(ss: float, numel: int) -> bool:
+    """Whether a float32-computed sum of squares is one norm_rounding bounds: finite, and not so small that
+    squares in float32's subnormal range (below 2^-126, absolute error up to 2^-149 each) could matter (at
+    ss >= numel * 2^-100 they are below 2^-49 of it)."""
+    return math.isfinite(ss) and ss >= numel * 2.0**-100
+
+
 def combine_sketches(sketches: list) -> list[float] | None:
     """The logical tensor's sketch from its shards' (each placed at its offset, so they add up)."""
     if (
