@@ -81,7 +81,13 @@ def test_float32_sketch_agrees_with_a_float64_oracle_within_the_derived_rounding
     a = x.astype(np.float64).ravel()
     rho_s = tolerance.sum_rounding(d["dtype"], d["shape"])
     rho_n = tolerance.norm_rounding(d["dtype"], d["shape"])
-    assert 0 < rho_s < 1e-6 and 0 < rho_n < 5e-7  # below the derived per-step bound of a tiny run
+    if (
+        x.size > tolerance.FLOAT64_STATS
+    ):  # float32 runs: below the derived per-step bound of a tiny run
+        assert 0 < rho_s < 1e-6 and 0 < rho_n < 5e-7
+    else:  # float64, as the small tensors digested together: to float64 rounding
+        assert rho_s == rho_n == 0.0
+        rho_s = rho_n = 1e-12
     assert abs(d["sum"] - math.fsum(a)) <= rho_s * _scale(x)
     exact_norm = math.sqrt(math.fsum(a * a))
     assert abs(d["norm"] - exact_norm) <= rho_n * exact_norm

@@ -172,11 +172,11 @@ def _stat_rounding(
     f32: np.ndarray, numel: np.ndarray, cols: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """tolerance.norm_rounding and sum_rounding on columns (a scalar's sum rounds 0)."""
-    u = np.where(f32, _U32, _U64)
     n = np.maximum(numel, 1)
+    in32 = f32 & (n > tolerance.FLOAT64_STATS)
     run = np.sqrt(np.minimum(n, tolerance.STAT_CHUNK))
-    norm = 0.5 * (u * (run + 1) + _U64 * np.sqrt(n)) + _U64
-    return norm, np.where(cols > 0, u * run + _U64 * np.sqrt(n), 0.0)
+    norm = np.where(in32, 0.5 * (_U32 * (run + 1) + _U64 * np.sqrt(n)) + _U64, 0.0)
+    return norm, np.where(in32 & (cols > 0), _U32 * run + _U64 * np.sqrt(n), 0.0)
 
 
 def compare(

@@ -285,16 +285,17 @@ def sketch_rounding(dtype, shape) -> float:
     )
 
 
-# run/digest.py reduces a float32 tensor's sum and sum of squares in runs of at most this many consecutive
-# elements (one float32 dot product each, the runs added in float64)
+# run/digest.py reduces a float32 tensor of more than FLOAT64_STATS elements to its sum and sum of squares in
+# runs of at most STAT_CHUNK consecutive elements (one float32 dot product each, the runs added in float64);
+# smaller tensors, float64 and integer ones in float64, whose rounding diff neglects (as it always has)
 STAT_CHUNK = 128
+FLOAT64_STATS = 1 << 14
 
 
-def _computed_in(dtype) -> float:
-    """The unit roundoff of the arithmetic run/digest.py reduces a tensor of this dtype in: float32 for
-    float32 and the narrower floats (converted to float32 exactly), float64 otherwise."""
-    name = str(dtype).removeprefix("torch.")
-    return UNIT_ROUNDOFF["float32" if name in SKETCH_FLOAT32 else "float64"]
+def _in_float32(dtype, numel: int) -> bool:
+    """Whether run/digest.py takes a tensor's sum and sum of squares in float32 runs: float32 and the
+    narrower floats (converted to float32 exactly) of more than FLOAT64_STATS elements."""
+    return str(dtype).removeprefix("torch.") in SKETCH_FLOAT32 and numel > FLOAT64_STATS
 
 
 def _numel(shape) -> int | None:
@@ -310,28 +311,30 @@ def sum_rounding(dtype, shape) -> float:
     float32 (a dot product with ones, in whatever order the BLAS takes), the runs' sums added in float64. A
     run's sum is off by at most gamma_n times its sum of magnitudes (Higham Thm 3.1), u sqrt(n) in the
     probabilistic model the sketch's rounding uses, and sum |x| <= ||x|| sqrt(numel) (Cauchy-Schwarz);
-    u64 sqrt(numel) covers the float64 stage and a sum taken wholly in float64 in any order (small tensors
-    digested together, device digests, one-row tensors). A scalar's sum is its value. A logical tensor
+    u64 sqrt(numel) covers the float64 stage (one-row tensors and device digests take the whole sum in
+    float64, which this over-states). A tensor of at most FLOAT64_STATS elements (and a float64 or integer
+    one) is summed in float64, whose rounding is neglected as it always was: 0. A scalar's sum is its value. A logical tensor
     combined from shards: the shards' errors add up to at most the same figure (Cauchy-Schwarz again)."""
     numel = _numel(shape)
-    if numel is None or not shape:
+    if numel is None or not shape or not _in_float32(dtype, numel):
         return 0.0
-    u64 = UNIT_ROUNDOFF["float64"]
-    return _computed_in(dtype) * math.sqrt(min(numel, STAT_CHUNK)) + u64 * math.sqrt(numel)
+    u32, u64 = UNIT_ROUNDOFF["float32"], UNIT_ROUNDOFF["float64"]
+    return u32 * math.sqrt(min(numel, STAT_CHUNK)) + u64 * math.sqrt(numel)
 
 
 def norm_rounding(dtype, shape) -> float:
     """The rounding of a recorded norm, relative to the norm. run/digest.py adds a float32 tensor's squares
     in the same runs (a dot product: gamma_n of the run's sum, every term positive, plus u for the squares
     themselves when the products are not fused), the runs in float64 (u64 sqrt(numel) covers any float64
-    order); the square root halves a relative error and rounds once more. A float32 sum of squares that
+    order); the square root halves a relative error and rounds once more. 0 where the sum is (float64
+    arithmetic: FLOAT64_STATS). A float32 sum of squares that
     overflows or reaches the subnormal range is taken again in float64 (stats_in_range), so float32's
     exponent range adds nothing."""
     numel = _numel(shape)
-    if numel is None:
+    if numel is None or not _in_float32(dtype, numel):
         return 0.0
-    u, u64 = _computed_in(dtype), UNIT_ROUNDOFF["float64"]
-    return 0.5 * (u * (math.sqrt(min(numel, STAT_CHUNK)) + 1) + u64 * math.sqrt(numel)) + u64
+    u32, u64 = UNIT_ROUNDOFF["float32"], UNIT_ROUNDOFF["float64"]
+    return 0.5 * (u32 * (math.sqrt(min(numel, STAT_CHUNK)) + 1) + u64 * math.sqrt(numel)) + u64
 
 
 def stats_in_range(ss: float, numel: int) -> bool:

@@ -206,11 +206,14 @@ def _stats(x: np.ndarray, offset, logical_shape, hasher=None, with_sketch: bool 
     m = (np.zeros((SKETCH_K, cols)) if rb < rows else True) if plan is not None and rb > 1 else None
     direct = np.zeros(SKETCH_K) if plan is not None and rb == 1 else None
     ut = (plan.ut64 if f64 else plan.ut32) if plan is not None else None
+    in_runs = (
+        f64 or x.size > tolerance.FLOAT64_STATS
+    )  # float32 runs (tolerance.sum_rounding), or float64
     for r0 in range(0, rows, rb):
         blk = x2[r0 : r0 + rb]
         if hasher is not None:
             hasher.update(blk)
-        if rb > 1:  # in the block's dtype, from the block as it lies in cache
+        if rb > 1 and in_runs:  # in the block's dtype, from the block as it lies in cache
             bs, bss = _sums(blk.reshape(-1))
             s += bs
             ss += bss
@@ -220,7 +223,7 @@ def _stats(x: np.ndarray, offset, logical_shape, hasher=None, with_sketch: bool 
                     m = part
                 else:
                     m += part
-        elif cols <= _BLOCK:  # one row per block (1-D tensors, long rows): float64, with W
+        elif cols <= _BLOCK:  # float64: one row per block (1-D tensors, long rows), a small tensor
             if f64:
                 b = blk.reshape(-1)
             else:
@@ -230,6 +233,9 @@ def _stats(x: np.ndarray, offset, logical_shape, hasher=None, with_sketch: bool 
             ss += float(np.dot(b, b))
             if direct is not None:
                 direct += plan.ut64[:, r0] * (plan.wt64 @ b)
+            elif m is not None:
+                part = ut[:, r0 : r0 + rb] @ blk
+                m = part if rb >= rows else m + part
         else:  # a row longer than a block: its columns in chunks
             proj = np.zeros(SKETCH_K) if direct is not None else None
             row = blk.reshape(-1)
@@ -246,7 +252,12 @@ def _stats(x: np.ndarray, offset, logical_shape, hasher=None, with_sketch: bool 
                     proj += plan.wt64[:, c0 : c0 + seg.size] @ b
             if proj is not None:
                 direct += plan.ut64[:, r0] * proj
-    if rb > 1 and not f64 and not (math.isfinite(s) and tolerance.stats_in_range(ss, x.size)):
+    if (
+        rb > 1
+        and in_runs
+        and not f64
+        and not (math.isfinite(s) and tolerance.stats_in_range(ss, x.size))
+    ):
         # float32 arithmetic overflowed or lost digits to subnormals: the statistics again in float64
         # (a non-finite value stays non-finite there and is counted by the caller)
         s, ss = _stats64(x)
@@ -373,7 +384,7 @@ def _digest_on_device(
 # products). The float64 reductions round less than the per-tensor float32 GEMM, so
 # tolerance.sketch_rounding bounds this path too; two runs of one manifest take the same path and stay
 # bit-identical.
-SMALL = 1 << 14  # elements: a tensor at most this large is digested with the others
+SMALL = tolerance.FLOAT64_STATS  # elements: a tensor at most this large is digested with the others
 _GROUP = 1 << 18  # elements per batch: its sketch vectors are SKETCH_K x 2 MiB of float64, cached
 
 
