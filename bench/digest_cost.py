@@ -2,12 +2,15 @@
 recorder digests every step (each parameter's gradient, the parameter, Adam's exp_avg and exp_avg_sq and
 its step counter), after one real forward/backward/AdamW step so the values are realistic.
 
-    python bench/digest_cost.py [--repeats 15] [--set model.dim=768 ...]
+    python bench/digest_cost.py [--repeats 15] [--set model.dim=768 ...] [--against REV]
 
 Models: the tiny default manifest's and a realistic CPU one (dim 512, 4 layers). With and without the
 sketch are interleaved repeat by repeat, so machine noise hits both alike; prints median ms per step and
 the ratio with / without the sketch (the sketch's share of the digest), in one run. One thread, as the
-workers run.
+workers run. `--against REV` instead times this checkout's `digest_many` (what the recorder calls) against
+run/digest.py as git revision REV had it, loaded beside it, a step's tensors each, interleaved repeat by
+repeat, in CPU time (time.thread_time: the figure other jobs on shared cores disturb least), and prints the
+ratio.
 """
 
 from __future__ import annotations
@@ -68,6 +71,42 @@ def measure(tensors, repeats: int) -> dict[str, float]:
     }
 
 
+def against(rev: str, sets: list[str], repeats: int) -> None:
+    """This checkout's digest_many against REV's, on the realistic model's step tensors."""
+    import importlib.util
+    import subprocess
+    import tempfile
+
+    from disttrace.run import digest as now
+
+    src = subprocess.run(
+        ["git", "-C", str(ROOT), "show", f"{rev}:disttrace/run/digest.py"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    with tempfile.TemporaryDirectory() as d:
+        f = Path(d) / "digest_then.py"
+        f.write_text(src)
+        spec = importlib.util.spec_from_file_location("digest_then", f)
+        then = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(then)
+    tensors, what = tensors_of_a_step(sets)
+    items = [(t, None, None) for t in tensors]
+    mb = sum(t.numel() * t.element_size() for t in tensors) / 1e6
+    times: dict[str, list[float]] = {rev: [], "this checkout": []}
+    for _ in range(repeats):
+        for k, mod in ((rev, then), ("this checkout", now)):
+            t = time.thread_time()
+            mod.digest_many(items)
+            times[k].append(time.thread_time() - t)
+    a, b = statistics.median(times[rev]), statistics.median(times["this checkout"])
+    print(
+        f"{what}; {len(tensors)} tensors, {mb:.1f} MB a step; {repeats} repeats, CPU time medians: "
+        f"{rev} {a * 1e3:.1f} ms, this checkout {b * 1e3:.1f} ms, ratio {b / a:.3f}"
+    )
+
+
 def main():
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -79,10 +118,14 @@ def main():
         default=[],
         help="override the realistic model (section.key=value)",
     )
+    ap.add_argument("--against", metavar="REV", help="time digest_many against REV's run/digest.py")
     args = ap.parse_args()
     import torch
 
     torch.set_num_threads(1)
+    if args.against:
+        against(args.against, REALISTIC + args.set, max(args.repeats, 25))
+        return
     for title, sets, reps in (
         ("tiny default model", [], args.repeats * 4),
         ("realistic CPU model", REALISTIC + args.set, args.repeats),

@@ -168,6 +168,17 @@ def _sketch_rounding(f32: np.ndarray, numel: np.ndarray, cols: np.ndarray) -> np
     return np.where(cols > 0, r, 0.0)
 
 
+def _stat_rounding(
+    f32: np.ndarray, numel: np.ndarray, cols: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """tolerance.norm_rounding and sum_rounding on columns (a scalar's sum rounds 0)."""
+    n = np.maximum(numel, 1)
+    in32 = f32 & (n > tolerance.FLOAT64_STATS)
+    run = np.sqrt(np.minimum(n, tolerance.STAT_CHUNK))
+    norm = np.where(in32, 0.5 * (_U32 * (run + 1) + _U64 * np.sqrt(n)) + _U64, 0.0)
+    return norm, np.where(in32 & (cols > 0), _U32 * run + _U64 * np.sqrt(n), 0.0)
+
+
 def compare(
     ba: Columns,
     bb: Columns,
@@ -236,6 +247,13 @@ def compare(
     )
     bn, bs = np.where(unbounded, np.inf, bn), np.where(unbounded, np.inf, bs)
     bk = bs + rounding  # each sketch projection also carries its own float32 rounding
+    if not bitwise and user is None:  # a user's bound is taken as given (diff.py's compare)
+        # the recorded norm's and sum's own rounding, both records' (not where the phase must be exact)
+        norm_r, sum_r = _stat_rounding(
+            f32[rows], ba["numel"][rows], _last_dim(ba.column("shape"))[rows]
+        )
+        bn = bn + 2 * np.where(bn > 0, norm_r, 0.0)
+        bs = bs + 2 * np.where(bs > 0, sum_r, 0.0)
 
     # a record without a sketch compares on norm and sum alone
     over = (tn > bn) | (ts > bs) | (has_sketch & (tk > bk[:, None]).any(axis=1))

@@ -758,9 +758,22 @@ class _Tol:
             )
         else:
             bounds = (b0,) * len(terms)
-        # each sketch projection also carries its own float32 rounding (the sum is float64): both records'
-        rounding = sum(tolerance.sketch_rounding(r.get("dtype"), r.get("shape")) for r in (ra, rb))
-        bounds = (*bounds[:2], *(bd + rounding for bd in bounds[2:]))
+        # each statistic also carries its own rounding (tolerance.norm_rounding, sum_rounding: float32 runs and
+        # column sums; sketch_rounding: the float32 GEMM), both records'; the norm's and the sum's are added to
+        # a derived or calibrated bound (not to a user's, nor to a phase that must be exact)
+        stat = self.mode != "bitwise" and not self.user and b0 > 0
+        rounding = [
+            sum(f(r.get("dtype"), r.get("shape")) for r in (ra, rb)) if stat else 0.0
+            for f in (tolerance.norm_rounding, tolerance.sum_rounding)
+        ]
+        rounding.append(
+            sum(tolerance.sketch_rounding(r.get("dtype"), r.get("shape")) for r in (ra, rb))
+        )
+        bounds = (
+            bounds[0] + rounding[0],
+            bounds[1] + rounding[1],
+            *(bd + rounding[2] for bd in bounds[2:]),
+        )
         # report the term that is largest relative to its bound (simply the largest term when the bounds agree)
         if len(set(bounds)) == 1:
             i = max(range(len(terms)), key=lambda j: terms[j])

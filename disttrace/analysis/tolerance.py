@@ -285,6 +285,65 @@ def sketch_rounding(dtype, shape) -> float:
     )
 
 
+# run/digest.py reduces a float32 tensor of more than FLOAT64_STATS elements to its sum and sum of squares in
+# runs of at most STAT_CHUNK consecutive elements (one float32 dot product each, the runs added in float64);
+# smaller tensors, float64 and integer ones in float64, whose rounding diff neglects (as it always has)
+STAT_CHUNK = 128
+FLOAT64_STATS = 1 << 14
+
+
+def _in_float32(dtype, numel: int) -> bool:
+    """Whether run/digest.py takes a tensor's sum and sum of squares in float32 runs: float32 and the
+    narrower floats (converted to float32 exactly) of more than FLOAT64_STATS elements."""
+    return str(dtype).removeprefix("torch.") in SKETCH_FLOAT32 and numel > FLOAT64_STATS
+
+
+def _numel(shape) -> int | None:
+    try:
+        return max(math.prod(int(n) for n in shape or []), 1)
+    except (TypeError, ValueError):
+        return None  # a malformed shape: diff reports the record's shape, not a crash
+
+
+def sum_rounding(dtype, shape) -> float:
+    """The rounding of a recorded sum, relative to norm * sqrt(numel) (the scale of projection_terms: the sum
+    is <x, 1>). run/digest.py sums a float32 tensor in runs of n <= STAT_CHUNK consecutive elements in
+    float32 (a dot product with ones, in whatever order the BLAS takes), the runs' sums added in float64. A
+    run's sum is off by at most gamma_n times its sum of magnitudes (Higham Thm 3.1), u sqrt(n) in the
+    probabilistic model the sketch's rounding uses, and sum |x| <= ||x|| sqrt(numel) (Cauchy-Schwarz);
+    u64 sqrt(numel) covers the float64 stage (one-row tensors and device digests take the whole sum in
+    float64, which this over-states). A tensor of at most FLOAT64_STATS elements (and a float64 or integer
+    one) is summed in float64, whose rounding is neglected as it always was: 0. A scalar's sum is its value. A logical tensor
+    combined from shards: the shards' errors add up to at most the same figure (Cauchy-Schwarz again)."""
+    numel = _numel(shape)
+    if numel is None or not shape or not _in_float32(dtype, numel):
+        return 0.0
+    u32, u64 = UNIT_ROUNDOFF["float32"], UNIT_ROUNDOFF["float64"]
+    return u32 * math.sqrt(min(numel, STAT_CHUNK)) + u64 * math.sqrt(numel)
+
+
+def norm_rounding(dtype, shape) -> float:
+    """The rounding of a recorded norm, relative to the norm. run/digest.py adds a float32 tensor's squares
+    in the same runs (a dot product: gamma_n of the run's sum, every term positive, plus u for the squares
+    themselves when the products are not fused), the runs in float64 (u64 sqrt(numel) covers any float64
+    order); the square root halves a relative error and rounds once more. 0 where the sum is (float64
+    arithmetic: FLOAT64_STATS). A float32 sum of squares that
+    overflows or reaches the subnormal range is taken again in float64 (stats_in_range), so float32's
+    exponent range adds nothing."""
+    numel = _numel(shape)
+    if numel is None or not _in_float32(dtype, numel):
+        return 0.0
+    u32, u64 = UNIT_ROUNDOFF["float32"], UNIT_ROUNDOFF["float64"]
+    return 0.5 * (u32 * (math.sqrt(min(numel, STAT_CHUNK)) + 1) + u64 * math.sqrt(numel)) + u64
+
+
+def stats_in_range(ss: float, numel: int) -> bool:
+    """Whether a float32-computed sum of squares is one norm_rounding bounds: finite, and not so small that
+    squares in float32's subnormal range (below 2^-126, absolute error up to 2^-149 each) could matter (at
+    ss >= numel * 2^-100 they are below 2^-49 of it)."""
+    return math.isfinite(ss) and ss >= numel * 2.0**-100
+
+
 def combine_sketches(sketches: list) -> list[float] | None:
     """The logical tensor's sketch from its shards' (each placed at its offset, so they add up)."""
     if (

@@ -1,5 +1,6 @@
 """Tensor digests: bit-exact (any flipped bit changes it) and cheap (xxh3-128 runs at memory bandwidth,
-docs/design.md, "Facts"), plus float64 sum and L2 norm for tolerance comparisons across topologies.
+docs/design.md, "Facts"), plus sum, L2 norm and sketch for tolerance comparisons across topologies
+(reduced in float32 for float32 tensors, within the rounding analysis/tolerance.py derives).
 Checkpoint files, read once, get sha256 instead (checkpoint.py)."""
 
 from __future__ import annotations
@@ -58,20 +59,25 @@ def device_digest(t: torch.Tensor) -> str:
 # Cost. The tensor, seen as X (R rows = the leading axes, C columns = the last axis), gives
 # sketch_k = U[:, k]^T X W[:, k]. Per block of at most SKETCH_ROWS rows (a block fits in cache): one float32
 # GEMM M += U_blk^T X_blk (K x C, accumulated in float64), and at the end a float64 contraction of M with W.
-# The same pass over the block hashes it (streamed xxh3 = the one-shot hash of the raw bytes) and takes
-# the float64 sum and sum of squares from a reused float64 buffer, so the tensor is read from memory once
-# (a pass per statistic would read it four times, plus a fresh float64 copy). Measured
-# (bench/digest_cost.py): a numpy float64 contraction over the tensor ran at ~4 GB/s, ~40% of the digest;
-# an X @ W GEMM with 4 columns at ~2-6 GB/s (packing X), U^T X at ~8-14 GB/s. A float32 reduction over
-# at most SKETCH_ROWS rows rounds by about u32 * sqrt(SKETCH_ROWS) relative to ||x|| sqrt(numel)
+# The same pass over the block hashes it (streamed xxh3 = the one-shot hash of the raw bytes) and takes its
+# sum and sum of squares in float32 runs of tolerance.STAT_CHUNK elements (two dot products a run, added in
+# float64), so the tensor is read from memory once and each further operation reads the block from cache
+# (L2-sized: 512 KiB). A float64 copy of each block, summed and squared there, cost more than the sketch's
+# GEMM (bench/recorder_passes.py's components: copy 1.17, sum 0.61, squares 0.46, GEMM 1.58 s/GiB under
+# load) and needed 1.5 MiB of cache a block; the float32 runs round by about u32 * sqrt(STAT_CHUNK)
+# (tolerance.sum_rounding, norm_rounding, which diff adds to the derived bound of the sum and norm terms),
+# and a float32 tensor whose squares leave float32's range gets its sum and norm in float64 after all.
+# Measured (bench/digest_cost.py): a numpy float64 contraction over the tensor ran at ~4 GB/s; an X @ W GEMM
+# with 4 columns at ~2-6 GB/s (packing X), U^T X at ~8-14 GB/s. A float32 reduction over at most
+# SKETCH_ROWS rows rounds by about u32 * sqrt(SKETCH_ROWS) relative to ||x|| sqrt(numel)
 # (tolerance.sketch_rounding, which diff adds to the bound of the sketch terms). float64 tensors (and
 # integers) use the same vectors in float64.
 SKETCH_K = 4
 SKETCH_SEED = 0x5EED_D15C
-_BLOCK = 1 << 17  # elements per block: 512 KiB of float32, 1 MiB of its float64 copy (cache-sized)
+# elements per block: 512 KiB of float32 (L2-sized); the sketch's GEMM row blocks depend on it
+_BLOCK = 1 << 17
 
 
-@functools.lru_cache(maxsize=256)
 def axis_vectors(axis: int, length: int) -> np.ndarray:
     """(length, SKETCH_K) float64: the sketch's factors along one logical axis of that length."""
     g = np.random.default_rng([SKETCH_SEED, axis, length]).standard_normal((length, SKETCH_K))
@@ -124,9 +130,57 @@ def _buffer() -> np.ndarray:
     return b
 
 
+@functools.lru_cache(maxsize=64)
+def _ones(n: int, dtype) -> np.ndarray:
+    v = np.ones(n, dtype=dtype)
+    v.setflags(write=False)
+    return v
+
+
+_vecdot = getattr(np, "vecdot", None)  # numpy >= 2; einsum is the same reduction in numpy 1.x
+
+
+def _sums(flat: np.ndarray) -> tuple[float, float]:
+    """(sum, sum of squares) of a contiguous 1-D block in its own dtype, over runs of at most
+    tolerance.STAT_CHUNK consecutive elements (a dot product with ones, and with itself), the runs' results
+    added in float64: no float64 copy of the block, and a rounding bounded by the run length whatever order
+    the dot products take (tolerance.sum_rounding, norm_rounding)."""
+    n, chunk = flat.size, tolerance.STAT_CHUNK
+    q = n - n % chunk
+    s = ss = 0.0
+    if q:
+        z = flat[:q].reshape(-1, chunk)
+        s = float((z @ _ones(chunk, flat.dtype)).sum(dtype=np.float64))
+        runs = _vecdot(z, z) if _vecdot is not None else np.einsum("ij,ij->i", z, z)
+        ss = float(runs.sum(dtype=np.float64))
+    if q < n:
+        tail = flat[q:]
+        s += float(tail.sum(dtype=np.float64))
+        ss += float(np.dot(tail, tail))
+    return s, ss
+
+
+def _stats64(x: np.ndarray) -> tuple[float, float]:
+    """(sum, sum of squares) in float64 through a float64 copy of each block: the statistics of a float32
+    tensor whose values overflow or underflow float32 arithmetic (squares beyond 3.4e38 or in the
+    subnormal range)."""
+    flat = x.reshape(-1)
+    buf = _buffer()
+    s = ss = 0.0
+    for a in range(0, flat.size, _BLOCK):
+        b = buf[: min(_BLOCK, flat.size - a)]
+        np.copyto(b, flat[a : a + b.size])
+        s += float(b.sum())
+        ss += float(np.dot(b, b))
+    return s, ss
+
+
 def _stats(x: np.ndarray, offset, logical_shape, hasher=None, with_sketch: bool = True):
     """(sum, sum of squares, sketch or None) of a contiguous float32 or float64 array in one pass over
-    cache-sized blocks; `hasher` (xxh3) is fed the raw bytes on the way."""
+    cache-sized blocks; `hasher` (xxh3) is fed the raw bytes on the way. A block of several rows is
+    reduced in the array's own dtype, sum and sum of squares in runs of STAT_CHUNK elements (`_sums`), with
+    nothing copied; one row per block (1-D tensors, rows of more than half a block) goes through the
+    float64 buffer."""
     shape = x.shape
     if not shape:  # a scalar: the empty product, every v_k is 1
         if hasher is not None:
@@ -143,16 +197,33 @@ def _stats(x: np.ndarray, offset, logical_shape, hasher=None, with_sketch: bool 
     rows = x2.shape[0]
     f64 = x.dtype == np.float64
     buf = None if f64 else _buffer()
-    rb = plan.block_rows if plan is not None else max(1, min(rows, _BLOCK // max(cols, 1)))
+    rb = (
+        plan.block_rows
+        if plan is not None
+        else max(1, min(rows, tolerance.SKETCH_ROWS, _BLOCK // max(cols, 1)))
+    )
     s = ss = 0.0
     m = (np.zeros((SKETCH_K, cols)) if rb < rows else True) if plan is not None and rb > 1 else None
     direct = np.zeros(SKETCH_K) if plan is not None and rb == 1 else None
     ut = (plan.ut64 if f64 else plan.ut32) if plan is not None else None
+    in_runs = (
+        f64 or x.size > tolerance.FLOAT64_STATS
+    )  # float32 runs (tolerance.sum_rounding), or float64
     for r0 in range(0, rows, rb):
         blk = x2[r0 : r0 + rb]
         if hasher is not None:
             hasher.update(blk)
-        if rb > 1 or cols <= _BLOCK:
+        if rb > 1 and in_runs:  # in the block's dtype, from the block as it lies in cache
+            bs, bss = _sums(blk.reshape(-1))
+            s += bs
+            ss += bss
+            if m is not None:
+                part = ut[:, r0 : r0 + rb] @ blk  # the float32 GEMM (float64 for float64 tensors)
+                if rb >= rows:  # one block: no float64 accumulator to fill
+                    m = part
+                else:
+                    m += part
+        elif cols <= _BLOCK:  # float64: one row per block (1-D tensors, long rows), a small tensor
             if f64:
                 b = blk.reshape(-1)
             else:
@@ -160,16 +231,11 @@ def _stats(x: np.ndarray, offset, logical_shape, hasher=None, with_sketch: bool 
                 np.copyto(b, blk.reshape(-1))
             s += float(b.sum())
             ss += float(np.dot(b, b))
-            if m is not None:
-                part = ut[:, r0 : r0 + rb] @ blk  # the float32 GEMM (float64 for float64 tensors)
-                if rb >= rows:  # one block: no float64 accumulator to fill
-                    m = part
-                else:
-                    m += part
-            elif (
-                direct is not None
-            ):  # one row per block (1-D tensors, long rows): a float64 dot with W
+            if direct is not None:
                 direct += plan.ut64[:, r0] * (plan.wt64 @ b)
+            elif m is not None:
+                part = ut[:, r0 : r0 + rb] @ blk
+                m = part if rb >= rows else m + part
         else:  # a row longer than a block: its columns in chunks
             proj = np.zeros(SKETCH_K) if direct is not None else None
             row = blk.reshape(-1)
@@ -186,6 +252,15 @@ def _stats(x: np.ndarray, offset, logical_shape, hasher=None, with_sketch: bool 
                     proj += plan.wt64[:, c0 : c0 + seg.size] @ b
             if proj is not None:
                 direct += plan.ut64[:, r0] * proj
+    if (
+        rb > 1
+        and in_runs
+        and not f64
+        and not (math.isfinite(s) and tolerance.stats_in_range(ss, x.size))
+    ):
+        # float32 arithmetic overflowed or lost digits to subnormals: the statistics again in float64
+        # (a non-finite value stays non-finite there and is counted by the caller)
+        s, ss = _stats64(x)
     if plan is None:
         return s, ss, None
     sk = direct if m is None else np.einsum("kc,kc->k", m, plan.wt64, dtype=np.float64)
@@ -309,7 +384,7 @@ def _digest_on_device(
 # products). The float64 reductions round less than the per-tensor float32 GEMM, so
 # tolerance.sketch_rounding bounds this path too; two runs of one manifest take the same path and stay
 # bit-identical.
-SMALL = 1 << 14  # elements: a tensor at most this large is digested with the others
+SMALL = tolerance.FLOAT64_STATS  # elements: a tensor at most this large is digested with the others
 _GROUP = 1 << 18  # elements per batch: its sketch vectors are SKETCH_K x 2 MiB of float64, cached
 
 
