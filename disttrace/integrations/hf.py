@@ -39,7 +39,7 @@ from transformers import TrainerCallback
 
 import disttrace.api
 from disttrace.errors import BadInput
-from disttrace.integrations import evaluation_spec
+from disttrace.integrations import evaluation_spec, resume_where_the_framework_did
 from disttrace.run.attach import _batch_inputs, _first_tensor
 
 ARG_FIELDS = (
@@ -110,13 +110,7 @@ class DisttraceCallback(TrainerCallback):
             evaluation=self.evaluation,
         )
         if self.resume is not None:
-            step = self.run.resume(self.resume)
-            if step != state.global_step:
-                raise BadInput(
-                    "DisttraceCallback(resume=)",
-                    f"{self.resume} is the checkpoint of step {step}, the Trainer resumed at step "
-                    f"{state.global_step}",
-                )
+            resume_where_the_framework_did(self.run, self.resume, state.global_step, "Trainer")
         if (
             train_dataloader is not None
         ):  # runs before attach's own pre-hook, which takes the queued batch

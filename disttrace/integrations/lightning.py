@@ -37,7 +37,7 @@ from lightning.pytorch.callbacks import Callback
 
 import disttrace.api
 from disttrace.errors import BadInput
-from disttrace.integrations import evaluation_spec
+from disttrace.integrations import evaluation_spec, resume_where_the_framework_did
 
 
 class DisttraceCallback(Callback):
@@ -92,13 +92,7 @@ class DisttraceCallback(Callback):
         if self._watching:
             _first_epoch(trainer, self.run, loader)
         if self.resume is not None:
-            step = self.run.resume(self.resume)
-            if step != trainer.global_step:
-                raise BadInput(
-                    "DisttraceCallback(resume=)",
-                    f"{self.resume} is the checkpoint of step {step}, the fit resumed at step "
-                    f"{trainer.global_step}",
-                )
+            resume_where_the_framework_did(self.run, self.resume, trainer.global_step, "fit")
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
         if self.checkpoints and self.run is not None:  # every rank: DCP's save is collective
