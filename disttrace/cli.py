@@ -812,20 +812,7 @@ def diff(
             result = diff_runs(runs[0], runs[1], on_step=on_step, **opts)
     what = part.covered if part is not None else None
     if zoom_:
-        from disttrace.lab.zoom import zoom as zoom_runs
-
-        z = zoom_runs(
-            runs[0],
-            runs[1],
-            depth=depth,
-            rtol=rtol,
-            atol=atol,
-            diff=result,
-            progress=err.print,
-            command=USER_COMMAND,
-        )
-        _show_zoom(z, json_, md)
-        raise typer.Exit(verdict_exit(z.equal))
+        _zoom_and_exit(runs[0], runs[1], json_, md, depth=depth, rtol=rtol, atol=atol, diff=result)
     if json_:
         emit_json(part if part is not None else result)
     elif md:
@@ -856,9 +843,12 @@ def diff(
     raise typer.Exit(verdict_exit(result.equal))
 
 
-def _show_zoom(z, json_: bool, md: bool) -> None:
+def _zoom_and_exit(a, b, json_: bool, md: bool, **options) -> None:
+    """`zoom` and `diff --zoom`: replay both sides at depth, show the result, exit with its verdict."""
+    from disttrace.lab.zoom import zoom as zoom_runs
     from disttrace.views.zoom import render_md, render_rich
 
+    z = zoom_runs(a, b, progress=err.print, command=USER_COMMAND, **options)
     if json_:
         emit_json(z)
     elif md:
@@ -870,6 +860,7 @@ def _show_zoom(z, json_: bool, md: bool) -> None:
                 stderr=False, no_color=bool(os.environ.get("NO_COLOR")) or None, emoji=False
             ),
         )
+    raise typer.Exit(verdict_exit(z.equal))
 
 
 @app.command()
@@ -895,25 +886,11 @@ def zoom(
     """diff A B, then record the first divergent step at depth on both sides and name the first module (forward
     in execution order, then backward) and, at op depth, the first op whose output differs (docs/zoom.md).
     Exit 0 equal, 1 a divergence found, 2 bad input, 3 a depth job failed."""
-    from disttrace.lab.zoom import zoom as zoom_runs
-
     if mode not in (None, "bitwise", "numeric"):
         raise BadInput("--mode", f"'{mode}' is not bitwise or numeric")
     if step is not None and step < 1:
         raise BadInput("--step", f"step {step} does not exist: steps count from 1")
-    z = zoom_runs(
-        run_a,
-        run_b,
-        depth=depth,
-        step=step,
-        mode=mode,
-        rtol=rtol,
-        atol=atol,
-        progress=err.print,
-        command=USER_COMMAND,
-    )
-    _show_zoom(z, json_, md)
-    raise typer.Exit(verdict_exit(z.equal))
+    _zoom_and_exit(run_a, run_b, json_, md, depth=depth, step=step, mode=mode, rtol=rtol, atol=atol)
 
 
 @app.command()
