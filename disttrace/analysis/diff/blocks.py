@@ -12,9 +12,9 @@ from disttrace.analysis.diff.compare import (
     _compare_rank_step_columns,
     _fold_columns,
     _RankStep,
-    _Tol,
 )
 from disttrace.analysis.diff.side import _Side
+from disttrace.analysis.diff.tol import _Tol
 from disttrace.store import trajectory
 
 # records a block of steps may hold, per side: of one rank where ranks are compared one after another (a few MB

@@ -3,8 +3,9 @@ steps, the numeric summary, the counts (`_Fold`), and the `DiffResult` they make
 
 from __future__ import annotations
 
-from disttrace.analysis.diff.compare import _phase_order, _Tol
+from disttrace.analysis.diff.compare import _phase_order
 from disttrace.analysis.diff.logical import CROSS_TOPOLOGY_PHASES, Warned
+from disttrace.analysis.diff.tol import _Tol
 from disttrace.analysis.result import (
     BoundKind,
     ComparedSteps,

@@ -15,11 +15,10 @@ from disttrace.analysis.diff.compare import (
     _fold_columns,
     _phase_order,
     _RankStep,
-    _same_bits,
-    _Tol,
     _unit,
 )
 from disttrace.analysis.diff.side import _Side
+from disttrace.analysis.diff.tol import _same_bits, _Tol
 from disttrace.store import trajectory
 
 # Across topologies only these phases hold the same logical tensors: the global (reduced) gradient, the

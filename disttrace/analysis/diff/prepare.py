@@ -11,10 +11,10 @@ import orjson
 
 from disttrace.analysis import tolerance
 from disttrace.analysis.diff.blocks import BLOCK_ROWS, _block, _compare_block
-from disttrace.analysis.diff.compare import _Tol
 from disttrace.analysis.diff.fold import StepOutcome
 from disttrace.analysis.diff.logical import StepWarnings, _compare_logical_step
 from disttrace.analysis.diff.side import _Side
+from disttrace.analysis.diff.tol import _Tol
 from disttrace.analysis.result import (
     BoundKind,
     ComparedSteps,
