@@ -15,7 +15,7 @@ are split instead.
 How results combine. A process compares its share and returns, per step, each rank's result (`_RankStep`:
 counts, the largest errors and bounds per phase, the first divergent unit with its key), the warnings the
 step raised and where its bounds came from; per rank, the steps its index holds and what reading it warned
-of. The combination replays these in step order through the same fold one process uses (diff.py's `_Fold`),
+of. The combination replays these in step order through the same fold one process uses (analysis/diff/fold.py's `_Fold`),
 and derives what depends on every rank (the steps all ranks hold, the compared steps and why, the
 incomplete-run warnings) from the ranks' steps: so the document is byte for byte the one-process document
 (tests/test_diff_jobs.py compares the bytes).
@@ -54,7 +54,11 @@ from pydantic import (
 )
 
 from disttrace import __version__
-from disttrace.analysis import diff as D
+from disttrace.analysis.diff import diff_runs
+from disttrace.analysis.diff.compare import _RankStep
+from disttrace.analysis.diff.fold import StepOutcome, _Fold, _result
+from disttrace.analysis.diff.prepare import _compared_steps, _Setup
+from disttrace.analysis.diff.side import _Side, common_steps, side_warnings
 from disttrace.analysis.result import BoundKind, DiffResult, SideSummary, Tolerance, Unit
 from disttrace.config.manifest import get_field
 from disttrace.errors import EXIT_DIVERGED, EXIT_PARTIAL, BadInput, DisttraceError
@@ -187,7 +191,7 @@ class _M(BaseModel):
 
 
 class _Stats(_M):
-    """One side's record of a compared unit (diff.py's `_stats`)."""
+    """One side's record of a compared unit (analysis/diff/compare.py's `_stats`)."""
 
     digest: _S | None
     sum: _Num | None
@@ -225,7 +229,7 @@ class _Stats(_M):
 
 
 class _Unit(_M):
-    """A compared unit (diff.py's `_unit`): the first divergent one of a rank at a step."""
+    """A compared unit (analysis/diff/compare.py's `_unit`): the first divergent one of a rank at a step."""
 
     step: StrictInt
     micro_batch: StrictInt | None
@@ -264,7 +268,7 @@ _Key = Annotated[list[StrictInt | _S | None], Field(min_length=6, max_length=6)]
 
 
 class _Rank(_M):
-    """A rank's result at one step where something was not bit-equal (diff.py's `_RankStep`): every field
+    """A rank's result at one step where something was not bit-equal (analysis/diff/compare.py's `_RankStep`): every field
     the fold reads."""
 
     d: StrictInt  # tensors divergent
@@ -281,7 +285,7 @@ class _Rank(_M):
     f: tuple[_Key, _Unit] | None  # the first divergent unit, with its key
 
     @classmethod
-    def of(cls, rs: D._RankStep) -> _Rank:
+    def of(cls, rs: _RankStep) -> _Rank:
         return cls(
             d=int(rs.differing),
             t=int(rs.total),
@@ -295,8 +299,8 @@ class _Rank(_M):
             else None,
         )
 
-    def rank_step(self) -> D._RankStep:
-        rs = D._RankStep(self.t)
+    def rank_step(self) -> _RankStep:
+        rs = _RankStep(self.t)
         rs.differing, rs.inexact, rs.hard, rs.max_ratio = self.d, self.i, self.h, self.mx
         for p, rel, bnd in self.mr:
             rs.max_rel[p] = rel
@@ -335,7 +339,7 @@ _BoundKind = Literal[tuple(k.value for k in BoundKind)]
 
 
 class _Step(_M):
-    """One compared step's outcome (diff.py's `StepOutcome`), with where its bounds came from, so that a
+    """One compared step's outcome (analysis/diff/fold.py's `StepOutcome`), with where its bounds came from, so that a
     merge needs no store and no bound code."""
 
     step: Annotated[int, Field(strict=True, ge=0, le=MAX_STEP)]
@@ -351,7 +355,7 @@ class _Step(_M):
     both: Annotated[list[_S], Field(max_length=64)]
 
     @classmethod
-    def of(cls, o: D.StepOutcome) -> _Step:
+    def of(cls, o: StepOutcome) -> _Step:
         look = o.look
         phases: dict[str, None] = {}
         kinds: dict[tuple, str] = {}
@@ -380,7 +384,7 @@ class _Step(_M):
     def held_ranks(self) -> list[int]:
         return sorted([r for r, _ in self.ranks] + _span_ranks(self.equal))
 
-    def outcome(self, user: bool) -> D.StepOutcome:
+    def outcome(self, user: bool) -> StepOutcome:
         """The step as the fold reads it; its bounds from the table the comparison wrote."""
         look = _Look(
             user,
@@ -395,8 +399,8 @@ class _Step(_M):
             total,
         ) in self.equal:  # (where nothing differed, the order of ranks does not matter)
             for r in range(lo, hi + 1):
-                per_rank[r] = D._RankStep(total)
-        return D.StepOutcome(
+                per_rank[r] = _RankStep(total)
+        return StepOutcome(
             self.step, per_rank, self.read, io, [tuple(x) for x in self.events], self.both, look
         )
 
@@ -473,7 +477,7 @@ class _SideFacts(_M):
     ]
 
     @classmethod
-    def of(cls, side: D._Side) -> _SideFacts:
+    def of(cls, side: _Side) -> _SideFacts:
         return cls(
             label=side.label,
             path=str(side.path),
@@ -623,15 +627,15 @@ _NOTE = (
 # ---------------------------------------------------------------- one process's share
 
 
-def _seal(side: D._Side) -> str | None:
+def _seal(side: _Side) -> str | None:
     """sha256 of the side's COMPLETE (it seals the lock, run.json and every rank's files); None if incomplete."""
     if not side.complete:
         return None
     return hashlib.sha256(safeio.read_bytes(side.path / COMPLETE, side.path, "json")).hexdigest()
 
 
-def _setup(a, b, opts: dict, only=None, compare: bool = True) -> D._Setup:
-    return D._Setup(
+def _setup(a, b, opts: dict, only=None, compare: bool = True) -> _Setup:
+    return _Setup(
         a,
         b,
         opts.get("mode"),
@@ -646,7 +650,7 @@ def _setup(a, b, opts: dict, only=None, compare: bool = True) -> D._Setup:
     )
 
 
-def _payload(st: D._Setup, outcomes, ranks: list[int], steps: list[int] | None, opts) -> _Payload:
+def _payload(st: _Setup, outcomes, ranks: list[int], steps: list[int] | None, opts) -> _Payload:
     a, b = st.side_a, st.side_b
     return _Payload(
         format=FORMAT,
@@ -842,24 +846,22 @@ def _fold(payload: _Payload, whole: bool) -> DiffResult:
     for label, f in payload.sides:
         rank_steps = held[label]
         all_ranks = _unspan(f.all_ranks)
-        steps = D.common_steps(rank_steps[r] for r in sorted(rank_steps))
+        steps = common_steps(rank_steps[r] for r in sorted(rank_steps))
         if not rank_steps and all_ranks and not whole:  # a share of ranks this side lacks
             other = held["b" if label == "a" else "a"]
-            steps = D.common_steps(other[r] for r in sorted(other))
+            steps = common_steps(other[r] for r in sorted(other))
         rw = dict(f.rank_warnings)
         for r in sorted(rank_steps):
             warnings.extend(rw.get(r, ()))
-        warnings.extend(
-            D.side_warnings(f.label, Path(f.path), all_ranks, f.world, f.complete, steps)
-        )
+        warnings.extend(side_warnings(f.label, Path(f.path), all_ranks, f.world, f.complete, steps))
         views[label] = _SideView(f, steps)
         summaries[label] = f.summary(steps)
     warnings.extend(run.post)
-    steps, compared = D._compared_steps(views["a"], views["b"])
+    steps, compared = _compared_steps(views["a"], views["b"])
     have = {e.step: e for e in payload.steps}
     if whole:
         _check_whole(payload, steps, have)
-    fold = D._Fold(run.mode, warnings)
+    fold = _Fold(run.mode, warnings)
     for s in steps:
         if s in have:
             fold.add(have[s].outcome(run.user))
@@ -867,7 +869,7 @@ def _fold(payload: _Payload, whole: bool) -> DiffResult:
     if not whole and payload.by_rank:  # a share of ranks draws only its own rows
         mine = set(_unspan(payload.covers.ranks))
         grid = [r for r in grid if r in mine]
-    return D._result(
+    return _result(
         fold,
         mode=run.mode,
         a=summaries["a"],
@@ -913,7 +915,7 @@ def diff_jobs(a, b, jobs: int, **opts) -> DiffResult:
         raise BadInput("--jobs", f"must be at least 1 (got {jobs})", field="jobs")
     tasks = _plan(a, b, opts, jobs, None, None)
     if len(tasks) <= 1 and tasks and tasks[0].part is None:
-        return D.diff_runs(a, b, **opts)
+        return diff_runs(a, b, **opts)
     return _fold(_combine(_run_shares(tasks, jobs)), whole=True)
 
 

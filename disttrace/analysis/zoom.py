@@ -8,7 +8,7 @@ then the order the rank ran them), backward in its own. A module's forward recor
 returns, so a module comes after the modules inside it: the first module whose output differs is the
 innermost one that made the difference.
 
-Equality, with diff's own rules (analysis/diff.py's comparator, analysis/tolerance.py's bounds): runs of one
+Equality, with diff's own rules (analysis/diff/tol.py's comparator, analysis/tolerance.py's bounds): runs of one
 topology compare record by record, bitwise (same rank, micro-batch, module, call, op index); runs of two
 topologies compare logical tensors (a module's output over the step's whole batch, combined from each rank's
 pieces by their offsets, output gradients weighted to the step's mean loss) within the derived bound of the
@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, field
 
 from disttrace.analysis import tolerance
-from disttrace.analysis.diff import _Tol
+from disttrace.analysis.diff.tol import _Tol
 from disttrace.analysis.result import (
     BoundKind,
     DiffResult,

@@ -1,0 +1,118 @@
+"""Same topology: a block of steps compared rank by rank, skipping a step whose digests agree and whose raw
+bytes are the same on both sides, decoding the others together and comparing them in one column-wise call
+where they align."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from disttrace.analysis import columnar
+from disttrace.analysis.diff.compare import (
+    _compare_rank_step,
+    _compare_rank_step_columns,
+    _fold_columns,
+    _RankStep,
+)
+from disttrace.analysis.diff.side import _Side
+from disttrace.analysis.diff.tol import _Tol
+from disttrace.store import trajectory
+
+# records a block of steps may hold, per side: of one rank where ranks are compared one after another (a few MB
+# of columns), of all ranks where a step's ranks are read together (across topologies)
+BLOCK_ROWS = 1 << 14
+
+
+def _block(steps: list[int], n: int, ranks, sides: tuple[_Side, _Side], rows: int) -> list[int]:
+    """steps[n:] as far as `rows` records of any one rank of either side reach, at least one step."""
+    out, total = [], 0
+    for step in steps[n:]:
+        total += max(  # a rank's steps are decoded and compared together, one rank after another
+            max((int((side.entry(r, step) or {}).get("records") or 0) for r in ranks), default=0)
+            for side in sides
+        )
+        if out and total > rows:
+            break
+        out.append(step)
+    return out
+
+
+def _compare_block(
+    block: list[int], ranks, side_a: _Side, side_b: _Side, tol: _Tol
+) -> dict[int, tuple[dict, int]]:
+    """Same topology, steps `block`, rank by rank: ({rank: _RankStep}, ranks read) per step. A rank whose index
+    digests agree is skipped undecoded when its raw bytes are the same on both sides (each side's bytes also
+    checked against the hash it was indexed with): a digest in the index is the writer's word, equal bytes are
+    equal records whoever wrote the index. A rank's steps that are read are decoded together (one batch a
+    side) and, where they align row by row, compared in one column-wise call (a step's fixed cost of numpy
+    and Arrow calls is paid once per block, not once per step and rank); each step's result is what it would
+    be alone."""
+    per = {s: {} for s in block}
+    read = dict.fromkeys(block, 0)
+    for r in ranks:
+        todo = []
+        agree = []  # steps whose index digests agree: skipped if their bytes are the same on both sides
+        for s in block:
+            ea, eb = side_a.entry(r, s), side_b.entry(r, s)
+            if (
+                ea is not None
+                and eb is not None
+                and ea.get("digest") is not None
+                and ea.get("digest") == eb.get("digest")
+                and ea.get("records") == eb.get("records")
+            ):
+                agree.append(s)
+        same = set()
+        if (
+            agree
+        ):  # each side's steps read together, checked step by step (a refusal names the first)
+            for s, da, db in zip(agree, side_a.raw_steps(r, agree), side_b.raw_steps(r, agree)):
+                if side_a.checked(r, s, da) == side_b.checked(r, s, db):
+                    same.add(s)
+        for s in block:
+            if s in same:
+                per[s][r] = _RankStep(int(side_a.entry(r, s).get("records") or 0))
+                continue
+            read[s] += 1
+            todo.append(s)
+        if not todo:
+            continue
+        if not all(
+            trajectory.is_arrow(x.traj_path(r)) and all(x.entry(r, s) is not None for s in todo)
+            for x in (side_a, side_b)
+        ):  # a JSON-lines side, or a step one side lacks: step by step
+            for s in todo:
+                per[s][r] = _compare_step_alone(s, r, side_a, side_b, tol)
+            continue
+        (ba, starts_a), (bb, starts_b) = side_a.batches(r, todo), side_b.batches(r, todo)
+        ca, cb = columnar.Columns(ba), columnar.Columns(bb)
+        if (
+            len(todo) > 1
+            and np.array_equal(starts_a, starts_b)
+            and columnar.aligned_block(ca, cb, starts_a)
+        ):
+            out = [_RankStep(n) for n in np.diff(np.append(starts_a, ba.num_rows)).tolist()]
+            _fold_columns(todo, r, ca, cb, starts_a, tol, out)
+            for s, rs in zip(todo, out):
+                per[s][r] = rs
+            continue
+        # one step, or a block in which some step does not align: one by one
+        ends_a, ends_b = np.append(starts_a[1:], ba.num_rows), np.append(starts_b[1:], bb.num_rows)
+        for j, s in enumerate(todo):
+            sa = ba.slice(int(starts_a[j]), int(ends_a[j] - starts_a[j]))
+            sb = bb.slice(int(starts_b[j]), int(ends_b[j] - starts_b[j]))
+            per[s][r] = _compare_rank_step_columns(s, r, sa, sb, tol)
+    return {s: (per[s], read[s]) for s in block}
+
+
+def _compare_step_alone(s: int, r: int, side_a: _Side, side_b: _Side, tol: _Tol) -> _RankStep:
+    """One rank's step on the record path, where a side is JSON lines (a side decoded is not read again)."""
+    ba, bb = side_a.batch(r, s), side_b.batch(r, s)
+    if ba is not None and bb is not None:
+        return _compare_rank_step_columns(s, r, ba, bb, tol)
+    return _compare_rank_step(
+        s,
+        r,
+        trajectory.to_records(ba) if ba is not None else side_a.records(r, s),
+        trajectory.to_records(bb) if bb is not None else side_b.records(r, s),
+        tol,
+    )

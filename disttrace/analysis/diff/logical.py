@@ -1,0 +1,453 @@
+"""Across topologies: the logical tensors of a step (shards combined by their offsets, replicas held to
+their lowest rank's copy), compared record by record or column-wise, the losses of micro-batches that hold
+the same samples, and the warnings a step raises (`StepWarnings`, replayed in step order by `Warned`)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from disttrace.analysis import columnar, tolerance
+from disttrace.analysis.diff.compare import (
+    _fold_columns,
+    _phase_order,
+    _RankStep,
+    _unit,
+)
+from disttrace.analysis.diff.side import _Side
+from disttrace.analysis.diff.tol import _same_bits, _Tol
+from disttrace.store import trajectory
+
+# Across topologies only these phases hold the same logical tensors: the global (reduced) gradient, the
+# clipped gradient, and parameters + optimizer state after the step. Per-micro-batch activations and
+# local gradients depend on how the batch was split.
+CROSS_TOPOLOGY_PHASES = ("reduce", "clip", "optimizer")
+MAX_WARNINGS_OF_A_KIND = 5
+
+
+class StepWarnings:
+    """What comparing one step across topologies warns of, each warning with its kind, and the phases both
+    runs record. The comparison's driver replays them in step order (`Warned`), so results of steps compared
+    in different processes warn as one process would."""
+
+    __slots__ = ("events", "both", "_counts")
+
+    def __init__(self):
+        self.events: list[
+            tuple[str, str]
+        ] = []  # (kind, text); kind "phase:<name>" is warned once a run
+        self.both: set[str] = set()
+        self._counts: dict[str, int] = {}
+
+    def wants(self, kind: str) -> bool:
+        """Whether a capped warning of `kind` could still be printed (none beyond the cap in one step)."""
+        return self._counts.get(kind, 0) < MAX_WARNINGS_OF_A_KIND
+
+    def capped(self, kind: str, text: str) -> None:
+        self._counts[kind] = self._counts.get(kind, 0) + 1
+        self.events.append((kind, text))
+
+    def phase(self, phase: str, text: str) -> None:
+        self.events.append(("phase:" + phase, text))
+
+
+class Warned:
+    """The comparison's warnings replayed in step order: a phase one run lacks once, at most
+    MAX_WARNINGS_OF_A_KIND of each other kind."""
+
+    def __init__(self, warnings: list[str]):
+        self.warnings = warnings
+        self.counts: dict[str, int] = {}
+        self.phases: set[str] = set()
+        self.both: set[str] = set()
+
+    def replay(self, events, both) -> None:
+        self.both.update(both)
+        for kind, text in events:
+            if kind.startswith("phase:"):
+                if kind not in self.phases:
+                    self.phases.add(kind)
+                    self.warnings.append(text)
+            elif self.counts.get(kind, 0) < MAX_WARNINGS_OF_A_KIND:
+                self.counts[kind] = self.counts.get(kind, 0) + 1
+                self.warnings.append(text)
+
+
+class _Logical:
+    """One logical tensor of one step and phase on one side: its shards (distinct offsets, lowest rank
+    wins) or, for a replicated tensor, each rank's copy."""
+
+    __slots__ = ("recs",)
+
+    def __init__(self):
+        self.recs: list[dict] = []  # in rank order
+
+    def value(self) -> tuple[dict, int, bool]:
+        """-> (a record-like dict of the logical tensor, lowest holding rank, complete)."""
+        first = self.recs[0]
+        if not any("shard" in r for r in self.recs):
+            return first, first.get("rank", 0), True
+        shards: dict[tuple, dict] = {}
+        for r in self.recs:  # rank order: the lowest rank's copy of a replicated shard wins
+            sh = r.get("shard") or {
+                "offset": [0] * len(r.get("shape") or []),
+                "logical_shape": r.get("shape"),
+            }
+            shards.setdefault(tuple(sh.get("offset") or ()), r)
+        ordered = [shards[k] for k in sorted(shards)]
+        sums = [r.get("sum") for r in ordered]
+        norms = [r.get("norm") for r in ordered]
+        lshape = (first.get("shard") or {}).get("logical_shape") or first.get("shape") or []
+        numel = math.prod(lshape) if lshape else int(first.get("numel") or 0)
+        covered = sum(int(r.get("numel") or 0) for r in ordered)
+        finite = all(s is not None for s in sums) and all(n is not None for n in norms)
+        v = {
+            "step": first.get("step"),
+            "micro_batch": first.get("micro_batch", 0),
+            "phase": first.get("phase"),
+            "index": first.get("index", 0),
+            "tensor": first.get("logical") or first.get("tensor"),
+            "logical": first.get("logical") or first.get("tensor"),
+            "digest": "shards:" + ",".join(str(r.get("digest")) for r in ordered),
+            "sum": math.fsum(sums) if finite else None,
+            "norm": math.sqrt(math.fsum(n * n for n in norms)) if finite else None,
+            "sketch": tolerance.combine_sketches([r.get("sketch") for r in ordered])
+            if finite
+            else None,
+            "nonfinite": sum(int(r.get("nonfinite") or 0) for r in ordered),
+            "dtype": first.get("dtype"),
+            "shape": list(lshape),
+            "numel": numel,
+            "shards": len(ordered),
+        }
+        return v, min(r.get("rank", 0) for r in self.recs), covered == numel
+
+
+def _replica_mismatches(recs: list[dict]) -> list[tuple[dict, dict]]:
+    """(record, the lowest rank's record) for copies of one tensor or shard (same offset) that differ."""
+    first: dict[tuple, dict] = {}
+    out = []
+    for r in recs:
+        k = tuple((r.get("shard") or {}).get("offset") or ())
+        r0 = first.setdefault(k, r)
+        if r0 is not r and not _same_bits(r, r0):
+            out.append((r, r0))
+    return out
+
+
+def _logicals(recs_by_rank: dict[int, list[dict]], phases) -> dict[tuple[str, str], _Logical]:
+    out: dict[tuple[str, str], _Logical] = {}
+    for rank in sorted(recs_by_rank):
+        for r in recs_by_rank[rank]:
+            if r.get("phase") not in phases:
+                continue
+            name = r.get("logical") or r.get("tensor")
+            out.setdefault((r["phase"], name), _Logical()).recs.append(r)
+    return out
+
+
+def _step_records(side: _Side, step: int) -> tuple[dict[int, list[dict]], dict | None]:
+    """(records by rank, Arrow batches by rank when every rank's trajectory is an Arrow stream)."""
+    if side.ranks and all(trajectory.is_arrow(side.traj_path(r)) for r in side.ranks):
+        batches = {r: side.batch(r, step) for r in side.ranks if side.entry(r, step) is not None}
+        return {}, batches
+    return {r: side.records(r, step) for r in side.ranks}, None
+
+
+def _compare_logical_step(
+    step: int, a: _Side, b: _Side, tol: _Tol, ev: StepWarnings
+) -> dict[int, _RankStep]:
+    recs_a, batches_a = _step_records(a, step)
+    recs_b, batches_b = _step_records(b, step)
+    out = _compare_logical_tensors(step, recs_a, batches_a, recs_b, batches_b, tol, ev)
+    if tol.mode == "numeric":
+        _compare_losses(step, _losses(recs_a, batches_a), _losses(recs_b, batches_b), tol, out)
+    return out
+
+
+def _losses(recs: dict, batches: dict | None) -> dict[tuple, list[dict]]:
+    """A side's loss records keyed by the samples of their micro-batch (the `data` record's sample ids at
+    the same rank and micro-batch), in rank order: the same samples under the same parameters give the
+    same loss in any layout, so micro-batches that hold the same samples compare across topologies."""
+    if batches is not None:
+        want = pa.array(["data", "loss"], pa.string())
+        recs = {
+            r: trajectory.to_records(b.filter(pc.is_in(b.column("phase"), value_set=want)))
+            for r, b in batches.items()
+            if b is not None
+        }
+    out: dict[tuple, list[dict]] = {}
+    for rank in sorted(recs):
+        samples, losses = {}, {}
+        for r in recs[rank]:
+            if r.get("phase") == "data" and r.get("samples"):
+                samples[r.get("micro_batch", 0)] = tuple(r["samples"])
+            elif r.get("phase") == "loss":
+                losses[r.get("micro_batch", 0)] = r
+        for mb, r in losses.items():
+            if mb in samples:
+                out.setdefault(samples[mb], []).append(r)
+    return out
+
+
+def _compare_losses(step: int, la: dict, lb: dict, tol: _Tol, out: dict) -> None:
+    """Each of B's losses against A's loss of the same samples (A's lowest rank); micro-batches whose samples
+    the other run splits differently are not compared."""
+    for key in sorted(la.keys() & lb.keys()):
+        ra = la[key][0]
+        for rb in lb[key]:
+            rank = rb.get("rank", 0)
+            rs = out.setdefault(rank, _RankStep())
+            rs.total += 1
+            if _same_bits(ra, rb):
+                continue
+            u = _unit(step, ra, rb, rank, tol)
+            key_ = (rb.get("micro_batch", 0), _phase_order("loss"), "loss", rank, 0, "loss")
+            rs.add(key_, u)
+
+
+def _compare_logical_tensors(
+    step, recs_a, batches_a, recs_b, batches_b, tol, ev: StepWarnings
+) -> dict[int, _RankStep]:
+    if batches_a is not None and batches_b is not None:
+        out = _compare_logical_step_columns(step, batches_a, batches_b, tol, ev)
+        if out is not None:
+            return out
+    if batches_a is not None:
+        recs_a = {r: trajectory.to_records(x) for r, x in batches_a.items()}
+    if batches_b is not None:
+        recs_b = {r: trajectory.to_records(x) for r, x in batches_b.items()}
+    la = _logicals(recs_a, CROSS_TOPOLOGY_PHASES)
+    lb = _logicals(recs_b, CROSS_TOPOLOGY_PHASES)
+    pa, pb = {p for p, _ in la}, {p for p, _ in lb}
+    ev.both.update(pa & pb)
+    for p in pa ^ pb:  # a phase one side does not record at all: nothing to compare it with
+        side = "A" if p not in pa else "B"
+        ev.phase(p, f"run {side} records no '{p}' phase: that phase is not compared")
+    out: dict[int, _RankStep] = {}
+
+    def rank_step(r: int) -> _RankStep:
+        if r not in out:
+            out[r] = _RankStep()
+        return out[r]
+
+    for phase, name in sorted(la.keys() | lb.keys(), key=lambda k: (_phase_order(k[0]), k)):
+        if phase not in pa or phase not in pb:
+            continue
+        xa, xb = la.get((phase, name)), lb.get((phase, name))
+        va = xa.value() if xa else None
+        vb = xb.value() if xb else None
+        units: list[tuple[int, dict | None, dict | None]] = []  # (rank, value a, value b)
+        if va and vb and xb is not None and not any("shard" in r for r in xb.recs):
+            units = [
+                (r.get("rank", 0), va[0], r) for r in xb.recs
+            ]  # every replica on B against A's value
+        else:
+            rank = vb[1] if vb else va[1]
+            units = [(rank, va[0] if va else None, vb[0] if vb else None)]
+        # replicas inside one run must be bit-identical; B's whole-tensor replicas are compared one by one
+        # above, the others (A's, and replicated shards on either side) are only represented by the lowest rank
+        for side, x in (("A", xa), ("B", xb)):
+            if x is None or (side == "B" and len(units) > 1):
+                continue
+            for r, r0 in _replica_mismatches(x.recs):
+                if ev.wants("replica"):
+                    ev.capped(
+                        "replica",
+                        f"run {side}: step {step} {phase} {name}: rank {r.get('rank')}'s copy differs "
+                        f"from rank {r0.get('rank')}'s (replicas should be bit-identical)",
+                    )
+        for side, v in (("A", va), ("B", vb)):
+            if v is not None and not v[2] and ev.wants("cover"):
+                ev.capped(
+                    "cover",
+                    f"run {side}: step {step} {phase} {name}: the shards do not cover the logical shape",
+                )
+        for rank, ra, rb in units:
+            rs = rank_step(rank)
+            rs.total += 1
+            if ra is not None and rb is not None and _same_bits(ra, rb):
+                continue
+            u = _unit(step, ra, rb, rank, tol, logical=True)
+            incomplete = [s for s, v in (("a", va), ("b", vb)) if v is not None and not v[2]]
+            if incomplete:
+                u.diverged, u.note = True, f"shards incomplete in {incomplete[0]}"
+            ref = rb if rb is not None else ra
+            key = (
+                ref.get("micro_batch", 0),
+                _phase_order(phase),
+                phase,
+                rank,
+                ref.get("index", 0),
+                name,
+            )
+            rs.add(key, u)
+    return out
+
+
+_CROSS = pa.array(CROSS_TOPOLOGY_PHASES, pa.string())
+_SEP = pa.scalar(
+    "\x00", pa.string()
+)  # joins phase and name into one key (typed: no type inference per call)
+
+
+def _phase_rows(batches: dict[int, pa.RecordBatch]):
+    """One side's records of one step in the cross-topology phases, rank by rank, as one batch; None when a
+    tensor is sharded (combining shards into the logical tensor is the record path's)."""
+    parts = [
+        b.filter(pc.is_in(b.column("phase"), value_set=_CROSS))
+        for _, b in sorted(batches.items())
+        if b is not None
+    ]
+    x = (
+        pa.concat_batches(parts)
+        if parts
+        else pa.RecordBatch.from_pylist([], schema=trajectory.SCHEMA)
+    )
+    return x if x.column("shard_offset").null_count == x.num_rows else None
+
+
+def _compare_logical_step_columns(
+    step: int,
+    batches_a: dict,
+    batches_b: dict,
+    tol: _Tol,
+    ev: StepWarnings,
+) -> dict[int, _RankStep] | None:
+    """_compare_logical_step column-wise, for tensors that are whole on every rank (replicas: A's lowest
+    rank's copy is the logical value, each of B's copies is compared with it); None hands the step to the
+    record path (a sharded tensor on either side)."""
+    xa, xb = _phase_rows(batches_a), _phase_rows(batches_b)
+    if xa is None or xb is None:
+        return None
+    pa_, pb_ = (
+        set(pc.unique(xa.column("phase")).to_pylist()),
+        set(pc.unique(xb.column("phase")).to_pylist()),
+    )
+    ev.both.update(pa_ & pb_)
+    for p in sorted(pa_ ^ pb_, key=lambda p: (_phase_order(p), p)):
+        ev.phase(
+            p,
+            f"run {'A' if p not in pa_ else 'B'} records no '{p}' phase: that phase is not compared",
+        )
+    if pa_ != pb_:
+        both = pa.array(sorted(pa_ & pb_), pa.string())
+        xa = xa.filter(pc.is_in(xa.column("phase"), value_set=both))
+        xb = xb.filter(pc.is_in(xb.column("phase"), value_set=both))
+    key_a = pc.binary_join_element_wise(xa.column("phase"), xa.column("tensor"), _SEP)
+    key_b = pc.binary_join_element_wise(xb.column("phase"), xb.column("tensor"), _SEP)
+    logical_a = pc.unique(
+        key_a
+    )  # in order of first appearance: rank order, so each key's lowest rank
+    first_a = np.asarray(
+        pc.index_in(logical_a, value_set=key_a).to_numpy(zero_copy_only=False), dtype=np.int64
+    )
+    _replica_warnings(xa, key_a, xb, key_b, logical_a, ev)
+    match = pc.index_in(key_b, value_set=logical_a)
+    matched = np.asarray(match.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+    in_b = np.asarray(
+        pc.is_in(logical_a, value_set=key_b).to_numpy(zero_copy_only=False), dtype=bool
+    )
+    out: dict[int, _RankStep] = {}
+    ranks_b = xb.column("rank").to_numpy(zero_copy_only=False)
+    a_row = np.full(xb.num_rows, -1, dtype=np.int64)
+    a_row[matched] = first_a[
+        np.asarray(match.filter(match.is_valid()).to_numpy(zero_copy_only=False), dtype=np.int64)
+    ]
+    for rank in np.unique(ranks_b).tolist():
+        rows = np.nonzero(matched & (ranks_b == rank))[0]
+        if rows.size:
+            rs = out.setdefault(rank, _RankStep())
+            rs.total += len(rows)
+            _fold_columns(
+                [step],
+                rank,
+                columnar.Columns(xa.take(pa.array(a_row[rows]))),
+                columnar.Columns(xb.take(pa.array(rows))),
+                np.zeros(1, dtype=np.int64),
+                tol,
+                [rs],
+                logical=True,
+            )
+    # a logical tensor one side lacks: the record path's unit (missing_in), at its holder's rank
+    lone = []
+    if (~matched).any():  # one unit per logical tensor, at B's lowest rank holding it
+        only_b = xb.take(pa.array(np.nonzero(~matched)[0]))
+        keys = pc.binary_join_element_wise(only_b.column("phase"), only_b.column("tensor"), _SEP)
+        lone.append(("b", only_b.take(pc.index_in(pc.unique(keys), value_set=keys))))
+    if (~in_b).any():
+        lone.append(("a", xa.take(pa.array(first_a[~in_b]))))
+    for side, recs in lone:
+        for r in trajectory.to_records(recs):
+            rank = r["rank"]
+            u = _unit(
+                step,
+                r if side == "a" else None,
+                r if side == "b" else None,
+                rank,
+                tol,
+                logical=True,
+            )
+            rs = out.setdefault(rank, _RankStep())
+            rs.total += 1
+            rs.add(
+                (
+                    r.get("micro_batch", 0),
+                    _phase_order(r["phase"]),
+                    r["phase"],
+                    rank,
+                    r.get("index", 0),
+                    r["tensor"],
+                ),
+                u,
+            )
+    return out
+
+
+def _replica_mismatch_rows(side: str, x, keys) -> list[tuple]:
+    """Copies of one tensor in `x` (rank order) that differ from its lowest rank's copy (replicas must be
+    bit-identical): (sort key, warning) each, the record path's order and wording."""
+    logical = pc.unique(keys)
+    if x.num_rows == len(logical):
+        return []
+    first = np.asarray(
+        pc.index_in(logical, value_set=keys).to_numpy(zero_copy_only=False), dtype=np.int64
+    )
+    of_key = np.asarray(
+        pc.index_in(keys, value_set=logical).to_numpy(zero_copy_only=False), dtype=np.int64
+    )
+    ref = x.take(pa.array(first[of_key]))
+    cx, cr = columnar.Columns(x), columnar.Columns(ref)
+    same = columnar.same_bits(cx, cr)
+    odd = np.nonzero(~same)[0]
+    if not odd.size:
+        return []
+    out = []
+    for r, r0 in zip(
+        trajectory.to_records(x.take(pa.array(odd))), trajectory.to_records(ref.take(pa.array(odd)))
+    ):
+        out.append(
+            (
+                (_phase_order(r["phase"]), r["phase"], r["tensor"], side, r["rank"]),
+                f"run {side}: step {r['step']} {r['phase']} {r['tensor']}: rank {r.get('rank')}'s copy differs "
+                f"from rank {r0.get('rank')}'s (replicas should be bit-identical)",
+            )
+        )
+    return out
+
+
+def _replica_warnings(xa, key_a, xb, key_b, logical_a, ev: StepWarnings) -> None:
+    """A's replicas, and B's of the tensors A lacks (B's other copies are each compared with A's value)."""
+    found = _replica_mismatch_rows("A", xa, key_a)
+    only_b = ~np.asarray(
+        pc.is_in(key_b, value_set=logical_a).to_numpy(zero_copy_only=False), dtype=bool
+    )
+    if only_b.any():
+        rows = pa.array(np.nonzero(only_b)[0])
+        found += _replica_mismatch_rows("B", xb.take(rows), key_b.take(rows))
+    for _, text in sorted(found, key=lambda f: f[0]):
+        if ev.wants("replica"):
+            ev.capped("replica", text)

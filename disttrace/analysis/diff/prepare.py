@@ -1,0 +1,372 @@
+"""Before any step is compared: both sides read and held to one experiment, the mode chosen, the steps both
+hold, the step since which the runs agree, the calibration found, the bound settled (`_Setup`)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from disttrace.analysis import tolerance
+from disttrace.analysis.diff.blocks import BLOCK_ROWS, _block, _compare_block
+from disttrace.analysis.diff.fold import StepOutcome
+from disttrace.analysis.diff.logical import StepWarnings, _compare_logical_step
+from disttrace.analysis.diff.side import _Side
+from disttrace.analysis.diff.tol import _Tol
+from disttrace.analysis.result import (
+    BoundKind,
+    ComparedSteps,
+    Tolerance,
+)
+from disttrace.config.manifest import (
+    TOPOLOGY_FIELDS,
+    experiment_differences,
+    get_field,
+    observed_topology_differences,
+    unknown_line,
+)
+from disttrace.errors import BadInput
+from disttrace.fmt import ranges
+from disttrace.store import safeio
+from disttrace.store.rundir import LOCK
+
+MODES = ("bitwise", "numeric")
+
+
+# ---------------------------------------------------------------- compatibility
+
+
+def _leaves(manifest: dict, dotted: str) -> dict[str, Any]:
+    v = get_field(manifest, dotted)
+    if isinstance(v, dict):
+        out: dict[str, Any] = {}
+        for k in v:
+            out.update(_leaves(manifest, f"{dotted}.{k}"))
+        return out
+    return {dotted: v}
+
+
+def _field_diffs(ma: dict, mb: dict, fields) -> list[tuple[str, Any, Any]]:
+    out = []
+    for f in fields:
+        la, lb = _leaves(ma, f), _leaves(mb, f)
+        for k in sorted(set(la) | set(lb)):
+            if la.get(k) != lb.get(k):
+                out.append((k, la.get(k), lb.get(k)))
+    return out
+
+
+def _short(v: Any) -> str:
+    s = repr(v)
+    return s[:14] + "...'" if isinstance(v, str) and len(v) > 16 else s
+
+
+def _check_compatible(
+    a: _Side, b: _Side, allow_edition_mismatch: bool, warnings: list[str]
+) -> None:
+    ma, mb = a.manifest, b.manifest
+    where = b.path / LOCK
+    ea, eb = get_field(ma, "experiment.edition"), get_field(mb, "experiment.edition")
+    if ea != eb:
+        if not allow_edition_mismatch:
+            raise BadInput(
+                where,
+                f"edition {eb!r} differs from {ea!r} of {a.path}; runs of different editions are "
+                "never compared silently (allow it explicitly to compare anyway)",
+                field="experiment.edition",
+            )
+        warnings.append(
+            f"editions differ ({ea!r} vs {eb!r}): compared because it was explicitly allowed"
+        )
+    diffs, unknown = experiment_differences(a.run.lock, b.run.lock)
+    if unknown:
+        warnings.append(unknown_line(unknown))
+    if diffs:
+        names = ", ".join(k for k, _, _ in diffs)
+        detail = "; ".join(f"{k} {_short(x)} vs {_short(y)}" for k, x, y in diffs)
+        raise BadInput(where, f"not the same experiment as {a.path}: {detail}", field=names)
+
+
+def _compared_steps(a: _Side, b: _Side) -> tuple[list[int], ComparedSteps]:
+    common = sorted(set(a.steps) & set(b.steps))
+    n_total = int(get_field(a.manifest, "training.steps") or 0)
+    why: list[str] = []
+    for s in (a, b):
+        if not s.steps:
+            why.append(f"run {s.label} has no complete step")
+            continue
+        first, last = s.steps[0], s.steps[-1]
+        every = max(
+            1, int(get_field(s.manifest, "record.every") or 1)
+        )  # it digests steps every, 2*every, ...
+        if every > 1:
+            why.append(f"run {s.label} records one step in {every} (record.every)")
+        if first > every:
+            if s.kind == "recovered" or s.resume_step:
+                why.append(
+                    f"run {s.label} is a recovered run resumed from the checkpoint of step "
+                    f"{s.resume_step or first - 1}: its records start at step {first}"
+                )
+            else:
+                why.append(f"run {s.label} has no records before step {first}")
+        if n_total and last < n_total - n_total % every:
+            if not s.complete:
+                why.append(f"run {s.label} is incomplete: stops at step {last}")
+            else:
+                why.append(f"run {s.label} stops at step {last} of {n_total}")
+        gaps = sorted({x for x in range(first, last + 1) if x % every == 0} - set(s.steps))
+        if gaps:
+            why.append(f"run {s.label} lacks step(s) {ranges(gaps)}")
+    if not common:
+        raise BadInput(
+            f"{a.path} vs {b.path}",
+            "the runs share no step to compare" + (f" ({'; '.join(why)})" if why else ""),
+        )
+    if not why:
+        why.append(f"all {len(common)} steps")
+    return common, ComparedSteps(
+        first=common[0],
+        last=common[-1],
+        count=len(common),
+        why="; ".join(why),
+        full=bool(n_total) and len(common) == n_total,
+    )
+
+
+def _agreed_since(x: _Side, other: _Side) -> int:
+    """The step at which x last held the other run's state: its resume step when it resumed from a
+    checkpoint inside the other run's directory; else 0 (both started from the same initial state)."""
+    if not x.resume_step or not x.resume_checkpoint:
+        return 0
+    ck = Path(str(x.resume_checkpoint))
+    for cand in (
+        [ck]
+        if ck.is_absolute()
+        else [x.path / ck, x.path.parent / ck, x.path.parent.parent / ck, ck]
+    ):
+        try:
+            cand.resolve().relative_to(other.path.resolve())
+            return x.resume_step
+        except ValueError:
+            continue
+    return 0
+
+
+def _choose_mode(side_a: _Side, side_b: _Side, mode: str | None, rtol, atol, warnings: list[str]):
+    """bitwise when the topologies are equal and no explicit bound is given, else numeric; refuses a bitwise
+    comparison across topologies and bad bounds. Returns (mode, the topology fields that differ)."""
+    ma, mb = side_a.manifest, side_b.manifest
+    topo = _field_diffs(ma, mb, TOPOLOGY_FIELDS) + observed_topology_differences(
+        side_a.run.lock, side_b.run.lock
+    )
+    algorithm = [
+        (k, x, y)
+        for k, x, y in _field_diffs(ma, mb, ("parallelism.architecture", "parallelism.staleness"))
+        if (k != "parallelism.architecture" and (x or y))  # an attached run states no staleness: 0
+        or ma.get("parallelism", {}).get("staleness")
+        or mb.get("parallelism", {}).get("staleness")
+    ]
+    if algorithm:
+        warnings.append(
+            "different algorithms, not a bug: "
+            + "; ".join(f"{k} {_short(x)} vs {_short(y)}" for k, x, y in algorithm)
+            + " (a stale parameter server computes other updates; "
+            "a divergence here is expected)"
+        )
+    if mode is None:
+        mode = "bitwise" if not topo and rtol is None and atol is None else "numeric"
+    if mode not in MODES:
+        raise BadInput(
+            "--mode", f"unknown mode {mode!r}; use one of {', '.join(MODES)}", field="mode"
+        )
+    if mode == "bitwise" and topo:
+        raise BadInput(
+            side_b.path / LOCK,
+            "a bitwise comparison needs the same topology, and these differ: "
+            + "; ".join(f"{k} {_short(x)} vs {_short(y)}" for k, x, y in topo)
+            + " (compare them numerically)",
+            field=", ".join(k for k, _, _ in topo),
+        )
+    if mode == "bitwise" and (rtol is not None or atol is not None):
+        warnings.append("rtol/atol are ignored in bitwise mode")
+    for name, v in (("rtol", rtol), ("atol", atol)):
+        if v is not None and not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
+            raise BadInput(f"--{name}", f"must be a finite number >= 0 (got {v!r})", field=name)
+    return mode, topo
+
+
+def _load_calibration(path, side_a: _Side, side_b: _Side):
+    from disttrace.analysis.calibration import Calibration
+
+    cal = Calibration(path)
+    if cal.manifest_id not in (side_a.run.manifest_id, side_b.run.manifest_id):
+        raise BadInput(
+            cal.path,
+            f"calibrates manifest {cal.manifest_id[:12]}, neither run A's "
+            f"({str(side_a.run.manifest_id)[:12]}) nor B's ({str(side_b.run.manifest_id)[:12]})",
+            field="manifest_id",
+        )
+    return cal
+
+
+CALIBRATION = "calibration.json"
+
+
+def _found_calibration(side_a: _Side, side_b: _Side) -> Path | None:
+    """The reference's own measured noise, used by default: `disttrace calibrate` writes calibration.json
+    beside the runs of its manifest (runs/<id12>/), so a reference carries it; A's first, then B's. A file
+    there that calibrates another manifest is not this run's and is left alone."""
+    from disttrace.analysis.calibration import KIND
+
+    for side in (side_a, side_b):
+        p = side.path.parent / CALIBRATION
+        if not p.is_file():
+            continue
+        try:  # beside the run, in its runs/<id12>/: read as a store's file is (store/safeio.py)
+            doc = orjson.loads(safeio.read_bytes(p, p.parent, "json"))
+        except orjson.JSONDecodeError:
+            raise BadInput(p, "not valid JSON (a calibration beside the run)") from None
+        if isinstance(doc, dict) and doc.get("kind") == KIND:
+            if doc.get("manifest_id") == side.run.manifest_id:
+                return p
+    return None
+
+
+def _tolerance_doc(
+    mode: str, tol: _Tol, cal, since: int, ma: dict, mb: dict, rtol, atol, found: bool = False
+) -> Tolerance:
+    """What the comparison was held to, for the result (and the views that print the bound)."""
+    if mode == "bitwise":
+        return Tolerance(BoundKind.BITWISE, bound=0.0)
+    if tol.user:
+        return Tolerance(BoundKind.USER, rtol=rtol or 0.0, atol=atol or 0.0)
+    if cal is not None:
+        return Tolerance(
+            BoundKind.CALIBRATED,
+            file=str(cal.path),
+            safety=cal.doc.get("safety"),
+            manifest_id=cal.manifest_id,
+            elsewhere="derived",
+            since_step=since,
+            derivation=tolerance.explain(ma, mb, tol.observed),
+            scale="magnitudes" if tol.mags is not None else "norm",
+            found=found,
+        )
+    return Tolerance(
+        BoundKind.DERIVED,
+        since_step=since,
+        derivation=tolerance.explain(ma, mb, tol.observed),
+        scale="magnitudes" if tol.mags is not None else "norm",
+    )
+
+
+class _Setup:
+    """Both sides read and checked, the mode chosen, the steps and the bound settled: what comparing any
+    rank's steps needs. `only` restricts the ranks read (a partial diff, one process of `--jobs`)."""
+
+    def __init__(
+        self,
+        a,
+        b,
+        mode,
+        rtol,
+        atol,
+        allow_edition_mismatch,
+        use_index,
+        calibration,
+        find_calibration,
+        only: set[int] | None = None,
+        compare: bool = True,
+    ):
+        self.warnings = warnings = []
+        self.side_a = side_a = _Side("A", a, use_index, warnings, only)
+        self.side_b = side_b = _Side("B", b, use_index, warnings, only)
+        _check_compatible(side_a, side_b, allow_edition_mismatch, warnings)
+        self.n_pre = len(warnings)
+        side_a.load()
+        side_b.load()
+        if only is not None:  # a side that holds none of these ranks does not limit their steps
+            for x, y in ((side_a, side_b), (side_b, side_a)):
+                if not x.ranks and x.all_ranks:
+                    x.steps = y.steps
+        self.n_loaded = len(warnings)
+        self.rtol, self.atol, self.use_index = rtol, atol, use_index
+        self.ma, self.mb = ma, mb = side_a.manifest, side_b.manifest
+        self.mode, self.topo = _choose_mode(side_a, side_b, mode, rtol, atol, warnings)
+        self.n_setup = len(warnings)
+        self.same_topology = not self.topo
+        self.logical = self.mode == "numeric" and not self.same_topology
+        self.ranks = sorted(set(side_a.ranks) | set(side_b.ranks))  # the ranks compared here
+        all_ranks = sorted(set(side_a.all_ranks) | set(side_b.all_ranks))
+        self.grid_ranks = sorted(side_b.all_ranks) if self.logical else all_ranks
+        if not compare:
+            return
+        self.steps, self.compared = _compared_steps(side_a, side_b)
+        self.since = since = max(_agreed_since(side_b, side_a), _agreed_since(side_a, side_b))
+        found = False
+        if (
+            calibration is None
+            and find_calibration
+            and self.mode == "numeric"
+            and rtol is None
+            and atol is None
+        ):
+            calibration = _found_calibration(side_a, side_b)
+            found = calibration is not None
+        self.calibration, self.found = calibration, found
+        cal = _load_calibration(calibration, side_a, side_b) if calibration is not None else None
+        from disttrace.analysis.magnitudes import Magnitudes
+
+        mags = (
+            (Magnitudes(side_a.run, since), Magnitudes(side_b.run, since))
+            if self.mode == "numeric" and rtol is None and atol is None
+            else None
+        )
+        # each lock's `observed` (attached runs count their batch: the reduction size of the bound)
+        observed = tuple(
+            o if isinstance(o := s.run.lock.get("observed"), dict) else None
+            for s in (side_a, side_b)
+        )
+        self.tol = tol = _Tol(self.mode, ma, mb, rtol, atol, since, cal, mags, observed)
+        if tol.ignored_calibration is not None:
+            warnings.append(
+                f"calibration {tol.ignored_calibration.path} not used: its noise was measured against the "
+                "magnitudes, and these runs do not both record them (derived bounds instead)"
+            )
+            self.n_setup = len(
+                warnings
+            )  # a warning of the setup: every share of a partial diff says it
+        self.tolerance = _tolerance_doc(self.mode, tol, tol.cal, since, ma, mb, rtol, atol, found)
+
+    def outcomes(self, steps: list[int], propagate: bool = True, on_step=None):
+        """StepOutcome of each of `steps`, in order, computed as they are asked for (a block of steps at once
+        where the topologies are the same; one at a time when the first divergent step ends the comparison)."""
+        side_a, side_b, tol, ranks = self.side_a, self.side_b, self.tol, self.ranks
+        if (
+            self.logical and propagate
+        ):  # every step read, every rank of a step: a block of steps a rank
+            side_a.read_along(steps, BLOCK_ROWS)
+            side_b.read_along(steps, BLOCK_ROWS)
+        ahead: dict = {}  # steps compared ahead of the loop (a block)
+        nothing = [0, 0]
+        for n, step in enumerate(steps):
+            if on_step is not None:
+                on_step(n, len(steps))
+            ev = StepWarnings()
+            if self.logical:
+                per_rank = _compare_logical_step(step, side_a, side_b, tol, ev)
+                read = 1
+            else:
+                if step not in ahead:
+                    ahead = _compare_block(
+                        _block(steps, n, ranks, (side_a, side_b), BLOCK_ROWS if propagate else 0),
+                        ranks,
+                        side_a,
+                        side_b,
+                        tol,
+                    )
+                per_rank, read = ahead.pop(step)
+            io = (side_a.io.get(step, nothing), side_b.io.get(step, nothing))
+            yield StepOutcome(step, per_rank, read, io, ev.events, ev.both, tol)

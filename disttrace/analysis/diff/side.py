@@ -1,0 +1,413 @@
+"""One run's trajectory as diff reads it: each rank's step index (the recorder's, or rebuilt by a scan), and
+the steps' bytes, hash-checked against it, as raw ranges, records or Arrow batches (docs/design.md, "Trust")."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pyarrow as pa
+
+from disttrace.analysis.result import (
+    SideSummary,
+)
+from disttrace.errors import BadInput
+from disttrace.store import safeio, seal, trajectory
+from disttrace.store.rundir import Run
+
+_SPAN = 64 << 20  # the most bytes read in one range for a block of steps
+
+
+class _Side:
+    """One run's trajectory as diff sees it: per rank, an index step -> {offset, length, records, digest}.
+
+    With ``use_index`` the index is the recorder's ``rank-NNNNN.steps.jsonl``. Without it (or when a rank
+    has none), the index is rebuilt by scanning the trajectory's lines for their step number, and carries
+    no digests, so every step is read and compared record by record (the baseline the bench measures).
+    ``only`` restricts what is read to those ranks (a partial diff, or one process of ``--jobs``); what the
+    side says of the whole run (its ranks, the ranks its world lacks) still counts every rank's file.
+    """
+
+    def __init__(
+        self,
+        label: str,
+        path: str | Path,
+        use_index: bool,
+        warnings: list[str],
+        only: set[int] | None = None,
+    ):
+        self.label = label
+        self.run = Run(path)
+        self.path = self.run.path
+        self.warnings = warnings
+        info = self.run.info
+        self.info = info if isinstance(info, dict) else {}
+        self.kind = self.info.get("path")
+        resume = self.info.get("resume") or {}
+        self.resume_step = int(resume.get("step") or 0) if isinstance(resume, dict) else 0
+        self.resume_checkpoint = resume.get("checkpoint") if isinstance(resume, dict) else None
+        self.complete = self.run.complete
+        self.all_ranks = self.run.ranks()
+        self.ranks = [r for r in self.all_ranks if only is None or r in only]
+        self.use_index = use_index
+        self.hash_checked = 0  # step ranges whose bytes were checked against the index's sha256
+        self.index: dict[int, dict[int, dict]] = {}
+        self.steps: list[int] = []
+        self.records_read = 0  # trajectory records parsed (the `records_read` of the result)
+        # per step: [records parsed, step ranges hash-checked], so results of different ranks combine exactly
+        self.io: dict[int, list[int]] = {}
+        self.rank_warnings: dict[int, list[str]] = {}  # what reading each rank's index said
+        self._paths: dict[int, Path] = {}
+        self._last_bytes: tuple[tuple[int, int], bytes] | None = None
+        # records of all ranks that batch() may decode ahead of the step asked for (0: one step at a time): a
+        # reader that then asks for the following steps in order gets them from one decode
+        self.read_ahead = 0
+        self._order: dict[int, int] = {}  # the steps it reads ahead along, and their positions
+        self._order_steps: list[int] = []
+        self._ahead: dict[tuple[int, int], pa.RecordBatch] = {}
+
+    def load(self) -> None:
+        """Read (or rebuild) the step index of every rank; called after the compatibility check."""
+        warnings = self.warnings
+        for r in self.ranks:
+            mark = len(warnings)
+            self.index[r] = self._load_index(r, self.use_index)
+            self.rank_warnings[r] = warnings[mark:]
+        self.steps = common_steps(self.index[r] for r in self.ranks)
+        warnings.extend(
+            side_warnings(
+                self.label,
+                self.path,
+                self.all_ranks,
+                self.run.world_size,
+                self.complete,
+                self.steps,
+            )
+        )
+
+    @property
+    def manifest(self) -> dict:
+        return self.run.manifest_doc
+
+    def _count(self, step: int, records: int = 0, hashed: int = 0) -> None:
+        self.records_read += records
+        self.hash_checked += hashed
+        io = self.io.get(step)
+        if io is None:
+            io = self.io[step] = [0, 0]
+        io[0] += records
+        io[1] += hashed
+
+    def _load_index(self, rank: int, use_index: bool) -> dict[int, dict]:
+        traj = self.run.trajectory_path(rank)
+        size = safeio.size(traj, self.run.path)  # a regular file inside the run, or BadInput
+        if size and not trajectory.is_arrow(traj):
+            with safeio.open_file(traj, self.run.path) as f:
+                f.seek(size - 1)
+                if f.read(1) != b"\n":
+                    self.warnings.append(
+                        f"run {self.label}: {traj}: last line is torn (incomplete write), ignored"
+                    )
+        steps_path = self.run.rank_path("trajectory", rank, ".steps.jsonl")
+        if use_index and safeio.present(steps_path):
+            read = self.run.step_index(rank)
+            # the stored lines: the same shape as the entries a scan rebuilds without an index
+            lines = [e.as_read() for e in read.records]
+            if read.torn:
+                self.warnings.append(f"run {self.label}: {read.torn}")
+            broken = seal.first_chain_break(rank, lines)
+            if (
+                broken is not None
+            ):  # an index edited after the run must never let a step be skipped as equal
+                raise BadInput(
+                    steps_path,
+                    f"step {broken}: the step chain is broken (a step removed, reordered or "
+                    "edited after the run; see `disttrace verify`)",
+                )
+            out: dict[int, dict] = {}
+            for n, e in enumerate(lines, 1):
+                for k in ("step", "offset", "length"):
+                    if not isinstance(e.get(k), int):
+                        raise BadInput(steps_path, f"line {n} lacks an integer '{k}'", field=k)
+                if e["offset"] + e["length"] > size:
+                    self.warnings.append(
+                        f"run {self.label}: rank {rank} step {e['step']}: the index points past "
+                        f"the end of {traj.name} (records not all written); step ignored"
+                    )
+                    continue
+                out[e["step"]] = e
+            if trajectory.is_arrow(traj):
+                tail = trajectory.unindexed_tail(
+                    traj, max((e["offset"] + e["length"] for e in out.values()), default=0)
+                )
+                if tail:
+                    self.warnings.append(
+                        f"run {self.label}: {traj}: {tail} bytes after the last indexed step are "
+                        "torn (incomplete write), ignored"
+                    )
+            return out
+        if use_index:
+            self.warnings.append(
+                f"run {self.label}: rank {rank} has no step index; scanned {traj.name} instead"
+            )
+        if trajectory.is_arrow(traj):
+            return self._scan_arrow(traj)
+        return _scan_index(traj)
+
+    def _scan_arrow(self, traj: Path) -> dict[int, dict]:
+        """Rebuild a step index (without digests) from the stream's record batches, one per step."""
+        out: dict[int, dict] = {}
+        torn: list[str] = []
+        for offset, length, batch in trajectory.scan(traj, torn):
+            step = trajectory.step_of(batch)
+            if step is None:
+                continue
+            if step in out:
+                raise BadInput(
+                    traj, f"bytes {offset}..{offset + length}: step {step} appears twice"
+                )
+            out[step] = {
+                "step": step,
+                "offset": offset,
+                "length": length,
+                "records": batch.num_rows,
+                "digest": None,
+            }
+        self.warnings.extend(f"run {self.label}: {t}" for t in torn)
+        return out
+
+    def entry(self, rank: int, step: int) -> dict | None:
+        return self.index.get(rank, {}).get(step)
+
+    def step_bytes(self, rank: int, step: int) -> bytes | None:
+        """The step's raw bytes, checked against the hash its index line holds (a trajectory edited after the
+        run is refused). Kept for the next read of the same step, which then decodes the bytes hashed."""
+        if self._last_bytes is not None and self._last_bytes[0] == (rank, step):
+            return self._last_bytes[1]
+        e = self.entry(rank, step)
+        if e is None:
+            return None
+        data = trajectory.read_range(self.traj_path(rank), e["offset"], e["length"])
+        self._hash_checked(rank, step, seal.step_data_match(data, e))
+        self._last_bytes = ((rank, step), data)
+        return data
+
+    def raw_steps(self, rank: int, steps: list[int]) -> list[bytes]:
+        """The steps' raw bytes, not yet checked (the caller checks each with `checked`, in its order): steps
+        that lie one after another in the file are read in one range, so a rank's file is opened once a block
+        of steps, not once a step."""
+        return self._ranges(rank, self.traj_path(rank), [self.entry(rank, s) for s in steps])
+
+    def checked(self, rank: int, step: int, data: bytes) -> bytes:
+        """`data` (the step's bytes from raw_steps) checked against the hash its index line holds, as
+        step_bytes checks them."""
+        self._hash_checked(rank, step, seal.step_data_match(data, self.entry(rank, step)))
+        return data
+
+    def check_step(self, rank: int, step: int) -> None:
+        """The step's raw bytes against the hash its index line holds (hashing, no parsing)."""
+        self.step_bytes(rank, step)
+
+    def _hash_checked(self, rank: int, step: int, ok: bool | None) -> None:
+        if ok is False:
+            raise BadInput(
+                self.traj_path(rank),
+                f"step {step}: the bytes differ from the hash "
+                "in the step index (edited after the run; see `disttrace verify`)",
+            )
+        if ok is True:
+            self._count(step, hashed=1)
+
+    def records(self, rank: int, step: int) -> list[dict]:
+        e = self.entry(rank, step)
+        if e is None:
+            return []
+        self.check_step(rank, step)
+        recs = self.run.records_of_range(rank, e["offset"], e["length"], e.get("step"))
+        self._count(step, records=len(recs))
+        return recs
+
+    def traj_path(self, rank: int) -> Path:
+        if rank not in self._paths:
+            self._paths[rank] = self.run.trajectory_path(rank)
+        return self._paths[rank]
+
+    def batch(self, rank: int, step: int):
+        """The step's Arrow record batch (hash-checked), or None for a JSON-lines store or a missing step.
+        With `read_ahead`, the rank's following steps are decoded with it (a block) and kept for their turn."""
+        e = self.entry(rank, step)
+        path = self.traj_path(rank)
+        if e is None or not trajectory.is_arrow(path):
+            return None
+        kept = self._ahead.pop((rank, step), None)
+        if kept is not None:
+            return kept
+        if self.read_ahead:
+            block = self._following(rank, step)
+            if len(block) > 1:
+                batch, starts = self.batches(rank, block)
+                ends = np.append(starts[1:], batch.num_rows)
+                for s, a, b in zip(block, starts.tolist(), ends.tolist()):
+                    self._ahead[(rank, s)] = batch.slice(a, b - a)
+                return self._ahead.pop((rank, step))
+        data = self.step_bytes(rank, step)  # the bytes decoded are the bytes hashed
+        b = trajectory.decode_step(
+            path, data, f"step {step} (bytes {e['offset']}..{e['offset'] + e['length']})"
+        )
+        self._count(step, records=b.num_rows)
+        return b
+
+    def batches(self, rank: int, steps: list[int]):
+        """Several steps' records (hash-checked) as one Arrow batch, the steps one after the other, with each
+        step's first row; None for a JSON-lines store. Steps that lie one after the other in the file are read
+        in one range and decoded together (trajectory.decode_steps: a step's fixed cost paid once a block)."""
+        path = self.traj_path(rank)
+        entries = [self.entry(rank, s) for s in steps]
+        if not trajectory.is_arrow(path) or any(e is None for e in entries):
+            return None
+        parts = []
+        for e, data in zip(entries, self._ranges(rank, path, entries)):
+            self._hash_checked(rank, e["step"], seal.step_data_match(data, e))
+            parts.append(
+                (data, f"step {e['step']} (bytes {e['offset']}..{e['offset'] + e['length']})")
+            )
+        batch, starts = trajectory.decode_steps(path, parts)
+        # counted per step, as a step read alone is: results of ranks or steps read elsewhere then combine
+        ends = np.append(starts[1:], batch.num_rows)
+        for s, a, z in zip(steps, starts.tolist(), ends.tolist()):
+            self._count(s, records=z - a)
+        return batch, starts
+
+    def read_along(self, steps: list[int], rows: int) -> None:
+        """Let batch() decode ahead, along `steps` (the steps the comparison will ask for, in its order), as
+        far as `rows` records over all ranks reach: each step decoded ahead is one it will ask for."""
+        self.read_ahead, self._order_steps = rows, list(steps)
+        self._order = {s: i for i, s in enumerate(self._order_steps)}
+
+    def _following(self, rank: int, step: int) -> list[int]:
+        """`step` and the rank's steps after it, as far as read_ahead records over all ranks reach."""
+        at = self._order.get(step)
+        if at is None:
+            return [step]
+        out, rows, width = [], 0, max(1, len(self.ranks))
+        for s in self._order_steps[at:]:
+            e = self.entry(rank, s)
+            if e is None:
+                break
+            rows += width * int(e.get("records") or 0)
+            if out and rows > self.read_ahead:
+                break
+            out.append(s)
+        return out
+
+    def _ranges(self, rank: int, path: Path, entries: list[dict]) -> list[bytes]:
+        """Each entry's bytes; a run of entries that follow one another in the file in one read."""
+        out: list[bytes] = []
+        i = 0
+        while i < len(entries):
+            j, end, span = i + 1, entries[i]["offset"] + entries[i]["length"], entries[i]["length"]
+            while (
+                j < len(entries)
+                and entries[j]["offset"] == end
+                and min(entries[i]["length"], entries[j]["length"]) >= 0
+                and span + entries[j]["length"] <= _SPAN
+            ):
+                end += entries[j]["length"]
+                span += entries[j]["length"]
+                j += 1
+            if j == i + 1:
+                out.append(trajectory.read_range(path, entries[i]["offset"], entries[i]["length"]))
+            else:
+                data = memoryview(trajectory.read_range(path, entries[i]["offset"], span))
+                for e in entries[i:j]:
+                    at = e["offset"] - entries[i]["offset"]
+                    out.append(bytes(data[at : at + e["length"]]))
+            i = j
+        return out
+
+    def describe(self) -> SideSummary:
+        return SideSummary(
+            path=str(self.path),
+            kind=self.kind,
+            complete=self.complete,
+            manifest_id=self.run.manifest_id,
+            resume_step=self.resume_step or None,
+            ranks=self.all_ranks,
+            steps=[self.steps[0], self.steps[-1]] if self.steps else None,
+        )
+
+
+def common_steps(indexes) -> list[int]:
+    """The steps every one of `indexes` (step -> entry, or a collection of steps) holds, in order."""
+    steps: set[int] | None = None
+    for index in indexes:
+        s = set(index)
+        steps = s if steps is None else steps & s
+    return sorted(steps or ())
+
+
+def side_warnings(
+    label: str, path, all_ranks: list[int], world: int, complete: bool, steps: list[int]
+) -> list[str]:
+    """What a side says of the whole run once its ranks' indexes are read: no trajectory at all, the ranks its
+    world lacks, incomplete (where its records stop)."""
+    out = []
+    if not all_ranks:
+        out.append(f"run {label} ({path}) has no trajectory files")
+    have = set(all_ranks)
+    missing = [r for r in range(world) if r not in have]
+    if missing and all_ranks:
+        out.append(f"run {label}: no trajectory for rank(s) {missing} of world size {world}")
+    if not complete:
+        last = steps[-1] if steps else None
+        out.append(
+            f"run {label} is incomplete (no COMPLETE marker): "
+            + (f"its records stop at step {last}" if last is not None else "it has no full step")
+        )
+    return out
+
+
+def _line_step(line: bytes) -> int:
+    if line.startswith(
+        b'{"step":'
+    ):  # the recorder writes "step" first: no need to parse the whole line
+        end = line.find(b",", 8)
+        try:
+            return int(line[8:end])
+        except ValueError:
+            pass
+    return int(orjson.loads(line)["step"])
+
+
+def _scan_index(path: Path) -> dict[int, dict]:
+    """Rebuild a step index (without digests) from the trajectory lines; a torn last line is left out."""
+    out: dict[int, dict] = {}
+    cur: dict | None = None
+    offset = 0
+    for lineno, line in safeio.lines(path, path.parent.parent):
+        n = len(line)
+        if not line.endswith(b"\n"):
+            break  # torn last line (reported by the caller)
+        if line.strip():
+            try:
+                step = _line_step(line)
+            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+                raise BadInput(path, f"line {lineno} is not a trajectory record") from None
+            if cur is None or cur["step"] != step:
+                if step in out:
+                    raise BadInput(
+                        path, f"line {lineno}: records of step {step} are not contiguous"
+                    )
+                cur = out[step] = {
+                    "step": step,
+                    "offset": offset,
+                    "length": 0,
+                    "records": 0,
+                    "digest": None,
+                }
+            cur["records"] += 1
+        if cur is not None:
+            cur["length"] = offset + n - cur["offset"]
+        offset += n
+    return out

@@ -1,0 +1,276 @@
+"""The bound two records (or logical values) are held to and their relative error (`_Tol`: derived,
+calibrated, a user's, or none where no sound bound exists; docs/tolerance.md)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pyarrow as pa
+
+from disttrace.analysis import tolerance
+from disttrace.model.names import tensor_class
+
+TINY = 1e-300
+
+
+def _stats(rec: dict) -> dict:
+    return {
+        k: rec.get(k)
+        for k in ("digest", "sum", "norm", "sketch", "nonfinite", "dtype", "shape", "numel")
+    }
+
+
+def _same_bits(ra: dict, rb: dict) -> bool:
+    return (
+        ra.get("digest") is not None
+        and ra.get("digest") == rb.get("digest")
+        and ra.get("shape") == rb.get("shape")
+        and ra.get("dtype") == rb.get("dtype")
+    )
+
+
+def _nonfinite(r: dict) -> bool:
+    return bool(r.get("nonfinite")) or r.get("sum") is None or r.get("norm") is None
+
+
+class _Tol:
+    """rel_err of two records' statistics and the bound it is held to."""
+
+    def __init__(
+        self,
+        mode: str,
+        ma: dict,
+        mb: dict,
+        rtol: float | None,
+        atol: float | None,
+        since: int,
+        calibration=None,
+        magnitudes=None,
+        observed: tuple = (None, None),
+    ):
+        self.mode, self.ma, self.mb, self.since = mode, ma, mb, since
+        # each lock's `observed` (attached runs count their batch: the reduction size of the bound)
+        self.observed = observed
+        self.user = mode == "numeric" and (rtol is not None or atol is not None)
+        self.rtol, self.atol = (rtol or 0.0), (atol or 0.0)
+        self.cal = calibration if mode == "numeric" and not self.user else None
+        self._cls: dict[str, str] = {}
+        self._cache: dict[tuple[int, str], float] = {}
+        self._eps: dict[str, float] = {}
+        # (A's, B's) analysis.magnitudes.Magnitudes when both runs recorded them: a gradient's difference is then
+        # measured against the magnitudes that produced it, not against its own (possibly cancelled) norm
+        self.mags = (
+            magnitudes
+            if mode == "numeric"
+            and not self.user
+            and magnitudes
+            and all(m.available for m in magnitudes)
+            else None
+        )
+        if self.cal is not None and self.cal.scale == "magnitudes" and self.mags is None:
+            # its noise was measured against the magnitudes: it says nothing of an error on a norm's scale
+            self.ignored_calibration = self.cal
+            self.cal = None
+        else:
+            self.ignored_calibration = None
+
+    def magnitude(self, step: int, ra: dict | None, rb: dict | None) -> tuple[float, bool]:
+        """(the larger side's magnitude, 0 if none; False where no sound bound exists) for a pair of records
+        or logical values (analysis/magnitudes.py)."""
+        if self.mags is None:
+            return 0.0, True
+        out, bounded = 0.0, True
+        for mag, r in zip(self.mags, (ra, rb)):
+            if r is None:
+                continue
+            m, ok = mag.of(
+                step,
+                r.get("phase"),
+                int(r.get("index") or 0),
+                r.get("logical") or r.get("tensor"),
+                r.get("rank"),
+                int(r.get("micro_batch") or 0),
+            )
+            bounded = bounded and ok
+            if m is not None:
+                out = max(out, m)
+        return out, bounded
+
+    def row_magnitudes(self, step_of_row, batch_a, batch_b, rows) -> tuple[np.ndarray, np.ndarray]:
+        """`magnitude` for rows of two aligned batches: (magnitudes, unbounded) arrays. Rows are grouped by
+        (step, phase, rank, micro-batch), and each group looked up in one pass over its indices."""
+        n = len(rows)
+        extra, unbounded = np.zeros(n), np.zeros(n, dtype=bool)
+        if self.mags is None or not n:
+            return extra, unbounded
+        take = pa.array(rows, pa.int64())
+        steps = step_of_row[rows]
+        for mag, batch in zip(self.mags, (batch_a, batch_b)):
+            phase = batch.column("phase").take(take).to_pylist()
+            names = batch.column("tensor").take(take).to_pylist()
+            index = np.asarray(batch.column("index").take(take).to_numpy(zero_copy_only=False))
+            rank = np.asarray(batch.column("rank").take(take).to_numpy(zero_copy_only=False))
+            mb = np.asarray(batch.column("micro_batch").take(take).to_numpy(zero_copy_only=False))
+            groups: dict[tuple, list[int]] = {}
+            for j, key in enumerate(zip(steps.tolist(), phase, rank.tolist(), mb.tolist())):
+                groups.setdefault(key, []).append(j)
+            for (step, ph, rk, m), pos in groups.items():
+                if ph in ("backward", "reduce") or (ph == "clip"):
+                    table = (
+                        mag.by_rank.get(rk, {}).get(step, {}).get(ph, {}).get(m, {})
+                        if ph == "backward"
+                        else mag.reduced(step)
+                    )
+                    vals = [table.get(i) for i in index[pos].tolist()]
+                    for k, j in enumerate(pos):
+                        v = vals[k]
+                        if v is None and ph == "clip":
+                            v, _ = mag.of(step, ph, int(index[j]), names[j], rk, m)
+                        if v is not None and v > extra[j]:
+                            extra[j] = v
+                    continue
+                for j in pos:
+                    v, ok = mag.of(step, ph, int(index[j]), names[j], rk, m)
+                    if not ok:
+                        unbounded[j] = True
+                    if v is not None and v > extra[j]:
+                        extra[j] = v
+        return extra, unbounded
+
+    def _class(self, name: str | None) -> str | None:
+        """The calibration's key for a tensor: its class where the calibration has classes, else None."""
+        if name is None or self.cal is None or self.cal.by_class is None:
+            return None
+        got = self._cls.get(name)
+        if got is None:
+            got = self._cls[name] = tensor_class(name)
+        return got
+
+    def _step_bound(self, phase: str) -> float:
+        """tolerance.step_bound of the two manifests: per phase, the same at every step."""
+        eps = self._eps.get(phase)
+        if eps is None:
+            eps = self._eps[phase] = tolerance.step_bound(self.ma, self.mb, phase, self.observed)
+        return eps
+
+    def derived(self, step: int, phase: str, name: str | None = None) -> float:
+        """The bound at (step, phase) for tensor `name`: the calibrated one where the calibration measured it
+        (per tensor class where it has classes), else derived."""
+        if self.mode == "bitwise":
+            return 0.0
+        cls = self._class(name)
+        k = (step, phase, cls)
+        if k not in self._cache:
+            c = None
+            if self.cal is not None:
+                c = (
+                    self.cal.by_class.get((int(step), phase, cls))
+                    if cls is not None
+                    else self.cal.bound(step, phase)
+                )
+            self._cache[k] = (
+                c
+                if c is not None
+                else tolerance.bound(
+                    self.ma,
+                    self.mb,
+                    step,
+                    phase,
+                    since=self.since,
+                    magnitudes=self.mags is not None,
+                    observed=self.observed,
+                    eps=self._step_bound(phase),
+                )
+            )
+        return self._cache[k]
+
+    def kind(self, step: int, phase: str, name: str | None = None) -> str:
+        """Where the bound at (step, phase) comes from: bitwise | user | calibrated | derived | none (no
+        sound bound: a parameter under Adam, analysis/magnitudes.py)."""
+        if (
+            self.mags is not None
+            and phase == "optimizer"
+            and name is not None
+            and ":" not in name
+            and not self.mags[0].of(step, phase, 0, name, None, 0)[1]
+        ):
+            return "none"
+        if self.mode == "bitwise" or self.user:
+            return "bitwise" if self.mode == "bitwise" else "user"
+        return (
+            "calibrated"
+            if self.cal is not None and self.cal.bound(step, phase, name) is not None
+            else "derived"
+        )
+
+    def compare_bound(self, step: int, phase: str) -> float | None:
+        """The relative bound at (step, phase); None where a user's atol makes it depend on the scale."""
+        if self.user:
+            return self.rtol if not self.atol else None
+        return self.derived(step, phase)
+
+    def compare(
+        self, step: int, phase: str, ra: dict, rb: dict
+    ) -> tuple[float | None, float, bool, str | None]:
+        """-> (rel_err, bound, diverged, note) for two records (or logical values) that are not bit-equal."""
+        numel = max(int(ra.get("numel") or 0), int(rb.get("numel") or 0), 1)
+        note = None
+        if ra.get("shape") != rb.get("shape") or ra.get("dtype") != rb.get("dtype"):
+            note = "shape or dtype differs"
+        fa, fb = _nonfinite(ra), _nonfinite(rb)
+        name = ra.get("tensor") or rb.get("tensor")
+        b0 = self.derived(step, phase, name) * tolerance.tensor_factor(name)
+        if fa or fb:
+            same = fa and fb and ra.get("nonfinite") == rb.get("nonfinite")
+            diverged = self.mode == "bitwise" or not same or note is not None
+            return None, b0, diverged, note or "non-finite values"
+        na, nb = float(ra["norm"]), float(rb["norm"])
+        extra, bounded = self.magnitude(step, ra, rb)
+        if not bounded:
+            b0 = math.inf
+        scale_n = max(na, nb, extra, TINY)
+        scale_s = max(max(na, nb, extra) * math.sqrt(numel), TINY)
+        # the sum and each sketch projection are <x, v> with ||v|| = sqrt(numel): one scale, one bound
+        terms = (abs(na - nb) / scale_n, *tolerance.projection_terms(ra, rb, scale_s))
+        if self.user:
+            bounds = (
+                (self.atol + self.rtol * scale_n) / scale_n,
+                *[(self.atol + self.rtol * scale_s) / scale_s] * (len(terms) - 1),
+            )
+        else:
+            bounds = (b0,) * len(terms)
+        # each statistic also carries its own rounding (tolerance.norm_rounding, sum_rounding: float32 runs and
+        # column sums; sketch_rounding: the float32 GEMM), both records'; the norm's and the sum's are added to
+        # a derived or calibrated bound (not to a user's, nor to a phase that must be exact)
+        stat = self.mode != "bitwise" and not self.user and b0 > 0
+        rounding = [
+            sum(f(r.get("dtype"), r.get("shape")) for r in (ra, rb)) if stat else 0.0
+            for f in (tolerance.norm_rounding, tolerance.sum_rounding)
+        ]
+        rounding.append(
+            sum(tolerance.sketch_rounding(r.get("dtype"), r.get("shape")) for r in (ra, rb))
+        )
+        bounds = (
+            bounds[0] + rounding[0],
+            bounds[1] + rounding[1],
+            *(bd + rounding[2] for bd in bounds[2:]),
+        )
+        # report the term that is largest relative to its bound (simply the largest term when the bounds agree)
+        if len(set(bounds)) == 1:
+            i = max(range(len(terms)), key=lambda j: terms[j])
+        else:
+            ratios = [
+                t / bd if bd > 0 else (math.inf if t else 0.0) for t, bd in zip(terms, bounds)
+            ]
+            i = max(range(len(terms)), key=lambda j: ratios[j])
+        rel, bnd = terms[i], bounds[i]
+        if not math.isfinite(rel):
+            rel = None
+        diverged = (
+            self.mode == "bitwise"
+            or note is not None
+            or rel is None
+            or any(t > bd for t, bd in zip(terms, bounds))
+        )
+        return rel, bnd, diverged, note
