@@ -182,7 +182,7 @@ def test_a_step_awaiting_its_device_digests_is_written_before_a_kill_rank_sigkil
         killed.append(_indexed_steps(tmp_path))  # what is on disk when the signal would land
         raise SystemExit(137)
 
-    monkeypatch.setattr(faults.os, "kill", kill)
+    monkeypatch.setattr(faults.job.os, "kill", kill)
     (tmp_path / "trajectory").mkdir()
     bus = HookBus(rank=0)
     recorder = Recorder(tmp_path, 0).attach(bus)

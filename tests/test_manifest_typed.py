@@ -23,7 +23,6 @@ JOB_MODULES = [
     "worker",
     "launch",
     "loop",
-    "faults",
     "memory",
     "topology",
     "flightrec",
@@ -34,7 +33,7 @@ JOB_MODULES = [
     "usercmd",
 ]
 JOB_FILES = [ROOT / "disttrace" / "run" / f"{m}.py" for m in JOB_MODULES] + sorted(
-    (ROOT / "disttrace" / "run" / "parallel").glob("*.py")
+    p for pkg in ("parallel", "faults") for p in (ROOT / "disttrace" / "run" / pkg).glob("*.py")
 )
 SECTIONS = set(Manifest.model_fields)
 

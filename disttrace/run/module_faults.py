@@ -9,7 +9,7 @@
   tests/scripts/tp_bugs.py's `unsummed-row`, in the harness's own model). Every rank of the job runs it (a
   collective left out on one rank only would hang the others); the named rank logs it.
 
-Registered in the catalog (run/faults.py) like every other fault: checked before any process starts, one
+Registered in the catalog (run/faults/) like every other fault: checked before any process starts, one
 `fault_fired` event with the proof.
 """
 
