@@ -246,7 +246,7 @@ def _tolerance_doc(
         return Tolerance(
             BoundKind.CALIBRATED,
             file=str(cal.path),
-            safety=cal.doc.get("safety"),
+            safety=cal.safety,
             manifest_id=cal.manifest_id,
             elsewhere="derived",
             since_step=since,

@@ -20,7 +20,7 @@ from pydantic import (
 
 from disttrace.analysis.diff.compare import _RankStep
 from disttrace.analysis.diff.fold import StepOutcome
-from disttrace.analysis.result import BoundKind, Unit
+from disttrace.analysis.result import BoundKind, RecordStats, Unit
 from disttrace.errors import BadInput
 from disttrace.store.rundir import MAX_WORLD
 
@@ -107,7 +107,7 @@ class _M(BaseModel):
 
 
 class _Stats(_M):
-    """One side's record of a compared unit (analysis/diff/compare.py's `_stats`)."""
+    """One side's record of a compared unit (`RecordStats`)."""
 
     digest: _S | None
     sum: _Num | None
@@ -119,29 +119,29 @@ class _Stats(_M):
     numel: StrictInt | None
 
     @classmethod
-    def of(cls, st: dict | None) -> _Stats | None:
+    def of(cls, st: RecordStats | None) -> _Stats | None:
         if st is None:
             return None
-        sk, shape = st.get("sketch"), st.get("shape")
+        sk, shape = st.sketch, st.shape
         return cls(
-            digest=st.get("digest"),
-            sum=_floats_only(st.get("sum")),
-            norm=_floats_only(st.get("norm")),
+            digest=st.digest,
+            sum=_floats_only(st.sum),
+            norm=_floats_only(st.norm),
             sketch=[_float(v) for v in sk] if sk is not None else None,
-            nonfinite=_i(st.get("nonfinite")),
-            dtype=st.get("dtype"),
+            nonfinite=_i(st.nonfinite),
+            dtype=st.dtype,
             shape=[_i(v) for v in shape] if shape is not None else None,
-            numel=_i(st.get("numel")),
+            numel=_i(st.numel),
         )
 
-    def stats(self) -> dict:
+    def stats(self) -> RecordStats:
         """As diff's comparison holds it."""
         out = {k: getattr(self, k) for k in type(self).model_fields}
         if self.sketch is not None:
             out["sketch"] = list(self.sketch)
         if self.shape is not None:
             out["shape"] = list(self.shape)
-        return out
+        return RecordStats(**out)
 
 
 class _Unit(_M):
