@@ -63,20 +63,21 @@ def run_cli(a: Path, b: Path, extra: list[str]) -> tuple[float, str, int, float]
 
 def cpu_child(name: str, a: str, b: str, jobs: int) -> None:
     """In this fresh process: CPU seconds of the whole comparison, of each share, of combining them."""
-    from disttrace.analysis import partial
     from disttrace.analysis.diff import diff_runs
+    from disttrace.analysis.partial.merge import _combine, _fold
+    from disttrace.analysis.partial.share import _plan
 
     kw = {"mode": "numeric"} if name == "numeric" else {}
     c0 = time.process_time()
     whole = diff_runs(a, b, **kw).to_json()
     c1 = time.process_time()
-    tasks, _ = partial._plan(a, b, kw, jobs, None, None)
+    tasks = _plan(a, b, kw, jobs, None, None)
     shares = []
     for t in tasks:
         c = time.process_time()
-        shares.append((partial._share(t), time.process_time() - c))
+        shares.append((t.payload(), time.process_time() - c))
     c2 = time.process_time()
-    merged = partial._fold(partial._combine([p for p, _ in shares]), whole=True).to_json()
+    merged = _fold(_combine([p for p, _ in shares]), whole=True).to_json()
     c3 = time.process_time()
     print(
         json.dumps(

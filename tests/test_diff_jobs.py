@@ -267,7 +267,7 @@ def test_the_merge_refuses_malformed_documents(stores, tmp_path, monkeypatch):
         doc["steps"][0]["equal"].append([3, 3, 10])
 
     _refused([forged("o.json", other_rank)], r"o\.json: partial\.steps: holds results of ranks")
-    monkeypatch.setattr(partial, "MAX_PARTIAL_BYTES", 1000)
+    monkeypatch.setattr(partial.merge, "MAX_PARTIAL_BYTES", 1000)  # where the reader reads it
     _refused([_write(tmp_path, "big.json", p)], r"big\.json: \d+ bytes, more than the 1000 bytes")
     bad = cli("diff", "--merge", whole)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "whole.json" in bad.stderr

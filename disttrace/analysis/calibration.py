@@ -201,8 +201,8 @@ class Calibration:
         # the scale its noise was measured on: a calibration on the magnitudes' scale says nothing of
         # errors taken against a record's norm (a store without magnitudes), see diff's _Tol
         self.scale = scale
-        self.manifest_id = doc["manifest_id"]
-        self.doc = doc
+        self.manifest_id: str = doc["manifest_id"]
+        self.safety = doc.get("safety")  # echoed in diff's tolerance as the file states it
 
     def bound(self, step: int, phase: str, name: str | None = None) -> float | None:
         """The calibrated bound of a record of tensor `name` at (step, phase): its class's where the file

@@ -28,6 +28,7 @@ No torch: a reader of the run store.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
@@ -72,6 +73,20 @@ def _read(path) -> dict[int, dict]:
     return out
 
 
+@dataclass
+class Moments:
+    """Per parameter index, at one step: the magnitudes of Adam's running averages (`exp_avg` M_m,
+    `exp_avg_sq` M_v) and of SGD's parameter (`param` M_p)."""
+
+    exp_avg: dict[int, float] = field(default_factory=dict)
+    exp_avg_sq: dict[int, float] = field(default_factory=dict)
+    param: dict[int, float] = field(default_factory=dict)
+
+    def of(self, state: str) -> dict[int, float]:
+        """The table of an optimizer state by the name a record gives it (exp_avg, exp_avg_sq)."""
+        return self.exp_avg if state == "exp_avg" else self.exp_avg_sq
+
+
 def _number(v, default):
     """A hyper-parameter as a number: an attached run's may be absent, null, or what another optimizer keeps
     under that name (a list, a string); then the harness's default."""
@@ -99,7 +114,7 @@ class Magnitudes:
         self.lr = _number(t.lr, 0.0)
         self.since = since
         self._reduce: dict[int, dict[int, float]] = {}
-        self._state: dict[int, dict[str, dict[int, float]]] = {}
+        self._state: dict[int, Moments] = {}
 
     def local(self, rank: int, step: int, phase: str, mb: int, index: int) -> float | None:
         return self.by_rank.get(rank, {}).get(step, {}).get(phase, {}).get(mb, {}).get(index)
@@ -117,28 +132,28 @@ class Magnitudes:
             self._reduce[step] = got
         return got
 
-    def _moments(self, step: int) -> dict[str, dict[int, float]]:
+    def _moments(self, step: int) -> Moments:
         """Per parameter index: M_m (exp_avg), M_v (exp_avg_sq), M_p (SGD's parameter) at `step`, from the
         recursion started at `since` (the moments were equal there); an index leaves the recursion at a step
         without its magnitude (record.every > 1, a rank's file missing a step)."""
         if step in self._state:
             return self._state[step]
         start = max((s for s in self._state if s < step), default=self.since)
-        cur = self._state.get(start) or {"exp_avg": {}, "exp_avg_sq": {}, "param": {}}
+        cur = self._state.get(start) or Moments()
         for s in range(start + 1, step + 1):
             g = self.reduced(s)
             first = s == self.since + 1
-            nxt: dict[str, dict[int, float]] = {"exp_avg": {}, "exp_avg_sq": {}, "param": {}}
+            nxt = Moments()
             for i, mg in g.items():
-                pm = 0.0 if first else cur["exp_avg"].get(i)
-                pv = 0.0 if first else cur["exp_avg_sq"].get(i)
-                pp = 0.0 if first else cur["param"].get(i)
+                pm = 0.0 if first else cur.exp_avg.get(i)
+                pv = 0.0 if first else cur.exp_avg_sq.get(i)
+                pp = 0.0 if first else cur.param.get(i)
                 if pm is not None:
-                    nxt["exp_avg"][i] = self.beta1 * pm + (1 - self.beta1) * mg
+                    nxt.exp_avg[i] = self.beta1 * pm + (1 - self.beta1) * mg
                 if pv is not None:
-                    nxt["exp_avg_sq"][i] = self.beta2 * pv + (1 - self.beta2) * mg * mg
+                    nxt.exp_avg_sq[i] = self.beta2 * pv + (1 - self.beta2) * mg * mg
                 if pp is not None:
-                    nxt["param"][i] = pp + self.lr * mg
+                    nxt.param[i] = pp + self.lr * mg
             self._state[s] = cur = nxt
         return cur
 
@@ -163,8 +178,8 @@ class Magnitudes:
         key = name.rsplit(":", 1)[1] if ":" in name else None
         if key is None:  # a parameter
             if self.optimizer == "sgd":
-                return self._moments(step)["param"].get(index), True
+                return self._moments(step).param.get(index), True
             return None, False
         if key in ("exp_avg", "exp_avg_sq"):
-            return self._moments(step)[key].get(index // 4), True
+            return self._moments(step).of(key).get(index // 4), True
         return None, True

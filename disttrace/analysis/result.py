@@ -58,8 +58,7 @@ class RecordStats(JsonDoc):
 @dataclass(slots=True)
 class Unit:
     """diff's comparison unit: one record (or logical tensor) of both runs at a step, compared. `a` and `b`
-    are each side's statistics (a record's digest, sum, norm, sketch, nonfinite, dtype, shape, numel), None
-    where that side lacks it; `rel_err` None where no relative error exists (missing, non-finite)."""
+    are each side's statistics (`RecordStats`), None where that side lacks it; `rel_err` None where no relative error exists (missing, non-finite)."""
 
     step: int
     micro_batch: int
@@ -67,8 +66,8 @@ class Unit:
     rank: int
     tensor: str | None
     index: int
-    a: dict | None
-    b: dict | None
+    a: RecordStats | None
+    b: RecordStats | None
     rel_err: float | None
     bound: float | None
     diverged: bool
@@ -105,8 +104,8 @@ class Divergence(JsonDoc):
             rank=unit.rank,
             tensor=unit.tensor,
             index=unit.index,
-            a=RecordStats.of(unit.a) if unit.a is not None else None,
-            b=RecordStats.of(unit.b) if unit.b is not None else None,
+            a=unit.a,
+            b=unit.b,
             rel_err=unit.rel_err,
             bound=unit.bound,
             missing_in=unit.missing_in,

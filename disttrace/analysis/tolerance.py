@@ -114,9 +114,10 @@ from __future__ import annotations
 
 import math
 
+U64, U32 = 2.0**-53, 2.0**-24  # float64's and float32's unit roundoff
 UNIT_ROUNDOFF = {
-    "float64": 2.0**-53,
-    "float32": 2.0**-24,
+    "float64": U64,
+    "float32": U32,
     "tf32": 2.0**-11,
     "float16": 2.0**-11,
     "bfloat16": 2.0**-8,
@@ -133,12 +134,8 @@ ACTIVATION_PHASES = ("forward", "loss")
 def unit_roundoff(manifest: dict) -> float:
     """The unit roundoff of the coarsest dtype a run's manifest names (float32 when it names none)."""
     t = manifest.get("training", {}) or {}
-    us = [
-        UNIT_ROUNDOFF.get(str(t[k]).removeprefix("torch."), UNIT_ROUNDOFF["float32"])
-        for k in _DTYPE_KEYS
-        if t.get(k)
-    ]
-    return max(us) if us else UNIT_ROUNDOFF["float32"]
+    us = [UNIT_ROUNDOFF.get(str(t[k]).removeprefix("torch."), U32) for k in _DTYPE_KEYS if t.get(k)]
+    return max(us) if us else U32
 
 
 def tokens_per_step(manifest: dict, observed: dict | None = None) -> int:
@@ -276,13 +273,9 @@ def sketch_rounding(dtype, shape) -> float:
     cols = max(shape[-1], 1)
     rows = max(math.prod(shape[:-1]), 1)
     in_float32 = str(dtype).removeprefix("torch.") in SKETCH_FLOAT32
-    u = UNIT_ROUNDOFF["float32"] if in_float32 else UNIT_ROUNDOFF["float64"]
-    stored = UNIT_ROUNDOFF["float32"] if in_float32 else 0.0
-    return (
-        u * math.sqrt(min(rows, SKETCH_ROWS))
-        + UNIT_ROUNDOFF["float64"] * math.sqrt(rows + cols)
-        + stored
-    )
+    u = U32 if in_float32 else U64
+    stored = U32 if in_float32 else 0.0
+    return u * math.sqrt(min(rows, SKETCH_ROWS)) + U64 * math.sqrt(rows + cols) + stored
 
 
 # run/digest.py reduces a float32 tensor of more than FLOAT64_STATS elements to its sum and sum of squares in
@@ -318,7 +311,7 @@ def sum_rounding(dtype, shape) -> float:
     numel = _numel(shape)
     if numel is None or not shape or not _in_float32(dtype, numel):
         return 0.0
-    u32, u64 = UNIT_ROUNDOFF["float32"], UNIT_ROUNDOFF["float64"]
+    u32, u64 = U32, U64
     return u32 * math.sqrt(min(numel, STAT_CHUNK)) + u64 * math.sqrt(numel)
 
 
@@ -333,7 +326,7 @@ def norm_rounding(dtype, shape) -> float:
     numel = _numel(shape)
     if numel is None or not _in_float32(dtype, numel):
         return 0.0
-    u32, u64 = UNIT_ROUNDOFF["float32"], UNIT_ROUNDOFF["float64"]
+    u32, u64 = U32, U64
     return 0.5 * (u32 * (math.sqrt(min(numel, STAT_CHUNK)) + 1) + u64 * math.sqrt(numel)) + u64
 
 

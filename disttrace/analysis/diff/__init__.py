@@ -56,7 +56,7 @@ def diff_runs(
     ones where it has them (each bound in the result says `bound_kind`: derived, calibrated or none). Without
     it, a calibration of A's (else B's) manifest beside the run (`calibrate` writes runs/<id12>/
     calibration.json) is used, unless find_calibration=False.
-    jobs > 1 compares in that many processes (analysis/partial.py: ranks split between them where the
+    jobs > 1 compares in that many processes (analysis/partial/: ranks split between them where the
     topologies are the same, steps across topologies); the result is the one this process would return.
     Raises BadInput (exit 2) for unreadable or incompatible runs.
     """

@@ -7,11 +7,8 @@ import numpy as np
 import pyarrow as pa
 
 from disttrace.analysis import columnar
-from disttrace.analysis.diff.tol import _same_bits, _stats, _Tol
-from disttrace.analysis.result import (
-    RankEntry,
-    Unit,
-)
+from disttrace.analysis.diff.tol import _same_bits, _Tol
+from disttrace.analysis.result import RankEntry, RecordStats, Unit
 from disttrace.store import trajectory
 from disttrace.store.rundir import PHASE_ORDER, PHASES
 
@@ -100,8 +97,8 @@ def _unit(step, rec_a, rec_b, rank, tol: _Tol, logical: bool = False) -> Unit:
         rank=rank,
         tensor=(ref.get("logical") or ref.get("tensor")) if logical else ref.get("tensor"),
         index=ref.get("index", 0),
-        a=_stats(rec_a) if rec_a is not None else None,
-        b=_stats(rec_b) if rec_b is not None else None,
+        a=RecordStats.of(rec_a) if rec_a is not None else None,
+        b=RecordStats.of(rec_b) if rec_b is not None else None,
         rel_err=rel,
         bound=bnd,
         diverged=diverged,

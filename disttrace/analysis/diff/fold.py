@@ -3,7 +3,10 @@ steps, the numeric summary, the counts (`_Fold`), and the `DiffResult` they make
 
 from __future__ import annotations
 
-from disttrace.analysis.diff.compare import _phase_order
+from dataclasses import dataclass
+from typing import Any
+
+from disttrace.analysis.diff.compare import _phase_order, _RankStep
 from disttrace.analysis.diff.logical import CROSS_TOPOLOGY_PHASES, Warned
 from disttrace.analysis.diff.tol import _Tol
 from disttrace.analysis.result import (
@@ -40,6 +43,7 @@ def _worst_by_phase(by_phase: dict[str, PhaseWorst], step: int, per_rank: dict, 
                 cur.max_ratio, cur.max_ratio_at = ratio, WorstRatio(step, r, rel, bnd)
 
 
+@dataclass(slots=True)
 class StepOutcome:
     """One compared step as the fold reads it: each rank's result (in the order the comparison produced
     them), the (step, rank) pairs read, each side's [records parsed, ranges hash-checked], the warnings the
@@ -47,11 +51,13 @@ class StepOutcome:
     `.user`, `.kind(step, phase, name)`, `.compare_bound(step, phase)`, `.derived(step, phase)`; the
     comparison's `_Tol` in the process that compared it, a table of the same answers in a merge)."""
 
-    __slots__ = ("step", "per_rank", "read", "io", "events", "both", "look")
-
-    def __init__(self, step, per_rank, read, io, events, both, look):
-        self.step, self.per_rank, self.read, self.io = step, per_rank, read, io
-        self.events, self.both, self.look = events, both, look
+    step: int
+    per_rank: dict[int, _RankStep]
+    read: int
+    io: tuple  # A's (records parsed, ranges hash-checked), B's
+    events: list[tuple[str, str]]  # (kind, text), StepWarnings.events
+    both: set[str] | list[str]
+    look: Any  # _Tol, or partial's table of its answers
 
 
 class _Fold:

@@ -248,24 +248,7 @@ def _compare_logical_tensors(
         else:
             rank = vb[1] if vb else va[1]
             units = [(rank, va[0] if va else None, vb[0] if vb else None)]
-        # replicas inside one run must be bit-identical; B's whole-tensor replicas are compared one by one
-        # above, the others (A's, and replicated shards on either side) are only represented by the lowest rank
-        for side, x in (("A", xa), ("B", xb)):
-            if x is None or (side == "B" and len(units) > 1):
-                continue
-            for r, r0 in _replica_mismatches(x.recs):
-                if ev.wants("replica"):
-                    ev.capped(
-                        "replica",
-                        f"run {side}: step {step} {phase} {name}: rank {r.get('rank')}'s copy differs "
-                        f"from rank {r0.get('rank')}'s (replicas should be bit-identical)",
-                    )
-        for side, v in (("A", va), ("B", vb)):
-            if v is not None and not v[2] and ev.wants("cover"):
-                ev.capped(
-                    "cover",
-                    f"run {side}: step {step} {phase} {name}: the shards do not cover the logical shape",
-                )
+        _warn_copies(f"step {step} {phase} {name}", (xa, xb), (va, vb), len(units) > 1, ev)
         for rank, ra, rb in units:
             rs = rank_step(rank)
             rs.total += 1
@@ -286,6 +269,25 @@ def _compare_logical_tensors(
             )
             rs.add(key, u)
     return out
+
+
+def _warn_copies(where: str, logicals, values, b_compared: bool, ev: StepWarnings) -> None:
+    """A logical tensor's copies that differ inside one run (replicas must be bit-identical) and shards that
+    do not cover it. B's whole-tensor replicas are compared one by one (`b_compared`); the others (A's, and
+    replicated shards on either side) are only represented by the lowest rank, so they are checked here."""
+    for side, x in zip("AB", logicals):
+        if x is None or (side == "B" and b_compared):
+            continue
+        for r, r0 in _replica_mismatches(x.recs):
+            if ev.wants("replica"):
+                ev.capped(
+                    "replica",
+                    f"run {side}: {where}: rank {r.get('rank')}'s copy differs "
+                    f"from rank {r0.get('rank')}'s (replicas should be bit-identical)",
+                )
+    for side, v in zip("AB", values):
+        if v is not None and not v[2] and ev.wants("cover"):
+            ev.capped("cover", f"run {side}: {where}: the shards do not cover the logical shape")
 
 
 _CROSS = pa.array(CROSS_TOPOLOGY_PHASES, pa.string())
@@ -372,7 +374,16 @@ def _compare_logical_step_columns(
                 [rs],
                 logical=True,
             )
-    # a logical tensor one side lacks: the record path's unit (missing_in), at its holder's rank
+    _lone_units(step, xa, xb, matched, in_b, first_a, tol, out)
+    return out
+
+
+def _lone_units(
+    step: int, xa, xb, matched, in_b, first_a, tol: _Tol, out: dict[int, _RankStep]
+) -> None:
+    """A logical tensor one side lacks, into `out`: the record path's unit (missing_in), at its holder's rank
+    (B's lowest rank holding it; A's lowest). `matched`: B's rows whose tensor A holds; `in_b`: A's logical
+    tensors B holds; `first_a`: each of A's logical tensors' first row."""
     lone = []
     if (~matched).any():  # one unit per logical tensor, at B's lowest rank holding it
         only_b = xb.take(pa.array(np.nonzero(~matched)[0]))
@@ -404,7 +415,6 @@ def _compare_logical_step_columns(
                 ),
                 u,
             )
-    return out
 
 
 def _replica_mismatch_rows(side: str, x, keys) -> list[tuple]:

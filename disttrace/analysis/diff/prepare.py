@@ -246,7 +246,7 @@ def _tolerance_doc(
         return Tolerance(
             BoundKind.CALIBRATED,
             file=str(cal.path),
-            safety=cal.doc.get("safety"),
+            safety=cal.safety,
             manifest_id=cal.manifest_id,
             elsewhere="derived",
             since_step=since,
@@ -293,7 +293,7 @@ class _Setup:
                     x.steps = y.steps
         self.n_loaded = len(warnings)
         self.rtol, self.atol, self.use_index = rtol, atol, use_index
-        self.ma, self.mb = ma, mb = side_a.manifest, side_b.manifest
+        self.ma, self.mb = side_a.manifest, side_b.manifest
         self.mode, self.topo = _choose_mode(side_a, side_b, mode, rtol, atol, warnings)
         self.n_setup = len(warnings)
         self.same_topology = not self.topo
@@ -301,8 +301,12 @@ class _Setup:
         self.ranks = sorted(set(side_a.ranks) | set(side_b.ranks))  # the ranks compared here
         all_ranks = sorted(set(side_a.all_ranks) | set(side_b.all_ranks))
         self.grid_ranks = sorted(side_b.all_ranks) if self.logical else all_ranks
-        if not compare:
-            return
+        if compare:
+            self._settle(rtol, atol, calibration, find_calibration)
+
+    def _settle(self, rtol, atol, calibration, find_calibration) -> None:
+        """The steps both sides hold, the step since which they agree, the calibration and the bound."""
+        side_a, side_b, ma, mb, warnings = self.side_a, self.side_b, self.ma, self.mb, self.warnings
         self.steps, self.compared = _compared_steps(side_a, side_b)
         self.since = since = max(_agreed_since(side_b, side_a), _agreed_since(side_a, side_b))
         found = False

@@ -14,13 +14,6 @@ from disttrace.model.names import tensor_class
 TINY = 1e-300
 
 
-def _stats(rec: dict) -> dict:
-    return {
-        k: rec.get(k)
-        for k in ("digest", "sum", "norm", "sketch", "nonfinite", "dtype", "shape", "numel")
-    }
-
-
 def _same_bits(ra: dict, rb: dict) -> bool:
     return (
         ra.get("digest") is not None
