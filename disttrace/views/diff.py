@@ -1,7 +1,7 @@
 """Views of a diff result: a compact terminal view (rich) and a markdown summary (for CI job summaries).
 
 The comparison itself is `disttrace.analysis.diff.diff_runs`, which returns a `DiffResult`; this module
-only renders it. The HTML report draws the same result in `views/report.py`; the wording of the tolerance
+only renders it. The HTML report draws the same result in `views/report/`; the wording of the tolerance
 and bounds, the A/B rows and the grid's cell classes are `views/diffparts.py`'s, shared by all three.
 """
 
