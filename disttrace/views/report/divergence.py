@@ -8,12 +8,15 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from disttrace.analysis.result import DiffResult, RankEntry
-from disttrace.fmt import fmt_number, ranges, where
+from disttrace.fmt import fmt_number, where
 from disttrace.views.diffparts import (
     CellClass,
     ab_rows,
     cell,
     error_text,
+    grid_steps,
+    propagation_row,
+    spread_text,
     tolerance_text,
     zoom_ab_rows,
     zoom_error_text,
@@ -88,27 +91,20 @@ def _one_diff(d: DiffResult) -> str:
             '<div class="row"><div>' + _table(("", "A (reference)", "B"), rows) + "</div>"
             f'<div class="muted">{e(error_text(f, d.mode))}</div></div>'
         )
-        msg = f"{d.divergent_steps} divergent step(s) from step {f.step}"
-        if d.recovered_steps:
-            msg += f"; equal again at step(s) {ranges(d.recovered_steps)}"
-        out.append(f'<p class="muted">{e(msg)}</p>')
+        out.append(f'<p class="muted">{e(spread_text(d))}</p>')
     out.append(_diff_grid(d))
     prop = d.propagation
     if prop:
         rows = []
-        for ent in prop[:20]:
-            ranks = ent.ranks
-            rk = [str(k) for k, v in ranks.items() if v.differing]
-            tot = sum(v.total for v in ranks.values())
-            rels = [v.max_rel_err for v in ranks.values() if v.max_rel_err is not None]
-            phases = sorted({p for v in ranks.values() for p in v.max_rel_err_by_phase})
+        for row in map(propagation_row, prop[:20]):
+            rel = row.max_rel_err
             rows.append(
                 [
-                    _td_num(e(ent.step)),
-                    e(", ".join(rk) or "-"),
-                    _td_num(f"{e(ent.differing)} / {tot}"),
-                    _td_num(e(fmt_number(max(rels), ".2e") if rels else "-")),
-                    e(", ".join(phases) or "-"),
+                    _td_num(e(row.step)),
+                    e(", ".join(row.ranks) or "-"),
+                    _td_num(f"{e(row.differing)} / {row.total}"),
+                    _td_num(e(fmt_number(rel, ".2e") if rel is not None else "-")),
+                    e(", ".join(row.phases) or "-"),
                 ]
             )
         more = f'<p class="muted small">… {len(prop) - 20} more steps</p>' if len(prop) > 20 else ""
@@ -173,12 +169,7 @@ def _diff_grid(d: DiffResult) -> str:
         return _nr("no common steps to draw")
     per_step = {s: ent.ranks for s, ent in d.step_entries().items()}
     f = d.first_divergence
-    start = first
-    if (
-        f and f.step - first > GRID_MAX_STEPS - 20
-    ):  # a late divergence: start the grid just before it
-        start = max(first, f.step - 10)
-    steps = list(range(start, min(last, start + GRID_MAX_STEPS - 1) + 1))
+    steps = grid_steps(d, GRID_MAX_STEPS, lead=10)  # a late divergence: from just before it
     n = len(steps)
     cw = max(6, min(44, 760 // max(n, 1)))
     ch = 28 if len(ranks) <= 16 else max(6, 448 // len(ranks))
