@@ -37,7 +37,7 @@ def plan(
 ):
     """Predict without running: model-state memory per device for ZeRO 0-3, activation memory per layer,
     pipeline bubble, communication volume per device. Instant even for a 1T-parameter manifest."""
-    from disttrace.plan import costs as plan_mod
+    from disttrace.plan import layout as plan_mod
 
     if params is not None:
         result = plan_mod.plan_cli_args(
