@@ -1,5 +1,5 @@
 """`disttrace report`: diff every run against the first and gather what the page shows of each run
-(analysis), render the page (views/report.py), write it atomically.
+(analysis), render the page (views/report/), write it atomically.
 
     build_report([ref, fault, recovered], Path("report.html"))
 

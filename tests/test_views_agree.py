@@ -198,3 +198,44 @@ def test_the_first_divergence_is_tabled_alike(runs, mode, planted, factor):
     assert float(md[1][2]) == pytest.approx(factor * float(md[1][1]), rel=1e-9)
     assert _html_ab(render_html([a, b], report_facts([a, b], {1: result}))) == md
     _terminal_ab(_terminal(result), md)
+
+
+def _md_propagation(md: str) -> list[list[str]]:
+    lines = md.splitlines()
+    at = lines.index("| step | ranks with differences | tensors differing | max rel err |")
+    rows = []
+    for line in lines[at + 2 :]:
+        if not line.startswith("| "):
+            break
+        step, ranks, tensors, rel = (c.strip() for c in line.strip("|").split(" | "))
+        rows.append([step, ranks, tensors, rel.split(" (bound")[0]])
+    return rows
+
+
+def _html_propagation(page: str) -> list[list[str]]:
+    at = page.index("<summary>propagation per step</summary>")
+    table = re.search(r"<table.*?</table>", page[at:], re.S).group(0)
+    rows = []
+    for tr in re.findall(r"<tr>(.*?)</tr>", table, re.S)[1:]:  # the header row left out
+        cells = re.findall(r"<td[^>]*>(.*?)</td>", tr, re.S)
+        rows.append([html.unescape(re.sub(r"<[^>]+>", "", c)).strip() for c in cells][:4])
+    return rows
+
+
+def test_the_propagation_is_tabled_alike(runs):
+    """Each step from the first divergence on, in the markdown and the report alike: the ranks beyond their
+    bound where they were planted (a missing record included), and the same largest error, 0 where only
+    other bits were planted."""
+    a, b = runs
+    result = diff_runs(a, b, mode="numeric")
+    md = _md_propagation(render_md(result))
+    assert md == _html_propagation(render_html([a, b], report_facts([a, b], {1: result})))
+    first = result.first_divergence.step
+    planted = {
+        s: ", ".join(str(r) for (s2, r), c in sorted(PLANTED.items()) if s2 == s and c != "within")
+        or "-"
+        for s in STEPS
+        if s >= first
+    }
+    assert {int(r[0]): r[1] for r in md} == planted
+    assert next(r[3] for r in md if r[0] == "5") == "0.00e+00"  # other bits, equal statistics

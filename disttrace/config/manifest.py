@@ -22,9 +22,20 @@ from pydantic import (
     model_validator,
 )
 
+from disttrace.config.identity import (  # noqa: F401  (readers import them from here too)
+    EXPERIMENT_FIELDS,
+    TOPOLOGY_FIELDS,
+    _experiment_leaves,
+    experiment_differences,
+    get_field,
+    global_batch,
+    known_global_batch,
+    observed_topology_differences,
+    unknown_line,
+)
+from disttrace.config.support import _not_supported_yet
 from disttrace.errors import BadInput
 from disttrace.model.shapes import ffn_hidden_default
-from disttrace.store.records import ATTACHED_SOURCE
 
 DEFAULT_MANIFEST = (
     Path(__file__).resolve().parents[2] / "manifests" / "default.toml"
@@ -211,72 +222,6 @@ class Manifest(Section):
         return self.parallelism.dp * self.training.micro_batch_size * self.training.grad_accum_steps
 
 
-# Features whose strategy has not landed yet are refused at freeze time, naming the field.
-def _not_supported_yet(m: Manifest) -> tuple[str, str] | None:
-    p = m.parallelism
-    if p.tp > 1:
-        md = m.model
-        for name, value in (
-            ("model.n_heads", md.n_heads),
-            ("model.n_kv_heads", md.n_kv_heads),
-            ("model.ffn_hidden", md.ffn_hidden),
-            ("model.vocab_size", md.vocab_size),
-        ):
-            if value % p.tp:
-                return (
-                    name,
-                    f"{value} is not divisible by parallelism.tp = {p.tp} (tensor parallel splits it)",
-                )
-    if p.pp > 1:
-        if p.zero_stage or p.architecture != "allreduce":
-            return "parallelism.pp", (
-                "pipeline parallel with ZeRO or a parameter server is not supported; with "
-                "dp > 1 the stages are sharded over dp with FSDP2 already"
-            )
-        if m.model.n_layers < p.pp:
-            return (
-                "parallelism.pp",
-                f"{p.pp} stages need at least {p.pp} layers (model.n_layers = {m.model.n_layers})",
-            )
-        if p.pp_schedule == "1f1b" and m.training.grad_accum_steps < p.pp:
-            return "training.grad_accum_steps", f"1F1B needs at least pp = {p.pp} micro-batches"
-    if p.zero_stage > 0 and p.tp > 1:
-        return (
-            "parallelism.zero_stage",
-            "ZeRO with tensor parallel: dp x tp shards over dp with FSDP2 already; use zero_stage = 0",
-        )
-    if p.architecture == "parameter-server" and (p.tp > 1 or p.pp > 1 or p.zero_stage > 0):
-        return (
-            "parallelism.architecture",
-            "the parameter server is data parallel only (tp = pp = 1, zero_stage = 0)",
-        )
-    if p.architecture == "parameter-server" and m.training.max_grad_norm:
-        return (
-            "training.max_grad_norm",
-            "the parameter server does not clip yet; drop training.max_grad_norm",
-        )
-    if m.debug.live_check and not m.record.enabled:
-        return (
-            "record.enabled",
-            "debug.live_check compares the recorder's digests: it needs record.enabled = true",
-        )
-    depth = m.record.depth
-    if depth is not None and depth.step > m.training.steps:
-        return (
-            "record.depth.step",
-            f"step {depth.step} is past the run's last step (training.steps = {m.training.steps})",
-        )
-    if depth is not None and p.pp > 1:
-        return (
-            "record.depth",
-            "depth recording follows one micro-batch at a time; a pipeline schedule interleaves them "
-            "(not supported yet)",
-        )
-    if p.architecture == "allreduce" and p.staleness:
-        return "parallelism.staleness", "staleness applies to the parameter server only"
-    return None
-
-
 # ---------------------------------------------------------------- loading
 
 
@@ -430,200 +375,8 @@ def read_lock(path: Path | str) -> Frozen:
     return frozen
 
 
-# Fields that make two manifests different experiments (diff refuses them) vs a different topology of
-# one experiment (diff compares them numerically).
-EXPERIMENT_FIELDS = (
-    "experiment.edition",
-    "experiment.seed",
-    "data.sha256",
-    "data.eval_percent",
-    "data.split_salt",
-    "tokenizer.sha256",
-    "model",
-    "training.steps",
-    "training.lr",
-    "training.optimizer",
-    "training.weight_decay",
-    "training.beta1",
-    "training.beta2",
-    "optimizer",
-    "config",  # attached runs (disttrace.api): the optimizer's hyper-parameters, the user's config
-)
-TOPOLOGY_FIELDS = (
-    "parallelism",
-    "training.micro_batch_size",
-    "training.grad_accum_steps",
-    "training.dtype",
-)
-
-
-def get_field(manifest: dict, dotted: str) -> Any:
-    cur: Any = manifest
-    for part in dotted.split("."):
-        if not isinstance(cur, dict):
-            return None
-        cur = cur.get(part)
-    return cur
-
-
-def global_batch(manifest: dict) -> int:
-    """Samples per optimizer step as the tolerance's reduction size reads it (a missing factor taken as 1:
-    a bound must have a number). Experiment identity never uses this: see known_global_batch."""
-    p, t = manifest.get("parallelism", {}), manifest.get("training", {})
-    return (
-        int(p.get("dp", 1)) * int(t.get("micro_batch_size", 1)) * int(t.get("grad_accum_steps", 1))
-    )
-
-
-def known_global_batch(manifest: dict, observed: dict | None = None) -> tuple[int | None, str]:
-    """(samples per optimizer step summed over the world, where that number comes from), or (None, why not).
-
-    A harness manifest states it (dp x micro-batch x accumulation, every factor required at freeze). An
-    attached run counts it (`observed`, written at close: each data replica's first recorded step's batches,
-    run.batch's or the forward's first tensor's leading dimension); failing that, the user's config when it
-    states both the micro-batch size and the accumulation count. Never a factor defaulted to 1."""
-    p, t = manifest.get("parallelism", {}) or {}, manifest.get("training", {}) or {}
-    if manifest.get("data") is not None:  # the harness's own manifest: frozen with every factor
-        return global_batch(manifest), "stated"
-    obs = observed if isinstance(observed, dict) else {}
-    if _count(obs.get("global_batch")):
-        return obs["global_batch"], "observed"
-    factors = (p.get("dp"), t.get("micro_batch_size"), t.get("grad_accum_steps"))
-    if all(_count(f) for f in factors):
-        return factors[0] * factors[1] * factors[2], "stated"
-    why = str(obs.get("why") or "")[:200] or (
-        "the run recorded no batch it could count"
-        if observed is not None
-        else "the run did not finish (its observed batch is written at close)"
-    )
-    return None, why
-
-
-def _count(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
-
-
-_UNSET = object()
-
-
-def _experiment_leaves(section: Any, prefix: str) -> dict[str, Any]:
-    if isinstance(section, dict) and section:
-        out: dict[str, Any] = {}
-        for k, v in section.items():
-            out.update(_experiment_leaves(v, f"{prefix}.{k}"))
-        return out
-    return {prefix: section}
-
-
-def _unknown(field: str, value: Any) -> bool:
-    """Nobody stated it: absent, or None where None means "not given" (an optimizer's None, as torch's
-    foreach=None, is a setting and compared)."""
-    return value is _UNSET or (value is None and not field.startswith("optimizer."))
-
-
-def experiment_differences(
-    lock_a: dict, lock_b: dict
-) -> tuple[list[tuple[str, Any, Any]], list[str]]:
-    """(the experiment fields two runs' locks state differently, the fields one of them does not know).
-
-    Between two attached runs (disttrace.api), a field one side does not know (an absent config key, a
-    training setting attach could not see, a global batch never counted) is not compared: refusing it would
-    call two equivalent experiments different. Every field both state is compared, so two different
-    experiments are still refused. A harness manifest is frozen with every field; a harness run and an
-    attached one are held to every field either states (different kinds of manifest never pass by
-    knowing little)."""
-    ma, mb = lock_a.get("manifest") or {}, lock_b.get("manifest") or {}
-    lenient = _attached(lock_a) and _attached(lock_b)
-    diffs: list[tuple[str, Any, Any]] = []
-    unknown: list[str] = []
-
-    def side(x, y) -> str:
-        return "A and B" if _unknown("", x) and _unknown("", y) else "A" if _unknown("", x) else "B"
-
-    claimed = _claimed_pair(lock_a, lock_b)
-    if claimed is not None:  # an attached run stating the harness experiment it trains: held to it
-        diffs += claimed
-    for f in (x for x in EXPERIMENT_FIELDS if x != "experiment.edition" and claimed is None):
-        va, vb = get_field(ma, f), get_field(mb, f)
-        if va is None and vb is None:
-            continue
-        if va is None or vb is None:  # a whole section one side lacks
-            if lenient:
-                unknown.append(f"{f} ({side(va, vb)})")
-            else:
-                diffs.append((f, va, vb))
-            continue
-        la, lb = _experiment_leaves(va, f), _experiment_leaves(vb, f)
-        for k in sorted(set(la) | set(lb)):
-            x, y = la.get(k, _UNSET), lb.get(k, _UNSET)
-            if lenient and (_unknown(k, x) or _unknown(k, y)):
-                if not (_unknown(k, x) and _unknown(k, y)):
-                    unknown.append(f"{k} ({side(x, y)})")
-                continue
-            x, y = (None if v is _UNSET else v for v in (x, y))
-            if x != y:
-                diffs.append((k, x, y))
-    known = [
-        known_global_batch(m, lk.get("observed") if _attached(lk) else None)
-        for m, lk in ((ma, lock_a), (mb, lock_b))
-    ]
-    (ga, _), (gb, _) = known
-    if ga is not None and gb is not None:
-        if ga != gb:
-            diffs.append(("global_batch", ga, gb))
-    else:
-        why = "; ".join(f"{s}: {w}" for s, (g, w) in zip("AB", known) if g is None)
-        unknown.append(f"global_batch ({why})")
-    return diffs, unknown
-
-
-def _claimed_pair(lock_a: dict, lock_b: dict) -> list[tuple[str, Any, Any]] | None:
-    """A harness lock and an attached one that states a harness experiment (config/harness.py): the
-    fields in which they are not one experiment, as (field, A's, B's); None for any other pair."""
-    from disttrace.config.harness import claim_differences, claim_of
-
-    if not _attached(lock_a) and claim_of(lock_b) is not None:
-        return claim_differences(lock_a, lock_b)
-    if not _attached(lock_b) and claim_of(lock_a) is not None:
-        return [(f, y, x) for f, x, y in claim_differences(lock_b, lock_a)]
-    return None
-
-
-def observed_topology_differences(lock_a: dict, lock_b: dict) -> list[tuple[str, Any, Any]]:
-    """How two attached runs split their batch as they counted it (each rank's micro-batches and samples in
-    its first step): a script states no accumulation count, yet 2 x 3 and 1 x 6 are two topologies."""
-    if not (_attached(lock_a) and _attached(lock_b)):
-        return []
-    oa, ob = lock_a.get("observed"), lock_b.get("observed")
-    if not (isinstance(oa, dict) and isinstance(ob, dict)):
-        return []
-    return [
-        (f"observed.{k}", oa.get(k), ob.get(k))
-        for k in ("micro_batches", "samples")
-        if oa.get(k) != ob.get(k)
-    ]
-
-
-def unknown_line(unknown: list[str]) -> str | None:
-    """The one line diff prints for the experiment fields it did not compare."""
-    if not unknown:
-        return None
-    return "not compared, unknown to one side: " + ", ".join(unknown)
-
-
-def _attached(lock: dict) -> bool:
-    return lock.get("source") == ATTACHED_SOURCE
-
-
-def freeze_doc(doc: dict, where: Path | str, overrides: list[str] | None = None) -> Frozen:
-    """`freeze` after the TOML is read: `doc` is a manifest document in the TOML's shape (e.g. built from a
-    DeepSpeed config), `where` the manifest file it stands for (errors name it; data and tokenizer paths
-    resolve against its folder)."""
-    path = Path(where)
-    doc = apply_overrides(doc, overrides or [])
-    m = validate(doc, path)
-    base = path.resolve().parent
-
+def _resolve_data(m: Manifest, path: Path, base: Path) -> Path:
+    """The data file, found beside the manifest, its sha256 checked against the stated one and recorded."""
     data_path = (base / m.data.path).resolve()
     if not data_path.is_file():
         raise BadInput(path, f"data file not found: {data_path}", field="data.path")
@@ -635,7 +388,12 @@ def freeze_doc(doc: dict, where: Path | str, overrides: list[str] | None = None)
             field="data.sha256",
         )
     m.data.sha256 = data_sha
+    return data_path
 
+
+def _resolve_tokenizer(m: Manifest, path: Path, base: Path) -> Path | None:
+    """The tokenizer (its file, for a 'bpe' one), its sha256 checked and recorded, its vocabulary checked
+    against the model's."""
     from disttrace.data.tokenizer import load_tokenizer  # tokenizers is light; no torch here
 
     tok_path = None
@@ -660,6 +418,20 @@ def freeze_doc(doc: dict, where: Path | str, overrides: list[str] | None = None)
             f"{m.model.vocab_size} is smaller than the tokenizer's vocabulary ({tok.vocab_size})",
             field="model.vocab_size",
         )
+    return tok_path
+
+
+def freeze_doc(doc: dict, where: Path | str, overrides: list[str] | None = None) -> Frozen:
+    """`freeze` after the TOML is read: `doc` is a manifest document in the TOML's shape (e.g. built from a
+    DeepSpeed config), `where` the manifest file it stands for (errors name it; data and tokenizer paths
+    resolve against its folder)."""
+    path = Path(where)
+    doc = apply_overrides(doc, overrides or [])
+    m = validate(doc, path)
+    base = path.resolve().parent
+
+    data_path = _resolve_data(m, path, base)
+    tok_path = _resolve_tokenizer(m, path, base)
 
     if m.parallelism.dp < 1 or m.world_size > 4096:
         raise BadInput(path, f"world size {m.world_size} is out of range", field="parallelism.dp")

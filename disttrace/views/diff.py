@@ -1,13 +1,13 @@
 """Views of a diff result: a compact terminal view (rich) and a markdown summary (for CI job summaries).
 
 The comparison itself is `disttrace.analysis.diff.diff_runs`, which returns a `DiffResult`; this module
-only renders it. The HTML report draws the same result in `views/report.py`; the wording of the tolerance
+only renders it. The HTML report draws the same result in `views/report/`; the wording of the tolerance
 and bounds, the A/B rows and the grid's cell classes are `views/diffparts.py`'s, shared by all three.
 """
 
 from __future__ import annotations
 
-from disttrace.analysis.result import BoundKind, DiffResult, RankEntry
+from disttrace.analysis.result import DiffResult, RankEntry
 from disttrace.fmt import fmt_number, ranges, where
 from disttrace.views.diffparts import (
     CellClass,
@@ -15,6 +15,9 @@ from disttrace.views.diffparts import (
     bound_text,
     cell,
     error_text,
+    grid_steps,
+    propagation_row,
+    spread_text,
     tolerance_text,
 )
 
@@ -40,15 +43,8 @@ def _cell(rank_entry: RankEntry | None) -> tuple[str, str]:
 
 
 def _grid_cells(result: DiffResult) -> tuple[list[int], dict[int, dict[int, RankEntry]]]:
-    cs = result.compared_steps
     per_step = {s: e.ranks for s, e in result.step_entries().items()}
-    first, last = cs.first, cs.last
-    f = result.first_divergence
-    start = first
-    if f and f.step - first > GRID_STEPS - 10:
-        start = max(first, f.step - 5)
-    steps = list(range(start, min(last, start + GRID_STEPS - 1) + 1))
-    return steps, per_step
+    return grid_steps(result, GRID_STEPS, lead=5), per_step
 
 
 def render_rich(result: DiffResult, console, partial: str | None = None) -> None:
@@ -98,12 +94,7 @@ def render_rich(result: DiffResult, console, partial: str | None = None) -> None
             t.add_row(row.label, Text(row.a), Text(row.b), style="red" if row.alert else None)
         console.print(t)
         console.print(Text(error_text(f, result.mode), style="red"))
-        n_div = result.divergent_steps
-        rec = result.recovered_steps
-        msg = f"{n_div} divergent step(s) from step {f.step}"
-        if rec:
-            msg += f"; equal again at step(s) {ranges(rec)}"
-        console.print(Text(msg, style="dim"))
+        console.print(Text(spread_text(result), style="dim"))
 
     if result.numeric is not None and result.numeric.by_phase:
         t = Table(
@@ -199,21 +190,11 @@ def render_md(result: DiffResult, partial: str | None = None) -> str:
         lines.append("| step | ranks with differences | tensors differing | max rel err |")
         lines.append("| --- | --- | --- | --- |")
         shown = result.propagation[:20]
-        for e in shown:
-            rk = [str(r) for r, v in e.ranks.items() if v.differing]
-            tot = sum(v.total for v in e.ranks.values())
-            rels = [v.max_rel_err for v in e.ranks.values() if v.max_rel_err]
-            kinds = e.bound_kind_by_phase or {}
-            bounds = [
-                (b, kinds.get(p, BoundKind.DERIVED))
-                for p, b in (e.bound_by_phase or {}).items()
-                if b is not None
-            ]
-            worst = max(bounds, key=lambda bk: bk[0]) if bounds else None
+        for row in map(propagation_row, shown):
             lines.append(
-                f"| {e.step} | {', '.join(rk) or '-'} | {e.differing} / {tot} | "
-                f"{fmt_number(max(rels), '.2e') if rels else '-'}"
-                + (f" (bound {bound_text(*worst, '.2e')})" if worst else "")
+                f"| {row.step} | {', '.join(row.ranks) or '-'} | {row.differing} / {row.total} | "
+                f"{fmt_number(row.max_rel_err, '.2e') if row.max_rel_err is not None else '-'}"
+                + (f" (bound {bound_text(*row.worst_bound, '.2e')})" if row.worst_bound else "")
                 + " |"
             )
         if len(result.propagation) > len(shown):

@@ -1,14 +1,23 @@
 """The parts of a diff's rendering that the terminal, markdown and HTML views share: the tolerance's wording
-(every bound kind), a bound with its kind, the A/B rows of the first divergence, and the class of a
-rank x step grid cell. Each view only styles them (rich, markdown, HTML); none re-derives them."""
+(every bound kind), a bound with its kind, the A/B rows of the first divergence, how far it spread, the
+rows of the propagation table, the steps a grid draws and the class of a rank x step grid cell. Each view
+only styles them (rich, markdown, HTML); none re-derives them."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
 
-from disttrace.analysis.result import BoundKind, Divergence, RankEntry, RecordStats, Tolerance
-from disttrace.fmt import abbrev, agreeing_digits, fmt_number
+from disttrace.analysis.result import (
+    BoundKind,
+    DiffResult,
+    Divergence,
+    RankEntry,
+    RecordStats,
+    StepEntry,
+    Tolerance,
+)
+from disttrace.fmt import abbrev, agreeing_digits, fmt_number, ranges
 
 DIGEST_CHARS = 16
 
@@ -82,6 +91,60 @@ def error_text(f: Divergence, mode: str) -> str:
         + bound_text(f.bound, BoundKind.BITWISE if mode == "bitwise" else f.bound_kind)
         + (f" ({f.note})" if f.note else "")
     )
+
+
+def spread_text(d: DiffResult) -> str:
+    """How far the first divergence spread: its divergent steps, and the steps where the runs are equal
+    again (a result that diverged)."""
+    msg = f"{d.divergent_steps} divergent step(s) from step {d.first_divergence.step}"
+    if d.recovered_steps:
+        msg += f"; equal again at step(s) {ranges(d.recovered_steps)}"
+    return msg
+
+
+@dataclass
+class PropagationRow:
+    """One step of the propagation table."""
+
+    step: int
+    ranks: list[str]  # the ranks with a tensor beyond its bound
+    differing: int  # tensors beyond their bound, over every rank
+    total: int  # tensors compared, over every rank
+    max_rel_err: float | None  # the largest relative error of any rank (None: none was taken)
+    phases: list[str]  # the phases with a relative error
+    worst_bound: tuple[float, BoundKind] | None  # the largest bound of a phase, and its kind
+
+
+def propagation_row(ent: StepEntry) -> PropagationRow:
+    ranks = ent.ranks.values()
+    rels = [v.max_rel_err for v in ranks if v.max_rel_err is not None]
+    kinds = ent.bound_kind_by_phase or {}
+    bounds = [
+        (b, kinds.get(p, BoundKind.DERIVED))
+        for p, b in (ent.bound_by_phase or {}).items()
+        if b is not None
+    ]
+    return PropagationRow(
+        step=ent.step,
+        ranks=[str(k) for k, v in ent.ranks.items() if v.differing],
+        differing=ent.differing,
+        total=sum(v.total for v in ranks),
+        max_rel_err=max(rels) if rels else None,
+        phases=sorted({p for v in ranks for p in v.max_rel_err_by_phase}),
+        worst_bound=max(bounds, key=lambda bk: bk[0]) if bounds else None,
+    )
+
+
+def grid_steps(d: DiffResult, width: int, lead: int) -> list[int]:
+    """The steps a grid `width` steps wide draws: the compared steps from the first, or, where the first
+    divergence lies past the width's last `2 * lead` steps, from `lead` steps before it."""
+    cs = d.compared_steps
+    first, last = cs.first, cs.last
+    f = d.first_divergence
+    start = first
+    if f and f.step - first > width - 2 * lead:
+        start = max(first, f.step - lead)
+    return list(range(start, min(last, start + width - 1) + 1))
 
 
 class CellClass(enum.StrEnum):

@@ -1,8 +1,9 @@
-"""A plan (plan/costs.py) as rich tables: model states per ZeRO stage, activations, pipeline bubble, traffic."""
+"""A plan (plan/layout.py) as rich tables: model states per ZeRO stage, activations, pipeline bubble, traffic."""
 
 from __future__ import annotations
 
-from disttrace.plan.costs import ACTIVATION_VARIANTS, GiB, MiB, Plan
+from disttrace.plan.costs import ACTIVATION_VARIANTS, GiB, MiB
+from disttrace.plan.layout import Plan
 
 
 def human_bytes(n: int | None) -> str:

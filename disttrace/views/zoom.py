@@ -1,6 +1,6 @@
 """Views of a zoom result (analysis/zoom.py's `ZoomResult`): the diff it started from, then where inside the
 step the runs first differ. The rows and their wording are views/diffparts.py's, shared with the HTML report
-(views/report.py); this module only styles them."""
+(views/report/); this module only styles them."""
 
 from __future__ import annotations
 

@@ -1,0 +1,3 @@
+from disttrace.cli import main
+
+main()
