@@ -313,7 +313,7 @@ def zoom_result(
     if unit is None:
         where = _agree_inside(step, depth, first)
         return result(equal=diff.equal, step=step, first_divergence=first, inside=where, deep=runs)
-    first = _deep_divergence(first, unit, step, BoundKind(tol.kind(step, unit.rec.direction)))
+    first = _deep_divergence(first, unit, step, tol.kind(step, unit.rec.direction))
     r = unit.rec
     name = r.module or "(outside every module)"
     what = f"{r.op} #{r.op_index} in {name}" if r.kind == "op" else name

@@ -10,7 +10,6 @@ from disttrace.analysis.diff.compare import _phase_order, _RankStep
 from disttrace.analysis.diff.logical import CROSS_TOPOLOGY_PHASES, Warned
 from disttrace.analysis.diff.tol import _Tol
 from disttrace.analysis.result import (
-    BoundKind,
     ComparedSteps,
     DiffResult,
     DiffStats,
@@ -36,7 +35,7 @@ def _worst_by_phase(by_phase: dict[str, PhaseWorst], step: int, per_rank: dict, 
             if rel > cur.max_rel_err:
                 bnd = None if tol.user else rs.max_rel_bound.get(phase, tol.derived(step, phase))
                 cur.max_rel_err, cur.bound, cur.ratio = rel, bnd, rel / bnd if bnd else None
-                cur.step, cur.rank, cur.bound_kind = step, r, BoundKind(tol.kind(step, phase))
+                cur.step, cur.rank, cur.bound_kind = step, r, tol.kind(step, phase)
         for phase, (ratio, rel, bnd) in rs.ratio_by_phase.items():
             cur = by_phase[phase]
             if cur.max_ratio is None or ratio > cur.max_ratio:
@@ -98,9 +97,7 @@ class _Fold:
         if self.first_step is None and diverged_here:
             self.first_step = step
             key, unit = min((rs.first for rs in diverged_here), key=lambda fu: fu[0])
-            self.first_div = Divergence.of_unit(
-                unit, BoundKind(look.kind(step, unit.phase, unit.tensor))
-            )
+            self.first_div = Divergence.of_unit(unit, look.kind(step, unit.phase, unit.tensor))
         entry = StepEntry(
             step=step,
             equal=not diverged_here,
@@ -110,7 +107,7 @@ class _Fold:
         if self.mode == "numeric":  # the bound each phase's errors at this step are held to
             phases = sorted({p for rs in per_rank.values() for p in rs.max_rel}, key=_phase_order)
             entry.bound_by_phase = {p: look.compare_bound(step, p) for p in phases}
-            entry.bound_kind_by_phase = {p: BoundKind(look.kind(step, p)) for p in phases}
+            entry.bound_kind_by_phase = {p: look.kind(step, p) for p in phases}
         if self.first_step is not None:
             self.propagation.append(entry)
             if not diverged_here:

@@ -9,6 +9,7 @@ import numpy as np
 import pyarrow as pa
 
 from disttrace.analysis import tolerance
+from disttrace.analysis.result import BoundKind
 from disttrace.model.names import tensor_class
 
 TINY = 1e-300
@@ -178,8 +179,8 @@ class _Tol:
             )
         return self._cache[k]
 
-    def kind(self, step: int, phase: str, name: str | None = None) -> str:
-        """Where the bound at (step, phase) comes from: bitwise | user | calibrated | derived | none (no
+    def kind(self, step: int, phase: str, name: str | None = None) -> BoundKind:
+        """Where the bound at (step, phase) comes from: bitwise, user, calibrated, derived or none (no
         sound bound: a parameter under Adam, analysis/magnitudes.py)."""
         if (
             self.mags is not None
@@ -188,13 +189,13 @@ class _Tol:
             and ":" not in name
             and not self.mags[0].of(step, phase, 0, name, None, 0)[1]
         ):
-            return "none"
+            return BoundKind.NONE
         if self.mode == "bitwise" or self.user:
-            return "bitwise" if self.mode == "bitwise" else "user"
+            return BoundKind.BITWISE if self.mode == "bitwise" else BoundKind.USER
         return (
-            "calibrated"
+            BoundKind.CALIBRATED
             if self.cal is not None and self.cal.bound(step, phase, name) is not None
-            else "derived"
+            else BoundKind.DERIVED
         )
 
     def compare_bound(self, step: int, phase: str) -> float | None:

@@ -355,7 +355,7 @@ class _Look:
     def __init__(self, user: bool, kinds: dict, bounds: dict):
         self.user, self.kinds, self.bounds = user, kinds, bounds
 
-    def kind(self, step: int, phase: str, name: str | None = None) -> str:
+    def kind(self, step: int, phase: str, name: str | None = None) -> BoundKind:
         k = self.kinds.get((phase, name))
         if k is None:
             raise BadInput(
