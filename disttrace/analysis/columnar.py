@@ -86,6 +86,18 @@ def _digests(batch) -> np.ndarray:
 
 def _sketches(batch) -> np.ndarray:
     """(n, SKETCH_K) float64, nan where a record has no sketch (float32 and float64 columns merged)."""
+    a, b = batch.column("sketch"), batch.column("sketch64")
+    for whole, none in (
+        (a, b),
+        (b, a),
+    ):  # every record's sketch in one column: that column, widened
+        if not whole.null_count and none.null_count == len(none) and len(whole):
+            vals = whole.values.to_numpy(zero_copy_only=False)
+            return (
+                vals[whole.offset * SKETCH_K : (whole.offset + len(whole)) * SKETCH_K]
+                .reshape(-1, SKETCH_K)
+                .astype(np.float64)
+            )
     out = np.full((batch.num_rows, SKETCH_K), np.nan)
     for name in ("sketch", "sketch64"):
         arr = batch.column(name)
@@ -129,7 +141,10 @@ def _rowwise_equal(a: pa.Array, b: pa.Array) -> np.ndarray:
 
 def same_digest(ca: Columns, cb: Columns) -> np.ndarray:
     """Row by row: the same digest of the same kind (xxh3 or the device checksum)."""
-    return (_digests(ca) == _digests(cb)).all(axis=1) & (ca["device_digest"] == cb["device_digest"])
+    da, db = _digests(ca), _digests(cb)
+    if len(da):  # 16 bytes as two 64-bit words: an eighth of the comparisons
+        da, db = da.view(np.uint64), db.view(np.uint64)
+    return (da == db).all(axis=1) & (ca["device_digest"] == cb["device_digest"])
 
 
 def same_dtype_and_shape(ca: Columns, cb: Columns) -> np.ndarray:
@@ -242,16 +257,13 @@ def compare(
         bn = bs = base_bound(
             rows, order[rows], ba.column("tensor").take(pa.array(rows, pa.int64()))
         )
-    rounding = 2 * _sketch_rounding(
-        f32[rows], ba["numel"][rows], _last_dim(ba.column("shape"))[rows]
-    )
+    f32, numel_a, last = f32[rows], ba["numel"][rows], _last_dim(ba.column("shape"))[rows]
+    rounding = 2 * _sketch_rounding(f32, numel_a, last)
     bn, bs = np.where(unbounded, np.inf, bn), np.where(unbounded, np.inf, bs)
     bk = bs + rounding  # each sketch projection also carries its own float32 rounding
     if not bitwise and user is None:  # a user's bound is taken as given (diff.py's compare)
         # the recorded norm's and sum's own rounding, both records' (not where the phase must be exact)
-        norm_r, sum_r = _stat_rounding(
-            f32[rows], ba["numel"][rows], _last_dim(ba.column("shape"))[rows]
-        )
+        norm_r, sum_r = _stat_rounding(f32, numel_a, last)
         bn = bn + 2 * np.where(bn > 0, norm_r, 0.0)
         bs = bs + 2 * np.where(bs > 0, sum_r, 0.0)
 

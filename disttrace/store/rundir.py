@@ -236,6 +236,44 @@ def read_json(path: Path | str, root: Path | str | None = None) -> Any:
         raise BadInput(path, f"not valid JSON ({e.msg} at line {e.lineno})") from None
 
 
+_INDEX_INTS = (
+    "step",
+    "offset",
+    "length",
+    "records",
+)  # StepIndexEntry's StrictInt fields, each >= 0
+_INDEX_TEXT = ("digest", "sha256", "xxh3", "chain")  # its optional strings
+_TIME_NUMBERS = (
+    "start",
+    "collective_issue",
+    "end",
+)  # StepTimes' optional numbers (StrictInt | StrictFloat)
+
+
+def _plain_index_line(e: dict) -> bool:
+    """True for a step-index line both models accept as the writer writes it (exact types: a bool is no int);
+    False for anything else, which the models then judge. Never True for a line they would refuse."""
+    for k in _INDEX_INTS:
+        v = e.get(k)
+        if type(v) is not int or v < 0:
+            return False
+    for k in _INDEX_TEXT:
+        v = e.get(k)
+        if v is not None and type(v) is not str:
+            return False
+    if "time" not in e:
+        return True
+    t = e["time"]
+    if type(t) is not dict:
+        return False
+    for k in _TIME_NUMBERS:
+        v = t.get(k)
+        if v is not None and type(v) is not float and type(v) is not int:
+            return False
+    v = t.get("spans")
+    return v is None or type(v) is list or type(v) is dict
+
+
 @dataclass
 class JsonlRead:
     records: list
@@ -473,6 +511,22 @@ class Run:
             entries.append(StepIndexEntry.parse_line(e, p, n))
             StepTimes.parse_line(e.get("time") or {}, p, n)
         return JsonlRead(entries, read.torn)
+
+    def step_index_lines(self, rank: int) -> JsonlRead:
+        """`step_index` as the lines the file holds (dicts, every key in the file's order: what
+        `StepIndexEntry.as_read` gives), for a reader of many lines (diff). Every line is held to the same
+        models: a line of the writer's shape is checked by `_plain_index_line` (a few type tests, no model
+        built), any other goes through StepIndexEntry and StepTimes, so what is refused, and the message that
+        refuses it, are `step_index`'s."""
+        p = self.rank_path("trajectory", rank, ".steps.jsonl")
+        if not safeio.present(p):
+            return JsonlRead([], None)
+        read = read_jsonl(p, self.path)
+        for n, e in enumerate(read.records, 1):
+            if not _plain_index_line(e):
+                StepIndexEntry.parse_line(e, p, n)
+                StepTimes.parse_line(e.get("time") or {}, p, n)
+        return read
 
     def step_times(self, rank: int) -> JsonlRead:
         """`steps/rank-N.jsonl` (run/stepclock.py): one line per step, kept whether the run records or not."""

@@ -561,8 +561,14 @@ def _frame_block(steps: list[bytes]) -> tuple[int, bytes, np.ndarray] | None:
 
 
 def _le(raw: np.ndarray, at: np.ndarray, dtype: str) -> np.ndarray:
-    """The little-endian values of `dtype` at byte positions `at` (checked to lie inside `raw`)."""
+    """The little-endian values of `dtype` at byte positions `at` (checked to lie inside `raw`). Where every
+    position is a multiple of the width (the writer aligns its headers and buffers to 8 bytes), one gather
+    from `raw` seen as that type; else byte by byte."""
     width = np.dtype(dtype).itemsize
+    if width == 1:
+        return raw[at].astype(np.int64)
+    if len(at) > 8 and not (at & (width - 1)).any():
+        return raw[: len(raw) - len(raw) % width].view(dtype)[at // width].astype(np.int64)
     return raw[at[:, None] + np.arange(width)].view(dtype).reshape(-1).astype(np.int64)
 
 
@@ -947,7 +953,7 @@ def _declared(raw, step, start, body, offset, length, n_steps: int) -> np.ndarra
     and how long it is, the buffer's offset and length in that body."""
     inside = (length >= 8) & (offset >= 0) & (offset <= body - 8)
     step, at, length = step[inside], (start + offset)[inside], length[inside]
-    size = raw[at[:, None] + np.arange(8)].copy().view("<i8").reshape(-1)
+    size = _le(raw, at, "<i8")
     # size <= 256 * length without overflow: ceil(size / 256) <= length
     bad = (size != -1) & (
         (size < 0) | (size // _LZ4_MAX_EXPANSION + (size % _LZ4_MAX_EXPANSION > 0) > length)

@@ -111,9 +111,9 @@ class _Side:
                     )
         steps_path = self.run.rank_path("trajectory", rank, ".steps.jsonl")
         if use_index and safeio.present(steps_path):
-            read = self.run.step_index(rank)
-            # the stored lines: the same shape as the entries a scan rebuilds without an index
-            lines = [e.as_read() for e in read.records]
+            # the stored lines, validated: the same shape as the entries a scan rebuilds without an index
+            read = self.run.step_index_lines(rank)
+            lines = read.records
             if read.torn:
                 self.warnings.append(f"run {self.label}: {read.torn}")
             broken = seal.first_chain_break(rank, lines)
