@@ -338,6 +338,12 @@ def main() -> None:
         help="processes writing the stores (default: 2 for a large one)",
     )
     ap.add_argument("--json", default=None, help="also write every figure to this file")
+    ap.add_argument(
+        "--measured",
+        nargs="*",
+        default=None,
+        help="--json files of earlier runs: their points are not measured again (the curves take them)",
+    )
     ap.add_argument("--child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
@@ -353,22 +359,28 @@ def main() -> None:
     if args.point:
         curves = {"point": [tuple(int(x) for x in args.point.split("x"))]}
     else:
-        curves = {
-            "ranks": [(r, s0, n0) for r in args.ranks],
+        curves = {  # in this order, each in the order given: the point to measure first, first
             "steps": [(r0, s, n0) for s in args.steps],
+            "ranks": [(r, s0, n0) for r in args.ranks],
             "records": [(r0, s0, n) for n in args.records],
         }
     results: dict[str, list[dict]] = {}
     done: dict[tuple, dict] = {}  # a point two curves share is measured once
+    for f in (
+        args.measured or []
+    ):  # points measured by an earlier run (its --json), not measured again
+        for pts in json.loads(Path(f).read_text()).values():
+            for p in pts:
+                done[(p["ranks"], p["steps"], p["records"])] = p
     try:
         for name, pts in curves.items():
             print(f"{name}:", flush=True)
             results[name] = []
             for p in pts:
-                if p not in done:
+                if p not in done or not set(commands) <= set(done[p]["commands"]):
                     done[p] = run_point(base, *p, commands, args.keep, args.jobs)
                 else:
-                    print(f"  {'x'.join(map(str, p))}: measured above", flush=True)
+                    print(f"  {'x'.join(map(str, p))}: measured before", flush=True)
                 results[name].append(done[p])
                 if args.json:
                     Path(args.json).write_text(json.dumps(results, indent=1))

@@ -99,9 +99,12 @@ _BASE = {
 }
 
 
-def manifest(ranks: int = 2, steps: int = 10, accumulation: int = 1, **over) -> dict:
+def manifest(
+    ranks: int = 2, steps: int = 10, accumulation: int = 1, name: str = "scale", **over
+) -> dict:
     """A data-parallel manifest; `over`: dotted overrides, e.g. manifest(**{"model.dim": 64})."""
     m = copy.deepcopy(_BASE)
+    m["experiment"]["name"] = name
     m["parallelism"]["dp"] = ranks
     m["training"]["steps"] = steps
     m["training"]["grad_accum_steps"] = accumulation
