@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import orjson
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
@@ -83,3 +84,81 @@ def test_a_store_written_in_processes_reads_back(tmp_path):
     r = diff_runs(ref, late)
     f = r.first_divergence
     assert [f.step, f.rank, f.phase, f.index] == synthetic.planted(n, steps, 1, 17)
+
+
+# ---------------------------------------------------------------- what a diff holds of each rank's index
+
+
+def _slim(e: dict) -> dict:
+    """What diff reads of an index line (the oracle: the line itself, the other fields left out)."""
+    return {
+        "step": e["step"],
+        "offset": e["offset"],
+        "length": e["length"],
+        "records": e.get("records"),
+        "digest": e.get("digest"),
+        "xxh3": e.get("xxh3"),
+        "sha256": e.get("sha256") if e.get("xxh3") is None else None,
+    }
+
+
+def test_step_entries_give_back_what_the_lines_said():
+    import random
+
+    from disttrace.analysis.diff.side import StepEntries
+
+    rng = random.Random(5)
+    odd = [None, "dev:" + "a" * 32, "A" * 32, "0" * 31, "", 7]
+    for trial in range(200):
+        n = rng.randint(0, 30)
+        first = rng.randint(0, 5)
+        steps = (
+            list(range(first, first + n))
+            if trial % 2
+            else sorted(rng.sample(range(1, 3 * n + 2), n))
+        )
+        lines = {}
+        for s in steps:
+            e = {"step": s, "offset": rng.randint(0, 1 << 40), "length": rng.randint(0, 1 << 20)}
+            e["records"] = rng.choice([rng.randint(0, 10**6), None, 0])
+            for key in ("digest", "xxh3"):
+                e[key] = f"{rng.getrandbits(128):032x}" if rng.random() < 0.8 else rng.choice(odd)
+            if rng.random() < 0.3:
+                e["sha256"] = f"{rng.getrandbits(256):064x}"
+            e["chain"], e["time"] = "c" * 64, {"start": 0.0, "end": 1.0}
+            lines[s] = e
+        got = StepEntries(lines)
+        assert list(got) == steps and len(got) == n
+        for s in steps:
+            assert s in got and got[s] == _slim(lines[s]), (trial, s)
+        for s in (-1, first - 1, max(steps, default=0) + 1, 3 * n + 5):
+            if s not in lines:
+                assert s not in got and got.get(s) is None
+
+
+def test_a_sides_index_is_a_few_dozen_bytes_a_rank_step(tmp_path):
+    """The index a side holds grows by ~64 bytes a rank-step (the lines as parsed took ~1 KB)."""
+    import tracemalloc
+
+    from disttrace.analysis.diff.side import _Side
+
+    ranks, steps = 2, 800
+    m = synthetic.manifest(ranks, steps)
+    synthetic.write_shared(tmp_path / "a", m)
+    synthetic.write_ranks([synthetic.Variant(str(tmp_path / "a"))], ranks, steps, 6, jobs=1)
+    synthetic.complete(tmp_path / "a", None)
+    side = _Side("a", tmp_path / "a", True, [])
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        side.load()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert side.steps == list(range(1, steps + 1))
+    assert held < 128 * ranks * steps, held / (ranks * steps)
+    e = side.entry(ranks - 1, steps)
+    line = orjson.loads(
+        (tmp_path / f"a/trajectory/rank-{ranks - 1:05d}.steps.jsonl").read_bytes().splitlines()[-1]
+    )
+    assert e == _slim(line)
