@@ -1,8 +1,8 @@
 """diff throughput: records per second to the first divergence on a large trajectory (docs/design.md; figures in docs/benchmarks.md).
 
-Writes synthetic run stores (default 2 ranks x 500 steps x 1000 records = 1,000,000 records each) with the
-recorder's own writer (store/trajectory.py: an Arrow stream per rank + step index with byte offsets, digest of
-digests and the chained sha256 of each step's bytes): a reference, a fault run identical except one record's
+Writes synthetic run stores (default 2 ranks x 500 steps x 1000 records = 1,000,000 records each) in the
+recorder's format (bench/synthetic.py: store/trajectory.py's writer, an Arrow stream per rank + step index with
+byte offsets, digest of digests and the chained sha256 of each step's bytes, COMPLETE's seal): a reference, a fault run identical except one record's
 digest (bits changed, statistics equal) near the end, a noisy run, and a run of another topology (half the
 ranks, twice the accumulation). Then, each in a fresh process:
 
@@ -44,238 +44,53 @@ import time
 from pathlib import Path
 
 import orjson
-import xxhash
 
 ROOT = Path(__file__).resolve().parent.parent
 # whose disttrace this process imports: the checkout the script lies in, or (a child measuring --against)
 # another checkout's
 sys.path.insert(0, os.environ.get("DISTTRACE_BENCH_CODE") or str(ROOT))
 
-from disttrace.store.seal import StepChain  # noqa: E402
+sys.path.insert(0, str(ROOT / "bench"))
 
-PHASE_PLAN = [
-    ("data", 1),
-    ("forward", 24),
-    ("loss", 1),
-    ("backward", 300),
-    ("reduce", 300),
-    ("optimizer", 374),
-]
-
-
-def manifest(ranks: int, steps: int) -> dict:
-    return {
-        "experiment": {"name": "bench", "edition": "v1", "seed": 0, "description": ""},
-        "data": {
-            "path": "corpus.jsonl",
-            "sha256": "a" * 64,
-            "eval_percent": 10,
-            "split_salt": "disttrace-v1",
-        },
-        "tokenizer": {"kind": "byte", "path": None, "sha256": "b" * 64},
-        "model": {
-            "dim": 256,
-            "n_layers": 24,
-            "n_heads": 8,
-            "n_kv_heads": 8,
-            "vocab_size": 4096,
-            "max_seq_len": 256,
-            "multiple_of": 32,
-            "ffn_hidden": 704,
-            "norm_eps": 1e-5,
-            "rope_theta": 10000.0,
-        },
-        "parallelism": {
-            "dp": ranks,
-            "tp": 1,
-            "pp": 1,
-            "zero_stage": 0,
-            "pp_schedule": "gpipe",
-            "architecture": "allreduce",
-            "staleness": 0,
-            "world_size": ranks,
-            "backend": "auto",
-        },
-        "training": {
-            "steps": steps,
-            "micro_batch_size": 4,
-            "grad_accum_steps": 1,
-            "lr": 1e-3,
-            "optimizer": "adamw",
-            "weight_decay": 0.0,
-            "beta1": 0.9,
-            "beta2": 0.95,
-            "dtype": "float32",
-        },
-        "checkpoint": {"interval": 0},
-        "debug": {"deterministic": True, "collective_timeout_s": 60.0},
-        "eval": {"max_batches": 16, "batch_size": 4, "loss_rtol": 0.02},
-    }
+import synthetic  # noqa: E402
 
 
 def step_records(step: int, rank: int, n: int) -> list[dict]:
-    """n records of one rank and step, in the recorder's order, with realistic names, shapes and sizes."""
-    recs = []
-    plan, total = [], 0
-    scale = n / sum(k for _, k in PHASE_PLAN)
-    for phase, k in PHASE_PLAN:
-        k = max(1, round(k * scale))
-        plan.append((phase, k))
-        total += k
-    plan[-1] = (plan[-1][0], plan[-1][1] + n - total)
-    for phase, k in plan:
-        for i in range(k):
-            name = (
-                f"layers.{i // 4}.attention.w{'qkvo'[i % 4]}.weight"
-                if phase != "data"
-                else "inputs"
-            )
-            # the reduced gradient and the optimizer's state are replicas: the same on every rank
-            who = 0 if phase in ("reduce", "optimizer") else rank
-            x = ((step * 1_000_003 + who * 7919 + i * 104_729) % 1_000_000) / 1e6
-            rec = {
-                "step": step,
-                "micro_batch": 0,
-                "phase": phase,
-                "rank": rank,
-                "index": i,
-                "tensor": name,
-                "dtype": "float32",
-                "shape": [256, 256],
-                "numel": 65536,
-                "digest": xxhash.xxh3_128_hexdigest(f"{step}/{who}/{phase}/{i}".encode()),
-                "sum": x * 3.0 - 1.5,
-                "norm": 10.0 + x,
-                "sketch": [x, -x, 2 * x, 0.5 - x],
-                "nonfinite": 0,
-            }
-            recs.append(rec)
-    return recs
-
-
-def _noisy(recs: list[dict]) -> list[dict]:
-    """The same tensors as another topology would round them: every value off by ~1e-12 relative (far inside
-    any derived bound), every digest different: a numeric diff reads and compares every record."""
-    out = []
-    for r in recs:
-        if (
-            r["phase"] == "data"
-        ):  # the same batch in any topology: the data phase compares bit for bit
-            out.append(r)
-            continue
-        e = 1e-12 * (1 + r["index"] % 7)
-        out.append(
-            {
-                **r,
-                "digest": xxhash.xxh3_128_hexdigest(r["digest"].encode()),
-                "sum": r["sum"] * (1 + e),
-                "norm": r["norm"] * (1 - e),
-                "sketch": [v * (1 + e) for v in r["sketch"]],
-            }
-        )
-    return out
+    """n records of one rank and step as the recorder hands them to its writer (bench/synthetic.py)."""
+    return synthetic.Layout(n).records(step, rank)
 
 
 def write_runs(
     root: Path, ranks: int, steps: int, n: int, plant: tuple[int, int, int], magnitudes=False
 ):
-    """Three run dirs written by the recorder's own writer (Arrow stream + sealed step index): `reference`,
-    `fault` (equal but one record's digest, one bit) and `noisy` (every value rounded differently)."""
-    from disttrace.store.trajectory import SUFFIX, TrajectoryWriter
-
-    m = manifest(ranks, steps)
-    lock = orjson.dumps(
-        {"manifest": m, "manifest_id": "f" * 64, "source": "bench", "overrides": [], "resolved": {}}
-    )
-    dirs = {k: root / k for k in ("reference", "fault", "noisy", "half")}
-    # `half`: another topology, half the data-parallel ranks, twice the accumulation (the same global batch)
-    half = max(1, ranks // 2)
-    mh = manifest(half, steps)
-    mh["training"]["grad_accum_steps"] = ranks // half
-    lock_half = orjson.dumps(
-        {
-            "manifest": mh,
-            "manifest_id": "e" * 64,
-            "source": "bench",
-            "overrides": [],
-            "resolved": {},
-        }
-    )
-    for k, d in dirs.items():
-        (d / "trajectory").mkdir(parents=True)
-        (d / "manifest.lock.json").write_bytes(lock_half if k == "half" else lock)
-        (d / "COMPLETE").write_bytes(b"{}\n")
-        (d / "run.json").write_bytes(
-            orjson.dumps({"path": "reference", "fault": None, "resume": None})
-        )
+    """Four run dirs in the recorder's format (bench/synthetic.py: the writer, each step's index line
+    sealed, COMPLETE with the seal): `reference`, `fault` (equal but one record's digest, one bit),
+    `noisy` (every value rounded differently) and `half` (noisy's first half of the ranks as another
+    topology: half the data-parallel ranks, twice the accumulation, the same global batch)."""
     p_step, p_rank, p_pos = plant
-    (dirs["fault"] / "run.json").write_bytes(
-        orjson.dumps(
-            {
-                "path": "fault",
-                "resume": None,
-                "fault": {"name": "bench", "step": p_step, "rank": p_rank},
-            }
-        )
-    )
-    planted = None
-    for rank in range(ranks):
-        writers = {
-            k: TrajectoryWriter(d / f"trajectory/rank-{rank:05d}{SUFFIX}")
-            for k, d in dirs.items()
-            if k != "half" or rank < half
-        }
-        chains = {
-            k: StepChain(rank) for k in writers
-        }  # the recorder's sha256 per step, chained: diff checks it
-        index = {k: bytearray() for k in writers}
-        scales = {k: bytearray() for k in writers}
-        for step in range(1, steps + 1):
-            recs = step_records(step, rank, n)
-            variants = {"reference": recs, "noisy": _noisy(recs), "fault": recs}
-            if rank < half:
-                variants["half"] = variants["noisy"]
-            if (step, rank) == (p_step, p_rank):
-                r = recs[p_pos]
-                planted = (step, rank, r["phase"], r["index"])
-                flipped = format(int(r["digest"], 16) ^ 1, "032x")  # one bit
-                variants["fault"] = recs[:p_pos] + [{**r, "digest": flipped}] + recs[p_pos + 1 :]
-            for k, rs in variants.items():
-                offset = writers[k].offset
-                blob = writers[k].write_step(rs)
-                entry = {
-                    "step": step,
-                    "offset": offset,
-                    "length": len(blob),
-                    "records": len(rs),
-                    "digest": _dod([r["digest"] for r in rs]),
-                    "time": {"start": 0.0, "end": 0.0},
-                }
-                index[k] += orjson.dumps(chains[k].seal_entry(entry, blob)) + b"\n"
-                if (
-                    magnitudes
-                ):  # what run/scales.py writes: each gradient's ||X|| ||dY|| (here 10x its norm)
-                    m: dict = {}
-                    for r in rs:
-                        if r["phase"] in ("backward", "reduce") and r.get("norm") is not None:
-                            m.setdefault(r["phase"], {}).setdefault(str(r["micro_batch"]), {})[
-                                str(r["index"])
-                            ] = 10 * r["norm"]
-                    scales[k] += orjson.dumps({"step": step, "m": m}) + b"\n"
-        for k in writers:
-            d = dirs[k]
-            writers[k].close()
-            (d / f"trajectory/rank-{rank:05d}.steps.jsonl").write_bytes(bytes(index[k]))
-            if magnitudes:
-                (d / f"trajectory/rank-{rank:05d}.scales.jsonl").write_bytes(bytes(scales[k]))
-    return dirs, planted
-
-
-def _dod(digests: list[str]) -> str:
-    h = xxhash.xxh3_128()
-    for d in digests:
-        h.update(d.encode())
-    return h.hexdigest()
+    half = max(1, ranks // 2)
+    dirs = {k: root / k for k in ("reference", "fault", "noisy", "half")}
+    m = synthetic.manifest(ranks, steps, name="bench")
+    for k in ("reference", "noisy"):
+        synthetic.write_shared(dirs[k], m, replicas=False)
+    fault = {"name": "bench", "step": p_step, "rank": p_rank}
+    synthetic.write_shared(dirs["fault"], m, "fault", fault, replicas=False)
+    mh = synthetic.manifest(half, steps, ranks // half, name="bench")
+    synthetic.write_shared(dirs["half"], mh, replicas=False)
+    variants = [
+        synthetic.Variant(str(dirs["reference"]), scales=magnitudes),
+        synthetic.Variant(
+            str(dirs["fault"]), flip=(p_step, p_pos), flip_rank=p_rank, scales=magnitudes
+        ),
+        synthetic.Variant(str(dirs["noisy"]), noisy=True, scales=magnitudes),
+        synthetic.Variant(
+            str(dirs["half"]), noisy=True, ranks=tuple(range(half)), scales=magnitudes
+        ),
+    ]
+    parts = synthetic.write_ranks(variants, ranks, steps, n)
+    for k, p in zip(dirs, parts):
+        synthetic.complete(dirs[k], p)
+    return dirs, tuple(synthetic.planted(n, p_step, p_rank, p_pos))
 
 
 def child(a: str, b: str, mode: str, trace: bool) -> None:

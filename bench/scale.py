@@ -52,25 +52,15 @@ import tempfile
 import time
 from pathlib import Path
 
-import orjson
-import xxhash
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from disttrace.store import seal  # noqa: E402
-from disttrace.store.trajectory import SUFFIX, TrajectoryWriter  # noqa: E402
+sys.path.insert(0, str(ROOT / "bench"))
 
-# per 1,000 records of a rank-step, the default run's mix (bench/diff_speed.py's)
-PHASE_PLAN = [
-    ("data", 1),
-    ("forward", 24),
-    ("loss", 1),
-    ("backward", 300),
-    ("reduce", 300),
-    ("optimizer", 374),
-]
-REPLICATED = ("reduce", "optimizer")  # the same on every data-parallel rank (check's "agree" rules)
+import synthetic  # noqa: E402
+
+from disttrace.store.trajectory import SUFFIX  # noqa: E402
+
 COMMANDS = (
     "diff-late",
     "diff-early",
@@ -84,188 +74,6 @@ COMMANDS = (
 )
 
 
-def manifest(ranks: int, steps: int, accumulation: int = 1) -> dict:
-    return {
-        "experiment": {"name": "scale", "edition": "v1", "seed": 0, "description": ""},
-        "data": {
-            "path": "corpus.jsonl",
-            "sha256": "a" * 64,
-            "eval_percent": 10,
-            "split_salt": "disttrace-v1",
-        },
-        "tokenizer": {"kind": "byte", "path": None, "sha256": "b" * 64},
-        "model": {
-            "dim": 256,
-            "n_layers": 24,
-            "n_heads": 8,
-            "n_kv_heads": 8,
-            "vocab_size": 4096,
-            "max_seq_len": 256,
-            "multiple_of": 32,
-            "ffn_hidden": 704,
-            "norm_eps": 1e-5,
-            "rope_theta": 10000.0,
-        },
-        "parallelism": {
-            "dp": ranks,
-            "tp": 1,
-            "pp": 1,
-            "zero_stage": 0,
-            "pp_schedule": "gpipe",
-            "architecture": "allreduce",
-            "staleness": 0,
-            "world_size": ranks,
-            "backend": "auto",
-        },
-        "training": {
-            "steps": steps,
-            "micro_batch_size": 4,
-            "grad_accum_steps": accumulation,
-            "lr": 1e-3,
-            "optimizer": "adamw",
-            "weight_decay": 0.0,
-            "beta1": 0.9,
-            "beta2": 0.95,
-            "dtype": "float32",
-        },
-        "checkpoint": {"interval": 0},
-        "debug": {"deterministic": True, "collective_timeout_s": 60.0},
-        "eval": {"max_batches": 16, "batch_size": 4, "loss_rtol": 0.02},
-    }
-
-
-def templates(n: int) -> list[tuple[str, int, str]]:
-    """(phase, index, tensor name) of the n records of a rank-step, in the recorder's order."""
-    plan, total = [], 0
-    for phase, k in PHASE_PLAN:
-        k = max(1, round(k * n / 1000))
-        plan.append([phase, k])
-        total += k
-    plan[-1][1] += n - total
-    return [
-        (
-            phase,
-            i,
-            f"layers.{i // 4}.attention.w{'qkvo'[i % 4]}.weight" if phase != "data" else "inputs",
-        )
-        for phase, k in plan
-        for i in range(k)
-    ]
-
-
-_M1, _M2, _M3 = 0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9
-
-
-def step_records(step: int, rank: int, tmpl, noisy: bool = False) -> list[dict]:
-    """One rank-step's records; noisy: every value off by ~1e-12 relative and every digest different (the
-    data phase apart: the same token ids in any rounding)."""
-    out = []
-    for j, (phase, i, name) in enumerate(tmpl):
-        who = 0 if phase in REPLICATED else rank
-        d = (step * _M1 + who * _M2 + j * _M3 + 1) % (1 << 128)
-        x = ((step * 1_000_003 + who * 7919 + j * 104_729) % 1_000_000) / 1e6
-        s, nm, sk = x * 3.0 - 1.5, 10.0 + x, [x, -x, 2 * x, 0.5 - x]
-        if noisy and phase != "data":
-            e = 1e-12 * (1 + i % 7)
-            d ^= 0x5555
-            s, nm, sk = s * (1 + e), nm * (1 - e), [v * (1 + e) for v in sk]
-        out.append(
-            {
-                "step": step,
-                "micro_batch": 0,
-                "phase": phase,
-                "rank": rank,
-                "index": i,
-                "tensor": name,
-                "dtype": "float32",
-                "shape": [256, 256],
-                "numel": 65536,
-                "digest": format(d, "032x"),
-                "sum": s,
-                "norm": nm,
-                "sketch": sk,
-                "nonfinite": 0,
-            }
-        )
-    return out
-
-
-def _dod(recs: list[dict]) -> str:
-    h = xxhash.xxh3_128()
-    for r in recs:
-        h.update(r["digest"].encode())
-    return h.hexdigest()
-
-
-class _Rank:
-    """One rank's files of one store, written as the recorder writes them."""
-
-    def __init__(self, run: Path, rank: int):
-        self.run, self.rank = run, rank
-        self.writer = TrajectoryWriter(run / f"trajectory/rank-{rank:05d}{SUFFIX}")
-        self.chain = seal.StepChain(rank)
-        self.index = bytearray()
-        self.times = bytearray()
-
-    def step(self, step: int, recs: list[dict]) -> None:
-        offset = self.writer.offset
-        blob = self.writer.write_step(recs)
-        t0 = 10.0 * step
-        entry = {
-            "step": step,
-            "offset": offset,
-            "length": len(blob),
-            "records": len(recs),
-            "digest": _dod(recs),
-            "time": {
-                "start": t0,
-                "collective_issue": t0 + 0.01 * (1 + self.rank % 3),
-                "end": t0 + 1,
-            },
-        }
-        self.index += orjson.dumps(self.chain.seal_entry(entry, blob)) + b"\n"
-        self.times += orjson.dumps({"step": step, "seconds": 1.0}) + b"\n"
-
-    def close(self) -> dict:
-        self.writer.close()
-        (self.run / f"trajectory/rank-{self.rank:05d}.steps.jsonl").write_bytes(bytes(self.index))
-        (self.run / f"steps/rank-{self.rank:05d}.jsonl").write_bytes(bytes(self.times))
-        return seal.rank_part(self.run, self.rank, self.chain.last, self.chain.steps)
-
-
-def _shared(run: Path, m: dict, kind: str, fault: dict | None = None) -> None:
-    for sub in ("trajectory", "steps"):
-        (run / sub).mkdir(parents=True, exist_ok=True)
-    mid = xxhash.xxh3_128_hexdigest(orjson.dumps(m, option=orjson.OPT_SORT_KEYS)) * 2
-    lock = {"manifest": m, "manifest_id": mid, "source": "bench", "overrides": [], "resolved": {}}
-    (run / "manifest.lock.json").write_bytes(orjson.dumps(lock))
-    (run / "run.json").write_bytes(orjson.dumps({"path": kind, "fault": fault, "resume": None}))
-    ranks = m["parallelism"]["world_size"]
-    groups = {"dp": [list(range(ranks))]}
-    rules = [
-        {"phase": "data", "dim": "dp", "relation": "differ"},
-        {"phase": "reduce", "dim": "dp", "relation": "agree"},
-        {"phase": "optimizer", "dim": "dp", "relation": "agree"},
-    ]
-    (run / "replicas.json").write_bytes(orjson.dumps({"groups": groups, "rules": rules}))
-    where = [
-        {
-            "rank": r,
-            "host": f"node{r // 8}",
-            "node_rank": r // 8,
-            "local_rank": r % 8,
-            "coords": {"dp": r},
-        }
-        for r in range(ranks)
-    ]
-    topology = {"groups": groups, "mesh_dims": ["dp"], "mesh_shape": {"dp": ranks}, "ranks": where}
-    (run / "topology.json").write_bytes(orjson.dumps(topology))
-
-
-def _complete(run: Path, parts: list[dict]) -> None:
-    (run / "COMPLETE").write_bytes(orjson.dumps({"seal": seal.build_seal(run, parts)}))
-
-
 def _link_tree(src: Path, dst: Path, skip: set[str] = frozenset()) -> None:
     for p in src.rglob("*"):
         rel = p.relative_to(src)
@@ -276,64 +84,53 @@ def _link_tree(src: Path, dst: Path, skip: set[str] = frozenset()) -> None:
             os.link(p, dst / rel)
 
 
-def write_point(root: Path, ranks: int, steps: int, n: int, need: set[str]) -> dict:
-    """The stores of one point; returns their paths and the planted coordinates."""
-    tmpl = templates(n)
+def _rank_files(rank: int) -> set[str]:
+    return {
+        f"trajectory/rank-{rank:05d}{SUFFIX}",
+        f"trajectory/rank-{rank:05d}.steps.jsonl",
+        f"steps/rank-{rank:05d}.jsonl",
+    }
+
+
+def write_point(root: Path, ranks: int, steps: int, n: int, need: set[str], jobs=None) -> dict:
+    """The stores of one point (bench/synthetic.py, ranks in `jobs` processes); returns their paths and
+    the planted coordinates."""
     runs = {k: root / k for k in ("ref", "same", "early", "late", "noisy", "half")}
-    m = manifest(ranks, steps)
-    _shared(runs["ref"], m, "reference")
+    m = synthetic.manifest(ranks, steps)
+    synthetic.write_shared(runs["ref"], m)
+    variants = [synthetic.Variant(str(runs["ref"]))]
     numeric = bool(need & {"numeric", "cross"})
     if numeric:
-        _shared(runs["noisy"], m, "reference")
-    parts = []
-    for rank in range(ranks):
-        ref = _Rank(runs["ref"], rank)
-        noisy = _Rank(runs["noisy"], rank) if numeric else None
-        for step in range(1, steps + 1):
-            ref.step(step, step_records(step, rank, tmpl))
-            if noisy is not None:
-                noisy.step(step, step_records(step, rank, tmpl, noisy=True))
-        parts.append(ref.close())
-        if noisy is not None:
-            noisy.close()
-    _complete(runs["ref"], parts)
-    _link_tree(runs["ref"], runs["same"])
-    # one bit of one digest of the last rank, at step 1 and at the last step: that rank's files rewritten
+        synthetic.write_shared(runs["noisy"], m)
+        variants.append(synthetic.Variant(str(runs["noisy"]), noisy=True))
+    # one bit of one digest of the last rank, at step 1 and at the last step: that rank's files written
+    # again, the others linked to ref's
     last, pos = ranks - 1, n // 2
-    planted = {}
+    planted, flips = {}, {}
     for kind, at in (("early", 1), ("late", steps)):
         if f"diff-{kind}" not in need and not (kind == "late" and "report" in need):
             continue
-        rel = {f"trajectory/rank-{last:05d}{SUFFIX}", f"trajectory/rank-{last:05d}.steps.jsonl"}
-        rel |= {f"steps/rank-{last:05d}.jsonl", "COMPLETE", "run.json"}
-        _link_tree(runs["ref"], runs[kind], rel)
         fault = {"name": "bench", "step": at, "rank": last}
-        (runs[kind] / "run.json").write_bytes(
-            orjson.dumps({"path": "fault", "fault": fault, "resume": None})
-        )
-        w = _Rank(runs[kind], last)
-        for step in range(1, steps + 1):
-            recs = step_records(step, last, tmpl)
-            if step == at:
-                r = recs[pos]
-                recs[pos] = {**r, "digest": format(int(r["digest"], 16) ^ 1, "032x")}
-                planted[kind] = [step, last, r["phase"], r["index"]]
-            w.step(step, recs)
-        w.close()
-        (runs[kind] / "COMPLETE").write_bytes(b"{}")
+        synthetic.write_shared(runs[kind], m, "fault", fault)
+        flips[kind] = len(variants)
+        variants.append(synthetic.Variant(str(runs[kind]), flip=(at, pos), ranks=(last,)))
+        planted[kind] = synthetic.planted(n, at, last, pos)
+    parts = synthetic.write_ranks(variants, ranks, steps, n, jobs)
+    synthetic.complete(runs["ref"], parts[0])
+    _link_tree(runs["ref"], runs["same"])
+    for kind, k in flips.items():
+        skip = _rank_files(last) | {"COMPLETE", "run.json", "manifest.lock.json", "replicas.json"}
+        _link_tree(runs["ref"], runs[kind], skip | {"topology.json"})
+        synthetic.complete(runs[kind], parts[0][:-1] + parts[k])
+    if numeric:
+        synthetic.complete(runs["noisy"], parts[1])
     if "cross" in need:  # noisy's first half of the ranks, another topology (the same global batch)
         half = max(1, ranks // 2)
-        _shared(runs["half"], manifest(half, steps, ranks // half), "reference")
+        synthetic.write_shared(runs["half"], synthetic.manifest(half, steps, ranks // half))
         for rank in range(half):
-            for rel in (
-                f"trajectory/rank-{rank:05d}{SUFFIX}",
-                f"trajectory/rank-{rank:05d}.steps.jsonl",
-                f"steps/rank-{rank:05d}.jsonl",
-            ):
+            for rel in _rank_files(rank):
                 os.link(runs["noisy"] / rel, runs["half"] / rel)
-        (runs["half"] / "COMPLETE").write_bytes(b"{}")
-    if numeric:
-        (runs["noisy"] / "COMPLETE").write_bytes(b"{}")
+        synthetic.complete(runs["half"], parts[1][:half])
     return {"runs": {k: str(v) for k, v in runs.items()}, "planted": planted}
 
 
@@ -361,6 +158,11 @@ def _rchar() -> int:
     except OSError:
         pass
     return 0
+
+
+def _cpu() -> float:
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return u.ru_utime + u.ru_stime
 
 
 def child(argv: list[str]) -> None:
@@ -403,14 +205,14 @@ def child(argv: list[str]) -> None:
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     out = io.StringIO()
     sys.argv = ["disttrace", *argv]
-    r0, t0 = _rchar(), time.perf_counter()
+    r0, t0, c0 = _rchar(), time.perf_counter(), _cpu()
     code = 0
     with contextlib.redirect_stdout(out):
         try:
             cli.main()
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, _cpu() - c0
     read = _rchar() - r0 + mapped[0]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     doc = None
@@ -425,6 +227,7 @@ def child(argv: list[str]) -> None:
             {
                 "code": code,
                 "seconds": dt,
+                "cpu_seconds": cpu,
                 "rss_mib": peak / 1024,
                 "added_mib": (peak - base_rss) / 1024,
                 "read_bytes": read,
@@ -466,17 +269,18 @@ def slope(xs: list[float], ys: list[float]) -> float | None:
     return sum((x - mx) * (y - my) for x, y in pts) / sxx if sxx else None
 
 
-def run_point(base: Path, ranks: int, steps: int, n: int, commands, keep: bool) -> dict:
+def run_point(base: Path, ranks: int, steps: int, n: int, commands, keep: bool, jobs=None) -> dict:
     root = base / f"p{ranks}x{steps}x{n}"
     root.mkdir(parents=True)
     try:
         t0 = time.perf_counter()
-        point = write_point(root, ranks, steps, n, set(commands))
+        point = write_point(root, ranks, steps, n, set(commands), jobs)
         size = sum(p.stat().st_size for p in Path(point["runs"]["ref"]).glob("trajectory/*.arrows"))
         records = ranks * steps * n
         print(
             f"  {ranks:>5} ranks x {steps:>5} steps x {n:>5} records = {records:>12,} records a run, "
-            f"{size / 2**20:9.1f} MiB a run; written in {time.perf_counter() - t0:6.1f} s",
+            f"{size / 2**20:9.1f} MiB a run; written in {time.perf_counter() - t0:6.1f} s; "
+            f"load {' '.join(f'{x:.1f}' for x in os.getloadavg())}",
             flush=True,
         )
         res = {}
@@ -484,7 +288,8 @@ def run_point(base: Path, ranks: int, steps: int, n: int, commands, keep: bool) 
             r = measure(c, point, root)
             res[c] = r
             print(
-                f"      {c:<10} {r['seconds']:9.3f} s  {r['seconds'] / records * 1e6:8.3f} us/record  "
+                f"      {c:<10} {r['seconds']:9.3f} s ({r['cpu_seconds']:8.2f} s CPU)  "
+                f"{r['cpu_seconds'] / records * 1e6:8.3f} CPU us/record  "
                 f"peak RSS {r['rss_mib']:7.0f} MiB (+{r['added_mib']:6.0f})  read {r['read_bytes'] / 2**20:9.1f} MiB",
                 flush=True,
             )
@@ -526,7 +331,19 @@ def main() -> None:
         "--dir", default=None, help="where to write the stores (default: a new directory in /tmp)"
     )
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="processes writing the stores (default: 2 for a large one)",
+    )
     ap.add_argument("--json", default=None, help="also write every figure to this file")
+    ap.add_argument(
+        "--measured",
+        nargs="*",
+        default=None,
+        help="--json files of earlier runs: their points are not measured again (the curves take them)",
+    )
     ap.add_argument("--child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
@@ -542,33 +359,49 @@ def main() -> None:
     if args.point:
         curves = {"point": [tuple(int(x) for x in args.point.split("x"))]}
     else:
-        curves = {
-            "ranks": [(r, s0, n0) for r in args.ranks],
+        curves = {  # in this order, each in the order given: the point to measure first, first
             "steps": [(r0, s, n0) for s in args.steps],
+            "ranks": [(r, s0, n0) for r in args.ranks],
             "records": [(r0, s0, n) for n in args.records],
         }
     results: dict[str, list[dict]] = {}
+    done: dict[tuple, dict] = {}  # a point two curves share is measured once
+    for f in (
+        args.measured or []
+    ):  # points measured by an earlier run (its --json), not measured again
+        for pts in json.loads(Path(f).read_text()).values():
+            for p in pts:
+                done[(p["ranks"], p["steps"], p["records"])] = p
     try:
         for name, pts in curves.items():
             print(f"{name}:", flush=True)
-            results[name] = [run_point(base, *p, commands, args.keep) for p in pts]
+            results[name] = []
+            for p in pts:
+                if p not in done or not set(commands) <= set(done[p]["commands"]):
+                    done[p] = run_point(base, *p, commands, args.keep, args.jobs)
+                else:
+                    print(f"  {'x'.join(map(str, p))}: measured before", flush=True)
+                results[name].append(done[p])
+                if args.json:
+                    Path(args.json).write_text(json.dumps(results, indent=1))
     finally:
         if not args.keep and not args.dir:
             shutil.rmtree(base, ignore_errors=True)
-    print("\ngrowth exponents (slope of log cost against log size; time / added memory):")
+    print(
+        "\ngrowth exponents (slope of log cost against log size; wall time / CPU time / added memory):"
+    )
     dims = [d for d in ("ranks", "steps", "records") if len(results.get(d, [])) > 1]
-    print(f"  {'command':<10} " + " ".join(f"{d:>16}" for d in dims))
+    print(f"  {'command':<10} " + " ".join(f"{d:>22}" for d in dims))
     for c in commands:
         cells = []
         for d in dims:
             pts = results[d]
             xs = [p[d] for p in pts]
             t = slope(xs, [p["commands"][c]["seconds"] for p in pts])
+            u = slope(xs, [p["commands"][c]["cpu_seconds"] for p in pts])
             m = slope(xs, [max(p["commands"][c]["added_mib"], 1.0) for p in pts])
-            cells.append(f"{t:7.2f} / {m:5.2f}  " if t is not None else f"{'-':>16}")
+            cells.append(f"{t:6.2f} / {u:5.2f} / {m:5.2f}  " if t is not None else f"{'-':>22}")
         print(f"  {c:<10} " + " ".join(cells))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -12,16 +12,21 @@ import copy
 import io
 import math
 import random
+import sys
+from pathlib import Path
 
 import orjson
 import pytest
 import xxhash
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+import synthetic  # noqa: E402
+
 from disttrace.analysis import tolerance
 from disttrace.analysis.diff import diff_runs
 from disttrace.errors import BadInput
 from disttrace.store.rundir import PHASE_ORDER
-from disttrace.store.trajectory import TrajectoryWriter
 from disttrace.views.diff import render_md, render_rich
 
 FORMAT = {"suffix": ".arrows"}
@@ -37,53 +42,21 @@ def trajectory_format(request):
 
 # ---------------------------------------------------------------- building synthetic runs
 
-BASE = {
-    "experiment": {"name": "synthetic", "edition": "v1", "seed": 0, "description": ""},
-    "data": {
-        "path": "corpus.jsonl",
-        "sha256": "a" * 64,
-        "eval_percent": 10,
-        "split_salt": "disttrace-v1",
+# the benches' manifest (bench/synthetic.py), a tiny model, 2 ranks, 6 steps
+BASE = synthetic.manifest(
+    2,
+    6,
+    name="synthetic",
+    **{
+        "model.dim": 64,
+        "model.n_layers": 2,
+        "model.n_heads": 4,
+        "model.n_kv_heads": 4,
+        "model.vocab_size": 256,
+        "model.max_seq_len": 64,
+        "model.ffn_hidden": 192,
     },
-    "tokenizer": {"kind": "byte", "path": None, "sha256": "b" * 64},
-    "model": {
-        "dim": 64,
-        "n_layers": 2,
-        "n_heads": 4,
-        "n_kv_heads": 4,
-        "vocab_size": 256,
-        "max_seq_len": 64,
-        "multiple_of": 32,
-        "ffn_hidden": 192,
-        "norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-    },
-    "parallelism": {
-        "dp": 2,
-        "tp": 1,
-        "pp": 1,
-        "zero_stage": 0,
-        "pp_schedule": "gpipe",
-        "architecture": "allreduce",
-        "staleness": 0,
-        "world_size": 2,
-        "backend": "auto",
-    },
-    "training": {
-        "steps": 6,
-        "micro_batch_size": 4,
-        "grad_accum_steps": 1,
-        "lr": 1e-3,
-        "optimizer": "adamw",
-        "weight_decay": 0.0,
-        "beta1": 0.9,
-        "beta2": 0.95,
-        "dtype": "float32",
-    },
-    "checkpoint": {"interval": 0},
-    "debug": {"deterministic": True, "collective_timeout_s": 60.0},
-    "eval": {"max_batches": 16, "batch_size": 4, "loss_rtol": 0.02},
-}
+)
 PARAMS = [
     "tok_embeddings.weight",
     "layers.0.attention.wq.weight",
@@ -219,45 +192,38 @@ def write_run(
     fault=None,
 ):
     """Write a run dir exactly like the recorder does; `torn_rank` gets half a line appended (a crash)."""
-    path.mkdir(parents=True)
-    mid = xxhash.xxh3_128_hexdigest(orjson.dumps(m, option=orjson.OPT_SORT_KEYS)) * 2
-    (path / "manifest.lock.json").write_bytes(
-        orjson.dumps(
-            {"manifest": m, "manifest_id": mid, "source": "x", "overrides": [], "resolved": {}}
-        )
-    )
     resume = (
         {"checkpoint": f"checkpoints/step-{resume_step:06d}", "step": resume_step}
         if resume_step
         else None
     )
-    (path / "run.json").write_bytes(orjson.dumps({"path": kind, "fault": fault, "resume": resume}))
-    (path / "trajectory").mkdir()
+    synthetic.write_shared(path, m, kind, fault, resume, replicas=False)
     for rank, recs in records.items():
         by_step: dict[int, list[dict]] = {}
         for r in recs:
             by_step.setdefault(r["step"], []).append({k: v for k, v in r.items() if k != "salt"})
         if FORMAT["suffix"] == ".arrows":
-            data, index = _arrow_steps(path, rank, by_step)
+            _arrow_steps(path, rank, by_step)
         else:
             data, index = _jsonl_steps(by_step)
-        if rank == torn_rank:
-            data += (
+            (path / f"trajectory/rank-{rank:05d}.jsonl").write_bytes(bytes(data))
+            (path / f"trajectory/rank-{rank:05d}.steps.jsonl").write_bytes(bytes(index))
+        if rank == torn_rank:  # half a line / part of a message (a crash)
+            p = path / f"trajectory/rank-{rank:05d}{FORMAT['suffix']}"
+            data = p.read_bytes()
+            torn = (
                 b'{"step": 99, "micro_batch": 0, "pha'
                 if FORMAT["suffix"] == ".jsonl"
                 else data[len(data) // 2 : len(data) // 2 + 100]
-            )  # half a line / part of a message
-        (path / f"trajectory/rank-{rank:05d}{FORMAT['suffix']}").write_bytes(bytes(data))
-        (path / f"trajectory/rank-{rank:05d}.steps.jsonl").write_bytes(bytes(index))
+            )
+            p.write_bytes(data + torn)
     if complete:
         (path / "COMPLETE").write_bytes(b"{}\n")
     return path
 
 
 def _index_line(step, offset, length, srecs) -> bytes:
-    h = xxhash.xxh3_128()
-    for r in srecs:
-        h.update(r["digest"].encode())
+    """A step index line of a JSON-lines trajectory (stores of before the Arrow stream, and of the seal)."""
     return (
         orjson.dumps(
             {
@@ -265,7 +231,7 @@ def _index_line(step, offset, length, srecs) -> bytes:
                 "offset": offset,
                 "length": length,
                 "records": len(srecs),
-                "digest": h.hexdigest(),
+                "digest": synthetic.digest_of_digests(r["digest"] for r in srecs),
                 "time": {"start": 0.0, "end": 0.0},
             }
         )
@@ -282,15 +248,14 @@ def _jsonl_steps(by_step) -> tuple[bytearray, bytearray]:
     return data, index
 
 
-def _arrow_steps(path, rank, by_step) -> tuple[bytearray, bytearray]:
-    """The recorder's own writer (store/trajectory.py), one record batch per step; returns the file's bytes."""
-    w = TrajectoryWriter(path / f"trajectory/rank-{rank:05d}.arrows")
-    index = bytearray()
+def _arrow_steps(path, rank, by_step) -> None:
+    """The recorder's writer (bench/synthetic.py), one record batch per step. The index lines are left
+    unsealed (no step hash), as a store of before the seal: the tests of malformed steps edit the bytes,
+    which a step hash would refuse before the decoder they test sees them."""
+    f = synthetic.RankFiles(path, rank, sealed=False, times=False)
     for step, srecs in by_step.items():
-        offset = w.offset
-        index += _index_line(step, offset, len(w.write_step(srecs)), srecs)
-    w.close()
-    return bytearray((path / f"trajectory/rank-{rank:05d}.arrows").read_bytes()), index
+        f.step(step, srecs, time={"start": 0.0, "end": 0.0})
+    f.close()
 
 
 def find(records, step, mb, phase, rank, index) -> dict:

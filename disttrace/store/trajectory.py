@@ -307,7 +307,18 @@ class TrajectoryWriter:
     def write_step(self, records: list[dict]) -> bytes:
         """Write one step's records (already in the order of docs/design.md) as one record batch (v2: after
         its shape dictionary); returns the bytes written, which the step index hashes and chains."""
-        batch = pa.RecordBatch.from_arrays(self._encode(records), schema=self._schema)
+        return self.write_batch(self.encode(records))
+
+    def encode(self, records: list[dict]) -> pa.RecordBatch:
+        """One step's records as the record batch this stream's layout stores (what write_step writes)."""
+        return pa.RecordBatch.from_arrays(self._encode(records), schema=self._schema)
+
+    def write_batch(self, batch: pa.RecordBatch) -> bytes:
+        """write_step for a step already in columns, in this stream's layout (a synthetic store builds its
+        steps from arrays; the recorder hands records). The checks `encode` makes of each record (numel the
+        product of the shape, the shapes' count) are the caller's; the readers hold every step to them."""
+        if not batch.schema.equals(self._schema):
+            raise ValueError("a record batch not in this trajectory's layout")
         # a stream of its own for each step: a writer re-sends a dictionary only when it changed, and each
         # step's bytes must hold theirs. Its schema message is kept for the file's first step only
         writer = ipc.new_stream(pa.PythonFile(self._sink, mode="w"), self._schema, options=_OPTIONS)

@@ -3,6 +3,8 @@ the steps' bytes, hash-checked against it, as raw ranges, records or Arrow batch
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,86 @@ from disttrace.store import safeio, seal, trajectory
 from disttrace.store.rundir import Run
 
 _SPAN = 64 << 20  # the most bytes read in one range for a block of steps
+_HEX32 = re.compile(r"[0-9a-f]{32}")
+
+
+class StepEntries(Mapping):
+    """One rank's step index as a side keeps it, step -> entry: the fields diff reads (offset, length,
+    records, the digest of digests, the step's xxh3, its sha256 where no xxh3 was written) in arrays, ~64 bytes
+    a step, each entry's dict built when asked for. The lines as parsed are ~1 KB a step (the chain and the
+    times are checked on reading and not needed after): held for every rank, they were what a diff's memory
+    grew by with the number of steps."""
+
+    __slots__ = ("_first", "_steps", "_ints", "_digest", "_xxh3", "_odd")
+
+    def __init__(self, entries: dict[int, dict]):
+        steps = sorted(entries)
+        n = len(steps)
+        contiguous = n > 0 and steps[-1] - steps[0] == n - 1
+        self._first = steps[0] if contiguous else None
+        self._steps = None if contiguous else np.array(steps, dtype=np.int64)
+        ints = np.empty((n, 3), dtype=np.int64)
+        self._odd: dict[tuple[int, str], object] = {}  # what the arrays cannot hold exactly
+        digest, xxh3 = bytearray(16 * n), bytearray(16 * n)
+        for row, s in enumerate(steps):
+            e = entries[s]
+            records = e.get("records")
+            if isinstance(records, int) and not isinstance(records, bool) and records >= 0:
+                ints[row] = (e["offset"], e["length"], records)
+            else:
+                ints[row] = (e["offset"], e["length"], -1)
+                if records is not None:
+                    self._odd[row, "records"] = records
+            for key, blob in (("digest", digest), ("xxh3", xxh3)):
+                v = e.get(key)
+                if isinstance(v, str) and _HEX32.fullmatch(v):
+                    blob[16 * row : 16 * row + 16] = bytes.fromhex(v)
+                else:
+                    self._odd[row, key] = v
+            if e.get("xxh3") is None and e.get("sha256") is not None:
+                self._odd[row, "sha256"] = e["sha256"]
+        self._ints, self._digest, self._xxh3 = ints, bytes(digest), bytes(xxh3)
+
+    def _row(self, step) -> int | None:
+        if not isinstance(step, int):
+            return None
+        if self._first is not None:
+            row = step - self._first
+            return row if 0 <= row < len(self._ints) else None
+        if self._steps is None:
+            return None
+        row = int(np.searchsorted(self._steps, step))
+        return row if row < len(self._steps) and self._steps[row] == step else None
+
+    def __getitem__(self, step: int) -> dict:
+        row = self._row(step)
+        if row is None:
+            raise KeyError(step)
+        offset, length, records = self._ints[row].tolist()
+        odd = self._odd
+        at = 16 * row
+        return {
+            "step": step,
+            "offset": offset,
+            "length": length,
+            "records": records if records >= 0 else odd.get((row, "records")),
+            "digest": odd[row, "digest"]
+            if (row, "digest") in odd
+            else self._digest[at : at + 16].hex(),
+            "xxh3": odd[row, "xxh3"] if (row, "xxh3") in odd else self._xxh3[at : at + 16].hex(),
+            "sha256": odd.get((row, "sha256")),
+        }
+
+    def __iter__(self):
+        if self._first is not None:
+            return iter(range(self._first, self._first + len(self._ints)))
+        return iter(self._steps.tolist() if self._steps is not None else ())
+
+    def __len__(self) -> int:
+        return len(self._ints)
+
+    def __contains__(self, step) -> bool:
+        return self._row(step) is not None
 
 
 class _Side:
@@ -52,7 +134,7 @@ class _Side:
         self.ranks = [r for r in self.all_ranks if only is None or r in only]
         self.use_index = use_index
         self.hash_checked = 0  # step ranges whose bytes were checked against the index's sha256
-        self.index: dict[int, dict[int, dict]] = {}
+        self.index: dict[int, StepEntries] = {}
         self.steps: list[int] = []
         self.records_read = 0  # trajectory records parsed (the `records_read` of the result)
         # per step: [records parsed, step ranges hash-checked], so results of different ranks combine exactly
@@ -72,7 +154,7 @@ class _Side:
         warnings = self.warnings
         for r in self.ranks:
             mark = len(warnings)
-            self.index[r] = self._load_index(r, self.use_index)
+            self.index[r] = StepEntries(self._load_index(r, self.use_index))
             self.rank_warnings[r] = warnings[mark:]
         self.steps = common_steps(self.index[r] for r in self.ranks)
         warnings.extend(

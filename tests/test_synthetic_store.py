@@ -1,0 +1,164 @@
+"""The synthetic stores of the benches (bench/synthetic.py) are what the recorder writes: a step handed to the
+writer as columns (`TrajectoryWriter.write_batch`) gives the bytes its records give through `write_step`,
+in either layout, and a store written in several processes reads back as its records and its plant."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+import synthetic  # noqa: E402
+
+from disttrace.analysis.diff import diff_runs  # noqa: E402
+from disttrace.store import trajectory  # noqa: E402
+from disttrace.store.rundir import Run  # noqa: E402
+from disttrace.store.verify import verify_run  # noqa: E402
+
+
+@pytest.fixture(params=[2, 1], ids=["v2", "v1"])
+def layout_version(request, monkeypatch):
+    monkeypatch.setattr(trajectory, "VERSION", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("n", [6, 7, 150, 1000])
+def test_write_batch_gives_write_steps_bytes(tmp_path, layout_version, n):
+    by_records = trajectory.TrajectoryWriter(tmp_path / "records.arrows")
+    by_batch = trajectory.TrajectoryWriter(tmp_path / "batch.arrows")
+    assert by_records.version == by_batch.version == layout_version
+    layout = synthetic.Layout(n, by_batch)
+    for step in range(1, 5):
+        for rank, noisy, flip in ((0, False, None), (3, True, None), (5, False, n // 2)):
+            a = by_records.write_step(layout.records(step, rank, noisy, flip))
+            b = by_batch.write_batch(layout.batch(step, rank, noisy, flip))
+            assert a == b, (step, rank, noisy, flip)
+    by_records.close()
+    by_batch.close()
+    assert (tmp_path / "records.arrows").read_bytes() == (tmp_path / "batch.arrows").read_bytes()
+
+
+def test_write_batch_refuses_another_layout(tmp_path, monkeypatch):
+    monkeypatch.setattr(trajectory, "VERSION", 1)
+    v1 = trajectory.TrajectoryWriter(tmp_path / "v1.arrows")
+    batch = synthetic.Layout(10, v1).batch(1, 0)
+    monkeypatch.setattr(trajectory, "VERSION", 2)
+    v2 = trajectory.TrajectoryWriter(tmp_path / "v2.arrows")
+    with pytest.raises(ValueError, match="layout"):
+        v2.write_batch(batch)
+    assert v2.offset == 0  # nothing written
+
+
+def test_a_store_written_in_processes_reads_back(tmp_path):
+    ranks, steps, n = 4, 3, 50
+    m = synthetic.manifest(ranks, steps)
+    ref, late = tmp_path / "ref", tmp_path / "late"
+    synthetic.write_shared(ref, m)
+    synthetic.write_shared(late, m, "fault", {"name": "bench", "step": steps, "rank": 1})
+    variants = [
+        synthetic.Variant(str(ref)),
+        synthetic.Variant(str(late), flip=(steps, 17), flip_rank=1),
+    ]
+    parts = synthetic.write_ranks(variants, ranks, steps, n, jobs=2)
+    assert [p["rank"] for p in parts[0]] == list(range(ranks))
+    for run, p in zip((ref, late), parts):
+        synthetic.complete(run, p)
+        assert verify_run(run).status == "intact", run  # the seal and every step's chain hold
+    # what the readers decode is the records the dict path builds, rank column included
+    layout = synthetic.Layout(n)
+    run = Run(ref)
+    for rank in range(ranks):
+        path = trajectory.trajectory_path(ref, rank)
+        got = []
+        for e in run.step_index(rank).records:
+            data = trajectory.read_range(path, e.offset, e.length)
+            got += trajectory.to_records(trajectory.decode_step(path, data, f"step {e.step}"))
+        want = [r for s in range(1, steps + 1) for r in layout.records(s, rank)]
+        assert len(got) == len(want) == steps * n
+        for g, w in zip(got, want):
+            assert {k: g[k] for k in w} == {**w, "sketch": pytest.approx(w["sketch"])}
+    r = diff_runs(ref, late)
+    f = r.first_divergence
+    assert [f.step, f.rank, f.phase, f.index] == synthetic.planted(n, steps, 1, 17)
+
+
+# ---------------------------------------------------------------- what a diff holds of each rank's index
+
+
+def _slim(e: dict) -> dict:
+    """What diff reads of an index line (the oracle: the line itself, the other fields left out)."""
+    return {
+        "step": e["step"],
+        "offset": e["offset"],
+        "length": e["length"],
+        "records": e.get("records"),
+        "digest": e.get("digest"),
+        "xxh3": e.get("xxh3"),
+        "sha256": e.get("sha256") if e.get("xxh3") is None else None,
+    }
+
+
+def test_step_entries_give_back_what_the_lines_said():
+    import random
+
+    from disttrace.analysis.diff.side import StepEntries
+
+    rng = random.Random(5)
+    odd = [None, "dev:" + "a" * 32, "A" * 32, "0" * 31, "", 7]
+    for trial in range(200):
+        n = rng.randint(0, 30)
+        first = rng.randint(0, 5)
+        steps = (
+            list(range(first, first + n))
+            if trial % 2
+            else sorted(rng.sample(range(1, 3 * n + 2), n))
+        )
+        lines = {}
+        for s in steps:
+            e = {"step": s, "offset": rng.randint(0, 1 << 40), "length": rng.randint(0, 1 << 20)}
+            e["records"] = rng.choice([rng.randint(0, 10**6), None, 0])
+            for key in ("digest", "xxh3"):
+                e[key] = f"{rng.getrandbits(128):032x}" if rng.random() < 0.8 else rng.choice(odd)
+            if rng.random() < 0.3:
+                e["sha256"] = f"{rng.getrandbits(256):064x}"
+            e["chain"], e["time"] = "c" * 64, {"start": 0.0, "end": 1.0}
+            lines[s] = e
+        got = StepEntries(lines)
+        assert list(got) == steps and len(got) == n
+        for s in steps:
+            assert s in got and got[s] == _slim(lines[s]), (trial, s)
+        for s in (-1, first - 1, max(steps, default=0) + 1, 3 * n + 5):
+            if s not in lines:
+                assert s not in got and got.get(s) is None
+
+
+def test_a_sides_index_is_a_few_dozen_bytes_a_rank_step(tmp_path):
+    """The index a side holds grows by ~64 bytes a rank-step (the lines as parsed took ~1 KB)."""
+    import tracemalloc
+
+    from disttrace.analysis.diff.side import _Side
+
+    ranks, steps = 2, 800
+    m = synthetic.manifest(ranks, steps)
+    synthetic.write_shared(tmp_path / "a", m)
+    synthetic.write_ranks([synthetic.Variant(str(tmp_path / "a"))], ranks, steps, 6, jobs=1)
+    synthetic.complete(tmp_path / "a", None)
+    side = _Side("a", tmp_path / "a", True, [])
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        side.load()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert side.steps == list(range(1, steps + 1))
+    assert held < 128 * ranks * steps, held / (ranks * steps)
+    e = side.entry(ranks - 1, steps)
+    line = orjson.loads(
+        (tmp_path / f"a/trajectory/rank-{ranks - 1:05d}.steps.jsonl").read_bytes().splitlines()[-1]
+    )
+    assert e == _slim(line)
