@@ -317,19 +317,18 @@ def test_a_calibration_per_tensor_class_both_directions(tmp_path):
     mid = orjson.loads((ref / "manifest.lock.json").read_bytes())["manifest_id"]
     runs = {"reference": str(ref), "repeat": str(repeat), "perturbed": str(perturbed)}
     doc = build(mid, runs, 2**-23, 10.0)
-    assert doc["repeat_bit_identical"] and doc["scale"] == "magnitudes"
+    assert doc.repeat_bit_identical and doc.scale == "magnitudes"
     want = _class_noise(ref, perturbed)
-    got = {
-        (int(s), c): v for s, ph in doc["bounds_by_class"].items() for c, v in ph["reduce"].items()
-    }
+    got = {(int(s), c): v for s, ph in doc.bounds_by_class.items() for c, v in ph["reduce"].items()}
     assert got.keys() == want.keys() and len({c for _, c in got}) == 2
     for k, v in want.items():
         assert got[k] == pytest.approx(10.0 * v, rel=1e-12), k
-    for s, ph in doc[
-        "bounds"
-    ].items():  # the phase's bound is its loosest class's (what v1 readers read)
+    for (
+        s,
+        ph,
+    ) in doc.bounds.items():  # the phase's bound is its loosest class's (what v1 readers read)
         assert ph["reduce"] == max(v for (t, _), v in got.items() if t == int(s))
-    (tmp_path / "calibration.json").write_bytes(orjson.dumps(doc))
+    (tmp_path / "calibration.json").write_bytes(orjson.dumps(doc.to_dict()))
 
     same = _layout(tmp_path, "same", dp=2, accum=2, blocks=2)
     d = diff_runs(ref, same).to_dict()

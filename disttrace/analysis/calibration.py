@@ -15,18 +15,47 @@ No torch here: it reads run stores."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
 
 from disttrace.analysis import tolerance
 from disttrace.errors import BadInput
+from disttrace.jsondoc import JsonDoc
 from disttrace.model.names import CLASSES, tensor_class
 from disttrace.store import safeio
 from disttrace.store.rundir import Run
 
 KIND = "disttrace-calibration"
 DEFAULT_SAFETY = 10.0
+
+
+@dataclass
+class Perturbation(JsonDoc):
+    relative: float  # each initial parameter multiplied by 1 +- this
+    what: str = "initial parameters x (1 +- relative), signs seeded"
+
+
+@dataclass
+class CalibrationDoc(JsonDoc):
+    """calibration.json as `build` makes it (`calibrate --json` adds its path). Per step (a string, as JSON
+    keys are) and phase, and per step, phase and tensor class: the noise measured and the bound it gives."""
+
+    kind: str
+    version: int
+    manifest_id: str
+    runs: dict[str, str]  # reference, repeat, perturbed: their run directories
+    perturbation: Perturbation
+    repeat_bit_identical: bool
+    repeat_max_rel_err: float
+    safety: float
+    scale: str  # magnitudes | norm: what the errors are relative to
+    classes: list[str]
+    noise: dict[str, dict[str, float]]
+    bounds: dict[str, dict[str, float]]
+    noise_by_class: dict[str, dict[str, dict[str, float]]]
+    bounds_by_class: dict[str, dict[str, dict[str, float]]]
 
 
 def rel_err(ra: dict, rb: dict, magnitude: float = 0.0) -> float | None:
@@ -89,7 +118,7 @@ def noise(a: Path, b: Path, magnitudes: bool = True) -> tuple[dict, dict, str]:
     return by_phase, by_class, "magnitudes" if mags is not None else "norm"
 
 
-def build(manifest_id: str, runs: dict[str, str], relative: float, safety: float) -> dict:
+def build(manifest_id: str, runs: dict[str, str], relative: float, safety: float) -> CalibrationDoc:
     """The calibration document: `safety` x the larger of the perturbed run's and the repeat's noise, per
     step and phase (`bounds`, what a reader of the first version reads) and per step, phase and tensor
     class (`bounds_by_class`, what diff uses when present). A (step, phase[, class]) whose noise is 0 (the
@@ -113,28 +142,25 @@ def build(manifest_id: str, runs: dict[str, str], relative: float, safety: float
         }
         for s, ph in sorted(perturbed_cls.items())
     }
-    return {
-        "kind": KIND,
-        "version": 2,
-        "manifest_id": manifest_id,
-        "runs": runs,
-        "perturbation": {
-            "relative": relative,
-            "what": "initial parameters x (1 +- relative), signs seeded",
-        },
-        "repeat_bit_identical": rep_max == 0.0,
-        "repeat_max_rel_err": rep_max,
-        "safety": safety,
-        "scale": scale,
-        "classes": list(CLASSES),
-        "noise": {str(s): ph for s, ph in sorted(perturbed.items())},
-        "bounds": bounds,
-        "noise_by_class": {
+    return CalibrationDoc(
+        kind=KIND,
+        version=2,
+        manifest_id=manifest_id,
+        runs=runs,
+        perturbation=Perturbation(relative),
+        repeat_bit_identical=rep_max == 0.0,
+        repeat_max_rel_err=rep_max,
+        safety=safety,
+        scale=scale,
+        classes=list(CLASSES),
+        noise={str(s): ph for s, ph in sorted(perturbed.items())},
+        bounds=bounds,
+        noise_by_class={
             str(s): {p: dict(sorted(c.items())) for p, c in ph.items()}
             for s, ph in sorted(perturbed_cls.items())
         },
-        "bounds_by_class": by_class,
-    }
+        bounds_by_class=by_class,
+    )
 
 
 def _bound_value(path, where: str, v) -> float:

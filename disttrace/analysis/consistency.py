@@ -228,138 +228,191 @@ def _name_applies(rule: ReplicaRule, name: str) -> bool:
     )
 
 
+@dataclass
+class _StepColumns:
+    """One step's records of every rank side by side, as the columns' check reads them: each row's rank (the
+    file's), tensor (a code into `names`), micro-batch, index, phase and digest (16 raw bytes, as two
+    64-bit halves, and whether it is a device checksum)."""
+
+    rank: np.ndarray
+    code: np.ndarray
+    names: list
+    mb: np.ndarray
+    index: np.ndarray
+    phase: pa.Array
+    raw: np.ndarray
+    hi: np.ndarray
+    lo: np.ndarray
+    dev: np.ndarray
+
+    @classmethod
+    def of(cls, by_rank: dict) -> _StepColumns | None:
+        """None where a row lacks a name or phase (the record path judges the step)."""
+        ranks = list(by_rank)
+        batch = pa.concat_batches([by_rank[r] for r in ranks])
+        if batch.column("tensor").null_count or batch.column("phase").null_count:
+            return None
+        rank = np.repeat(
+            np.array(ranks, dtype=np.int64), [by_rank[r].num_rows for r in ranks]
+        )  # the file's rank, as the record path keys them
+        tensor = batch.column("tensor")
+        distinct = pc.unique(tensor)
+        code = np.asarray(pc.index_in(tensor, value_set=distinct).to_numpy(), dtype=np.int64)
+        digest = batch.column("digest")
+        raw = np.frombuffer(digest.buffers()[1], dtype=np.uint8)[
+            digest.offset * 16 : (digest.offset + len(digest)) * 16
+        ]
+        hi, lo = raw.reshape(-1, 16).view("<u8").T
+        return cls(
+            rank=rank,
+            code=code,
+            names=distinct.to_pylist(),
+            mb=np.asarray(
+                batch.column("micro_batch").to_numpy(zero_copy_only=False), dtype=np.int64
+            ),
+            index=np.asarray(batch.column("index").to_numpy(zero_copy_only=False), dtype=np.int64),
+            phase=batch.column("phase"),
+            raw=raw,
+            hi=hi,
+            lo=lo,
+            dev=np.asarray(
+                batch.column("device_digest").to_numpy(zero_copy_only=False), dtype=bool
+            ),
+        )
+
+
 def _check_step_columns(
     step: int, by_rank: dict, rules: list, groups: dict, names: list
 ) -> tuple[list, int] | None:
     if not by_rank:
         return [], 0
-    ranks = list(by_rank)
-    batch = pa.concat_batches([by_rank[r] for r in ranks])
-    if batch.column("tensor").null_count or batch.column("phase").null_count:
+    c = _StepColumns.of(by_rank)
+    if c is None:
         return None
-    rank = np.repeat(
-        np.array(ranks, dtype=np.int64), [by_rank[r].num_rows for r in ranks]
-    )  # the file's rank, as the record path keys them
-    tensor = batch.column("tensor")
-    distinct = pc.unique(tensor)
-    code = np.asarray(pc.index_in(tensor, value_set=distinct).to_numpy(), dtype=np.int64)
-    distinct_names = distinct.to_pylist()
-    mb = np.asarray(batch.column("micro_batch").to_numpy(zero_copy_only=False), dtype=np.int64)
-    index = np.asarray(batch.column("index").to_numpy(zero_copy_only=False), dtype=np.int64)
-    digest = batch.column("digest")
-    raw = np.frombuffer(digest.buffers()[1], dtype=np.uint8)[
-        digest.offset * 16 : (digest.offset + len(digest)) * 16
-    ]
-    hi, lo = raw.reshape(-1, 16).view("<u8").T
-    dev = np.asarray(batch.column("device_digest").to_numpy(zero_copy_only=False), dtype=bool)
-    phase = batch.column("phase")
     findings: list[Finding] = []
     compared = 0
     for k, rule in enumerate(rules):
-        cache = names[k]
-        applies = np.array(
-            [
-                cache[nm] if nm in cache else cache.setdefault(nm, _name_applies(rule, nm))
-                for nm in distinct_names
-            ],
-            dtype=bool,
-        )
-        is_phase = np.asarray(
-            pc.equal(phase, rule.phase).to_numpy(zero_copy_only=False), dtype=bool
-        )
-        member_groups = groups[rule.dim]
-        rows = np.nonzero(is_phase & applies[code])[0]
-        if not rows.size:
-            continue
-        gid = {}  # rank -> its group's position, for the groups with two ranks or more holding the step
-        for g, members in enumerate(member_groups):
-            present = [r for r in members if r in by_rank]
-            if len(present) < 2:
-                continue
-            for r in present:
-                if (
-                    r in gid
-                ):  # a rank in two groups of one dimension: group by group, on the records
-                    return None
-                gid[r] = g
-        if not gid:
-            continue
-        lookup = np.full(max(ranks) + 1, -1, dtype=np.int64)
-        lookup[list(gid)] = list(gid.values())
-        g_of = lookup[rank[rows]]
-        rows, g_of = rows[g_of >= 0], g_of[g_of >= 0]
-        if not rows.size:
-            continue
-        o = np.lexsort(
-            (hi[rows], lo[rows], dev[rows], rank[rows], code[rows], index[rows], mb[rows], g_of)
-        )
-        rows, g_of = rows[o], g_of[o]
-        same_key = (
-            (g_of[1:] == g_of[:-1])
-            & (mb[rows][1:] == mb[rows][:-1])
-            & (index[rows][1:] == index[rows][:-1])
-            & (code[rows][1:] == code[rows][:-1])
-        )
-        if (same_key & (rank[rows][1:] == rank[rows][:-1])).any():
-            return None  # a key twice in one rank's step: the record path keeps the last
-        head = np.concatenate(([True], ~same_key))
-        key_of = np.cumsum(head) - 1
-        starts = np.flatnonzero(head)
-        sizes = np.diff(np.append(starts, len(rows)))
-        compared += int((sizes >= 2).sum())
-        if rule.relation == "agree":  # every copy as the first of its key
-            f = starts[key_of]
-            off = (
-                (hi[rows] != hi[rows][f]) | (lo[rows] != lo[rows][f]) | (dev[rows] != dev[rows][f])
-            )
-            bad_keys = np.unique(key_of[off])
-        else:  # "differ": two copies of one key with the same digest
-            # sorted by digest within a key but ranks first: equal digests need not be adjacent; sort again
-            o2 = np.lexsort((rank[rows], hi[rows], lo[rows], dev[rows], key_of))
-            r2 = rows[o2]
-            k2 = key_of[o2]
-            dup = (
-                (k2[1:] == k2[:-1])
-                & (hi[r2][1:] == hi[r2][:-1])
-                & (lo[r2][1:] == lo[r2][:-1])
-                & (dev[r2][1:] == dev[r2][:-1])
-            )
-            bad_keys = np.unique(k2[1:][dup])
-        found = []
-        for key in bad_keys.tolist():
-            a, b = int(starts[key]), int(starts[key] + sizes[key])
-            these = rows[a:b]
-            members = member_groups[int(g_of[a])]
-            holder = {int(rank[x]): int(x) for x in these.tolist()}
-            digests = {
-                r: _hex(raw, holder[r], dev[holder[r]]) for r in members if r in holder
-            }  # in the group's order, as the record path fills its table
-            bad = _judge(rule.relation, digests)
-            if bad:
-                x = int(these[0])
-                found.append(
-                    (
-                        int(g_of[a]),
-                        (int(mb[x]), int(index[x]), distinct_names[code[x]]),
-                        members,
-                        bad,
-                    )
-                )
-        found.sort(key=lambda t: (t[0], t[1]))
-        for _, (m, i, name), members, bad in found:
-            findings.append(
-                Finding(
-                    step=step,
-                    micro_batch=m,
-                    phase=rule.phase,
-                    index=i,
-                    tensor=name,
-                    group=members,
-                    relation=rule.relation,
-                    **bad,
-                )
-            )
+        got = _check_rule(step, c, rule, groups[rule.dim], names[k], by_rank)
+        if got is None:
+            return None
+        found, n = got
+        findings += found
+        compared += n
     return findings, compared
+
+
+def _rule_rows(c: _StepColumns, rule, member_groups, cache: dict, by_rank: dict):
+    """The rows `rule` covers in groups of two ranks or more holding the step, and each row's group; None
+    where a rank is in two groups of one dimension (group by group, on the records)."""
+    applies = np.array(
+        [
+            cache[nm] if nm in cache else cache.setdefault(nm, _name_applies(rule, nm))
+            for nm in c.names
+        ],
+        dtype=bool,
+    )
+    is_phase = np.asarray(pc.equal(c.phase, rule.phase).to_numpy(zero_copy_only=False), dtype=bool)
+    rows = np.nonzero(is_phase & applies[c.code])[0]
+    none = np.zeros(0, dtype=np.int64)
+    if not rows.size:
+        return none, none
+    gid = {}  # rank -> its group's position, for the groups with two ranks or more holding the step
+    for g, members in enumerate(member_groups):
+        present = [r for r in members if r in by_rank]
+        if len(present) < 2:
+            continue
+        for r in present:
+            if r in gid:  # a rank in two groups of one dimension: group by group, on the records
+                return None
+            gid[r] = g
+    if not gid:
+        return none, none
+    lookup = np.full(max(by_rank) + 1, -1, dtype=np.int64)
+    lookup[list(gid)] = list(gid.values())
+    g_of = lookup[c.rank[rows]]
+    return rows[g_of >= 0], g_of[g_of >= 0]
+
+
+def _check_rule(
+    step: int, c: _StepColumns, rule, member_groups, cache: dict, by_rank: dict
+) -> tuple[list[Finding], int] | None:
+    """One rule's findings at the step and how many keys had two copies or more; None hands the step to the
+    record path."""
+    got = _rule_rows(c, rule, member_groups, cache, by_rank)
+    if got is None:
+        return None
+    rows, g_of = got
+    if not rows.size:
+        return [], 0
+    rank, code, mb, index, hi, lo, dev = c.rank, c.code, c.mb, c.index, c.hi, c.lo, c.dev
+    o = np.lexsort(
+        (hi[rows], lo[rows], dev[rows], rank[rows], code[rows], index[rows], mb[rows], g_of)
+    )
+    rows, g_of = rows[o], g_of[o]
+    same_key = (
+        (g_of[1:] == g_of[:-1])
+        & (mb[rows][1:] == mb[rows][:-1])
+        & (index[rows][1:] == index[rows][:-1])
+        & (code[rows][1:] == code[rows][:-1])
+    )
+    if (same_key & (rank[rows][1:] == rank[rows][:-1])).any():
+        return None  # a key twice in one rank's step: the record path keeps the last
+    head = np.concatenate(([True], ~same_key))
+    key_of = np.cumsum(head) - 1
+    starts = np.flatnonzero(head)
+    sizes = np.diff(np.append(starts, len(rows)))
+    compared = int((sizes >= 2).sum())
+    found = []
+    for key in _broken_keys(rule.relation, c, rows, key_of, starts).tolist():
+        a, b = int(starts[key]), int(starts[key] + sizes[key])
+        these = rows[a:b]
+        members = member_groups[int(g_of[a])]
+        holder = {int(rank[x]): int(x) for x in these.tolist()}
+        digests = {
+            r: _hex(c.raw, holder[r], dev[holder[r]]) for r in members if r in holder
+        }  # in the group's order, as the record path fills its table
+        bad = _judge(rule.relation, digests)
+        if bad:
+            x = int(these[0])
+            found.append(
+                (int(g_of[a]), (int(mb[x]), int(index[x]), c.names[code[x]]), members, bad)
+            )
+    found.sort(key=lambda t: (t[0], t[1]))
+    findings = [
+        Finding(
+            step=step,
+            micro_batch=m,
+            phase=rule.phase,
+            index=i,
+            tensor=name,
+            group=members,
+            relation=rule.relation,
+            **bad,
+        )
+        for _, (m, i, name), members, bad in found
+    ]
+    return findings, compared
+
+
+def _broken_keys(relation: str, c: _StepColumns, rows, key_of, starts) -> np.ndarray:
+    """The keys (of `rows`, sorted by key) whose copies break `relation`: agree, a copy unlike its key's
+    first; differ, two copies of one key with the same digest."""
+    rank, hi, lo, dev = c.rank, c.hi, c.lo, c.dev
+    if relation == "agree":  # every copy as the first of its key
+        f = starts[key_of]
+        off = (hi[rows] != hi[rows][f]) | (lo[rows] != lo[rows][f]) | (dev[rows] != dev[rows][f])
+        return np.unique(key_of[off])
+    # sorted by digest within a key but ranks first: equal digests need not be adjacent; sort again
+    o2 = np.lexsort((rank[rows], hi[rows], lo[rows], dev[rows], key_of))
+    r2 = rows[o2]
+    k2 = key_of[o2]
+    dup = (
+        (k2[1:] == k2[:-1])
+        & (hi[r2][1:] == hi[r2][:-1])
+        & (lo[r2][1:] == lo[r2][:-1])
+        & (dev[r2][1:] == dev[r2][:-1])
+    )
+    return np.unique(k2[1:][dup])
 
 
 def _hex(raw: np.ndarray, row: int, device: bool) -> str:
