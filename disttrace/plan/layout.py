@@ -112,18 +112,7 @@ def plan(
     data-parallel traffic figures use Psi_local = ceil(Psi / (tp*pp)) (embeddings and norms are assumed to
     split evenly too, which real layouts only approximate).
     """
-    if isinstance(params, bool) or not isinstance(params, int) or params < 1:
-        raise ValueError(f"params must be a positive integer, got {params!r}")
-    for name, v in (
-        ("dp", dp),
-        ("tp", tp),
-        ("pp", pp),
-        ("micro_batch", micro_batch),
-        ("micro_batches", micro_batches),
-    ):
-        _positive_int(name, v)
-    if zero_stage not in ZERO_STAGES:
-        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+    _check_layout(params, dp, tp, pp, zero_stage, micro_batch, micro_batches)
     precision = _precision(precision)
     optimizer = _optimizer(optimizer)
     bytes_ = PRECISIONS[precision]
@@ -131,19 +120,9 @@ def plan(
     local = -(-params // (tp * pp))  # the slice of the model one model-parallel rank owns
     breakdown = {str(s): model_state_bytes(local, dp, s, optimizer, precision) for s in ZERO_STAGES}
 
-    activations: dict[str, int] | None = None
-    per_device: dict[str, int] | None = None
-    if seq is not None and hidden is not None and heads is not None:
-        if hidden % heads:
-            raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads})")
-        activations = activation_variants(
-            seq, micro_batch, hidden, heads, tp, bytes_per_value=bytes_["weights"]
-        )
-        if n_layers is not None:
-            _positive_int("n_layers", n_layers)
-            layers_per_stage = -(-n_layers // pp)
-            in_flight = micro_batches_in_flight(pp, micro_batches, pp_schedule)
-            per_device = {k: v * layers_per_stage * in_flight for k, v in activations.items()}
+    activations, per_device = _activations(
+        seq, micro_batch, hidden, heads, tp, pp, n_layers, micro_batches, pp_schedule, bytes_
+    )
 
     return Plan(
         params=params,
@@ -178,6 +157,41 @@ def plan(
         bubble_fraction=bubble_fraction(pp, micro_batches),
         comm_bytes_per_device=comm_bytes_per_device(local, dp, bytes_["grads"]),
     )
+
+
+def _check_layout(params, dp, tp, pp, zero_stage, micro_batch, micro_batches) -> None:
+    if isinstance(params, bool) or not isinstance(params, int) or params < 1:
+        raise ValueError(f"params must be a positive integer, got {params!r}")
+    for name, v in (
+        ("dp", dp),
+        ("tp", tp),
+        ("pp", pp),
+        ("micro_batch", micro_batch),
+        ("micro_batches", micro_batches),
+    ):
+        _positive_int(name, v)
+    if zero_stage not in ZERO_STAGES:
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+
+
+def _activations(
+    seq, micro_batch, hidden, heads, tp, pp, n_layers, micro_batches, pp_schedule, bytes_
+) -> tuple[dict[str, int] | None, dict[str, int] | None]:
+    """(per layer, per device) activation bytes of each variant; None where the shape is not given."""
+    activations: dict[str, int] | None = None
+    per_device: dict[str, int] | None = None
+    if seq is not None and hidden is not None and heads is not None:
+        if hidden % heads:
+            raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads})")
+        activations = activation_variants(
+            seq, micro_batch, hidden, heads, tp, bytes_per_value=bytes_["weights"]
+        )
+        if n_layers is not None:
+            _positive_int("n_layers", n_layers)
+            layers_per_stage = -(-n_layers // pp)
+            in_flight = micro_batches_in_flight(pp, micro_batches, pp_schedule)
+            per_device = {k: v * layers_per_stage * in_flight for k, v in activations.items()}
+    return activations, per_device
 
 
 def _section(manifest: dict, name: str) -> dict:
@@ -223,6 +237,53 @@ def plan_from_manifest(manifest: Any) -> Plan:
         raise BadInput("manifest", f"expected a mapping, got {type(manifest).__name__}")
     model, par, train = (_section(manifest, n) for n in ("model", "parallelism", "training"))
 
+    dtype, opt = _dtype_and_optimizer(train)
+
+    shape = _plan_model(model)
+    try:
+        params = count_params(
+            shape.dim,
+            shape.n_layers,
+            shape.n_heads,
+            shape.n_kv_heads,
+            shape.vocab_size,
+            shape.ffn_hidden,
+        )
+    except ValueError as e:
+        raise BadInput("manifest", str(e), field="model") from None
+
+    zero_stage = _field("parallelism", par, "zero_stage", 0)
+    if zero_stage not in ZERO_STAGES:
+        raise BadInput(
+            "manifest", f"must be 0..3, got {zero_stage}", field="parallelism.zero_stage"
+        )
+    schedule = _need(par, "parallelism", "pp_schedule", "1f1b")
+    try:
+        result = plan(
+            params,
+            dp=_field("parallelism", par, "dp"),
+            tp=_field("parallelism", par, "tp", 1),
+            pp=_field("parallelism", par, "pp", 1),
+            zero_stage=zero_stage,
+            optimizer=_MANIFEST_OPTIMIZER[opt],
+            precision=_DTYPE_PRECISION[dtype],
+            seq=shape.max_seq_len,
+            micro_batch=_field("training", train, "micro_batch_size"),
+            hidden=shape.dim,
+            heads=shape.n_heads,
+            n_layers=shape.n_layers,
+            micro_batches=_field("training", train, "grad_accum_steps", 1),
+            pp_schedule=schedule,
+        )
+    except ValueError as e:
+        raise BadInput("manifest", str(e)) from None
+    result.model = shape
+    result.inputs.dtype = dtype
+    return result
+
+
+def _dtype_and_optimizer(train: dict) -> tuple[str, str]:
+    """The training section's dtype and optimizer, each one the planner knows."""
     dtype = _need(train, "training", "dtype", "float32")
     if dtype not in _DTYPE_PRECISION:
         raise BadInput(
@@ -233,59 +294,33 @@ def plan_from_manifest(manifest: Any) -> Plan:
     opt = _need(train, "training", "optimizer", "adamw")
     if opt not in _MANIFEST_OPTIMIZER:
         raise BadInput("manifest", f"unknown optimizer {opt!r}", field="training.optimizer")
+    return dtype, opt
 
-    def field(section: str, sec: dict, key: str, default: Any = ...) -> int:
-        v = _need(sec, section, key, default)
-        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if key == "zero_stage" else 1):
-            raise BadInput(
-                "manifest", f"must be a positive integer, got {v!r}", field=f"{section}.{key}"
-            )
-        return v
 
-    dim = field("model", model, "dim")
-    n_layers = field("model", model, "n_layers")
-    n_heads = field("model", model, "n_heads")
-    n_kv_heads = field("model", model, "n_kv_heads", n_heads)
-    vocab = field("model", model, "vocab_size")
-    seq = field("model", model, "max_seq_len")
+def _field(section: str, sec: dict, key: str, default: Any = ...) -> int:
+    """An integer field of the manifest (zero_stage may be 0, the others positive), named if bad."""
+    v = _need(sec, section, key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v < (0 if key == "zero_stage" else 1):
+        raise BadInput(
+            "manifest", f"must be a positive integer, got {v!r}", field=f"{section}.{key}"
+        )
+    return v
+
+
+def _plan_model(model: dict) -> PlanModel:
+    """The model section's shape, the FFN width by LLaMA's rule where the manifest leaves it out."""
+    dim = _field("model", model, "dim")
+    n_layers = _field("model", model, "n_layers")
+    n_heads = _field("model", model, "n_heads")
+    n_kv_heads = _field("model", model, "n_kv_heads", n_heads)
+    vocab = _field("model", model, "vocab_size")
+    seq = _field("model", model, "max_seq_len")
     ffn = model.get("ffn_hidden")
     if ffn is None:
-        ffn = ffn_hidden_default(dim, field("model", model, "multiple_of", 32))
+        ffn = ffn_hidden_default(dim, _field("model", model, "multiple_of", 32))
     else:
-        ffn = field("model", model, "ffn_hidden")
-    try:
-        params = count_params(dim, n_layers, n_heads, n_kv_heads, vocab, ffn)
-    except ValueError as e:
-        raise BadInput("manifest", str(e), field="model") from None
-
-    zero_stage = field("parallelism", par, "zero_stage", 0)
-    if zero_stage not in ZERO_STAGES:
-        raise BadInput(
-            "manifest", f"must be 0..3, got {zero_stage}", field="parallelism.zero_stage"
-        )
-    schedule = _need(par, "parallelism", "pp_schedule", "1f1b")
-    try:
-        result = plan(
-            params,
-            dp=field("parallelism", par, "dp"),
-            tp=field("parallelism", par, "tp", 1),
-            pp=field("parallelism", par, "pp", 1),
-            zero_stage=zero_stage,
-            optimizer=_MANIFEST_OPTIMIZER[opt],
-            precision=_DTYPE_PRECISION[dtype],
-            seq=seq,
-            micro_batch=field("training", train, "micro_batch_size"),
-            hidden=dim,
-            heads=n_heads,
-            n_layers=n_layers,
-            micro_batches=field("training", train, "grad_accum_steps", 1),
-            pp_schedule=schedule,
-        )
-    except ValueError as e:
-        raise BadInput("manifest", str(e)) from None
-    result.model = PlanModel(dim, n_layers, n_heads, n_kv_heads, vocab, seq, ffn)
-    result.inputs.dtype = dtype
-    return result
+        ffn = _field("model", model, "ffn_hidden")
+    return PlanModel(dim, n_layers, n_heads, n_kv_heads, vocab, seq, ffn)
 
 
 def plan_cli_args(

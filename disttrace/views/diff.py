@@ -50,7 +50,18 @@ def _grid_cells(result: DiffResult) -> tuple[list[int], dict[int, dict[int, Rank
 def render_rich(result: DiffResult, console, partial: str | None = None) -> None:
     """A compact human view of a diff result on a rich Console. `partial` names what a partial diff read
     (its ranks or steps): no divergence there is then no verdict, never "equal"."""
-    from rich.table import Table
+    from rich.text import Text
+
+    _rich_sides(result, console)
+    _rich_first(result, console, partial)
+    _rich_phases(result, console)
+    _rich_grid(result, console)
+    for w in result.warnings:
+        console.print(Text(f"warning: {w}", style="yellow"))
+
+
+def _rich_sides(result: DiffResult, console) -> None:
+    """Both runs, and what they were compared on."""
     from rich.text import Text
 
     cs = result.compared_steps
@@ -73,6 +84,13 @@ def render_rich(result: DiffResult, console, partial: str | None = None) -> None
         )
     )
 
+
+def _rich_first(result: DiffResult, console, partial: str | None) -> None:
+    """The verdict: equal, nothing found in a partial diff, or the first divergence side by side."""
+    from rich.table import Table
+    from rich.text import Text
+
+    cs = result.compared_steps
     f = result.first_divergence
     if f is None and partial is not None:
         console.print(
@@ -96,6 +114,12 @@ def render_rich(result: DiffResult, console, partial: str | None = None) -> None
         console.print(Text(error_text(f, result.mode), style="red"))
         console.print(Text(spread_text(result), style="dim"))
 
+
+def _rich_phases(result: DiffResult, console) -> None:
+    """The largest relative error of each phase, against its bound."""
+    from rich.table import Table
+    from rich.text import Text
+
     if result.numeric is not None and result.numeric.by_phase:
         t = Table(
             title="largest relative error per phase",
@@ -117,6 +141,12 @@ def render_rich(result: DiffResult, console, partial: str | None = None) -> None
             )
         console.print(t)
 
+
+def _rich_grid(result: DiffResult, console) -> None:
+    """The rank x step grid, a character a cell."""
+    from rich.text import Text
+
+    cs = result.compared_steps
     steps, per_step = _grid_cells(result)
     if steps and result.ranks:
         head = Text("rank  ")
@@ -142,8 +172,6 @@ def render_rich(result: DiffResult, console, partial: str | None = None) -> None
                 style="dim",
             )
         )
-    for w in result.warnings:
-        console.print(Text(f"warning: {w}", style="yellow"))
 
 
 def render_md(result: DiffResult, partial: str | None = None) -> str:
@@ -187,32 +215,47 @@ def render_md(result: DiffResult, partial: str | None = None) -> str:
         lines.append("")
         lines.append(error_text(f, result.mode) + ".")
         lines.append("")
-        lines.append("| step | ranks with differences | tensors differing | max rel err |")
-        lines.append("| --- | --- | --- | --- |")
-        shown = result.propagation[:20]
-        for row in map(propagation_row, shown):
-            lines.append(
-                f"| {row.step} | {', '.join(row.ranks) or '-'} | {row.differing} / {row.total} | "
-                f"{fmt_number(row.max_rel_err, '.2e') if row.max_rel_err is not None else '-'}"
-                + (f" (bound {bound_text(*row.worst_bound, '.2e')})" if row.worst_bound else "")
-                + " |"
-            )
-        if len(result.propagation) > len(shown):
-            lines.append(f"| … | | {len(result.propagation) - len(shown)} more steps | |")
+        lines += _md_propagation(result)
         if result.recovered_steps:
             lines.append("")
             lines.append(f"Equal again at step(s) {ranges(result.recovered_steps)}.")
-    if result.numeric is not None and result.numeric.by_phase:
-        lines.append("")
-        lines.append("| phase | max rel err | bound there | worst err/bound |")
-        lines.append("| --- | --- | --- | --- |")
-        for phase, e in result.numeric.by_phase.items():
-            lines.append(
-                f"| {phase} | {fmt_number(e.max_rel_err, '.2e')} | {bound_text(e.bound, e.bound_kind, '.2e')} | "
-                f"{fmt_number(e.max_ratio, '.2g')} |"
-            )
+    lines += _md_phases(result)
     if result.warnings:
         lines.append("")
         for w in result.warnings:
             lines.append(f"> ⚠️ {w}")
     return "\n".join(lines) + "\n"
+
+
+def _md_propagation(result: DiffResult) -> list[str]:
+    """The propagation table: each step from the first divergence on (the first 20)."""
+    lines = []
+    lines.append("| step | ranks with differences | tensors differing | max rel err |")
+    lines.append("| --- | --- | --- | --- |")
+    shown = result.propagation[:20]
+    for row in map(propagation_row, shown):
+        lines.append(
+            f"| {row.step} | {', '.join(row.ranks) or '-'} | {row.differing} / {row.total} | "
+            f"{fmt_number(row.max_rel_err, '.2e') if row.max_rel_err is not None else '-'}"
+            + (f" (bound {bound_text(*row.worst_bound, '.2e')})" if row.worst_bound else "")
+            + " |"
+        )
+    if len(result.propagation) > len(shown):
+        lines.append(f"| … | | {len(result.propagation) - len(shown)} more steps | |")
+    return lines
+
+
+def _md_phases(result: DiffResult) -> list[str]:
+    """The largest relative error of each phase against its bound (a numeric diff)."""
+    if result.numeric is None or not result.numeric.by_phase:
+        return []
+    lines = []
+    lines.append("")
+    lines.append("| phase | max rel err | bound there | worst err/bound |")
+    lines.append("| --- | --- | --- | --- |")
+    for phase, e in result.numeric.by_phase.items():
+        lines.append(
+            f"| {phase} | {fmt_number(e.max_rel_err, '.2e')} | {bound_text(e.bound, e.bound_kind, '.2e')} | "
+            f"{fmt_number(e.max_ratio, '.2g')} |"
+        )
+    return lines

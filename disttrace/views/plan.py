@@ -25,10 +25,7 @@ def human_count(n: int) -> str:
 
 def render_plan(result: Plan, console) -> None:
     """Print a plan as rich tables: model states per ZeRO stage, activations, pipeline bubble, traffic."""
-    from rich.table import Table
-
     inp = result.inputs
-    selected = str(result.zero_stage)
     console.print(
         f"[bold]Plan[/bold] for {human_count(result.params)} parameters ({result.params:,}) on "
         f"dp={inp.dp} x tp={inp.tp} x pp={inp.pp} = {inp.world_size} devices, "
@@ -36,7 +33,17 @@ def render_plan(result: Plan, console) -> None:
     )
     if inp.params_source not in (None, "given"):
         console.print(f"  parameter count {inp.params_source}")
+    _model_states(result, console)
+    _activations(result, console)
+    _bubble(result, console)
+    _traffic(result, console)
 
+
+def _model_states(result: Plan, console) -> None:
+    """Model states per device at each ZeRO stage, the selected one in bold."""
+    from rich.table import Table
+
+    selected = str(result.zero_stage)
     bpp = result.bytes_per_param
     t = Table(
         title="Model states per device (ZeRO, Rajbhandari et al. 2020)",
@@ -67,6 +74,12 @@ def render_plan(result: Plan, console) -> None:
         )
     console.print(t)
 
+
+def _activations(result: Plan, console) -> None:
+    """Activation memory of each variant, per layer and (with a layer count) per device."""
+    from rich.table import Table
+
+    inp = result.inputs
     acts = result.activation_bytes_per_layer
     if acts is None:
         console.print("Activations: give the sequence length, hidden size and heads to plan them.")
@@ -96,6 +109,12 @@ def render_plan(result: Plan, console) -> None:
             t.add_row(*row)
         console.print(t)
 
+
+def _bubble(result: Plan, console) -> None:
+    """The pipeline bubble of GPipe and 1F1B."""
+    from rich.table import Table
+
+    inp = result.inputs
     bub = result.bubble_fraction
     t = Table(
         title=f"Pipeline bubble (p={inp.pp} stages, m={inp.micro_batches} micro-batches)",
@@ -109,6 +128,12 @@ def render_plan(result: Plan, console) -> None:
     t.add_row("1F1B", f"{bub['1f1b']:.1%}", f"{bub['of_total_time']:.1%}")
     console.print(t)
 
+
+def _traffic(result: Plan, console) -> None:
+    """Data-parallel traffic per device per step at each ZeRO stage."""
+    from rich.table import Table
+
+    selected = str(result.zero_stage)
     comm = result.comm_bytes_per_device
     t = Table(
         title="Data-parallel traffic per device per step (ring collectives, ZeRO paper Section 7)"

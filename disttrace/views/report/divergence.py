@@ -212,15 +212,7 @@ def _diff_grid(d: DiffResult) -> str:
             if f and s == f.step and rk == f.rank:
                 fcell = (x, y)
     if fcell:
-        x, y = fcell
-        p.append(
-            f'<rect x="{x - 0.5}" y="{y - 0.5}" width="{cw + 1}" height="{ch + 1}" fill="none" '
-            f'stroke="#111" stroke-width="3"><title>first divergence</title></rect>'
-        )
-        p.append(
-            f'<rect x="{x + 2}" y="{y + 2}" width="{max(cw - 4, 1)}" height="{max(ch - 4, 1)}" fill="none" '
-            f'stroke="#ffd400" stroke-width="2"><title>first divergence</title></rect>'
-        )
+        p += _first_marker(*fcell, cw, ch)
     p.append("</svg>")
     shown = (
         ""
@@ -228,6 +220,16 @@ def _diff_grid(d: DiffResult) -> str:
         else f'<p class="muted small">grid shows steps {steps[0]}..{steps[-1]} of {first}..{last}</p>'
     )
     return '<div class="gridbox">' + "".join(p) + "</div>" + shown + _grid_legend()
+
+
+def _first_marker(x: float, y: float, cw: float, ch: float) -> list[str]:
+    """The frame around the first divergent cell: dark outside, yellow inside, on any fill."""
+    return [
+        f'<rect x="{x - 0.5}" y="{y - 0.5}" width="{cw + 1}" height="{ch + 1}" fill="none" '
+        f'stroke="#111" stroke-width="3"><title>first divergence</title></rect>',
+        f'<rect x="{x + 2}" y="{y + 2}" width="{max(cw - 4, 1)}" height="{max(ch - 4, 1)}" fill="none" '
+        f'stroke="#ffd400" stroke-width="2"><title>first divergence</title></rect>',
+    ]
 
 
 def _grid_legend() -> str:

@@ -36,48 +36,7 @@ def _memory(rs: list[_R]) -> str:
                 [r.tag_html(), f'<td colspan="9" class="nr">memory ledger {NOT_RECORDED}</td>']
             )
             continue
-        for rec in recs:
-            pred = rec.get("predicted") if isinstance(rec.get("predicted"), dict) else {}
-            ratio = rec.get("ratio_model_state")
-            if isinstance(ratio, (int, float)):
-                kind = (
-                    "ok" if abs(ratio - 1) <= 0.05 else "warn" if abs(ratio - 1) <= 0.25 else "bad"
-                )
-                ratio_html = _badge(f"{ratio:.4f}", kind)
-            else:
-                ratio_html = '<span class="nr">-</span>'
-            gap = [str(g) for g in rec.get("gap") or []]
-            marks = []
-            for g in gap:
-                if g not in footnotes:
-                    footnotes.append(g)
-                marks.append(f'<sup class="fn">[{footnotes.index(g) + 1}]</sup>')
-            rows.append(
-                [
-                    r.tag_html(),
-                    _td_num(e(rec.get("rank"))),
-                    _td_num(e(rec.get("step"))),
-                    _td_num(
-                        e(_bytes(rec.get("params"))),
-                        f"{rec.get('params')} B · predicted {pred.get('params')} B",
-                    ),
-                    _td_num(
-                        e(_bytes(rec.get("grads"))),
-                        f"{rec.get('grads')} B · predicted {pred.get('grads')} B",
-                    ),
-                    _td_num(
-                        e(_bytes(rec.get("optimizer"))),
-                        f"{rec.get('optimizer')} B · predicted {pred.get('optimizer')} B",
-                    ),
-                    _td_num(
-                        f"<b>{e(_bytes(rec.get('model_state')))}</b> / {e(_bytes(pred.get('total')))}",
-                        f"{rec.get('model_state')} B measured / {pred.get('total')} B predicted",
-                    ),
-                    f'<td class="num">{ratio_html}</td>',
-                    _td_num(e(_bytes(rec.get("activations_saved")))),
-                    " ".join(marks) or '<span class="muted">none</span>',
-                ]
-            )
+        rows += [_memory_row(r, rec, footnotes) for rec in recs]
     if not rows:
         return "".join(notes) or _nr("memory ledger not recorded in any run")
     head = (
@@ -100,6 +59,47 @@ def _memory(rs: list[_R]) -> str:
         "(disttrace.plan.costs); ratio = measured / predicted model state. Hover a figure for exact bytes.</p>"
         + "".join(notes)
     )
+
+
+def _memory_row(r: _R, rec: dict, footnotes: list[str]) -> list[str]:
+    """One ledger line (a rank's last recorded step) as a table row; its gap notes join `footnotes`."""
+    pred = rec.get("predicted") if isinstance(rec.get("predicted"), dict) else {}
+    ratio = rec.get("ratio_model_state")
+    if isinstance(ratio, (int, float)):
+        kind = "ok" if abs(ratio - 1) <= 0.05 else "warn" if abs(ratio - 1) <= 0.25 else "bad"
+        ratio_html = _badge(f"{ratio:.4f}", kind)
+    else:
+        ratio_html = '<span class="nr">-</span>'
+    gap = [str(g) for g in rec.get("gap") or []]
+    marks = []
+    for g in gap:
+        if g not in footnotes:
+            footnotes.append(g)
+        marks.append(f'<sup class="fn">[{footnotes.index(g) + 1}]</sup>')
+    return [
+        r.tag_html(),
+        _td_num(e(rec.get("rank"))),
+        _td_num(e(rec.get("step"))),
+        _td_num(
+            e(_bytes(rec.get("params"))),
+            f"{rec.get('params')} B · predicted {pred.get('params')} B",
+        ),
+        _td_num(
+            e(_bytes(rec.get("grads"))),
+            f"{rec.get('grads')} B · predicted {pred.get('grads')} B",
+        ),
+        _td_num(
+            e(_bytes(rec.get("optimizer"))),
+            f"{rec.get('optimizer')} B · predicted {pred.get('optimizer')} B",
+        ),
+        _td_num(
+            f"<b>{e(_bytes(rec.get('model_state')))}</b> / {e(_bytes(pred.get('total')))}",
+            f"{rec.get('model_state')} B measured / {pred.get('total')} B predicted",
+        ),
+        f'<td class="num">{ratio_html}</td>',
+        _td_num(e(_bytes(rec.get("activations_saved")))),
+        " ".join(marks) or '<span class="muted">none</span>',
+    ]
 
 
 def _collectives(rs: list[_R]) -> str:

@@ -73,17 +73,7 @@ def _loss_svg(series: list[tuple[_R, dict[int, float]]]) -> str:
     ml, mr, mt, mb = 70, 20, 16, 46
     legend_h = 28
     pw, ph = W - ml - mr, H - mt - mb
-    pts = [(s, v) for _, ls in series for s, v in ls.items() if math.isfinite(v)]
-    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-    x0, x1 = min(xs), max(xs)
-    if x0 == x1:
-        x0, x1 = x0 - 1, x1 + 1
-    y0, y1 = min(ys), max(ys)
-    if y0 == y1:
-        pad = abs(y0) * 0.01 or 0.5
-        y0, y1 = y0 - pad, y1 + pad
-    pad = (y1 - y0) * 0.06
-    y0, y1 = y0 - pad, y1 + pad
+    x0, x1, y0, y1 = _loss_ranges(series)
 
     def X(s: float) -> float:
         return ml + (s - x0) / (x1 - x0) * pw
@@ -99,6 +89,34 @@ def _loss_svg(series: list[tuple[_R, dict[int, float]]]) -> str:
     p.append(
         f'<rect x="{ml}" y="{mt}" width="{pw}" height="{ph}" fill="#fbfcfe" stroke="#d5dae3"/>'
     )
+    p += _loss_grid(X, Y, (x0, x1, y0, y1), (ml, mt, pw, ph))
+    p += _loss_lines(series, X, Y)
+    p += _loss_legend(series, ml, H)
+    p.append("</svg>")
+    return '<div class="plotbox">' + "".join(p) + "</div>"
+
+
+def _loss_ranges(series: list[tuple[_R, dict[int, float]]]) -> tuple[float, float, float, float]:
+    """The plot's step and loss ranges (x0, x1, y0, y1): every finite loss inside, with a margin."""
+    pts = [(s, v) for _, ls in series for s, v in ls.items() if math.isfinite(v)]
+    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+    x0, x1 = min(xs), max(xs)
+    if x0 == x1:
+        x0, x1 = x0 - 1, x1 + 1
+    y0, y1 = min(ys), max(ys)
+    if y0 == y1:
+        pad = abs(y0) * 0.01 or 0.5
+        y0, y1 = y0 - pad, y1 + pad
+    pad = (y1 - y0) * 0.06
+    y0, y1 = y0 - pad, y1 + pad
+    return x0, x1, y0, y1
+
+
+def _loss_grid(X, Y, ranges: tuple, frame: tuple) -> list[str]:
+    """The grid lines, tick labels and axis titles of the plot (X, Y: step and loss to pixels)."""
+    x0, x1, y0, y1 = ranges
+    ml, mt, pw, ph = frame
+    p = []
     yt, ystep = _nice_ticks(y0, y1, 6)
     for t in yt:
         if y0 <= t <= y1:
@@ -129,6 +147,12 @@ def _loss_svg(series: list[tuple[_R, dict[int, float]]]) -> str:
         f'<text x="16" y="{mt + ph / 2}" text-anchor="middle" class="axis" '
         f'transform="rotate(-90 16 {mt + ph / 2})">training loss</text>'
     )
+    return p
+
+
+def _loss_lines(series: list[tuple[_R, dict[int, float]]], X, Y) -> list[str]:
+    """Each run's curve, dashed and wide by its place, a marker with its value at each step."""
+    p = []
     for i, (r, ls) in enumerate(series):
         good = [(s, v) for s, v in sorted(ls.items()) if math.isfinite(v)]
         dash = DASHES[i % len(DASHES)]
@@ -145,7 +169,12 @@ def _loss_svg(series: list[tuple[_R, dict[int, float]]]) -> str:
                 f'<circle cx="{X(s):.2f}" cy="{Y(v):.2f}" r="{3.6 - 0.6 * min(i, 3):.1f}" fill="{r.colour}">'
                 f"<title>{e(r.label)} step {s}: {v:.9g}</title></circle>"
             )
-    # legend, below the plot: it never covers a curve
+    return p
+
+
+def _loss_legend(series: list[tuple[_R, dict[int, float]]], ml: float, H: float) -> list[str]:
+    """The legend, below the plot: it never covers a curve."""
+    p = []
     lx, ly = ml, H + 8
     for i, (r, _) in enumerate(series):
         dash = DASHES[i % len(DASHES)]
@@ -158,8 +187,7 @@ def _loss_svg(series: list[tuple[_R, dict[int, float]]]) -> str:
         text = r.label + ("" if r.complete else " (incomplete)")
         p.append(f'<text x="{lx + 42}" y="{ly + 10}" class="legend">{e(text)}</text>')
         lx += 60 + 7.5 * len(text)
-    p.append("</svg>")
-    return '<div class="plotbox">' + "".join(p) + "</div>"
+    return p
 
 
 def _loss_table(series: list[tuple[_R, dict[int, float]]]) -> str:

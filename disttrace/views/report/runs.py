@@ -27,48 +27,10 @@ from disttrace.views.report.parts import (
 
 
 def _overview(rs: list[_R], diffs: dict[int, Any]) -> str:
-    from disttrace.analysis.facts import failure_text
-
     rows = []
     for r in rs:
-        info = r.info
-        fault = info.get("fault")
-        resume = info.get("resume")
-        what = []
-        if fault:
-            what.append(
-                f"fault <code>{e(fault.get('name'))}</code> at step {e(fault.get('step'))} "
-                f"rank {e(fault.get('rank'))}"
-            )
-            fired = r.evidence.state.fault_fired
-            if fired is not None:
-                what.append(
-                    f"fired at step {e(fired.step)} micro-batch {e(fired.micro_batch)} "
-                    f"{e(fired.phase)} rank {e(fired.rank)}"
-                )
-            else:
-                what.append('<span class="warn">no fault_fired event recorded</span>')
-        if isinstance(resume, dict):
-            what.append(
-                f"resumed from <code>{e(resume.get('checkpoint'))}</code> (step {e(resume.get('step'))})"
-            )
-        for f in r.evidence.state.failures:
-            what.append(f'<span class="bad">{e(f.get("event"))}: {e(failure_text(f))}</span>')
-        if r.info_error:
-            what.append(f'<span class="bad">run.json: {e(r.info_error)}</span>')
-        if r.index == 0:
-            vs = _badge("reference", "na")
-        else:
-            d = diffs.get(r.index)
-            if isinstance(d, DiffResult):
-                f = d.first_divergence
-                vs = (
-                    _badge("equal", "ok")
-                    if f is None
-                    else _badge(f"diverged at step {f.step}", "bad")
-                )
-            else:
-                vs = _badge("not compared", "na")
+        what = _what_happened(r)
+        vs = _vs_reference(r, diffs)
         gate = r.evidence.state.verdict
         gate_html = (
             (_badge("gate PASS", "ok") if gate.passed else _badge("gate FAIL", "bad"))
@@ -89,6 +51,52 @@ def _overview(rs: list[_R], diffs: dict[int, Any]) -> str:
     return _table(
         ("run", "path", "state", "vs reference", "gate", "what happened", "directory"), rows, "wide"
     )
+
+
+def _what_happened(r: _R) -> list[str]:
+    """A run's fault and whether it fired, where it resumed from, how it failed (HTML pieces)."""
+    from disttrace.analysis.facts import failure_text
+
+    info = r.info
+    fault = info.get("fault")
+    resume = info.get("resume")
+    what = []
+    if fault:
+        what.append(
+            f"fault <code>{e(fault.get('name'))}</code> at step {e(fault.get('step'))} "
+            f"rank {e(fault.get('rank'))}"
+        )
+        fired = r.evidence.state.fault_fired
+        if fired is not None:
+            what.append(
+                f"fired at step {e(fired.step)} micro-batch {e(fired.micro_batch)} "
+                f"{e(fired.phase)} rank {e(fired.rank)}"
+            )
+        else:
+            what.append('<span class="warn">no fault_fired event recorded</span>')
+    if isinstance(resume, dict):
+        what.append(
+            f"resumed from <code>{e(resume.get('checkpoint'))}</code> (step {e(resume.get('step'))})"
+        )
+    for f in r.evidence.state.failures:
+        what.append(f'<span class="bad">{e(f.get("event"))}: {e(failure_text(f))}</span>')
+    if r.info_error:
+        what.append(f'<span class="bad">run.json: {e(r.info_error)}</span>')
+    return what
+
+
+def _vs_reference(r: _R, diffs: dict[int, Any]) -> str:
+    """The badge of a run against the reference: equal, where it diverged, or not compared."""
+    if r.index == 0:
+        vs = _badge("reference", "na")
+    else:
+        d = diffs.get(r.index)
+        if isinstance(d, DiffResult):
+            f = d.first_divergence
+            vs = _badge("equal", "ok") if f is None else _badge(f"diverged at step {f.step}", "bad")
+        else:
+            vs = _badge("not compared", "na")
+    return vs
 
 
 KEY_SETTINGS = (
@@ -132,6 +140,21 @@ def _manifest(rs: list[_R]) -> str:
     r0 = rs[0]
     m0 = r0.evidence.manifest
     m = m0.doc  # shown as stored, every key
+    head = _manifest_head(m0, m)
+    out = [
+        '<table class="kv">'
+        + "".join(f"<tr><th>{e(k)}</th><td>{v}</td></tr>" for k, v in head)
+        + "</table>"
+    ]
+    out.append(_manifest_cards(m))
+    rows = _manifest_others(rs, m0, m)
+    if rows:
+        out.append("<h3>the other runs</h3>" + _table(("run", "manifest"), rows))
+    return "".join(out)
+
+
+def _manifest_head(m0, m: dict) -> list[tuple[str, str]]:
+    """(label, HTML) of the reference's experiment, data, tokenizer and where its manifest came from."""
     exp = m.get("experiment") or {}
     data, tok = m.get("data") or {}, m.get("tokenizer") or {}
     head = [
@@ -159,11 +182,11 @@ def _manifest(rs: list[_R]) -> str:
             ),
         ),
     ]
-    out = [
-        '<table class="kv">'
-        + "".join(f"<tr><th>{e(k)}</th><td>{v}</td></tr>" for k, v in head)
-        + "</table>"
-    ]
+    return head
+
+
+def _manifest_cards(m: dict) -> str:
+    """The key settings of each section, one card a section."""
     cards = []
     for section, keys in KEY_SETTINGS:
         sec = m.get(section)
@@ -174,8 +197,11 @@ def _manifest(rs: list[_R]) -> str:
             cards.append(
                 f'<div class="card"><h4>{e(section)}</h4><table class="kv small">{items}</table></div>'
             )
-    out.append(f'<div class="cards">{"".join(cards)}</div>')
-    # the others: same manifest, or which fields differ
+    return f'<div class="cards">{"".join(cards)}</div>'
+
+
+def _manifest_others(rs: list[_R], m0, m: dict) -> list[list[str]]:
+    """The other runs: the same manifest, or which fields differ."""
     base = _flatten(m)
     rows = []
     for r in rs[1:]:
@@ -200,9 +226,7 @@ def _manifest(rs: list[_R]) -> str:
                 f"{cells or 'ids differ, fields equal'}{more}",
             ]
         )
-    if rows:
-        out.append("<h3>the other runs</h3>" + _table(("run", "manifest"), rows))
-    return "".join(out)
+    return rows
 
 
 def _topo_key(topo: Topology | None) -> Any:
