@@ -1,9 +1,10 @@
 """The readers' cost at scale: how `diff`, `check`, `verify`, `show` and `report` grow with ranks, steps and
 records a rank-step (docs/design.md, "Where the readers' cost goes"; figures in docs/benchmarks.md).
 
-Synthetic run stores, written with the recorder's own writer (store/trajectory.py's TrajectoryWriter, each step
-index line sealed by store/seal.py's StepChain, COMPLETE holding the seal `verify` checks, replicas.json for
-`check`, a step-time line per step for `show`); per point (ranks x steps x records):
+Synthetic run stores in the recorder's format (bench/synthetic.py: store/trajectory.py's TrajectoryWriter, each
+step index line sealed by store/seal.py's StepChain, COMPLETE holding the seal `verify` checks, replicas.json for
+`check`, a step-time line per step for `show`; a rank-step built from arrays, ranks written in 2 processes:
+~0.8 ms of CPU a 1,000-record rank-step); per point (ranks x steps x records):
 
   ref    the reference: reduced gradients and optimizer state equal on every rank, data and local gradients not
   same   ref's files again (hard links): no divergence
@@ -15,10 +16,12 @@ index line sealed by store/seal.py's StepChain, COMPLETE holding the seal `verif
          the diff across topologies
 
 Each command runs through the CLI (`disttrace.cli`) in a fresh process, the import not timed, and prints:
-wall seconds, peak RSS of that process and how much of it the command added (ru_maxrss before and after),
+wall and CPU seconds (user + system of the process: the fair figure on a shared machine), peak RSS of that
+process and how much of it the command added (ru_maxrss before and after),
 bytes read (read calls: /proc/self/io rchar; plus the size of each file the readers map, which a scan
-pages in), and microseconds per record of one run. Then, per command, the growth exponent along each
-curve: the least-squares slope of log(seconds) and of log(added memory) against log(ranks), log(steps) or
+pages in), and CPU microseconds per record of one run. Then, per command, the growth exponent along each
+curve: the least-squares slope of log(wall seconds), of log(CPU seconds) and of log(added memory) against
+log(ranks), log(steps) or
 log(records); 1 is linear, a fixed cost pulls it below 1, above ~1.15 is a defect. Commands:
 
   diff-late    disttrace diff ref late        bitwise, by the index, to a divergence in the last step
@@ -34,6 +37,11 @@ log(records); 1 is linear, a fixed cost pulls it below 1, above ~1.15 is a defec
     python bench/scale.py                                  # the default curves: a few minutes on 2 cores
     python bench/scale.py --ranks 2,8,64,256,1024          # the ranks curve to 1,024 ranks
     python bench/scale.py --point 1024x100x1000 --commands diff-late,numeric,check   # one large point
+    python bench/scale.py --base 1024x100x1000 --steps 100,10 --ranks 1024,64 --records "" \
+        --commands diff-late,numeric,check --json J      # the large point and its exponents in ranks and steps
+
+A point two curves share is measured once; `--measured J...` takes the points of earlier runs' --json (the
+curves and exponents then combine runs).
 
 Stores go to a temporary directory under /tmp (or --dir) and are deleted after each point (--keep keeps them).
 """
