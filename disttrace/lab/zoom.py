@@ -31,7 +31,12 @@ from disttrace.analysis.zoom import (
 )
 from disttrace.errors import BadInput, JobFailed
 from disttrace.store.depth import find_depth_run, origin
-from disttrace.store.rundir import LOCK, Run, read_json, write_json_atomic
+from disttrace.store.rundir import (
+    LOCK,
+    Run,
+    read_run_info,
+    write_run_info,
+)
 
 PRODUCED_BY = "rerun"
 REPLAYED = "replay"  # an attached script's side: a replay of it with its own command
@@ -179,7 +184,7 @@ def deep_run(
     extra = {"stop_after": step}
     if info.get("perturb"):
         extra["perturb"] = info["perturb"]
-    write_json_atomic(run_dir / "run.json", {**read_json(run_dir / "run.json"), **extra})
+    write_run_info(run_dir, read_run_info(run_dir).updated(**extra))
     progress(
         f"depth records of {_e(run.path.name)} step {step} ({level}): re-running into {_e(run_dir)}"
     )

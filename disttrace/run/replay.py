@@ -17,6 +17,7 @@ from pathlib import Path
 
 from disttrace.analysis.attribution import ReplayResult, attribute
 from disttrace.errors import BadInput
+from disttrace.store.records import ReplaySpec
 from disttrace.store.rundir import Run
 
 DEPTHS = ("module", "op")
@@ -132,13 +133,13 @@ def prepare_replay(
         name=f"replay-{step}",
         extra={
             "stop_after": step,
-            "replay": {
-                "of": str(run_dir.resolve()),
-                "step": step,
-                "rank_shift": 1 if permute_ranks else None,
-                "from": why,
-                "depth": depth,
-            },
+            "replay": ReplaySpec(
+                of=str(run_dir.resolve()),
+                step=step,
+                rank_shift=1 if permute_ranks else None,
+                from_=why,
+                depth=depth,
+            ).doc(),
         },
     )
 
@@ -150,7 +151,8 @@ def prepare_attached_replay(
     import os
     import time
 
-    from disttrace.store.rundir import new_run_dir, write_json_atomic
+    from disttrace.store.records import RunInfo
+    from disttrace.store.rundir import new_run_dir, write_run_info
 
     run_dir = Path(run_dir)
     run = Run(run_dir)
@@ -179,25 +181,23 @@ def prepare_attached_replay(
         observed = run.lock.get("observed")
         batch = observed.get("global_batch") if isinstance(observed, dict) else None
         extra["depth"] = {"step": step, "level": depth, "global_batch": batch}
-    write_json_atomic(
-        replay_dir / "run.json",
-        {
-            **extra,
-            "path": "replay",
-            "fault": kept_fault(run.info.get("fault"), run.path / "run.json"),
-            "resume": None,  # the script's run.resume(...) says where it starts, if anywhere
-            "created": time.time(),
-            "pid": os.getpid(),
-            "command": command,
-            "replay": {
-                "of": str(here),
-                "step": step,
-                "rank_shift": None,
-                "from": "the script's own start, or the checkpoint it resumes from",
-                "depth": depth,
-            },
-        },
+    info = RunInfo(
+        **extra,
+        path="replay",
+        fault=kept_fault(run.info.get("fault"), run.path / "run.json"),
+        resume=None,  # the script's run.resume(...) says where it starts, if anywhere
+        created=time.time(),
+        pid=os.getpid(),
+        command=command,
+        replay=ReplaySpec(
+            of=str(here),
+            step=step,
+            rank_shift=None,
+            from_="the script's own start, or the checkpoint it resumes from",
+            depth=depth,
+        ).doc(),
     )
+    write_run_info(replay_dir, info)
     return replay_dir
 
 

@@ -140,7 +140,7 @@ class _Verifier:
             return
         try:
             size = safeio.size(p, self.path)
-            digest = sealing.file_hash(p, want["bytes"] if prefix else None, self.path)["sha256"]
+            digest = sealing.file_hash(p, want["bytes"] if prefix else None, self.path).sha256
         except BadInput as e:
             self.damage(rel, e.reason)
             return

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from disttrace.run.attach.engine import Engine
 from disttrace.run.parallel.common import SCALARS_AGREE
+from disttrace.store.records import ReplicaRule, Replicas
 
 
-def infer_replicas(engine: str, views: list[dict]) -> dict:
+def infer_replicas(engine: str, views: list[dict]) -> Replicas:
     """replicas.json for an attached run, in the harness's format ({"groups": {dim: [[ranks]]}, "rules": [...]}).
 
     DDP: the engine says it (data differs, reduced gradients, clip scalars, parameters and optimizer state
@@ -23,7 +24,7 @@ def infer_replicas(engine: str, views: list[dict]) -> dict:
     show nothing). docs/replicas.md lists every rule."""
     world = len(views)
     groups: dict[str, list[list[int]]] = {"world": [list(range(world))]}
-    rules: list[dict] = []
+    rules: list[ReplicaRule] = []
     notes: list[str] = []
     if engine == "DeepSpeed":
         from disttrace.integrations import deepspeed
@@ -33,27 +34,27 @@ def infer_replicas(engine: str, views: list[dict]) -> dict:
         dp = sorted({tuple(v["ddp_group"]) for v in views})
         groups["dp"] = [list(g) for g in dp]
         rules += [
-            {"phase": "data", "dim": "dp", "relation": "differ"},
-            {"phase": "reduce", "dim": "dp", "relation": "agree"},
-            {"phase": "clip", "dim": "dp", "relation": "agree"},
-            {"phase": "optimizer", "dim": "dp", "relation": "agree"},
+            ReplicaRule(phase="data", dim="dp", relation="differ"),
+            ReplicaRule(phase="reduce", dim="dp", relation="agree"),
+            ReplicaRule(phase="clip", dim="dp", relation="agree"),
+            ReplicaRule(phase="optimizer", dim="dp", relation="agree"),
         ]
         notes.append(
             f"DDP over {groups['dp']}: reduced gradients, clip, parameters and optimizer state agree"
         )
-        return {"groups": groups, "rules": rules, "inferred": {"engine": engine, "notes": notes}}
+        return Replicas(groups=groups, rules=rules, inferred={"engine": engine, "notes": notes})
     fsdp = sorted({tuple(g) for v in views for g in v.get("fsdp_groups", [])})
     if engine == "FSDP2" and fsdp:  # FSDP2 shards over data parallelism: each rank's batch differs
         groups["dp"] = [list(g) for g in fsdp]
         rules += [
-            {"phase": "data", "dim": "dp", "relation": "differ"},
+            ReplicaRule(phase="data", dim="dp", relation="differ"),
             SCALARS_AGREE,
-            {
-                "phase": "optimizer",
-                "dim": "world",
-                "relation": "agree",
-                "tensors": ["param_groups.*.lr"],
-            },
+            ReplicaRule(
+                phase="optimizer",
+                dim="world",
+                relation="agree",
+                tensors=["param_groups.*.lr"],
+            ),
         ]
         notes.append(
             f"FSDP2 shards over {groups['dp']}: data differs there; the global gradient norm, "
@@ -72,8 +73,8 @@ def infer_replicas(engine: str, views: list[dict]) -> dict:
     for dim, gs in sorted(tp.items()):
         groups[dim] = gs
         rules += [
-            {"phase": "data", "dim": dim, "relation": "agree"},
-            {"phase": "loss", "dim": dim, "relation": "agree"},
+            ReplicaRule(phase="data", dim=dim, relation="agree"),
+            ReplicaRule(phase="loss", dim=dim, relation="agree"),
         ]
         notes.append(
             f"tensors sharded over {gs} ({dim}): those ranks read the same batch and compute one loss"
@@ -89,9 +90,7 @@ def infer_replicas(engine: str, views: list[dict]) -> dict:
             if path not in outputs[key]:
                 outputs[key].append(path)
     for key, paths in sorted(outputs.items()):
-        rules.append(
-            {"phase": "forward", "dim": key, "relation": "agree", "tensors": sorted(paths)}
-        )
+        rules.append(ReplicaRule(phase="forward", dim=key, relation="agree", tensors=sorted(paths)))
         notes.append(
             f"{len(paths)} module output(s) declared Replicate over {key} by their parallel style"
         )
@@ -123,7 +122,7 @@ def infer_replicas(engine: str, views: list[dict]) -> dict:
     if whole:
         (key,) = tp
         rules += [
-            {"phase": phase, "dim": key, "relation": "agree", "tensors": whole}
+            ReplicaRule(phase=phase, dim=key, relation="agree", tensors=whole)
             for phase in ("reduce", "optimizer")
         ]
         notes.append(
@@ -139,7 +138,7 @@ def infer_replicas(engine: str, views: list[dict]) -> dict:
             dim, phases = ("replicas" if n == 1 else f"replicas-{n}"), ("reduce", "optimizer")
             groups[dim] = [list(g) for g in key]
         rules += [
-            {"phase": phase, "dim": dim, "relation": "agree", "tensors": sorted(tensors)}
+            ReplicaRule(phase=phase, dim=dim, relation="agree", tensors=sorted(tensors))
             for phase in phases
         ]
         notes.append(
@@ -147,7 +146,7 @@ def infer_replicas(engine: str, views: list[dict]) -> dict:
         )
     if not rules:
         notes.append("no parameter has an identical copy on another rank: nothing must agree")
-    return {"groups": groups, "rules": rules, "inferred": {"engine": engine, "notes": notes}}
+    return Replicas(groups=groups, rules=rules, inferred={"engine": engine, "notes": notes})
 
 
 def attached_layout(kind: str, views: list[dict]) -> tuple[list[list[int]], list[list[int]]]:
