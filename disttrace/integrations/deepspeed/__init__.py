@@ -75,9 +75,12 @@ def detect(engine) -> Engine:
 
 def replicas(views: list[dict]) -> Replicas:
     """replicas.json from DeepSpeed's data-parallel group (each rank's `ddp_group` in its view)."""
+    from disttrace.run.attach.engine import views_of
+
+    views = views_of(views)
     world = len(views)
-    dp = [list(g) for g in sorted({tuple(v["ddp_group"]) for v in views})]
-    stage = views[0].get("zero_stage", 0)
+    dp = [list(g) for g in sorted({tuple(v.ddp_group) for v in views})]
+    stage = views[0].zero_stage or 0
     rules = [
         ReplicaRule(phase="data", dim="dp", relation="differ"),
         SCALARS_AGREE.model_copy(update={"dim": "dp"}),

@@ -230,7 +230,7 @@ class DeepSpeedRun(AttachedRun):
                 staging / final.name,
                 step,
                 self.manifest_id,
-                self.manifest["parallelism"]["world_size"],
+                self.typed.parallelism.world_size,
                 ["model", "optim"],
                 fmt="deepspeed",
             )

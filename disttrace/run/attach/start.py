@@ -17,6 +17,7 @@ from disttrace.run.attach.engine import (
     local_view,
     replicated_outputs,
     unwrap_optimizer,
+    views_of,
 )
 from disttrace.run.attach.manifest import SOURCE, build_manifest, evaluation_section, manifest_id_of
 from disttrace.run.attach.replicas import infer_replicas, topology_doc
@@ -101,7 +102,7 @@ def attach(
     optimizer = unwrap_optimizer(optimizer)
     engine = detect_engine(model)
     named = list(enumerate(engine.inner.named_parameters()))
-    views = _gather(local_view(engine, [(i, n, p) for i, (n, p) in named], rank))
+    views = views_of(_gather(local_view(engine, [(i, n, p) for i, (n, p) in named], rank).wire()))
     eval_section, eval_resolved, eval_error = None, {}, None
     if evaluation is not None:
         if rank == 0:
@@ -214,8 +215,8 @@ def _prepare_dir(
     )
     dist = _dist()
     backend = dist.get_backend() if dist else None
-    write_json_atomic(run_dir / "env.json", environment(torch, backend, [v["host"] for v in views]))
-    write_json_atomic(run_dir / "topology.json", topology_doc(engine, views))
+    write_json_atomic(run_dir / "env.json", environment(torch, backend, [v.host for v in views]))
+    write_json_atomic(run_dir / "topology.json", topology_doc(engine, views).doc())
     replicas = infer_replicas(engine.kind, views)
     write_json_atomic(run_dir / "replicas.json", replicas.doc())
     event(
