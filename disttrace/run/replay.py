@@ -17,7 +17,7 @@ from pathlib import Path
 
 from disttrace.analysis.attribution import ReplayResult, attribute
 from disttrace.errors import BadInput
-from disttrace.store.records import ReplaySpec
+from disttrace.store.records import FaultSpec, ReplaySpec
 from disttrace.store.rundir import Run
 
 DEPTHS = ("module", "op")
@@ -44,16 +44,17 @@ def default_reference(run_dir: Path) -> Path | None:
     return None
 
 
-def kept_fault(spec: dict | None, where: Path | str = "run.json") -> dict | None:
-    """RUN's fault, if it recurs when its step is executed again; else None (the replay runs without it)."""
+def kept_fault(spec: FaultSpec | None, where: Path | str = "run.json") -> dict | None:
+    """RUN's fault as its run.json states it, if it recurs when its step is executed again; else None (the
+    replay runs without it)."""
     from disttrace.run import faults
 
-    if not spec:
+    if spec is None:
         return None
-    cls = faults.REGISTRY.get(spec.get("name"))
+    cls = faults.REGISTRY.get(spec.name)
     if cls is None:
-        raise BadInput(where, f"unknown fault '{spec.get('name')}'", field="fault.name")
-    return spec if cls.recurrence in ("persistent", "device") else None
+        raise BadInput(where, f"unknown fault '{spec.name}'", field="fault.name")
+    return spec.doc() if cls.recurrence in ("persistent", "device") else None
 
 
 def checkpoint_identity(manifest) -> str:
@@ -103,7 +104,7 @@ def prepare_replay(
             "an attached run (disttrace.api): give its script's command after '--' "
             "(disttrace replay RUN --step S -- torchrun ... train.py)",
         )
-    kind = run.info.get("path")
+    kind = run.run_info.path
     if kind not in PATH_KINDS or kind == "replay":
         raise BadInput(run_dir / "run.json", f"cannot replay a '{kind}' run", field="path")
     if depth is not None and depth not in DEPTHS:
@@ -128,7 +129,7 @@ def prepare_replay(
         root,
         "replay",
         folder=run.manifest_id,
-        fault=kept_fault(run.info.get("fault"), run.path / "run.json"),
+        fault=kept_fault(run.run_info.fault, run.path / "run.json"),
         resume=resume,
         name=f"replay-{step}",
         extra={
@@ -184,7 +185,7 @@ def prepare_attached_replay(
     info = RunInfo(
         **extra,
         path="replay",
-        fault=kept_fault(run.info.get("fault"), run.path / "run.json"),
+        fault=kept_fault(run.run_info.fault, run.path / "run.json"),
         resume=None,  # the script's run.resume(...) says where it starts, if anywhere
         created=time.time(),
         pid=os.getpid(),
