@@ -84,7 +84,7 @@ def test_attached_layout(kind, views, dp, tp):
 def test_topology_places_each_rank_in_its_dp_and_tp_groups():
     views = [view(r, shard={"tp": [[0, 1], [2, 3]]}) for r in range(4)]
     topo = topology_doc(SimpleNamespace(kind="DTensor"), views)
-    assert topo["mesh_shape"] == {"pp": 1, "dp": 2, "tp": 2}
-    assert [r["coords"] for r in topo["ranks"]] == [
+    assert topo.mesh_shape == {"pp": 1, "dp": 2, "tp": 2}
+    assert [r.coords for r in topo.ranks] == [
         {"pp": 0, "dp": d, "tp": t} for d, t in ((0, 0), (0, 1), (1, 0), (1, 1))
     ]

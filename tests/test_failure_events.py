@@ -10,7 +10,7 @@ import orjson
 from conftest import cli
 
 from disttrace.report import build_report
-from disttrace.store.records import FAILURE_EVENTS, Event
+from disttrace.store.records import EVENT_LINES, FAILURE_EVENTS, Event
 from disttrace.store.rundir import event
 
 # as the writers log them (run/livecheck.py, run/worker.py, run/launch.py)
@@ -29,7 +29,7 @@ def test_show_and_report_list_every_failure_event(runs, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(runs.reference(), run)
     for kind, (fields, _) in WRITTEN.items():
-        event(run, kind, **fields)
+        event(run, EVENT_LINES[kind](**fields))
     shown = orjson.loads(cli("show", run, "--json", check=0).stdout)
     assert [f["event"] for f in shown["failures"]] == list(WRITTEN)
     text = cli("show", run, check=0).stderr  # the human view goes to stderr

@@ -235,6 +235,6 @@ def test_stall_names_the_rank_that_issued_fewer_collectives(tmp_path):
         trace(paths[r], n)
     assert paths[0].stat().st_size > TAIL_BYTES
     tails = {r: collective_tail(p) for r, p in paths.items()}
-    assert tails[1]["last"]["seq"] == 1998 and tails[0]["last"]["seq"] == 1999
+    assert tails[1].last.seq == 1998 and tails[0].last.seq == 1999
     assert behind_ranks({0: 2, 1: 2, 2: 2}, tails) == {1}
     assert behind_ranks({0: 3, 1: 2, 2: 3}, tails) == {1}  # a rank a whole step behind

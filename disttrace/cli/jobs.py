@@ -332,7 +332,7 @@ def _calibration(frozen, out: Path, safety: float, reference: Path | None = None
     from disttrace.analysis.calibration import build
     from disttrace.analysis.tolerance import unit_roundoff
     from disttrace.run.launch import launch, prepare
-    from disttrace.store.rundir import read_json, write_json_atomic
+    from disttrace.store.rundir import read_run_info, write_json_atomic, write_run_info
 
     if not (math.isfinite(safety) and safety >= 1):
         raise BadInput("--safety", f"must be a finite number >= 1 (got {safety})")
@@ -343,10 +343,8 @@ def _calibration(frozen, out: Path, safety: float, reference: Path | None = None
             continue
         run_dir = prepare(frozen, out, "reference")
         if label == "perturbed":
-            info = read_json(run_dir / "run.json")
-            write_json_atomic(
-                run_dir / "run.json", {**info, "perturb": {"relative": relative, "seed": 1}}
-            )
+            info = read_run_info(run_dir).updated(perturb={"relative": relative, "seed": 1})
+            write_run_info(run_dir, info)
         cli.err.print(Text(f"calibrate: {label} run {run_dir} ...", style="dim"))
         launch(run_dir)
         dirs[label] = str(run_dir)

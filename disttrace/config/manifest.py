@@ -320,6 +320,16 @@ class Frozen(BaseModel):
     def model(self) -> Manifest:
         return Manifest.model_validate(self.manifest)
 
+    @property
+    def data_path(self) -> str | None:
+        """The data file, resolved on the machine that froze it (None: the lock names none)."""
+        return self.resolved.get("data_path")
+
+    @property
+    def tokenizer_path(self) -> str | None:
+        """The tokenizer file, resolved likewise (None for the byte tokenizer, which has none)."""
+        return self.resolved.get("tokenizer_path")
+
 
 def freeze(path: Path | str | None, overrides: list[str] | None = None) -> Frozen:
     """Load, override, validate, resolve and check hashes; refuse anything that cannot run."""

@@ -8,8 +8,10 @@ accumulation 2 (see `slot`).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
+from pydantic import BaseModel, ConfigDict
 
 from disttrace.data.corpus import load_documents, split_documents
 from disttrace.data.tokenizer import load_tokenizer
@@ -39,25 +41,70 @@ def pack(docs: list[dict], tok, seq_len: int) -> tuple[torch.Tensor, list[tuple[
     return windows, origins
 
 
+class _Read(BaseModel):
+    # read from a Manifest's attributes, or from the manifest a store holds (the gate's evaluation)
+    model_config = ConfigDict(from_attributes=True, extra="ignore", frozen=True)
+
+
+class _Data(_Read):
+    eval_percent: int
+    split_salt: str
+
+
+class _Tokenizer(_Read):
+    kind: str
+    sha256: str | None = None
+
+
+class _Model(_Read):
+    max_seq_len: int
+
+
+class _Parallelism(_Read):
+    dp: int
+
+
+class _Training(_Read):
+    micro_batch_size: int
+    grad_accum_steps: int
+
+
+class _Experiment(_Read):
+    seed: int
+
+
+class WindowsLayout(_Read):
+    """What the token windows read of a manifest (config/manifest.py's names and types): the split, the
+    tokenizer, the sequence length, the batch layout and the seed of the order."""
+
+    data: _Data
+    tokenizer: _Tokenizer
+    model: _Model
+    parallelism: _Parallelism
+    training: _Training
+    experiment: _Experiment
+
+
 class TokenData:
-    def __init__(self, manifest: dict, data_path: str, tokenizer_path: str | None):
-        self.m = manifest
-        d, t, model = manifest["data"], manifest["tokenizer"], manifest["model"]
+    def __init__(self, manifest: Any, data_path: str, tokenizer_path: str | None):
+        """`manifest`: the job's `Manifest`, or the manifest a store holds (a mapping)."""
+        m = WindowsLayout.model_validate(manifest)
         docs = load_documents(Path(data_path))
         train, held_out, self.split_report = split_documents(
-            docs, d["eval_percent"], d["split_salt"]
+            docs, m.data.eval_percent, m.data.split_salt
         )
-        self.tok = load_tokenizer(t["kind"], tokenizer_path)
-        self.seq_len = model["max_seq_len"]
+        self.tok = load_tokenizer(m.tokenizer.kind, tokenizer_path)
+        self.seq_len = m.model.max_seq_len
         self.train, self.train_origin = pack(train, self.tok, self.seq_len)
         self.eval, self.eval_origin = pack(held_out, self.tok, self.seq_len)
         if len(self.train) == 0:
             raise ValueError(
                 f"{data_path}: too little text for one training sequence of {self.seq_len + 1} tokens"
             )
-        par, tr = manifest["parallelism"], manifest["training"]
-        self.dp, self.mbs, self.accum = par["dp"], tr["micro_batch_size"], tr["grad_accum_steps"]
-        self.seed = manifest["experiment"]["seed"]
+        self.dp, self.mbs = m.parallelism.dp, m.training.micro_batch_size
+        self.accum = m.training.grad_accum_steps
+        self.seed = m.experiment.seed
+        self.layout = m
         self._perms: dict[int, torch.Tensor] = {}
 
     @property
@@ -97,15 +144,15 @@ def harness_windows(lock_path: str | Path) -> TokenData:
     from disttrace.config.manifest import read_lock
 
     lock = read_lock(lock_path)
-    resolved = lock.resolved
-    data = TokenData(lock.manifest, resolved["data_path"], resolved.get("tokenizer_path"))
-    if data.tok.sha256 != lock.manifest["tokenizer"]["sha256"]:
+    data = TokenData(lock.manifest, lock.data_path, lock.tokenizer_path)
+    stated = data.layout.tokenizer.sha256
+    if data.tok.sha256 != stated:
         from disttrace.errors import BadInput
 
         raise BadInput(
             lock_path,
-            f"the tokenizer at {resolved.get('tokenizer_path')} has sha256 {data.tok.sha256[:12]}..., "
-            f"not the lock's {lock.manifest['tokenizer']['sha256'][:12]}...",
+            f"the tokenizer at {lock.tokenizer_path} has sha256 {data.tok.sha256[:12]}..., "
+            f"not the lock's {str(stated)[:12]}...",
             field="manifest.tokenizer.sha256",
         )
     return data

@@ -22,6 +22,7 @@ import xxhash
 
 from disttrace.errors import BadInput
 from disttrace.fmt import ranges
+from disttrace.store.records import ResumeSpec
 from disttrace.store.rundir import Run
 
 FILE_RECORD = "file:"
@@ -123,9 +124,9 @@ def coverage(ref: Run, run: Run) -> tuple[str | None, str]:
         return f"the reference itself lacks step(s) {ranges(lacking)} of {len(expected)}", ""
     missing = sorted(set(expected) - set(run_steps))
     how = f"all {len(expected)} recorded steps of the reference compared"
-    resume = run.info.get("resume")
+    resume = run.run_info.resume
     if missing and resume:
-        r = int(resume["step"])
+        r = resume.step
         before = [s for s in missing if s <= r]
         if before:
             why = _resume_bound(ref, run, resume)
@@ -147,7 +148,7 @@ def coverage(ref: Run, run: Run) -> tuple[str | None, str]:
     return None, how
 
 
-def _resume_bound(ref: Run, run: Run, resume: dict) -> str | None:
+def _resume_bound(ref: Run, run: Run, resume: ResumeSpec) -> str | None:
     from disttrace.store import checkpoints
     from disttrace.store.paths import resume_checkpoint
 
@@ -156,7 +157,7 @@ def _resume_bound(ref: Run, run: Run, resume: dict) -> str | None:
         checkpoints.verify(ckpt, run.manifest_id)
     except BadInput as e:
         return str(e)
-    return checkpoint_matches(ckpt, ref, int(resume["step"]))
+    return checkpoint_matches(ckpt, ref, resume.step)
 
 
 # the manifest keys that enter the derived bound (analysis/tolerance.py) besides the experiment's own fields

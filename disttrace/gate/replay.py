@@ -31,7 +31,7 @@ import orjson
 from disttrace.errors import BadInput
 from disttrace.gate import binding
 from disttrace.store import checkpoints
-from disttrace.store.rundir import Run, read_json, write_json_atomic
+from disttrace.store.rundir import Run, read_run_info, write_run_info
 
 REPLAY_TIMEOUT_S = 1800
 
@@ -114,10 +114,8 @@ def _prepare(run: Run, ref: Run, source: int, until: int, root: Path) -> Path:
             "from_run": str(run.path),
         },
     )
-    info = read_json(run_dir / "run.json")
-    write_json_atomic(
-        run_dir / "run.json", {**info, "stop_after": until, "replay_of": str(run.path)}
-    )
+    info = read_run_info(run_dir).updated(stop_after=until, replay_of=str(run.path))
+    write_run_info(run_dir, info)
     return run_dir
 
 

@@ -354,9 +354,9 @@ def replay_attribution(run: Run, ref: Run | None) -> dict | None:
     for d in run.path.parent.glob("replay-*"):
         try:
             r = Run(d)
-            info = r.info.get("replay") or {}
-            if info.get("of") == me and r.complete:
-                found.append((float(r.info.get("created") or 0), d))
+            replay = r.run_info.replay
+            if replay is not None and replay.of == me and r.complete:
+                found.append((float(r.run_info.created or 0), d))
         except BadInput:
             continue
     if not found:

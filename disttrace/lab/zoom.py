@@ -31,7 +31,12 @@ from disttrace.analysis.zoom import (
 )
 from disttrace.errors import BadInput, JobFailed
 from disttrace.store.depth import find_depth_run, origin
-from disttrace.store.rundir import LOCK, Run, read_json, write_json_atomic
+from disttrace.store.rundir import (
+    LOCK,
+    Run,
+    read_run_info,
+    write_run_info,
+)
 
 PRODUCED_BY = "rerun"
 REPLAYED = "replay"  # an attached script's side: a replay of it with its own command
@@ -126,7 +131,7 @@ def not_reproduced(run: Run, replay: Run, step: int) -> str | None:
     from disttrace.analysis.attribution import first_difference
     from disttrace.store.depth import read_depth
 
-    start = int((replay.info.get("resume") or {}).get("step") or 0)
+    start = replay.run_info.resume.step if replay.run_info.resume else 0
     if start >= step:
         return f"it resumed from step {start}, not before step {step}"
     for s in range(start + 1, step + 1):
@@ -154,8 +159,8 @@ def deep_run(
     run = Run(run_dir)
     if run.attached:
         return attached_deep_run(run, step, level, command, progress)
-    info = run.info
-    if info.get("resume"):
+    info = run.run_info
+    if info.resume:
         raise BadInput(
             run.path / "run.json",
             "a recovered run resumes from a checkpoint; re-running it from its start would not be the "
@@ -171,15 +176,14 @@ def deep_run(
     if found is not None:
         progress(f"depth records of {_e(run.path.name)} step {step}: reusing {_e(found.path)}")
         return found.path
-    kind = info.get("path") or "reference"
+    kind = info.path or "reference"
     root = run.path.parent.parent
-    run_dir = prepare(
-        frozen, root, kind, fault=info.get("fault"), origin=origin(run.path, step, level)
-    )
+    fault = info.fault.doc() if info.fault else None
+    run_dir = prepare(frozen, root, kind, fault=fault, origin=origin(run.path, step, level))
     extra = {"stop_after": step}
-    if info.get("perturb"):
-        extra["perturb"] = info["perturb"]
-    write_json_atomic(run_dir / "run.json", {**read_json(run_dir / "run.json"), **extra})
+    if info.perturb:
+        extra["perturb"] = info.perturb.doc()
+    write_run_info(run_dir, read_run_info(run_dir).updated(**extra))
     progress(
         f"depth records of {_e(run.path.name)} step {step} ({level}): re-running into {_e(run_dir)}"
     )

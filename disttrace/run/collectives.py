@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from disttrace.store.records import CollectiveLine
 from disttrace.store.rundir import JsonlWriter, rank_file
 
 # position of the input tensor(s) among each op's arguments (bytes on the wire are the input's)
@@ -117,22 +118,21 @@ class CollectiveTracer(TorchDispatchMode):
         inputs = list(_tensors(args[pos])) if pos is not None and pos < len(args) else []
         shapes = [list(t.shape) for t in inputs]
         nbytes = sum(t.numel() * t.element_size() for t in inputs)
-        rec = {
-            "seq": seq,
-            "group": group,
-            "op": op,
-            "step": self.step,
-            "shapes": shapes,
-            "dtype": str(inputs[0].dtype).removeprefix("torch.") if inputs else None,
-            "bytes": nbytes,
-            "start": time.time(),
-        }
-        if self.values:
-            rec["digests"] = _payload_digests(inputs)
-        self.out.write(rec)
+        rec = CollectiveLine(
+            seq=seq,
+            group=group,
+            op=op,
+            step=self.step,
+            shapes=shapes,
+            dtype=str(inputs[0].dtype).removeprefix("torch.") if inputs else None,
+            bytes=nbytes,
+            start=time.time(),
+            **({"digests": _payload_digests(inputs)} if self.values else {}),
+        )
+        self.out.write(rec.line())
         self.out.flush()  # before the op runs: a hang or a death still leaves this line
         result = func(*args, **kwargs)
-        self.out.write({"seq": seq, "group": group, "end": time.time()})
+        self.out.write(CollectiveLine(seq=seq, group=group, end=time.time()).line())
         return result
 
     def attach(self, bus) -> CollectiveTracer:

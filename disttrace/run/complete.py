@@ -23,12 +23,12 @@ def seal_and_complete(run_dir: Path, rank: int, recorder, dist, fields: dict) ->
         recorder.chain.last if recorder else None,
         recorder.chain.steps if recorder else 0,
     )
-    parts = [mine]
+    parts = [mine.doc()]
     if dist is not None and dist.is_initialized():
         parts = [None] * dist.get_world_size()
-        gather_released(dist, parts, mine)
+        gather_released(dist, parts, mine.doc())
     if rank == 0:
-        mark_complete(run_dir, {**fields, "seal": seal.build_seal(run_dir, parts)})
+        mark_complete(run_dir, {**fields, "seal": seal.build_seal(run_dir, parts).doc()})
 
 
 def object_device(dist):

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -43,6 +44,18 @@ from disttrace.store.rundir import JsonlWriter, rank_file
 
 KIND = "depth"
 LEVELS = ("module", "op")
+
+
+@dataclass(frozen=True)
+class DepthRequest:
+    """One step of an attached run recorded at depth, and this rank's place in the data-parallel layout
+    the records are placed by."""
+
+    step: int
+    level: str
+    global_batch: int | None
+    dp: int
+    dp_rank: int
 
 
 def attached_spec(info: dict, where) -> dict | None:

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from disttrace.config.manifest import Manifest
 from disttrace.run.hooks import HookBus
-from disttrace.store.records import Event
+from disttrace.store.records import CollectiveLine, RingLost
 from disttrace.store.rundir import rank_file
 
 DEFAULT_CAPACITY = 2000  # torch's own default ring size; TORCH_FR_BUFFER_SIZE overrides it
@@ -151,13 +151,12 @@ class Converter:
             and (self.last_rid >= 0 or entries[0]["record_id"])
         ):
             lost = entries[0]["record_id"] - self.last_rid - 1
-            out.append(
-                {
-                    "lost": lost,
-                    "after_record": self.last_rid,
-                    "step": self.step_of(entries[0]["time_created_ns"]),
-                }
+            line = RingLost(
+                lost=lost,
+                after_record=self.last_rid,
+                step=self.step_of(entries[0]["time_created_ns"]),
             )
+            out.append(line.line())
         for e in entries:
             pg = str(e["process_group"][0])
             group = groups.get(pg, "?")
@@ -175,22 +174,22 @@ class Converter:
                     n *= d
                 nbytes += n * size
             fr_seq = e["p2p_seq_id"] if e.get("is_p2p") else e["collective_seq_id"]
-            rec = {
-                "seq": seq,
-                "group": group,
-                "op": op,
-                "step": self.step_of(e["time_created_ns"]),
-                "shapes": shapes,
-                "dtype": dtypes[0][0] if dtypes else None,
-                "bytes": nbytes,
-                "start": e["time_created_ns"] / 1e9,
-                "pg": pg,
-                "fr_seq": fr_seq,
-                "done": _finished(e, status),
-            }
-            if e.get("time_discovered_completed_ns"):  # NCCL with timing enabled; none on gloo
-                rec["end"] = e["time_discovered_completed_ns"] / 1e9
-            out.append(rec)
+            completed = e.get("time_discovered_completed_ns")  # NCCL with timing enabled; not gloo
+            rec = CollectiveLine(
+                seq=seq,
+                group=group,
+                op=op,
+                step=self.step_of(e["time_created_ns"]),
+                shapes=shapes,
+                dtype=dtypes[0][0] if dtypes else None,
+                bytes=nbytes,
+                start=e["time_created_ns"] / 1e9,
+                pg=pg,
+                fr_seq=fr_seq,
+                done=_finished(e, status),
+                **({"end": completed / 1e9} if completed else {}),
+            )
+            out.append(rec.line())
         if entries:
             self.last_rid = entries[-1]["record_id"]
         return out
@@ -228,13 +227,15 @@ class FlightRecorderTrace:
         if (
             self.capacity <= 0 and rank == 0
         ):  # the user turned the recorder off: say why the trace is empty
+            from disttrace.store.records import CollectiveTraceEmpty
             from disttrace.store.rundir import event
 
             event(
                 run_dir,
-                Event.COLLECTIVE_TRACE_EMPTY,
-                reason="TORCH_FR_BUFFER_SIZE=0 turns torch's Flight Recorder "
-                'off; set record.collectives = "values" for a trace without it',
+                CollectiveTraceEmpty(
+                    reason="TORCH_FR_BUFFER_SIZE=0 turns torch's Flight Recorder "
+                    'off; set record.collectives = "values" for a trace without it'
+                ),
             )
         self.conv = Converter()
         self.step = 0  # the tracer's interface (the worker's context hands it to faults)

@@ -17,8 +17,20 @@ from pathlib import Path
 
 from disttrace.config.manifest import Frozen, validate
 from disttrace.errors import JobFailed
-from disttrace.store.records import Event
-from disttrace.store.rundir import COMPLETE, LOCK, event, new_run_dir, read_json, write_json_atomic
+from disttrace.run.worker import lock_of
+from disttrace.store.records import Created, Launched, RankFailed, RunInfo
+from disttrace.store.records import JobFailed as JobFailedEvent
+from disttrace.store.rundir import (
+    COMPLETE,
+    LOCK,
+    RUN_INFO,
+    event,
+    new_run_dir,
+    read_json,
+    read_run_info,
+    write_json_atomic,
+    write_run_info,
+)
 
 
 def prepare(
@@ -37,19 +49,17 @@ def prepare(
     recording at depth lives beside the run it replays)."""
     run_dir = new_run_dir(out, folder or frozen.manifest_id, name or path_kind)
     write_json_atomic(run_dir / LOCK, frozen.model_dump())
-    write_json_atomic(
-        run_dir / "run.json",
-        {
-            "path": path_kind,
-            "fault": fault,
-            "resume": resume,
-            "origin": origin,
-            "created": time.time(),
-            "argv": sys.argv,
-            **(extra or {}),
-        },
+    info = RunInfo(
+        path=path_kind,
+        fault=fault,
+        resume=resume,
+        origin=origin,
+        created=time.time(),
+        argv=sys.argv,
+        **(extra or {}),
     )
-    event(run_dir, Event.CREATED, path=path_kind)
+    write_run_info(run_dir, info)
+    event(run_dir, Created(path=path_kind))
     return run_dir
 
 
@@ -61,25 +71,25 @@ def prepare_shared(frozen: Frozen, out: Path, path_kind: str, run_id: str) -> Pa
     run_dir.mkdir(parents=True, exist_ok=True)
     if not (run_dir / LOCK).exists():
         write_json_atomic(run_dir / LOCK, frozen.model_dump())
-    elif read_json(run_dir / LOCK)["manifest_id"] != frozen.manifest_id:
+    elif Frozen.model_validate(read_json(run_dir / LOCK)).manifest_id != frozen.manifest_id:
         from disttrace.errors import BadInput
 
         raise BadInput(
             run_dir / LOCK, "this run id already holds another manifest", field="manifest_id"
         )
-    if not (run_dir / "run.json").exists():
-        write_json_atomic(
-            run_dir / "run.json",
-            {
-                "path": path_kind,
-                "fault": None,
-                "resume": None,
-                "origin": None,
-                "created": time.time(),
-                "run_id": run_id,
-            },
+    if not (run_dir / RUN_INFO).exists():
+        write_run_info(
+            run_dir,
+            RunInfo(
+                path=path_kind,
+                fault=None,
+                resume=None,
+                origin=None,
+                created=time.time(),
+                run_id=run_id,
+            ),
         )
-    event(run_dir, Event.CREATED, path=path_kind, pid=os.getpid())
+    event(run_dir, Created(path=path_kind, pid=os.getpid()))
     return run_dir
 
 
@@ -120,9 +130,7 @@ def launch(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    manifest = validate(
-        read_json(run_dir / LOCK)["manifest"], run_dir / LOCK
-    )  # as each rank will (worker.run)
+    manifest = validate(lock_of(run_dir).manifest, run_dir / LOCK)  # as each rank will (worker.run)
     world = manifest.world_size
     if (run_dir / COMPLETE).exists():
         from disttrace.errors import BadInput
@@ -130,11 +138,11 @@ def launch(
         raise BadInput(
             run_dir, "this run is already complete: a new job would mix its records into it"
         )
-    info = read_json(run_dir / "run.json") if (run_dir / "run.json").exists() else {}
-    if isinstance(info, dict) and info.get("resume"):  # exit 2 here, before any rank starts
+    info = read_run_info(run_dir) if (run_dir / RUN_INFO).exists() else RunInfo()
+    if info.resume:  # exit 2 here, before any rank starts
         from disttrace.store.paths import resume_checkpoint
 
-        resume_checkpoint(run_dir, info["resume"])
+        resume_checkpoint(run_dir, info.resume)
     lock = _writer_lock(run_dir, node_rank)  # held until this process exits
     if nproc_per_node is None:
         if world % nnodes:
@@ -161,11 +169,9 @@ def launch(
     )
     event(
         run_dir,
-        Event.LAUNCHED,
-        nnodes=nnodes,
-        node_rank=node_rank,
-        nproc_per_node=nproc_per_node,
-        endpoint=endpoint,
+        Launched(
+            nnodes=nnodes, node_rank=node_rank, nproc_per_node=nproc_per_node, endpoint=endpoint
+        ),
     )
     try:
         elastic_launch(config, sys.executable)("-m", "disttrace.worker", "--run-dir", str(run_dir))
@@ -175,10 +181,11 @@ def launch(
         reason = describe_failure(run_dir, failures, first[0])
         event(
             run_dir,
-            Event.JOB_FAILED,
-            failures={str(k): v for k, v in failures.items()},
-            first_failed_rank=int(first[0]),
-            reason=reason,
+            JobFailedEvent(
+                failures={str(k): v for k, v in failures.items()},
+                first_failed_rank=int(first[0]),
+                reason=reason,
+            ),
         )
         bad = refused_input(run_dir, failures)
         if (
@@ -187,7 +194,7 @@ def launch(
             raise bad from None
         raise JobFailed(reason, str(run_dir)) from None
     except Exception as e:  # rendezvous errors and the like
-        event(run_dir, Event.JOB_FAILED, reason=f"{type(e).__name__}: {e}")
+        event(run_dir, JobFailedEvent(reason=f"{type(e).__name__}: {e}"))
         raise JobFailed(f"launch failed: {type(e).__name__}: {e}", str(run_dir)) from None
     for _ in range(
         50
@@ -196,7 +203,7 @@ def launch(
             break
         time.sleep(0.1)
     if not (run_dir / COMPLETE).exists():
-        event(run_dir, Event.JOB_FAILED, reason="every rank exited 0 but COMPLETE was not written")
+        event(run_dir, JobFailedEvent(reason="every rank exited 0 but COMPLETE was not written"))
         raise JobFailed("every rank exited 0 but the run was not marked complete", str(run_dir))
     lock.close()
 
@@ -204,24 +211,28 @@ def launch(
 def refused_input(run_dir: Path, failures: dict[int, int]):
     """The BadInput a rank that exited with code 2 recorded (its rank_failed event's `bad_input`), or None."""
     from disttrace.errors import EXIT_BAD_INPUT, BadInput
-    from disttrace.store.rundir import read_jsonl
 
     bad_ranks = {r for r, c in failures.items() if c == EXIT_BAD_INPUT}
     if not bad_ranks:
         return None
     try:
-        events = read_jsonl(run_dir / "events.jsonl", run_dir).records
+        events = job_events(run_dir)
     except BadInput:
         return None
     for e in events:
-        bad = e.get("bad_input")
-        if (
-            e.get("event") == Event.RANK_FAILED
-            and e.get("rank") in bad_ranks
-            and isinstance(bad, dict)
-        ):
-            return BadInput(str(bad.get("where")), str(bad.get("reason")), bad.get("field"))
+        if isinstance(e, RankFailed) and e.rank in bad_ranks and e.bad_input is not None:
+            bad = e.bad_input
+            return BadInput(str(bad.where), str(bad.reason), bad.field)
     return None
+
+
+def job_events(run_dir: Path) -> list:
+    """events.jsonl of the job this launcher ran, each line its kind's model."""
+    from disttrace.store.records import parse_event
+    from disttrace.store.rundir import read_jsonl
+
+    p = run_dir / "events.jsonl"
+    return [parse_event(e, p, n) for n, e in enumerate(read_jsonl(p, run_dir).records, 1)]
 
 
 def describe_failure(run_dir: Path, failures: dict[int, int], first: int) -> str:
@@ -237,16 +248,10 @@ def describe_failure(run_dir: Path, failures: dict[int, int], first: int) -> str
     )
     parts = [f"the job failed: {what} (failed ranks: {sorted(failures)})"]
     try:  # the first error a rank recorded about itself, in one line
-        from disttrace.store.rundir import read_jsonl
-
-        errors = [
-            e
-            for e in read_jsonl(run_dir / "events.jsonl").records
-            if e.get("event") == Event.RANK_FAILED
-        ]
-        own = [e for e in errors if e.get("rank") == first] or errors
+        errors = [e for e in job_events(run_dir) if isinstance(e, RankFailed)]
+        own = [e for e in errors if e.rank == first] or errors
         if own:
-            raw = str(own[0].get("error", ""))
+            raw = str(own[0].error or "")
             # an engine's error may carry a whole remote traceback: its last exception line says what happened
             causes = [
                 ln.strip()
@@ -254,7 +259,7 @@ def describe_failure(run_dir: Path, failures: dict[int, int], first: int) -> str
                 if re.match(r"^[\w.]+(Error|Exception|Exit)\b.*:", ln.strip())
             ]
             text = " ".join((causes[-1] if causes else raw).split())
-            parts.append(f"rank {own[0].get('rank')}: {text[:300]}")
+            parts.append(f"rank {own[0].rank}: {text[:300]}")
     except Exception:  # evidence for the message, not a requirement
         pass
     try:

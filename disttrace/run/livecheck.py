@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from disttrace.analysis.consistency import rule_applies
 from disttrace.run.digest import digest_of_digests
-from disttrace.store.records import Event, ReplicaRule
+from disttrace.store.records import LiveCheckFailed, ReplicaRule
 from disttrace.store.rundir import event
 
 
@@ -83,10 +83,11 @@ class LiveCheck:
                 if self.rank == min(members):
                     event(
                         self.run_dir,
-                        Event.LIVE_CHECK_FAILED,
-                        step=bus.step,
-                        phase=rule.phase,
-                        group=members,
-                        digests={str(r): d for r, d in zip(members, seen)},
+                        LiveCheckFailed(
+                            step=bus.step,
+                            phase=rule.phase,
+                            group=members,
+                            digests={str(r): d for r, d in zip(members, seen)},
+                        ),
                     )
                 raise InconsistentReplicas(msg)

@@ -16,12 +16,14 @@ per storage).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from pydantic import BaseModel, ConfigDict
 
 from disttrace.config.manifest import Manifest
+from disttrace.store.records import MemoryGap, MemoryLine, ModelStateBytes
 from disttrace.store.rundir import JsonlWriter, rank_file
 
 CATEGORIES = ("params", "grads", "optimizer", "buffers", "unregistered", "engine")
@@ -52,13 +54,28 @@ class LedgerLayout(_Read):
     training: LedgerTraining
 
 
+@dataclass(frozen=True)
+class Measured:
+    """Bytes of the distinct storages of each category (CATEGORIES)."""
+
+    params: int
+    grads: int
+    optimizer: int
+    buffers: int
+    unregistered: int
+    engine: int
+
+
 class StorageCount:
     """Distinct storages by category: a storage seen twice (a view, a tensor shared by two owners) counts
     once, under the first category that reached it (in CATEGORIES order)."""
 
     def __init__(self):
         self.seen: dict[int, str] = {}
-        self.bytes = dict.fromkeys(CATEGORIES, 0)
+        self.bytes = dict.fromkeys(CATEGORIES, 0)  # category -> bytes, filled by `add`
+
+    def measured(self) -> Measured:
+        return Measured(**self.bytes)
 
     def add(self, category: str, t) -> None:
         if t is None or not torch.is_tensor(t):
@@ -265,48 +282,50 @@ class MemoryLedger:
         c = measure(
             s.plain, s.optimizer, self._engine.items(), fsdp2_engine_tensors(self._fsdp_groups())
         )
-        b = c.bytes
-        params, grads, optim = b["params"], b["grads"], b["optimizer"]
-        model_state = params + grads + optim
+        b = c.measured()
+        model_state = b.params + b.grads + b.optimizer
         pred = self.predicted
         total = c.total()
         gaps = measured_gaps(self.layout, s, b, pred)
-        rec = {
-            "step": bus.step,
-            "rank": self.rank,
-            "params": params,
-            "grads": grads,
-            "optimizer": optim,
-            "model_state": model_state,
-            "buffers": b["buffers"],
-            "unregistered": b["unregistered"],
-            "engine": b["engine"],
-            "engine_peak": max(self._engine_peak, b["engine"]),
-            "measured_total": total,
-            "storages": len(c.seen),
-            "activations_saved": self._peak_act,
-            "peak_tracked": total + self._peak_act,
-            "resident": resident_bytes(),
-            "predicted": pred,
-            "ratio_model_state": round(model_state / pred["total"], 4) if pred["total"] else None,
-            "ratio_total": round(total / pred["total"], 4) if pred["total"] else None,
-            "gap": [
-                g["what"] + f": {g['bytes']:+d} B" + (f" ({g['why']})" if g.get("why") else "")
-                for g in gaps
-            ],
-            "gap_bytes": gaps,
-        }
-        if torch.cuda.is_available():
-            rec["allocated"] = int(torch.cuda.memory_allocated())
-            rec["peak_allocator"] = int(torch.cuda.max_memory_allocated())
-        self.out.write(rec)
+        gpu = (
+            {
+                "allocated": int(torch.cuda.memory_allocated()),
+                "peak_allocator": int(torch.cuda.max_memory_allocated()),
+            }
+            if torch.cuda.is_available()
+            else {}
+        )
+        row = MemoryLine(
+            step=bus.step,
+            rank=self.rank,
+            params=b.params,
+            grads=b.grads,
+            optimizer=b.optimizer,
+            model_state=model_state,
+            buffers=b.buffers,
+            unregistered=b.unregistered,
+            engine=b.engine,
+            engine_peak=max(self._engine_peak, b.engine),
+            measured_total=total,
+            storages=len(c.seen),
+            activations_saved=self._peak_act,
+            peak_tracked=total + self._peak_act,
+            resident=resident_bytes(),
+            predicted=pred,
+            ratio_model_state=round(model_state / pred.total, 4) if pred.total else None,
+            ratio_total=round(total / pred.total, 4) if pred.total else None,
+            gap=[f"{g.what}: {g.bytes:+d} B" + (f" ({g.why})" if g.why else "") for g in gaps],
+            gap_bytes=gaps,
+            **gpu,
+        )
+        self.out.write(row.line())
         self.out.flush()
 
     def close(self):
         self.out.close()
 
 
-def predict_model_state(manifest: LedgerLayout, strategy) -> dict:
+def predict_model_state(manifest: LedgerLayout, strategy) -> ModelStateBytes:
     """The ZeRO formula for this strategy, in the dtype actually used (disttrace.plan.costs)."""
     from disttrace.plan.costs import model_state_bytes
 
@@ -318,14 +337,18 @@ def predict_model_state(manifest: LedgerLayout, strategy) -> dict:
     precision = {"float32": "fp32", "float64": "fp64"}.get(tr.dtype, "mixed")
     optimizer = "adam" if tr.optimizer == "adamw" else tr.optimizer
     stage = par.zero_stage if par.tp == 1 else 3  # dp x tp shards over dp with FSDP2 (ZeRO-3 style)
-    return model_state_bytes(psi, par.dp, stage, optimizer, precision)
+    return ModelStateBytes.model_validate(
+        model_state_bytes(psi, par.dp, stage, optimizer, precision)
+    )
 
 
-def measured_gaps(manifest: LedgerLayout, strategy, b: dict, pred: dict) -> list[dict]:
-    """Each difference between measured and predicted bytes, named: {"what", "bytes"}."""
+def measured_gaps(
+    manifest: LedgerLayout, strategy, b: Measured, pred: ModelStateBytes
+) -> list[MemoryGap]:
+    """Each difference between measured and predicted bytes, named."""
     par = manifest.parallelism
     out = []
-    if b["engine"]:
+    if b.engine:
         what = (
             "DDP bucket copy of the gradients"
             if par.zero_stage < 2
@@ -334,63 +357,60 @@ def measured_gaps(manifest: LedgerLayout, strategy, b: dict, pred: dict) -> list
             and par.architecture != "parameter-server"
             else "engine buffers (FSDP2 unsharded parameters)"
         )
-        out.append({"what": what, "bytes": b["engine"]})
-    if b["buffers"]:
-        out.append({"what": "model buffers (RoPE tables; not model state)", "bytes": b["buffers"]})
-    if b["unregistered"]:
+        out.append(MemoryGap(what=what, bytes=b.engine))
+    if b.buffers:
+        out.append(MemoryGap(what="model buffers (RoPE tables; not model state)", bytes=b.buffers))
+    if b.unregistered:
         out.append(
-            {
-                "what": "tensors kept as plain module attributes (neither parameter nor buffer)",
-                "bytes": b["unregistered"],
-            }
+            MemoryGap(
+                what="tensors kept as plain module attributes (neither parameter nor buffer)",
+                bytes=b.unregistered,
+            )
         )
-    for key, what in (
-        ("params", "parameters"),
-        ("grads", "gradients"),
-        ("optimizer", "optimizer state"),
+    for key, what, measured, predicted in (
+        ("params", "parameters", b.params, pred.params),
+        ("grads", "gradients", b.grads, pred.grads),
+        ("optimizer", "optimizer state", b.optimizer, pred.optimizer),
     ):
-        d = b[key] - pred[key]
+        d = measured - predicted
         if d:
+            why = explain_gap(manifest, b.params, b.grads, b.optimizer, pred, only=key)
             out.append(
-                {
-                    "what": f"{what} vs the formula",
-                    "bytes": d,
-                    "why": "; ".join(
-                        explain_gap(
-                            manifest, b["params"], b["grads"], b["optimizer"], pred, only=key
-                        )
-                    )
-                    or None,
-                }
+                MemoryGap(what=f"{what} vs the formula", bytes=d, why="; ".join(why) or None)
             )
     return out
 
 
 def explain_gap(
-    manifest: LedgerLayout, params: int, grads: int, optim: int, pred: dict, only: str | None = None
+    manifest: LedgerLayout,
+    params: int,
+    grads: int,
+    optim: int,
+    pred: ModelStateBytes,
+    only: str | None = None,
 ) -> list[str]:
-    """Name the differences between measured and predicted that we can explain."""
+    """Name the differences between measured and predicted that we can explain (`only`: those of one
+    category, params, grads or optimizer, each note starting with its name)."""
     if only is not None:
-        keep = {"params": "params", "grads": "grads", "optimizer": "optimizer"}[only]
-        return [n for n in explain_gap(manifest, params, grads, optim, pred) if n.startswith(keep)]
+        return [n for n in explain_gap(manifest, params, grads, optim, pred) if n.startswith(only)]
     notes = []
-    if optim > pred["optimizer"]:
+    if optim > pred.optimizer:
         notes.append(
-            f"optimizer +{optim - pred['optimizer']} B: Adam's per-parameter step counters (scalars) "
+            f"optimizer +{optim - pred.optimizer} B: Adam's per-parameter step counters (scalars) "
             "are not in the formula"
         )
-    if params < pred["params"] and manifest.parallelism.zero_stage == 2:
+    if params < pred.params and manifest.parallelism.zero_stage == 2:
         notes.append(
             "params: FSDP2 frees the gathered parameters after backward; ZeRO-2's resident copy exists "
             "during forward+backward only, and this line is measured after the optimizer step"
         )
-    if manifest.parallelism.tp > 1 and params > pred["params"]:
+    if manifest.parallelism.tp > 1 and params > pred.params:
         notes.append(
-            f"params +{params - pred['params']} B: tensor parallel keeps norm weights whole on every tp "
+            f"params +{params - pred.params} B: tensor parallel keeps norm weights whole on every tp "
             "rank (replicated); the formula divides all of Psi by tp"
         )
-    if grads < pred["grads"]:
+    if grads < pred.grads:
         notes.append(
-            f"grads -{pred['grads'] - grads} B: gradients freed or not yet allocated when measured"
+            f"grads -{pred.grads - grads} B: gradients freed or not yet allocated when measured"
         )
     return notes

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import torch
 
+from disttrace.store.records import Perturb
 
-def attach(bus, ctx, spec: dict) -> None:
-    rel, seed = float(spec["relative"]), int(spec.get("seed", 0))
+
+def attach(bus, ctx, spec: Perturb) -> None:
+    rel, seed = float(spec.relative), spec.seed
     done = []
 
     def perturb(b, p):

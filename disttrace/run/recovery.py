@@ -14,7 +14,7 @@ from disttrace.store.rundir import Run
 def choose_checkpoint(run_path: Path, from_step: int | None) -> tuple[Frozen, Path, str]:
     run = Run(run_path)
     frozen = Frozen.model_validate(run.lock)
-    fault = run.info.get("fault") or {}
+    fault = run.run_info.fault
     # a checkpoint directory that is a link out of the run is refused, not followed (paths stay in the store)
     ckpts = {int(p.name.split("-")[1]): contained(p, run.path, p) for p in run.checkpoint_dirs()}
     if from_step is not None:
@@ -29,8 +29,8 @@ def choose_checkpoint(run_path: Path, from_step: int | None) -> tuple[Frozen, Pa
     if fault:
         # a fault at step S has touched the state saved at S, unless it acts on the checkpoint itself
         # (then the checkpoint of S is the subject: optimizer-reset's recovery shows why it is bad)
-        limit = fault["step"] if fault.get("point") == "checkpoint" else fault["step"] - 1
-        why = f"last verified checkpoint at or before step {limit}, before the fault at step {fault['step']}"
+        limit = fault.step if fault.point == "checkpoint" else fault.step - 1
+        why = f"last verified checkpoint at or before step {limit}, before the fault at step {fault.step}"
     else:
         limit = max(ckpts, default=0)
         why = "last verified checkpoint"
@@ -74,10 +74,10 @@ def checkpoint_before(run_path: Path, step: int) -> tuple[Frozen, Path | None, s
     run = Run(run_path)
     frozen = Frozen.model_validate(run.lock)
     ckpts = {int(p.name.split("-")[1]): contained(p, run.path, p) for p in run.checkpoint_dirs()}
-    resumed = run.info.get("resume")
-    if resumed and resumed["step"] <= step and resumed["step"] not in ckpts:
+    resumed = run.run_info.resume
+    if resumed and resumed.step <= step and resumed.step not in ckpts:
         # a recovered run's state at its resume step is the checkpoint it resumed from (another run's)
-        ckpts[resumed["step"]] = resume_checkpoint(run.path, resumed)
+        ckpts[resumed.step] = resume_checkpoint(run.path, resumed)
     rejected = []
     for s in sorted((s for s in ckpts if s <= step), reverse=True):
         ok, reason = checkpoint.status(ckpts[s], run.manifest_id)

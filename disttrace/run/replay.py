@@ -17,6 +17,7 @@ from pathlib import Path
 
 from disttrace.analysis.attribution import ReplayResult, attribute
 from disttrace.errors import BadInput
+from disttrace.store.records import FaultSpec, ReplaySpec
 from disttrace.store.rundir import Run
 
 DEPTHS = ("module", "op")
@@ -43,16 +44,17 @@ def default_reference(run_dir: Path) -> Path | None:
     return None
 
 
-def kept_fault(spec: dict | None, where: Path | str = "run.json") -> dict | None:
-    """RUN's fault, if it recurs when its step is executed again; else None (the replay runs without it)."""
+def kept_fault(spec: FaultSpec | None, where: Path | str = "run.json") -> dict | None:
+    """RUN's fault as its run.json states it, if it recurs when its step is executed again; else None (the
+    replay runs without it)."""
     from disttrace.run import faults
 
-    if not spec:
+    if spec is None:
         return None
-    cls = faults.REGISTRY.get(spec.get("name"))
+    cls = faults.REGISTRY.get(spec.name)
     if cls is None:
-        raise BadInput(where, f"unknown fault '{spec.get('name')}'", field="fault.name")
-    return spec if cls.recurrence in ("persistent", "device") else None
+        raise BadInput(where, f"unknown fault '{spec.name}'", field="fault.name")
+    return spec.doc() if cls.recurrence in ("persistent", "device") else None
 
 
 def checkpoint_identity(manifest) -> str:
@@ -102,7 +104,7 @@ def prepare_replay(
             "an attached run (disttrace.api): give its script's command after '--' "
             "(disttrace replay RUN --step S -- torchrun ... train.py)",
         )
-    kind = run.info.get("path")
+    kind = run.run_info.path
     if kind not in PATH_KINDS or kind == "replay":
         raise BadInput(run_dir / "run.json", f"cannot replay a '{kind}' run", field="path")
     if depth is not None and depth not in DEPTHS:
@@ -127,18 +129,18 @@ def prepare_replay(
         root,
         "replay",
         folder=run.manifest_id,
-        fault=kept_fault(run.info.get("fault"), run.path / "run.json"),
+        fault=kept_fault(run.run_info.fault, run.path / "run.json"),
         resume=resume,
         name=f"replay-{step}",
         extra={
             "stop_after": step,
-            "replay": {
-                "of": str(run_dir.resolve()),
-                "step": step,
-                "rank_shift": 1 if permute_ranks else None,
-                "from": why,
-                "depth": depth,
-            },
+            "replay": ReplaySpec(
+                of=str(run_dir.resolve()),
+                step=step,
+                rank_shift=1 if permute_ranks else None,
+                from_=why,
+                depth=depth,
+            ).doc(),
         },
     )
 
@@ -150,7 +152,8 @@ def prepare_attached_replay(
     import os
     import time
 
-    from disttrace.store.rundir import new_run_dir, write_json_atomic
+    from disttrace.store.records import RunInfo
+    from disttrace.store.rundir import new_run_dir, write_run_info
 
     run_dir = Path(run_dir)
     run = Run(run_dir)
@@ -179,25 +182,23 @@ def prepare_attached_replay(
         observed = run.lock.get("observed")
         batch = observed.get("global_batch") if isinstance(observed, dict) else None
         extra["depth"] = {"step": step, "level": depth, "global_batch": batch}
-    write_json_atomic(
-        replay_dir / "run.json",
-        {
-            **extra,
-            "path": "replay",
-            "fault": kept_fault(run.info.get("fault"), run.path / "run.json"),
-            "resume": None,  # the script's run.resume(...) says where it starts, if anywhere
-            "created": time.time(),
-            "pid": os.getpid(),
-            "command": command,
-            "replay": {
-                "of": str(here),
-                "step": step,
-                "rank_shift": None,
-                "from": "the script's own start, or the checkpoint it resumes from",
-                "depth": depth,
-            },
-        },
+    info = RunInfo(
+        **extra,
+        path="replay",
+        fault=kept_fault(run.run_info.fault, run.path / "run.json"),
+        resume=None,  # the script's run.resume(...) says where it starts, if anywhere
+        created=time.time(),
+        pid=os.getpid(),
+        command=command,
+        replay=ReplaySpec(
+            of=str(here),
+            step=step,
+            rank_shift=None,
+            from_="the script's own start, or the checkpoint it resumes from",
+            depth=depth,
+        ).doc(),
     )
+    write_run_info(replay_dir, info)
     return replay_dir
 
 

@@ -9,7 +9,10 @@ from __future__ import annotations
 import os
 import socket
 
+from pydantic import BaseModel
+
 from disttrace.config.manifest import Manifest
+from disttrace.store.records import Groups, Topology, TopologyRank
 
 MESH_DIMS = (
     "pp",
@@ -48,43 +51,61 @@ def groups_of(manifest: Manifest) -> dict[str, list[list[int]]]:
     return groups
 
 
-def local_view(manifest: Manifest, rank: int) -> dict:
+class RankView(BaseModel):
+    """What one rank derives of the layout on its own. All-gathered as its dict (`model_dump()`, the
+    fields in this order), validated again on arrival; every rank's must agree."""
+
+    rank: int
+    host: str
+    node_rank: int
+    local_rank: int
+    pid: int
+    coords: dict[str, int]
+    mesh_shape: dict[str, int]
+    groups: Groups
+
+    def place(self) -> TopologyRank:
+        """Its line of topology.json."""
+        return TopologyRank(
+            rank=self.rank,
+            host=self.host,
+            node_rank=self.node_rank,
+            local_rank=self.local_rank,
+            pid=self.pid,
+            coords=self.coords,
+        )
+
+
+def local_view(manifest: Manifest, rank: int) -> RankView:
     shape, _ = mesh_shape(manifest)
-    return {
-        "rank": rank,
-        "host": socket.gethostname(),
-        "node_rank": int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", 0))),
-        "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
-        "pid": os.getpid(),
-        "coords": coords_of(rank, shape),
-        "mesh_shape": dict(zip(MESH_DIMS, shape)),
-        "groups": groups_of(manifest),
-    }
+    return RankView(
+        rank=rank,
+        host=socket.gethostname(),
+        node_rank=int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", 0))),
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        pid=os.getpid(),
+        coords=coords_of(rank, shape),
+        mesh_shape=dict(zip(MESH_DIMS, shape)),
+        groups=groups_of(manifest),
+    )
 
 
-def merge(views: list[dict]) -> dict:
-    """Check every rank's view agrees on the mesh and the groups; return the topology document.
+def merge(views: list[RankView]) -> Topology:
+    """Check every rank's view agrees on the mesh and the groups; return the topology (topology.json).
     Raises RuntimeError naming the disagreeing ranks."""
     ref = views[0]
-    bad = [
-        v["rank"]
-        for v in views
-        if v["groups"] != ref["groups"] or v["mesh_shape"] != ref["mesh_shape"]
-    ]
+    bad = [v.rank for v in views if v.groups != ref.groups or v.mesh_shape != ref.mesh_shape]
     if bad:
         raise RuntimeError(
             f"rank topology disagrees: ranks {bad} see a different mesh or groups than rank 0"
         )
     for i, v in enumerate(views):
-        if v["rank"] != i:
-            raise RuntimeError(f"rank {v['rank']} answered in slot {i}")
-    return {
-        "world_size": len(views),
-        "mesh_dims": list(MESH_DIMS),
-        "mesh_shape": ref["mesh_shape"],
-        "groups": ref["groups"],
-        "ranks": [
-            {k: v[k] for k in ("rank", "host", "node_rank", "local_rank", "pid", "coords")}
-            for v in views
-        ],
-    }
+        if v.rank != i:
+            raise RuntimeError(f"rank {v.rank} answered in slot {i}")
+    return Topology(
+        world_size=len(views),
+        mesh_dims=list(MESH_DIMS),
+        mesh_shape=ref.mesh_shape,
+        groups=ref.groups,
+        ranks=[v.place() for v in views],
+    )

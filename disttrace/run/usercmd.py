@@ -18,8 +18,8 @@ from pathlib import Path
 import orjson
 
 from disttrace.errors import BadInput, JobFailed
-from disttrace.store.records import Event
-from disttrace.store.rundir import COMPLETE, LOCK, new_run_dir, write_json_atomic
+from disttrace.store.records import Event, RunInfo
+from disttrace.store.rundir import COMPLETE, LOCK, new_run_dir, write_run_info
 
 RUN_DIR_ENV = "DISTTRACE_RUN_DIR"  # the same name disttrace.run.attach reads
 
@@ -33,17 +33,15 @@ def prepare(out: Path, command: list[str], path_kind: str, fault: dict | None = 
     if not command:
         raise BadInput("--", "no command after '--' (e.g. -- torchrun --nproc-per-node 2 train.py)")
     run_dir = new_run_dir(out, command_key(command), path_kind).resolve()
-    write_json_atomic(
-        run_dir / "run.json",
-        {
-            "path": path_kind,
-            "fault": fault,
-            "resume": None,
-            "created": time.time(),
-            "pid": os.getpid(),
-            "command": command,
-        },
+    info = RunInfo(
+        path=path_kind,
+        fault=fault,
+        resume=None,
+        created=time.time(),
+        pid=os.getpid(),
+        command=command,
     )
+    write_run_info(run_dir, info)
     return run_dir
 
 

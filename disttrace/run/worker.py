@@ -17,13 +17,30 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from disttrace.config.manifest import Manifest, validate
+from disttrace.config.manifest import Frozen, Manifest, validate
 from disttrace.errors import BadInput, DisttraceError
 from disttrace.run.complete import seal_and_complete
 from disttrace.run.hooks import process_exit
 from disttrace.store.paths import resume_checkpoint
-from disttrace.store.records import Event
-from disttrace.store.rundir import COMPLETE, LOCK, event, rank_file, read_json, write_json_atomic
+from disttrace.store.records import (
+    BadInputNote,
+    CheckpointSaved,
+    EngineFacts,
+    RankFailed,
+    Replicas,
+    Resumed,
+    ResumeSpec,
+    RunInfo,
+)
+from disttrace.store.rundir import (
+    COMPLETE,
+    LOCK,
+    event,
+    rank_file,
+    read_json,
+    read_run_info,
+    write_json_atomic,
+)
 
 
 @dataclass
@@ -60,9 +77,7 @@ class Context:
         if self.rank == 0:
             event(
                 self.run_dir,
-                Event.CHECKPOINT_SAVED,
-                step=step,
-                path=str(path.relative_to(self.run_dir)),
+                CheckpointSaved(step=step, path=str(path.relative_to(self.run_dir))),
             )
 
 
@@ -90,16 +105,26 @@ def pick_backend(manifest: Manifest, torch) -> tuple:
     return backend, torch.device("cpu")
 
 
+def lock_of(run_dir: Path) -> Frozen:
+    """The lock as `freeze` wrote it (`Frozen`); a lock of another shape is bad input naming the field."""
+    from pydantic import ValidationError
+
+    try:
+        return Frozen.model_validate(read_json(run_dir / LOCK))
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(map(str, err["loc"])) or None
+        raise BadInput(run_dir / LOCK, err["msg"].lower(), field=field) from None
+
+
 def run(run_dir: Path) -> None:
-    lock = read_json(run_dir / LOCK)
-    info = read_json(run_dir / "run.json")
-    if info.get(
-        "resume"
-    ):  # refused before any process group exists (run.json may come from elsewhere)
-        resume_checkpoint(run_dir, info["resume"])
+    lock = lock_of(run_dir)
+    info = read_run_info(run_dir)
+    if info.resume:  # refused before any process group exists (run.json may come from elsewhere)
+        resume_checkpoint(run_dir, info.resume)
     # validated once, here: the job reads the typed model (a misspelt field is an AttributeError, not a
     # silent default); a lock edited into a shape the model refuses is bad input naming file and field
-    manifest = validate(lock["manifest"], run_dir / LOCK)
+    manifest = validate(lock.manifest, run_dir / LOCK)
     torch = setup_torch(manifest)
     import torch.distributed as dist
 
@@ -132,7 +157,7 @@ def run(run_dir: Path) -> None:
     try:
         with tracer:
             mesh, topo = lay_out(run_dir, manifest, rank, world, device, backend)
-            coords = topo["ranks"][rank]["coords"]
+            dp_rank = topo.ranks[rank].coords["dp"]  # coordinates: mesh dimension -> index
 
             bus = HookBus(rank)
             tracer.attach(bus)
@@ -142,29 +167,26 @@ def run(run_dir: Path) -> None:
                 if record.enabled
                 else None
             )
-            # the token windows are shared with the gate's evaluation, which reads the stored JSON: the dict
-            data = TokenData(
-                lock["manifest"], lock["resolved"]["data_path"], lock["resolved"]["tokenizer_path"]
-            )
+            data = TokenData(manifest, lock.data_path, lock.tokenizer_path)
             dtype = getattr(torch, manifest.training.dtype)
             model = build_model(manifest.model, dtype, manifest.experiment.seed)
             model.to(device)
             emit_module_outputs(model, bus)
             magnitudes = attach_model_observers(
-                run_dir, rank, manifest, model, bus, recorder is not None, coords["dp"]
+                run_dir, rank, manifest, model, bus, recorder is not None, dp_rank
             )
             strategy = build_strategy(manifest, model, mesh, bus)
-            groups = {**topo["groups"], "world": [list(range(world))]}
+            groups = {**topo.groups, "world": [list(range(world))]}
             ledger = attach_observers(
                 run_dir, rank, manifest, strategy, recorder, bus, groups, device
             )
             ctx = Context(
                 run_dir=run_dir,
                 manifest=manifest,
-                manifest_id=lock["manifest_id"],
+                manifest_id=lock.manifest_id,
                 rank=rank,
                 world=world,
-                dp_rank=coords["dp"],
+                dp_rank=dp_rank,
                 device=device,
                 strategy=strategy,
                 data=data,
@@ -207,11 +229,14 @@ def lay_out(run_dir: Path, manifest: Manifest, rank: int, world: int, device, ba
     shape, dims = topology.mesh_shape(manifest)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=dims)
     views: list = [None] * world
-    dist.all_gather_object(views, topology.local_view(manifest, rank))
+    dist.all_gather_object(views, topology.local_view(manifest, rank).model_dump())
+    views = [topology.RankView.model_validate(v) for v in views]
     topo = topology.merge(views)
     if rank == 0:
-        write_json_atomic(run_dir / "topology.json", topo)
-        write_json_atomic(run_dir / "env.json", environment(torch, backend, views))
+        write_json_atomic(run_dir / "topology.json", topo.doc())
+        write_json_atomic(
+            run_dir / "env.json", environment(torch, backend, [v.host for v in views])
+        )
     return mesh, topo
 
 
@@ -244,39 +269,36 @@ def attach_model_observers(
     return magnitudes
 
 
-def attach_perturbation(bus, ctx: Context, info: dict) -> None:
+def attach_perturbation(bus, ctx: Context, info: RunInfo) -> None:
     """run.json's fault (at most one), and `disttrace calibrate`'s perturbed reference."""
     from disttrace.run import faults
 
-    fault = faults.build(info.get("fault"))
+    fault = faults.build(info.fault.doc() if info.fault else None)
     if fault is not None:
         fault.attach(bus, ctx)
-    if info.get("perturb"):
+    if info.perturb:
         from disttrace.run import perturb
 
-        perturb.attach(bus, ctx, info["perturb"])
+        perturb.attach(bus, ctx, info.perturb)
 
 
-def start_point(ctx: Context, info: dict) -> None:
+def start_point(ctx: Context, info: RunInfo) -> None:
     """Where the run starts (a resume loads its checkpoint) and, for `gate --replay`, where it stops."""
-    if info.get("resume"):
-        ctx.start_step = resume(ctx, info["resume"])
-    stop = info.get("stop_after")  # `gate --replay`: steps up to this one only
-    if isinstance(stop, int) and not isinstance(stop, bool) and stop > 0:
-        ctx.stop_after = stop
+    if info.resume:
+        ctx.start_step = resume(ctx, info.resume)
+    if info.stop_after is not None and info.stop_after > 0:  # a replay: steps up to this one only
+        ctx.stop_after = info.stop_after
 
 
-def take_permuted_rank(info: dict) -> None:
+def take_permuted_rank(info: RunInfo) -> None:
     """`disttrace replay --permute-ranks`: run.json's `replay.rank_shift` k moves logical rank r to launch
     slot (r + k) % world. The launcher hands each process its slot as RANK (node-major, then LOCAL_RANK);
     this process takes logical rank (slot - k) % world instead, before the process group reads RANK.
     LOCAL_RANK, and the CUDA device chosen from it, stay the slot's: what is bound to the hardware (a
     faulty device) stays where it was, what is bound to the rank (its data shard, its code path) moves."""
-    shift = (info.get("replay") or {}).get("rank_shift") if isinstance(info, dict) else None
+    shift = info.replay.rank_shift if info.replay else None
     if not shift:
         return
-    if not isinstance(shift, int) or isinstance(shift, bool):
-        raise BadInput("run.json", "must be an integer", field="replay.rank_shift")
     world, slot = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     os.environ["RANK"] = str((slot - shift) % world)
 
@@ -301,15 +323,10 @@ def attach_observers(run_dir, rank, manifest: Manifest, strategy, recorder, bus,
     from disttrace.run.memory import MemoryLedger
 
     if rank == 0:
-        write_json_atomic(
-            run_dir / "replicas.json",
-            {
-                "groups": groups,
-                "rules": strategy.replicas(),
-                "strategy": strategy.name,
-                "engine": strategy.engine,
-            },
+        doc = Replicas(
+            groups=groups, rules=strategy.replicas(), strategy=strategy.name, engine=strategy.engine
         )
+        write_json_atomic(run_dir / "replicas.json", doc.doc())
     if manifest.debug.live_check:
         from disttrace.run.livecheck import LiveCheck
 
@@ -324,7 +341,7 @@ def attach_observers(run_dir, rank, manifest: Manifest, strategy, recorder, bus,
             if facts != seen:
                 seen.clear()
                 seen.update(facts)
-                event(run_dir, Event.ENGINE_FACTS, step=b.step, **facts)
+                event(run_dir, EngineFacts(step=b.step, **facts))
 
         bus.on("step_end", log_engine_facts, order=95)
     if (
@@ -334,7 +351,7 @@ def attach_observers(run_dir, rank, manifest: Manifest, strategy, recorder, bus,
     return MemoryLedger(run_dir, rank, manifest, strategy).attach(bus)
 
 
-def resume(ctx, spec: dict) -> int:
+def resume(ctx, spec: ResumeSpec) -> int:
     """Load the checkpoint named in run.json (relative to the runs/<id12>/ directory) and return its step."""
     from disttrace.run import checkpoint
 
@@ -348,15 +365,17 @@ def resume(ctx, spec: dict) -> int:
     if ctx.rank == 0:
         event(
             ctx.run_dir,
-            Event.RESUMED,
-            step=int(progress["step"]),
-            checkpoint=spec["checkpoint"],
-            with_optimizer=progress["with_optimizer"],
+            Resumed(
+                step=int(progress["step"]),
+                checkpoint=spec.checkpoint,
+                with_optimizer=progress["with_optimizer"],
+            ),
         )
     return int(progress["step"])
 
 
-def environment(torch, backend: str, views: list) -> dict:
+def environment(torch, backend: str, hosts: list[str]) -> dict:
+    """env.json: the software, the devices and the hosts the job ran on."""
     import platform
     import subprocess
     from importlib.metadata import PackageNotFoundError, version
@@ -389,7 +408,7 @@ def environment(torch, backend: str, views: list) -> dict:
         "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         if torch.cuda.is_available()
         else ["cpu"],
-        "hosts": sorted({v["host"] for v in views}),
+        "hosts": sorted(set(hosts)),
         "git_commit": commit,
         "packages": {
             p: ver(p) for p in ("disttrace", "torch", "numpy", "tokenizers", "xxhash", "orjson")
@@ -438,17 +457,18 @@ def main(argv=None) -> int:
             rank = int(os.environ.get("RANK", -1))
             # bad input (a checkpoint item refused unread): the launcher reports it as exit 2, naming the file
             bad = (
-                {"where": e.where, "field": e.field, "reason": e.reason}
+                BadInputNote(where=e.where, field=e.field, reason=e.reason)
                 if isinstance(e, BadInput)
                 else None
             )
             event(
                 run_dir,
-                Event.RANK_FAILED,
-                rank=rank,
-                error=f"{type(e).__name__}: {e}"[:2000],
-                where=traceback.format_exc(limit=3)[-1500:],
-                **({"bad_input": bad} if bad else {}),
+                RankFailed(
+                    rank=rank,
+                    error=f"{type(e).__name__}: {e}"[:2000],
+                    where=traceback.format_exc(limit=3)[-1500:],
+                    **({"bad_input": bad} if bad else {}),
+                ),
             )
         if isinstance(
             e, DisttraceError

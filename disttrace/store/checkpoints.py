@@ -16,7 +16,7 @@ from pathlib import Path
 from disttrace.errors import BadInput
 from disttrace.store import safeio
 from disttrace.store.pickles import bare_name, scan_checkpoint, scan_deepspeed_checkpoint
-from disttrace.store.records import CheckpointIndex, parse_doc
+from disttrace.store.records import CheckpointIndex, FileHash, parse_doc
 from disttrace.store.rundir import read_json, write_json_atomic
 from disttrace.store.seal import file_hash
 
@@ -28,7 +28,7 @@ def step_dir(run_dir: Path, step: int) -> Path:
 
 
 def sha256_of(path: Path) -> str:
-    return file_hash(path)["sha256"]
+    return file_hash(path).sha256
 
 
 def write_index(
@@ -37,22 +37,30 @@ def write_index(
     files = {}
     for p in sorted(ckpt.iterdir()):
         if p.is_file() and p.name != INDEX:
-            files[p.name] = {"sha256": sha256_of(p), "bytes": p.stat().st_size}
-    index = {
-        "format": fmt,  # dcp, or deepspeed (an attached DeepSpeed engine's own save_checkpoint)
-        "step": step,
-        "manifest_id": manifest_id,
-        "world_size": world_size,
-        "contents": contents,
-        "files": files,
-    }
-    write_json_atomic(ckpt / INDEX, index)
-    return index
+            files[p.name] = FileHash(sha256=sha256_of(p), bytes=p.stat().st_size)
+    index = CheckpointIndex(
+        format=fmt,  # dcp, or deepspeed (an attached DeepSpeed engine's own save_checkpoint)
+        step=step,
+        manifest_id=manifest_id,
+        world_size=world_size,
+        contents=contents,
+        files=files,
+    )
+    write_json_atomic(ckpt / INDEX, index.doc())
+    return index.doc()
 
 
 def verify(
     ckpt: Path | str, manifest_id: str | None = None, root: Path | str | None = None
 ) -> dict:
+    """`verified_index`'s INDEX as stored (its callers read its free-form parts: contents, what an engine
+    added)."""
+    return verified_index(ckpt, manifest_id, root).as_read()
+
+
+def verified_index(
+    ckpt: Path | str, manifest_id: str | None = None, root: Path | str | None = None
+) -> CheckpointIndex:
     """Read every byte and scan every pickle (opcodes only, nothing loaded); raise BadInput naming the first
     bad file. Returns the index. Every file is read inside `root` (by default the run the checkpoint is
     in, `<run>/checkpoints/step-N`): a checkpoint directory linked out of its run is refused."""
@@ -61,22 +69,22 @@ def verify(
     if not ckpt.is_dir():
         raise BadInput(ckpt, "checkpoint directory not found")
     safeio.confined(ckpt, root)
-    index = read_json(ckpt / INDEX, root)
-    if not isinstance(index, dict) or not isinstance(index.get("files"), dict):
+    doc = read_json(ckpt / INDEX, root)
+    if not isinstance(doc, dict) or not isinstance(doc.get("files"), dict):
         raise BadInput(ckpt / INDEX, "not a checkpoint index", field="files")
-    parse_doc(CheckpointIndex, index, ckpt / INDEX)
-    if manifest_id is not None and index.get("manifest_id") != manifest_id:
+    index = parse_doc(CheckpointIndex, doc, ckpt / INDEX)
+    if manifest_id is not None and index.manifest_id != manifest_id:
         raise BadInput(
             ckpt / INDEX,
-            f"written for manifest {str(index.get('manifest_id'))[:12]}, not {manifest_id[:12]}",
+            f"written for manifest {str(index.manifest_id)[:12]}, not {manifest_id[:12]}",
             field="manifest_id",
         )
-    fmt = index.get("format", "dcp")
+    fmt = index.format
     if fmt not in ("dcp", "deepspeed"):
         raise BadInput(ckpt / INDEX, f"unknown checkpoint format {fmt!r}", field="format")
-    if fmt == "dcp" and ".metadata" not in index["files"]:
+    if fmt == "dcp" and ".metadata" not in index.files:
         raise BadInput(ckpt / INDEX, "lists no DCP .metadata file", field="files")
-    for name, meta in sorted(index["files"].items()):
+    for name, meta in sorted(index.files.items()):
         if not bare_name(
             name
         ):  # the INDEX comes from the run store: its names must stay in this directory
@@ -84,24 +92,21 @@ def verify(
                 ckpt / INDEX, f"names '{name}', outside the checkpoint directory", field="files"
             )
         p = ckpt / name
-        if not isinstance(meta, dict):
-            raise BadInput(ckpt / INDEX, f"the entry of '{name}' is not an object", field="files")
         if p.is_symlink():
             raise BadInput(p, "is a symbolic link (a checkpoint holds plain files only)")
         if not safeio.present(p):
             raise BadInput(p, "checkpoint file is missing")
         size = safeio.size(p, root)  # a regular file, or BadInput naming what it is
-        if size != meta.get("bytes"):
+        if size != meta.bytes:
             raise BadInput(
-                p,
-                f"size {size} differs from the index's {meta.get('bytes')} (truncated or altered)",
+                p, f"size {size} differs from the index's {meta.bytes} (truncated or altered)"
             )
-        if file_hash(p, root=root)["sha256"] != meta.get("sha256"):
+        if file_hash(p, root=root).sha256 != meta.sha256:
             raise BadInput(p, "sha256 differs from the index (corrupted)")
     extra = sorted(
         p.name
         for p in ckpt.iterdir()
-        if p.is_file() and p.name != INDEX and p.name not in index["files"]
+        if p.is_file() and p.name != INDEX and p.name not in index.files
     )
     if extra:
         raise BadInput(ckpt / extra[0], "file not listed in the index")
@@ -117,13 +122,10 @@ def verify(
 
 def status(ckpt: Path, manifest_id: str | None = None) -> tuple[bool, str]:
     try:
-        index = verify(ckpt, manifest_id)
-        n = len(index["files"])
-        size = sum(f["bytes"] for f in index["files"].values())
-        return (
-            True,
-            f"ok ({n} files, {size} bytes, contents: {', '.join(index.get('contents', []))})",
-        )
+        index = verified_index(ckpt, manifest_id)
+        n = len(index.files)
+        size = sum(f.bytes for f in index.files.values())
+        return True, f"ok ({n} files, {size} bytes, contents: {', '.join(index.contents)})"
     except BadInput as e:
         return False, str(e)
 

@@ -67,7 +67,7 @@ def find_depth_run(run: Run, step: int, level: str, manifest_id: str) -> Run | N
     for info in sorted(base.glob("*/run.json")):
         try:
             r = Run(info.parent)
-            if r.manifest_id == manifest_id and r.info.get("origin") == want and r.complete:
+            if r.manifest_id == manifest_id and r.run_info.origin == want and r.complete:
                 return r
         except BadInput:
             continue
@@ -87,10 +87,12 @@ def depth_replays(run: Run, step: int, level: str) -> list[Run]:
             continue
         try:
             r = Run(info.parent)
-            doc, spec = r.info.get("replay"), r.info.get("depth")
-            if not (isinstance(doc, dict) and isinstance(spec, dict)):
+            doc, spec = r.run_info.replay, r.run_info.depth
+            if doc is None or not isinstance(
+                spec, dict
+            ):  # depth: free-form, run/depth.py checks it
                 continue
-            if (doc.get("of"), doc.get("step"), spec.get("step"), spec.get("level")) != (
+            if (doc.of, doc.step, spec.get("step"), spec.get("level")) != (
                 here,
                 step,
                 step,
@@ -101,6 +103,5 @@ def depth_replays(run: Run, step: int, level: str) -> list[Run]:
                 out.append(r)
         except BadInput:
             continue
-    created = [r.info.get("created") for r in out]
-    order = [c if isinstance(c, (int, float)) else 0 for c in created]
+    order = [r.run_info.created or 0 for r in out]
     return [r for _, r in sorted(zip(order, out), key=lambda x: x[0], reverse=True)]

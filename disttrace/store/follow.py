@@ -21,7 +21,18 @@ import orjson
 
 from disttrace.errors import BadInput
 from disttrace.store import safeio
-from disttrace.store.records import FAILURE_EVENTS, Event
+from disttrace.store.records import (
+    FAILURE_EVENTS,
+    CheckpointSaved,
+    CollectiveLine,
+    Event,
+    FaultEvent,
+    JobFailed,
+    LiveCheckFailed,
+    RankFailed,
+    Resumed,
+    parse_event,
+)
 from disttrace.store.rundir import COMPLETE, Run
 
 MIN_STALL_S = 3.0  # a stall is never declared sooner: start-up jitter, a slow checkpoint write
@@ -147,75 +158,92 @@ def _first_line(text) -> str:
     return (lines[0] if lines else "")[:300]
 
 
-def _notice(e: dict) -> Notice | None:
-    kind, step, rank = e.get("event"), _int(e.get("step")), _int(e.get("rank"))
-    if kind == Event.CHECKPOINT_SAVED:
-        return Notice(
-            "checkpoint", f"checkpoint of step {step} published: {e.get('path')}", step=step
-        )
-    if kind == Event.FAULT_FIRED:
+def _notice(obj: dict) -> Notice | None:
+    """What one line of events.jsonl tells a watcher; None for a kind it does not show, or a line its model
+    refuses (progress is best effort: the readers report bad lines, not the follower)."""
+    try:
+        e = parse_event(obj, "events.jsonl", 0)
+    except BadInput:
+        return None
+    if isinstance(e, CheckpointSaved):
+        return Notice("checkpoint", f"checkpoint of step {e.step} published: {e.path}", step=e.step)
+    if isinstance(e, FaultEvent):
         return Notice(
             "fault",
-            f"fault {e.get('fault')} fired at step {step} rank {rank} "
-            f"(micro-batch {e.get('micro_batch')}, {e.get('phase') or e.get('point')})",
-            step=step,
-            rank=rank,
+            f"fault {e.fault} fired at step {e.step} rank {e.rank} "
+            f"(micro-batch {e.micro_batch}, {e.phase or e.point})",
+            step=e.step,
+            rank=e.rank,
         )
-    if kind == Event.RESUMED:
-        return Notice(Event.RESUMED, f"resumed from the checkpoint of step {step}", step=step)
-    if kind == Event.RANK_FAILED:
+    if isinstance(e, Resumed):
+        return Notice(Event.RESUMED, f"resumed from the checkpoint of step {e.step}", step=e.step)
+    if isinstance(e, RankFailed):
         return Notice(
-            Event.RANK_FAILED, f"rank {rank} failed: {_first_line(e.get('error'))}", rank=rank
+            Event.RANK_FAILED, f"rank {e.rank} failed: {_first_line(e.error)}", rank=e.rank
         )
-    if kind == Event.LIVE_CHECK_FAILED:
+    if isinstance(e, LiveCheckFailed):
         return Notice(
             Event.LIVE_CHECK_FAILED,
-            f"live check failed at step {step}: {e.get('phase')} copies over "
-            f"group {e.get('group')} differ",
-            step=step,
+            f"live check failed at step {e.step}: {e.phase} copies over group {e.group} differ",
+            step=e.step,
         )
-    if kind == Event.JOB_FAILED:
-        return Notice(Event.JOB_FAILED, f"job failed: {_first_line(e.get('reason'))}")
+    if isinstance(e, JobFailed):
+        return Notice(Event.JOB_FAILED, f"job failed: {_first_line(e.reason)}")
     return None
 
 
-def collective_tail(path: Path, now: float | None = None) -> dict:
+@dataclass(frozen=True)
+class Issued:
+    """A collective a rank issued, as its trace's line says."""
+
+    group: str
+    seq: int
+    op: str | None
+    start: float | None
+
+
+@dataclass
+class Tail:
+    """The end of one rank's collective trace: each group's last collective issued, and the last of all."""
+
+    groups: dict[str, Issued] = field(
+        default_factory=dict
+    )  # group (its ranks, comma-joined) -> last
+    last: Issued | None = None
+
+
+def collective_tail(path: Path, now: float | None = None) -> Tail:
     """The end of one rank's collective trace (only its last TAIL_BYTES are read): for each group, the
-    last collective issued ({op, seq, start}), and `last`, the last one issued on any group."""
+    last collective issued, and `last`, the last one issued on any group. Lines that are not collectives
+    (an end, a torn or edited line) are passed over: progress is best effort."""
     try:
         with safeio.open_file(path, Path(path).parent.parent) as f:
             size = f.seek(0, os.SEEK_END)
             f.seek(max(0, size - TAIL_BYTES))
             data = f.read()
     except (OSError, BadInput):
-        return {"groups": {}, "last": None}
+        return Tail()
     lines = data.split(b"\n")
     if size > TAIL_BYTES:
         lines = lines[1:]  # the first line is cut
-    groups: dict[str, dict] = {}
-    last = None
-    for line in lines:
+    tail = Tail()
+    for n, line in enumerate(lines, 1):
         try:
-            rec = orjson.loads(line)
-        except orjson.JSONDecodeError:
+            rec = CollectiveLine.parse_line(orjson.loads(line), path, n)
+        except (orjson.JSONDecodeError, BadInput):
             continue
-        if not isinstance(rec, dict) or _int(rec.get("seq")) is None or "op" not in rec:
+        if rec.seq is None or rec.op is None:
             continue  # an end line
-        last = {
-            "group": str(rec.get("group")),
-            "seq": rec["seq"],
-            "op": rec["op"],
-            "start": rec.get("start"),
-        }
-        groups[last["group"]] = last
-    return {"groups": groups, "last": last}
+        tail.last = Issued(str(rec.group), rec.seq, rec.op, rec.start)
+        tail.groups[tail.last.group] = tail.last
+    return tail
 
 
 def _members(group: str) -> set[int]:
     return {int(x) for x in group.split(",") if x.strip().isdigit()}
 
 
-def behind_ranks(steps: dict[int, int], tails: dict[int, dict]) -> set[int]:
+def behind_ranks(steps: dict[int, int], tails: dict[int, Tail]) -> set[int]:
     """The ranks the others wait for: behind in finished steps, or (all at one step) having issued fewer
     collectives on a group than another member of it has."""
     if not steps:
@@ -225,10 +253,10 @@ def behind_ranks(steps: dict[int, int], tails: dict[int, dict]) -> set[int]:
     if behind:
         return behind
     for r, tail in tails.items():
-        for g, last in tail["groups"].items():
+        for g, last in tail.groups.items():
             for other in _members(g) - {r}:
-                theirs = tails.get(other, {"groups": {}})["groups"].get(g)
-                if theirs is not None and theirs["seq"] > last["seq"]:
+                theirs = tails[other].groups.get(g) if other in tails else None
+                if theirs is not None and theirs.seq > last.seq:
                     behind.add(r)
     return behind
 
@@ -279,10 +307,8 @@ class Follower:
         self.total = m.training.steps or 0
         self.timeout_s = m.debug.collective_timeout_s
         self.clock = clock
-        resume = (
-            (self.run.info.get("resume") or {}) if safeio.present(self.path / "run.json") else {}
-        )
-        self.start_step = _int(resume.get("step")) or 0
+        resume = self.run.run_info.resume
+        self.start_step = resume.step if resume is not None else 0
         self._index: dict[int, _Tail] = {}
         self._events = _Tail(self.path / "events.jsonl", self.path)
         self.last: dict[int, int] = {}  # rank -> last finished step
@@ -417,21 +443,12 @@ class Follower:
         behind = behind_ranks(self.last, tails)
         states = []
         for r in sorted(self.last):
-            last = tails[r]["last"]
+            last = tails[r].last
             if last is None:
                 states.append(RankState(r, self.last[r]))
                 continue
-            start = last.get("start")
-            states.append(
-                RankState(
-                    r,
-                    self.last[r],
-                    last["op"],
-                    last["seq"],
-                    last["group"],
-                    wall - start if isinstance(start, (int, float)) else None,
-                )
-            )
+            since = wall - last.start if last.start is not None else None
+            states.append(RankState(r, self.last[r], last.op, last.seq, last.group, since))
         return Stall(
             now - self.last_growth,
             threshold,

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 from disttrace.errors import BadInput
+from disttrace.store.records import ResumeSpec
 
 CHECKPOINT_NAME = re.compile(r"step-\d{6}")
 
@@ -41,11 +42,13 @@ def runs_root(run_dir: Path | str) -> Path:
     return Path(run_dir).resolve().parent.parent
 
 
-def resume_checkpoint(run_dir: Path | str, spec: dict) -> Path:
+def resume_checkpoint(run_dir: Path | str, spec: ResumeSpec | dict) -> Path:
     """run.json's `resume.checkpoint` (relative to runs/<id12>/), checked: a step-NNNNNN checkpoint directory of
     a run inside this run's runs root."""
     run_dir = Path(run_dir)
     where = run_dir / "run.json"
+    if isinstance(spec, ResumeSpec):
+        spec = spec.doc()
     raw = spec.get("checkpoint") if isinstance(spec, dict) else None
     if not isinstance(raw, str) or not raw or "\0" in raw:
         raise BadInput(

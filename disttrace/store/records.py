@@ -52,18 +52,24 @@ ATTACHED_SOURCE = "disttrace.api"
 # schema; `TrajectoryRecord` below is the shape of one of them as a dict (what the recorder buffers and the
 # record path reads), for type checkers and readers of this file.
 
-from typing import Any, TypedDict, TypeVar  # noqa: E402
+from typing import Any, ClassVar, TypedDict, TypeVar  # noqa: E402
 
 from pydantic import (  # noqa: E402
     BaseModel,
     ConfigDict,
     Field,
     PrivateAttr,
+    StrictBool,
+    StrictFloat,
     StrictInt,
+    StrictStr,
     ValidationError,
+    model_validator,
 )
 
 from disttrace.errors import BadInput  # noqa: E402
+
+Number = StrictInt | StrictFloat
 
 
 class TrajectoryRecord(TypedDict, total=False):
@@ -114,6 +120,11 @@ class _Line(BaseModel):
     def line(self) -> dict:
         """The dict a writer puts on disk (fields in declaration order, unset optionals left out)."""
         return self.model_dump(exclude_none=True)
+
+    def doc(self) -> dict:
+        """What the writer stated, for a document written with sorted keys (run.json, topology, replicas):
+        a field it passed as None is written as null, one it left out (a default) is left out."""
+        return self.model_dump(exclude_unset=True, by_alias=True)
 
     def to_dict(self) -> dict:
         """The `--json` document of a result that is also a line on disk (the gate's verdict)."""
@@ -174,10 +185,126 @@ class StepIndexEntry(_Line):
     chain: str | None = None  # sha256 chained to the previous step's (store/seal.py)
 
 
-class FaultEvent(_Line):
+class EventLine(_Line):
+    """A line of events.jsonl: what happened and when. Each kind below states the fields its writer adds, in
+    the order they are written; a writer builds its line with its kind's model (`store.rundir.event`), a
+    reader validates each line by the model of its `event` (`parse_event`). The fields are optional: a store
+    from another version may leave some out; a field that is there must be of its type."""
+
+    KIND: ClassVar[str | None] = None
+    event: StrictStr
+    time: Number | None = None  # set when the line is written
+
+    def __init__(self, **data: Any):
+        if self.KIND is not None:
+            data.setdefault("event", self.KIND)
+        super().__init__(**data)
+
+    def line(self) -> dict:
+        """What the writer stated, in declaration order: a field it passed as None is written as null, one it
+        left out is left out (the bytes of the dict literals these models replaced)."""
+        rest = self.model_dump(exclude_unset=True, exclude={"event", "time"})
+        return {"event": self.event, "time": self.time, **rest}
+
+
+class Created(EventLine):
+    KIND = Event.CREATED
+    path: StrictStr | None = None
+    pid: StrictInt | None = None
+
+
+class Launched(EventLine):
+    KIND = Event.LAUNCHED
+    nnodes: StrictInt | None = None
+    node_rank: StrictInt | None = None
+    nproc_per_node: StrictInt | None = None
+    endpoint: StrictStr | None = None
+
+
+class CheckpointSaved(EventLine):
+    KIND = Event.CHECKPOINT_SAVED
+    step: StrictInt | None = None
+    path: StrictStr | None = None  # relative to the run directory
+
+
+class Resumed(EventLine):
+    KIND = Event.RESUMED
+    step: StrictInt | None = None
+    checkpoint: StrictStr | None = None
+    with_optimizer: StrictBool | None = None
+
+
+class BadInputNote(_Line):
+    """What a rank that refused its input recorded: the launcher raises the same BadInput (exit 2)."""
+
+    where: Any = None
+    field: Any = None
+    reason: Any = None
+
+
+class RankFailed(EventLine):
+    KIND = Event.RANK_FAILED
+    rank: StrictInt | None = None
+    error: StrictStr | None = None
+    where: StrictStr | None = None  # the traceback's last lines
+    bad_input: BadInputNote | None = None
+
+
+class JobFailed(EventLine):
+    KIND = Event.JOB_FAILED
+    failures: dict[str, StrictInt | None] | None = (
+        None  # global rank -> exit code (negative: signal)
+    )
+    first_failed_rank: StrictInt | None = None
+    reason: StrictStr | None = None
+
+
+class LiveCheckFailed(EventLine):
+    KIND = Event.LIVE_CHECK_FAILED
+    step: StrictInt | None = None
+    phase: StrictStr | None = None
+    group: list[StrictInt] | None = None
+    digests: dict[str, Any] | None = None  # rank -> the digests it saw
+
+
+class EngineFacts(EventLine):
+    """What the engine reported of itself (the keys are the strategy's: DDP's `ddp_bucket_sizes`)."""
+
+    KIND = Event.ENGINE_FACTS
+    step: StrictInt | None = None
+
+
+class Attached(EventLine):
+    KIND = Event.ATTACHED
+    engine: StrictStr | None = None
+    world_size: StrictInt | None = None
+    manifest_id: StrictStr | None = None
+    replica_rules: StrictInt | None = None
+
+
+class FaultRefused(EventLine):
+    KIND = Event.FAULT_REFUSED
+    fault: StrictStr | None = None
+    where: Any = None
+    field: StrictStr | None = None
+    reason: StrictStr | None = None
+
+
+class CollectiveTraceEmpty(EventLine):
+    KIND = Event.COLLECTIVE_TRACE_EMPTY
+    reason: StrictStr | None = None
+
+
+class AttachNote(EventLine):
+    KIND = Event.ATTACH_NOTE
+    note: StrictStr | None = None
+
+
+class FaultEvent(EventLine):
     """The `fault_fired` line of events.jsonl: which fault acted where, and the proof that it changed what
     it names (digests before and after; bit flips add tensor, element, bit, before, after)."""
 
+    KIND = Event.FAULT_FIRED
     event: str = Event.FAULT_FIRED
     fault: str
     step: StrictInt
@@ -193,6 +320,38 @@ class FaultEvent(_Line):
     def phase(self) -> str | None:
         """The phase the fault acted in, when it says (a detail it adds: kept an extra, in its place)."""
         return (self.model_extra or {}).get("phase")
+
+    def line(self) -> dict:
+        """Unset optionals and details of None left out, as the fault's line has always been written."""
+        rest = self.model_dump(exclude_none=True, exclude={"event", "time"})
+        return {"event": self.event, "time": self.time, **rest}
+
+
+EVENT_LINES: dict[str, type[EventLine]] = {
+    cls.KIND: cls
+    for cls in (
+        Created,
+        Launched,
+        CheckpointSaved,
+        Resumed,
+        RankFailed,
+        JobFailed,
+        LiveCheckFailed,
+        EngineFacts,
+        Attached,
+        FaultRefused,
+        CollectiveTraceEmpty,
+        AttachNote,
+        FaultEvent,
+    )
+}
+
+
+def parse_event(obj: Any, path, lineno: int) -> EventLine:
+    """One line of events.jsonl validated by its kind's model (a kind this version does not know: the
+    common fields only); BadInput naming the line and field."""
+    kind = obj.get("event") if isinstance(obj, dict) else None
+    return EVENT_LINES.get(kind, EventLine).parse_line(obj, path, lineno)
 
 
 class Check(_Line):
@@ -249,9 +408,6 @@ class Verdict(_Line):
 
 import math  # noqa: E402
 
-from pydantic import StrictBool, StrictFloat, StrictStr, model_validator  # noqa: E402
-
-Number = StrictInt | StrictFloat
 _L = TypeVar("_L", bound=_Line)
 Groups = dict[str, list[list[StrictInt]]]
 
@@ -342,6 +498,16 @@ class Seal(_Line):
     events: FileHash | None = None
 
 
+class SealPart(_Line):
+    """One rank's share of the seal (store/seal.py's `rank_part`), gathered as JSON by rank 0: the files it
+    wrote and its step chain's last hash."""
+
+    rank: StrictInt = NonNegative
+    files: dict[str, FileHash] = Field(default_factory=dict)
+    chain: StrictStr | None = None
+    steps: StrictInt = NonNegative
+
+
 class Complete(_Line):
     """COMPLETE: written last by global rank 0, with the seal (store/seal.py)."""
 
@@ -350,41 +516,94 @@ class Complete(_Line):
 
 
 class FaultSpec(_Line):
+    """run.json's fault (`Fault.record`): which fault, where, with which parameters (free-form: the
+    fault's own), and the hook point and signature it was catalogued with."""
+
     name: StrictStr
     step: StrictInt
     rank: StrictInt
     params: dict = Field(default_factory=dict)
+    point: StrictStr | None = None
+    expect: Any = None
 
 
 class ResumeSpec(_Line):
+    """run.json's resume: a checkpoint relative to runs/<id12>/ (store/paths.py confines it), its step."""
+
     checkpoint: StrictStr
     step: StrictInt
+    from_run: StrictStr | None = None  # the run whose checkpoint it is
+
+
+class ReplaySpec(_Line):
+    """run.json's replay (`disttrace replay`, docs/replay.md): which run and step it re-executes."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    of: StrictStr | None = None
+    step: StrictInt | None = None
+    rank_shift: StrictInt | None = None  # --permute-ranks: logical rank r runs in launch slot r + k
+    from_: StrictStr | None = Field(default=None, alias="from")  # where it starts, in words
+    depth: StrictStr | None = None
+
+
+class Perturb(_Line):
+    """run.json's perturb (`disttrace calibrate`): the initial parameters moved by `relative`."""
+
+    relative: Number
+    seed: StrictInt = 0
 
 
 class RunInfo(_Line):
-    """run.json: which path, the fault spec, where it resumed from."""
+    """run.json: which path, the fault spec, where it resumed from, and what the command that prepared it
+    adds. Built by every writer (`store.rundir.write_run_info`), validated by every reader (`Run.run_info`).
+    `doc()` is what the writer stated: a field passed as None is written as null, one left out is absent."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
 
     path: StrictStr | None = None
     fault: FaultSpec | None = None
     resume: ResumeSpec | None = None
+    origin: dict | None = None  # a depth run: the run it re-computes (store/depth.py's `origin`)
+    created: Number | None = None
+    argv: list[StrictStr] | None = None
+    run_id: StrictStr | None = None  # a multi-node run's id, shared by every node's launcher
+    pid: StrictInt | None = None
+    command: list[StrictStr] | None = None  # `run -- CMD`: the user's command
+    stop_after: StrictInt | None = None  # the last step to run (a replay)
+    replay: ReplaySpec | None = None
+    replay_of: StrictStr | None = None  # `gate --replay`: the run it re-executes
+    perturb: Perturb | None = None
+    depth: Any = None  # an attached replay at depth: checked by run/depth.py's attached_spec
+
+    def updated(self, **fields: Any) -> RunInfo:
+        """A copy with `fields` set (validated), the others as they were stated."""
+        return type(self).model_validate({**self.doc(), **fields})
 
 
 class CollectiveLine(_Line):
-    """A line of collectives/rank-N.jsonl: one collective of the Flight Recorder's ring (or an end line)."""
+    """A line of collectives/rank-N.jsonl: one collective (the Flight Recorder's ring, run/flightrec.py,
+    or the dispatch-mode tracer, run/collectives.py), its end, or the entries the ring lost (`RingLost`).
+    The writers build it, fields in the order written (`line()`: what the writer stated)."""
 
     seq: StrictInt | None = None
     group: StrictStr | None = None
     op: StrictStr | None = None
     step: StrictInt | None = None
-    start: Number | None = None
-    end: Number | None = None
     shapes: list[list[StrictInt]] | None = None
     dtype: StrictStr | None = None
     bytes: StrictInt | None = None
-    pg: StrictStr | None = None
-    fr_seq: StrictInt | None = None
-    lost: StrictInt | None = None  # entries the ring overwrote before they were copied
+    start: Number | None = None
+    digests: Any = None  # record.collectives = "values": the payload's digests
+    pg: StrictStr | None = None  # the Flight Recorder's process-group name
+    fr_seq: StrictInt | None = None  # its collective (or point-to-point) sequence number
     done: StrictBool | None = None
+    end: Number | None = None
+    lost: StrictInt | None = None  # entries the ring overwrote before they were copied
+    after_record: StrictInt | None = None
+
+    def line(self) -> dict:
+        return self.doc()
 
     @model_validator(mode="after")
     def _keyed(self):
@@ -395,13 +614,64 @@ class CollectiveLine(_Line):
         return self
 
 
+class RingLost(_Line):
+    """The collectives line of the entries the Flight Recorder's ring overwrote before they were copied,
+    in the order written (read as a `CollectiveLine`)."""
+
+    lost: StrictInt
+    after_record: StrictInt  # the last ring record copied before them
+    step: StrictInt
+
+
+class ModelStateBytes(_Line):
+    """The ZeRO formula's bytes of model state one rank holds (plan/costs.py's `model_state_bytes`)."""
+
+    params: Number | None = None
+    grads: Number | None = None
+    optimizer: Number | None = None
+    total: Number | None = None
+
+
+class MemoryGap(_Line):
+    """One named difference between the measured and the predicted bytes."""
+
+    what: StrictStr | None = None
+    bytes: StrictInt | None = None
+    why: StrictStr | None = (
+        None  # what explains it, where something does (written as null otherwise)
+    )
+
+
 class MemoryLine(_Line):
-    """A line of memory/rank-N.jsonl: one step's memory ledger of one rank."""
+    """A line of memory/rank-N.jsonl: one step's memory ledger of one rank (run/memory.py builds it, in
+    this order; `allocated` and `peak_allocator` only on a GPU). Readers rely on step and rank; the
+    other fields are optional, for stores from other versions."""
 
     step: StrictInt
     rank: StrictInt
-    predicted: dict[str, Number | None] | None = None
-    gap_bytes: list[dict] | None = None
+    params: StrictInt | None = None
+    grads: StrictInt | None = None
+    optimizer: StrictInt | None = None
+    model_state: StrictInt | None = None
+    buffers: StrictInt | None = None
+    unregistered: StrictInt | None = None
+    engine: StrictInt | None = None  # DDP's bucket buffers, FSDP2's unsharded parameters
+    engine_peak: StrictInt | None = None
+    measured_total: StrictInt | None = None
+    storages: StrictInt | None = None
+    activations_saved: StrictInt | None = None
+    peak_tracked: StrictInt | None = None
+    resident: StrictInt | None = None  # the process's resident set
+    predicted: ModelStateBytes | None = None
+    ratio_model_state: Number | None = None
+    ratio_total: Number | None = None
+    gap: list[StrictStr] | None = None  # gap_bytes in words
+    gap_bytes: list[MemoryGap] | None = None
+    allocated: StrictInt | None = None
+    peak_allocator: StrictInt | None = None
+
+    def line(self) -> dict:
+        return self.doc()
 
 
 class StepTime(_Line):

@@ -39,6 +39,7 @@ from disttrace.store.records import (  # noqa: F401  (re-exported)
     PHASES,
     CollectiveLine,
     Event,
+    EventLine,
     FaultEvent,
     MemoryLine,
     RunInfo,
@@ -46,6 +47,7 @@ from disttrace.store.records import (  # noqa: F401  (re-exported)
     StepTimes,
     Topology,
     parse_doc,
+    parse_event,
 )
 
 LOCK = "manifest.lock.json"
@@ -188,18 +190,35 @@ class JsonlWriter:
             self._f.close()
 
 
-def event(run_dir: Path | str, kind: str, **fields: Any) -> bool:
-    """Log one event. Best effort: a full disk must not turn a reported failure into a crash."""
+def event(run_dir: Path | str, line: EventLine) -> bool:
+    """Log one event, built with its kind's model (store/records.py), stamped with the time now. Best
+    effort: a full disk must not turn a reported failure into a crash."""
+    line.time = time.time()
     try:
-        append_line(Path(run_dir) / "events.jsonl", {"event": kind, "time": time.time(), **fields})
+        append_line(Path(run_dir) / "events.jsonl", line.line())
         return True
     except OSError as e:
         import sys
 
         print(
-            f"disttrace: could not log event '{kind}' in {run_dir}: {e.strerror}", file=sys.stderr
+            f"disttrace: could not log event '{line.event}' in {run_dir}: {e.strerror}",
+            file=sys.stderr,
         )
         return False
+
+
+RUN_INFO = "run.json"
+
+
+def write_run_info(run_dir: Path | str, info: RunInfo) -> None:
+    """run.json, as the model states it (`RunInfo.doc()`)."""
+    write_json_atomic(Path(run_dir) / RUN_INFO, info.doc())
+
+
+def read_run_info(run_dir: Path | str) -> RunInfo:
+    """run.json of a run directory this job prepared or runs in, validated (BadInput naming the field)."""
+    p = Path(run_dir) / RUN_INFO
+    return parse_doc(RunInfo, read_json(p), p)
 
 
 def new_run_dir(root: Path | str, manifest_id: str, path_kind: str) -> Path:
@@ -374,6 +393,7 @@ class Run:
             raise BadInput(self.path / LOCK, "must be a string", field="manifest_id")
         _check_shape(self.path / LOCK, self.lock["manifest"], LOCK_SHAPE)
         self._manifest: StoredManifest | None = None
+        self._info: RunInfo | None = None
 
     # -- identity
     @property
@@ -400,27 +420,24 @@ class Run:
         return self.lock["manifest_id"]
 
     @property
+    def run_info(self) -> RunInfo:
+        """run.json validated by the model its writers build it with (an empty one when the run has
+        none); checked once, when first read."""
+        if self._info is None:
+            p = self.path / RUN_INFO
+            if not safeio.present(p):
+                self._info = RunInfo()
+            else:
+                info = read_json(p, self.path)
+                if not isinstance(info, dict):
+                    raise BadInput(p, "must be a JSON object")
+                self._info = parse_doc(RunInfo, info, p)
+        return self._info
+
+    @property
     def info(self) -> dict:
-        p = self.path / "run.json"
-        if not safeio.present(p):
-            return {}
-        info = read_json(p, self.path)
-        if not isinstance(info, dict):
-            raise BadInput(p, "must be a JSON object")
-        for key, need in (
-            ("fault", {"name": str, "step": int, "rank": int}),
-            ("resume", {"checkpoint": str, "step": int}),
-        ):
-            value = info.get(key)
-            if value is None:
-                continue
-            if not isinstance(value, dict):
-                raise BadInput(p, "must be an object or null", field=key)
-            for k, typ in need.items():
-                if not isinstance(value.get(k), typ) or isinstance(value.get(k), bool):
-                    raise BadInput(p, f"must be {typ.__name__}", field=f"{key}.{k}")
-        parse_doc(RunInfo, info, p)
-        return info  # a mapping: the fault's and the resume's free-form parts, as recorded
+        """run.json as stored (validated as `run_info`), for a document that echoes it."""
+        return self.run_info.as_read() if self.run_info._read is not None else {}
 
     @property
     def complete(self) -> bool:
@@ -482,18 +499,26 @@ class Run:
     def rank_path(self, kind: str, rank: int, suffix: str = ".jsonl") -> Path:
         return self.path / rank_file(kind, rank, suffix)
 
-    def events(self) -> JsonlRead:
+    def event_lines(self) -> list[EventLine]:
+        """events.jsonl, each line validated by its kind's model, the one its writer built it with."""
         p = self.path / "events.jsonl"
-        return read_jsonl(p, self.path) if safeio.present(p) else JsonlRead([], None)
+        if not safeio.present(p):
+            return []
+        return [parse_event(e, p, n) for n, e in enumerate(read_jsonl(p, self.path).records, 1)]
+
+    def events(self) -> JsonlRead:
+        """events.jsonl as stored (each line validated as `event_lines` does), for documents that echo it."""
+        p = self.path / "events.jsonl"
+        if not safeio.present(p):
+            return JsonlRead([], None)
+        read = read_jsonl(p, self.path)
+        for n, e in enumerate(read.records, 1):
+            parse_event(e, p, n)
+        return read
 
     def fault_events(self) -> list[FaultEvent]:
         """The `fault_fired` lines of events.jsonl, each validated by the writer's own model."""
-        p = self.path / "events.jsonl"
-        return [
-            FaultEvent.parse_line(e, p, n)
-            for n, e in enumerate(self.events().records, 1)
-            if isinstance(e, dict) and e.get("event") == Event.FAULT_FIRED
-        ]
+        return [e for e in self.event_lines() if isinstance(e, FaultEvent)]
 
     def topology(self) -> Topology | None:
         """topology.json (`as_read()`: the document as written); None when the run wrote none."""

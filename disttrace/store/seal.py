@@ -27,6 +27,7 @@ import orjson
 import xxhash
 
 from disttrace.store import safeio
+from disttrace.store.records import ChainEnd, FileHash, Seal, SealPart
 
 SEAL_VERSION = 1
 SHARED_FILES = ("manifest.lock.json", "run.json", "env.json", "topology.json", "replicas.json")
@@ -56,7 +57,7 @@ def chain_next(prev: str, entry: dict) -> str:
     ).hexdigest()
 
 
-def file_hash(path: Path, limit: int | None = None, root: Path | None = None) -> dict:
+def file_hash(path: Path, limit: int | None = None, root: Path | None = None) -> FileHash:
     """sha256 and size of a file (of its first `limit` bytes, if given), streamed. A reader passes the run
     directory as `root` (store/safeio.py: a regular file inside it, or BadInput); the writer hashes its own."""
     h = hashlib.sha256()
@@ -71,10 +72,10 @@ def file_hash(path: Path, limit: int | None = None, root: Path | None = None) ->
                 break
             h.update(block)
             n += len(block)
-    return {"sha256": h.hexdigest(), "bytes": n}
+    return FileHash(sha256=h.hexdigest(), bytes=n)
 
 
-def rank_part(run_dir: Path | str, rank: int, chain: str | None, steps: int) -> dict:
+def rank_part(run_dir: Path | str, rank: int, chain: str | None, steps: int) -> SealPart:
     """One rank's share of the seal: its own files (each rank hashes what it wrote, so a multi-node run
     seals every node's files) and its chain's last hash."""
     run_dir = Path(run_dir)
@@ -83,37 +84,36 @@ def rank_part(run_dir: Path | str, rank: int, chain: str | None, steps: int) -> 
     for p in sorted(run_dir.glob(f"*/rank-{rank:05d}.*")):
         if p.is_file() and not p.is_symlink():
             files[f"{p.parent.name}/{p.name}"] = file_hash(p)
-    return {"rank": rank, "files": files, "chain": chain, "steps": steps}
+    return SealPart(rank=rank, files=files, chain=chain, steps=steps)
 
 
-def build_seal(run_dir: Path | str, parts: list[dict]) -> dict:
-    """The seal COMPLETE holds: the shared files (hashed here, by rank 0), every rank's part, the events so far
-    and every published checkpoint's INDEX."""
+def build_seal(run_dir: Path | str, parts: list[SealPart | dict | None]) -> Seal:
+    """The seal COMPLETE holds: the shared files (hashed here, by rank 0), every rank's part (as gathered:
+    JSON, validated here), the events so far and every published checkpoint's INDEX."""
     run_dir = Path(run_dir)
-    files: dict[str, dict] = {}
+    files: dict[str, FileHash] = {}
     for name in SHARED_FILES:
         if (run_dir / name).is_file():
             files[name] = file_hash(run_dir / name)
     chains = {}
-    for part in sorted((p for p in parts if p), key=lambda p: p["rank"]):
-        files.update(part["files"])
-        chains[f"{part['rank']:05d}"] = {"chain": part["chain"], "steps": part["steps"]}
+    ranked = [SealPart.model_validate(p) for p in parts if p]
+    for part in sorted(ranked, key=lambda p: p.rank):
+        files.update(part.files)
+        chains[f"{part.rank:05d}"] = ChainEnd(chain=part.chain, steps=part.steps)
     ck = run_dir / "checkpoints"
     if ck.is_dir():
         for d in sorted(ck.iterdir()):
             if d.is_dir() and not d.name.endswith(".partial") and (d / "INDEX.json").is_file():
                 files[f"checkpoints/{d.name}/INDEX.json"] = file_hash(d / "INDEX.json")
-    seal = {
-        "version": SEAL_VERSION,
-        "hash": "sha256",
-        "files": dict(sorted(files.items())),
-        "chains": chains,
-    }
-    if (run_dir / EVENTS).is_file():
-        seal["events"] = file_hash(
-            run_dir / EVENTS
-        )  # a prefix: lines may be appended after the job
-    return seal
+    # the events are a prefix: lines may be appended after the job
+    events = {"events": file_hash(run_dir / EVENTS)} if (run_dir / EVENTS).is_file() else {}
+    return Seal(
+        version=SEAL_VERSION,
+        hash="sha256",
+        files=dict(sorted(files.items())),
+        chains=chains,
+        **events,
+    )
 
 
 class StepChain:

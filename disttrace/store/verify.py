@@ -29,7 +29,7 @@ from disttrace.store import safeio, trajectory
 from disttrace.store import seal as sealing
 from disttrace.store.checkpoints import verify as verify_checkpoint
 from disttrace.store.paths import inside
-from disttrace.store.records import Complete, parse_doc
+from disttrace.store.records import Complete, FileHash, Seal, parse_doc
 from disttrace.store.rundir import COMPLETE, Run, rank_file, read_json
 
 # written after COMPLETE, or not content: never sealed, never damage
@@ -102,7 +102,7 @@ class _Verifier:
         self.v.damage.append(Damage(file, reason, step))
 
     # ------------------------------------------------------------ the seal
-    def read_seal(self) -> dict | None:
+    def read_seal(self) -> Seal | None:
         if not safeio.present(self.path / COMPLETE):
             self.v.notes.append("no COMPLETE: the run did not finish, so nothing sealed it")
             return None
@@ -112,19 +112,17 @@ class _Verifier:
             self.damage(COMPLETE, e.reason)
             return None
         try:
-            parse_doc(Complete, done, self.path / COMPLETE)
+            complete = parse_doc(Complete, done, self.path / COMPLETE)
         except BadInput as e:
             self.damage(COMPLETE, f"{e.field}: {e.reason}" if e.field else e.reason)
             return None
-        seal = done.get("seal") if isinstance(done, dict) else None
-        if not isinstance(seal, dict) or not isinstance(seal.get("files"), dict):
+        if complete.seal is None:
             self.v.notes.append(
                 "COMPLETE holds no seal (a run written before disttrace sealed its runs)"
             )
-            return None
-        return seal
+        return complete.seal
 
-    def check_file(self, rel: str, want: dict, prefix: bool = False) -> None:
+    def check_file(self, rel: str, want: FileHash, prefix: bool = False) -> None:
         self.v.checked.files += 1
         if not safeio.store_name(
             rel
@@ -132,31 +130,28 @@ class _Verifier:
             self.damage(COMPLETE, f"the seal names {rel!r}, which is not a file inside the run")
             return
         p = self.path / rel
-        if not isinstance(want, dict) or not isinstance(want.get("bytes"), int):
-            self.damage(COMPLETE, f"the seal's entry for {rel} is malformed")
-            return
         if p.is_symlink() or not safeio.is_regular(p, self.path):
             self.damage(rel, "sealed at COMPLETE, now missing (or not a plain file)")
             return
         try:
             size = safeio.size(p, self.path)
-            digest = sealing.file_hash(p, want["bytes"] if prefix else None, self.path)["sha256"]
+            digest = sealing.file_hash(p, want.bytes if prefix else None, self.path).sha256
         except BadInput as e:
             self.damage(rel, e.reason)
             return
-        if size < want["bytes"] or (size != want["bytes"] and not prefix):
-            self.damage(rel, f"{size} bytes, sealed with {want['bytes']} (truncated or altered)")
+        if size < want.bytes or (size != want.bytes and not prefix):
+            self.damage(rel, f"{size} bytes, sealed with {want.bytes} (truncated or altered)")
             return
-        if digest != want.get("sha256"):
+        if digest != want.sha256:
             self.damage(rel, "sha256 differs from the seal (altered after the run)")
             return
-        if prefix and size > want["bytes"]:
+        if prefix and size > want.bytes:
             self.v.notes.append(
-                f"{rel}: {size - want['bytes']} bytes appended after the seal (not checked)"
+                f"{rel}: {size - want.bytes} bytes appended after the seal (not checked)"
             )
 
     # ------------------------------------------------------------ the step chain of one rank
-    def check_rank(self, rank: int, seal: dict | None) -> None:
+    def check_rank(self, rank: int, seal: Seal | None) -> None:
         traj = self.run.trajectory_path(rank)
         traj_rel = f"trajectory/{traj.name}"
         idx_rel = rank_file("trajectory", rank, ".steps.jsonl")
@@ -264,14 +259,14 @@ class _Verifier:
             )
             return
         if seal is not None:
-            want = (seal.get("chains") or {}).get(f"{rank:05d}")
+            want = seal.chains.get(f"{rank:05d}")
             if want is None:
                 self.damage(idx_rel, "this rank is not in the seal (a rank added after the run)")
                 return
-            if want.get("chain") != (prev if n else None) or want.get("steps") != n:
+            if want.chain != (prev if n else None) or want.steps != n:
                 self.damage(
                     idx_rel,
-                    f"ends at step {last_step} after {n} steps, the seal says {want.get('steps')} "
+                    f"ends at step {last_step} after {n} steps, the seal says {want.steps} "
                     "steps and another last hash (steps removed at the end?)",
                     last_step,
                 )
@@ -279,18 +274,19 @@ class _Verifier:
     # ------------------------------------------------------------ everything
     def verify(self) -> Verdict:
         seal = self.read_seal()
-        files = (seal or {}).get("files", {})
+        files = seal.files if seal is not None else {}
         for rel in sealing.SHARED_FILES:
             if rel in files:
                 self.check_file(rel, files[rel])
-        if seal is not None and isinstance(seal.get("events"), dict):
-            self.check_file(sealing.EVENTS, seal["events"], prefix=True)
+        if seal is not None and seal.events is not None:
+            self.check_file(sealing.EVENTS, seal.events, prefix=True)
         try:
             present = set(self.run.ranks())
         except BadInput as e:  # a rank file that links out of the run
             self.damage(self.rel(e.where), e.reason)
             present = set()
-        ranks = sorted(present | {int(k) for k in (seal or {}).get("chains", {}) if k.isdigit()})
+        chains = seal.chains if seal is not None else {}
+        ranks = sorted(present | {int(k) for k in chains if k.isdigit()})
         for rank in ranks:
             self.check_rank(rank, seal)
         for rel in sorted(

@@ -51,6 +51,7 @@ from disttrace.integrations.deepspeed.pieces import (
 from disttrace.integrations.deepspeed.run import DeepSpeedRun
 from disttrace.run.attach import Engine, _dist
 from disttrace.run.parallel.common import SCALARS_AGREE
+from disttrace.store.records import ReplicaRule, Replicas
 
 KIND = "DeepSpeed"
 # the faults whose hook point an attached DeepSpeed engine offers (the rest are refused, exit 2)
@@ -72,37 +73,40 @@ def detect(engine) -> Engine:
     )
 
 
-def replicas(views: list[dict]) -> dict:
+def replicas(views: list[dict]) -> Replicas:
     """replicas.json from DeepSpeed's data-parallel group (each rank's `ddp_group` in its view)."""
+    from disttrace.run.attach.engine import views_of
+
+    views = views_of(views)
     world = len(views)
-    dp = [list(g) for g in sorted({tuple(v["ddp_group"]) for v in views})]
-    stage = views[0].get("zero_stage", 0)
-    rules = [{"phase": "data", "dim": "dp", "relation": "differ"}, {**SCALARS_AGREE, "dim": "dp"}]
+    dp = [list(g) for g in sorted({tuple(v.ddp_group) for v in views})]
+    stage = views[0].zero_stage or 0
+    rules = [
+        ReplicaRule(phase="data", dim="dp", relation="differ"),
+        SCALARS_AGREE.model_copy(update={"dim": "dp"}),
+    ]
     if stage == 0:
         rules += [
-            {"phase": "reduce", "dim": "dp", "relation": "agree"},
-            {"phase": "optimizer", "dim": "dp", "relation": "agree"},
+            ReplicaRule(phase="reduce", dim="dp", relation="agree"),
+            ReplicaRule(phase="optimizer", dim="dp", relation="agree"),
         ]
         note = "reduced gradients, clip scalars, parameters and optimizer state agree"
     else:
         rules.append(
-            {
-                "phase": "optimizer",
-                "dim": "dp",
-                "relation": "agree",
-                "tensors": ["param_groups.*.lr"],
-            }
+            ReplicaRule(
+                phase="optimizer", dim="dp", relation="agree", tensors=["param_groups.*.lr"]
+            )
         )
         note = (
             f"ZeRO-{stage} partitions gradients"
             + (", parameters" if stage == 3 else "")
             + " and optimizer state there: only the clip scalars and learning rates agree"
         )
-    return {
-        "groups": {"world": [list(range(world))], "dp": dp},
-        "rules": rules,
-        "inferred": {"engine": KIND, "notes": [f"DeepSpeed data parallel over {dp}: {note}"]},
-    }
+    return Replicas(
+        groups={"world": [list(range(world))], "dp": dp},
+        rules=rules,
+        inferred={"engine": KIND, "notes": [f"DeepSpeed data parallel over {dp}: {note}"]},
+    )
 
 
 def check_fault(name: str, stage: int) -> None:

@@ -18,7 +18,7 @@ from disttrace.integrations.deepspeed.pieces import (
 )
 from disttrace.run.attach import AttachedRun, _dist
 from disttrace.run.parallel.common import SCALAR_INDEX
-from disttrace.store.records import Event
+from disttrace.store.records import CheckpointSaved
 from disttrace.store.rundir import event
 
 
@@ -230,7 +230,7 @@ class DeepSpeedRun(AttachedRun):
                 staging / final.name,
                 step,
                 self.manifest_id,
-                self.manifest["parallelism"]["world_size"],
+                self.typed.parallelism.world_size,
                 ["model", "optim"],
                 fmt="deepspeed",
             )
@@ -238,9 +238,7 @@ class DeepSpeedRun(AttachedRun):
             shutil.rmtree(staging, ignore_errors=True)
             event(
                 self.run_dir,
-                Event.CHECKPOINT_SAVED,
-                step=step,
-                path=str(final.relative_to(self.run_dir)),
+                CheckpointSaved(step=step, path=str(final.relative_to(self.run_dir))),
             )
         if dist:
             dist.barrier()

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from pydantic import BaseModel, ConfigDict
 
 from disttrace.run.attach.comm import _dist, _mesh_groups, _process_groups
 
@@ -84,7 +85,62 @@ def _fsdp_groups(model) -> list[list[int]]:
     return [list(g) for g in sorted(groups)]
 
 
-def local_view(engine: Engine, named, rank: int) -> dict:
+Groups = dict[str, list[list[int]]]  # mesh dimension -> the rank groups along it
+
+
+class _View(BaseModel):
+    # gathered as its dict (`wire()`), validated again on arrival
+    model_config = ConfigDict(extra="allow")
+
+    def wire(self) -> dict:
+        return self.model_dump(exclude_unset=True)
+
+
+class ParamView(_View):
+    """One parameter as a rank sees it at attach: its digest, whether its elements are all equal, and (a
+    DTensor) the mesh dimensions it is replicated and sharded over."""
+
+    digest: str
+    constant: bool
+    replicate: Groups | None = None
+    shard_dims: list[int] | None = None
+    shard: Groups | None = None
+
+
+class ProcessGroupView(_View):
+    name: str
+    ranks: list[int]
+    backend: str | None = None
+
+
+class ReplicatedOutput(_View):
+    dim: str  # the mesh dimension its parallel style declares it Replicate over
+    groups: list[list[int]]
+
+
+class AttachView(_View):
+    """What one rank sees at attach (`local_view`): where it runs, its parameters, its groups."""
+
+    rank: int
+    host: str
+    node_rank: int
+    local_rank: int
+    pid: int
+    params: dict[str, ParamView]  # parameter name -> what this rank holds of it
+    ddp_group: list[int] | None = None
+    zero_stage: int | None = None
+    process_groups: list[ProcessGroupView] = []
+    fsdp_groups: list[list[int]] = []
+    replicated_outputs: dict[str, ReplicatedOutput] = {}  # module path -> its Replicate output
+    seed: int
+
+
+def views_of(gathered: list) -> list[AttachView]:
+    """Every rank's view, as gathered (dicts) or built (models)."""
+    return [AttachView.model_validate(v) for v in gathered]
+
+
+def local_view(engine: Engine, named, rank: int) -> AttachView:
     """What this rank sees at attach: its parameters' digests, its process groups, where it runs."""
     import socket
 
@@ -93,37 +149,43 @@ def local_view(engine: Engine, named, rank: int) -> dict:
     params = {}
     for _, name, p in named:
         with torch.no_grad():
-            params[name] = {"digest": digest_tensor(p)["digest"], "constant": _is_constant(p)}
+            entry = {"digest": digest_tensor(p)["digest"], "constant": _is_constant(p)}
         if hasattr(p, "placements") and hasattr(p, "device_mesh"):
             mesh = p.device_mesh
-            params[name]["replicate"] = {
-                (mesh.mesh_dim_names[d] if mesh.mesh_dim_names else str(d)): _mesh_groups(mesh, d)
-                for d, pl in enumerate(p.placements)
-                if pl.is_replicate()
-            }
-            params[name]["shard_dims"] = [d for d, pl in enumerate(p.placements) if pl.is_shard()]
-            params[name]["shard"] = {
-                (mesh.mesh_dim_names[d] if mesh.mesh_dim_names else str(d)): _mesh_groups(mesh, d)
-                for d, pl in enumerate(p.placements)
-                if pl.is_shard()
-            }
-    return {
-        "rank": rank,
-        "host": socket.gethostname(),
-        "node_rank": int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", 0))),
-        "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
-        "pid": os.getpid(),
-        "params": params,
-        "ddp_group": engine.group_ranks,
-        "zero_stage": engine.zero_stage,
-        "process_groups": _process_groups(),
-        "fsdp_groups": _fsdp_groups(engine.inner) if engine.kind == "FSDP2" else [],
-        "replicated_outputs": {
+            names = [
+                mesh.mesh_dim_names[d] if mesh.mesh_dim_names else str(d) for d in range(mesh.ndim)
+            ]
+            entry.update(
+                replicate={
+                    names[d]: _mesh_groups(mesh, d)
+                    for d, pl in enumerate(p.placements)
+                    if pl.is_replicate()
+                },
+                shard_dims=[d for d, pl in enumerate(p.placements) if pl.is_shard()],
+                shard={
+                    names[d]: _mesh_groups(mesh, d)
+                    for d, pl in enumerate(p.placements)
+                    if pl.is_shard()
+                },
+            )
+        params[name] = ParamView(**entry)
+    return AttachView(
+        rank=rank,
+        host=socket.gethostname(),
+        node_rank=int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", 0))),
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        pid=os.getpid(),
+        params=params,
+        ddp_group=engine.group_ranks,
+        zero_stage=engine.zero_stage,
+        process_groups=_process_groups(),
+        fsdp_groups=_fsdp_groups(engine.inner) if engine.kind == "FSDP2" else [],
+        replicated_outputs={
             path: {"dim": dim, "groups": gs}
             for path, (dim, gs) in replicated_outputs(engine.inner).items()
         },
-        "seed": torch.initial_seed(),
-    }
+        seed=torch.initial_seed(),
+    )
 
 
 def replicated_outputs(inner: torch.nn.Module) -> dict[str, tuple[str, list[list[int]]]]:

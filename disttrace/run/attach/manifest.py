@@ -34,7 +34,7 @@ def _jsonable(v: Any) -> Any:
 def build_manifest(
     engine: Engine,
     optimizer,
-    views: list[dict],
+    views: list,  # run/attach/engine.py's AttachView, one a rank
     name: str,
     edition: str,
     seed: int | None,
@@ -75,7 +75,7 @@ def build_manifest(
             "experiment": {
                 "name": name,
                 "edition": edition,
-                "seed": int(views[0]["seed"] if seed is None else seed),
+                "seed": int(views[0].seed if seed is None else seed),
                 "description": f"recorded by {SOURCE}",
             },
             "parallelism": {

@@ -21,7 +21,7 @@ from disttrace.run.hooks import (
     Reduce,
 )
 from disttrace.run.parallel.common import SCALAR_INDEX, optimizer_state_list
-from disttrace.store.records import Event
+from disttrace.store.records import AttachNote
 from disttrace.store.rundir import event
 
 if TYPE_CHECKING:
@@ -113,7 +113,7 @@ class HookPoints:
                 comm = True
             except RuntimeError as e:  # the script registered its own, or training already started
                 if self.rank == 0:
-                    event(self.run_dir, Event.ATTACH_NOTE, note=f"no DDP comm hook: {e}"[:500])
+                    event(self.run_dir, AttachNote(note=f"no DDP comm hook: {e}"[:500]))
         if self.engine.kind != "FSDP2":
             for _, _, p in self.named:
                 if p.requires_grad:

@@ -3,11 +3,12 @@ rank's view at attach (engine.local_view); docs/replicas.md lists every rule."""
 
 from __future__ import annotations
 
-from disttrace.run.attach.engine import Engine
+from disttrace.run.attach.engine import AttachView, Engine, views_of
 from disttrace.run.parallel.common import SCALARS_AGREE
+from disttrace.store.records import ReplicaRule, Replicas, Topology, TopologyRank
 
 
-def infer_replicas(engine: str, views: list[dict]) -> dict:
+def infer_replicas(engine: str, views: list[AttachView] | list[dict]) -> Replicas:
     """replicas.json for an attached run, in the harness's format ({"groups": {dim: [[ranks]]}, "rules": [...]}).
 
     DDP: the engine says it (data differs, reduced gradients, clip scalars, parameters and optimizer state
@@ -21,39 +22,40 @@ def infer_replicas(engine: str, views: list[dict]) -> dict:
     Otherwise: copies identical at attach must have one reduced gradient and stay identical after every
     optimizer step (parameters whose elements are all equal are left out: equal by construction, they
     show nothing). docs/replicas.md lists every rule."""
+    views = views_of(views)
     world = len(views)
     groups: dict[str, list[list[int]]] = {"world": [list(range(world))]}
-    rules: list[dict] = []
+    rules: list[ReplicaRule] = []
     notes: list[str] = []
     if engine == "DeepSpeed":
         from disttrace.integrations import deepspeed
 
         return deepspeed.replicas(views)
     if engine == "DDP":
-        dp = sorted({tuple(v["ddp_group"]) for v in views})
+        dp = sorted({tuple(v.ddp_group) for v in views})
         groups["dp"] = [list(g) for g in dp]
         rules += [
-            {"phase": "data", "dim": "dp", "relation": "differ"},
-            {"phase": "reduce", "dim": "dp", "relation": "agree"},
-            {"phase": "clip", "dim": "dp", "relation": "agree"},
-            {"phase": "optimizer", "dim": "dp", "relation": "agree"},
+            ReplicaRule(phase="data", dim="dp", relation="differ"),
+            ReplicaRule(phase="reduce", dim="dp", relation="agree"),
+            ReplicaRule(phase="clip", dim="dp", relation="agree"),
+            ReplicaRule(phase="optimizer", dim="dp", relation="agree"),
         ]
         notes.append(
             f"DDP over {groups['dp']}: reduced gradients, clip, parameters and optimizer state agree"
         )
-        return {"groups": groups, "rules": rules, "inferred": {"engine": engine, "notes": notes}}
-    fsdp = sorted({tuple(g) for v in views for g in v.get("fsdp_groups", [])})
+        return Replicas(groups=groups, rules=rules, inferred={"engine": engine, "notes": notes})
+    fsdp = sorted({tuple(g) for v in views for g in v.fsdp_groups})
     if engine == "FSDP2" and fsdp:  # FSDP2 shards over data parallelism: each rank's batch differs
         groups["dp"] = [list(g) for g in fsdp]
         rules += [
-            {"phase": "data", "dim": "dp", "relation": "differ"},
+            ReplicaRule(phase="data", dim="dp", relation="differ"),
             SCALARS_AGREE,
-            {
-                "phase": "optimizer",
-                "dim": "world",
-                "relation": "agree",
-                "tensors": ["param_groups.*.lr"],
-            },
+            ReplicaRule(
+                phase="optimizer",
+                dim="world",
+                relation="agree",
+                tensors=["param_groups.*.lr"],
+            ),
         ]
         notes.append(
             f"FSDP2 shards over {groups['dp']}: data differs there; the global gradient norm, "
@@ -65,15 +67,15 @@ def infer_replicas(engine: str, views: list[dict]) -> dict:
         "FSDP2",
     ):  # tensor parallelism: the shard dimensions that are not FSDP2's
         for v in views:
-            for e in v["params"].values():
-                for dim, gs in e.get("shard", {}).items():
+            for e in v.params.values():
+                for dim, gs in (e.shard or {}).items():
                     if {tuple(g) for g in gs} != set(fsdp):
                         tp[f"mesh:{dim}"] = gs
     for dim, gs in sorted(tp.items()):
         groups[dim] = gs
         rules += [
-            {"phase": "data", "dim": dim, "relation": "agree"},
-            {"phase": "loss", "dim": dim, "relation": "agree"},
+            ReplicaRule(phase="data", dim=dim, relation="agree"),
+            ReplicaRule(phase="loss", dim=dim, relation="agree"),
         ]
         notes.append(
             f"tensors sharded over {gs} ({dim}): those ranks read the same batch and compute one loss"
@@ -82,29 +84,27 @@ def infer_replicas(engine: str, views: list[dict]) -> dict:
         rules.append(SCALARS_AGREE)
     outputs: dict[str, list[str]] = {}
     for v in views:
-        for path, e in v.get("replicated_outputs", {}).items():
-            key = f"mesh:{e['dim']}"
-            groups.setdefault(key, e["groups"])
+        for path, e in v.replicated_outputs.items():
+            key = f"mesh:{e.dim}"
+            groups.setdefault(key, e.groups)
             outputs.setdefault(key, [])
             if path not in outputs[key]:
                 outputs[key].append(path)
     for key, paths in sorted(outputs.items()):
-        rules.append(
-            {"phase": "forward", "dim": key, "relation": "agree", "tensors": sorted(paths)}
-        )
+        rules.append(ReplicaRule(phase="forward", dim=key, relation="agree", tensors=sorted(paths)))
         notes.append(
             f"{len(paths)} module output(s) declared Replicate over {key} by their parallel style"
         )
-    names = sorted({n for v in views for n in v["params"]})
+    names = sorted({n for v in views for n in v.params})
     by_dims: dict[tuple, list[str]] = {}
     whole: list[
         str
     ] = []  # plain parameters of a tensor-parallel job: every tp rank holds them whole
     for name in names:
-        entries = {v["rank"]: v["params"][name] for v in views if name in v["params"]}
+        entries = {v.rank: v.params[name] for v in views if name in v.params}
         first = next(iter(entries.values()))
-        if "replicate" in first:  # a DTensor: its placements say it
-            for dim, gs in first["replicate"].items():
+        if first.replicate is not None:  # a DTensor: its placements say it
+            for dim, gs in first.replicate.items():
                 key = f"mesh:{dim}"
                 groups.setdefault(key, gs)
                 by_dims.setdefault((key,), []).append(name)
@@ -112,18 +112,18 @@ def infer_replicas(engine: str, views: list[dict]) -> dict:
         if len(tp) == 1:
             whole.append(name)
             continue
-        if all(e["constant"] for e in entries.values()):
+        if all(e.constant for e in entries.values()):
             continue
         buckets: dict[str, list[int]] = {}
         for r, e in entries.items():
-            buckets.setdefault(e["digest"], []).append(r)
+            buckets.setdefault(e.digest, []).append(r)
         part = tuple(sorted(tuple(g) for g in buckets.values() if len(g) > 1))
         if part:
             by_dims.setdefault(part, []).append(name)
     if whole:
         (key,) = tp
         rules += [
-            {"phase": phase, "dim": key, "relation": "agree", "tensors": whole}
+            ReplicaRule(phase=phase, dim=key, relation="agree", tensors=whole)
             for phase in ("reduce", "optimizer")
         ]
         notes.append(
@@ -139,7 +139,7 @@ def infer_replicas(engine: str, views: list[dict]) -> dict:
             dim, phases = ("replicas" if n == 1 else f"replicas-{n}"), ("reduce", "optimizer")
             groups[dim] = [list(g) for g in key]
         rules += [
-            {"phase": phase, "dim": dim, "relation": "agree", "tensors": sorted(tensors)}
+            ReplicaRule(phase=phase, dim=dim, relation="agree", tensors=sorted(tensors))
             for phase in phases
         ]
         notes.append(
@@ -147,25 +147,28 @@ def infer_replicas(engine: str, views: list[dict]) -> dict:
         )
     if not rules:
         notes.append("no parameter has an identical copy on another rank: nothing must agree")
-    return {"groups": groups, "rules": rules, "inferred": {"engine": engine, "notes": notes}}
+    return Replicas(groups=groups, rules=rules, inferred={"engine": engine, "notes": notes})
 
 
-def attached_layout(kind: str, views: list[dict]) -> tuple[list[list[int]], list[list[int]]]:
+def attached_layout(
+    kind: str, views: list[AttachView] | list[dict]
+) -> tuple[list[list[int]], list[list[int]]]:
     """(data-parallel groups, tensor-parallel groups) of an attached job, from its engine and its parameters'
     placements: DDP's group, or FSDP2's shard groups, are data parallelism; the mesh dimensions a DTensor
     parameter is sharded over that are not FSDP2's are tensor parallelism. Without tensor parallelism each
     rank is its own tp group; without an engine's data parallelism the ranks at one position of their tp
     groups form the dp groups (a TP-only job on its whole world: dp = 1). A layout that is not a grid
     (a rank in two groups of one kind) keeps every rank its own tp group."""
+    views = views_of(views)
     world = len(views)
     if kind in ("DDP", "DeepSpeed"):
-        dp = sorted({tuple(v["ddp_group"]) for v in views})
+        dp = sorted({tuple(v.ddp_group) for v in views})
     else:
-        dp = sorted({tuple(g) for v in views for g in v.get("fsdp_groups", [])})
+        dp = sorted({tuple(g) for v in views for g in v.fsdp_groups})
     by_dim: dict[str, set] = {}
     for v in views:
-        for entry in v["params"].values():
-            for dim, gs in entry.get("shard", {}).items():
+        for entry in v.params.values():
+            for dim, gs in (entry.shard or {}).items():
                 by_dim.setdefault(dim, set()).update(tuple(g) for g in gs)
     tp = sorted({g for gs in by_dim.values() if gs != set(dp) for g in gs})
     if not _partition(tp, world):
@@ -177,17 +180,17 @@ def attached_layout(kind: str, views: list[dict]) -> tuple[list[list[int]], list
     return [list(g) for g in dp], [list(g) for g in tp]
 
 
-def mesh_doc(views: list[dict]) -> dict | None:
+def mesh_doc(views: list[AttachView] | list[dict]) -> dict | None:
     """The device mesh the job's DTensor parameters (FSDP2's included) live on, as attach found it: each
     named dimension's size, and which dimensions some parameter is replicated over or sharded over (HSDP:
     replicate and shard; FSDP2 + TP: dp and tp both shard). None when no parameter is a DTensor."""
     dims: dict[str, int] = {}
     replicate: set[str] = set()
     shard: set[str] = set()
-    for v in views:
-        for entry in v["params"].values():
-            for kind, into in (("replicate", replicate), ("shard", shard)):
-                for dim, gs in entry.get(kind, {}).items():
+    for v in views_of(views):
+        for entry in v.params.values():
+            for placed, into in ((entry.replicate, replicate), (entry.shard, shard)):
+                for dim, gs in (placed or {}).items():
                     dims[dim] = len(gs[0]) if gs else 1
                     into.add(dim)
     if not dims:
@@ -201,9 +204,10 @@ def _partition(groups: list[tuple], world: int) -> bool:
     return bool(groups) and len({len(g) for g in groups}) == 1 and ranks == list(range(world))
 
 
-def topology_doc(engine: Engine, views: list[dict]) -> dict:
+def topology_doc(engine: Engine, views: list[AttachView] | list[dict]) -> Topology:
     """topology.json in the harness's shape (pp x dp x tp, coordinates per rank: a rank's place in its dp and
     tp groups), plus every process group torch built, as the ranks reported them."""
+    views = views_of(views)
     world = len(views)
     dp_groups, tp_groups = attached_layout(engine.kind, views)
     place = {
@@ -212,28 +216,28 @@ def topology_doc(engine: Engine, views: list[dict]) -> dict:
     }
     pgs: dict[tuple, dict] = {}
     for v in views:
-        for g in v["process_groups"]:
-            pgs.setdefault((g["name"], tuple(g["ranks"])), g)
-    return {
-        "world_size": world,
-        "mesh_dims": ["pp", "dp", "tp"],
-        "mesh_shape": {"pp": 1, "dp": len(dp_groups[0]), "tp": len(tp_groups[0])},
-        "groups": {"pp": [[r] for r in range(world)], "dp": dp_groups, "tp": tp_groups},
-        "ranks": [
-            {
-                "rank": v["rank"],
-                "host": v["host"],
-                "node_rank": v["node_rank"],
-                "local_rank": v["local_rank"],
-                "pid": v["pid"],
-                "coords": {
+        for g in v.process_groups:
+            pgs.setdefault((g.name, tuple(g.ranks)), g.wire())
+    return Topology(
+        world_size=world,
+        mesh_dims=["pp", "dp", "tp"],
+        mesh_shape={"pp": 1, "dp": len(dp_groups[0]), "tp": len(tp_groups[0])},
+        groups={"pp": [[r] for r in range(world)], "dp": dp_groups, "tp": tp_groups},
+        ranks=[
+            TopologyRank(
+                rank=v.rank,
+                host=v.host,
+                node_rank=v.node_rank,
+                local_rank=v.local_rank,
+                pid=v.pid,
+                coords={
                     "pp": 0,
-                    "dp": place["dp"].get(v["rank"], 0),
-                    "tp": place["tp"].get(v["rank"], 0),
+                    "dp": place["dp"].get(v.rank, 0),
+                    "tp": place["tp"].get(v.rank, 0),
                 },
-            }
+            )
             for v in views
         ],
-        "process_groups": [pgs[k] for k in sorted(pgs, key=lambda k: (len(k[1]), k))],
-        "engine": engine.kind,
-    }
+        process_groups=[pgs[k] for k in sorted(pgs, key=lambda k: (len(k[1]), k))],
+        engine=engine.kind,
+    )

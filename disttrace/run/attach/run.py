@@ -24,8 +24,18 @@ from disttrace.run.hooks import Batch, Data, HookBus, Loss, StepStart, process_e
 from disttrace.run.parallel.common import SCALAR_INDEX, Strategy
 from disttrace.run.recorder import Recorder
 from disttrace.run.scales import Magnitudes
-from disttrace.store.records import Event
-from disttrace.store.rundir import event, read_json, write_json_atomic
+from disttrace.store.records import (
+    CheckpointSaved,
+    FaultRefused,
+    RankFailed,
+    Resumed,
+    ResumeSpec,
+)
+from disttrace.store.rundir import (
+    event,
+    read_run_info,
+    write_run_info,
+)
 
 
 class _UserState(Strategy):
@@ -57,7 +67,7 @@ class AttachedRun(LoaderWatch, HookPoints, StepCycle):
         manifest_id: str,
         fault_spec: dict | None,
         blocks: list[tuple[str, torch.nn.Module]] = (),
-        depth: dict | None = None,
+        depth=None,  # run/depth.py's DepthRequest
     ):
         self.run_dir, self.rank = run_dir, rank
         self.model, self.engine, self.manifest, self.manifest_id = (
@@ -66,6 +76,9 @@ class AttachedRun(LoaderWatch, HookPoints, StepCycle):
             manifest,
             manifest_id,
         )
+        self.typed = faults.typed(
+            manifest
+        )  # the same manifest read by attribute (AttachedManifest)
         self.inner = engine.inner
         self.named = [(i, n, p) for i, (n, p) in enumerate(self.inner.named_parameters())]
         self.optimizer = optimizer
@@ -74,9 +87,8 @@ class AttachedRun(LoaderWatch, HookPoints, StepCycle):
         self.tracer.attach(
             self.bus
         )  # the step on each trace line (its handler holds the tracer, not the run)
-        self.recorder = Recorder(run_dir, rank, forward=manifest["record"]["forward"]).attach(
-            self.bus
-        )
+        forward = self.typed.record.forward
+        self.recorder = Recorder(run_dir, rank, forward=forward).attach(self.bus)
         self.ledger = self._memory_ledger()
         self._start_cycle()
         self._start_watching()
@@ -85,7 +97,7 @@ class AttachedRun(LoaderWatch, HookPoints, StepCycle):
             optimizer.register_step_post_hook(self._after_step),
             self.inner.register_forward_pre_hook(self._on_forward, with_kwargs=True),
         ]
-        if manifest["record"]["forward"]:
+        if forward:
             self._handles += [
                 module.register_forward_hook(self._block_output_hook(index, name))
                 for index, (name, module) in enumerate(blocks)
@@ -101,11 +113,12 @@ class AttachedRun(LoaderWatch, HookPoints, StepCycle):
                 if rank == 0:
                     event(
                         run_dir,
-                        Event.FAULT_REFUSED,
-                        fault=fault_spec.get("name"),
-                        where=e.where,
-                        field=e.field,
-                        reason=e.reason,
+                        FaultRefused(
+                            fault=fault_spec.get("name"),
+                            where=e.where,
+                            field=e.field,
+                            reason=e.reason,
+                        ),
                     )
                 self._remove_hooks()
                 raise
@@ -135,12 +148,12 @@ class AttachedRun(LoaderWatch, HookPoints, StepCycle):
                 run_dir,
                 rank,
                 self.inner,
-                depth["step"],
-                depth["level"],
-                dp=depth["dp"],
-                dp_rank=depth["dp_rank"],
+                depth.step,
+                depth.level,
+                dp=depth.dp,
+                dp_rank=depth.dp_rank,
                 micro_batch_size=None,  # the step's first micro-batch tells
-                global_batch=depth["global_batch"],
+                global_batch=depth.global_batch,
             ).attach(self.bus)
         self.tracer.__enter__()
         _ACTIVE.append(self)
@@ -200,7 +213,7 @@ class AttachedRun(LoaderWatch, HookPoints, StepCycle):
                 self.run_dir,
                 step,
                 self.manifest_id,
-                self.manifest["parallelism"]["world_size"],
+                self.typed.parallelism.world_size,
                 self.rank,
                 self.bus,
                 extra={"source": SOURCE},
@@ -210,9 +223,7 @@ class AttachedRun(LoaderWatch, HookPoints, StepCycle):
         if self.rank == 0:
             event(
                 self.run_dir,
-                Event.CHECKPOINT_SAVED,
-                step=step,
-                path=str(path.relative_to(self.run_dir)),
+                CheckpointSaved(step=step, path=str(path.relative_to(self.run_dir))),
             )
         self._finish_step()  # the checkpoint's records belong to the step it saved, as in harness runs
         return path
@@ -232,24 +243,18 @@ class AttachedRun(LoaderWatch, HookPoints, StepCycle):
             self._paused = False
         step = int(progress["step"])
         if self.rank == 0:
-            info_path = self.run_dir / "run.json"
-            info = read_json(info_path)
-            info.update(
+            info = read_run_info(self.run_dir)
+            info = info.updated(
                 # a replay (`disttrace replay RUN -- CMD`) resuming is still a replay
-                path="replay" if info.get("path") == "replay" else "recovered",
-                resume={
-                    "checkpoint": str(path),
-                    "step": step,
-                    "from_run": str(path.parent.parent.parent),
-                },
+                path="replay" if info.path == "replay" else "recovered",
+                resume=ResumeSpec(
+                    checkpoint=str(path), step=step, from_run=str(path.parent.parent.parent)
+                ).doc(),
             )
-            write_json_atomic(info_path, info)
+            write_run_info(self.run_dir, info)
             event(
                 self.run_dir,
-                Event.RESUMED,
-                step=step,
-                checkpoint=str(path),
-                with_optimizer=progress["with_optimizer"],
+                Resumed(step=step, checkpoint=str(path), with_optimizer=progress["with_optimizer"]),
             )
         self.step = step + 1
         self.bus.step, self.bus.micro_batch = self.step, 0
@@ -291,7 +296,7 @@ class AttachedRun(LoaderWatch, HookPoints, StepCycle):
             {
                 "steps": self.completed,
                 "source": SOURCE,
-                "world_size": self.manifest["parallelism"]["world_size"],
+                "world_size": self.typed.parallelism.world_size,
             },
         )
 
@@ -305,26 +310,28 @@ class AttachedRun(LoaderWatch, HookPoints, StepCycle):
             process_exit(self.bus, exc)
             event(
                 self.run_dir,
-                Event.RANK_FAILED,
-                rank=self.rank,
-                error=f"{exc_type.__name__}: {exc}"[:2000],
+                RankFailed(rank=self.rank, error=f"{exc_type.__name__}: {exc}"[:2000]),
             )
 
     # ---------------------------------------------------------- hook points
     def _memory_ledger(self):
-        from disttrace.run.memory import MemoryLedger
+        from disttrace.run.memory import (
+            LedgerLayout,
+            LedgerParallelism,
+            LedgerTraining,
+            MemoryLedger,
+        )
 
-        tr = self.manifest["training"]
-        name = tr["optimizer"].lower()
-        ledger_manifest = {
-            "parallelism": {**self.manifest["parallelism"]},
-            "training": {
-                "dtype": tr["dtype"] if tr["dtype"] != "mixed" else "bfloat16",
-                "optimizer": "adamw" if "adam" in name else "sgd",
-            },
-        }
+        tr = self.typed.training
+        layout = LedgerLayout(
+            parallelism=LedgerParallelism.model_validate(self.typed.parallelism),
+            training=LedgerTraining(
+                dtype=tr.dtype if tr.dtype != "mixed" else "bfloat16",
+                optimizer="adamw" if "adam" in tr.optimizer.lower() else "sgd",
+            ),
+        )
         held = SimpleNamespace(plain=self.inner, optimizer=self.optimizer)
-        return MemoryLedger(self.run_dir, self.rank, ledger_manifest, held).attach(self.bus)
+        return MemoryLedger(self.run_dir, self.rank, layout, held).attach(self.bus)
 
     def _remove_hooks(self):
         for h in self._handles:

@@ -17,12 +17,20 @@ from disttrace.run.attach.engine import (
     local_view,
     replicated_outputs,
     unwrap_optimizer,
+    views_of,
 )
 from disttrace.run.attach.manifest import SOURCE, build_manifest, evaluation_section, manifest_id_of
 from disttrace.run.attach.replicas import infer_replicas, topology_doc
 from disttrace.run.attach.run import AttachedRun
-from disttrace.store.records import Event
-from disttrace.store.rundir import LOCK, event, new_run_dir, read_json, write_json_atomic
+from disttrace.store.records import Attached, RunInfo
+from disttrace.store.rundir import (
+    LOCK,
+    event,
+    new_run_dir,
+    read_run_info,
+    write_json_atomic,
+    write_run_info,
+)
 
 RUN_DIR_ENV = "DISTTRACE_RUN_DIR"  # set by `disttrace run -- CMD`: the prepared run directory
 
@@ -94,7 +102,7 @@ def attach(
     optimizer = unwrap_optimizer(optimizer)
     engine = detect_engine(model)
     named = list(enumerate(engine.inner.named_parameters()))
-    views = _gather(local_view(engine, [(i, n, p) for i, (n, p) in named], rank))
+    views = views_of(_gather(local_view(engine, [(i, n, p) for i, (n, p) in named], rank).wire()))
     eval_section, eval_resolved, eval_error = None, {}, None
     if evaluation is not None:
         if rank == 0:
@@ -133,7 +141,7 @@ def attach(
     if error:
         raise RuntimeError(f"rank 0 could not prepare the run directory: {error}")
     run_dir = Path(path)
-    info = read_json(run_dir / "run.json")
+    info = read_run_info(run_dir)
     kind = AttachedRun
     if engine.kind == "DeepSpeed":
         from disttrace.integrations.deepspeed import DeepSpeedRun as kind
@@ -145,7 +153,7 @@ def attach(
         engine,
         manifest,
         manifest_id,
-        info.get("fault"),
+        info.fault.doc() if info.fault else None,
         blocks,
         depth=_depth_request(info, run_dir, rank, engine, views),
     )
@@ -154,18 +162,18 @@ def attach(
     return run
 
 
-def _depth_request(info: dict, run_dir: Path, rank: int, engine: Engine, views) -> dict | None:
+def _depth_request(info: RunInfo, run_dir: Path, rank: int, engine: Engine, views):
     """run.json's `depth` (a replay recording one step at depth, docs/zoom.md), with this rank's place in
     the data-parallel layout the records are placed by; None when there is none."""
     from disttrace.run.attach.replicas import attached_layout
-    from disttrace.run.depth import attached_spec
+    from disttrace.run.depth import DepthRequest, attached_spec
 
-    spec = attached_spec(info, run_dir / "run.json")
+    spec = attached_spec(info.doc(), run_dir / "run.json")
     if spec is None:
         return None
     dp_groups, _ = attached_layout(engine.kind, views)
     group = next((g for g in dp_groups if rank in g), [rank])
-    return {**spec, "dp": len(group), "dp_rank": group.index(rank)}
+    return DepthRequest(**spec, dp=len(group), dp_rank=group.index(rank))
 
 
 def _prepare_dir(
@@ -191,16 +199,10 @@ def _prepare_dir(
             )
     else:
         run_dir = new_run_dir(out, manifest_id, "reference")
-        write_json_atomic(
-            run_dir / "run.json",
-            {
-                "path": "reference",
-                "fault": None,
-                "resume": None,
-                "created": time.time(),
-                "pid": os.getpid(),
-            },
+        info = RunInfo(
+            path="reference", fault=None, resume=None, created=time.time(), pid=os.getpid()
         )
+        write_run_info(run_dir, info)
     write_json_atomic(
         run_dir / LOCK,
         {
@@ -213,16 +215,17 @@ def _prepare_dir(
     )
     dist = _dist()
     backend = dist.get_backend() if dist else None
-    write_json_atomic(run_dir / "env.json", environment(torch, backend, views))
-    write_json_atomic(run_dir / "topology.json", topology_doc(engine, views))
+    write_json_atomic(run_dir / "env.json", environment(torch, backend, [v.host for v in views]))
+    write_json_atomic(run_dir / "topology.json", topology_doc(engine, views).doc())
     replicas = infer_replicas(engine.kind, views)
-    write_json_atomic(run_dir / "replicas.json", replicas)
+    write_json_atomic(run_dir / "replicas.json", replicas.doc())
     event(
         run_dir,
-        Event.ATTACHED,
-        engine=engine.kind,
-        world_size=len(views),
-        manifest_id=manifest_id,
-        replica_rules=len(replicas["rules"]),
+        Attached(
+            engine=engine.kind,
+            world_size=len(views),
+            manifest_id=manifest_id,
+            replica_rules=len(replicas.rules),
+        ),
     )
     return str(run_dir)

@@ -336,8 +336,8 @@ class Fault:
             point=self.point.value,
             params=self.params,
             **detail,
-        ).line()
-        event(self.ctx.run_dir, line.pop("event"), **line)
+        )
+        event(self.ctx.run_dir, line)
 
 
 def _model_has(tensor: str | None, names: list[str]) -> None:

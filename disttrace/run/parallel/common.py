@@ -6,6 +6,7 @@ import torch
 
 from disttrace.config.manifest import Manifest
 from disttrace.run.hooks import BeforeClip, BeforeOptimizer, Clip, Optimizer, TensorRef, grads_of
+from disttrace.store.records import ReplicaRule
 
 
 def optimizer_class_and_kwargs(manifest: Manifest):
@@ -68,12 +69,12 @@ def load_optimizer_bytes(optimizer, blob) -> None:
 
 SCALAR_INDEX = 1_000_000  # scalars sort after every tensor of their phase
 # the global gradient norm, the clip coefficient and the learning rate: one value for the whole job
-SCALARS_AGREE = {
-    "phase": "clip",
-    "dim": "world",
-    "relation": "agree",
-    "tensors": ["grad_norm", "clip_coef", "lr"],
-}
+SCALARS_AGREE = ReplicaRule(
+    phase="clip",
+    dim="world",
+    relation="agree",
+    tensors=["grad_norm", "clip_coef", "lr"],
+)
 
 # Without sequence parallelism the activations the loop records are replicated over tp: a block's output
 # (its wo and w2 are row-wise, reduced to Replicate, and the residual stream adds replicated terms) and the
@@ -81,8 +82,8 @@ SCALARS_AGREE = {
 # the loop's hook runs before the style's gather (registered first) and sees this rank's vocabulary shard.
 # A tp rank whose copy differs shows the bug at the forward, or loss, that first carries it.
 TP_ACTIVATIONS_AGREE = [
-    {"phase": "forward", "dim": "tp", "relation": "agree", "exclude": "output"},
-    {"phase": "loss", "dim": "tp", "relation": "agree"},
+    ReplicaRule(phase="forward", dim="tp", relation="agree", exclude="output"),
+    ReplicaRule(phase="loss", dim="tp", relation="agree"),
 ]
 
 
@@ -185,7 +186,7 @@ class Strategy:
 
     # ---- what every strategy implements
 
-    def replicas(self) -> list[dict]:
+    def replicas(self) -> list[ReplicaRule]:
         """Which copies must agree across which mesh dimension, per phase (the replica map, replicas.json)."""
         raise NotImplementedError
 

@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from disttrace.config.manifest import Manifest
 from disttrace.run.hooks import Backward, Reduce, TensorRef, grads_of, param_refs
 from disttrace.run.parallel.common import Strategy, build_optimizer
+from disttrace.store.records import ReplicaRule
 
 
 def apply_ddp(
@@ -84,17 +85,17 @@ class DataParallel(Strategy):
         self._buckets.clear()  # per step: DDP rebuilds its buckets after the first
         return {"ddp_bucket_sizes": sizes}
 
-    def replicas(self) -> list[dict]:
+    def replicas(self) -> list[ReplicaRule]:
         """Which copies must agree across the data-parallel group (and which must differ)."""
         return [
-            {"phase": "data", "dim": "dp", "relation": "differ"},
-            {"phase": "reduce", "dim": "dp", "relation": "agree"},
-            {
-                "phase": "clip",
-                "dim": "dp",
-                "relation": "agree",
-            },  # clipped gradients and the scalars
-            {"phase": "optimizer", "dim": "dp", "relation": "agree"},
+            ReplicaRule(phase="data", dim="dp", relation="differ"),
+            ReplicaRule(phase="reduce", dim="dp", relation="agree"),
+            ReplicaRule(
+                phase="clip",
+                dim="dp",
+                relation="agree",
+            ),  # clipped gradients and the scalars
+            ReplicaRule(phase="optimizer", dim="dp", relation="agree"),
         ]
 
     def micro_batch(self, last: bool):

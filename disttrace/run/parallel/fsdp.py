@@ -20,6 +20,7 @@ import contextlib
 from disttrace.config.manifest import Manifest
 from disttrace.run.hooks import Reduce, TensorRef, grads_of, param_refs
 from disttrace.run.parallel.common import SCALARS_AGREE, Strategy, build_optimizer
+from disttrace.store.records import ReplicaRule
 
 
 def apply_fsdp(model, dp_mesh, reshard_after_forward: bool):
@@ -50,9 +51,9 @@ class FullyShardedZero(Strategy):
         self.named = [TensorRef(i, n, params[n]) for i, n, _ in self.named]
         self.optimizer = build_optimizer(manifest, model.parameters())
 
-    def replicas(self) -> list[dict]:
+    def replicas(self) -> list[ReplicaRule]:
         # everything is sharded over dp: no copies to agree; the data shards must still differ
-        return [{"phase": "data", "dim": "dp", "relation": "differ"}, SCALARS_AGREE]
+        return [ReplicaRule(phase="data", dim="dp", relation="differ"), SCALARS_AGREE]
 
     def micro_batch(self, last: bool):
         self.model.set_requires_gradient_sync(

@@ -28,6 +28,7 @@ from disttrace.run.parallel.common import (
     load_optimizer_bytes,
     optimizer_bytes,
 )
+from disttrace.store.records import ReplicaRule
 
 
 def stage_layers(n_layers: int, pp: int, stage: int) -> list[str]:
@@ -139,18 +140,18 @@ class PipelineParallel(Strategy):
         loss = lm_loss(output, target)
         return self.bus.emit(Loss(loss=loss, tokens=target.numel())).loss
 
-    def replicas(self) -> list[dict]:
+    def replicas(self) -> list[ReplicaRule]:
         rules = [
-            {"phase": "data", "dim": "pp", "relation": "agree"},
+            ReplicaRule(phase="data", dim="pp", relation="agree"),
             SCALARS_AGREE,
         ]  # every stage: same batch
         if self.dp > 1:
-            rules.append({"phase": "data", "dim": "dp", "relation": "differ"})
+            rules.append(ReplicaRule(phase="data", dim="dp", relation="differ"))
         if (
             self.tp > 1
         ):  # a stage's tp group: one copy of its activations (the last stage's loss too)
             rules += [
-                {"phase": p, "dim": "tp", "relation": "agree", "tensors": "*norm.weight*"}
+                ReplicaRule(phase=p, dim="tp", relation="agree", tensors="*norm.weight*")
                 for p in ("reduce", "clip", "optimizer")
             ] + TP_ACTIVATIONS_AGREE
         return rules

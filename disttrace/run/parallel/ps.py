@@ -35,6 +35,7 @@ from disttrace.run.parallel.common import (
     optimizer_bytes,
     optimizer_state_list,
 )
+from disttrace.store.records import ReplicaRule
 
 
 def flat(tensors) -> torch.Tensor:
@@ -74,12 +75,12 @@ class ParameterServer(Strategy):
             TensorRef(i, n, m) for (i, n, _), m in zip(self.named, self.master or [])
         ]
 
-    def replicas(self) -> list[dict]:
-        rules = [{"phase": "data", "dim": "dp", "relation": "differ"}]
+    def replicas(self) -> list[ReplicaRule]:
+        rules = [ReplicaRule(phase="data", dim="dp", relation="differ")]
         if (
             self.staleness == 0
         ):  # everyone pulled the same version; with staleness the server is ahead
-            rules.append({"phase": "optimizer", "dim": "dp", "relation": "agree", "exclude": "*:*"})
+            rules.append(ReplicaRule(phase="optimizer", dim="dp", relation="agree", exclude="*:*"))
         return rules
 
     def micro_batch(self, last: bool):

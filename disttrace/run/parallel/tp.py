@@ -26,6 +26,7 @@ from disttrace.run.parallel.common import (
     Strategy,
     build_optimizer,
 )
+from disttrace.store.records import ReplicaRule
 
 
 def tp_plan(model) -> dict:
@@ -78,18 +79,18 @@ class TensorParallel(Strategy):
         self.model = model
         self.optimizer = build_optimizer(manifest, model.parameters())
 
-    def replicas(self) -> list[dict]:
+    def replicas(self) -> list[ReplicaRule]:
         rules = [
-            {"phase": p, "dim": "tp", "relation": "agree", "tensors": "*norm.weight*"}
+            ReplicaRule(phase=p, dim="tp", relation="agree", tensors="*norm.weight*")
             for p in ("reduce", "clip", "optimizer")
         ]
         rules.append(SCALARS_AGREE)
         rules.append(
-            {"phase": "data", "dim": "tp", "relation": "agree"}
+            ReplicaRule(phase="data", dim="tp", relation="agree")
         )  # a tp group reads one batch
         rules += TP_ACTIVATIONS_AGREE
         if self.dp > 1:
-            rules.append({"phase": "data", "dim": "dp", "relation": "differ"})
+            rules.append(ReplicaRule(phase="data", dim="dp", relation="differ"))
         return rules
 
     def micro_batch(self, last: bool):

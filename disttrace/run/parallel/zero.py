@@ -16,6 +16,7 @@ from disttrace.run.parallel.common import (
     optimizer_class_and_kwargs,
 )
 from disttrace.run.parallel.ddp import DataParallel
+from disttrace.store.records import ReplicaRule
 
 
 class ZeroStage1(DataParallel):
@@ -29,13 +30,13 @@ class ZeroStage1(DataParallel):
             model.parameters(), optimizer_class=cls, process_group=self.group, **kwargs
         )
 
-    def replicas(self) -> list[dict]:
+    def replicas(self) -> list[ReplicaRule]:
         # parameters are broadcast whole after each step: replicas; optimizer state is partitioned: not
         return [
-            {"phase": "data", "dim": "dp", "relation": "differ"},
-            {"phase": "reduce", "dim": "dp", "relation": "agree"},
-            {"phase": "clip", "dim": "dp", "relation": "agree"},
-            {"phase": "optimizer", "dim": "dp", "relation": "agree", "exclude": "*:*"},
+            ReplicaRule(phase="data", dim="dp", relation="differ"),
+            ReplicaRule(phase="reduce", dim="dp", relation="agree"),
+            ReplicaRule(phase="clip", dim="dp", relation="agree"),
+            ReplicaRule(phase="optimizer", dim="dp", relation="agree", exclude="*:*"),
         ]
 
     # the optimizer state is sharded by rank: each rank saves and loads its own partition's state
