@@ -4,9 +4,11 @@ where they align."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
-from disttrace.analysis import columnar
+from disttrace.analysis import columnar, readahead
 from disttrace.analysis.diff.compare import (
     _compare_rank_step,
     _compare_rank_step_columns,
@@ -37,7 +39,7 @@ def _block(steps: list[int], n: int, ranks, sides: tuple[_Side, _Side], rows: in
 
 
 def _compare_block(
-    block: list[int], ranks, side_a: _Side, side_b: _Side, tol: _Tol
+    block: list[int], ranks, side_a: _Side, side_b: _Side, tol: _Tol, read=None
 ) -> dict[int, tuple[dict, int]]:
     """Same topology, steps `block`, rank by rank: ({rank: _RankStep}, ranks read) per step. A rank whose index
     digests agree is skipped undecoded when its raw bytes are the same on both sides (each side's bytes also
@@ -45,45 +47,24 @@ def _compare_block(
     equal records whoever wrote the index. A rank's steps that are read are decoded together (one batch a
     side) and, where they align row by row, compared in one column-wise call (a step's fixed cost of numpy
     and Arrow calls is paid once per block, not once per step and rank); each step's result is what it would
-    be alone."""
+    be alone. read(r): what _read_rank gives for rank r (a ReadAhead's, read in another thread), by default
+    read here."""
     per = {s: {} for s in block}
-    read = dict.fromkeys(block, 0)
+    read_steps = dict.fromkeys(block, 0)
     for r in ranks:
-        todo = []
-        agree = []  # steps whose index digests agree: skipped if their bytes are the same on both sides
-        for s in block:
-            ea, eb = side_a.entry(r, s), side_b.entry(r, s)
-            if (
-                ea is not None
-                and eb is not None
-                and ea.get("digest") is not None
-                and ea.get("digest") == eb.get("digest")
-                and ea.get("records") == eb.get("records")
-            ):
-                agree.append(s)
-        same = set()
-        if (
-            agree
-        ):  # each side's steps read together, checked step by step (a refusal names the first)
-            for s, da, db in zip(agree, side_a.raw_steps(r, agree), side_b.raw_steps(r, agree)):
-                if side_a.checked(r, s, da) == side_b.checked(r, s, db):
-                    same.add(s)
+        same, todo, pair = read(r) if read is not None else _read_rank(r, block, side_a, side_b)
         for s in block:
             if s in same:
                 per[s][r] = _RankStep(int(side_a.entry(r, s).get("records") or 0))
                 continue
-            read[s] += 1
-            todo.append(s)
+            read_steps[s] += 1
         if not todo:
             continue
-        if not all(
-            trajectory.is_arrow(x.traj_path(r)) and all(x.entry(r, s) is not None for s in todo)
-            for x in (side_a, side_b)
-        ):  # a JSON-lines side, or a step one side lacks: step by step
+        if pair is None:  # a JSON-lines side, or a step one side lacks: step by step
             for s in todo:
                 per[s][r] = _compare_step_alone(s, r, side_a, side_b, tol)
             continue
-        (ba, starts_a), (bb, starts_b) = side_a.batches(r, todo), side_b.batches(r, todo)
+        (ba, starts_a), (bb, starts_b) = pair
         ca, cb = columnar.Columns(ba), columnar.Columns(bb)
         if (
             len(todo) > 1
@@ -101,7 +82,51 @@ def _compare_block(
             sa = ba.slice(int(starts_a[j]), int(ends_a[j] - starts_a[j]))
             sb = bb.slice(int(starts_b[j]), int(ends_b[j] - starts_b[j]))
             per[s][r] = _compare_rank_step_columns(s, r, sa, sb, tol)
-    return {s: (per[s], read[s]) for s in block}
+    return {s: (per[s], read_steps[s]) for s in block}
+
+
+def _read_rank(r: int, block: list[int], side_a: _Side, side_b: _Side):
+    """What comparing rank r's steps of `block` reads: the steps skipped as the same bytes on both sides, the
+    steps to compare, and both sides' batches of those (decoded together), or None where they are compared
+    step by step (a JSON-lines side, a step one side lacks)."""
+    agree = []  # steps whose index digests agree: skipped if their bytes are the same on both sides
+    for s in block:
+        ea, eb = side_a.entry(r, s), side_b.entry(r, s)
+        if (
+            ea is not None
+            and eb is not None
+            and ea.get("digest") is not None
+            and ea.get("digest") == eb.get("digest")
+            and ea.get("records") == eb.get("records")
+        ):
+            agree.append(s)
+    same = set()
+    if agree:  # each side's steps read together, checked step by step (a refusal names the first)
+        for s, da, db in zip(agree, side_a.raw_steps(r, agree), side_b.raw_steps(r, agree)):
+            if side_a.checked(r, s, da) == side_b.checked(r, s, db):
+                same.add(s)
+    todo = [s for s in block if s not in same]
+    if not todo or not all(
+        trajectory.is_arrow(x.traj_path(r)) and all(x.entry(r, s) is not None for s in todo)
+        for x in (side_a, side_b)
+    ):
+        return same, todo, None
+    return same, todo, (side_a.batches(r, todo), side_b.batches(r, todo))
+
+
+def _take(reader: readahead.ReadAhead, first: int, r: int):
+    return reader.take((first, r))
+
+
+def _blocks_read(steps: list[int], ranks, side_a: _Side, side_b: _Side):
+    """The reads of a comparison that propagates over every step, in its order: (block's first step, rank) and
+    the job that reads that rank's block (for readahead.ReadAhead)."""
+    n = 0
+    while n < len(steps):
+        block = _block(steps, n, ranks, (side_a, side_b), BLOCK_ROWS)
+        for r in ranks:
+            yield (block[0], r), functools.partial(_read_rank, r, block, side_a, side_b)
+        n += len(block)
 
 
 def _compare_step_alone(s: int, r: int, side_a: _Side, side_b: _Side, tol: _Tol) -> _RankStep:

@@ -3,14 +3,15 @@ hold, the step since which the runs agree, the calibration found, the bound sett
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from disttrace.analysis import tolerance
-from disttrace.analysis.diff.blocks import BLOCK_ROWS, _block, _compare_block
+from disttrace.analysis import readahead, tolerance
+from disttrace.analysis.diff.blocks import BLOCK_ROWS, _block, _blocks_read, _compare_block, _take
 from disttrace.analysis.diff.fold import StepOutcome
 from disttrace.analysis.diff.logical import StepWarnings, _compare_logical_step
 from disttrace.analysis.diff.side import _Side
@@ -346,13 +347,28 @@ class _Setup:
 
     def outcomes(self, steps: list[int], propagate: bool = True, on_step=None):
         """StepOutcome of each of `steps`, in order, computed as they are asked for (a block of steps at once
-        where the topologies are the same; one at a time when the first divergent step ends the comparison)."""
-        side_a, side_b, tol, ranks = self.side_a, self.side_b, self.tol, self.ranks
+        where the topologies are the same; one at a time when the first divergent step ends the comparison).
+        Where every step will be read (same topology, propagating), the next blocks are read and decoded in a
+        second thread while this one compares (analysis/readahead.py)."""
+        side_a, side_b = self.side_a, self.side_b
         if (
             self.logical and propagate
         ):  # every step read, every rank of a step: a block of steps a rank
             side_a.read_along(steps, BLOCK_ROWS)
             side_b.read_along(steps, BLOCK_ROWS)
+        reader = (
+            readahead.ReadAhead(_blocks_read(steps, self.ranks, side_a, side_b))
+            if propagate and not self.logical and readahead.worth_it()
+            else None
+        )
+        try:
+            yield from self._outcomes(steps, propagate, on_step, reader)
+        finally:
+            if reader is not None:
+                reader.close()
+
+    def _outcomes(self, steps: list[int], propagate: bool, on_step, reader):
+        side_a, side_b, tol, ranks = self.side_a, self.side_b, self.tol, self.ranks
         ahead: dict = {}  # steps compared ahead of the loop (a block)
         nothing = [0, 0]
         for n, step in enumerate(steps):
@@ -364,12 +380,16 @@ class _Setup:
                 read = 1
             else:
                 if step not in ahead:
+                    block = _block(
+                        steps, n, ranks, (side_a, side_b), BLOCK_ROWS if propagate else 0
+                    )
                     ahead = _compare_block(
-                        _block(steps, n, ranks, (side_a, side_b), BLOCK_ROWS if propagate else 0),
+                        block,
                         ranks,
                         side_a,
                         side_b,
                         tol,
+                        read=None if reader is None else functools.partial(_take, reader, block[0]),
                     )
                 per_rank, read = ahead.pop(step)
             io = (side_a.io.get(step, nothing), side_b.io.get(step, nothing))

@@ -4,6 +4,7 @@ the steps' bytes, hash-checked against it, as raw ranges, records or Arrow batch
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -148,6 +149,7 @@ class _Side:
         self._order: dict[int, int] = {}  # the steps it reads ahead along, and their positions
         self._order_steps: list[int] = []
         self._ahead: dict[tuple[int, int], pa.RecordBatch] = {}
+        self._counting = threading.Lock()
 
     def load(self) -> None:
         """Read (or rebuild) the step index of every rank; called after the compatibility check."""
@@ -173,6 +175,10 @@ class _Side:
         return self.run.manifest_doc
 
     def _count(self, step: int, records: int = 0, hashed: int = 0) -> None:
+        with self._counting:  # a ReadAhead's thread counts what it reads too
+            self._count_locked(step, records, hashed)
+
+    def _count_locked(self, step: int, records: int, hashed: int) -> None:
         self.records_read += records
         self.hash_checked += hashed
         io = self.io.get(step)

@@ -1,0 +1,64 @@
+"""Reading the next blocks of a diff in a second thread while this one compares the current block.
+
+A numeric diff of small steps spends about half its time reading, hash-checking and decoding (safeio's reads,
+xxh3, Arrow's LZ4 decompression and validation, all of which release the GIL) and the other half comparing
+(numpy over whole columns, which releases it in its loops). On two cores the two halves overlap: the wall time
+falls towards the larger half; the CPU time stays what it was (docs/benchmarks.md has both).
+
+What is read ahead is only what the comparison will certainly read (a diff that propagates over every later
+step reads every block), in the order it would read it, and each job's result, or what it raised, is handed
+back in that order: whatever the comparison sees, and the first refusal it meets, are those of reading one
+block after another.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+DEPTH = 2  # jobs in flight: each holds a block's decoded columns of both sides (a few MB)
+
+
+def worth_it() -> bool:
+    """A second thread pays where there is a second core to run it."""
+    return (os.cpu_count() or 1) > 1
+
+
+class ReadAhead:
+    """`jobs` yields (key, fn): fn() runs in a second thread, up to DEPTH jobs ahead of the one taken; take(key)
+    hands back the next job's result (its key must be the one asked for) or raises what it raised."""
+
+    def __init__(self, jobs: Iterator[tuple[Any, Callable[[], Any]]]):
+        self._jobs = jobs
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="disttrace-read")
+        self._pending: deque[tuple[Any, Future]] = deque()
+        self._fill()
+
+    def _fill(self) -> None:
+        while len(self._pending) < DEPTH:
+            job = next(self._jobs, None)
+            if job is None:
+                return
+            key, fn = job
+            self._pending.append((key, self._pool.submit(fn)))
+
+    def take(self, key) -> Any:
+        if not self._pending or self._pending[0][0] != key:
+            raise RuntimeError(
+                f"read ahead out of order: {key!r} asked for"
+            )  # a bug here, not input
+        _, fut = self._pending.popleft()
+        try:
+            return fut.result()
+        finally:
+            self._fill()
+
+    def close(self) -> None:
+        """Wait for the jobs in flight (nothing of theirs outlives the comparison) and stop the thread."""
+        for _, fut in self._pending:
+            fut.cancel()
+        self._pending.clear()
+        self._pool.shutdown(wait=True)
