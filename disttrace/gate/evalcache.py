@@ -51,7 +51,7 @@ def evaluation_key(run: Run, ckpt: Path, data_from: Run | None = None) -> str:
     BadInput (naming the file) when the checkpoint does not verify, as the evaluation itself would."""
     checkpoint.verify(ckpt, run.manifest_id)  # every file's bytes match the INDEX hashed below
     data_from = data_from or run
-    resolved = data_from.lock.get("resolved") or {}
+    resolved = data_from.lock_info.resolved or {}
     inputs = {
         "lock": hashlib.sha256(orjson.dumps(run.lock, option=orjson.OPT_SORT_KEYS)).hexdigest(),
         "data_lock": hashlib.sha256(

@@ -22,7 +22,7 @@ def verified_data(source: Run) -> tuple[str, str | None]:
     from disttrace.config.manifest import get_field, sha256_file
     from disttrace.data.tokenizer import load_tokenizer
 
-    resolved = source.lock.get("resolved")
+    resolved = source.lock_info.resolved
     lock = source.path / "manifest.lock.json"
     if not isinstance(resolved, dict) or not isinstance(resolved.get("data_path"), str):
         raise BadInput(lock, "names no data file", field="resolved.data_path")

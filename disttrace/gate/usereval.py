@@ -314,7 +314,7 @@ def candidate_differences(policy, run: Run) -> dict:
     """What the candidate's own store names of an evaluation that differs from the policy in force: its
     manifest's `[eval]` keys and its lock's data path and working directory (reported, never run)."""
     ev = run.manifest_doc.get("eval")
-    resolved = run.lock.get("resolved") if isinstance(run.lock, dict) else None
+    resolved = run.lock_info.resolved
     stated = {}
     if isinstance(ev, dict):
         from disttrace.gate.policy import USER_EVAL_KEYS

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from disttrace.run.hooks import BeforeCheckpoint, Checkpoint
@@ -44,8 +45,19 @@ def save(
     return final
 
 
-def load(strategy, ckpt: Path, rank: int, manifest_id: str) -> dict:
-    """Load a verified checkpoint into the strategy; returns its progress dict."""
+@dataclass(frozen=True)
+class Loaded:
+    """Where a loaded checkpoint leaves the run: the step it was saved after, and whether it held the
+    optimizer's state (its `progress` item, a mapping in DCP's state, holds the step and what the saver
+    added, `extra`)."""
+
+    step: int
+    with_optimizer: bool
+    extra: dict
+
+
+def load(strategy, ckpt: Path, rank: int, manifest_id: str) -> Loaded:
+    """Load a verified checkpoint into the strategy; returns where it leaves the run."""
     import torch
 
     from disttrace.run import safeload
@@ -61,4 +73,5 @@ def load(strategy, ckpt: Path, rank: int, manifest_id: str) -> dict:
     )  # never DCP's plain pickle.load: the checkpoint may come from elsewhere
     strategy.load_state_dict(state)
     torch.set_rng_state(state[f"rng/rank-{rank:05d}"])
-    return {**state["progress"], "with_optimizer": with_optim}
+    saved = dict(state["progress"])  # DCP's state is a mapping: the item is one too
+    return Loaded(step=int(saved.pop("step")), with_optimizer=with_optim, extra=saved)

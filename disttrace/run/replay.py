@@ -179,8 +179,7 @@ def prepare_attached_replay(
     if depth is not None:
         # what the script's attach reads (run/depth.py attached_spec): the step, the level, and the global
         # batch RUN counted, which places each micro-batch's records in the step's logical batch
-        observed = run.lock.get("observed")
-        batch = observed.get("global_batch") if isinstance(observed, dict) else None
+        batch = (run.lock_info.observed or {}).get("global_batch")
         extra["depth"] = {"step": step, "level": depth, "global_batch": batch}
     info = RunInfo(
         **extra,

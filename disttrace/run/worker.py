@@ -366,12 +366,12 @@ def resume(ctx, spec: ResumeSpec) -> int:
         event(
             ctx.run_dir,
             Resumed(
-                step=int(progress["step"]),
+                step=progress.step,
                 checkpoint=spec.checkpoint,
-                with_optimizer=progress["with_optimizer"],
+                with_optimizer=progress.with_optimizer,
             ),
         )
-    return int(progress["step"])
+    return progress.step
 
 
 def environment(torch, backend: str, hosts: list[str]) -> dict:

@@ -515,6 +515,18 @@ class Complete(_Line):
     seal: Seal | None = None
 
 
+class StoredLock(_Line):
+    """manifest.lock.json as a reader takes it: the manifest (a mapping, read through store/manifest.py's
+    view; identity is taken over it as stored), its id, and what the freeze or the attach added."""
+
+    manifest: dict
+    manifest_id: StrictStr
+    source: StrictStr | None = None  # the TOML frozen, or ATTACHED_SOURCE
+    overrides: list[StrictStr] | None = None
+    resolved: dict | None = None  # data and tokenizer paths on the machine that froze it
+    observed: dict | None = None  # an attached run's observed batch (run/attach/steps.py)
+
+
 class FaultSpec(_Line):
     """run.json's fault (`Fault.record`): which fault, where, with which parameters (free-form: the
     fault's own), and the hook point and signature it was catalogued with."""

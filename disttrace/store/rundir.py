@@ -45,6 +45,7 @@ from disttrace.store.records import (  # noqa: F401  (re-exported)
     RunInfo,
     StepIndexEntry,
     StepTimes,
+    StoredLock,
     Topology,
     parse_doc,
     parse_event,
@@ -378,20 +379,11 @@ class Run:
             raise BadInput(self.path, "not a directory")
         if not safeio.present(self.path / LOCK):
             raise BadInput(self.path, f"not a run directory (no {LOCK})")
-        self.lock = read_json(self.path / LOCK, self.path)
-        if (
-            not isinstance(self.lock, dict)
-            or "manifest" not in self.lock
-            or "manifest_id" not in self.lock
-        ):
-            raise BadInput(
-                self.path / LOCK, "missing 'manifest' or 'manifest_id'", field="manifest"
-            )
-        if not isinstance(self.lock["manifest"], dict):
-            raise BadInput(self.path / LOCK, "must be an object", field="manifest")
-        if not isinstance(self.lock["manifest_id"], str):
-            raise BadInput(self.path / LOCK, "must be a string", field="manifest_id")
-        _check_shape(self.path / LOCK, self.lock["manifest"], LOCK_SHAPE)
+        self.lock = read_json(self.path / LOCK, self.path)  # as stored: what identity is taken over
+        if not isinstance(self.lock, dict):
+            raise BadInput(self.path / LOCK, "must be a JSON object", field="manifest")
+        self.lock_info = parse_doc(StoredLock, self.lock, self.path / LOCK)
+        _check_shape(self.path / LOCK, self.lock_info.manifest, LOCK_SHAPE)
         self._manifest: StoredManifest | None = None
         self._info: RunInfo | None = None
 
@@ -399,7 +391,7 @@ class Run:
     @property
     def manifest_doc(self) -> dict:
         """The manifest as stored: what identity is taken over (the id, field-by-field comparisons)."""
-        return self.lock["manifest"]
+        return self.lock_info.manifest
 
     @property
     def manifest(self) -> StoredManifest:
@@ -417,7 +409,7 @@ class Run:
 
     @property
     def manifest_id(self) -> str:
-        return self.lock["manifest_id"]
+        return self.lock_info.manifest_id
 
     @property
     def run_info(self) -> RunInfo:
@@ -453,7 +445,7 @@ class Run:
     @property
     def attached(self) -> bool:
         """Written by a user's own script through disttrace.api, not by disttrace's own trainer."""
-        return self.lock.get("source") == ATTACHED_SOURCE
+        return self.lock_info.source == ATTACHED_SOURCE
 
     @property
     def world_size(self) -> int:

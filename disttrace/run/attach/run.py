@@ -241,7 +241,7 @@ class AttachedRun(LoaderWatch, HookPoints, StepCycle):
             progress = ckpt.load(holder, path, self.rank, self.manifest_id)
         finally:
             self._paused = False
-        step = int(progress["step"])
+        step = progress.step
         if self.rank == 0:
             info = read_run_info(self.run_dir)
             info = info.updated(
@@ -254,7 +254,7 @@ class AttachedRun(LoaderWatch, HookPoints, StepCycle):
             write_run_info(self.run_dir, info)
             event(
                 self.run_dir,
-                Resumed(step=step, checkpoint=str(path), with_optimizer=progress["with_optimizer"]),
+                Resumed(step=step, checkpoint=str(path), with_optimizer=progress.with_optimizer),
             )
         self.step = step + 1
         self.bus.step, self.bus.micro_batch = self.step, 0
