@@ -64,7 +64,7 @@ def test_a_store_written_in_processes_reads_back(tmp_path):
         synthetic.Variant(str(late), flip=(steps, 17), flip_rank=1),
     ]
     parts = synthetic.write_ranks(variants, ranks, steps, n, jobs=2)
-    assert [p["rank"] for p in parts[0]] == list(range(ranks))
+    assert [p.rank for p in parts[0]] == list(range(ranks))
     for run, p in zip((ref, late), parts):
         synthetic.complete(run, p)
         assert verify_run(run).status == "intact", run  # the seal and every step's chain hold
