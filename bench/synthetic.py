@@ -156,10 +156,10 @@ def write_shared(
     (run / "topology.json").write_bytes(orjson.dumps(topology))
 
 
-def complete(run: Path, parts: list[dict] | None) -> None:
+def complete(run: Path, parts: list | None) -> None:
     """COMPLETE, holding the seal over `parts` (seal.rank_part of every rank); None: no seal (a store of
     before the seal, which the readers still take)."""
-    body = {} if parts is None else {"seal": seal.build_seal(run, parts)}
+    body = {} if parts is None else {"seal": seal.build_seal(run, parts).doc()}
     (run / "COMPLETE").write_bytes(orjson.dumps(body))
 
 

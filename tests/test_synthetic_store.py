@@ -64,7 +64,7 @@ def test_a_store_written_in_processes_reads_back(tmp_path):
         synthetic.Variant(str(late), flip=(steps, 17), flip_rank=1),
     ]
     parts = synthetic.write_ranks(variants, ranks, steps, n, jobs=2)
-    assert [p["rank"] for p in parts[0]] == list(range(ranks))
+    assert [p.rank for p in parts[0]] == list(range(ranks))
     for run, p in zip((ref, late), parts):
         synthetic.complete(run, p)
         assert verify_run(run).status == "intact", run  # the seal and every step's chain hold
@@ -162,3 +162,34 @@ def test_a_sides_index_is_a_few_dozen_bytes_a_rank_step(tmp_path):
         (tmp_path / f"a/trajectory/rank-{ranks - 1:05d}.steps.jsonl").read_bytes().splitlines()[-1]
     )
     assert e == _slim(line)
+
+
+def test_check_keeps_a_few_hundred_bytes_of_index_a_rank_step(tmp_path):
+    """check holds every rank's step index while it reads the steps: spans, not the validated lines."""
+    import tracemalloc
+
+    from disttrace.analysis import consistency
+
+    ranks, steps = 2, 800
+    synthetic.write_shared(tmp_path / "a", synthetic.manifest(ranks, steps))
+    synthetic.write_ranks([synthetic.Variant(str(tmp_path / "a"))], ranks, steps, 6, jobs=1)
+    run = Run(tmp_path / "a")
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        held = {r: consistency._spans(run, r) for r in range(ranks)}
+        grew = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grew < 400 * ranks * steps, grew / (ranks * steps)
+    line = run.step_index(1).records[-1]
+    assert (
+        held[1][steps]
+        == (line.step, line.offset, line.length, line.records)
+        == (steps,)
+        + (
+            held[1][steps].offset,
+            held[1][steps].length,
+            6,
+        )
+    )
