@@ -54,7 +54,7 @@ def reseal(run: Path) -> None:
         idx.write_bytes(b"\n".join(lines) + b"\n")
         parts.append(seal.rank_part(run, rank, chain.last, chain.steps))
     done = orjson.loads((run / "COMPLETE").read_bytes())
-    done["seal"] = seal.build_seal(run, parts)
+    done["seal"] = seal.build_seal(run, parts).doc()
     (run / "COMPLETE").write_bytes(orjson.dumps(done))
 
 
