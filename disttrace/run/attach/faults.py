@@ -1,5 +1,5 @@
 """Faults inside an attached run: the fault checked against what the script offers (the checks are
-run/faults.py's, `Fault.attached` and `attached_capabilities`, beside the harness's; a refusal comes before
+run/faults/base.py's `Fault.attached` and `attached_capabilities`, beside the harness's; a refusal comes before
 the first step, exit 2), and what the fault sees of the run."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class FaultContext:
 
 
 def build_fault(spec: dict, engine: Engine, caps: set[str], manifest: dict, names: list[str]):
-    """Check a fault against what this script offers (run/faults.py's `Fault.attached`, beside the harness's
+    """Check a fault against what this script offers (run/faults/base.py's `Fault.attached`, beside the harness's
     `Fault.spec`); raise BadInput (the run is refused, exit 2) if it needs a point the script does not have.
     Returns the Fault instance."""
     from disttrace.run import faults

@@ -84,7 +84,7 @@ def attach(
     """Attach the recorder to a model and its optimizer; every rank calls it (it is collective).
 
     model: the module as trained (DDP-wrapped, FSDP2-sharded, DTensor or plain), or a
-    DeepSpeedEngine (integrations/deepspeed.py); optimizer: the torch
+    DeepSpeedEngine (integrations/deepspeed/); optimizer: the torch
     optimizer (HF/Lightning wrappers are unwrapped). config: the experiment's settings (lr, batch, data...):
     stored in the manifest, so diff refuses runs of different experiments and names the fields; the keys
     grad_accum_steps, micro_batch_size and steps also fill the manifest's typed fields. seed: default the
