@@ -201,9 +201,11 @@ def components(sets: list[str], repeats: int = 5) -> dict[str, float]:
 
     ops = {
         "xxh3 (the digest) alone": over_blocks(lambda b, u, ut: None),
-        "+ sum (float32 runs)": over_blocks(lambda b, u, ut: (runs(b) @ ones).sum(np.float64)),
+        "+ sum (float32 runs)": over_blocks(
+            lambda b, u, ut: (runs(b) @ ones).sum(dtype=np.float64)
+        ),
         "+ sum of squares (runs)": over_blocks(
-            lambda b, u, ut: np.vecdot(runs(b), runs(b)).sum(np.float64)
+            lambda b, u, ut: np.vecdot(runs(b), runs(b)).sum(dtype=np.float64)
         ),
         "+ sketch v1 GEMM U^T X": over_blocks(lambda b, u, ut: ut @ b),
         "+ sketch v2 GEMV u^T X": over_blocks(lambda b, u, ut: u @ b),
