@@ -1402,6 +1402,10 @@ RUN_REGRESSIONS = {
         "trajectory/rank-00000.steps.jsonl",
         lambda: _steps_with(step=DROP),
     ),
+    "steps.jsonl: sketch version a string": (
+        "trajectory/rank-00000.steps.jsonl",
+        lambda: _steps_with(sketch="2"),
+    ),
     "trajectory: loss record with a list step": (
         "trajectory/rank-00000.jsonl",
         lambda: (

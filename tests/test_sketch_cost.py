@@ -1,4 +1,4 @@
-"""The sketch computed cheaply (float32 GEMMs per cache-sized block, one pass that also hashes and sums; see
+"""The sketch computed cheaply (float32 GEMVs per cache-sized block, one pass that also hashes and sums; see
 run/digest.py) stays the sketch: against an independent float64 oracle of the same vectors it is within the
 rounding that tolerance.sketch_rounding derives, shards still add up to the whole tensor within it, the
 digest is still the one-shot xxh3 of the raw bytes, and diff does not call identical values divergent
@@ -33,14 +33,15 @@ SHAPES = [
 
 
 def oracle(x: np.ndarray, offset=None, logical_shape=None) -> np.ndarray:
-    """<x, v_k> in float64 with the vectors spelled out from their definition (run/digest.py): the leading
-    axes' factors multiplied in axis order and rounded to float32 once, times the last axis' factor."""
+    """<x, v_k> in float64 with the vectors spelled out from their definition (run/digest.py, version 2):
+    the leading axes' first factors (one for all K projections) multiplied in axis order and rounded to
+    float32 once, times the last axis' K factors."""
     shape = x.shape
     lshape = logical_shape or shape
     off = offset or (0,) * len(shape)
     lead = np.ones(SKETCH_K)
     for d in range(len(shape) - 1):
-        a = axis_vectors(d, lshape[d])[off[d] : off[d] + shape[d]]
+        a = axis_vectors(d, lshape[d])[off[d] : off[d] + shape[d], :1].repeat(SKETCH_K, axis=1)
         lead = lead[..., None, :] * a.reshape((1,) * d + (shape[d], SKETCH_K))
     lead = lead.astype(np.float32).astype(np.float64)
     last = axis_vectors(len(shape) - 1, lshape[-1])[off[-1] : off[-1] + shape[-1]]

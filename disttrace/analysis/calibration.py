@@ -26,6 +26,7 @@ from disttrace.jsondoc import JsonDoc
 from disttrace.model.names import CLASSES, tensor_class
 from disttrace.store import safeio
 from disttrace.store.rundir import Run
+from disttrace.store.trajectory import shared_projections
 
 KIND = "disttrace-calibration"
 DEFAULT_SAFETY = 10.0
@@ -58,16 +59,21 @@ class CalibrationDoc(JsonDoc):
     bounds_by_class: dict[str, dict[str, dict[str, float]]]
 
 
-def rel_err(ra: dict, rb: dict, magnitude: float = 0.0) -> float | None:
+def rel_err(
+    ra: dict, rb: dict, magnitude: float = 0.0, projections: int | None = None
+) -> float | None:
     """diff's relative error of two records (norm, sum and sketch terms) on diff's scale: the larger of their
     norms and `magnitude` (what produced them, analysis/magnitudes.py; 0 for a store without magnitudes);
-    None without finite statistics."""
+    None without finite statistics; `projections`: the sketch projections both share the vectors of."""
     if any(r.get(k) is None for r in (ra, rb) for k in ("sum", "norm")):
         return None
     na, nb = float(ra["norm"]), float(rb["norm"])
     scale = max(na, nb, magnitude, 1e-300)
     numel = max(int(ra.get("numel") or 0), int(rb.get("numel") or 0), 1)
-    return max(abs(na - nb) / scale, *tolerance.projection_terms(ra, rb, scale * math.sqrt(numel)))
+    return max(
+        abs(na - nb) / scale,
+        *tolerance.projection_terms(ra, rb, scale * math.sqrt(numel), projections),
+    )
 
 
 def noise(a: Path, b: Path, magnitudes: bool = True) -> tuple[dict, dict, str]:
@@ -78,6 +84,8 @@ def noise(a: Path, b: Path, magnitudes: bool = True) -> tuple[dict, dict, str]:
     from disttrace.analysis.magnitudes import Magnitudes
 
     ra, rb = Run(a), Run(b)
+    # sketches of two versions are other projections but the first (store.trajectory.shared_projections)
+    shared = shared_projections(ra.sketch_versions(), rb.sketch_versions())
     mags = (Magnitudes(ra), Magnitudes(rb)) if magnitudes else None
     if mags is not None and not all(m.available for m in mags):
         mags = None
@@ -106,7 +114,7 @@ def noise(a: Path, b: Path, magnitudes: bool = True) -> tuple[dict, dict, str]:
                 if not all(ok for _, ok in found):
                     continue  # no sound bound: diff reports it, never judges it
                 m = max((v for v, _ in found if v is not None), default=0.0)
-            e = 0.0 if other.get("digest") == r.get("digest") else rel_err(other, r, m)
+            e = 0.0 if other.get("digest") == r.get("digest") else rel_err(other, r, m, shared)
             if e is None:
                 continue
             step, phase = r["step"], r["phase"]

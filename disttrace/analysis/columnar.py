@@ -202,13 +202,16 @@ def compare(
     user: tuple[float, float] | None,
     base_bound,
     magnitudes=None,
+    projections: int = SKETCH_K,
 ) -> Compared:
     """Rows of two aligned steps (see `aligned`). bitwise: every inexact row diverges. user: (rtol, atol) when
     the user gave the bound, else base_bound(rows, phase_order, tensor_names) -> per-row bounds of those row
     positions (the derived or calibrated bound of the row's step and phase times the tensor's factor).
     magnitudes(rows) -> (magnitude, unbounded) per row, when the runs recorded them: the scale of the row's
     difference is then the larger of the norms and the magnitude (analysis/magnitudes.py), and an unbounded
-    row (no sound bound) never diverges on its statistics."""
+    row (no sound bound) never diverges on its statistics. projections: how many leading sketch projections
+    the runs share the vectors of (store.trajectory.shared_projections: fewer between two sketch versions);
+    the others are not compared."""
     n = ba.num_rows
     order = bb["phase_order"]
     same_type = same_dtype_and_shape(ba, bb)
@@ -245,7 +248,9 @@ def compare(
     scale_n = np.maximum(top, TINY)
     scale_s = np.maximum(top * np.sqrt(numel), TINY)
     ka, kb = _sketches(ba)[rows], _sketches(bb)[rows]
-    has_sketch = ~(np.isnan(ka).any(axis=1) | np.isnan(kb).any(axis=1))
+    has_sketch = ~(np.isnan(ka).any(axis=1) | np.isnan(kb).any(axis=1)) & (projections > 0)
+    # projections past the shared ones are of other vectors on each side: no difference to measure there
+    kb[:, projections:] = ka[:, projections:]
     # the terms (norm, sum, each sketch projection) and their bounds, a column each; the sketch's bounds are one
     tn, ts = np.abs(na - nb) / scale_n, np.abs(sa - sb) / scale_s
     tk = np.abs(ka - kb) / scale_s[:, None]

@@ -227,13 +227,19 @@ def tensor_factor(name: str | None) -> float:
     return 2.0 if name and name.endswith(":exp_avg_sq") else 1.0
 
 
-def projection_terms(ra: dict, rb: dict, scale: float) -> list[float]:
+def projection_terms(
+    ra: dict, rb: dict, scale: float, projections: int | None = None
+) -> list[float]:
     """|<x_a - x_b, v>| / scale for v = the all-ones vector (the sum) and each random projection of the
     records' sketches (run/digest.py). Every v has ||v|| = sqrt(numel), so one scale (norm * sqrt(numel))
     and one bound serve them all: with |dx_i| <= eps |x_i|, |<dx, v>| <= eps ||x|| ||v||. A record without
-    a sketch (written before it existed) compares on the sum alone."""
+    a sketch (written before it existed) compares on the sum alone; `projections`: only that many leading
+    projections have the same vectors in both records (sketches of two versions:
+    store.trajectory.shared_projections), the others are left out."""
     out = [abs(float(ra["sum"]) - float(rb["sum"])) / scale]
     ka, kb = ra.get("sketch"), rb.get("sketch")
+    if projections is not None and isinstance(ka, list) and isinstance(kb, list):
+        ka, kb = ka[:projections], kb[:projections]
     if isinstance(ka, list) and isinstance(kb, list) and len(ka) == len(kb):
         try:
             out += [abs(float(x) - float(y)) / scale for x, y in zip(ka, kb)]
@@ -243,7 +249,7 @@ def projection_terms(ra: dict, rb: dict, scale: float) -> list[float]:
 
 
 # run/digest.py contracts a float32 tensor's sketch in float32 over at most this many rows at a time (one
-# GEMM per cache-sized block, accumulated in float64); float64 tensors and integers in float64
+# GEMV per cache-sized block, accumulated in float64); float64 tensors and integers in float64
 SKETCH_ROWS = 512
 # dtypes whose sketch is computed (and stored) in float32: defined with the trajectory format
 from disttrace.store.trajectory import SKETCH_FLOAT32  # noqa: E402
@@ -252,8 +258,9 @@ from disttrace.store.trajectory import SKETCH_FLOAT32  # noqa: E402
 def sketch_rounding(dtype, shape) -> float:
     """The rounding of a recorded sketch projection, relative to norm * sqrt(numel) (the scale of
     projection_terms). run/digest.py computes sketch_k = sum_c W[c,k] * sum_r U[r,k] X[r,c] (X: rows = the
-    leading axes, R of them; columns = the last axis, C): the inner sums in float32 over n <= min(R,
-    SKETCH_ROWS) rows, the rest in float64. An inner sum of n terms is off by at most gamma_n = n*u times
+    leading axes, R of them; columns = the last axis, C; U[r,k] = u[r] for every k in the sketch's version
+    2, a GEMV, and a factor per k in version 1, a GEMM: the same sums): the inner sums in float32 over
+    n <= min(R, SKETCH_ROWS) rows, the rest in float64. An inner sum of n terms is off by at most gamma_n = n*u times
     its sum of magnitudes (Higham Thm 3.1), so |d sketch_k| <= gamma_n sum |U||X||W| <= gamma_n ||x||
     ||v_k|| = gamma_n ||x|| sqrt(numel) (Cauchy-Schwarz). As for the rest of this module the probabilistic
     size u*sqrt(n) is used instead of n*u (worst case n*u = 3e-5 for 512 rows would make the sketch 10x

@@ -47,18 +47,28 @@ def device_digest(t: torch.Tensor) -> str:
 # Sum and norm are two numbers: a permutation of a tensor's elements keeps both, and so do offsetting errors
 # (+e here, -e there) to first order. The sketch adds SKETCH_K dot products <x, v_k> with fixed random
 # vectors. v_k is indexed by the element's position in the *logical* tensor, as a product over axes:
-# v_k[i_0, .., i_D-1] = fl32(prod_{d<D-1} a_{k,d}[i_d]) * a_{k,D-1}[i_D-1], each a_{k,d} a seeded Gaussian
+# v_k[i_0, .., i_D-1] = fl32(prod_{d<D-1} a_{0,d}[i_d]) * a_{k,D-1}[i_D-1], each a_{k,d} a seeded Gaussian
 # vector of the logical axis length scaled to RMS 1 (so ||v_k||^2 = numel, to float32 rounding of the leading
-# factor), the leading axes' product rounded to float32 once (fl32) because the kernel below multiplies it
-# in float32. A shard at offsets o_d uses the slices a_{k,d}[o_d : o_d + n_d] (and the same products), so
-# the sketches of a tensor's shards add up to the whole tensor's exactly in exact arithmetic: logical
-# tensors still compare across topologies. The bound of a sketch difference is the sum's
-# (analysis/tolerance.py): with |dx_i| <= eps |x_i|, |sum_i dx_i v_i| <= eps ||x|| ||v|| = eps ||x|| sqrt(numel),
-# plus the sketch's own rounding (tolerance.sketch_rounding).
+# factor): the leading axes' factor u is one vector shared by the K projections (a_{0,d}), rounded to
+# float32 once (fl32) because the kernel below multiplies by it in float32; the last axis has K factors.
+# A shard at offsets o_d uses the slices a_{k,d}[o_d : o_d + n_d] (and the same products), so the sketches
+# of a tensor's shards add up to the whole tensor's exactly in exact arithmetic: logical tensors still
+# compare across topologies. The bound of a sketch difference is the sum's (analysis/tolerance.py): with
+# |dx_i| <= eps |x_i|, |sum_i dx_i v_i| <= eps ||x|| ||v|| = eps ||x|| sqrt(numel), plus the sketch's own
+# rounding (tolerance.sketch_rounding). A difference dX escapes projection k only if W_k is orthogonal to
+# u^T dX, a vector of C random combinations of dX's rows: probability 0 for any fixed dX, as with K
+# separate leading factors; two elements swapped within a column move u^T dX by (u_i - u_j) x.
+#
+# This is the sketch's version 2 (store.trajectory.SKETCH_VERSION, written in each step index line). Version
+# 1, until 2026-12-01, had K leading factors a_{k,d}: a float32 GEMM U_blk^T X_blk (K x C) a block, whose
+# packing of the block cost about as much as the xxh3 pass (bench/recorder_passes.py's components: GEMM
+# 1.58, xxh3 0.80 s/GiB under load); the shared factor makes it a GEMV (about a third of the GEMM, measured
+# in place after the hash). The values differ, so diff compares sketches only between stores of one
+# version (a pair of versions compares on digest, sum and norm, and says so).
 #
 # Cost. The tensor, seen as X (R rows = the leading axes, C columns = the last axis), gives
-# sketch_k = U[:, k]^T X W[:, k]. Per block of at most SKETCH_ROWS rows (a block fits in cache): one float32
-# GEMM M += U_blk^T X_blk (K x C, accumulated in float64), and at the end a float64 contraction of M with W.
+# sketch_k = (u^T X) W[:, k]. Per block of at most SKETCH_ROWS rows (a block fits in cache): one float32
+# GEMV y += u_blk^T X_blk (C values, accumulated in float64), and at the end the float64 product W^T y.
 # The same pass over the block hashes it (streamed xxh3 = the one-shot hash of the raw bytes) and takes its
 # sum and sum of squares in float32 runs of tolerance.STAT_CHUNK elements (two dot products a run, added in
 # float64), so the tensor is read from memory once and each further operation reads the block from cache
@@ -67,14 +77,13 @@ def device_digest(t: torch.Tensor) -> str:
 # load) and needed 1.5 MiB of cache a block; the float32 runs round by about u32 * sqrt(STAT_CHUNK)
 # (tolerance.sum_rounding, norm_rounding, which diff adds to the derived bound of the sum and norm terms),
 # and a float32 tensor whose squares leave float32's range gets its sum and norm in float64 after all.
-# Measured (bench/digest_cost.py): a numpy float64 contraction over the tensor ran at ~4 GB/s; an X @ W GEMM
-# with 4 columns at ~2-6 GB/s (packing X), U^T X at ~8-14 GB/s. A float32 reduction over at most
-# SKETCH_ROWS rows rounds by about u32 * sqrt(SKETCH_ROWS) relative to ||x|| sqrt(numel)
-# (tolerance.sketch_rounding, which diff adds to the bound of the sketch terms). float64 tensors (and
-# integers) use the same vectors in float64.
+# A float32 reduction over at most SKETCH_ROWS rows rounds by about u32 * sqrt(SKETCH_ROWS) relative to
+# ||x|| sqrt(numel) (tolerance.sketch_rounding, which diff adds to the bound of the sketch terms): the GEMV's
+# column sums are those rows, as the GEMM's were. float64 tensors (and integers) use the same vectors in
+# float64.
 SKETCH_K = 4
 SKETCH_SEED = 0x5EED_D15C
-# elements per block: 512 KiB of float32 (L2-sized); the sketch's GEMM row blocks depend on it
+# elements per block: 512 KiB of float32 (L2-sized); the sketch's float32 row blocks depend on it
 _BLOCK = 1 << 17
 
 
@@ -88,23 +97,26 @@ def axis_vectors(axis: int, length: int) -> np.ndarray:
 
 class _Plan:
     """The sketch's vectors for one (shape, offset, logical shape), built once (functools cache): the
-    leading axes' product U (as float32, and the same values in float64), the last axis' factors W."""
+    leading axes' shared factor u (as float32, and the same values in float64; `ut64` repeats it as the K
+    rows of U for the paths that take U^T X W whole: device tensors, small ones together), the last axis'
+    factors W."""
 
-    __slots__ = ("rows", "cols", "block_rows", "ut32", "ut64", "wt64", "on_device")
+    __slots__ = ("rows", "cols", "block_rows", "u32", "u64", "ut64", "wt64", "on_device")
 
     def __init__(self, shape: tuple, off: tuple, lshape: tuple):
         self.cols = shape[-1]
         self.rows = math.prod(shape[:-1])
-        u = np.ones((1, SKETCH_K))
+        u = np.ones(1)
         for d in range(
             len(shape) - 1
         ):  # row-major over the leading axes, products in a fixed order
-            a = axis_vectors(d, lshape[d])[off[d] : off[d] + shape[d]]
-            u = (u[:, None, :] * a[None, :, :]).reshape(-1, SKETCH_K)
-        self.ut32 = np.ascontiguousarray(u.T, dtype=np.float32)  # (K, rows)
-        self.ut64 = self.ut32.astype(
+            a = axis_vectors(d, lshape[d])[off[d] : off[d] + shape[d], 0]
+            u = (u[:, None] * a[None, :]).reshape(-1)
+        self.u32 = np.ascontiguousarray(u, dtype=np.float32)  # (rows,): fl32 of the product, once
+        self.u64 = self.u32.astype(
             np.float64
         )  # the same values: float64 tensors use the same vectors
+        self.ut64 = np.ascontiguousarray(np.broadcast_to(self.u64, (SKETCH_K, self.rows)))
         w = axis_vectors(len(shape) - 1, lshape[-1])[off[-1] : off[-1] + self.cols]
         self.wt64 = np.ascontiguousarray(w.T)  # (K, cols)
         self.block_rows = max(1, min(self.rows, tolerance.SKETCH_ROWS, _BLOCK // max(self.cols, 1)))
@@ -203,9 +215,10 @@ def _stats(x: np.ndarray, offset, logical_shape, hasher=None, with_sketch: bool 
         else max(1, min(rows, tolerance.SKETCH_ROWS, _BLOCK // max(cols, 1)))
     )
     s = ss = 0.0
-    m = (np.zeros((SKETCH_K, cols)) if rb < rows else True) if plan is not None and rb > 1 else None
+    # u^T X (cols,): float64 over blocks, one block's float32 GEMV as it is
+    m = (np.zeros(cols) if rb < rows else True) if plan is not None and rb > 1 else None
     direct = np.zeros(SKETCH_K) if plan is not None and rb == 1 else None
-    ut = (plan.ut64 if f64 else plan.ut32) if plan is not None else None
+    u = (plan.u64 if f64 else plan.u32) if plan is not None else None
     in_runs = (
         f64 or x.size > tolerance.FLOAT64_STATS
     )  # float32 runs (tolerance.sum_rounding), or float64
@@ -218,7 +231,7 @@ def _stats(x: np.ndarray, offset, logical_shape, hasher=None, with_sketch: bool 
             s += bs
             ss += bss
             if m is not None:
-                part = ut[:, r0 : r0 + rb] @ blk  # the float32 GEMM (float64 for float64 tensors)
+                part = u[r0 : r0 + rb] @ blk  # the float32 GEMV (float64 for float64 tensors)
                 if rb >= rows:  # one block: no float64 accumulator to fill
                     m = part
                 else:
@@ -232,9 +245,9 @@ def _stats(x: np.ndarray, offset, logical_shape, hasher=None, with_sketch: bool 
             s += float(b.sum())
             ss += float(np.dot(b, b))
             if direct is not None:
-                direct += plan.ut64[:, r0] * (plan.wt64 @ b)
+                direct += plan.u64[r0] * (plan.wt64 @ b)
             elif m is not None:
-                part = ut[:, r0 : r0 + rb] @ blk
+                part = u[r0 : r0 + rb] @ blk
                 m = part if rb >= rows else m + part
         else:  # a row longer than a block: its columns in chunks
             proj = np.zeros(SKETCH_K) if direct is not None else None
@@ -251,7 +264,7 @@ def _stats(x: np.ndarray, offset, logical_shape, hasher=None, with_sketch: bool 
                 if proj is not None:
                     proj += plan.wt64[:, c0 : c0 + seg.size] @ b
             if proj is not None:
-                direct += plan.ut64[:, r0] * proj
+                direct += plan.u64[r0] * proj
     if (
         rb > 1
         and in_runs
@@ -263,7 +276,7 @@ def _stats(x: np.ndarray, offset, logical_shape, hasher=None, with_sketch: bool 
         s, ss = _stats64(x)
     if plan is None:
         return s, ss, None
-    sk = direct if m is None else np.einsum("kc,kc->k", m, plan.wt64, dtype=np.float64)
+    sk = direct if m is None else plan.wt64 @ np.asarray(m, dtype=np.float64)
     sk = sk.tolist()
     return (
         s,
@@ -381,7 +394,7 @@ def _digest_on_device(
 # segmented reduction (np.add.reduceat), and the sketch as one float64 matrix-vector product of each
 # tensor's slice with its vectors v_k = U_k (x) W_k (the same vectors as the per-tensor path, laid end to
 # end; built once per list of shapes and cached: faster than np.add.reduceat over the (K, total) elementwise
-# products). The float64 reductions round less than the per-tensor float32 GEMM, so
+# products). The float64 reductions round less than the per-tensor float32 GEMV, so
 # tolerance.sketch_rounding bounds this path too; two runs of one manifest take the same path and stay
 # bit-identical.
 SMALL = tolerance.FLOAT64_STATS  # elements: a tensor at most this large is digested with the others

@@ -27,7 +27,7 @@ from disttrace.run.hooks import HookBus
 from disttrace.store.records import StepIndexEntry
 from disttrace.store.rundir import PHASE_ORDER, JsonlWriter, rank_file
 from disttrace.store.seal import StepChain
-from disttrace.store.trajectory import SUFFIX, TrajectoryWriter
+from disttrace.store.trajectory import SKETCH_VERSION, SUFFIX, TrajectoryWriter
 
 
 def _no_dispatch_modes():
@@ -353,6 +353,7 @@ class Recorder:
             records=len(records),
             digest=digest_of_digests([r["digest"] for r in records]),
             time=t,
+            sketch=SKETCH_VERSION,
         )
         self.index.write(self.chain.seal_entry(entry.line(), data))
         self.index.flush()

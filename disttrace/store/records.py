@@ -183,6 +183,9 @@ class StepIndexEntry(_Line):
     sha256: str | None = None  # the step's raw bytes, what `verify` checks (store/seal.py)
     xxh3: str | None = None  # the same bytes, what diff checks on every step it reads or skips
     chain: str | None = None  # sha256 chained to the previous step's (store/seal.py)
+    sketch: StrictInt | None = (
+        None  # the version of the records' sketches (trajectory.SKETCH_VERSION); absent: 1
+    )
 
 
 class EventLine(_Line):

@@ -281,6 +281,9 @@ def _plain_index_line(e: dict) -> bool:
         v = e.get(k)
         if v is not None and type(v) is not str:
             return False
+    v = e.get("sketch")  # the sketch's version: an int when present
+    if v is not None and type(v) is not int:
+        return False
     if "time" not in e:
         return True
     t = e["time"]
@@ -544,6 +547,11 @@ class Run:
                 StepIndexEntry.parse_line(e, p, n)
                 StepTimes.parse_line(e.get("time") or {}, p, n)
         return read
+
+    def sketch_versions(self) -> set[int]:
+        """The versions of the sketches its ranks' step indexes state (trajectory.SKETCH_VERSION; a line
+        without one: 1, written before the version was)."""
+        return {e.sketch or 1 for rank in self.ranks() for e in self.step_index(rank).records}
 
     def step_times(self, rank: int) -> JsonlRead:
         """`steps/rank-N.jsonl` (run/stepclock.py): one line per step, kept whether the run records or not."""

@@ -61,6 +61,22 @@ END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # what the stream writer ap
 # float64 would keep digits the computation never had (tolerance.sketch_rounding counts the storage rounding)
 SKETCH_FLOAT32 = ("float32", "float16", "bfloat16")
 SKETCH_K = 4
+# the sketch's definition (run/digest.py): 1, K leading factors per projection (stores before 2026-12-01,
+# whose step index lines have no `sketch`); 2, one leading factor shared by the K projections. Sketches of
+# two versions are other projections of the tensor but the first (v_0's factors are a_{0,d} on every axis in
+# both): diff compares every projection within one version, the first between 1 and 2
+SKETCH_VERSION = 2
+
+
+def shared_projections(a: set, b: set) -> int:
+    """How many leading sketch projections two runs' records have the same vectors for, given the sets of
+    sketch versions their step indexes state (None: a version not known): all within one version, the
+    first between versions 1 and 2, none otherwise (and all where a side states none: it has no records)."""
+    both = a | b
+    if not a or not b or (len(both) == 1 and None not in both):
+        return SKETCH_K
+    return 1 if both <= {1, 2} else 0
+
 
 # digest kinds: xxh3-128 of the raw bytes (32 hex characters), or the device checksum ("dev:" + 32 hex)
 _DEVICE_PREFIX = "dev:"

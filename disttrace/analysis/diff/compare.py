@@ -195,6 +195,7 @@ def _fold_columns(
         magnitudes=(lambda rows: tol.row_magnitudes(row_step, ca.batch, cb.batch, rows))
         if tol.mags is not None
         else None,
+        projections=tol.projections,
     )
     summary = columnar.by_step(c, starts)
     for j, rs in enumerate(out):

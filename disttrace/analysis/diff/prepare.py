@@ -30,7 +30,7 @@ from disttrace.config.manifest import (
 )
 from disttrace.errors import BadInput
 from disttrace.fmt import ranges
-from disttrace.store import safeio
+from disttrace.store import safeio, trajectory
 from disttrace.store.rundir import LOCK
 
 MODES = ("bitwise", "numeric")
@@ -153,6 +153,25 @@ def _agreed_since(x: _Side, other: _Side) -> int:
         except ValueError:
             continue
     return 0
+
+
+def _shared_projections(side_a: _Side, side_b: _Side, warnings: list[str]) -> int:
+    """How many leading sketch projections the two runs' records share the vectors of
+    (store.trajectory.shared_projections): all within one sketch version; fewer between two, and a warning
+    says so (the others are not compared; digest, sum and norm are, as always)."""
+    va, vb = side_a.sketch_versions, side_b.sketch_versions
+    shared = trajectory.shared_projections(va, vb)
+    if shared < trajectory.SKETCH_K:
+
+        def said(v: set) -> str:
+            return " and ".join("unknown" if x is None else str(x) for x in sorted(v, key=str))
+
+        what = "its first projection is" if shared == 1 else "none is"
+        warnings.append(
+            f"sketches of version {said(va)} (run A) and {said(vb)} (run B) are other random "
+            f"projections: {what} compared (records still compare on digest, sum and norm)"
+        )
+    return shared
 
 
 def _choose_mode(side_a: _Side, side_b: _Side, mode: str | None, rtol, atol, warnings: list[str]):
@@ -296,6 +315,7 @@ class _Setup:
         self.rtol, self.atol, self.use_index = rtol, atol, use_index
         self.ma, self.mb = side_a.manifest, side_b.manifest
         self.mode, self.topo = _choose_mode(side_a, side_b, mode, rtol, atol, warnings)
+        self.projections = _shared_projections(side_a, side_b, warnings)
         self.n_setup = len(warnings)
         self.same_topology = not self.topo
         self.logical = self.mode == "numeric" and not self.same_topology
@@ -334,7 +354,9 @@ class _Setup:
             o if isinstance(o := s.run.lock.get("observed"), dict) else None
             for s in (side_a, side_b)
         )
-        self.tol = tol = _Tol(self.mode, ma, mb, rtol, atol, since, cal, mags, observed)
+        self.tol = tol = _Tol(
+            self.mode, ma, mb, rtol, atol, since, cal, mags, observed, self.projections
+        )
         if tol.ignored_calibration is not None:
             warnings.append(
                 f"calibration {tol.ignored_calibration.path} not used: its noise was measured against the "

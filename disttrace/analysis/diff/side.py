@@ -150,13 +150,17 @@ class _Side:
         self._order_steps: list[int] = []
         self._ahead: dict[tuple[int, int], pa.RecordBatch] = {}
         self._counting = threading.Lock()
+        # the versions of its records' sketches (store.trajectory.SKETCH_VERSION; None: not known)
+        self.sketch_versions: set[int | None] = set()
 
     def load(self) -> None:
         """Read (or rebuild) the step index of every rank; called after the compatibility check."""
         warnings = self.warnings
         for r in self.ranks:
             mark = len(warnings)
-            self.index[r] = StepEntries(self._load_index(r, self.use_index))
+            entries = self._load_index(r, self.use_index)
+            self.sketch_versions |= self._sketch_versions(r, entries)
+            self.index[r] = StepEntries(entries)
             self.rank_warnings[r] = warnings[mark:]
         self.steps = common_steps(self.index[r] for r in self.ranks)
         warnings.extend(
@@ -264,6 +268,23 @@ class _Side:
             }
         self.warnings.extend(f"run {self.label}: {t}" for t in torn)
         return out
+
+    def _sketch_versions(self, rank: int, entries: dict[int, dict]) -> set[int | None]:
+        """The sketch versions the rank's step index states for the steps loaded (a line without one: 1, the
+        version before it was written). A rank scanned without its index: read from the index if it is
+        there, else 1 (a trajectory written before the index, JSON lines); an index that cannot be read: None."""
+        if not entries:
+            return set()
+        steps_path = self.run.rank_path("trajectory", rank, ".steps.jsonl")
+        if self.use_index and safeio.present(steps_path):
+            return {e.get("sketch") or 1 for e in entries.values()}
+        if not safeio.present(steps_path):
+            return {1}
+        try:
+            lines = self.run.step_index_lines(rank).records
+        except BadInput:
+            return {None}
+        return {e.get("sketch") or 1 for e in lines if e.get("step") in entries} or {1}
 
     def entry(self, rank: int, step: int) -> dict | None:
         return self.index.get(rank, {}).get(step)

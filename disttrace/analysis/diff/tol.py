@@ -11,6 +11,7 @@ import pyarrow as pa
 from disttrace.analysis import tolerance
 from disttrace.analysis.result import BoundKind
 from disttrace.model.names import tensor_class
+from disttrace.store.trajectory import SKETCH_K
 
 TINY = 1e-300
 
@@ -42,8 +43,11 @@ class _Tol:
         calibration=None,
         magnitudes=None,
         observed: tuple = (None, None),
+        projections: int = SKETCH_K,
     ):
         self.mode, self.ma, self.mb, self.since = mode, ma, mb, since
+        # the leading sketch projections the runs share the vectors of (fewer between two sketch versions)
+        self.projections = projections
         # each lock's `observed` (attached runs count their batch: the reduction size of the bound)
         self.observed = observed
         self.user = mode == "numeric" and (rtol is not None or atol is not None)
@@ -226,7 +230,10 @@ class _Tol:
         scale_n = max(na, nb, extra, TINY)
         scale_s = max(max(na, nb, extra) * math.sqrt(numel), TINY)
         # the sum and each sketch projection are <x, v> with ||v|| = sqrt(numel): one scale, one bound
-        terms = (abs(na - nb) / scale_n, *tolerance.projection_terms(ra, rb, scale_s))
+        terms = (
+            abs(na - nb) / scale_n,
+            *tolerance.projection_terms(ra, rb, scale_s, self.projections),
+        )
         if self.user:
             bounds = (
                 (self.atol + self.rtol * scale_n) / scale_n,
@@ -235,7 +242,7 @@ class _Tol:
         else:
             bounds = (b0,) * len(terms)
         # each statistic also carries its own rounding (tolerance.norm_rounding, sum_rounding: float32 runs and
-        # column sums; sketch_rounding: the float32 GEMM), both records'; the norm's and the sum's are added to
+        # column sums; sketch_rounding: the float32 GEMV), both records'; the norm's and the sum's are added to
         # a derived or calibrated bound (not to a user's, nor to a phase that must be exact)
         stat = self.mode != "bitwise" and not self.user and b0 > 0
         rounding = [
