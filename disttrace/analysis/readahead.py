@@ -17,14 +17,39 @@ import os
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 DEPTH = 2  # jobs in flight: each holds a block's decoded columns of both sides (a few MB)
 
 
+_enabled = True  # off in the processes of `diff --jobs N`: they already use the cores
+
+
 def worth_it() -> bool:
-    """A second thread pays where there is a second core to run it."""
-    return (os.cpu_count() or 1) > 1
+    """A second thread pays where there is a second core this process may run on and nothing else of this diff
+    uses it: the thread costs about 15% more CPU time for its wall-time gain (docs/benchmarks.md)."""
+    if not _enabled:
+        return False
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return (cpus or 1) > 1
+
+
+def disable() -> None:
+    """No second thread in this process (a process pool's initializer)."""
+    global _enabled
+    _enabled = False
+
+
+@contextmanager
+def disabled():
+    """No second thread in this process while the block runs."""
+    global _enabled
+    was, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = was
 
 
 class ReadAhead:

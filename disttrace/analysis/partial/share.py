@@ -9,6 +9,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 from disttrace import __version__
+from disttrace.analysis import readahead
 from disttrace.analysis.diff.prepare import _Setup
 from disttrace.analysis.diff.side import _Side
 from disttrace.analysis.partial.doc import (
@@ -143,7 +144,11 @@ def _run_shares(tasks: list[_Task], jobs: int) -> list[_Payload]:
         results = [_work(tasks[0])]
     else:
         workers = max(1, min(jobs - 1, len(tasks) - 1))
-        with ProcessPoolExecutor(max_workers=workers, mp_context=_context()) as ex:
+        # the shares' processes use the cores a read-ahead thread would
+        pool = ProcessPoolExecutor(
+            max_workers=workers, mp_context=_context(), initializer=readahead.disable
+        )
+        with pool as ex, readahead.disabled():
             pending = [ex.submit(_work, t) for t in tasks[1:]]
             results = [_work(tasks[0])] + [f.result() for f in pending]
     for r in results:
