@@ -177,9 +177,7 @@ def worker(rank, world, port, frozen_doc, steps, out, q, device_type="cpu", spec
     groups = {**groups_of(typed), "world": [list(range(world))]}
     all_rules = strategy.replicas()
     tp_rules = [*TP_ACTIVATIONS_AGREE, SCALARS_AGREE]
-    without = [
-        r for r in all_rules if r not in tp_rules and not (r.phase == "reduce" and tp > 1)
-    ]
+    without = [r for r in all_rules if r not in tp_rules and not (r.phase == "reduce" and tp > 1)]
     for v, spec in specs.items():  # each variant writes its own run dir, so its bytes are its own
         if not spec.get("recorder"):
             continue
