@@ -216,7 +216,8 @@ def test_a_candidate_naming_its_own_evaluation_is_reported():
     policy = GatePolicy(eval=ev(cwd="/w", data="/d"))
     own = {"command": ["python", "-c", "print(0)"], "data_sha256": "b" * 64}
     run = SimpleNamespace(
-        manifest_doc={"eval": own}, lock={"resolved": {"eval_data": "/other", "eval_cwd": "/w"}}
+        manifest_doc={"eval": own},
+        lock_info=SimpleNamespace(resolved={"eval_data": "/other", "eval_cwd": "/w"}),
     )
     diff = usereval.candidate_differences(policy, run)
     assert diff == {
@@ -228,7 +229,7 @@ def test_a_candidate_naming_its_own_evaluation_is_reported():
     assert "ignored, never run" in flag and "print(0)" in flag
     same = SimpleNamespace(
         manifest_doc={"eval": {"command": ["python", "e.py"], "data_sha256": "0" * 64}},
-        lock={"resolved": {"eval_data": "/d", "eval_cwd": "/w"}},
+        lock_info=SimpleNamespace(resolved={"eval_data": "/d", "eval_cwd": "/w"}),
     )
     assert usereval.candidate_differences(policy, same) == {}
 
