@@ -280,6 +280,11 @@ SLOW_TIER = (
     "test_attach_exit.py::test_the_seal_gather_leaves_no_tensor_to_the_backend_thread",
     "test_experiment_identity.py::test_an_attached_pair_of_different_global_batches_is_refused",
     "test_attach_loader.py::test_a_second_forward_of_one_batch_does_not_take_the_next_batchs_ids",
+    "test_faults.py::test_check_finds_replica_faults_without_a_reference[late-microbatch]",
+    "test_faults.py::test_check_finds_replica_faults_without_a_reference[data-swap]",
+    "test_architecture.py::test_readers_run_with_torch_unimportable",
+    "test_strategies.py::test_fault_on_a_tensor_parallel_shard_names_rank_and_logical_tensor",
+    "test_forged_store.py::test_the_evaluation_reads_the_reference_data_never_the_candidate_path",
 )
 
 
