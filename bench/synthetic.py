@@ -103,11 +103,21 @@ def manifest(
     ranks: int = 2, steps: int = 10, accumulation: int = 1, name: str = "scale", **over
 ) -> dict:
     """A data-parallel manifest; `over`: dotted overrides, e.g. manifest(**{"model.dim": 64})."""
-    m = copy.deepcopy(_BASE)
-    m["experiment"]["name"] = name
-    m["parallelism"]["dp"] = ranks
-    m["training"]["steps"] = steps
-    m["training"]["grad_accum_steps"] = accumulation
+    return overridden(
+        _BASE,
+        **{
+            "experiment.name": name,
+            "parallelism.dp": ranks,
+            "training.steps": steps,
+            "training.grad_accum_steps": accumulation,
+            **over,
+        },
+    )
+
+
+def overridden(m: dict, **over) -> dict:
+    """A copy of manifest `m` with dotted overrides ({"parallelism.dp": 1}), its world size recomputed."""
+    m = copy.deepcopy(m)
     for k, v in over.items():
         sec, key = k.split(".")
         m[sec][key] = v

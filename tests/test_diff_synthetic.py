@@ -8,7 +8,6 @@ JSON lines of stores written before it (`rank-NNNNN.jsonl`, the record path)."""
 
 from __future__ import annotations
 
-import copy
 import io
 import math
 import random
@@ -68,13 +67,7 @@ SHAPES = [[256, 64], [64, 64], [192, 64], [64]]
 
 def manifest(**over) -> dict:
     """The base manifest with dotted overrides: manifest(**{"parallelism.dp": 1})."""
-    m = copy.deepcopy(BASE)
-    for k, v in over.items():
-        sec, key = k.split(".")
-        m[sec][key] = v
-    p = m["parallelism"]
-    p["world_size"] = p["dp"] * p["tp"] * p["pp"]
-    return m
+    return synthetic.overridden(BASE, **over)
 
 
 def digest(rec: dict) -> str:
