@@ -95,7 +95,7 @@ class TrajectoryRecord(TypedDict, total=False):
 
 class _Line(BaseModel):
     # other writers (an older or newer disttrace) may add fields: keep them, readers take what they know
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", defer_build=True)
     _read: Any = PrivateAttr(default=None)  # the object a reader validated, as it was in the file
 
     @classmethod
