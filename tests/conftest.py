@@ -15,8 +15,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-# the gate's evaluation cache (disttrace/gate/evalcache.py): one per test session, not the user's
-os.environ.setdefault("DISTTRACE_CACHE_DIR", tempfile.mkdtemp(prefix="disttrace-test-cache-"))
+# the gate's evaluation cache (disttrace/gate/evalcache.py): one per test session, not the user's, made
+# only when none is given and removed with the session, so test runs leave nothing behind in the temp dir
+if "DISTTRACE_CACHE_DIR" not in os.environ:
+    _CACHE = tempfile.TemporaryDirectory(prefix="disttrace-test-cache-")
+    os.environ["DISTTRACE_CACHE_DIR"] = _CACHE.name
 DEFAULT = ROOT / "manifests" / "default.toml"
 # four steps, checkpoints at 2 and 4: enough for a fault at 3 and a recovery from 2
 SHORT = ["--set", "training.steps=4", "--set", "checkpoint.interval=2"]
