@@ -113,14 +113,18 @@ def test_command_prints_the_stored_document(named, name, args):
         (GOLDEN / f"{name}.json").write_text(got)
     want = _golden(name)
     if name.startswith("gate-"):
-        got, want = _evaluations_sorted(got), _evaluations_sorted(want)
+        got, want = _gate_comparable(got), _gate_comparable(want)
     assert got == want
 
 
-def _evaluations_sorted(text: str) -> str:
+def _gate_comparable(text: str) -> str:
     """The evaluations' keys come in the evaluator's order when it ran, sorted when the gate's cache
-    answered (gate/evalcache.py): the same document either way, so both are compared sorted."""
+    answered (gate/evalcache.py): the same document either way, so both are compared sorted. A straggler
+    flag is wall-clock timing (analysis/sync.py): a loaded machine raises one on any run, so it is left out
+    of the comparison (tests/test_scale_readers.py and tests/test_gate_lab.py hold the straggler rule)."""
     doc = orjson.loads(text)
+    if isinstance(doc.get("flags"), list):
+        doc["flags"] = [f for f in doc["flags"] if not str(f).startswith("straggler: ")]
     for k in ("eval", "reference_eval"):
         if isinstance(doc.get(k), dict):
             doc[k] = orjson.loads(orjson.dumps(doc[k], option=orjson.OPT_SORT_KEYS))
