@@ -288,6 +288,7 @@ SLOW_TIER = (
     "test_architecture.py::test_readers_run_with_torch_unimportable",
     "test_strategies.py::test_fault_on_a_tensor_parallel_shard_names_rank_and_logical_tensor",
     "test_forged_store.py::test_the_evaluation_reads_the_reference_data_never_the_candidate_path",
+    "test_faults.py::test_corrupt_checkpoint_is_reported_and_refused",
 )
 
 

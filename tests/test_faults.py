@@ -247,6 +247,12 @@ def test_damaged_checkpoints_are_refused_at_load(runs, tmp_path, damage):
         other = runs.small_ring()
         shutil.rmtree(ckpt)
         shutil.copytree(other / "checkpoints" / "step-000002", ckpt)
+    if (
+        damage == "flipped"
+    ):  # `show` verifies each shard against the checkpoint's INDEX: exit 1, named
+        doc = orjson.loads(cli("show", run_dir, "checkpoints", "--json", check=1).stdout)
+        bad = [c for c in doc["checkpoints"] if not c["verified"]]
+        assert [c["step"] for c in bad] == [2] and "__0_0.distcp" in bad[0]["detail"]
     before = sorted(p.name for p in run_dir.parent.iterdir())
     proc = cli("recover", run_dir, "--from-step", 2)
     assert proc.returncode == 2, proc.stderr
