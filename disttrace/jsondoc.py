@@ -14,11 +14,25 @@ from typing import Any
 import orjson
 
 _OMIT = "omit_none"
+_STORED = "as_read"
 
 
 def omit_none(default: Any = None) -> Any:
     """A dataclass field that the document leaves out while it is None."""
     return dataclasses.field(default=default, metadata={_OMIT: True})
+
+
+def as_stored() -> Any:
+    """A dataclass field holding a line of the run store (a store/records.py model), or a list of them, that
+    the document echoes as the store holds it (`as_read()`: every key, in the file's order), not as the
+    model would write it."""
+    return dataclasses.field(metadata={_STORED: True})
+
+
+def _as_read(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return [_as_read(v) for v in value]
+    return value.as_read() if value is not None else None
 
 
 def plain(value: Any) -> Any:
@@ -52,6 +66,8 @@ class JsonDoc:
             v = getattr(self, f.name)
             if v is None and f.metadata.get(_OMIT):
                 continue
+            if f.metadata.get(_STORED):
+                v = _as_read(v)
             out[f.name] = plain(v)
         return out
 

@@ -14,13 +14,21 @@ from pathlib import Path
 from typing import Any
 
 from disttrace.analysis.diff import diff_runs
-from disttrace.analysis.facts import CheckpointFacts, checkpoints
+from disttrace.analysis.facts import CheckpointFacts, checkpoints, memory_lines
 from disttrace.analysis.result import DiffResult
 from disttrace.analysis.sync import Straggler, SyncResult, check_sync, find_stragglers
 from disttrace.analysis.zoom import ZoomResult
 from disttrace.errors import BadInput
 from disttrace.store.manifest import ExperimentView
-from disttrace.store.records import FAILURE_EVENTS, FaultEvent, Topology, Verdict
+from disttrace.store.records import (
+    FAILURE_EVENTS,
+    EventLine,
+    FaultEvent,
+    MemoryLine,
+    RunInfo,
+    Topology,
+    Verdict,
+)
 from disttrace.store.rundir import Run
 from disttrace.views.report import render_html
 
@@ -44,10 +52,10 @@ class RunEvidence:
 
 @dataclass
 class MemoryFacts:
-    """The memory ledger's last recorded step of each rank, by rank: each a line of memory/rank-N.jsonl as
-    written (validated by store/records.py's MemoryLine; its figures are free-form), and the torn tails."""
+    """The memory ledger's last recorded step of each rank, by rank (a line of memory/rank-N.jsonl), and the
+    torn tails."""
 
-    last: list[dict[str, Any]]
+    last: list[MemoryLine]
     torn: list[str]
 
 
@@ -80,33 +88,28 @@ class RunState:
     """What the store says happened to one run: run.json, its COMPLETE marker, its events, the gate's verdict."""
 
     complete: bool
-    # run.json as recorded (the fault's and the resume's free-form parts); {} when absent or unreadable
-    info: dict[str, Any] = field(default_factory=dict)
+    # run.json; an empty one when absent or unreadable
+    info: RunInfo = field(default_factory=RunInfo)
     info_error: str | None = None  # why run.json could not be read
     fault_fired: FaultEvent | None = (
         None  # the first `fault_fired` event; None also when unreadable
     )
-    failures: list[dict] = field(default_factory=list)  # the first three failure events, as written
+    failures: list[EventLine] = field(default_factory=list)  # the first three failure events
     has_verdict: bool = False  # verdict.json is present (whether or not it reads as one)
     verdict: Verdict | None = None  # None when absent or malformed: a malformed one is never shown
 
 
 def run_state(run: Run) -> RunState:
     try:
-        info = run.info
-        info, info_error = (info if isinstance(info, dict) else {}), None
+        info, info_error = run.run_info, None
     except BadInput as exc:
-        info, info_error = {}, str(exc)
+        info, info_error = RunInfo(), str(exc)
     state = RunState(complete=run.complete, info=info, info_error=info_error)
     try:
-        fired = run.fault_events()
+        events = run.event_lines()
+        fired = [ev for ev in events if isinstance(ev, FaultEvent)]
         state.fault_fired = fired[0] if fired else None
-    except BadInput:
-        pass
-    try:
-        state.failures = [ev for ev in run.events().records if ev.get("event") in FAILURE_EVENTS][
-            :3
-        ]
+        state.failures = [ev for ev in events if ev.event in FAILURE_EVENTS][:3]
     except BadInput:
         pass
     state.has_verdict = (run.path / "verdict.json").exists()
@@ -154,12 +157,11 @@ def _losses(run: Run) -> dict[int, float]:
 
 
 def _memory(run: Run) -> MemoryFacts:
-    last: dict[int, dict] = {}
+    last: dict[int, MemoryLine] = {}
     torn: list[str] = []
     for rank in run.ranks("memory"):
-        for rec in run.memory(rank, torn):
-            st = rec.get("step")
-            if isinstance(st, int) and (rank not in last or st >= last[rank].get("step", -1)):
+        for rec in memory_lines(run, rank, torn):
+            if rank not in last or rec.step >= last[rank].step:
                 last[rank] = rec
     return MemoryFacts(last=[last[k] for k in sorted(last)], torn=torn)
 

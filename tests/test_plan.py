@@ -265,28 +265,32 @@ def test_korthikanti_1f1b_first_stage_holds_L_layers():
     per_layer = P.activation_bytes_per_layer(s, b, h, a, tp=8, sequence_parallel=True)
     for pp in (1, 2, 4, 8, 16):
         r = PL.plan(
+            PL.PlanRequest(
+                175 * 10**9,
+                tp=8,
+                pp=pp,
+                seq=s,
+                micro_batch=b,
+                hidden=h,
+                heads=a,
+                n_layers=L,
+                micro_batches=64,
+            )
+        )
+        assert r.activation_bytes_per_device["tp_sp"] == per_layer * L
+    gpipe = PL.plan(
+        PL.PlanRequest(
             175 * 10**9,
             tp=8,
-            pp=pp,
+            pp=8,
             seq=s,
             micro_batch=b,
             hidden=h,
             heads=a,
             n_layers=L,
             micro_batches=64,
+            pp_schedule="gpipe",
         )
-        assert r.activation_bytes_per_device["tp_sp"] == per_layer * L
-    gpipe = PL.plan(
-        175 * 10**9,
-        tp=8,
-        pp=8,
-        seq=s,
-        micro_batch=b,
-        hidden=h,
-        heads=a,
-        n_layers=L,
-        micro_batches=64,
-        pp_schedule="gpipe",
     )
     assert gpipe.activation_bytes_per_device["tp_sp"] == per_layer * (L // 8) * 64
 
@@ -426,15 +430,17 @@ def test_comm_volumes_zero_section7():
 
 def test_plan_shape_and_json():
     r = PL.plan(
-        7_500_000_000,
-        dp=64,
-        zero_stage=2,
-        seq=2048,
-        micro_batch=1,
-        hidden=4096,
-        heads=32,
-        n_layers=32,
-        micro_batches=4,
+        PL.PlanRequest(
+            7_500_000_000,
+            dp=64,
+            zero_stage=2,
+            seq=2048,
+            micro_batch=1,
+            hidden=4096,
+            heads=32,
+            n_layers=32,
+            micro_batches=4,
+        )
     )
     for key in (
         "params",
@@ -461,7 +467,7 @@ def test_plan_shape_and_json():
 def test_plan_model_parallel_divides_psi():
     """Tensor and pipeline parallelism each hold 1/(tp*pp) of the model: ZeRO then shards that slice."""
     psi = 175_000_000_000
-    r = PL.plan(psi, dp=16, tp=8, pp=8, zero_stage=1)
+    r = PL.plan(PL.PlanRequest(psi, dp=16, tp=8, pp=8, zero_stage=1))
     local = -(-psi // 64)
     assert r.params_per_model_parallel_rank == local
     for s in range(4):
@@ -470,7 +476,7 @@ def test_plan_model_parallel_divides_psi():
 
 
 def test_plan_without_shapes_has_no_activations():
-    r = PL.plan(10**9, dp=2)
+    r = PL.plan(PL.PlanRequest(10**9, dp=2))
     assert r.activation_bytes_per_layer is None and r.activation_bytes_per_device is None
 
 
@@ -559,28 +565,30 @@ def test_plan_from_manifest_names_bad_fields():
 
 def test_plan_cli_args():
     r = PL.plan_cli_args(
-        "7.5B",
-        dp=64,
-        tp=1,
-        pp=1,
-        zero_stage=3,
-        optimizer="adam",
-        precision="mixed",
-        seq=None,
-        micro_batch=1,
-        hidden=None,
-        heads=None,
-        layers=None,
+        PL.PlanRequest(
+            "7.5B",
+            dp=64,
+            tp=1,
+            pp=1,
+            zero_stage=3,
+            optimizer="adam",
+            precision="mixed",
+            seq=None,
+            micro_batch=1,
+            hidden=None,
+            heads=None,
+            n_layers=None,
+        )
     )
     assert r.params == 7_500_000_000 and agrees_with_printed(
         gb(r.model_state_bytes_per_device["3"]), "1.88"
     )
-    r = PL.plan_cli_args(None, hidden=4096, layers=32, heads=32, seq=2048)
+    r = PL.plan_cli_args(PL.PlanRequest(None, hidden=4096, n_layers=32, heads=32, seq=2048))
     assert r.params == 12 * 32 * 4096**2 and "estimated" in r.inputs.params_source
     with pytest.raises(BadInput, match="--params"):
-        PL.plan_cli_args(None)
+        PL.plan_cli_args(PL.PlanRequest(None))
     with pytest.raises(BadInput):
-        PL.plan_cli_args(10**9, zero_stage=5)
+        PL.plan_cli_args(PL.PlanRequest(10**9, zero_stage=5))
 
 
 def test_render_plan_prints_every_table():
@@ -591,7 +599,7 @@ def test_render_plan_prints_every_table():
     buf = io.StringIO()
     console = Console(file=buf, width=160, color_system=None)
     render_plan(PL.plan_from_manifest(_manifest()), console)
-    render_plan(PL.plan(10**9, dp=4, zero_stage=1), console)
+    render_plan(PL.plan(PL.PlanRequest(10**9, dp=4, zero_stage=1)), console)
     out = buf.getvalue()
     for text in (
         "Model states per device",

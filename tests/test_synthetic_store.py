@@ -109,6 +109,7 @@ def test_step_entries_give_back_what_the_lines_said():
 
     rng = random.Random(5)
     odd = [None, "dev:" + "a" * 32, "A" * 32, "0" * 31, "", 7]
+    outcomes: set = set()
     for trial in range(200):
         n = rng.randint(0, 30)
         first = rng.randint(0, 5)
@@ -134,6 +135,50 @@ def test_step_entries_give_back_what_the_lines_said():
         for s in (-1, first - 1, max(steps, default=0) + 1, 3 * n + 5):
             if s not in lines:
                 assert s not in got and got.get(s) is None
+        _typed_accessors_agree(rng, lines, got, outcomes)
+    assert outcomes == {True, False, None}  # every answer of the hash check was asked for
+
+
+def _typed_accessors_agree(rng, lines: dict, got, outcomes: set) -> None:
+    """What diff reads of StepEntries without a dict (span, records, same_digest, hash_match) is what it read
+    of the line: the oracle is the line itself, through the comparison and the seal's own check on it."""
+    import xxhash
+
+    from disttrace.analysis.diff.side import StepEntries
+    from disttrace.store import seal
+
+    # the other side: the same steps, each line's digest, record count and bytes kept or changed
+    other = {}
+    for s, e in lines.items():
+        o = dict(e)
+        if rng.random() < 0.3:
+            o["digest"] = rng.choice([None, "A" * 32, f"{rng.getrandbits(128):032x}"])
+        if rng.random() < 0.2:
+            o["records"] = rng.choice([None, 0, (e.get("records") or 0) + 1])
+        other[s] = o
+    theirs = StepEntries(other)
+    for s, e in lines.items():
+        line, o = _slim(e), _slim(other[s])
+        assert got.span(s) == (e["offset"], e["length"])
+        assert got.records(s) == line["records"]
+        agree = (
+            line["digest"] is not None
+            and line["digest"] == o["digest"]
+            and line["records"] == o["records"]
+        )
+        assert got.same_digest(s, theirs) == agree, (s, line, o)
+        # the step's bytes against a line of their length (or not), hashing to them (or not)
+        data = rng.randbytes(rng.randint(0, 64))
+        hashed = {
+            **e,
+            "length": len(data) if rng.random() < 0.8 else len(data) + 1,
+            "xxh3": rng.choice([xxhash.xxh3_128_hexdigest(data), e.get("xxh3"), None]),
+        }
+        if hashed["xxh3"] is None:
+            hashed["sha256"] = rng.choice([seal.step_hash(data), "0" * 64, None])
+        outcome = StepEntries({s: hashed}).hash_match(s, data)
+        assert outcome == seal.step_data_match(data, _slim(hashed)), (s, hashed)
+        outcomes.add(outcome)
 
 
 def test_a_sides_index_is_a_few_dozen_bytes_a_rank_step(tmp_path):

@@ -1,8 +1,9 @@
 """What a run holds, as `disttrace show` reports it: the facts are gathered here, from the run store only;
 views/show.py renders them. Each `*Facts` prints its `show --json` document with `to_json()`.
 
-Free-form parts stay mappings where the store holds them so (run.json's fault and resume, events, the
-memory ledger's lines, topology.json, the collective trace's summary).
+The store's lines come as the models its readers validate them with (store/records.py: run.json's
+`FaultSpec` and `ResumeSpec`, each event's `EventLine`, the memory ledger's `MemoryLine`); a document echoes
+them as the store holds them (`as_stored()`: every key, in the file's order).
 """
 
 from __future__ import annotations
@@ -23,10 +24,19 @@ from disttrace.analysis.sync import (
     wire_volume,
 )
 from disttrace.errors import BadInput
-from disttrace.jsondoc import JsonDoc
+from disttrace.jsondoc import JsonDoc, as_stored
 from disttrace.store import checkpoints as checkpoint
 from disttrace.store.manifest import ParallelismView
-from disttrace.store.records import FAILURE_EVENTS, Event, Topology
+from disttrace.store.records import (
+    FAILURE_EVENTS,
+    EventLine,
+    FaultEvent,
+    FaultSpec,
+    LiveCheckFailed,
+    MemoryLine,
+    ResumeSpec,
+    Topology,
+)
 from disttrace.store.rundir import Run
 
 VIEWS = ("summary", "checkpoints", "topology", "collectives", "memory", "events", "records")
@@ -48,14 +58,14 @@ class RunSummary(JsonDoc):
     experiment: str | None
     edition: str | None
     topology: dict[str, int]  # world_size, dp, tp, pp, zero_stage
-    fault: dict | None  # run.json's fault spec
-    resume: dict | None  # run.json's resume spec
+    fault: FaultSpec | None = as_stored()  # run.json's fault spec
+    resume: ResumeSpec | None = as_stored()  # run.json's resume spec
     loss: dict[str, float]  # step -> loss
     ranks: dict[str, RankCounts]
     records: int  # trajectory records over all ranks
     step_seconds: list[float]  # rank 0, in step order
-    fault_fired: list[dict]
-    failures: list[dict]  # the FAILURE_EVENTS lines
+    fault_fired: list[FaultEvent] = as_stored()
+    failures: list[EventLine] = as_stored()  # the FAILURE_EVENTS lines
     stragglers: list[Straggler]
     checkpoints: list[str]
     warnings: list[str]
@@ -72,27 +82,27 @@ def summary(run_dir: Path | str) -> RunSummary:
         )
         if idx.torn:
             torn.append(idx.torn)
-    events = run.events().records
-    info = run.info
+    events = run.event_lines()
+    info = run.run_info
     times = run.step_times(0)  # rank 0's, kept whether the run recorded or not
     if times.torn:
         torn.append(times.torn)
     step_seconds = {e["step"]: e["seconds"] for e in times.records}
     return RunSummary(
-        path=info.get("path"),
+        path=info.path,
         complete=run.complete,
         manifest_id=run.manifest_id,
         experiment=m.experiment.name,
         edition=m.experiment.edition,
         topology=_layout(m.parallelism),
-        fault=info.get("fault"),
-        resume=info.get("resume"),
+        fault=info.fault,
+        resume=info.resume,
         loss={str(k): v for k, v in run.losses().items()},
         ranks={str(k): v for k, v in counts.items()},
         records=sum(c.records for c in counts.values()),
         step_seconds=[step_seconds[k] for k in sorted(step_seconds)],
-        fault_fired=[e.as_read() for e in run.fault_events()],
-        failures=[e for e in events if e.get("event") in FAILURE_EVENTS],
+        fault_fired=[e for e in events if isinstance(e, FaultEvent)],
+        failures=[e for e in events if e.event in FAILURE_EVENTS],
         stragglers=find_stragglers(run),
         checkpoints=[p.name for p in run.checkpoint_dirs()],
         warnings=torn,
@@ -106,12 +116,13 @@ def _layout(par: ParallelismView) -> dict[str, int]:
     return {k: stated.get(k, 1 if k != "zero_stage" else 0) for k in fields}
 
 
-def failure_text(e: dict) -> str:
+def failure_text(e: EventLine) -> str:
     """What one failure event (FAILURE_EVENTS) says, in a line: a live check names the step, the phase and
-    the group whose copies differ; a failed rank or job its error or reason."""
-    if e.get("event") == Event.LIVE_CHECK_FAILED:
-        return f"step {e.get('step')}: {e.get('phase')} copies over group {e.get('group')} differ"
-    return str(e.get("reason") or e.get("error"))
+    the group whose copies differ; a failed rank or job its error or reason (`RankFailed.error`,
+    `JobFailed.reason`; either kind may carry the other's as an extra, from another writer)."""
+    if isinstance(e, LiveCheckFailed):
+        return f"step {e.step}: {e.phase} copies over group {e.group} differ"
+    return str(getattr(e, "reason", None) or getattr(e, "error", None))
 
 
 @dataclass
@@ -187,27 +198,31 @@ def collectives(run: Run) -> CollectiveFacts:
 
 @dataclass
 class MemoryFacts(JsonDoc):
-    memory: list[dict]  # the ledger's lines, every rank (memory/rank-N.jsonl)
+    memory: list[MemoryLine] = as_stored()  # the ledger's lines, every rank (memory/rank-N.jsonl)
 
-    def last_per_rank(self) -> list[tuple[Any, dict]]:
-        """Each rank's last ledger line, by rank."""
-        last: dict = {}
-        for r in self.memory:
-            if isinstance(r, dict):
-                last[r.get("rank")] = r
+    def last_per_rank(self) -> list[tuple[int, MemoryLine]]:
+        """Each rank's last ledger line, by rank (in file order: the last line a rank wrote)."""
+        last = {r.rank: r for r in self.memory}
         return sorted(last.items(), key=lambda kv: str(kv[0]))
 
 
+def memory_lines(run: Run, rank: int, torn: list | None = None) -> list[MemoryLine]:
+    """`memory/rank-N.jsonl` as MemoryLine models (`Run.memory` validates each line and hands on the line
+    as stored; the models are built again from them here, a few lines a step)."""
+    p = run.rank_path("memory", rank)
+    return [MemoryLine.parse_line(rec, p, n) for n, rec in enumerate(run.memory(rank, torn), 1)]
+
+
 def memory(run: Run) -> MemoryFacts:
-    rows: list[dict] = []
+    rows: list[MemoryLine] = []
     for rank in run.ranks("memory"):
-        rows += list(run.memory(rank, []))
+        rows += memory_lines(run, rank, [])
     return MemoryFacts(rows)
 
 
 @dataclass
 class EventFacts(JsonDoc):
-    events: list[dict]
+    events: list[EventLine] = as_stored()
 
 
 @dataclass
@@ -268,7 +283,7 @@ def gather(run_dir: Path | str, view: str):
         return collectives(run)
     if view == "memory":
         return memory(run)
-    return EventFacts(run.events().records)
+    return EventFacts(run.event_lines())
 
 
 def export_records(run: Run, out) -> int:

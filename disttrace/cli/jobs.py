@@ -5,7 +5,6 @@ or one JSON document)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import typer
 from rich.markup import escape
@@ -25,9 +24,6 @@ from disttrace.cli import (
     parse_params,
 )
 from disttrace.errors import EXIT_JOB_FAILED, BadInput, JobFailed
-
-if TYPE_CHECKING:  # imported where a calibration runs: the CLI starts without it
-    from disttrace.analysis.calibration import CalibrationDoc
 
 
 def _run_job_and_report(
@@ -222,7 +218,9 @@ def _launch_and_calibrate(
         path, doc = _calibration(frozen, out, safety, reference=run_dir)
         extra["calibration"] = str(path)
         if not json_:
-            _print_calibration(path, doc)
+            from disttrace.views.calibration import render_calibration
+
+            render_calibration(doc, path, cli.err)
 
     _run_job_and_report(run_dir, json_, job, f"launching {run_dir}", extra=extra)
 
@@ -320,7 +318,9 @@ def calibrate(
     if json_:
         emit_json({**doc.to_dict(), "file": str(path)})
         return
-    _print_calibration(path, doc)
+    from disttrace.views.calibration import render_calibration
+
+    render_calibration(doc, path, cli.err)
     print(path)
 
 
@@ -352,26 +352,6 @@ def _calibration(frozen, out: Path, safety: float, reference: Path | None = None
     path = Path(out) / frozen.manifest_id[:12] / "calibration.json"
     write_json_atomic(path, doc.to_dict())
     return path, doc
-
-
-def _print_calibration(path: Path, doc: CalibrationDoc) -> None:
-    cli.err.print(
-        Text(
-            f"repeat run bit-identical: {doc.repeat_bit_identical} (max rel err "
-            f"{doc.repeat_max_rel_err:.2e}); perturbation {doc.perturbation.relative:.2e} "
-            f"relative; noise taken on the {doc.scale} scale"
-        )
-    )
-    for step, phases in doc.noise.items():
-        cli.err.print(
-            Text(f"  step {step}: " + ", ".join(f"{p} {v:.2e}" for p, v in phases.items()))
-        )
-    cli.err.print(
-        Text(
-            f"calibrated bound = {doc.safety:g} x noise, per step, phase and tensor class "
-            f"({', '.join(doc.classes)}), written to {path}"
-        )
-    )
 
 
 @app.command()

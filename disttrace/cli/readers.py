@@ -41,19 +41,21 @@ def plan(
 
     if params is not None:
         result = plan_mod.plan_cli_args(
-            params,
-            dp,
-            tp,
-            pp,
-            zero_stage,
-            optimizer,
-            precision,
-            seq,
-            micro_batch,
-            hidden,
-            heads,
-            layers,
-            micro_batches,
+            plan_mod.PlanRequest(
+                params,
+                dp=dp,
+                tp=tp,
+                pp=pp,
+                zero_stage=zero_stage,
+                optimizer=optimizer,
+                precision=precision,
+                seq=seq,
+                micro_batch=micro_batch,
+                hidden=hidden,
+                heads=heads,
+                n_layers=layers,
+                micro_batches=micro_batches,
+            )
         )
     else:
         frozen_doc = _plan_manifest(manifest, set_)

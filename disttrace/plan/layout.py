@@ -3,7 +3,7 @@ given on the command line or read from a manifest, as a `Plan` (its `--json` doc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from disttrace.errors import BadInput
@@ -25,6 +25,28 @@ from disttrace.plan.costs import (
     optimizer_bytes_per_param,
     parse_count,
 )
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """The layout a plan is asked for: what `plan` and `plan_cli_args` take (a plan's `inputs` state it back,
+    normalised). `params` is the parameter count; `plan_cli_args` also takes it as '7.5B'-style text, or None
+    to estimate it from hidden and n_layers."""
+
+    params: int | str | None = None
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero_stage: int = 0
+    optimizer: str = "adam"
+    precision: str = "mixed"
+    seq: int | None = None
+    micro_batch: int = 1
+    hidden: int | None = None
+    heads: int | None = None
+    n_layers: int | None = None
+    micro_batches: int = 1  # pipeline micro-batches per step
+    pp_schedule: str = "1f1b"
 
 
 @dataclass
@@ -90,71 +112,54 @@ class Plan(JsonDoc):
     model: PlanModel | None = omit_none()  # planned from a manifest
 
 
-def plan(
-    params: int,
-    dp: int = 1,
-    tp: int = 1,
-    pp: int = 1,
-    zero_stage: int = 0,
-    optimizer: str = "adam",
-    precision: str = "mixed",
-    seq: int | None = None,
-    micro_batch: int = 1,
-    hidden: int | None = None,
-    heads: int | None = None,
-    n_layers: int | None = None,
-    micro_batches: int = 1,
-    pp_schedule: str = "1f1b",
-) -> Plan:
-    """Everything above for one layout.
+def plan(req: PlanRequest) -> Plan:
+    """Everything above for one layout (`req.params` a count).
 
     Tensor and pipeline parallelism each hold a 1/(tp*pp) slice of the model, so the model-state and
     data-parallel traffic figures use Psi_local = ceil(Psi / (tp*pp)) (embeddings and norms are assumed to
     split evenly too, which real layouts only approximate).
     """
-    _check_layout(params, dp, tp, pp, zero_stage, micro_batch, micro_batches)
-    precision = _precision(precision)
-    optimizer = _optimizer(optimizer)
+    _check_layout(
+        req.params, req.dp, req.tp, req.pp, req.zero_stage, req.micro_batch, req.micro_batches
+    )
+    req = replace(req, precision=_precision(req.precision))
+    req = replace(req, optimizer=_optimizer(req.optimizer))
+    params, dp, tp, pp, precision = req.params, req.dp, req.tp, req.pp, req.precision
     bytes_ = PRECISIONS[precision]
 
     local = -(-params // (tp * pp))  # the slice of the model one model-parallel rank owns
-    breakdown = {str(s): model_state_bytes(local, dp, s, optimizer, precision) for s in ZERO_STAGES}
+    breakdown = {
+        str(s): model_state_bytes(local, dp, s, req.optimizer, precision) for s in ZERO_STAGES
+    }
 
     activations, per_device = _activations(
-        seq, micro_batch, hidden, heads, tp, pp, n_layers, micro_batches, pp_schedule, bytes_
+        req.seq,
+        req.micro_batch,
+        req.hidden,
+        req.heads,
+        tp,
+        pp,
+        req.n_layers,
+        req.micro_batches,
+        req.pp_schedule,
+        bytes_,
     )
 
     return Plan(
         params=params,
         params_per_model_parallel_rank=local,
-        zero_stage=zero_stage,
-        inputs=PlanInputs(
-            params=params,
-            dp=dp,
-            tp=tp,
-            pp=pp,
-            zero_stage=zero_stage,
-            optimizer=optimizer,
-            precision=precision,
-            seq=seq,
-            micro_batch=micro_batch,
-            hidden=hidden,
-            heads=heads,
-            n_layers=n_layers,
-            micro_batches=micro_batches,
-            pp_schedule=pp_schedule,
-            world_size=dp * tp * pp,
-        ),
+        zero_stage=req.zero_stage,
+        inputs=PlanInputs(**asdict(req), world_size=dp * tp * pp),
         bytes_per_param=BytesPerParam(
             weights=bytes_["weights"],
             grads=bytes_["grads"],
-            optimizer_K=optimizer_bytes_per_param(optimizer, precision),
+            optimizer_K=optimizer_bytes_per_param(req.optimizer, precision),
         ),
         model_state_bytes_per_device={s: b["total"] for s, b in breakdown.items()},
         model_state_breakdown_per_device=breakdown,
         activation_bytes_per_layer=activations,
         activation_bytes_per_device=per_device,
-        bubble_fraction=bubble_fraction(pp, micro_batches),
+        bubble_fraction=bubble_fraction(pp, req.micro_batches),
         comm_bytes_per_device=comm_bytes_per_device(local, dp, bytes_["grads"]),
     )
 
@@ -260,20 +265,22 @@ def plan_from_manifest(manifest: Any) -> Plan:
     schedule = _need(par, "parallelism", "pp_schedule", "1f1b")
     try:
         result = plan(
-            params,
-            dp=_field("parallelism", par, "dp"),
-            tp=_field("parallelism", par, "tp", 1),
-            pp=_field("parallelism", par, "pp", 1),
-            zero_stage=zero_stage,
-            optimizer=_MANIFEST_OPTIMIZER[opt],
-            precision=_DTYPE_PRECISION[dtype],
-            seq=shape.max_seq_len,
-            micro_batch=_field("training", train, "micro_batch_size"),
-            hidden=shape.dim,
-            heads=shape.n_heads,
-            n_layers=shape.n_layers,
-            micro_batches=_field("training", train, "grad_accum_steps", 1),
-            pp_schedule=schedule,
+            PlanRequest(
+                params,
+                dp=_field("parallelism", par, "dp"),
+                tp=_field("parallelism", par, "tp", 1),
+                pp=_field("parallelism", par, "pp", 1),
+                zero_stage=zero_stage,
+                optimizer=_MANIFEST_OPTIMIZER[opt],
+                precision=_DTYPE_PRECISION[dtype],
+                seq=shape.max_seq_len,
+                micro_batch=_field("training", train, "micro_batch_size"),
+                hidden=shape.dim,
+                heads=shape.n_heads,
+                n_layers=shape.n_layers,
+                micro_batches=_field("training", train, "grad_accum_steps", 1),
+                pp_schedule=schedule,
+            )
         )
     except ValueError as e:
         raise BadInput("manifest", str(e)) from None
@@ -323,51 +330,23 @@ def _plan_model(model: dict) -> PlanModel:
     return PlanModel(dim, n_layers, n_heads, n_kv_heads, vocab, seq, ffn)
 
 
-def plan_cli_args(
-    params: int | str | None,
-    dp: int = 1,
-    tp: int = 1,
-    pp: int = 1,
-    zero_stage: int = 0,
-    optimizer: str = "adam",
-    precision: str = "mixed",
-    seq: int | None = None,
-    micro_batch: int = 1,
-    hidden: int | None = None,
-    heads: int | None = None,
-    layers: int | None = None,
-    micro_batches: int = 1,
-) -> Plan:
-    """What `disttrace plan --params 7.5B --dp 64 ...` runs. params may be '7.5B'-style text; without it,
-    hidden and layers give the 12*L*h^2 estimate (noted in inputs.params_source). Errors raise BadInput
+def plan_cli_args(req: PlanRequest) -> Plan:
+    """What `disttrace plan --params 7.5B --dp 64 ...` runs. `req.params` may be '7.5B'-style text; without it,
+    hidden and n_layers give the 12*L*h^2 estimate (noted in inputs.params_source). Errors raise BadInput
     naming the option."""
     source = "given"
     try:
-        if params is None:
-            if hidden is None or layers is None:
+        if req.params is None:
+            if req.hidden is None or req.n_layers is None:
                 raise BadInput("--params", "give --params, or --hidden and --layers to estimate it")
-            count = estimate_params(hidden, layers)
+            count = estimate_params(req.hidden, req.n_layers)
             source = "estimated as 12*layers*hidden^2 (Kaplan et al. 2020), embeddings left out"
         else:
-            count = parse_count(params)
+            count = parse_count(req.params)
     except ValueError as e:
         raise BadInput("--params", str(e)) from None
     try:
-        result = plan(
-            count,
-            dp=dp,
-            tp=tp,
-            pp=pp,
-            zero_stage=zero_stage,
-            optimizer=optimizer,
-            precision=precision,
-            seq=seq,
-            micro_batch=micro_batch,
-            hidden=hidden,
-            heads=heads,
-            n_layers=layers,
-            micro_batches=micro_batches,
-        )
+        result = plan(replace(req, params=count))
     except ValueError as e:
         raise BadInput("disttrace plan", str(e)) from None
     result.inputs.params_source = source

@@ -591,6 +591,19 @@ class RunInfo(_Line):
     perturb: Perturb | None = None
     depth: Any = None  # an attached replay at depth: checked by run/depth.py's attached_spec
 
+    @model_validator(mode="wrap")
+    @classmethod
+    def _nested_as_read(cls, data: Any, handler):
+        """Each nested line (fault, resume, replay, perturb) keeps the object it was validated from, so that
+        its `as_read()` is run.json's part as stored, as the whole line's is."""
+        out = handler(data)
+        if isinstance(data, dict):
+            for name in ("fault", "resume", "replay", "perturb"):
+                part = getattr(out, name)
+                if isinstance(part, _Line) and isinstance(data.get(name), dict):
+                    part._read = data[name]
+        return out
+
     def updated(self, **fields: Any) -> RunInfo:
         """A copy with `fields` set (validated), the others as they were stated."""
         return type(self).model_validate({**self.doc(), **fields})

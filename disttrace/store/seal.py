@@ -160,6 +160,16 @@ def step_data_match(data: bytes, entry: dict) -> bool | None:
     fast, want = entry.get("xxh3"), entry.get("sha256")
     if fast is None and want is None:
         return None
-    if len(data) != entry["length"]:
+    return step_data_match_hashes(data, entry["length"], fast, want)
+
+
+def step_data_match_hashes(data: bytes, length: int, xxh3, sha256) -> bool | None:
+    """step_data_match on an index line's fields: its length, its xxh3 (the line's hex, or those 16 bytes) and
+    its sha256; None: it holds neither hash."""
+    if xxh3 is None and sha256 is None:
+        return None
+    if len(data) != length:
         return False
-    return step_fast_hash(data) == fast if fast is not None else step_hash(data) == want
+    if isinstance(xxh3, bytes):
+        return xxhash.xxh3_128_digest(data) == xxh3
+    return step_fast_hash(data) == xxh3 if xxh3 is not None else step_hash(data) == sha256

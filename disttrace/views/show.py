@@ -17,7 +17,7 @@ from disttrace.analysis.facts import (
     TopologyFacts,
     failure_text,
 )
-from disttrace.store.records import Topology
+from disttrace.store.records import MemoryLine, Topology
 
 COLOURS = ["cyan", "magenta", "green", "yellow", "blue", "red"]
 
@@ -41,12 +41,12 @@ def render_summary(s: RunSummary, console: Console, topology: TopologyFacts | No
         f = s.fault
         fired = T("fired") if s.fault_fired else T("did not fire", "yellow")
         console.print(
-            T(f"fault: {f['name']} at step {f['step']} rank {f['rank']} (")
+            T(f"fault: {f.name} at step {f.step} rank {f.rank} (")
             + fired
-            + T(f"); expected first divergence: {f.get('expect')}")
+            + T(f"); expected first divergence: {f.expect}")
         )
     if s.resume:
-        console.print(T(f"resumed from {s.resume['checkpoint']} (step {s.resume['step']})"))
+        console.print(T(f"resumed from {s.resume.checkpoint} (step {s.resume.step})"))
     if s.loss:
         console.print("loss: " + "  ".join(f"{k}:{v:.4f}" for k, v in s.loss.items()))
     if s.step_seconds:
@@ -56,7 +56,7 @@ def render_summary(s: RunSummary, console: Console, topology: TopologyFacts | No
             f"{s.records} trajectory records"
         )
     for f in s.failures[:3]:
-        console.print(T(f.get("event"), "red") + T(f": {failure_text(f)}"), soft_wrap=True)
+        console.print(T(f.event, "red") + T(f": {failure_text(f)}"), soft_wrap=True)
     for st in s.stragglers[:3]:
         console.print(
             T("straggler", "yellow")
@@ -208,22 +208,26 @@ def render_memory(facts: MemoryFacts, console: Console) -> None:
     for col in MEMORY_COLUMNS:
         tab.add_column(col, justify="right")
     for r in facts.memory:
-        pred = r.get("predicted")
-        cells = {**r, "predicted": pred.get("total") if isinstance(pred, dict) else pred}
-        tab.add_row(*[Text(str(cells.get(c, "-"))) for c in MEMORY_COLUMNS])
+        tab.add_row(*[Text(str(_memory_cell(r, c))) for c in MEMORY_COLUMNS])
     console.print(tab)
     for rank, r in facts.last_per_rank():  # the gap of each rank's last step, named
-        pred = r.get("predicted") if isinstance(r.get("predicted"), dict) else {}
+        total = r.predicted.total if r.predicted is not None else None
         console.print(
             Text(
-                f"rank {rank} step {r.get('step')}: measured {r.get('measured_total')} B, "
-                f"predicted (ZeRO formula) {pred.get('total')} B"
+                f"rank {rank} step {r.step}: measured {r.measured_total} B, "
+                f"predicted (ZeRO formula) {total} B"
             )
         )
-        for g in r.get("gap_bytes") or []:
-            if isinstance(g, dict):
-                why = f" ({g['why']})" if g.get("why") else ""
-                console.print(Text(f"  gap: {g.get('what')}: {g.get('bytes')} B{why}"))
+        for g in r.gap_bytes or []:
+            why = f" ({g.why})" if g.why else ""
+            console.print(Text(f"  gap: {g.what}: {g.bytes} B{why}"))
+
+
+def _memory_cell(r: MemoryLine, column: str):
+    """One cell of the ledger's table: "-" where the line leaves the field out; predicted: its total."""
+    if column == "predicted":
+        return r.predicted.total if r.predicted is not None else None
+    return getattr(r, column) if column in r.model_fields_set else "-"
 
 
 def render_record_counts(res: RecordCounts, console: Console) -> None:
@@ -239,7 +243,7 @@ def render_record_counts(res: RecordCounts, console: Console) -> None:
 
 def render_events(facts: EventFacts, console: Console) -> None:
     for e in facts.events:
-        console.print(e)
+        console.print(e.as_read())
 
 
 def render(facts, console: Console, topology: Topology | None = None) -> None:

@@ -152,7 +152,7 @@ def _logicals(recs_by_rank: dict[int, list[dict]], phases) -> dict[tuple[str, st
 def _step_records(side: _Side, step: int) -> tuple[dict[int, list[dict]], dict | None]:
     """(records by rank, Arrow batches by rank when every rank's trajectory is an Arrow stream)."""
     if side.ranks and all(trajectory.is_arrow(side.traj_path(r)) for r in side.ranks):
-        batches = {r: side.batch(r, step) for r in side.ranks if side.entry(r, step) is not None}
+        batches = {r: side.batch(r, step) for r in side.ranks if side.has(r, step)}
         return {}, batches
     return {r: side.records(r, step) for r in side.ranks}, None
 

@@ -24,11 +24,14 @@ _HEX32 = re.compile(r"[0-9a-f]{32}")
 
 
 class StepEntries(Mapping):
-    """One rank's step index as a side keeps it, step -> entry: the fields diff reads (offset, length,
-    records, the digest of digests, the step's xxh3, its sha256 where no xxh3 was written) in arrays, ~64 bytes
-    a step, each entry's dict built when asked for. The lines as parsed are ~1 KB a step (the chain and the
-    times are checked on reading and not needed after): held for every rank, they were what a diff's memory
-    grew by with the number of steps."""
+    """One rank's step index as a side keeps it: the fields diff reads (offset, length, records, the digest of
+    digests, the step's xxh3, its sha256 where no xxh3 was written) in arrays, ~64 bytes a step. The lines as
+    parsed are ~1 KB a step (the chain and the times are checked on reading and not needed after): held for
+    every rank, they were what a diff's memory grew by with the number of steps.
+
+    Readers ask for what they read, by step (`span`, `records`, `same_digest`, `hash_match`: nothing built
+    per call but the answer); as a Mapping, step -> the entry as a dict of those fields (`line`), for a reader
+    that wants the line."""
 
     __slots__ = ("_first", "_steps", "_ints", "_digest", "_xxh3", "_odd")
 
@@ -71,24 +74,71 @@ class StepEntries(Mapping):
         row = int(np.searchsorted(self._steps, step))
         return row if row < len(self._steps) and self._steps[row] == step else None
 
-    def __getitem__(self, step: int) -> dict:
+    def _held(self, step) -> int:
         row = self._row(step)
         if row is None:
             raise KeyError(step)
-        offset, length, records = self._ints[row].tolist()
-        odd = self._odd
-        at = 16 * row
+        return row
+
+    def span(self, step: int) -> tuple[int, int]:
+        """The step's byte range in the trajectory: (offset, length)."""
+        offset, length, _ = self._ints[self._held(step)].tolist()
+        return offset, length
+
+    def records(self, step: int):
+        """The step's record count as its line states it (None: not stated)."""
+        row = self._held(step)
+        n = int(self._ints[row, 2])
+        return n if n >= 0 else self._odd.get((row, "records"))
+
+    def _blob(self, blob: bytes, row: int, key: str):
+        """A 16-byte hash of the row (digest or xxh3), or what the line held instead (kept as it was)."""
+        if (row, key) in self._odd:
+            return self._odd[row, key]
+        return blob[16 * row : 16 * row + 16]
+
+    def same_digest(self, step: int, other: StepEntries, other_step: int | None = None) -> bool:
+        """Both lines state a digest of digests (and a record count), and they are equal: the step is skipped
+        if its bytes are the same too. A digest held as bytes (lowercase hex on the line) never equals one kept
+        as it was (any other value), as their lines' strings never did."""
+        o_step = step if other_step is None else other_step
+        mine = self._blob(self._digest, self._held(step), "digest")
+        theirs = other._blob(other._digest, other._held(o_step), "digest")
+        return (
+            mine is not None
+            and isinstance(mine, bytes) == isinstance(theirs, bytes)
+            and mine == theirs
+            and self.records(step) == other.records(o_step)
+        )
+
+    def hash_match(self, step: int, data: bytes) -> bool | None:
+        """Whether `data` (the step's bytes) hash to the line's xxh3 (or sha256); None: it holds neither."""
+        row = self._held(step)
+        return seal.step_data_match_hashes(
+            data,
+            int(self._ints[row, 1]),
+            self._blob(self._xxh3, row, "xxh3"),
+            self._odd.get((row, "sha256")),
+        )
+
+    def line(self, step: int) -> dict:
+        """The step's entry as a dict of the fields kept: step, offset, length, records, digest, xxh3 (hex, or
+        what the line held), sha256."""
+        row = self._held(step)
+        offset, length = self.span(step)
+        digest, xxh3 = self._blob(self._digest, row, "digest"), self._blob(self._xxh3, row, "xxh3")
         return {
             "step": step,
             "offset": offset,
             "length": length,
-            "records": records if records >= 0 else odd.get((row, "records")),
-            "digest": odd[row, "digest"]
-            if (row, "digest") in odd
-            else self._digest[at : at + 16].hex(),
-            "xxh3": odd[row, "xxh3"] if (row, "xxh3") in odd else self._xxh3[at : at + 16].hex(),
-            "sha256": odd.get((row, "sha256")),
+            "records": self.records(step),
+            "digest": digest.hex() if isinstance(digest, bytes) else digest,
+            "xxh3": xxh3.hex() if isinstance(xxh3, bytes) else xxh3,
+            "sha256": self._odd.get((row, "sha256")),
         }
+
+    def __getitem__(self, step: int) -> dict:
+        return self.line(step)
 
     def __iter__(self):
         if self._first is not None:
@@ -287,18 +337,37 @@ class _Side:
         return {e.get("sketch") or 1 for e in lines if e.get("step") in entries} or {1}
 
     def entry(self, rank: int, step: int) -> dict | None:
+        """The rank's index entry of the step as a dict (StepEntries.line), None where it has none; what is read
+        of it has its own accessor below, which builds none."""
         return self.index.get(rank, {}).get(step)
+
+    def has(self, rank: int, step: int) -> bool:
+        """The rank's index holds the step."""
+        idx = self.index.get(rank)
+        return idx is not None and step in idx
+
+    def record_count(self, rank: int, step: int):
+        """The step's record count as the rank's index states it (None: not stated, or no such step)."""
+        return self.index[rank].records(step) if self.has(rank, step) else None
+
+    def same_digest(self, rank: int, step: int, other: _Side) -> bool:
+        """Both sides' index lines of the rank's step state the same digest of digests and record count."""
+        return (
+            self.has(rank, step)
+            and other.has(rank, step)
+            and self.index[rank].same_digest(step, other.index[rank])
+        )
 
     def step_bytes(self, rank: int, step: int) -> bytes | None:
         """The step's raw bytes, checked against the hash its index line holds (a trajectory edited after the
         run is refused). Kept for the next read of the same step, which then decodes the bytes hashed."""
         if self._last_bytes is not None and self._last_bytes[0] == (rank, step):
             return self._last_bytes[1]
-        e = self.entry(rank, step)
-        if e is None:
+        if not self.has(rank, step):
             return None
-        data = trajectory.read_range(self.traj_path(rank), e["offset"], e["length"])
-        self._hash_checked(rank, step, seal.step_data_match(data, e))
+        idx = self.index[rank]
+        data = trajectory.read_range(self.traj_path(rank), *idx.span(step))
+        self._hash_checked(rank, step, idx.hash_match(step, data))
         self._last_bytes = ((rank, step), data)
         return data
 
@@ -306,12 +375,13 @@ class _Side:
         """The steps' raw bytes, not yet checked (the caller checks each with `checked`, in its order): steps
         that lie one after another in the file are read in one range, so a rank's file is opened once a block
         of steps, not once a step."""
-        return self._ranges(rank, self.traj_path(rank), [self.entry(rank, s) for s in steps])
+        idx = self.index[rank]
+        return self._ranges(rank, self.traj_path(rank), [idx.span(s) for s in steps])
 
     def checked(self, rank: int, step: int, data: bytes) -> bytes:
         """`data` (the step's bytes from raw_steps) checked against the hash its index line holds, as
         step_bytes checks them."""
-        self._hash_checked(rank, step, seal.step_data_match(data, self.entry(rank, step)))
+        self._hash_checked(rank, step, self.index[rank].hash_match(step, data))
         return data
 
     def check_step(self, rank: int, step: int) -> None:
@@ -329,11 +399,10 @@ class _Side:
             self._count(step, hashed=1)
 
     def records(self, rank: int, step: int) -> list[dict]:
-        e = self.entry(rank, step)
-        if e is None:
+        if not self.has(rank, step):
             return []
         self.check_step(rank, step)
-        recs = self.run.records_of_range(rank, e["offset"], e["length"], e.get("step"))
+        recs = self.run.records_of_range(rank, *self.index[rank].span(step), step)
         self._count(step, records=len(recs))
         return recs
 
@@ -345,9 +414,8 @@ class _Side:
     def batch(self, rank: int, step: int):
         """The step's Arrow record batch (hash-checked), or None for a JSON-lines store or a missing step.
         With `read_ahead`, the rank's following steps are decoded with it (a block) and kept for their turn."""
-        e = self.entry(rank, step)
         path = self.traj_path(rank)
-        if e is None or not trajectory.is_arrow(path):
+        if not self.has(rank, step) or not trajectory.is_arrow(path):
             return None
         kept = self._ahead.pop((rank, step), None)
         if kept is not None:
@@ -361,9 +429,8 @@ class _Side:
                     self._ahead[(rank, s)] = batch.slice(a, b - a)
                 return self._ahead.pop((rank, step))
         data = self.step_bytes(rank, step)  # the bytes decoded are the bytes hashed
-        b = trajectory.decode_step(
-            path, data, f"step {step} (bytes {e['offset']}..{e['offset'] + e['length']})"
-        )
+        offset, length = self.index[rank].span(step)
+        b = trajectory.decode_step(path, data, f"step {step} (bytes {offset}..{offset + length})")
         self._count(step, records=b.num_rows)
         return b
 
@@ -372,15 +439,14 @@ class _Side:
         step's first row; None for a JSON-lines store. Steps that lie one after the other in the file are read
         in one range and decoded together (trajectory.decode_steps: a step's fixed cost paid once a block)."""
         path = self.traj_path(rank)
-        entries = [self.entry(rank, s) for s in steps]
-        if not trajectory.is_arrow(path) or any(e is None for e in entries):
+        if not trajectory.is_arrow(path) or not all(self.has(rank, s) for s in steps):
             return None
+        idx = self.index[rank]
+        spans = [idx.span(s) for s in steps]
         parts = []
-        for e, data in zip(entries, self._ranges(rank, path, entries)):
-            self._hash_checked(rank, e["step"], seal.step_data_match(data, e))
-            parts.append(
-                (data, f"step {e['step']} (bytes {e['offset']}..{e['offset'] + e['length']})")
-            )
+        for s, (offset, length), data in zip(steps, spans, self._ranges(rank, path, spans)):
+            self._hash_checked(rank, s, idx.hash_match(s, data))
+            parts.append((data, f"step {s} (bytes {offset}..{offset + length})"))
         batch, starts = trajectory.decode_steps(path, parts)
         # counted per step, as a step read alone is: results of ranks or steps read elsewhere then combine
         ends = np.append(starts[1:], batch.num_rows)
@@ -401,37 +467,37 @@ class _Side:
             return [step]
         out, rows, width = [], 0, max(1, len(self.ranks))
         for s in self._order_steps[at:]:
-            e = self.entry(rank, s)
-            if e is None:
+            if not self.has(rank, s):
                 break
-            rows += width * int(e.get("records") or 0)
+            rows += width * int(self.index[rank].records(s) or 0)
             if out and rows > self.read_ahead:
                 break
             out.append(s)
         return out
 
-    def _ranges(self, rank: int, path: Path, entries: list[dict]) -> list[bytes]:
-        """Each entry's bytes; a run of entries that follow one another in the file in one read."""
+    def _ranges(self, rank: int, path: Path, spans: list[tuple[int, int]]) -> list[bytes]:
+        """Each (offset, length)'s bytes; a run of spans that follow one another in the file in one read."""
         out: list[bytes] = []
         i = 0
-        while i < len(entries):
-            j, end, span = i + 1, entries[i]["offset"] + entries[i]["length"], entries[i]["length"]
+        while i < len(spans):
+            first, first_len = spans[i]
+            j, end, span = i + 1, first + first_len, first_len
             while (
-                j < len(entries)
-                and entries[j]["offset"] == end
-                and min(entries[i]["length"], entries[j]["length"]) >= 0
-                and span + entries[j]["length"] <= _SPAN
+                j < len(spans)
+                and spans[j][0] == end
+                and min(first_len, spans[j][1]) >= 0
+                and span + spans[j][1] <= _SPAN
             ):
-                end += entries[j]["length"]
-                span += entries[j]["length"]
+                end += spans[j][1]
+                span += spans[j][1]
                 j += 1
             if j == i + 1:
-                out.append(trajectory.read_range(path, entries[i]["offset"], entries[i]["length"]))
+                out.append(trajectory.read_range(path, first, first_len))
             else:
-                data = memoryview(trajectory.read_range(path, entries[i]["offset"], span))
-                for e in entries[i:j]:
-                    at = e["offset"] - entries[i]["offset"]
-                    out.append(bytes(data[at : at + e["length"]]))
+                data = memoryview(trajectory.read_range(path, first, span))
+                for offset, length in spans[i:j]:
+                    at = offset - first
+                    out.append(bytes(data[at : at + length]))
             i = j
         return out
 

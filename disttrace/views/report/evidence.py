@@ -3,12 +3,8 @@ checkpoints and the gate's verdict."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from disttrace.fmt import fmt_number
-
-if TYPE_CHECKING:
-    pass
+from disttrace.store.records import MemoryLine, ModelStateBytes
 from disttrace.views.report.parts import (
     _R,
     NOT_RECORDED,
@@ -61,16 +57,16 @@ def _memory(rs: list[_R]) -> str:
     )
 
 
-def _memory_row(r: _R, rec: dict, footnotes: list[str]) -> list[str]:
+def _memory_row(r: _R, rec: MemoryLine, footnotes: list[str]) -> list[str]:
     """One ledger line (a rank's last recorded step) as a table row; its gap notes join `footnotes`."""
-    pred = rec.get("predicted") if isinstance(rec.get("predicted"), dict) else {}
-    ratio = rec.get("ratio_model_state")
+    pred = rec.predicted or ModelStateBytes()
+    ratio = rec.ratio_model_state
     if isinstance(ratio, (int, float)):
         kind = "ok" if abs(ratio - 1) <= 0.05 else "warn" if abs(ratio - 1) <= 0.25 else "bad"
         ratio_html = _badge(f"{ratio:.4f}", kind)
     else:
         ratio_html = '<span class="nr">-</span>'
-    gap = [str(g) for g in rec.get("gap") or []]
+    gap = [str(g) for g in rec.gap or []]
     marks = []
     for g in gap:
         if g not in footnotes:
@@ -78,26 +74,17 @@ def _memory_row(r: _R, rec: dict, footnotes: list[str]) -> list[str]:
         marks.append(f'<sup class="fn">[{footnotes.index(g) + 1}]</sup>')
     return [
         r.tag_html(),
-        _td_num(e(rec.get("rank"))),
-        _td_num(e(rec.get("step"))),
+        _td_num(e(rec.rank)),
+        _td_num(e(rec.step)),
+        _td_num(e(_bytes(rec.params)), f"{rec.params} B · predicted {pred.params} B"),
+        _td_num(e(_bytes(rec.grads)), f"{rec.grads} B · predicted {pred.grads} B"),
+        _td_num(e(_bytes(rec.optimizer)), f"{rec.optimizer} B · predicted {pred.optimizer} B"),
         _td_num(
-            e(_bytes(rec.get("params"))),
-            f"{rec.get('params')} B · predicted {pred.get('params')} B",
-        ),
-        _td_num(
-            e(_bytes(rec.get("grads"))),
-            f"{rec.get('grads')} B · predicted {pred.get('grads')} B",
-        ),
-        _td_num(
-            e(_bytes(rec.get("optimizer"))),
-            f"{rec.get('optimizer')} B · predicted {pred.get('optimizer')} B",
-        ),
-        _td_num(
-            f"<b>{e(_bytes(rec.get('model_state')))}</b> / {e(_bytes(pred.get('total')))}",
-            f"{rec.get('model_state')} B measured / {pred.get('total')} B predicted",
+            f"<b>{e(_bytes(rec.model_state))}</b> / {e(_bytes(pred.total))}",
+            f"{rec.model_state} B measured / {pred.total} B predicted",
         ),
         f'<td class="num">{ratio_html}</td>',
-        _td_num(e(_bytes(rec.get("activations_saved")))),
+        _td_num(e(_bytes(rec.activations_saved))),
         " ".join(marks) or '<span class="muted">none</span>',
     ]
 
@@ -164,9 +151,11 @@ def _checkpoints(rs: list[_R]) -> str:
             )
             continue
         cks = r.evidence.checkpoints.checkpoints
-        resume = r.info.get("resume") if isinstance(r.info.get("resume"), dict) else None
-        if resume:
-            name += f'<div class="muted small">resumed from <code>{e(resume.get("checkpoint"))}</code></div>'
+        resume = r.info.resume
+        if resume is not None:
+            name += (
+                f'<div class="muted small">resumed from <code>{e(resume.checkpoint)}</code></div>'
+            )
         if not cks:
             rows.append([name, f'<td colspan="4" class="nr">checkpoints {NOT_RECORDED}</td>'])
             continue

@@ -171,7 +171,7 @@ class _R:
         self.index = index
         state = evidence.state
         self.info, self.info_error = state.info, state.info_error
-        self.kind = self.info.get("path") or "?"
+        self.kind = self.info.path or "?"
         self.complete = state.complete
 
     def status_badge(self) -> str:

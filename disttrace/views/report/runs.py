@@ -58,13 +58,11 @@ def _what_happened(r: _R) -> list[str]:
     from disttrace.analysis.facts import failure_text
 
     info = r.info
-    fault = info.get("fault")
-    resume = info.get("resume")
+    fault, resume = info.fault, info.resume
     what = []
-    if fault:
+    if fault is not None:
         what.append(
-            f"fault <code>{e(fault.get('name'))}</code> at step {e(fault.get('step'))} "
-            f"rank {e(fault.get('rank'))}"
+            f"fault <code>{e(fault.name)}</code> at step {e(fault.step)} rank {e(fault.rank)}"
         )
         fired = r.evidence.state.fault_fired
         if fired is not None:
@@ -74,12 +72,10 @@ def _what_happened(r: _R) -> list[str]:
             )
         else:
             what.append('<span class="warn">no fault_fired event recorded</span>')
-    if isinstance(resume, dict):
-        what.append(
-            f"resumed from <code>{e(resume.get('checkpoint'))}</code> (step {e(resume.get('step'))})"
-        )
+    if resume is not None:
+        what.append(f"resumed from <code>{e(resume.checkpoint)}</code> (step {e(resume.step)})")
     for f in r.evidence.state.failures:
-        what.append(f'<span class="bad">{e(f.get("event"))}: {e(failure_text(f))}</span>')
+        what.append(f'<span class="bad">{e(f.event)}: {e(failure_text(f))}</span>')
     if r.info_error:
         what.append(f'<span class="bad">run.json: {e(r.info_error)}</span>')
     return what
