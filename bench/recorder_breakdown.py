@@ -7,12 +7,14 @@ whole and operation by operation:
     python bench/recorder_breakdown.py [--repeats 7] [--set model.dim=768 ...] [--against REV]
 
   whole          digest_many on the hook's list: what the recorder pays for it
+  whole, numpy   the same without run/fused.py's compiled pass (numba absent, or DISTTRACE_FUSED=0);
+                 the columns after it are that path's operations
   read (xxh3)    one-shot xxh3-128 of each tensor's bytes: one pass over them from memory
   + sum          every cache-sized block of the large float32 tensors hashed, then its float32 runs'
                  sums taken from cache (the digest's own order): what the sum adds to the hash
   + squares      the same with the runs' sums of squares
   + sketch       the same with the sketch's GEMV u^T X
-  rest           whole less read, sum, squares and sketch: per-tensor Python, the small tensors'
+  rest           the numpy path less read, sum, squares and sketch: per-tensor Python, the small tensors'
                  batched path, the placement plans, the float64 fallbacks
 
 and the step's write (the records sorted, encoded as one Arrow batch, written, the step index line sealed).
@@ -146,8 +148,17 @@ def _ops(items):
         return f
 
     arrays = [t.numpy() for t, _, _ in items]
+
+    def numpy_path():
+        kernel, D._kernel = D._kernel, False
+        try:
+            D.digest_many(items)
+        finally:
+            D._kernel = kernel
+
     return {
         "whole": lambda: D.digest_many(items),
+        "whole, numpy": numpy_path,
         "read (xxh3)": lambda: [xxhash.xxh3_128_hexdigest(a) for a in arrays],
         "blocks hashed": over_blocks(lambda b, u: None),
         "+ sum": over_blocks(lambda b, u: (runs(b) @ ones).sum(dtype=np.float64)),
@@ -173,18 +184,19 @@ def breakdown(lists, repeats: int) -> dict:
             "tensors": len(items),
             "bytes": sum(t.numel() * t.element_size() for t, _, _ in items),
             "whole": med["whole"],
+            "whole, numpy": med["whole, numpy"],
             "read (xxh3)": med["read (xxh3)"],
         }
         for k in ("+ sum", "+ squares", "+ sketch"):
             row[k] = max(0.0, med[k] - hashed)
-        row["rest"] = row["whole"] - sum(
+        row["rest"] = row["whole, numpy"] - sum(
             row[k] for k in ("read (xxh3)", "+ sum", "+ squares", "+ sketch")
         )
-        key = kind
-        n = 2
-        while key in out:
-            key, n = f"{kind} ({n})", n + 1
-        out[key] = row
+        if kind in out:  # a kind's lists together (the forward point hands one tensor a call)
+            for k, v in row.items():
+                out[kind][k] += v
+        else:
+            out[kind] = row
     return out
 
 
@@ -255,7 +267,7 @@ def main():
         return
     rows = breakdown(lists, args.repeats)
     w = write_cost(last, args.repeats)
-    cols = ("whole", "read (xxh3)", "+ sum", "+ squares", "+ sketch", "rest")
+    cols = ("whole", "whole, numpy", "read (xxh3)", "+ sum", "+ squares", "+ sketch", "rest")
     print(
         f"dim {mm['dim']}, {mm['n_layers']} layers, seq {mm['max_seq_len']}, accumulation 2, DDP (world 1), "
         f"one step's hook lists; CPU ms, median of {args.repeats}; parameters {params / 2**20:.1f} MiB"
@@ -277,8 +289,8 @@ def main():
         + " ".join(f"{total[c] * 1e3:11.1f}" for c in cols)
     )
     print(
-        "  share of the whole:             "
-        + " ".join(f"{total[c] / total['whole']:11.1%}" for c in cols)
+        "  share of the numpy path:        "
+        + " ".join(f"{total[c] / total['whole, numpy']:11.1%}" for c in cols)
     )
     print(
         f"  the step's write ({w['records']} records: sort, Arrow encode, write, index line): "
