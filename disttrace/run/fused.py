@@ -1,6 +1,7 @@
 """One compiled pass over a float32 tensor's blocks for the statistics of run/digest.py (the optional `fast`
-extra: numba). Imported by digest.py only when numba is installed and a tensor of more than one block is
-digested; without it digest.py computes the same statistics with numpy, in three calls a block.
+extra: numba). Imported by digest.py only when numba is installed and a tensor of more than
+digest.FUSED_MIN elements is digested; without it digest.py computes the same statistics with numpy, in
+three calls a block.
 
 Numpy reads each cache-sized block three more times after the hash (the runs' sums, their squares, the
 sketch's GEMV), each a call whose kernel runs well below what the cache could deliver: together about three
