@@ -89,3 +89,24 @@ def test_non_finite_values_overflow_and_a_flipped_bit(path):
     flipped = t.clone()
     flipped.view(torch.int32)[999, 77] ^= 1 << 3
     assert D.digest_tensor(flipped)["digest"] != D.digest_tensor(t)["digest"]
+
+
+@pytest.mark.slow  # two fresh interpreters (torch, numba): seconds each
+def test_two_processes_record_the_same_bits():
+    """What two reference runs rely on: the compiled pass gives the same numbers in another process (the
+    kernel loaded from numba's cache or compiled again)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, orjson; from disttrace.run import digest as D; "
+        "g = torch.Generator().manual_seed(9); t = torch.randn(1376, 512, generator=g); "
+        "assert D._fused() is not None; print(orjson.dumps(D.digest_tensor(t)).decode())"
+    )
+    out = [
+        subprocess.run(
+            [sys.executable, "-c", code], check=True, capture_output=True, text=True
+        ).stdout
+        for _ in range(2)
+    ]
+    assert out[0] == out[1] and '"sketch":[' in out[0]
