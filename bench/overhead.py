@@ -34,6 +34,11 @@ them:
   live check, no tp rules  + debug.live_check with the strategy's rules minus those
   live check, all rules    + debug.live_check with every rule
 
+Each observer's own time is printed twice: wall seconds in its hook handlers against the off step's wall
+time, and CPU seconds of the rank's thread in them (time.thread_time) against the off step's CPU seconds,
+the figure other jobs on shared cores disturb least (it leaves out what gloo's own threads do, so the
+off step's CPU time is below its wall time even on an idle machine).
+
 The Flight Recorder ring is set to 64 entries here so that it is copied several times within a short bench
 (its copy costs per entry in the ring, so the amortised cost per step is the same as with torch's 2,000);
 every variant issues the same collectives, so the metadata trace's bytes per step are its file's bytes
@@ -89,6 +94,7 @@ REALISTIC = [
 ]
 TINY = ["training.grad_accum_steps=2"]  # the default manifest's model
 RING = 64
+CPU = ", CPU"  # an observer's label + CPU: its hook time in CPU seconds of the rank's thread (thread_time)
 WARMUP = 2  # steps left out of the medians (DDP rebuilds its buckets after step 1)
 
 
@@ -100,12 +106,14 @@ class Gated:
     def __init__(self, bus, flag: dict, names: set[str], spent: dict, label: str):
         self.bus, self.flag, self.names, self.spent, self.label = bus, flag, names, spent, label
         spent.setdefault(label, 0.0)
+        spent.setdefault(label + CPU, 0.0)
 
     def on(self, point, fn, order=50):
         def gated(b, p):
             if self.flag["on"] in self.names:
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.thread_time()
                 fn(b, p)
+                self.spent[self.label + CPU] += time.thread_time() - c
                 self.spent[self.label] += time.perf_counter() - t
 
         self.bus.on(point, gated, order)
@@ -210,6 +218,7 @@ def worker(rank, world, port, frozen_doc, steps, out, q, device_type="cpu", spec
         closing.append(mags)
     tracer = CollectiveTracer(base / "values", rank, values=True)
     times = {v: [] for v in specs}
+    cpu_times = {v: [] for v in specs}  # the rank's main thread's CPU seconds a step
     own_steps: dict[str, list[float]] = {}
     first_turn = {"trace": "default", "magnitudes": magnified[0] if magnified else None}
     accum = m["training"]["grad_accum_steps"]
@@ -222,7 +231,7 @@ def worker(rank, world, port, frozen_doc, steps, out, q, device_type="cpu", spec
                 )  # its module hooks fire in that variant only
             ctx = tracer if spec.get("values") else contextlib.nullcontext()
             dist.barrier()
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             with ctx:
                 tracer.step = bus.step = step
                 bus.emit("step_start")
@@ -243,9 +252,11 @@ def worker(rank, world, port, frozen_doc, steps, out, q, device_type="cpu", spec
                 if cuda:
                     torch.cuda.synchronize()
             times[v].append(time.perf_counter() - t)
+            cpu_times[v].append(time.thread_time() - c)
             if step > WARMUP:  # each observer's seconds in this step: their median is its own time
                 for label, secs in spent.items():
-                    if secs and (label not in first_turn or first_turn[label] == v):
+                    turn = label.removesuffix(CPU)
+                    if secs and (turn not in first_turn or first_turn[turn] == v):
                         own_steps.setdefault(label, []).append(secs)
             spent.update(dict.fromkeys(spent, 0.0))
     dumps = fr.dumps
@@ -259,6 +270,7 @@ def worker(rank, world, port, frozen_doc, steps, out, q, device_type="cpu", spec
         q.put(
             {
                 "times": {v: statistics.median(ts[WARMUP:]) for v, ts in times.items()},
+                "cpu_times": {v: statistics.median(ts[WARMUP:]) for v, ts in cpu_times.items()},
                 "dumps": dumps,
                 "own_ms_per_step": {k: 1e3 * statistics.median(v) for k, v in own_steps.items()},
                 "final_copy_ms": 1e3 * close_s,
@@ -395,6 +407,17 @@ def report(title: str, r: dict, world: int, steps: int, tp: int = 1) -> None:
     )
     for k, ms in r["own_ms_per_step"].items():
         print(f"    {k:48s} {ms:8.2f} ms  {ms / (base * 1e3):6.2%}", flush=True)
+    cpu = r["cpu_times"]["off"]
+    print(
+        f"  in CPU time (the rank's thread; the figure other jobs on the cores disturb least): the off "
+        f"step {cpu * 1e3:.1f} ms; "
+        + "; ".join(
+            f"{k.removesuffix(CPU)} {ms / (cpu * 1e3):.2%}"
+            for k, ms in r["own_ms_per_step"].items()
+            if k.endswith(CPU)
+        ),
+        flush=True,
+    )
     hashed = ", ".join(f"{v} {mib:.1f}" for v, mib in r["hashed_mib_per_step"].items())
     print(f"  MiB a step hashed only (digested before, digest.Seen): {hashed}", flush=True)
     if r.get("bytes_per_record"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import threading
 
 import numpy as np
@@ -81,6 +82,11 @@ def device_digest(t: torch.Tensor) -> str:
 # ||x|| sqrt(numel) (tolerance.sketch_rounding, which diff adds to the bound of the sketch terms): the GEMV's
 # column sums are those rows, as the GEMM's were. float64 tensors (and integers) use the same vectors in
 # float64.
+# With numba installed (the `fast` extra), a float32 tensor of more than FUSED_MIN elements takes run/fused.py
+# instead: each block hashed, then one compiled call reads its rows from cache for the runs' sums and
+# squares (runs of at most STAT_CHUNK elements of a row) and the block's u^T X, where numpy's three calls
+# a block each cost about what the hash does (bench/recorder_breakdown.py). The same bounds hold; the
+# values differ from numpy's by rounding only.
 SKETCH_K = 4
 SKETCH_SEED = 0x5EED_D15C
 # elements per block: 512 KiB of float32 (L2-sized); the sketch's float32 row blocks depend on it
@@ -172,6 +178,30 @@ def _sums(flat: np.ndarray) -> tuple[float, float]:
     return s, ss
 
 
+# float32 tensors of more elements than this (256 KiB) take run/fused.py where numba is installed: the
+# dim-512 model's matrices and activations; a small model's tensors (the default manifest's are at most
+# 32 Ki elements) stay with numpy and never import numba
+FUSED_MIN = 1 << 16
+_kernel = None  # run/fused.block_stats, False where numba is absent or DISTTRACE_FUSED=0
+
+
+def _fused():
+    """The compiled pass of run/fused.py for float32 tensors of more than FUSED_MIN elements, or None: numba
+    is an optional extra (`pip install disttrace[fast]`), imported the first time such a tensor is digested
+    (a tiny model never pays its import). DISTTRACE_FUSED=0 keeps the numpy path (the benches' baseline)."""
+    global _kernel
+    if _kernel is None:
+        _kernel = False
+        if os.environ.get("DISTTRACE_FUSED") != "0":
+            try:
+                from disttrace.run.fused import block_stats
+
+                _kernel = block_stats
+            except ImportError:  # no numba: the numpy path
+                pass
+    return _kernel or None
+
+
 def _stats64(x: np.ndarray) -> tuple[float, float]:
     """(sum, sum of squares) in float64 through a float64 copy of each block: the statistics of a float32
     tensor whose values overflow or underflow float32 arithmetic (squares beyond 3.4e38 or in the
@@ -222,6 +252,15 @@ def _stats(x: np.ndarray, offset, logical_shape, hasher=None, with_sketch: bool 
     in_runs = (
         f64 or x.size > tolerance.FLOAT64_STATS
     )  # float32 runs (tolerance.sum_rounding), or float64
+    kernel = _fused() if plan is not None and not f64 and rb > 1 and x.size > FUSED_MIN else None
+    if kernel is not None:  # one compiled pass over the blocks (run/fused.py)
+        m, acc = np.zeros(cols), np.zeros(2)
+        for r0 in range(0, rows, rb):  # each block hashed, then reduced while it is in cache
+            if hasher is not None:
+                hasher.update(x2[r0 : r0 + rb])
+            kernel(x2, u, r0, min(r0 + rb, rows), rb, m, acc)
+        s, ss = float(acc[0]), float(acc[1])
+        rows = 0  # nothing left for the loop below
     for r0 in range(0, rows, rb):
         blk = x2[r0 : r0 + rb]
         if hasher is not None:

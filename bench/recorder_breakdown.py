@@ -1,0 +1,302 @@
+"""Where the recorder's own time goes, by kind of tensor and by operation: one real DDP step (the job of
+bench/recorder_passes.py: the manifest's model, DDP on a gloo world of one rank, accumulation 2) hands its
+tensors to a recorder that keeps a copy of each hook's list; those lists are then digested again and again
+in this process, in CPU time (time.thread_time, the figure other jobs on shared cores disturb least),
+whole and operation by operation:
+
+    python bench/recorder_breakdown.py [--repeats 7] [--set model.dim=768 ...] [--against REV]
+
+  whole          digest_many on the hook's list: what the recorder pays for it
+  whole, numpy   the same without run/fused.py's compiled pass (numba absent, or DISTTRACE_FUSED=0);
+                 the columns after it are that path's operations
+  read (xxh3)    one-shot xxh3-128 of each tensor's bytes: one pass over them from memory
+  + sum          every cache-sized block of the large float32 tensors hashed, then its float32 runs'
+                 sums taken from cache (the digest's own order): what the sum adds to the hash
+  + squares      the same with the runs' sums of squares
+  + sketch       the same with the sketch's GEMV u^T X
+  rest           the numpy path less read, sum, squares and sketch: per-tensor Python, the small tensors'
+                 batched path, the placement plans, the float64 fallbacks
+
+and the step's write (the records sorted, encoded as one Arrow batch, written, the step index line sealed).
+`--against REV` times digest_many of run/digest.py as git revision REV had it (loaded beside this
+checkout's) on the same lists, interleaved, and prints both wholes and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+REALISTIC = [
+    "model.dim=512",
+    "model.n_layers=4",
+    "model.max_seq_len=256",
+    "training.grad_accum_steps=2",
+]
+
+
+def capture(sets: list[str], steps: int = 2):
+    """The hook lists of the last of `steps` real DDP steps: [(kind, [(tensor copy, offset, shape)])], the
+    step's records as the recorder wrote them, and the parameters' bytes."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", OMP_NUM_THREADS="1")
+    from disttrace.run.launch import free_port
+
+    os.environ["MASTER_PORT"] = str(free_port())
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from disttrace.config.manifest import Manifest, freeze
+    from disttrace.data.windows import TokenData
+    from disttrace.model.llama import build_model, lm_loss
+    from disttrace.run.hooks import Batch, Data, HookBus, Loss
+    from disttrace.run.loop import emit_module_outputs
+    from disttrace.run.parallel import build_strategy
+    from disttrace.run.recorder import Recorder
+
+    torch.set_num_threads(1)
+    frozen = freeze(
+        ROOT / "manifests" / "default.toml", ["parallelism.dp=1", f"training.steps={steps}", *sets]
+    )
+    doc = frozen.model_dump()
+    m = doc["manifest"]
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("pp", "dp", "tp"))
+    data = TokenData(m, doc["resolved"]["data_path"], doc["resolved"]["tokenizer_path"])
+    bus = HookBus(0)
+    model = build_model(SimpleNamespace(**m["model"]), torch.float32, m["experiment"]["seed"])
+    emit_module_outputs(model, bus)
+    strategy = build_strategy(Manifest.model_validate(m), model, mesh, bus)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    lists: list = []
+    written: list = []
+
+    class Keeping(Recorder):
+        def _records(self, bus, phase, refs, *a, **k):
+            super()._records(bus, phase, refs, *a, **k)
+            if bus.step == steps:
+                kind = phase
+                if phase == "backward":
+                    kind = f"backward mb{bus.micro_batch}"
+                elif phase == "optimizer":
+                    kind = "optimizer state" if k.get("base") else "optimizer params"
+                lists.append((kind, [(t.detach().clone(), None, None) for _, _, t in refs]))
+
+        def _write(self, step, records, t):
+            super()._write(step, records, t)
+            written.append((step, list(records), t))
+
+    rec = Keeping(Path(tempfile.mkdtemp()), 0).attach(bus)
+    accum = m["training"]["grad_accum_steps"]
+    for step in range(1, steps + 1):
+        bus.step = step
+        bus.emit("step_start")
+        strategy.zero_grad()
+        for mb in range(accum):
+            bus.micro_batch = mb
+            batch = bus.emit(Data(Batch(**data.batch(step, mb, 0)))).batch
+            with strategy.micro_batch(mb == accum - 1):
+                loss = lm_loss(strategy.model(batch.inputs), batch.targets)
+                loss = bus.emit(Loss(loss)).loss
+                strategy.backward(loss / accum, mb == accum - 1)
+        strategy.step()
+        bus.emit("step_end")
+    rec.close()
+    dist.destroy_process_group()
+    return lists, written[-1], params, m["model"]
+
+
+def _ops(items):
+    """The operations of the breakdown over one hook's list, each a function of no argument."""
+    import numpy as np
+    import xxhash
+
+    from disttrace.analysis import tolerance
+    from disttrace.run import digest as D
+
+    blocks = []
+    for t, _, _ in items:
+        if t.dtype.is_floating_point and t.numel() > D.SMALL and t.dim() > 0:
+            x = t.numpy()
+            plan = D._plan(tuple(x.shape), (0,) * x.ndim, tuple(x.shape))
+            x2 = x.reshape(-1, x.shape[-1])
+            for r0 in range(0, x2.shape[0], plan.block_rows):
+                blocks.append((x2[r0 : r0 + plan.block_rows], plan.u32[r0 : r0 + plan.block_rows]))
+    chunk = tolerance.STAT_CHUNK
+    ones = np.ones(chunk, dtype=np.float32)
+
+    def runs(b):
+        f = b.reshape(-1)
+        return f[: f.size - f.size % chunk].reshape(-1, chunk)
+
+    def over_blocks(op):
+        def f():
+            h = xxhash.xxh3_128()
+            for b, u in blocks:
+                h.update(b)
+                op(b, u)
+
+        return f
+
+    arrays = [t.numpy() for t, _, _ in items]
+
+    def numpy_path():
+        kernel, D._kernel = D._kernel, False
+        try:
+            D.digest_many(items)
+        finally:
+            D._kernel = kernel
+
+    return {
+        "whole": lambda: D.digest_many(items),
+        "whole, numpy": numpy_path,
+        "read (xxh3)": lambda: [xxhash.xxh3_128_hexdigest(a) for a in arrays],
+        "blocks hashed": over_blocks(lambda b, u: None),
+        "+ sum": over_blocks(lambda b, u: (runs(b) @ ones).sum(dtype=np.float64)),
+        "+ squares": over_blocks(lambda b, u: np.vecdot(runs(b), runs(b)).sum(dtype=np.float64)),
+        "+ sketch": over_blocks(lambda b, u: u @ b),
+    }
+
+
+def breakdown(lists, repeats: int) -> dict:
+    """CPU seconds per kind and operation (median of the repeats, operations interleaved)."""
+    out = {}
+    for kind, items in lists:
+        ops = _ops(items)
+        times = {k: [] for k in ops}
+        for _ in range(repeats):
+            for k, f in ops.items():
+                t = time.thread_time()
+                f()
+                times[k].append(time.thread_time() - t)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        hashed = med.pop("blocks hashed")
+        row = {
+            "tensors": len(items),
+            "bytes": sum(t.numel() * t.element_size() for t, _, _ in items),
+            "whole": med["whole"],
+            "whole, numpy": med["whole, numpy"],
+            "read (xxh3)": med["read (xxh3)"],
+        }
+        for k in ("+ sum", "+ squares", "+ sketch"):
+            row[k] = max(0.0, med[k] - hashed)
+        row["rest"] = row["whole, numpy"] - sum(
+            row[k] for k in ("read (xxh3)", "+ sum", "+ squares", "+ sketch")
+        )
+        if kind in out:  # a kind's lists together (the forward point hands one tensor a call)
+            for k, v in row.items():
+                out[kind][k] += v
+        else:
+            out[kind] = row
+    return out
+
+
+def write_cost(last, repeats: int) -> dict:
+    """CPU seconds of the step's write: encode, write, the index line (a fresh trajectory each repeat)."""
+    from disttrace.run.recorder import Recorder
+
+    step, records, t = last
+    times = []
+    for _ in range(repeats):
+        d = Path(tempfile.mkdtemp())
+        rec = Recorder(d, 0)
+        recs = [dict(r) for r in records]
+        s = time.thread_time()
+        rec._write(step, recs, t)
+        times.append(time.thread_time() - s)
+        rec.close()
+    return {"write": statistics.median(times), "records": len(records)}
+
+
+def against(rev: str, lists, repeats: int) -> None:
+    """digest_many of this checkout against REV's on the same lists, interleaved."""
+    import importlib.util
+    import subprocess
+
+    from disttrace.run import digest as now
+
+    src = subprocess.run(
+        ["git", "-C", str(ROOT), "show", f"{rev}:disttrace/run/digest.py"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    path = Path(tempfile.mkdtemp()) / "digest_base.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location("digest_base", path)
+    base = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(base)
+    items = [it for _, lst in lists for it in lst]
+    times = {"base": [], "now": []}
+    for _ in range(repeats):
+        for name, mod in (("base", base), ("now", now)):
+            t = time.thread_time()
+            for _, lst in lists:
+                mod.digest_many(lst)
+            times[name].append(time.thread_time() - t)
+    b, n = statistics.median(times["base"]), statistics.median(times["now"])
+    mib = sum(t.numel() * t.element_size() for t, _, _ in items) / 2**20
+    print(
+        f"digest_many of a step's hook lists ({len(items)} tensors, {mib:.1f} MiB), CPU time, median of "
+        f"{repeats}: {rev} {b * 1e3:.1f} ms, this checkout {n * 1e3:.1f} ms: {n / b:.3f}x"
+    )
+
+
+def main():
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--set", action="append", default=[], help="override the model")
+    ap.add_argument(
+        "--against", default=None, help="a git revision whose run/digest.py to time too"
+    )
+    args = ap.parse_args()
+    lists, last, params, mm = capture(REALISTIC + args.set)
+    if args.against:
+        against(args.against, lists, args.repeats)
+        return
+    rows = breakdown(lists, args.repeats)
+    w = write_cost(last, args.repeats)
+    cols = ("whole", "whole, numpy", "read (xxh3)", "+ sum", "+ squares", "+ sketch", "rest")
+    print(
+        f"dim {mm['dim']}, {mm['n_layers']} layers, seq {mm['max_seq_len']}, accumulation 2, DDP (world 1), "
+        f"one step's hook lists; CPU ms, median of {args.repeats}; parameters {params / 2**20:.1f} MiB"
+    )
+    print(f"  {'kind':22s} {'tensors':>7s} {'MiB':>7s} " + " ".join(f"{c:>11s}" for c in cols))
+    total = dict.fromkeys(cols, 0.0)
+    nt = nb = 0
+    for kind, r in rows.items():
+        nt += r["tensors"]
+        nb += r["bytes"]
+        for c in cols:
+            total[c] += r[c]
+        print(
+            f"  {kind:22s} {r['tensors']:7d} {r['bytes'] / 2**20:7.1f} "
+            + " ".join(f"{r[c] * 1e3:11.1f}" for c in cols)
+        )
+    print(
+        f"  {'all':22s} {nt:7d} {nb / 2**20:7.1f} "
+        + " ".join(f"{total[c] * 1e3:11.1f}" for c in cols)
+    )
+    print(
+        "  share of the numpy path:        "
+        + " ".join(f"{total[c] / total['whole, numpy']:11.1%}" for c in cols)
+    )
+    print(
+        f"  the step's write ({w['records']} records: sort, Arrow encode, write, index line): "
+        f"{w['write'] * 1e3:.2f} ms"
+    )
+
+
+if __name__ == "__main__":
+    main()
