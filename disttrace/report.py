@@ -66,7 +66,7 @@ class ManifestFacts:
 
     doc: dict[str, Any]
     manifest_id: str
-    source: Any  # the lock's `source`, "-" when it names none
+    source: str | None  # the lock's `source`, "-" when it names none
     overrides: list[str] | None  # the `--set` overrides it was frozen with
     experiment: (
         ExperimentView | BaseException
@@ -74,11 +74,12 @@ class ManifestFacts:
 
 
 def manifest_facts(run: Run) -> ManifestFacts:
+    lock = run.lock_info
     return ManifestFacts(
         doc=run.manifest_doc,
         manifest_id=run.manifest_id,
-        source=run.lock.get("source", "-"),
-        overrides=run.lock.get("overrides"),
+        source=lock.source if "source" in lock.model_fields_set else "-",
+        overrides=lock.overrides,
         experiment=_attempt(lambda r: r.manifest.experiment, run),
     )
 

@@ -123,7 +123,8 @@ def test_step_entries_give_back_what_the_lines_said():
             e = {"step": s, "offset": rng.randint(0, 1 << 40), "length": rng.randint(0, 1 << 20)}
             e["records"] = rng.choice([rng.randint(0, 10**6), None, 0])
             for key in ("digest", "xxh3"):
-                e[key] = f"{rng.getrandbits(128):032x}" if rng.random() < 0.8 else rng.choice(odd)
+                clean = trial % 3 == 0 or rng.random() < 0.8  # a third of the indexes: no odd value
+                e[key] = f"{rng.getrandbits(128):032x}" if clean else rng.choice(odd)
             if rng.random() < 0.3:
                 e["sha256"] = f"{rng.getrandbits(256):064x}"
             e["chain"], e["time"] = "c" * 64, {"start": 0.0, "end": 1.0}
@@ -136,7 +137,8 @@ def test_step_entries_give_back_what_the_lines_said():
             if s not in lines:
                 assert s not in got and got.get(s) is None
         _typed_accessors_agree(rng, lines, got, outcomes)
-    assert outcomes == {True, False, None}  # every answer of the hash check was asked for
+    # every answer of the hash check was asked for, of indexes with and without odd values
+    assert outcomes == {True, False, None, "clean", "odd"}
 
 
 def _typed_accessors_agree(rng, lines: dict, got, outcomes: set) -> None:
@@ -149,10 +151,16 @@ def _typed_accessors_agree(rng, lines: dict, got, outcomes: set) -> None:
 
     # the other side: the same steps, each line's digest, record count and bytes kept or changed
     other = {}
+    clean = not got._odd  # every field held in the arrays: their comparison, not the lines'
+    outcomes.add("clean" if clean else "odd")
     for s, e in lines.items():
         o = dict(e)
         if rng.random() < 0.3:
-            o["digest"] = rng.choice([None, "A" * 32, f"{rng.getrandbits(128):032x}"])
+            o["digest"] = rng.choice(
+                [f"{rng.getrandbits(128):032x}"]
+                if clean
+                else [None, "A" * 32, f"{rng.getrandbits(128):032x}"]
+            )
         if rng.random() < 0.2:
             o["records"] = rng.choice([None, 0, (e.get("records") or 0) + 1])
         other[s] = o
@@ -167,6 +175,7 @@ def _typed_accessors_agree(rng, lines: dict, got, outcomes: set) -> None:
             and line["records"] == o["records"]
         )
         assert got.same_digest(s, theirs) == agree, (s, line, o)
+        assert not got.same_digest(s, StepEntries({k: v for k, v in other.items() if k != s}))
         # the step's bytes against a line of their length (or not), hashing to them (or not)
         data = rng.randbytes(rng.randint(0, 64))
         hashed = {

@@ -30,7 +30,7 @@ import orjson
 from disttrace.analysis.result import DiffResult
 from disttrace.errors import BadInput
 from disttrace.jsondoc import JsonDoc, omit_none
-from disttrace.store.records import PHASE_ORDER
+from disttrace.store.records import PHASE_ORDER, ReplaySpec
 from disttrace.store.rundir import Run
 
 ATTRIBUTIONS = ("persistent", "transient", "device", "not-replayable", "none")
@@ -195,11 +195,12 @@ def at_step(d: DiffResult, step: int, run: Run) -> Against:
 # ---------------------------------------------------------------- the decision
 
 
-def replay_info(replay: Run) -> dict:
-    info = replay.info.get("replay")
-    if not isinstance(info, dict) or not isinstance(info.get("step"), int):
+def replay_info(replay: Run) -> ReplaySpec:
+    """run.json's replay spec (what the replay re-executed); BadInput where the store is not a replay's."""
+    spec = replay.run_info.replay
+    if spec is None or spec.step is None:
         raise BadInput(replay.path / "run.json", "not a replay store", field="replay.step")
-    return info
+    return spec
 
 
 def attribute(
@@ -209,10 +210,11 @@ def attribute(
     from disttrace.analysis.diff import diff_runs
 
     run, replay = Run(run_dir), Run(replay_dir)
-    info = replay_info(replay)
-    step = info["step"]
-    start = int((replay.info.get("resume") or {}).get("step") or 0)
-    shift = info.get("rank_shift") or None
+    spec = replay_info(replay)
+    step = spec.step
+    resume = replay.run_info.resume
+    start = resume.step if resume is not None else 0
+    shift = spec.rank_shift or None
     common = dict(
         run=str(run.path),
         replay=str(replay.path),

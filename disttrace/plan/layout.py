@@ -241,9 +241,7 @@ def plan_from_manifest(manifest: Any) -> Plan:
     if not isinstance(manifest, dict):
         raise BadInput("manifest", f"expected a mapping, got {type(manifest).__name__}")
     model, par, train = (_section(manifest, n) for n in ("model", "parallelism", "training"))
-
     dtype, opt = _dtype_and_optimizer(train)
-
     shape = _plan_model(model)
     try:
         params = count_params(
@@ -263,25 +261,24 @@ def plan_from_manifest(manifest: Any) -> Plan:
             "manifest", f"must be 0..3, got {zero_stage}", field="parallelism.zero_stage"
         )
     schedule = _need(par, "parallelism", "pp_schedule", "1f1b")
+    req = PlanRequest(
+        params,
+        dp=_field("parallelism", par, "dp"),
+        tp=_field("parallelism", par, "tp", 1),
+        pp=_field("parallelism", par, "pp", 1),
+        zero_stage=zero_stage,
+        optimizer=_MANIFEST_OPTIMIZER[opt],
+        precision=_DTYPE_PRECISION[dtype],
+        seq=shape.max_seq_len,
+        micro_batch=_field("training", train, "micro_batch_size"),
+        hidden=shape.dim,
+        heads=shape.n_heads,
+        n_layers=shape.n_layers,
+        micro_batches=_field("training", train, "grad_accum_steps", 1),
+        pp_schedule=schedule,
+    )
     try:
-        result = plan(
-            PlanRequest(
-                params,
-                dp=_field("parallelism", par, "dp"),
-                tp=_field("parallelism", par, "tp", 1),
-                pp=_field("parallelism", par, "pp", 1),
-                zero_stage=zero_stage,
-                optimizer=_MANIFEST_OPTIMIZER[opt],
-                precision=_DTYPE_PRECISION[dtype],
-                seq=shape.max_seq_len,
-                micro_batch=_field("training", train, "micro_batch_size"),
-                hidden=shape.dim,
-                heads=shape.n_heads,
-                n_layers=shape.n_layers,
-                micro_batches=_field("training", train, "grad_accum_steps", 1),
-                pp_schedule=schedule,
-            )
-        )
+        result = plan(req)
     except ValueError as e:
         raise BadInput("manifest", str(e)) from None
     result.model = shape
