@@ -86,17 +86,8 @@ def _read_rank(r: int, block: list[int], side_a: _Side, side_b: _Side):
     steps to compare, and both sides' batches of those (decoded together) with their columns and whether they
     align row by row, or None where they are compared step by step (a JSON-lines side, a step one side
     lacks)."""
-    agree = []  # steps whose index digests agree: skipped if their bytes are the same on both sides
-    for s in block:
-        ea, eb = side_a.entry(r, s), side_b.entry(r, s)
-        if (
-            ea is not None
-            and eb is not None
-            and ea.get("digest") is not None
-            and ea.get("digest") == eb.get("digest")
-            and ea.get("records") == eb.get("records")
-        ):
-            agree.append(s)
+    # steps whose index digests agree: skipped if their bytes are the same on both sides
+    agree = [s for s in block if side_a.same_digest(r, s, side_b)]
     same = set()
     if agree:  # each side's steps read together, checked step by step (a refusal names the first)
         for s, da, db in zip(agree, side_a.raw_steps(r, agree), side_b.raw_steps(r, agree)):
@@ -104,7 +95,7 @@ def _read_rank(r: int, block: list[int], side_a: _Side, side_b: _Side):
                 same.add(s)
     todo = [s for s in block if s not in same]
     if not todo or not all(
-        trajectory.is_arrow(x.traj_path(r)) and all(x.entry(r, s) is not None for s in todo)
+        trajectory.is_arrow(x.traj_path(r)) and all(x.has(r, s) for s in todo)
         for x in (side_a, side_b)
     ):
         return same, todo, None
