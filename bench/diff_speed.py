@@ -20,7 +20,9 @@ ranks, twice the accumulation). Then, each in a fresh process:
 
 and prints wall seconds, records/second (records of both runs up to and including the divergent step,
 divided by the wall time), peak RSS of the child (ru_maxrss) and the peak of Python allocations
-(tracemalloc, measured in a separate untimed pass).
+(tracemalloc, measured in a separate untimed pass); for the numeric diff also the CPU time of the main thread
+(comparing) and of the read-ahead's threads (reading, hash-checking and decoding the blocks): on a free
+machine the wall time is about the larger of the main thread's and the reading's divided by its threads.
 
     .venv/bin/python bench/diff_speed.py [--ranks 2] [--steps 500] [--records 1000] [--plant-step 490] [--layout 1|2]
         [--modes numeric,...] [--repeat N] [--against OTHER_CHECKOUT] [--dir D]
@@ -93,9 +95,33 @@ def write_runs(
     return dirs, tuple(synthetic.planted(n, p_step, p_rank, p_pos))
 
 
+def _time_reads():
+    """Wrap the diff's read job (a rank's block of steps read, hash-checked and decoded) to add up the CPU time
+    of the threads it runs in: {True: in a read-ahead thread, False: in the main thread}."""
+    import threading
+
+    from disttrace.analysis.diff import blocks
+
+    spent, lock, job = {True: 0.0, False: 0.0}, threading.Lock(), blocks._read_rank
+
+    def timed(*args, **kw):
+        t0 = time.thread_time()
+        try:
+            return job(*args, **kw)
+        finally:
+            ahead = threading.current_thread() is not threading.main_thread()
+            with lock:
+                spent[ahead] += time.thread_time() - t0
+
+    blocks._read_rank = timed
+    return spent
+
+
 def child(a: str, b: str, mode: str, trace: bool) -> None:
     """Run one diff in this (fresh) process and print one JSON line."""
     from disttrace.analysis.diff import diff_runs
+
+    reads = _time_reads()
 
     kw = {
         "index": dict(propagate=False),
@@ -108,12 +134,15 @@ def child(a: str, b: str, mode: str, trace: bool) -> None:
         import tracemalloc
 
         tracemalloc.start()
-    t0, c0 = time.perf_counter(), time.process_time()
+    t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
     r = diff_runs(a, b, **kw).to_dict()
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     out = {
         "seconds": dt,
         "cpu_seconds": cpu,
+        # by thread: the main one (comparing, and reading where nothing reads ahead) and the read-ahead's
+        "main_cpu_seconds": time.thread_time() - m0,
+        "read_ahead_cpu_seconds": reads[True],
         "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "first_divergence": r["first_divergence"],
         "steps_read": r["stats"]["steps_read"],
@@ -167,7 +196,9 @@ def _versus(mode: str, r: dict, base: dict | None, against: Path | None) -> None
         f"this code {base['seconds'] / r['seconds']:.2f}x its speed by wall time, "
         f"{base['cpu_seconds'] / r['cpu_seconds']:.2f}x by CPU time; median CPU over the repeats "
         f"{base['cpu_median']:.3f} s against {r['cpu_median']:.3f} s: "
-        f"{base['cpu_median'] / r['cpu_median']:.2f}x"
+        f"{base['cpu_median'] / r['cpu_median']:.2f}x; "
+        f"its CPU by thread: main {base['main_cpu_seconds']:.3f} s, reading ahead "
+        f"{base['read_ahead_cpu_seconds']:.3f} s"
     )
     for k in ("first_divergence", "equal", "records_read", "steps_read", "tensors_compared"):
         assert r[k] == base[k], f"{mode}: {k} differs from {against}'s: {r[k]} vs {base[k]}"
@@ -325,7 +356,8 @@ def main() -> None:
                 f"numeric: {r['seconds']:7.3f} s  {r['records_read'] / r['seconds']:>14,.0f} records/s read and "
                 f"compared ({r['records_read']:,} records, every one inexact)  peak RSS {r['maxrss_mib']:6.0f} MiB  "
                 f"traced peak {r['traced_peak_mib']:7.1f} MiB; {r['records_read'] / r['cpu_seconds']:,.0f} "
-                "records per CPU second"
+                f"records per CPU second; CPU by thread: main {r['main_cpu_seconds']:.3f} s, reading ahead "
+                f"{r['read_ahead_cpu_seconds']:.3f} s"
             )
             _versus("numeric", r, vs, against)
         # across topologies: the reduced gradients and optimizer state of every rank of `half` against the

@@ -22,6 +22,8 @@ from disttrace.store import trajectory
 # records a block of steps may hold, per side: of one rank where ranks are compared one after another (a few MB
 # of columns), of all ranks where a step's ranks are read together (across topologies)
 BLOCK_ROWS = 1 << 14
+# the numeric columns columnar.compare reads of both sides (beside those aligned_block has read)
+_COMPARED = ("sum", "norm", "numel", "nonfinite", "device_digest")
 
 
 def _block(steps: list[int], n: int, ranks, sides: tuple[_Side, _Side], rows: int) -> list[int]:
@@ -29,8 +31,7 @@ def _block(steps: list[int], n: int, ranks, sides: tuple[_Side, _Side], rows: in
     out, total = [], 0
     for step in steps[n:]:
         total += max(  # a rank's steps are decoded and compared together, one rank after another
-            max((int((side.entry(r, step) or {}).get("records") or 0) for r in ranks), default=0)
-            for side in sides
+            max((int(side.record_count(r, step) or 0) for r in ranks), default=0) for side in sides
         )
         if out and total > rows:
             break
@@ -55,7 +56,7 @@ def _compare_block(
         same, todo, pair = read(r) if read is not None else _read_rank(r, block, side_a, side_b)
         for s in block:
             if s in same:
-                per[s][r] = _RankStep(int(side_a.entry(r, s).get("records") or 0))
+                per[s][r] = _RankStep(int(side_a.record_count(r, s) or 0))
                 continue
             read_steps[s] += 1
         if not todo:
@@ -64,13 +65,8 @@ def _compare_block(
             for s in todo:
                 per[s][r] = _compare_step_alone(s, r, side_a, side_b, tol)
             continue
-        (ba, starts_a), (bb, starts_b) = pair
-        ca, cb = columnar.Columns(ba), columnar.Columns(bb)
-        if (
-            len(todo) > 1
-            and np.array_equal(starts_a, starts_b)
-            and columnar.aligned_block(ca, cb, starts_a)
-        ):
+        (ba, starts_a), (bb, starts_b), ca, cb, aligned = pair
+        if aligned:
             out = [_RankStep(n) for n in np.diff(np.append(starts_a, ba.num_rows)).tolist()]
             _fold_columns(todo, r, ca, cb, starts_a, tol, out)
             for s, rs in zip(todo, out):
@@ -87,19 +83,11 @@ def _compare_block(
 
 def _read_rank(r: int, block: list[int], side_a: _Side, side_b: _Side):
     """What comparing rank r's steps of `block` reads: the steps skipped as the same bytes on both sides, the
-    steps to compare, and both sides' batches of those (decoded together), or None where they are compared
-    step by step (a JSON-lines side, a step one side lacks)."""
-    agree = []  # steps whose index digests agree: skipped if their bytes are the same on both sides
-    for s in block:
-        ea, eb = side_a.entry(r, s), side_b.entry(r, s)
-        if (
-            ea is not None
-            and eb is not None
-            and ea.get("digest") is not None
-            and ea.get("digest") == eb.get("digest")
-            and ea.get("records") == eb.get("records")
-        ):
-            agree.append(s)
+    steps to compare, and both sides' batches of those (decoded together) with their columns and whether they
+    align row by row, or None where they are compared step by step (a JSON-lines side, a step one side
+    lacks)."""
+    # steps whose index digests agree: skipped if their bytes are the same on both sides
+    agree = [s for s in block if side_a.same_digest(r, s, side_b)]
     same = set()
     if agree:  # each side's steps read together, checked step by step (a refusal names the first)
         for s, da, db in zip(agree, side_a.raw_steps(r, agree), side_b.raw_steps(r, agree)):
@@ -107,11 +95,24 @@ def _read_rank(r: int, block: list[int], side_a: _Side, side_b: _Side):
                 same.add(s)
     todo = [s for s in block if s not in same]
     if not todo or not all(
-        trajectory.is_arrow(x.traj_path(r)) and all(x.entry(r, s) is not None for s in todo)
+        trajectory.is_arrow(x.traj_path(r)) and all(x.has(r, s) for s in todo)
         for x in (side_a, side_b)
     ):
         return same, todo, None
-    return same, todo, (side_a.batches(r, todo), side_b.batches(r, todo))
+    (ba, starts_a), (bb, starts_b) = side_a.batches(r, todo), side_b.batches(r, todo)
+    # the block's columns as numpy and its alignment are worked out here too: with a read-ahead, in its thread,
+    # which leaves the comparison alone on the other core
+    ca, cb = columnar.Columns(ba), columnar.Columns(bb)
+    aligned = (
+        len(todo) > 1
+        and np.array_equal(starts_a, starts_b)
+        and columnar.aligned_block(ca, cb, starts_a)
+    )
+    if aligned:
+        for c in (ca, cb):
+            for name in _COMPARED:
+                c[name]  # noqa: B018 (turned into numpy once, kept by Columns)
+    return same, todo, ((ba, starts_a), (bb, starts_b), ca, cb, aligned)
 
 
 def _take(reader: readahead.ReadAhead, first: int, r: int):
