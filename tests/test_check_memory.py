@@ -8,6 +8,7 @@ import sys
 import tracemalloc
 from pathlib import Path
 
+import orjson
 import pytest
 import test_scale_readers as readers
 
@@ -95,12 +96,15 @@ def test_a_flip_is_found_where_it_was_planted(tmp_path, monkeypatch, block):
     assert ok.consistent is True and ok.steps_checked == steps and not ok.spread
 
 
+_LOAD_RULES = consistency.load_rules  # the real one (each _peak patches it for its own store)
+
+
 def _peak(path: Path, monkeypatch) -> int:
     # a JSON file is read into a buffer of its kind's limit (64 MiB, never touched): the manifest and the
     # rules read first, they are not what check holds
     run = Run(path)
     run.ranks()
-    rules = consistency.load_rules(run)
+    rules = _LOAD_RULES(run)
     monkeypatch.setattr(consistency, "load_rules", lambda _run: rules)
     tracemalloc.start()
     try:
@@ -109,6 +113,8 @@ def _peak(path: Path, monkeypatch) -> int:
     finally:
         tracemalloc.stop()
     assert result.consistent is True and result.steps_checked == 2
+    ranks = sorted({r for gs in rules.groups.values() for g in gs for r in g})
+    assert ranks == list(run.ranks())  # the store's own rules, over all its ranks
     return peak
 
 
@@ -123,3 +129,39 @@ def test_what_check_holds_does_not_grow_with_the_ranks(tmp_path, monkeypatch):
     p8, p64 = _peak(small, monkeypatch), _peak(large, monkeypatch)
     assert p64 < 1.25 * p8 + (64 << 10), (p8, p64)
     assert p64 < 1.5 * 2**20, p64  # a rank's block a few times over, not 64 ranks' step
+
+
+def _pairs(root: Path, ranks: int, n: int) -> Path:
+    """The synthetic store with the rules of a tensor-parallel layout of pairs: reduced gradients and
+    optimizer state agree within each pair of ranks (ranks / 2 groups, each closed once its second rank
+    is read)."""
+    run = _synthetic(root, ranks, 2, n)
+    pairs = [[r, r + 1] for r in range(0, ranks, 2)]
+    rules = [
+        {"phase": "reduce", "dim": "tp", "relation": "agree"},
+        {"phase": "optimizer", "dim": "tp", "relation": "agree"},
+        {"phase": "data", "dim": "tp", "relation": "differ"},
+    ]
+    (run / "replicas.json").write_bytes(orjson.dumps({"groups": {"tp": pairs}, "rules": rules}))
+    return run
+
+
+def test_many_small_groups_are_let_go_as_they_close(tmp_path, monkeypatch):
+    """Pairs of ranks: 4 groups at 8 ranks, 32 at 64, each with its keys. A group's summary is let go once
+    its last rank has been read, so the peak is about the same (held open, 32 groups' keys of both steps
+    were ~0.7 MiB more); and the pairs' verdict is the record path's, a flip in one pair found there."""
+    n = 1000
+    small, large = _pairs(tmp_path / "p8", 8, n), _pairs(tmp_path / "p64", 64, n)
+    check_run(Run(small))
+    p8, p64 = _peak(small, monkeypatch), _peak(large, monkeypatch)
+    assert p64 < 1.25 * p8 + (64 << 10), (p8, p64)
+    pos = _reduce_position(n, 7)
+    bad = _synthetic(tmp_path / "bad", 8, 2, n, [(2, 5, pos)])
+    (bad / "replicas.json").write_bytes((small / "replicas.json").read_bytes())
+    r = check_run(Run(bad))
+    f = r.first  # two copies: no majority, both suspects
+    assert r.consistent is False and f.group == [4, 5] and f.tie and f.minority == [4, 5]
+    step, _, phase, index = synthetic.planted(n, 2, 5, pos)
+    assert [f.step, f.phase, f.index] == [step, phase, index] and len(r.spread) == 1
+    got, handed = _on_columns(bad, monkeypatch)
+    assert handed == 0 and got == _on_records(bad, monkeypatch)

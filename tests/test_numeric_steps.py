@@ -160,3 +160,25 @@ def test_by_step_holds_tens_of_bytes_a_rank_step(tmp_path, monkeypatch):
     bound = 120 * ranks * steps + 1000 * steps
     assert new < bound, (new, bound)
     assert old > bound, (old, bound)  # the bound has teeth: the code before fails it
+
+
+def test_write_gives_dumps_bytes_a_step_at_a_time():
+    """What the CLI writes (`jsondoc.write`) is `dumps`' text, in pieces none of which holds two steps."""
+    entries = [_entry(random.Random(s), s) for s in range(30)]
+    doc = {"a": 1, "numeric": {"by_step": StepTable(entries)}, "z": [StepTable(entries[:2])]}
+
+    class Pieces:
+        def __init__(self):
+            self.got = []
+
+        def write(self, s):
+            self.got.append(s)
+
+    out = Pieces()
+    jsondoc.write(doc, out)
+    assert (
+        "".join(out.got)
+        == jsondoc.dumps(doc)
+        == jsondoc.dumps({**doc, "numeric": {"by_step": entries}, "z": [entries[:2]]})
+    )
+    assert max(p.count('"step"') for p in out.got) == 1

@@ -234,10 +234,14 @@ class _Unpackable(Exception):
     null name or phase, a rank in two groups of one dimension): the record path judges it."""
 
 
+_SHIFT = _MB_BITS + _IX_BITS + _CODE_BITS  # a key's group: its top bits
+
+
 class _Agree:
-    """The copies of an `agree` rule at one step, summed up as the ranks go by: per key (sorted), the first
-    copy's digest, how many copies there were and whether one differed from it. What it holds grows with the
-    keys of a group, not with the ranks that hold them."""
+    """The copies of an `agree` rule at one step, summed up as the ranks go by: per key (sorted, so a
+    group's keys are one range), the first copy's digest, how many copies there were and whether one
+    differed from it. A group whose last rank has gone by is closed: its count of compared keys and its
+    broken keys kept, its keys let go; what is held is the keys of the groups still open."""
 
     def __init__(self):
         self.key = np.zeros(0, dtype=np.int64)
@@ -246,6 +250,8 @@ class _Agree:
         self.dev = np.zeros(0, dtype=bool)
         self.count = np.zeros(0, dtype=np.int64)
         self.broken = np.zeros(0, dtype=bool)
+        self.compared = 0
+        self.bad: list[np.ndarray] = []
 
     def add(self, key, hi, lo, dev) -> None:
         """One rank's copies, `key` sorted and distinct."""
@@ -268,30 +274,64 @@ class _Agree:
         self.count = np.concatenate((self.count, np.ones(int(new.sum()), dtype=np.int64)))[o]
         self.broken = np.concatenate((self.broken, np.zeros(int(new.sum()), dtype=bool)))[o]
 
+    def close(self, g: int) -> None:
+        """Every copy of group g has gone by."""
+        a, b = (int(x) for x in np.searchsorted(self.key, [g << _SHIFT, (g + 1) << _SHIFT]))
+        if a == b:
+            return
+        self.compared += int((self.count[a:b] >= 2).sum())
+        self.bad.append(self.key[a:b][self.broken[a:b]])
+        for name in ("key", "hi", "lo", "dev", "count", "broken"):
+            x = getattr(self, name)
+            setattr(self, name, np.concatenate((x[:a], x[b:])))
+
     def result(self) -> tuple[int, np.ndarray]:
         """How many keys had two copies or more, and the keys whose copies differ."""
-        return int((self.count >= 2).sum()), self.key[self.broken]
+        bad = np.concatenate([*self.bad, self.key[self.broken]])
+        return self.compared + int((self.count >= 2).sum()), np.sort(bad)
+
+
+def _differ_result(key, hi, lo, dev) -> tuple[int, np.ndarray]:
+    _, counts = np.unique(key, return_counts=True)
+    o = np.lexsort((dev, lo, hi, key))
+    k, h, lw, d = key[o], hi[o], lo[o], dev[o]
+    dup = (k[1:] == k[:-1]) & (h[1:] == h[:-1]) & (lw[1:] == lw[:-1]) & (d[1:] == d[:-1])
+    return int((counts >= 2).sum()), np.unique(k[1:][dup])
 
 
 class _Differ:
     """The copies of a `differ` rule at one step: every copy's key and digest (two copies of one key with one
-    digest break it, wherever they lie), 25 bytes a copy."""
+    digest break it, wherever they lie), 25 bytes a copy, until their group closes."""
 
     def __init__(self):
         self.parts: list[tuple] = []
+        self.compared = 0
+        self.bad: list[np.ndarray] = []
 
     def add(self, key, hi, lo, dev) -> None:
         self.parts.append((key, hi, lo, dev))
 
-    def result(self) -> tuple[int, np.ndarray]:
+    def close(self, g: int) -> None:
         if not self.parts:
-            return 0, np.zeros(0, dtype=np.int64)
+            return
         key, hi, lo, dev = (np.concatenate(c) for c in zip(*self.parts))
-        _, counts = np.unique(key, return_counts=True)
-        o = np.lexsort((dev, lo, hi, key))
-        k, h, lw, d = key[o], hi[o], lo[o], dev[o]
-        dup = (k[1:] == k[:-1]) & (h[1:] == h[:-1]) & (lw[1:] == lw[:-1]) & (d[1:] == d[:-1])
-        return int((counts >= 2).sum()), np.unique(k[1:][dup])
+        mine = (key >> _SHIFT) == g
+        self.parts = [(key, hi, lo, dev)]
+        if not mine.any():
+            return
+        c, bad = _differ_result(key[mine], hi[mine], lo[mine], dev[mine])
+        self.compared += c
+        self.bad.append(bad)
+        rest = ~mine
+        self.parts = [(key[rest], hi[rest], lo[rest], dev[rest])] if rest.any() else []
+
+    def result(self) -> tuple[int, np.ndarray]:
+        c, bad = self.compared, list(self.bad)
+        if self.parts:
+            more, b = _differ_result(*(np.concatenate(x) for x in zip(*self.parts)))
+            c += more
+            bad.append(b)
+        return c, np.sort(np.concatenate(bad)) if bad else np.zeros(0, dtype=np.int64)
 
 
 @dataclass
@@ -338,9 +378,10 @@ class _Columns:
             self.ahead = self._window(steps, n, indexes)
         return self.ahead.pop(step)
 
-    def _lookup(self, k: int, present: tuple) -> np.ndarray | None:
+    def _lookup(self, k: int, present: tuple) -> tuple | None:
         """Rule k's group of each rank (an array by rank, -1 outside a group of two ranks or more holding
-        the step); None where a rank is in two such groups or the groups do not fit the key."""
+        the step) and each group's last rank in the order they are read; None where a rank is in two such
+        groups or the groups do not fit the key."""
         dim = self.rules[k].dim
         if (dim, present) not in self.lookups:
             have = set(present)
@@ -353,7 +394,8 @@ class _Columns:
                 if (lookup[here] >= 0).any():
                     ok = False
                 lookup[here] = g
-            self.lookups[(dim, present)] = lookup if ok else None
+            last = {int(lookup[r]): r for r in present if lookup[r] >= 0}
+            self.lookups[(dim, present)] = (lookup, last) if ok else None
         return self.lookups[(dim, present)]
 
     def _codes(self, tensor: pa.Array) -> np.ndarray:
@@ -423,16 +465,32 @@ class _Columns:
         return sel, key
 
     def _read(self, rank: int, entries: list) -> tuple[pa.RecordBatch, list[int]]:
+        """The steps' records, decoded together, and where each step's rows begin (and the last ends). Steps
+        that lie one after another in the file are read as one range (the file opened once a window, not
+        once a step; a range no longer than a step may be)."""
         from disttrace.store import trajectory
 
         path = self.run.trajectory_path(rank)
-        parts = [
-            (
-                trajectory.read_range(path, e.offset, e.length, self.run.path),
-                f"step {e.step} (bytes {e.offset}..{e.offset + e.length})",
-            )
-            for e in entries
-        ]
+        parts, i = [], 0
+        while i < len(entries):
+            first, j = entries[i], i + 1
+            while (
+                j < len(entries)
+                and entries[j].offset == entries[j - 1].offset + entries[j - 1].length
+                and entries[j].offset + entries[j].length - first.offset <= safeio.LIMITS["step"]
+            ):
+                j += 1
+            end = entries[j - 1].offset + entries[j - 1].length
+            data = trajectory.read_range(path, first.offset, end - first.offset, self.run.path)
+            for e in entries[i:j]:
+                at = e.offset - first.offset
+                parts.append(
+                    (
+                        data[at : at + e.length],
+                        f"step {e.step} (bytes {e.offset}..{e.offset + e.length})",
+                    )
+                )
+            i = j
         batch, starts = trajectory.decode_steps(path, parts)
         return batch, [*starts.tolist(), batch.num_rows]
 
@@ -468,11 +526,15 @@ class _Columns:
                     continue
                 try:
                     for k in range(len(self.rules)):
-                        g = int(lookups[s][k][r])
-                        if g >= 0:
-                            sel, key = self._keys(b, a, z, k, g)
-                            if sel.size:
-                                sums[s][k].add(key, b.hi[sel], b.lo[sel], b.dev[sel])
+                        lookup, last = lookups[s][k]
+                        g = int(lookup[r])
+                        if g < 0:
+                            continue
+                        sel, key = self._keys(b, a, z, k, g)
+                        if sel.size:
+                            sums[s][k].add(key, b.hi[sel], b.lo[sel], b.dev[sel])
+                        if last[g] == r:
+                            sums[s][k].close(g)
                 except _Unpackable:
                     handed_back.add(s)
             del batch, b
@@ -494,11 +556,10 @@ class _Columns:
     def _judge_step(self, step, indexes, present, lookups, broken):
         """The findings at a step whose summaries found broken keys: every rank of the step again, only the
         rows of those keys kept, judged side by side (ranks of groups with none keep no row)."""
-        shift = _MB_BITS + _IX_BITS + _CODE_BITS
-        bad_groups = [set((x >> shift).tolist()) for x in broken]
+        bad_groups = [set((x >> _SHIFT).tolist()) for x in broken]
         by_rank = {}
         for r in present:
-            needed = [k for k in range(len(self.rules)) if int(lookups[k][r]) in bad_groups[k]]
+            needed = [k for k in range(len(self.rules)) if int(lookups[k][0][r]) in bad_groups[k]]
             if not needed:
                 by_rank[r] = None
                 continue
@@ -506,7 +567,7 @@ class _Columns:
             b = self._block(batch)
             keep = np.zeros(batch.num_rows, dtype=bool)
             for k in needed:
-                sel, key = self._keys(b, 0, batch.num_rows, k, int(lookups[k][r]))
+                sel, key = self._keys(b, 0, batch.num_rows, k, int(lookups[k][0][r]))
                 keep[sel[np.isin(key, broken[k])]] = True
             by_rank[r] = batch.select(list(_CHECKED)).filter(pa.array(keep))
         schema = next((x.schema for x in by_rank.values() if x is not None), None)
