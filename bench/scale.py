@@ -44,6 +44,11 @@ A point two curves share is measured once; `--measured J...` takes the points of
 curves and exponents then combine runs).
 
 Stores go to a temporary directory under /tmp (or --dir) and are deleted after each point (--keep keeps them).
+`--write-only --dir D` writes the points' stores and keeps them; the same command without it then measures
+them (the writing is not timed again; they are deleted after, unless --keep):
+
+    python bench/scale.py --write-only --dir D --point 1024x100x1000 --commands diff-late,numeric,check
+    python bench/scale.py --dir D --point 1024x100x1000 --commands diff-late,numeric,check
 """
 
 from __future__ import annotations
@@ -177,7 +182,6 @@ def child(argv: list[str]) -> None:
     """Run one CLI command in this (fresh) process, stdout to a file; print one JSON line on stderr's last line."""
     import contextlib
     import importlib
-    import io
 
     from disttrace import cli
     from disttrace.store import safeio
@@ -211,7 +215,9 @@ def child(argv: list[str]) -> None:
 
     safeio.mapped = counting
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    out = io.StringIO()
+    # stdout to a file, not to memory: the peak is the command's, not that of a copy of its document (a
+    # numeric diff's is ~40 MB at 1,024 ranks x 100 steps)
+    out = tempfile.TemporaryFile("w+", encoding="utf-8")
     sys.argv = ["disttrace", *argv]
     r0, t0, c0 = _rchar(), time.perf_counter(), _cpu()
     code = 0
@@ -224,8 +230,9 @@ def child(argv: list[str]) -> None:
     read = _rchar() - r0 + mapped[0]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     doc = None
+    out.seek(0)
     try:
-        doc = json.loads(out.getvalue())
+        doc = json.loads(out.read())
     except ValueError:
         pass
     first = (doc or {}).get("first_divergence") if isinstance(doc, dict) else None
@@ -277,21 +284,40 @@ def slope(xs: list[float], ys: list[float]) -> float | None:
     return sum((x - mx) * (y - my) for x, y in pts) / sxx if sxx else None
 
 
-def run_point(base: Path, ranks: int, steps: int, n: int, commands, keep: bool, jobs=None) -> dict:
-    root = base / f"p{ranks}x{steps}x{n}"
+def _stores(root: Path, ranks: int, steps: int, n: int, commands, jobs=None) -> tuple[dict, str]:
+    """The point's stores: those a `--write-only` run kept under `root` (its point.json names them and the
+    commands they were written for), or new ones."""
+    kept = root / "point.json"
+    if kept.is_file():
+        point = json.loads(kept.read_text())
+        if set(commands) <= set(point["commands"]):
+            return point, "written before"
+        shutil.rmtree(root)
     root.mkdir(parents=True)
+    t0 = time.perf_counter()
+    point = write_point(root, ranks, steps, n, set(commands), jobs)
+    point["commands"] = list(commands)
+    kept.write_text(json.dumps(point))
+    return point, f"written in {time.perf_counter() - t0:6.1f} s"
+
+
+def run_point(
+    base: Path, ranks: int, steps: int, n: int, commands, keep: bool, jobs=None, write_only=False
+) -> dict:
+    root = base / f"p{ranks}x{steps}x{n}"
     try:
-        t0 = time.perf_counter()
-        point = write_point(root, ranks, steps, n, set(commands), jobs)
+        point, how = _stores(root, ranks, steps, n, commands, jobs)
         size = sum(p.stat().st_size for p in Path(point["runs"]["ref"]).glob("trajectory/*.arrows"))
         records = ranks * steps * n
         print(
             f"  {ranks:>5} ranks x {steps:>5} steps x {n:>5} records = {records:>12,} records a run, "
-            f"{size / 2**20:9.1f} MiB a run; written in {time.perf_counter() - t0:6.1f} s; "
+            f"{size / 2**20:9.1f} MiB a run; {how}; "
             f"load {' '.join(f'{x:.1f}' for x in os.getloadavg())}",
             flush=True,
         )
         res = {}
+        if write_only:
+            return {"ranks": ranks, "steps": steps, "records": n, "bytes": size, "commands": {}}
         for c in commands:
             r = measure(c, point, root)
             res[c] = r
@@ -303,7 +329,7 @@ def run_point(base: Path, ranks: int, steps: int, n: int, commands, keep: bool, 
             )
         return {"ranks": ranks, "steps": steps, "records": n, "bytes": size, "commands": res}
     finally:
-        if not keep:
+        if not keep and not write_only:
             shutil.rmtree(root, ignore_errors=True)
 
 
@@ -339,6 +365,12 @@ def main() -> None:
         "--dir", default=None, help="where to write the stores (default: a new directory in /tmp)"
     )
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument(
+        "--write-only",
+        action="store_true",
+        help="write the points' stores under --dir and keep them, measure nothing; a later run with the "
+        "same --dir measures them (with --keep, they stay for the next)",
+    )
     ap.add_argument(
         "--jobs",
         type=int,
@@ -385,8 +417,12 @@ def main() -> None:
             print(f"{name}:", flush=True)
             results[name] = []
             for p in pts:
-                if p not in done or not set(commands) <= set(done[p]["commands"]):
-                    done[p] = run_point(base, *p, commands, args.keep, args.jobs)
+                if (
+                    args.write_only
+                    or p not in done
+                    or not set(commands) <= set(done[p]["commands"])
+                ):
+                    done[p] = run_point(base, *p, commands, args.keep, args.jobs, args.write_only)
                 else:
                     print(f"  {'x'.join(map(str, p))}: measured before", flush=True)
                 results[name].append(done[p])
@@ -395,6 +431,8 @@ def main() -> None:
     finally:
         if not args.keep and not args.dir:
             shutil.rmtree(base, ignore_errors=True)
+    if args.write_only:
+        return
     print(
         "\ngrowth exponents (slope of log cost against log size; wall time / CPU time / added memory):"
     )

@@ -6,11 +6,14 @@ document (`disttrace/jsondoc.py`). Views, the gate and the lab read attributes.
 
 from __future__ import annotations
 
+import bisect
 import enum
+from array import array
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from disttrace.jsondoc import JsonDoc, omit_none
+from disttrace.jsondoc import JsonDoc, Streamed, omit_none
 
 
 class BoundKind(enum.StrEnum):
@@ -157,6 +160,154 @@ class StepEntry(JsonDoc):
         return self.ranks.get(r)
 
 
+_I32 = 1 << 31
+
+
+class StepTable(Streamed, Sequence):
+    """Step entries held as columns (`numeric.by_step`: an entry per step before the first divergence with an
+    inexact tensor, every rank's summary in it, the `--json` contract): ~70 bytes a rank-step and 9 a phase,
+    where the `StepEntry`s with their `RankEntry`s took ~500 (tracemalloc). Reading one builds its `StepEntry`, whose
+    `ranks` builds a `RankEntry` when read (`RankRows`); `--json` writes the entries one at a time
+    (`jsondoc.Streamed`): the same bytes as the list of the entries. An entry whose values are not plain
+    ints and floats (a numpy scalar) is kept whole, so nothing is ever printed otherwise than it was."""
+
+    def __init__(self, entries=()):
+        self._head: list = []  # per step: (step, equal, differing, bounds, kinds, first row), or a StepEntry
+        self._rank = array("i")
+        self._ints = array("i")  # differing, total, inexact, hard: four a row
+        self._floats = array("d")  # max_rel_err, max_ratio: two a row (flags say which are None)
+        self._none = array("B")  # bit 0: max_rel_err is None, bit 1: max_ratio is None
+        self._at = array("q", [0])  # each row's first phase in _phase / _value
+        self._phase = array("B")  # a code into _names
+        self._value = array("d")
+        self._names: list[str] = []
+        self._code: dict[str, int] = {}
+        for e in entries:
+            self.append(e)
+
+    def append(self, e: StepEntry) -> None:
+        if not self._packable(e.ranks):
+            self._head.append(e)
+            return
+        self._head.append(
+            (e.step, e.equal, e.differing, e.bound_by_phase, e.bound_kind_by_phase, len(self._rank))
+        )
+        for r, x in e.ranks.items():
+            self._rank.append(r)
+            self._ints.extend((x.differing, x.total, x.inexact, x.hard))
+            self._floats.append(0.0 if x.max_rel_err is None else x.max_rel_err)
+            self._floats.append(0.0 if x.max_ratio is None else x.max_ratio)
+            self._none.append((x.max_rel_err is None) | (x.max_ratio is None) << 1)
+            for name, v in x.max_rel_err_by_phase.items():
+                self._phase.append(self._code[name])
+                self._value.append(v)
+            self._at.append(len(self._phase))
+
+    def _packable(self, ranks) -> bool:
+        """Would one step's ranks come back from the columns as they are (ranks ascending, plain ints and
+        floats)? Their phases get codes."""
+        if type(ranks) is not dict:
+            return False
+        last = None
+        for r, x in ranks.items():
+            if type(r) is not int or (last is not None and r <= last) or type(x) is not RankEntry:
+                return False
+            last = r
+            if (
+                not -_I32 <= r < _I32
+                or any(
+                    type(v) is not int or not -_I32 <= v < _I32
+                    for v in (x.differing, x.total, x.inexact, x.hard)
+                )
+                or any(v is not None and type(v) is not float for v in (x.max_rel_err, x.max_ratio))
+                or type(x.max_rel_err_by_phase) is not dict
+            ):
+                return False
+            for name, v in x.max_rel_err_by_phase.items():
+                if type(name) is not str or type(v) is not float:
+                    return False
+                if name not in self._code:
+                    if len(self._names) == 255:
+                        return False
+                    self._code[name] = len(self._names)
+                    self._names.append(name)
+        return True
+
+    def rank_entry(self, row: int) -> RankEntry:
+        d, t, i, h = self._ints[4 * row : 4 * row + 4]
+        none = self._none[row]
+        a, z = self._at[row], self._at[row + 1]
+        return RankEntry(
+            d,
+            t,
+            {self._names[c]: v for c, v in zip(self._phase[a:z], self._value[a:z])},
+            inexact=i,
+            max_rel_err=None if none & 1 else self._floats[2 * row],
+            max_ratio=None if none & 2 else self._floats[2 * row + 1],
+            hard=h,
+        )
+
+    def _entry(self, k: int) -> StepEntry:
+        head = self._head[k]
+        if isinstance(head, StepEntry):
+            return head
+        step, equal, differing, bounds, kinds, first = head
+        end = next(
+            (h[5] for h in self._head[k + 1 :] if not isinstance(h, StepEntry)), len(self._rank)
+        )
+        return StepEntry(step, equal, differing, RankRows(self, first, end), bounds, kinds)
+
+    def __len__(self) -> int:
+        return len(self._head)
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return [self._entry(j) for j in range(*k.indices(len(self)))]
+        if k < 0:
+            k += len(self)
+        if not 0 <= k < len(self):
+            raise IndexError(k)
+        return self._entry(k)
+
+    def __iter__(self) -> Iterator[StepEntry]:
+        return (self._entry(k) for k in range(len(self)))
+
+    def stream(self) -> Iterator[StepEntry]:
+        return iter(self)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return f"StepTable({len(self)} steps, {len(self._rank)} rank rows)"
+
+
+class RankRows(Mapping):
+    """One step's ranks of a `StepTable` (rows first..end, ranks ascending) as `StepEntry.ranks` reads them:
+    a `RankEntry` built when one is read."""
+
+    __slots__ = ("_t", "_a", "_z")
+
+    def __init__(self, table: StepTable, first: int, end: int):
+        self._t, self._a, self._z = table, first, end
+
+    def __getitem__(self, r) -> RankEntry:
+        i = bisect.bisect_left(self._t._rank, r, self._a, self._z)
+        if i == self._z or self._t._rank[i] != r:
+            raise KeyError(r)
+        return self._t.rank_entry(i)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._t._rank[self._a : self._z])
+
+    def __len__(self) -> int:
+        return self._z - self._a
+
+    def to_dict(self) -> dict[str, Any]:
+        """As `jsondoc.plain` writes a dict of int keys."""
+        return {str(r): self._t.rank_entry(self._a + j).to_dict() for j, r in enumerate(self)}
+
+
 @dataclass
 class SideSummary(JsonDoc):
     """One run as diff read it."""
@@ -258,7 +409,9 @@ class PhaseWorst(JsonDoc):
 @dataclass
 class NumericSummary(JsonDoc):
     by_phase: dict[str, PhaseWorst]
-    by_step: list[StepEntry]  # steps before the first divergence with some inexact tensor
+    by_step: Sequence[
+        StepEntry
+    ]  # steps before the first divergence with some inexact tensor (StepTable)
 
 
 @dataclass

@@ -66,10 +66,10 @@ QuietOpt = typer.Option(
 
 
 def emit_json(obj) -> None:
-    """One document on stdout: a dict, or a typed result (its `to_json()`)."""
-    from disttrace.jsondoc import dumps
+    """One document on stdout: a dict, or a typed result (its `to_json()`), written piece by piece."""
+    from disttrace.jsondoc import write
 
-    sys.stdout.write(dumps(obj))
+    write(obj, sys.stdout)
     sys.stdout.flush()
 
 

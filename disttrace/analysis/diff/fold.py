@@ -19,6 +19,7 @@ from disttrace.analysis.result import (
     RecordsRead,
     SideSummary,
     StepEntry,
+    StepTable,
     Tolerance,
     TopologyComparison,
     WorstRatio,
@@ -69,9 +70,8 @@ class _Fold:
         self.first_step: int | None = None
         self.propagation: list[StepEntry] = []
         self.recovered: list[int] = []
-        self.by_step: list[
-            StepEntry
-        ] = []  # numeric: per-step errors of steps before the first divergence
+        # numeric: per-step errors of steps before the first divergence, as columns
+        self.by_step = StepTable()
         self.by_phase: dict[str, PhaseWorst] = {}
         self.n_units = self.n_exact = 0
         self.read_steps = 0
