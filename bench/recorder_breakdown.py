@@ -25,13 +25,11 @@ checkout's) on the same lists, interleaved, and prints both wholes and their rat
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -47,36 +45,12 @@ REALISTIC = [
 def capture(sets: list[str], steps: int = 2):
     """The hook lists of the last of `steps` real DDP steps: [(kind, [(tensor copy, offset, shape)])], the
     step's records as the recorder wrote them, and the parameters' bytes."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", OMP_NUM_THREADS="1")
-    from disttrace.run.launch import free_port
+    import onerank
 
-    os.environ["MASTER_PORT"] = str(free_port())
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from disttrace.config.manifest import Manifest, freeze
-    from disttrace.data.windows import TokenData
-    from disttrace.model.llama import build_model, lm_loss
-    from disttrace.run.hooks import Batch, Data, HookBus, Loss
-    from disttrace.run.loop import emit_module_outputs
-    from disttrace.run.parallel import build_strategy
     from disttrace.run.recorder import Recorder
 
-    torch.set_num_threads(1)
-    frozen = freeze(
-        ROOT / "manifests" / "default.toml", ["parallelism.dp=1", f"training.steps={steps}", *sets]
-    )
-    doc = frozen.model_dump()
-    m = doc["manifest"]
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("pp", "dp", "tp"))
-    data = TokenData(m, doc["resolved"]["data_path"], doc["resolved"]["tokenizer_path"])
-    bus = HookBus(0)
-    model = build_model(SimpleNamespace(**m["model"]), torch.float32, m["experiment"]["seed"])
-    emit_module_outputs(model, bus)
-    strategy = build_strategy(Manifest.model_validate(m), model, mesh, bus)
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    job = onerank.start([f"training.steps={steps}", *sets])
+    m, bus = job.manifest, job.bus
     lists: list = []
     written: list = []
 
@@ -96,23 +70,11 @@ def capture(sets: list[str], steps: int = 2):
             written.append((step, list(records), t))
 
     rec = Keeping(Path(tempfile.mkdtemp()), 0).attach(bus)
-    accum = m["training"]["grad_accum_steps"]
     for step in range(1, steps + 1):
-        bus.step = step
-        bus.emit("step_start")
-        strategy.zero_grad()
-        for mb in range(accum):
-            bus.micro_batch = mb
-            batch = bus.emit(Data(Batch(**data.batch(step, mb, 0)))).batch
-            with strategy.micro_batch(mb == accum - 1):
-                loss = lm_loss(strategy.model(batch.inputs), batch.targets)
-                loss = bus.emit(Loss(loss)).loss
-                strategy.backward(loss / accum, mb == accum - 1)
-        strategy.step()
-        bus.emit("step_end")
+        job.step(step)
     rec.close()
-    dist.destroy_process_group()
-    return lists, written[-1], params, m["model"]
+    onerank.stop()
+    return lists, written[-1], job.params, m["model"]
 
 
 def _ops(items):

@@ -18,7 +18,6 @@ what the recorder hashed only, the medians of its time, and the step's own time 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -40,38 +39,14 @@ WARMUP = 2
 
 
 def run(steps: int, sets: list[str], clip: bool, checkpoint: bool) -> dict:
-    os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", OMP_NUM_THREADS="1")
-    from disttrace.run.launch import free_port
+    import onerank
 
-    os.environ["MASTER_PORT"] = str(free_port())
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from disttrace.config.manifest import Manifest, freeze
-    from disttrace.data.windows import TokenData
-    from disttrace.model.llama import build_model, lm_loss
-    from disttrace.run.hooks import Batch, BeforeCheckpoint, Data, HookBus, Loss
-    from disttrace.run.loop import emit_module_outputs
-    from disttrace.run.parallel import build_strategy
+    from disttrace.run.hooks import BeforeCheckpoint
     from disttrace.run.recorder import Recorder
 
-    torch.set_num_threads(1)
     extra = ["training.max_grad_norm=1e9"] if clip else []
-    frozen = freeze(
-        ROOT / "manifests" / "default.toml",
-        ["parallelism.dp=1", f"training.steps={steps}", *sets, *extra],
-    )
-    doc = frozen.model_dump()
-    m = doc["manifest"]
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("pp", "dp", "tp"))
-    data = TokenData(m, doc["resolved"]["data_path"], doc["resolved"]["tokenizer_path"])
-    bus = HookBus(0)
-    model = build_model(SimpleNamespace(**m["model"]), torch.float32, m["experiment"]["seed"])
-    emit_module_outputs(model, bus)
-    strategy = build_strategy(Manifest.model_validate(m), model, mesh, bus)
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    job = onerank.start([f"training.steps={steps}", *sets, *extra])
+    m, bus, strategy, params = job.manifest, job.bus, job.strategy, job.params
 
     class Counted(Recorder):
         """The recorder, its phases' bytes and seconds tallied (`tally[phase] = [tensors, bytes, s]`)."""
@@ -112,7 +87,6 @@ def run(steps: int, sets: list[str], clip: bool, checkpoint: bool) -> dict:
     }
     for name, r in recorders.items():
         r.attach(Turn(name))
-    accum = m["training"]["grad_accum_steps"]
     per_step = {
         name: [] for name in recorders
     }  # (step s, own s, tally snapshot, hashed-only bytes)
@@ -122,28 +96,20 @@ def run(steps: int, sets: list[str], clip: bool, checkpoint: bool) -> dict:
             r.tally.clear()
             r.write_s = 0.0
             before = r._seen.hit_bytes if r._seen is not None else 0
-            bus.step = step
             t = time.perf_counter()
-            bus.emit("step_start")
-            strategy.zero_grad()
-            for mb in range(accum):
-                bus.micro_batch = mb
-                batch = bus.emit(Data(Batch(**data.batch(step, mb, 0)))).batch
-                with strategy.micro_batch(mb == accum - 1):
-                    loss = lm_loss(strategy.model(batch.inputs), batch.targets)
-                    loss = bus.emit(Loss(loss)).loss
-                    strategy.backward(loss / accum, mb == accum - 1)
-            strategy.step()
-            if checkpoint:
-                bus.emit(BeforeCheckpoint(strategy.state_dict(), step))
-            bus.emit("step_end")
+            saved = (
+                (lambda s=step: bus.emit(BeforeCheckpoint(strategy.state_dict(), s)))
+                if checkpoint
+                else None
+            )
+            job.step(step, saved)
             wall = time.perf_counter() - t
             own = sum(e[2] for e in r.tally.values()) + r.write_s
             hashed = (r._seen.hit_bytes if r._seen is not None else 0) - before
             per_step[name].append((wall, own, {k: list(v) for k, v in r.tally.items()}, hashed))
     for r in recorders.values():
         r.close()
-    dist.destroy_process_group()
+    onerank.stop()
     return {"params": params, "per_step": per_step, "model": m["model"]}
 
 
