@@ -86,12 +86,8 @@ TP_SPECS = {
     "live check, all rules": {**ON, "live": "all"},
 }
 VARIANTS = tuple(SPECS)
-REALISTIC = [
-    "model.dim=512",
-    "model.n_layers=4",
-    "model.max_seq_len=256",
-    "training.grad_accum_steps=2",
-]
+from onerank import REALISTIC  # noqa: E402
+
 TINY = ["training.grad_accum_steps=2"]  # the default manifest's model
 RING = 64
 CPU = ", CPU"  # an observer's label + CPU: its hook time in CPU seconds of the rank's thread (thread_time)

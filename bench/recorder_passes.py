@@ -29,12 +29,8 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-REALISTIC = [
-    "model.dim=512",
-    "model.n_layers=4",
-    "model.max_seq_len=256",
-    "training.grad_accum_steps=2",
-]
+from onerank import REALISTIC  # noqa: E402
+
 WARMUP = 2
 
 
