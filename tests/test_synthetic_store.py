@@ -105,7 +105,7 @@ def _slim(e: dict) -> dict:
 def test_step_entries_give_back_what_the_lines_said():
     import random
 
-    from disttrace.analysis.diff.side import StepEntries
+    from disttrace.analysis.diff.stepentries import StepEntries
 
     rng = random.Random(5)
     odd = [None, "dev:" + "a" * 32, "A" * 32, "0" * 31, "", 7]
@@ -146,7 +146,7 @@ def _typed_accessors_agree(rng, lines: dict, got, outcomes: set) -> None:
     of the line: the oracle is the line itself, through the comparison and the seal's own check on it."""
     import xxhash
 
-    from disttrace.analysis.diff.side import StepEntries
+    from disttrace.analysis.diff.stepentries import StepEntries
     from disttrace.store import seal
 
     # the other side: the same steps, each line's digest, record count and bytes kept or changed

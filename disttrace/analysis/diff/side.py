@@ -3,16 +3,14 @@ the steps' bytes, hash-checked against it, as raw ranges, records or Arrow batch
 
 from __future__ import annotations
 
-import re
 import threading
-from array import array
-from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 import orjson
 import pyarrow as pa
 
+from disttrace.analysis.diff.stepentries import StepEntries
 from disttrace.analysis.result import (
     SideSummary,
 )
@@ -21,158 +19,6 @@ from disttrace.store import safeio, seal, trajectory
 from disttrace.store.rundir import Run
 
 _SPAN = 64 << 20  # the most bytes read in one range for a block of steps
-_HEX32 = re.compile(r"[0-9a-f]{32}")
-
-
-class StepEntries(Mapping):
-    """One rank's step index as a side keeps it: the fields diff reads (offset, length, records, the digest of
-    digests, the step's xxh3, its sha256 where no xxh3 was written) in arrays, ~64 bytes a step. The lines as
-    parsed are ~1 KB a step (the chain and the times are checked on reading and not needed after): held for
-    every rank, they were what a diff's memory grew by with the number of steps.
-
-    Readers ask for what they read, by step (`span`, `records`, `same_digest`, `hash_match`): nothing is built
-    per call but the answer. As a Mapping, step -> the entry as a dict of those fields (`line`)."""
-
-    __slots__ = ("_first", "_steps", "_offset", "_length", "_records", "_digest", "_xxh3", "_odd")
-
-    def __init__(self, entries: dict[int, dict]):
-        steps = sorted(entries)
-        n = len(steps)
-        contiguous = n > 0 and steps[-1] - steps[0] == n - 1
-        self._first = steps[0] if contiguous else None
-        self._steps = None if contiguous else np.array(steps, dtype=np.int64)
-        # what the arrays cannot hold exactly, by (row, field): a record count that is not a count (-1 in the
-        # array), a digest or xxh3 that is not 32 lowercase hex digits, a sha256 (lines without an xxh3)
-        self._odd: dict[tuple[int, str], object] = {}
-        offsets, lengths, counts = [], [], []
-        digest, xxh3 = bytearray(16 * n), bytearray(16 * n)
-        for row, s in enumerate(steps):
-            e = entries[s]
-            offsets.append(e["offset"])
-            lengths.append(e["length"])
-            records = e.get("records")
-            if isinstance(records, int) and not isinstance(records, bool) and records >= 0:
-                counts.append(records)
-            else:
-                counts.append(-1)
-                if records is not None:
-                    self._odd[row, "records"] = records
-            for key, blob in (("digest", digest), ("xxh3", xxh3)):
-                v = e.get(key)
-                if isinstance(v, str) and _HEX32.fullmatch(v):
-                    blob[16 * row : 16 * row + 16] = bytes.fromhex(v)
-                else:
-                    self._odd[row, key] = v
-            if e.get("xxh3") is None and e.get("sha256") is not None:
-                self._odd[row, "sha256"] = e["sha256"]
-        # Python arrays, not numpy: as compact, and one element is read ~5x faster (diff reads one at a time)
-        self._offset, self._length = array("q", offsets), array("q", lengths)
-        self._records = array("q", counts)
-        self._digest, self._xxh3 = bytes(digest), bytes(xxh3)
-
-    def _row(self, step) -> int | None:
-        if not isinstance(step, int):
-            return None
-        if self._first is not None:
-            row = step - self._first
-            return row if 0 <= row < len(self._offset) else None
-        if self._steps is None:
-            return None
-        row = int(np.searchsorted(self._steps, step))
-        return row if row < len(self._steps) and self._steps[row] == step else None
-
-    def _held(self, step) -> int:
-        row = self._row(step)
-        if row is None:
-            raise KeyError(step)
-        return row
-
-    def span(self, step: int) -> tuple[int, int]:
-        """The step's byte range in the trajectory: (offset, length)."""
-        row = self._held(step)
-        return self._offset[row], self._length[row]
-
-    def _count(self, row: int):
-        n = self._records[row]
-        return n if n >= 0 else self._odd.get((row, "records"))
-
-    def records(self, step: int):
-        """The step's record count as its line states it (None: not stated, or no such step)."""
-        row = self._row(step)
-        return None if row is None else self._count(row)
-
-    def _hash(self, blob: bytes, row: int, key: str):
-        """A 16-byte hash of the row (digest or xxh3), or what the line held instead (kept as it was)."""
-        if self._odd and (row, key) in self._odd:
-            return self._odd[row, key]
-        return blob[16 * row : 16 * row + 16]
-
-    def same_digest(self, step: int, other: StepEntries) -> bool:
-        """Both hold the step, their lines state a digest of digests and a record count, and both are equal:
-        the step is skipped if its bytes are the same too. A digest held as bytes (lowercase hex on the line)
-        never equals one kept as it was (any other value), as their lines' strings never did."""
-        row, o_row = self._row(step), other._row(step)
-        if row is None or o_row is None:
-            return False
-        if (
-            not self._odd and not other._odd
-        ):  # every field as the arrays hold it: compare them there
-            at, o_at = 16 * row, 16 * o_row
-            return (
-                self._records[row] == other._records[o_row]
-                and self._digest[at : at + 16] == other._digest[o_at : o_at + 16]
-            )
-        mine, theirs = (
-            self._hash(self._digest, row, "digest"),
-            other._hash(other._digest, o_row, "digest"),
-        )
-        return (
-            mine is not None
-            and isinstance(mine, bytes) == isinstance(theirs, bytes)
-            and mine == theirs
-            and self._count(row) == other._count(o_row)
-        )
-
-    def hash_match(self, step: int, data: bytes) -> bool | None:
-        """Whether `data` (the step's bytes) hash to the line's xxh3 (or sha256); None: it holds neither."""
-        row = self._held(step)
-        return seal.step_data_match_hashes(
-            data,
-            self._length[row],
-            self._hash(self._xxh3, row, "xxh3"),
-            self._odd.get((row, "sha256")) if self._odd else None,
-        )
-
-    def line(self, step: int) -> dict:
-        """The step's entry as a dict of the fields kept: step, offset, length, records, digest, xxh3 (hex, or
-        what the line held), sha256."""
-        row = self._held(step)
-        records, odd, at = self._records[row], self._odd, 16 * row
-        return {
-            "step": step,
-            "offset": self._offset[row],
-            "length": self._length[row],
-            "records": records if records >= 0 else odd.get((row, "records")),
-            "digest": odd[row, "digest"]
-            if (row, "digest") in odd
-            else self._digest[at : at + 16].hex(),
-            "xxh3": odd[row, "xxh3"] if (row, "xxh3") in odd else self._xxh3[at : at + 16].hex(),
-            "sha256": odd.get((row, "sha256")),
-        }
-
-    def __getitem__(self, step: int) -> dict:
-        return self.line(step)
-
-    def __iter__(self):
-        if self._first is not None:
-            return iter(range(self._first, self._first + len(self._offset)))
-        return iter(self._steps.tolist() if self._steps is not None else ())
-
-    def __len__(self) -> int:
-        return len(self._offset)
-
-    def __contains__(self, step) -> bool:
-        return self._row(step) is not None
 
 
 class _Side:
