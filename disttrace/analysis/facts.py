@@ -207,10 +207,8 @@ class MemoryFacts(JsonDoc):
 
 
 def memory_lines(run: Run, rank: int, torn: list | None = None) -> list[MemoryLine]:
-    """`memory/rank-N.jsonl` as MemoryLine models (`Run.memory` validates each line and hands on the line
-    as stored; the models are built again from them here, a few lines a step)."""
-    p = run.rank_path("memory", rank)
-    return [MemoryLine.parse_line(rec, p, n) for n, rec in enumerate(run.memory(rank, torn), 1)]
+    """`memory/rank-N.jsonl` as MemoryLine models, each validated once as it is read (`Run.memory`)."""
+    return list(run.memory(rank, torn))
 
 
 def memory(run: Run) -> MemoryFacts:

@@ -577,12 +577,11 @@ class Run:
         for n, rec in enumerate(iter_jsonl(p, torn, self.path), 1):
             yield CollectiveLine.parse_line(rec, p, n)
 
-    def memory(self, rank: int, torn: list | None = None) -> Iterator[dict]:
-        """`memory/rank-N.jsonl`, each line validated (MemoryLine)."""
+    def memory(self, rank: int, torn: list | None = None) -> Iterator[MemoryLine]:
+        """`memory/rank-N.jsonl`, each line validated as a MemoryLine (its `as_read()` the line as stored)."""
         p = self.rank_path("memory", rank)
         for n, rec in enumerate(iter_jsonl(p, torn, self.path), 1):
-            MemoryLine.parse_line(rec, p, n)
-            yield rec
+            yield MemoryLine.parse_line(rec, p, n)
 
     def trajectory_path(self, rank: int) -> Path:
         """The rank's trajectory file: the Arrow stream, or the JSON lines of a store written before it."""
