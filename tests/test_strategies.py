@@ -47,7 +47,8 @@ STRATEGIES = {
 }
 
 
-# CI's tier: ZeRO-1 and -3, TP, a 1F1B pipeline and the dp x pp hybrid; ZeRO-2, GPipe and dp x tp in `make test-all`
+# CI's tier: ZeRO-1 and -3 and a 1F1B pipeline; ZeRO-2, GPipe and dp x tp here, TP and dp x pp in tests/conftest.py's
+# SLOW_TIER, run by `make test-all`
 SLOW_IN_CI = {"zero2", "pp2-gpipe", "dp2xtp2"}
 
 
