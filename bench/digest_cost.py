@@ -73,34 +73,19 @@ def measure(tensors, repeats: int) -> dict[str, float]:
 
 def against(rev: str, sets: list[str], repeats: int) -> None:
     """This checkout's digest_many against REV's, on the realistic model's step tensors."""
-    import importlib.util
-    import subprocess
-    import tempfile
+    import cputime
 
     from disttrace.run import digest as now
 
-    src = subprocess.run(
-        ["git", "-C", str(ROOT), "show", f"{rev}:disttrace/run/digest.py"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    with tempfile.TemporaryDirectory() as d:
-        f = Path(d) / "digest_then.py"
-        f.write_text(src)
-        spec = importlib.util.spec_from_file_location("digest_then", f)
-        then = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(then)
+    then = cputime.digest_at(rev)
     tensors, what = tensors_of_a_step(sets)
     items = [(t, None, None) for t in tensors]
     mb = sum(t.numel() * t.element_size() for t in tensors) / 1e6
-    times: dict[str, list[float]] = {rev: [], "this checkout": []}
-    for _ in range(repeats):
-        for k, mod in ((rev, then), ("this checkout", now)):
-            t = time.thread_time()
-            mod.digest_many(items)
-            times[k].append(time.thread_time() - t)
-    a, b = statistics.median(times[rev]), statistics.median(times["this checkout"])
+    med = cputime.medians(
+        {rev: lambda: then.digest_many(items), "this checkout": lambda: now.digest_many(items)},
+        repeats,
+    )
+    a, b = med[rev], med["this checkout"]
     print(
         f"{what}; {len(tensors)} tensors, {mb:.1f} MB a step; {repeats} repeats, CPU time medians: "
         f"{rev} {a * 1e3:.1f} ms, this checkout {b * 1e3:.1f} ms, ratio {b / a:.3f}"

@@ -126,16 +126,12 @@ def _ops(items):
 
 def breakdown(lists, repeats: int) -> dict:
     """CPU seconds per kind and operation (median of the repeats, operations interleaved)."""
+    import cputime
+
     out = {}
     for kind, items in lists:
         ops = _ops(items)
-        times = {k: [] for k in ops}
-        for _ in range(repeats):
-            for k, f in ops.items():
-                t = time.thread_time()
-                f()
-                times[k].append(time.thread_time() - t)
-        med = {k: statistics.median(v) for k, v in times.items()}
+        med = cputime.medians(ops, repeats)
         hashed = med.pop("blocks hashed")
         row = {
             "tensors": len(items),
@@ -176,31 +172,20 @@ def write_cost(last, repeats: int) -> dict:
 
 def against(rev: str, lists, repeats: int) -> None:
     """digest_many of this checkout against REV's on the same lists, interleaved."""
-    import importlib.util
-    import subprocess
+    import cputime
 
     from disttrace.run import digest as now
 
-    src = subprocess.run(
-        ["git", "-C", str(ROOT), "show", f"{rev}:disttrace/run/digest.py"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    path = Path(tempfile.mkdtemp()) / "digest_base.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location("digest_base", path)
-    base = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(base)
+    base = cputime.digest_at(rev)
     items = [it for _, lst in lists for it in lst]
-    times = {"base": [], "now": []}
-    for _ in range(repeats):
-        for name, mod in (("base", base), ("now", now)):
-            t = time.thread_time()
-            for _, lst in lists:
-                mod.digest_many(lst)
-            times[name].append(time.thread_time() - t)
-    b, n = statistics.median(times["base"]), statistics.median(times["now"])
+    med = cputime.medians(
+        {
+            "base": lambda: [base.digest_many(lst) for _, lst in lists],
+            "now": lambda: [now.digest_many(lst) for _, lst in lists],
+        },
+        repeats,
+    )
+    b, n = med["base"], med["now"]
     mib = sum(t.numel() * t.element_size() for t, _, _ in items) / 2**20
     print(
         f"digest_many of a step's hook lists ({len(items)} tensors, {mib:.1f} MiB), CPU time, median of "

@@ -173,13 +173,10 @@ def components(sets: list[str], repeats: int = 5) -> dict[str, float]:
         "+ sketch v2 GEMV u^T X": over_blocks(lambda b, u, ut: u @ b),
         "digest_tensor (all of them)": whole,
     }
-    times = {k: [] for k in ops}
-    for _ in range(repeats):
-        for k, f in ops.items():
-            t = time.thread_time()
-            f()
-            times[k].append(time.thread_time() - t)
-    return {k: statistics.median(v) / gib for k, v in times.items()}, len(tensors), len(blocks)
+    import cputime
+
+    med = cputime.medians(ops, repeats)
+    return {k: v / gib for k, v in med.items()}, len(tensors), len(blocks)
 
 
 def main():
