@@ -29,9 +29,13 @@ demo: $(STAMP)
 
 # CI's tier: every test but the `slow` end-to-end jobs (crash, multi-node, the integrations, the attach
 # bug families, calibration, the report's lab, the strategy and fault cases a kept case already covers),
-# with 15% of the fuzz sample (`make fuzz` is the long run); it must stay well under CI's 15 minutes
+# with 15% of the fuzz sample (`make fuzz` is the long run); it must stay well under CI's 15 minutes.
+# Two pytest-xdist workers, a test file each at a time (its module fixtures made once): one worker alone
+# keeps about 1.2 of the 2 cores busy, since much of a test is one process starting or waiting; the
+# session's runs are shared between the workers (tests/conftest.py). TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP) lint
-	DISTTRACE_FUZZ_SCALE=$${DISTTRACE_FUZZ_SCALE:-0.15} OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "not slow" tests
+	DISTTRACE_FUZZ_SCALE=$${DISTTRACE_FUZZ_SCALE:-0.15} OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadfile tests
 
 # the formatter's check and the linter (both configured in pyproject.toml); `make format` applies them
 lint: $(STAMP)

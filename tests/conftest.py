@@ -3,6 +3,9 @@ made once per session and shared; tests only read the run store."""
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import json
 import math
 import os
 import subprocess
@@ -52,8 +55,9 @@ def last_line(proc) -> Path:
 class Runs:
     """Session cache: one run per distinct command line (and environment)."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, done: Path):
         self.root = root
+        self.done = done  # each finished command's exit code and output, outside the runs root
         self._cache: dict[tuple, subprocess.CompletedProcess] = {}
 
     def job(self, *args, expect=0, env=None, timeout=180) -> subprocess.CompletedProcess:
@@ -61,7 +65,7 @@ class Runs:
         caller's. Asserts its exit code is `expect` (None: any)."""
         key = (tuple(map(str, args)), tuple(sorted((env or {}).items())))
         if key not in self._cache:
-            self._cache[key] = cli(*args, "--out", self.root, env=env, timeout=timeout)
+            self._cache[key] = self._once(key, args, env, timeout)
         proc = self._cache[key]
         if expect is not None and proc.returncode != expect:
             raise AssertionError(
@@ -69,6 +73,24 @@ class Runs:
                 f"stderr:\n{proc.stderr[-4000:]}"
             )
         return proc
+
+    def _once(self, key, args, env, timeout) -> subprocess.CompletedProcess:
+        """Under pytest-xdist the workers share one runs root: the first to ask runs the command while the
+        others wait on its lock, then read what it left, so no run is made twice in a session."""
+        self.done.mkdir(parents=True, exist_ok=True)
+        name = hashlib.sha256(repr(key).encode()).hexdigest()[:24]
+        with open(self.done / f"{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            stored = self.done / f"{name}.json"
+            if stored.exists():
+                p = json.loads(stored.read_text())
+                return subprocess.CompletedProcess(
+                    p["args"], p["returncode"], p["stdout"], p["stderr"]
+                )
+            proc = cli(*args, "--out", self.root, env=env, timeout=timeout)
+            p = {k: getattr(proc, k) for k in ("returncode", "stdout", "stderr")}
+            stored.write_text(json.dumps({"args": list(map(str, proc.args)), **p}))
+            return proc
 
     def get(self, *args, expect=0, env=None) -> Path:
         return last_line(self.job(*args, expect=expect, env=env))
@@ -120,7 +142,10 @@ class Runs:
 
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory) -> Runs:
-    return Runs(tmp_path_factory.mktemp("runs"))
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the workers' base temps share this parent
+        shared = tmp_path_factory.getbasetemp().parent
+        return Runs(shared / "runs", shared / "runs-done")
+    return Runs(tmp_path_factory.mktemp("runs"), tmp_path_factory.mktemp("runs-done"))
 
 
 @dataclass

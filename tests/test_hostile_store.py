@@ -265,7 +265,8 @@ def _drive(cases: list[dict], tmp: Path) -> dict[str, dict]:
         text=True,
         timeout=ALARM_S * len(cases) + 60,
         cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "NO_COLOR": "1"},
+        # wide enough that a table cell never crops a long temporary path the tests look for
+        env={**os.environ, "OMP_NUM_THREADS": "1", "NO_COLOR": "1", "COLUMNS": "400"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {d["name"]: d for d in map(json.loads, proc.stdout.splitlines())}
