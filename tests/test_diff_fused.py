@@ -25,6 +25,7 @@ import test_diff_synthetic as syn  # noqa: E402
 
 from disttrace.analysis import columnar  # noqa: E402
 from disttrace.analysis.diff import diff_runs  # noqa: E402
+from disttrace.analysis.diff.tol import _Tol  # noqa: E402
 from disttrace.store.records import PHASES  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
@@ -156,6 +157,10 @@ def both_paths(monkeypatch):
 
     monkeypatch.setattr(fused, "compare_block", counted)
     monkeypatch.setattr(columnar, "FUSED_MIN", 0)
+    monkeypatch.setattr(columnar, "FUSED_PAIRS", 0)
+    monkeypatch.setattr(
+        _Tol, "fused", True
+    )  # the comparisons that plan no blocks too (across topologies)
 
     def run(fn):
         docs = []

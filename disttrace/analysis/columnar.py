@@ -27,9 +27,12 @@ from disttrace.store.records import PHASES
 from disttrace.store.trajectory import SKETCH_K
 
 TINY = 1e-300
-# blocks of at least this many rows take analysis/fused.py where numba is installed (the `fast` extra): its import
-# costs ~0.4 s of CPU once, which a diff of a few thousand records would not earn back
+# analysis/fused.py (numba, the `fast` extra) compares a block of at least FUSED_MIN rows, in a diff that will compare
+# at least FUSED_PAIRS pairs of records (its own estimate from the step indexes, analysis/diff/blocks.py): numba's
+# import and the loading of the compiled pass cost ~0.65 s of CPU once a process, and the pass saves ~1 us a pair
+# (docs/benchmarks.md), so a smaller diff stays with numpy
 FUSED_MIN = 1 << 12
+FUSED_PAIRS = 1 << 20
 _fused_module = None  # analysis/fused.py, False where numba is absent or DISTTRACE_FUSED=0
 _PHASES = pa.array(PHASES)
 _SKETCH_FLOAT32 = pa.array(tolerance.SKETCH_FLOAT32)
@@ -452,11 +455,13 @@ def summarize(
     magnitudes=None,
     projections: int = SKETCH_K,
     bound_table=None,
+    fused: bool = False,
 ) -> StepSummary:
     """by_step(compare(...), starts): in one compiled pass over the rows where numba is installed and the block
     holds at least FUSED_MIN rows, else in numpy. bound_table() -> table, optional: the base bound of a row at
     step position s and phase order o is table[s, o] * tensor_factors of its name, which is what base_bound
-    returns for it (the compiled pass then needs no call back into Python between its rows)."""
+    returns for it (the compiled pass then needs no call back into Python between its rows). fused: the
+    caller's comparison is large enough for the compiled pass (FUSED_PAIRS)."""
     kw = dict(
         bitwise=bitwise,
         user=user,
@@ -464,9 +469,9 @@ def summarize(
         magnitudes=magnitudes,
         projections=projections,
     )
-    fused = _fused() if ba.num_rows >= FUSED_MIN else None
-    if fused is not None:
-        got = _fused_summary(fused, ba, bb, starts, bound_table=bound_table, **kw)
+    module = _fused() if fused and ba.num_rows >= FUSED_MIN else None
+    if module is not None:
+        got = _fused_summary(module, ba, bb, starts, bound_table=bound_table, **kw)
         if got is not None:
             return got
     return by_step(compare(ba, bb, **kw), starts)

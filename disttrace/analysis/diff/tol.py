@@ -33,6 +33,10 @@ def _nonfinite(r: dict) -> bool:
 class _Tol:
     """rel_err of two records' statistics and the bound it is held to."""
 
+    # the comparison is large enough for analysis/fused.py (columnar.FUSED_PAIRS): set where a propagating diff
+    # plans its blocks (analysis/diff/prepare.py), else numpy
+    fused = False
+
     def __init__(
         self,
         mode: str,
