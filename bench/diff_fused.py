@@ -8,9 +8,12 @@ seconds (minimum and median of the passes), the ratio, and checks that both give
 one-off cost the compiled pass adds to a process: numba's import and the loading of the compiled pass from its
 cache, measured in fresh processes.
 
-    .venv/bin/python bench/diff_fused.py A B [--passes 3]
+    .venv/bin/python bench/diff_fused.py A B [--passes 3] [--against OTHER_CHECKOUT]
 
 A, B: run stores of one topology, e.g. `reference` and `noisy` of `bench/diff_speed.py --dir D --keep`.
+With --against, also the comparison's set-up in fresh processes of this checkout's and the other's code,
+alternating: reading and checking both sides' step indexes (`_Setup`) and planning the blocks for the
+read-ahead and for the comparison; medians of CPU seconds and their ratio.
 """
 
 from __future__ import annotations
@@ -91,6 +94,61 @@ def _import_cost(passes: int) -> float:
     return sorted(got)[len(got) // 2]
 
 
+_SETUP = """
+import sys, time
+from disttrace.analysis.diff import blocks
+from disttrace.analysis.diff.prepare import _Setup
+a, b = sys.argv[1], sys.argv[2]
+t = time.process_time()
+st = _Setup(a, b, "numeric", None, None, False, True, None, True)
+t1 = time.process_time()
+steps, ranks, sides = st.steps, st.ranks, (st.side_a, st.side_b)
+if hasattr(blocks, "_Plan"):
+    plan = blocks._Plan(steps, ranks, sides)
+    block = lambda n: plan.block(n, blocks.BLOCK_ROWS)
+else:
+    block = lambda n: blocks._block(steps, n, ranks, sides, blocks.BLOCK_ROWS)
+for _ in range(2):  # the read-ahead's walk over the blocks and the comparison's
+    n = 0
+    while n < len(steps):
+        n += len(block(n))
+print(t1 - t, time.process_time() - t1)
+"""
+
+
+def _setup_cost(a: str, b: str, code: Path, passes: int) -> list[tuple[float, float]]:
+    env = dict(os.environ, PYTHONPATH=str(code))
+    return [
+        tuple(
+            map(
+                float,
+                subprocess.run(
+                    [sys.executable, "-c", _SETUP, a, b],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                    env=env,
+                ).stdout.split(),
+            )
+        )
+        for _ in range(passes)
+    ]
+
+
+def _against(a: str, b: str, other: Path, passes: int) -> None:
+    ours, theirs = [], []
+    for _ in range(passes):
+        ours += _setup_cost(a, b, ROOT, 1)
+        theirs += _setup_cost(a, b, other, 1)
+    med = lambda xs, i: sorted(x[i] for x in xs)[len(xs) // 2]  # noqa: E731
+    for i, what in enumerate(("step indexes read and checked", "blocks planned, twice")):
+        o, t = med(ours, i), med(theirs, i)
+        print(
+            f"{what}: {o:.4f} s of CPU against {t:.4f} s ({other}): {t / o:.2f}x, "
+            f"median of {passes} fresh processes each"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -98,7 +156,12 @@ def main() -> None:
     ap.add_argument("a")
     ap.add_argument("b")
     ap.add_argument("--passes", type=int, default=3, help="passes of each path (alternating)")
+    ap.add_argument(
+        "--against", type=Path, default=None, help="another checkout (the set-up's cost)"
+    )
     args = ap.parse_args()
+    if args.against is not None:
+        _against(args.a, args.b, args.against, max(args.passes, 5))
     load = os.getloadavg()
     st = _Setup(args.a, args.b, "numeric", None, None, False, True, None, True)
     jobs = _jobs(st)
