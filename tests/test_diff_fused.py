@@ -190,6 +190,29 @@ def test_the_compiled_pass_gives_the_numpy_paths_document(tmp_path, seed, both_p
     assert sum(e.ranks[k].inexact - e.ranks[k].differing for e in r.propagation for k in e.ranks)
 
 
+@pytest.mark.parametrize("variant", ["two-projections", "bounds-per-row"])
+def test_the_compiled_pass_gives_the_same_document_in_its_other_branches(
+    tmp_path, variant, both_paths, monkeypatch
+):
+    """Runs sharing only two of the sketch's projections (two sketch versions: the others are not compared),
+    and the base bound asked row by row of the caller (as with a calibration per tensor class) instead of
+    from a table."""
+    from disttrace.analysis.diff import prepare
+
+    if variant == "two-projections":
+        monkeypatch.setattr(prepare, "_shared_projections", lambda *args: 2)
+    else:
+        summarize = columnar.summarize
+        monkeypatch.setattr(
+            columnar, "summarize", lambda *a, **kw: summarize(*a, **{**kw, "bound_table": None})
+        )
+    m, a, b = _random_runs(14)
+    ra, rb = syn.write_run(tmp_path / "a", m, a), syn.write_run(tmp_path / "b", m, b)
+    for kw in MODES[1:]:
+        numpy_doc, fused_doc, n = both_paths(lambda: diff_runs(ra, rb, **kw))  # noqa: B023
+        assert n > 0 and fused_doc == numpy_doc, kw
+
+
 def test_the_compiled_pass_finds_a_store_equal_to_its_copy(tmp_path, both_paths):
     m, a, _ = _random_runs(13, steps=2)
     ra, rb = syn.write_run(tmp_path / "a", m, a), syn.write_run(tmp_path / "b", m, a)
