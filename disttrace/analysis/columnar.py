@@ -28,7 +28,7 @@ from disttrace.store.trajectory import SKETCH_K
 
 TINY = 1e-300
 # analysis/fused.py (numba, the `fast` extra) compares a block of at least FUSED_MIN rows, in a diff that will compare
-# at least FUSED_PAIRS pairs of records (its own estimate from the step indexes, analysis/diff/blocks.py): numba's
+# at least FUSED_PAIRS pairs of records (its estimate from the step indexes, blocks._compared_pairs): numba's
 # import and the loading of the compiled pass cost ~0.65 s of CPU once a process, and the pass saves ~1 us a pair
 # (docs/benchmarks.md), so a smaller diff stays with numpy
 FUSED_MIN = 1 << 12

@@ -52,14 +52,24 @@ class _Plan:
         ]
         self.steps = steps
         self.cum = np.cumsum(np.array(weights, dtype=np.int64))
-        # about how many pairs of records the comparison holds (each step's weight for each rank)
-        self.pairs = int(self.cum[-1]) * len(ranks) if len(steps) else 0
 
     def block(self, n: int, rows: int) -> list[int]:
         """_block(steps, n, ranks, sides, rows)."""
         base = int(self.cum[n - 1]) if n else 0
         k = int(np.searchsorted(self.cum[n:], base + rows, side="right"))
         return self.steps[n : n + max(k, 1)]
+
+
+def _compared_pairs(steps: list[int], ranks, side_a: _Side, side_b: _Side) -> int:
+    """About how many pairs of records comparing `steps` will compare: B's record counts of the rank-steps whose
+    index digests differ (those that agree are skipped unread where their bytes are the same, the usual case
+    of a bitwise diff)."""
+    return sum(
+        int(side_b.record_count(r, s) or 0)
+        for s in steps
+        for r in ranks
+        if not side_a.same_digest(r, s, side_b)
+    )
 
 
 def _compare_block(

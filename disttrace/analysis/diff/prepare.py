@@ -16,6 +16,7 @@ from disttrace.analysis.diff.blocks import (
     _block,
     _blocks_read,
     _compare_block,
+    _compared_pairs,
     _Plan,
     _take,
 )
@@ -389,7 +390,9 @@ class _Setup:
             _Plan(steps, self.ranks, (side_a, side_b)) if propagate and not self.logical else None
         )
         if plan is not None:
-            self.tol.fused = plan.pairs >= columnar.FUSED_PAIRS
+            self.tol.fused = (
+                _compared_pairs(steps, self.ranks, side_a, side_b) >= columnar.FUSED_PAIRS
+            )
         reader = (
             readahead.ReadAhead(_blocks_read(plan, self.ranks, side_a, side_b))
             if plan is not None and readahead.worth_it()
