@@ -297,6 +297,30 @@ def _plain_index_line(e: dict) -> bool:
     return v is None or type(v) is list or type(v) is dict
 
 
+def _types(lines: list[dict], key: str) -> set:
+    return set(map(type, [e.get(key) for e in lines]))
+
+
+def _plain_index_lines(lines: list[dict]) -> bool:
+    """_plain_index_line of every line, a field at a time over all of them (the same tests, in C loops: ~1 us
+    a line instead of ~20 dict lookups and type tests). False where any line is not plain: each is then
+    judged on its own."""
+    for k in _INDEX_INTS:
+        col = [e.get(k) for e in lines]
+        if set(map(type, col)) - {int} or (col and min(col) < 0):
+            return False
+    if any(_types(lines, k) - {str, type(None)} for k in _INDEX_TEXT):
+        return False
+    if _types(lines, "sketch") - {int, type(None)}:
+        return False
+    times = [e["time"] for e in lines if "time" in e]
+    if set(map(type, times)) - {dict}:
+        return False
+    if any(_types(times, k) - {float, int, type(None)} for k in _TIME_NUMBERS):
+        return False
+    return not _types(times, "spans") - {type(None), list, dict}
+
+
 @dataclass
 class JsonlRead:
     records: list
@@ -542,6 +566,8 @@ class Run:
         if not safeio.present(p):
             return JsonlRead([], None)
         read = read_jsonl(p, self.path)
+        if _plain_index_lines(read.records):
+            return read
         for n, e in enumerate(read.records, 1):
             if not _plain_index_line(e):
                 StepIndexEntry.parse_line(e, p, n)

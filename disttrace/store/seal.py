@@ -51,7 +51,10 @@ def genesis(rank: int) -> str:
 
 
 def chain_next(prev: str, entry: dict) -> str:
-    body = {k: v for k, v in entry.items() if k != "chain"}
+    body = entry
+    if "chain" in entry:  # the line's own link is not part of what it links
+        body = entry.copy()
+        del body["chain"]
     return hashlib.sha256(
         prev.encode() + b"\n" + orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
     ).hexdigest()

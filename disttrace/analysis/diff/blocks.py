@@ -39,6 +39,39 @@ def _block(steps: list[int], n: int, ranks, sides: tuple[_Side, _Side], rows: in
     return out
 
 
+class _Plan:
+    """`_block` for every block of a comparison over `steps`: each step's weight (the most records any rank of
+    either side states for it) summed up once, a block then found by bisection (`_block` walks the steps and
+    asks each rank's index for each of them, for every block, and did so twice: for the read-ahead and for
+    the comparison)."""
+
+    def __init__(self, steps: list[int], ranks, sides: tuple[_Side, _Side]):
+        weights = [
+            max((int(side.record_count(r, step) or 0) for side in sides for r in ranks), default=0)
+            for step in steps
+        ]
+        self.steps = steps
+        self.cum = np.cumsum(np.array(weights, dtype=np.int64))
+
+    def block(self, n: int, rows: int) -> list[int]:
+        """_block(steps, n, ranks, sides, rows)."""
+        base = int(self.cum[n - 1]) if n else 0
+        k = int(np.searchsorted(self.cum[n:], base + rows, side="right"))
+        return self.steps[n : n + max(k, 1)]
+
+
+def _compared_pairs(steps: list[int], ranks, side_a: _Side, side_b: _Side) -> int:
+    """About how many pairs of records comparing `steps` will compare: B's record counts of the rank-steps whose
+    index digests differ (those that agree are skipped unread where their bytes are the same, the usual case
+    of a bitwise diff)."""
+    return sum(
+        int(side_b.record_count(r, s) or 0)
+        for s in steps
+        for r in ranks
+        if not side_a.same_digest(r, s, side_b)
+    )
+
+
 def _compare_block(
     block: list[int], ranks, side_a: _Side, side_b: _Side, tol: _Tol, read=None
 ) -> dict[int, tuple[dict, int]]:
@@ -119,12 +152,12 @@ def _take(reader: readahead.ReadAhead, first: int, r: int):
     return reader.take((first, r))
 
 
-def _blocks_read(steps: list[int], ranks, side_a: _Side, side_b: _Side):
+def _blocks_read(plan: _Plan, ranks, side_a: _Side, side_b: _Side):
     """The reads of a comparison that propagates over every step, in its order: (block's first step, rank) and
     the job that reads that rank's block (for readahead.ReadAhead)."""
-    n = 0
+    n, steps = 0, plan.steps
     while n < len(steps):
-        block = _block(steps, n, ranks, (side_a, side_b), BLOCK_ROWS)
+        block = plan.block(n, BLOCK_ROWS)
         for r in ranks:
             yield (block[0], r), functools.partial(_read_rank, r, block, side_a, side_b)
         n += len(block)

@@ -13,6 +13,7 @@ from disttrace.store import trajectory
 from disttrace.store.rundir import PHASE_ORDER, PHASES
 
 _UNKNOWN_PHASE = len(PHASES)
+_PHASE_NAMES = (*PHASES, "")  # by phase order (columnar.phase_name)
 
 
 def _phase_order(phase: str) -> int:
@@ -186,9 +187,15 @@ def _fold_columns(
         )
         return derived[inv.reshape(-1)] * columnar.tensor_factors(names)
 
-    c = columnar.compare(
+    def bound_table():
+        """base_bound as a table: tol.derived at each step and phase the block holds."""
+        phases = np.flatnonzero(np.bincount(cb["phase_order"], minlength=n_orders))
+        return tol.derived_table(steps, phases.tolist(), n_orders)
+
+    summary = columnar.summarize(
         ca,
         cb,
+        starts,
         bitwise=tol.mode == "bitwise",
         user=(tol.rtol, tol.atol) if tol.user else None,
         base_bound=base_bound,
@@ -196,29 +203,38 @@ def _fold_columns(
         if tol.mags is not None
         else None,
         projections=tol.projections,
+        bound_table=None if tol.cal is not None and tol.cal.by_class is not None else bound_table,
+        fused=tol.fused,
     )
-    summary = columnar.by_step(c, starts)
-    for j, rs in enumerate(out):
-        rs.inexact += int(summary.inexact[j])
-        rs.differing += int(summary.differing[j])
-        rs.hard += int(summary.hard[j])
+    for rs, i, d, h in zip(
+        out, summary.inexact.tolist(), summary.differing.tolist(), summary.hard.tolist()
+    ):
+        rs.inexact += i
+        rs.differing += d
+        rs.hard += h
+    names = _PHASE_NAMES
     for j, order, rel, bnd, ratio in summary.groups:
-        rs, phase = out[j], columnar.phase_name(order)
-        if rel > rs.max_rel.get(phase, -1.0):
-            rs.max_rel[phase], rs.max_rel_bound[phase] = rel, bnd
+        rs, phase = out[j], names[order]
+        max_rel = rs.max_rel
+        if rel > max_rel.get(phase, -1.0):
+            max_rel[phase], rs.max_rel_bound[phase] = rel, bnd
         if ratio is not None:
-            rs.max_ratio = max(rs.max_ratio, ratio[0])
-            if ratio[0] > rs.ratio_by_phase.get(phase, (-1.0,))[0]:
+            q = ratio[0]
+            if q > rs.max_ratio:  # max(rs.max_ratio, q)
+                rs.max_ratio = q
+            if q > rs.ratio_by_phase.get(phase, (-1.0,))[0]:
                 rs.ratio_by_phase[phase] = ratio
+    special = {r for rows in summary.special for r in rows}
+    divergent = summary.first_divergent
     rows = sorted(
-        {r for j in range(len(out)) for r in summary.special[j]}
-        | {int(r) for r in summary.first_divergent if r >= 0}
+        special | set(divergent[divergent >= 0].tolist())
+        if special or (len(divergent) and divergent.max() >= 0)
+        else ()
     )
     if not rows:
         return
     take = pa.array(rows, pa.int64())
     ra, rb = trajectory.to_records(ca.batch.take(take)), trajectory.to_records(cb.batch.take(take))
-    special = {r for j in range(len(out)) for r in summary.special[j]}
     for row, x, y in zip(rows, ra, rb):
         j = int(np.searchsorted(starts, row, side="right")) - 1
         rs, step = out[j], steps[j]

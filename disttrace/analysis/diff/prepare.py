@@ -10,8 +10,16 @@ from typing import Any
 
 import orjson
 
-from disttrace.analysis import readahead, tolerance
-from disttrace.analysis.diff.blocks import BLOCK_ROWS, _block, _blocks_read, _compare_block, _take
+from disttrace.analysis import columnar, readahead, tolerance
+from disttrace.analysis.diff.blocks import (
+    BLOCK_ROWS,
+    _block,
+    _blocks_read,
+    _compare_block,
+    _compared_pairs,
+    _Plan,
+    _take,
+)
 from disttrace.analysis.diff.fold import StepOutcome
 from disttrace.analysis.diff.logical import StepWarnings, _compare_logical_step
 from disttrace.analysis.diff.side import _Side
@@ -378,18 +386,25 @@ class _Setup:
         ):  # every step read, every rank of a step: a block of steps a rank
             side_a.read_along(steps, BLOCK_ROWS)
             side_b.read_along(steps, BLOCK_ROWS)
+        plan = (
+            _Plan(steps, self.ranks, (side_a, side_b)) if propagate and not self.logical else None
+        )
+        if plan is not None:
+            self.tol.fused = (
+                _compared_pairs(steps, self.ranks, side_a, side_b) >= columnar.FUSED_PAIRS
+            )
         reader = (
-            readahead.ReadAhead(_blocks_read(steps, self.ranks, side_a, side_b))
-            if propagate and not self.logical and readahead.worth_it()
+            readahead.ReadAhead(_blocks_read(plan, self.ranks, side_a, side_b))
+            if plan is not None and readahead.worth_it()
             else None
         )
         try:
-            yield from self._outcomes(steps, propagate, on_step, reader)
+            yield from self._outcomes(steps, propagate, on_step, reader, plan)
         finally:
             if reader is not None:
                 reader.close()
 
-    def _outcomes(self, steps: list[int], propagate: bool, on_step, reader):
+    def _outcomes(self, steps: list[int], propagate: bool, on_step, reader, plan):
         side_a, side_b, tol, ranks = self.side_a, self.side_b, self.tol, self.ranks
         ahead: dict = {}  # steps compared ahead of the loop (a block)
         nothing = [0, 0]
@@ -402,8 +417,12 @@ class _Setup:
                 read = 1
             else:
                 if step not in ahead:
-                    block = _block(
-                        steps, n, ranks, (side_a, side_b), BLOCK_ROWS if propagate else 0
+                    block = (
+                        plan.block(n, BLOCK_ROWS)
+                        if plan is not None
+                        else _block(
+                            steps, n, ranks, (side_a, side_b), BLOCK_ROWS if propagate else 0
+                        )
                     )
                     ahead = _compare_block(
                         block,

@@ -3,6 +3,7 @@ the steps' bytes, hash-checked against it, as raw ranges, records or Arrow batch
 
 from __future__ import annotations
 
+import operator
 import threading
 from pathlib import Path
 
@@ -136,18 +137,9 @@ class _Side:
                     f"step {broken}: the step chain is broken (a step removed, reordered or "
                     "edited after the run; see `disttrace verify`)",
                 )
-            out: dict[int, dict] = {}
-            for n, e in enumerate(lines, 1):
-                for k in ("step", "offset", "length"):
-                    if not isinstance(e.get(k), int):
-                        raise BadInput(steps_path, f"line {n} lacks an integer '{k}'", field=k)
-                if e["offset"] + e["length"] > size:
-                    self.warnings.append(
-                        f"run {self.label}: rank {rank} step {e['step']}: the index points past "
-                        f"the end of {traj.name} (records not all written); step ignored"
-                    )
-                    continue
-                out[e["step"]] = e
+            out = _plain_entries(lines, size)
+            if out is None:
+                out = self._entries(lines, size, rank, steps_path, traj)
             if trajectory.is_arrow(traj):
                 tail = trajectory.unindexed_tail(
                     traj, max((e["offset"] + e["length"] for e in out.values()), default=0)
@@ -165,6 +157,25 @@ class _Side:
         if trajectory.is_arrow(traj):
             return self._scan_arrow(traj)
         return _scan_index(traj)
+
+    def _entries(
+        self, lines: list[dict], size: int, rank: int, steps_path, traj
+    ) -> dict[int, dict]:
+        """The index lines by step, line by line: one that lacks an integer field refused, one that points
+        past the trajectory's end warned of and left out."""
+        out: dict[int, dict] = {}
+        for n, e in enumerate(lines, 1):
+            for k in ("step", "offset", "length"):
+                if not isinstance(e.get(k), int):
+                    raise BadInput(steps_path, f"line {n} lacks an integer '{k}'", field=k)
+            if e["offset"] + e["length"] > size:
+                self.warnings.append(
+                    f"run {self.label}: rank {rank} step {e['step']}: the index points past "
+                    f"the end of {traj.name} (records not all written); step ignored"
+                )
+                continue
+            out[e["step"]] = e
+        return out
 
     def _scan_arrow(self, traj: Path) -> dict[int, dict]:
         """Rebuild a step index (without digests) from the stream's record batches, one per step."""
@@ -453,3 +464,15 @@ def _scan_index(path: Path) -> dict[int, dict]:
             cur["length"] = offset + n - cur["offset"]
         offset += n
     return out
+
+
+def _plain_entries(lines: list[dict], size: int) -> dict[int, dict] | None:
+    """_load_index's entries where every line has int step, offset and length and lies inside the trajectory of
+    `size` bytes, checked a field at a time over all lines; None otherwise (the lines are then taken one by
+    one, with their refusals and warnings)."""
+    cols = [[e.get(k) for e in lines] for k in ("step", "offset", "length")]
+    if any(set(map(type, c)) - {int} for c in cols):
+        return None
+    if lines and max(map(operator.add, cols[1], cols[2])) > size:
+        return None
+    return dict(zip(cols[0], lines))

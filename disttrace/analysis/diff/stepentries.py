@@ -12,6 +12,7 @@ import numpy as np
 from disttrace.store import seal
 
 _HEX32 = re.compile(r"[0-9a-f]{32}")
+_HEX = re.compile(r"[0-9a-f]*")
 
 
 class StepEntries(Mapping):
@@ -34,10 +35,39 @@ class StepEntries(Mapping):
         # what the arrays cannot hold exactly, by (row, field): a record count that is not a count (-1 in the
         # array), a digest or xxh3 that is not 32 lowercase hex digits, a sha256 (lines without an xxh3)
         self._odd: dict[tuple[int, str], object] = {}
+        lines = [entries[s] for s in steps]
+        if not self._plain(lines):
+            self._fill(lines)
+
+    def _plain(self, lines: list[dict]) -> bool:
+        """The arrays of lines as the writer writes them (each record count an int >= 0, each digest and xxh3
+        32 lowercase hex digits), filled column by column: one check and one conversion a field for all the
+        lines instead of a few calls a line. False (nothing set) for anything else, which _fill takes."""
+        n = len(lines)
+        counts = [e.get("records") for e in lines]
+        digests = [e.get("digest") for e in lines]
+        xxh3s = [e.get("xxh3") for e in lines]
+        if set(map(type, counts)) - {int} or (n and min(counts) < 0):
+            return False
+        for col in (digests, xxh3s):
+            if set(map(type, col)) - {str} or set(map(len, col)) - {32}:
+                return False
+        hexes = "".join(digests) + "".join(xxh3s)
+        if not _HEX.fullmatch(hexes):
+            return False
+        blob = bytes.fromhex(hexes)
+        self._offset = array("q", [e["offset"] for e in lines])
+        self._length = array("q", [e["length"] for e in lines])
+        self._records = array("q", counts)
+        self._digest, self._xxh3 = blob[: 16 * n], blob[16 * n :]
+        return True
+
+    def _fill(self, lines: list[dict]) -> None:
+        """The arrays line by line, each field that they cannot hold exactly kept in _odd."""
+        n = len(lines)
         offsets, lengths, counts = [], [], []
         digest, xxh3 = bytearray(16 * n), bytearray(16 * n)
-        for row, s in enumerate(steps):
-            e = entries[s]
+        for row, e in enumerate(lines):
             offsets.append(e["offset"])
             lengths.append(e["length"])
             records = e.get("records")

@@ -11,6 +11,7 @@ import pyarrow as pa
 from disttrace.analysis import tolerance
 from disttrace.analysis.result import BoundKind
 from disttrace.model.names import tensor_class
+from disttrace.store.records import PHASES
 from disttrace.store.trajectory import SKETCH_K
 
 TINY = 1e-300
@@ -31,6 +32,10 @@ def _nonfinite(r: dict) -> bool:
 
 class _Tol:
     """rel_err of two records' statistics and the bound it is held to."""
+
+    # the comparison is large enough for analysis/fused.py (columnar.FUSED_PAIRS): set where a propagating diff
+    # plans its blocks (analysis/diff/prepare.py), else numpy
+    fused = False
 
     def __init__(
         self,
@@ -56,6 +61,7 @@ class _Tol:
         self._cls: dict[str, str] = {}
         self._cache: dict[tuple[int, str], float] = {}
         self._eps: dict[str, float] = {}
+        self._table: tuple | None = None  # derived_table's last (key, table)
         # (A's, B's) analysis.magnitudes.Magnitudes when both runs recorded them: a gradient's difference is then
         # measured against the magnitudes that produced it, not against its own (possibly cancelled) norm
         self.mags = (
@@ -182,6 +188,25 @@ class _Tol:
                 )
             )
         return self._cache[k]
+
+    def derived_table(self, steps: list[int], orders: list[int], n_orders: int) -> np.ndarray:
+        """`derived` (no tensor class) at each of `steps` (rows) and phase orders (columns of n_orders, those
+        not in `orders` 0): the table of the last call is kept, as a block's ranks ask for the same one."""
+        key = (tuple(steps), tuple(orders))
+        last = self._table
+        if last is not None and last[0] == key:
+            return last[1]
+        table = np.zeros((len(steps), n_orders))
+        cache = self._cache
+        for o in orders:
+            phase = PHASES[o] if o < len(PHASES) else ""
+            table[:, o] = [
+                cache[k] if (k := (s, phase, None)) in cache else self.derived(s, phase)
+                for s in steps
+            ]
+        table.setflags(write=False)
+        self._table = (key, table)
+        return table
 
     def kind(self, step: int, phase: str, name: str | None = None) -> BoundKind:
         """Where the bound at (step, phase) comes from: bitwise, user, calibrated, derived or none (no

@@ -1,0 +1,206 @@
+"""The comparing side of a numeric diff alone: analysis/fused.py's compiled pass against the numpy path it replaces
+(docs/benchmarks.md, "The comparison compiled").
+
+Reads every rank-block of two stores once (what the read-ahead thread hands the comparison: decoded, as numpy
+columns, aligned), then folds them all into per-step results (`_fold_columns`: the comparison, its per-step
+summaries, the bounds and the fold) with each path in turn, alternating, in one process; prints each path's CPU
+seconds (minimum and median of the passes), the ratio, and checks that both give the same results. Also the
+one-off cost the compiled pass adds to a process: numba's import and the loading of the compiled pass from its
+cache, measured in fresh processes.
+
+    .venv/bin/python bench/diff_fused.py A B [--passes 3] [--against OTHER_CHECKOUT]
+
+A, B: run stores of one topology, e.g. `reference` and `noisy` of `bench/diff_speed.py --dir D --keep`.
+With --against, also the comparison's set-up in fresh processes of this checkout's and the other's code,
+alternating: reading and checking both sides' step indexes (`_Setup`) and planning the blocks for the
+read-ahead and for the comparison; medians of CPU seconds and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from disttrace.analysis import columnar  # noqa: E402
+from disttrace.analysis.diff.blocks import BLOCK_ROWS, _Plan, _read_rank  # noqa: E402
+from disttrace.analysis.diff.compare import _fold_columns, _RankStep  # noqa: E402
+from disttrace.analysis.diff.prepare import _Setup  # noqa: E402
+
+
+def _jobs(st: _Setup) -> list:
+    """Every rank-block of the comparison, read and decoded as the read-ahead thread would."""
+    plan, out, n = _Plan(st.steps, st.ranks, (st.side_a, st.side_b)), [], 0
+    while n < len(st.steps):
+        block = plan.block(n, BLOCK_ROWS)
+        for r in st.ranks:
+            _, todo, pair = _read_rank(r, block, st.side_a, st.side_b)
+            if pair is None or not pair[4]:
+                raise SystemExit(f"rank {r} steps {todo[0]}..: not an aligned block of Arrow steps")
+            out.append((todo, r, pair))
+        n += len(block)
+    return out
+
+
+def _fold_all(jobs, tol) -> list:
+    results = []
+    for todo, r, ((ba, starts), _, ca, cb, _) in jobs:
+        out = [_RankStep(k) for k in np.diff(np.append(starts, ba.num_rows)).tolist()]
+        _fold_columns(todo, r, ca, cb, starts, tol, out)
+        results.append(
+            [
+                (
+                    x.inexact,
+                    x.differing,
+                    x.hard,
+                    x.max_rel,
+                    x.max_rel_bound,
+                    x.max_ratio,
+                    x.ratio_by_phase,
+                    None if x.first is None else x.first[0],
+                )
+                for x in out
+            ]
+        )
+    return results
+
+
+def _import_cost(passes: int) -> float:
+    """The median CPU seconds a fresh process spends importing analysis/fused.py (numba, and its compiled
+    pass loaded from the cache), after numpy and pyarrow."""
+    code = (
+        "import time, numpy, pyarrow, disttrace.analysis.tolerance\n"
+        "t = time.process_time()\n"
+        "import disttrace.analysis.fused\n"
+        "print(time.process_time() - t)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    got = [
+        float(
+            subprocess.run(
+                [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
+            ).stdout
+        )
+        for _ in range(passes)
+    ]
+    return sorted(got)[len(got) // 2]
+
+
+_SETUP = """
+import sys, time
+from disttrace.analysis.diff import blocks
+from disttrace.analysis.diff.prepare import _Setup
+a, b = sys.argv[1], sys.argv[2]
+t = time.process_time()
+st = _Setup(a, b, "numeric", None, None, False, True, None, True)
+t1 = time.process_time()
+steps, ranks, sides = st.steps, st.ranks, (st.side_a, st.side_b)
+if hasattr(blocks, "_Plan"):
+    plan = blocks._Plan(steps, ranks, sides)
+    block = lambda n: plan.block(n, blocks.BLOCK_ROWS)
+else:
+    block = lambda n: blocks._block(steps, n, ranks, sides, blocks.BLOCK_ROWS)
+for _ in range(2):  # the read-ahead's walk over the blocks and the comparison's
+    n = 0
+    while n < len(steps):
+        n += len(block(n))
+print(t1 - t, time.process_time() - t1)
+"""
+
+
+def _setup_cost(a: str, b: str, code: Path, passes: int) -> list[tuple[float, float]]:
+    env = dict(os.environ, PYTHONPATH=str(code))
+    return [
+        tuple(
+            map(
+                float,
+                subprocess.run(
+                    [sys.executable, "-c", _SETUP, a, b],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                    env=env,
+                ).stdout.split(),
+            )
+        )
+        for _ in range(passes)
+    ]
+
+
+def _against(a: str, b: str, other: Path, passes: int) -> None:
+    ours, theirs = [], []
+    for _ in range(passes):
+        ours += _setup_cost(a, b, ROOT, 1)
+        theirs += _setup_cost(a, b, other, 1)
+    med = lambda xs, i: sorted(x[i] for x in xs)[len(xs) // 2]  # noqa: E731
+    for i, what in enumerate(("step indexes read and checked", "blocks planned, twice")):
+        o, t = med(ours, i), med(theirs, i)
+        print(
+            f"{what}: {o:.4f} s of CPU against {t:.4f} s ({other}): {t / o:.2f}x, "
+            f"median of {passes} fresh processes each"
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("a")
+    ap.add_argument("b")
+    ap.add_argument("--passes", type=int, default=3, help="passes of each path (alternating)")
+    ap.add_argument(
+        "--against", type=Path, default=None, help="another checkout (the set-up's cost)"
+    )
+    args = ap.parse_args()
+    if args.against is not None:
+        _against(args.a, args.b, args.against, max(args.passes, 5))
+    load = os.getloadavg()
+    st = _Setup(args.a, args.b, "numeric", None, None, False, True, None, True)
+    jobs = _jobs(st)
+    pairs = sum(job[2][0][0].num_rows for job in jobs)
+    # this bench measures the two paths whatever the diff's own threshold would choose
+    columnar.FUSED_PAIRS = 0
+    st.tol.fused = True
+    times: dict[str, list[float]] = {"numpy": [], "compiled": []}
+    results = {}
+    for name in ("compiled", "numpy") + ("compiled", "numpy") * args.passes:
+        os.environ["DISTTRACE_FUSED"] = "0" if name == "numpy" else "1"
+        columnar._fused_module = None
+        t = time.process_time()
+        results[name] = _fold_all(jobs, st.tol)
+        times[name].append(time.process_time() - t)
+    for k in times:  # the first pass of each: imports and warm-up, not counted
+        times[k] = times[k][1:]
+    assert results["numpy"] == results["compiled"], "the two paths differ"
+    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    print(
+        f"{len(jobs)} rank-blocks, {pairs:,} pairs of records; load {load[0]:.2f} {load[1]:.2f} "
+        f"{load[2]:.2f} (1, 5, 15 min)"
+    )
+    for k, v in times.items():
+        print(
+            f"{k:>9}: CPU min {min(v):.3f} s, median {med[k]:.3f} s "
+            f"({med[k] / pairs * 1e6:.3f} us a pair)"
+        )
+    print(
+        f"compiled / numpy: {med['numpy'] / med['compiled']:.2f}x fewer CPU seconds by medians; "
+        "results the same"
+    )
+    cost = _import_cost(args.passes)
+    saved = (med["numpy"] - med["compiled"]) / pairs
+    print(
+        f"one-off: importing analysis/fused.py (numba, the pass loaded from its cache) {cost:.3f} s of CPU "
+        f"(median of {args.passes} fresh processes): earned back from ~{cost / saved:,.0f} pairs"
+    )
+
+
+if __name__ == "__main__":
+    main()
