@@ -416,12 +416,40 @@ def decode_steps(path: Path, steps: list[tuple[bytes, str]]) -> tuple[pa.RecordB
     whatever each step alone accepts is accepted."""
     if len(steps) < 2:
         return _joined([decode_step(path, d, w) for d, w in steps])
+    data = [d for d, _ in steps]
+    if sum(map(len, data)) >= COMPILED_MIN and (kernel := _compiled()) is not None:
+        decoded = kernel(data)  # None: declined, for the pyarrow path below to accept or refuse
+        if decoded is not None:
+            return decoded
     try:
-        return _decode_block([d for d, _ in steps])
+        return _decode_block(data)
     except _DECODE_ERRORS:
         pass
     batches = [decode_step(path, d, w) for d, w in steps]  # raises, naming the step
     return _joined(batches)
+
+
+# blocks of at least this many bytes (~15 steps of 150 records, two of 1,000) take store/blockdecode.py where
+# numba is installed: a small store's blocks (the tests', a short run's) stay with pyarrow and never import it
+COMPILED_MIN = 1 << 16
+_kernel = None  # store/blockdecode.decode, False where numba is absent or DISTTRACE_BLOCK=0
+
+
+def _compiled():
+    """The compiled block decoder of store/blockdecode.py, or None: numba is an optional extra (`pip install
+    disttrace[fast]`), imported the first time a block of COMPILED_MIN bytes is decoded. DISTTRACE_BLOCK=0
+    keeps the pyarrow path (the benches' baseline)."""
+    global _kernel
+    if _kernel is None:
+        _kernel = False
+        if os.environ.get("DISTTRACE_BLOCK") != "0":
+            try:
+                from disttrace.store.blockdecode import decode
+
+                _kernel = decode
+            except ImportError:  # no numba, or a pyarrow whose writer the templates do not know
+                pass
+    return _kernel or None
 
 
 def _joined(batches: list[pa.RecordBatch]) -> tuple[pa.RecordBatch, np.ndarray]:
