@@ -82,9 +82,10 @@ def test_random_stores_decode_as_the_pyarrow_path(tmp_path, seed):
         assert starts.tolist() == want_starts.tolist()
 
 
-def test_decode_steps_takes_it_for_a_large_block_only(tmp_path, monkeypatch):
-    """decode_steps takes the compiled path for a block of COMPILED_MIN bytes or more, pyarrow's below (a small
-    store never imports numba), and DISTTRACE_BLOCK=0 keeps pyarrow's for every block."""
+def test_decode_steps_takes_it_for_large_blocks_of_a_large_job(tmp_path, monkeypatch):
+    """decode_steps takes the compiled path for a block of COMPILED_MIN bytes or more once the process has
+    decoded COMPILED_AFTER bytes with pyarrow (numba's import is paid by large jobs only), pyarrow's below;
+    DISTTRACE_BLOCK=0 keeps pyarrow's for every block, DISTTRACE_BLOCK=1 takes the compiled one at once."""
     rng = random.Random(9)
     path = tmp_path / "rank-00000.arrows"
     parts = _steps(path, write_v2(path, [_realistic(s, rng) for s in range(1, 40)]))
@@ -93,17 +94,25 @@ def test_decode_steps_takes_it_for_a_large_block_only(tmp_path, monkeypatch):
     monkeypatch.setattr(
         trajectory, "_kernel", lambda block: calls.append(len(block)) or real(block)
     )
+    size = sum(len(d) for d, _ in parts)
+    assert size >= trajectory.COMPILED_MIN
+    monkeypatch.setattr(trajectory, "_decoded", [0])
+    monkeypatch.setattr(trajectory, "COMPILED_AFTER", size)
     small = parts[:2]
     assert sum(len(d) for d, _ in small) < trajectory.COMPILED_MIN
-    trajectory.decode_steps(path, small)
+    first, _ = trajectory.decode_steps(path, parts)  # the job's first bytes: pyarrow's
+    assert calls == [] and trajectory._decoded == [size]
+    for _ in range(2):
+        trajectory.decode_steps(path, small)  # small: pyarrow's, however large the job
     assert calls == []
-    assert sum(len(d) for d, _ in parts) >= trajectory.COMPILED_MIN
     batch, _ = trajectory.decode_steps(path, parts)
     assert calls == [len(parts)]
-    assert batch.equals(trajectory._decode_block([d for d, _ in parts])[0])
-    monkeypatch.setattr(trajectory, "_kernel", None)
-    monkeypatch.setenv("DISTTRACE_BLOCK", "0")
-    assert trajectory._compiled() is None
+    assert batch.equals(first)
+    code = "from disttrace.store import trajectory as t; print(t.COMPILED_AFTER, t._compiled() is None)"
+    for value, want in (("0", "134217728 True"), ("1", "0 False")):
+        env = {**os.environ, "DISTTRACE_BLOCK": value}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert out.stdout.split() == want.split(), out.stderr
 
 
 def _mutate(rng: random.Random, block: list[bytes]) -> list[bytes]:
@@ -169,9 +178,10 @@ def mutation_trials(seed: int, trials: int, tmp: Path) -> tuple[int, int, int]:
 
 def test_mutated_blocks_decline_or_decode_as_the_pyarrow_path(tmp_path, monkeypatch):
     monkeypatch.setattr(trajectory, "COMPILED_MIN", 0)
-    declined, accepted, changed = mutation_trials(1, 300, tmp_path)
+    monkeypatch.setattr(trajectory, "COMPILED_AFTER", 0)
+    declined, accepted, changed = mutation_trials(1, 150, tmp_path)
     # both ways exercised: flipped literals decode (to other values, as pyarrow reads them), the rest declines
-    assert declined > 50 and accepted > 20 and changed > 10, (declined, accepted, changed)
+    assert declined > 25 and accepted > 10 and changed > 5, (declined, accepted, changed)
 
 
 @pytest.mark.slow  # a fresh interpreter compiling the kernels again with bounds checks: ~30 s
@@ -190,7 +200,7 @@ def test_mutated_blocks_read_nothing_out_of_bounds(tmp_path):
     code = (
         "import sys, pathlib, test_block_compiled as t\n"
         "from disttrace.store import trajectory\n"
-        "trajectory.COMPILED_MIN = 0\n"
+        "trajectory.COMPILED_MIN = trajectory.COMPILED_AFTER = 0\n"
         "for seed in (2, 3):\n"
         "    print(t.mutation_trials(seed, 300, pathlib.Path(sys.argv[1])))\n"
     )

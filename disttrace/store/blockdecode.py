@@ -24,6 +24,8 @@ and on mutated bytes.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
@@ -935,6 +937,18 @@ def _pool_array(size: int) -> np.ndarray:
     return np.frombuffer(pa.allocate_buffer(size), dtype=np.uint8)
 
 
+_local = threading.local()
+
+
+def _scratch(size: int) -> np.ndarray:
+    """This thread's scratch array of at least `size` bytes: the decompressed buffers are read only by the
+    kernels, so each thread keeps one (warm in cache, its pages mapped) from block to block."""
+    have = getattr(_local, "scratch", None)
+    if have is None or have.shape[0] < size:
+        have = _local.scratch = np.empty(max(size, 1 << 20), dtype=np.uint8)
+    return have[:size]
+
+
 def _run(steps: list[bytes]):
     """(status, arena, where, null counts, rows per step) of the kernels for a block."""
     n = len(steps)
@@ -956,7 +970,7 @@ def _run(steps: list[bytes]):
     )
     if status:
         return status, None, None, None, None
-    scratch = _pool_array(scratch_size)
+    scratch = _scratch(scratch_size)
     spos = np.empty((n, _NB), dtype=np.int64)
     slen = np.empty((n, _NB), dtype=np.int64)
     status = _inflate(raw, buf, scratch, spos, slen)

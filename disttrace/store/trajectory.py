@@ -417,28 +417,40 @@ def decode_steps(path: Path, steps: list[tuple[bytes, str]]) -> tuple[pa.RecordB
     if len(steps) < 2:
         return _joined([decode_step(path, d, w) for d, w in steps])
     data = [d for d, _ in steps]
-    if sum(map(len, data)) >= COMPILED_MIN and (kernel := _compiled()) is not None:
+    size = sum(map(len, data))
+    if (
+        size >= COMPILED_MIN
+        and _decoded[0] >= COMPILED_AFTER
+        and (kernel := _compiled()) is not None
+    ):
         decoded = kernel(data)  # None: declined, for the pyarrow path below to accept or refuse
         if decoded is not None:
             return decoded
     try:
-        return _decode_block(data)
+        out = _decode_block(data)
+        _decoded[0] += size
+        return out
     except _DECODE_ERRORS:
         pass
     batches = [decode_step(path, d, w) for d, w in steps]  # raises, naming the step
     return _joined(batches)
 
 
-# blocks of at least this many bytes (~15 steps of 150 records, two of 1,000) take store/blockdecode.py where
-# numba is installed: a small store's blocks (the tests', a short run's) stay with pyarrow and never import it
+# where numba is installed, blocks of at least COMPILED_MIN bytes (~15 steps of 150 records, two of 1,000) take
+# store/blockdecode.py once the process has decoded COMPILED_AFTER bytes with pyarrow: the compiled path decodes
+# a block in a third to a half of pyarrow's CPU time, but numba's import and LLVM's start cost a process ~0.8 s
+# of CPU (bench/block_decode.py), more than a diff of a few hundred thousand records spends decoding. A process
+# that has decoded 128 MiB is a large job, and pays that back within the next ~40-200 MiB. DISTTRACE_BLOCK=1
+# takes the compiled path from the first block, DISTTRACE_BLOCK=0 never (the benches' baseline)
 COMPILED_MIN = 1 << 16
+COMPILED_AFTER = 0 if os.environ.get("DISTTRACE_BLOCK") == "1" else 128 << 20
+_decoded = [0]  # bytes of blocks this process has decoded with pyarrow
 _kernel = None  # store/blockdecode.decode, False where numba is absent or DISTTRACE_BLOCK=0
 
 
 def _compiled():
     """The compiled block decoder of store/blockdecode.py, or None: numba is an optional extra (`pip install
-    disttrace[fast]`), imported the first time a block of COMPILED_MIN bytes is decoded. DISTTRACE_BLOCK=0
-    keeps the pyarrow path (the benches' baseline)."""
+    disttrace[fast]`), imported the first time it is wanted."""
     global _kernel
     if _kernel is None:
         _kernel = False
