@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+import test_diff_synthetic as syn
 from test_block_decode import _steps
 from test_trajectory_format import _realistic, every_kind, write_v2
 
@@ -96,12 +97,12 @@ def test_decode_steps_takes_it_for_large_blocks_of_a_large_job(tmp_path, monkeyp
     )
     size = sum(len(d) for d, _ in parts)
     assert size >= trajectory.COMPILED_MIN
-    monkeypatch.setattr(trajectory, "_decoded", [0])
+    monkeypatch.setattr(trajectory, "_work", [0])
     monkeypatch.setattr(trajectory, "COMPILED_AFTER", size)
     small = parts[:2]
     assert sum(len(d) for d, _ in small) < trajectory.COMPILED_MIN
     first, _ = trajectory.decode_steps(path, parts)  # the job's first bytes: pyarrow's
-    assert calls == [] and trajectory._decoded == [size]
+    assert calls == [] and trajectory._work == [size]
     for _ in range(2):
         trajectory.decode_steps(path, small)  # small: pyarrow's, however large the job
     assert calls == []
@@ -109,10 +110,27 @@ def test_decode_steps_takes_it_for_large_blocks_of_a_large_job(tmp_path, monkeyp
     assert calls == [len(parts)]
     assert batch.equals(first)
     code = "from disttrace.store import trajectory as t; print(t.COMPILED_AFTER, t._compiled() is None)"
-    for value, want in (("0", "134217728 True"), ("1", "0 False")):
+    for value, want in (("0", f"{128 << 20} True"), ("1", "0 False")):
         env = {**os.environ, "DISTTRACE_BLOCK": value}
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
         assert out.stdout.split() == want.split(), out.stderr
+
+
+def test_a_numeric_diff_says_how_much_it_will_decode(tmp_path, monkeypatch):
+    """A numeric diff of every step tells the decoder the bytes it is about to read: both runs' trajectories,
+    from each rank's first step to its last (the file less its end-of-stream marker)."""
+    from disttrace.analysis.diff import diff_runs
+
+    m = syn.manifest(**{"training.steps": 4})
+    recs = syn.gen_records(m, range(1, 5))
+    a = syn.write_run(tmp_path / "a", m, recs)
+    b = syn.write_run(tmp_path / "b", m, recs)
+    files = [p for run in (a, b) for p in sorted((run / "trajectory").glob("rank-*.arrows"))]
+    want = sum(p.stat().st_size - len(trajectory.END_OF_STREAM) for p in files)
+    told = []
+    monkeypatch.setattr(trajectory, "expect", told.append)
+    diff_runs(a, b, mode="numeric")
+    assert told == [want]
 
 
 def _mutate(rng: random.Random, block: list[bytes]) -> list[bytes]:

@@ -418,17 +418,13 @@ def decode_steps(path: Path, steps: list[tuple[bytes, str]]) -> tuple[pa.RecordB
         return _joined([decode_step(path, d, w) for d, w in steps])
     data = [d for d, _ in steps]
     size = sum(map(len, data))
-    if (
-        size >= COMPILED_MIN
-        and _decoded[0] >= COMPILED_AFTER
-        and (kernel := _compiled()) is not None
-    ):
+    if size >= COMPILED_MIN and _work[0] >= COMPILED_AFTER and (kernel := _compiled()) is not None:
         decoded = kernel(data)  # None: declined, for the pyarrow path below to accept or refuse
         if decoded is not None:
             return decoded
     try:
         out = _decode_block(data)
-        _decoded[0] += size
+        _work[0] += size
         return out
     except _DECODE_ERRORS:
         pass
@@ -437,15 +433,22 @@ def decode_steps(path: Path, steps: list[tuple[bytes, str]]) -> tuple[pa.RecordB
 
 
 # where numba is installed, blocks of at least COMPILED_MIN bytes (~15 steps of 150 records, two of 1,000) take
-# store/blockdecode.py once the process has decoded COMPILED_AFTER bytes with pyarrow: the compiled path decodes
-# a block in a third to a half of pyarrow's CPU time, but numba's import and LLVM's start cost a process ~0.8 s
-# of CPU (bench/block_decode.py), more than a diff of a few hundred thousand records spends decoding. A process
-# that has decoded 128 MiB is a large job, and pays that back within the next ~40-200 MiB. DISTTRACE_BLOCK=1
-# takes the compiled path from the first block, DISTTRACE_BLOCK=0 never (the benches' baseline)
+# store/blockdecode.py in a process whose work is large: COMPILED_AFTER bytes, counting what it has decoded with
+# pyarrow and what a reader said it will decode (`expect`). The compiled path decodes a block in 0.3x
+# pyarrow's CPU time at 150 records a step and 0.5x at 1,000, but numba's import and LLVM's start cost a
+# process ~0.7 s of CPU (bench/block_decode.py): a numeric diff of 42 MiB (600,000 records of 150 a step) was
+# 0.9x by CPU time with it, one of 236 MiB (4,000,000 of 1,000) 1.15x. DISTTRACE_BLOCK=1 takes the compiled
+# path from the first block, DISTTRACE_BLOCK=0 never (the benches' baseline)
 COMPILED_MIN = 1 << 16
 COMPILED_AFTER = 0 if os.environ.get("DISTTRACE_BLOCK") == "1" else 128 << 20
-_decoded = [0]  # bytes of blocks this process has decoded with pyarrow
+_work = [0]  # bytes this process has decoded with pyarrow or been told it will decode
 _kernel = None  # store/blockdecode.decode, False where numba is absent or DISTTRACE_BLOCK=0
+
+
+def expect(nbytes: int) -> None:
+    """A reader's word that this process is about to decode ~nbytes of trajectory (a diff of every step): a
+    large job takes the compiled path from its first block."""
+    _work[0] += nbytes
 
 
 def _compiled():

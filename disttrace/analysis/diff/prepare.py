@@ -398,6 +398,8 @@ class _Setup:
             if plan is not None and readahead.worth_it()
             else None
         )
+        if reader is not None:
+            trajectory.expect(_bytes_read(steps, self.ranks, side_a, side_b))
         try:
             yield from self._outcomes(steps, propagate, on_step, reader, plan)
         finally:
@@ -435,3 +437,19 @@ class _Setup:
                 per_rank, read = ahead.pop(step)
             io = (side_a.io.get(step, nothing), side_b.io.get(step, nothing))
             yield StepOutcome(step, per_rank, read, io, ev.events, ev.both, tol)
+
+
+def _bytes_read(steps: list[int], ranks, *sides) -> int:
+    """About the trajectory bytes a comparison of every step reads: each rank's range from the first step to
+    the last, on each side (what tells store/trajectory.py a job is large enough for its compiled path)."""
+    total = 0
+    for side in sides:
+        for r in ranks:
+            idx = side.index.get(r)
+            try:
+                first, _ = idx.span(steps[0])
+                last, length = idx.span(steps[-1])
+            except (AttributeError, IndexError, KeyError):  # no index, no steps, a step it lacks
+                continue
+            total += max(0, last + length - first)
+    return total
