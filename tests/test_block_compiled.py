@@ -109,8 +109,8 @@ def test_decode_steps_takes_it_for_large_blocks_of_a_large_job(tmp_path, monkeyp
     batch, _ = trajectory.decode_steps(path, parts)
     assert calls == [len(parts)]
     assert batch.equals(first)
-    code = "from disttrace.store import trajectory as t; print(t.COMPILED_AFTER, t._compiled() is None)"
-    for value, want in (("0", f"{128 << 20} True"), ("1", "0 False")):
+    code = "from disttrace.store import trajectory as t; print(t.COMPILED_AFTER, t.COMPILED_MIN, t._compiled() is None)"
+    for value, want in (("0", f"{128 << 20} {1 << 16} True"), ("1", "0 0 False")):
         env = {**os.environ, "DISTTRACE_BLOCK": value}
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
         assert out.stdout.split() == want.split(), out.stderr

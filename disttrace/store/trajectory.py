@@ -438,9 +438,11 @@ def decode_steps(path: Path, steps: list[tuple[bytes, str]]) -> tuple[pa.RecordB
 # pyarrow's CPU time at 150 records a step and 0.5x at 1,000, but numba's import and LLVM's start cost a
 # process ~0.7 s of CPU (bench/block_decode.py): a numeric diff of 42 MiB (600,000 records of 150 a step) was
 # 0.9x by CPU time with it, one of 236 MiB (4,000,000 of 1,000) 1.15x. DISTTRACE_BLOCK=1 takes the compiled
-# path from the first block, DISTTRACE_BLOCK=0 never (the benches' baseline)
-COMPILED_MIN = 1 << 16
-COMPILED_AFTER = 0 if os.environ.get("DISTTRACE_BLOCK") == "1" else 128 << 20
+# path for every block of two steps or more (the tests' way to run every reader through it), DISTTRACE_BLOCK=0
+# never (the benches' baseline)
+_FORCED = os.environ.get("DISTTRACE_BLOCK") == "1"
+COMPILED_MIN = 0 if _FORCED else 1 << 16
+COMPILED_AFTER = 0 if _FORCED else 128 << 20
 _work = [0]  # bytes this process has decoded with pyarrow or been told it will decode
 _kernel = None  # store/blockdecode.decode, False where numba is absent or DISTTRACE_BLOCK=0
 
