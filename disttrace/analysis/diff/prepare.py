@@ -439,17 +439,19 @@ class _Setup:
             yield StepOutcome(step, per_rank, read, io, ev.events, ev.both, tol)
 
 
-def _bytes_read(steps: list[int], ranks, *sides) -> int:
-    """About the trajectory bytes a comparison of every step reads: each rank's range from the first step to
-    the last, on each side (what tells store/trajectory.py a job is large enough for its compiled path)."""
+def _bytes_read(steps: list[int], ranks, side_a: _Side, side_b: _Side) -> int:
+    """About the trajectory bytes a comparison of every step decodes: both sides' byte ranges of the rank-steps
+    whose index digests differ (those that agree are skipped unread, as _compared_pairs counts them): what
+    tells store/trajectory.py a job is large enough for its compiled path."""
     total = 0
-    for side in sides:
+    for s in steps:
         for r in ranks:
-            idx = side.index.get(r)
-            try:
-                first, _ = idx.span(steps[0])
-                last, length = idx.span(steps[-1])
-            except (AttributeError, IndexError, KeyError):  # no index, no steps, a step it lacks
+            if side_a.same_digest(r, s, side_b):
                 continue
-            total += max(0, last + length - first)
+            for side in (side_a, side_b):
+                idx = side.index.get(r)
+                try:
+                    total += idx.span(s)[1]
+                except (AttributeError, KeyError):  # a rank or step a side lacks: nothing to decode
+                    pass
     return total
