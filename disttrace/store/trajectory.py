@@ -416,12 +416,57 @@ def decode_steps(path: Path, steps: list[tuple[bytes, str]]) -> tuple[pa.RecordB
     whatever each step alone accepts is accepted."""
     if len(steps) < 2:
         return _joined([decode_step(path, d, w) for d, w in steps])
+    data = [d for d, _ in steps]
+    size = sum(map(len, data))
+    if size >= COMPILED_MIN and _work[0] >= COMPILED_AFTER and (kernel := _compiled()) is not None:
+        decoded = kernel(data)  # None: declined, for the pyarrow path below to accept or refuse
+        if decoded is not None:
+            return decoded
     try:
-        return _decode_block([d for d, _ in steps])
+        out = _decode_block(data)
+        _work[0] += size
+        return out
     except _DECODE_ERRORS:
         pass
     batches = [decode_step(path, d, w) for d, w in steps]  # raises, naming the step
     return _joined(batches)
+
+
+# where numba is installed, blocks of at least COMPILED_MIN bytes (~15 steps of 150 records, two of 1,000) take
+# store/blockdecode.py in a process whose work is large: COMPILED_AFTER bytes, counting what it has decoded with
+# pyarrow and what a reader said it will decode (`expect`). The compiled path decodes a block in 0.3x
+# pyarrow's CPU time at 150 records a step and 0.5x at 1,000, but numba's import and LLVM's start cost a
+# process ~0.7 s of CPU (bench/block_decode.py): a numeric diff of 42 MiB (600,000 records of 150 a step) was
+# 0.9x by CPU time with it, one of 236 MiB (4,000,000 of 1,000) 1.15x. DISTTRACE_BLOCK=1 takes the compiled
+# path for every block of two steps or more (the tests' way to run every reader through it), DISTTRACE_BLOCK=0
+# never (the benches' baseline)
+_FORCED = os.environ.get("DISTTRACE_BLOCK") == "1"
+COMPILED_MIN = 0 if _FORCED else 1 << 16
+COMPILED_AFTER = 0 if _FORCED else 128 << 20
+_work = [0]  # bytes this process has decoded with pyarrow or been told it will decode
+_kernel = None  # store/blockdecode.decode, False where numba is absent or DISTTRACE_BLOCK=0
+
+
+def expect(nbytes: int) -> None:
+    """A reader's word that this process is about to decode ~nbytes of trajectory (a diff of every step): a
+    large job takes the compiled path from its first block."""
+    _work[0] += nbytes
+
+
+def _compiled():
+    """The compiled block decoder of store/blockdecode.py, or None: numba is an optional extra (`pip install
+    disttrace[fast]`), imported the first time it is wanted."""
+    global _kernel
+    if _kernel is None:
+        _kernel = False
+        if os.environ.get("DISTTRACE_BLOCK") != "0":
+            try:
+                from disttrace.store.blockdecode import decode
+
+                _kernel = decode
+            except ImportError:  # no numba, or a pyarrow whose writer the templates do not know
+                pass
+    return _kernel or None
 
 
 def _joined(batches: list[pa.RecordBatch]) -> tuple[pa.RecordBatch, np.ndarray]:

@@ -398,6 +398,8 @@ class _Setup:
             if plan is not None and readahead.worth_it()
             else None
         )
+        if reader is not None:
+            trajectory.expect(_bytes_read(steps, self.ranks, side_a, side_b))
         try:
             yield from self._outcomes(steps, propagate, on_step, reader, plan)
         finally:
@@ -435,3 +437,21 @@ class _Setup:
                 per_rank, read = ahead.pop(step)
             io = (side_a.io.get(step, nothing), side_b.io.get(step, nothing))
             yield StepOutcome(step, per_rank, read, io, ev.events, ev.both, tol)
+
+
+def _bytes_read(steps: list[int], ranks, side_a: _Side, side_b: _Side) -> int:
+    """About the trajectory bytes a comparison of every step decodes: both sides' byte ranges of the rank-steps
+    whose index digests differ (those that agree are skipped unread, as _compared_pairs counts them): what
+    tells store/trajectory.py a job is large enough for its compiled path."""
+    total = 0
+    for s in steps:
+        for r in ranks:
+            if side_a.same_digest(r, s, side_b):
+                continue
+            for side in (side_a, side_b):
+                idx = side.index.get(r)
+                try:
+                    total += idx.span(s)[1]
+                except (AttributeError, KeyError):  # a rank or step a side lacks: nothing to decode
+                    pass
+    return total
