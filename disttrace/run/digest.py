@@ -107,7 +107,7 @@ class _Plan:
     rows of U for the paths that take U^T X W whole: device tensors, small ones together), the last axis'
     factors W."""
 
-    __slots__ = ("rows", "cols", "block_rows", "u32", "u64", "ut64", "wt64", "on_device")
+    __slots__ = ("rows", "cols", "block_rows", "u32", "u32_at", "u64", "ut64", "wt64", "on_device")
 
     def __init__(self, shape: tuple, off: tuple, lshape: tuple):
         self.cols = shape[-1]
@@ -119,6 +119,7 @@ class _Plan:
             a = axis_vectors(d, lshape[d])[off[d] : off[d] + shape[d], 0]
             u = (u[:, None] * a[None, :]).reshape(-1)
         self.u32 = np.ascontiguousarray(u, dtype=np.float32)  # (rows,): fl32 of the product, once
+        self.u32_at = self.u32.ctypes.data  # its address, for fused.many_stats
         self.u64 = self.u32.astype(
             np.float64
         )  # the same values: float64 tensors use the same vectors
@@ -182,23 +183,26 @@ def _sums(flat: np.ndarray) -> tuple[float, float]:
 # dim-512 model's matrices and activations; a small model's tensors (the default manifest's are at most
 # 32 Ki elements) stay with numpy and never import numba
 FUSED_MIN = 1 << 16
-_kernel = None  # run/fused.block_stats, False where numba is absent or DISTTRACE_FUSED=0
+_kernel = None  # run/fused.py (the module), False where numba is absent or DISTTRACE_FUSED=0
+_xxh3 = None  # fused.Xxh3: xxhash's C functions for the kernel, or None (xxhash fed from Python)
 
 
 def _fused():
-    """The compiled pass of run/fused.py for float32 tensors of more than FUSED_MIN elements, or None: numba
-    is an optional extra (`pip install disttrace[fast]`), imported the first time such a tensor is digested
-    (a tiny model never pays its import). DISTTRACE_FUSED=0 keeps the numpy path (the benches' baseline)."""
-    global _kernel
+    """run/fused.py, whose compiled pass takes float32 tensors of more than FUSED_MIN elements, or None:
+    numba is an optional extra (`pip install disttrace[fast]`), imported the first time such a tensor is
+    digested (a tiny model never pays its import). DISTTRACE_FUSED=0 keeps the numpy path (the benches'
+    baseline)."""
+    global _kernel, _xxh3
     if _kernel is None:
         _kernel = False
         if os.environ.get("DISTTRACE_FUSED") != "0":
             try:
-                from disttrace.run.fused import block_stats
-
-                _kernel = block_stats
+                from disttrace.run import fused
             except ImportError:  # no numba: the numpy path
                 pass
+            else:
+                _xxh3 = fused.Xxh3.load()
+                _kernel = fused
     return _kernel or None
 
 
@@ -217,9 +221,39 @@ def _stats64(x: np.ndarray) -> tuple[float, float]:
     return s, ss
 
 
+def _fused_stats(x: np.ndarray, plan: _Plan, hasher):
+    """_stats of a float32 array of more than FUSED_MIN elements in run/fused.py's compiled pass: the whole
+    tensor in one call, hashed on the way (its digest returned, `hasher` fed nothing) where xxhash's C
+    functions could be bound, else each block fed to `hasher` and then reduced while it is in cache (the
+    same statistics)."""
+    kernel, xxh3 = _kernel, _xxh3
+    cols, rows, rb = plan.cols, plan.rows, plan.block_rows
+    x2 = x.reshape(rows, cols)
+    m, acc = np.zeros(cols), np.zeros(2)
+    chunk = kernel.chunk_rows(cols)
+    digest = None
+    if hasher is None or xxh3 is not None:
+        state = 0 if hasher is None else xxh3.state()
+        kernel.tensor_stats(x2, plan.u32, rb, chunk, xxh3.update if state else 0, state, m, acc)
+        if state:
+            digest = xxh3.hexdigest(state)
+    else:
+        for r0 in range(0, rows, rb):
+            blk = x2[r0 : r0 + rb]
+            hasher.update(blk)
+            kernel.tensor_stats(blk, plan.u32[r0 : r0 + rb], rb, chunk, 0, 0, m, acc)
+    s, ss = float(acc[0]), float(acc[1])
+    if not (math.isfinite(s) and tolerance.stats_in_range(ss, x.size)):
+        s, ss = _stats64(x)  # as in _stats: float32's range exceeded, the statistics in float64
+    sk = (plan.wt64 @ m).tolist()
+    return s, ss, sk if math.isfinite(sum(sk)) else None, digest
+
+
 def _stats(x: np.ndarray, offset, logical_shape, hasher=None, with_sketch: bool = True):
-    """(sum, sum of squares, sketch or None) of a contiguous float32 or float64 array in one pass over
-    cache-sized blocks; `hasher` (xxh3) is fed the raw bytes on the way. A block of several rows is
+    """(sum, sum of squares, sketch or None, digest or None) of a contiguous float32 or float64 array in one
+    pass over cache-sized blocks; `hasher` (xxh3) is fed the raw bytes on the way, unless the compiled pass
+    hashes them itself: it then gives their digest (the hexdigest `hasher` would have given) and `hasher`
+    is fed nothing. A block of several rows is
     reduced in the array's own dtype, sum and sum of squares in runs of STAT_CHUNK elements (`_sums`), with
     nothing copied; one row per block (1-D tensors, rows of more than half a block) goes through the
     float64 buffer."""
@@ -228,12 +262,20 @@ def _stats(x: np.ndarray, offset, logical_shape, hasher=None, with_sketch: bool 
         if hasher is not None:
             hasher.update(x.tobytes())
         v = float(x)
-        return v, v * v, [v] * SKETCH_K if with_sketch else None
+        return v, v * v, [v] * SKETCH_K if with_sketch else None, None
     if not x.size:
-        return 0.0, 0.0, None
+        return 0.0, 0.0, None, None
     lshape = tuple(logical_shape) if logical_shape else shape
     off = tuple(offset) if offset else (0,) * len(shape)
     plan = _plan(tuple(shape), off, lshape) if with_sketch and x.size else None
+    if (
+        plan is not None
+        and plan.block_rows > 1
+        and x.size > FUSED_MIN
+        and x.dtype == np.float32
+        and _fused() is not None
+    ):
+        return _fused_stats(x, plan, hasher)
     cols = shape[-1]
     x2 = x.reshape(-1, cols)
     rows = x2.shape[0]
@@ -252,15 +294,6 @@ def _stats(x: np.ndarray, offset, logical_shape, hasher=None, with_sketch: bool 
     in_runs = (
         f64 or x.size > tolerance.FLOAT64_STATS
     )  # float32 runs (tolerance.sum_rounding), or float64
-    kernel = _fused() if plan is not None and not f64 and rb > 1 and x.size > FUSED_MIN else None
-    if kernel is not None:  # one compiled pass over the blocks (run/fused.py)
-        m, acc = np.zeros(cols), np.zeros(2)
-        for r0 in range(0, rows, rb):  # each block hashed, then reduced while it is in cache
-            if hasher is not None:
-                hasher.update(x2[r0 : r0 + rb])
-            kernel(x2, u, r0, min(r0 + rb, rows), rb, m, acc)
-        s, ss = float(acc[0]), float(acc[1])
-        rows = 0  # nothing left for the loop below
     for r0 in range(0, rows, rb):
         blk = x2[r0 : r0 + rb]
         if hasher is not None:
@@ -314,14 +347,15 @@ def _stats(x: np.ndarray, offset, logical_shape, hasher=None, with_sketch: bool 
         # (a non-finite value stays non-finite there and is counted by the caller)
         s, ss = _stats64(x)
     if plan is None:
-        return s, ss, None
+        return s, ss, None, None
     sk = direct if m is None else plan.wt64 @ np.asarray(m, dtype=np.float64)
     sk = sk.tolist()
     return (
         s,
         ss,
-        sk if math.isfinite(sum(sk)) else None,
-    )  # a float32 overflow: no sketch rather than inf
+        sk if math.isfinite(sum(sk)) else None,  # a float32 overflow: no sketch rather than inf
+        None,
+    )
 
 
 def sketch(a: np.ndarray, offset=None, logical_shape=None) -> list[float]:
@@ -346,31 +380,49 @@ def digest_tensor(
         t = t.to_local()
     if t.device.type == "cuda":
         return _digest_on_device(t, offset, logical_shape, with_sketch)
-    cpu = t.cpu().contiguous() if t.device.type != "cpu" else t.contiguous()
     with np.errstate(all="ignore"):  # a fault may plant inf/nan: counted below, not warned about
-        if cpu.dtype in (torch.float32, torch.float64):  # hashed block by block in the same pass
-            h = xxhash.xxh3_128()
-            x = cpu.numpy()
-            s, ss, sk = _stats(x, offset, logical_shape, h, with_sketch)
-            h = h.hexdigest()
-        else:  # float16/bfloat16 -> float32 (exact), integers -> float64; the raw bytes hashed as they are
-            h = xxhash.xxh3_128_hexdigest(raw_bytes(cpu))
-            x = cpu.to(torch.float32 if cpu.dtype.is_floating_point else torch.float64).numpy()
-            s, ss, sk = _stats(x, offset, logical_shape, None, with_sketch)
-        n = math.sqrt(ss) if math.isfinite(ss) else math.inf
-        nonfinite = 0
-        if not (
-            math.isfinite(s) and math.isfinite(n)
-        ):  # counting is slow: only when the sum says so
-            nonfinite = int((~np.isfinite(x)).sum())
+        return _digest_host(t, offset, logical_shape, with_sketch)
+
+
+_DTYPE_NAMES: dict = {}  # torch dtype -> its name in a record ("float32")
+
+
+def _digest_host(
+    t: torch.Tensor, offset=None, logical_shape=None, with_sketch: bool = True
+) -> dict:
+    """digest_tensor of a local, detached tensor not on a GPU, the caller holding np.errstate (digest_many
+    enters it once for a hook's list: it costs about as much as the rest of a tensor's Python)."""
+    cpu = t.contiguous() if t.device.type == "cpu" else t.cpu().contiguous()
+    dtype = cpu.dtype
+    if dtype is torch.float32 or dtype is torch.float64:  # hashed block by block in the same pass
+        h = xxhash.xxh3_128()
+        x = cpu.numpy()
+        s, ss, sk, digest = _stats(x, offset, logical_shape, h, with_sketch)
+        h = digest or h.hexdigest()
+    else:  # float16/bfloat16 -> float32 (exact), integers -> float64; the raw bytes hashed as they are
+        h = xxhash.xxh3_128_hexdigest(raw_bytes(cpu))
+        x = cpu.to(torch.float32 if dtype.is_floating_point else torch.float64).numpy()
+        s, ss, sk, _ = _stats(x, offset, logical_shape, None, with_sketch)
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return _record(name, x, h, s, ss, sk)
+
+
+def _record(dtype: str, x: np.ndarray, h: str, s: float, ss: float, sk) -> dict:
+    """A host tensor's digest dict from its statistics (x: its values as the statistics read them)."""
+    n = math.sqrt(ss) if math.isfinite(ss) else math.inf
+    nonfinite = 0
+    if not (math.isfinite(s) and math.isfinite(n)):  # counting is slow: only when the sum says so
+        nonfinite = int((~np.isfinite(x)).sum())
     return {
-        "dtype": str(cpu.dtype).removeprefix("torch."),
-        "shape": list(cpu.shape),
-        "numel": int(cpu.numel()),
+        "dtype": dtype,
+        "shape": list(x.shape),
+        "numel": x.size,
         "digest": h,
         "sum": s if math.isfinite(s) else None,
         "norm": n if math.isfinite(n) else None,
-        "sketch": sk if not nonfinite and cpu.numel() else None,
+        "sketch": sk if not nonfinite and x.size else None,
         "nonfinite": nonfinite,
     }
 
@@ -454,9 +506,9 @@ def _vectors(signature: tuple) -> np.ndarray:
 
 def _batchable(t: torch.Tensor) -> bool:
     return (
-        t.device.type == "cpu"
-        and t.dtype == torch.float32
+        t.dtype is torch.float32
         and 0 < t.numel() <= SMALL
+        and t.device.type == "cpu"
         and t.dim() > 0
     )
 
@@ -469,24 +521,89 @@ def digest_many(items: list[tuple], seen: Seen | None = None, recheck: bool = Fa
     batch: list[int] = []
     size = 0
     locals_ = []
-    for i, (t, off, lshape) in enumerate(items):
-        t = t.detach()
-        if hasattr(t, "to_local"):
-            t = t.to_local()
-        locals_.append(t)
-        if _batchable(t):
-            if size + t.numel() > _GROUP and batch:
-                _digest_batch(items, locals_, batch, out)
-                batch, size = [], 0
-            batch.append(i)
-            size += t.numel()
-        elif seen is None:
-            out[i] = digest_tensor(t, off, lshape)
-        else:
-            out[i] = seen.digest(t, off, lshape, recheck)
-    if batch:
-        _digest_batch(items, locals_, batch, out)
+    fused: list = []  # (index, tensor, plan, Seen token): fused.many_stats' table, in one call
+    with np.errstate(all="ignore"):  # once for the list (see _digest_host)
+        for i, (t, off, lshape) in enumerate(items):
+            t = t.detach()
+            if hasattr(t, "to_local"):
+                t = t.to_local()
+            locals_.append(t)
+            if _batchable(t):
+                if size + t.numel() > _GROUP and batch:
+                    _digest_batch(items, locals_, batch, out)
+                    batch, size = [], 0
+                batch.append(i)
+                size += t.numel()
+                continue
+            if t.device.type == "cuda":
+                out[i] = _digest_on_device(t, off, lshape)
+                continue
+            plan = _fusable(t, off, lshape)
+            token = None
+            if seen is not None and t.device.type == "cpu":
+                hit, token = seen.lookup(t, off, lshape, recheck)
+                if hit is not None:
+                    out[i] = hit
+                    continue
+            if plan is not None:
+                fused.append((i, t.contiguous(), plan, token))
+                continue
+            d = _digest_host(t, off, lshape)
+            out[i] = seen.store(token, d) if token is not None else d
+        if batch:
+            _digest_batch(items, locals_, batch, out)
+        if fused:
+            _digest_fused(fused, out, seen)
     return out
+
+
+def _fusable(t: torch.Tensor, off, lshape) -> _Plan | None:
+    """The sketch's plan of a host float32 tensor that fused.many_stats takes (more than FUSED_MIN
+    elements, blocks of several rows; numba and xxhash's C functions at hand), else None."""
+    if t.dtype is not torch.float32 or t.numel() <= FUSED_MIN or t.device.type != "cpu":
+        return None
+    if _fused() is None or _xxh3 is None:
+        return None
+    shape = tuple(t.shape)
+    plan = _plan(
+        shape, tuple(off) if off else (0,) * len(shape), tuple(lshape) if lshape else shape
+    )
+    return plan if plan.block_rows > 1 else None
+
+
+def _digest_fused(jobs: list, out: list, seen: Seen | None) -> None:
+    """_digest_host of each (index, contiguous float32 tensor, plan, Seen token), all in one compiled
+    call; the statistics as _fused_stats computes them one by one, bit for bit."""
+    kernel, xxh3 = _kernel, _xxh3
+    states = xxh3.states(len(jobs))
+    table, at = [], 0
+    for (_, t, plan, _), state in zip(jobs, states):
+        table.append(
+            (
+                t.data_ptr(),
+                plan.rows,
+                plan.cols,
+                plan.u32_at,
+                plan.block_rows,
+                kernel.chunk_rows(plan.cols),
+                state,
+                at,
+            )
+        )
+        at += plan.cols
+    m, acc = np.zeros(at), np.zeros((len(jobs), 2))
+    kernel.many_stats(np.array(table, dtype=np.int64), xxh3.update, xxh3.reset, m, acc)
+    at = 0
+    for (i, t, plan, token), state, (s, ss) in zip(jobs, states, acc.tolist()):
+        x = t.numpy()
+        if not (math.isfinite(s) and tolerance.stats_in_range(ss, x.size)):
+            s, ss = _stats64(x)  # as in _stats: float32's range exceeded, the statistics in float64
+        sk = (plan.wt64 @ m[at : at + plan.cols]).tolist()
+        at += plan.cols
+        d = _record(
+            "float32", x, xxh3.hexdigest(state), s, ss, sk if math.isfinite(sum(sk)) else None
+        )
+        out[i] = seen.store(token, d) if token is not None else d
 
 
 def _digest_batch(items, locals_, batch: list[int], out: list) -> None:
@@ -584,11 +701,24 @@ class Seen:
 
     def digest(self, t: torch.Tensor, off=None, lshape=None, recheck: bool = False) -> dict:
         """digest_tensor(t, off, lshape), its statistics reused where the same bytes were digested lately."""
-        if t.device.type != "cpu" or not t.numel():
+        if t.device.type != "cpu":
             return digest_tensor(t, off, lshape)
+        with np.errstate(all="ignore"):
+            return self.host_digest(t.detach(), off, lshape, recheck)
+
+    def host_digest(self, t: torch.Tensor, off=None, lshape=None, recheck: bool = False) -> dict:
+        """`digest` of a local, detached host tensor, the caller holding np.errstate (digest_many)."""
+        hit, token = self.lookup(t, off, lshape, recheck)
+        return hit if hit is not None else self.store(token, _digest_host(t, off, lshape))
+
+    def lookup(self, t: torch.Tensor, off=None, lshape=None, recheck: bool = False):
+        """(the record of `t`'s bytes digested lately, or None; the token `store` takes to remember the
+        digest made instead): a local, detached host tensor."""
+        if not t.numel():
+            return None, None
         key, version, storage = self._key(t, off, lshape)
         if key is None:
-            return digest_tensor(t, off, lshape)
+            return None, None
         entry = self._now.get(key) or self._before.get(key)
         if entry is not None and self._same_storage(entry[1], storage):
             if storage is None or (
@@ -598,10 +728,16 @@ class Seen:
                 self.hits += 1
                 self.hit_bytes += t.numel() * t.element_size()
                 self._now[key] = (version, entry[1], entry[2])
-                return dict(entry[2])
+                return dict(entry[2]), None
             if recheck or entry[0] == version:
                 self.misses += 1
-        d = digest_tensor(t, off, lshape)
+        return None, (key, version, storage)
+
+    def store(self, token, d: dict) -> dict:
+        """Remember digest `d` under `lookup`'s token (None: nothing to remember); what to record."""
+        if token is None:
+            return d
+        key, version, storage = token
         self._now[key] = (version, None if storage is None else StorageWeakRef(storage), d)
         return dict(d)
 
