@@ -107,7 +107,17 @@ class _Plan:
     rows of U for the paths that take U^T X W whole: device tensors, small ones together), the last axis'
     factors W."""
 
-    __slots__ = ("rows", "cols", "block_rows", "u32", "u32_at", "u64", "ut64", "wt64", "on_device")
+    __slots__ = (
+        "rows",
+        "cols",
+        "block_rows",
+        "u32",
+        "u64",
+        "ut64",
+        "wt64",
+        "on_device",
+        "addresses",
+    )
 
     def __init__(self, shape: tuple, off: tuple, lshape: tuple):
         self.cols = shape[-1]
@@ -119,13 +129,13 @@ class _Plan:
             a = axis_vectors(d, lshape[d])[off[d] : off[d] + shape[d], 0]
             u = (u[:, None] * a[None, :]).reshape(-1)
         self.u32 = np.ascontiguousarray(u, dtype=np.float32)  # (rows,): fl32 of the product, once
-        self.u32_at = self.u32.ctypes.data  # its address, for fused.many_stats
         self.u64 = self.u32.astype(
             np.float64
         )  # the same values: float64 tensors use the same vectors
         self.ut64 = np.ascontiguousarray(np.broadcast_to(self.u64, (SKETCH_K, self.rows)))
         w = axis_vectors(len(shape) - 1, lshape[-1])[off[-1] : off[-1] + self.cols]
         self.wt64 = np.ascontiguousarray(w.T)  # (K, cols)
+        self.addresses = (self.u32.ctypes.data, self.wt64.ctypes.data)  # for fused.many_stats
         self.block_rows = max(1, min(self.rows, tolerance.SKETCH_ROWS, _BLOCK // max(self.cols, 1)))
         self.on_device: dict = {}  # device -> (ut64, wt64) copies there
 
@@ -222,30 +232,56 @@ def _stats64(x: np.ndarray) -> tuple[float, float]:
 
 
 def _fused_stats(x: np.ndarray, plan: _Plan, hasher):
-    """_stats of a float32 array of more than FUSED_MIN elements in run/fused.py's compiled pass: the whole
-    tensor in one call, hashed on the way (its digest returned, `hasher` fed nothing) where xxhash's C
-    functions could be bound, else each block fed to `hasher` and then reduced while it is in cache (the
-    same statistics)."""
+    """_stats of a float32 array of more than FUSED_MIN elements in run/fused.py's compiled pass, hashed
+    on the way (its digest returned, `hasher` fed nothing) where xxhash's C functions could be bound,
+    else each block fed to `hasher` and then reduced while it is in cache (the same statistics)."""
     kernel, xxh3 = _kernel, _xxh3
-    cols, rows, rb = plan.cols, plan.rows, plan.block_rows
-    x2 = x.reshape(rows, cols)
-    m, acc = np.zeros(cols), np.zeros(2)
-    chunk = kernel.chunk_rows(cols)
+    acc, sk = np.zeros((1, 2)), np.zeros((1, SKETCH_K))
     digest = None
     if hasher is None or xxh3 is not None:
-        state = 0 if hasher is None else xxh3.state()
-        kernel.tensor_stats(x2, plan.u32, rb, chunk, xxh3.update if state else 0, state, m, acc)
+        state = 0 if hasher is None else xxh3.states(1)[0]
+        row = _table_row(x.ctypes.data, plan, state)
+        kernel.many_stats(
+            np.array([row], dtype=np.int64),
+            xxh3.update if state else 0,
+            xxh3.reset if state else 0,
+            acc,
+            sk,
+        )
         if state:
             digest = xxh3.hexdigest(state)
     else:
-        for r0 in range(0, rows, rb):
-            blk = x2[r0 : r0 + rb]
+        x2, m, chunk = (
+            x.reshape(plan.rows, plan.cols),
+            np.zeros(plan.cols),
+            kernel.chunk_rows(plan.cols),
+        )
+        for r0 in range(0, plan.rows, plan.block_rows):
+            blk = x2[r0 : r0 + plan.block_rows]
             hasher.update(blk)
-            kernel.tensor_stats(blk, plan.u32[r0 : r0 + rb], rb, chunk, 0, 0, m, acc)
-    s, ss = float(acc[0]), float(acc[1])
+            kernel.tensor_stats(
+                blk, plan.u32[r0 : r0 + plan.block_rows], plan.block_rows, chunk, 0, 0, m, acc[0]
+            )
+        kernel.project(plan.wt64, m, sk[0])
+    return _fused_finish(x, *acc[0].tolist(), sk[0].tolist(), digest)
+
+
+def _table_row(address: int, plan: _Plan, state: int) -> tuple:
+    """A tensor's row of fused.many_stats' table (fused.TABLE)."""
+    return (
+        address,
+        plan.rows,
+        plan.cols,
+        *plan.addresses,
+        plan.block_rows,
+        _kernel.chunk_rows(plan.cols),
+        state,
+    )
+
+
+def _fused_finish(x: np.ndarray, s: float, ss: float, sk: list, digest):
     if not (math.isfinite(s) and tolerance.stats_in_range(ss, x.size)):
         s, ss = _stats64(x)  # as in _stats: float32's range exceeded, the statistics in float64
-    sk = (plan.wt64 @ m).tolist()
     return s, ss, sk if math.isfinite(sum(sk)) else None, digest
 
 
@@ -406,10 +442,10 @@ def _digest_host(
     name = _DTYPE_NAMES.get(dtype)
     if name is None:
         name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
-    return _record(name, x, h, s, ss, sk)
+    return _record(name, x, s, ss, sk, h)
 
 
-def _record(dtype: str, x: np.ndarray, h: str, s: float, ss: float, sk) -> dict:
+def _record(dtype: str, x: np.ndarray, s: float, ss: float, sk, h: str) -> dict:
     """A host tensor's digest dict from its statistics (x: its values as the statistics read them)."""
     n = math.sqrt(ss) if math.isfinite(ss) else math.inf
     nonfinite = 0
@@ -573,36 +609,15 @@ def _fusable(t: torch.Tensor, off, lshape) -> _Plan | None:
 
 def _digest_fused(jobs: list, out: list, seen: Seen | None) -> None:
     """_digest_host of each (index, contiguous float32 tensor, plan, Seen token), all in one compiled
-    call; the statistics as _fused_stats computes them one by one, bit for bit."""
-    kernel, xxh3 = _kernel, _xxh3
+    call: the statistics _fused_stats computes one by one, bit for bit."""
+    xxh3 = _xxh3
     states = xxh3.states(len(jobs))
-    table, at = [], 0
-    for (_, t, plan, _), state in zip(jobs, states):
-        table.append(
-            (
-                t.data_ptr(),
-                plan.rows,
-                plan.cols,
-                plan.u32_at,
-                plan.block_rows,
-                kernel.chunk_rows(plan.cols),
-                state,
-                at,
-            )
-        )
-        at += plan.cols
-    m, acc = np.zeros(at), np.zeros((len(jobs), 2))
-    kernel.many_stats(np.array(table, dtype=np.int64), xxh3.update, xxh3.reset, m, acc)
-    at = 0
-    for (i, t, plan, token), state, (s, ss) in zip(jobs, states, acc.tolist()):
+    table = [_table_row(t.data_ptr(), plan, state) for (_, t, plan, _), state in zip(jobs, states)]
+    acc, sk = np.zeros((len(jobs), 2)), np.zeros((len(jobs), SKETCH_K))
+    _kernel.many_stats(np.array(table, dtype=np.int64), xxh3.update, xxh3.reset, acc, sk)
+    for (i, t, _, token), state, (s, ss), k in zip(jobs, states, acc.tolist(), sk.tolist()):
         x = t.numpy()
-        if not (math.isfinite(s) and tolerance.stats_in_range(ss, x.size)):
-            s, ss = _stats64(x)  # as in _stats: float32's range exceeded, the statistics in float64
-        sk = (plan.wt64 @ m[at : at + plan.cols]).tolist()
-        at += plan.cols
-        d = _record(
-            "float32", x, xxh3.hexdigest(state), s, ss, sk if math.isfinite(sum(sk)) else None
-        )
+        d = _record("float32", x, *_fused_finish(x, s, ss, k, xxh3.hexdigest(state)))
         out[i] = seen.store(token, d) if token is not None else d
 
 

@@ -84,47 +84,58 @@ def _call_reset(typingctx, fn, state):  # pragma: no cover - compiled
     return sig, codegen
 
 
-@intrinsic
-def _float32_at(typingctx, address):  # pragma: no cover - compiled
-    """The address as a float32 pointer (for numba.carray)."""
-    if not isinstance(address, types.Integer):
-        return None
-    sig = types.CPointer(types.float32)(address)
+def _pointer_at(dtype, ir_type):
+    @intrinsic
+    def at(typingctx, address):  # pragma: no cover - compiled
+        """The address as a pointer (for numba.carray)."""
+        if not isinstance(address, types.Integer):
+            return None
+        sig = types.CPointer(dtype)(address)
 
-    def codegen(context, builder, signature, args):
-        a = context.cast(builder, args[0], signature.args[0], types.int64)
-        return builder.inttoptr(a, ir.PointerType(ir.FloatType()))
+        def codegen(context, builder, signature, args):
+            a = context.cast(builder, args[0], signature.args[0], types.int64)
+            return builder.inttoptr(a, ir.PointerType(ir_type))
 
-    return sig, codegen
+        return sig, codegen
+
+    return at
 
 
-# one row of many_stats' table: where a tensor's bytes and u lie, its shape, blocks, hashing and outputs
-TABLE = ("x", "rows", "cols", "u", "block_rows", "chunk", "state", "m")
+_float32_at = _pointer_at(types.float32, ir.FloatType())
+_float64_at = _pointer_at(types.float64, ir.DoubleType())
+
+# one row of many_stats' table: where a tensor's bytes, u and W lie, its shape, blocks and hashing
+TABLE = ("x", "rows", "cols", "u", "w", "block_rows", "chunk", "state")
 
 
 @njit(boundscheck=False, nogil=True, cache=True)
-def many_stats(table, update, reset, m, acc):  # pragma: no cover - compiled
-    """tensor_stats of each tensor a row of `table` (int64, columns TABLE) describes, in one call: a
-    hook's large tensors reduced one after the other with no Python between them (whose objects the
-    tensors' bytes would otherwise evict from the caches each time). Row i: acc[i] and m[row.m :
-    row.m + cols]; its state (an address; 0: not hashed) is reset with `reset` first."""
+def many_stats(table, update, reset, acc, sketch):  # pragma: no cover - compiled
+    """tensor_stats, then project, of each tensor a row of `table` (int64, columns TABLE) describes, in
+    one call: a hook's large tensors reduced one after the other with no Python between them (whose
+    objects each tensor's bytes would otherwise evict from the caches). Row i: acc[i], sketch[i]
+    (W (K, cols) float64 at its address); its state (an address; 0: not hashed) is reset with `reset`
+    first."""
     for i in range(table.shape[0]):
         rows, cols = table[i, 1], table[i, 2]
         x = carray(_float32_at(table[i, 0]), (rows, cols))
         u = carray(_float32_at(table[i, 3]), (rows,))
-        state = table[i, 6]
+        w = carray(_float64_at(table[i, 4]), (sketch.shape[1], cols))
+        state = table[i, 7]
         if state != 0:
             _call_reset(reset, state)
-        _stats(
-            x,
-            u,
-            table[i, 4],
-            table[i, 5],
-            update if state != 0 else 0,
-            state,
-            m[table[i, 7] :],
-            acc[i],
-        )
+        m = np.zeros(cols)
+        _stats(x, u, table[i, 5], table[i, 6], update if state != 0 else 0, state, m, acc[i])
+        project(w, m, sketch[i])
+
+
+@njit(fastmath={"reassoc", "contract"}, boundscheck=False, nogil=True, cache=True)
+def project(w, m, out):  # pragma: no cover - compiled
+    """out[k] = W[k] . m in float64 (the sketch's K projections from u^T X)."""
+    for k in range(w.shape[0]):
+        t = 0.0
+        for c in range(w.shape[1]):
+            t += w[k, c] * m[c]
+        out[k] = t
 
 
 @njit(fastmath={"reassoc", "contract"}, boundscheck=False, nogil=True, cache=True)
@@ -141,8 +152,7 @@ def _stats(x, u, block_rows, chunk, update, state, m, acc):  # pragma: no cover 
     """x: (rows, cols) float32, C-contiguous; u: (rows,) float32. For each block of block_rows rows:
     m (cols,) float64 += u_blk^T X_blk (float32 within the block); acc[0], acc[1] += the block's sum and
     sum of squares. With `update` (an address; 0: none) the bytes go through update(state, ...) on the
-    way, `chunk` rows (a multiple of 4) at a time, each piece then reduced from L1. m may be longer than
-    cols (a slice of many_stats' vector)."""
+    way, `chunk` rows (a multiple of 4) at a time, each piece then reduced from L1."""
     rows, cols = x.shape
     part = np.empty(cols, dtype=np.float32)
     s32 = np.zeros(cols, dtype=np.float32)
@@ -264,13 +274,14 @@ class Xxh3:
         probes = [g.standard_normal(shape).astype(np.float32) for shape in ((97, 300), (64, 512))]
         us = [np.ones(len(p), np.float32) for p in probes]
         states = x.states(2)
+        w = np.ones((4, 512))
         table = np.array(
             [
-                (p.ctypes.data, *p.shape, u.ctypes.data, 40, 8, st, 0)
+                (p.ctypes.data, *p.shape, u.ctypes.data, w.ctypes.data, 40, 8, st)
                 for p, u, st in zip(probes, us, states)
             ],
             dtype=np.int64,
         )
-        many_stats(table, x.update, x.reset, np.zeros(512), np.zeros((2, 2)))
+        many_stats(table, x.update, x.reset, np.zeros((2, 2)), np.zeros((2, 4)))
         got = [x.hexdigest(st) for st in states]
         return x if got == [xxhash.xxh3_128_hexdigest(p) for p in probes] else None
