@@ -83,10 +83,11 @@ def device_digest(t: torch.Tensor) -> str:
 # column sums are those rows, as the GEMM's were. float64 tensors (and integers) use the same vectors in
 # float64.
 # With numba installed (the `fast` extra), a float32 tensor of more than FUSED_MIN elements takes run/fused.py
-# instead: each block hashed, then one compiled call reads its rows from cache for the runs' sums and
-# squares (runs of at most STAT_CHUNK elements of a row) and the block's u^T X, where numpy's three calls
-# a block each cost about what the hash does (bench/recorder_breakdown.py). The same bounds hold; the
-# values differ from numpy's by rounding only.
+# instead, where numpy's three calls a block each cost about what the hash does
+# (bench/recorder_breakdown.py): digest_many hands a hook list's such tensors to one compiled call, which
+# feeds xxh3 (xxhash's own C function) a few rows at a time and reduces them from L1: the sums and squares
+# in groups of at most STAT_CHUNK rows of a column, the block's u^T X, each tensor's W^T (u^T X) at its
+# end. The same bounds hold; the values differ from numpy's by rounding only, the digests not at all.
 SKETCH_K = 4
 SKETCH_SEED = 0x5EED_D15C
 # elements per block: 512 KiB of float32 (L2-sized); the sketch's float32 row blocks depend on it
