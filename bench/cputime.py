@@ -5,8 +5,10 @@ time against this checkout's."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,18 +28,49 @@ def medians(ops: dict, repeats: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def _source_at(rev: str, path: str) -> str | None:
+    out = subprocess.run(
+        ["git", "-C", str(ROOT), "show", f"{rev}:{path}"], capture_output=True, text=True
+    )
+    return out.stdout if out.returncode == 0 else None
+
+
+def _load(src: str, name: str):
+    path = (
+        Path(tempfile.mkdtemp()) / f"{name}.py"
+    )  # kept: numba's cache of a kernel lives beside it
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def digest_at(rev: str):
-    """disttrace/run/digest.py as it was at git revision `rev`, loaded as a module of its own."""
-    src = subprocess.run(
-        ["git", "-C", str(ROOT), "show", f"{rev}:disttrace/run/digest.py"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    with tempfile.TemporaryDirectory() as d:
-        path = Path(d) / "digest_at_rev.py"
-        path.write_text(src)
-        spec = importlib.util.spec_from_file_location("digest_at_rev", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+    """disttrace/run/digest.py as it was at git revision `rev`, loaded as a module of its own, with that
+    revision's compiled pass (run/fused.py, where it has one and numba is installed): without it the other
+    revision would be timed on the numpy path, or with this checkout's kernel."""
+    module = _load(_source_at(rev, "disttrace/run/digest.py"), "digest_at_rev")
+    src = _source_at(rev, "disttrace/run/fused.py")
+    if src is None or os.environ.get("DISTTRACE_FUSED") == "0":
+        return module
+    try:
+        fused = _load(src, "fused_at_rev")
+    except ImportError:  # no numba: both revisions on the numpy path
+        return module
+    import disttrace.run as package
+
+    saved = sys.modules.get("disttrace.run.fused"), getattr(package, "fused", None)
+    sys.modules["disttrace.run.fused"] = package.fused = fused
+    try:  # the revision's digest.py imports its kernel now, whichever way it names it
+        module._fused()
+    finally:
+        if saved[0] is None:
+            sys.modules.pop("disttrace.run.fused", None)
+        else:
+            sys.modules["disttrace.run.fused"] = saved[0]
+        if saved[1] is None:
+            del package.fused
+        else:
+            package.fused = saved[1]
     return module

@@ -191,6 +191,37 @@ def against(rev: str, lists, repeats: int) -> None:
         f"digest_many of a step's hook lists ({len(items)} tensors, {mib:.1f} MiB), CPU time, median of "
         f"{repeats}: {rev} {b * 1e3:.1f} ms, this checkout {n * 1e3:.1f} ms: {n / b:.3f}x"
     )
+    print(
+        "  "
+        + agreement(
+            [base.digest_many(lst) for _, lst in lists], [now.digest_many(lst) for _, lst in lists]
+        )
+    )
+
+
+def agreement(then: list, now: list) -> str:
+    """What two revisions' records of the same tensors share: digests, and how far sums, norms and
+    sketches moved (relative to norm, and to norm * sqrt(numel): the scale tolerance.py's roundings are
+    relative to)."""
+    a = [d for lst in then for d in lst]
+    b = [d for lst in now for d in lst]
+    same = sum(x["digest"] == y["digest"] for x, y in zip(a, b))
+    rel = {"sum": 0.0, "norm": 0.0, "sketch": 0.0}
+    equal = dict.fromkeys(rel, 0)
+    for x, y in zip(a, b):
+        scale = (x["norm"] or 0.0) * max(x["numel"], 1) ** 0.5
+        for k in rel:
+            u, v = x[k], y[k]
+            if u == v:
+                equal[k] += 1
+            elif u is not None and v is not None and scale:
+                d = max(abs(p - q) for p, q in zip(u, v)) if k == "sketch" else abs(u - v)
+                rel[k] = max(rel[k], d / (x["norm"] if k == "norm" else scale))
+    return (
+        f"{same} of {len(a)} digests identical; identical sums {equal['sum']}, norms {equal['norm']}, "
+        f"sketches {equal['sketch']}; largest change: sum {rel['sum']:.2e} of norm*sqrt(numel), norm "
+        f"{rel['norm']:.2e} of the norm, sketch {rel['sketch']:.2e} of norm*sqrt(numel)"
+    )
 
 
 def main():

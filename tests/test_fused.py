@@ -110,3 +110,87 @@ def test_two_processes_record_the_same_bits():
         for _ in range(2)
     ]
     assert out[0] == out[1] and '"sketch":[' in out[0]
+
+
+# ---------------------------------------------------------------- one call per list, hashed inside
+# digest_many hands a list's large float32 tensors to fused.many_stats in one call, which feeds xxhash's own
+# C function a few rows at a time and reduces them from L1. The oracles: xxhash's one-shot digest of the
+# bytes, the kernel before it (below: its sketch part, u^T X in float32 row after row, whose bits this one
+# keeps; only the last float64 product with W is now the kernel's own), and the same numbers whichever
+# way the tensors are cut (per tensor, per block, pieces of any size).
+
+
+def _list(seed=5):
+    g = torch.Generator().manual_seed(seed)
+    ts = [torch.randn(s, generator=g) for s in SHAPES]
+    ts += [torch.randn(512, generator=g), torch.randn(300, 64, generator=g).double()]  # not fused
+    ts += [torch.rand(700, 512, generator=g) * 1e-3]  # positive, small
+    return ts
+
+
+def test_one_call_for_a_list_records_what_one_tensor_at_a_time_does(monkeypatch):
+    ts = _list()
+    got = D.digest_many([(t, None, None) for t in ts])
+    assert [d["digest"] for d in got] == [xxhash.xxh3_128_hexdigest(t.numpy()) for t in ts]
+    assert got == [D.digest_tensor(t) for t in ts]  # one compiled call per tensor
+    from disttrace.run import fused
+
+    for chunk in (4 << 10, 64 << 10):  # the hashing's pieces take no part in the arithmetic
+        monkeypatch.setattr(fused, "CHUNK_BYTES", chunk)
+        assert D.digest_many([(t, None, None) for t in ts]) == got
+    monkeypatch.setattr(
+        D, "_xxh3", None
+    )  # xxhash fed from Python a block at a time, one call a block
+    assert D.digest_many([(t, None, None) for t in ts]) == got
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_the_sketch_is_the_previous_kernels_to_float64_rounding(shape):
+    """Each column's u * x added row after row in float32 within a block, as the kernel before this one
+    (one call a block, kept here as the oracle): the same u^T X bit for bit, so the sketch differs from
+    the previous one by the float64 rounding of its last product W^T (u^T X) only, far below the float32
+    rounding tolerance.sketch_rounding allows (a change of the float32 order would show here)."""
+    t = _data(shape, "normal", seed=3)
+    x = t.numpy()
+    plan = D._plan(tuple(shape), (0,) * len(shape), tuple(shape))
+    x2 = x.reshape(-1, shape[-1])
+    m = np.zeros(plan.cols)
+    for r0 in range(0, plan.rows, plan.block_rows):
+        _previous_block_sketch(x2, plan.u32, r0, min(r0 + plan.block_rows, plan.rows), m)
+    got = np.array(D.digest_many([(t, None, None)])[0]["sketch"])
+    assert np.all(np.abs(got - plan.wt64 @ m) <= 1e-14 * (np.abs(plan.wt64) @ np.abs(m)))
+
+
+def test_a_non_finite_tensor_in_a_list_leaves_the_others_as_they_were():
+    ts = _list(seed=8)
+    ref = D.digest_many([(t, None, None) for t in ts])
+    bad = [t.clone() for t in ts]
+    bad[1][5, 7] = float("nan")
+    got = D.digest_many([(t, None, None) for t in bad])
+    assert got[1]["nonfinite"] == 1 and got[1]["sum"] is None and got[1]["sketch"] is None
+    assert got[1]["digest"] != ref[1]["digest"]
+    assert got[:1] + got[2:] == ref[:1] + ref[2:]
+
+
+def _previous_block_sketch(x, u, first, last, m):
+    from numba import njit
+
+    global _previous_kernel
+    if _previous_kernel is None:
+
+        @njit(fastmath={"reassoc", "contract"}, boundscheck=False, cache=True)
+        def kernel(x, u, first, last, m):  # the sketch part of the kernel before this one
+            part = np.zeros(x.shape[1], dtype=np.float32)
+            for r in range(first, last):
+                row = x[r]
+                ur = u[r]
+                for c in range(x.shape[1]):
+                    part[c] += ur * row[c]
+            for c in range(x.shape[1]):
+                m[c] += part[c]
+
+        _previous_kernel = kernel
+    _previous_kernel(x, u, first, last, m)
+
+
+_previous_kernel = None

@@ -286,7 +286,8 @@ def sketch_rounding(dtype, shape) -> float:
 
 
 # run/digest.py reduces a float32 tensor of more than FLOAT64_STATS elements to its sum and sum of squares in
-# runs of at most STAT_CHUNK consecutive elements (one float32 dot product each, the runs added in float64);
+# groups of at most STAT_CHUNK elements (numpy: runs of consecutive elements, one float32 dot product each;
+# run/fused.py: a column's elements in up to STAT_CHUNK consecutive rows), the groups added in float64;
 # smaller tensors, float64 and integer ones in float64, whose rounding diff neglects (as it always has)
 STAT_CHUNK = 128
 FLOAT64_STATS = 1 << 14
@@ -307,9 +308,10 @@ def _numel(shape) -> int | None:
 
 def sum_rounding(dtype, shape) -> float:
     """The rounding of a recorded sum, relative to norm * sqrt(numel) (the scale of projection_terms: the sum
-    is <x, 1>). run/digest.py sums a float32 tensor in runs of n <= STAT_CHUNK consecutive elements in
-    float32 (a dot product with ones, in whatever order the BLAS takes), the runs' sums added in float64. A
-    run's sum is off by at most gamma_n times its sum of magnitudes (Higham Thm 3.1), u sqrt(n) in the
+    is <x, 1>). run/digest.py sums a float32 tensor in groups of n <= STAT_CHUNK elements in float32 (runs
+    of consecutive elements, a dot product with ones in whatever order the BLAS takes; in run/fused.py a
+    column's elements in up to STAT_CHUNK consecutive rows), the groups' sums added in float64. A
+    group's sum is off by at most gamma_n times its sum of magnitudes (Higham Thm 3.1), u sqrt(n) in the
     probabilistic model the sketch's rounding uses, and sum |x| <= ||x|| sqrt(numel) (Cauchy-Schwarz);
     u64 sqrt(numel) covers the float64 stage (one-row tensors and device digests take the whole sum in
     float64, which this over-states). A tensor of at most FLOAT64_STATS elements (and a float64 or integer

@@ -83,10 +83,11 @@ def device_digest(t: torch.Tensor) -> str:
 # column sums are those rows, as the GEMM's were. float64 tensors (and integers) use the same vectors in
 # float64.
 # With numba installed (the `fast` extra), a float32 tensor of more than FUSED_MIN elements takes run/fused.py
-# instead: each block hashed, then one compiled call reads its rows from cache for the runs' sums and
-# squares (runs of at most STAT_CHUNK elements of a row) and the block's u^T X, where numpy's three calls
-# a block each cost about what the hash does (bench/recorder_breakdown.py). The same bounds hold; the
-# values differ from numpy's by rounding only.
+# instead, where numpy's three calls a block each cost about what the hash does
+# (bench/recorder_breakdown.py): digest_many hands a hook list's such tensors to one compiled call, which
+# feeds xxh3 (xxhash's own C function) a few rows at a time and reduces them from L1: the sums and squares
+# in groups of at most STAT_CHUNK rows of a column, the block's u^T X, each tensor's W^T (u^T X) at its
+# end. The same bounds hold; the values differ from numpy's by rounding only, the digests not at all.
 SKETCH_K = 4
 SKETCH_SEED = 0x5EED_D15C
 # elements per block: 512 KiB of float32 (L2-sized); the sketch's float32 row blocks depend on it
@@ -107,7 +108,17 @@ class _Plan:
     rows of U for the paths that take U^T X W whole: device tensors, small ones together), the last axis'
     factors W."""
 
-    __slots__ = ("rows", "cols", "block_rows", "u32", "u64", "ut64", "wt64", "on_device")
+    __slots__ = (
+        "rows",
+        "cols",
+        "block_rows",
+        "u32",
+        "u64",
+        "ut64",
+        "wt64",
+        "on_device",
+        "addresses",
+    )
 
     def __init__(self, shape: tuple, off: tuple, lshape: tuple):
         self.cols = shape[-1]
@@ -125,6 +136,7 @@ class _Plan:
         self.ut64 = np.ascontiguousarray(np.broadcast_to(self.u64, (SKETCH_K, self.rows)))
         w = axis_vectors(len(shape) - 1, lshape[-1])[off[-1] : off[-1] + self.cols]
         self.wt64 = np.ascontiguousarray(w.T)  # (K, cols)
+        self.addresses = (self.u32.ctypes.data, self.wt64.ctypes.data)  # for fused.many_stats
         self.block_rows = max(1, min(self.rows, tolerance.SKETCH_ROWS, _BLOCK // max(self.cols, 1)))
         self.on_device: dict = {}  # device -> (ut64, wt64) copies there
 
@@ -182,23 +194,26 @@ def _sums(flat: np.ndarray) -> tuple[float, float]:
 # dim-512 model's matrices and activations; a small model's tensors (the default manifest's are at most
 # 32 Ki elements) stay with numpy and never import numba
 FUSED_MIN = 1 << 16
-_kernel = None  # run/fused.block_stats, False where numba is absent or DISTTRACE_FUSED=0
+_kernel = None  # run/fused.py (the module), False where numba is absent or DISTTRACE_FUSED=0
+_xxh3 = None  # fused.Xxh3: xxhash's C functions for the kernel, or None (xxhash fed from Python)
 
 
 def _fused():
-    """The compiled pass of run/fused.py for float32 tensors of more than FUSED_MIN elements, or None: numba
-    is an optional extra (`pip install disttrace[fast]`), imported the first time such a tensor is digested
-    (a tiny model never pays its import). DISTTRACE_FUSED=0 keeps the numpy path (the benches' baseline)."""
-    global _kernel
+    """run/fused.py, whose compiled pass takes float32 tensors of more than FUSED_MIN elements, or None:
+    numba is an optional extra (`pip install disttrace[fast]`), imported the first time such a tensor is
+    digested (a tiny model never pays its import). DISTTRACE_FUSED=0 keeps the numpy path (the benches'
+    baseline)."""
+    global _kernel, _xxh3
     if _kernel is None:
         _kernel = False
         if os.environ.get("DISTTRACE_FUSED") != "0":
             try:
-                from disttrace.run.fused import block_stats
-
-                _kernel = block_stats
+                from disttrace.run import fused
             except ImportError:  # no numba: the numpy path
                 pass
+            else:
+                _xxh3 = fused.Xxh3.load()
+                _kernel = fused
     return _kernel or None
 
 
@@ -217,9 +232,65 @@ def _stats64(x: np.ndarray) -> tuple[float, float]:
     return s, ss
 
 
+def _fused_stats(x: np.ndarray, plan: _Plan, hasher):
+    """_stats of a float32 array of more than FUSED_MIN elements in run/fused.py's compiled pass, hashed
+    on the way (its digest returned, `hasher` fed nothing) where xxhash's C functions could be bound,
+    else each block fed to `hasher` and then reduced while it is in cache (the same statistics)."""
+    kernel, xxh3 = _kernel, _xxh3
+    acc, sk = np.zeros((1, 2)), np.zeros((1, SKETCH_K))
+    digest = None
+    if hasher is None or xxh3 is not None:
+        state = 0 if hasher is None else xxh3.states(1)[0]
+        row = _table_row(x.ctypes.data, plan, state)
+        kernel.many_stats(
+            np.array([row], dtype=np.int64),
+            xxh3.update if state else 0,
+            xxh3.reset if state else 0,
+            acc,
+            sk,
+        )
+        if state:
+            digest = xxh3.hexdigest(state)
+    else:
+        x2, m, chunk = (
+            x.reshape(plan.rows, plan.cols),
+            np.zeros(plan.cols),
+            kernel.chunk_rows(plan.cols),
+        )
+        for r0 in range(0, plan.rows, plan.block_rows):
+            blk = x2[r0 : r0 + plan.block_rows]
+            hasher.update(blk)
+            kernel.tensor_stats(
+                blk, plan.u32[r0 : r0 + plan.block_rows], plan.block_rows, chunk, 0, 0, m, acc[0]
+            )
+        kernel.project(plan.wt64, m, sk[0])
+    return _fused_finish(x, *acc[0].tolist(), sk[0].tolist(), digest)
+
+
+def _table_row(address: int, plan: _Plan, state: int) -> tuple:
+    """A tensor's row of fused.many_stats' table (fused.TABLE)."""
+    return (
+        address,
+        plan.rows,
+        plan.cols,
+        *plan.addresses,
+        plan.block_rows,
+        _kernel.chunk_rows(plan.cols),
+        state,
+    )
+
+
+def _fused_finish(x: np.ndarray, s: float, ss: float, sk: list, digest):
+    if not (math.isfinite(s) and tolerance.stats_in_range(ss, x.size)):
+        s, ss = _stats64(x)  # as in _stats: float32's range exceeded, the statistics in float64
+    return s, ss, sk if math.isfinite(sum(sk)) else None, digest
+
+
 def _stats(x: np.ndarray, offset, logical_shape, hasher=None, with_sketch: bool = True):
-    """(sum, sum of squares, sketch or None) of a contiguous float32 or float64 array in one pass over
-    cache-sized blocks; `hasher` (xxh3) is fed the raw bytes on the way. A block of several rows is
+    """(sum, sum of squares, sketch or None, digest or None) of a contiguous float32 or float64 array in one
+    pass over cache-sized blocks; `hasher` (xxh3) is fed the raw bytes on the way, unless the compiled pass
+    hashes them itself: it then gives their digest (the hexdigest `hasher` would have given) and `hasher`
+    is fed nothing. A block of several rows is
     reduced in the array's own dtype, sum and sum of squares in runs of STAT_CHUNK elements (`_sums`), with
     nothing copied; one row per block (1-D tensors, rows of more than half a block) goes through the
     float64 buffer."""
@@ -228,12 +299,20 @@ def _stats(x: np.ndarray, offset, logical_shape, hasher=None, with_sketch: bool 
         if hasher is not None:
             hasher.update(x.tobytes())
         v = float(x)
-        return v, v * v, [v] * SKETCH_K if with_sketch else None
+        return v, v * v, [v] * SKETCH_K if with_sketch else None, None
     if not x.size:
-        return 0.0, 0.0, None
+        return 0.0, 0.0, None, None
     lshape = tuple(logical_shape) if logical_shape else shape
     off = tuple(offset) if offset else (0,) * len(shape)
     plan = _plan(tuple(shape), off, lshape) if with_sketch and x.size else None
+    if (
+        plan is not None
+        and plan.block_rows > 1
+        and x.size > FUSED_MIN
+        and x.dtype == np.float32
+        and _fused() is not None
+    ):
+        return _fused_stats(x, plan, hasher)
     cols = shape[-1]
     x2 = x.reshape(-1, cols)
     rows = x2.shape[0]
@@ -252,15 +331,6 @@ def _stats(x: np.ndarray, offset, logical_shape, hasher=None, with_sketch: bool 
     in_runs = (
         f64 or x.size > tolerance.FLOAT64_STATS
     )  # float32 runs (tolerance.sum_rounding), or float64
-    kernel = _fused() if plan is not None and not f64 and rb > 1 and x.size > FUSED_MIN else None
-    if kernel is not None:  # one compiled pass over the blocks (run/fused.py)
-        m, acc = np.zeros(cols), np.zeros(2)
-        for r0 in range(0, rows, rb):  # each block hashed, then reduced while it is in cache
-            if hasher is not None:
-                hasher.update(x2[r0 : r0 + rb])
-            kernel(x2, u, r0, min(r0 + rb, rows), rb, m, acc)
-        s, ss = float(acc[0]), float(acc[1])
-        rows = 0  # nothing left for the loop below
     for r0 in range(0, rows, rb):
         blk = x2[r0 : r0 + rb]
         if hasher is not None:
@@ -314,14 +384,15 @@ def _stats(x: np.ndarray, offset, logical_shape, hasher=None, with_sketch: bool 
         # (a non-finite value stays non-finite there and is counted by the caller)
         s, ss = _stats64(x)
     if plan is None:
-        return s, ss, None
+        return s, ss, None, None
     sk = direct if m is None else plan.wt64 @ np.asarray(m, dtype=np.float64)
     sk = sk.tolist()
     return (
         s,
         ss,
-        sk if math.isfinite(sum(sk)) else None,
-    )  # a float32 overflow: no sketch rather than inf
+        sk if math.isfinite(sum(sk)) else None,  # a float32 overflow: no sketch rather than inf
+        None,
+    )
 
 
 def sketch(a: np.ndarray, offset=None, logical_shape=None) -> list[float]:
@@ -346,31 +417,49 @@ def digest_tensor(
         t = t.to_local()
     if t.device.type == "cuda":
         return _digest_on_device(t, offset, logical_shape, with_sketch)
-    cpu = t.cpu().contiguous() if t.device.type != "cpu" else t.contiguous()
     with np.errstate(all="ignore"):  # a fault may plant inf/nan: counted below, not warned about
-        if cpu.dtype in (torch.float32, torch.float64):  # hashed block by block in the same pass
-            h = xxhash.xxh3_128()
-            x = cpu.numpy()
-            s, ss, sk = _stats(x, offset, logical_shape, h, with_sketch)
-            h = h.hexdigest()
-        else:  # float16/bfloat16 -> float32 (exact), integers -> float64; the raw bytes hashed as they are
-            h = xxhash.xxh3_128_hexdigest(raw_bytes(cpu))
-            x = cpu.to(torch.float32 if cpu.dtype.is_floating_point else torch.float64).numpy()
-            s, ss, sk = _stats(x, offset, logical_shape, None, with_sketch)
-        n = math.sqrt(ss) if math.isfinite(ss) else math.inf
-        nonfinite = 0
-        if not (
-            math.isfinite(s) and math.isfinite(n)
-        ):  # counting is slow: only when the sum says so
-            nonfinite = int((~np.isfinite(x)).sum())
+        return _digest_host(t, offset, logical_shape, with_sketch)
+
+
+_DTYPE_NAMES: dict = {}  # torch dtype -> its name in a record ("float32")
+
+
+def _digest_host(
+    t: torch.Tensor, offset=None, logical_shape=None, with_sketch: bool = True
+) -> dict:
+    """digest_tensor of a local, detached tensor not on a GPU, the caller holding np.errstate (digest_many
+    enters it once for a hook's list: it costs about as much as the rest of a tensor's Python)."""
+    cpu = t.contiguous() if t.device.type == "cpu" else t.cpu().contiguous()
+    dtype = cpu.dtype
+    if dtype is torch.float32 or dtype is torch.float64:  # hashed block by block in the same pass
+        h = xxhash.xxh3_128()
+        x = cpu.numpy()
+        s, ss, sk, digest = _stats(x, offset, logical_shape, h, with_sketch)
+        h = digest or h.hexdigest()
+    else:  # float16/bfloat16 -> float32 (exact), integers -> float64; the raw bytes hashed as they are
+        h = xxhash.xxh3_128_hexdigest(raw_bytes(cpu))
+        x = cpu.to(torch.float32 if dtype.is_floating_point else torch.float64).numpy()
+        s, ss, sk, _ = _stats(x, offset, logical_shape, None, with_sketch)
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return _record(name, x, s, ss, sk, h)
+
+
+def _record(dtype: str, x: np.ndarray, s: float, ss: float, sk, h: str) -> dict:
+    """A host tensor's digest dict from its statistics (x: its values as the statistics read them)."""
+    n = math.sqrt(ss) if math.isfinite(ss) else math.inf
+    nonfinite = 0
+    if not (math.isfinite(s) and math.isfinite(n)):  # counting is slow: only when the sum says so
+        nonfinite = int((~np.isfinite(x)).sum())
     return {
-        "dtype": str(cpu.dtype).removeprefix("torch."),
-        "shape": list(cpu.shape),
-        "numel": int(cpu.numel()),
+        "dtype": dtype,
+        "shape": list(x.shape),
+        "numel": x.size,
         "digest": h,
         "sum": s if math.isfinite(s) else None,
         "norm": n if math.isfinite(n) else None,
-        "sketch": sk if not nonfinite and cpu.numel() else None,
+        "sketch": sk if not nonfinite and x.size else None,
         "nonfinite": nonfinite,
     }
 
@@ -454,9 +543,9 @@ def _vectors(signature: tuple) -> np.ndarray:
 
 def _batchable(t: torch.Tensor) -> bool:
     return (
-        t.device.type == "cpu"
-        and t.dtype == torch.float32
+        t.dtype is torch.float32
         and 0 < t.numel() <= SMALL
+        and t.device.type == "cpu"
         and t.dim() > 0
     )
 
@@ -469,24 +558,68 @@ def digest_many(items: list[tuple], seen: Seen | None = None, recheck: bool = Fa
     batch: list[int] = []
     size = 0
     locals_ = []
-    for i, (t, off, lshape) in enumerate(items):
-        t = t.detach()
-        if hasattr(t, "to_local"):
-            t = t.to_local()
-        locals_.append(t)
-        if _batchable(t):
-            if size + t.numel() > _GROUP and batch:
-                _digest_batch(items, locals_, batch, out)
-                batch, size = [], 0
-            batch.append(i)
-            size += t.numel()
-        elif seen is None:
-            out[i] = digest_tensor(t, off, lshape)
-        else:
-            out[i] = seen.digest(t, off, lshape, recheck)
-    if batch:
-        _digest_batch(items, locals_, batch, out)
+    fused: list = []  # (index, tensor, plan, Seen token): fused.many_stats' table, in one call
+    with np.errstate(all="ignore"):  # once for the list (see _digest_host)
+        for i, (t, off, lshape) in enumerate(items):
+            t = t.detach()
+            if hasattr(t, "to_local"):
+                t = t.to_local()
+            locals_.append(t)
+            if _batchable(t):
+                if size + t.numel() > _GROUP and batch:
+                    _digest_batch(items, locals_, batch, out)
+                    batch, size = [], 0
+                batch.append(i)
+                size += t.numel()
+                continue
+            if t.device.type == "cuda":
+                out[i] = _digest_on_device(t, off, lshape)
+                continue
+            plan = _fusable(t, off, lshape)
+            token = None
+            if seen is not None and t.device.type == "cpu":
+                hit, token = seen.lookup(t, off, lshape, recheck)
+                if hit is not None:
+                    out[i] = hit
+                    continue
+            if plan is not None:
+                fused.append((i, t.contiguous(), plan, token))
+                continue
+            d = _digest_host(t, off, lshape)
+            out[i] = seen.store(token, d) if token is not None else d
+        if batch:
+            _digest_batch(items, locals_, batch, out)
+        if fused:
+            _digest_fused(fused, out, seen)
     return out
+
+
+def _fusable(t: torch.Tensor, off, lshape) -> _Plan | None:
+    """The sketch's plan of a host float32 tensor that fused.many_stats takes (more than FUSED_MIN
+    elements, blocks of several rows; numba and xxhash's C functions at hand), else None."""
+    if t.dtype is not torch.float32 or t.numel() <= FUSED_MIN or t.device.type != "cpu":
+        return None
+    if _fused() is None or _xxh3 is None:
+        return None
+    shape = tuple(t.shape)
+    plan = _plan(
+        shape, tuple(off) if off else (0,) * len(shape), tuple(lshape) if lshape else shape
+    )
+    return plan if plan.block_rows > 1 else None
+
+
+def _digest_fused(jobs: list, out: list, seen: Seen | None) -> None:
+    """_digest_host of each (index, contiguous float32 tensor, plan, Seen token), all in one compiled
+    call: the statistics _fused_stats computes one by one, bit for bit."""
+    xxh3 = _xxh3
+    states = xxh3.states(len(jobs))
+    table = [_table_row(t.data_ptr(), plan, state) for (_, t, plan, _), state in zip(jobs, states)]
+    acc, sk = np.zeros((len(jobs), 2)), np.zeros((len(jobs), SKETCH_K))
+    _kernel.many_stats(np.array(table, dtype=np.int64), xxh3.update, xxh3.reset, acc, sk)
+    for (i, t, _, token), state, (s, ss), k in zip(jobs, states, acc.tolist(), sk.tolist()):
+        x = t.numpy()
+        d = _record("float32", x, *_fused_finish(x, s, ss, k, xxh3.hexdigest(state)))
+        out[i] = seen.store(token, d) if token is not None else d
 
 
 def _digest_batch(items, locals_, batch: list[int], out: list) -> None:
@@ -584,11 +717,24 @@ class Seen:
 
     def digest(self, t: torch.Tensor, off=None, lshape=None, recheck: bool = False) -> dict:
         """digest_tensor(t, off, lshape), its statistics reused where the same bytes were digested lately."""
-        if t.device.type != "cpu" or not t.numel():
+        if t.device.type != "cpu":
             return digest_tensor(t, off, lshape)
+        with np.errstate(all="ignore"):
+            return self.host_digest(t.detach(), off, lshape, recheck)
+
+    def host_digest(self, t: torch.Tensor, off=None, lshape=None, recheck: bool = False) -> dict:
+        """`digest` of a local, detached host tensor, the caller holding np.errstate (digest_many)."""
+        hit, token = self.lookup(t, off, lshape, recheck)
+        return hit if hit is not None else self.store(token, _digest_host(t, off, lshape))
+
+    def lookup(self, t: torch.Tensor, off=None, lshape=None, recheck: bool = False):
+        """(the record of `t`'s bytes digested lately, or None; the token `store` takes to remember the
+        digest made instead): a local, detached host tensor."""
+        if not t.numel():
+            return None, None
         key, version, storage = self._key(t, off, lshape)
         if key is None:
-            return digest_tensor(t, off, lshape)
+            return None, None
         entry = self._now.get(key) or self._before.get(key)
         if entry is not None and self._same_storage(entry[1], storage):
             if storage is None or (
@@ -598,10 +744,16 @@ class Seen:
                 self.hits += 1
                 self.hit_bytes += t.numel() * t.element_size()
                 self._now[key] = (version, entry[1], entry[2])
-                return dict(entry[2])
+                return dict(entry[2]), None
             if recheck or entry[0] == version:
                 self.misses += 1
-        d = digest_tensor(t, off, lshape)
+        return None, (key, version, storage)
+
+    def store(self, token, d: dict) -> dict:
+        """Remember digest `d` under `lookup`'s token (None: nothing to remember); what to record."""
+        if token is None:
+            return d
+        key, version, storage = token
         self._now[key] = (version, None if storage is None else StorageWeakRef(storage), d)
         return dict(d)
 
