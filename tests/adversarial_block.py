@@ -159,11 +159,11 @@ _VALIDITY = (0, 2, 6, 8, 17, 21, 23, 25, 26, 28, 29, 31, 33, 37, 39)  # the batc
 def cases(good: list[bytes]):
     """(name, block) pairs: the first step of a good block rewritten, the rest as written."""
 
-    def with_first(fn):
-        prefix, d, r = parse(good[0])
+    def with_first(fn, at=0):
+        prefix, d, r = parse(good[at])
         out = fn(d, r)
         step = prefix + (out if isinstance(out, bytes) else d.emit() + r.emit())
-        return [step, *good[1:]]
+        return [*good[:at], step, *good[at + 1 :]]
 
     yield "reemitted, every buffer stored", with_first(lambda d, r: None)
 
@@ -217,6 +217,7 @@ def cases(good: list[bytes]):
                 )
 
             yield f"list node {k} child count {cl}, offsets past its values", with_first(lists)
+            yield f"list node {k} child count {cl}, the last step", with_first(lists, len(good) - 1)
 
     # a string view's size and the tensor's offsets past their data (controls: checked)
     def tensor_past(d, r):
@@ -275,6 +276,26 @@ def cases(good: list[bytes]):
             )
 
         return name, with_first(fn)
+
+    # controls: the same bytes in other valid frames decode as pyarrow reads them
+    def stored_frame(d, r):
+        data = r.buffers[1][1]
+        r.buffers[1] = (
+            "raw",
+            len(data).to_bytes(8, "little")
+            + _FRAME_HEADER
+            + ((1 << 31) | len(data)).to_bytes(4, "little")
+            + data
+            + b"\0\0\0\0",
+        )
+
+    yield "a frame of one stored block", with_first(stored_frame)
+
+    def literal_frame(d, r):
+        data = r.buffers[1][1]
+        r.buffers[1] = raw_buffer(len(data), frame(bytes([0xF0]) + _ext(len(data) - 15) + data))
+
+    yield "a frame of literals only", with_first(literal_frame)
 
     tail = bytes([0x50]) + b"BBBBB"
     yield lz4("match offset 0", bytes([0x14]) + b"A" + b"\0\0" + tail)

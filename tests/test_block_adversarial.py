@@ -93,4 +93,5 @@ def test_every_crafted_block_declines_or_decodes_as_pyarrow(tmp_path, boundschec
     log = _run_all(tmp_path, boundscheck)
     assert "CRASH" not in log and "BUG" not in log and "IndexError" not in log, log[-6000:]
     assert log.count("DONE") == len(list(adv.cases(adv.good_block(tmp_path)))), log[-3000:]
-    assert "decoded as the pyarrow path" in log  # the control case: not everything declines
+    # the controls (the same bytes stored, in a stored LZ4 block, as literals only): not everything declines
+    assert log.count("decoded as the pyarrow path") >= 3, log[-3000:]
