@@ -7,6 +7,8 @@ NUMBA_BOUNDSCHECK=1), a crash, or a batch where the pyarrow path refuses.
 
 `python tests/adversarial_block.py DIR [FIRST]` runs the cases from FIRST on, a line per case (START before
 it, flushed, so that a crash names its case); tests/test_block_adversarial.py runs it under both builds.
+NUMBA_BOUNDSCHECK=1 wants a NUMBA_CACHE_DIR of its own: numba's cache index keys a function by its bytecode and
+the machine, not by that flag, so the kernels cached without bounds checks would be loaded unchecked.
 """
 
 from __future__ import annotations
