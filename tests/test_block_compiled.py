@@ -90,6 +90,8 @@ def test_decode_steps_takes_it_for_large_blocks_of_a_large_job(tmp_path, monkeyp
     rng = random.Random(9)
     path = tmp_path / "rank-00000.arrows"
     parts = _steps(path, write_v2(path, [_realistic(s, rng) for s in range(1, 40)]))
+    # the default bound, also where the suite runs with DISTTRACE_BLOCK=1 (which sets it to 0)
+    monkeypatch.setattr(trajectory, "COMPILED_MIN", 1 << 16)
     calls = []
     real = blockdecode.decode
     monkeypatch.setattr(

@@ -459,14 +459,19 @@ def _headers(
             body = _i64(raw, p + pos[m, 1])
             if body < 0 or body > ends[s] - p - size:
                 return 1, 0
+            # every length below 2^31 (Arrow's 32-bit offsets; a step's records are far fewer): the checks
+            # below multiply lengths by widths up to 64, which for a length of 2^58 or more would wrap int64
+            # to a small size that passes them
             bat[s, m] = _i64(raw, p + pos[m, 2])
+            if bat[s, m] < 0 or bat[s, m] > _MAX_OFFSET:
+                return 5, 0
             nodes = _DICT_NODES if m == 0 else _NODES
             first_node = 0 if m == 0 else _DICT_NODES
             for k in range(nodes):
                 q = p + pos[m, 3] + 16 * k
                 ln = _i64(raw, q)
                 nc = _i64(raw, q + 8)
-                if ln < 0 or nc < 0 or nc > ln:
+                if ln < 0 or nc < 0 or nc > ln or ln > _MAX_OFFSET:
                     return 5, 0
                 node[s, first_node + k, 0] = ln
                 node[s, first_node + k, 1] = nc
@@ -497,8 +502,9 @@ def _headers(
                     declared += ln
                     scratch_size += (ln - 8 + 7) & ~7
                     continue
-                # LZ4 expands at most 255-fold: ceil(d / 256) <= ln, as store/trajectory.py bounds it
-                if d <= 0 or (d + 255) >> 8 > ln:
+                # LZ4 expands at most 255-fold: ceil(d / 256) <= ln, as store/trajectory.py bounds it (written
+                # so that no d wraps: d + 255 would, for d near 2^63, and two such sizes sum to a small one)
+                if d <= 0 or (d - 1) >> 8 >= ln:
                     return 3, 0
                 buf[s, j, 2] = d
                 buf[s, j, 3] = 2

@@ -1,0 +1,97 @@
+"""The compiled block decoder (store/blockdecode.py) on blocks crafted against each length, size and offset it
+reads from a step (tests/adversarial_block.py): it declines, or decodes as the pyarrow path (the oracle) does.
+
+A length of 2^61 or 2^62 in a field node is the kind numba's unchecked indexing makes dangerous: the kernel's
+size checks multiply lengths by widths, and 8 * 2^61 wraps int64 to 0, which every buffer passes; the
+kernel then read a list's values, a dictionary's offsets or a view's bytes past their buffers (and past the
+scratch array: an IndexError under NUMBA_BOUNDSCHECK=1), and for samples and shard gave a batch of bytes
+read out of bounds where pyarrow refuses the step.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("numba")
+import adversarial_block as adv  # noqa: E402
+
+from disttrace.store import blockdecode, trajectory  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def crafted(tmp_path_factory):
+    return dict(adv.cases(adv.good_block(tmp_path_factory.mktemp("adv"))))
+
+
+# each a length whose product with a width wraps int64 (to 0 or a negative size)
+_WRAPPING = [
+    f"list node 17 child count {1 << 61}, offsets past its values",  # samples: 8 cl = 2^64
+    f"list node 20 child count {1 << 61}, offsets past its values",  # shard
+    f"dictionary values {1 << 61}, an entry past them",  # 8 dv
+    f"dictionary length {(1 << 62) - 1}",  # 4 (dn + 1)
+    f"batch length {1 << 62}",  # 4 length, 8 length, 16 length
+]
+
+
+@pytest.mark.parametrize("name", _WRAPPING)
+def test_a_length_whose_sizes_wrap_declines_at_the_header(crafted, name):
+    block = crafted[name]
+    assert (
+        blockdecode.kernel_status(block) == 5
+    )  # field nodes out of bounds, before any buffer is read
+    assert blockdecode.decode(block) is None
+    with pytest.raises(trajectory._DECODE_ERRORS):  # the oracle: pyarrow refuses the step
+        trajectory._decode_block(block)
+
+
+def test_the_reemitted_block_still_decodes(crafted):
+    """The control: the same step with every buffer stored as it is, its sizes the real ones, decodes."""
+    block = crafted["reemitted, every buffer stored"]
+    assert blockdecode.kernel_status(block) == 0
+    got, starts = blockdecode.decode(block)
+    want, want_starts = trajectory._decode_block(block)
+    assert got.equals(want) and starts.tolist() == want_starts.tolist()
+
+
+def _run_all(tmp_path: Path, boundscheck: bool) -> str:
+    """Every crafted case in a fresh interpreter, resumed at the next case after a crash."""
+    env = {
+        **os.environ,
+        "NUMBA_CACHE_DIR": str(tmp_path / f"numba-cache-{int(boundscheck)}"),
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
+    if boundscheck:
+        env["NUMBA_BOUNDSCHECK"] = "1"
+    out, first = [], 0
+    script = str(Path(__file__).parent / "adversarial_block.py")
+    while True:
+        proc = subprocess.run(
+            [sys.executable, script, str(tmp_path), str(first)],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        out.append(proc.stdout + proc.stderr)
+        if proc.returncode in (0, 1):
+            return "\n".join(out)
+        started = [line for line in proc.stdout.splitlines() if line.startswith("START")]
+        assert started, proc.stderr[-3000:]
+        out.append(f"CRASH rc={proc.returncode} in {started[-1]}")
+        first = int(started[-1].split()[1]) + 1
+
+
+@pytest.mark.slow  # two fresh interpreters compiling the kernels, one with bounds checks: ~1 min
+@pytest.mark.parametrize("boundscheck", [False, True])
+def test_every_crafted_block_declines_or_decodes_as_pyarrow(tmp_path, boundscheck):
+    log = _run_all(tmp_path, boundscheck)
+    assert "CRASH" not in log and "BUG" not in log and "IndexError" not in log, log[-6000:]
+    assert log.count("DONE") == len(list(adv.cases(adv.good_block(tmp_path)))), log[-3000:]
+    # the controls (the same bytes stored, in a stored LZ4 block, as literals only): not everything declines
+    assert log.count("decoded as the pyarrow path") >= 3, log[-3000:]
