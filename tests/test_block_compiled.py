@@ -246,3 +246,21 @@ def test_a_block_with_long_names_is_left_to_pyarrow(tmp_path):
     block = [d for d, _ in parts]
     assert blockdecode.decode(block) is None
     assert isinstance(_pyarrow(block)[0], pa.RecordBatch)
+
+
+def test_a_shape_dictionary_that_expands_without_bound_declines(tmp_path, monkeypatch):
+    """The compiled path holds a step's dimensions to the pyarrow path's bound: it declines the step whose
+    records all take one shape of 200 dimensions (36,000 for ~180 records), and decode_steps then refuses it as
+    the pyarrow path does."""
+    monkeypatch.setattr(trajectory, "COMPILED_MIN", 0)
+    monkeypatch.setattr(trajectory, "COMPILED_AFTER", 0)
+    recs = _realistic(1, random.Random(3))
+    path = tmp_path / "rank-00000.arrows"
+    long = [[{**r, "step": s, "shape": [1] * 200, "numel": 1} for r in recs] for s in (1, 2)]
+    parts = _steps(path, write_v2(path, long))
+    block = [d for d, _ in parts]
+    assert blockdecode.kernel_status(block) == 14, blockdecode.DECLINED.get(
+        blockdecode.kernel_status(block)
+    )
+    with pytest.raises(BadInput, match="dimensions in all"):
+        trajectory.decode_steps(path, parts)

@@ -320,3 +320,23 @@ def test_the_block_framing_reads_what_the_message_loop_reads(tmp_path, monkeypat
         else:
             assert str(with_fast) == str(without), trial
     assert declined and agreed and (refused or layout == 1), (declined, agreed, refused)
+
+
+def test_a_shape_dictionary_that_expands_without_bound_is_refused(tmp_path):
+    """A step's dictionary names each shape once, so a few KB on disk can give every record one shape of
+    10,000 dimensions (160 MB of values for 2 x 1,000 records): refused, naming the step, where records of
+    20 dimensions each (within the bound of 16 a record plus a few thousand) decode."""
+    rng = random.Random(3)
+    recs = _realistic(1, rng)
+    ok, bomb = tmp_path / "ok.arrows", tmp_path / "bomb.arrows"
+    wide = [[{**r, "step": s, "shape": [1] * 20, "numel": 1} for r in recs] for s in (1, 2)]
+    parts = _steps(ok, write_v2(ok, wide))
+    batch, _ = trajectory.decode_steps(ok, parts)
+    assert batch.num_rows == 2 * len(recs) and set(map(len, batch["shape"].to_pylist())) == {20}
+    long = [[{**r, "step": s, "shape": [1] * 10_000, "numel": 1} for r in recs] for s in (1, 2)]
+    parts = _steps(bomb, write_v2(bomb, long))
+    assert bomb.stat().st_size < 64 << 10
+    for block in (parts, parts[1:]):
+        with pytest.raises(BadInput, match="dimensions in all") as e:
+            trajectory.decode_steps(bomb, block)
+        assert block[0][1] in str(e.value)

@@ -146,6 +146,7 @@ DECLINED = {
     11: "a shape whose product may overflow int64",
     12: "a step larger than a step's records expand to",
     13: "more output than 32-bit offsets hold",
+    14: "shapes holding more dimensions than a step's records may (the pyarrow path refuses it)",
 }
 
 _LZ4_MAGIC = (0x04, 0x22, 0x4D, 0x18)
@@ -157,6 +158,7 @@ _LZ4_HEADER = (
 _LZ4_BLOCK = 1 << 16
 _BIG = 1 << 62  # a shape's product at or above it declines (the pyarrow path computes it exactly)
 _MAX_OFFSET = (1 << 31) - 1
+_SHAPE_DIMS_PER_RECORD, _SHAPE_DIMS_SLACK = t.SHAPE_DIMS_PER_RECORD, t.SHAPE_DIMS_SLACK
 
 
 # ---------------------------------------------------------------- the writer's headers, as templates
@@ -649,11 +651,15 @@ def _check(
         if slen[s, D + 16] < 2 * length:
             return 6
         i0 = spos[s, D + 16] >> 1
+        dims = 0
         for r in range(length):
             x = np.int64(s16[i0 + r])
             if x < 0 or x >= dn:
                 return 10
-            totals[4] += np.int64(s32[o0 + x + 1]) - np.int64(s32[o0 + x])
+            dims += np.int64(s32[o0 + x + 1]) - np.int64(s32[o0 + x])
+        if dims > _SHAPE_DIMS_PER_RECORD * length + _SHAPE_DIMS_SLACK:
+            return 14
+        totals[4] += dims
         # sketch, sketch64: fixed-size lists of 4 floats, nulls in the list and its child
         for c in range(2):
             k = 12 if c == 0 else 14

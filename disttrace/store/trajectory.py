@@ -770,6 +770,7 @@ def _from_v2(columns: list[pa.Array | None], chunks: list[pa.DictionaryArray]) -
         indices = pa.concat_arrays([c.indices for c in chunks])
         base = np.repeat(np.cumsum(sizes) - sizes, [len(c) for c in chunks])
     numel, known = _products(shapes)
+    _check_shape_dims(shapes, indices, base, np.array([len(c) for c in chunks], dtype=np.int64))
     if indices.null_count:
         if base is not None:
             indices = pc.add(indices.cast(pa.int64()), pa.array(base))
@@ -930,6 +931,38 @@ def _step_expansion(n):
 
 
 STEP_EXPANSION = 32
+# A step's records take their shapes from its dictionary, so a few bytes on disk can name one long shape for
+# every record (24 KB decoding to 160 MB): the dimensions a step's records hold in all are bounded by an
+# average of SHAPE_DIMS_PER_RECORD a record (a model's tensors have 0-4), plus SHAPE_DIMS_SLACK for a few
+# long ones.
+SHAPE_DIMS_PER_RECORD = 16
+SHAPE_DIMS_SLACK = 4096
+
+
+def _check_shape_dims(shapes: pa.ListArray, indices: pa.Array, base, counts: np.ndarray) -> None:
+    """ValueError when a step's records (`counts` of them a step, in order) take more dimensions in all from
+    their dictionary (`shapes`; a row's entry is its index, plus `base` where the steps' dictionaries were
+    concatenated) than the bound above."""
+    dims = np.diff(shapes.offsets.to_numpy().astype(np.int64))
+    at = (
+        indices.fill_null(0).to_numpy().astype(np.int64)
+        if indices.null_count
+        else indices.to_numpy()
+    )
+    per_row = dims[at if base is None else at + base]
+    if indices.null_count:
+        per_row = np.where(indices.is_valid().to_numpy(zero_copy_only=False), per_row, 0)
+    held = np.concatenate(([0], np.cumsum(per_row)))
+    ends = np.cumsum(counts)
+    total = held[ends] - held[ends - counts]
+    over = np.flatnonzero(total > SHAPE_DIMS_PER_RECORD * counts + SHAPE_DIMS_SLACK)
+    if len(over):
+        k = int(over[0])
+        raise ValueError(
+            f"{int(counts[k])} records whose shapes hold {int(total[k])} dimensions in all, more than "
+            f"{SHAPE_DIMS_PER_RECORD} a record (+{SHAPE_DIMS_SLACK}): a shape dictionary that expands"
+            " without bound"
+        )
 
 
 def _message_buffers(message) -> tuple[int, np.ndarray | None]:
