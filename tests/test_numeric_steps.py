@@ -5,6 +5,7 @@ is tens of bytes a rank-step, where the entries took ~2.5 KB."""
 
 from __future__ import annotations
 
+import pickle
 import random
 import sys
 import tracemalloc
@@ -114,11 +115,20 @@ def _entry(rng: random.Random, step: int) -> StepEntry:
     )
 
 
-def test_the_table_gives_back_every_entry_as_it_was():
+@pytest.mark.parametrize("spill", [None, 1, 5])
+def test_the_table_gives_back_every_entry_as_it_was(monkeypatch, spill):
+    """Also with the columns written out every `spill` rank rows (a chunk read back when one of its entries
+    is read): the same entries, the same text."""
+    if spill is not None:
+        monkeypatch.setattr(StepTable, "SPILL_ROWS", spill)
     rng = random.Random(3)
     for trial in range(100):
         entries = [_entry(rng, s) for s in range(rng.randint(0, 12))]
         table = StepTable(entries)
+        if spill is not None and sum(len(e.ranks) for e in entries) > 2 * spill + 6:
+            assert table._chunks, trial  # it did write chunks out
+        assert [table[k] for k in reversed(range(len(table)))] == entries[::-1]  # any order
+        assert pickle.loads(pickle.dumps(table)) == entries
         assert list(table) == entries and len(table) == len(entries)
         doc = {"x": [1, {"by_step": table, "after": [table, 2]}], "y": table}
         want = {"x": [1, {"by_step": entries, "after": [entries, 2]}], "y": entries}
