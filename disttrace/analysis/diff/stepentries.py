@@ -3,7 +3,11 @@ and the questions diff asks of them by step."""
 
 from __future__ import annotations
 
+import os
 import re
+import tempfile
+import threading
+import weakref
 from array import array
 from collections.abc import Mapping
 
@@ -22,9 +26,17 @@ class StepEntries(Mapping):
     every rank, they were what a diff's memory grew by with the number of steps.
 
     Readers ask for what they read, by step (`span`, `records`, `same_digest`, `hash_match`): nothing is built
-    per call but the answer. As a Mapping, step -> the entry as a dict of those fields (`line`)."""
+    per call but the answer. As a Mapping, step -> the entry as a dict of those fields (`line`).
 
-    __slots__ = ("_first", "_steps", "_offset", "_length", "_records", "_digest", "_xxh3", "_odd")
+    An index of more than SPILL_STEPS steps is written out to a temporary file (`_Spill`, one a process) in
+    pages of PAGE steps, and the last two pages read are held: what a side holds of every rank's index is
+    then a few KB a rank whatever the number of steps (a diff reads a rank's steps in order, a block at a
+    time)."""
+
+    SPILL_STEPS = 256
+    PAGE = 64
+
+    __slots__ = ("_first", "_steps", "_n", "_whole", "_spill", "_at", "_p0", "_p1", "_odd")
 
     def __init__(self, entries: dict[int, dict]):
         steps = sorted(entries)
@@ -86,16 +98,41 @@ class StepEntries(Mapping):
             if e.get("xxh3") is None and e.get("sha256") is not None:
                 self._odd[row, "sha256"] = e["sha256"]
         # Python arrays, not numpy: as compact, and one element is read ~5x faster (diff reads one at a time)
-        self._offset, self._length = array("q", offsets), array("q", lengths)
-        self._records = array("q", counts)
-        self._digest, self._xxh3 = bytes(digest), bytes(xxh3)
+        whole = _Page(
+            array("q", offsets), array("q", lengths), array("q", counts), bytes(digest), bytes(xxh3)
+        )
+        self._n = n
+        self._p0 = self._p1 = None
+        if n > self.SPILL_STEPS:
+            self._whole, self._spill = None, _Spill.current()
+            self._at = self._spill.write(whole, self.PAGE)
+        else:
+            self._whole, self._spill, self._at = whole, None, 0
+
+    def _page(self, row: int) -> tuple[_Page, int]:
+        """The page holding the row, and the row's place in it."""
+        if self._whole is not None:
+            return self._whole, row
+        no, at = divmod(row, self.PAGE)
+        got = self._p0
+        if got is None or got[0] != no:
+            got = self._p1
+            if got is None or got[0] != no:
+                first = no * self.PAGE
+                got = (
+                    no,
+                    self._spill.read(self._at, first, min(self.PAGE, self._n - first), self.PAGE),
+                )
+            # the two pages read last (a race of two threads at most reads one again)
+            self._p0, self._p1 = got, self._p0
+        return got[1], at
 
     def _row(self, step) -> int | None:
         if not isinstance(step, int):
             return None
         if self._first is not None:
             row = step - self._first
-            return row if 0 <= row < len(self._offset) else None
+            return row if 0 <= row < self._n else None
         if self._steps is None:
             return None
         row = int(np.searchsorted(self._steps, step))
@@ -109,11 +146,12 @@ class StepEntries(Mapping):
 
     def span(self, step: int) -> tuple[int, int]:
         """The step's byte range in the trajectory: (offset, length)."""
-        row = self._held(step)
-        return self._offset[row], self._length[row]
+        p, at = self._page(self._held(step))
+        return p.offset[at], p.length[at]
 
     def _count(self, row: int):
-        n = self._records[row]
+        p, at = self._page(row)
+        n = p.records[at]
         return n if n >= 0 else self._odd.get((row, "records"))
 
     def records(self, step: int):
@@ -121,11 +159,12 @@ class StepEntries(Mapping):
         row = self._row(step)
         return None if row is None else self._count(row)
 
-    def _hash(self, blob: bytes, row: int, key: str):
+    def _hash(self, row: int, key: str):
         """A 16-byte hash of the row (digest or xxh3), or what the line held instead (kept as it was)."""
         if self._odd and (row, key) in self._odd:
             return self._odd[row, key]
-        return blob[16 * row : 16 * row + 16]
+        p, at = self._page(row)
+        return getattr(p, key)[16 * at : 16 * at + 16]
 
     def same_digest(self, step: int, other: StepEntries) -> bool:
         """Both hold the step, their lines state a digest of digests and a record count, and both are equal:
@@ -137,15 +176,13 @@ class StepEntries(Mapping):
         if (
             not self._odd and not other._odd
         ):  # every field as the arrays hold it: compare them there
-            at, o_at = 16 * row, 16 * o_row
+            p, at = self._page(row)
+            o, o_at = other._page(o_row)
             return (
-                self._records[row] == other._records[o_row]
-                and self._digest[at : at + 16] == other._digest[o_at : o_at + 16]
+                p.records[at] == o.records[o_at]
+                and p.digest[16 * at : 16 * at + 16] == o.digest[16 * o_at : 16 * o_at + 16]
             )
-        mine, theirs = (
-            self._hash(self._digest, row, "digest"),
-            other._hash(other._digest, o_row, "digest"),
-        )
+        mine, theirs = self._hash(row, "digest"), other._hash(o_row, "digest")
         return (
             mine is not None
             and isinstance(mine, bytes) == isinstance(theirs, bytes)
@@ -156,10 +193,11 @@ class StepEntries(Mapping):
     def hash_match(self, step: int, data: bytes) -> bool | None:
         """Whether `data` (the step's bytes) hash to the line's xxh3 (or sha256); None: it holds neither."""
         row = self._held(step)
+        p, at = self._page(row)
         return seal.step_data_match_hashes(
             data,
-            self._length[row],
-            self._hash(self._xxh3, row, "xxh3"),
+            p.length[at],
+            self._hash(row, "xxh3"),
             self._odd.get((row, "sha256")) if self._odd else None,
         )
 
@@ -167,16 +205,17 @@ class StepEntries(Mapping):
         """The step's entry as a dict of the fields kept: step, offset, length, records, digest, xxh3 (hex, or
         what the line held), sha256."""
         row = self._held(step)
-        records, odd, at = self._records[row], self._odd, 16 * row
+        p, i = self._page(row)
+        records, odd, at = p.records[i], self._odd, 16 * i
         return {
             "step": step,
-            "offset": self._offset[row],
-            "length": self._length[row],
+            "offset": p.offset[i],
+            "length": p.length[i],
             "records": records if records >= 0 else odd.get((row, "records")),
             "digest": odd[row, "digest"]
             if (row, "digest") in odd
-            else self._digest[at : at + 16].hex(),
-            "xxh3": odd[row, "xxh3"] if (row, "xxh3") in odd else self._xxh3[at : at + 16].hex(),
+            else p.digest[at : at + 16].hex(),
+            "xxh3": odd[row, "xxh3"] if (row, "xxh3") in odd else p.xxh3[at : at + 16].hex(),
             "sha256": odd.get((row, "sha256")),
         }
 
@@ -185,11 +224,85 @@ class StepEntries(Mapping):
 
     def __iter__(self):
         if self._first is not None:
-            return iter(range(self._first, self._first + len(self._offset)))
+            return iter(range(self._first, self._first + self._n))
         return iter(self._steps.tolist() if self._steps is not None else ())
 
     def __len__(self) -> int:
-        return len(self._offset)
+        return self._n
 
     def __contains__(self, step) -> bool:
         return self._row(step) is not None
+
+
+class _Page:
+    """Rows of a step index: offset, length and records (arrays), the digests and xxh3s (16 bytes a row)."""
+
+    __slots__ = ("offset", "length", "records", "digest", "xxh3")
+
+    def __init__(self, offset: array, length: array, records: array, digest: bytes, xxh3: bytes):
+        self.offset, self.length, self.records, self.digest, self.xxh3 = (
+            offset,
+            length,
+            records,
+            digest,
+            xxh3,
+        )
+
+
+class _Spill:
+    """A temporary file the step indexes of this process are written to, page by page (each page's offsets,
+    lengths, records, digests and xxh3s one after another: 56 bytes a step), read back with pread (safe from
+    the read-ahead thread). One a process while any index holds it: closed with the last; a forked process
+    writes its own (a file shared with its parent would take both processes' pages at the same offsets)."""
+
+    _live: weakref.ref | None = None
+    _making = threading.Lock()
+
+    def __init__(self):
+        self._file = tempfile.TemporaryFile(prefix="disttrace-step-index-")
+        self._fd = self._file.fileno()
+        self._end = 0
+        self._writing = threading.Lock()
+        self._pid = os.getpid()
+
+    @classmethod
+    def current(cls) -> _Spill:
+        with cls._making:
+            got = cls._live() if cls._live is not None else None
+            if got is None or got._pid != os.getpid():
+                got = cls()
+                cls._live = weakref.ref(got)
+            return got
+
+    def write(self, p: _Page, page: int) -> int:
+        """All of p's rows, in pages of `page` rows; where they begin in the file."""
+        n = len(p.offset)
+        parts = []
+        for a in range(0, n, page):
+            z = min(a + page, n)
+            parts += (
+                p.offset[a:z].tobytes(),
+                p.length[a:z].tobytes(),
+                p.records[a:z].tobytes(),
+                p.digest[16 * a : 16 * z],
+                p.xxh3[16 * a : 16 * z],
+            )
+        data = b"".join(parts)
+        with self._writing:
+            at, self._end = self._end, self._end + len(data)
+        os.pwrite(self._fd, data, at)
+        return at
+
+    def read(self, at: int, first: int, n: int, page: int) -> _Page:
+        """The page of n rows from row `first` (a multiple of `page`) of the rows written at `at`."""
+        data = os.pread(self._fd, 56 * n, at + 56 * first)
+        if len(data) != 56 * n:  # this process's own file: short only if the disk failed it
+            raise OSError(f"step index spill: {len(data)} of {56 * n} bytes read back")
+        q = 8 * n
+        return _Page(
+            array("q", data[:q]),
+            array("q", data[q : 2 * q]),
+            array("q", data[2 * q : 3 * q]),
+            data[3 * q : 3 * q + 16 * n],
+            data[3 * q + 16 * n :],
+        )
