@@ -3,16 +3,13 @@ and the questions diff asks of them by step."""
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
-import threading
-import weakref
 from array import array
 from collections.abc import Mapping
 
 import numpy as np
 
+from disttrace.analysis.paged import Paged
 from disttrace.store import seal
 
 _HEX32 = re.compile(r"[0-9a-f]{32}")
@@ -28,15 +25,15 @@ class StepEntries(Mapping):
     Readers ask for what they read, by step (`span`, `records`, `same_digest`, `hash_match`): nothing is built
     per call but the answer. As a Mapping, step -> the entry as a dict of those fields (`line`).
 
-    An index of more than SPILL_STEPS steps is written out to a temporary file (`_Spill`, one a process) in
-    pages of PAGE steps, and the last two pages read are held: what a side holds of every rank's index is
+    An index of more than SPILL_STEPS steps is written out to a temporary file (analysis/paged.py) in pages of
+    PAGE steps, and the last two pages read are held: what a side holds of every rank's index is
     then a few KB a rank whatever the number of steps (a diff reads a rank's steps in order, a block at a
     time)."""
 
     SPILL_STEPS = 256
     PAGE = 64
 
-    __slots__ = ("_first", "_steps", "_n", "_whole", "_spill", "_at", "_p0", "_p1", "_odd")
+    __slots__ = ("_first", "_steps", "_n", "_cols", "_odd")
 
     def __init__(self, entries: dict[int, dict]):
         steps = sorted(entries)
@@ -98,34 +95,25 @@ class StepEntries(Mapping):
             if e.get("xxh3") is None and e.get("sha256") is not None:
                 self._odd[row, "sha256"] = e["sha256"]
         # Python arrays, not numpy: as compact, and one element is read ~5x faster (diff reads one at a time)
-        whole = _Page(
-            array("q", offsets), array("q", lengths), array("q", counts), bytes(digest), bytes(xxh3)
-        )
+        # columns: offset, length, records (arrays), digest, xxh3 (16 bytes a row)
         self._n = n
-        self._p0 = self._p1 = None
-        if n > self.SPILL_STEPS:
-            self._whole, self._spill = None, _Spill.current()
-            self._at = self._spill.write(whole, self.PAGE)
-        else:
-            self._whole, self._spill, self._at = whole, None, 0
+        self._cols = Paged(
+            [
+                array("q", offsets),
+                array("q", lengths),
+                array("q", counts),
+                bytes(digest),
+                bytes(xxh3),
+            ],
+            n,
+            self.SPILL_STEPS,
+            self.PAGE,
+        )
 
-    def _page(self, row: int) -> tuple[_Page, int]:
-        """The page holding the row, and the row's place in it."""
-        if self._whole is not None:
-            return self._whole, row
-        no, at = divmod(row, self.PAGE)
-        got = self._p0
-        if got is None or got[0] != no:
-            got = self._p1
-            if got is None or got[0] != no:
-                first = no * self.PAGE
-                got = (
-                    no,
-                    self._spill.read(self._at, first, min(self.PAGE, self._n - first), self.PAGE),
-                )
-            # the two pages read last (a race of two threads at most reads one again)
-            self._p0, self._p1 = got, self._p0
-        return got[1], at
+    def _page(self, row: int):
+        """The columns of the page holding the row (offset, length, records, digest, xxh3), and the row's
+        place in it."""
+        return self._cols.page(row)
 
     def _row(self, step) -> int | None:
         if not isinstance(step, int):
@@ -147,11 +135,11 @@ class StepEntries(Mapping):
     def span(self, step: int) -> tuple[int, int]:
         """The step's byte range in the trajectory: (offset, length)."""
         p, at = self._page(self._held(step))
-        return p.offset[at], p.length[at]
+        return p[0][at], p[1][at]
 
     def _count(self, row: int):
         p, at = self._page(row)
-        n = p.records[at]
+        n = p[2][at]
         return n if n >= 0 else self._odd.get((row, "records"))
 
     def records(self, step: int):
@@ -164,7 +152,7 @@ class StepEntries(Mapping):
         if self._odd and (row, key) in self._odd:
             return self._odd[row, key]
         p, at = self._page(row)
-        return getattr(p, key)[16 * at : 16 * at + 16]
+        return p[3 if key == "digest" else 4][16 * at : 16 * at + 16]
 
     def same_digest(self, step: int, other: StepEntries) -> bool:
         """Both hold the step, their lines state a digest of digests and a record count, and both are equal:
@@ -179,8 +167,8 @@ class StepEntries(Mapping):
             p, at = self._page(row)
             o, o_at = other._page(o_row)
             return (
-                p.records[at] == o.records[o_at]
-                and p.digest[16 * at : 16 * at + 16] == o.digest[16 * o_at : 16 * o_at + 16]
+                p[2][at] == o[2][o_at]
+                and p[3][16 * at : 16 * at + 16] == o[3][16 * o_at : 16 * o_at + 16]
             )
         mine, theirs = self._hash(row, "digest"), other._hash(o_row, "digest")
         return (
@@ -196,7 +184,7 @@ class StepEntries(Mapping):
         p, at = self._page(row)
         return seal.step_data_match_hashes(
             data,
-            p.length[at],
+            p[1][at],
             self._hash(row, "xxh3"),
             self._odd.get((row, "sha256")) if self._odd else None,
         )
@@ -206,16 +194,14 @@ class StepEntries(Mapping):
         what the line held), sha256."""
         row = self._held(step)
         p, i = self._page(row)
-        records, odd, at = p.records[i], self._odd, 16 * i
+        records, odd, at = p[2][i], self._odd, 16 * i
         return {
             "step": step,
-            "offset": p.offset[i],
-            "length": p.length[i],
+            "offset": p[0][i],
+            "length": p[1][i],
             "records": records if records >= 0 else odd.get((row, "records")),
-            "digest": odd[row, "digest"]
-            if (row, "digest") in odd
-            else p.digest[at : at + 16].hex(),
-            "xxh3": odd[row, "xxh3"] if (row, "xxh3") in odd else p.xxh3[at : at + 16].hex(),
+            "digest": odd[row, "digest"] if (row, "digest") in odd else p[3][at : at + 16].hex(),
+            "xxh3": odd[row, "xxh3"] if (row, "xxh3") in odd else p[4][at : at + 16].hex(),
             "sha256": odd.get((row, "sha256")),
         }
 
@@ -232,77 +218,3 @@ class StepEntries(Mapping):
 
     def __contains__(self, step) -> bool:
         return self._row(step) is not None
-
-
-class _Page:
-    """Rows of a step index: offset, length and records (arrays), the digests and xxh3s (16 bytes a row)."""
-
-    __slots__ = ("offset", "length", "records", "digest", "xxh3")
-
-    def __init__(self, offset: array, length: array, records: array, digest: bytes, xxh3: bytes):
-        self.offset, self.length, self.records, self.digest, self.xxh3 = (
-            offset,
-            length,
-            records,
-            digest,
-            xxh3,
-        )
-
-
-class _Spill:
-    """A temporary file the step indexes of this process are written to, page by page (each page's offsets,
-    lengths, records, digests and xxh3s one after another: 56 bytes a step), read back with pread (safe from
-    the read-ahead thread). One a process while any index holds it: closed with the last; a forked process
-    writes its own (a file shared with its parent would take both processes' pages at the same offsets)."""
-
-    _live: weakref.ref | None = None
-    _making = threading.Lock()
-
-    def __init__(self):
-        self._file = tempfile.TemporaryFile(prefix="disttrace-step-index-")
-        self._fd = self._file.fileno()
-        self._end = 0
-        self._writing = threading.Lock()
-        self._pid = os.getpid()
-
-    @classmethod
-    def current(cls) -> _Spill:
-        with cls._making:
-            got = cls._live() if cls._live is not None else None
-            if got is None or got._pid != os.getpid():
-                got = cls()
-                cls._live = weakref.ref(got)
-            return got
-
-    def write(self, p: _Page, page: int) -> int:
-        """All of p's rows, in pages of `page` rows; where they begin in the file."""
-        n = len(p.offset)
-        parts = []
-        for a in range(0, n, page):
-            z = min(a + page, n)
-            parts += (
-                p.offset[a:z].tobytes(),
-                p.length[a:z].tobytes(),
-                p.records[a:z].tobytes(),
-                p.digest[16 * a : 16 * z],
-                p.xxh3[16 * a : 16 * z],
-            )
-        data = b"".join(parts)
-        with self._writing:
-            at, self._end = self._end, self._end + len(data)
-        os.pwrite(self._fd, data, at)
-        return at
-
-    def read(self, at: int, first: int, n: int, page: int) -> _Page:
-        """The page of n rows from row `first` (a multiple of `page`) of the rows written at `at`."""
-        data = os.pread(self._fd, 56 * n, at + 56 * first)
-        if len(data) != 56 * n:  # this process's own file: short only if the disk failed it
-            raise OSError(f"step index spill: {len(data)} of {56 * n} bytes read back")
-        q = 8 * n
-        return _Page(
-            array("q", data[:q]),
-            array("q", data[q : 2 * q]),
-            array("q", data[2 * q : 3 * q]),
-            data[3 * q : 3 * q + 16 * n],
-            data[3 * q + 16 * n :],
-        )
