@@ -65,10 +65,13 @@ class StepEntries(Mapping):
         if not _HEX.fullmatch(hexes):
             return False
         blob = bytes.fromhex(hexes)
-        self._offset = array("q", [e["offset"] for e in lines])
-        self._length = array("q", [e["length"] for e in lines])
-        self._records = array("q", counts)
-        self._digest, self._xxh3 = blob[: 16 * n], blob[16 * n :]
+        self._hold(
+            array("q", [e["offset"] for e in lines]),
+            array("q", [e["length"] for e in lines]),
+            array("q", counts),
+            blob[: 16 * n],
+            blob[16 * n :],
+        )
         return True
 
     def _fill(self, lines: list[dict]) -> None:
@@ -94,20 +97,17 @@ class StepEntries(Mapping):
                     self._odd[row, key] = v
             if e.get("xxh3") is None and e.get("sha256") is not None:
                 self._odd[row, "sha256"] = e["sha256"]
-        # Python arrays, not numpy: as compact, and one element is read ~5x faster (diff reads one at a time)
-        # columns: offset, length, records (arrays), digest, xxh3 (16 bytes a row)
-        self._n = n
+        self._hold(
+            array("q", offsets), array("q", lengths), array("q", counts), bytes(digest), bytes(xxh3)
+        )
+
+    def _hold(self, offsets: array, lengths: array, counts: array, digest: bytes, xxh3: bytes):
+        """The columns kept: offset, length, records (Python arrays, not numpy: as compact, and one element
+        is read ~5x faster; diff reads one at a time), digest and xxh3 (16 bytes a row), paged past
+        SPILL_STEPS rows."""
+        self._n = len(offsets)
         self._cols = Paged(
-            [
-                array("q", offsets),
-                array("q", lengths),
-                array("q", counts),
-                bytes(digest),
-                bytes(xxh3),
-            ],
-            n,
-            self.SPILL_STEPS,
-            self.PAGE,
+            [offsets, lengths, counts, digest, xxh3], self._n, self.SPILL_STEPS, self.PAGE
         )
 
     def _page(self, row: int):
