@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import bisect
 import enum
+import io
 import itertools
+import pickle
 from array import array
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -202,7 +204,6 @@ class StepTable(Streamed, Sequence):
             self._spill()
 
     def _spill(self) -> None:
-        import pickle
         import tempfile
 
         if self._file is None:
@@ -222,11 +223,9 @@ class StepTable(Streamed, Sequence):
         i = bisect.bisect_right(self._chunks, k, key=lambda c: c[0]) - 1
         first, offset, length = self._chunks[i]
         if self._cached is None or self._cached[0] != i:
-            import pickle
-
             self._file.seek(offset)
-            # this process's own file, written above: nothing of a run store is unpickled
-            self._cached = (i, _Chunk.of_state(self._names, pickle.loads(self._file.read(length))))
+            state = _ChunkUnpickler(io.BytesIO(self._file.read(length))).load()
+            self._cached = (i, _Chunk.of_state(self._names, state))
         return self._cached[1], k - first
 
     def _packable(self, ranks) -> bool:
@@ -289,6 +288,25 @@ class StepTable(Streamed, Sequence):
 
     def __repr__(self) -> str:
         return f"StepTable({len(self)} steps, {len(self._chunks)} chunks written out)"
+
+
+class _ChunkUnpickler(pickle.Unpickler):
+    """Reads back a chunk this process wrote (its own temporary file, never a run store's bytes), and even so
+    builds nothing but what a chunk holds: arrays, this module's entries, numpy scalars of an entry kept
+    whole."""
+
+    _ALLOWED = {
+        ("array", "array"),
+        ("array", "_array_reconstructor"),
+        ("numpy", "dtype"),
+        ("numpy._core.multiarray", "scalar"),
+        ("numpy.core.multiarray", "scalar"),
+    }
+
+    def find_class(self, module: str, name: str):
+        if module == __name__ or (module, name) in self._ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"a by_step chunk holds no {module}.{name}")
 
 
 class _Chunk:
