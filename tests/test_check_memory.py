@@ -74,14 +74,24 @@ def _reduce_position(n: int, k: int = 0) -> int:
 
 
 @pytest.mark.parametrize("block", [1, 1 << 14])
-def test_a_flip_is_found_where_it_was_planted(tmp_path, monkeypatch, block):
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_flip_is_found_where_it_was_planted(tmp_path, monkeypatch, block, paged):
     """A reduced gradient's digest changed on one rank: the first finding is that record, that rank the one
     suspect (the majority of 6 copies trusted), at the step it was planted; on rank 0 too (the first copy
-    the summary keeps is the odd one out); and the document is the record path's."""
+    the summary keeps is the odd one out); and the document is the record path's. Also with each rank's
+    index written out in pages of 3 steps (analysis/paged.py)."""
     monkeypatch.setattr(consistency, "BLOCK_ROWS", block)
+    if paged:
+        monkeypatch.setattr(consistency._Spans, "SPILL_STEPS", 2)
+        monkeypatch.setattr(consistency._Spans, "PAGE", 3)
     ranks, steps, n = 6, 4, 150
     plants = [(2, 0, _reduce_position(n, 3)), (3, 4, _reduce_position(n, 1))]
     run = _synthetic(tmp_path / "bad", ranks, steps, n, plants)
+    spans = consistency._spans(Run(run), 5)
+    assert spans._cols.held is not paged
+    assert [tuple(spans[s]) for s in spans] == [
+        (e.step, e.offset, e.length, e.records) for e in Run(run).step_index(5).records
+    ]
     r = check_run(Run(run))
     assert r.consistent is False
     for (step, rank, _), entry in zip(plants, r.spread, strict=True):
@@ -98,9 +108,8 @@ def test_a_flip_is_found_where_it_was_planted(tmp_path, monkeypatch, block):
 
 # What one check allocates (tracemalloc's peak), measured in a fresh interpreter: in the test process the
 # peak also depended on what earlier tests had left (it read 2.7 MiB after the whole file, 0.7 MiB alone).
-# A JSON file is read into a buffer of its kind's limit (64 MiB, never touched): the manifest and the rules
-# are read first, they are not what check holds; a first check of the same store takes the one-off
-# allocations (caches, lazy imports).
+# The manifest and the rules are read first, they are not what check holds; a first check of the same store
+# takes the one-off allocations (caches, lazy imports).
 _PEAK = """
 import sys, tracemalloc
 from disttrace.analysis import consistency

@@ -5,6 +5,7 @@ is tens of bytes a rank-step, where the entries took ~2.5 KB."""
 
 from __future__ import annotations
 
+import pickle
 import random
 import sys
 import tracemalloc
@@ -114,11 +115,20 @@ def _entry(rng: random.Random, step: int) -> StepEntry:
     )
 
 
-def test_the_table_gives_back_every_entry_as_it_was():
+@pytest.mark.parametrize("spill", [None, 1, 5])
+def test_the_table_gives_back_every_entry_as_it_was(monkeypatch, spill):
+    """Also with the columns written out every `spill` rank rows (a chunk read back when one of its entries
+    is read): the same entries, the same text."""
+    if spill is not None:
+        monkeypatch.setattr(StepTable, "SPILL_ROWS", spill)
     rng = random.Random(3)
     for trial in range(100):
         entries = [_entry(rng, s) for s in range(rng.randint(0, 12))]
         table = StepTable(entries)
+        if spill is not None and sum(len(e.ranks) for e in entries) > 2 * spill + 6:
+            assert table._chunks, trial  # it did write chunks out
+        assert [table[k] for k in reversed(range(len(table)))] == entries[::-1]  # any order
+        assert pickle.loads(pickle.dumps(table)) == entries
         assert list(table) == entries and len(table) == len(entries)
         doc = {"x": [1, {"by_step": table, "after": [table, 2]}], "y": table}
         want = {"x": [1, {"by_step": entries, "after": [entries, 2]}], "y": entries}
@@ -182,3 +192,46 @@ def test_write_gives_dumps_bytes_a_step_at_a_time():
         == jsondoc.dumps({**doc, "numeric": {"by_step": entries}, "z": [entries[:2]]})
     )
     assert max(p.count('"step"') for p in out.got) == 1
+
+
+def test_peak_does_not_grow_with_the_steps(tmp_path, monkeypatch):
+    """The numeric diff's traced peak while it compares (both sides' indexes read), 4 ranks, 40 steps against
+    240, each step inexact on every rank. With a block of 8 steps, `by_step` written out every 64 rank rows,
+    a side's step index of more than 16 steps in pages of 8 and 32 bounds cached (the sizes set small so
+    that both stores span many of each), the peak does not grow with the steps (15-40 bytes a
+    rank-step from one run to the next: the lists of steps, and what else the first run left warm); the code before grew by ~550 bytes a rank-step here (both
+    sides' indexes, `by_step`, each side's counts and the bounds by step, held whole)."""
+    from disttrace.analysis.diff import blocks, prepare, tol
+    from disttrace.analysis.diff.stepentries import StepEntries
+
+    ranks, n, few, many = 4, 6, 40, 240
+    for mod in (blocks, prepare):
+        monkeypatch.setattr(mod, "BLOCK_ROWS", 8 * n)
+    monkeypatch.setattr(StepTable, "SPILL_ROWS", 64, raising=False)
+    monkeypatch.setattr(StepEntries, "SPILL_STEPS", 16, raising=False)
+    monkeypatch.setattr(StepEntries, "PAGE", 8, raising=False)
+    monkeypatch.setattr(tol, "_CACHED", 32, raising=False)
+    real = prepare._Setup.outcomes
+
+    def outcomes(
+        self, *args, **kw
+    ):  # the peak from here: both sides' indexes read, every step compared
+        tracemalloc.reset_peak()
+        yield from real(self, *args, **kw)
+
+    monkeypatch.setattr(prepare._Setup, "outcomes", outcomes)
+    peaks = {}
+    for steps in (few, many):
+        a, b = _stores(tmp_path / str(steps), ranks, steps, n)
+        if steps == few:  # imports and caches warmed: the peaks below are the diff's
+            diff_runs(a, b, mode="numeric")
+        tracemalloc.start()
+        try:
+            r = diff_runs(a, b, mode="numeric")
+            peaks[steps] = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert r.equal and len(r.numeric.by_step) == steps
+    grew = peaks[many] - peaks[few]
+    rank_steps = ranks * (many - few)
+    assert grew < 100 * rank_steps, (peaks, grew / rank_steps)

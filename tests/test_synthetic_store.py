@@ -102,11 +102,16 @@ def _slim(e: dict) -> dict:
     }
 
 
-def test_step_entries_give_back_what_the_lines_said():
+@pytest.mark.parametrize("spilled", [False, True])
+def test_step_entries_give_back_what_the_lines_said(monkeypatch, spilled):
+    """Also written out to the temporary file in pages of 4 steps (each index of more than 3 steps)."""
     import random
 
     from disttrace.analysis.diff.stepentries import StepEntries
 
+    if spilled:
+        monkeypatch.setattr(StepEntries, "SPILL_STEPS", 3)
+        monkeypatch.setattr(StepEntries, "PAGE", 4)
     rng = random.Random(5)
     odd = [None, "dev:" + "a" * 32, "A" * 32, "0" * 31, "", 7]
     outcomes: set = set()
@@ -130,6 +135,7 @@ def test_step_entries_give_back_what_the_lines_said():
             e["chain"], e["time"] = "c" * 64, {"start": 0.0, "end": 1.0}
             lines[s] = e
         got = StepEntries(lines)
+        assert got._cols.held is not (spilled and n > 3)
         assert list(got) == steps and len(got) == n
         for s in steps:
             assert s in got and got[s] == _slim(lines[s]), (trial, s)

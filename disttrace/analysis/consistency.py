@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from disttrace.analysis.paged import Paged
 from disttrace.jsondoc import JsonDoc, omit_none
 from disttrace.store import safeio
 from disttrace.store.records import ReplicaRule, Replicas, parse_doc
@@ -87,7 +88,11 @@ def check_run(run: Run) -> CheckResult:
     stored = rules.as_read()["rules"]  # the document names them as replicas.json holds them
     ranks = run.ranks()
     indexes = {r: _spans(run, r) for r in ranks}
-    steps = sorted(set().union(*[set(v) for v in indexes.values()])) if indexes else []
+    held: set[int] = set()  # one set of the steps, not one a rank (~60 bytes a rank-step)
+    for v in indexes.values():
+        held.update(v)
+    steps = sorted(held)
+    del held
     findings, spread = [], []
     compared = 0  # (step, tensor) tables with two or more copies to hold against each other
     columns = _Columns(run, rules) if ranks and all(_arrow(run, r) for r in ranks) else None
@@ -182,20 +187,41 @@ class _Span(NamedTuple):
 class _Spans:
     """A rank's step index as check keeps it while it reads every rank: each step's offset, length and
     records in arrays by step (32 bytes a step; the spans as tuples in a dict took ~210, the validated
-    lines ~2.6 KB, and held for every rank they were what check's memory grew by with the steps)."""
+    lines ~2.6 KB, and held for every rank they were what check's memory grew by with the steps). An index
+    of more than SPILL_STEPS steps is written out in pages of PAGE steps (analysis/paged.py), the last two
+    read held, and of its steps only the first where they follow one another: what check holds of every
+    rank's index then does not grow with the steps either."""
 
-    __slots__ = ("_step", "_offset", "_length", "_records")
+    SPILL_STEPS = 256
+    PAGE = 64
+
+    __slots__ = ("_first", "_step", "_cols")
 
     def __init__(self, lines):
         last = {
             e.step: (e.offset, e.length, e.records) for e in lines
         }  # a step twice: its last line
-        self._step = array("q", sorted(last))
-        self._offset = array("q", (last[s][0] for s in self._step))
-        self._length = array("q", (last[s][1] for s in self._step))
-        self._records = array("q", (-1 if last[s][2] is None else last[s][2] for s in self._step))
+        steps = sorted(last)
+        contiguous = bool(steps) and steps[-1] - steps[0] == len(steps) - 1
+        self._first = steps[0] if contiguous else None
+        self._step = None if contiguous else array("q", steps)
+        self._cols = Paged(
+            [
+                array("q", (last[s][0] for s in steps)),
+                array("q", (last[s][1] for s in steps)),
+                array("q", (-1 if last[s][2] is None else last[s][2] for s in steps)),
+            ],
+            len(steps),
+            self.SPILL_STEPS,
+            self.PAGE,
+        )
 
     def _at(self, step) -> int:
+        if self._first is not None:
+            i = step - self._first
+            return i if 0 <= i < len(self._cols) else -1
+        if self._step is None:
+            return -1
         i = bisect.bisect_left(self._step, step)
         return i if i < len(self._step) and self._step[i] == step else -1
 
@@ -206,14 +232,17 @@ class _Spans:
         i = self._at(step)
         if i < 0:
             raise KeyError(step)
-        n = self._records[i]
-        return _Span(step, self._offset[i], self._length[i], None if n < 0 else n)
+        (offset, length, records), j = self._cols.page(i)
+        n = records[j]
+        return _Span(step, offset[j], length[j], None if n < 0 else n)
 
     def __iter__(self):
-        return iter(self._step)
+        if self._first is not None:
+            return iter(range(self._first, self._first + len(self._cols)))
+        return iter(self._step if self._step is not None else ())
 
     def __len__(self) -> int:
-        return len(self._step)
+        return len(self._cols)
 
 
 def _spans(run: Run, rank: int) -> _Spans:

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import bisect
 import enum
+import io
+import itertools
+import pickle
 from array import array
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -169,39 +172,61 @@ class StepTable(Streamed, Sequence):
     where the `StepEntry`s with their `RankEntry`s took ~500 (tracemalloc). Reading one builds its `StepEntry`, whose
     `ranks` builds a `RankEntry` when read (`RankRows`); `--json` writes the entries one at a time
     (`jsondoc.Streamed`): the same bytes as the list of the entries. An entry whose values are not plain
-    ints and floats (a numpy scalar) is kept whole, so nothing is ever printed otherwise than it was."""
+    ints and floats (a numpy scalar) is kept whole, so nothing is ever printed otherwise than it was.
+
+    What is held does not grow with the steps: once the steps appended since the last spill hold SPILL_ROWS
+    rank rows, their columns (and each step's bounds) go to a temporary file as one chunk, and a chunk is read
+    back, one at a time, when an entry of it is read (the views and `--json` read the steps in order: each
+    chunk once)."""
+
+    SPILL_ROWS = 1 << 15  # rank rows a chunk holds before it is written out (~3 MB as columns)
 
     def __init__(self, entries=()):
-        self._head: list = []  # per step: (step, equal, differing, bounds, kinds, first row), or a StepEntry
-        self._rank = array("i")
-        self._ints = array("i")  # differing, total, inexact, hard: four a row
-        self._floats = array("d")  # max_rel_err, max_ratio: two a row (flags say which are None)
-        self._none = array("B")  # bit 0: max_rel_err is None, bit 1: max_ratio is None
-        self._at = array("q", [0])  # each row's first phase in _phase / _value
-        self._phase = array("B")  # a code into _names
-        self._value = array("d")
         self._names: list[str] = []
         self._code: dict[str, int] = {}
+        self._tail = _Chunk(self._names)  # the steps appended since the last spill
+        self._chunks: list[
+            tuple[int, int, int]
+        ] = []  # spilled: (first step's position, offset, length)
+        self._spilled = 0  # steps in the spilled chunks
+        self._file = None  # the temporary file the chunks go to (made at the first spill)
+        self._cached: tuple[int, _Chunk] | None = None  # the chunk read back last, by its number
         for e in entries:
             self.append(e)
 
     def append(self, e: StepEntry) -> None:
+        tail = self._tail
         if not self._packable(e.ranks):
-            self._head.append(e)
-            return
-        self._head.append(
-            (e.step, e.equal, e.differing, e.bound_by_phase, e.bound_kind_by_phase, len(self._rank))
-        )
-        for r, x in e.ranks.items():
-            self._rank.append(r)
-            self._ints.extend((x.differing, x.total, x.inexact, x.hard))
-            self._floats.append(0.0 if x.max_rel_err is None else x.max_rel_err)
-            self._floats.append(0.0 if x.max_ratio is None else x.max_ratio)
-            self._none.append((x.max_rel_err is None) | (x.max_ratio is None) << 1)
-            for name, v in x.max_rel_err_by_phase.items():
-                self._phase.append(self._code[name])
-                self._value.append(v)
-            self._at.append(len(self._phase))
+            tail.head.append(e)
+        else:
+            tail.add(e, self._code)
+        if len(tail.rank) >= self.SPILL_ROWS:
+            self._spill()
+
+    def _spill(self) -> None:
+        import tempfile
+
+        if self._file is None:
+            self._file = tempfile.TemporaryFile(prefix="disttrace-by-step-")
+        data = pickle.dumps(self._tail.state(), protocol=pickle.HIGHEST_PROTOCOL)
+        f = self._file
+        f.seek(0, 2)
+        self._chunks.append((self._spilled, f.tell(), len(data)))
+        f.write(data)
+        self._spilled += len(self._tail.head)
+        self._tail = _Chunk(self._names)
+
+    def _chunk(self, k: int) -> tuple[_Chunk, int]:
+        """The chunk that holds the k-th step, and the step's position in it."""
+        if k >= self._spilled:
+            return self._tail, k - self._spilled
+        i = bisect.bisect_right(self._chunks, k, key=lambda c: c[0]) - 1
+        first, offset, length = self._chunks[i]
+        if self._cached is None or self._cached[0] != i:
+            self._file.seek(offset)
+            state = _ChunkUnpickler(io.BytesIO(self._file.read(length))).load()
+            self._cached = (i, _Chunk.of_state(self._names, state))
+        return self._cached[1], k - first
 
     def _packable(self, ranks) -> bool:
         """Would one step's ranks come back from the columns as they are (ranks ascending, plain ints and
@@ -233,32 +258,12 @@ class StepTable(Streamed, Sequence):
                     self._names.append(name)
         return True
 
-    def rank_entry(self, row: int) -> RankEntry:
-        d, t, i, h = self._ints[4 * row : 4 * row + 4]
-        none = self._none[row]
-        a, z = self._at[row], self._at[row + 1]
-        return RankEntry(
-            d,
-            t,
-            {self._names[c]: v for c, v in zip(self._phase[a:z], self._value[a:z])},
-            inexact=i,
-            max_rel_err=None if none & 1 else self._floats[2 * row],
-            max_ratio=None if none & 2 else self._floats[2 * row + 1],
-            hard=h,
-        )
-
     def _entry(self, k: int) -> StepEntry:
-        head = self._head[k]
-        if isinstance(head, StepEntry):
-            return head
-        step, equal, differing, bounds, kinds, first = head
-        end = next(
-            (h[5] for h in self._head[k + 1 :] if not isinstance(h, StepEntry)), len(self._rank)
-        )
-        return StepEntry(step, equal, differing, RankRows(self, first, end), bounds, kinds)
+        chunk, j = self._chunk(k)
+        return chunk.entry(j)
 
     def __len__(self) -> int:
-        return len(self._head)
+        return self._spilled + len(self._tail.head)
 
     def __getitem__(self, k):
         if isinstance(k, slice):
@@ -278,27 +283,125 @@ class StepTable(Streamed, Sequence):
     def __eq__(self, other) -> bool:
         return isinstance(other, Sequence) and list(self) == list(other)
 
+    def __reduce__(self):  # a copy holds its entries, not this process's temporary file
+        return (StepTable, (list(self),))
+
     def __repr__(self) -> str:
-        return f"StepTable({len(self)} steps, {len(self._rank)} rank rows)"
+        return f"StepTable({len(self)} steps, {len(self._chunks)} chunks written out)"
+
+
+class _ChunkUnpickler(pickle.Unpickler):
+    """Reads back a chunk this process wrote (its own temporary file, never a run store's bytes), and even so
+    builds nothing but what a chunk holds: arrays, this module's entries, numpy scalars of an entry kept
+    whole."""
+
+    _ALLOWED = {
+        ("array", "array"),
+        ("array", "_array_reconstructor"),
+        ("numpy", "dtype"),
+        ("numpy._core.multiarray", "scalar"),
+        ("numpy.core.multiarray", "scalar"),
+    }
+
+    def find_class(self, module: str, name: str):
+        if module == __name__ or (module, name) in self._ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"a by_step chunk holds no {module}.{name}")
+
+
+class _Chunk:
+    """Consecutive steps of a `StepTable` as columns: per step its head (step, equal, differing, bounds,
+    kinds, first row), or a `StepEntry` kept whole; per rank row its rank, four ints, two floats, which of
+    them are None, and where its phases lie in the phase columns."""
+
+    __slots__ = ("names", "head", "rank", "ints", "floats", "none", "at", "phase", "value")
+
+    def __init__(self, names: list[str]):
+        self.names = names  # the table's, shared: a code into it
+        self.head: list = []
+        self.rank = array("i")
+        self.ints = array("i")  # differing, total, inexact, hard: four a row
+        self.floats = array("d")  # max_rel_err, max_ratio: two a row (flags say which are None)
+        self.none = array("B")  # bit 0: max_rel_err is None, bit 1: max_ratio is None
+        self.at = array("q", [0])  # each row's first phase in phase / value
+        self.phase = array("B")  # a code into names
+        self.value = array("d")
+
+    def state(self) -> tuple:
+        return tuple(getattr(self, k) for k in self.__slots__[1:])
+
+    @classmethod
+    def of_state(cls, names: list[str], state: tuple) -> _Chunk:
+        c = cls.__new__(cls)
+        c.names = names
+        for k, v in zip(cls.__slots__[1:], state):
+            setattr(c, k, v)
+        return c
+
+    def add(self, e: StepEntry, code: dict[str, int]) -> None:
+        """A packable entry's columns (`code`: the table's, which has given its phases theirs)."""
+        self.head.append(
+            (e.step, e.equal, e.differing, e.bound_by_phase, e.bound_kind_by_phase, len(self.rank))
+        )
+        for r, x in e.ranks.items():
+            self.rank.append(r)
+            self.ints.extend((x.differing, x.total, x.inexact, x.hard))
+            self.floats.append(0.0 if x.max_rel_err is None else x.max_rel_err)
+            self.floats.append(0.0 if x.max_ratio is None else x.max_ratio)
+            self.none.append((x.max_rel_err is None) | (x.max_ratio is None) << 1)
+            for name, v in x.max_rel_err_by_phase.items():
+                self.phase.append(code[name])
+                self.value.append(v)
+            self.at.append(len(self.phase))
+
+    def rank_entry(self, row: int) -> RankEntry:
+        d, t, i, h = self.ints[4 * row : 4 * row + 4]
+        none = self.none[row]
+        a, z = self.at[row], self.at[row + 1]
+        names = self.names
+        return RankEntry(
+            d,
+            t,
+            {names[c]: v for c, v in zip(self.phase[a:z], self.value[a:z])},
+            inexact=i,
+            max_rel_err=None if none & 1 else self.floats[2 * row],
+            max_ratio=None if none & 2 else self.floats[2 * row + 1],
+            hard=h,
+        )
+
+    def entry(self, j: int) -> StepEntry:
+        head = self.head[j]
+        if isinstance(head, StepEntry):
+            return head
+        step, equal, differing, bounds, kinds, first = head
+        end = next(
+            (
+                h[5]
+                for h in itertools.islice(self.head, j + 1, None)
+                if not isinstance(h, StepEntry)
+            ),
+            len(self.rank),
+        )
+        return StepEntry(step, equal, differing, RankRows(self, first, end), bounds, kinds)
 
 
 class RankRows(Mapping):
-    """One step's ranks of a `StepTable` (rows first..end, ranks ascending) as `StepEntry.ranks` reads them:
-    a `RankEntry` built when one is read."""
+    """One step's ranks of a `StepTable` (rows first..end of a chunk, ranks ascending) as `StepEntry.ranks`
+    reads them: a `RankEntry` built when one is read."""
 
     __slots__ = ("_t", "_a", "_z")
 
-    def __init__(self, table: StepTable, first: int, end: int):
-        self._t, self._a, self._z = table, first, end
+    def __init__(self, chunk: _Chunk, first: int, end: int):
+        self._t, self._a, self._z = chunk, first, end
 
     def __getitem__(self, r) -> RankEntry:
-        i = bisect.bisect_left(self._t._rank, r, self._a, self._z)
-        if i == self._z or self._t._rank[i] != r:
+        i = bisect.bisect_left(self._t.rank, r, self._a, self._z)
+        if i == self._z or self._t.rank[i] != r:
             raise KeyError(r)
         return self._t.rank_entry(i)
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self._t._rank[self._a : self._z])
+        return iter(self._t.rank[self._a : self._z])
 
     def __len__(self) -> int:
         return self._z - self._a

@@ -117,7 +117,13 @@ def read_bytes(path: Path | str, root: Path | str | None, kind: str = "json") ->
     grows while it is read is still cut at the limit)."""
     limit = LIMITS[kind]
     with open_file(path, root, limit) as f:
-        data = f.read(limit + 1)
+        # as many bytes as the file holds, not the limit: read(n) allocates n bytes first (64 MiB for every
+        # small JSON document, which tracemalloc then counts as the reader's peak); what it grew by since is
+        # read too, up to the limit
+        size = min(os.fstat(f.fileno()).st_size, limit)
+        data = f.read(size + 1)
+        if len(data) > size:
+            data += f.read(limit + 1 - len(data))
     if len(data) > limit:
         raise BadInput(path, f"more than the {limit} bytes a file of its kind may hold")
     return data

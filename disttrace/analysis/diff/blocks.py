@@ -22,18 +22,23 @@ from disttrace.store import trajectory
 # records a block of steps may hold, per side: of one rank where ranks are compared one after another (a few MB
 # of columns), of all ranks where a step's ranks are read together (across topologies)
 BLOCK_ROWS = 1 << 14
+# rank-steps a block may hold the results of (a `_RankStep` each, and its step's entries when folded: ~2 KB a
+# rank-step): small steps would otherwise make a block of thousands of steps of every rank (16,384 records of a
+# rank are 2,730 steps of 6), and the results, not the records, what it holds
+BLOCK_RANK_STEPS = 1 << 13
 # the numeric columns columnar.compare reads of both sides (beside those aligned_block has read)
 _COMPARED = ("sum", "norm", "numel", "nonfinite", "device_digest")
 
 
 def _block(steps: list[int], n: int, ranks, sides: tuple[_Side, _Side], rows: int) -> list[int]:
-    """steps[n:] as far as `rows` records of any one rank of either side reach, at least one step."""
-    out, total = [], 0
+    """steps[n:] as far as `rows` records of any one rank of either side reach, and no more than
+    BLOCK_RANK_STEPS rank-steps; at least one step."""
+    out, total, most = [], 0, _most_steps(ranks)
     for step in steps[n:]:
         total += max(  # a rank's steps are decoded and compared together, one rank after another
             max((int(side.record_count(r, step) or 0) for r in ranks), default=0) for side in sides
         )
-        if out and total > rows:
+        if out and (total > rows or len(out) >= most):
             break
         out.append(step)
     return out
@@ -52,12 +57,18 @@ class _Plan:
         ]
         self.steps = steps
         self.cum = np.cumsum(np.array(weights, dtype=np.int64))
+        self.most = _most_steps(ranks)
 
     def block(self, n: int, rows: int) -> list[int]:
         """_block(steps, n, ranks, sides, rows)."""
         base = int(self.cum[n - 1]) if n else 0
         k = int(np.searchsorted(self.cum[n:], base + rows, side="right"))
-        return self.steps[n : n + max(k, 1)]
+        return self.steps[n : n + max(min(k, self.most), 1)]
+
+
+def _most_steps(ranks) -> int:
+    """The most steps a block of these ranks may hold (BLOCK_RANK_STEPS)."""
+    return max(1, BLOCK_RANK_STEPS // max(1, len(ranks)))
 
 
 def _compared_pairs(steps: list[int], ranks, side_a: _Side, side_b: _Side) -> int:

@@ -435,7 +435,8 @@ class _Setup:
                         read=None if reader is None else functools.partial(_take, reader, block[0]),
                     )
                 per_rank, read = ahead.pop(step)
-            io = (side_a.io.get(step, nothing), side_b.io.get(step, nothing))
+            # each side's count of the step, handed to the outcome and let go (a dict by step grew with the steps)
+            io = (side_a.io.pop(step, nothing), side_b.io.pop(step, nothing))
             yield StepOutcome(step, per_rank, read, io, ev.events, ev.both, tol)
 
 

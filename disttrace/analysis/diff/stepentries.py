@@ -9,6 +9,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from disttrace.analysis.paged import Paged
 from disttrace.store import seal
 
 _HEX32 = re.compile(r"[0-9a-f]{32}")
@@ -22,9 +23,17 @@ class StepEntries(Mapping):
     every rank, they were what a diff's memory grew by with the number of steps.
 
     Readers ask for what they read, by step (`span`, `records`, `same_digest`, `hash_match`): nothing is built
-    per call but the answer. As a Mapping, step -> the entry as a dict of those fields (`line`)."""
+    per call but the answer. As a Mapping, step -> the entry as a dict of those fields (`line`).
 
-    __slots__ = ("_first", "_steps", "_offset", "_length", "_records", "_digest", "_xxh3", "_odd")
+    An index of more than SPILL_STEPS steps is written out to a temporary file (analysis/paged.py) in pages of
+    PAGE steps, and the last two pages read are held: what a side holds of every rank's index is
+    then a few KB a rank whatever the number of steps (a diff reads a rank's steps in order, a block at a
+    time)."""
+
+    SPILL_STEPS = 256
+    PAGE = 64
+
+    __slots__ = ("_first", "_steps", "_n", "_cols", "_odd")
 
     def __init__(self, entries: dict[int, dict]):
         steps = sorted(entries)
@@ -56,10 +65,13 @@ class StepEntries(Mapping):
         if not _HEX.fullmatch(hexes):
             return False
         blob = bytes.fromhex(hexes)
-        self._offset = array("q", [e["offset"] for e in lines])
-        self._length = array("q", [e["length"] for e in lines])
-        self._records = array("q", counts)
-        self._digest, self._xxh3 = blob[: 16 * n], blob[16 * n :]
+        self._hold(
+            array("q", [e["offset"] for e in lines]),
+            array("q", [e["length"] for e in lines]),
+            array("q", counts),
+            blob[: 16 * n],
+            blob[16 * n :],
+        )
         return True
 
     def _fill(self, lines: list[dict]) -> None:
@@ -85,17 +97,30 @@ class StepEntries(Mapping):
                     self._odd[row, key] = v
             if e.get("xxh3") is None and e.get("sha256") is not None:
                 self._odd[row, "sha256"] = e["sha256"]
-        # Python arrays, not numpy: as compact, and one element is read ~5x faster (diff reads one at a time)
-        self._offset, self._length = array("q", offsets), array("q", lengths)
-        self._records = array("q", counts)
-        self._digest, self._xxh3 = bytes(digest), bytes(xxh3)
+        self._hold(
+            array("q", offsets), array("q", lengths), array("q", counts), bytes(digest), bytes(xxh3)
+        )
+
+    def _hold(self, offsets: array, lengths: array, counts: array, digest: bytes, xxh3: bytes):
+        """The columns kept: offset, length, records (Python arrays, not numpy: as compact, and one element
+        is read ~5x faster; diff reads one at a time), digest and xxh3 (16 bytes a row), paged past
+        SPILL_STEPS rows."""
+        self._n = len(offsets)
+        self._cols = Paged(
+            [offsets, lengths, counts, digest, xxh3], self._n, self.SPILL_STEPS, self.PAGE
+        )
+
+    def _page(self, row: int):
+        """The columns of the page holding the row (offset, length, records, digest, xxh3), and the row's
+        place in it."""
+        return self._cols.page(row)
 
     def _row(self, step) -> int | None:
         if not isinstance(step, int):
             return None
         if self._first is not None:
             row = step - self._first
-            return row if 0 <= row < len(self._offset) else None
+            return row if 0 <= row < self._n else None
         if self._steps is None:
             return None
         row = int(np.searchsorted(self._steps, step))
@@ -109,11 +134,12 @@ class StepEntries(Mapping):
 
     def span(self, step: int) -> tuple[int, int]:
         """The step's byte range in the trajectory: (offset, length)."""
-        row = self._held(step)
-        return self._offset[row], self._length[row]
+        p, at = self._page(self._held(step))
+        return p[0][at], p[1][at]
 
     def _count(self, row: int):
-        n = self._records[row]
+        p, at = self._page(row)
+        n = p[2][at]
         return n if n >= 0 else self._odd.get((row, "records"))
 
     def records(self, step: int):
@@ -121,11 +147,12 @@ class StepEntries(Mapping):
         row = self._row(step)
         return None if row is None else self._count(row)
 
-    def _hash(self, blob: bytes, row: int, key: str):
+    def _hash(self, row: int, key: str):
         """A 16-byte hash of the row (digest or xxh3), or what the line held instead (kept as it was)."""
         if self._odd and (row, key) in self._odd:
             return self._odd[row, key]
-        return blob[16 * row : 16 * row + 16]
+        p, at = self._page(row)
+        return p[3 if key == "digest" else 4][16 * at : 16 * at + 16]
 
     def same_digest(self, step: int, other: StepEntries) -> bool:
         """Both hold the step, their lines state a digest of digests and a record count, and both are equal:
@@ -137,15 +164,13 @@ class StepEntries(Mapping):
         if (
             not self._odd and not other._odd
         ):  # every field as the arrays hold it: compare them there
-            at, o_at = 16 * row, 16 * o_row
+            p, at = self._page(row)
+            o, o_at = other._page(o_row)
             return (
-                self._records[row] == other._records[o_row]
-                and self._digest[at : at + 16] == other._digest[o_at : o_at + 16]
+                p[2][at] == o[2][o_at]
+                and p[3][16 * at : 16 * at + 16] == o[3][16 * o_at : 16 * o_at + 16]
             )
-        mine, theirs = (
-            self._hash(self._digest, row, "digest"),
-            other._hash(other._digest, o_row, "digest"),
-        )
+        mine, theirs = self._hash(row, "digest"), other._hash(o_row, "digest")
         return (
             mine is not None
             and isinstance(mine, bytes) == isinstance(theirs, bytes)
@@ -156,10 +181,11 @@ class StepEntries(Mapping):
     def hash_match(self, step: int, data: bytes) -> bool | None:
         """Whether `data` (the step's bytes) hash to the line's xxh3 (or sha256); None: it holds neither."""
         row = self._held(step)
+        p, at = self._page(row)
         return seal.step_data_match_hashes(
             data,
-            self._length[row],
-            self._hash(self._xxh3, row, "xxh3"),
+            p[1][at],
+            self._hash(row, "xxh3"),
             self._odd.get((row, "sha256")) if self._odd else None,
         )
 
@@ -167,16 +193,15 @@ class StepEntries(Mapping):
         """The step's entry as a dict of the fields kept: step, offset, length, records, digest, xxh3 (hex, or
         what the line held), sha256."""
         row = self._held(step)
-        records, odd, at = self._records[row], self._odd, 16 * row
+        p, i = self._page(row)
+        records, odd, at = p[2][i], self._odd, 16 * i
         return {
             "step": step,
-            "offset": self._offset[row],
-            "length": self._length[row],
+            "offset": p[0][i],
+            "length": p[1][i],
             "records": records if records >= 0 else odd.get((row, "records")),
-            "digest": odd[row, "digest"]
-            if (row, "digest") in odd
-            else self._digest[at : at + 16].hex(),
-            "xxh3": odd[row, "xxh3"] if (row, "xxh3") in odd else self._xxh3[at : at + 16].hex(),
+            "digest": odd[row, "digest"] if (row, "digest") in odd else p[3][at : at + 16].hex(),
+            "xxh3": odd[row, "xxh3"] if (row, "xxh3") in odd else p[4][at : at + 16].hex(),
             "sha256": odd.get((row, "sha256")),
         }
 
@@ -185,11 +210,11 @@ class StepEntries(Mapping):
 
     def __iter__(self):
         if self._first is not None:
-            return iter(range(self._first, self._first + len(self._offset)))
+            return iter(range(self._first, self._first + self._n))
         return iter(self._steps.tolist() if self._steps is not None else ())
 
     def __len__(self) -> int:
-        return len(self._offset)
+        return self._n
 
     def __contains__(self, step) -> bool:
         return self._row(step) is not None

@@ -15,6 +15,7 @@ from disttrace.store.records import PHASES
 from disttrace.store.trajectory import SKETCH_K
 
 TINY = 1e-300
+_CACHED = 1 << 10  # (step, phase, class) bounds held at once: a few blocks' steps, not the run's
 
 
 def _same_bits(ra: dict, rb: dict) -> bool:
@@ -166,6 +167,10 @@ class _Tol:
         cls = self._class(name)
         k = (step, phase, cls)
         if k not in self._cache:
+            if (
+                len(self._cache) >= _CACHED
+            ):  # steps are asked for in order: the old ones are not again
+                self._cache.clear()
             c = None
             if self.cal is not None:
                 c = (
