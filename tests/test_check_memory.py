@@ -186,3 +186,27 @@ def test_many_small_groups_are_let_go_as_they_close(tmp_path, monkeypatch):
     assert [f.step, f.phase, f.index] == [step, phase, index] and len(r.spread) == 1
     got, handed = _on_columns(bad, monkeypatch)
     assert handed == 0 and got == _on_records(bad, monkeypatch)
+
+
+def test_a_window_holds_at_most_its_rank_steps(tmp_path, monkeypatch):
+    """At small steps of many ranks a window of steps is held to WINDOW_RANK_STEPS rank-steps (its summaries
+    are kept a step and rank): with a bound of 8, 4 ranks are checked 2 steps a window, and a flip planted at
+    step 7 on rank 2 is found there, the document the record path's."""
+    ranks, steps, n = 4, 12, 150
+    run = _synthetic(tmp_path / "bad", ranks, steps, n, [(7, 2, _reduce_position(n, 2))])
+    want = _on_records(run, monkeypatch)
+    monkeypatch.setattr(consistency, "WINDOW_RANK_STEPS", 8)
+    sizes = []
+    real = consistency._Columns._window
+
+    def counted(self, steps_, n_, indexes):
+        out = real(self, steps_, n_, indexes)
+        sizes.append(len(out))
+        return out
+
+    monkeypatch.setattr(consistency._Columns, "_window", counted)
+    got, handed = _on_columns(run, monkeypatch)
+    assert handed == 0 and got == want
+    assert sizes and max(sizes) == 2 and sum(sizes) == steps, sizes
+    r = orjson.loads(got)
+    assert r["consistent"] is False and r["first"]["step"] == 7 and r["first"]["minority"] == [2]

@@ -251,6 +251,9 @@ def _spans(run: Run, rank: int) -> _Spans:
 
 BLOCK_ROWS = 1 << 14  # records of one rank decoded together (a block of steps), at least one step
 WINDOW_STEPS = 1 << 10  # steps whose summaries are held at once, whatever their size
+# and at most this many rank-steps: a window's summaries and lookups are held per step and rank, so at small
+# steps of many ranks a window of 1,024 steps held ~0.4 MB a step (512 ranks x 6 records)
+WINDOW_RANK_STEPS = 1 << 13
 
 # a copy's key, packed in 63 bits: its group's position, micro-batch, tensor index and tensor name (a code
 # into the run's names); a step whose values do not fit is judged on the records
@@ -526,7 +529,8 @@ class _Columns:
     def _window(self, steps: list[int], n: int, indexes: dict) -> dict[int, tuple | None]:
         window: list[int] = []
         rows = dict.fromkeys(indexes, 0)
-        for s in steps[n : n + WINDOW_STEPS]:
+        held = max(1, min(WINDOW_STEPS, WINDOW_RANK_STEPS // max(1, len(indexes))))
+        for s in steps[n : n + held]:
             for r, ix in indexes.items():
                 if s in ix:
                     rows[r] += int(ix[s].records or 0)
