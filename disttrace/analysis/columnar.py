@@ -15,7 +15,6 @@ empty tensor) are handed back by position for it. diff.py folds the result into 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from disttrace.analysis import tolerance
+from disttrace.compiled import optional
 from disttrace.store.records import PHASES
 from disttrace.store.trajectory import SKETCH_K
 
@@ -433,14 +433,7 @@ def _fused():
     is compared. DISTTRACE_FUSED=0 keeps the numpy path (the benches' baseline, the tests' oracle)."""
     global _fused_module
     if _fused_module is None:
-        _fused_module = False
-        if os.environ.get("DISTTRACE_FUSED") != "0":
-            try:
-                from disttrace.analysis import fused
-
-                _fused_module = fused
-            except ImportError:  # no numba: the numpy path
-                pass
+        _fused_module = optional("disttrace.analysis.fused", "DISTTRACE_FUSED") or False
     return _fused_module or None
 
 

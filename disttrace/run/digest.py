@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import threading
 
 import numpy as np
@@ -16,6 +15,7 @@ import xxhash
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from disttrace.analysis import tolerance
+from disttrace.compiled import optional
 
 
 def raw_bytes(t: torch.Tensor) -> memoryview:
@@ -205,15 +205,10 @@ def _fused():
     baseline)."""
     global _kernel, _xxh3
     if _kernel is None:
-        _kernel = False
-        if os.environ.get("DISTTRACE_FUSED") != "0":
-            try:
-                from disttrace.run import fused
-            except ImportError:  # no numba: the numpy path
-                pass
-            else:
-                _xxh3 = fused.Xxh3.load()
-                _kernel = fused
+        fused = optional("disttrace.run.fused", "DISTTRACE_FUSED")
+        if fused is not None:
+            _xxh3 = fused.Xxh3.load()
+        _kernel = fused or False
     return _kernel or None
 
 

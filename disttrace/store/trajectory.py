@@ -46,6 +46,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 
+from disttrace.compiled import optional
 from disttrace.errors import BadInput
 from disttrace.store import safeio
 
@@ -457,15 +458,9 @@ def _compiled():
     """The compiled block decoder of store/blockdecode.py, or None: numba is an optional extra (`pip install
     disttrace[fast]`), imported the first time it is wanted."""
     global _kernel
-    if _kernel is None:
-        _kernel = False
-        if os.environ.get("DISTTRACE_BLOCK") != "0":
-            try:
-                from disttrace.store.blockdecode import decode
-
-                _kernel = decode
-            except ImportError:  # no numba, or a pyarrow whose writer the templates do not know
-                pass
+    if _kernel is None:  # no numba, or a pyarrow whose writer the templates do not know: None
+        blockdecode = optional("disttrace.store.blockdecode", "DISTTRACE_BLOCK")
+        _kernel = blockdecode.decode if blockdecode is not None else False
     return _kernel or None
 
 
