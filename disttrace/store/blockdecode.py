@@ -288,6 +288,23 @@ def _copy(dst, at, src, start, n):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True)
+def _length(raw, ip, iend, nibble):  # pragma: no cover - compiled
+    """A sequence's literal or match length from its token's nibble: 15 continues in the bytes at raw[ip:],
+    each added until one below 255. (length, the position after it); length -1 where the input ends first."""
+    n = np.int64(nibble)
+    if n == 15:
+        while True:
+            if ip >= iend:
+                return -1, ip
+            x = np.int64(raw[ip])
+            ip += 1
+            n += x
+            if x != 255:
+                break
+    return n, ip
+
+
+@njit(cache=True, nogil=True)
 def _lz4_block(raw, ip, iend, out, ostart, olimit):  # pragma: no cover - compiled
     """One LZ4 block raw[ip:iend] decoded into out[ostart:...], at most olimit; its length, or -1. Held to the
     format's rules, which LZ4's own decoder relies on: every sequence but the last has a match, of an offset
@@ -301,16 +318,9 @@ def _lz4_block(raw, ip, iend, out, ostart, olimit):  # pragma: no cover - compil
             return -1
         token = np.int64(raw[ip])
         ip += 1
-        lit = token >> 4
-        if lit == 15:
-            while True:
-                if ip >= iend:
-                    return -1
-                x = np.int64(raw[ip])
-                ip += 1
-                lit += x
-                if x != 255:
-                    break
+        lit, ip = _length(raw, ip, iend, token >> 4)
+        if lit < 0:
+            return -1
         if lit > iend - ip or lit > olimit - op:
             return -1
         _copy(out, op, raw, ip, lit)
@@ -324,16 +334,9 @@ def _lz4_block(raw, ip, iend, out, ostart, olimit):  # pragma: no cover - compil
         ip += 2
         if off == 0 or off > op - ostart:
             return -1
-        ml = token & 15
-        if ml == 15:
-            while True:
-                if ip >= iend:
-                    return -1
-                x = np.int64(raw[ip])
-                ip += 1
-                ml += x
-                if x != 255:
-                    break
+        ml, ip = _length(raw, ip, iend, token & 15)
+        if ml < 0:
+            return -1
         ml += 4
         if ml > olimit - op:
             return -1
