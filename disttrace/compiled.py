@@ -1,11 +1,18 @@
-"""The optional compiled parts (the `fast` extra: numba). Each is imported the first time it is wanted, so a
-job that never needs it never pays numba's import, and switched off by its environment variable set to 0
-(the benches' baseline, the tests' oracle)."""
+"""The optional compiled parts. Two kinds, each imported the first time it is wanted, so a job that never needs
+one never pays for it:
+
+- C extensions (`disttrace/native/`, built by setup.py at install where a C compiler is there): they load in
+  about a millisecond, so any block may take them; DISTTRACE_NATIVE=0 leaves them out (numba's kernels, or
+  numpy and pyarrow, then do the same work).
+- numba's kernels (the `fast` extra): numba's import and LLVM's start cost a process ~0.7 s of CPU, so only a
+  large job takes them; each is switched off by its own environment variable set to 0 (the benches' baseline,
+  the tests' oracle)."""
 
 from __future__ import annotations
 
 import importlib
 import os
+import sys
 from types import ModuleType
 
 
@@ -18,3 +25,12 @@ def optional(module: str, switch: str) -> ModuleType | None:
         return importlib.import_module(module)
     except ImportError:
         return None
+
+
+def native(name: str) -> ModuleType | None:
+    """The C extension disttrace.native.<name>, or None where it was not built (no compiler at install), on a
+    big-endian machine (the kernels read Arrow's little-endian bytes through native-order views) or where
+    DISTTRACE_NATIVE is "0"."""
+    if sys.byteorder != "little":
+        return None
+    return optional(f"disttrace.native.{name}", "DISTTRACE_NATIVE")
