@@ -6,7 +6,8 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-all fuzz install clean bench lint format
 
-$(STAMP): pyproject.toml
+# the C extensions (setup.py, disttrace/native/*.c) are built by the install; a change to them rebuilds them
+$(STAMP): pyproject.toml setup.py $(wildcard disttrace/native/*.c)
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip >/dev/null || true
 	$(BIN)/pip install -q -e '.[test]'
@@ -59,4 +60,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/overhead.py
 
 clean:
-	rm -rf $(VENV) runs/*/ *.egg-info
+	rm -rf $(VENV) runs/*/ *.egg-info build disttrace/native/*.so

@@ -26,6 +26,9 @@ from disttrace.analysis.result import (
 )
 
 
+_MISSING = object()
+
+
 def _worst_by_phase(by_phase: dict[str, PhaseWorst], step: int, per_rank: dict, tol: _Tol) -> None:
     """Numeric mode: keep, per phase, the largest relative error seen and the largest error-to-bound ratio."""
     for r, rs in per_rank.items():
@@ -34,7 +37,11 @@ def _worst_by_phase(by_phase: dict[str, PhaseWorst], step: int, per_rank: dict, 
         for phase, rel in rs.max_rel.items():
             cur = by_phase.setdefault(phase, PhaseWorst())
             if rel > cur.max_rel_err:
-                bnd = None if tol.user else rs.max_rel_bound.get(phase, tol.derived(step, phase))
+                bnd = None
+                if not tol.user:  # the tensor's own bound, else the step's (asked only when missing)
+                    bnd = rs.max_rel_bound.get(phase, _MISSING)
+                    if bnd is _MISSING:
+                        bnd = tol.derived(step, phase)
                 cur.max_rel_err, cur.bound, cur.ratio = rel, bnd, rel / bnd if bnd else None
                 cur.step, cur.rank, cur.bound_kind = step, r, tol.kind(step, phase)
         for phase, (ratio, rel, bnd) in rs.ratio_by_phase.items():
