@@ -436,8 +436,8 @@ def decode_steps(path: Path, steps: list[tuple[bytes, str]]) -> tuple[pa.RecordB
 # The compiled block decoder (store/blockdecode.py) has two builds of the same kernels. The C one
 # (disttrace/native/_blockdecode, built at install where a compiler is there) loads in about a millisecond, so
 # every block of two steps or more takes it from a process's first block: NATIVE_MIN bytes, 0, since the C
-# kernels decode even a block of two 150-record steps in less CPU than the pyarrow path (bench/block_decode.py
-# --records 150 --block 2: docs/benchmarks.md). Where it was not built (or DISTTRACE_NATIVE=0), numba's build
+# kernels decode even a block of two steps in a fifth of the pyarrow path's CPU (0.20x at 150 records a step,
+# 0.22x at 1,000: bench/block_decode.py --block 2, docs/benchmarks.md). Where it was not built (or DISTTRACE_NATIVE=0), numba's build
 # of them is taken, where numba is installed, only for blocks of at least COMPILED_MIN bytes (~15 steps of 150
 # records, two of 1,000) in a process whose work is large: COMPILED_AFTER bytes, counting what it has decoded
 # with pyarrow and what a reader said it will decode (`expect`). numba's kernels decode a block in 0.3x
