@@ -437,15 +437,15 @@ def decode_steps(path: Path, steps: list[tuple[bytes, str]]) -> tuple[pa.RecordB
 # (disttrace/native/_blockdecode, built at install where a compiler is there) loads in about a millisecond, so
 # every block of two steps or more takes it from a process's first block: NATIVE_MIN bytes, 0, since the C
 # kernels decode even a block of two steps in a fifth of the pyarrow path's CPU (0.20x at 150 records a step,
-# 0.22x at 1,000: bench/block_decode.py --block 2, docs/benchmarks.md). Where it was not built (or DISTTRACE_NATIVE=0), numba's build
-# of them is taken, where numba is installed, only for blocks of at least COMPILED_MIN bytes (~15 steps of 150
-# records, two of 1,000) in a process whose work is large: COMPILED_AFTER bytes, counting what it has decoded
-# with pyarrow and what a reader said it will decode (`expect`). numba's kernels decode a block in 0.3x
-# pyarrow's CPU time at 150 records a step and 0.5x at 1,000, but numba's import and LLVM's start cost a
-# process ~0.7 s of CPU (bench/block_decode.py): a numeric diff of 42 MiB (600,000 records of 150 a step) was
-# 0.9x by CPU time with it, one of 236 MiB (4,000,000 of 1,000) 1.15x. DISTTRACE_BLOCK=1 takes the compiled
-# path (either build) for every block of two steps or more (the tests' way to run every reader through it),
-# DISTTRACE_BLOCK=0 never (the benches' baseline)
+# 0.22x at 1,000: bench/block_decode.py --block 2, docs/benchmarks.md). Where it was not built (or
+# DISTTRACE_NATIVE=0), numba's build of them is taken, where numba is installed, only for blocks of at least
+# COMPILED_MIN bytes (~15 steps of 150 records, two of 1,000) in a process whose work is large: COMPILED_AFTER
+# bytes, counting what it has decoded with pyarrow and what a reader said it will decode (`expect`). numba's
+# kernels decode a block in 0.3x pyarrow's CPU time at 150 records a step and 0.5x at 1,000, but numba's import
+# and LLVM's start cost a process ~0.7 s of CPU (bench/block_decode.py): a numeric diff of 42 MiB (600,000
+# records of 150 a step) was 0.9x by CPU time with it, one of 236 MiB (4,000,000 of 1,000) 1.15x.
+# DISTTRACE_BLOCK=1 takes the compiled path (either build) for every block of two steps or more (the tests' way
+# to run every reader through it), DISTTRACE_BLOCK=0 never (the benches' baseline)
 _FORCED = os.environ.get("DISTTRACE_BLOCK") == "1"
 NATIVE_MIN = 0
 COMPILED_MIN = 0 if _FORCED else 1 << 16
