@@ -1,13 +1,16 @@
 """What a block of v2 steps costs to decode (store/trajectory.py `decode_steps`): CPU time per step-side,
-in process, the compiled path (store/blockdecode.py, numba) against the pyarrow path of this checkout
-(DISTTRACE_BLOCK=0) and against another checkout's trajectory.py (--against), each the minimum of
---passes alternating passes over the same blocks; and what the compiled path costs once a process (numba's
-import and the kernels loaded from its cache, measured in a fresh interpreter), which a short diff pays.
+in process, the compiled path (store/blockdecode.py) with its C kernels and with numba's, against the
+pyarrow path of this checkout (DISTTRACE_BLOCK=0) and against another checkout's trajectory.py (--against),
+each the minimum of --passes alternating passes over the same blocks; and what each build of the kernels
+costs once a process (the C module's import; numba's import and the kernels loaded from its cache; each
+with store/blockdecode.py's import and its first call, measured in a fresh interpreter), which a short diff
+pays. A build that is not there (the C extension not built, numba not installed) is left out.
 
 Steps are the synthetic stores' (bench/synthetic.py: the writer's own layout, the recorder's record mix),
-cut into blocks of diff's size (analysis/diff/blocks.py BLOCK_ROWS records).
+cut into blocks of diff's size (analysis/diff/blocks.py BLOCK_ROWS records) or of --block steps.
 
-    .venv/bin/python bench/block_decode.py [--records 150,1000] [--steps 400] [--passes 7] [--against DIR]
+    .venv/bin/python bench/block_decode.py [--records 150,1000] [--steps 400] [--passes 7] [--block N]
+        [--against DIR]
 """
 
 from __future__ import annotations
@@ -51,9 +54,10 @@ def _trajectory_at(checkout: Path):
     return module
 
 
-def _once_cost() -> tuple[float, float]:
-    """CPU seconds of numba's import, and of the kernels' first call (loaded from numba's cache), in a fresh
-    interpreter (the cache warmed by this process first)."""
+def _once_cost(native: str) -> tuple[float, float, float, str]:
+    """CPU seconds of the C module's import (DISTTRACE_NATIVE=1) or numba's (=0), of the kernels' import
+    with it (store/blockdecode.py, numba's kernels loaded from its cache), and of their first call (numba's loaded from its cache), in a fresh
+    interpreter (the cache warmed by this process first), after numpy and pyarrow; and which kernels."""
     code = (
         "import time, sys\n"
         f"sys.path.insert(0, {str(ROOT)!r}); sys.path.insert(0, {str(ROOT / 'bench')!r})\n"
@@ -63,18 +67,23 @@ def _once_cost() -> tuple[float, float]:
         "layout = synthetic.Layout(150, w)\n"
         "steps = [w.write_batch(layout.batch(s, 0)) for s in (1, 2, 3)]\n"
         "c0 = time.process_time()\n"
-        "import numba\n"
+        f"import {'disttrace.native._blockdecode' if native == '1' else 'numba'}\n"
+        "cm = time.process_time()\n"
         "from disttrace.store import blockdecode\n"
         "c1 = time.process_time()\n"
         "assert blockdecode.decode(steps) is not None\n"
         "c2 = time.process_time()\n"
-        "print(c1 - c0, c2 - c1)\n"
+        "print(cm - c0, c1 - c0, c2 - c1, blockdecode.KERNELS)\n"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], check=True, capture_output=True, text=True
+        [sys.executable, "-c", code],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "DISTTRACE_NATIVE": native},
     ).stdout
-    a, b = out.split()
-    return float(a), float(b)
+    m, a, b, kind = out.split()
+    return float(m), float(a), float(b), kind
 
 
 def _decode_all(module, kernel, blocks, path) -> None:
@@ -90,32 +99,41 @@ def main() -> None:
     ap.add_argument("--records", default="150,1000", help="records a step, comma-separated")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--passes", type=int, default=7)
+    ap.add_argument("--block", type=int, help="steps a block (default: diff's, BLOCK_ROWS records)")
     ap.add_argument(
         "--against", type=Path, help="another checkout (e.g. `git archive main` unpacked)"
     )
     args = ap.parse_args()
-    kernel = trajectory._compiled()
-    trajectory.COMPILED_AFTER = 0  # every block of this bench is a large job's
-    if kernel is None:
+    if trajectory._compiled() is None:
         sys.exit(
-            "numba is not installed (the `fast` extra) or DISTTRACE_BLOCK=0: nothing to compare"
+            "neither the C kernels nor numba is there, or DISTTRACE_BLOCK=0: nothing to compare"
         )
+    from disttrace.store import blockdecode
+
+    kernels = {}
+    if (c := blockdecode.c_kernels()) is not None:
+        kernels["c"] = partial(blockdecode.decode, kernels=c)
+    try:
+        kernels["numba"] = partial(blockdecode.decode, kernels=blockdecode.numba_kernels())
+    except ImportError:
+        pass
+    # every block of this bench takes the kernels it is given (no threshold, whichever build)
+    trajectory._native = True
+    trajectory.COMPILED_MIN = trajectory.COMPILED_AFTER = 0
     other = _trajectory_at(args.against) if args.against else None
     print(f"load: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (1, 5, 15 min)")
     with tempfile.TemporaryDirectory() as d:
         for records in (int(x) for x in args.records.split(",")):
             steps = _store(Path(d), records, args.steps)[1:]  # not the first: it holds the schema
-            per = max(1, BLOCK_ROWS // records)
+            per = args.block or max(1, BLOCK_ROWS // records)
             blocks = [
                 [(s, f"step {i + j}") for j, s in enumerate(steps[i : i + per])]
                 for i in range(0, len(steps), per)
             ]
             path = Path(d) / "x.arrows"
 
-            ops = {
-                "compiled": partial(_decode_all, trajectory, kernel, blocks, path),
-                "pyarrow": partial(_decode_all, trajectory, False, blocks, path),
-            }
+            ops = {k: partial(_decode_all, trajectory, f, blocks, path) for k, f in kernels.items()}
+            ops["pyarrow"] = partial(_decode_all, trajectory, False, blocks, path)
             if other is not None:
                 ops["against"] = partial(_decode_all, other, None, blocks, path)
             for f in ops.values():  # warm: the kernels loaded, pyarrow's pools filled
@@ -126,26 +144,37 @@ def main() -> None:
                     c = time.process_time()
                     f()
                     best[k] = min(best[k], time.process_time() - c)
-            trajectory._kernel = kernel
-            for b in blocks:  # the same batch both ways
-                data = [s for s, _ in b]
-                got = trajectory.decode_steps(path, b)[0]
-                assert repr(got.to_pylist()) == repr(trajectory._decode_block(data)[0].to_pylist())
+            for k, f in kernels.items():  # the same batch every way
+                trajectory._kernel = f
+                for b in blocks:
+                    data = [s for s, _ in b]
+                    got = trajectory.decode_steps(path, b)[0]
+                    want = trajectory._decode_block(data)[0]
+                    assert repr(got.to_pylist()) == repr(want.to_pylist()), k
             us = {k: v / len(steps) * 1e6 for k, v in best.items()}
-            line = (
-                f"{records:>5} records a step, {per} steps a block: compiled {us['compiled']:.1f} us a "
-                f"step-side, pyarrow path {us['pyarrow']:.1f} ({us['compiled'] / us['pyarrow']:.2f}x)"
-            )
+            line = f"{records:>5} records a step, {per} steps a block, us a step-side: pyarrow {us['pyarrow']:.1f}"
+            for k in kernels:
+                line += f", {k} {us[k]:.1f} ({us[k] / us['pyarrow']:.2f}x)"
             if other is not None:
-                line += (
-                    f", {args.against} {us['against']:.1f} ({us['compiled'] / us['against']:.2f}x)"
-                )
-            print(line + f"; {us['compiled'] / records * 1000:.0f} ns a record compiled")
-    imp, first = _once_cost()
-    print(
-        f"once a process: numba's import and blockdecode {imp:.2f} s CPU, the kernels' first call (from "
-        f"numba's cache) {first:.2f} s"
-    )
+                line += f", {args.against} {us['against']:.1f}"
+            print(line)
+            print(
+                "      a block: "
+                + ", ".join(f"{k} {v * 1e6 / len(blocks):.0f} us" for k, v in best.items())
+                + "; a record: "
+                + ", ".join(f"{k} {us[k] / records * 1000:.0f} ns" for k in kernels)
+            )
+    for native in ("1", "0"):
+        try:
+            module, imp, first, kind = _once_cost(native)
+        except subprocess.CalledProcessError as e:
+            print(f"once a process (DISTTRACE_NATIVE={native}): failed: {e.stderr.strip()[-200:]}")
+            continue
+        print(
+            f"once a process, {kind} kernels (DISTTRACE_NATIVE={native}): "
+            f"{'the C module' if native == '1' else 'numba'}'s import {module * 1000:.1f} ms CPU; with "
+            f"store/blockdecode.py's {imp * 1000:.1f} ms, the kernels' first call {first * 1000:.1f} ms"
+        )
     print(f"load: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (1, 5, 15 min)")
 
 

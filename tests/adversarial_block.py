@@ -1,5 +1,5 @@
 """Crafted blocks aimed at each size, length, offset and index the compiled block decoder (store/blockdecode.py)
-reads from a step's bytes: a real step of the writer's, its header fields and buffers rewritten to extreme
+reads from a step's bytes (its C kernels, or numba's under DISTTRACE_NATIVE=0): a real step of the writer's, its header fields and buffers rewritten to extreme
 values (0, -1, 2^31 - 1, 2^32, 2^61, 2^62, 2^63 - 1: the ones whose products wrap int64) and its LZ4 frames
 replaced by frames that break the format's rules. Each case's outcome is held to the pyarrow path's: the
 kernel declines, or gives the batch the pyarrow path gives; never an IndexError (run under
@@ -334,6 +334,7 @@ def run(tmp: Path, first: int = 0) -> int:
     """Each case from `first` on: a line naming it and its outcome; the count of bugs found."""
     good = good_block(tmp)
     bugs = 0
+    print(f"KERNELS {b.KERNELS}", flush=True)
     for i, (name, block) in enumerate(cases(good)):
         if i < first:
             continue

@@ -6,6 +6,10 @@ size checks multiply lengths by widths, and 8 * 2^61 wraps int64 to 0, which eve
 kernel then read a list's values, a dictionary's offsets or a view's bytes past their buffers (and past the
 scratch array: an IndexError under NUMBA_BOUNDSCHECK=1), and for samples and shard gave a batch of bytes
 read out of bounds where pyarrow refuses the step.
+
+Each case runs with the C kernels and with numba's (a build that is not there skips); numba's once more
+with NUMBA_BOUNDSCHECK=1, and the C kernels under AddressSanitizer where they are built with it
+(docs/benchmarks.md says how).
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("numba")
+pytest.importorskip("disttrace.store.blockdecode")  # neither C nor numba: skipped
 import adversarial_block as adv  # noqa: E402
+from test_block_compiled import kernels  # noqa: E402, F401 (the fixture)
+from test_block_decode import block_kernels  # noqa: E402
 
 from disttrace.store import blockdecode, trajectory  # noqa: E402
 
@@ -38,6 +44,7 @@ _WRAPPING = [
 ]
 
 
+@pytest.mark.usefixtures("kernels")
 @pytest.mark.parametrize("name", _WRAPPING)
 def test_a_length_whose_sizes_wrap_declines_at_the_header(crafted, name):
     block = crafted[name]
@@ -49,6 +56,7 @@ def test_a_length_whose_sizes_wrap_declines_at_the_header(crafted, name):
         trajectory._decode_block(block)
 
 
+@pytest.mark.usefixtures("kernels")
 def test_the_reemitted_block_still_decodes(crafted):
     """The control: the same step with every buffer stored as it is, its sizes the real ones, decodes."""
     block = crafted["reemitted, every buffer stored"]
@@ -58,10 +66,12 @@ def test_the_reemitted_block_still_decodes(crafted):
     assert got.equals(want) and starts.tolist() == want_starts.tolist()
 
 
-def _run_all(tmp_path: Path, boundscheck: bool) -> str:
-    """Every crafted case in a fresh interpreter, resumed at the next case after a crash."""
+def _run_all(tmp_path: Path, kind: str, boundscheck: bool) -> str:
+    """Every crafted case in a fresh interpreter with the `kind` kernels, resumed at the next case after a
+    crash."""
     env = {
         **os.environ,
+        "DISTTRACE_NATIVE": "1" if kind == "c" else "0",
         "NUMBA_CACHE_DIR": str(tmp_path / f"numba-cache-{int(boundscheck)}"),
         "PYTHONPATH": os.pathsep.join(
             [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
@@ -87,10 +97,12 @@ def _run_all(tmp_path: Path, boundscheck: bool) -> str:
         first = int(started[-1].split()[1]) + 1
 
 
-@pytest.mark.slow  # two fresh interpreters compiling the kernels, one with bounds checks: ~1 min
-@pytest.mark.parametrize("boundscheck", [False, True])
-def test_every_crafted_block_declines_or_decodes_as_pyarrow(tmp_path, boundscheck):
-    log = _run_all(tmp_path, boundscheck)
+@pytest.mark.slow  # fresh interpreters, numba's compiling the kernels (once with bounds checks): ~1 min
+@pytest.mark.parametrize("kind, boundscheck", [("c", False), ("numba", False), ("numba", True)])
+def test_every_crafted_block_declines_or_decodes_as_pyarrow(tmp_path, kind, boundscheck):
+    block_kernels(kind)  # skipped where that build is not there
+    log = _run_all(tmp_path, kind, boundscheck)
+    assert f"KERNELS {kind}" in log, log[-3000:]
     assert "CRASH" not in log and "BUG" not in log and "IndexError" not in log, log[-6000:]
     assert log.count("DONE") == len(list(adv.cases(adv.good_block(tmp_path)))), log[-3000:]
     # the controls (the same bytes stored, in a stored LZ4 block, as literals only): not everything declines

@@ -1,10 +1,12 @@
-"""The compiled block decoder (store/blockdecode.py, the optional numba extra) against the pyarrow path of
-store/trajectory.py as the oracle (itself held to pyarrow's reading of the whole file by test_block_decode):
+"""The compiled block decoder (store/blockdecode.py: its kernels in C, or numba's where the C extension is not
+built) against the pyarrow path of store/trajectory.py as the oracle (itself held to pyarrow's reading of the whole file by test_block_decode):
 on random stores of the writer's steps it decodes the block (it does not decline) into the batch the pyarrow
 path gives; on mutated bytes (anywhere in a step: message headers, buffer descriptors, the LZ4 frames'
 headers, tokens, literals and offsets) it either declines or gives what the pyarrow path gives, never a
 batch where the pyarrow path refuses, and decode_steps' outcome (its batch, or its refusal naming the step)
-is the same with it and without it.
+is the same with it and without it. Each runs with the C kernels and with numba's (the `kernels` fixture; a
+build that is not there skips), and the two are held to each other: the same status from each kernel and the
+same bytes written, on random stores and mutated blocks.
 """
 
 from __future__ import annotations
@@ -15,17 +17,28 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pytest
 import test_diff_synthetic as syn
-from test_block_decode import _steps
+from test_block_decode import _steps, block_kernels
 from test_trajectory_format import _realistic, every_kind, write_v2
 
 from disttrace.errors import BadInput
 from disttrace.store import trajectory
 
-pytest.importorskip("numba")
-from disttrace.store import blockdecode  # noqa: E402
+blockdecode = pytest.importorskip("disttrace.store.blockdecode")  # neither C nor numba: skipped
+
+
+@pytest.fixture(params=["c", "numba"])
+def kernels(request, monkeypatch):
+    """blockdecode's kernels for the test: the C build or numba's (skipped where that build is not there),
+    taken by blockdecode.decode and by decode_steps with the thresholds of that build."""
+    k = block_kernels(request.param)
+    monkeypatch.setattr(blockdecode, "_K", k)
+    monkeypatch.setattr(blockdecode, "KERNELS", k.kind)
+    monkeypatch.setattr(trajectory, "_native", k.kind == "c")
+    return k
 
 
 def _short_names(records: list[dict]) -> list[dict]:
@@ -67,7 +80,7 @@ def _pyarrow(block: list[bytes]):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_random_stores_decode_as_the_pyarrow_path(tmp_path, seed):
+def test_random_stores_decode_as_the_pyarrow_path(tmp_path, seed, kernels):
     rng = random.Random(seed)
     path = tmp_path / "rank-00000.arrows"
     parts = _steps(path, write_v2(path, _random_steps(rng, rng.randint(2, 12))))
@@ -83,10 +96,13 @@ def test_random_stores_decode_as_the_pyarrow_path(tmp_path, seed):
         assert starts.tolist() == want_starts.tolist()
 
 
-def test_decode_steps_takes_it_for_large_blocks_of_a_large_job(tmp_path, monkeypatch):
-    """decode_steps takes the compiled path for a block of COMPILED_MIN bytes or more once the process has
-    decoded COMPILED_AFTER bytes with pyarrow (numba's import is paid by large jobs only), pyarrow's below;
-    DISTTRACE_BLOCK=0 keeps pyarrow's for every block, DISTTRACE_BLOCK=1 takes the compiled one at once."""
+def test_numbas_kernels_take_large_blocks_of_a_large_job(tmp_path, monkeypatch):
+    """With numba's kernels decode_steps takes the compiled path for a block of COMPILED_MIN bytes or more
+    once the process has decoded COMPILED_AFTER bytes with pyarrow (numba's import is paid by large jobs
+    only), pyarrow's below."""
+    k = block_kernels("numba")
+    monkeypatch.setattr(blockdecode, "_K", k)
+    monkeypatch.setattr(trajectory, "_native", False)
     rng = random.Random(9)
     path = tmp_path / "rank-00000.arrows"
     parts = _steps(path, write_v2(path, [_realistic(s, rng) for s in range(1, 40)]))
@@ -111,11 +127,63 @@ def test_decode_steps_takes_it_for_large_blocks_of_a_large_job(tmp_path, monkeyp
     batch, _ = trajectory.decode_steps(path, parts)
     assert calls == [len(parts)]
     assert batch.equals(first)
-    code = "from disttrace.store import trajectory as t; print(t.COMPILED_AFTER, t.COMPILED_MIN, t._compiled() is None)"
-    for value, want in (("0", f"{128 << 20} {1 << 16} True"), ("1", "0 0 False")):
-        env = {**os.environ, "DISTTRACE_BLOCK": value}
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-        assert out.stdout.split() == want.split(), out.stderr
+
+
+def test_c_kernels_take_every_block_from_the_first(tmp_path, monkeypatch):
+    """With the C kernels (no numba start to earn back) decode_steps takes the compiled path for every block
+    of two steps or more, from the process's first, however small; one step alone stays pyarrow's."""
+    k = block_kernels("c")
+    monkeypatch.setattr(blockdecode, "_K", k)
+    monkeypatch.setattr(trajectory, "_native", True)
+    monkeypatch.setattr(trajectory, "_work", [0])
+    monkeypatch.setattr(trajectory, "COMPILED_MIN", 1 << 16)  # numba's bounds: not the C kernels'
+    monkeypatch.setattr(trajectory, "COMPILED_AFTER", 128 << 20)
+    path = tmp_path / "rank-00000.arrows"
+    parts = _steps(path, write_v2(path, [_realistic(s, random.Random(s)) for s in range(1, 5)]))
+    calls = []
+    real = blockdecode.decode
+    monkeypatch.setattr(
+        trajectory, "_kernel", lambda block: calls.append(len(block)) or real(block)
+    )
+    small = parts[1:3]
+    assert sum(len(d) for d, _ in small) < trajectory.COMPILED_MIN
+    got, _ = trajectory.decode_steps(path, small)
+    assert calls == [2] and trajectory._work == [
+        0
+    ]  # decoded by the kernels: no pyarrow bytes counted
+    trajectory.decode_steps(path, parts[:1])
+    assert calls == [2]
+    assert got.equals(trajectory._decode_block([d for d, _ in small])[0])
+
+
+def test_the_switches_in_a_fresh_process():
+    """DISTTRACE_BLOCK=0 keeps pyarrow's path for every block, =1 takes the compiled one at once (numba's
+    thresholds 0); DISTTRACE_NATIVE=0 leaves the C kernels out (numba's are taken, where installed)."""
+    code = (
+        "from disttrace.store import trajectory as t; k = t._compiled();"
+        "print(t.COMPILED_AFTER, t.COMPILED_MIN, k is None, t._native,"
+        " None if k is None else __import__('disttrace.store.blockdecode').store.blockdecode.KERNELS)"
+    )
+    c = blockdecode.c_kernels() is not None
+    for env, want in (
+        ({"DISTTRACE_BLOCK": "0"}, f"{128 << 20} {1 << 16} True False None"),
+        ({"DISTTRACE_BLOCK": "1"}, f"0 0 False {c} {'c' if c else 'numba'}"),
+        ({"DISTTRACE_BLOCK": "1", "DISTTRACE_NATIVE": "0"}, "0 0 False False numba"),
+    ):
+        if "numba" in want and not _has_numba():
+            continue
+        out = subprocess.run(
+            [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True
+        )
+        assert out.stdout.split() == want.split(), (env, out.stdout, out.stderr)
+
+
+def _has_numba() -> bool:
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def test_a_numeric_diff_says_how_much_it_will_decode(tmp_path, monkeypatch):
@@ -203,7 +271,7 @@ def mutation_trials(seed: int, trials: int, tmp: Path) -> tuple[int, int, int]:
     return declined, accepted, changed
 
 
-def test_mutated_blocks_decline_or_decode_as_the_pyarrow_path(tmp_path, monkeypatch):
+def test_mutated_blocks_decline_or_decode_as_the_pyarrow_path(tmp_path, monkeypatch, kernels):
     monkeypatch.setattr(trajectory, "COMPILED_MIN", 0)
     monkeypatch.setattr(trajectory, "COMPILED_AFTER", 0)
     declined, accepted, changed = mutation_trials(1, 150, tmp_path)
@@ -213,11 +281,13 @@ def test_mutated_blocks_decline_or_decode_as_the_pyarrow_path(tmp_path, monkeypa
 
 @pytest.mark.slow  # a fresh interpreter compiling the kernels again with bounds checks: ~30 s
 def test_mutated_blocks_read_nothing_out_of_bounds(tmp_path):
+    pytest.importorskip("numba")
     """The same trials with numba's bounds checking on (NUMBA_BOUNDSCHECK=1: an index out of any array raises
     IndexError instead of reading past it), so the kernels' own checks are shown to keep every access in
     range, not merely to give pyarrow's answer."""
     env = {
         **os.environ,
+        "DISTTRACE_NATIVE": "0",  # numba's kernels (the C ones: tests/test_block_adversarial.py, ASan)
         "NUMBA_BOUNDSCHECK": "1",
         "NUMBA_CACHE_DIR": str(tmp_path / "numba-cache"),
         "PYTHONPATH": os.pathsep.join(
@@ -239,7 +309,7 @@ def test_mutated_blocks_read_nothing_out_of_bounds(tmp_path):
     assert len(proc.stdout.split("\n")) >= 2
 
 
-def test_a_block_with_long_names_is_left_to_pyarrow(tmp_path):
+def test_a_block_with_long_names_is_left_to_pyarrow(tmp_path, kernels):
     """every_kind's phase and dtype longer than 12 bytes: the compiled decoder declines, the block decodes."""
     path = tmp_path / "rank-00000.arrows"
     parts = _steps(path, write_v2(path, [every_kind(s) for s in (1, 2, 3)]))
@@ -248,7 +318,7 @@ def test_a_block_with_long_names_is_left_to_pyarrow(tmp_path):
     assert isinstance(_pyarrow(block)[0], pa.RecordBatch)
 
 
-def test_a_shape_dictionary_that_expands_without_bound_declines(tmp_path, monkeypatch):
+def test_a_shape_dictionary_that_expands_without_bound_declines(tmp_path, monkeypatch, kernels):
     """The compiled path holds a step's dimensions to the pyarrow path's bound: it declines the step whose
     records all take one shape of 200 dimensions (36,000 for ~180 records), and decode_steps then refuses it as
     the pyarrow path does."""
@@ -264,3 +334,188 @@ def test_a_shape_dictionary_that_expands_without_bound_declines(tmp_path, monkey
     )
     with pytest.raises(BadInput, match="dimensions in all"):
         trajectory.decode_steps(path, parts)
+
+
+# ---------------------------------------------------------------- the C kernels against numba's
+
+
+def _recording(k, log: list):
+    """k's kernels, each call logged: (kernel, what it returned, what it wrote where it succeeded). What a
+    kernel writes is compared only where it returned 0 (a declining kernel leaves its outputs part written,
+    the rest as np.empty left them), and only the bytes it was to write: the scratch's buffers (spos,
+    slen), the arena's output buffers (where), not the padding between them."""
+
+    def scratch_spans(scratch, spos, slen):
+        return [bytes(scratch[p : p + n]) for p, n in zip(spos.flat, slen.flat) if n >= 0]
+
+    def wrap(name, fn, written):
+        def call(*args):
+            got = fn(*args)
+            status = got[0] if isinstance(got, tuple) else got
+            log.append((name, got, written(*args) if status == 0 else None))
+            return got
+
+        return call
+
+    return blockdecode.Kernels(
+        k.kind,
+        wrap("headers", k.headers, lambda *a: [x.tobytes() for x in a[9:12]]),
+        wrap("inflate", k.inflate, lambda raw, buf, sc, spos, slen: [
+            spos.tobytes(), slen.tobytes(), scratch_spans(sc, spos, slen)
+        ]),
+        wrap("check", k.check, lambda *a: [a[9].tobytes(), a[10].tobytes()]),
+        wrap("assemble", k.assemble, lambda *a: [
+            bytes(a[13][at : at + n]) for at, n in a[10].tolist() if at >= 0
+        ]),
+    )  # fmt: skip
+
+
+def _both(block: list[bytes], c, numba) -> int:
+    """The block through both builds, kernel by kernel: the same statuses and the same bytes written.
+    Returns the status."""
+    logs = {}
+    for k in (c, numba):
+        logs[k.kind] = []
+        blockdecode._run(block, _recording(k, logs[k.kind]))
+    assert [x[:2] for x in logs["c"]] == [x[:2] for x in logs["numba"]]
+    for (name, _, a), (_, _, b) in zip(logs["c"], logs["numba"]):
+        assert a == b, name
+    return blockdecode._run(block, c)[0]
+
+
+def test_c_and_numba_kernels_agree_on_random_stores(tmp_path):
+    c, numba = block_kernels("c"), block_kernels("numba")
+    for seed in range(6):
+        rng = random.Random(seed)
+        path = tmp_path / f"rank-{seed:05d}.arrows"
+        parts = _steps(path, write_v2(path, _random_steps(rng, rng.randint(2, 12))))
+        for lo in (0, 1):
+            assert _both([d for d, _ in parts[lo:]], c, numba) == 0
+
+
+def test_c_and_numba_kernels_agree_on_mutated_blocks(tmp_path):
+    c, numba = block_kernels("c"), block_kernels("numba")
+    statuses = set()
+    for seed in (4, 5):
+        rng = random.Random(seed)
+        path = tmp_path / f"rank-{seed:05d}.arrows"
+        good = [d for d, _ in _steps(path, write_v2(path, _random_steps(rng, 5)))[1:]]
+        for _ in range(200):
+            statuses.add(_both(_mutate(rng, good), c, numba))
+    assert 0 in statuses and len(statuses) >= 4, (
+        statuses
+    )  # both ways, and several kernels' declines
+
+
+def _arguments(block: list[bytes]) -> dict:
+    """Each C kernel's arguments for a good block, as _run makes them (the calls before it made)."""
+    c = block_kernels("c")
+    calls = {}
+
+    def keep(name, fn):
+        def call(*args):
+            calls[name] = [np.array(a, copy=True) for a in args]
+            return fn(*args)
+
+        return call
+
+    k = blockdecode.Kernels(
+        "c", *(keep(n, getattr(c, n)) for n in ("headers", "inflate", "check", "assemble"))
+    )
+    assert blockdecode._run(block, k)[0] == 0
+    return calls
+
+
+def _views(args: list, name: str) -> list:
+    """The copied arguments made whole again: the scratch's and the arena's int views of their bytes."""
+    if name in ("check", "assemble"):
+        args[1:4] = [args[0].view(t) for t in (np.int16, np.int32, np.int64)]
+    if name == "assemble":
+        args[14:16] = [args[13].view(t) for t in (np.int32, np.int64)]
+    return args
+
+
+def test_c_kernels_refuse_arguments_of_another_shape(tmp_path):
+    """A wrong dtype, a non-contiguous array, a read-only output or an array too short for the steps raises
+    ValueError before anything is read; the same arguments as they should be are taken."""
+    c = block_kernels("c")
+    rng = random.Random(1)
+    path = tmp_path / "rank-00000.arrows"
+    block = [d for d, _ in _steps(path, write_v2(path, _random_steps(rng, 4)))[1:]]
+    calls = _arguments(block)
+    for name, args in calls.items():
+        fn = getattr(c, name)
+        fn(*_views([a.copy() for a in args], name))  # the control: taken
+        for i, a in enumerate(args):
+            bad = {
+                "dtype": a.astype(np.float64 if a.dtype != np.float64 else np.int64),
+                "narrower": a.astype(np.int32) if a.dtype == np.int64 else a.astype(np.int64),
+                "strided": np.repeat(a, 2, axis=0)[::2] if a.ndim else None,
+                "short": a[:-1] if a.ndim and a.shape[0] > 0 else None,
+                "read-only": a.copy(),
+            }
+            bad["read-only"].flags.writeable = False
+            for how, x in bad.items():
+                if x is None or (how == "read-only" and not _written(name, i)):
+                    continue
+                if how == "short" and not _short_is_wrong(name, i):
+                    continue
+                got = _views([y.copy() for y in args], name)
+                got[i] = x
+                with pytest.raises(ValueError):
+                    fn(*got)
+    with pytest.raises(TypeError):
+        c.headers(*calls["headers"][:-1])
+
+
+def _written(name: str, i: int) -> bool:
+    return i >= {"headers": 9, "inflate": 2, "check": 9, "assemble": 13}[name]
+
+
+def _short_is_wrong(name: str, i: int) -> bool:
+    """Whether an argument one row shorter no longer fits the others (the raw bytes, the scratch, the
+    templates, the fixed columns' table and the arena may be any length the rest of the arguments fit)."""
+    return not {
+        "headers": {0, 4, 5, 6, 7},
+        "inflate": {0, 2},
+        "check": {0, 1, 2, 3, 8},
+        "assemble": {0, 1, 2, 3, 8, 13, 14, 15},
+    }[name].__contains__(i)
+
+
+def test_c_kernels_refuse_arguments_that_point_outside_their_buffers(tmp_path):
+    """What one kernel hands the next (buf's positions, spos and slen, where) is held to the buffers it
+    points into: ValueError, not a read or write outside them, when it does not fit."""
+    c = block_kernels("c")
+    rng = random.Random(2)
+    path = tmp_path / "rank-00000.arrows"
+    block = [d for d, _ in _steps(path, write_v2(path, _random_steps(rng, 3)))[1:]]
+    calls = _arguments(block)
+
+    def call(name, i, edit):
+        args = _views([a.copy() for a in calls[name]], name)
+        edit(args[i])
+        return getattr(c, name)(*_views(args, name))
+
+    def put(at, value):
+        def edit(a):
+            a[at] = value
+
+        return edit
+
+    raw_len = calls["headers"][0].shape[0]
+    for name, i, edit in (
+        ("headers", 2, put(0, raw_len + 1)),  # ends past raw
+        ("headers", 1, put(0, -1)),
+        ("headers", 8, put((1, 4), 10**6)),  # a template's field past it
+        ("inflate", 1, put((0, 1, 0), raw_len)),  # a buffer past raw
+        ("inflate", 1, put((0, 1, 2), 1 << 40)),  # a size past the scratch
+        ("check", 6, put((0, 5), 1 << 40)),  # spos past the scratch
+        ("check", 6, put((0, 5), 4)),  # not 8-aligned
+        ("check", 4, put((0, 1), 1 << 40)),  # a length past 2^31
+        ("check", 8, put((0, 0), 99)),  # a node out of range
+        ("assemble", 10, put((0, 0), 1 << 40)),  # an output buffer past the arena
+        ("assemble", 7, put(0, 1 << 20)),  # more rows than check counted: a write past its buffer
+    ):
+        with pytest.raises(ValueError):
+            call(name, i, edit)

@@ -5,12 +5,17 @@ block is refused, named, as it is alone, and `disttrace diff` exits 2 on it.
 The oracle's conversion to the readers' columns is written here from the layout's definition (phase and
 dtype as strings, shape as a list, numel its product, the shard list cut in half), not taken from the code
 under test.
+
+Each test of decode_steps runs three ways (the `decoder` fixture): the pyarrow path alone, and the compiled
+path (store/blockdecode.py) ahead of it with the C kernels and with numba's, from the first block of two
+steps; a build that is not there skips.
 """
 
 from __future__ import annotations
 
 import math
 import random
+from functools import partial
 from pathlib import Path
 
 import orjson
@@ -30,6 +35,36 @@ from test_trajectory_format import (
 
 from disttrace.errors import BadInput
 from disttrace.store import trajectory
+
+
+def block_kernels(kind: str):
+    """store/blockdecode.py's kernels of `kind` ("c" or "numba"), or the test skipped where that build is not
+    there (the C extension not built, or DISTTRACE_NATIVE=0; numba not installed)."""
+    blockdecode = pytest.importorskip("disttrace.store.blockdecode")  # neither build: ImportError
+    if kind == "c":
+        k = blockdecode.c_kernels()
+        if k is None:
+            pytest.skip("the C kernels are not built (or DISTTRACE_NATIVE=0)")
+        return k
+    try:
+        return blockdecode.numba_kernels()
+    except ImportError:
+        pytest.skip("numba is not installed")
+
+
+@pytest.fixture(params=["pyarrow", "c", "numba"])
+def decoder(request, monkeypatch):
+    """decode_steps' decoder: the pyarrow path alone, or the compiled path with the C or numba kernels ahead
+    of it for every block of two steps or more (declining to the pyarrow path as it does)."""
+    if request.param == "pyarrow":
+        monkeypatch.setattr(trajectory, "_kernel", False)
+        return None
+    from disttrace.store import blockdecode
+
+    k = block_kernels(request.param)
+    monkeypatch.setattr(trajectory, "_kernel", partial(blockdecode.decode, kernels=k))
+    monkeypatch.setattr(trajectory, "_native", True)  # no threshold: every block of two steps
+    return k
 
 
 def _oracle(path: Path) -> list[dict]:
@@ -59,7 +94,7 @@ def _mixed_steps() -> list[list[dict]]:
 
 
 @pytest.mark.parametrize("layout", [1, 2])
-def test_a_block_decodes_as_pyarrow_reads_the_file(tmp_path, layout):
+def test_a_block_decodes_as_pyarrow_reads_the_file(tmp_path, layout, decoder):
     steps = _mixed_steps()
     path = tmp_path / "rank-00000.arrows"
     ranges = (write_v1 if layout == 1 else write_v2)(path, steps)
@@ -73,7 +108,7 @@ def test_a_block_decodes_as_pyarrow_reads_the_file(tmp_path, layout):
     assert tail_starts.tolist() == (starts[2:] - starts[2]).tolist()
 
 
-def test_a_block_equals_its_steps_decoded_alone(tmp_path, monkeypatch):
+def test_a_block_equals_its_steps_decoded_alone(tmp_path, monkeypatch, decoder):
     steps = _mixed_steps()
     path = tmp_path / "rank-00000.arrows"
     parts = _steps(path, write_v2(path, steps))
@@ -85,7 +120,7 @@ def test_a_block_equals_its_steps_decoded_alone(tmp_path, monkeypatch):
     assert [trajectory.to_records(b) for b in alone] == steps  # the records as written
 
 
-def test_every_rank_of_a_real_store_decodes_as_pyarrow_reads_it(runs):
+def test_every_rank_of_a_real_store_decodes_as_pyarrow_reads_it(runs, decoder):
     run = runs.reference()
     files = sorted((run / "trajectory").glob("rank-*.arrows"))
     assert len(files) >= 2
@@ -140,7 +175,7 @@ def _dictionary(step: bytes) -> bytes:
 
 
 @pytest.mark.parametrize("case", sorted(_crafted()))
-def test_a_malformed_step_inside_a_block_is_refused_and_named(tmp_path, case):
+def test_a_malformed_step_inside_a_block_is_refused_and_named(tmp_path, case, decoder):
     path = tmp_path / "rank-00000.arrows"
     parts = _steps(path, write_v2(path, [every_kind(s) for s in (1, 2, 3, 4)]))
     bad, message = _crafted()[case]
@@ -184,7 +219,7 @@ def test_diff_exits_2_naming_a_malformed_step_in_the_middle_of_a_block(tmp_path)
         assert "says it holds" in proc.stderr and proc.stdout == ""
 
 
-def test_null_shapes_and_null_indices_decode_as_pyarrow_reads_them(tmp_path):
+def test_null_shapes_and_null_indices_decode_as_pyarrow_reads_them(tmp_path, decoder):
     """The writer never stores a null shape, but a reader must not stumble on one: a null dictionary entry
     and a null index both read as a null shape without numel, alone and inside a block."""
     crafted = _v2_step({"shape": _shapes([0, None, 1], [[2, 3], None])}, 3)
@@ -272,7 +307,9 @@ def _outcome(fn, *args):
 
 
 @pytest.mark.parametrize("layout", [1, 2])
-def test_the_block_framing_reads_what_the_message_loop_reads(tmp_path, monkeypatch, layout):
+def test_the_block_framing_reads_what_the_message_loop_reads(
+    tmp_path, monkeypatch, layout, decoder
+):
     """_frame_block reads every step's message headers at once; _frame_steps, the oracle, reads them message by
     message (pyarrow's reader for each message, the header's fields one by one). On the writer's own blocks
     the fast framing is taken; on blocks whose header bytes are changed (a flipped, zeroed or saturated byte
@@ -322,7 +359,7 @@ def test_the_block_framing_reads_what_the_message_loop_reads(tmp_path, monkeypat
     assert declined and agreed and (refused or layout == 1), (declined, agreed, refused)
 
 
-def test_a_shape_dictionary_that_expands_without_bound_is_refused(tmp_path):
+def test_a_shape_dictionary_that_expands_without_bound_is_refused(tmp_path, decoder):
     """A step's dictionary names each shape once, so a few KB on disk can give every record one shape of
     10,000 dimensions (160 MB of values for 2 x 1,000 records): refused, naming the step, where records of
     20 dimensions each (within the bound of 16 a record plus a few thousand) decode."""
