@@ -10,11 +10,13 @@ ratios, and checks that every path gives the same results. Also the one-off cost
 a process: importing the C extension, and numba's import with the loading of its compiled pass from its
 cache, measured in fresh processes.
 
-    .venv/bin/python bench/diff_fused.py A B [--passes 3] [--block-rows N] [--against OTHER_CHECKOUT]
+    .venv/bin/python bench/diff_fused.py A B [--passes 3] [--block-rows N] [--sizes 1,16,150]
+        [--against OTHER_CHECKOUT]
 
 A, B: run stores of one topology, e.g. `reference` and `noisy` of `bench/diff_speed.py --dir D --keep`.
 --block-rows: the rows a rank-block gathers (default: diff's BLOCK_ROWS; 1: one step a block, the smallest
-blocks a diff compares). With --against, also the comparison's set-up in fresh processes of this checkout's
+blocks a diff compares). --sizes: also the CPU of folding one block of each of these row counts, per path
+(minimum and median of 9 alternating passes): where the compiled pass starts to pay. With --against, also the comparison's set-up in fresh processes of this checkout's
 and the other's code, alternating: reading and checking both sides' step indexes (`_Setup`) and planning the
 blocks for the read-ahead and for the comparison; medians of CPU seconds and their ratio.
 """
@@ -176,6 +178,35 @@ def _against(a: str, b: str, other: Path, passes: int) -> None:
         )
 
 
+def _sizes(jobs, tol, sizes: list[int], paths: list[str]) -> None:
+    """Per path, the CPU seconds of folding a block of n rows (the first n rows of the first rank-block, its
+    steps cut there), for each n: where the compiled pass starts to pay (columnar.NATIVE_MIN, FUSED_MIN)."""
+    todo, r, ((ba, starts), _, ca, cb, _) = jobs[0]
+    for n in sizes:
+        n = min(n, ca.num_rows)
+        s = starts[starts < n] if n else starts[:1]
+        a, b = columnar.Columns(ca.batch.slice(0, n)), columnar.Columns(cb.batch.slice(0, n))
+        for c, src in ((a, ca), (b, cb)):
+            c._np.update({k: v[:n] for k, v in src._np.items()})
+        got: dict[str, list[float]] = {p: [] for p in paths}
+        reps = max(3, 3000 // max(n, 1))
+        for _ in range(9):
+            for p in paths:
+                _use(p)
+                t = time.process_time()
+                for _ in range(reps):
+                    out = [_RankStep(k) for k in np.diff(np.append(s, n)).tolist()]
+                    _fold_columns(todo[: len(s)], r, a, b, s, tol, out)
+                got[p].append((time.process_time() - t) / reps)
+        print(
+            f"block of {n:>5} rows ({len(s)} steps): "
+            + ", ".join(
+                f"{p} {min(v) * 1e3:.3f} ms (median {sorted(v)[len(v) // 2] * 1e3:.3f})"
+                for p, v in got.items()
+            )
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -185,6 +216,11 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=3, help="passes of each path (alternating)")
     ap.add_argument(
         "--block-rows", type=int, default=BLOCK_ROWS, help="rows a rank-block gathers (1: a step)"
+    )
+    ap.add_argument(
+        "--sizes",
+        default=None,
+        help="also each path's CPU a block of these row counts (comma-separated), e.g. 1,16,150,4096",
     )
     ap.add_argument(
         "--against", type=Path, default=None, help="another checkout (the set-up's cost)"
@@ -234,6 +270,8 @@ def main() -> None:
             f"one-off: importing {k}'s module {cost * 1e3:.1f} ms of CPU (median of {args.passes} fresh "
             f"processes): {back}"
         )
+    if args.sizes:
+        _sizes(jobs, st.tol, [int(x) for x in args.sizes.split(",")], paths)
     print(f"load after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

@@ -13,7 +13,9 @@ from disttrace.analysis import columnar, tolerance
 from disttrace.compiled import native
 
 C = native("_compare")
-needs_c = pytest.mark.skipif(C is None, reason="the C extension disttrace.native._compare is not built")
+needs_c = pytest.mark.skipif(
+    C is None, reason="the C extension disttrace.native._compare is not built"
+)
 
 K = 4
 N_ORDERS = 8
@@ -115,9 +117,7 @@ def _compare_args(rng, n, *, kind=None, starts=None) -> dict:
         sb=sb,
         na=na,
         nb=nb,
-        numel_a=rng.choice(
-            np.array([0, 1, 7, 512, 20000, 1 << 40, 2**62, -3], dtype=np.int64), n
-        ),
+        numel_a=rng.choice(np.array([0, 1, 7, 512, 20000, 1 << 40, 2**62, -3], dtype=np.int64), n),
         numel_b=rng.choice(np.array([0, 1, 7, 512, 20000, 1 << 40, -3], dtype=np.int64), n),
         k32a=k32a,
         v32a=v32a,
@@ -216,7 +216,12 @@ def test_classify_then_compare_block_give_numbas_bytes(seed, fused):
     """classify's kinds, then compare_block over them: the pair as columnar.py calls them."""
     rng = np.random.default_rng(1000 + seed)
     n = int(rng.choice([1, 50, 400]))
-    cargs = dict(zip("da db dev_a dev_b same_type sa sb na nb numel_a nf_a nf_b".split(), _classify_args(rng, n)))
+    cargs = dict(
+        zip(
+            "da db dev_a dev_b same_type sa sb na nb numel_a nf_a nf_b".split(),
+            _classify_args(rng, n),
+        )
+    )
     cargs["kind"] = np.full(n, 9, dtype=np.int8)
     got = _run_both(C.classify, fused.classify, cargs, ("kind",))
     args = _compare_args(rng, n, kind=got["kind"])
@@ -275,7 +280,9 @@ def test_in_set_and_factors_give_numbas_bytes(seed, fused):
 
 def _valid(n=20, seed=5) -> dict:
     rng = np.random.default_rng(seed)
-    starts = np.array([0, 5, 5, 6, 12], dtype=np.int64)  # an empty step, one of one row, the last of 8
+    starts = np.array(
+        [0, 5, 5, 6, 12], dtype=np.int64
+    )  # an empty step, one of one row, the last of 8
     args = _compare_args(rng, n, kind=np.ones(n, dtype=np.int8), starts=starts)
     args.update(user=False, use_table=True, has_mags=True)
     args["extra"], args["unbounded"] = np.ones(n), np.zeros(n, dtype=bool)
@@ -312,8 +319,13 @@ BAD_COMPARE = {
     "factor too short": lambda a: {"factor": a["factor"][:3]},
     "extra too short": lambda a: {"extra": a["extra"][:3]},
     "unbounded too short": lambda a: {"unbounded": a["unbounded"][:0]},
-    "row_base too short without a table": lambda a: {"use_table": False, "row_base": a["row_base"][:1]},
-    "counts of another shape": lambda a: {"counts": np.zeros((2, len(a["starts"])), dtype=np.int64)},
+    "row_base too short without a table": lambda a: {
+        "use_table": False,
+        "row_base": a["row_base"][:1],
+    },
+    "counts of another shape": lambda a: {
+        "counts": np.zeros((2, len(a["starts"])), dtype=np.int64)
+    },
     "first too short": lambda a: {"first": a["first"][:-1]},
     "cells not steps x orders": lambda a: {"g_best": a["g_best"][:-1]},
     "specials too short": lambda a: {"specials": a["specials"][:-1]},
@@ -321,9 +333,13 @@ BAD_COMPARE = {
     "n_orders 0": lambda a: {"n_orders": 0},
     "K negative": lambda a: {"K": -1},
     "copied_from negative": lambda a: {"copied_from": -3},
-    "shape offset past the values": lambda a: {"shape_val": a["shape_val"][: int(a["shape_off"][5]) - 1]},
+    "shape offset past the values": lambda a: {
+        "shape_val": a["shape_val"][: int(a["shape_off"][5]) - 1]
+    },
     "shape offset negative": lambda a: {"shape_off": a["shape_off"] - int(a["shape_off"][-1]) - 1},
-    "order negative": lambda a: {"order": np.where(np.arange(len(a["order"])) == 4, -1, a["order"])},
+    "order negative": lambda a: {
+        "order": np.where(np.arange(len(a["order"])) == 4, -1, a["order"])
+    },
     "order past n_orders": lambda a: {"order": np.full_like(a["order"], N_ORDERS)},
     "a row before the first step": lambda a: {"starts": a["starts"] + 1},
     "no steps": lambda a: {
@@ -430,7 +446,9 @@ def test_in_set_and_factors_refuse(what):
 
 
 @needs_c
-@pytest.mark.parametrize("what", ["digest shape", "digest rows", "short column", "kind read-only", "wrong dtype"])
+@pytest.mark.parametrize(
+    "what", ["digest shape", "digest rows", "short column", "kind read-only", "wrong dtype"]
+)
 def test_classify_refuses(what):
     rng = np.random.default_rng(4)
     args = _classify_args(rng, 10) + [np.zeros(10, dtype=np.int8)]

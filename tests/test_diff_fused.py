@@ -148,14 +148,14 @@ def kernels_of(kind: str, monkeypatch):
     monkeypatch.setattr(columnar, "_native_module", None)
     if kind == "c":
         monkeypatch.delenv("DISTTRACE_NATIVE", raising=False)
-        if columnar._native() is None:
+        if columnar.native_kernels() is None:
             pytest.skip("the C extension disttrace.native._compare is not built")
-        return columnar._native()
+        return columnar.native_kernels()
     pytest.importorskip("numba")
     monkeypatch.setenv("DISTTRACE_NATIVE", "0")
     from disttrace.analysis import fused
 
-    assert columnar._native() is None
+    assert columnar.native_kernels() is None
     return fused
 
 

@@ -29,8 +29,10 @@ from disttrace.store.trajectory import SKETCH_K
 
 TINY = 1e-300
 # The compiled pass over a block (summarize) is one of two modules with the same four kernels, bit for bit:
-# - disttrace.native._compare (C, built at install where a compiler is there): it loads in about a millisecond,
-#   so every diff takes it, for every block of at least NATIVE_MIN rows (NATIVE_MIN: MEASURED below);
+# - disttrace.native._compare (C, built at install where a compiler is there): it loads in under a millisecond,
+#   so every diff takes it, for every block with a row: measured, the pass with its set-up here costs less CPU
+#   than numpy's ~60 array operations at every block size, one row included (0.18-0.22 ms against 0.67-0.88 ms
+#   for 1 to 150 rows; 0.65 against 2.7 ms for 4,096; `bench/diff_fused.py A B --sizes ...`, docs/benchmarks.md);
 # - else analysis/fused.py (numba, the `fast` extra), for a block of at least FUSED_MIN rows in a diff that will
 #   compare at least FUSED_PAIRS pairs of records (its estimate from the step indexes, blocks._compared_pairs):
 #   numba's import and the loading of the compiled pass cost ~0.65 s of CPU once a process, and the pass saves
@@ -40,8 +42,12 @@ TINY = 1e-300
 NATIVE_MIN = 1
 FUSED_MIN = 1 << 12
 FUSED_PAIRS = 1 << 20
-_fused_module = None  # the module chosen (C or numba), False where neither is there or DISTTRACE_FUSED=0
-_native_module = None  # disttrace.native._compare, False where it is not built or DISTTRACE_NATIVE=0
+_fused_module = (
+    None  # the module chosen (C or numba), False where neither is there or DISTTRACE_FUSED=0
+)
+_native_module = (
+    None  # disttrace.native._compare, False where it is not built or DISTTRACE_NATIVE=0
+)
 _PHASES = pa.array(PHASES)
 _SKETCH_FLOAT32 = pa.array(tolerance.SKETCH_FLOAT32)
 _U32, _U64 = tolerance.UNIT_ROUNDOFF["float32"], tolerance.UNIT_ROUNDOFF["float64"]
@@ -445,7 +451,7 @@ def phase_name(order: int) -> str:
     return PHASES[order] if order < len(PHASES) else ""
 
 
-def _native():
+def native_kernels():
     """disttrace.native._compare, or None (not built, DISTTRACE_NATIVE=0, or compiled with other tolerance
     constants than analysis/tolerance.py's)."""
     global _native_module
@@ -456,7 +462,7 @@ def _native():
 
 
 def is_native(module) -> bool:
-    return module is not None and module is _native()
+    return module is not None and module is native_kernels()
 
 
 def _fused(numba_ok: bool = True):
@@ -467,8 +473,8 @@ def _fused(numba_ok: bool = True):
     if _fused_module is None:
         if os.environ.get("DISTTRACE_FUSED") == "0":
             _fused_module = False
-        elif _native() is not None:
-            _fused_module = _native()
+        elif native_kernels() is not None:
+            _fused_module = native_kernels()
         elif numba_ok:
             _fused_module = optional("disttrace.analysis.fused", "DISTTRACE_FUSED") or False
         else:

@@ -567,8 +567,8 @@ static PyObject *py_compare_block(PyObject *self, PyObject *const *args, Py_ssiz
     double *rel_out = a[A_REL].view.buf, *bnd_out = a[A_BND].view.buf;
     /* rows r < rows_k..: row r's K sketch values lie within the array */
     Py_ssize_t rows_k32a = rows_held(a[A_K32A].len, K), rows_k64a = rows_held(a[A_K64A].len, K),
-               rows_k32b = rows_held(a[A_K32B].len, K), rows_k64b = rows_held(a[A_K64B].len, K), len_shape_val = a[A_SHAPE_VAL].len,
-               t_cols = a[A_TABLE].len2, n_cells = a[A_G_BEST].len;
+               rows_k32b = rows_held(a[A_K32B].len, K), rows_k64b = rows_held(a[A_K64B].len, K);
+    Py_ssize_t len_shape_val = a[A_SHAPE_VAL].len, t_cols = a[A_TABLE].len2, n_cells = a[A_G_BEST].len;
     int err = OK;
     Py_ssize_t err_at = 0;
     int64_t n_special = 0;
