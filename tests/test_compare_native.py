@@ -6,6 +6,11 @@ anyone's)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -13,6 +18,7 @@ from disttrace.analysis import columnar, tolerance
 from disttrace.compiled import native
 
 C = native("_compare")
+ROOT = Path(__file__).resolve().parent.parent
 needs_c = pytest.mark.skipif(
     C is None, reason="the C extension disttrace.native._compare is not built"
 )
@@ -464,3 +470,31 @@ def test_classify_refuses(what):
         args[9] = args[9].astype(np.float64)
     with pytest.raises(ValueError):
         C.classify(*args)
+
+
+_CHOSEN = (
+    "import sys; from disttrace.analysis import columnar; m = columnar._fused(True); "
+    "print(m.__name__ if m else None, 'numba' in sys.modules)"
+)
+
+
+def _chosen(**env) -> str:
+    e = {k: v for k, v in os.environ.items() if k not in ("DISTTRACE_NATIVE", "DISTTRACE_FUSED")}
+    e["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), e.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-c", _CHOSEN],
+        env={**e, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+
+
+@needs_c
+def test_the_c_module_is_chosen_and_numba_never_imported():
+    assert _chosen() == "disttrace.native._compare False"
+    assert _chosen(DISTTRACE_FUSED="0") == "None False"
+
+
+def test_numba_is_chosen_under_disttrace_native_0(fused):
+    assert _chosen(DISTTRACE_NATIVE="0") == "disttrace.analysis.fused True"

@@ -147,9 +147,10 @@ def kernels_of(kind: str, monkeypatch):
     monkeypatch.setattr(columnar, "_fused_module", None)
     monkeypatch.setattr(columnar, "_native_module", None)
     if kind == "c":
-        monkeypatch.delenv("DISTTRACE_NATIVE", raising=False)
         if columnar.native_kernels() is None:
-            pytest.skip("the C extension disttrace.native._compare is not built")
+            pytest.skip(
+                "the C extension disttrace.native._compare is not built (or DISTTRACE_NATIVE=0)"
+            )
         return columnar.native_kernels()
     pytest.importorskip("numba")
     monkeypatch.setenv("DISTTRACE_NATIVE", "0")
