@@ -220,7 +220,7 @@ static inline int64_t add_wrap(int64_t a, int64_t b) {
 static inline void incr(int64_t *x) { *x = add_wrap(*x, 1); }
 
 /* the correctly rounded square root (IEEE 754, as numba's llvm.sqrt): on x86-64 the SSE2 instruction itself,
- * since C's sqrt also checks its argument to set errno (a third of compare_block's time under GCC's default
+ * since C's sqrt also checks its argument to set errno (a sixth of compare_block's time under GCC's default
  * -fmath-errno, which setup.py leaves as it is) */
 static inline double sqrt_ieee(double x) {
 #if defined(__SSE2__) || defined(_M_X64)
