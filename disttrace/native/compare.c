@@ -18,9 +18,9 @@
  * Safety: every array is taken through the buffer protocol (C-contiguous, its format and item size checked)
  * and every length against what the kernel indexes; every index derived from the data (string offsets,
  * shape offsets, sketch rows, phase orders, step starts, the rows already in `first`, `g_best`, `g_ratio`) is
- * checked before its first use, so a hostile store raises ValueError instead of reading out of bounds (the
- * outputs then hold what the rows before it wrote).
- * The loops run without the GIL. */
+ * checked by passes over whole columns before the loop that uses it (stricter than numba needs in places:
+ * offsets must not decrease, a sketch must not be valid past its values), so a hostile store raises
+ * ValueError, with the outputs untouched, instead of reading out of bounds. The loops run without the GIL. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
