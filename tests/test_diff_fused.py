@@ -1,5 +1,7 @@
-"""The compiled comparison of a block (analysis/fused.py) against the numpy path it replaces (analysis/columnar.py's
-compare and by_step, kept as the path without numba and under DISTTRACE_FUSED=0), as the oracle.
+"""The compiled comparison of a block against the numpy path it replaces (analysis/columnar.py's compare and
+by_step, kept as the path without a compiled module and under DISTTRACE_FUSED=0), as the oracle: each test runs
+with the C kernels (disttrace/native/compare.c, skipped where the extension was not built) and with numba's
+(analysis/fused.py, under DISTTRACE_NATIVE=0; skipped without numba).
 
 Random stores of every phase, float32- and float64-sketched dtypes, scalars, empty tensors and a matrix whose
 statistics round in float32, with B's records perturbed around the bound (bit-equal, digest-only changes,
@@ -17,9 +19,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
-pytest.importorskip("numba")
-
 import test_diff_columnar as tdc  # noqa: E402
 import test_diff_synthetic as syn  # noqa: E402
 
@@ -142,21 +141,44 @@ def _random_runs(seed: int, steps: int = 3):
     return m, a, b
 
 
-@pytest.fixture
-def both_paths(monkeypatch):
-    """run(fn) -> (numpy path's document, compiled path's document, compiled blocks): fn's DiffResult as
-    `--json` bytes under each path, every block long enough for the compiled one."""
+def kernels_of(kind: str, monkeypatch):
+    """The compiled module columnar.py takes for `kind` ("c": the C extension, "numba": analysis/fused.py under
+    DISTTRACE_NATIVE=0), made the one it chooses from here on; skips where that one is not there."""
+    monkeypatch.setattr(columnar, "_fused_module", None)
+    monkeypatch.setattr(columnar, "_native_module", None)
+    if kind == "c":
+        if columnar.native_kernels() is None:
+            pytest.skip(
+                "the C extension disttrace.native._compare is not built (or DISTTRACE_NATIVE=0)"
+            )
+        return columnar.native_kernels()
+    pytest.importorskip("numba")
+    monkeypatch.setenv("DISTTRACE_NATIVE", "0")
     from disttrace.analysis import fused
 
+    assert columnar.native_kernels() is None
+    return fused
+
+
+@pytest.fixture(params=["c", "numba"])
+def kernels(request, monkeypatch):
+    return kernels_of(request.param, monkeypatch)
+
+
+@pytest.fixture
+def both_paths(monkeypatch, kernels):
+    """run(fn) -> (numpy path's document, compiled path's document, compiled blocks): fn's DiffResult as
+    `--json` bytes under each path, every block long enough for the compiled one (C or numba: `kernels`)."""
     calls = []
-    kernel = fused.compare_block
+    kernel = kernels.compare_block
 
     def counted(*args):
         calls.append(len(args[0]))
         return kernel(*args)
 
-    monkeypatch.setattr(fused, "compare_block", counted)
+    monkeypatch.setattr(kernels, "compare_block", counted)
     monkeypatch.setattr(columnar, "FUSED_MIN", 0)
+    monkeypatch.setattr(columnar, "NATIVE_MIN", 0)
     monkeypatch.setattr(columnar, "FUSED_PAIRS", 0)
     monkeypatch.setattr(
         _Tol, "fused", True
@@ -168,6 +190,7 @@ def both_paths(monkeypatch):
             monkeypatch.setenv("DISTTRACE_FUSED", flag)
             monkeypatch.setattr(columnar, "_fused_module", None)
             docs.append(fn().to_json())
+        assert columnar._fused_module is kernels
         return docs[0], docs[1], len(calls)
 
     return run

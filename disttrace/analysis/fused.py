@@ -1,7 +1,10 @@
 """The column-wise comparison of a block of steps (analysis/columnar.py's `compare` and `by_step`) as one
-compiled pass over its rows (the optional `fast` extra: numba). Imported by columnar.py only when numba is
-installed and a block of at least columnar.FUSED_MIN rows is compared; without it columnar.py runs the
-same arithmetic in numpy (~60 array operations a block, each holding the GIL).
+compiled pass over its rows (the optional `fast` extra: numba). disttrace/native/compare.c is the same four
+kernels in C, with the same arguments and results, which columnar.py takes instead where it was built (it
+loads in a millisecond; DISTTRACE_NATIVE=0 leaves it out). This module is imported by columnar.py only
+without the C one, where numba is installed and a diff of at least columnar.FUSED_PAIRS pairs compares a
+block of at least columnar.FUSED_MIN rows; without either columnar.py runs the same arithmetic in numpy (~60
+array operations a block, each holding the GIL).
 
 `nogil`: the comparing thread releases the GIL for the whole block, so the read-ahead thread (decoding the
 next blocks) runs beside it on the other core.
@@ -11,7 +14,8 @@ float64 without `fastmath` (no reassociation, no fused multiply-add): the same b
 operations. The numpy path's reductions are re-stated as loops that pick what they pick: argmax the first
 maximum (the first NaN where there is one), a group's largest error the first among equals, a step's first
 divergence the smallest (micro-batch, phase, index), the first row among equal keys. tests/
-test_diff_fused.py holds the two paths to the same `diff --json` document."""
+test_diff_fused.py holds this module and the C one to the numpy path's `diff --json` document, and
+tests/test_compare_native.py the C kernels to these, output array by output array."""
 
 from __future__ import annotations
 

@@ -389,7 +389,9 @@ class _Setup:
         plan = (
             _Plan(steps, self.ranks, (side_a, side_b)) if propagate and not self.logical else None
         )
-        if plan is not None:
+        if (
+            plan is not None and columnar.native_kernels() is None
+        ):  # numba's threshold; C's has none
             self.tol.fused = (
                 _compared_pairs(steps, self.ranks, side_a, side_b) >= columnar.FUSED_PAIRS
             )
