@@ -8,7 +8,11 @@ from setuptools import Extension, setup
 
 # -ffp-contract=off: no fused multiply-add where the source has a multiply and an add (the comparison must give
 # numpy's bits on every machine, aarch64 included, where GCC would contract them by default)
-ARGS = [] if sys.platform == "win32" else ["-O2", "-std=c11", "-ffp-contract=off", "-fno-strict-aliasing"]
+ARGS = (
+    []
+    if sys.platform == "win32"
+    else ["-O2", "-std=c11", "-ffp-contract=off", "-fno-strict-aliasing"]
+)
 
 setup(
     ext_modules=[

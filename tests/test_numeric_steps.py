@@ -235,3 +235,27 @@ def test_peak_does_not_grow_with_the_steps(tmp_path, monkeypatch):
     grew = peaks[many] - peaks[few]
     rank_steps = ranks * (many - few)
     assert grew < 100 * rank_steps, (peaks, grew / rank_steps)
+
+
+@pytest.mark.parametrize("step", [1, 5, 9])
+def test_an_edited_step_in_a_block_is_refused_naming_it(tmp_path, step):
+    """A numeric diff reads a rank's steps as one block and checks each step's bytes against the hash its
+    index line holds before decoding any: a byte edited in one step (its index line left as it was) is bad
+    input naming the file and that step, never decoded or compared, wherever the step lies in the block."""
+    from disttrace.errors import BadInput
+
+    a, b = _stores(tmp_path, 2, 9, 40)
+    assert diff_runs(a, b, mode="numeric").equal  # the control: the same stores, unedited
+    traj = b / "trajectory/rank-00001.arrows"
+    line = next(
+        e
+        for e in map(orjson.loads, (b / "trajectory/rank-00001.steps.jsonl").read_bytes().split())
+        if e["step"] == step
+    )
+    data = bytearray(traj.read_bytes())
+    # a byte in the step's record batch, past its headers
+    data[line["offset"] + line["length"] - 3] ^= 0x10
+    traj.write_bytes(bytes(data))
+    with pytest.raises(BadInput) as e:
+        diff_runs(a, b, mode="numeric")
+    assert "rank-00001.arrows" in str(e.value) and f"step {step}:" in str(e.value), e.value

@@ -25,7 +25,6 @@ from disttrace.analysis.result import (
     WorstRatio,
 )
 
-
 _MISSING = object()
 
 
@@ -38,7 +37,9 @@ def _worst_by_phase(by_phase: dict[str, PhaseWorst], step: int, per_rank: dict, 
             cur = by_phase.setdefault(phase, PhaseWorst())
             if rel > cur.max_rel_err:
                 bnd = None
-                if not tol.user:  # the tensor's own bound, else the step's (asked only when missing)
+                if (
+                    not tol.user
+                ):  # the tensor's own bound, else the step's (asked only when missing)
                     bnd = rs.max_rel_bound.get(phase, _MISSING)
                     if bnd is _MISSING:
                         bnd = tol.derived(step, phase)

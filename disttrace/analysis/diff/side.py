@@ -321,16 +321,29 @@ class _Side:
             return None
         idx = self.index[rank]
         spans = [idx.span(s) for s in steps]
-        parts = []
-        for s, (offset, length), data in zip(steps, spans, self._ranges(rank, path, spans)):
-            self._hash_checked(rank, s, idx.hash_match(s, data))
-            parts.append((data, f"step {s} (bytes {offset}..{offset + length})"))
+        datas = self._ranges(rank, path, spans)
+        matched = idx.hash_matches(steps, datas)
+        if False in matched:  # the first step whose bytes are not what was indexed
+            j = matched.index(False)
+            self._count_block(steps[:j], None, matched)
+            self._hash_checked(rank, steps[j], False)
+        parts = [
+            (data, f"step {s} (bytes {offset}..{offset + length})")
+            for s, (offset, length), data in zip(steps, spans, datas)
+        ]
         batch, starts = trajectory.decode_steps(path, parts)
         # counted per step, as a step read alone is: results of ranks or steps read elsewhere then combine
-        ends = np.append(starts[1:], batch.num_rows)
-        for s, a, z in zip(steps, starts.tolist(), ends.tolist()):
-            self._count(s, records=z - a)
+        self._count_block(steps, np.diff(np.append(starts, batch.num_rows)).tolist(), matched)
         return batch, starts
+
+    def _count_block(self, steps: list[int], records: list[int] | None, hashed: list) -> None:
+        """_count of a block's steps under one lock: each step's records (None: none yet) and whether its
+        bytes were hash-checked (True in `hashed`)."""
+        with self._counting:
+            for j, s in enumerate(steps):
+                self._count_locked(
+                    s, records[j] if records is not None else 0, int(hashed[j] is True)
+                )
 
     def read_along(self, steps: list[int], rows: int) -> None:
         """Let batch() decode ahead, along `steps` (the steps the comparison will ask for, in its order), as
