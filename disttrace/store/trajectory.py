@@ -462,6 +462,15 @@ def expect(nbytes: int) -> None:
     _work[0] += nbytes
 
 
+def counts_expected() -> bool:
+    """Whether a reader's `expect` can change anything: only numba's kernels wait for a large job (the C ones
+    take every block, and the estimate is a loop over every rank-step). Imports nothing heavy."""
+    global _native
+    if _native is None:
+        _native = os.environ.get("DISTTRACE_BLOCK") != "0" and native("_blockdecode") is not None
+    return not _native
+
+
 def _compiled(size: int | None = None):
     """The compiled block decoder of store/blockdecode.py for a block of `size` bytes (None: whatever its
     size and the job's), or None. C where built: any block; numba (an optional extra, `pip install

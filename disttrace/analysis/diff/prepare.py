@@ -400,7 +400,7 @@ class _Setup:
             if plan is not None and readahead.worth_it()
             else None
         )
-        if reader is not None:
+        if reader is not None and trajectory.counts_expected():
             trajectory.expect(_bytes_read(steps, self.ranks, side_a, side_b))
         try:
             yield from self._outcomes(steps, propagate, on_step, reader, plan)
