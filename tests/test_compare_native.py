@@ -12,9 +12,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import orjson
 import pytest
 
 from disttrace.analysis import columnar, tolerance
+from disttrace.analysis.diff import diff_runs
 from disttrace.compiled import native
 
 C = native("_compare")
@@ -498,3 +500,57 @@ def test_the_c_module_is_chosen_and_numba_never_imported():
 
 def test_numba_is_chosen_under_disttrace_native_0(fused):
     assert _chosen(DISTTRACE_NATIVE="0") == "disttrace.analysis.fused True"
+
+
+def test_a_refusal_of_the_c_kernels_falls_back_to_numpy_and_the_same_document(
+    tmp_path, monkeypatch
+):
+    """Where the C comparison refuses its arguments (an index out of range, which no store we write has), the
+    block is compared by numpy's path: the same `--json`, never an internal error."""
+    import test_numeric_steps as steps
+
+    if columnar.native_kernels() is None:
+        pytest.skip("the C extension is not built")
+    a, b = steps._stores(tmp_path, 2, 5, 30)
+    want = diff_runs(a, b, mode="numeric").to_json()
+    refused = []
+
+    class Refusing:
+        def __getattr__(self, name):
+            def refuse(*args):
+                refused.append(name)
+                raise ValueError("out of range")
+
+            return refuse
+
+    monkeypatch.setattr(columnar, "_fused", lambda *a, **k: Refusing())
+    monkeypatch.setattr(columnar, "is_native", lambda module: True)
+    assert diff_runs(a, b, mode="numeric").to_json() == want
+    assert refused  # the compiled pass was asked, and refused
+
+
+def test_a_refusal_of_the_c_decoder_declines_to_pyarrow(tmp_path, monkeypatch):
+    """Where a C decoder function refuses what it is handed (ValueError), the block declines and the pyarrow
+    path decodes it: the same batch."""
+    from disttrace.store import blockdecode, trajectory
+
+    if blockdecode.KERNELS != "c":
+        pytest.skip("the C extension is not built")
+    import test_numeric_steps as steps
+
+    a, _ = steps._stores(tmp_path, 1, 4, 30)
+    path = a / "trajectory/rank-00000.arrows"
+    lines = [
+        orjson.loads(x) for x in (a / "trajectory/rank-00000.steps.jsonl").read_bytes().split()
+    ]
+    data = path.read_bytes()
+    block = [(data[e["offset"] : e["offset"] + e["length"]], f"step {e['step']}") for e in lines]
+    want, _ = trajectory.decode_steps(path, block)
+
+    def refuse(*args, **kw):
+        raise ValueError("outside its buffer")
+
+    monkeypatch.setattr(blockdecode, "_run", refuse)
+    assert blockdecode.decode([d for d, _ in block]) is None
+    got, _ = trajectory.decode_steps(path, block)
+    assert got.equals(want)

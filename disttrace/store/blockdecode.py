@@ -328,7 +328,10 @@ def decode(
 ) -> tuple[pa.RecordBatch, np.ndarray] | None:
     """decode_steps' batch and each step's first row, from the kernels' four calls; None where they decline
     (or pyarrow's full validation of what they made refuses), for the pyarrow path to decide."""
-    status, arena, where, nulls, rows = _run(steps, kernels)
+    try:
+        status, arena, where, nulls, rows = _run(steps, kernels)
+    except ValueError:  # the C functions refuse what one kernel hands the next outside its buffers
+        return None  # (the kernels' own checks decline first): the pyarrow path decides
     if status:
         return None
     try:
