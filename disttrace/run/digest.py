@@ -837,7 +837,8 @@ class Seen:
         except RuntimeError:  # an inference-mode tensor keeps no version counter: not remembered
             return None, None, None
         storage = t.untyped_storage()
-        return (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()), place), version, storage
+        # t.shape (a torch.Size) equals and hashes as the tuple of its sizes; t.stride() is a tuple
+        return (t.data_ptr(), t.dtype, t.shape, t.stride(), place), version, storage
 
     def digest(self, t: torch.Tensor, off=None, lshape=None, recheck: bool = False) -> dict:
         """digest_tensor(t, off, lshape), its statistics reused where the same bytes were digested lately."""
@@ -853,14 +854,16 @@ class Seen:
 
     def lookup(self, t: torch.Tensor, off=None, lshape=None, recheck: bool = False):
         """(the record of `t`'s bytes digested lately, or None; the token `store` takes to remember the
-        digest made instead): a local, detached host tensor."""
+        digest made instead): a local host tensor."""
         if not t.numel():
             return None, None
         key, version, storage = self._key(t, off, lshape)
         if key is None:
             return None, None
         entry = self._now.get(key) or self._before.get(key)
+        ref = None
         if entry is not None and self._same_storage(entry[1], storage):
+            ref = entry[1]  # the same storage: its weak reference serves the new entry too
             if storage is None or (
                 (recheck or entry[0] == version)
                 and xxhash.xxh3_128_hexdigest(raw_bytes(t)) == entry[2]["digest"]
@@ -871,18 +874,24 @@ class Seen:
                 return dict(entry[2]), None
             if recheck or entry[0] == version:
                 self.misses += 1
-        return None, (key, version, storage)
+        return None, (key, version, storage, ref)
 
     def store(self, token, d: dict) -> dict:
         """Remember digest `d` under `lookup`'s token (None: nothing to remember); what to record."""
         if token is None:
             return d
-        key, version, storage = token
-        self._now[key] = (version, None if storage is None else StorageWeakRef(storage), d)
+        key, version, storage, ref = token
+        if ref is None and storage is not None:
+            ref = StorageWeakRef(storage)
+        self._now[key] = (version, ref, d)
         return dict(d)
 
     @staticmethod
     def _same_storage(ref, storage) -> bool:
         if ref is None or storage is None:
             return ref is None and storage is None
-        return not ref.expired() and ref.cdata == storage._cdata
+        # ref.expired() without its Python frame and the deprecated torch.Storage alias it goes through
+        return ref.cdata == storage._cdata and not _expired(ref.cdata)
+
+
+_expired = torch.UntypedStorage._expired
