@@ -572,6 +572,10 @@ def digest_many(items: list[tuple], seen: Seen | None = None, recheck: bool = Fa
         )
     layout = _layout(tuple(signature), locals_)
     out: list = [None] * len(items)
+    if layout.fused:  # numpy only where one fails its checks (np.errstate there)
+        _digest_fused(layout, locals_, items, out, seen, recheck)
+    if not (layout.host or layout.device or layout.batches):
+        return out
     with np.errstate(all="ignore"):  # once for the list (see _digest_host)
         for i, on_cpu in layout.host:
             t = locals_[i].detach()
@@ -585,8 +589,6 @@ def digest_many(items: list[tuple], seen: Seen | None = None, recheck: bool = Fa
             out[i] = _digest_on_device(locals_[i].detach(), off, lshape)
         for batch in layout.batches:
             _digest_batch(batch, locals_, out)
-        if layout.fused:
-            _digest_fused(layout, locals_, items, out, seen, recheck)
     return out
 
 
@@ -753,7 +755,8 @@ def _digest_fused(
             }
         else:
             x = held[p].detach().numpy()
-            d = _record("float32", x, *_fused_finish(x, s, ss, sk, hexes[p]))
+            with np.errstate(all="ignore"):
+                d = _record("float32", x, *_fused_finish(x, s, ss, sk, hexes[p]))
         token = tokens[p]
         out[fused[j]] = seen.store(token, d) if token is not None else d
 
