@@ -20,6 +20,12 @@ whole and operation by operation:
 and the step's write (the records sorted, encoded as one Arrow batch, written, the step index line sealed).
 `--against REV` times digest_many of run/digest.py as git revision REV had it (loaded beside this
 checkout's) on the same lists, interleaved, and prints both wholes and their ratio.
+
+`--own STEPS` instead runs STEPS real steps with the recorder as a job has it (digest.Seen included) and
+prints the CPU time of the rank's thread in all its hook handlers per step (median of the steps after two
+of warm-up), and of it the compiled call (run/fused.py's many_stats: the hash and the statistics), the
+step's write, and the rest (the recorder's and digest_many's Python, the small tensors' batches): what
+bench/overhead.py's own time is made of, one rank in this process.
 """
 
 from __future__ import annotations
@@ -224,6 +230,61 @@ def agreement(then: list, now: list) -> str:
     )
 
 
+def own(sets: list[str], steps: int, warmup: int = 2) -> None:
+    """The recorder's own CPU time per step in a real job, whole and in parts (`--own`)."""
+    import onerank
+
+    from disttrace.run import digest as D
+    from disttrace.run.recorder import Recorder
+
+    job = onerank.start([f"training.steps={steps}", *sets])
+    spent = {"hooks": 0.0, "compiled": 0.0, "write": 0.0}
+
+    def timed(key, fn):
+        def f(*a, **k):
+            t = time.thread_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[key] += time.thread_time() - t
+
+        return f
+
+    class Bus:  # what Recorder.attach sees: the job's bus, each handler timed
+        def on(self, point, fn, order=50):
+            job.bus.on(point, timed("hooks", fn), order)
+
+    class Kernel:  # run/fused.py, its many_stats timed
+        def __init__(self, module):
+            self.module, self.many_stats = module, timed("compiled", module.many_stats)
+
+        def __getattr__(self, name):
+            return getattr(self.module, name)
+
+    class Timed(Recorder):
+        def _write(self, *a, **k):
+            timed("write", super()._write)(*a, **k)
+
+    rec = Timed(Path(tempfile.mkdtemp()), 0).attach(Bus())
+    per = []
+    for step in range(1, steps + 1):
+        if step == 2 and D._fused() is not None:  # loaded by the first step's large tensors
+            D._kernel = Kernel(D._kernel)
+        spent.update(dict.fromkeys(spent, 0.0))
+        job.step(step)
+        if step > warmup:
+            per.append(dict(spent))
+    rec.close()
+    onerank.stop()
+    med = {k: statistics.median(p[k] for p in per) for k in spent}
+    rest = statistics.median(p["hooks"] - p["compiled"] - p["write"] for p in per)
+    print(
+        f"the recorder's own CPU time a step, one rank in process, median of steps {warmup + 1}..{steps}: "
+        f"{med['hooks'] * 1e3:.1f} ms; compiled call {med['compiled'] * 1e3:.1f}, write "
+        f"{med['write'] * 1e3:.1f}, rest {rest * 1e3:.1f} ms"
+    )
+
+
 def main():
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -233,7 +294,13 @@ def main():
     ap.add_argument(
         "--against", default=None, help="a git revision whose run/digest.py to time too"
     )
+    ap.add_argument(
+        "--own", type=int, default=0, metavar="STEPS", help="the recorder's own time in a real job"
+    )
     args = ap.parse_args()
+    if args.own:
+        own(REALISTIC + args.set, args.own)
+        return
     lists, last, params, mm = capture(REALISTIC + args.set)
     if args.against:
         against(args.against, lists, args.repeats)

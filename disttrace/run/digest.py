@@ -232,46 +232,50 @@ def _fused_stats(x: np.ndarray, plan: _Plan, hasher):
     on the way (its digest returned, `hasher` fed nothing) where xxhash's C functions could be bound,
     else each block fed to `hasher` and then reduced while it is in cache (the same statistics)."""
     kernel, xxh3 = _kernel, _xxh3
-    acc, sk = np.zeros((1, 2)), np.zeros((1, SKETCH_K))
     digest = None
     if hasher is None or xxh3 is not None:
-        state = 0 if hasher is None else xxh3.states(1)[0]
-        row = _table_row(x.ctypes.data, plan, state)
+        states = np.zeros(1, dtype=np.int64) if hasher is None else xxh3.states(1)
+        out, digests = np.zeros((1, 2 + SKETCH_K)), np.zeros((1, 2), dtype=np.uint64)
         kernel.many_stats(
-            np.array([row], dtype=np.int64),
-            xxh3.update if state else 0,
-            xxh3.reset if state else 0,
-            acc,
-            sk,
+            np.array([_table_row(plan)], dtype=np.int64),
+            np.array([x.ctypes.data], dtype=np.int64),
+            states,
+            xxh3.update if hasher is not None else 0,
+            xxh3.reset if hasher is not None else 0,
+            xxh3.digest if hasher is not None else 0,
+            out,
+            digests,
         )
-        if state:
-            digest = xxh3.hexdigest(state)
-    else:
-        x2, m, chunk = (
-            x.reshape(plan.rows, plan.cols),
-            np.zeros(plan.cols),
-            kernel.chunk_rows(plan.cols),
-        )
-        for r0 in range(0, plan.rows, plan.block_rows):
-            blk = x2[r0 : r0 + plan.block_rows]
-            hasher.update(blk)
-            kernel.tensor_stats(
-                blk, plan.u32[r0 : r0 + plan.block_rows], plan.block_rows, chunk, 0, 0, m, acc[0]
+        if hasher is not None:
+            digest = (
+                xxh3.hex(*digests[0].tolist()) if xxh3.digest else xxh3.hexdigest(int(states[0]))
             )
-        kernel.project(plan.wt64, m, sk[0])
-    return _fused_finish(x, *acc[0].tolist(), sk[0].tolist(), digest)
+        s, ss, *sk = out[0].tolist()
+        return _fused_finish(x, s, ss, sk, digest)
+    acc, sk = np.zeros(2), np.zeros(SKETCH_K)
+    x2, m, chunk = (
+        x.reshape(plan.rows, plan.cols),
+        np.zeros(plan.cols),
+        kernel.chunk_rows(plan.cols),
+    )
+    for r0 in range(0, plan.rows, plan.block_rows):
+        blk = x2[r0 : r0 + plan.block_rows]
+        hasher.update(blk)
+        kernel.tensor_stats(
+            blk, plan.u32[r0 : r0 + plan.block_rows], plan.block_rows, chunk, 0, 0, m, acc
+        )
+    kernel.project(plan.wt64, m, sk)
+    return _fused_finish(x, *acc.tolist(), sk.tolist(), digest)
 
 
-def _table_row(address: int, plan: _Plan, state: int) -> tuple:
+def _table_row(plan: _Plan) -> tuple:
     """A tensor's row of fused.many_stats' table (fused.TABLE)."""
     return (
-        address,
         plan.rows,
         plan.cols,
         *plan.addresses,
         plan.block_rows,
         _kernel.chunk_rows(plan.cols),
-        state,
     )
 
 
@@ -547,46 +551,126 @@ def _batchable(t: torch.Tensor) -> bool:
 
 def digest_many(items: list[tuple], seen: Seen | None = None, recheck: bool = False) -> list[dict]:
     """digest_tensor for each (tensor, offset, logical_shape), in order: the small float32 CPU tensors in
-    batches, the others one by one; with `seen`, a tensor whose bytes were digested lately is hashed only
-    (`Seen`; `recheck`: even if its version changed since)."""
-    out: list = [None] * len(items)
-    batch: list[int] = []
-    size = 0
+    batches, the large float32 ones in one compiled call, the others one by one; with `seen`, a tensor
+    whose bytes were digested lately is hashed only (`Seen`; `recheck`: even if its version changed
+    since). How each tensor is taken is decided once per list of dtypes, shapes, devices and placements
+    (`_Layout`): a hook hands over the same list every step."""
     locals_ = []
-    fused: list = []  # (index, tensor, plan, Seen token): fused.many_stats' table, in one call
+    signature = []
+    for t, off, lshape in items:
+        if hasattr(t, "to_local"):  # a DTensor: the digest is of the shard this rank holds
+            t = t.detach().to_local()
+        locals_.append(t)
+        signature.append(
+            (
+                t.dtype,
+                t.shape,
+                t.device,
+                tuple(off) if off else None,
+                tuple(lshape) if lshape else None,
+            )
+        )
+    layout = _layout(tuple(signature), locals_)
+    out: list = [None] * len(items)
+    if layout.fused:  # numpy only where one fails its checks (np.errstate there)
+        _digest_fused(layout, locals_, items, out, seen, recheck)
+    if not (layout.host or layout.device or layout.batches):
+        return out
     with np.errstate(all="ignore"):  # once for the list (see _digest_host)
-        for i, (t, off, lshape) in enumerate(items):
-            t = t.detach()
-            if hasattr(t, "to_local"):
-                t = t.to_local()
-            locals_.append(t)
+        for i, on_cpu in layout.host:
+            t = locals_[i].detach()
+            _, off, lshape = items[i]
+            if seen is not None and on_cpu:
+                out[i] = seen.host_digest(t, off, lshape, recheck)
+            else:
+                out[i] = _digest_host(t, off, lshape)
+        for i in layout.device:
+            _, off, lshape = items[i]
+            out[i] = _digest_on_device(locals_[i].detach(), off, lshape)
+        for batch in layout.batches:
+            _digest_batch(batch, locals_, out)
+    return out
+
+
+class _Layout:
+    """How `digest_many` takes a list of tensors, decided from their dtypes, shapes, devices and placements
+    alone (what `_layout` is keyed by): the host tensors digested one by one (index, on the CPU: `Seen`
+    applies), the device ones, the small float32 ones' batches (`_batch`), and the large float32 ones
+    `fused.many_stats` takes: their indices, plans (held: the table has the addresses of their vectors),
+    rows of its table (fused.TABLE: all it needs but the bytes' address), shapes and element counts. Per
+    tensor per step, that is a tuple of its metadata and a look-up instead of a dozen checks, a placement
+    plan's cache look-up and a table row built in Python."""
+
+    __slots__ = ("host", "device", "batches", "fused", "plans", "table", "shapes", "numels")
+
+    def __init__(self, signature: tuple, tensors: list):
+        self.host: list[tuple[int, bool]] = []
+        self.device: list[int] = []
+        self.batches: list[tuple] = []
+        self.fused: list[int] = []
+        self.plans: list[_Plan] = []
+        rows, self.shapes, numels = [], [], []
+        batch: list[int] = []
+        size = 0
+        for i, (t, (_, shape, device, off, lshape)) in enumerate(zip(tensors, signature)):
             if _batchable(t):
                 if size + t.numel() > _GROUP and batch:
-                    _digest_batch(items, locals_, batch, out)
+                    self.batches.append(_batch(batch, signature))
                     batch, size = [], 0
                 batch.append(i)
                 size += t.numel()
                 continue
-            if t.device.type == "cuda":
-                out[i] = _digest_on_device(t, off, lshape)
+            if device.type == "cuda":
+                self.device.append(i)
                 continue
             plan = _fusable(t, off, lshape)
-            token = None
-            if seen is not None and t.device.type == "cpu":
-                hit, token = seen.lookup(t, off, lshape, recheck)
-                if hit is not None:
-                    out[i] = hit
-                    continue
-            if plan is not None:
-                fused.append((i, t.contiguous(), plan, token))
+            if plan is None:
+                self.host.append((i, device.type == "cpu"))
                 continue
-            d = _digest_host(t, off, lshape)
-            out[i] = seen.store(token, d) if token is not None else d
+            self.fused.append(i)
+            self.plans.append(plan)
+            rows.append(_table_row(plan))
+            self.shapes.append(list(shape))
+            numels.append(t.numel())
         if batch:
-            _digest_batch(items, locals_, batch, out)
-        if fused:
-            _digest_fused(fused, out, seen)
-    return out
+            self.batches.append(_batch(batch, signature))
+        self.table = np.array(rows, dtype=np.int64).reshape(-1, 6)  # fused.TABLE's columns
+        self.numels = numels
+
+
+def _batch(indices: list[int], signature: tuple) -> tuple:
+    """A batch of small float32 tensors (`_digest_batch`): their indices, where each starts in the batch's
+    buffer and how long it is, their sketch vectors' key (`_vectors`), their shapes."""
+    shapes, places = [], []
+    for i in indices:
+        _, shape, _, off, lshape = signature[i]
+        shape = tuple(shape)
+        shapes.append(shape)
+        places.append((shape, off or (0,) * len(shape), lshape or shape))
+    lengths = [math.prod(shape) for shape in shapes]
+    starts = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
+    return indices, starts, starts.tolist(), lengths, tuple(places), shapes
+
+
+_LAYOUTS: dict = {}  # (the compiled pass's availability, a list's signature) -> _Layout
+_LAYOUTS_MAX = 1024  # distinct lists kept (a hook's list, each single tensor `add` hands over)
+
+
+def _layout(signature: tuple, tensors: list) -> _Layout:
+    key = (_kernel, _xxh3, _chunk_bytes(), signature)
+    layout = _LAYOUTS.get(key)
+    if layout is None:
+        layout = _Layout(signature, tensors)
+        if len(_LAYOUTS) >= _LAYOUTS_MAX:
+            _LAYOUTS.clear()
+        # building it may have loaded the compiled pass (its first large tensor): kept under what it saw
+        _LAYOUTS[(_kernel, _xxh3, _chunk_bytes(), signature)] = layout
+    return layout
+
+
+def _chunk_bytes() -> int:
+    """The compiled pass's hashing piece (its table's `chunk` column depends on it), 0 without it."""
+    return _kernel.CHUNK_BYTES if _kernel else 0
 
 
 def _fusable(t: torch.Tensor, off, lshape) -> _Plan | None:
@@ -603,56 +687,104 @@ def _fusable(t: torch.Tensor, off, lshape) -> _Plan | None:
     return plan if plan.block_rows > 1 else None
 
 
-def _digest_fused(jobs: list, out: list, seen: Seen | None) -> None:
-    """_digest_host of each (index, contiguous float32 tensor, plan, Seen token), all in one compiled
-    call: the statistics _fused_stats computes one by one, bit for bit."""
+def _digest_fused(
+    layout: _Layout, tensors: list, items: list, out: list, seen: Seen | None, recheck: bool
+) -> None:
+    """_digest_host of each of the layout's large float32 tensors, all in one compiled call that hands back
+    each one's statistics and digest: the statistics _fused_stats computes one by one, bit for bit. After
+    it, two `tolist`s and a few Python operations a tensor (numpy's calls, each one's machinery fetched
+    again from memory after the bytes streamed through the caches, cost more)."""
+    keep: list[int] = []  # positions in layout.fused of the tensors digested (not reused by `seen`)
+    held, tokens, addresses = [], [], []
+    for j, i in enumerate(layout.fused):
+        t = tensors[i]
+        token = None
+        if seen is not None:
+            _, off, lshape = items[i]
+            hit, token = seen.lookup(t, off, lshape, recheck)
+            if hit is not None:
+                out[i] = hit
+                continue
+        if not t.is_contiguous():
+            t = t.detach().contiguous()  # a copy, held until the kernel has read it
+        keep.append(j)
+        held.append(t)
+        tokens.append(token)
+        addresses.append(t.data_ptr())
+    n = len(keep)
+    if not n:
+        return
     xxh3 = _xxh3
-    states = xxh3.states(len(jobs))
-    table = [_table_row(t.data_ptr(), plan, state) for (_, t, plan, _), state in zip(jobs, states)]
-    acc, sk = np.zeros((len(jobs), 2)), np.zeros((len(jobs), SKETCH_K))
-    _kernel.many_stats(np.array(table, dtype=np.int64), xxh3.update, xxh3.reset, acc, sk)
-    for (i, t, _, token), state, (s, ss), k in zip(jobs, states, acc.tolist(), sk.tolist()):
-        x = t.numpy()
-        d = _record("float32", x, *_fused_finish(x, s, ss, k, xxh3.hexdigest(state)))
-        out[i] = seen.store(token, d) if token is not None else d
+    states = xxh3.states(n)
+    results, digests = np.empty((n, 2 + SKETCH_K)), np.zeros((n, 2), dtype=np.uint64)
+    _kernel.many_stats(
+        layout.table if n == len(layout.fused) else layout.table[keep],
+        np.array(addresses, dtype=np.int64),
+        states,
+        xxh3.update,
+        xxh3.reset,
+        xxh3.digest,
+        results,
+        digests,
+    )
+    hexes = (
+        [xxh3.hex(high, low) for high, low in digests.tolist()]
+        if xxh3.digest
+        else [xxh3.hexdigest(s) for s in states.tolist()]
+    )
+    shapes, numels, fused, in_range = (
+        layout.shapes,
+        layout.numels,
+        layout.fused,
+        tolerance.stats_in_range,
+    )
+    for p, (s, ss, *sk) in enumerate(results.tolist()):
+        j = keep[p]
+        numel = numels[j]
+        # what _fused_finish and _record make of it, without their array (needed only when it fails)
+        if math.isfinite(s) and in_range(ss, numel) and math.isfinite(sum(sk)):
+            d = {
+                "dtype": "float32",
+                "shape": list(shapes[j]),
+                "numel": numel,
+                "digest": hexes[p],
+                "sum": s,
+                "norm": math.sqrt(ss),
+                "sketch": sk,
+                "nonfinite": 0,
+            }
+        else:
+            x = held[p].detach().numpy()
+            with np.errstate(all="ignore"):
+                d = _record("float32", x, *_fused_finish(x, s, ss, sk, hexes[p]))
+        token = tokens[p]
+        out[fused[j]] = seen.store(token, d) if token is not None else d
 
 
-def _digest_batch(items, locals_, batch: list[int], out: list) -> None:
-    xs = [locals_[i].contiguous().numpy().reshape(-1) for i in batch]
+def _digest_batch(batch: tuple, tensors: list, out: list) -> None:
+    """The small float32 tensors of one batch (`_batch`) together, the caller holding np.errstate."""
+    indices, starts, starts_l, lengths, places, shapes = batch
+    xs = [tensors[i].detach().contiguous().numpy().reshape(-1) for i in indices]
     buf = np.concatenate(xs)
-    lengths = np.array([x.size for x in xs])
-    starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
-    signature = []
-    for i in batch:
-        shape = tuple(locals_[i].shape)
-        off, lshape = items[i][1], items[i][2]
-        signature.append(
-            (shape, tuple(off) if off else (0,) * len(shape), tuple(lshape) if lshape else shape)
-        )
-    with np.errstate(all="ignore"):
-        x64 = buf.astype(np.float64)
-        sums = np.add.reduceat(x64, starts)
-        sqs = np.add.reduceat(x64 * x64, starts)
-        vectors = _vectors(tuple(signature))
-        sk = np.stack(
-            [
-                vectors[:, a : a + n] @ x64[a : a + n]
-                for a, n in zip(starts.tolist(), lengths.tolist())
-            ],
-            axis=1,
-        )  # (K, n)
+    x64 = buf.astype(np.float64)
+    sums = np.add.reduceat(x64, starts).tolist()
+    sqs = np.add.reduceat(x64 * x64, starts).tolist()
+    vectors = _vectors(places)
+    sk = np.stack(
+        [vectors[:, a : a + n] @ x64[a : a + n] for a, n in zip(starts_l, lengths)], axis=1
+    ).T.tolist()  # (n, K)
     raw = memoryview(buf.view(np.uint8))
-    for j, i in enumerate(batch):
-        a, n = int(starts[j]) * 4, int(lengths[j])
-        s, ss = float(sums[j]), float(sqs[j])
+    for j, i in enumerate(indices):
+        a, n = starts_l[j] * 4, lengths[j]
+        s, ss = sums[j], sqs[j]
         norm = math.sqrt(ss) if math.isfinite(ss) else math.inf
         nonfinite = 0
         if not (math.isfinite(s) and math.isfinite(norm)):
             nonfinite = int((~np.isfinite(xs[j])).sum())
-        sketch = sk[:, j].tolist()
+        sketch = sk[j]
         out[i] = {
             "dtype": "float32",
-            "shape": list(signature[j][0]),
+            "shape": list(shapes[j]),
             "numel": n,
             "digest": xxhash.xxh3_128_hexdigest(raw[a : a + 4 * n]),
             "sum": s if math.isfinite(s) else None,
@@ -708,7 +840,8 @@ class Seen:
         except RuntimeError:  # an inference-mode tensor keeps no version counter: not remembered
             return None, None, None
         storage = t.untyped_storage()
-        return (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()), place), version, storage
+        # t.shape (a torch.Size) equals and hashes as the tuple of its sizes; t.stride() is a tuple
+        return (t.data_ptr(), t.dtype, t.shape, t.stride(), place), version, storage
 
     def digest(self, t: torch.Tensor, off=None, lshape=None, recheck: bool = False) -> dict:
         """digest_tensor(t, off, lshape), its statistics reused where the same bytes were digested lately."""
@@ -724,14 +857,16 @@ class Seen:
 
     def lookup(self, t: torch.Tensor, off=None, lshape=None, recheck: bool = False):
         """(the record of `t`'s bytes digested lately, or None; the token `store` takes to remember the
-        digest made instead): a local, detached host tensor."""
+        digest made instead): a local host tensor."""
         if not t.numel():
             return None, None
         key, version, storage = self._key(t, off, lshape)
         if key is None:
             return None, None
         entry = self._now.get(key) or self._before.get(key)
+        ref = None
         if entry is not None and self._same_storage(entry[1], storage):
+            ref = entry[1]  # the same storage: its weak reference serves the new entry too
             if storage is None or (
                 (recheck or entry[0] == version)
                 and xxhash.xxh3_128_hexdigest(raw_bytes(t)) == entry[2]["digest"]
@@ -742,18 +877,24 @@ class Seen:
                 return dict(entry[2]), None
             if recheck or entry[0] == version:
                 self.misses += 1
-        return None, (key, version, storage)
+        return None, (key, version, storage, ref)
 
     def store(self, token, d: dict) -> dict:
         """Remember digest `d` under `lookup`'s token (None: nothing to remember); what to record."""
         if token is None:
             return d
-        key, version, storage = token
-        self._now[key] = (version, None if storage is None else StorageWeakRef(storage), d)
+        key, version, storage, ref = token
+        if ref is None and storage is not None:
+            ref = StorageWeakRef(storage)
+        self._now[key] = (version, ref, d)
         return dict(d)
 
     @staticmethod
     def _same_storage(ref, storage) -> bool:
         if ref is None or storage is None:
             return ref is None and storage is None
-        return not ref.expired() and ref.cdata == storage._cdata
+        # ref.expired() without its Python frame and the deprecated torch.Storage alias it goes through
+        return ref.cdata == storage._cdata and not _expired(ref.cdata)
+
+
+_expired = torch.UntypedStorage._expired

@@ -84,6 +84,29 @@ def _call_reset(typingctx, fn, state):  # pragma: no cover - compiled
     return sig, codegen
 
 
+@intrinsic
+def _call_digest(typingctx, fn, state):  # pragma: no cover - compiled
+    """fn(state) for the C function at address `fn` with XXH3_128bits_digest's signature: its XXH128_hash_t
+    (low64, high64), a struct of two 64-bit integers returned in two registers, as LLVM returns {i64, i64}
+    (the probe in `Xxh3.load` checks it against xxhash's digest)."""
+    if not all(isinstance(a, types.Integer) for a in (fn, state)):
+        return None
+    sig = types.UniTuple(types.uint64, 2)(fn, state)
+
+    def codegen(context, builder, signature, args):
+        i64, i8p = ir.IntType(64), ir.IntType(8).as_pointer()
+        fn_, state_ = (
+            context.cast(builder, v, t, types.int64) for v, t in zip(args, signature.args)
+        )
+        pair = ir.LiteralStructType([i64, i64])
+        f = builder.inttoptr(fn_, ir.FunctionType(pair, [i8p]).as_pointer())
+        h = builder.call(f, [builder.inttoptr(state_, i8p)])
+        parts = [builder.extract_value(h, 0), builder.extract_value(h, 1)]
+        return context.make_tuple(builder, signature.return_type, parts)
+
+    return sig, codegen
+
+
 def _pointer_at(dtype, ir_type):
     @intrinsic
     def at(typingctx, address):  # pragma: no cover - compiled
@@ -104,28 +127,42 @@ def _pointer_at(dtype, ir_type):
 _float32_at = _pointer_at(types.float32, ir.FloatType())
 _float64_at = _pointer_at(types.float64, ir.DoubleType())
 
-# one row of many_stats' table: where a tensor's bytes, u and W lie, its shape, blocks and hashing
-TABLE = ("x", "rows", "cols", "u", "w", "block_rows", "chunk", "state")
+# one row of many_stats' table: a tensor's shape, where its u and W lie, its blocks and hashing pieces; what
+# a list of tensors of the same shapes and placements shares from step to step (digest.py keeps it)
+TABLE = ("rows", "cols", "u", "w", "block_rows", "chunk")
 
 
 @njit(boundscheck=False, nogil=True, cache=True)
-def many_stats(table, update, reset, acc, sketch):  # pragma: no cover - compiled
-    """tensor_stats, then project, of each tensor a row of `table` (int64, columns TABLE) describes, in
-    one call: a hook's large tensors reduced one after the other with no Python between them (whose
-    objects each tensor's bytes would otherwise evict from the caches). Row i: acc[i], sketch[i]
-    (W (K, cols) float64 at its address); its state (an address; 0: not hashed) is reset with `reset`
-    first."""
+def many_stats(
+    table, xs, states, update, reset, digest, out, digests
+):  # pragma: no cover - compiled
+    """tensor_stats, then project, of each tensor a row of `table` (int64, columns TABLE) describes, its
+    bytes at address xs[i], in one call: a hook's large tensors reduced one after the other with no Python
+    between them (whose objects each tensor's bytes would otherwise evict from the caches). Row i:
+    out[i] = (sum, sum of squares, the SKETCH_K sketch values) (W (K, cols) float64 at its address); its
+    hash state states[i] (an address; 0: not hashed) is reset with `reset` first and, with `digest` (an
+    address; 0: none), its xxh3-128 is digests[i] (uint64: the high half, then the low one, the order of
+    xxhash's hexdigest). One call hands back everything a tensor's record needs, so that what follows it
+    in Python is two `tolist`s, not a numpy call per column after the bytes have left the caches cold."""
+    k = out.shape[1] - 2
     for i in range(table.shape[0]):
-        rows, cols = table[i, 1], table[i, 2]
-        x = carray(_float32_at(table[i, 0]), (rows, cols))
-        u = carray(_float32_at(table[i, 3]), (rows,))
-        w = carray(_float64_at(table[i, 4]), (sketch.shape[1], cols))
-        state = table[i, 7]
+        rows, cols = table[i, 0], table[i, 1]
+        x = carray(_float32_at(xs[i]), (rows, cols))
+        u = carray(_float32_at(table[i, 2]), (rows,))
+        w = carray(_float64_at(table[i, 3]), (k, cols))
+        state = states[i]
         if state != 0:
             _call_reset(reset, state)
         m = np.zeros(cols)
-        _stats(x, u, table[i, 5], table[i, 6], update if state != 0 else 0, state, m, acc[i])
-        project(w, m, sketch[i])
+        acc = out[i, :2]
+        acc[0] = 0.0
+        acc[1] = 0.0
+        _stats(x, u, table[i, 4], table[i, 5], update if state != 0 else 0, state, m, acc)
+        project(w, m, out[i, 2:])
+        if state != 0 and digest != 0:
+            low, high = _call_digest(digest, state)
+            digests[i, 0] = high
+            digests[i, 1] = low
 
 
 @njit(fastmath={"reassoc", "contract"}, boundscheck=False, nogil=True, cache=True)
@@ -232,6 +269,7 @@ class Xxh3:
         self._digest = lib.XXH3_128bits_digest
         self._digest.argtypes = [ctypes.c_void_p]
         self._digest.restype = _Hash128
+        self.digest = ctypes.cast(self._digest, ctypes.c_void_p).value
         self._tls = threading.local()
 
     def state(self) -> int:
@@ -245,22 +283,29 @@ class Xxh3:
         self._reset(s)
         return s
 
-    def states(self, n: int) -> list[int]:
-        """n states of this thread's (many_stats resets them), other than `state()`'s."""
+    def states(self, n: int) -> np.ndarray:
+        """n states of this thread's (many_stats resets them), other than `state()`'s: their addresses as
+        int64, the same ones every call of a thread (its pool only grows)."""
         pool = getattr(self._tls, "pool", None)
-        if pool is None:
-            pool = self._tls.pool = []
-        while len(pool) < n:
-            s = self._create()
-            if not s:
-                raise MemoryError("XXH3_createState")
-            pool.append(s)
+        if pool is None or len(pool) < n:
+            pool = list(pool) if pool is not None else []
+            while len(pool) < n:
+                s = self._create()
+                if not s:
+                    raise MemoryError("XXH3_createState")
+                pool.append(s)
+            pool = self._tls.pool = np.array(pool, dtype=np.int64)
         return pool[:n]
 
     def hexdigest(self, state: int) -> str:
         """As xxhash's hexdigest: the canonical (big-endian) 128 bits, the high half first."""
         h = self._digest(state)
         return f"{h.high64:016x}{h.low64:016x}"
+
+    @staticmethod
+    def hex(high: int, low: int) -> str:
+        """xxhash's hexdigest of a digest many_stats wrote (`digests[i]`)."""
+        return f"{high:016x}{low:016x}"
 
     @classmethod
     def load(cls) -> Xxh3 | None:
@@ -276,12 +321,18 @@ class Xxh3:
         states = x.states(2)
         w = np.ones((4, 512))
         table = np.array(
-            [
-                (p.ctypes.data, *p.shape, u.ctypes.data, w.ctypes.data, 40, 8, st)
-                for p, u, st in zip(probes, us, states)
-            ],
+            [(*p.shape, u.ctypes.data, w.ctypes.data, 40, 8) for p, u in zip(probes, us)],
             dtype=np.int64,
         )
-        many_stats(table, x.update, x.reset, np.zeros((2, 2)), np.zeros((2, 4)))
-        got = [x.hexdigest(st) for st in states]
-        return x if got == [xxhash.xxh3_128_hexdigest(p) for p in probes] else None
+        xs = np.array([p.ctypes.data for p in probes], dtype=np.int64)
+        digests = np.zeros((2, 2), dtype=np.uint64)
+        out = np.zeros((2, 6))
+        many_stats(table, xs, states, x.update, x.reset, x.digest, out, digests)
+        want = [xxhash.xxh3_128_hexdigest(p) for p in probes]
+        if [x.hexdigest(st) for st in states.tolist()] != want:
+            return None
+        if [
+            x.hex(*d) for d in digests.tolist()
+        ] != want:  # the struct not returned as the kernel reads it
+            x.digest = 0  # digest.py then asks each state's digest through ctypes
+        return x

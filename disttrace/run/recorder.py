@@ -15,11 +15,14 @@ they have arrived, or at close): the host never waits for the device to write a 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
 from pathlib import Path
 from typing import NamedTuple
+
+import torch
 
 from disttrace.run import devdigest
 from disttrace.run.digest import Seen, digest_many, digest_of_digests
@@ -31,9 +34,19 @@ from disttrace.store.trajectory import SKETCH_VERSION, SUFFIX, TrajectoryWriter
 
 
 def _no_dispatch_modes():
+    """The dispatch modes (the collective tracer's) left while the digests' own tensor ops run. With none to
+    leave, as in a run without the tracer, a null context after two counts: torch's context manager imports
+    and pops on every call (a step's hundred calls cost about two milliseconds)."""
+    if not _dispatch_stack() and not _pre_dispatch_stack():
+        return _NULL
     from torch.utils._python_dispatch import _disable_current_modes
 
     return _disable_current_modes()
+
+
+_NULL = contextlib.nullcontext()
+_dispatch_stack = torch._C._len_torch_dispatch_stack
+_pre_dispatch_stack = torch._ops._len_torch_dispatch_stack_pre_dispatch
 
 
 def shard_info(t) -> dict:
@@ -180,38 +193,35 @@ class Recorder:
         # the digest's own tensor ops are not the job's: keep them out of the collective tracer's mode
         # (which otherwise sees, and costs, every one of them)
         with _no_dispatch_modes():
-            shards = [shard_info(t) for _, _, t in refs]
-            places = [
-                (
-                    t,
-                    (s.get("shard") or {}).get("offset"),
-                    (s.get("shard") or {}).get("logical_shape"),
+            shards, places = [], []
+            for _, _, t in refs:
+                s = shard_info(t)
+                shards.append(s)
+                piece = s.get("shard") if s else None
+                places.append(
+                    (t, piece.get("offset"), piece.get("logical_shape"))
+                    if piece
+                    else (t, None, None)
                 )
-                for (_, _, t), s in zip(refs, shards)
-            ]
             mb = bus.micro_batch if micro_batch is None else micro_batch
+            head = {"step": bus.step, "micro_batch": mb, "phase": phase, "rank": self.rank}
+            buf = self._buf
             for (index, name, _), d, s in zip(refs, self._digests(places, recheck), shards):
-                rec = {
-                    "step": bus.step,
-                    "micro_batch": mb,
-                    "phase": phase,
-                    "rank": self.rank,
-                    "index": base + index,
-                    "tensor": name,
-                    **s,
-                    **(extra or {}),
-                }
-                if isinstance(
-                    d, int
-                ):  # a row of this step's device digests, filled in when they arrive
+                # the fields in the order they always had: the record's place, then its digest's
+                # an int: a row of this step's device digests, filled in when they arrive
+                if isinstance(d, int):
+                    rec = {**head, "index": base + index, "tensor": name, **s, **(extra or {})}
                     self._waiting.append((rec, d))
                 else:
-                    rec.update(d)
-                self._buf.append(rec)
+                    rec = {**head, "index": base + index, "tensor": name, **s, **(extra or {}), **d}
+                buf.append(rec)
 
     def _digests(self, places: list[tuple], recheck: bool = False) -> list:
         """Per (tensor, offset, logical shape): the digest dict of a host tensor, the row of a device one."""
-        on_device = [devdigest.wanted(t, self._force_device) for t, _, _ in places]
+        # devdigest.wanted of each: CUDA tensors, or every one when forced
+        on_device = (
+            [True] * len(places) if self._force_device else [t.is_cuda for t, _, _ in places]
+        )
         if not any(on_device):
             return digest_many(places, self._seen, recheck)
         rows = iter(self._device.add([p for p, dev in zip(places, on_device) if dev]))
