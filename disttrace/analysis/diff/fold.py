@@ -34,7 +34,9 @@ def _worst_by_phase(by_phase: dict[str, PhaseWorst], step: int, per_rank: dict, 
         if rs.first is None and rs.inexact == 0:
             continue
         for phase, rel in rs.max_rel.items():
-            cur = by_phase.setdefault(phase, PhaseWorst())
+            cur = by_phase.get(phase)
+            if cur is None:
+                cur = by_phase[phase] = PhaseWorst()
             if rel > cur.max_rel_err:
                 bnd = None
                 if (

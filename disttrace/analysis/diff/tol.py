@@ -3,6 +3,7 @@ calibrated, a user's, or none where no sound bound exists; docs/tolerance.md).""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -165,35 +166,39 @@ class _Tol:
         (per tensor class where it has classes), else derived."""
         if self.mode == "bitwise":
             return 0.0
-        cls = self._class(name)
+        cls = None if name is None else self._class(name)
         k = (step, phase, cls)
-        if k not in self._cache:
-            if (
-                len(self._cache) >= _CACHED
-            ):  # steps are asked for in order: the old ones are not again
-                self._cache.clear()
-            c = None
-            if self.cal is not None:
-                c = (
-                    self.cal.by_class.get((int(step), phase, cls))
-                    if cls is not None
-                    else self.cal.bound(step, phase)
-                )
-            self._cache[k] = (
-                c
-                if c is not None
-                else tolerance.bound(
-                    self.ma,
-                    self.mb,
-                    step,
-                    phase,
-                    since=self.since,
-                    magnitudes=self.mags is not None,
-                    observed=self.observed,
-                    eps=self._step_bound(phase),
-                )
+        got = self._cache.get(k)
+        if got is not None:
+            return got
+        cache = self._cache
+        if len(cache) >= _CACHED:
+            # steps are asked for in order, the fold a block behind the comparison: the older half goes
+            # (clearing all of it dropped the bounds of the block the fold was about to ask for)
+            for old in list(itertools.islice(cache, len(cache) // 2)):
+                del cache[old]
+        c = None
+        if self.cal is not None:
+            c = (
+                self.cal.by_class.get((int(step), phase, cls))
+                if cls is not None
+                else self.cal.bound(step, phase)
             )
-        return self._cache[k]
+        cache[k] = (
+            c
+            if c is not None
+            else tolerance.bound(
+                self.ma,
+                self.mb,
+                step,
+                phase,
+                since=self.since,
+                magnitudes=self.mags is not None,
+                observed=self.observed,
+                eps=self._step_bound(phase),
+            )
+        )
+        return cache[k]
 
     def derived_table(self, steps: list[int], orders: list[int], n_orders: int) -> np.ndarray:
         """`derived` (no tensor class) at each of `steps` (rows) and phase orders (columns of n_orders, those
