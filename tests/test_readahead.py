@@ -15,7 +15,7 @@ from disttrace.errors import BadInput
 
 def _diff(a, b, monkeypatch, threaded: bool, **kw):
     with monkeypatch.context() as m:
-        m.setattr(readahead, "worth_it", lambda: threaded)
+        m.setattr(readahead, "worth_it", lambda *a, **k: threaded)
         for module in (blocks, prepare):  # blocks of a few steps: many jobs, several in flight
             m.setattr(module, "BLOCK_ROWS", 60)
         return diff_runs(a, b, **kw)
@@ -99,3 +99,14 @@ def test_reads_are_taken_in_order_only():
             reader.take("y")
     finally:
         reader.close()
+
+
+def test_small_steps_decoded_in_c_are_read_in_the_comparing_thread():
+    """With the C decoder a step of fewer than NATIVE_MIN_RECORDS records a rank is read where it is compared
+    (a second thread would only contend for the GIL); larger steps, or the pyarrow decoder, read ahead."""
+    below, at = readahead.NATIVE_MIN_RECORDS - 1, readahead.NATIVE_MIN_RECORDS
+    assert readahead.worth_it() == readahead.worth_it(below, native=False)
+    if not readahead.worth_it():
+        pytest.skip("one core: no second thread in any case")
+    assert not readahead.worth_it(below, native=True)
+    assert readahead.worth_it(at, native=True) and readahead.worth_it(below, native=False)

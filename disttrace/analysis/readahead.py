@@ -26,10 +26,21 @@ DEPTH = 2  # jobs in flight: each holds a block's decoded columns of both sides 
 _enabled = True  # off in the processes of `diff --jobs N`: they already use the cores
 
 
-def worth_it() -> bool:
+# records a rank-step below which a block decoded by the C kernels is read in the comparing thread: the
+# reading is then mostly Python (the decode itself ~25 us a step of 150 records), which the GIL serialises with
+# the comparison, so a second thread only adds its contention (at 150 records a step, 12% more CPU and no wall
+# time gained; at 1,000, where the decode is ~170 us a step outside the GIL, 0.8-0.9x the wall time alone;
+# docs/benchmarks.md, "The block decoder in C")
+NATIVE_MIN_RECORDS = 400
+
+
+def worth_it(records_per_rank_step: float | None = None, native: bool = False) -> bool:
     """A second thread pays where there is a second core this process may run on and nothing else of this diff
-    uses it: the thread costs about 15% more CPU time for its wall-time gain (docs/benchmarks.md)."""
+    uses it: the thread costs about 15% more CPU time for its wall-time gain (docs/benchmarks.md); with the
+    C decoder (`native`) only for steps of NATIVE_MIN_RECORDS records a rank or more."""
     if not _enabled:
+        return False
+    if native and records_per_rank_step is not None and records_per_rank_step < NATIVE_MIN_RECORDS:
         return False
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return (cpus or 1) > 1

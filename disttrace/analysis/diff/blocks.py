@@ -59,6 +59,10 @@ class _Plan:
         self.cum = np.cumsum(np.array(weights, dtype=np.int64))
         self.most = _most_steps(ranks)
 
+    def mean_records(self) -> float:
+        """The records of a rank-step, on average over the steps (each step's most of any rank)."""
+        return float(self.cum[-1]) / len(self.steps) if self.steps else 0.0
+
     def block(self, n: int, rows: int) -> list[int]:
         """_block(steps, n, ranks, sides, rows)."""
         base = int(self.cum[n - 1]) if n else 0

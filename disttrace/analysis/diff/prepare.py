@@ -397,7 +397,8 @@ class _Setup:
             )
         reader = (
             readahead.ReadAhead(_blocks_read(plan, self.ranks, side_a, side_b))
-            if plan is not None and readahead.worth_it()
+            if plan is not None
+            and readahead.worth_it(plan.mean_records(), native=not trajectory.counts_expected())
             else None
         )
         if reader is not None and trajectory.counts_expected():
