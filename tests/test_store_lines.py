@@ -123,6 +123,11 @@ def test_an_unknown_or_malformed_event_line():
     with pytest.raises(BadInput) as e:
         r.parse_event({"event": "checkpoint_saved", "step": "2"}, "events.jsonl", 4)
     assert e.value.field == "step" and "line 4" in e.value.reason
+    # a kind that is no string (an object or a list: unhashable, once an internal error) names the field
+    for kind in ({}, [1], 3):
+        with pytest.raises(BadInput) as e:
+            r.parse_event({"event": kind, "time": 1.0}, "events.jsonl", 2)
+        assert e.value.field == "event" and "line 2" in e.value.reason
 
 
 def test_run_json_is_what_the_writer_stated(tmp_path):

@@ -354,7 +354,10 @@ def parse_event(obj: Any, path, lineno: int) -> EventLine:
     """One line of events.jsonl validated by its kind's model (a kind this version does not know: the
     common fields only); BadInput naming the line and field."""
     kind = obj.get("event") if isinstance(obj, dict) else None
-    return EVENT_LINES.get(kind, EventLine).parse_line(obj, path, lineno)
+    # a kind that is not a string (a list, an object: unhashable) is validated by the common model, which
+    # refuses it naming the field
+    model = EVENT_LINES.get(kind, EventLine) if isinstance(kind, str) else EventLine
+    return model.parse_line(obj, path, lineno)
 
 
 class Check(_Line):
