@@ -136,7 +136,10 @@ class _Line(BaseModel):
         return dumps(self.to_dict())
 
 
-NonNegative = Field(ge=0)
+# a count, offset, size or step: below 2^63, as every reader holds it (an int64 array, Arrow's int64): a line
+# stating 2^63 records was taken by the model and overflowed the reader's array (an internal error)
+INT64_END = 1 << 63
+NonNegative = Field(ge=0, lt=INT64_END)
 
 
 class JsonRecord(_Line):

@@ -34,6 +34,7 @@ from disttrace.store import safeio
 from disttrace.store.manifest import StoredManifest
 from disttrace.store.records import (  # noqa: F401  (re-exported)
     ATTACHED_SOURCE,
+    INT64_END,
     PATH_KINDS,
     PHASE_ORDER,
     PHASES,
@@ -275,7 +276,7 @@ def _plain_index_line(e: dict) -> bool:
     False for anything else, which the models then judge. Never True for a line they would refuse."""
     for k in _INDEX_INTS:
         v = e.get(k)
-        if type(v) is not int or v < 0:
+        if type(v) is not int or not 0 <= v < INT64_END:
             return False
     for k in _INDEX_TEXT:
         v = e.get(k)
@@ -307,7 +308,7 @@ def _plain_index_lines(lines: list[dict]) -> bool:
     judged on its own."""
     for k in _INDEX_INTS:
         col = [e.get(k) for e in lines]
-        if set(map(type, col)) - {int} or (col and min(col) < 0):
+        if set(map(type, col)) - {int} or (col and (min(col) < 0 or max(col) >= INT64_END)):
             return False
     if any(_types(lines, k) - {str, type(None)} for k in _INDEX_TEXT):
         return False
