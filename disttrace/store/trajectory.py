@@ -462,12 +462,17 @@ def expect(nbytes: int) -> None:
     _work[0] += nbytes
 
 
-def counts_expected() -> bool:
-    """Whether a reader's `expect` can change anything: only numba's kernels wait for a large job (the C ones
-    take every block, and the estimate is a loop over every rank-step). Imports nothing heavy."""
+def _probe_native() -> None:
+    """Whether the C build decodes, known without importing numba (set once a process)."""
     global _native
     if _native is None:
         _native = os.environ.get("DISTTRACE_BLOCK") != "0" and native("_blockdecode") is not None
+
+
+def counts_expected() -> bool:
+    """Whether a reader's `expect` can change anything: only numba's kernels wait for a large job (the C ones
+    take every block, and the estimate is a loop over every rank-step). Imports nothing heavy."""
+    _probe_native()
     return not _native
 
 
@@ -477,8 +482,7 @@ def _compiled(size: int | None = None):
     disttrace[fast]`) only past COMPILED_MIN and COMPILED_AFTER; each imported the first time it is wanted
     (whether the C build is there is known without importing numba)."""
     global _kernel, _native
-    if _native is None:
-        _native = os.environ.get("DISTTRACE_BLOCK") != "0" and native("_blockdecode") is not None
+    _probe_native()
     if size is not None and (
         size < NATIVE_MIN if _native else size < COMPILED_MIN or _work[0] < COMPILED_AFTER
     ):
