@@ -93,6 +93,11 @@ class AttachedRecord(Section):
     forward_modules: list[str] = Field(
         default_factory=list, description="module paths whose outputs are recorded"
     )
+    source: Literal["zero-code"] | None = Field(
+        default=None,
+        description="zero-code: the command never called attach; the model, optimizer, loss and data "
+        "were found through torch's process-wide hooks (docs/attach.md)",
+    )
 
 
 class AttachedEval(Section):

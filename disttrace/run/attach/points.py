@@ -55,7 +55,12 @@ def _clip_grads_with_norm_(parameters, max_norm, total_norm, *args, **kwargs):
     return _ACTIVE[-1]._clip_with_norm(parameters, max_norm, total_norm, *args, **kwargs)
 
 
-def _patch_clip(on: bool) -> None:
+def active_runs() -> list[AttachedRun]:
+    """The attached runs of this process still open (the last one gets torch.nn.utils' clipping)."""
+    return list(_ACTIVE)
+
+
+def patch_clip(on: bool) -> None:
     fn = _clip_grad_norm_ if on else _ORIGINAL_CLIP
     torch.nn.utils.clip_grad_norm_ = fn
     torch.nn.utils.clip_grad.clip_grad_norm_ = fn

@@ -16,7 +16,7 @@ from disttrace.run.attach.engine import Engine
 from disttrace.run.attach.faults import FaultContext, FaultGroup, build_fault
 from disttrace.run.attach.loader import LoaderWatch
 from disttrace.run.attach.manifest import SOURCE
-from disttrace.run.attach.points import _ACTIVE, HookPoints, _patch_clip
+from disttrace.run.attach.points import _ACTIVE, HookPoints, patch_clip
 from disttrace.run.attach.steps import StepCycle
 from disttrace.run.collectives import CollectiveTracer
 from disttrace.run.complete import seal_and_complete
@@ -157,7 +157,7 @@ class AttachedRun(LoaderWatch, HookPoints, StepCycle):
             ).attach(self.bus)
         self.tracer.__enter__()
         _ACTIVE.append(self)
-        _patch_clip(True)
+        patch_clip(True)
         self.bus.step, self.bus.micro_batch = 1, 0
         self.bus.emit(StepStart())
 
@@ -276,7 +276,7 @@ class AttachedRun(LoaderWatch, HookPoints, StepCycle):
         self._taken = None
         if self in _ACTIVE:
             _ACTIVE.remove(self)
-        _patch_clip(bool(_ACTIVE))
+        patch_clip(bool(_ACTIVE))
         self.tracer.__exit__(None, None, None)
         self.tracer.close()
         self.recorder.close()

@@ -98,6 +98,28 @@ def attach(
     data_sha256, cwd; docs/gate.md): data and cwd are resolved against the working directory and the data
     hashed here, by rank 0. Under `disttrace run/inject -- CMD` the run directory (and fault) come from
     DISTTRACE_RUN_DIR and `out` is ignored."""
+    return _start(model, optimizer, out, name, seed, edition, config, loader, forward, evaluation)
+
+
+def attach_discovered(model, optimizer) -> AttachedRun:
+    """attach() for a command run with no attach call (run/zerocode.py found its model and optimizer): the
+    defaults, and the manifest's `record.source` saying what was inferred rather than said."""
+    return _start(model, optimizer, recording="zero-code")
+
+
+def _start(
+    model,
+    optimizer,
+    out: str | Path = "runs",
+    name: str = "user-script",
+    seed: int | None = None,
+    edition: str = "user",
+    config: dict | None = None,
+    loader=None,
+    forward=False,
+    evaluation: dict | None = None,
+    recording: str | None = None,
+) -> AttachedRun:
     rank, world = _rank_world()
     optimizer = unwrap_optimizer(optimizer)
     engine = detect_engine(model)
@@ -126,6 +148,8 @@ def attach(
         "every": 1,
         "forward": bool(blocks),
         "forward_modules": [n for n, _ in blocks],
+        # how the run was found: absent for an attach call (its manifests, and so their ids, unchanged)
+        **({"source": recording} if recording else {}),
     }
     manifest_id = manifest_id_of(manifest)
     prepared = os.environ.get(RUN_DIR_ENV)
