@@ -24,7 +24,7 @@ from disttrace.analysis.sync import (
     wire_volume,
 )
 from disttrace.errors import BadInput
-from disttrace.jsondoc import JsonDoc, as_stored
+from disttrace.jsondoc import JsonDoc, as_stored, omit_none
 from disttrace.store import checkpoints as checkpoint
 from disttrace.store.manifest import ParallelismView
 from disttrace.store.records import (
@@ -69,6 +69,8 @@ class RunSummary(JsonDoc):
     stragglers: list[Straggler]
     checkpoints: list[str]
     warnings: list[str]
+    # "zero-code" when the command never called attach (the manifest's record.source); absent otherwise
+    recorded: str | None = omit_none()
 
 
 def summary(run_dir: Path | str) -> RunSummary:
@@ -106,6 +108,7 @@ def summary(run_dir: Path | str) -> RunSummary:
         stragglers=find_stragglers(run),
         checkpoints=[p.name for p in run.checkpoint_dirs()],
         warnings=torn,
+        recorded=m.record.source,
     )
 
 

@@ -12,7 +12,7 @@ gate's field-by-field comparisons, which must see every key, known or not.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
 
@@ -50,6 +50,9 @@ class TrainingView(_Section):
 
 class RecordView(_Section):
     every: StrictInt | None = None
+    # "zero-code": the command never called attach; its model, optimizer, loss and data were found through
+    # torch's process-wide hooks (docs/attach.md)
+    source: Literal["zero-code"] | None = None
 
 
 class DebugView(_Section):

@@ -37,6 +37,12 @@ def render_summary(s: RunSummary, console: Console, topology: TopologyFacts | No
             f"pp={t['pp']} zero={t['zero_stage']}"
         )
     )
+    if s.recorded == "zero-code":
+        console.print(
+            T("recorded zero-code: ", "bold")
+            + T("no attach call; the model, optimizer, loss (the backward's root) and data (the forward's ")
+            + T("first tensor) were found through torch's hooks")
+        )
     if s.fault:
         f = s.fault
         fired = T("fired") if s.fault_fired else T("did not fire", "yellow")

@@ -238,21 +238,21 @@ class Fault:
         training = m.training.model_copy(update={"max_grad_norm": 1.0, "steps": max(step, 1)})
         pseudo = m.model_copy(update={"checkpoint": Checkpoint(interval=1), "training": training})
         accum = m.training.grad_accum_steps
+        # a zero-code run learns its accumulation count only when it steps, after the fault is armed
+        needs_count = (
+            f"'{cls.name}' needs the accumulation count, which a zero-code run does not know before its "
+            "first step: name the micro-batch (--param micro_batch=K, 0 the first)"
+            if (manifest.get("record") or {}).get("source") == "zero-code"
+            else f"'{cls.name}' needs the accumulation count: pass "
+            "config={'grad_accum_steps': N} to attach"
+        )
         try:
             cls.check(step, merged, pseudo)
         except (KeyError, TypeError):
-            raise BadInput(
-                where,
-                f"'{cls.name}' needs the accumulation count: pass config={{'grad_accum_steps': N}} "
-                "to attach",
-            ) from None
+            raise BadInput(where, needs_count) from None
         args = cls.Args(**merged)
         if accum is None and (getattr(args, "micro_batch", 0) < 0 or cls.name == "late-microbatch"):
-            raise BadInput(
-                where,
-                f"'{cls.name}' needs the accumulation count: pass config={{'grad_accum_steps': N}} "
-                "to attach",
-            )
+            raise BadInput(where, needs_count)
         _model_has(getattr(args, "tensor", None), names)
         return cls.record(step, rank, merged)
 

@@ -79,6 +79,8 @@ class BitflipGrad(_TensorFault):
     def _check(cls, step, args, manifest):
         _check_bit(args, manifest)
         accum = manifest.training.grad_accum_steps
+        if accum is None:  # a zero-code run: a micro-batch the step lacks never fires, which diff shows
+            return
         if not -accum <= args.micro_batch < accum:
             raise BadInput(
                 "--param micro_batch",
@@ -95,7 +97,8 @@ class BitflipGrad(_TensorFault):
     @at(Point.BACKWARD)
     def flip(self, bus, p: hooks.Backward):
         # -1: the last micro-batch, the one the reduce follows
-        if bus.micro_batch == self.args.micro_batch % self.manifest.training.grad_accum_steps:
+        accum = self.manifest.training.grad_accum_steps
+        if bus.micro_batch == (self.args.micro_batch % accum if accum else self.args.micro_batch):
             entry = pick(p.grads, self.args.tensor)
             if entry is not None:
                 _fire_flip(self, bus, "backward", entry[1], entry[2])
