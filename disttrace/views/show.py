@@ -40,7 +40,9 @@ def render_summary(s: RunSummary, console: Console, topology: TopologyFacts | No
     if s.recorded == "zero-code":
         console.print(
             T("recorded zero-code: ", "bold")
-            + T("no attach call; the model, optimizer, loss (the backward's root) and data (the forward's ")
+            + T(
+                "no attach call; the model, optimizer, loss (the backward's root) and data (the forward's "
+            )
             + T("first tensor) were found through torch's hooks")
         )
     if s.fault:

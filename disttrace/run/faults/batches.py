@@ -13,7 +13,8 @@ from disttrace.run.hooks import Point
 
 def _check_mb(args, manifest: AnyManifest):
     accum = manifest.training.grad_accum_steps
-    if accum is None:  # a zero-code run: a micro-batch the step lacks never fires, which diff shows
+    # a zero-code run knows no count before it steps: a micro-batch the step lacks never fires (diff shows it)
+    if accum is None:
         return
     if not 0 <= args.micro_batch < accum:
         raise BadInput(

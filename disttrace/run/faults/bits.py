@@ -79,7 +79,8 @@ class BitflipGrad(_TensorFault):
     def _check(cls, step, args, manifest):
         _check_bit(args, manifest)
         accum = manifest.training.grad_accum_steps
-        if accum is None:  # a zero-code run: a micro-batch the step lacks never fires, which diff shows
+        # a zero-code run knows no count before it steps: a micro-batch the step lacks never fires
+        if accum is None:
             return
         if not -accum <= args.micro_batch < accum:
             raise BadInput(
