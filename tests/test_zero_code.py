@@ -23,25 +23,31 @@ from disttrace.analysis.diff import diff_runs
 PLAIN = str(ROOT / "tests" / "scripts" / "plain_ddp.py")
 ACCELERATE = str(ROOT / "tests" / "scripts" / "accelerate_plain.py")
 TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
-DDP2 = [TORCHRUN, "--nproc-per-node", "2", PLAIN, "--steps", "5"]
+DDP2 = [TORCHRUN, "--nproc-per-node", "2", PLAIN, "--steps", "5", "--checkpoint-every", "2"]
 
 
-def _run(out: Path, *command, inject: tuple = ()) -> Path:
-    verb = ["inject", *inject] if inject else ["run"]
-    return last_line(cli(*verb, "--quiet", "--out", out, "--", *command, check=0))
+def _run(out: Path, *command, inject: tuple = (), verb: str = "run") -> Path:
+    verb_args = ["inject", *inject] if inject else [verb]
+    return last_line(cli(*verb_args, "--quiet", "--out", out, "--", *command, check=0))
 
 
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("zero-code")
+    ck = lambda name: ["--checkpoint-dir", str(out / "script-checkpoints" / name)]  # noqa: E731
     fault = ("--fault", "skip-allreduce", "--step", "3", "--rank", "1")
-    return {
-        "a": _run(out, *DDP2),
-        "b": _run(out, *DDP2),
-        "spawn": _run(out, sys.executable, PLAIN, "--steps", "5", "--spawn"),
-        "fault": _run(out, *DDP2, inject=fault),
-        "bug": _run(out, *DDP2, "--bug", "no-accum-divide"),
+    spawn = [sys.executable, PLAIN, "--steps", "5", "--checkpoint-every", "2", "--spawn"]
+    runs = {
+        "a": _run(out, *DDP2, *ck("a")),
+        "b": _run(out, *DDP2, *ck("b")),
+        "spawn": _run(out, *spawn, *ck("spawn")),
+        "fault": _run(out, *DDP2, *ck("fault"), inject=fault),
+        "bug": _run(out, *DDP2, *ck("bug"), "--bug", "no-accum-divide"),
     }
+    resume = ["--resume", str(out / "script-checkpoints" / "a" / "step-2")]
+    runs["recovered"] = _run(out, *DDP2, *ck("recovered"), *resume)
+    runs["out"] = out
+    return runs
 
 
 def _lock(run: Path) -> dict:
@@ -72,6 +78,39 @@ def test_two_runs_of_the_command_are_bit_identical(ddp):
 
 def test_the_tutorials_mp_spawn_launch_records_the_same_run(ddp):
     assert diff_runs(ddp["a"], ddp["spawn"]).equal
+
+
+def test_the_scripts_own_checkpoint_resumes_as_the_recovered_path(ddp):
+    # the script saved with DCP: the run store holds its own verified copy of each step saved
+    facts = orjson.loads(cli("show", ddp["a"], "checkpoints", "--json", check=0).stdout)
+    assert [c["step"] for c in facts["checkpoints"]] == [2, 4]
+    assert all(c["verified"] for c in facts["checkpoints"])
+    info = orjson.loads((ddp["recovered"] / "run.json").read_bytes())
+    assert info["path"] == "recovered" and info["resume"]["step"] == 2
+    assert info["resume"]["from_run"] == str(ddp["a"])
+    result = diff_runs(ddp["a"], ddp["recovered"])
+    assert result.equal and result.compared_steps.first == 3
+
+
+def test_a_replay_of_the_faulted_step_from_the_scripts_checkpoint_is_persistent(ddp):
+    saved = ddp["out"] / "script-checkpoints"
+    proc = cli(
+        "replay",
+        ddp["fault"],
+        "--step",
+        "3",
+        "--reference",
+        ddp["a"],
+        "--json",
+        "--",
+        *DDP2,
+        "--checkpoint-dir",
+        saved / "replay",
+        "--resume",
+        saved / "fault" / "step-2",
+        check=0,
+    )
+    assert orjson.loads(proc.stdout)["attribution"] == "persistent"
 
 
 def test_an_injected_fault_is_found_at_its_step_and_rank(ddp):

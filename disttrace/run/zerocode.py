@@ -18,7 +18,11 @@ What a script would say to `attach` is found instead:
   when it is one value;
 - the data: the outermost forward's first tensor input (as attach does without a loader);
 - the end: `torch.distributed.destroy_process_group()` of the default group, or the interpreter's exit with
-  no exception on its way out, seals the run; an uncaught exception leaves it incomplete, with why.
+  no exception on its way out, seals the run; an uncaught exception leaves it incomplete, with why;
+- checkpoints: the script's own DCP save right after a step also writes the run store's verified checkpoint
+  of that step and marks the script's directory with the step (`disttrace-step.json`); the script's DCP
+  load of a marked directory makes the run resume from that step (the recovered path, or a replay), as
+  `run.resume` does.
 
 A script that calls `attach` itself keeps its own run: discovery stands down once any run is active.
 """
@@ -30,8 +34,11 @@ import importlib.machinery
 import os
 import sys
 import weakref
+from pathlib import Path
 
 ZERO_CODE_ENV = "DISTTRACE_ZERO_CODE"  # "1": record the command without an attach call
+# left in a checkpoint directory the script saved during a recorded run: the step it holds
+CHECKPOINT_MARK = "disttrace-step.json"
 SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zerocode_site")
 
 _armed = False
@@ -44,30 +51,38 @@ def arm() -> None:
     if _armed:
         return
     _armed = True
-    if "torch" in sys.modules:
-        _install()
+    after_import("torch", _install)
+
+
+def after_import(name: str, then) -> None:
+    """Call `then()` right after module `name` finishes importing (now, if it has)."""
+    if name in sys.modules:
+        then()
     else:
-        sys.meta_path.insert(0, _AfterTorch())
+        sys.meta_path.insert(0, _AfterImport(name, then))
 
 
-class _AfterTorch(importlib.abc.MetaPathFinder):
-    """Runs `_install` right after the `torch` package finishes importing (a post-import hook: Python has
-    none of its own). It finds nothing itself; it only wraps the loader the other finders return."""
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """A post-import hook (Python has none of its own): it finds nothing itself, it only wraps the loader
+    that the path finder returns for one module so that `then` runs once the module has executed."""
+
+    def __init__(self, name: str, then):
+        self.name, self.then = name, then
 
     def find_spec(self, name, path, target=None):
-        if name != "torch":
+        if name != self.name:
             return None
         sys.meta_path.remove(self)
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
             return spec
-        exec_module = spec.loader.exec_module
+        exec_module, then = spec.loader.exec_module, self.then
 
-        def exec_then_install(module):
+        def exec_then(module):
             exec_module(module)
-            _install()
+            then()
 
-        spec.loader.exec_module = exec_then_install
+        spec.loader.exec_module = exec_then
         return spec
 
 
@@ -100,6 +115,10 @@ class _Discovery:
         self._wrap_optimizer_init()
         self._wrap_backward()
         self._wrap_destroy()
+        self.pending_resume: tuple[Path, dict] | None = (
+            None  # a marked checkpoint loaded before attach
+        )
+        after_import("torch.distributed.checkpoint", self._wrap_checkpoints)
         # clipping is dispatched to the active run from the moment torch is imported, so a module that binds
         # torch.nn.utils.clip_grad_norm_ (or its two halves) by name reaches it too
         patch_clip(True)
@@ -168,6 +187,73 @@ class _Discovery:
 
         dist.destroy_process_group = destroy_process_group
 
+    def _wrap_checkpoints(self) -> None:
+        """The script's own DCP saves and loads: a save after a step also writes the run store's verified
+        checkpoint of that step and marks the script's directory with the step; a load of a marked
+        directory makes the run resume from that step, as `run.resume` does."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
+
+        discovery = self
+
+        def saving(original):
+            def save(state_dict, *args, **kwargs):
+                out = original(state_dict, *args, **kwargs)
+                discovery._saved(_checkpoint_dir(kwargs, "storage_writer"))
+                return out
+
+            return save
+
+        def load(state_dict, *args, **kwargs):
+            out = original_load(state_dict, *args, **kwargs)
+            discovery._loaded(_checkpoint_dir(kwargs, "storage_reader"))
+            return out
+
+        original_load = state_dict_loader.load
+        for name in ("save", "async_save"):
+            original = getattr(state_dict_saver, name, None)
+            if original is not None:
+                wrapped = saving(original)
+                for module in (dcp, state_dict_saver):
+                    setattr(module, name, wrapped)
+        for module in (dcp, state_dict_loader):
+            module.load = load
+
+    def _saved(self, path: Path | None) -> None:
+        run = self.run
+        if run is None or run._closed or run._paused or not run._stepped or path is None:
+            return
+        step = run.step
+        run.checkpoint(step=step)  # the run store's own, verified copy: the recovery evidence
+        if run.rank == 0 and path.is_dir():
+            from disttrace.store.rundir import write_json_atomic
+
+            mark = {"manifest_id": run.manifest_id, "run": str(run.run_dir), "step": step}
+            write_json_atomic(path / CHECKPOINT_MARK, mark)
+
+    def _loaded(self, path: Path | None) -> None:
+        if path is None or (self.run is not None and self.run._paused):
+            return
+        mark = _read_mark(path)
+        if mark is None:
+            return  # not a checkpoint a recorded run saved: an initial state, not a resume
+        if self.run is None:
+            self.pending_resume = (path, mark)
+        else:
+            self._resume(path, mark)
+
+    def _resume(self, path: Path, mark: dict) -> None:
+        from disttrace.errors import BadInput
+
+        if mark["manifest_id"] != self.run.manifest_id:
+            raise BadInput(
+                path / CHECKPOINT_MARK,
+                f"saved by a run of another experiment ({mark['manifest_id'][:12]}, this one is "
+                f"{self.run.manifest_id[:12]}): a resume continues the run it came from",
+                field="manifest_id",
+            )
+        self.run.resumed(path, mark["step"], Path(mark["run"]), with_optimizer=True)
+
     # ------------------------------------------------------------------ finding the model and optimizer
     def _on_forward(self, module, args):
         if self.run is not None or self.failed or not self.optimizers:
@@ -207,6 +293,8 @@ class _Discovery:
         # the run's own forward pre-hook sits on the inner module: under a wrapper it runs within this
         # call; on the module itself it was added after this call read its hooks, so this forward is
         # counted here
+        if self.pending_resume is not None:
+            self._resume(*self.pending_resume)
         if self.run.inner is module:
             self.run._on_forward(module, args, kwargs)
 
@@ -229,6 +317,37 @@ class _Discovery:
         if dist.is_available() and not dist.is_initialized() and world > 1:
             return  # the group is gone: the seal cannot be gathered, the run stays incomplete
         self.close()
+
+
+def _checkpoint_dir(kwargs: dict, storage: str) -> Path | None:
+    """The directory a DCP save or load names (its checkpoint_id, or a filesystem storage's path)."""
+    where = kwargs.get("checkpoint_id") or getattr(kwargs.get(storage), "path", None)
+    try:
+        return Path(where) if where is not None else None
+    except TypeError:  # a storage that is no path (an object store's key)
+        return None
+
+
+def _read_mark(path: Path) -> dict | None:
+    """The mark a recorded run left in a checkpoint directory it saved: a small JSON file of three typed
+    fields, read without following a link; None where there is none or it is not that shape."""
+    import orjson
+
+    mark = path / CHECKPOINT_MARK
+    try:
+        if mark.is_symlink() or not mark.is_file() or mark.stat().st_size > 4096:
+            return None
+        doc = orjson.loads(mark.read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return None
+    ok = (
+        isinstance(doc, dict)
+        and isinstance(doc.get("manifest_id"), str)
+        and isinstance(doc.get("run"), str)
+        and type(doc.get("step")) is int
+        and doc["step"] >= 0
+    )
+    return doc if ok else None
 
 
 def _stepped_optimizer(optimizers: list, held: set[int]):

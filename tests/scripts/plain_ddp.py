@@ -2,11 +2,15 @@
 a DistributedSampler, gradient accumulation with `no_sync`, clipping, AdamW, `destroy_process_group` at
 the end. `disttrace run -- torchrun --nproc-per-node 2 tests/scripts/plain_ddp.py` records it as it is.
 
+`--checkpoint-every N --checkpoint-dir D` saves a DCP checkpoint of the model and optimizer every N steps
+(D/step-N), and `--resume D/step-N` starts from one, skipping the batches it already trained on.
+
 `--bug no-accum-divide` plants a bug users report: each micro-batch's loss is not divided by the
 accumulation count, so every step's gradient is `--accum` times too large; clipping and Adam hide most of
 it from the loss curve. The script prints its own final loss, so the effect is measured without disttrace.
 
     torchrun --nproc-per-node 2 tests/scripts/plain_ddp.py [--bug no-accum-divide] [--steps N]
+        [--checkpoint-every N --checkpoint-dir D] [--resume D/step-N]
     python tests/scripts/plain_ddp.py --spawn        # the tutorial's mp.spawn launch, 2 ranks
 """
 
@@ -17,9 +21,11 @@ import socket
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -50,8 +56,23 @@ def train(rank, world, args):
     sampler = DistributedSampler(dataset(), num_replicas=world, rank=rank, shuffle=True, seed=0)
     loader = DataLoader(dataset(), batch_size=4, sampler=sampler)
     batches = iter(loader)
+    start = 0
+    if args.resume:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {
+            "model": model_state,
+            "optim": optim_state,
+            "step": torch.zeros((), dtype=torch.int64),
+        }
+        dcp.load(state, checkpoint_id=args.resume)
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+        start = int(state["step"])
+        for _ in range(start * args.accum):  # the batches the checkpoint's steps trained on
+            next(batches)
     loss = torch.zeros(())
-    for _step in range(args.steps):
+    for step in range(start + 1, args.steps + 1):
         optimizer.zero_grad()
         for mb in range(args.accum):
             x, y = next(batches)
@@ -63,6 +84,10 @@ def train(rank, world, args):
                 loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+        if args.checkpoint_every and step % args.checkpoint_every == 0:
+            model_state, optim_state = get_state_dict(model, optimizer)
+            state = {"model": model_state, "optim": optim_state, "step": torch.tensor(step)}
+            dcp.save(state, checkpoint_id=os.path.join(args.checkpoint_dir, f"step-{step}"))
     if rank == 0:
         print(f"final loss {loss.item():.6f}", flush=True)
 
@@ -79,6 +104,9 @@ def main():
     ap.add_argument("--bug", default="none", choices=["none", "no-accum-divide"])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--accum", type=int, default=2)
+    ap.add_argument("--checkpoint-every", type=int, default=0)
+    ap.add_argument("--checkpoint-dir", default="checkpoints")
+    ap.add_argument("--resume", default=None, help="a checkpoint directory this script saved")
     ap.add_argument("--spawn", action="store_true", help="launch 2 ranks with mp.spawn")
     args = ap.parse_args()
     if not args.spawn:  # started by torchrun

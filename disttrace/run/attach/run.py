@@ -241,27 +241,31 @@ class AttachedRun(LoaderWatch, HookPoints, StepCycle):
             progress = ckpt.load(holder, path, self.rank, self.manifest_id)
         finally:
             self._paused = False
-        step = progress.step
+        self.resumed(path, progress.step, path.parent.parent.parent, progress.with_optimizer)
+        return progress.step
+
+    def resumed(self, checkpoint: Path, step: int, from_run: Path, with_optimizer: bool) -> None:
+        """The script's state is now that of `step` of `from_run` (loaded from `checkpoint`): later steps are
+        numbered from it and the run is the recovered path (a replay stays a replay)."""
         if self.rank == 0:
             info = read_run_info(self.run_dir)
             info = info.updated(
                 # a replay (`disttrace replay RUN -- CMD`) resuming is still a replay
                 path="replay" if info.path == "replay" else "recovered",
                 resume=ResumeSpec(
-                    checkpoint=str(path), step=step, from_run=str(path.parent.parent.parent)
+                    checkpoint=str(checkpoint), step=step, from_run=str(from_run)
                 ).doc(),
             )
             write_run_info(self.run_dir, info)
             event(
                 self.run_dir,
-                Resumed(step=step, checkpoint=str(path), with_optimizer=progress.with_optimizer),
+                Resumed(step=step, checkpoint=str(checkpoint), with_optimizer=with_optimizer),
             )
         self.step = step + 1
         self.bus.step, self.bus.micro_batch = self.step, 0
         self.tracer.step = self.step
         if self.depth is not None:
             self.depth.renumbered(self.bus)
-        return step
 
     def close(self) -> None:
         if self._closed:
