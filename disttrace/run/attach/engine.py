@@ -36,7 +36,7 @@ class Engine:
 def detect_engine(model) -> Engine:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from disttrace.integrations import deepspeed
+    from disttrace.run import deepspeed
 
     if deepspeed.is_engine(model):
         return deepspeed.detect(model)

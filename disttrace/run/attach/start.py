@@ -144,7 +144,7 @@ def attach(
     info = read_run_info(run_dir)
     kind = AttachedRun
     if engine.kind == "DeepSpeed":
-        from disttrace.integrations.deepspeed import DeepSpeedRun as kind
+        from disttrace.run.deepspeed import DeepSpeedRun as kind
     run = kind(
         model,
         optimizer,

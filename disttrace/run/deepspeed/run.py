@@ -9,14 +9,14 @@ from pathlib import Path
 import torch
 
 from disttrace.errors import BadInput
-from disttrace.integrations.deepspeed.pieces import (
+from disttrace.run.attach import AttachedRun, initialized_dist
+from disttrace.run.deepspeed.pieces import (
     BOXES,
     _copies,
     _Partitions,
     logical_shape,
     pieces,
 )
-from disttrace.run.attach import AttachedRun, initialized_dist
 from disttrace.run.parallel.common import SCALAR_INDEX
 from disttrace.store.records import CheckpointSaved
 from disttrace.store.rundir import event
