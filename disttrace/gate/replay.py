@@ -85,8 +85,7 @@ def _copy_checkpoint(src: Path, dst: Path) -> None:
 def _prepare(run: Run, ref: Run, source: int, until: int, root: Path) -> Path:
     """A replay run directory under `root` (the gate's own), resuming from a verified copy of the
     candidate's checkpoint `source` and stopping after step `until`."""
-    from disttrace.config.manifest import Frozen
-    from disttrace.gate.evaluate import verified_data
+    from disttrace.config.manifest import Frozen, verified_data
     from disttrace.run.launch import prepare
 
     data_path, tok_path = verified_data(ref)

@@ -153,7 +153,7 @@ def deep_run(
     """A complete run of `run_dir`'s computation whose `step` is recorded at depth `level`: re-run from the
     start with record.depth set, stopping after `step` (reused when one exists); an attached script's run,
     replayed with its own `command` (attached_deep_run)."""
-    from disttrace.gate.evaluate import verified_data
+    from disttrace.config.manifest import verified_data
     from disttrace.run.launch import launch, prepare
 
     run = Run(run_dir)
