@@ -493,3 +493,12 @@ def verified_data(source) -> tuple[str, str | None]:
             field="tokenizer.sha256",
         )
     return data_path, tok_path
+
+
+def checkpoint_identity(manifest) -> str:
+    """The manifest id a checkpoint loaded by this job must carry: the manifest's own, computed without
+    `record.depth` (what is recorded at depth is not what is computed: a replay recording step S at depth
+    resumes from the checkpoint of the run it replays)."""
+    doc = manifest.model_dump(mode="json")
+    doc["record"].pop("depth", None)
+    return hashlib.sha256(canonical_json(doc)).hexdigest()

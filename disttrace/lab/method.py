@@ -28,9 +28,8 @@ from disttrace.run import faults
 from disttrace.run.launch import launch, prepare
 from disttrace.run.recovery import choose_checkpoint, resume_spec
 from disttrace.store import checkpoints as checkpoint
-from disttrace.store.pickles import scan_checkpoint
 from disttrace.store.rundir import PHASES, Run
-from disttrace.store.verify import verify_run
+from disttrace.store.verify import find_reference
 
 
 def _e(v) -> str:
@@ -53,33 +52,6 @@ def parse_prediction(text: str | None) -> dict | None:
             f"'{text}' is not PHASE[@STEP[:RANK]] with PHASE one of {', '.join(PHASES)}",
         )
     return {k: (int(v) if k != "phase" and v is not None else v) for k, v in m.groupdict().items()}
-
-
-def reusable_reference(out: Path, manifest_id: str) -> Path | None:
-    base = out / manifest_id[:12]
-    for d in sorted(base.glob("reference*"), reverse=True) if base.is_dir() else []:
-        try:
-            run = Run(d)
-        except BadInput:
-            continue
-        if not (run.complete and run.manifest_id == manifest_id and run.checkpoint_dirs()):
-            continue
-        for c in (
-            run.checkpoint_dirs()
-        ):  # a pickle that would run code is news, not a reference to skip quietly
-            finding = scan_checkpoint(c)
-            if finding is not None and "global" in finding.reason:
-                raise BadInput(
-                    finding.file,
-                    f"{finding.reason}; this reference in the runs root is not safe to "
-                    "reuse: remove it or use another --out",
-                )
-        if (
-            all(checkpoint.status(c, manifest_id)[0] for c in run.checkpoint_dirs())
-            and verify_run(d).exit_ok
-        ):
-            return d
-    return None
 
 
 @dataclass(frozen=True)
@@ -142,7 +114,7 @@ def expected_signature(
 
 def _reference(frozen, out: Path, progress, follow) -> Path:
     """The reference path: a complete, verified one of the manifest under `out` reused, else run."""
-    ref = reusable_reference(out, frozen.manifest_id)
+    ref = find_reference(out, frozen.manifest_id)
     if ref:
         progress(f"reference: reusing complete, verified {_e(ref)}")
         return ref

@@ -106,8 +106,8 @@ def attached_deep_run(
             f"(disttrace replay {run.path} --step {step} --depth {level} -- CMD), or give the command "
             "after '--' (disttrace zoom A B -- CMD, for one attached side)",
         )
+    from disttrace.lab.replay import prepare_attached_replay
     from disttrace.run import usercmd
-    from disttrace.run.replay import prepare_attached_replay
 
     replay_dir = prepare_attached_replay(run.path, step, command, depth=level)
     progress(
