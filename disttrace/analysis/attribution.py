@@ -17,7 +17,7 @@ the fault log or the fault's declared nature (docs/replay.md):
    another logical rank that ran on the slot the stored divergence's rank held: **device**, naming the slot;
 6. anything else: **not replayable** (the evidence names no cause), never a guess.
 
-No torch here (a reader): the replay's job is run by run/replay.py.
+No torch here (a reader): the replay's job is run by lab/replay.py.
 """
 
 from __future__ import annotations

@@ -407,7 +407,7 @@ def replay(
     S). Exit 0 when a verdict is reached, 2 bad input, 3 the replay's job failed (docs/replay.md).
     An attached run: `disttrace replay RUN --step S -- CMD ARGS...` runs your script again with the replay's
     directory (from its start, or from the checkpoint it resumes from with run.resume)."""
-    from disttrace.run.replay import replay_run
+    from disttrace.lab.replay import replay_run
     from disttrace.views.progress import LiveProgress
     from disttrace.views.replay import render
 

@@ -54,7 +54,7 @@ def gate(
     """The independent evaluation gate: checkpoint integrity, collective sync, gradient equivalence, the eval
     metric scored by a fresh process on the held-out split, completeness. The thresholds are the reference's
     (or --policy's), never the candidate's own. Exit 0 pass, 1 fail, 2 bad input."""
-    from disttrace.gate.verdict import gate as judge
+    from disttrace.lab.reexecute import gate_with_replay as judge
     from disttrace.views.gate import render
 
     if replay < 0 or (replay_seed is not None and replay_seed < 0):

@@ -2,7 +2,7 @@
 
 A script of one's own (DeepSpeed's engine, DDP, FSDP2 ...) may train exactly what the harness trains for a
 frozen manifest: the harness's plain LLaMA (`model.llama.build_model(manifest.model, dtype, seed)`), its token
-windows (`data.windows.harness_windows(lock)`), its optimiser. It says so by attaching with
+windows (`harness_windows(lock)` below), its optimiser. It says so by attaching with
 `config=harness_config(lock)`: the experiment fields of the lock go into the attached manifest's config under
 `harness_experiment`. Diff then holds an attached run and a harness run to that experiment, and never takes
 the statement on trust where attach can see for itself (`claim_differences`):
@@ -21,7 +21,11 @@ numeric diff diverges at step 1's `reduce`.
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from disttrace.data.windows import TokenData
 
 CLAIM = "harness_experiment"
 # the harness's AdamW (run/parallel/common.py) is torch.optim.AdamW with torch's eps; SGD is plain SGD
@@ -40,8 +44,6 @@ def _fields() -> tuple[str, ...]:
 def harness_config(lock) -> dict:
     """attach's `config=` for a script that trains the experiment of `lock` (a lock's path, `Frozen`, or its
     dict): the lock's manifest id and experiment fields, and its step count."""
-    from pathlib import Path
-
     from disttrace.config.manifest import Frozen, get_field, read_lock
 
     if isinstance(lock, (str, Path)):
@@ -170,3 +172,27 @@ def claim_differences(harness_lock: dict, attached_lock: dict) -> list[tuple[str
             compare(f"config.{key}", None, value)
     seen: set[str] = set()  # one entry a field (the seed stated and the seed given to attach, say)
     return [d for d in diffs if not (d[0] in seen or seen.add(d[0]))]
+
+
+def harness_windows(lock_path: str | Path) -> TokenData:
+    """The token windows a harness run of a frozen manifest reads (the lock `disttrace freeze -o` writes),
+    for a training script of one's own that trains the same experiment on the same data:
+    `harness_windows(lock).batch(step, micro_batch, dp_rank)` is what the harness's rank `dp_rank` reads at
+    that (step, micro-batch). The data and tokenizer files the lock resolved are hashed against the lock's
+    sha256 first, so the windows are the frozen experiment's or nothing."""
+    from disttrace.config.manifest import read_lock
+    from disttrace.data.windows import TokenData  # torch: only for a script that trains
+
+    lock = read_lock(lock_path)
+    data = TokenData(lock.manifest, lock.data_path, lock.tokenizer_path)
+    stated = data.layout.tokenizer.sha256
+    if data.tok.sha256 != stated:
+        from disttrace.errors import BadInput
+
+        raise BadInput(
+            lock_path,
+            f"the tokenizer at {lock.tokenizer_path} has sha256 {data.tok.sha256[:12]}..., "
+            f"not the lock's {str(stated)[:12]}...",
+            field="manifest.tokenizer.sha256",
+        )
+    return data

@@ -461,3 +461,44 @@ def freeze_doc(doc: dict, where: Path | str, overrides: list[str] | None = None)
             "tokenizer_path": str(tok_path) if tok_path else None,
         },
     )
+
+
+def verified_data(source) -> tuple[str, str | None]:
+    """The data and tokenizer paths `source`'s lock resolved (`source` a store's `Run`), each hash-checked against its manifest's
+    `data.sha256` / `tokenizer.sha256` (BadInput naming the file otherwise)."""
+    from disttrace.data.tokenizer import load_tokenizer
+
+    resolved = source.lock_info.resolved
+    lock = source.path / "manifest.lock.json"
+    if not isinstance(resolved, dict) or not isinstance(resolved.get("data_path"), str):
+        raise BadInput(lock, "names no data file", field="resolved.data_path")
+    data_path, tok_path = resolved["data_path"], resolved.get("tokenizer_path")
+    want = get_field(source.manifest_doc, "data.sha256")
+    try:
+        got = sha256_file(Path(data_path))
+    except OSError as e:
+        raise BadInput(data_path, f"cannot read ({e.strerror})") from None
+    if not isinstance(want, str) or got != want:
+        raise BadInput(
+            data_path,
+            f"sha256 {got[:12]}... is not the {want!s:.12}... {lock} states",
+            field="data.sha256",
+        )
+    kind = get_field(source.manifest_doc, "tokenizer.kind")
+    tok = load_tokenizer(kind, tok_path)
+    if tok.sha256 != get_field(source.manifest_doc, "tokenizer.sha256"):
+        raise BadInput(
+            tok_path or lock,
+            f"tokenizer sha256 {tok.sha256[:12]}... is not the one {lock} states",
+            field="tokenizer.sha256",
+        )
+    return data_path, tok_path
+
+
+def checkpoint_identity(manifest) -> str:
+    """The manifest id a checkpoint loaded by this job must carry: the manifest's own, computed without
+    `record.depth` (what is recorded at depth is not what is computed: a replay recording step S at depth
+    resumes from the checkpoint of the run it replays)."""
+    doc = manifest.model_dump(mode="json")
+    doc["record"].pop("depth", None)
+    return hashlib.sha256(canonical_json(doc)).hexdigest()

@@ -133,26 +133,3 @@ class TokenData:
         for i in range(0, min(len(self.eval), batch_size * max_batches), batch_size):
             w = self.eval[i : i + batch_size]
             yield w[:, :-1], w[:, 1:]
-
-
-def harness_windows(lock_path: str | Path) -> TokenData:
-    """The token windows a harness run of a frozen manifest reads (the lock `disttrace freeze -o` writes),
-    for a training script of one's own that trains the same experiment on the same data:
-    `harness_windows(lock).batch(step, micro_batch, dp_rank)` is what the harness's rank `dp_rank` reads at
-    that (step, micro-batch). The data and tokenizer files the lock resolved are hashed against the lock's
-    sha256 first, so the windows are the frozen experiment's or nothing."""
-    from disttrace.config.manifest import read_lock
-
-    lock = read_lock(lock_path)
-    data = TokenData(lock.manifest, lock.data_path, lock.tokenizer_path)
-    stated = data.layout.tokenizer.sha256
-    if data.tok.sha256 != stated:
-        from disttrace.errors import BadInput
-
-        raise BadInput(
-            lock_path,
-            f"the tokenizer at {lock.tokenizer_path} has sha256 {data.tok.sha256[:12]}..., "
-            f"not the lock's {str(stated)[:12]}...",
-            field="manifest.tokenizer.sha256",
-        )
-    return data

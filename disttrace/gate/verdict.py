@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import orjson
 
@@ -19,6 +20,15 @@ from disttrace.store.records import Check, Verdict
 from disttrace.store.rundir import Run, write_json_atomic
 
 REQUIRED_CONTENTS = {"model", "optim", "progress"}
+
+
+class ReplayOutcome(NamedTuple):
+    """What re-executing a run's steps found: passed (None when it cannot apply), why, and the verdict's
+    `replay` record (the seed, the steps drawn, each job)."""
+
+    passed: bool | None
+    reason: str
+    record: dict
 
 
 def check(name: str, passed: bool | None, reason: str) -> Check:
@@ -45,7 +55,7 @@ def run_eval(run: Run, data_from: Run | None = None) -> dict:
         )  # a stale or forged eval.json must not stand in for a failed evaluation
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         proc = subprocess.run(
-            [sys.executable, "-m", "disttrace.gate.evaluate", str(run.path), str(data_from.path)],
+            [sys.executable, "-m", "disttrace.run.evaluate", str(run.path), str(data_from.path)],
             capture_output=True,
             text=True,
             env=env,
@@ -276,12 +286,13 @@ def gate(
     reference: Path | None = None,
     policy_file: Path | None = None,
     require_all: bool = False,
-    replay: int = 0,
-    replay_seed: int | None = None,
+    replay: ReplayOutcome | None = None,
 ) -> Verdict:
     """The independent gate: each check a small function above, composed in this order because the cheap
     integrity checks come first (a damaged store is named before anything is computed from it) and the
-    evaluation, a fresh process, last. Loss or throughput never pass it on their own."""
+    evaluation, a fresh process, last. Loss or throughput never pass it on their own. `replay`: the outcome
+    of re-executing some of the run's steps (lab/reexecute.py runs the jobs; the verdict only reads what
+    they found), a check of its own when given."""
     from disttrace.gate import policy as gate_policy
 
     run = Run(run_dir)
@@ -302,15 +313,9 @@ def gate(
         gradient_equivalence(run, ref),
     ]
     replayed = None
-    if replay > 0:
-        from disttrace.gate.replay import replay_check
-
-        if replay_seed is None:
-            import secrets
-
-            replay_seed = secrets.randbelow(2**32)  # unknown to the candidate's writer in advance
-        ok, why, replayed = replay_check(run, ref, replay, replay_seed)
-        checks.append(check("replay", ok, why))
+    if replay is not None:
+        replayed = replay.record
+        checks.append(check("replay", replay.passed, replay.reason))
     evals, evaluation, ref_eval = eval_metric(run, ref, policy.eval.loss_rtol, policy.eval)
     checks += evals + [completeness(run)]
 

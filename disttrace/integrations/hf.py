@@ -40,7 +40,7 @@ from transformers import TrainerCallback
 import disttrace.api
 from disttrace.errors import BadInput
 from disttrace.integrations import evaluation_spec, resume_where_the_framework_did
-from disttrace.run.attach import _batch_inputs, _first_tensor
+from disttrace.run.attach import batch_inputs, first_tensor
 
 ARG_FIELDS = (
     "learning_rate",
@@ -134,7 +134,7 @@ class DisttraceCallback(TrainerCallback):
             torch._C._current_graph_task_id() != -1
         ):  # recomputation inside backward: not a micro-batch
             return None
-        seen = _batch_inputs(dict(kwargs)) if kwargs else _first_tensor(args, {})
+        seen = batch_inputs(dict(kwargs)) if kwargs else first_tensor(args, {})
         queued = run.queued_inputs()
         same = (
             seen is not None

@@ -28,17 +28,9 @@ from disttrace.run import faults
 from disttrace.run.launch import launch, prepare
 from disttrace.run.recovery import choose_checkpoint, resume_spec
 from disttrace.store import checkpoints as checkpoint
-from disttrace.store.pickles import scan_checkpoint
 from disttrace.store.rundir import PHASES, Run
-from disttrace.store.verify import verify_run
-
-
-def _e(v) -> str:
-    """Progress lines are rich markup; paths and messages in them print as they are."""
-    from disttrace.views.lab import escape
-
-    return escape(str(v))
-
+from disttrace.store.verify import find_reference
+from disttrace.views.lab import markup_safe
 
 PREDICT = re.compile(r"^(?P<phase>[a-z]+)(@(?P<step>\d+)(:(?P<rank>\d+))?)?$")
 
@@ -53,33 +45,6 @@ def parse_prediction(text: str | None) -> dict | None:
             f"'{text}' is not PHASE[@STEP[:RANK]] with PHASE one of {', '.join(PHASES)}",
         )
     return {k: (int(v) if k != "phase" and v is not None else v) for k, v in m.groupdict().items()}
-
-
-def reusable_reference(out: Path, manifest_id: str) -> Path | None:
-    base = out / manifest_id[:12]
-    for d in sorted(base.glob("reference*"), reverse=True) if base.is_dir() else []:
-        try:
-            run = Run(d)
-        except BadInput:
-            continue
-        if not (run.complete and run.manifest_id == manifest_id and run.checkpoint_dirs()):
-            continue
-        for c in (
-            run.checkpoint_dirs()
-        ):  # a pickle that would run code is news, not a reference to skip quietly
-            finding = scan_checkpoint(c)
-            if finding is not None and "global" in finding.reason:
-                raise BadInput(
-                    finding.file,
-                    f"{finding.reason}; this reference in the runs root is not safe to "
-                    "reuse: remove it or use another --out",
-                )
-        if (
-            all(checkpoint.status(c, manifest_id)[0] for c in run.checkpoint_dirs())
-            and verify_run(d).exit_ok
-        ):
-            return d
-    return None
 
 
 @dataclass(frozen=True)
@@ -101,7 +66,7 @@ def _run(run_dir: Path, progress, follow=None, path: str = "") -> Launched:
                 launch(run_dir)
         return Launched(str(run_dir))
     except JobFailed as e:
-        progress(f"[yellow]job failed (exit 3), as a fault may make it:[/yellow] {_e(e)}")
+        progress(f"[yellow]job failed (exit 3), as a fault may make it:[/yellow] {markup_safe(e)}")
         return Launched(str(run_dir), 3, str(e))
 
 
@@ -142,12 +107,12 @@ def expected_signature(
 
 def _reference(frozen, out: Path, progress, follow) -> Path:
     """The reference path: a complete, verified one of the manifest under `out` reused, else run."""
-    ref = reusable_reference(out, frozen.manifest_id)
+    ref = find_reference(out, frozen.manifest_id)
     if ref:
-        progress(f"reference: reusing complete, verified {_e(ref)}")
+        progress(f"reference: reusing complete, verified {markup_safe(ref)}")
         return ref
     ref = prepare(frozen, out, "reference")
-    progress(f"reference: running {_e(ref)}")
+    progress(f"reference: running {markup_safe(ref)}")
     res = _run(ref, progress, follow, "reference")
     if res.exit:
         raise JobFailed(f"the reference run failed: {res.reason}", str(ref))
@@ -166,11 +131,11 @@ def _recovered(
             frozen, out, "recovered", resume=resume_spec(frozen, out, ckpt, fault_dir)
         )
         progress(
-            f"recovered: fault removed, resuming from {_e(ckpt.name)} ({_e(why)}): {_e(rec_dir)}"
+            f"recovered: fault removed, resuming from {markup_safe(ckpt.name)} ({markup_safe(why)}): {markup_safe(rec_dir)}"
         )
         return _run(rec_dir, progress, follow, "recovered"), resume_step
     except BadInput as e:
-        progress(f"[yellow]no recovery possible:[/yellow] {_e(e)}")
+        progress(f"[yellow]no recovery possible:[/yellow] {markup_safe(e)}")
         return None, None
 
 
@@ -182,7 +147,7 @@ def _zoomed(ref: Path, fault_dir: Path, depth: str, d_fault: DiffResult, progres
     try:
         return zoom(ref, fault_dir, depth=depth, diff=d_fault, progress=progress).first_divergence
     except (BadInput, JobFailed) as e:
-        progress(f"[yellow]not zoomed:[/yellow] {_e(e)}")
+        progress(f"[yellow]not zoomed:[/yellow] {markup_safe(e)}")
         return d_fault.first_divergence
 
 
@@ -220,10 +185,12 @@ def run_lab(
     spec = faults.get(fault).spec(step, rank, params, frozen.model())
     prediction = parse_prediction(predict)
     if prediction:
-        progress(f"prediction written down before the run: first divergence in {_e(predict)}")
+        progress(
+            f"prediction written down before the run: first divergence in {markup_safe(predict)}"
+        )
     ref = _reference(frozen, out, progress, follow)
     fault_dir = prepare(frozen, out, "fault", fault=spec)
-    progress(f"fault: {_e(fault)} at step {step} rank {rank}: {_e(fault_dir)}")
+    progress(f"fault: {markup_safe(fault)} at step {step} rank {rank}: {markup_safe(fault_dir)}")
     fault_res = _run(fault_dir, progress, follow, "fault")
     rec_res, resume_step = _recovered(frozen, out, fault_dir, progress, follow)
     progress("diff and gate ...")

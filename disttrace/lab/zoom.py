@@ -37,6 +37,7 @@ from disttrace.store.rundir import (
     read_run_info,
     write_run_info,
 )
+from disttrace.views.lab import markup_safe
 
 PRODUCED_BY = "rerun"
 REPLAYED = "replay"  # an attached script's side: a replay of it with its own command
@@ -44,13 +45,6 @@ REPLAYED = "replay"  # an attached script's side: a replay of it with its own co
 
 def _quiet(msg: str) -> None:
     pass
-
-
-def _e(v) -> str:
-    """Progress lines are rich markup; paths in them print as they are."""
-    from disttrace.lab.method import _e as escape
-
-    return escape(v)
 
 
 def depth_frozen(run: Run, step: int, level: str):
@@ -96,9 +90,11 @@ def attached_deep_run(
     for r in depth_replays(run, step, level):
         why = not_reproduced(run, r, step)
         if why is None:
-            progress(f"depth records of {_e(run.path.name)} step {step}: reusing {_e(r.path)}")
+            progress(
+                f"depth records of {markup_safe(run.path.name)} step {step}: reusing {markup_safe(r.path)}"
+            )
             return r.path
-        progress(f"[yellow]{_e(r.path)} is not used: {_e(why)}[/yellow]")
+        progress(f"[yellow]{markup_safe(r.path)} is not used: {markup_safe(why)}[/yellow]")
     if not command:
         raise BadInput(
             run.path,
@@ -106,13 +102,13 @@ def attached_deep_run(
             f"(disttrace replay {run.path} --step {step} --depth {level} -- CMD), or give the command "
             "after '--' (disttrace zoom A B -- CMD, for one attached side)",
         )
+    from disttrace.lab.replay import prepare_attached_replay
     from disttrace.run import usercmd
-    from disttrace.run.replay import prepare_attached_replay
 
     replay_dir = prepare_attached_replay(run.path, step, command, depth=level)
     progress(
-        f"depth records of {_e(run.path.name)} step {step} ({level}): running "
-        f"{_e(' '.join(command))} into {_e(replay_dir)}"
+        f"depth records of {markup_safe(run.path.name)} step {step} ({level}): running "
+        f"{markup_safe(' '.join(command))} into {markup_safe(replay_dir)}"
     )
     try:
         usercmd.execute(replay_dir, command)
@@ -153,7 +149,7 @@ def deep_run(
     """A complete run of `run_dir`'s computation whose `step` is recorded at depth `level`: re-run from the
     start with record.depth set, stopping after `step` (reused when one exists); an attached script's run,
     replayed with its own `command` (attached_deep_run)."""
-    from disttrace.gate.evaluate import verified_data
+    from disttrace.config.manifest import verified_data
     from disttrace.run.launch import launch, prepare
 
     run = Run(run_dir)
@@ -168,13 +164,17 @@ def deep_run(
             field="resume",
         )
     if not run.complete:
-        progress(f"[yellow]{_e(run.path)} is incomplete: its re-run may stop where it did[/yellow]")
+        progress(
+            f"[yellow]{markup_safe(run.path)} is incomplete: its re-run may stop where it did[/yellow]"
+        )
     frozen = depth_frozen(run, step, level)
     data_path, tok_path = verified_data(run)
     frozen.resolved = {"data_path": data_path, "tokenizer_path": tok_path}
     found = find_depth_run(run, step, level, frozen.manifest_id)
     if found is not None:
-        progress(f"depth records of {_e(run.path.name)} step {step}: reusing {_e(found.path)}")
+        progress(
+            f"depth records of {markup_safe(run.path.name)} step {step}: reusing {markup_safe(found.path)}"
+        )
         return found.path
     kind = info.path or "reference"
     root = run.path.parent.parent
@@ -185,7 +185,7 @@ def deep_run(
         extra["perturb"] = info.perturb.doc()
     write_run_info(run_dir, read_run_info(run_dir).updated(**extra))
     progress(
-        f"depth records of {_e(run.path.name)} step {step} ({level}): re-running into {_e(run_dir)}"
+        f"depth records of {markup_safe(run.path.name)} step {step} ({level}): re-running into {markup_safe(run_dir)}"
     )
     try:
         launch(run_dir)

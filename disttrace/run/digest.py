@@ -61,11 +61,10 @@ def device_digest(t: torch.Tensor) -> str:
 # separate leading factors; two elements swapped within a column move u^T dX by (u_i - u_j) x.
 #
 # This is the sketch's version 2 (store.trajectory.SKETCH_VERSION, written in each step index line). Version
-# 1, until 2026-12-01, had K leading factors a_{k,d}: a float32 GEMM U_blk^T X_blk (K x C) a block, whose
-# packing of the block cost about as much as the xxh3 pass (bench/recorder_passes.py's components: GEMM
-# 1.58, xxh3 0.80 s/GiB under load); the shared factor makes it a GEMV (about a third of the GEMM, measured
-# in place after the hash). The values differ, so diff compares sketches only between stores of one
-# version (a pair of versions compares on digest, sum and norm, and says so).
+# 1 had K leading factors a_{k,d}: a float32 GEMM U_blk^T X_blk (K x C) a block, whose packing of the block
+# cost about as much as the xxh3 pass; the shared factor makes it a GEMV, about a third of the GEMM
+# (bench/recorder_passes.py measures both). The values differ, so diff compares sketches only between
+# stores of one version (a pair of versions compares on digest, sum and norm, and says so).
 #
 # Cost. The tensor, seen as X (R rows = the leading axes, C columns = the last axis), gives
 # sketch_k = (u^T X) W[:, k]. Per block of at most SKETCH_ROWS rows (a block fits in cache): one float32

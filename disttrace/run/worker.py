@@ -358,7 +358,7 @@ def resume(ctx, spec: ResumeSpec) -> int:
     path = resume_checkpoint(ctx.run_dir, spec)  # inside the runs root, or BadInput
     identity = ctx.manifest_id
     if ctx.manifest.record.depth is not None:  # a replay recording at depth
-        from disttrace.run.replay import checkpoint_identity
+        from disttrace.config.manifest import checkpoint_identity
 
         identity = checkpoint_identity(ctx.manifest)
     progress = checkpoint.load(ctx.strategy, path, ctx.rank, identity)

@@ -708,15 +708,6 @@ class MemoryLine(_Line):
         return self.doc()
 
 
-class StepTime(_Line):
-    """A line of steps/rank-N.jsonl (run/stepclock.py)."""
-
-    step: StrictInt = NonNegative
-    seconds: Number = Field(ge=0)
-    start: Number | None = None
-    end: Number | None = None
-
-
 class StepTimes(_Line):
     """The `time` of a step-index line: when the step started, issued its collective and ended."""
 

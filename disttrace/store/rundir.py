@@ -179,9 +179,6 @@ class JsonlWriter:
         self._f.write(data)
         return len(data)
 
-    def write_raw(self, data: bytes) -> None:
-        self._f.write(data)
-
     def flush(self) -> None:
         self._f.flush()
 

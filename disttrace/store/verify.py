@@ -27,8 +27,10 @@ from disttrace.errors import BadInput
 from disttrace.jsondoc import JsonDoc
 from disttrace.store import safeio, trajectory
 from disttrace.store import seal as sealing
+from disttrace.store.checkpoints import status as checkpoint_status
 from disttrace.store.checkpoints import verify as verify_checkpoint
 from disttrace.store.paths import inside
+from disttrace.store.pickles import scan_checkpoint
 from disttrace.store.records import Complete, FileHash, Seal, parse_doc
 from disttrace.store.rundir import COMPLETE, Run, rank_file, read_json
 
@@ -361,3 +363,31 @@ def summary_line(v: Verdict) -> str:
         why = "; ".join(n for n in v.notes if "COMPLETE" in n) or "no seal"
         return f"unsealed: {why}; checked what could be: {what}"
     return f"intact: {what}"
+
+
+def find_reference(out: Path, manifest_id: str) -> Path | None:
+    """A reference run of `manifest_id` in the runs root `out` (out/<id12>/reference*, newest first) that can
+    be reused: complete, with checkpoints that all verify, and its store verifying; None when there is none.
+    A checkpoint whose pickle would run code is bad input, not a reference to pass over quietly."""
+    base = out / manifest_id[:12]
+    for d in sorted(base.glob("reference*"), reverse=True) if base.is_dir() else []:
+        try:
+            run = Run(d)
+        except BadInput:
+            continue
+        if not (run.complete and run.manifest_id == manifest_id and run.checkpoint_dirs()):
+            continue
+        for c in run.checkpoint_dirs():
+            finding = scan_checkpoint(c)
+            if finding is not None and "global" in finding.reason:
+                raise BadInput(
+                    finding.file,
+                    f"{finding.reason}; this reference in the runs root is not safe to "
+                    "reuse: remove it or use another --out",
+                )
+        if (
+            all(checkpoint_status(c, manifest_id)[0] for c in run.checkpoint_dirs())
+            and verify_run(d).exit_ok
+        ):
+            return d
+    return None

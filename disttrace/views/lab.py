@@ -9,7 +9,12 @@ from rich.markup import escape
 from disttrace.analysis.lab import LabResult, PathOutcome
 from disttrace.analysis.result import Divergence
 
-__all__ = ["escape", "fmt_first", "render", "render_labs"]
+__all__ = ["escape", "fmt_first", "markup_safe", "render", "render_labs"]
+
+
+def markup_safe(v) -> str:
+    """Progress lines are rich markup; paths and messages in them print as they are."""
+    return escape(str(v))
 
 
 def fmt_first(f: Divergence | None) -> str:

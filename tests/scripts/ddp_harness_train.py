@@ -1,5 +1,5 @@
 """A torch user's DDP loop of the harness's experiment: the frozen manifest's model (the harness's plain LLaMA,
-model/llama.py), its token windows (data/windows.harness_windows), torch's AdamW with the lock's settings,
+model/llama.py), its token windows (config/harness.harness_windows), torch's AdamW with the lock's settings,
 accumulation under no_sync, clipping when the manifest clips, attached to disttrace with the lock's experiment
 stated (config/harness.py), so `disttrace diff HARNESS_RUN THIS_RUN` compares them.
 
@@ -19,9 +19,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import disttrace.api
-from disttrace.config.harness import harness_config
+from disttrace.config.harness import harness_config, harness_windows
 from disttrace.config.manifest import read_lock
-from disttrace.data.windows import harness_windows
 from disttrace.model.llama import build_model, lm_loss
 
 

@@ -1,5 +1,5 @@
 """A DeepSpeed user's training loop of the harness's experiment: the frozen manifest's model (the harness's plain
-LLaMA, model/llama.py), its token windows (data/windows.harness_windows), the optimiser and batch the DeepSpeed
+LLaMA, model/llama.py), its token windows (config/harness.harness_windows), the optimiser and batch the DeepSpeed
 config says (the same config `disttrace freeze --from-deepspeed` imported into the lock), attached to disttrace
 with the lock's experiment stated (config/harness.py), so `disttrace diff HARNESS_RUN THIS_RUN` compares them.
 
@@ -23,9 +23,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import deepspeed  # noqa: E402
 
 import disttrace.api  # noqa: E402
-from disttrace.config.harness import harness_config  # noqa: E402
+from disttrace.config.harness import harness_config, harness_windows  # noqa: E402
 from disttrace.config.manifest import read_lock  # noqa: E402
-from disttrace.data.windows import harness_windows  # noqa: E402
 from disttrace.model.llama import build_model, lm_loss  # noqa: E402
 
 

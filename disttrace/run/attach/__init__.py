@@ -34,7 +34,7 @@ build_fault), points (the hook points installed in torch), steps (the step cycle
 run (AttachedRun, the user's calls) and start (attach() and the run directory).
 """
 
-from disttrace.run.attach.comm import _broadcast, _dist, _gather, _rank_world
+from disttrace.run.attach.comm import _broadcast, _gather, _rank_world, initialized_dist
 from disttrace.run.attach.engine import (
     ENGINES,
     Engine,
@@ -46,9 +46,9 @@ from disttrace.run.attach.engine import (
 from disttrace.run.attach.faults import FaultContext, build_fault
 from disttrace.run.attach.loader import (
     WatchedLoader,
-    _batch_inputs,
-    _first_tensor,
     _planned_sample_ids,
+    batch_inputs,
+    first_tensor,
 )
 from disttrace.run.attach.manifest import (
     SOURCE,
@@ -69,10 +69,10 @@ __all__ = [
     "Engine",
     "FaultContext",
     "WatchedLoader",
-    "_batch_inputs",
+    "batch_inputs",
     "_broadcast",
-    "_dist",
-    "_first_tensor",
+    "initialized_dist",
+    "first_tensor",
     "_gather",
     "_planned_sample_ids",
     "_rank_world",

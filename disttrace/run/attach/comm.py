@@ -4,19 +4,20 @@ reads of the process groups torch built: each a no-op without torch.distributed 
 from __future__ import annotations
 
 
-def _dist():
+def initialized_dist():
+    """torch.distributed when a process group is up, else None: every collective of attach is a no-op alone."""
     import torch.distributed as dist
 
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
 def _rank_world() -> tuple[int, int]:
-    dist = _dist()
+    dist = initialized_dist()
     return (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
 
 
 def _gather(obj) -> list:
-    dist = _dist()
+    dist = initialized_dist()
     if dist is None:
         return [obj]
     out: list = [None] * dist.get_world_size()
@@ -25,7 +26,7 @@ def _gather(obj) -> list:
 
 
 def _broadcast(obj):
-    dist = _dist()
+    dist = initialized_dist()
     if dist is None:
         return obj
     box = [obj]
@@ -35,7 +36,7 @@ def _broadcast(obj):
 
 def _process_groups() -> list[dict]:
     """The process groups torch built that this rank is in (private c10d tables: best effort)."""
-    dist = _dist()
+    dist = initialized_dist()
     if dist is None:
         return [{"name": "world", "ranks": [0], "backend": None}]
     try:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from disttrace.run.attach.comm import _dist, _mesh_groups, _process_groups
+from disttrace.run.attach.comm import _mesh_groups, _process_groups, initialized_dist
 
 ENGINES = ("plain", "DDP", "FSDP2", "DTensor", "DeepSpeed")
 
@@ -36,12 +36,12 @@ class Engine:
 def detect_engine(model) -> Engine:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from disttrace.integrations import deepspeed
+    from disttrace.run import deepspeed
 
     if deepspeed.is_engine(model):
         return deepspeed.detect(model)
     if isinstance(model, DDP):
-        dist = _dist()
+        dist = initialized_dist()
         ranks = dist.get_process_group_ranks(model.process_group) if dist else [0]
         return Engine("DDP", model.module, model, sorted(ranks))
     fsdp = False

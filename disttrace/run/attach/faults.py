@@ -39,7 +39,7 @@ def build_fault(spec: dict, engine: Engine, caps: set[str], manifest: dict, name
 
     cls = faults.get(spec["name"])
     if engine.kind == "DeepSpeed":
-        from disttrace.integrations import deepspeed
+        from disttrace.run import deepspeed
 
         deepspeed.check_fault(cls.name, engine.zero_stage)
     params = dict(spec.get("params") or {})

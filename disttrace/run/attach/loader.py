@@ -81,7 +81,7 @@ class LoaderWatch:
         consumes it (a queue, not a record at once: a loop may fetch a whole accumulation window first)."""
         planned = _planned_sample_ids(loader)
         for n, batch in enumerate(make_iterator()):
-            inputs = _batch_inputs(batch)
+            inputs = batch_inputs(batch)
             # an evaluation pass (no_grad or eval mode) runs no micro-batch to consume the batch: not queued
             training = torch.is_grad_enabled() and self.inner.training
             if inputs is not None and training and not self._closed:
@@ -94,7 +94,7 @@ class LoaderWatch:
         previous forward took (its input in that batch's storage, and not in the next one's: the model run twice
         on one batch), which takes none: by order it took the next batch, and its ids. Storage addresses only,
         so the device is never waited for; an input copied to another device is not recognised (docs/attach.md)."""
-        where = _storage(_first_tensor(args, kwargs))
+        where = _storage(first_tensor(args, kwargs))
         if (
             where is not None
             and where == _storage(self._taken)
@@ -107,7 +107,7 @@ class LoaderWatch:
         return watched
 
 
-def _first_tensor(args, kwargs):
+def first_tensor(args, kwargs):
     for v in (*args, kwargs.get("input_ids"), *kwargs.values()):
         if isinstance(v, (tuple, list)) and v:  # a (inputs, targets) batch handed whole (Lightning)
             v = v[0]
@@ -126,14 +126,14 @@ def _storage(t) -> int | None:
         return None
 
 
-def _batch_inputs(batch):
+def batch_inputs(batch):
     """What a batch's `data` record digests: the batch itself, the first tensor of an (inputs, targets)
     pair, or a dict's input_ids (else its first tensor)."""
     if isinstance(batch, dict):
         batch = batch.get(
             "input_ids", next((v for v in batch.values() if torch.is_tensor(v)), None)
         )
-    return _first_tensor((batch,), {})
+    return first_tensor((batch,), {})
 
 
 def _planned_sample_ids(loader) -> list[list[int]] | None:

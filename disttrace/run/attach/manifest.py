@@ -61,7 +61,7 @@ def build_manifest(
         if isinstance(cfg.get(key), int) and not isinstance(cfg.get(key), bool):
             # accumulation and micro-batch are topology (the global batch is compared), not the experiment
             training[key] = cfg.pop(key) if key != "steps" else cfg[key]
-    from disttrace.integrations.deepspeed import logical_shape  # ZeRO-3 holds empty placeholders
+    from disttrace.run.deepspeed import logical_shape  # ZeRO-3 holds empty placeholders
 
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in inner.parameters()})
     training["dtype"] = dtypes[0] if len(dtypes) == 1 else "mixed"

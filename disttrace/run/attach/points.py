@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from disttrace.run.attach.loader import _first_tensor
+from disttrace.run.attach.loader import first_tensor
 from disttrace.run.hooks import (
     Backward,
     Batch,
@@ -136,7 +136,7 @@ class HookPoints:
         self.bus.micro_batch = mb
         watched = self._take_batch(args, kwargs)
         if mb not in self._data_mb:
-            inputs, ids = watched if watched is not None else (_first_tensor(args, kwargs), [])
+            inputs, ids = watched if watched is not None else (first_tensor(args, kwargs), [])
             self._count(inputs)
             if inputs is not None:
                 self._data_mb.add(mb)
@@ -152,7 +152,7 @@ class HookPoints:
                 return None
             if torch._C._current_graph_task_id() != -1:
                 return None
-            t = _first_tensor((out,), {})
+            t = first_tensor((out,), {})
             if t is not None:
                 self.bus.emit(Forward(name=name, index=index, tensor=t.detach()))
             return None

@@ -28,7 +28,7 @@ def infer_replicas(engine: str, views: list[AttachView] | list[dict]) -> Replica
     rules: list[ReplicaRule] = []
     notes: list[str] = []
     if engine == "DeepSpeed":
-        from disttrace.integrations import deepspeed
+        from disttrace.run import deepspeed
 
         return deepspeed.replicas(views)
     if engine == "DDP":

@@ -11,7 +11,7 @@ import torch
 
 from disttrace.errors import BadInput
 from disttrace.run import faults
-from disttrace.run.attach.comm import _dist
+from disttrace.run.attach.comm import initialized_dist
 from disttrace.run.attach.engine import Engine
 from disttrace.run.attach.faults import FaultContext, FaultGroup, build_fault
 from disttrace.run.attach.loader import LoaderWatch
@@ -200,7 +200,7 @@ class AttachedRun(LoaderWatch, HookPoints, StepCycle):
         Collective: every rank calls it."""
         from disttrace.run import checkpoint as ckpt
 
-        if _dist() is None:
+        if initialized_dist() is None:
             raise BadInput(
                 "run.checkpoint", "needs torch.distributed initialised (DCP's collective save)"
             )
@@ -290,7 +290,7 @@ class AttachedRun(LoaderWatch, HookPoints, StepCycle):
             self.ledger._hooks.__exit__(None, None, None)
             self.ledger._hooks = None
         self.ledger.close()
-        dist = _dist()
+        dist = initialized_dist()
         self._write_observed(dist)
         seal_and_complete(
             self.run_dir,

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from disttrace.errors import BadInput
-from disttrace.run.attach.comm import _broadcast, _dist, _gather, _rank_world
+from disttrace.run.attach.comm import _broadcast, _gather, _rank_world, initialized_dist
 from disttrace.run.attach.engine import (
     Engine,
     detect_engine,
@@ -168,7 +168,7 @@ def _start(
     info = read_run_info(run_dir)
     kind = AttachedRun
     if engine.kind == "DeepSpeed":
-        from disttrace.integrations.deepspeed import DeepSpeedRun as kind
+        from disttrace.run.deepspeed import DeepSpeedRun as kind
     run = kind(
         model,
         optimizer,
@@ -237,7 +237,7 @@ def _prepare_dir(
             "resolved": dict(resolved or {}),
         },
     )
-    dist = _dist()
+    dist = initialized_dist()
     backend = dist.get_backend() if dist else None
     write_json_atomic(run_dir / "env.json", environment(torch, backend, [v.host for v in views]))
     write_json_atomic(run_dir / "topology.json", topology_doc(engine, views).doc())

@@ -27,13 +27,12 @@ def default_reference(run_dir: Path) -> Path | None:
     """The reference `lab` reuses for RUN: a complete, verified reference run of its manifest in its runs
     root (runs/<id12>/reference*). An attached run's: the same beside it, checkpoints or not (a user's
     script need not save any)."""
-    from disttrace.lab.method import reusable_reference
-    from disttrace.store.verify import verify_run
+    from disttrace.store.verify import find_reference, verify_run
 
     run = Run(run_dir)
     here = Path(run_dir).resolve()
     if not run.attached:
-        return reusable_reference(here.parent.parent, run.manifest_id)
+        return find_reference(here.parent.parent, run.manifest_id)
     for d in sorted(here.parent.glob("reference*"), reverse=True):
         try:
             ref = Run(d)
@@ -55,19 +54,6 @@ def kept_fault(spec: FaultSpec | None, where: Path | str = "run.json") -> dict |
     if cls is None:
         raise BadInput(where, f"unknown fault '{spec.name}'", field="fault.name")
     return spec.doc() if cls.recurrence in ("persistent", "device") else None
-
-
-def checkpoint_identity(manifest) -> str:
-    """The manifest id a checkpoint loaded by this job must carry: the manifest's own, computed without
-    `record.depth` (what is recorded at depth is not what is computed: a replay recording step S at depth
-    resumes from the checkpoint of the run it replays)."""
-    import hashlib
-
-    from disttrace.config.manifest import canonical_json
-
-    doc = manifest.model_dump(mode="json")
-    doc["record"].pop("depth", None)
-    return hashlib.sha256(canonical_json(doc)).hexdigest()
 
 
 def _with_depth(frozen, step: int, depth: str):

@@ -9,14 +9,14 @@ from pathlib import Path
 import torch
 
 from disttrace.errors import BadInput
-from disttrace.integrations.deepspeed.pieces import (
+from disttrace.run.attach import AttachedRun, initialized_dist
+from disttrace.run.deepspeed.pieces import (
     BOXES,
     _copies,
     _Partitions,
     logical_shape,
     pieces,
 )
-from disttrace.run.attach import AttachedRun, _dist
 from disttrace.run.parallel.common import SCALAR_INDEX
 from disttrace.store.records import CheckpointSaved
 from disttrace.store.rundir import event
@@ -94,7 +94,7 @@ class DeepSpeedRun(AttachedRun):
         zo, n = self.parts.zo, len(self.named)
         if self.parts.stage == 3:  # grad_groups_flat: the sub-group's index
             flat = zo.fp32_partitioned_groups_flat[grad_groups_flat].grad
-            dist = _dist()
+            dist = initialized_dist()
             for i, name, p in self.named:
                 pos = zo.grad_position.get(zo.get_param_id(p))
                 if pos is None or pos[0] != grad_groups_flat:
@@ -207,7 +207,7 @@ class DeepSpeedRun(AttachedRun):
                 "run.checkpoint",
                 "a DeepSpeed engine saves its own state: put extra state in the engine's client_state",
             )
-        dist = _dist()
+        dist = initialized_dist()
         step = (self.step if self._stepped else self.step - 1) if step is None else int(step)
         final = step_dir(self.run_dir, step)
         # DeepSpeed writes save_dir/tag/ (and a recovery script into save_dir): a staging folder holds both

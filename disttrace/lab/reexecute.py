@@ -1,4 +1,5 @@
-"""`gate --replay K`: spot-check a candidate by re-executing K of its steps (docs/trust.md).
+"""`gate --replay K`: spot-check a candidate by re-executing K of its steps (docs/trust.md), then judge it
+with the outcome (`gate_with_replay`): the jobs are launched here, the verdict only reads what they found.
 
 Every hash, INDEX and seal in a candidate's store can be recomputed by its writer, so a forged store can be
 self-consistent; only computing a step again shows whether its records are what the code computes. K steps
@@ -11,7 +12,7 @@ byte for byte the one re-execution saves.
 
 The job runs in its own directory, made here (never in the candidate's store): the source checkpoint is
 copied into it and verified there, so the bytes loaded are the bytes checked. This module imports no torch;
-the job runs in a subprocess (`python -m disttrace.gate.replay RUN_DIR` launches it).
+the job runs in a subprocess (`python -m disttrace.lab.reexecute RUN_DIR` launches it).
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ import orjson
 
 from disttrace.errors import BadInput
 from disttrace.gate import binding
+from disttrace.gate.verdict import ReplayOutcome, gate
 from disttrace.store import checkpoints
+from disttrace.store.records import Verdict
 from disttrace.store.rundir import Run, read_run_info, write_run_info
 
 REPLAY_TIMEOUT_S = 1800
@@ -85,8 +88,7 @@ def _copy_checkpoint(src: Path, dst: Path) -> None:
 def _prepare(run: Run, ref: Run, source: int, until: int, root: Path) -> Path:
     """A replay run directory under `root` (the gate's own), resuming from a verified copy of the
     candidate's checkpoint `source` and stopping after step `until`."""
-    from disttrace.config.manifest import Frozen
-    from disttrace.gate.evaluate import verified_data
+    from disttrace.config.manifest import Frozen, verified_data
     from disttrace.run.launch import prepare
 
     data_path, tok_path = verified_data(ref)
@@ -138,6 +140,30 @@ def _first_difference(run: Run, replay: Run, step: int) -> str | None:
                     f"{str(b.get('digest'))[:12]}..."
                 )
     return None
+
+
+def gate_with_replay(
+    run_dir: Path,
+    reference: Path | None = None,
+    policy_file: Path | None = None,
+    require_all: bool = False,
+    replay: int = 0,
+    replay_seed: int | None = None,
+) -> Verdict:
+    """The gate's verdict on `run_dir`, with `replay` of its steps re-executed first when asked (a seed drawn
+    here when none is given, unknown to the candidate's writer in advance)."""
+    outcome = None
+    if replay > 0:
+        if replay_seed is None:
+            import secrets
+
+            replay_seed = secrets.randbelow(2**32)
+        outcome = ReplayOutcome(
+            *replay_check(Run(run_dir), Run(reference) if reference else None, replay, replay_seed)
+        )
+    return gate(
+        run_dir, reference, policy_file=policy_file, require_all=require_all, replay=outcome
+    )
 
 
 def replay_check(
@@ -201,7 +227,7 @@ def replay_check(
             job["run_dir"] = str(run_dir) if keep is not None else None
             try:
                 proc = subprocess.run(
-                    [sys.executable, "-m", "disttrace.gate.replay", str(run_dir)],
+                    [sys.executable, "-m", "disttrace.lab.reexecute", str(run_dir)],
                     capture_output=True,
                     text=True,
                     timeout=REPLAY_TIMEOUT_S,

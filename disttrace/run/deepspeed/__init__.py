@@ -41,15 +41,15 @@ from __future__ import annotations
 import sys
 
 from disttrace.errors import BadInput
-from disttrace.integrations.deepspeed.pieces import (
+from disttrace.run.attach import Engine, initialized_dist
+from disttrace.run.deepspeed.pieces import (
     BOXES,
     SHARD_ATTR,
     flat_boxes,
     logical_shape,
     pieces,
 )
-from disttrace.integrations.deepspeed.run import DeepSpeedRun
-from disttrace.run.attach import Engine, _dist
+from disttrace.run.deepspeed.run import DeepSpeedRun
 from disttrace.run.parallel.common import SCALARS_AGREE
 from disttrace.store.records import ReplicaRule, Replicas
 
@@ -65,7 +65,7 @@ def is_engine(model) -> bool:
 
 
 def detect(engine) -> Engine:
-    dist = _dist()
+    dist = initialized_dist()
     group = getattr(engine, "seq_data_parallel_group", None) or engine.data_parallel_group
     ranks = dist.get_process_group_ranks(group) if dist else [0]
     return Engine(

@@ -1,4 +1,4 @@
-"""The gate's independent evaluation, run as a fresh single process (`python -m disttrace.gate.evaluate RUN`):
+"""The gate's independent evaluation, run as a fresh single process (`python -m disttrace.run.evaluate RUN`):
 not the training job, no process group. It verifies and consolidates the run's final checkpoint into the
 plain model, and scores the held-out split the manifest fixed before training."""
 
@@ -10,43 +10,11 @@ from pathlib import Path
 
 import orjson
 
+from disttrace.config.manifest import verified_data
 from disttrace.errors import BadInput, DisttraceError
 from disttrace.store import checkpoints as checkpoint
 from disttrace.store.checkpoints import final_checkpoint
 from disttrace.store.rundir import Run, write_json_atomic
-
-
-def verified_data(source: Run) -> tuple[str, str | None]:
-    """The data and tokenizer paths `source`'s lock resolved, each hash-checked against its manifest's
-    `data.sha256` / `tokenizer.sha256` (BadInput naming the file otherwise)."""
-    from disttrace.config.manifest import get_field, sha256_file
-    from disttrace.data.tokenizer import load_tokenizer
-
-    resolved = source.lock_info.resolved
-    lock = source.path / "manifest.lock.json"
-    if not isinstance(resolved, dict) or not isinstance(resolved.get("data_path"), str):
-        raise BadInput(lock, "names no data file", field="resolved.data_path")
-    data_path, tok_path = resolved["data_path"], resolved.get("tokenizer_path")
-    want = get_field(source.manifest_doc, "data.sha256")
-    try:
-        got = sha256_file(Path(data_path))
-    except OSError as e:
-        raise BadInput(data_path, f"cannot read ({e.strerror})") from None
-    if not isinstance(want, str) or got != want:
-        raise BadInput(
-            data_path,
-            f"sha256 {got[:12]}... is not the {want!s:.12}... {lock} states",
-            field="data.sha256",
-        )
-    kind = get_field(source.manifest_doc, "tokenizer.kind")
-    tok = load_tokenizer(kind, tok_path)
-    if tok.sha256 != get_field(source.manifest_doc, "tokenizer.sha256"):
-        raise BadInput(
-            tok_path or lock,
-            f"tokenizer sha256 {tok.sha256[:12]}... is not the one {lock} states",
-            field="tokenizer.sha256",
-        )
-    return data_path, tok_path
 
 
 def model_shape(source: Run):

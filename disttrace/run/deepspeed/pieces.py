@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from disttrace.run.attach import _dist
+from disttrace.run.attach import initialized_dist
 
 SHARD_ATTR = (
     "_disttrace_shard"  # recorder.shard_info reads a piece's place in its logical tensor here
@@ -125,7 +125,7 @@ class _Partitions:
             safe_get_local_optimizer_state,
         )
 
-        dist = _dist()
+        dist = initialized_dist()
         part = dist.get_rank(group=p.ds_process_group) if dist else 0
         start = part * p.ds_tensor.ds_numel
         if what == "grad":
