@@ -5,6 +5,10 @@ the end. `disttrace run -- torchrun --nproc-per-node 2 tests/scripts/plain_ddp.p
 `--checkpoint-every N --checkpoint-dir D` saves a DCP checkpoint of the model and optimizer every N steps
 (D/step-N), and `--resume D/step-N` starts from one, skipping the batches it already trained on.
 
+`--optimizer zero` steps through ZeroRedundancyOptimizer (an optimizer holding the AdamW it steps), and
+`--clip split` clips in a function of the script's own with the two halves of clip_grad_norm_, bound by
+name at import (torchtitan's way).
+
 `--bug no-accum-divide` plants a bug users report: each micro-batch's loss is not divided by the
 accumulation count, so every step's gradient is `--accum` times too large; clipping and Adam hide most of
 it from the loss curve. The script prints its own final loss, so the effect is measured without disttrace.
@@ -26,7 +30,9 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 
@@ -52,7 +58,12 @@ def train(rank, world, args):
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = DDP(ToyModel())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if args.optimizer == "zero":
+        optimizer = ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2
+        )
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sampler = DistributedSampler(dataset(), num_replicas=world, rank=rank, shuffle=True, seed=0)
     loader = DataLoader(dataset(), batch_size=4, sampler=sampler)
     batches = iter(loader)
@@ -82,7 +93,10 @@ def train(rank, world, args):
                 if args.bug != "no-accum-divide":
                     loss = loss / args.accum
                 loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if args.clip == "split":
+            clip_in_halves(list(model.parameters()), 1.0)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         if args.checkpoint_every and step % args.checkpoint_every == 0:
             model_state, optim_state = get_state_dict(model, optimizer)
@@ -90,6 +104,12 @@ def train(rank, world, args):
             dcp.save(state, checkpoint_id=os.path.join(args.checkpoint_dir, f"step-{step}"))
     if rank == 0:
         print(f"final loss {loss.item():.6f}", flush=True)
+
+
+def clip_in_halves(parameters, max_norm):
+    total = get_total_norm([p.grad for p in parameters if p.grad is not None])
+    clip_grads_with_norm_(parameters, max_norm, total)
+    return total
 
 
 def spawned(rank, world, port, args):
@@ -104,6 +124,8 @@ def main():
     ap.add_argument("--bug", default="none", choices=["none", "no-accum-divide"])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--accum", type=int, default=2)
+    ap.add_argument("--optimizer", default="adamw", choices=["adamw", "zero"])
+    ap.add_argument("--clip", default="whole", choices=["whole", "split"])
     ap.add_argument("--checkpoint-every", type=int, default=0)
     ap.add_argument("--checkpoint-dir", default="checkpoints")
     ap.add_argument("--resume", default=None, help="a checkpoint directory this script saved")
