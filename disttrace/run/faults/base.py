@@ -242,7 +242,7 @@ class Fault:
         needs_count = (
             f"'{cls.name}' needs the accumulation count, which a zero-code run does not know before its "
             "first step: name the micro-batch (--param micro_batch=K, 0 the first)"
-            if (manifest.get("record") or {}).get("source") == "zero-code"
+            if getattr(m.record, "source", None) == "zero-code"
             else f"'{cls.name}' needs the accumulation count: pass "
             "config={'grad_accum_steps': N} to attach"
         )
