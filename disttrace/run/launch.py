@@ -170,7 +170,10 @@ def launch(
     if quiet:
         # a failed job is reported in one line (ours); the agent's own error lines would repeat it, and
         # the ranks' tracebacks are in their logs
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+        # (torch gives each of its modules' loggers a level of its own: the parent's is not enough)
+        for name in [*logging.root.manager.loggerDict, "torch.distributed.elastic"]:
+            if name.startswith("torch.distributed.elastic"):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
     endpoint = rdzv_endpoint or f"127.0.0.1:{free_port()}"
     config = LaunchConfig(
         min_nodes=nnodes,

@@ -470,10 +470,11 @@ def reserve_space(fd: int, length: int = LOG_RESERVE) -> bool:
     return _fallocate(fd, 0x01, os.fstat(fd).st_size, length)
 
 
-def release_space(fd: int, length: int = LOG_RESERVE) -> None:
-    """Give back what reserve_space set aside past the current end (FALLOC_FL_PUNCH_HOLE | KEEP_SIZE)."""
+def release_space(fd: int) -> None:
+    """Give back what reserve_space set aside past the current end: a truncation to the file's own size
+    frees the blocks past it (a hole punched past the end is ignored by ext4)."""
     try:
-        _fallocate(fd, 0x03, os.fstat(fd).st_size, length)
+        os.ftruncate(fd, os.fstat(fd).st_size)
     except OSError:
         pass
 
