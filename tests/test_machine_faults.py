@@ -126,11 +126,11 @@ def test_killing_the_launcher_takes_its_ranks_within_a_bound(tmp_path):
     run_dir = wait_for_checkpoint(proc, tmp_path)
     ranks = workers_of(run_dir)
     assert len(ranks) == 2
-    os.kill(
-        proc.pid, signal.SIGKILL
-    )  # no handler runs: only the kernel's parent-death signal is left
+    t0 = time.monotonic()
+    os.kill(proc.pid, signal.SIGKILL)  # no handler runs: only the parent-death signal is left
     proc.communicate(timeout=BOUND_S)
-    took = wait_gone(ranks, BOUND_S)
+    wait_gone(ranks, BOUND_S)
+    took = time.monotonic() - t0
     print(f"ranks gone {took:.2f} s after SIGKILL to the launcher")
     assert not (run_dir / "COMPLETE").exists()
 
