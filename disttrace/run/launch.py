@@ -166,7 +166,6 @@ def launch(
             )
         nproc_per_node = world // nnodes
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by every rank
-    os.environ[LOG_ENV] = "1"  # each rank writes its stdout and stderr to its log in the run
     if quiet:
         # a failed job is reported in one line (ours); the agent's own error lines would repeat it, and
         # the ranks' tracebacks are in their logs
@@ -196,7 +195,18 @@ def launch(
             ),
             required=True,
         )
-        elastic_launch(config, sys.executable)("-m", "disttrace.worker", "--run-dir", str(run_dir))
+        # each rank writes its stdout and stderr to its log in the run (inherited by the ranks only: a
+        # user's command this process runs later keeps its terminal)
+        before, os.environ[LOG_ENV] = os.environ.get(LOG_ENV), "1"
+        try:
+            elastic_launch(config, sys.executable)(
+                "-m", "disttrace.worker", "--run-dir", str(run_dir)
+            )
+        finally:
+            if before is None:
+                del os.environ[LOG_ENV]
+            else:
+                os.environ[LOG_ENV] = before
     except ChildFailedError as e:
         failures = {int(r): f.exitcode for r, f in e.failures.items()}
         first = min(e.failures.items(), key=lambda kv: kv[1].timestamp)
