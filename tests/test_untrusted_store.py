@@ -287,10 +287,17 @@ def test_a_resume_path_outside_the_runs_root_is_refused(ref, tmp_path, where):
     assert not (run_dir / "COMPLETE").exists() and not (run_dir / "trajectory").exists()
 
 
-def test_recover_into_another_runs_root_is_refused(ref, tmp_path):
-    proc = cli("recover", ref, "--out", tmp_path / "other")
-    assert proc.returncode == 2 and "--out" in _one_line(proc)
-    assert not (tmp_path / "other").exists() or not any((tmp_path / "other").rglob("run.json"))
+def test_recover_into_another_runs_root_copies_only_a_checkpoint_that_verifies(ref, tmp_path):
+    """Into another root the checkpoint is copied (a worker loads only from its own runs root): one whose
+    bytes differ from its INDEX is refused before anything is copied or launched, naming the file."""
+    run = _copy(ref, tmp_path / "runs")
+    shard = sorted((run / "checkpoints" / "step-000004").glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    proc = cli("recover", run, "--from-step", "4", "--out", tmp_path / "other")
+    assert proc.returncode == 2 and shard.name in _one_line(proc), proc.stderr[-2000:]
+    assert not (tmp_path / "other").exists() or not any((tmp_path / "other").rglob("*.json"))
 
 
 def test_a_checkpoint_linked_out_of_the_run_is_refused(ref, tmp_path):

@@ -365,14 +365,34 @@ def recover(
     json_: bool = JsonOpt,
     quiet: bool = QuietOpt,
 ):
-    """Run the recovered path: resume from the last checkpoint that verifies and precedes the fault, fault removed."""
+    """Run the recovered path: resume from the last checkpoint that verifies and precedes the fault, fault
+    removed. With --out another runs root (the fault run's disk is full, or read-only): the checkpoint is
+    copied into the recovered run and verified again, and run.json names the run it came from."""
+    import shutil
+
     from disttrace.run.launch import prepare
-    from disttrace.run.recovery import choose_checkpoint, resume_spec
+    from disttrace.run.recovery import choose_checkpoint, import_checkpoint, resume_spec
+    from disttrace.store.paths import inside
+    from disttrace.store.rundir import read_run_info, write_run_info
 
     frozen, ckpt, why = choose_checkpoint(fault_run, from_step)
     cli.err.print(f"resuming from {ckpt} ({why})")
     root = out if out is not None else fault_run.resolve().parent.parent
-    run_dir = prepare(frozen, root, "recovered", resume=resume_spec(frozen, root, ckpt, fault_run))
+    if inside(ckpt, root):  # read where it lies
+        resume = resume_spec(frozen, root, ckpt, fault_run)
+        run_dir = prepare(frozen, root, "recovered", resume=resume)
+    else:
+        run_dir = prepare(frozen, root, "recovered")
+        try:
+            copy = import_checkpoint(ckpt, run_dir, frozen.manifest_id)
+            resume = resume_spec(frozen, root, copy, fault_run, copied_from=ckpt)
+            write_run_info(run_dir, read_run_info(run_dir).updated(resume=resume))
+        except (
+            BaseException
+        ):  # no rank has run in it: a recovered run without its start is not kept
+            shutil.rmtree(run_dir, ignore_errors=True)
+            raise
+        cli.err.print(Text(f"copied into {copy} and verified", style="dim"))
     _launch_and_report(run_dir, json_, quiet=quiet)
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from disttrace.run.hooks import BeforeCheckpoint, Checkpoint
 from disttrace.store.checkpoints import step_dir, verify, write_index
+from disttrace.store.rundir import writing
 
 
 def save(
@@ -34,11 +35,15 @@ def save(
     if rank == 0:
         partial.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    dcp.save(state, checkpoint_id=str(partial))
+    # a full disk inside DCP surfaces as its CheckpointException (another rank's OSError within), which
+    # names no file: the checkpoint being written is named instead
+    with writing(partial):
+        dcp.save(state, checkpoint_id=str(partial))
     dist.barrier()
     if rank == 0:
         contents = sorted(k for k in state if not k.startswith("rng/"))
-        write_index(partial, step, manifest_id, world_size, contents)
+        with writing(partial):
+            write_index(partial, step, manifest_id, world_size, contents)
         os.replace(partial, final)
     dist.barrier()
     bus.emit(Checkpoint(path=final, step=step))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from disttrace.config.manifest import Frozen, validate
 from disttrace.errors import JobFailed
-from disttrace.run.worker import lock_of
+from disttrace.run.worker import LOG_ENV, lock_of, release_space, reserve_space
 from disttrace.store.records import Created, Launched, RankFailed, RunInfo
 from disttrace.store.records import JobFailed as JobFailedEvent
 from disttrace.store.rundir import (
@@ -30,6 +30,7 @@ from disttrace.store.rundir import (
     read_run_info,
     write_json_atomic,
     write_run_info,
+    writing,
 )
 
 
@@ -48,18 +49,26 @@ def prepare(
     keys beside the path's own). `folder`: another manifest id whose runs/<id12>/ holds it (a replay
     recording at depth lives beside the run it replays)."""
     run_dir = new_run_dir(out, folder or frozen.manifest_id, name or path_kind)
-    write_json_atomic(run_dir / LOCK, frozen.model_dump())
-    info = RunInfo(
-        path=path_kind,
-        fault=fault,
-        resume=resume,
-        origin=origin,
-        created=time.time(),
-        argv=sys.argv,
-        **(extra or {}),
-    )
-    write_run_info(run_dir, info)
-    event(run_dir, Created(path=path_kind))
+    try:
+        write_json_atomic(run_dir / LOCK, frozen.model_dump())
+        info = RunInfo(
+            path=path_kind,
+            fault=fault,
+            resume=resume,
+            origin=origin,
+            created=time.time(),
+            argv=sys.argv,
+            **(extra or {}),
+        )
+        write_run_info(run_dir, info)
+        event(run_dir, Created(path=path_kind), required=True)
+    except BaseException:
+        # a directory this command made and could not finish (a full disk): no rank ran in it, so it is
+        # removed rather than left as a run without its run.json or events
+        import shutil
+
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     return run_dir
 
 
@@ -99,7 +108,9 @@ def _writer_lock(run_dir: Path, node_rank: int):
 
     from disttrace.errors import BadInput
 
-    f = open(run_dir / f".launcher-node{node_rank}.lock", "w")
+    path = run_dir / f".launcher-node{node_rank}.lock"
+    with writing(path):
+        f = open(path, "w")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -107,8 +118,12 @@ def _writer_lock(run_dir: Path, node_rank: int):
         raise BadInput(
             run_dir, f"another launcher (node {node_rank}) is writing this run directory"
         ) from None
-    f.write(str(os.getpid()))
-    f.flush()
+    with writing(path):
+        f.write(str(os.getpid()))
+        f.flush()
+    # space set aside for what the launcher writes when the job fails (the failure event), given back
+    # before it writes it: on a disk the ranks filled, that line is still written
+    reserve_space(f.fileno())
     return f
 
 
@@ -152,7 +167,12 @@ def launch(
         nproc_per_node = world // nnodes
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by every rank
     if quiet:
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+        # a failed job is reported in one line (ours); the agent's own error lines would repeat it, and
+        # the ranks' tracebacks are in their logs
+        # (torch gives each of its modules' loggers a level of its own: the parent's is not enough)
+        for name in [*logging.root.manager.loggerDict, "torch.distributed.elastic"]:
+            if name.startswith("torch.distributed.elastic"):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
     endpoint = rdzv_endpoint or f"127.0.0.1:{free_port()}"
     config = LaunchConfig(
         min_nodes=nnodes,
@@ -167,18 +187,33 @@ def launch(
         monitor_interval=0.1,
         start_method="spawn",
     )
-    event(
-        run_dir,
-        Launched(
-            nnodes=nnodes, node_rank=node_rank, nproc_per_node=nproc_per_node, endpoint=endpoint
-        ),
-    )
     try:
-        elastic_launch(config, sys.executable)("-m", "disttrace.worker", "--run-dir", str(run_dir))
+        event(
+            run_dir,
+            Launched(
+                nnodes=nnodes, node_rank=node_rank, nproc_per_node=nproc_per_node, endpoint=endpoint
+            ),
+            required=True,
+        )
+        # each rank writes its stdout and stderr to its log in the run (inherited by the ranks only: a
+        # user's command this process runs later keeps its terminal)
+        before, os.environ[LOG_ENV] = os.environ.get(LOG_ENV), "1"
+        try:
+            elastic_launch(config, sys.executable)(
+                "-m", "disttrace.worker", "--run-dir", str(run_dir)
+            )
+        finally:
+            if before is None:
+                del os.environ[LOG_ENV]
+            else:
+                os.environ[LOG_ENV] = before
     except ChildFailedError as e:
         failures = {int(r): f.exitcode for r, f in e.failures.items()}
         first = min(e.failures.items(), key=lambda kv: kv[1].timestamp)
-        reason = describe_failure(run_dir, failures, first[0])
+        notes = failure_notes(run_dir, failures)
+        full = disk_full_note(notes, [r for r, _ in sorted(e.failures.items(), key=_when)])
+        reason = full or describe_failure(run_dir, failures, first[0], notes.get(first[0]))
+        tidy_after_failure(run_dir, lock)
         event(
             run_dir,
             JobFailedEvent(
@@ -193,9 +228,11 @@ def launch(
         ):  # a rank refused its input (exit 2): the same one line, the same exit code
             raise bad from None
         raise JobFailed(reason, str(run_dir)) from None
-    except Exception as e:  # rendezvous errors and the like
-        event(run_dir, JobFailedEvent(reason=f"{type(e).__name__}: {e}"))
-        raise JobFailed(f"launch failed: {type(e).__name__}: {e}", str(run_dir)) from None
+    except Exception as e:  # a signal to the launcher, rendezvous errors and the like
+        reason = stopped_reason(e)
+        tidy_after_failure(run_dir, lock)
+        event(run_dir, JobFailedEvent(reason=reason))
+        raise JobFailed(reason, str(run_dir)) from None
     for _ in range(
         50
     ):  # on a multi-node job, global rank 0 may live on another node: give it a moment
@@ -203,9 +240,109 @@ def launch(
             break
         time.sleep(0.1)
     if not (run_dir / COMPLETE).exists():
+        tidy_after_failure(run_dir, lock)
         event(run_dir, JobFailedEvent(reason="every rank exited 0 but COMPLETE was not written"))
         raise JobFailed("every rank exited 0 but the run was not marked complete", str(run_dir))
+    release_space(lock.fileno())
     lock.close()
+
+
+def _when(kv) -> float:
+    return kv[1].timestamp
+
+
+def stopped_reason(e: Exception) -> str:
+    """One line for a launch that ended other than by a rank's failure: a signal to the launcher (torch's
+    agent stops its ranks, then raises SignalException), or the launch itself failing. A full disk while the
+    launcher writes its own files is named as the ranks' is."""
+    import signal
+
+    from disttrace.store.rundir import disk_full
+
+    sigval = getattr(e, "sigval", None)
+    if sigval is not None:
+        try:
+            name = signal.Signals(sigval).name
+        except ValueError:
+            name = f"signal {int(sigval)}"
+        return f"stopped by {name}: the launcher stopped its ranks; the run is incomplete"
+    full = disk_full(e)
+    if full is not None:
+        return f"{(full.strerror or 'no space left on device').lower()}: writing {full.filename}"
+    return f"launch failed: {type(e).__name__}: {e}"
+
+
+def failure_notes(run_dir: Path, failures: dict[int, int]) -> dict[int, dict]:
+    """Each failed rank's own last word (worker.FAILURE_NOTE, the last such line of its log), by launch
+    slot; a rank killed before it could say anything, or whose log is on another node's disk, has none."""
+    import json
+
+    from disttrace.run.worker import FAILURE_NOTE, log_path
+
+    notes = {}
+    for slot in failures:
+        path = log_path(run_dir, slot)
+        try:
+            with open(path, "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - 65536))
+                tail = f.read().decode("utf-8", "replace")
+        except OSError:
+            continue
+        for line in reversed(tail.splitlines()):
+            if line.startswith(FAILURE_NOTE):
+                try:
+                    note = json.loads(line[len(FAILURE_NOTE) :])
+                except ValueError:
+                    break
+                if isinstance(note, dict):
+                    notes[slot] = {**note, "log": str(path)}
+                break
+    return notes
+
+
+def disk_full_note(notes: dict[int, dict], order: list) -> str | None:
+    """The line for a job that failed because its disk was full: the first rank (in the order they failed)
+    that found it so, the file it was writing, and where its traceback is."""
+    for slot in order:
+        note = notes.get(int(slot))
+        if note and note.get("disk_full"):
+            what = str(note["disk_full"]).lower()
+            return (
+                f"{what}: rank {int(slot)} was writing {note.get('path')}; the run is incomplete "
+                f"(traceback: {note['log']})"
+            )
+    return None
+
+
+def tidy_after_failure(run_dir: Path, lock) -> None:
+    """After a failed job, before its failure is logged: give back the space the launcher set aside, remove
+    what its writers left half done (a checkpoint never published, `.NAME.tmp-*` files of atomic writes cut
+    short: a rank killed mid-write leaves them) and cut a torn last line off events.jsonl (a line appended
+    after it would be glued to it). Published files, and every other run, are left as they are."""
+    import shutil
+
+    from disttrace.run.worker import release_space
+    from disttrace.store.rundir import trim_torn_tail
+
+    release_space(lock.fileno())
+    for log in (run_dir / "logs").glob(
+        "stderr-*.log"
+    ):  # a rank killed keeps its reserve: give it back
+        try:
+            fd = os.open(log, os.O_WRONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            release_space(fd)
+        finally:
+            os.close(fd)
+    for partial in (run_dir / "checkpoints").glob("step-*.partial"):
+        if partial.is_dir() and not partial.is_symlink():
+            shutil.rmtree(partial, ignore_errors=True)
+    for tmp in run_dir.rglob(".*.tmp-*"):
+        if tmp.is_file() or tmp.is_symlink():
+            tmp.unlink(missing_ok=True)
+    trim_torn_tail(run_dir / "events.jsonl")
 
 
 def refused_input(run_dir: Path, failures: dict[int, int]):
@@ -235,7 +372,9 @@ def job_events(run_dir: Path) -> list:
     return [parse_event(e, p, n) for n, e in enumerate(read_jsonl(p, run_dir).records, 1)]
 
 
-def describe_failure(run_dir: Path, failures: dict[int, int], first: int) -> str:
+def describe_failure(
+    run_dir: Path, failures: dict[int, int], first: int, note: dict | None = None
+) -> str:
     """One line: which rank failed first and how, plus the first collective desync if the trace shows one."""
     from disttrace.analysis.sync import check_sync
     from disttrace.store.rundir import Run
@@ -268,4 +407,6 @@ def describe_failure(run_dir: Path, failures: dict[int, int], first: int) -> str
             parts.append(mismatch.message)
     except Exception:  # the trace is evidence, not a requirement for reporting the failure
         pass
+    if note and note.get("log"):
+        parts.append(f"traceback: {note['log']}")
     return "; ".join(parts)

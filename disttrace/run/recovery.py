@@ -48,22 +48,68 @@ def choose_checkpoint(run_path: Path, from_step: int | None) -> tuple[Frozen, Pa
     )
 
 
-def resume_spec(frozen: Frozen, root: Path, ckpt: Path, from_run: Path) -> dict:
-    """run.json's `resume`: the checkpoint relative to <root>/<id12>/, so the run store stays movable."""
+def resume_spec(
+    frozen: Frozen, root: Path, ckpt: Path, from_run: Path, copied_from: Path | None = None
+) -> dict:
+    """run.json's `resume`: the checkpoint relative to <root>/<id12>/, so the run store stays movable.
+    `copied_from`: where the checkpoint lay before import_checkpoint copied it into the runs root."""
     import os
 
     base = (Path(root) / frozen.manifest_id[:12]).resolve()
     if not inside(ckpt, root):  # the worker refuses a resume path outside its runs root: say so now
         raise BadInput(
             "--out",
-            f"{ckpt} is outside the runs root {root}: a recovered run lives in the runs root "
-            "of the run it resumes from",
+            f"{ckpt} is outside the runs root {root}: copy it into the run first (import_checkpoint)",
         )
     return {
         "checkpoint": os.path.relpath(ckpt.resolve(), base),
         "step": int(ckpt.name.split("-")[1]),
         "from_run": str(Path(from_run).resolve()),
+        **({"copied_from": str(Path(copied_from).resolve())} if copied_from else {}),
     }
+
+
+IMPORTED = (
+    "resume"  # <recovered run>/resume/checkpoints/step-N: the checkpoint it resumed from, copied
+)
+
+
+def import_checkpoint(ckpt: Path, run_dir: Path, manifest_id: str) -> Path:
+    """Copy a verified checkpoint of another runs root into `run_dir` (a recovered run in another root: a
+    worker loads only checkpoints inside its own runs root, since run.json may come from elsewhere), and
+    verify the copy again before it is published under its final name. Every file is read through
+    store/safeio.py inside the run it came from, and only the files its INDEX lists (and the INDEX) are
+    copied. Returns the copy."""
+    import os
+    import shutil
+
+    from disttrace.store import safeio
+    from disttrace.store.checkpoints import INDEX, verified_index
+    from disttrace.store.rundir import writing
+
+    source_run = ckpt.parent.parent
+    index = verified_index(ckpt, manifest_id, source_run)
+    final = Path(run_dir) / IMPORTED / "checkpoints" / ckpt.name
+    partial = final.with_name(final.name + ".partial")
+    try:
+        partial.mkdir(parents=True)
+        for name in [*sorted(index.files), INDEX]:
+            with (
+                writing(partial / name),
+                safeio.open_file(ckpt / name, source_run) as src,
+                open(partial / name, "xb") as dst,
+            ):
+                shutil.copyfileobj(src, dst, 1 << 20)
+                dst.flush()
+                os.fsync(dst.fileno())
+        verified_index(
+            partial, manifest_id, run_dir
+        )  # the copy, read back: the same bytes or refused
+        os.replace(partial, final)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return final
 
 
 def checkpoint_before(run_path: Path, step: int) -> tuple[Frozen, Path | None, str]:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from disttrace.config.manifest import Frozen, Manifest, validate
-from disttrace.errors import BadInput, DisttraceError
+from disttrace.errors import EXIT_INTERRUPTED, BadInput, DisttraceError
 from disttrace.run.complete import seal_and_complete
 from disttrace.run.hooks import process_exit
 from disttrace.store.paths import resume_checkpoint
@@ -433,6 +433,117 @@ def die_with_parent() -> None:
             pass
 
 
+# Under disttrace's own launcher each rank's stdout and stderr go to a log file of the run, so a failing
+# rank's traceback is kept there and never reaches the terminal (where the launcher prints one line). The
+# launcher sets this; a worker started by hand (torchrun) keeps its terminal.
+LOG_ENV = "DISTTRACE_WORKER_LOG"
+# bytes set aside in the log file when it is opened (fallocate, past its end), so the traceback of a rank
+# that failed because the disk is full can still be written; given back when the rank exits
+LOG_RESERVE = 256 << 10
+# the last line a failing rank writes to its log: the launcher reads it for the one line it prints
+FAILURE_NOTE = "disttrace-rank-failed: "
+
+
+def log_path(run_dir: Path, slot: int) -> Path:
+    """A rank's log, by its launch slot (the rank the launcher knows it by). Not `rank-N.*`: the seal
+    hashes those, and a log is written until the process exits, after the seal."""
+    return Path(run_dir) / "logs" / f"stderr-{slot:05d}.log"
+
+
+def _fallocate(fd: int, mode: int, offset: int, length: int) -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
+        return libc.fallocate(fd, mode, offset, length) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def reserve_space(fd: int, length: int = LOG_RESERVE) -> bool:
+    """Allocate `length` bytes past the end of the file without changing its size (FALLOC_FL_KEEP_SIZE):
+    appends then land in blocks the file already holds, even once the disk is full. Best effort (a file
+    system without fallocate: nothing reserved)."""
+    return _fallocate(fd, 0x01, os.fstat(fd).st_size, length)
+
+
+def release_space(fd: int) -> None:
+    """Give back what reserve_space set aside past the current end: a truncation to the file's own size
+    frees the blocks past it (a hole punched past the end is ignored by ext4)."""
+    try:
+        os.ftruncate(fd, os.fstat(fd).st_size)
+    except OSError:
+        pass
+
+
+_log_fd: int | None = None
+
+
+def log_to_run(run_dir: Path) -> Path | None:
+    """Send this process's stdout and stderr (Python's and C++'s: both file descriptors) to its log file in
+    the run, with space set aside; None when not under disttrace's launcher or when the log cannot be made
+    (the rank then writes where it was started)."""
+    global _log_fd
+    if os.environ.get(LOG_ENV) != "1":
+        return None
+    path = log_path(run_dir, int(os.environ.get("RANK", 0)))
+    try:
+        path.parent.mkdir(exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+    except OSError:
+        return None
+    reserve_space(fd)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    _log_fd = fd
+    return path
+
+
+def close_log() -> None:
+    """Flush what the process wrote and give back the space set aside (the last thing a rank does)."""
+    if _log_fd is None:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    release_space(_log_fd)
+
+
+def _path_in_frames(exc: BaseException) -> str | None:
+    """The file a writer was writing when `exc` (an OSError without a file name: a write() or fsync())
+    was raised: the innermost frame's `path` (a writer's own or its local one)."""
+    tb, frames = exc.__traceback__, []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        local = frame.f_locals
+        for value in (local.get("path"), getattr(local.get("self"), "path", None)):
+            if isinstance(value, (str, Path)) and str(value):
+                return str(value)
+    return None
+
+
+def failure_note(e: BaseException, run_dir: Path, slot: int) -> dict:
+    """What a failed rank says about itself in one JSON line: its error and, when the disk was full, the
+    file being written (never None: the run directory if nothing better is known)."""
+    from disttrace.store.rundir import disk_full
+
+    full = disk_full(e)
+    note = {"slot": slot, "error": " ".join(f"{type(e).__name__}: {e}".split())[:500]}
+    if full is not None:
+        note["disk_full"] = full.strerror or os.strerror(full.errno)
+        note["path"] = str(full.filename or _path_in_frames(full) or run_dir)
+    return note
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m disttrace.worker",
@@ -448,12 +559,17 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     run_dir = args.run_dir.resolve()
     die_with_parent()
+    slot = int(os.environ.get("RANK", -1))  # before a permuted replay takes another rank
+    log_to_run(run_dir)
     try:
         run(run_dir)
     except (
         BaseException
     ) as e:  # record why this rank stopped, then let the launcher see the failure
-        if not isinstance(e, SystemExit) and not (run_dir / COMPLETE).exists():
+        if isinstance(e, SystemExit):
+            close_log()
+            raise
+        if not (run_dir / COMPLETE).exists():
             rank = int(os.environ.get("RANK", -1))
             # bad input (a checkpoint item refused unread): the launcher reports it as exit 2, naming the file
             bad = (
@@ -470,12 +586,23 @@ def main(argv=None) -> int:
                     **({"bad_input": bad} if bad else {}),
                 ),
             )
-        if isinstance(
-            e, DisttraceError
-        ):  # bad input (e.g. a crafted run.json): one line, its exit code
-            print(f"error: {e}", file=sys.stderr)
+        import json
+
+        try:  # a disk without the reserved space (no fallocate) may refuse these too: the exit code stays
+            if isinstance(
+                e, DisttraceError
+            ):  # bad input (e.g. a crafted run.json): one line, its exit code
+                print(f"error: {e}", file=sys.stderr)
+            else:  # the traceback: into the rank's log under our launcher, else where it was started
+                traceback.print_exc()
+            print(FAILURE_NOTE + json.dumps(failure_note(e, run_dir, slot)), file=sys.stderr)
+        except OSError:
+            pass
+        close_log()
+        if isinstance(e, DisttraceError):
             return e.exit_code
-        raise
+        return EXIT_INTERRUPTED if isinstance(e, KeyboardInterrupt) else 1
+    close_log()
     return 0
 
 

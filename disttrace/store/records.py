@@ -554,6 +554,7 @@ class ResumeSpec(_Line):
     checkpoint: StrictStr
     step: StrictInt
     from_run: StrictStr | None = None  # the run whose checkpoint it is
+    copied_from: StrictStr | None = None  # recovered into another root: where the checkpoint lay
 
 
 class ReplaySpec(_Line):

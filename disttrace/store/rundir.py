@@ -19,10 +19,12 @@ This module imports no torch: a run written on a cluster can be read on a laptop
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +66,47 @@ def rank_file(kind: str, rank: int, suffix: str = ".jsonl") -> str:
 
 # ---------------------------------------------------------------- writing
 
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full(exc: BaseException | None) -> OSError | None:
+    """The out-of-space error (ENOSPC, or a quota's EDQUOT) behind `exc`, if one is: `exc` itself, what it was
+    raised from or during, or one rank's error inside torch.distributed.checkpoint's CheckpointException (its
+    `failures`, rank -> exception: one rank's full disk surfaces on the coordinating rank inside it). Of
+    several, the first that happened and names its file: a writer that fails while the first failure
+    unwinds (a trace flushed on the way out) is not what stopped the rank."""
+    seen: set[int] = set()
+    found: list[OSError] = []
+    todo = [exc]
+    while todo:
+        e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _FULL:
+            found.append(e)
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f for f in failures.values() if isinstance(f, BaseException)]
+            # a WRAPPED_EXCEPTION is (exception, traceback)
+            todo += [f[0] for f in failures.values() if isinstance(f, tuple) and f]
+    named = [e for e in found if e.filename]
+    return (named or found)[-1] if found else None
+
+
+@contextmanager
+def writing(path: Path | str):
+    """Name `path` on an out-of-space error raised inside: a write() or fsync() that fails says errno 28 but
+    not which file, and the one line a full disk ends with names the file that was being written."""
+    try:
+        yield
+    except BaseException as e:
+        full = disk_full(e)
+        if full is None or (full is e and e.filename):
+            raise
+        raise OSError(full.errno, full.strerror or os.strerror(full.errno), str(path)) from e
+
 
 def write_json_atomic(path: Path | str, obj: Any) -> None:
     """Write JSON so a reader sees the old file or the new one, never half of one (write_atomic)."""
@@ -83,11 +126,16 @@ def write_atomic(path: Path | str, data: bytes) -> None:
     opened parent directory with O_CREAT|O_EXCL|O_NOFOLLOW (a planted link or file of that name is never
     opened; another random name is tried), and it replaces `path` only when `path` is absent or a regular
     file (a link, device, FIFO or directory there is refused, BadInput, and left as it is). The temporary is
-    removed whatever fails."""
+    removed whatever fails (on a full disk too: nothing half-written is left under either name)."""
+    path = Path(path)
+    with writing(path):
+        _write_atomic(path, data)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
     import secrets
     import stat
 
-    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     dfd = os.open(path.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
@@ -151,9 +199,43 @@ def append_line(path: Path | str, obj: Any) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     line = orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    with writing(path):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            # a disk that fills in the middle of the line takes part of it and returns the count: that
+            # is a full disk too (the torn line is trimmed by the launcher, trim_torn_tail)
+            if os.write(fd, line) < len(line):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        finally:
+            os.close(fd)
+
+
+def trim_torn_tail(path: Path | str) -> bool:
+    """Cut a JSON-lines file back to its last whole line (a writer stopped mid-line by a full disk or a
+    kill), so a line appended after it is not glued onto the torn one. Only for a file no one else is
+    writing (the launcher's, once its ranks are gone). True when something was cut."""
+    path = Path(path)
     try:
-        os.write(fd, line)
+        fd = os.open(path, os.O_RDWR | _NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return False
+        end = size
+        while end > 0:
+            start = max(0, end - 65536)
+            block = os.pread(fd, end - start, start)
+            if end == size and block.endswith(b"\n"):
+                return False
+            cut = block.rfind(b"\n")
+            if cut >= 0:
+                os.ftruncate(fd, start + cut + 1)
+                return True
+            end = start
+        os.ftruncate(fd, 0)
+        return True
     finally:
         os.close(fd)
 
@@ -176,27 +258,35 @@ class JsonlWriter:
 
     def write(self, obj: Any) -> int:
         data = self.encode(obj)
-        self._f.write(data)
+        with writing(self.path):
+            self._f.write(data)
         return len(data)
 
     def flush(self) -> None:
-        self._f.flush()
+        with writing(self.path):
+            self._f.flush()
 
     def close(self) -> None:
         if not self._f.closed:
-            self._f.flush()
-            os.fsync(self._f.fileno())
-            self._f.close()
+            with writing(self.path):
+                try:
+                    self._f.flush()
+                    os.fsync(self._f.fileno())
+                finally:
+                    self._f.close()
 
 
-def event(run_dir: Path | str, line: EventLine) -> bool:
+def event(run_dir: Path | str, line: EventLine, required: bool = False) -> bool:
     """Log one event, built with its kind's model (store/records.py), stamped with the time now. Best
-    effort: a full disk must not turn a reported failure into a crash."""
+    effort: a full disk must not turn a reported failure into a crash. `required`: the OSError is raised
+    instead (a run that cannot log its creation is not started)."""
     line.time = time.time()
     try:
         append_line(Path(run_dir) / "events.jsonl", line.line())
         return True
     except OSError as e:
+        if required:
+            raise
         import sys
 
         print(

@@ -106,7 +106,11 @@ class _Verifier:
     # ------------------------------------------------------------ the seal
     def read_seal(self) -> Seal | None:
         if not safeio.present(self.path / COMPLETE):
-            self.v.notes.append("no COMPLETE: the run did not finish, so nothing sealed it")
+            why = self.failure()
+            self.v.notes.append(
+                "no COMPLETE: the run did not finish, so nothing sealed it"
+                + (f" (the job failed: {why})" if why else "")
+            )
             return None
         try:
             done = read_json(self.path / COMPLETE, self.path)
@@ -123,6 +127,16 @@ class _Verifier:
                 "COMPLETE holds no seal (a run written before disttrace sealed its runs)"
             )
         return complete.seal
+
+    def failure(self) -> str | None:
+        """Why an unfinished run stopped, as its launcher logged it (the last `job_failed` line)."""
+        from disttrace.store.records import JobFailed
+
+        try:
+            failed = [e for e in self.run.event_lines() if isinstance(e, JobFailed)]
+        except BadInput:  # the events are checked as a file of the run, not here
+            return None
+        return " ".join(str(failed[-1].reason).split()) if failed and failed[-1].reason else None
 
     def check_file(self, rel: str, want: FileHash, prefix: bool = False) -> None:
         self.v.checked.files += 1
