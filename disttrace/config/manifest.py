@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import tomllib
+from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,9 +38,23 @@ from disttrace.config.support import _not_supported_yet
 from disttrace.errors import BadInput
 from disttrace.model.shapes import ffn_hidden_default
 
-DEFAULT_MANIFEST = (
-    Path(__file__).resolve().parents[2] / "manifests" / "default.toml"
-)  # disttrace/config/ -> repo
+
+def manifests_dir() -> Path:
+    """The embedded manifests: the default, the labs (labs/) and their data. The one place that finds them.
+
+    An installed wheel carries a copy of the repository's manifests/ as package data, disttrace/_manifests
+    (setup.py's build_py copies it); a checkout (an editable install, `make demo`) has none and reads the
+    repository's manifests/ itself, the folder users read and edit. The packaged copy is looked for first:
+    next to an installed package, the checkout's place would be site-packages/manifests, which another
+    distribution could own. Both layouts keep the tree as it is, so the paths inside a manifest (data and
+    tokenizer, relative to its folder) resolve the same in both."""
+    packaged = resources.files("disttrace").joinpath("_manifests")
+    if packaged.is_dir():
+        return Path(str(packaged))  # a plain folder: freeze records, and the ranks open, real paths
+    return Path(__file__).resolve().parents[2] / "manifests"  # disttrace/config/ -> repo
+
+
+DEFAULT_MANIFEST = manifests_dir() / "default.toml"
 
 
 class Section(BaseModel):

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from disttrace.config.manifest import DEFAULT_MANIFEST
+from disttrace.config.manifest import manifests_dir
 from disttrace.errors import BadInput
 from disttrace.run import faults
 
-LABS_DIR = DEFAULT_MANIFEST.parent / "labs"
+LABS_DIR = manifests_dir() / "labs"
 
 
 def header(path: Path) -> dict:
