@@ -103,3 +103,20 @@ def test_installed_wheel_lists_every_lab(installed, tmp_path):
         lab["lab"]: lab["status"] for lab in list_labs(ROOT / "manifests" / "labs")
     }
     assert all("/_manifests/labs/" in lab["manifest"] for lab in labs)
+
+
+@pytest.mark.slow
+def test_installed_wheel_records_an_unmodified_script_zero_code(installed, tmp_path):
+    """The sitecustomize that zero-code recording puts on the command's path ships in the wheel: an
+    unmodified DDP script, copied out of the repository, run under the installed CLI."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    script = empty / "train.py"
+    script.write_bytes((ROOT / "tests" / "scripts" / "plain_ddp.py").read_bytes())
+    python = installed / "python"
+    launcher = [python, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    proc = _sh([installed / "disttrace", "run", "--", *launcher, script, "--steps", "2"], cwd=empty)
+    run_dir = Path(proc.stdout.strip().splitlines()[-1])
+    lock = orjson.loads((run_dir / "manifest.lock.json").read_bytes())
+    assert lock["manifest"]["record"]["source"] == "zero-code"
+    assert Run(run_dir).complete
