@@ -16,7 +16,7 @@ from pathlib import Path
 
 import orjson
 import pytest
-from conftest import ROOT, cli, last_line
+from conftest import ROOT, cli, last_line, raw_records
 
 from disttrace.analysis.diff import diff_runs
 
@@ -205,3 +205,26 @@ def test_an_accelerate_loop_is_recorded_with_its_clip_and_faults(tmp_path):
     first = diff_runs(ref, fault).first_divergence
     assert (first.step, first.micro_batch, first.phase, first.rank) == (3, 1, "backward", 1)
     assert first.tensor == "0.weight"
+
+
+def test_a_container_optimizer_steps_once_and_a_clip_in_halves_is_the_clip_phase(ddp, tmp_path):
+    """ZeroRedundancyOptimizer holds the AdamW it steps (as torchtitan's OptimizersContainer does): the
+    outer one is recorded, once a step; the script clips with get_total_norm + clip_grads_with_norm_,
+    bound by name before any run existed. The oracle: ZeRO-1 over AdamW computes AdamW's update, so the
+    losses are the plain AdamW run's."""
+    cmd = [
+        *DDP2[:-2],
+        "--optimizer",
+        "zero",
+        "--clip",
+        "split",
+    ]  # no checkpoints: ZeRO consolidates them
+    run = _run(tmp_path, *cmd)
+    lock = _lock(run)
+    assert lock["manifest"]["optimizer"]["type"].endswith("ZeroRedundancyOptimizer")
+    facts = orjson.loads(cli("show", run, "--json", check=0).stdout)
+    plain = orjson.loads(cli("show", ddp["a"], "--json", check=0).stdout)
+    assert facts["ranks"]["0"]["steps"] == 5
+    assert facts["loss"] == plain["loss"]
+    phases = {r["phase"] for r in raw_records(run, 0) if r["step"] == 2}
+    assert {"reduce", "clip", "optimizer"} <= phases
