@@ -56,7 +56,7 @@ def _lock(run: Path) -> dict:
 
 def test_an_unmodified_ddp_script_is_recorded_and_says_how(ddp):
     lock = _lock(ddp["a"])
-    assert lock["manifest"]["record"]["source"] == "zero-code"
+    assert lock["source"] == "zero-code" and lock["manifest"]["record"]["source"] == "zero-code"
     assert lock["manifest"]["parallelism"]["engine"] == "DDP"
     assert lock["manifest"]["optimizer"]["type"] == "torch.optim.adamw.AdamW"
     # the global batch the job ran, counted from what it fed the model: 2 ranks x 2 micro-batches x 4

@@ -93,9 +93,9 @@ def model_tensors(model: dict) -> dict[str, list[int]]:
 
 def claim_of(lock: dict) -> dict | None:
     """The harness experiment an attached lock states it trains, or None."""
-    from disttrace.store.records import ATTACHED_SOURCE
+    from disttrace.store.records import ATTACHED_SOURCES
 
-    if lock.get("source") != ATTACHED_SOURCE:
+    if lock.get("source") not in ATTACHED_SOURCES:
         return None
     config = (lock.get("manifest") or {}).get("config")
     claim = config.get(CLAIM) if isinstance(config, dict) else None

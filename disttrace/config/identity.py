@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from disttrace.store.records import ATTACHED_SOURCE
+from disttrace.store.records import ATTACHED_SOURCES
 
 # Fields that make two manifests different experiments (diff refuses them) vs a different topology of
 # one experiment (diff compares them numerically).
@@ -192,4 +192,4 @@ def unknown_line(unknown: list[str]) -> str | None:
 
 
 def _attached(lock: dict) -> bool:
-    return lock.get("source") == ATTACHED_SOURCE
+    return lock.get("source") in ATTACHED_SOURCES

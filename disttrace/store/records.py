@@ -42,6 +42,9 @@ FAILURE_EVENTS = (Event.RANK_FAILED, Event.JOB_FAILED, Event.LIVE_CHECK_FAILED)
 
 # the lock's `source` of a run a user's own script wrote through disttrace.api (attach)
 ATTACHED_SOURCE = "disttrace.api"
+# the lock's source of a run recorded with no attach call (run/zerocode.py); readers treat it as attached
+ZERO_CODE_SOURCE = "zero-code"
+ATTACHED_SOURCES = (ATTACHED_SOURCE, ZERO_CODE_SOURCE)
 
 
 # ---------------------------------------------------------------- typed lines of the run store
@@ -530,7 +533,7 @@ class StoredLock(_Line):
 
     manifest: dict
     manifest_id: StrictStr
-    source: StrictStr | None = None  # the TOML frozen, or ATTACHED_SOURCE
+    source: StrictStr | None = None  # the TOML frozen, or one of ATTACHED_SOURCES
     overrides: list[StrictStr] | None = None
     resolved: dict | None = None  # data and tokenizer paths on the machine that froze it
     observed: dict | None = None  # an attached run's observed batch (run/attach/steps.py)

@@ -35,7 +35,7 @@ from disttrace.errors import BadInput
 from disttrace.store import safeio
 from disttrace.store.manifest import StoredManifest
 from disttrace.store.records import (  # noqa: F401  (re-exported)
-    ATTACHED_SOURCE,
+    ATTACHED_SOURCES,
     INT64_END,
     PATH_KINDS,
     PHASE_ORDER,
@@ -560,7 +560,7 @@ class Run:
     @property
     def attached(self) -> bool:
         """Written by a user's own script through disttrace.api, not by disttrace's own trainer."""
-        return self.lock_info.source == ATTACHED_SOURCE
+        return self.lock_info.source in ATTACHED_SOURCES
 
     @property
     def world_size(self) -> int:

@@ -22,7 +22,7 @@ from disttrace.run.attach.engine import (
 from disttrace.run.attach.manifest import SOURCE, build_manifest, evaluation_section, manifest_id_of
 from disttrace.run.attach.replicas import infer_replicas, topology_doc
 from disttrace.run.attach.run import AttachedRun
-from disttrace.store.records import Attached, RunInfo
+from disttrace.store.records import ZERO_CODE_SOURCE, Attached, RunInfo
 from disttrace.store.rundir import (
     LOCK,
     event,
@@ -156,7 +156,16 @@ def _start(
     path, failure = None, None
     if rank == 0:
         try:
-            path = _prepare_dir(prepared, out, manifest, manifest_id, engine, views, eval_resolved)
+            path = _prepare_dir(
+                prepared,
+                out,
+                manifest,
+                manifest_id,
+                engine,
+                views,
+                eval_resolved,
+                source=ZERO_CODE_SOURCE if recording == "zero-code" else SOURCE,
+            )
         except BadInput as e:
             failure = e
     path, error = _broadcast((path, str(failure) if failure else None))
@@ -208,6 +217,7 @@ def _prepare_dir(
     engine: Engine,
     views: list[dict],
     resolved: dict | None = None,
+    source: str = SOURCE,
 ) -> str:
     """Rank 0: the run directory (prepared by the CLI, or a new one) with the lock, run.json, env.json,
     topology.json and replicas.json."""
@@ -232,7 +242,7 @@ def _prepare_dir(
         {
             "manifest": manifest,
             "manifest_id": manifest_id,
-            "source": SOURCE,
+            "source": source,
             "overrides": [],
             "resolved": dict(resolved or {}),
         },
