@@ -109,9 +109,10 @@ class _Discovery:
         )  # modules whose parameters no optimizer holds
         self.run = None
         self.failed = False
-        self.loss_at: tuple[int, int] | None = (
-            None  # the (step, micro-batch) whose loss was recorded
-        )
+        # the (step, micro-batch) whose loss was recorded, and the autograd nodes of the model's latest
+        # training forward's outputs (what the loss must be computed from)
+        self.loss_at: tuple[int, int] | None = None
+        self.outputs: list = []
         self._wrap_optimizer_init()
         self._wrap_backward()
         self._wrap_destroy()
@@ -157,21 +158,51 @@ class _Discovery:
             )
             if discovery.run is not None and discovery._is_loss(root):
                 discovery.loss_at = (discovery.run.step, discovery.run._forwards - 1)
-                root = discovery.run.loss(root)
-                tensors = [root] if isinstance(tensors, (list, tuple)) else root
+                discovery.outputs = []
+                if hasattr(root, "to_local"):  # a DTensor loss is recorded, not replaced
+                    discovery.run.loss(root.to_local())
+                else:
+                    root = discovery.run.loss(root)
+                    tensors = [root] if isinstance(tensors, (list, tuple)) else root
             return original(tensors, *args, **kwargs)
 
         autograd.backward = backward
 
     def _is_loss(self, t) -> bool:
-        """A micro-batch's loss: one value, the first backward since that micro-batch's forward, not a
-        backward that autograd itself runs (reentrant activation checkpointing)."""
+        """A micro-batch's loss: one value computed from the model's output, the first such backward since
+        that micro-batch's forward, not one autograd itself runs (reentrant activation checkpointing). A
+        backward whose graph never reaches the output (torchtitan's chunked loss backpropagates each chunk
+        into a detached copy of the hidden states first) is not the loss."""
         run = self.run
         if run._closed or run._paused or not self.torch.is_tensor(t) or t.numel() != 1:
             return False
         if self.torch._C._current_graph_task_id() != -1:
             return False
-        return run._forwards >= 1 and self.loss_at != (run.step, run._forwards - 1)
+        if run._forwards < 1 or self.loss_at == (run.step, run._forwards - 1):
+            return False
+        return not self.outputs or _reaches(t.grad_fn, self.outputs)
+
+    def _on_output(self, module, _args, output) -> None:
+        """The autograd nodes of a training forward's output tensors (any nesting of tuples, lists, dicts
+        and ModelOutput-like mappings)."""
+        if not (module.training and self.torch.is_grad_enabled()):
+            return
+        if self.torch._C._current_graph_task_id() != -1:
+            return
+        nodes, stack = [], [output]
+        while stack and len(nodes) < 64:
+            value = stack.pop()
+            if self.torch.is_tensor(value):
+                if value.grad_fn is not None:
+                    nodes.append(value.grad_fn)
+            elif isinstance(value, dict) or hasattr(value, "values"):
+                try:
+                    stack.extend(value.values())
+                except TypeError:
+                    pass
+            elif isinstance(value, (list, tuple)):
+                stack.extend(value)
+        self.outputs = nodes
 
     def _wrap_destroy(self) -> None:
         dist = self.torch.distributed
@@ -290,6 +321,8 @@ class _Discovery:
         except BaseException:
             self.failed = True
             raise
+        # the loss is what backward is called on from this module's output: this call's included
+        self.output_hook = module.register_forward_hook(self._on_output)
         # the run's own forward pre-hook sits on the inner module: under a wrapper it runs within this
         # call; on the module itself it was added after this call read its hooks, so this forward is
         # counted here
@@ -302,6 +335,7 @@ class _Discovery:
     def close(self) -> None:
         run = self.run
         if run is not None and not run._closed and not self.failed:
+            self.output_hook.remove()
             run.close()
 
     def _failed(self, exc: BaseException) -> None:
@@ -350,6 +384,26 @@ def _read_mark(path: Path) -> dict | None:
     return doc if ok else None
 
 
+def _reaches(root, targets: list, budget: int = 4096) -> bool:
+    """Whether the autograd graph from `root` reaches one of the `targets` nodes, searched breadth first
+    (the model's output lies a few nodes from its loss) and given up after `budget` nodes."""
+    if root is None:
+        return False
+    wanted = set(map(id, targets))
+    seen, frontier = {id(root)}, [root]
+    while frontier and len(seen) <= budget:
+        following = []
+        for node in frontier:
+            if id(node) in wanted:
+                return True
+            for child, _ in node.next_functions:
+                if child is not None and id(child) not in seen:
+                    seen.add(id(child))
+                    following.append(child)
+        frontier = following
+    return False
+
+
 def _stepped_optimizer(optimizers: list, held: set[int]):
     """The optimizer that steps the module's parameters: of those holding any, the one holding most; an
     optimizer found inside another's attributes (a container stepping it) gives way to its container."""
@@ -362,7 +416,18 @@ def _stepped_optimizer(optimizers: list, held: set[int]):
         return None
     inner = {id(o) for _, opt in scored for o in _held_optimizers(opt)}
     outer = [(n, opt) for n, opt in scored if id(opt) not in inner] or scored
-    return max(outer, key=lambda pair: pair[0])[1]
+    chosen = max(outer, key=lambda pair: pair[0])[1]
+    # a container of one optimizer over the same parameters (torchtitan's OptimizersContainer of one
+    # model part) steps it exactly once a step, and only the inner one holds the state and the
+    # hyper-parameters: record that one
+    held = _held_optimizers(chosen)
+    if len(held) == 1 and _params(held[0]) == _params(chosen):
+        return held[0]
+    return chosen
+
+
+def _params(opt) -> set[int]:
+    return {id(p) for g in opt.param_groups for p in g["params"]}
 
 
 def _held_optimizers(opt) -> list:

@@ -16,6 +16,22 @@ from disttrace.run.attach.comm import _mesh_groups, _process_groups, initialized
 ENGINES = ("plain", "DDP", "FSDP2", "DTensor", "DeepSpeed")
 
 
+# module wrappers that add a path segment without adding a tensor: activation checkpointing's, FSDP1's and
+# torch.compile's. A tensor's identity is its path without them, so runs with and without a wrapper (or
+# with it around other blocks) pair their tensors
+WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod")
+
+
+def tensor_name(path: str) -> str:
+    """A parameter's name as the store keeps it: its module path without wrapper segments."""
+    return ".".join(s for s in path.split(".") if s not in WRAPPER_SEGMENTS)
+
+
+def named_parameters(module) -> list[tuple[str, torch.nn.Parameter]]:
+    """The module's parameters by their stored names (tensor_name), in torch's order."""
+    return [(tensor_name(n), p) for n, p in module.named_parameters()]
+
+
 def unwrap_optimizer(opt):
     """HF's AcceleratedOptimizer and Lightning's LightningOptimizer wrap the torch optimizer as .optimizer."""
     while isinstance(getattr(opt, "optimizer", None), torch.optim.Optimizer):

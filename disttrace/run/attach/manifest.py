@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from disttrace.errors import BadInput
-from disttrace.run.attach.engine import Engine
+from disttrace.run.attach.engine import Engine, named_parameters
 from disttrace.run.attach.replicas import attached_layout, mesh_doc
 from disttrace.store.records import ATTACHED_SOURCE
 
@@ -93,7 +93,7 @@ def build_manifest(
                 "parameters": sum(math.prod(logical_shape(p)) for p in inner.parameters()),
                 "tensors": {
                     n: {"shape": logical_shape(p), "dtype": str(p.dtype).removeprefix("torch.")}
-                    for n, p in inner.named_parameters()
+                    for n, p in named_parameters(inner)
                 },
             },
             "optimizer": {

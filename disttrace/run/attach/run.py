@@ -12,7 +12,7 @@ import torch
 from disttrace.errors import BadInput
 from disttrace.run import faults
 from disttrace.run.attach.comm import initialized_dist
-from disttrace.run.attach.engine import Engine
+from disttrace.run.attach.engine import Engine, named_parameters
 from disttrace.run.attach.faults import FaultContext, FaultGroup, build_fault
 from disttrace.run.attach.loader import LoaderWatch
 from disttrace.run.attach.manifest import SOURCE
@@ -80,7 +80,7 @@ class AttachedRun(LoaderWatch, HookPoints, StepCycle):
             manifest
         )  # the same manifest read by attribute (AttachedManifest)
         self.inner = engine.inner
-        self.named = [(i, n, p) for i, (n, p) in enumerate(self.inner.named_parameters())]
+        self.named = [(i, n, p) for i, (n, p) in enumerate(named_parameters(self.inner))]
         self.optimizer = optimizer
         self.bus = HookBus(rank)
         self.tracer = CollectiveTracer(run_dir, rank)

@@ -15,6 +15,7 @@ from disttrace.run.attach.engine import (
     Engine,
     detect_engine,
     local_view,
+    named_parameters,
     replicated_outputs,
     unwrap_optimizer,
     views_of,
@@ -123,7 +124,7 @@ def _start(
     rank, world = _rank_world()
     optimizer = unwrap_optimizer(optimizer)
     engine = detect_engine(model)
-    named = list(enumerate(engine.inner.named_parameters()))
+    named = list(enumerate(named_parameters(engine.inner)))
     views = views_of(_gather(local_view(engine, [(i, n, p) for i, (n, p) in named], rank).wire()))
     eval_section, eval_resolved, eval_error = None, {}, None
     if evaluation is not None:
