@@ -206,7 +206,6 @@ def _fold_columns(
         else None,
         projections=tol.projections,
         bound_table=None if tol.cal is not None and tol.cal.by_class is not None else bound_table,
-        fused=tol.fused,
     )
     for rs, i, d, h in zip(
         out, summary.inexact.tolist(), summary.differing.tolist(), summary.hard.tolist()

@@ -68,11 +68,6 @@ def _nonfinite(r: dict) -> bool:
 class _Tol:
     """rel_err of two records' statistics and the bound it is held to."""
 
-    # the comparison is large enough for analysis/fused.py's numba pass (columnar.FUSED_PAIRS): set where a
-    # propagating diff plans its blocks (analysis/diff/prepare.py), else numpy; the C pass (disttrace/native/
-    # compare.c), where built, takes every block whatever this says
-    fused = False
-
     def __init__(
         self,
         mode: str,
