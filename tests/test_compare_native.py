@@ -1,6 +1,5 @@
-"""The C kernels of the block comparison (disttrace/native/compare.c) against numba's (analysis/fused.py), whose
-port they are: random columns through both, every output array the same bytes (differential); and the C
-kernels' checks: an argument of the wrong type, layout or length, or an index in the data out of range, raises
+"""The C kernels of the block comparison (disttrace/native/compare.c): their constants, which are
+analysis/tolerance.py's, and their checks: an argument of the wrong type, layout or length, or an index in the data out of range, raises
 ValueError instead of reading or writing out of bounds (the columns come from a run store, whose values are
 anyone's)."""
 
@@ -30,14 +29,6 @@ N_ORDERS = 8
 SPECIAL = np.array(
     [np.nan, np.inf, -np.inf, -0.0, 0.0, 1e308, -1e308, 5e-324, 1e-300, 1e-310, 1.0, 3.0, 2.0**-53]
 )
-
-
-@pytest.fixture(scope="module")
-def fused():
-    pytest.importorskip("numba")
-    from disttrace.analysis import fused
-
-    return fused
 
 
 def _floats(rng, n, special=0.2):
@@ -182,16 +173,6 @@ def _readonly(args: dict, outputs=OUTPUTS) -> dict:
     return out
 
 
-def _run_both(fn_c, fn_numba, args: dict, outputs):
-    ac, an = _readonly(args, outputs), _readonly(args, outputs)
-    rc, rn = fn_c(*ac.values()), fn_numba(*an.values())
-    assert rc == rn
-    for name in outputs:
-        assert ac[name].dtype == an[name].dtype
-        assert ac[name].tobytes() == an[name].tobytes(), name
-    return ac
-
-
 @needs_c
 def test_the_c_module_holds_tolerances_constants():
     assert C.CONSTANTS == (
@@ -206,36 +187,6 @@ def test_the_c_module_holds_tolerances_constants():
 
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered")
-
-
-@needs_c
-@pytest.mark.parametrize("seed", range(40))
-def test_compare_block_gives_numbas_bytes(seed, fused):
-    rng = np.random.default_rng(seed)
-    n = int(rng.choice([0, 1, 2, 7, 64, 300]))
-    args = _compare_args(rng, n)
-    out = _run_both(C.compare_block, fused.compare_block, args, OUTPUTS)
-    assert out["counts"].sum() >= 0
-
-
-@needs_c
-@pytest.mark.parametrize("seed", range(10))
-def test_classify_then_compare_block_give_numbas_bytes(seed, fused):
-    """classify's kinds, then compare_block over them: the pair as columnar.py calls them."""
-    rng = np.random.default_rng(1000 + seed)
-    n = int(rng.choice([1, 50, 400]))
-    cargs = dict(
-        zip(
-            "da db dev_a dev_b same_type sa sb na nb numel_a nf_a nf_b".split(),
-            _classify_args(rng, n),
-        )
-    )
-    cargs["kind"] = np.full(n, 9, dtype=np.int8)
-    got = _run_both(C.classify, fused.classify, cargs, ("kind",))
-    args = _compare_args(rng, n, kind=got["kind"])
-    for k in ("sa", "sb", "na", "nb", "numel_a"):
-        args[k] = cargs[k]
-    _run_both(C.compare_block, fused.compare_block, args, OUTPUTS)
 
 
 def _strings(rng, n, words):
@@ -262,24 +213,6 @@ WORDS = [
     b"exp_avg_sq",
     b"\xff\x00",
 ]
-
-
-@needs_c
-@pytest.mark.parametrize("seed", range(10))
-def test_in_set_and_factors_give_numbas_bytes(seed, fused):
-    rng = np.random.default_rng(2000 + seed)
-    n = int(rng.integers(1, 200))
-    off, data = _strings(rng, n, WORDS)
-    args = dict(
-        offsets=off,
-        data=data,
-        set_offsets=columnar._SET_OFFSETS,
-        set_data=columnar._SET_DATA,
-        out=np.zeros(n, dtype=bool),
-    )
-    _run_both(C.in_set, fused.in_set, args, ("out",))
-    args = dict(offsets=off, data=data, suffix=columnar._SQUARED_BYTES, out=np.zeros(n))
-    _run_both(C.factors, fused.factors, args, ("out",))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -475,13 +408,13 @@ def test_classify_refuses(what):
 
 
 _CHOSEN = (
-    "import sys; from disttrace.analysis import columnar; m = columnar._fused(True); "
+    "import sys; from disttrace.analysis import columnar; m = columnar.native_kernels(); "
     "print(m.__name__ if m else None, 'numba' in sys.modules)"
 )
 
 
 def _chosen(**env) -> str:
-    e = {k: v for k, v in os.environ.items() if k not in ("DISTTRACE_NATIVE", "DISTTRACE_FUSED")}
+    e = {k: v for k, v in os.environ.items() if k != "DISTTRACE_NATIVE"}
     e["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), e.get("PYTHONPATH")]))
     return subprocess.run(
         [sys.executable, "-c", _CHOSEN],
@@ -495,11 +428,7 @@ def _chosen(**env) -> str:
 @needs_c
 def test_the_c_module_is_chosen_and_numba_never_imported():
     assert _chosen() == "disttrace.native._compare False"
-    assert _chosen(DISTTRACE_FUSED="0") == "None False"
-
-
-def test_numba_is_chosen_under_disttrace_native_0(fused):
-    assert _chosen(DISTTRACE_NATIVE="0") == "disttrace.analysis.fused True"
+    assert _chosen(DISTTRACE_NATIVE="0") == "None False"  # numpy's path, the oracle
 
 
 def test_a_refusal_of_the_c_kernels_falls_back_to_numpy_and_the_same_document(
@@ -523,8 +452,7 @@ def test_a_refusal_of_the_c_kernels_falls_back_to_numpy_and_the_same_document(
 
             return refuse
 
-    monkeypatch.setattr(columnar, "_fused", lambda *a, **k: Refusing())
-    monkeypatch.setattr(columnar, "is_native", lambda module: True)
+    monkeypatch.setattr(columnar, "native_kernels", lambda: Refusing())
     assert diff_runs(a, b, mode="numeric").to_json() == want
     assert refused  # the compiled pass was asked, and refused
 

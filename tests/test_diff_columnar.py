@@ -219,6 +219,113 @@ def test_cross_topology_columns_and_records_give_the_same_result(tmp_path, seed,
     assert arrow.first_divergence is not None and missing
 
 
+def _split(rng, x: dict, k: int, parts=None) -> list[dict]:
+    """x cut along dim 0 into k shards whose sums, squared norms and sketches add up to x's."""
+    shape = x["shape"]
+    rows = [shape[0] // k] * (k - 1) + [shape[0] - shape[0] // k * (k - 1)]
+    w = parts or [rng.uniform(0.2, 1.0) for _ in range(k)]
+    w = [v / sum(w) for v in w]
+    out, at = [], 0
+    for j in range(k):
+        sshape = [rows[j], *shape[1:]]
+        sk = [v * w[j] for v in x["sketch"]]
+        if x["dtype"] == "float32":
+            sk = [float(np.float32(v)) for v in sk]
+        sh = {
+            **x,
+            "shape": sshape,
+            "numel": math.prod(sshape),
+            "sum": x["sum"] * w[j],
+            "norm": x["norm"] * math.sqrt(w[j]),
+            "sketch": sk,
+            "shard": {"offset": [at] + [0] * (len(shape) - 1), "logical_shape": list(shape)},
+        }
+        sh["digest"] = syn.digest(sh)
+        out.append(sh)
+        at += rows[j]
+    return out
+
+
+def _sharded_runs(seed: int):
+    """A: tp=2 x dp=2 (4 ranks), each tensor whole on every rank, or in 2 or 3 shards (a shard on two ranks:
+    a replicated shard); B: dp=2, each tensor whole on both ranks or in the same 2 shards as A's (bit-equal
+    where B's values are A's). Planted: a replicated shard of A that differs, a shard A lost (its tensor not
+    covered), a non-finite shard on B, a tensor only A has, one only B has."""
+    rng = random.Random(seed)
+    ma = syn.manifest(**{"training.steps": 3, "parallelism.tp": 2})
+    mb = syn.manifest(**{"training.steps": 3})
+    a = {r: [] for r in range(4)}
+    b = {r: [] for r in range(2)}
+    tensors = [t for t in TENSORS if t[1]]  # scalars are not sharded
+    for step in range(1, 4):
+        for phase in ("reduce", "clip", "optimizer"):
+            for i, (name, shape, dtype) in enumerate(tensors):
+                k = (i + step) % 3 + 1
+                x = _rec(rng, step, phase, 0, i, name, shape, dtype)
+                x["digest"] = syn.digest(x)
+                shards = _split(rng, x, k) if k > 1 else [x]
+                for r in range(4):
+                    if name == "norm.weight" and step == 3 and phase == "reduce":
+                        continue  # only B's
+                    sh = shards[r % k] if k < 4 else shards[r]
+                    if step == 2 and phase == "optimizer" and k == 2 and r % k == 1:
+                        continue  # A's last shard lost: the tensor is not covered
+                    a[r].append({**sh, "rank": r})
+                if step == 1 and phase == "reduce" and k > 1:
+                    bad = next(
+                        j for j, y in enumerate(a[3]) if y["tensor"] == name and y["step"] == 1
+                    )
+                    a[3][bad] = {**a[3][bad], "digest": "3" * 32}  # differs from its lower copy
+                if name == "output.weight" and step == 2:
+                    continue  # only A's
+                y = _perturbed(rng, x) if (i + step) % 4 else x
+                if y is not x:
+                    y["digest"] = x["digest"] if y["sum"] == x["sum"] else syn.digest(y)
+                halves = (i + step) % 2 == 0
+                if halves and y is x and k == 2:
+                    yb = shards  # the same shards as A's: bit-equal
+                elif halves:
+                    yb = _split(rng, y, 2)
+                else:
+                    yb = [y, y]
+                for r in range(2):
+                    rec = dict(yb[r], rank=r)
+                    if step == 3 and phase == "optimizer" and i == 0 and r == 1:
+                        rec.update(sum=None, norm=None, nonfinite=2)
+                        rec["digest"] = syn.digest(rec)
+                    b[r].append(rec)
+    for recs in list(a.values()) + list(b.values()):
+        recs.sort(
+            key=lambda r: (r["step"], r["micro_batch"], syn.PHASE_ORDER[r["phase"]], r["index"])
+        )
+    return ma, mb, a, b
+
+
+@pytest.mark.parametrize("seed", [6, 7, 8])
+@pytest.mark.parametrize("kw", [{}, {"rtol": 2e-6, "atol": 1e-9}], ids=["derived", "user"])
+@pytest.mark.parametrize("reverse", [False, True], ids=["sharded-a", "sharded-b"])
+def test_sharded_columns_and_records_give_the_same_result(tmp_path, seed, kw, reverse):
+    """Logical tensors combined from shards as columns (the Arrow store) against the record path's
+    `_Logical.value` (the JSON-lines store): the same document, the same warnings, in both directions."""
+    ma, mb, a, b = _sharded_runs(seed)
+    docs = {}
+    for fmt in (".arrows", ".jsonl"):
+        syn.FORMAT["suffix"] = fmt
+        try:
+            ra = syn.write_run(tmp_path / f"{fmt[1:]}-a", ma, a)
+            rb = syn.write_run(tmp_path / f"{fmt[1:]}-b", mb, b)
+        finally:
+            syn.FORMAT["suffix"] = ".arrows"
+        docs[fmt] = diff_runs(rb, ra, **kw) if reverse else diff_runs(ra, rb, **kw)
+    arrow, jsonl = docs[".arrows"], docs[".jsonl"]
+    assert arrow.mode == "numeric" and not arrow.topology.same
+    assert _comparable(arrow) == _comparable(jsonl)
+    assert arrow.warnings == jsonl.warnings
+    assert any("do not cover" in w for w in arrow.warnings)
+    assert any("copy differs" in w for w in arrow.warnings)
+    assert any(r.hard for e in arrow.propagation for r in e.ranks.values())
+
+
 def test_a_block_with_steps_without_records_aligns_and_sums_up_per_step():
     """A step with no rows (first, middle or last in a block) starts where the next one does: the block still
     aligns, and each row is summed up into its own step (a last empty step raised IndexError)."""

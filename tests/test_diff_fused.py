@@ -1,7 +1,6 @@
-"""The compiled comparison of a block against the numpy path it replaces (analysis/columnar.py's compare and
-by_step, kept as the path without a compiled module and under DISTTRACE_FUSED=0), as the oracle: each test runs
-with the C kernels (disttrace/native/compare.c, skipped where the extension was not built) and with numba's
-(analysis/fused.py, under DISTTRACE_NATIVE=0; skipped without numba).
+"""The compiled comparison of a block (the C kernels, disttrace/native/compare.c; skipped where the extension was
+not built) against the numpy path it replaces (analysis/columnar.py's compare and by_step, the path without the
+extension and under DISTTRACE_NATIVE=0), as the oracle.
 
 Random stores of every phase, float32- and float64-sketched dtypes, scalars, empty tensors and a matrix whose
 statistics round in float32, with B's records perturbed around the bound (bit-equal, digest-only changes,
@@ -24,7 +23,6 @@ import test_diff_synthetic as syn  # noqa: E402
 
 from disttrace.analysis import columnar  # noqa: E402
 from disttrace.analysis.diff import diff_runs  # noqa: E402
-from disttrace.analysis.diff.tol import _Tol  # noqa: E402
 from disttrace.store.records import PHASES  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
@@ -141,34 +139,17 @@ def _random_runs(seed: int, steps: int = 3):
     return m, a, b
 
 
-def kernels_of(kind: str, monkeypatch):
-    """The compiled module columnar.py takes for `kind` ("c": the C extension, "numba": analysis/fused.py under
-    DISTTRACE_NATIVE=0), made the one it chooses from here on; skips where that one is not there."""
-    monkeypatch.setattr(columnar, "_fused_module", None)
-    monkeypatch.setattr(columnar, "_native_module", None)
-    if kind == "c":
-        if columnar.native_kernels() is None:
-            pytest.skip(
-                "the C extension disttrace.native._compare is not built (or DISTTRACE_NATIVE=0)"
-            )
-        return columnar.native_kernels()
-    pytest.importorskip("numba")
-    monkeypatch.setenv("DISTTRACE_NATIVE", "0")
-    from disttrace.analysis import fused
-
-    assert columnar.native_kernels() is None
-    return fused
-
-
-@pytest.fixture(params=["c", "numba"])
-def kernels(request, monkeypatch):
-    return kernels_of(request.param, monkeypatch)
-
-
 @pytest.fixture
-def both_paths(monkeypatch, kernels):
-    """run(fn) -> (numpy path's document, compiled path's document, compiled blocks): fn's DiffResult as
-    `--json` bytes under each path, every block long enough for the compiled one (C or numba: `kernels`)."""
+def both_paths(monkeypatch):
+    """run(fn) -> (numpy path's document, the C kernels' document, compiled blocks): fn's DiffResult as
+    `--json` bytes under each path (numpy's as under DISTTRACE_NATIVE=0); skips where the C extension was not
+    built."""
+    monkeypatch.setattr(columnar, "_native_module", None)
+    kernels = columnar.native_kernels()
+    if kernels is None:
+        pytest.skip(
+            "the C extension disttrace.native._compare is not built (or DISTTRACE_NATIVE=0)"
+        )
     calls = []
     kernel = kernels.compare_block
 
@@ -177,20 +158,12 @@ def both_paths(monkeypatch, kernels):
         return kernel(*args)
 
     monkeypatch.setattr(kernels, "compare_block", counted)
-    monkeypatch.setattr(columnar, "FUSED_MIN", 0)
-    monkeypatch.setattr(columnar, "NATIVE_MIN", 0)
-    monkeypatch.setattr(columnar, "FUSED_PAIRS", 0)
-    monkeypatch.setattr(
-        _Tol, "fused", True
-    )  # the comparisons that plan no blocks too (across topologies)
 
     def run(fn):
         docs = []
-        for flag in ("0", "1"):
-            monkeypatch.setenv("DISTTRACE_FUSED", flag)
-            monkeypatch.setattr(columnar, "_fused_module", None)
+        for module in (False, kernels):
+            monkeypatch.setattr(columnar, "_native_module", module)
             docs.append(fn().to_json())
-        assert columnar._fused_module is kernels
         return docs[0], docs[1], len(calls)
 
     return run
@@ -249,6 +222,15 @@ def test_the_compiled_pass_gives_the_same_document_across_topologies(tmp_path, b
     ra, rb = syn.write_run(tmp_path / "a", ma, a), syn.write_run(tmp_path / "b", mb, b)
     numpy_doc, fused_doc, n = both_paths(lambda: diff_runs(ra, rb))
     assert n > 0 and fused_doc == numpy_doc
+
+
+@pytest.mark.parametrize("seed", [6, 7])
+def test_the_compiled_pass_gives_the_same_document_on_shards(tmp_path, both_paths, seed):
+    ma, mb, a, b = tdc._sharded_runs(seed)
+    ra, rb = syn.write_run(tmp_path / "a", ma, a), syn.write_run(tmp_path / "b", mb, b)
+    for x, y in ((ra, rb), (rb, ra)):
+        numpy_doc, fused_doc, n = both_paths(lambda: diff_runs(x, y))  # noqa: B023
+        assert n > 0 and fused_doc == numpy_doc
 
 
 def test_the_compiled_pass_gives_the_same_document_with_magnitudes(tmp_path, both_paths):

@@ -15,7 +15,6 @@ empty tensor) are handed back by position for it. diff.py folds the result into 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,35 +22,24 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from disttrace.analysis import tolerance
-from disttrace.compiled import native, optional
+from disttrace.compiled import native
 from disttrace.store.records import PHASES
 from disttrace.store.trajectory import SKETCH_K
 
 TINY = 1e-300
-# The compiled pass over a block (summarize) is one of two modules with the same four kernels, bit for bit:
-# - disttrace.native._compare (C, built at install where a compiler is there): it loads in under a millisecond,
-#   so every diff takes it, for every block with a row: measured, the pass with its set-up here costs less CPU
-#   than numpy's ~60 array operations at every block size, one row included (0.18-0.22 ms against 0.67-0.88 ms
-#   for 1 to 150 rows; 0.65 against 2.7 ms for 4,096; `bench/diff_fused.py A B --sizes ...`, docs/benchmarks.md);
-# - else analysis/fused.py (numba, the `fast` extra), for a block of at least FUSED_MIN rows in a diff that will
-#   compare at least FUSED_PAIRS pairs of records (its estimate from the step indexes, blocks._compared_pairs):
-#   numba's import and the loading of the compiled pass cost ~0.65 s of CPU once a process, and the pass saves
-#   ~1 us a pair (docs/benchmarks.md), so a smaller diff stays with numpy.
-# DISTTRACE_NATIVE=0 leaves the C module out (numba's then); DISTTRACE_FUSED=0 keeps numpy (the benches' baseline,
-# the tests' oracle).
-NATIVE_MIN = 1
-FUSED_MIN = 1 << 12
-FUSED_PAIRS = 1 << 20
-_fused_module = (
-    None  # the module chosen (C or numba), False where neither is there or DISTTRACE_FUSED=0
-)
+# The compiled pass over a block (summarize) is disttrace.native._compare (C, built at install where a compiler is
+# there): it loads in under a millisecond, so every diff takes it, for every block with a row: measured, the pass
+# with its set-up here costs less CPU than numpy's ~60 array operations at every block size, one row included
+# (0.18-0.22 ms against 0.67-0.88 ms for 1 to 150 rows; 0.65 against 2.7 ms for 4,096; `bench/diff_fused.py A B
+# --sizes ...`, docs/benchmarks.md). Where it is not built, or under DISTTRACE_NATIVE=0, numpy's path (compare and
+# by_step) does the same work: the tests' oracle.
 _native_module = (
     None  # disttrace.native._compare, False where it is not built or DISTTRACE_NATIVE=0
 )
 _PHASES = pa.array(PHASES)
 _SKETCH_FLOAT32 = pa.array(tolerance.SKETCH_FLOAT32)
 _U32, _U64 = tolerance.UNIT_ROUNDOFF["float32"], tolerance.UNIT_ROUNDOFF["float64"]
-# the constants the C module is compiled with (its CONSTANTS), as analysis/fused.py reads them
+# the constants the C module is compiled with (its CONSTANTS)
 _CONSTANTS = (
     TINY,
     _U32,
@@ -461,29 +449,6 @@ def native_kernels():
     return _native_module or None
 
 
-def is_native(module) -> bool:
-    return module is not None and module is native_kernels()
-
-
-def _fused(numba_ok: bool = True):
-    """The compiled pass's module: the C one where built, else analysis/fused.py (numba) where numba_ok (the
-    comparison is large enough to earn numba's import back) and numba is installed; None otherwise, or under
-    DISTTRACE_FUSED=0 (the numpy path)."""
-    global _fused_module
-    if _fused_module is None:
-        if os.environ.get("DISTTRACE_FUSED") == "0":
-            _fused_module = False
-        elif native_kernels() is not None:
-            _fused_module = native_kernels()
-        elif numba_ok:
-            _fused_module = optional("disttrace.analysis.fused", "DISTTRACE_FUSED") or False
-        else:
-            return None  # not decided: numba is imported once a comparison is large enough
-    if _fused_module is not False and not is_native(_fused_module) and not numba_ok:
-        return None
-    return _fused_module or None
-
-
 def summarize(
     ba: Columns,
     bb: Columns,
@@ -495,14 +460,11 @@ def summarize(
     magnitudes=None,
     projections: int = SKETCH_K,
     bound_table=None,
-    fused: bool = False,
 ) -> StepSummary:
-    """by_step(compare(...), starts): in one compiled pass over the rows (the C module's for a block of at least
-    NATIVE_MIN rows; else numba's, where installed, `fused` and the block holds at least FUSED_MIN rows), else
-    in numpy. bound_table() -> table, optional: the base bound of a row at step position s and phase order o
+    """by_step(compare(...), starts): in one compiled pass over the rows (the C module's, where built), else in
+    numpy. bound_table() -> table, optional: the base bound of a row at step position s and phase order o
     is table[s, o] * tensor_factors of its name, which is what base_bound returns for it (the compiled pass
-    then needs no call back into Python between its rows). fused: the caller's comparison is large enough
-    for numba's pass (FUSED_PAIRS); the C pass does not wait for it."""
+    then needs no call back into Python between its rows)."""
     kw = dict(
         bitwise=bitwise,
         user=user,
@@ -510,10 +472,8 @@ def summarize(
         magnitudes=magnitudes,
         projections=projections,
     )
-    module = _fused(numba_ok=fused and ba.num_rows >= FUSED_MIN)
-    if is_native(module) and ba.num_rows < NATIVE_MIN:
-        module = None
-    if module is not None:
+    module = native_kernels()
+    if module is not None and ba.num_rows:
         try:
             got = _fused_summary(module, ba, bb, starts, bound_table=bound_table, **kw)
         except ValueError:  # the C kernels refuse indices out of range (no store we write has them)

@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import orjson
 
 from disttrace.errors import BadInput
@@ -115,6 +116,7 @@ class Magnitudes:
         self.since = since
         self._reduce: dict[int, dict[int, float]] = {}
         self._state: dict[int, Moments] = {}
+        self._arrays: dict[tuple, tuple] = {}
 
     def local(self, rank: int, step: int, phase: str, mb: int, index: int) -> float | None:
         return self.by_rank.get(rank, {}).get(step, {}).get(phase, {}).get(mb, {}).get(index)
@@ -183,3 +185,96 @@ class Magnitudes:
         if key in ("exp_avg", "exp_avg_sq"):
             return self._moments(step).of(key).get(index // 4), True
         return None, True
+
+
+# an index beyond what a record's uint32 index (or its optimizer state's index // 4) can name never matches
+_MAX_INDEX = 1 << 34
+_CACHED = 1 << 12  # tables held as arrays at once: a few blocks' steps, not the run's
+_OPTIMIZER_KEYS = ("exp_avg", "exp_avg_sq", "param")
+_NONE = (np.empty(0, dtype=np.int64), np.empty(0))
+
+
+def _as_arrays(table: dict[int, float]) -> tuple[np.ndarray, np.ndarray]:
+    """A table {index: magnitude} as (sorted indices, magnitudes) for np.searchsorted."""
+    keys = sorted(k for k in table if 0 <= k < _MAX_INDEX)
+    if not keys:
+        return _NONE
+    return np.array(keys, dtype=np.int64), np.array([table[k] for k in keys], dtype=np.float64)
+
+
+def _lookup(arrays: tuple[np.ndarray, np.ndarray], index: np.ndarray) -> np.ndarray:
+    """table.get(i) for each of `index`: nan where absent."""
+    keys, vals = arrays
+    out = np.full(len(index), np.nan)
+    if len(keys):
+        at = np.minimum(np.searchsorted(keys, index), len(keys) - 1)
+        hit = keys[at] == index
+        out[hit] = vals[at[hit]]
+    return out
+
+
+def lookup(
+    mag: Magnitudes, step: int, phase: str, index, names, rank, mb
+) -> tuple[np.ndarray, np.ndarray]:
+    """`mag.of` for rows of one step and phase, as (magnitudes, nan where None; bounded) arrays. index, rank,
+    mb: int64 arrays; names: a bool-returning matcher over the rows' tensor names (`names(kind)` for kind in
+    "grad_norm", "param_groups", "colon", "exp_avg", "exp_avg_sq")."""
+    n = len(index)
+    bounded = np.ones(n, dtype=bool)
+    cache = mag._arrays
+    if len(cache) >= _CACHED:  # steps come in order: the older half goes
+        for old in list(cache)[: len(cache) // 2]:
+            del cache[old]
+    if phase == "backward":
+        out = np.full(n, np.nan)
+        pairs, inv = np.unique(rank * (1 << 32) + mb, return_inverse=True)
+        inv = inv.reshape(-1)
+        for j, p in enumerate(pairs.tolist()):
+            rk, m = p >> 32, p & 0xFFFFFFFF
+            key = ("backward", step, rk, m)
+            arrays = cache.get(key)
+            if arrays is None:
+                table = mag.by_rank.get(rk, {}).get(step, {}).get(phase, {}).get(m, {})
+                arrays = cache[key] = _as_arrays(table)
+            sel = inv == j
+            out[sel] = _lookup(arrays, index[sel])
+        return out, bounded
+    if phase in ("reduce", "clip"):
+        key = ("reduce", step)
+        arrays = cache.get(key)
+        if arrays is None:
+            arrays = cache[key] = _as_arrays(mag.reduced(step))
+        out = _lookup(arrays, index)
+        if phase == "clip":
+            norm = np.isnan(out) & names("grad_norm")
+            if norm.any():
+                red = mag.reduced(step)
+                # |d ||G||| <= ||dG|| <= eps sqrt(sum_i M_i^2): the global norm on the scale of its parts
+                out[norm] = math.sqrt(math.fsum(v * v for v in red.values())) if red else np.nan
+        return out, bounded
+    if phase != "optimizer":
+        return np.full(n, np.nan), bounded
+    out = np.full(n, np.nan)
+    inputs = names("param_groups")  # a learning rate an attached run records: an input, no sum
+    param = ~inputs & ~names("colon")
+    if param.any():
+        if mag.optimizer == "sgd":
+            out[param] = _lookup(_moment_arrays(mag, step, "param"), index[param])
+        else:
+            bounded[param] = False
+    for state in ("exp_avg", "exp_avg_sq"):
+        sel = ~inputs & names(state)
+        if sel.any():
+            out[sel] = _lookup(_moment_arrays(mag, step, state), index[sel] // 4)
+    return out, bounded
+
+
+def _moment_arrays(mag: Magnitudes, step: int, state: str):
+    key = ("moments", step)
+    got = mag._arrays.get(key)
+    if got is None:
+        m = mag._moments(step)
+        got = mag._arrays[key] = {
+            k: _as_arrays(t) for k, t in zip(_OPTIMIZER_KEYS, (m.exp_avg, m.exp_avg_sq, m.param))
+        }
+    return got[state]

@@ -1,9 +1,8 @@
-/* The column-wise comparison of a block of steps in C: a port of analysis/fused.py's four numba kernels
- * (in_set, factors, classify, compare_block), with their arguments and results, so that a diff of any size
- * may take the compiled pass (this module loads in about a millisecond; numba's import and loading cost a
- * process ~0.7 s of CPU).
+/* The column-wise comparison of a block of steps in C: analysis/columnar.py's numpy path (compare, then
+ * by_step) as four kernels (in_set, factors, classify, compare_block), so that a diff of any size takes the
+ * compiled pass (this module loads in about a millisecond).
  *
- * Exactness: the same contract as fused.py's, operation by operation in the same order, in double (float64),
+ * Exactness: the numpy path's results, operation by operation in the same order, in double (float64),
  * and the same lowering numba gives each operation:
  * - builtin max(a, b) / min(a, b) on floats and ints: b if b > a (b < a) else a (numba's do_minmax: Python's
  *   algorithm, the first argument kept on a NaN);
@@ -358,7 +357,7 @@ done:
 PyDoc_STRVAR(classify_doc,
              "classify(da, db, dev_a, dev_b, same_type, sa, sb, na, nb, numel_a, nf_a, nf_b, kind) -> int: per "
              "row, into kind (int8): 0 bit-equal, 1 compared here, 2 handed to the record path; returns how "
-             "many rows are of kind 1 (analysis/fused.py's classify).");
+             "many rows are of kind 1 (columnar.py's classify call).");
 
 static PyObject *py_classify(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     static const char *fn = "classify";
@@ -420,14 +419,14 @@ done:
 }
 
 /* ------------------------------------------------------------------------------------------------------ */
-/* compare_block: see analysis/fused.py */
+/* compare_block: the rows of kind 1 compared and summed up per step (columnar.py's _fused_summary) */
 
 PyDoc_STRVAR(compare_doc, "compare_block(kind, f32, sa, sb, na, nb, numel_a, numel_b, k32a, v32a, k64a, v64a, "
                           "k32b, v32b, k64b, v64b, shape_off, shape_val, order, micro_batch, index, starts, "
                           "bitwise, user, rtol, atol, use_table, table, factor, row_base, has_mags, extra, "
                           "unbounded, copied_from, projections, K, n_orders, counts, first, specials, g_best, "
                           "g_ratio, rel_out, bnd_out) -> int: columnar.compare followed by columnar.by_step "
-                          "over the rows of `kind` (analysis/fused.py's compare_block); returns how many rows "
+                          "over the rows of `kind` (columnar.py's _fused_summary); returns how many rows "
                           "went into specials.");
 
 enum {
@@ -838,7 +837,7 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-PyDoc_STRVAR(module_doc, "analysis/fused.py's kernels in C (see compare.c); CONSTANTS: the tolerance constants "
+PyDoc_STRVAR(module_doc, "analysis/columnar.py's block comparison in C (see compare.c); CONSTANTS: the tolerance constants "
                          "compiled in (TINY, U32, U64, SKETCH_ROWS, STAT_CHUNK, FLOAT64_STATS).");
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_compare", module_doc, -1, methods, NULL, NULL, NULL, NULL};

@@ -75,18 +75,6 @@ def _most_steps(ranks) -> int:
     return max(1, BLOCK_RANK_STEPS // max(1, len(ranks)))
 
 
-def _compared_pairs(steps: list[int], ranks, side_a: _Side, side_b: _Side) -> int:
-    """About how many pairs of records comparing `steps` will compare: B's record counts of the rank-steps whose
-    index digests differ (those that agree are skipped unread where their bytes are the same, the usual case
-    of a bitwise diff)."""
-    return sum(
-        int(side_b.record_count(r, s) or 0)
-        for s in steps
-        for r in ranks
-        if not side_a.same_digest(r, s, side_b)
-    )
-
-
 def _compare_block(
     block: list[int], ranks, side_a: _Side, side_b: _Side, tol: _Tol, read=None
 ) -> dict[int, tuple[dict, int]]:

@@ -160,11 +160,13 @@ def _fold_columns(
     tol: _Tol,
     out: list[_RankStep],
     logical: bool = False,
+    records=None,
 ) -> None:
     """Row i of `ca` against row i of `cb`, column-wise, into `out`: one or several steps concatenated (step
     `steps[j]` from row `starts[j]`, its result into `out[j]`). The bulk is summed up per step by
     columnar.by_step; the special rows (non-finite, shape or dtype differs, empty) and each step's first
-    divergent row (whose unit dict the result shows) go through the record path's own `_unit`."""
+    divergent row (whose unit dict the result shows) go through the record path's own `_unit`. records(rows)
+    -> (A's dicts, B's dicts) of those rows, where the batches' rows stand for other values (logical tensors)."""
     row_step = np.repeat(np.asarray(steps, dtype=np.int64), np.diff(np.append(starts, ca.num_rows)))
     n_orders = len(PHASES) + 1
 
@@ -204,7 +206,6 @@ def _fold_columns(
         else None,
         projections=tol.projections,
         bound_table=None if tol.cal is not None and tol.cal.by_class is not None else bound_table,
-        fused=tol.fused,
     )
     for rs, i, d, h in zip(
         out, summary.inexact.tolist(), summary.differing.tolist(), summary.hard.tolist()
@@ -233,8 +234,12 @@ def _fold_columns(
     )
     if not rows:
         return
-    take = pa.array(rows, pa.int64())
-    ra, rb = trajectory.to_records(ca.batch.take(take)), trajectory.to_records(cb.batch.take(take))
+    if records is not None:
+        ra, rb = records(rows)
+    else:
+        take = pa.array(rows, pa.int64())
+        ra = trajectory.to_records(ca.batch.take(take))
+        rb = trajectory.to_records(cb.batch.take(take))
     for row, x, y in zip(rows, ra, rb):
         j = int(np.searchsorted(starts, row, side="right")) - 1
         rs, step = out[j], steps[j]

@@ -10,13 +10,12 @@ from typing import Any
 
 import orjson
 
-from disttrace.analysis import columnar, readahead, tolerance
+from disttrace.analysis import readahead, tolerance
 from disttrace.analysis.diff.blocks import (
     BLOCK_ROWS,
     _block,
     _blocks_read,
     _compare_block,
-    _compared_pairs,
     _Plan,
     _take,
 )
@@ -389,12 +388,6 @@ class _Setup:
         plan = (
             _Plan(steps, self.ranks, (side_a, side_b)) if propagate and not self.logical else None
         )
-        if (
-            plan is not None and columnar.native_kernels() is None
-        ):  # numba's threshold; C's has none
-            self.tol.fused = (
-                _compared_pairs(steps, self.ranks, side_a, side_b) >= columnar.FUSED_PAIRS
-            )
         reader = (
             readahead.ReadAhead(_blocks_read(plan, self.ranks, side_a, side_b))
             if plan is not None
@@ -445,7 +438,7 @@ class _Setup:
 
 def _bytes_read(steps: list[int], ranks, side_a: _Side, side_b: _Side) -> int:
     """About the trajectory bytes a comparison of every step decodes: both sides' byte ranges of the rank-steps
-    whose index digests differ (those that agree are skipped unread, as _compared_pairs counts them): what
+    whose index digests differ (those that agree are skipped unread): what
     tells store/trajectory.py a job is large enough for its compiled path."""
     total = 0
     for s in steps:

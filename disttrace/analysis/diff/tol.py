@@ -8,14 +8,47 @@ import math
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from disttrace.analysis import tolerance
+from disttrace.analysis import magnitudes, tolerance
 from disttrace.analysis.result import BoundKind
 from disttrace.model.names import tensor_class
 from disttrace.store.records import PHASES
 from disttrace.store.trajectory import SKETCH_K
 
 TINY = 1e-300
+_PHASES = pa.array(PHASES, pa.string())
+
+
+class _NameKinds:
+    """What analysis/magnitudes.py's `of` asks of a tensor name, over a column of names: each kind matched
+    once for the whole column (a null name is the empty one)."""
+
+    _MATCH = {
+        "grad_norm": lambda c: pc.equal(c, "grad_norm"),
+        "param_groups": lambda c: pc.starts_with(c, "param_groups."),
+        "colon": lambda c: pc.match_substring(c, ":"),
+        "exp_avg": lambda c: pc.ends_with(c, ":exp_avg"),
+        "exp_avg_sq": lambda c: pc.ends_with(c, ":exp_avg_sq"),
+    }
+
+    def __init__(self, names: pa.Array):
+        self.names, self._got = names, {}
+
+    def at(self, sel):
+        """The matcher of the rows `sel`."""
+        return lambda kind: self._all(kind)[sel]
+
+    def _all(self, kind: str) -> np.ndarray:
+        got = self._got.get(kind)
+        if got is None:
+            got = self._got[kind] = np.asarray(
+                self._MATCH[kind](self.names).fill_null(False).to_numpy(zero_copy_only=False),
+                dtype=bool,
+            )
+        return got
+
+
 _CACHED = 1 << 10  # (step, phase, class) bounds held at once: a few blocks' steps, not the run's
 
 
@@ -34,11 +67,6 @@ def _nonfinite(r: dict) -> bool:
 
 class _Tol:
     """rel_err of two records' statistics and the bound it is held to."""
-
-    # the comparison is large enough for analysis/fused.py's numba pass (columnar.FUSED_PAIRS): set where a
-    # propagating diff plans its blocks (analysis/diff/prepare.py), else numpy; the C pass (disttrace/native/
-    # compare.c), where built, takes every block whatever this says
-    fused = False
 
     def __init__(
         self,
@@ -105,44 +133,40 @@ class _Tol:
         return out, bounded
 
     def row_magnitudes(self, step_of_row, batch_a, batch_b, rows) -> tuple[np.ndarray, np.ndarray]:
-        """`magnitude` for rows of two aligned batches: (magnitudes, unbounded) arrays. Rows are grouped by
-        (step, phase, rank, micro-batch), and each group looked up in one pass over its indices."""
+        """`magnitude` for rows of two aligned batches: (magnitudes, unbounded) arrays, looked up a step and
+        phase at a time over whole columns (analysis/magnitudes.py's `lookup`)."""
         n = len(rows)
         extra, unbounded = np.zeros(n), np.zeros(n, dtype=bool)
         if self.mags is None or not n:
             return extra, unbounded
         take = pa.array(rows, pa.int64())
-        steps = step_of_row[rows]
+        steps = np.asarray(step_of_row[rows], dtype=np.int64)
         for mag, batch in zip(self.mags, (batch_a, batch_b)):
-            phase = batch.column("phase").take(take).to_pylist()
-            names = batch.column("tensor").take(take).to_pylist()
-            index = np.asarray(batch.column("index").take(take).to_numpy(zero_copy_only=False))
-            rank = np.asarray(batch.column("rank").take(take).to_numpy(zero_copy_only=False))
-            mb = np.asarray(batch.column("micro_batch").take(take).to_numpy(zero_copy_only=False))
-            groups: dict[tuple, list[int]] = {}
-            for j, key in enumerate(zip(steps.tolist(), phase, rank.tolist(), mb.tolist())):
-                groups.setdefault(key, []).append(j)
-            for (step, ph, rk, m), pos in groups.items():
-                if ph in ("backward", "reduce") or (ph == "clip"):
-                    table = (
-                        mag.by_rank.get(rk, {}).get(step, {}).get(ph, {}).get(m, {})
-                        if ph == "backward"
-                        else mag.reduced(step)
-                    )
-                    vals = [table.get(i) for i in index[pos].tolist()]
-                    for k, j in enumerate(pos):
-                        v = vals[k]
-                        if v is None and ph == "clip":
-                            v, _ = mag.of(step, ph, int(index[j]), names[j], rk, m)
-                        if v is not None and v > extra[j]:
-                            extra[j] = v
-                    continue
-                for j in pos:
-                    v, ok = mag.of(step, ph, int(index[j]), names[j], rk, m)
-                    if not ok:
-                        unbounded[j] = True
-                    if v is not None and v > extra[j]:
-                        extra[j] = v
+            order = np.asarray(
+                pc.index_in(batch.column("phase").take(take), value_set=_PHASES)
+                .fill_null(len(PHASES))
+                .to_numpy(zero_copy_only=False),
+                dtype=np.int64,
+            )
+            index, rank, mb = (
+                np.asarray(
+                    batch.column(c).take(take).to_numpy(zero_copy_only=False), dtype=np.int64
+                )
+                for c in ("index", "rank", "micro_batch")
+            )
+            names = _NameKinds(batch.column("tensor").take(take))
+            groups, inv = np.unique(steps * (len(PHASES) + 1) + order, return_inverse=True)
+            inv = inv.reshape(-1)
+            for j, g in enumerate(groups.tolist()):
+                step, o = divmod(g, len(PHASES) + 1)
+                if o >= len(PHASES):
+                    continue  # an unknown phase has no magnitude
+                sel = np.flatnonzero(inv == j) if len(groups) > 1 else slice(None)
+                v, ok = magnitudes.lookup(
+                    mag, step, PHASES[o], index[sel], names.at(sel), rank[sel], mb[sel]
+                )
+                unbounded[sel] |= ~ok
+                extra[sel] = np.fmax(extra[sel], v)
         return extra, unbounded
 
     def _class(self, name: str | None) -> str | None:
