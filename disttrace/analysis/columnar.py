@@ -28,11 +28,9 @@ from disttrace.store.trajectory import SKETCH_K
 
 TINY = 1e-300
 # The compiled pass over a block (summarize) is disttrace.native._compare (C, built at install where a compiler is
-# there): it loads in under a millisecond, so every diff takes it, for every block with a row: measured, the pass
-# with its set-up here costs less CPU than numpy's ~60 array operations at every block size, one row included
-# (0.18-0.22 ms against 0.67-0.88 ms for 1 to 150 rows; 0.65 against 2.7 ms for 4,096; `bench/diff_fused.py A B
-# --sizes ...`, docs/benchmarks.md). Where it is not built, or under DISTTRACE_NATIVE=0, numpy's path (compare and
-# by_step) does the same work: the tests' oracle.
+# there): it loads in under a millisecond and costs less CPU than numpy's ~60 array operations at every block size,
+# one row included (docs/benchmarks.md), so every diff takes it for every block with a row. Where it is not built,
+# or under DISTTRACE_NATIVE=0, numpy's path (compare and by_step) does the same work: the tests' oracle.
 _native_module = (
     None  # disttrace.native._compare, False where it is not built or DISTTRACE_NATIVE=0
 )
