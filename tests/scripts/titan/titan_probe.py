@@ -21,6 +21,7 @@ seen: dict = {
     "outermost_forwards": [],
     "optimizer_steps": [],
     "backward_calls": Counter(),
+    "forward_calls": Counter(),
     "backward_roots": [],
     "clip_calls": Counter(),
     "destroy_process_group": 0,
@@ -40,6 +41,7 @@ def _install() -> None:
 
     def pre(mod, args, kwargs=None):
         _depth["forward"] += 1
+        seen["forward_calls"][type(mod).__name__] += 1
         if _depth["forward"] == 1 and len(seen["outermost_forwards"]) < 3:
             seen["outermost_forwards"].append(
                 {
@@ -55,6 +57,13 @@ def _install() -> None:
         _depth["forward"] -= 1
 
     nn_module.register_module_forward_pre_hook(pre)
+    if os.environ.get("TITAN_PROBE_FULL_BACKWARD"):  # does a global full backward hook run here?
+        seen["full_backward_hook_calls"] = Counter()
+
+        def full_backward(mod, grad_input, grad_output):
+            seen["full_backward_hook_calls"][type(mod).__name__] += 1
+
+        nn_module.register_module_full_backward_hook(full_backward)
     nn_module.register_module_forward_hook(post, always_call=True)
 
     def step_pre(opt, args, kwargs):
@@ -178,6 +187,8 @@ def main() -> None:
     titan_train._eager_flex_attention()
     titan_train._pg_timeouts_for_this_torch()
     titan_train._fsdp_sum_reduction()
+    if os.environ.get("TITAN_LOSSES"):
+        titan_train._losses_to_file(os.environ["TITAN_LOSSES"])
     _install()
     import runpy
 
