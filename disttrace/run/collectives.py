@@ -93,6 +93,10 @@ class CollectiveTracer(TorchDispatchMode):
     Flight Recorder sees no send/recv): every op as it is issued, with `values` the digest of each input.
     Its cost is a Python call per aten op of the step, not per collective: not the default."""
 
+    # higher-order operators (flex attention, torch.cond, ...) reach __torch_dispatch__ whole: they hold no
+    # collective of their own to trace, so each runs as it would without the mode
+    supports_higher_order_operators = True
+
     def __init__(self, run_dir: Path, rank: int, values: bool = False):
         super().__init__()
         self.rank = rank
@@ -104,7 +108,7 @@ class CollectiveTracer(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        ns = func.namespace
+        ns = getattr(func, "namespace", None)  # a higher-order operator has none
         if not self.enabled or ns not in ("c10d", "_c10d_functional"):
             return func(*args, **kwargs)
         op = func._opname

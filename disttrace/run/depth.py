@@ -129,13 +129,16 @@ class _OpTracer(TorchDispatchMode):
     """Every aten op's outputs, recorded by the depth recorder (the digests themselves run outside every
     dispatch mode, so no other mode, the collective tracer included, sees them)."""
 
+    # a higher-order operator (flex attention) runs whole, its output recorded as one op's
+    supports_higher_order_operators = True
+
     def __init__(self, recorder: DepthRecorder):
         super().__init__()
         self.recorder = recorder
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func.namespace == "aten":
+        if getattr(func, "namespace", None) == "aten":
             self.recorder.op(str(func.overloadpacket), out)
         return out
 

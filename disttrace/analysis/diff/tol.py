@@ -26,6 +26,7 @@ class _NameKinds:
 
     _MATCH = {
         "grad_norm": lambda c: pc.equal(c, "grad_norm"),
+        "clip_coef": lambda c: pc.equal(c, "clip_coef"),
         "param_groups": lambda c: pc.starts_with(c, "param_groups."),
         "colon": lambda c: pc.match_substring(c, ":"),
         "exp_avg": lambda c: pc.ends_with(c, ":exp_avg"),

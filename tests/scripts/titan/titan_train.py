@@ -19,6 +19,10 @@ before its trainer runs; none of them changes the arithmetic of a training step:
   ``PREMUL_SUM``, which gloo lacks; torchtitan already sets FSDP's divide factor to 1.0 and
   scales the loss by the global token count itself, so the sum is the same reduction.
 
+With ``TITAN_BUG=local-clip`` a bug users report is planted in the training code: each rank clips by
+the norm of its own gradient shards (the norm never reduced over the mesh), so under FSDP or TP the
+ranks scale their shards by different coefficients; at dp=1 it computes the same as the fix.
+
 With ``TITAN_LOSSES=PATH`` in the environment, rank 0 also appends each logged step's loss and
 grad norm at full precision to PATH as JSON lines (an observation; nothing else changes).
 
@@ -107,6 +111,32 @@ def _fsdp_sum_reduction() -> None:
     fsdp.disable_fsdp_gradient_division = disable_fsdp_gradient_division
 
 
+def _plant_local_clip() -> None:
+    """The bug: torchtitan's clip with the total norm taken from this rank's local shards only."""
+    from torchtitan.distributed import utils as dist_utils
+
+    def clip_grad_norm_(
+        parameters,
+        max_norm,
+        norm_type=2.0,
+        error_if_nonfinite=False,
+        foreach=None,
+        pp_mesh=None,
+        ep_enabled=False,
+    ):
+        parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        local = [
+            p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            for p in parameters
+            if p.grad is not None
+        ]
+        total_norm = torch.nn.utils.get_total_norm(local, norm_type, error_if_nonfinite, foreach)
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm, foreach)
+        return total_norm
+
+    dist_utils.clip_grad_norm_ = clip_grad_norm_
+
+
 def _losses_to_file(path: str) -> None:
     """Observation only: each logged step's loss and grad norm at full precision, one JSON line
     (torchtitan's own log line rounds the loss to 5 decimals)."""
@@ -133,6 +163,8 @@ def main() -> None:
     _eager_flex_attention()
     _pg_timeouts_for_this_torch()
     _fsdp_sum_reduction()
+    if os.environ.get("TITAN_BUG") == "local-clip":
+        _plant_local_clip()
     if os.environ.get("TITAN_LOSSES"):
         _losses_to_file(os.environ["TITAN_LOSSES"])
     # `python -m torchtitan.train ARGS`: the module run as __main__, sys.argv[1:] left as given
