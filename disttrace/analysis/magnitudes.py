@@ -35,6 +35,7 @@ import orjson
 
 from disttrace.errors import BadInput
 from disttrace.store import safeio
+from disttrace.store.records import clip_param_index
 from disttrace.store.rundir import Run, rank_file
 
 SUFFIX = ".scales.jsonl"
@@ -164,10 +165,10 @@ class Magnitudes:
             return (self.local(rank, step, phase, mb, index) if rank is not None else None), True
         if phase in ("reduce", "clip"):
             red = self.reduced(step)
-            if phase == "clip" and index not in red and name == "grad_norm":
+            if phase == "clip" and clip_param_index(index) not in red and name == "grad_norm":
                 # |d ||G||| <= ||dG|| <= eps sqrt(sum_i M_i^2): the global norm on the scale of its parts
                 return (math.sqrt(math.fsum(v * v for v in red.values())) if red else None), True
-            return red.get(index), True
+            return red.get(clip_param_index(index) if phase == "clip" else index), True
         if phase != "optimizer":
             return None, True
         name = name or ""
