@@ -1,9 +1,11 @@
-"""Every quantity a tensor-parallel or FSDP2 job replicates, checked at the phase it first disagrees, with no
-reference (`check`), on attached DTensor TP and FSDP2 scripts (tests/scripts/tp_bugs.py, 2 ranks on gloo), each
-bug planted in a fix and a bug variant. Two oracles outside disttrace: the planted bug's coordinates (the
-step, phase and tensor where it acts), and what each script measured itself in plain torch at step 1 (the
-tp ranks' losses, the row-parallel output, the norm's reduced gradient, the clip norm): equal across ranks
-in the fix, different in the bug."""
+"""Every quantity a tensor-parallel, sequence-parallel or FSDP2 job replicates, checked at the phase it first
+disagrees, with no reference (`check`), on attached DTensor TP, SP and FSDP2 scripts (tests/scripts/tp_bugs.py,
+2 ranks on gloo, attached with attach's defaults), six bug families each planted in a fix and a bug variant.
+Two oracles outside disttrace: the planted bug's coordinates (the step, phase and tensor where it acts),
+and what each script measured itself in plain torch at step 1 (the tp ranks' losses, the row-parallel
+output, the norm's and the head's reduced gradients, the clip norm): equal across ranks in the fix,
+different in the bug; and, under sequence parallelism, the ranks' losses summed against the same model's
+loss computed whole in one process."""
 
 from __future__ import annotations
 
@@ -29,15 +31,20 @@ VARIANTS = {
     "loss-local-stats": ["--engine", "tp", "--bug", "loss-local-stats"],
     "unsummed-row": ["--engine", "tp", "--bug", "unsummed-row"],
     "unreduced-norm": ["--engine", "tp", "--bug", "unreduced-norm"],
+    "dropout-rng": ["--engine", "tp", "--bug", "dropout-rng"],
+    "sp-fix": ["--engine", "sp"],
+    "sp-unreduced-head": ["--engine", "sp", "--bug", "sp-unreduced-head"],
     "fsdp-fix": ["--engine", "fsdp"],
     "local-clip": ["--engine", "fsdp", "--bug", "local-clip"],
 }
-# what each bug changes, as the script measured it (plain torch, step 1)
+# what each bug changes, as the script measured it (plain torch, step 1), and the fix it is planted in
 MEASURED = {
-    "loss-local-stats": "loss",
-    "unsummed-row": "down_sum",
-    "unreduced-norm": "norm_grad",
-    "local-clip": "clip_norm",
+    "loss-local-stats": ("tp-fix", "loss"),
+    "unsummed-row": ("tp-fix", "down_sum"),
+    "unreduced-norm": ("tp-fix", "norm_grad"),
+    "dropout-rng": ("tp-fix", "down_sum"),
+    "sp-unreduced-head": ("sp-fix", "head_grad"),
+    "local-clip": ("fsdp-fix", "clip_norm"),
 }
 
 
@@ -69,15 +76,14 @@ def check(run: Path) -> tuple[int, dict]:
 @pytest.mark.parametrize("bug", sorted(MEASURED))
 def test_the_bug_is_real_and_the_fix_is_not(runs, bug):
     """Measured without disttrace: the bug makes the ranks' copies of that quantity differ; the fix not."""
-    key = MEASURED[bug]
-    fix = "fsdp-fix" if bug == "local-clip" else "tp-fix"
+    fix, key = MEASURED[bug]
     a, b = (m[key] for m in runs[fix][1])
     assert a == b, (fix, key, a, b)
     a, b = (m[key] for m in runs[bug][1])
     assert a != b, (bug, key, a, b)
 
 
-@pytest.mark.parametrize("fix", ["tp-fix", "fsdp-fix"])
+@pytest.mark.parametrize("fix", ["tp-fix", "sp-fix", "fsdp-fix"])
 def test_the_fixes_are_consistent_and_twice_bit_identical(runs, fix):
     code, doc = check(runs[fix][0])
     assert code == 0 and doc["consistent"] is True, doc
@@ -91,7 +97,12 @@ def test_the_fixes_are_consistent_and_twice_bit_identical(runs, fix):
     [
         ("loss-local-stats", (1, 0, "loss", "loss")),  # the tp ranks' losses differ
         ("unsummed-row", (1, 0, "forward", "down")),  # the row-parallel output, before the loss
+        (
+            "dropout-rng",
+            (1, 0, "forward", "down"),
+        ),  # the mask on the reduced output, before the loss
         ("unreduced-norm", (1, 0, "reduce", "norm.weight")),  # before the optimizer moves it
+        ("sp-unreduced-head", (1, 0, "reduce", "head.weight")),  # the per-shard losses are not it
         ("local-clip", (1, 0, "clip", "grad_norm")),  # the norm, not the first gradient
     ],
 )
@@ -126,3 +137,30 @@ def test_attached_manifests_name_the_mesh_that_ran(runs):
     # a tp group reads one batch: 4 samples a step, not 8
     assert Run(runs["tp-fix"][0]).lock["observed"]["global_batch"] == 4
     assert Run(runs["fsdp-fix"][0]).lock["observed"]["global_batch"] == 8
+
+
+def test_sequence_parallel_losses_are_per_shard_and_sum_to_the_whole_models(runs):
+    """The SP fix is right: its ranks' losses differ (each is its own tokens' share), their sum is the loss
+    of the same model computed whole in one process; so the loss rule is not made there (the last styled
+    module's output is sharded on the sequence), while the TP script's vocabulary-parallel loss keeps it."""
+    a, b = runs["sp-fix"][1]
+    assert a["loss"] != b["loss"] and a["loss_total"] == b["loss_total"]
+    assert a["loss_total"] == pytest.approx(a["loss_whole"], rel=1e-6)
+    sp = read_json(runs["sp-fix"][0] / "replicas.json")
+    assert "loss" not in {r["phase"] for r in sp["rules"]}, sp["rules"]
+    assert any("final_norm" in n for n in sp["inferred"]["notes"]), sp["inferred"]
+    assert {"data", "reduce", "optimizer"} <= {r["phase"] for r in sp["rules"]}
+    tp = read_json(runs["tp-fix"][0] / "replicas.json")
+    assert {"phase": "loss", "dim": "mesh:tp", "relation": "agree"} in tp["rules"]
+
+
+def test_replicated_outputs_are_recorded_by_default_and_nothing_else_is(runs):
+    """attach's defaults: the outputs a style declares Replicate (here `down`), nothing where none is
+    declared, so an FSDP2 or SP run's record section, and its manifest id, are what they were."""
+    record = Run(runs["tp-fix"][0]).manifest_doc["record"]
+    assert record == {"every": 1, "forward": True, "forward_modules": ["down"]}, record
+    fwd = {r["tensor"] for r in Run(runs["tp-fix"][0]).records(1) if r["phase"] == "forward"}
+    assert fwd == {"down"}
+    for run in ("fsdp-fix", "sp-fix"):
+        record = Run(runs[run][0]).manifest_doc["record"]
+        assert record == {"every": 1, "forward": False, "forward_modules": []}, (run, record)

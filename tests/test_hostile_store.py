@@ -515,3 +515,54 @@ except BadInput as e:
     assert "BadInput 2" in proc.stdout, proc.stdout + proc.stderr[-3000:]
     assert rel in proc.stdout and "posix.system" in proc.stdout, proc.stdout
     assert not marker.exists()
+
+
+def _edit_topology(topo: dict) -> list[tuple[str, dict]]:
+    """Edits of a real topology.json that each keep the document valid on its own (its sizes' product is
+    the number of ranks it lists, every coordinate inside them): only the rest of the store can tell."""
+    one_rank = [{**topo["ranks"][0], "coords": {"pp": 0, "dp": 0, "tp": 0}}]
+    return [
+        ("mesh_shape", {**topo, "mesh_shape": {}, "mesh_dims": [], "groups": {}, "ranks": []}),
+        ("ranks", {**topo, "ranks": [*topo["ranks"][:1], {**topo["ranks"][0], "rank": 0}]}),
+        ("world_size", {**topo, "world_size": 4}),
+        (  # one rank listed, a mesh of one: the store's second rank has no place
+            "mesh_shape",
+            {
+                **topo,
+                "mesh_shape": {"pp": 1, "dp": 1, "tp": 1},
+                "groups": {"dp": [[0]], "pp": [[0]], "tp": [[0]]},
+                "ranks": one_rank,
+                "world_size": None,
+            },
+        ),
+    ]
+
+
+def test_an_edited_topology_is_bad_input_naming_the_field(ref, tmp_path):
+    """The mesh is held to the lock's world size and the ranks whose trajectories are stored; the honest
+    store's is shown as it was written."""
+    honest = _copy(ref, tmp_path, "honest")
+    proc = subprocess.run(
+        [sys.executable, "-m", "disttrace", "show", honest, "topology"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "NO_COLOR": "1", "COLUMNS": "200"},
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0 and "dp groups: [[0, 1]]" in proc.stderr, proc.stderr
+    assert "r0@n0" in proc.stderr and "r1@n0" in proc.stderr
+    topo = orjson.loads((ref / "topology.json").read_bytes())
+    for n, (name, edited) in enumerate(_edit_topology(topo)):
+        run = _copy(ref, tmp_path, f"edit-{n}")
+        (run / "topology.json").write_bytes(orjson.dumps(edited))
+        for view in ([], ["topology"]):
+            proc = subprocess.run(
+                [sys.executable, "-m", "disttrace", "show", run, *view],
+                capture_output=True,
+                text=True,
+                env={**os.environ, "NO_COLOR": "1", "COLUMNS": "200"},
+                cwd=ROOT,
+            )
+            lines = proc.stderr.strip().splitlines()
+            assert proc.returncode == 2 and len(lines) == 1, (name, view, proc.stderr)
+            assert f"topology.json: {name}:" in lines[0], (name, lines)

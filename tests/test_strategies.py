@@ -9,6 +9,7 @@ import pytest
 from conftest import cli
 
 from disttrace.analysis.diff import diff_runs
+from disttrace.store.records import clip_param_index
 from disttrace.store.rundir import Run, iter_jsonl
 
 STRATEGIES = {
@@ -230,6 +231,33 @@ def test_clipping_is_recorded_and_clip_faults_are_found_by_check_alone(runs):
             name,
             first,
         )
+
+
+@pytest.mark.slow
+def test_a_local_clip_norm_is_named_at_the_norm_not_at_a_clipped_gradient(runs):
+    """tp2: the norm weights are held whole by both tp ranks, so a rank that clips by its own shards' norm
+    scales them differently too; inside the clip phase the norm is computed first, then the gradients it
+    scales, and both `check` and `diff` name the norm. The control: the same layout clipping by the global
+    norm is consistent, and its clip records come in that order with each gradient's parameter index."""
+    tp2 = [*STRATEGIES["tp2"], *CLIP]
+    clean = runs.reference(*tp2)
+    assert cli("check", clean).returncode == 0
+    recs = [r for r in Run(clean).records(0) if r["step"] == 3 and r["phase"] == "clip"]
+    names = [r["tensor"] for r in recs]
+    assert names[:3] == ["grad_norm", "clip_coef", "lr"] and len(names) > 3, names
+    reduced = {
+        r["tensor"]: r["index"]
+        for r in Run(clean).records(0)
+        if r["step"] == 3 and r["phase"] == "reduce"
+    }
+    assert {r["tensor"]: clip_param_index(r["index"]) for r in recs[3:]} == reduced
+    fault = runs.fault("clip-local-norm", 3, 1, *tp2)
+    proc = cli("check", fault, "--json")
+    assert proc.returncode == 1, proc.stdout
+    first = orjson.loads(proc.stdout)["first"]
+    assert (first["step"], first["phase"], first["tensor"]) == (3, "clip", "grad_norm"), first
+    f = diff_runs(clean, fault).first_divergence
+    assert (f.step, f.phase, f.rank, f.tensor) == (3, "clip", 1, "grad_norm"), f
 
 
 # tp2 in make test-all: CI's test_fault_on_a_tensor_parallel_shard_names_rank_and_logical_tensor names a tp2

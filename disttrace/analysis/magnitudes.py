@@ -36,6 +36,7 @@ import orjson
 
 from disttrace.errors import BadInput
 from disttrace.store import safeio
+from disttrace.store.records import CLIP_GRAD_BASE, clip_param_index
 from disttrace.store.rundir import Run, rank_file
 
 SUFFIX = ".scales.jsonl"
@@ -166,12 +167,12 @@ class Magnitudes:
             return (self.local(rank, step, phase, mb, index) if rank is not None else None), True
         if phase in ("reduce", "clip"):
             red = self.reduced(step)
-            if phase == "clip" and index not in red and name == "grad_norm":
+            if phase == "clip" and clip_param_index(index) not in red and name == "grad_norm":
                 # |d ||G||| <= ||dG|| <= eps sqrt(sum_i M_i^2): the global norm on the scale of its parts
                 return (math.sqrt(math.fsum(v * v for v in red.values())) if red else None), True
-            if phase == "clip" and index not in red and name == "clip_coef":
+            if phase == "clip" and clip_param_index(index) not in red and name == "clip_coef":
                 return None, False  # the clip coefficient: see the note above lookup
-            return red.get(index), True
+            return red.get(clip_param_index(index) if phase == "clip" else index), True
         if phase != "optimizer":
             return None, True
         name = name or ""
@@ -253,6 +254,8 @@ def lookup(
         arrays = cache.get(key)
         if arrays is None:
             arrays = cache[key] = _as_arrays(mag.reduced(step))
+        if phase == "clip":  # a clipped gradient's magnitude is its parameter's (clip_param_index)
+            index = np.where(index >= CLIP_GRAD_BASE, index - CLIP_GRAD_BASE, index)
         out = _lookup(arrays, index)
         if phase == "clip":
             bounded[np.isnan(out) & names("clip_coef")] = (

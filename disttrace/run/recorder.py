@@ -27,7 +27,7 @@ import torch
 from disttrace.run import devdigest
 from disttrace.run.digest import Seen, digest_many, digest_of_digests
 from disttrace.run.hooks import HookBus
-from disttrace.store.records import StepIndexEntry
+from disttrace.store.records import CLIP_GRAD_BASE, StepIndexEntry
 from disttrace.store.rundir import PHASE_ORDER, JsonlWriter, rank_file
 from disttrace.store.seal import StepChain
 from disttrace.store.trajectory import SKETCH_VERSION, SUFFIX, TrajectoryWriter
@@ -263,7 +263,8 @@ class Recorder:
             and coef.numel() == 1
             and float(coef) == 1.0
         )
-        self.add_all(bus, "clip", p.grads, recheck=unchanged)
+        # the scalars first in the phase's order, as they were computed (store/records.py, CLIP_GRAD_BASE)
+        self.add_all(bus, "clip", p.grads, base=CLIP_GRAD_BASE, recheck=unchanged)
         self.add_all(bus, "clip", p.scalars)
 
     def _optimizer(self, bus, p):

@@ -11,6 +11,20 @@ from enum import StrEnum
 # the order that defines "first" (docs/design.md, "Order"): data < forward < ... < checkpoint
 PHASES = ("data", "forward", "loss", "backward", "reduce", "clip", "optimizer", "checkpoint")
 PHASE_ORDER = {p: i for i, p in enumerate(PHASES)}
+# Inside a phase records are ordered by index, and "first" follows the order of computation there too: the
+# clip's scalars (the global norm, the coefficient; run/parallel/common.py's SCALAR_INDEX onwards) are
+# computed before the gradients they scale, so a clipped gradient's index is its parameter's plus this
+# base, after every scalar (a rank that clips by a wrong norm is named at the norm, not at its first
+# gradient). Stores written before it hold clipped gradients at their parameter's index: readers that map
+# a record to its parameter (clip_param_index) take both.
+CLIP_GRAD_BASE = 2_000_000
+
+
+def clip_param_index(index: int) -> int:
+    """The parameter index of a `clip` record's gradient, whichever writer's convention it was stored with."""
+    return index - CLIP_GRAD_BASE if index >= CLIP_GRAD_BASE else index
+
+
 PATH_KINDS = ("reference", "fault", "recovered", "replay")
 
 

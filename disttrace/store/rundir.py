@@ -20,6 +20,7 @@ This module imports no torch: a run written on a cluster can be read on a laptop
 from __future__ import annotations
 
 import errno
+import math
 import os
 import re
 import time
@@ -483,6 +484,31 @@ def _check_shape(path: Path, manifest: dict, shape: dict) -> None:
                 raise BadInput(path, f"must be {typ.__name__}", field=f"manifest.{section}.{key}")
 
 
+def _check_topology(path: Path, topo: Topology, world: int, wrote: list[int]) -> None:
+    """The topology against the lock's world size and the ranks whose trajectories are in the store: the
+    document's own checks (store/records.py) only hold it to itself."""
+    if topo.world_size is not None and topo.world_size != world:
+        raise BadInput(
+            path, f"{topo.world_size}, but the lock's dp*tp*pp is {world} ranks", field="world_size"
+        )
+    if math.prod(topo.mesh_shape.values()) != world:
+        raise BadInput(
+            path,
+            f"sizes {dict(topo.mesh_shape)} whose product is not the lock's {world} ranks",
+            field="mesh_shape",
+        )
+    listed = sorted(r.rank for r in topo.ranks)
+    if listed != list(range(world)):
+        raise BadInput(
+            path, f"ranks {listed}, not every rank 0..{world - 1} exactly once", field="ranks"
+        )
+    missing = sorted(set(wrote) - set(listed))
+    if missing:
+        raise BadInput(
+            path, f"no place for rank(s) {missing}, whose trajectories are stored", field="ranks"
+        )
+
+
 class Run:
     """Read-only view of one run directory."""
 
@@ -628,9 +654,15 @@ class Run:
         return [e for e in self.event_lines() if isinstance(e, FaultEvent)]
 
     def topology(self) -> Topology | None:
-        """topology.json (`as_read()`: the document as written); None when the run wrote none."""
+        """topology.json (`as_read()`: the document as written); None when the run wrote none. Held to the
+        rest of the store, as the other files are: its mesh must hold the lock's world and list every rank
+        that wrote a trajectory (a mesh edited to `{}` would otherwise be drawn as the run's layout)."""
         p = self.path / "topology.json"
-        return parse_doc(Topology, read_json(p, self.path), p) if safeio.present(p) else None
+        if not safeio.present(p):
+            return None
+        topo = parse_doc(Topology, read_json(p, self.path), p)
+        _check_topology(p, topo, self.world_size, self.ranks())
+        return topo
 
     def step_index(self, rank: int) -> JsonlRead:
         """The rank's step index: `records` are StepIndexEntry lines (the writer's own model)."""

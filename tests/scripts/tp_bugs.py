@@ -10,14 +10,26 @@ bug variant of a public silent-bug family. `--bug` plants one (none is the fix):
                     sequence chunk) is never all-reduced over tp
   local-clip        --engine fsdp: the clip norm is the local shard's (torch.nn.utils.get_total_norm over
                     to_local() gradients), treated as the global one
+  dropout-rng       --engine tp: the dropout after the row-parallel reduction (a replicated region) draws its
+                    mask from a generator seeded per rank (the sharded region's seeding, Megatron's
+                    model-parallel RNG, used where every tp rank must draw one mask): the reduced output
+                    differs across the tp ranks
+  sp-unreduced-head --engine sp: under sequence parallelism the head, held whole by every rank, sees only
+                    the rank's sequence chunk; its weight gradient is never all-reduced over tp
 
 The model is plain PyTorch: tensor parallel by DTensor's parallelize_module (the up projection column-wise,
 the down projection row-wise, the head column-wise with vocabulary-parallel logits) plus a hand-written
-sequence-parallel norm; FSDP2 by fully_shard. Each rank also writes what the bug changes, measured in plain
-torch at step 1 (not through disttrace), to MEASURE-rank<R>.json: the loss, the row-parallel output's sum,
-the norm's reduced gradient's norm, the clip norm used.
+sequence-parallel norm; sequence parallel (--engine sp) as torchtitan lays it out: the embedding row-wise
+to sequence shards, torch's SequenceParallel norms, up column-wise from sequence shards, down row-wise
+back to them, and the head and the loss on each rank's own sequence chunk (the rank's loss is its tokens'
+share of the batch's: the tp ranks' losses differ, and their sum is the loss); FSDP2 by fully_shard.
+Attach records what the styles declare Replicate by default (no forward= here). Each rank also writes what
+the bug changes, measured in plain torch at step 1 (not through disttrace), to MEASURE-rank<R>.json: the
+loss, the row-parallel output's sum, the norm's reduced gradient's norm, the clip norm used; under sp the
+head's reduced gradient's norm, and the summed loss beside the same model's loss computed whole in one
+process from the gathered weights.
 
-    python tests/scripts/tp_bugs.py --out runs [--engine tp|fsdp] [--bug NAME] [--measure PREFIX]
+    python tests/scripts/tp_bugs.py --out runs [--engine tp|sp|fsdp] [--bug NAME] [--measure PREFIX]
 """
 
 import argparse
@@ -32,7 +44,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 import disttrace.api  # disttrace
 
@@ -83,6 +100,8 @@ class Down(nn.Linear):
         out = F.linear(x.to_local(), self.weight.to_local())
         if not self.unsummed:
             out = _AllReduce.apply(out, x.device_mesh.get_group())
+        # dropout in the replicated region: every tp rank must draw the same mask
+        out = F.dropout(out, p=0.1, training=self.training)
         return DTensor.from_local(out, x.device_mesh, [Replicate()], run_check=False)
 
 
@@ -139,8 +158,10 @@ def train_tp(rank, world, args):
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     run = disttrace.api.attach(
-        model, optimizer, out=args.out, name="tp-bugs", forward=True, config={"bug_family": "tp"}
+        model, optimizer, out=args.out, name="tp-bugs", config={"bug_family": "tp"}
     )  # disttrace
+    if args.bug == "dropout-rng":  # the bug: a per-rank seed where the tp ranks share one stream
+        torch.manual_seed(1234 + rank)
     measured = {}
     down_sum = []
     model.down.register_forward_hook(lambda m, i, o: down_sum.append(float(o.detach().sum())))
@@ -161,6 +182,94 @@ def train_tp(rank, world, args):
                 "down_sum": down_sum[0],
                 "norm_grad": float(model.norm.weight.grad.norm()),
             }
+        optimizer.step()
+    return run, measured
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class SPModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.norm = RMSNorm(DIM)
+        self.up = nn.Linear(DIM, HIDDEN)
+        self.down = nn.Linear(HIDDEN, DIM, bias=False)
+        self.final_norm = RMSNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)  # this rank's chunk of the sequence
+        h = h + self.down(torch.tanh(self.up(self.norm(h))))
+        return self.head(self.final_norm(h))  # the logits of this rank's chunk
+
+
+def whole_loss(model, tokens, targets):
+    """The sequence-parallel model's loss computed whole, in one process, from its gathered weights."""
+
+    def full(t):
+        return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+    h = F.embedding(tokens, full(model.embed.weight))
+    up = F.linear(rms(h, full(model.norm.weight)), full(model.up.weight), full(model.up.bias))
+    h = h + F.linear(torch.tanh(up), full(model.down.weight))
+    logits = F.linear(rms(h, full(model.final_norm.weight)), full(model.head.weight))
+    return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def train_sp(rank, world, args):
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    group = mesh.get_group()
+    torch.manual_seed(0)
+    model = SPModel()
+    parallelize_module(
+        model,
+        mesh,
+        {
+            "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(use_local_output=True),
+            "up": ColwiseParallel(input_layouts=Shard(1)),
+            "down": RowwiseParallel(output_layouts=Shard(1)),
+            "final_norm": SequenceParallel(use_local_output=True),
+        },
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = disttrace.api.attach(
+        model, optimizer, out=args.out, name="sp-bugs", config={"bug_family": "sp"}
+    )  # disttrace
+    measured = {}
+    chunk = SEQ // world
+    for step in range(1, args.steps + 1):
+        tokens, targets = batch(step)  # every tp rank reads the same batch
+        optimizer.zero_grad()
+        local_logits = model(tokens)
+        mine = targets[:, rank * chunk : (rank + 1) * chunk]
+        # this rank's tokens' share of the batch's mean loss: the tp ranks' losses sum to it
+        loss = F.cross_entropy(local_logits.reshape(-1, VOCAB), mine.reshape(-1), reduction="sum")
+        loss = run.loss(loss / targets.numel())  # disttrace
+        if step == 1:
+            total = loss.detach().clone()
+            dist.all_reduce(total, group=group)
+            measured = {
+                "loss": float(loss.detach()),
+                "loss_total": float(total),
+                "loss_whole": float(whole_loss(model, tokens, targets)),
+            }
+        loss.backward()
+        if args.bug != "sp-unreduced-head":
+            dist.all_reduce(model.head.weight.grad, group=group)
+        if step == 1:
+            measured["head_grad"] = float(model.head.weight.grad.norm())
         optimizer.step()
     return run, measured
 
@@ -213,7 +322,8 @@ def worker(rank, world, port, args):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         torch.set_num_threads(1)
-        run, measured = (train_tp if args.engine == "tp" else train_fsdp)(rank, world, args)
+        train = {"tp": train_tp, "sp": train_sp, "fsdp": train_fsdp}[args.engine]
+        run, measured = train(rank, world, args)
         run.close()  # disttrace
         if args.measure:
             with open(f"{args.measure}-rank{rank}.json", "w") as f:
@@ -226,11 +336,19 @@ def worker(rank, world, port, args):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--engine", default="tp", choices=["tp", "fsdp"])
+    ap.add_argument("--engine", default="tp", choices=["tp", "sp", "fsdp"])
     ap.add_argument(
         "--bug",
         default="none",
-        choices=["none", "loss-local-stats", "unsummed-row", "unreduced-norm", "local-clip"],
+        choices=[
+            "none",
+            "loss-local-stats",
+            "unsummed-row",
+            "unreduced-norm",
+            "local-clip",
+            "dropout-rng",
+            "sp-unreduced-head",
+        ],
     )
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--out", default="runs")

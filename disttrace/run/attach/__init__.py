@@ -15,7 +15,8 @@
 
 Phases, as in the harness's runs: each forward of the model between two optimizer steps is a micro-batch;
 `data` (the batch a watched loader handed out, with its DistributedSampler's sample ids; run.batch; or the
-forward's first tensor input), `forward` (optional: each top-level block's output, or given module paths),
+forward's first tensor input), `forward` (the outputs a tensor-parallel style declares Replicate;
+forward=True adds each top-level block's, or given module paths),
 `loss` (run.loss), `backward` (the local gradient
 before the reduce: DDP's comm hook, installed here, or the end of each backward pass when there is no
 DDP), `reduce` (the gradients as the step begins: after DDP's all-reduce, or the script's own),

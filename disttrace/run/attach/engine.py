@@ -148,6 +148,8 @@ class AttachView(_View):
     process_groups: list[ProcessGroupView] = []
     fsdp_groups: list[list[int]] = []
     replicated_outputs: dict[str, ReplicatedOutput] = {}  # module path -> its Replicate output
+    # mesh dimension -> the styled module whose token-sharded output the loss is computed from
+    token_sharded_loss: dict[str, str] = {}
     seed: int
 
 
@@ -200,56 +202,102 @@ def local_view(engine: Engine, named, rank: int) -> AttachView:
             path: {"dim": dim, "groups": gs}
             for path, (dim, gs) in replicated_outputs(engine.inner).items()
         },
+        token_sharded_loss=token_sharded_loss(engine.inner),
         seed=torch.initial_seed(),
     )
 
 
-def replicated_outputs(inner: torch.nn.Module) -> dict[str, tuple[str, list[list[int]]]]:
-    """Module path -> (mesh dimension, its rank groups) for the modules whose tensor-parallel style declares
-    their output Replicate over that dimension: a RowwiseParallel output after its reduction (its default),
-    a ColwiseParallel(output_layouts=Replicate()), a PrepareModuleOutput to Replicate. Read from the forward
-    hooks parallelize_module registered (DTensor's distribute_module closes over the style's output
-    function and the mesh; best effort: a torch that stores them otherwise gives none)."""
+def declared_outputs(inner: torch.nn.Module) -> dict[str, tuple[str, list[list[int]], tuple]]:
+    """Module path -> (mesh dimension, its rank groups, the output placements its tensor-parallel style
+    declares), in module order, for every module a style was applied to over a one-dimensional mesh: a
+    ColwiseParallel's or RowwiseParallel's output_layouts, a PrepareModuleOutput's desired layouts, a
+    SequenceParallel's sequence sharding (its output keeps the sharding its input hook gives). Read from
+    the hooks parallelize_module registered (DTensor's distribute_module closes over the style's input and
+    output functions and the mesh; best effort: a torch that stores them otherwise gives none)."""
     import functools
 
     try:
         from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.tensor import Replicate
         from torch.distributed.tensor.parallel import ParallelStyle
         from torch.distributed.tensor.placement_types import Placement
     except ImportError:
         return {}
-    out = {}
-    for path, module in inner.named_modules():
-        if not path:
-            continue
-        for hook in list(getattr(module, "_forward_hooks", {}).values()):
-            cells = []
+
+    def cells_of(hooks) -> list:
+        cells = []
+        for hook in list(hooks.values()):
             for c in getattr(hook, "__closure__", None) or ():
                 try:
                     cells.append(c.cell_contents)
                 except ValueError:  # an empty cell
                     continue
-            mesh = next((c for c in cells if isinstance(c, DeviceMesh)), None)
-            layouts = None
-            for c in cells:
-                if (
-                    isinstance(c, functools.partial)
-                    and getattr(c.func, "__name__", "") == "_prepare_output_fn"
-                    and c.args
-                ):  # a style's static output function, given its output layouts
-                    layouts = c.args[0]
-                elif isinstance(c, ParallelStyle) and hasattr(c, "desired_output_layouts"):
-                    layouts = c.desired_output_layouts
-            if mesh is None or mesh.ndim != 1 or layouts is None:
-                continue
-            layouts = layouts if isinstance(layouts, (tuple, list)) else (layouts,)
-            known = [x for x in layouts if x is not None]
-            if (
-                known
-                and all(isinstance(x, Placement) for x in known)
-                and all(isinstance(x, Replicate) for x in known)
-            ):
-                dim = mesh.mesh_dim_names[0] if mesh.mesh_dim_names else "0"
-                out[path] = (dim, _mesh_groups(mesh, 0))
+        return cells
+
+    def placements(x) -> tuple | None:
+        x = x if isinstance(x, (tuple, list)) else (x,)
+        known = tuple(p for p in x if p is not None)
+        return known if known and all(isinstance(p, Placement) for p in known) else None
+
+    out = {}
+    for path, module in inner.named_modules():
+        if not path:
+            continue
+        cells = cells_of(getattr(module, "_forward_hooks", {}))
+        mesh = next((c for c in cells if isinstance(c, DeviceMesh)), None)
+        layouts = None
+        for c in cells:
+            if isinstance(c, functools.partial) and c.args:
+                name = getattr(c.func, "__qualname__", "")
+                if name.endswith("_prepare_output_fn"):
+                    # a style's static output function, given its output layouts first (SequenceParallel
+                    # gives it use_local_output: its layout is the input's, below)
+                    layouts = placements(c.args[0])
+                    if layouts is None and name.startswith("SequenceParallel."):
+                        pre = cells_of(getattr(module, "_forward_pre_hooks", {}))
+                        layouts = next(
+                            (
+                                placements(p.args[0])
+                                for p in pre
+                                if isinstance(p, functools.partial)
+                                and p.args
+                                and getattr(p.func, "__qualname__", "").endswith(
+                                    "_prepare_input_fn"
+                                )
+                            ),
+                            None,
+                        )
+            elif isinstance(c, ParallelStyle) and hasattr(c, "desired_output_layouts"):
+                layouts = placements(c.desired_output_layouts)
+        if mesh is None or mesh.ndim != 1 or layouts is None:
+            continue
+        dim = mesh.mesh_dim_names[0] if mesh.mesh_dim_names else "0"
+        out[path] = (dim, _mesh_groups(mesh, 0), layouts)
     return out
+
+
+def replicated_outputs(inner: torch.nn.Module) -> dict[str, tuple[str, list[list[int]]]]:
+    """Module path -> (mesh dimension, its rank groups) for the modules whose tensor-parallel style declares
+    their output Replicate over that dimension: a RowwiseParallel output after its reduction (its default),
+    a ColwiseParallel(output_layouts=Replicate()), a PrepareModuleOutput to Replicate."""
+    return {
+        path: (dim, groups)
+        for path, (dim, groups, layouts) in declared_outputs(inner).items()
+        if all(p.is_replicate() for p in layouts)
+    }
+
+
+def token_sharded_loss(inner: torch.nn.Module) -> dict[str, str]:
+    """Mesh dimension -> module path, where the model's output leaves its last styled module sharded over
+    that dimension on a token dimension (Shard(0) or Shard(1): the batch or sequence of a (batch, sequence,
+    ...) activation; a sequence-parallel norm's output, a RowwiseParallel(output_layouts=Shard(1))): the
+    loss is then computed from each rank's own tokens, and its tp ranks' losses differ until reduced. A
+    class or vocabulary shard (Shard(-1), ColwiseParallel's default) leaves the loss replicated: the
+    softmax needs the whole row, so a vocabulary-parallel loss reduces its statistics over the group. The
+    last styled module in module order stands for the one that produces the output."""
+    declared = list(declared_outputs(inner).items())
+    if not declared:
+        return {}
+    path, (dim, _, layouts) = declared[-1]
+    if any(p.is_shard() and 0 <= p.dim <= 1 for p in layouts):
+        return {dim: path}
+    return {}

@@ -15,7 +15,8 @@ def infer_replicas(engine: str, views: list[AttachView] | list[dict]) -> Replica
     agree over its group). FSDP2: its mesh is data parallelism (data differs there; the global gradient
     norm, clip coefficient and learning rates agree over the world). Tensor parallelism (the mesh dimensions
     a DTensor parameter is sharded over that are not FSDP2's): a tp group reads one batch and computes one
-    loss, the clip scalars agree, every output its style declares Replicate agrees (replicated_outputs),
+    loss (unless the loss is computed from an output sharded on tokens: token_sharded_loss), the clip
+    scalars agree, every output its style declares Replicate agrees (replicated_outputs),
     and a plain parameter, which every rank of the group holds whole, has one reduced gradient and one value
     after the step. A DTensor parameter's Replicate placements name dimensions whose copies agree after the
     step (its gradient may legitimately be Partial until the optimizer reduces it, so not at `reduce`).
@@ -71,12 +72,19 @@ def infer_replicas(engine: str, views: list[AttachView] | list[dict]) -> Replica
                 for dim, gs in (e.shard or {}).items():
                     if {tuple(g) for g in gs} != set(fsdp):
                         tp[f"mesh:{dim}"] = gs
+    # where the model's output leaves its last styled module sharded on tokens (sequence parallelism up to
+    # the loss), each rank's loss is its own tokens': one loss only after a reduction the script owns
+    per_shard = {f"mesh:{d}": path for v in views for d, path in v.token_sharded_loss.items()}
     for dim, gs in sorted(tp.items()):
         groups[dim] = gs
-        rules += [
-            ReplicaRule(phase="data", dim=dim, relation="agree"),
-            ReplicaRule(phase="loss", dim=dim, relation="agree"),
-        ]
+        rules.append(ReplicaRule(phase="data", dim=dim, relation="agree"))
+        if dim in per_shard:
+            notes.append(
+                f"tensors sharded over {gs} ({dim}): those ranks read the same batch; the loss is computed "
+                f"from {per_shard[dim]}'s output, sharded on tokens over {dim}: a loss per shard, no rule"
+            )
+            continue
+        rules.append(ReplicaRule(phase="loss", dim=dim, relation="agree"))
         notes.append(
             f"tensors sharded over {gs} ({dim}): those ranks read the same batch and compute one loss"
         )

@@ -37,8 +37,13 @@ RUN_DIR_ENV = "DISTTRACE_RUN_DIR"  # set by `disttrace run -- CMD`: the prepared
 
 
 def _blocks(inner: torch.nn.Module, forward) -> list[tuple[str, torch.nn.Module]]:
-    """The modules whose outputs the `forward` phase records: the model's top-level children (forward=True)
-    or the given module paths."""
+    """The modules whose outputs the `forward` phase records: by default (None) the outputs a
+    tensor-parallel style declares Replicate, which the replica rules hold to agree (few, and the first
+    place an unsummed row-parallel output or a dropout drifting across tp ranks shows); the model's
+    top-level children and those (forward=True); the given module paths; none (False)."""
+    if forward is None:
+        declared = set(replicated_outputs(inner))
+        return [(n, m) for n, m in _post_order(inner) if n in declared]
     if not forward:
         return []
     if forward is True:
@@ -79,7 +84,7 @@ def attach(
     edition: str = "user",
     config: dict | None = None,
     loader=None,
-    forward=False,
+    forward=None,
     evaluation: dict | None = None,
 ) -> AttachedRun:
     """Attach the recorder to a model and its optimizer; every rank calls it (it is collective).
@@ -91,10 +96,10 @@ def attach(
     grad_accum_steps, micro_batch_size and steps also fill the manifest's typed fields. seed: default the
     default generator's (torch.initial_seed()). loader: the training DataLoader, watched in place (its
     batches become the `data` records, with its DistributedSampler's sample ids; see
-    AttachedRun.watch_loader). forward: record each block's output (`forward`): True for the model's
-    top-level children (and every module whose tensor-parallel style declares its output Replicate, which
-    the replica check holds to agree), or a list of module paths ("layers.0", "head"); the manifest's
-    record.forward says which. evaluation: the gate's evaluation of this run's final checkpoint when it is
+    AttachedRun.watch_loader). forward: which module outputs the `forward` phase records: by default every
+    module whose tensor-parallel style declares its output Replicate (the replica check holds them to
+    agree; none without tensor parallelism), True for the model's top-level children as well, a list of
+    module paths ("layers.0", "head"), or False for none; the manifest's record.forward says which. evaluation: the gate's evaluation of this run's final checkpoint when it is
     the reference, the policy's `[eval]` keys (command, metric, better, rtol, atol, timeout_s, env, data,
     data_sha256, cwd; docs/gate.md): data and cwd are resolved against the working directory and the data
     hashed here, by rank 0. Under `disttrace run/inject -- CMD` the run directory (and fault) come from
@@ -117,7 +122,7 @@ def _start(
     edition: str = "user",
     config: dict | None = None,
     loader=None,
-    forward=False,
+    forward=None,
     evaluation: dict | None = None,
     recording: str | None = None,
 ) -> AttachedRun:
