@@ -176,7 +176,7 @@ def run(run_dir: Path) -> None:
                 run_dir, rank, manifest, model, bus, recorder is not None, dp_rank
             )
             strategy = build_strategy(manifest, model, mesh, bus)
-            groups = {**topo.groups, "world": [list(range(world))]}
+            groups = {**topo.groups, "world": [list(range(world))], **strategy.groups()}
             ledger = attach_observers(
                 run_dir, rank, manifest, strategy, recorder, bus, groups, device
             )
