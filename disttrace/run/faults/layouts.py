@@ -24,7 +24,6 @@ def _check_layer(args, manifest) -> None:
 
 class _AtDispatch(Fault):
     point, expect = Point.DISPATCH, "forward"
-    recurrence = "persistent"
     requires = frozenset({Capability.EP})
     stage = "dispatch"
 
@@ -58,6 +57,7 @@ class _AtDispatch(Fault):
 @register
 class EpMisroute(_AtDispatch):
     name = "ep-misroute"
+    recurrence = "persistent"  # a routing bug, not an event
     description = (
         "expert parallel: two tokens bound for different ranks trade places in the dispatch (each "
         "reaches the wrong rank's expert, its output returns to the other's place)"
@@ -81,6 +81,7 @@ class EpMisroute(_AtDispatch):
 @register
 class EpDropExpert(_AtDispatch):
     name = "ep-drop-expert"
+    recurrence = "persistent"
     description = (
         "expert parallel: the rank's first local expert's outputs are lost on the way back (zeros "
         "combined in their place)"
