@@ -15,6 +15,7 @@ import torch
 from conftest import DEFAULT, cli
 
 from disttrace.analysis.diff import diff_runs
+from disttrace.analysis.sync import check_sync, load_traces
 from disttrace.config.manifest import freeze
 from disttrace.model.llama import MoE, build_model, load_balance
 from disttrace.model.names import parameter_names
@@ -138,6 +139,15 @@ def test_expert_parallel_equals_dp1_with_the_same_global_batch(runs):
     for step, loss in _step_losses(ref).items():  # an oracle outside the bound
         assert _step_losses(ep)[step] == pytest.approx(loss, rel=1e-5)
     assert cli("check", ep).returncode == 0
+    # the ranks' all-to-alls carry as many tokens as routing gave each: not a desync
+    sync = check_sync(Run(ep))
+    assert sync.ok, sync.first_mismatch
+    traces, _ = load_traces(Run(ep))
+    rows = {
+        rank: [tuple(r.shapes[0]) for g in t.values() for r in g if "alltoall" in (r.op or "")]
+        for rank, t in traces.items()
+    }
+    assert rows[0] and len(rows[0]) == len(rows[1]) and rows[0] != rows[1]  # uneven, as routed
 
 
 def test_context_parallel_equals_cp1(runs):
