@@ -209,3 +209,21 @@ def test_check_finds_a_broken_replica_in_the_replicated_part(runs, layout, fault
     assert (first["step"], first["phase"]) == (3, phase), first
     if layout == "ep":  # the dense part; the expert slices are nobody's replicas at dp = ep
         assert ".experts." not in first["tensor"], first
+
+
+@pytest.mark.slow
+def test_expert_slices_replicated_over_edp_compare_and_are_checked(runs):
+    """dp=4 x ep=2: each expert slice lives on two ranks (edp). The pieces still combine into the logical
+    tensor (equal to dp=1), and a bit flipped in one copy breaks the edp rule, naming that group."""
+    wide = [*MOE, "--set", "parallelism.dp=4", "--set", "parallelism.ep=2"]
+    wide += ["--set", "training.grad_accum_steps=1"]
+    ref, ep = _run(runs, *EP_REF), _run(runs, *wide)
+    assert diff_runs(ref, ep, mode="numeric").equal
+    assert cli("check", ep).returncode == 0
+    tensor = "layers.1.moe.experts.w2.weight"
+    bad = _inject(runs, "bitflip-param", 3, 2, *wide, "--param", f"tensor={tensor}")
+    proc = cli("check", bad, "--json")
+    assert proc.returncode == 1, proc.stderr
+    first = orjson.loads(proc.stdout)["first"]
+    assert (first["step"], first["phase"], first["tensor"]) == (3, "optimizer", tensor), first
+    assert first["group"] == [0, 2], first
