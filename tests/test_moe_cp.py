@@ -5,14 +5,21 @@ plan's parameter count against the built model's. Then real gloo jobs: MoE (4 ex
 against dp=1 with the same global batch (accumulation doubled), and cp=2 against cp=1: `diff --mode numeric`
 equal, `check` consistent, and each run's losses against the other's directly (the global batch's mean loss
 per step, no tolerance machinery). Controls the other way: a token misrouted, an expert's output dropped, a
-label shifted at the cp boundary are found at their step, and a skipped all-reduce breaks `check`'s rules."""
+label shifted at the cp boundary are found at their step, and a skipped all-reduce breaks `check`'s rules.
+Last, two public bug families in a user's script (tests/scripts/moe_cp_bugs.py, torch's own collectives,
+attached): found at their step and phase, the fix equal to itself."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import orjson
 import pytest
 import torch
-from conftest import DEFAULT, cli
+from conftest import DEFAULT, ROOT, cli
 
 from disttrace.analysis.diff import diff_runs
 from disttrace.analysis.sync import check_sync, load_traces
@@ -227,3 +234,51 @@ def test_expert_slices_replicated_over_edp_compare_and_are_checked(runs):
     first = orjson.loads(proc.stdout)["first"]
     assert (first["step"], first["phase"], first["tensor"]) == (3, "optimizer", tensor), first
     assert first["group"] == [0, 2], first
+
+
+# ------------------------------------------------------------------ a user's script, attached
+
+BUGS = ROOT / "tests" / "scripts" / "moe_cp_bugs.py"
+
+
+def _script(out, family, bug="none"):
+    proc = subprocess.run(
+        [sys.executable, BUGS, "--family", family, "--bug", bug, "--out", out],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    effect = [line for line in proc.stderr.splitlines() if line.startswith("effect:")]
+    return Path(proc.stdout.strip().splitlines()[-1]), effect[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "family,bug,phase",
+    # the router's gradient loses the language-model loss while the loss stays bit for bit the same: first
+    # seen at backward (the embedding's gradient, which also reached the router's input, comes first); the
+    # labels rolled within a slice change the loss itself
+    [("ep", "router-detached", "backward"), ("cp", "label-roll", "loss")],
+)
+def test_a_public_bug_family_in_an_attached_script_is_found(tmp_path, family, bug, phase):
+    fix, fix_effect = _script(tmp_path, family)
+    again, _ = _script(tmp_path, family)
+    bad, bad_effect = _script(tmp_path, family, bug)
+    assert diff_runs(fix, again).equal  # the fix is deterministic: one run equals the next
+    # the script's own measurement, without disttrace: the bug is real and small
+    numbers = [float(x) for x in bad_effect.replace("'", " ").split() if x[0].isdigit()]
+    if family == "ep":
+        fixed = float(fix_effect.split()[-1])
+        assert numbers[-1] < fixed / 10  # the router kept only the load-balancing term's gradient
+    else:
+        assert numbers[0] != numbers[1] and abs(numbers[0] / numbers[1] - 1) < 0.05
+    d = diff_runs(fix, bad)
+    first = d.first_divergence
+    assert not d.equal and (first.step, first.micro_batch, first.phase) == (1, 0, phase), first
+    if family == "ep":  # the forward and the loss were identical
+        losses = [r for r in Run(bad).records(0) if r["phase"] == "loss" and r["step"] == 1]
+        want = [r for r in Run(fix).records(0) if r["phase"] == "loss" and r["step"] == 1]
+        assert [r["digest"] for r in losses] == [r["digest"] for r in want]
