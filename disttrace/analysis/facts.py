@@ -57,7 +57,7 @@ class RunSummary(JsonDoc):
     manifest_id: str | None
     experiment: str | None
     edition: str | None
-    topology: dict[str, int]  # world_size, dp, tp, pp, zero_stage
+    topology: dict[str, int]  # world_size, dp, tp, pp, zero_stage (and ep, cp when > 1)
     fault: FaultSpec | None = as_stored()  # run.json's fault spec
     resume: ResumeSpec | None = as_stored()  # run.json's resume spec
     loss: dict[str, float]  # step -> loss
@@ -116,7 +116,15 @@ def _layout(par: ParallelismView) -> dict[str, int]:
     """world_size, dp, tp, pp, zero_stage as the manifest states them (unstated: 1, and ZeRO stage 0)."""
     fields = ("world_size", "dp", "tp", "pp", "zero_stage")
     stated = par.model_dump(include=set(fields), exclude_unset=True)
-    return {k: stated.get(k, 1 if k != "zero_stage" else 0) for k in fields}
+    out = {k: stated.get(k, 1 if k != "zero_stage" else 0) for k in fields}
+    for k in (
+        "ep",
+        "cp",
+    ):  # only a layout that uses them states them: other summaries keep their keys
+        v = (par.model_extra or {}).get(k)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 1:
+            out[k] = v
+    return out
 
 
 def failure_text(e: EventLine) -> str:

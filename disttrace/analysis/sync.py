@@ -54,7 +54,12 @@ P2P = {"send", "recv_", "recv_any_source_"}
 
 
 def fingerprint(rec: CollectiveLine) -> tuple:
-    return (rec.op, tuple(tuple(s) for s in rec.shapes or []), rec.dtype)
+    shapes = tuple(tuple(s) for s in rec.shapes or [])
+    if rec.op and "alltoall" in rec.op:
+        # an all-to-all with uneven splits (expert parallel's tokens) sends as many rows as routing gave
+        # each rank: its members agree on the op, the dtype and a row's shape, not on the row count
+        shapes = tuple(s[1:] for s in shapes)
+    return (rec.op, shapes, rec.dtype)
 
 
 def describe(rec: CollectiveLine | None) -> str:

@@ -96,6 +96,23 @@ class Model(Section):
     ffn_hidden: int | None = Field(default=None, gt=0)
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    n_experts: int = Field(
+        default=0, ge=0, description="experts of a mixture in place of each FFN (0: dense)"
+    )
+    top_k: int = Field(default=2, ge=1, description="experts each token is routed to")
+    aux_loss_coef: float = Field(
+        default=0.0, ge=0, description="weight of the load-balancing loss (0: none)"
+    )
+
+    @model_serializer(mode="wrap")
+    def _leave_out_dense_moe_keys(self, handler: SerializerFunctionWrapHandler) -> dict:
+        # The manifest id is the sha256 of this dump: a dense model keeps the id it had before the mixture's
+        # keys existed (the validator refuses them set on a dense model, so nothing stated is dropped).
+        doc = handler(self)
+        if not doc.get("n_experts"):
+            for key in ("n_experts", "top_k", "aux_loss_coef"):
+                doc.pop(key, None)
+        return doc
 
     @model_validator(mode="after")
     def _shapes(self):
@@ -109,6 +126,12 @@ class Model(Section):
             )
         if self.ffn_hidden is None:
             self.ffn_hidden = ffn_hidden_default(self.dim, self.multiple_of)  # LLaMA's rule
+        if not self.n_experts and ({"top_k", "aux_loss_coef"} & self.model_fields_set):
+            raise ValueError("model.top_k and model.aux_loss_coef need model.n_experts > 0")
+        if self.n_experts and self.top_k > self.n_experts:
+            raise ValueError(
+                f"model.top_k ({self.top_k}) must not exceed model.n_experts ({self.n_experts})"
+            )
         return self
 
 
@@ -116,21 +139,44 @@ class Parallelism(Section):
     dp: int = Field(ge=1)
     tp: int = Field(default=1, ge=1)
     pp: int = Field(default=1, ge=1)
+    ep: int = Field(
+        default=1, ge=1, description="expert parallel: experts sharded over ep ranks of dp"
+    )
+    cp: int = Field(
+        default=1, ge=1, description="context parallel: the sequence split over cp ranks"
+    )
     zero_stage: int = Field(default=0, ge=0, le=3)
     pp_schedule: Literal["gpipe", "1f1b"] = "gpipe"
     architecture: Literal["allreduce", "parameter-server"] = "allreduce"
     staleness: int = Field(default=0, ge=0)
-    world_size: int | None = Field(default=None, ge=1, description="if stated, must equal dp*tp*pp")
+    world_size: int | None = Field(
+        default=None, ge=1, description="if stated, must equal dp*cp*tp*pp"
+    )
     backend: Literal["auto", "gloo", "nccl"] = "auto"
+
+    @model_serializer(mode="wrap")
+    def _leave_out_unit_ep_cp(self, handler: SerializerFunctionWrapHandler) -> dict:
+        # as Model's: a layout without expert or context parallelism keeps the manifest id it always had
+        doc = handler(self)
+        for key in ("ep", "cp"):
+            if doc.get(key) == 1:
+                doc.pop(key)
+        return doc
 
     @model_validator(mode="after")
     def _world(self):
-        product = self.dp * self.tp * self.pp
+        product = self.dp * self.cp * self.tp * self.pp
         if self.world_size is None:
             self.world_size = product
         elif self.world_size != product:
             raise ValueError(
-                f"dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = {product} does not equal world_size {self.world_size}"
+                f"dp*cp*tp*pp = {self.dp}*{self.cp}*{self.tp}*{self.pp} = {product} does not equal "
+                f"world_size {self.world_size}"
+            )
+        if self.dp % self.ep:
+            raise ValueError(
+                f"parallelism.ep ({self.ep}) must divide parallelism.dp ({self.dp}): experts are "
+                "sharded over ranks of the data-parallel dimension"
             )
         return self
 
@@ -230,7 +276,8 @@ class Manifest(Section):
 
     @property
     def world_size(self) -> int:
-        return self.parallelism.dp * self.parallelism.tp * self.parallelism.pp
+        p = self.parallelism
+        return p.dp * p.cp * p.tp * p.pp
 
     @property
     def global_batch(self) -> int:

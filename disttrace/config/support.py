@@ -16,6 +16,9 @@ def _not_supported_yet(m: Manifest) -> tuple[str, str] | None:
 
 def _layout_not_supported(m: Manifest) -> tuple[str, str] | None:
     p = m.parallelism
+    moe = _moe_not_supported(m)
+    if moe:
+        return moe
     if p.tp > 1:
         md = m.model
         for name, value in (
@@ -57,6 +60,39 @@ def _layout_not_supported(m: Manifest) -> tuple[str, str] | None:
             "training.max_grad_norm",
             "the parameter server does not clip yet; drop training.max_grad_norm",
         )
+    return None
+
+
+def _moe_not_supported(m: Manifest) -> tuple[str, str] | None:
+    """Expert and context parallel run on their own (over dp); their combinations are not built yet."""
+    p, md = m.parallelism, m.model
+    others = p.tp > 1 or p.pp > 1 or p.zero_stage > 0 or p.architecture != "allreduce"
+    if md.n_experts and others:
+        return "model.n_experts", (
+            "a mixture of experts runs with dp and ep only (tp = pp = 1, zero_stage = 0, allreduce)"
+        )
+    if p.ep > 1:
+        if not md.n_experts:
+            return "parallelism.ep", "expert parallel needs experts (model.n_experts > 0)"
+        if md.n_experts % p.ep:
+            return "model.n_experts", (
+                f"{md.n_experts} is not divisible by parallelism.ep = {p.ep} (each rank holds as many)"
+            )
+    if p.cp > 1:
+        if others or p.ep > 1:
+            return "parallelism.cp", (
+                "context parallel runs with dp only (tp = pp = ep = 1, zero_stage = 0, allreduce)"
+            )
+        if md.max_seq_len % p.cp:
+            return "parallelism.cp", (
+                f"model.max_seq_len ({md.max_seq_len}) is not divisible by cp = {p.cp} (each rank "
+                "holds an equal slice of the sequence)"
+            )
+        if md.n_experts and md.aux_loss_coef:
+            return "model.aux_loss_coef", (
+                "the load-balancing loss is taken over a rank's tokens; under context parallel that is "
+                "a slice of the sequence, another loss than cp = 1's"
+            )
     return None
 
 

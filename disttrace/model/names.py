@@ -15,6 +15,14 @@ BLOCK = (
     "feed_forward.w2.weight",
     "feed_forward.w3.weight",
 )
+# a block whose FFN is a mixture of experts (model.n_experts > 0): the router, then the stacked experts
+MOE_BLOCK = (
+    *BLOCK[:6],
+    "moe.router.gate.weight",
+    "moe.experts.w1.weight",
+    "moe.experts.w2.weight",
+    "moe.experts.w3.weight",
+)
 
 
 def _stage_layers(n_layers: int, pp: int, stage: int) -> range:
@@ -28,8 +36,9 @@ def _stage_layers(n_layers: int, pp: int, stage: int) -> range:
 def parameter_names(model: dict, pp: int = 1, stage: int = 0) -> list[str]:
     """Names of the parameters one pipeline stage holds (the whole model when pp = 1)."""
     names = ["tok_embeddings.weight"] if stage == 0 else []
+    block = MOE_BLOCK if model.get("n_experts") else BLOCK
     for i in _stage_layers(int(model["n_layers"]), pp, stage):
-        names += [f"layers.{i}.{b}" for b in BLOCK]
+        names += [f"layers.{i}.{b}" for b in block]
     if stage == pp - 1:
         names += ["norm.weight", "output.weight"]
     return names
@@ -64,6 +73,8 @@ _MODULES = (
                 "gate_proj",
                 "up_proj",
                 "down_proj",
+                "moe",
+                "experts",
             )
         ),
     ),

@@ -379,3 +379,78 @@ def comm_bytes_per_device(params: int, dp: int, bytes_per_grad: int = 2) -> dict
     allreduce = _ceil(Fraction(2 * (n - 1), n) * volume)
     stage3 = _ceil(Fraction(3 * (n - 1), n) * volume)
     return {"ddp": allreduce, "0": allreduce, "1": allreduce, "2": allreduce, "3": stage3}
+
+
+# --------------------------------------------------------------------------------------------------
+# Expert and context parallel
+# --------------------------------------------------------------------------------------------------
+
+
+def expert_params(dim: int, n_layers: int, ffn_hidden: int, n_experts: int) -> dict[str, int]:
+    """A mixture's parameters beside the dense model's: each layer's E SwiGLU experts (3 dim ffn_hidden
+    each) replace its FFN, and its router adds dim E. {"experts": all layers' experts, "router": ...,
+    "dense_ffn": the FFN weights they replace}."""
+    for name, v in (("dim", dim), ("n_layers", n_layers), ("ffn_hidden", ffn_hidden)):
+        _positive_int(name, v)
+    _positive_int("n_experts", n_experts)
+    return {
+        "experts": n_layers * n_experts * 3 * dim * ffn_hidden,
+        "router": n_layers * dim * n_experts,
+        "dense_ffn": n_layers * 3 * dim * ffn_hidden,
+    }
+
+
+def ep_costs(
+    dense: int,
+    experts: int,
+    dp: int,
+    ep: int,
+    tokens: int,
+    dim: int,
+    top_k: int,
+    n_layers: int,
+    bytes_per_value: int,
+    state_bytes_per_param: int,
+) -> dict[str, int]:
+    """Expert parallel over `ep` of `dp` ranks, per device. Model state: the dense part (router included)
+    whole, the experts' 1/ep slice; `state_bytes_per_param` is weights + grads + K. Traffic per micro-batch of
+    `tokens` tokens a rank: each MoE layer sends its tokens' k routed copies to the experts' ranks and the
+    outputs back, forward and again in backward (4 all-to-alls of tokens k dim values); with routing
+    uniform over ranks (ep-1)/ep of them leave the rank. Per step: the dense gradients' ring all-reduce over
+    dp, the expert slice's over the dp/ep ranks holding it."""
+    _positive_int("dp", dp)
+    _positive_int("ep", ep)
+    if dp % ep:
+        raise ValueError(f"ep ({ep}) must divide dp ({dp})")
+    local = dense + -(-experts // ep)
+    edp = dp // ep
+    a2a = _ceil(Fraction(ep - 1, ep) * 4 * n_layers * tokens * top_k * dim * bytes_per_value)
+    return {
+        "params_per_device": local,
+        "model_state_bytes_per_device": local * state_bytes_per_param,
+        "all_to_all_bytes_per_micro_batch": a2a,
+        "dense_allreduce_bytes_per_step": _ceil(
+            Fraction(2 * (dp - 1), dp) * dense * bytes_per_value
+        ),
+        "expert_allreduce_bytes_per_step": _ceil(
+            Fraction(2 * (edp - 1), edp) * -(-experts // ep) * bytes_per_value
+        ),
+    }
+
+
+def cp_costs(
+    cp: int, micro_batch: int, seq: int, kv_dim: int, n_layers: int, bytes_per_value: int
+) -> dict[str, int]:
+    """Context parallel over `cp` ranks (the all-gather form), per device and micro-batch: each layer
+    gathers the whole sequence's keys and values (2 b S kv_dim values, (cp-1)/cp of them from others,
+    held through backward), and backward all-reduces their gradients (ring: 2(cp-1)/cp of that volume)."""
+    _positive_int("cp", cp)
+    kv = 2 * micro_batch * seq * kv_dim * bytes_per_value
+    return {
+        "gathered_kv_bytes_per_layer": kv,
+        "gathered_kv_bytes_per_device": kv * n_layers,
+        "all_gather_bytes_per_micro_batch": _ceil(Fraction(cp - 1, cp) * kv * n_layers),
+        "kv_grad_allreduce_bytes_per_micro_batch": _ceil(
+            Fraction(2 * (cp - 1), cp) * kv * n_layers
+        ),
+    }

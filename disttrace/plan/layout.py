@@ -19,7 +19,10 @@ from disttrace.plan.costs import (
     bubble_fraction,
     comm_bytes_per_device,
     count_params,
+    cp_costs,
+    ep_costs,
     estimate_params,
+    expert_params,
     micro_batches_in_flight,
     model_state_bytes,
     optimizer_bytes_per_param,
@@ -110,6 +113,10 @@ class Plan(JsonDoc):
     bubble_fraction: dict[str, float]  # gpipe, 1f1b ((p-1)/m) and of_total_time ((p-1)/(m+p-1))
     comm_bytes_per_device: dict[str, int]
     model: PlanModel | None = omit_none()  # planned from a manifest
+    # planned from a manifest with experts or context parallel (plan/costs.py's ep_costs, cp_costs): the
+    # figures above count the dense model replicated over dp; these are the layout's own
+    experts: dict[str, int] | None = omit_none()
+    context: dict[str, int] | None = omit_none()
 
 
 def plan(req: PlanRequest) -> Plan:
@@ -283,7 +290,55 @@ def plan_from_manifest(manifest: Any) -> Plan:
         raise BadInput("manifest", str(e)) from None
     result.model = shape
     result.inputs.dtype = dtype
+    _experts_and_context(result, model, par, req)
     return result
+
+
+def _experts_and_context(result: Plan, model: dict, par: dict, req: PlanRequest) -> None:
+    """A mixture's parameters and expert parallel's, and context parallel's, figures (see costs.py)."""
+    shape = result.model
+    n_experts = model.get("n_experts") or 0
+    ep, cp = _field("parallelism", par, "ep", 1), _field("parallelism", par, "cp", 1)
+    values = PRECISIONS[req.precision]["weights"]
+    if n_experts:
+        moe = expert_params(shape.dim, shape.n_layers, shape.ffn_hidden, n_experts)
+        dense = result.params - moe["dense_ffn"] + moe["router"]
+        state = (
+            PRECISIONS[req.precision]["weights"]
+            + PRECISIONS[req.precision]["grads"]
+            + optimizer_bytes_per_param(req.optimizer, req.precision)
+        )
+        result.params = dense + moe["experts"]
+        result.experts = {
+            "n_experts": n_experts,
+            "ep": ep,
+            "expert_params": moe["experts"],
+            "dense_params": dense,
+            **ep_costs(
+                dense,
+                moe["experts"],
+                req.dp,
+                ep,
+                req.micro_batch * shape.max_seq_len,
+                shape.dim,
+                _field("model", model, "top_k", 2),
+                shape.n_layers,
+                values,
+                state,
+            ),
+        }
+    if cp > 1:
+        result.inputs.world_size *= cp
+        kv_dim = shape.n_kv_heads * (shape.dim // shape.n_heads)
+        result.context = {
+            "cp": cp,
+            "seq_per_device": -(-shape.max_seq_len // cp),
+            **cp_costs(cp, req.micro_batch, shape.max_seq_len, kv_dim, shape.n_layers, values),
+        }
+        if result.activation_bytes_per_device is not None:  # each rank holds 1/cp of the sequence
+            result.context["activation_bytes_per_device"] = {
+                k: -(-v // cp) for k, v in result.activation_bytes_per_device.items()
+            }
 
 
 def _dtype_and_optimizer(train: dict) -> tuple[str, str]:

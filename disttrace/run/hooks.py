@@ -41,6 +41,12 @@ class Point(StrEnum):
     STEP_START = "step_start"  # process: kill-rank, slow-rank live here
     DATA = "data"
     FORWARD = "forward"
+    DISPATCH = (
+        "dispatch"  # expert parallel: tokens about to travel to their experts' ranks, and back
+    )
+    CONTEXT = (
+        "context"  # context parallel: the slice of the sequence (and its labels) a rank computes
+    )
     LOSS = "loss"
     BACKWARD = "backward"
     REDUCE = "reduce"
@@ -97,6 +103,35 @@ class Forward(Payload):
     name: str
     index: int
     tensor: Any
+
+
+@dataclass(slots=True)
+class Dispatch(Payload):
+    """Expert parallel, in one MoE layer's forward: `tokens` about to be sent by all-to-all, `splits[j]` rows
+    of them to rank j of the expert-parallel group. `stage` "dispatch": the routed tokens, grouped by the
+    rank holding their expert; "combine": this rank's experts' outputs grouped by local expert (`counts`
+    rows each), before they are put back in arrival order and returned. A handler may replace `tokens`
+    (same shape)."""
+
+    point = Point.DISPATCH
+    layer: str
+    stage: str
+    tokens: Any
+    splits: list[int]
+    counts: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Context(Payload):
+    """Context parallel: the micro-batch's whole `inputs` and `targets` and the slice [start, end) of the
+    sequence this rank computes; the loss is taken over `targets[:, start:end]` (a handler may replace
+    `targets`)."""
+
+    point = Point.CONTEXT
+    inputs: Any
+    targets: Any
+    start: int
+    end: int
 
 
 @dataclass(slots=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from disttrace.model.llama import lm_loss
+from disttrace.model.llama import aux_loss
 from disttrace.run.hooks import Batch, Data, Forward, Loss, StepEnd, StepStart
 
 
@@ -55,7 +55,10 @@ def train(ctx) -> None:
                 batch = read_batch(ctx, step, mb)
                 inputs, targets = batch.inputs.to(ctx.device), batch.targets.to(ctx.device)
                 with strategy.micro_batch(last):
-                    loss = lm_loss(strategy.model(inputs), targets)
+                    loss = strategy.loss(strategy.model(inputs), targets)
+                    aux = aux_loss(strategy.plain, m.model.aux_loss_coef)
+                    if aux is not None:  # a mixture's load-balancing term, per micro-batch
+                        loss = loss + aux
                     loss = bus.emit(Loss(loss=loss, tokens=targets.numel())).loss
                     strategy.backward(loss / accum, last)
         strategy.step()

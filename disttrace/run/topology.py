@@ -21,17 +21,26 @@ MESH_DIMS = (
 )  # outermost first: tp innermost keeps its heavy traffic within a node
 
 
+# with context parallel the sequence's slices sit between dp and tp (torchtitan's order): a cp group
+# exchanges keys and values every layer, more often than dp reduces
+CP_MESH_DIMS = ("pp", "dp", "cp", "tp")
+
+
 def mesh_shape(manifest: Manifest) -> tuple[tuple[int, ...], tuple[str, ...]]:
     p = manifest.parallelism
+    if getattr(p, "cp", 1) > 1:  # only then: every other layout keeps the topology it always wrote
+        return (p.pp, p.dp, p.cp, p.tp), CP_MESH_DIMS
     return (p.pp, p.dp, p.tp), MESH_DIMS  # MESH_DIMS's order
 
 
-def coords_of(rank: int, shape: tuple[int, ...]) -> dict[str, int]:
+def coords_of(
+    rank: int, shape: tuple[int, ...], dims: tuple[str, ...] = MESH_DIMS
+) -> dict[str, int]:
     out, rest = {}, rank
-    for dim, size in zip(reversed(MESH_DIMS), reversed(shape)):
+    for dim, size in zip(reversed(dims), reversed(shape)):
         out[dim] = rest % size
         rest //= size
-    return {d: out[d] for d in MESH_DIMS}
+    return {d: out[d] for d in dims}
 
 
 def groups_of(manifest: Manifest) -> dict[str, list[list[int]]]:
@@ -44,7 +53,7 @@ def groups_of(manifest: Manifest) -> dict[str, list[list[int]]]:
     for _i, d in enumerate(dims):
         seen: dict[tuple, list[int]] = {}
         for r in range(world):
-            c = coords_of(r, shape)
+            c = coords_of(r, shape, dims)
             key = tuple(c[x] for x in dims if x != d)
             seen.setdefault(key, []).append(r)
         groups[d] = sorted(seen.values())
@@ -77,15 +86,15 @@ class RankView(BaseModel):
 
 
 def local_view(manifest: Manifest, rank: int) -> RankView:
-    shape, _ = mesh_shape(manifest)
+    shape, dims = mesh_shape(manifest)
     return RankView(
         rank=rank,
         host=socket.gethostname(),
         node_rank=int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", 0))),
         local_rank=int(os.environ.get("LOCAL_RANK", 0)),
         pid=os.getpid(),
-        coords=coords_of(rank, shape),
-        mesh_shape=dict(zip(MESH_DIMS, shape)),
+        coords=coords_of(rank, shape, dims),
+        mesh_shape=dict(zip(dims, shape)),
         groups=groups_of(manifest),
     )
 
@@ -104,7 +113,7 @@ def merge(views: list[RankView]) -> Topology:
             raise RuntimeError(f"rank {v.rank} answered in slot {i}")
     return Topology(
         world_size=len(views),
-        mesh_dims=list(MESH_DIMS),
+        mesh_dims=list(ref.mesh_shape),
         mesh_shape=ref.mesh_shape,
         groups=ref.groups,
         ranks=[v.place() for v in views],

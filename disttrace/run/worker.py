@@ -149,7 +149,7 @@ def run(run_dir: Path) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != manifest.world_size:
         raise RuntimeError(
-            f"the job has {world} ranks but the manifest's dp*tp*pp is {manifest.world_size}"
+            f"the job has {world} ranks but the manifest's dp*cp*tp*pp is {manifest.world_size}"
         )
     refuse_a_second_attempt(run_dir, rank)
     tracer = flightrec.build_trace(trace_kind, run_dir, rank)
@@ -176,7 +176,7 @@ def run(run_dir: Path) -> None:
                 run_dir, rank, manifest, model, bus, recorder is not None, dp_rank
             )
             strategy = build_strategy(manifest, model, mesh, bus)
-            groups = {**topo.groups, "world": [list(range(world))]}
+            groups = {**topo.groups, "world": [list(range(world))], **strategy.groups()}
             ledger = attach_observers(
                 run_dir, rank, manifest, strategy, recorder, bus, groups, device
             )

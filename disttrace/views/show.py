@@ -35,6 +35,7 @@ def render_summary(s: RunSummary, console: Console, topology: TopologyFacts | No
         + T(
             f"  id={(s.manifest_id or '')[:12]}  world={t['world_size']} dp={t['dp']} tp={t['tp']} "
             f"pp={t['pp']} zero={t['zero_stage']}"
+            + "".join(f" {k}={t[k]}" for k in ("ep", "cp") if k in t)
         )
     )
     if s.recorded == "zero-code":

@@ -13,14 +13,22 @@ empty selection under the strategy, a no-op parameter) is refused before any pro
 the resume step), "refused-at-load", "exit-3", "none" (numerics equal; a straggler is flagged).
 
 The base class, its admission checks and the registry are `base.py`; the entries are one module a family
-(`bits`, `batches`, `reduce`, `optimizer`, `checkpoints`, `job`; `run/module_faults.py` for the faults inside
+(`bits`, `batches`, `reduce`, `optimizer`, `checkpoints`, `job`, `layouts`; `run/module_faults.py` for the faults inside
 one module), all registered here.
 """
 
 from __future__ import annotations
 
 # the entries register as their modules are imported
-from disttrace.run.faults import batches, bits, checkpoints, job, optimizer, reduce  # noqa: F401
+from disttrace.run.faults import (  # noqa: F401
+    batches,
+    bits,
+    checkpoints,
+    job,
+    layouts,
+    optimizer,
+    reduce,
+)
 from disttrace.run.faults.base import (
     RECURRENCES,
     REGISTRY,
@@ -65,6 +73,9 @@ CATALOG_ORDER = (
     "loss-scale",
     "bf16-reduce",
     "faulty-device",
+    "ep-misroute",
+    "ep-drop-expert",
+    "cp-label-boundary",
 )
 _entries = {**{n: REGISTRY[n] for n in CATALOG_ORDER}, **REGISTRY}
 REGISTRY.clear()

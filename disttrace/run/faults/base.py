@@ -42,6 +42,8 @@ class Capability(StrEnum):
     )
     SHARDED_GRADS = "sharded_grads"  # ranks hold different pieces of the gradient
     TP = "tp"  # tensor parallel: replicated (norm) parameters beside sharded ones
+    EP = "ep"  # expert parallel: tokens dispatched to experts' ranks by all-to-all (`dispatch`)
+    CP = "cp"  # context parallel: a rank computes a slice of the sequence (`context`)
 
 
 @dataclass(frozen=True)
@@ -368,6 +370,10 @@ def strategy_name(manifest: Manifest) -> str:
         return f"pipeline ({p.pp_schedule})"
     if p.tp > 1:
         return "tensor-parallel" + (" x FSDP2" if p.dp > 1 else "")
+    if p.ep > 1:
+        return "expert-parallel (DDP + all-to-all)"
+    if p.cp > 1:
+        return "context-parallel (DDP + all-gather)"
     return {
         0: "DDP",
         1: "ZeRO-1 (DDP + ZeroRedundancyOptimizer)",
@@ -381,13 +387,20 @@ def capabilities(manifest: Manifest) -> set[str]:
     'backward': the local gradient before any data-parallel reduce is handed to the `backward` point;
     'collective_hook': that point runs right before the gradient collective is issued (DDP's comm hook);
     'sharded_grads': ranks hold different pieces of the gradient (a local norm is not the global one);
-    'tp': tensor parallel, with replicated (norm) parameters beside sharded ones."""
+    'tp': tensor parallel, with replicated (norm) parameters beside sharded ones;
+    'ep', 'cp': expert parallel's `dispatch` point, context parallel's `context` point."""
     caps = _capabilities(manifest)
     p = manifest.parallelism
-    if p.architecture != "parameter-server" and (p.zero_stage >= 2 or p.tp > 1 or p.pp > 1):
+    if p.architecture != "parameter-server" and (
+        p.zero_stage >= 2 or p.tp > 1 or p.pp > 1 or p.ep > 1
+    ):
         caps.add("sharded_grads")
     if p.tp > 1:
         caps.add("tp")
+    if p.ep > 1:
+        caps.add("ep")
+    if p.cp > 1:
+        caps.add("cp")
     return caps
 
 

@@ -13,6 +13,8 @@ checkpoints and `replicas()` (which copies must agree across ranks). The loop ne
 | architecture parameter-server | ParameterServer | ours: send/recv to rank 0 (no engine offers one) |
 | pp > 1 | PipelineParallel | torch.distributed.pipelining (GPipe, 1F1B), hand-built stages |
 | tp > 1 | TensorParallel | DTensor parallelize_module (+ FSDP2 over dp when dp > 1) |
+| ep > 1 | ExpertParallel | DDP for the dense part + experts as DTensor shards, tokens by all_to_all |
+| cp > 1 | ContextParallel | DDP over dp x cp + the sequence sliced, keys and values all-gathered |
 """
 
 from __future__ import annotations
@@ -34,6 +36,14 @@ def build_strategy(manifest: Manifest, model, mesh, bus):
         from disttrace.run.parallel.tp import TensorParallel
 
         return TensorParallel(manifest, model, mesh, bus)
+    if par.ep > 1:
+        from disttrace.run.parallel.ep import ExpertParallel
+
+        return ExpertParallel(manifest, model, mesh, bus)
+    if par.cp > 1:
+        from disttrace.run.parallel.cp import ContextParallel
+
+        return ContextParallel(manifest, model, mesh, bus)
     if par.zero_stage in (2, 3):
         from disttrace.run.parallel.fsdp import FullyShardedZero
 

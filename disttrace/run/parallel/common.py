@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from disttrace.config.manifest import Manifest
+from disttrace.model.llama import lm_loss
 from disttrace.run.hooks import BeforeClip, BeforeOptimizer, Clip, Optimizer, TensorRef, grads_of
 from disttrace.store.records import ReplicaRule
 
@@ -170,6 +171,8 @@ class Strategy:
       `runs_whole_step`  True when the strategy owns the micro-batch loop (a pipeline schedule
                          interleaves stages): the loop then calls `train_step(batches)` once per step
       `engine_facts()`   what the engine reports of itself, logged when it changes ({} = nothing)
+      `loss()`           the loss of what `model` returned (a sequence slice's, completed over its group)
+      `groups()`         rank groups its replica rules name beyond the mesh's dimensions
       `spans`            the strategy's own timing of the last step (pipeline forward/backward spans)
       `close()`          release what the engine holds before the process group goes away
     The clip and optimizer phases and checkpoint state through DCP's state-dict helpers (which know DDP,
@@ -205,6 +208,15 @@ class Strategy:
     # ---- optional capabilities, with their neutral defaults
 
     def engine_facts(self) -> dict:
+        return {}
+
+    def loss(self, logits, targets):
+        """The micro-batch's language-model loss from what `model` returned (context parallel: a slice of
+        the sequence, whose loss it completes over the group)."""
+        return lm_loss(logits, targets)
+
+    def groups(self) -> dict[str, list[list[int]]]:
+        """Rank groups the replica rules name beyond the mesh's dimensions (expert parallel's)."""
         return {}
 
     def close(self) -> None:

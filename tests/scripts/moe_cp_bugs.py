@@ -1,0 +1,202 @@
+"""A user-style script with torch's own collectives: expert parallel (a mixture's experts split over 2 ranks,
+tokens by all_to_all_single) or context parallel (each sequence split over 2 ranks, keys and values
+all-gathered), DDP for the rest, attached to disttrace in the marked lines. `--bug` plants one public family:
+
+  router-detached  (--family ep) the combine weights are detached on the way back from the experts: the
+                   forward and the loss are bit for bit the fix's, the router gets no gradient from the
+                   language-model loss (the family of https://github.com/huggingface/transformers/issues/48687)
+  label-roll       (--family cp) each rank's labels are its own input slice rolled by one, so the label at
+                   the end of a slice is the slice's first token instead of the next slice's
+                   (the family of https://github.com/volcengine/verl/issues/4250)
+
+The script measures its bug's effect itself, without disttrace, and prints it on stderr: the router
+gradient's norm (ep), the loss next to the one correct labels give (cp).
+
+    python tests/scripts/moe_cp_bugs.py --family ep|cp --out runs [--bug NAME]
+"""
+
+import argparse
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dnn
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import disttrace.api  # disttrace
+
+VOCAB, DIM, SEQ, EXPERTS, TOP_K = 32, 16, 8, 4, 2
+
+
+class ExpertParallelMoE(nn.Module):
+    """E experts, E / world of them on this rank; token-choice top-k; tokens travel by all-to-all."""
+
+    def __init__(self, rank, world, detach_weights=False):
+        super().__init__()
+        self.rank, self.world, self.local = rank, world, EXPERTS // world
+        self.detach_weights = detach_weights
+        self.router = nn.Linear(DIM, EXPERTS, bias=False)
+        g = torch.Generator().manual_seed(1)
+        full = torch.randn(EXPERTS, DIM, DIM, generator=g) * 0.3
+        self.experts = nn.Parameter(full[rank * self.local : (rank + 1) * self.local].clone())
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, DIM)
+        probs = F.softmax(self.router(x), -1)
+        weights, chosen = probs.topk(TOP_K, -1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=EXPERTS)
+        # the load-balancing term (Switch): the router's only gradient when the combine detaches it
+        share = (counts.to(probs.dtype) / counts.sum()).detach()
+        self.aux = 0.01 * EXPERTS * (share * probs.mean(0)).sum()
+        arrived = torch.empty_like(counts)
+        dist.all_to_all_single(arrived, counts)
+        send = counts.view(self.world, self.local).sum(1).tolist()
+        got = arrived.view(self.world, self.local)
+        recv = got.sum(1).tolist()
+        tokens = dnn.all_to_all_single(x.new_empty(sum(recv), DIM), x[order // TOP_K], recv, send)
+        # arrivals by source rank, each source's by local expert: one expert at a time over each block
+        out, at = [], 0
+        for s in range(self.world):
+            for e in range(self.local):
+                n = int(got[s, e])
+                out.append(torch.tanh(tokens[at : at + n] @ self.experts[e]))
+                at += n
+        back = dnn.all_to_all_single(x.new_empty(sum(send), DIM), torch.cat(out), send, recv)
+        routed = torch.empty_like(back).index_copy(0, order, back).view(-1, TOP_K, DIM)
+        w = weights.detach() if self.detach_weights else weights
+        return (routed * w.unsqueeze(-1)).sum(1).view(shape)
+
+
+class ContextParallelAttention(nn.Module):
+    """Queries of this rank's slice, keys and values of the whole sequence (all-gathered), causal."""
+
+    def __init__(self, rank, world):
+        super().__init__()
+        self.start = rank * (SEQ // world)
+        self.qkv = nn.Linear(DIM, 3 * DIM, bias=False)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        k = torch.cat(dnn.all_gather(k.contiguous()), 1)
+        v = torch.cat(dnn.all_gather(v.contiguous()), 1)
+        rows = torch.arange(self.start, self.start + q.shape[1])
+        mask = rows[:, None] >= torch.arange(k.shape[1])[None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class TinyLM(nn.Module):
+    def __init__(self, mixer):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.mixer = mixer
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        return self.head(h + self.mixer(h))
+
+
+def batch(rank, step, family):
+    """(inputs, labels) of one micro-batch: a sequence of SEQ + 1 tokens, labels shifted by one. Under ep
+    each rank reads its own data; under cp both ranks read one batch and take their slice."""
+    g = torch.Generator().manual_seed(100 * step + (rank if family == "ep" else 0))
+    seq = torch.randint(0, VOCAB, (4, SEQ + 1), generator=g)
+    return seq[:, :-1], seq[:, 1:]
+
+
+def train(rank, world, args):
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    if args.family == "ep":
+        mixer = ExpertParallelMoE(rank, world, detach_weights=args.bug == "router-detached")
+    else:
+        mixer = ContextParallelAttention(rank, world)
+    model = TinyLM(mixer)
+    if args.family == "ep":  # the experts are this rank's own: DDP leaves them alone
+        DDP._set_params_and_buffers_to_ignore_for_model(model, ["mixer.experts"])
+    net = DDP(model)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    config = {"family": args.family, "steps": args.steps, "grad_accum_steps": 1}
+    config["micro_batch_size"] = 4
+    run = disttrace.api.attach(
+        net, optimizer, out=args.out, name=f"{args.family}-bugs", config=config
+    )  # disttrace
+    size = SEQ // world
+    for step in range(1, args.steps + 1):
+        optimizer.zero_grad()
+        inputs, labels = batch(rank, step, args.family)
+        if args.family == "cp":
+            mine = inputs[:, rank * size : (rank + 1) * size]
+            if args.bug == "label-roll":
+                targets = torch.roll(mine, -1, dims=1)  # the slice's own tokens, rolled
+            else:
+                targets = labels[:, rank * size : (rank + 1) * size]
+            run.batch(inputs)  # disttrace
+            logits = net(mine)
+            ce = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), reduction="sum")
+            loss = dnn.all_reduce(ce) / labels.numel()
+            if step == 1:  # the effect, measured by the script: the loss correct labels give
+                right = labels[:, rank * size : (rank + 1) * size]
+                with torch.no_grad():
+                    good = F.cross_entropy(
+                        logits.reshape(-1, VOCAB), right.reshape(-1), reduction="sum"
+                    )
+                    dist.all_reduce(good)
+                if rank == 0:
+                    print(
+                        f"effect: loss {float(loss.detach()):.6f} vs correct labels' "
+                        f"{float(good) / labels.numel():.6f}",
+                        file=sys.stderr,
+                    )
+        else:
+            run.batch(inputs)  # disttrace
+            logits = net(inputs)
+            loss = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+            loss = loss + model.mixer.aux
+        loss = run.loss(loss)  # disttrace
+        loss.backward()
+        if args.family == "ep":
+            # each rank's experts hold every rank's tokens' gradient: the data-parallel mean
+            model.mixer.experts.grad.div_(world)
+            if step == 1 and rank == 0:
+                norm = float(model.mixer.router.weight.grad.norm())
+                print(f"effect: router gradient norm {norm:.6g}", file=sys.stderr)
+        optimizer.step()
+    run.close()  # disttrace
+    if rank == 0:
+        print(run.run_dir, flush=True)  # disttrace
+
+
+def spawned(rank, world, port, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        train(rank, world, args)
+    finally:
+        dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--family", required=True, choices=["ep", "cp"])
+    ap.add_argument("--bug", default="none", choices=["none", "router-detached", "label-roll"])
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--out", default="runs")
+    args = ap.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(spawned, args=(2, port, args), nprocs=2, join=True)
+
+
+if __name__ == "__main__":
+    main()
