@@ -1,5 +1,5 @@
 """The readers' cost at scale: how `diff`, `check`, `verify`, `show` and `report` grow with ranks, steps and
-records a rank-step (docs/design.md, "Where the readers' cost goes"; figures in docs/benchmarks.md).
+records a rank-step (docs/benchmarks.md, "Where the readers' cost goes", and its figures).
 
 Synthetic run stores in the recorder's format (bench/synthetic.py: store/trajectory.py's TrajectoryWriter, each
 step index line sealed by store/seal.py's StepChain, COMPLETE holding the seal `verify` checks, replicas.json for

@@ -88,13 +88,35 @@ def freeze(
         "--world-size",
         help="with --from-deepspeed: the world size its batch identity is checked against",
     ),
+    explain: bool = typer.Option(
+        False,
+        "--explain",
+        help="print every manifest section's fields (name, type, default, description) and exit; "
+        "with --json, as one document",
+    ),
     json_: bool = JsonOpt,
 ):
-    """Validate a manifest, check data and tokenizer hashes, and print its canonical lock and manifest id.
-    With --from-deepspeed, read a DeepSpeed config: batch identity checked with DeepSpeed's own wording,
-    every key it cannot map named."""
+    """Validate a manifest, check its data and tokenizer hashes, and print its manifest id.
+
+    A manifest is one TOML file, a table a section: [experiment] (name, edition, seed), [data] and
+    [tokenizer] (files and their sha256), [model] (the plain model's shape), [parallelism] (the layout:
+    dp, tp, pp, zero_stage), [training] (steps, batch, optimizer), and the optional [checkpoint], [debug],
+    [eval] and [record]. Freezing fills in every default and every hash and writes the result as
+    canonical JSON, the lock; the sha256 of the manifest in it is the manifest id, which names the runs.
+    Two runs of one id compare bit for bit; runs that differ only in [parallelism] and the batch split
+    compare numerically.
+
+    `disttrace freeze --explain` lists every field; `disttrace freeze m.toml -o lock.json` writes the lock,
+    which `disttrace run lock.json` runs exactly as frozen. With --from-deepspeed, read a DeepSpeed config:
+    batch identity checked with DeepSpeed's own wording, every key it cannot map named."""
     from disttrace.store.rundir import write_json_atomic
 
+    if explain:
+        _explain(
+            json_,
+            manifest is not None or bool(set_) or output is not None or from_deepspeed is not None,
+        )
+        return
     if from_deepspeed is not None:
         from disttrace.config.deepspeed import freeze_from_deepspeed
 
@@ -119,6 +141,24 @@ def freeze(
             f"data sha256 {m['data']['sha256']}\ntokenizer sha256 {m['tokenizer']['sha256']}"
         )
         print(frozen.manifest_id)
+
+
+def _explain(json_: bool, with_manifest: bool) -> None:
+    """`freeze --explain`: the reference of every manifest field, from the models' own schema."""
+    from disttrace.config.explain import explain
+    from disttrace.config.manifest import Manifest
+
+    if with_manifest:
+        raise BadInput(
+            "--explain", "describes the manifest's fields; it takes no manifest or options"
+        )
+    doc = explain(Manifest)
+    if json_:
+        emit_json(doc)
+    else:
+        from disttrace.views.manifest import render_manifest_fields
+
+        render_manifest_fields(doc, cli.err)
 
 
 _RUN_ID = typer.Option(

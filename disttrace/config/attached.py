@@ -21,10 +21,10 @@ Hyper = JsonValue | None
 
 
 class AttachedExperiment(Section):
-    name: str
-    edition: str
+    name: str = Field(description="the name given to attach, or the script's")
+    edition: str = Field(description="protocol version label, as for a harness manifest")
     seed: int = Field(description="the seed given to attach, or the default generator's")
-    description: str = ""
+    description: str = Field(default="", description="free text for people")
 
 
 class AttachedMesh(Section):
@@ -35,22 +35,30 @@ class AttachedMesh(Section):
 
 class AttachedParallelism(Section):
     dp: int = Field(ge=1, description="DDP's (DeepSpeed's) group size; the world without DDP")
-    tp: int = Field(default=1, ge=1)
-    pp: int = Field(default=1, ge=1)
+    tp: int = Field(
+        default=1,
+        ge=1,
+        description="the tensor-parallel group's size: mesh dimensions beside dp a DTensor is sharded over",
+    )
+    pp: int = Field(default=1, ge=1, description="pipeline stages (attach sees none: 1)")
     zero_stage: int = Field(
         default=0, ge=0, le=3, description="3 under FSDP2, DeepSpeed's ZeRO stage, else 0"
     )
-    world_size: int = Field(ge=1)
-    architecture: Literal["allreduce", "parameter-server"] = "allreduce"
-    engine: Literal["plain", "DDP", "FSDP2", "DTensor", "DeepSpeed"]
+    world_size: int = Field(ge=1, description="the process group's size")
+    architecture: Literal["allreduce", "parameter-server"] = Field(
+        default="allreduce", description="always allreduce for an attached run"
+    )
+    engine: Literal["plain", "DDP", "FSDP2", "DTensor", "DeepSpeed"] = Field(
+        description="what wraps the model, as attach recognised it"
+    )
     mesh: AttachedMesh | None = Field(
         default=None, description="the DTensor parameters' device mesh, when there is one"
     )
 
 
 class TensorShape(Section):
-    shape: list[int]
-    dtype: str
+    shape: list[int] = Field(description="the parameter's logical shape")
+    dtype: str = Field(description="the parameter's dtype")
 
 
 class AttachedModel(Section):
@@ -58,7 +66,9 @@ class AttachedModel(Section):
 
     class_name: str = Field(alias="class", description="the module's class, qualified name")
     parameters: int = Field(ge=0, description="element count over every parameter")
-    tensors: dict[str, TensorShape]
+    tensors: dict[str, TensorShape] = Field(
+        description="every parameter's shape and dtype, by name"
+    )
 
 
 class AttachedOptimizer(Section):
@@ -71,15 +81,19 @@ class AttachedOptimizer(Section):
 class AttachedTraining(Section):
     optimizer: str = Field(description="the optimizer's class name (AdamW, SGD, ...)")
     dtype: str = Field(description="the parameters' dtype, or 'mixed'")
-    lr: Hyper = None
-    weight_decay: Hyper = None
-    beta1: Hyper = None
-    beta2: Hyper = None
+    lr: Hyper = Field(
+        default=None, description="the first param group's lr, as the optimizer keeps it"
+    )
+    weight_decay: Hyper = Field(default=None, description="the first param group's weight_decay")
+    beta1: Hyper = Field(default=None, description="the first param group's betas[0]")
+    beta2: Hyper = Field(default=None, description="the first param group's betas[1]")
     grad_accum_steps: int | None = Field(
         default=None, description="from the user's config, if it says"
     )
-    micro_batch_size: int | None = None
-    steps: int | None = None
+    micro_batch_size: int | None = Field(
+        default=None, description="from the user's config, if it says"
+    )
+    steps: int | None = Field(default=None, description="from the user's config, if it says")
     max_grad_norm: float | None = Field(
         default=None,
         description="never written by attach; the stand-in "
@@ -88,8 +102,10 @@ class AttachedTraining(Section):
 
 
 class AttachedRecord(Section):
-    every: int = Field(default=1, ge=1)
-    forward: bool = False
+    every: int = Field(default=1, ge=1, description="digest every k-th step (steps k, 2k, ...)")
+    forward: bool = Field(
+        default=False, description="record the named modules' outputs at the forward point"
+    )
     forward_modules: list[str] = Field(
         default_factory=list, description="module paths whose outputs are recorded"
     )
@@ -104,26 +120,43 @@ class AttachedEval(Section):
     """The evaluation the gate runs on the final checkpoint when this run is the reference (gate/policy.py's
     [eval]); its data path and working directory are the machine's, in the lock's `resolved`."""
 
-    command: list[str]
-    metric: str = "eval_loss"
-    better: Literal["lower", "higher", "either"] = "lower"
-    rtol: float | None = None
-    atol: float = 0.0
-    timeout_s: float = 600.0
-    env: list[str] = Field(default_factory=list)
-    data_sha256: str
+    command: list[str] = Field(description="argv; {checkpoint}, {data} and {run} are filled in")
+    metric: str = Field(
+        default="eval_loss",
+        description="the key of the JSON object on the command's last stdout line",
+    )
+    better: Literal["lower", "higher", "either"] = Field(
+        default="lower", description="lower, higher, or either (within the tolerance on both sides)"
+    )
+    rtol: float | None = Field(
+        default=None,
+        description="relative tolerance against the reference's metric (unset: the policy's loss_rtol)",
+    )
+    atol: float = Field(
+        default=0.0, description="absolute tolerance against the reference's metric"
+    )
+    timeout_s: float = Field(
+        default=600.0, description="the evaluation process is killed after this"
+    )
+    env: list[str] = Field(
+        default_factory=list,
+        description="environment variables passed through (otherwise only PATH)",
+    )
+    data_sha256: str = Field(description="the evaluation data's sha256, checked before it runs")
 
 
 class AttachedManifest(Section):
-    experiment: AttachedExperiment
-    parallelism: AttachedParallelism
-    model: AttachedModel
-    optimizer: AttachedOptimizer
-    training: AttachedTraining
+    """What an attached run states about itself: what attach saw, plus the user's config."""
+
+    experiment: AttachedExperiment = Field(description="name, edition, seed")
+    parallelism: AttachedParallelism = Field(description="the layout attach inferred")
+    model: AttachedModel = Field(description="the attached module and its parameters")
+    optimizer: AttachedOptimizer = Field(description="the torch optimizer and its groups")
+    training: AttachedTraining = Field(description="the harness's training names attach can fill")
     config: dict[str, Any] = Field(
         default_factory=dict, description="the user's config, as given (JSON-able)"
     )
-    record: AttachedRecord | None = None
+    record: AttachedRecord | None = Field(default=None, description="what the recorder writes")
     eval: AttachedEval | None = Field(
         default=None, description="the gate's evaluation, when attach was given one"
     )

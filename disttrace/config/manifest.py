@@ -58,44 +58,84 @@ DEFAULT_MANIFEST = manifests_dir() / "default.toml"
 
 
 class Section(BaseModel):
+    """A table of the manifest. Every field states a one-line `description`: `disttrace freeze --explain`
+    prints them, and a test fails on a field without one. A description is schema, not value: the manifest
+    id is the sha256 of the validated values' canonical JSON, so wording changes no id."""
+
     model_config = ConfigDict(extra="forbid", strict=False, frozen=False)
 
 
 class Experiment(Section):
-    name: str
+    """What this experiment is called and the seed everything random derives from."""
+
+    name: str = Field(
+        description="a human name; the run directory is keyed by the manifest id, not this"
+    )
     edition: str = Field(
         description="protocol version label; runs of different editions are never silently compared"
     )
-    seed: int = Field(ge=0)
-    description: str = ""
+    seed: int = Field(ge=0, description="seeds the model's initialisation and the data order")
+    description: str = Field(
+        default="", description="free text for people; part of the manifest id"
+    )
 
 
 class Data(Section):
-    path: str
+    """The corpus (JSON lines of documents) and how its held-out split is drawn."""
+
+    path: str = Field(description="the corpus file, relative to the manifest's folder")
     sha256: str | None = Field(
         default=None, description="stated hash; computed at freeze and checked"
     )
-    eval_percent: int = Field(default=10, ge=1, le=50)
-    split_salt: str = "disttrace-v1"
+    eval_percent: int = Field(
+        default=10,
+        ge=1,
+        le=50,
+        description="percent of documents held out for the gate's evaluation",
+    )
+    split_salt: str = Field(
+        default="disttrace-v1",
+        description="salt of the per-document hash that decides the held-out split",
+    )
 
 
 class Tokenizer(Section):
-    kind: Literal["bpe", "byte"] = "bpe"
-    path: str | None = None
-    sha256: str | None = None
+    """How text becomes token ids; its hash is part of the experiment."""
+
+    kind: Literal["bpe", "byte"] = Field(
+        default="bpe", description="bpe: a tokenizers JSON file; byte: raw UTF-8 bytes, no file"
+    )
+    path: str | None = Field(
+        default=None, description="the tokenizer file (bpe), relative to the manifest's folder"
+    )
+    sha256: str | None = Field(
+        default=None, description="stated hash of the tokenizer; computed at freeze and checked"
+    )
 
 
 class Model(Section):
-    dim: int = Field(gt=0)
-    n_layers: int = Field(gt=0)
-    n_heads: int = Field(gt=0)
-    n_kv_heads: int = Field(gt=0)
-    vocab_size: int = Field(gt=0)
-    max_seq_len: int = Field(gt=1)
-    multiple_of: int = Field(default=32, gt=0)
-    ffn_hidden: int | None = Field(default=None, gt=0)
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
+    """The plain LLaMA-style decoder's shape (model/llama.py); parallelism is applied outside it."""
+
+    dim: int = Field(gt=0, description="hidden size; divisible by n_heads")
+    n_layers: int = Field(gt=0, description="transformer blocks")
+    n_heads: int = Field(gt=0, description="query heads; divisible by n_kv_heads")
+    n_kv_heads: int = Field(
+        gt=0, description="key/value heads (fewer than n_heads: grouped-query attention)"
+    )
+    vocab_size: int = Field(gt=0, description="embedding rows; at least the tokenizer's vocabulary")
+    max_seq_len: int = Field(gt=1, description="tokens in one training window")
+    multiple_of: int = Field(
+        default=32,
+        gt=0,
+        description="the FFN width is rounded up to a multiple of this (LLaMA's rule)",
+    )
+    ffn_hidden: int | None = Field(
+        default=None,
+        gt=0,
+        description="FFN width; unset: derived from dim and multiple_of at freeze",
+    )
+    norm_eps: float = Field(default=1e-5, description="RMSNorm's epsilon")
+    rope_theta: float = Field(default=10000.0, description="rotary embedding base frequency")
     n_experts: int = Field(
         default=0, ge=0, description="experts of a mixture in place of each FFN (0: dense)"
     )
@@ -136,23 +176,41 @@ class Model(Section):
 
 
 class Parallelism(Section):
-    dp: int = Field(ge=1)
-    tp: int = Field(default=1, ge=1)
-    pp: int = Field(default=1, ge=1)
+    """The layout (topology, not experiment: runs that differ here compare numerically)."""
+
+    dp: int = Field(ge=1, description="data-parallel replicas (DDP, or FSDP2 under ZeRO-2/3)")
+    tp: int = Field(
+        default=1, ge=1, description="tensor-parallel degree (DTensor parallelize_module)"
+    )
+    pp: int = Field(default=1, ge=1, description="pipeline stages (torch.distributed.pipelining)")
     ep: int = Field(
         default=1, ge=1, description="expert parallel: experts sharded over ep ranks of dp"
     )
     cp: int = Field(
         default=1, ge=1, description="context parallel: the sequence split over cp ranks"
     )
-    zero_stage: int = Field(default=0, ge=0, le=3)
-    pp_schedule: Literal["gpipe", "1f1b"] = "gpipe"
-    architecture: Literal["allreduce", "parameter-server"] = "allreduce"
-    staleness: int = Field(default=0, ge=0)
+    zero_stage: int = Field(
+        default=0, ge=0, le=3, description="0: plain DDP; 1: ZeroRedundancyOptimizer; 2, 3: FSDP2"
+    )
+    pp_schedule: Literal["gpipe", "1f1b"] = Field(
+        default="gpipe", description="the pipeline schedule, with pp > 1"
+    )
+    architecture: Literal["allreduce", "parameter-server"] = Field(
+        default="allreduce",
+        description="parameter-server: rank 0 holds parameters, workers push and pull",
+    )
+    staleness: int = Field(
+        default=0,
+        ge=0,
+        description="parameter server: workers compute on parameters this many updates old",
+    )
     world_size: int | None = Field(
         default=None, ge=1, description="if stated, must equal dp*cp*tp*pp"
     )
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        default="auto",
+        description="process-group backend; auto: nccl where CUDA is present, else gloo",
+    )
 
     @model_serializer(mode="wrap")
     def _leave_out_unit_ep_cp(self, handler: SerializerFunctionWrapHandler) -> dict:
@@ -182,27 +240,45 @@ class Parallelism(Section):
 
 
 class Training(Section):
-    steps: int = Field(ge=1)
-    micro_batch_size: int = Field(ge=1)
-    grad_accum_steps: int = Field(default=1, ge=1)
-    lr: float = Field(gt=0)
-    optimizer: Literal["adamw", "sgd"] = "adamw"
-    weight_decay: float = Field(default=0.0, ge=0)
-    beta1: float = 0.9
-    beta2: float = 0.95
-    dtype: Literal["float32", "float64"] = "float32"
+    """The optimisation; the global batch is dp x micro_batch_size x grad_accum_steps."""
+
+    steps: int = Field(ge=1, description="optimizer steps (counted from 1)")
+    micro_batch_size: int = Field(ge=1, description="sequences per rank per forward")
+    grad_accum_steps: int = Field(
+        default=1, ge=1, description="micro-batches accumulated before each optimizer step"
+    )
+    lr: float = Field(gt=0, description="learning rate (constant)")
+    optimizer: Literal["adamw", "sgd"] = Field(default="adamw", description="the torch optimizer")
+    weight_decay: float = Field(default=0.0, ge=0, description="the optimizer's weight decay")
+    beta1: float = Field(default=0.9, description="AdamW's first-moment decay")
+    beta2: float = Field(default=0.95, description="AdamW's second-moment decay")
+    dtype: Literal["float32", "float64"] = Field(
+        default="float32",
+        description="parameters' and computation's dtype; sets the numeric bound's roundoff",
+    )
     max_grad_norm: float | None = Field(
         default=None, gt=0, description="clip the global gradient norm to this"
     )
 
 
 class Checkpoint(Section):
+    """Recovery checkpoints (DCP plus a sha256 INDEX.json)."""
+
     interval: int = Field(default=0, ge=0, description="save every N steps (0: never)")
 
 
 class Debug(Section):
-    deterministic: bool = True
-    collective_timeout_s: float = Field(default=60.0, gt=0)
+    """Determinism and failure detection; not what is computed."""
+
+    deterministic: bool = Field(
+        default=True,
+        description="torch.use_deterministic_algorithms: a rerun is bit for bit the same",
+    )
+    collective_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="the process group's timeout: how long a hung rank takes to fail",
+    )
     ddp_bucket_cap_mb: float | None = Field(
         default=None, gt=0, description="DDP bucket size (default: DDP's 25)"
     )
@@ -216,7 +292,10 @@ class DepthSpec(Section):
     gradient with respect to it, in execution order; `op` also every aten op's output inside them."""
 
     step: int = Field(ge=1, description="the step recorded at depth (steps count from 1)")
-    level: Literal["module", "op"] = "module"
+    level: Literal["module", "op"] = Field(
+        default="module",
+        description="module: every module's output; op: every aten op's output too",
+    )
 
 
 class Record(Section):
@@ -253,8 +332,10 @@ class Record(Section):
 
 
 class Eval(Section):
-    max_batches: int = Field(default=16, ge=1)
-    batch_size: int = Field(default=4, ge=1)
+    """The gate's independent evaluation of the final checkpoint on the held-out split."""
+
+    max_batches: int = Field(default=16, ge=1, description="held-out batches scored at most")
+    batch_size: int = Field(default=4, ge=1, description="sequences per evaluation batch")
     loss_rtol: float = Field(
         default=0.02,
         ge=0,
@@ -263,16 +344,18 @@ class Eval(Section):
 
 
 class Manifest(Section):
-    experiment: Experiment
-    data: Data
-    tokenizer: Tokenizer
-    model: Model
-    parallelism: Parallelism
-    training: Training
-    checkpoint: Checkpoint = Checkpoint()
-    debug: Debug = Debug()
-    eval: Eval = Eval()
-    record: Record = Record()
+    """The whole experiment, one table a section (`disttrace freeze --explain` lists every field)."""
+
+    experiment: Experiment = Field(description="name, edition, seed")
+    data: Data = Field(description="the corpus and its held-out split")
+    tokenizer: Tokenizer = Field(description="how text becomes token ids")
+    model: Model = Field(description="the plain model's shape")
+    parallelism: Parallelism = Field(description="the layout over ranks")
+    training: Training = Field(description="steps, batch and optimizer")
+    checkpoint: Checkpoint = Field(default=Checkpoint(), description="recovery checkpoints")
+    debug: Debug = Field(default=Debug(), description="determinism and failure detection")
+    eval: Eval = Field(default=Eval(), description="the gate's evaluation")
+    record: Record = Field(default=Record(), description="what the recorder writes")
 
     @property
     def world_size(self) -> int:

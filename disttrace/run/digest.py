@@ -73,8 +73,7 @@ def device_digest(t: torch.Tensor) -> str:
 # sum and sum of squares in float32 runs of tolerance.STAT_CHUNK elements (two dot products a run, added in
 # float64), so the tensor is read from memory once and each further operation reads the block from cache
 # (L2-sized: 512 KiB). A float64 copy of each block, summed and squared there, cost more than the sketch's
-# GEMM (bench/recorder_passes.py's components: copy 1.17, sum 0.61, squares 0.46, GEMM 1.58 s/GiB under
-# load) and needed 1.5 MiB of cache a block; the float32 runs round by about u32 * sqrt(STAT_CHUNK)
+# GEMM (bench/recorder_passes.py times each component) and needed 1.5 MiB of cache a block; the float32 runs round by about u32 * sqrt(STAT_CHUNK)
 # (tolerance.sum_rounding, norm_rounding, which diff adds to the derived bound of the sum and norm terms),
 # and a float32 tensor whose squares leave float32's range gets its sum and norm in float64 after all.
 # A float32 reduction over at most SKETCH_ROWS rows rounds by about u32 * sqrt(SKETCH_ROWS) relative to

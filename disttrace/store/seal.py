@@ -14,7 +14,7 @@ Two layers, both written while the run is produced:
   Not sealed: what the gate writes afterwards (`eval.json`, `verdict.json`) and the launcher's lock files.
 
 sha256 (hashlib) rather than the xxh3 of the tensor digests: the chain is meant to make an after-the-fact
-edit show, and a step's bytes are a few KiB (~2 GB/s, docs/design.md, "Facts"). It guards against
+edit show, and a step's bytes are a few KiB (docs/design.md, "Facts"). It guards against
 accidents and edits, not against a writer who rewrites every hash and the seal: nothing signs COMPLETE.
 """
 
