@@ -11,6 +11,13 @@ micro-batch and parameter index, the accumulated ``||X|| ||dY||`` of that rank.
   squared magnitudes of every parameter's reduced gradient. (The clip coefficient and the learning rate
   keep the norm-relative bound: a coefficient below 1 is ``max_norm / ||G||``, whose relative error is the
   norm's; the learning rate is an input.)
+* what a clip coefficient below 1 scales (the clipped gradients, then Adam's moments and SGD's parameter
+  downstream): ``c g_i`` with ``c = max_norm / ||G||``, whose relative difference is the norm's,
+  ``|d||G||| / ||G|| <= eps sqrt(sum_j M_j^2) / ||G|| =: eps R`` (R is the whole gradient's cancellation:
+  above 1 where it cancels). So ``|d(c g_i)| <= c (eps M_i + ||g_i|| eps R) <= eps M_i (1 + R)``
+  (``c <= 1``, ``||g_i|| <= M_i``): the magnitude of a clipped gradient is ``M_i (1 + R)``, with ||G|| the
+  norm the step recorded (its `clip` scalars, read from the store). A step whose clip scalars are not
+  there but which may have clipped has no magnitude (the norm's scale, as a step without magnitudes).
 * optimizer state: Adam's moments are running averages of the gradient; a difference of the gradients
   ``|dg| <= eps M_g`` reaches the first moment as ``sum_s beta1^(t-s) (1-beta1) eps_s M_g(s)`` and the second
   (``|d g^2| <= 2 |g| |dg|``) as ``2 sum_s beta2^(t-s) (1-beta2) eps_s M_g(s)^2``; the recursion starts at
@@ -116,6 +123,8 @@ class Magnitudes:
         self.lr = _number(t.lr, 0.0)
         self.since = since
         self._reduce: dict[int, dict[int, float]] = {}
+        self._clipped: dict[int, dict[int, float]] = {}
+        self._run, self._entries = run, None
         self._state: dict[int, Moments] = {}
         self._arrays: dict[tuple, tuple] = {}
 
@@ -135,6 +144,55 @@ class Magnitudes:
             self._reduce[step] = got
         return got
 
+    def _clip_scalars(self, step: int) -> tuple[float, float] | None:
+        """(grad_norm, clip_coef) the step recorded (a rank's `clip` scalars; every rank holds the same),
+        (nan, 1.0) where the step recorded no clip coefficient (nothing clipped: the harness records one at
+        every step, an attached run when clip_grad_norm_ ran), None where the step is not in the store."""
+        if self._entries is None:
+            self._entries = {}
+            for r in sorted(self.by_rank):
+                for e in self._run.step_index(r).records:
+                    self._entries.setdefault(e.step, (r, e))
+        got = self._entries.get(step)
+        if got is None:
+            return None
+        rank, entry = got
+        norm, coef = math.nan, 1.0
+        for rec in self._run.records_of_step(rank, entry):
+            if rec.get("phase") != "clip" or rec.get("tensor") not in ("grad_norm", "clip_coef"):
+                continue
+            v = rec.get("sum")
+            v = float(v) if isinstance(v, (int, float)) and not rec.get("nonfinite") else math.nan
+            if rec["tensor"] == "grad_norm":
+                norm = v
+            else:
+                coef = v
+        return norm, coef
+
+    def clipped(self, step: int) -> dict[int, float]:
+        """index -> the magnitude of the gradient the optimizer took at `step`: the data-parallel one's, times
+        (1 + R) where the step clipped by a coefficient below 1 (R = sqrt(sum_i M_i^2) / ||G||, the module
+        docstring); empty where the step may have clipped and its norm is not known."""
+        got = self._clipped.get(step)
+        if got is None:
+            red = self.reduced(step)
+            scalars = self._clip_scalars(step) if red else (math.nan, 1.0)
+            if scalars is None:
+                got = {}
+            else:
+                norm, coef = scalars
+                if (
+                    coef >= 1.0
+                ):  # not clipped: c = 1 on both sides wherever the norm is below max_norm
+                    got = red
+                elif not math.isfinite(coef) or not math.isfinite(norm) or norm <= 0:
+                    got = {}  # clipped by a coefficient whose norm is not known: no sound magnitude
+                else:
+                    spread = math.sqrt(math.fsum(v * v for v in red.values())) / norm
+                    got = {i: v * (1.0 + spread) for i, v in red.items()}
+            self._clipped[step] = got
+        return got
+
     def _moments(self, step: int) -> Moments:
         """Per parameter index: M_m (exp_avg), M_v (exp_avg_sq), M_p (SGD's parameter) at `step`, from the
         recursion started at `since` (the moments were equal there); an index leaves the recursion at a step
@@ -144,7 +202,7 @@ class Magnitudes:
         start = max((s for s in self._state if s < step), default=self.since)
         cur = self._state.get(start) or Moments()
         for s in range(start + 1, step + 1):
-            g = self.reduced(s)
+            g = self.clipped(s)  # what the optimizer took: the clipped gradient
             first = s == self.since + 1
             nxt = Moments()
             for i, mg in g.items():
@@ -172,7 +230,9 @@ class Magnitudes:
                 return (math.sqrt(math.fsum(v * v for v in red.values())) if red else None), True
             if phase == "clip" and clip_param_index(index) not in red and name == "clip_coef":
                 return None, False  # the clip coefficient: see the note above lookup
-            return red.get(clip_param_index(index) if phase == "clip" else index), True
+            if phase == "clip":  # a clipped gradient carries the coefficient's difference
+                return self.clipped(step).get(clip_param_index(index)), True
+            return red.get(index), True
         if phase != "optimizer":
             return None, True
         name = name or ""
@@ -250,10 +310,14 @@ def lookup(
             out[sel] = _lookup(arrays, index[sel])
         return out, bounded
     if phase in ("reduce", "clip"):
-        key = ("reduce", step)
+        key = (phase, step)
         arrays = cache.get(key)
-        if arrays is None:
-            arrays = cache[key] = _as_arrays(mag.reduced(step))
+        if (
+            arrays is None
+        ):  # a clipped gradient carries the coefficient's difference (Magnitudes.clipped)
+            arrays = cache[key] = _as_arrays(
+                mag.clipped(step) if phase == "clip" else mag.reduced(step)
+            )
         if phase == "clip":  # a clipped gradient's magnitude is its parameter's (clip_param_index)
             index = np.where(index >= CLIP_GRAD_BASE, index - CLIP_GRAD_BASE, index)
         out = _lookup(arrays, index)
