@@ -125,6 +125,7 @@ class Magnitudes:
         self._reduce: dict[int, dict[int, float]] = {}
         self._clipped: dict[int, dict[int, float]] = {}
         self._run, self._entries = run, None
+        self._states: dict[int, dict[int, int]] = {}
         self._state: dict[int, Moments] = {}
         self._arrays: dict[tuple, tuple] = {}
 
@@ -168,6 +169,31 @@ class Magnitudes:
             else:
                 coef = v
         return norm, coef
+
+    def state_params(self, rank: int | None) -> dict[int, int]:
+        """An optimizer state record's index -> its parameter's index, on `rank` (the lowest rank for None),
+        by name ("w:exp_avg" is w's): the recorder numbers a rank's state after that rank's parameters
+        (their count, then 4 per parameter), so the index alone does not say whose state it is. Read from
+        the first of the rank's steps that holds optimizer state."""
+        if rank is None:
+            rank = min(self.by_rank, default=0)
+        got = self._states.get(rank)
+        if got is None:
+            got = self._states[rank] = {}
+            for entry in self._run.step_index(rank).records[:4]:
+                params, states = {}, []
+                for rec in self._run.records_of_step(rank, entry):
+                    if rec.get("phase") != "optimizer":
+                        continue
+                    name, index = str(rec.get("tensor") or ""), int(rec.get("index") or 0)
+                    if ":" in name:
+                        states.append((name.rsplit(":", 1)[0], index))
+                    elif not name.startswith("param_groups."):
+                        params[name] = index
+                got.update({i: params[n] for n, i in states if n in params})
+                if got:
+                    break
+        return got
 
     def clipped(self, step: int) -> dict[int, float]:
         """index -> the magnitude of the gradient the optimizer took at `step`: the data-parallel one's, times
@@ -246,11 +272,12 @@ class Magnitudes:
                 return self._moments(step).param.get(index), True
             return None, False
         if key in ("exp_avg", "exp_avg_sq"):
-            return self._moments(step).of(key).get(index // 4), True
+            param = self.state_params(rank).get(index)
+            return (None if param is None else self._moments(step).of(key).get(param)), True
         return None, True
 
 
-# an index beyond what a record's uint32 index (or its optimizer state's index // 4) can name never matches
+# an index beyond what a record's uint32 index (or its optimizer state's parameter) can name never matches
 _MAX_INDEX = 1 << 34
 _CACHED = 1 << 12  # tables held as arrays at once: a few blocks' steps, not the run's
 _OPTIMIZER_KEYS = ("exp_avg", "exp_avg_sq", "param")
@@ -344,8 +371,21 @@ def lookup(
     for state in ("exp_avg", "exp_avg_sq"):
         sel = ~inputs & names(state)
         if sel.any():
-            out[sel] = _lookup(_moment_arrays(mag, step, state), index[sel] // 4)
+            out[sel] = _lookup(
+                _moment_arrays(mag, step, state), _state_params(mag, index, rank, sel)
+            )
     return out, bounded
+
+
+def _state_params(mag: Magnitudes, index: np.ndarray, rank: np.ndarray, sel: np.ndarray):
+    """Magnitudes.state_params for the rows `sel`: each state record's parameter index, -1 where unknown."""
+    out = np.full(int(sel.sum()), -1, dtype=np.int64)
+    idx, rk = index[sel], rank[sel]
+    for r in np.unique(rk).tolist():
+        table = mag.state_params(int(r))
+        at = rk == r
+        out[at] = [table.get(i, -1) for i in idx[at].tolist()]
+    return out
 
 
 def _moment_arrays(mag: Magnitudes, step: int, state: str):
