@@ -9,6 +9,7 @@ rank (divergent where the skewed update first shows)."""
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
@@ -20,6 +21,7 @@ import pytest
 from conftest import ROOT
 
 from disttrace.analysis.diff import diff_runs
+from disttrace.analysis.magnitudes import Magnitudes
 from disttrace.store.rundir import Run
 
 SCRIPT = ROOT / "tests" / "scripts" / "cancel_train.py"
@@ -117,3 +119,33 @@ def test_ddp_fsdp2_and_plain_scripts_record_them(tmp_path, engine):
     assert (
         f is not None and (f.step, f.phase, f.rank) == (1, "optimizer", 1) and "lr" in f.tensor
     ), f
+
+
+def test_a_clipped_pair_carries_the_clip_coefficients_difference(tmp_path):
+    """Clipping engaged on a global norm that cancels (the head has no bias, so the cancelling projection
+    carries the norm; a small third layer whose gradient does not cancel): micro-batch 8 x 2 against 4 x 4.
+    The clip coefficient is max_norm / ||G||, whose relative difference is the norm's (bounded only on the
+    scale of its parts, ~1e5 times the norm here): without carrying it into what the coefficient scales,
+    `shift.weight`'s clipped gradient was a false divergence at step 2 (err/bound 10.5). Control: the same
+    pair clipped at another max_norm (2e-5) is divergent."""
+    args = ("--no-bias", "--spread", "1e-4", "--shift", "5e-7", "--steps", "2")
+    a = train(tmp_path / "runs", "--mb", "8", "--accum", "2", *args, "--clip", "2.5e-5")
+    b = train(tmp_path / "runs", "--mb", "4", "--accum", "4", *args, "--clip", "2.5e-5")
+    mag = Magnitudes(Run(a))
+    for step in (1, 2):
+        norm, coef = mag._clip_scalars(step)
+        assert coef < 1 and norm > 0  # clipping engaged
+        spread = math.sqrt(sum(v * v for v in mag.reduced(step).values())) / norm
+        assert spread > 1e4  # the norm cancels
+        assert mag.clipped(step) == {i: v * (1 + spread) for i, v in mag.reduced(step).items()}
+    # each moment is held to its own parameter's magnitude (the recorder numbers state after the parameters)
+    states = {r["tensor"]: r["index"] for r in Run(a).records(0) if r["phase"] == "optimizer"}
+    table = mag.state_params(0)
+    for name in ("proj.weight", "head.weight", "shift.weight"):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert table[states[f"{name}:{key}"]] == states[name]
+    d = diff_runs(a, b, mode="numeric")
+    assert d.tolerance.scale == "magnitudes" and d.equal, d.first_divergence
+    assert d.stats.tensors_compared > d.stats.bit_equal  # they did round differently
+    c = train(tmp_path / "runs", "--mb", "4", "--accum", "4", *args, "--clip", "2e-5")
+    assert not diff_runs(a, c, mode="numeric").equal

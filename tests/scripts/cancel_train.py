@@ -5,7 +5,12 @@ projection's gradient does through the softmax). A second, plain layer reads the
 not cancel. The same 16 samples a step in every layout: `--mb 8 --accum 2` against `--mb 4 --accum 4` on
 one rank, or 2 ranks of `--mb 4 --accum 2` under DDP, FSDP2 (`--engine fsdp2`) or a hand-written all-reduce
 (`--engine manual`). `--skew-lr` (a control, 2 ranks): rank 1's learning rate x (1 + 1e-3) (rank 0 writes the
-manifest, which shows the configured one: only the numbers can tell).
+manifest, which shows the configured one: only the numbers can tell). `--clip MAX`: clip the global gradient
+norm to MAX (torch.nn.utils.clip_grad_norm_) before each optimizer step; `--no-bias`: a head without a bias,
+so the cancelling projection's gradient carries a share of the global norm (which then cancels too);
+`--spread S`: the inputs' noise (default 1e-3; smaller cancels more); `--shift EPS`: a third layer adds EPS times
+a learned offset of a constant input, against targets moved by 3, so its gradient (the residuals' sum over the
+tokens) does not cancel: a small share of the global norm whose own gradient is near its magnitude.
 
     torchrun --nproc-per-node 2 tests/scripts/cancel_train.py OUT --mb 4 --accum 2 [--engine ddp]
 """
@@ -23,20 +28,26 @@ TOKENS, D_IN, D_OUT = 64, 8, 16
 
 
 class Centred(nn.Module):
-    def __init__(self):
+    def __init__(self, bias: bool = True, shift: float = 0.0):
         super().__init__()
         self.proj = nn.Linear(D_IN, D_OUT, bias=False)
-        self.head = nn.Linear(D_OUT, 4)
+        self.head = nn.Linear(D_OUT, 4, bias=bias)
+        self.scale = shift
+        self.shift = nn.Linear(1, 4, bias=False) if shift else None
 
     def forward(self, x):
         y = self.proj(x)
-        return self.head(y - y.mean(dim=1, keepdim=True))
+        out = self.head(y - y.mean(dim=1, keepdim=True))
+        if self.shift is not None:
+            out = out + self.scale * self.shift(torch.ones_like(x[..., :1]))
+        return out
 
 
-def samples(step: int):
-    """The step's 16 samples (the same in every layout): inputs near one vector, and targets."""
+def samples(step: int, spread: float = 1e-3):
+    """The step's 16 samples (the same in every layout): inputs near one vector (off by `spread`: the
+    projection's gradient cancels to about that share of its terms), and targets."""
     g = torch.Generator().manual_seed(step)
-    x = 1 + 1e-3 * torch.randn(16, TOKENS, D_IN, generator=g)
+    x = 1 + spread * torch.randn(16, TOKENS, D_IN, generator=g)
     return x, torch.randn(16, TOKENS, 4, generator=g)
 
 
@@ -48,6 +59,10 @@ def main():
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--engine", default="ddp", choices=["ddp", "fsdp2", "manual"])
     ap.add_argument("--skew-lr", action="store_true")
+    ap.add_argument("--clip", type=float, default=None)
+    ap.add_argument("--no-bias", action="store_true")
+    ap.add_argument("--spread", type=float, default=1e-3)
+    ap.add_argument("--shift", type=float, default=0.0)
     args = ap.parse_args()
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -57,7 +72,7 @@ def main():
     rank = dist.get_rank() if launched else 0
     assert args.mb * args.accum * world == 16, "16 samples a step in every layout"
     torch.manual_seed(0)
-    model = Centred()
+    model = Centred(bias=not args.no_bias, shift=args.shift)
     net = model
     if world > 1 and args.engine == "ddp":
         net = nn.parallel.DistributedDataParallel(model)
@@ -73,11 +88,11 @@ def main():
     config = {"lr": 1e-2, "steps": args.steps, "data": "cancel-train"}
     run = disttrace.api.attach(net, optimizer, out=args.out, name="cancel-train", config=config)
     for step in range(1, args.steps + 1):
-        x, target = samples(step)
+        x, target = samples(step, args.spread)
         optimizer.zero_grad()
         for mb in range(args.accum):
             lo = (rank * args.accum + mb) * args.mb
-            xb, tb = x[lo : lo + args.mb], target[lo : lo + args.mb]
+            xb, tb = x[lo : lo + args.mb], target[lo : lo + args.mb] + (3.0 if args.shift else 0.0)
             run.batch(xb)  # disttrace
             # each rank's share of the step's mean: the engines average the ranks' gradients
             loss = ((net(xb) - tb) ** 2).sum() * world / (16 * TOKENS)
@@ -87,6 +102,8 @@ def main():
             for p in model.parameters():
                 dist.all_reduce(p.grad)
                 p.grad.div_(world)
+        if args.clip is not None:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), args.clip)
         optimizer.step()
     run.close()  # disttrace
     if rank == 0:
