@@ -171,7 +171,11 @@ def test_a_candidate_claiming_bfloat16_cannot_loosen_its_bound(ref, tmp_path):
 
     loose = claimed(ref, tmp_path / "bf16", compute_dtype="bfloat16")
     diff = orjson.loads(cli("diff", ref, loose, "--json").stdout)
-    assert diff["mode"] == "numeric" and diff["tolerance"]["u"] == 2.0**-8  # diff takes its word
+    # diff does not take its word: its records are float32, and the claim is named
+    assert diff["mode"] == "numeric" and diff["tolerance"]["u"] == 2.0**-24
+    (said,) = [w for w in diff["warnings"] if "contradict" in w]
+    assert said.startswith("B's manifest states training.compute_dtype = 'bfloat16'"), said
+    assert "micro-batch 8 x accumulation 1" in said and "float32 at most" in said, said
     c = gradient_equivalence(Run(loose), Run(ref))
     assert c.passed is False, c
     assert "training.compute_dtype = 'bfloat16'" in c.reason and "not trusted" in c.reason
@@ -306,3 +310,37 @@ def test_gate_replay_reproduces_an_honest_run_bit_for_bit(ref, tmp_path):
 def test_replay_option_is_validated():
     proc = cli("gate", ROOT / "nowhere", "--replay", "-1")
     assert proc.returncode == 2 and "--replay" in proc.stderr
+
+
+def test_a_claim_does_not_widen_diffs_bound(runs, ref, tmp_path):
+    """A run trained with 1.2x the learning rate whose lock claims the reference's learning rate, bfloat16
+    and micro-batch 8 x accumulation 1 (the same global batch: another layout, so a numeric diff) is held
+    to what both stores' records show (float32; 2 micro-batches of 4 a rank): divergent, the claim named;
+    believed, it widened the bound 2^16 x and the pair was equal (exit 0). Control: the honest run with the
+    same claims is still equal."""
+    fast = runs.reference("--set", "training.lr=0.0036")
+
+    def forge(run: Path, root: Path) -> Path:
+        copy = copy_run(run, root)
+        edit_lock(
+            copy,
+            lambda lock: lock["manifest"]["training"].update(
+                lr=0.003, compute_dtype="bfloat16", micro_batch_size=8, grad_accum_steps=1
+            ),
+        )
+        reseal(copy)
+        return copy
+
+    liar = forge(fast, tmp_path / "liar")
+    proc = cli("diff", ref, liar, "--json")
+    doc = orjson.loads(proc.stdout)
+    assert proc.returncode == 1 and doc["equal"] is False, doc["first_divergence"]
+    assert doc["tolerance"]["u"] == 2.0**-24 and doc["tolerance"]["T"] == 16 * 64
+    (said,) = [w for w in doc["warnings"] if "contradict" in w]
+    assert "training.compute_dtype = 'bfloat16'" in said and "float32 at most" in said, said
+    assert "micro-batch 8 x accumulation 1" in said and "2 micro-batch(es) of 4" in said, said
+    honest = forge(ref, tmp_path / "honest")
+    proc = cli("diff", ref, honest, "--json")
+    doc = orjson.loads(proc.stdout)
+    assert proc.returncode == 0 and doc["equal"] is True, doc["first_divergence"]
+    assert any("contradict" in w for w in doc["warnings"])

@@ -144,6 +144,15 @@ def tokens_per_step(manifest: dict, observed: dict | None = None) -> int:
     close: the samples of a step summed over the world, and the tokens when its inputs were token ids).
     A factor nobody counted is taken as 1 only where nothing better is known: the bound must have a number,
     and a smaller T only makes it tighter, never looser."""
+    t = _stated_tokens(manifest, observed)
+    # what the records showed (diff counts the data records it compares: `tokens_shown`) caps a statement
+    shown = observed.get("tokens_shown") if isinstance(observed, dict) else None
+    if isinstance(shown, int) and not isinstance(shown, bool) and shown >= 1:
+        return min(t, shown)
+    return t
+
+
+def _stated_tokens(manifest: dict, observed: dict | None) -> int:
     from disttrace.config.manifest import global_batch, known_global_batch
 
     seq = int((manifest.get("model", {}) or {}).get("max_seq_len", 1) or 1)

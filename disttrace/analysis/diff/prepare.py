@@ -261,6 +261,91 @@ def _found_calibration(side_a: _Side, side_b: _Side) -> Path | None:
     return None
 
 
+def _shown(run) -> tuple[str | None, int | None, dict]:
+    """What a store's records show of the bound's inputs, from each rank's first recorded step: the coarsest
+    floating dtype of any record (None if no record states one), the tokens of a step (its distinct data
+    records: every element of integer inputs, every vector of floating ones, as the job counts them; None
+    without data records) and, per rank, the micro-batches and their sizes."""
+    coarsest, tokens, seen, per_rank = None, 0, set(), {}
+    for rank in run.ranks():
+        entries = run.step_index(rank).records
+        if not entries:
+            continue
+        for rec in run.records_of_step(rank, entries[0]):
+            dtype = str(rec.get("dtype") or "").removeprefix("torch.")
+            if rec.get("phase") != "data":
+                u = tolerance.UNIT_ROUNDOFF.get(dtype)
+                if u is not None and (coarsest is None or u > tolerance.UNIT_ROUNDOFF[coarsest]):
+                    coarsest = dtype
+                continue
+            shape = rec.get("shape") or []
+            per_rank.setdefault(rank, {})[int(rec.get("micro_batch") or 0)] = (
+                shape[0] if shape else 1
+            )
+            key = (rec.get("digest"), rec.get("tensor"))
+            if key in seen or not shape or not all(isinstance(n, int) for n in shape):
+                continue
+            seen.add(key)
+            n = math.prod(shape)
+            tokens += n // max(shape[-1], 1) if dtype.startswith(("float", "bfloat")) else n
+    return coarsest, (tokens or None), per_rank
+
+
+def _as_shown(side_a, side_b, ma: dict, mb: dict, observed: tuple, warnings: list):
+    """The bound's inputs as both stores' records show them: a lock's precision or batch is its writer's
+    word, and a claim coarser or larger than its records show would loosen what both runs are held to. The
+    stated value is kept where it is no looser than the records'; a claim the records contradict is named
+    (one line a side) and the records' value taken."""
+    out = []
+    for label, side, m, obs in (("A", side_a, ma, observed[0]), ("B", side_b, mb, observed[1])):
+        dtype, tokens, per_rank = _shown(side.run)
+        said = []
+        t = dict(m.get("training") or {})
+        keys = [k for k in tolerance._DTYPE_KEYS if t.get(k)]
+        if dtype is not None and tolerance.unit_roundoff(m) > tolerance.UNIT_ROUNDOFF[dtype]:
+            u = tolerance.UNIT_ROUNDOFF[dtype]
+            said += [
+                f"training.{k} = {t[k]!r}"
+                for k in keys
+                if tolerance.UNIT_ROUNDOFF.get(str(t[k]).removeprefix("torch."), u) > u
+            ]
+            for k in keys:
+                t.pop(k)
+            t["dtype"] = dtype
+            m = {**m, "training": t}
+        stated = tolerance.tokens_per_step(m, obs)
+        if tokens is not None:
+            if stated > tokens:
+                said.append(f"{stated} tokens a step")
+            obs = {**(obs if isinstance(obs, dict) else {}), "tokens_shown": tokens}
+        size, accum = t.get("micro_batch_size"), t.get("grad_accum_steps")
+        if (
+            m.get("data") is not None
+            and per_rank
+            and any(
+                len(v) != accum or any(n != size for n in v.values()) for v in per_rank.values()
+            )
+        ):
+            said.append(f"micro-batch {size} x accumulation {accum}")
+        if said:
+            shown = [
+                f"{dtype} at most" if dtype else None,
+                f"{tokens} tokens a step" if tokens else None,
+            ]
+            if per_rank:
+                counts = sorted({len(v) for v in per_rank.values()})
+                sizes = sorted({n for v in per_rank.values() for n in v.values()})
+                shown.append(
+                    f"{'/'.join(map(str, counts))} micro-batch(es) of {'/'.join(map(str, sizes))} a rank"
+                )
+            warnings.append(
+                f"{label}'s manifest states {'; '.join(said)}, which its records contradict (they show "
+                f"{', '.join(x for x in shown if x)}): the bound takes what the records show, no looser"
+            )
+        out.append((m, obs))
+    return out[0][0], out[1][0], (out[0][1], out[1][1])
+
+
 def _tolerance_doc(
     mode: str, tol: _Tol, cal, since: int, ma: dict, mb: dict, rtol, atol, found: bool = False
 ) -> Tolerance:
@@ -361,6 +446,9 @@ class _Setup:
             o if isinstance(o := s.run.lock.get("observed"), dict) else None
             for s in (side_a, side_b)
         )
+        if self.mode == "numeric" and rtol is None and atol is None:
+            ma, mb, observed = _as_shown(side_a, side_b, ma, mb, observed, warnings)
+            self.n_setup = len(warnings)
         self.tol = tol = _Tol(
             self.mode, ma, mb, rtol, atol, since, cal, mags, observed, self.projections
         )
