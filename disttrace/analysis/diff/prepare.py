@@ -263,10 +263,10 @@ def _found_calibration(side_a: _Side, side_b: _Side) -> Path | None:
 
 def _shown(run) -> tuple[str | None, int | None, dict]:
     """What a store's records show of the bound's inputs, from each rank's first recorded step: the coarsest
-    floating dtype of any record (None if no record states one), the tokens of a step (its distinct data
-    records: every element of integer inputs, every vector of floating ones, as the job counts them; None
-    without data records) and, per rank, the micro-batches and their sizes."""
-    coarsest, tokens, seen, per_rank = None, 0, set(), {}
+    floating dtype of any record (None if no record states one), the tokens of a step (every element of its
+    distinct data records, when they are token ids; None without data records or with floating ones) and,
+    per rank, the micro-batches and their sizes."""
+    coarsest, tokens, seen, per_rank, counted = None, 0, set(), {}, True
     for rank in run.ranks():
         entries = run.step_index(rank).records
         if not entries:
@@ -283,12 +283,13 @@ def _shown(run) -> tuple[str | None, int | None, dict]:
                 shape[0] if shape else 1
             )
             key = (rec.get("digest"), rec.get("tensor"))
+            if not dtype.startswith(("int", "uint")):
+                counted = False  # floating inputs: what a vector is, the records do not say
             if key in seen or not shape or not all(isinstance(n, int) for n in shape):
                 continue
             seen.add(key)
-            n = math.prod(shape)
-            tokens += n // max(shape[-1], 1) if dtype.startswith(("float", "bfloat")) else n
-    return coarsest, (tokens or None), per_rank
+            tokens += math.prod(shape)
+    return coarsest, (tokens if counted and tokens else None), per_rank
 
 
 def _as_shown(side_a, side_b, ma: dict, mb: dict, observed: tuple, warnings: list):
