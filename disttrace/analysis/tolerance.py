@@ -144,7 +144,7 @@ def tokens_per_step(manifest: dict, observed: dict | None = None) -> int:
     close: the samples of a step summed over the world, and the tokens when its inputs were token ids).
     A factor nobody counted is taken as 1 only where nothing better is known: the bound must have a number,
     and a smaller T only makes it tighter, never looser."""
-    from disttrace.config.manifest import global_batch, known_global_batch
+    from disttrace.config.identity import global_batch, known_global_batch
 
     seq = int((manifest.get("model", {}) or {}).get("max_seq_len", 1) or 1)
     if manifest.get("data") is not None or not isinstance(observed, dict):

@@ -23,17 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from disttrace.config.identity import (  # noqa: F401  (readers import them from here too)
-    EXPERIMENT_FIELDS,
-    TOPOLOGY_FIELDS,
-    _experiment_leaves,
-    experiment_differences,
-    get_field,
-    global_batch,
-    known_global_batch,
-    observed_topology_differences,
-    unknown_line,
-)
+from disttrace.config.identity import get_field
 from disttrace.config.support import _not_supported_yet
 from disttrace.errors import BadInput
 from disttrace.model.shapes import ffn_hidden_default
