@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextvars import ContextVar
 from pathlib import Path
 
 import torch
@@ -75,6 +76,20 @@ def _post_order(module: torch.nn.Module, prefix: str = ""):
         yield path, child
 
 
+# "zero-code" while attach_discovered runs attach for a command that never called it (run/zerocode.py)
+_RECORDING: ContextVar[str | None] = ContextVar("recording", default=None)
+
+
+def attach_discovered(model, optimizer) -> AttachedRun:
+    """attach() with its defaults for a command run with no attach call (run/zerocode.py found its model
+    and optimizer); the lock's `source` and the manifest's `record.source` say what was inferred."""
+    token = _RECORDING.set("zero-code")
+    try:
+        return attach(model, optimizer)
+    finally:
+        _RECORDING.reset(token)
+
+
 def attach(
     model,
     optimizer,
@@ -104,28 +119,7 @@ def attach(
     data_sha256, cwd; docs/gate.md): data and cwd are resolved against the working directory and the data
     hashed here, by rank 0. Under `disttrace run/inject -- CMD` the run directory (and fault) come from
     DISTTRACE_RUN_DIR and `out` is ignored."""
-    return _start(model, optimizer, out, name, seed, edition, config, loader, forward, evaluation)
-
-
-def attach_discovered(model, optimizer) -> AttachedRun:
-    """attach() for a command run with no attach call (run/zerocode.py found its model and optimizer): the
-    defaults, and the manifest's `record.source` saying what was inferred rather than said."""
-    return _start(model, optimizer, recording="zero-code")
-
-
-def _start(
-    model,
-    optimizer,
-    out: str | Path = "runs",
-    name: str = "user-script",
-    seed: int | None = None,
-    edition: str = "user",
-    config: dict | None = None,
-    loader=None,
-    forward=None,
-    evaluation: dict | None = None,
-    recording: str | None = None,
-) -> AttachedRun:
+    recording = _RECORDING.get()
     rank, world = _rank_world()
     optimizer = unwrap_optimizer(optimizer)
     engine = detect_engine(model)
