@@ -13,6 +13,10 @@ The script measures its bug's effect itself, without disttrace, and prints it on
 gradient's norm (ep), the loss next to the one correct labels give (cp).
 
     python tests/scripts/moe_cp_bugs.py --family ep|cp --out runs [--bug NAME]
+    disttrace run -- python tests/scripts/moe_cp_bugs.py --family ep|cp --no-attach [--bug NAME]
+
+--no-attach leaves the marked lines out (the script as its author wrote it) for zero-code recording. Attached,
+the cp family says what attach cannot see, that both ranks read one batch: attach(layout={"cp": ...}).
 """
 
 import argparse
@@ -113,6 +117,35 @@ def batch(rank, step, family):
     return seq[:, :-1], seq[:, 1:]
 
 
+class Recording:
+    """disttrace.api.attach's run, or, with --no-attach, nothing: each call hands its value back."""
+
+    def __init__(self, on, net, optimizer, args, config, layout):
+        self.run = None
+        if on:
+            self.run = disttrace.api.attach(
+                net,
+                optimizer,
+                out=args.out,
+                name=f"{args.family}-bugs",
+                config=config,
+                layout=layout,
+            )
+
+    def batch(self, x):
+        if self.run is not None:
+            self.run.batch(x)
+
+    def loss(self, loss):
+        return loss if self.run is None else self.run.loss(loss)
+
+    def close(self):
+        if self.run is not None:
+            self.run.close()
+            return self.run.run_dir
+        return None
+
+
 def train(rank, world, args):
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -127,9 +160,9 @@ def train(rank, world, args):
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
     config = {"family": args.family, "steps": args.steps, "grad_accum_steps": 1}
     config["micro_batch_size"] = 4
-    run = disttrace.api.attach(
-        net, optimizer, out=args.out, name=f"{args.family}-bugs", config=config
-    )  # disttrace
+    # a context-parallel group is invisible to attach (plain all_gather, no mesh): the script says it
+    layout = {"cp": list(range(world))} if args.family == "cp" else None
+    run = Recording(not args.no_attach, net, optimizer, args, config, layout)  # disttrace
     size = SEQ // world
     for step in range(1, args.steps + 1):
         optimizer.zero_grad()
@@ -171,9 +204,9 @@ def train(rank, world, args):
                 norm = float(model.mixer.router.weight.grad.norm())
                 print(f"effect: router gradient norm {norm:.6g}", file=sys.stderr)
         optimizer.step()
-    run.close()  # disttrace
-    if rank == 0:
-        print(run.run_dir, flush=True)  # disttrace
+    run_dir = run.close()  # disttrace
+    if rank == 0 and run_dir is not None:
+        print(run_dir, flush=True)  # disttrace
 
 
 def spawned(rank, world, port, args):
@@ -191,6 +224,9 @@ def main():
     ap.add_argument("--bug", default="none", choices=["none", "router-detached", "label-roll"])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", default="runs")
+    ap.add_argument(
+        "--no-attach", action="store_true", help="no attach call: for zero-code recording"
+    )
     args = ap.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
