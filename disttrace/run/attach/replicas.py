@@ -32,7 +32,8 @@ def parse_layout(layout, rank: int) -> dict[str, list[int]]:
         if ranks is None:
             raise BadInput(
                 where,
-                f"a ProcessGroup, a one-dimensional DeviceMesh or a list of global ranks, not {type(value).__name__}",
+                "a ProcessGroup, a one-dimensional DeviceMesh or a list of global ranks, "
+                f"not {type(value).__name__}",
             )
         if rank not in ranks:
             raise BadInput(where, f"rank {rank} passed a group without itself: {ranks}")
@@ -72,7 +73,8 @@ def layout_groups(views: list[AttachView] | list[dict]) -> dict[str, list[list[i
         if not _partition(gs, len(views)) or any(v.rank not in v.layout[key] for v in views):
             raise BadInput(
                 f"attach(layout={{{key!r}: ...}})",
-                f"the ranks' groups {[list(g) for g in gs]} do not split the {len(views)} ranks into groups of one size",
+                f"the ranks' groups {[list(g) for g in gs]} do not split the {len(views)} ranks "
+                "into groups of one size",
             )
         out[key] = [list(g) for g in gs]
     return out
@@ -124,7 +126,8 @@ def infer_replicas(engine: str, views: list[AttachView] | list[dict]) -> Replica
             groups["dp-shards"] = [g for d in fsdp for g in _positions(layout["cp"], list(d))]
             data_dim = "dp-shards"
             notes.append(
-                f"context parallel over {layout['cp']} (attach(layout=)): data differs only across {groups['dp-shards']}"
+                f"context parallel over {layout['cp']} (attach(layout=)): data differs only "
+                f"across {groups['dp-shards']}"
             )
         rules += [
             ReplicaRule(phase="data", dim=data_dim, relation="differ"),
