@@ -21,7 +21,8 @@ from launchers import launch, need_deepspeed, torchrun_cmd
 
 from disttrace.config.deepspeed import freeze_from_deepspeed
 from disttrace.config.harness import CLAIM, harness_config, model_tensors
-from disttrace.config.manifest import experiment_differences, read_lock
+from disttrace.config.identity import experiment_differences
+from disttrace.config.manifest import read_lock
 from disttrace.errors import BadInput
 from disttrace.store.records import ATTACHED_SOURCE
 from disttrace.store.rundir import Run

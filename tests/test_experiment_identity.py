@@ -11,7 +11,7 @@ import pytest
 from conftest import run_snippet
 
 from disttrace.analysis.diff import diff_runs
-from disttrace.config.manifest import experiment_differences, known_global_batch, unknown_line
+from disttrace.config.identity import experiment_differences, known_global_batch, unknown_line
 from disttrace.errors import BadInput
 from disttrace.run.attach import observed_batch
 from disttrace.store.records import ATTACHED_SOURCE

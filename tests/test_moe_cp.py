@@ -27,7 +27,7 @@ from disttrace.config.manifest import freeze
 from disttrace.model.llama import MoE, build_model, load_balance
 from disttrace.model.names import parameter_names
 from disttrace.plan.layout import plan_from_manifest
-from disttrace.store.rundir import Run
+from disttrace.store.rundir import LOCK, Run
 
 MOE = ["--set", "model.n_experts=4", "--set", "model.top_k=2"]
 SHORT = ["--set", "training.steps=4", "--set", "checkpoint.interval=0"]
@@ -241,9 +241,9 @@ def test_expert_slices_replicated_over_edp_compare_and_are_checked(runs):
 BUGS = ROOT / "tests" / "scripts" / "moe_cp_bugs.py"
 
 
-def _script(out, family, bug="none"):
+def _script(out, family, bug="none", *extra):
     proc = subprocess.run(
-        [sys.executable, BUGS, "--family", family, "--bug", bug, "--out", out],
+        [sys.executable, BUGS, "--family", family, "--bug", bug, "--out", out, *extra],
         capture_output=True,
         text=True,
         timeout=300,
@@ -253,6 +253,81 @@ def _script(out, family, bug="none"):
     assert proc.returncode == 0, proc.stderr[-3000:]
     effect = [line for line in proc.stderr.splitlines() if line.startswith("effect:")]
     return Path(proc.stdout.strip().splitlines()[-1]), effect[0]
+
+
+def _zero_code(out, family, bug="none", *cli_args):
+    """The script without its attach call (--no-attach), recorded by `disttrace run|inject -- CMD`."""
+    verb = cli_args[0] if cli_args else "run"
+    proc = cli(
+        verb, "--out", out, *cli_args[1:], "--", sys.executable, BUGS,
+        "--family", family, "--bug", bug, "--no-attach",
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return Path(proc.stdout.strip().splitlines()[-1])
+
+
+def _check(run):
+    proc = cli("check", run, "--json")
+    return proc.returncode, orjson.loads(proc.stdout) if proc.stdout.strip() else proc.stderr
+
+
+def test_an_attached_expert_parallel_script_is_consistent(tmp_path):
+    # DDP ignores the rank's own experts: attach leaves them out of DDP's rule, which still holds the rest
+    fix, _ = _script(tmp_path, "ep")
+    rc, doc = _check(fix)
+    assert rc == 0, doc
+    notes = orjson.loads((fix / "replicas.json").read_bytes())["inferred"]["notes"]
+    assert "DDP ignores (mixer.experts)" in notes[0], notes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["ep", "cp"])
+def test_the_fix_variants_are_consistent_attached_and_zero_code_and_a_replica_fault_is_not(
+    tmp_path, family
+):
+    attached, _ = _script(tmp_path, family)
+    recorded = _zero_code(tmp_path, family)
+    assert orjson.loads((recorded / LOCK).read_bytes())["source"] == "zero-code"
+    for run in (attached, recorded):
+        rc, doc = _check(run)
+        assert rc == 0, (run, doc)
+    # the other way: the dense part's all-reduce skipped on rank 1 at step 2 breaks its rule there
+    bad = _zero_code(tmp_path, family, "none", "inject", "--fault", "skip-allreduce", "--step", "2",
+                     "--rank", "1")  # fmt: skip
+    rc, doc = _check(bad)
+    assert rc == 1, doc
+    assert (doc["first"]["step"], doc["first"]["phase"]) == (2, "reduce"), doc["first"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "family,bug,phase", [("ep", "router-detached", "backward"), ("cp", "label-roll", "loss")]
+)
+def test_a_public_bug_family_under_zero_code_is_found_at_its_phase(tmp_path, family, bug, phase):
+    fix = _zero_code(tmp_path, family)
+    bad = _zero_code(tmp_path, family, bug)
+    first = diff_runs(fix, bad).first_divergence
+    assert (first.step, first.micro_batch, first.phase) == (1, 0, phase), first
+
+
+@pytest.mark.slow
+def test_dp_shards_of_context_parallel_groups_that_read_one_batch_are_found(tmp_path):
+    # 4 ranks, cp groups [0, 1] and [2, 3] (attach(layout={"cp": group})): the cp ranks' one batch is
+    # allowed, the two groups reading the same one is not
+    fix, _ = _script(tmp_path, "cp", "none", "--world", "4")
+    rc, doc = _check(fix)
+    assert rc == 0, doc
+    rep = orjson.loads((fix / "replicas.json").read_bytes())
+    assert rep["groups"]["cp"] == [[0, 1], [2, 3]] and rep["groups"]["dp-shards"] == [
+        [0, 2],
+        [1, 3],
+    ]
+    bad, _ = _script(tmp_path, "cp", "dp-same-data", "--world", "4")
+    rc, doc = _check(bad)
+    assert rc == 1, doc
+    first = doc["first"]
+    assert (first["step"], first["phase"], first["group"]) == (1, "data", [0, 2]), first
 
 
 @pytest.mark.slow
@@ -275,6 +350,8 @@ def test_a_public_bug_family_in_an_attached_script_is_found(tmp_path, family, bu
         assert numbers[-1] < fixed / 10  # the router kept only the load-balancing term's gradient
     else:
         assert numbers[0] != numbers[1] and abs(numbers[0] / numbers[1] - 1) < 0.05
+    rc, doc = _check(fix)  # the fix is consistent too (DDP-ignored experts; a cp group's one batch)
+    assert rc == 0, doc
     d = diff_runs(fix, bad)
     first = d.first_divergence
     assert not d.equal and (first.step, first.micro_batch, first.phase) == (1, 0, phase), first

@@ -228,3 +228,20 @@ def test_a_container_optimizer_steps_once_and_a_clip_in_halves_is_the_clip_phase
     assert facts["loss"] == plain["loss"]
     phases = {r["phase"] for r in raw_records(run, 0) if r["step"] == 2}
     assert {"reduce", "clip", "optimizer"} <= phases
+
+
+def test_the_loss_is_the_backward_computed_from_the_models_output(tmp_path):
+    """torchtitan's chunked loss: each chunk backpropagates into a detached copy of the hidden states (a
+    backward of its own) before the whole loss carries their gradient into the model. The recorded loss is
+    the whole one, which the script prints: not the first chunk's."""
+    script = str(ROOT / "tests" / "scripts" / "chunked_loss.py")
+    proc = cli("run", "--out", tmp_path, "--", sys.executable, script, "--steps", "3", check=0)
+    printed = {
+        line.split()[1]: float(line.split()[3])
+        for line in proc.stderr.splitlines()
+        if line.startswith("step ") and " loss " in line
+    }
+    shown = orjson.loads(cli("show", last_line(proc), "--json", check=0).stdout)["loss"]
+    assert set(printed) == set(shown) == {"1", "2", "3"}
+    for step, loss in printed.items():
+        assert shown[step] == pytest.approx(loss, rel=1e-7)

@@ -153,7 +153,7 @@ def tokens_per_step(manifest: dict, observed: dict | None = None) -> int:
 
 
 def _stated_tokens(manifest: dict, observed: dict | None) -> int:
-    from disttrace.config.manifest import global_batch, known_global_batch
+    from disttrace.config.identity import global_batch, known_global_batch
 
     seq = int((manifest.get("model", {}) or {}).get("max_seq_len", 1) or 1)
     if manifest.get("data") is not None or not isinstance(observed, dict):

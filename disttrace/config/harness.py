@@ -34,7 +34,7 @@ _OPTIMIZERS = {"adamw": "AdamW", "sgd": "SGD"}
 
 
 def _fields() -> tuple[str, ...]:
-    from disttrace.config.manifest import EXPERIMENT_FIELDS
+    from disttrace.config.identity import EXPERIMENT_FIELDS
 
     return tuple(
         f for f in EXPERIMENT_FIELDS if f not in ("experiment.edition", "optimizer", "config")
@@ -44,7 +44,8 @@ def _fields() -> tuple[str, ...]:
 def harness_config(lock) -> dict:
     """attach's `config=` for a script that trains the experiment of `lock` (a lock's path, `Frozen`, or its
     dict): the lock's manifest id and experiment fields, and its step count."""
-    from disttrace.config.manifest import Frozen, get_field, read_lock
+    from disttrace.config.identity import get_field
+    from disttrace.config.manifest import Frozen, read_lock
 
     if isinstance(lock, (str, Path)):
         lock = read_lock(lock)
@@ -106,7 +107,7 @@ def claim_differences(harness_lock: dict, attached_lock: dict) -> list[tuple[str
     """(field, the harness's value, the attached run's) for every way the attached run is not the harness
     lock's experiment: its statement against the lock, what attach observed against the statement's
     experiment. Empty: the same experiment (the global batch is compared by the caller, as for any pair)."""
-    from disttrace.config.manifest import _experiment_leaves, get_field
+    from disttrace.config.identity import _experiment_leaves, get_field
 
     h = harness_lock.get("manifest") or {}
     a = attached_lock.get("manifest") or {}

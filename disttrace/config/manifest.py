@@ -23,17 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from disttrace.config.identity import (  # noqa: F401  (readers import them from here too)
-    EXPERIMENT_FIELDS,
-    TOPOLOGY_FIELDS,
-    _experiment_leaves,
-    experiment_differences,
-    get_field,
-    global_batch,
-    known_global_batch,
-    observed_topology_differences,
-    unknown_line,
-)
+from disttrace.config.identity import get_field
 from disttrace.config.support import _not_supported_yet
 from disttrace.errors import BadInput
 from disttrace.model.shapes import ffn_hidden_default
@@ -482,21 +472,29 @@ def freeze(path: Path | str | None, overrides: list[str] | None = None) -> Froze
     return freeze_doc(read_toml(path), path, overrides)
 
 
-def read_lock(path: Path | str) -> Frozen:
-    """A lock `freeze -o` wrote (e.g. from `--from-deepspeed`), as the harness would run it: its manifest
-    validated, its id recomputed, its data and tokenizer files (the paths it resolved) hashed against it and
-    the features it needs supported. Refused, naming the lock and the field, where any of these fails: a lock
-    is run exactly as frozen, or not at all."""
+def parse_lock(path: Path | str) -> Frozen:
+    """A lock's shape alone (`Frozen`), for a job whose launcher already checked the rest with read_lock:
+    its ranks re-read it without hashing the data again. Bad JSON or another shape is refused, naming the
+    lock and the field."""
     path = Path(path)
     try:
         doc = orjson.loads(read_text_file(path, "lock"))
     except orjson.JSONDecodeError as e:
         raise BadInput(path, f"not valid JSON ({e})") from None
     try:
-        frozen = Frozen.model_validate(doc)
+        return Frozen.model_validate(doc)
     except ValidationError as e:
         err = e.errors()[0]
         raise BadInput(path, err["msg"], field=".".join(map(str, err["loc"])) or None) from None
+
+
+def read_lock(path: Path | str) -> Frozen:
+    """A lock `freeze -o` wrote (e.g. from `--from-deepspeed`), as the harness would run it: its manifest
+    validated, its id recomputed, its data and tokenizer files (the paths it resolved) hashed against it and
+    the features it needs supported. Refused, naming the lock and the field, where any of these fails: a lock
+    is run exactly as frozen, or not at all."""
+    path = Path(path)
+    frozen = parse_lock(path)
     m = validate(frozen.manifest, path)
     canonical = orjson.loads(canonical_json(m.model_dump(mode="json")))
     if canonical != frozen.manifest:

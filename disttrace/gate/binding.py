@@ -180,7 +180,7 @@ def loosened_bound(ref_manifest: dict, cand_manifest: dict) -> str | None:
     manifest alone derives; else what loosens it. A candidate's stated precision or layout is its writer's
     word: a lock claiming bfloat16 where the reference computed float32 must not widen what it is judged by."""
     from disttrace.analysis import tolerance
-    from disttrace.config.manifest import get_field
+    from disttrace.config.identity import get_field
     from disttrace.store.records import PHASES
 
     looser = [

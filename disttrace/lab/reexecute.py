@@ -64,7 +64,7 @@ def replayable(run: Run) -> dict[int, int]:
 
 
 def _experiment_differences(ref: Run, run: Run) -> list[str]:
-    from disttrace.config.manifest import EXPERIMENT_FIELDS, get_field
+    from disttrace.config.identity import EXPERIMENT_FIELDS, get_field
 
     return [
         f

@@ -97,7 +97,7 @@ class ModuleScope:
     """Which module call the current op runs in. Forward: the innermost module whose forward is running
     (forward pre-hook pushes, forward hook pops). Backward: the module whose output gradient arrived last (a
     module's backward ops follow the arrival of its output's gradient). Shared by the depth recorder and the
-    faults that act inside one module (run/module_faults.py)."""
+    faults that act inside one module (run/faults/modules.py)."""
 
     def __init__(self):
         self.stack: list[tuple[str, int]] = []

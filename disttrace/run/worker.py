@@ -17,7 +17,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from disttrace.config.manifest import Frozen, Manifest, validate
+from disttrace.config.manifest import Frozen, Manifest, parse_lock, validate
 from disttrace.errors import EXIT_INTERRUPTED, BadInput, DisttraceError
 from disttrace.run.complete import seal_and_complete
 from disttrace.run.hooks import process_exit
@@ -37,7 +37,6 @@ from disttrace.store.rundir import (
     LOCK,
     event,
     rank_file,
-    read_json,
     read_run_info,
     write_json_atomic,
 )
@@ -106,15 +105,8 @@ def pick_backend(manifest: Manifest, torch) -> tuple:
 
 
 def lock_of(run_dir: Path) -> Frozen:
-    """The lock as `freeze` wrote it (`Frozen`); a lock of another shape is bad input naming the field."""
-    from pydantic import ValidationError
-
-    try:
-        return Frozen.model_validate(read_json(run_dir / LOCK))
-    except ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(map(str, err["loc"])) or None
-        raise BadInput(run_dir / LOCK, err["msg"].lower(), field=field) from None
+    """The run's lock as `freeze` wrote it (config.manifest.parse_lock: its shape, not its data again)."""
+    return parse_lock(run_dir / LOCK)
 
 
 def run(run_dir: Path) -> None:

@@ -104,9 +104,8 @@ class _Discovery:
 
         self.torch = torch
         self.optimizers: list[weakref.ref] = []
-        self.unrelated: weakref.WeakSet = (
-            weakref.WeakSet()
-        )  # modules whose parameters no optimizer holds
+        # modules whose parameters no optimizer holds: not asked again
+        self.unrelated: weakref.WeakSet = weakref.WeakSet()
         self.run = None
         self.failed = False
         # the (step, micro-batch) whose loss was recorded, and the autograd nodes of the model's latest
@@ -116,9 +115,8 @@ class _Discovery:
         self._wrap_optimizer_init()
         self._wrap_backward()
         self._wrap_destroy()
-        self.pending_resume: tuple[Path, dict] | None = (
-            None  # a marked checkpoint loaded before attach
-        )
+        # a marked checkpoint the script loaded before its first forward: the run resumes from it at attach
+        self.pending_resume: tuple[Path, dict] | None = None
         after_import("torch.distributed.checkpoint", self._wrap_checkpoints)
         # clipping is dispatched to the active run from the moment torch is imported, so a module that binds
         # torch.nn.utils.clip_grad_norm_ (or its two halves) by name reaches it too

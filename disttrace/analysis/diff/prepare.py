@@ -28,7 +28,7 @@ from disttrace.analysis.result import (
     ComparedSteps,
     Tolerance,
 )
-from disttrace.config.manifest import (
+from disttrace.config.identity import (
     TOPOLOGY_FIELDS,
     experiment_differences,
     get_field,

@@ -25,7 +25,7 @@ from disttrace.analysis.partial.steps import (
     _unspan,
 )
 from disttrace.analysis.result import BoundKind, SideSummary, Tolerance
-from disttrace.config.manifest import get_field
+from disttrace.config.identity import get_field
 from disttrace.store.rundir import MAX_WORLD
 
 

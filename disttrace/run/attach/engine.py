@@ -47,6 +47,9 @@ class Engine:
     # DDP's (DeepSpeed's) data-parallel group, global ranks
     group_ranks: list[int] = field(default_factory=list)
     zero_stage: int = 0
+    # parameters DDP leaves out of its all-reduce (`parameters_to_ignore`): a rank's own shard, such as its
+    # experts under expert parallelism, which DDP's replica rule must not hold
+    ignored: list[str] = field(default_factory=list)
 
 
 def detect_engine(model) -> Engine:
@@ -59,7 +62,11 @@ def detect_engine(model) -> Engine:
     if isinstance(model, DDP):
         dist = initialized_dist()
         ranks = dist.get_process_group_ranks(model.process_group) if dist else [0]
-        return Engine("DDP", model.module, model, sorted(ranks))
+        names = {n for n, _ in model.module.named_parameters()}
+        ignored = sorted(
+            tensor_name(n) for n in getattr(model, "parameters_to_ignore", ()) if n in names
+        )
+        return Engine("DDP", model.module, model, sorted(ranks), ignored=ignored)
     fsdp = False
     try:
         from torch.distributed.fsdp import FSDPModule
@@ -144,6 +151,9 @@ class AttachView(_View):
     pid: int
     params: dict[str, ParamView]  # parameter name -> what this rank holds of it
     ddp_group: list[int] | None = None
+    ddp_ignored: list[str] = []  # parameters DDP does not all-reduce (Engine.ignored)
+    # what attach(layout=) said: field ("ep", "cp") -> the global ranks of this rank's group
+    layout: dict[str, list[int]] = {}
     zero_stage: int | None = None
     process_groups: list[ProcessGroupView] = []
     fsdp_groups: list[list[int]] = []
@@ -158,8 +168,9 @@ def views_of(gathered: list) -> list[AttachView]:
     return [AttachView.model_validate(v) for v in gathered]
 
 
-def local_view(engine: Engine, named, rank: int) -> AttachView:
-    """What this rank sees at attach: its parameters' digests, its process groups, where it runs."""
+def local_view(engine: Engine, named, rank: int, layout: dict | None = None) -> AttachView:
+    """What this rank sees at attach: its parameters' digests, its process groups, where it runs, and
+    the groups attach(layout=) names (checked by check_layout)."""
     import socket
 
     from disttrace.run.digest import digest_tensor
@@ -196,6 +207,8 @@ def local_view(engine: Engine, named, rank: int) -> AttachView:
         params=params,
         ddp_group=engine.group_ranks,
         zero_stage=engine.zero_stage,
+        **({"ddp_ignored": engine.ignored} if engine.ignored else {}),
+        **({"layout": layout} if layout else {}),
         process_groups=_process_groups(),
         fsdp_groups=_fsdp_groups(engine.inner) if engine.kind == "FSDP2" else [],
         replicated_outputs={

@@ -3,9 +3,91 @@ rank's view at attach (engine.local_view); docs/replicas.md lists every rule."""
 
 from __future__ import annotations
 
+from disttrace.errors import BadInput
 from disttrace.run.attach.engine import AttachView, Engine, views_of
 from disttrace.run.parallel.common import SCALARS_AGREE
 from disttrace.store.records import ReplicaRule, Replicas, Topology, TopologyRank
+
+# what attach(layout=) may say: the dimensions attach cannot always see (docs/replicas.md)
+LAYOUT_FIELDS = ("ep", "cp")
+
+
+def parse_layout(layout, rank: int) -> dict[str, list[int]]:
+    """attach(layout=)'s groups as this rank's global ranks per field: each a ProcessGroup, a
+    one-dimensional DeviceMesh or a list of global ranks, holding this rank. A bad field is refused with
+    one line naming it."""
+    if layout is None:
+        return {}
+    if not isinstance(layout, dict):
+        raise BadInput(
+            "attach(layout=)",
+            f"a dict of {', '.join(LAYOUT_FIELDS)} to groups, not {type(layout).__name__}",
+        )
+    out = {}
+    for key, value in layout.items():
+        where = f"attach(layout={{{key!r}: ...}})"
+        if key not in LAYOUT_FIELDS:
+            raise BadInput(where, f"unknown field {key!r}; the fields: {', '.join(LAYOUT_FIELDS)}")
+        ranks = _group_ranks(value)
+        if ranks is None:
+            raise BadInput(
+                where,
+                "a ProcessGroup, a one-dimensional DeviceMesh or a list of global ranks, "
+                f"not {type(value).__name__}",
+            )
+        if rank not in ranks:
+            raise BadInput(where, f"rank {rank} passed a group without itself: {ranks}")
+        out[key] = ranks
+    return out
+
+
+def _group_ranks(value) -> list[int] | None:
+    if isinstance(value, (list, tuple)):
+        if value and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in value):
+            if len(set(value)) == len(value):
+                return sorted(value)
+        return None
+    mesh = getattr(value, "mesh", None)
+    if mesh is not None and hasattr(value, "mesh_dim_names"):  # a DeviceMesh
+        return sorted(mesh.flatten().tolist()) if mesh.ndim == 1 else None
+    try:
+        import torch.distributed as dist
+
+        if isinstance(value, dist.ProcessGroup):
+            return sorted(dist.get_process_group_ranks(value))
+    except (ImportError, AttributeError, RuntimeError):
+        return None
+    return None
+
+
+def layout_groups(views: list[AttachView] | list[dict]) -> dict[str, list[list[int]]]:
+    """Field -> its rank groups, from every rank's attach(layout=): every rank must name the same fields,
+    and each field's groups must hold every rank once, in groups of one size (else refused, naming it)."""
+    views = views_of(views)
+    fields = {tuple(sorted(v.layout)) for v in views}
+    if len(fields) > 1:
+        raise BadInput("attach(layout=)", f"the ranks name different fields: {sorted(fields)}")
+    out = {}
+    for key in sorted(next(iter(fields), ())):
+        gs = sorted({tuple(v.layout[key]) for v in views})
+        if not _partition(gs, len(views)) or any(v.rank not in v.layout[key] for v in views):
+            raise BadInput(
+                f"attach(layout={{{key!r}: ...}})",
+                f"the ranks' groups {[list(g) for g in gs]} do not split the {len(views)} ranks "
+                "into groups of one size",
+            )
+        out[key] = [list(g) for g in gs]
+    return out
+
+
+def _positions(within: list[list[int]], among: list[int]) -> list[list[int]]:
+    """The ranks of `among` at one position of their `within` groups: with a context-parallel group
+    [[0, 1], [2, 3]] and DDP over [0, 1, 2, 3], the data-parallel shards [[0, 2], [1, 3]]."""
+    place = {r: (i, g.index(r)) for i, g in enumerate(within) for r in g}
+    by_pos: dict[int, list[int]] = {}
+    for r in among:
+        by_pos.setdefault(place[r][1] if r in place else -1 - r, []).append(r)
+    return sorted(sorted(g) for g in by_pos.values())
 
 
 def infer_replicas(engine: str, views: list[AttachView] | list[dict]) -> Replicas:
@@ -32,24 +114,23 @@ def infer_replicas(engine: str, views: list[AttachView] | list[dict]) -> Replica
         from disttrace.run import deepspeed
 
         return deepspeed.replicas(views)
+    layout = layout_groups(views)
     if engine == "DDP":
-        dp = sorted({tuple(v.ddp_group) for v in views})
-        groups["dp"] = [list(g) for g in dp]
-        rules += [
-            ReplicaRule(phase="data", dim="dp", relation="differ"),
-            ReplicaRule(phase="reduce", dim="dp", relation="agree"),
-            ReplicaRule(phase="clip", dim="dp", relation="agree"),
-            ReplicaRule(phase="optimizer", dim="dp", relation="agree"),
-        ]
-        notes.append(
-            f"DDP over {groups['dp']}: reduced gradients, clip, parameters and optimizer state agree"
-        )
-        return Replicas(groups=groups, rules=rules, inferred={"engine": engine, "notes": notes})
+        return _ddp_replicas(views, groups, layout)
     fsdp = sorted({tuple(g) for v in views for g in v.fsdp_groups})
     if engine == "FSDP2" and fsdp:  # FSDP2 shards over data parallelism: each rank's batch differs
         groups["dp"] = [list(g) for g in fsdp]
+        data_dim = "dp"
+        if layout.get("cp"):  # a cp group reads one batch: as under DDP (_ddp_replicas)
+            groups["cp"] = layout["cp"]
+            groups["dp-shards"] = [g for d in fsdp for g in _positions(layout["cp"], list(d))]
+            data_dim = "dp-shards"
+            notes.append(
+                f"context parallel over {layout['cp']} (attach(layout=)): data differs only "
+                f"across {groups['dp-shards']}"
+            )
         rules += [
-            ReplicaRule(phase="data", dim="dp", relation="differ"),
+            ReplicaRule(phase="data", dim=data_dim, relation="differ"),
             SCALARS_AGREE,
             ReplicaRule(
                 phase="optimizer",
@@ -70,7 +151,7 @@ def infer_replicas(engine: str, views: list[AttachView] | list[dict]) -> Replica
         for v in views:
             for e in v.params.values():
                 for dim, gs in (e.shard or {}).items():
-                    if {tuple(g) for g in gs} != set(fsdp):
+                    if {tuple(g) for g in gs} != set(fsdp) and not _not_tp(dim, gs, layout):
                         tp[f"mesh:{dim}"] = gs
     # where the model's output leaves its last styled module sharded on tokens (sequence parallelism up to
     # the loss), each rank's loss is its own tokens': one loss only after a reduction the script owns
@@ -158,6 +239,107 @@ def infer_replicas(engine: str, views: list[AttachView] | list[dict]) -> Replica
     return Replicas(groups=groups, rules=rules, inferred={"engine": engine, "notes": notes})
 
 
+def _not_tp(dim: str, gs: list[list[int]], layout: dict) -> bool:
+    """A mesh dimension parameters are sharded over that is not tensor parallelism: experts sharded over
+    an expert-parallel dimension (named "ep", as torchtitan names it, or the group attach(layout={"ep":
+    ...}) names) read their own data and compute their own loss, so the tp rules (one batch, one loss)
+    must not hold them; likewise a dimension named "cp"."""
+    return dim in LAYOUT_FIELDS or sorted(gs) == sorted(layout.get("ep", []))
+
+
+def _literal(name: str) -> str:
+    """A tensor name as an fnmatch pattern matching only itself."""
+    return "".join(f"[{c}]" if c in "[]*?" else c for c in name)
+
+
+def _ddp_replicas(views: list[AttachView], groups: dict, layout: dict) -> Replicas:
+    """DDP: data differs over its group, and its all-reduce gives every rank one gradient, so one clip and
+    one update. Two things it does not see are left out: the parameters DDP ignores (a rank's own expert
+    shards under expert parallelism: each rank's gradient and value are its own; copies identical at attach
+    must stay identical), and a context-parallel group (attach(layout={"cp": ...})), whose ranks read one
+    batch and take their slices: data differs only between ranks at one position of their cp groups, and
+    no data or loss rule holds inside a cp group (its recorded batch may be the whole one or the slice, its
+    loss the slice's until the script reduces it)."""
+    dp = sorted({tuple(v.ddp_group) for v in views})
+    groups["dp"] = [list(g) for g in dp]
+    rules: list[ReplicaRule] = []
+    notes: list[str] = []
+    data_dim = "dp"
+    cp = layout.get("cp")
+    if cp:
+        groups["cp"] = cp
+        groups["dp-shards"] = [g for d in dp for g in _positions(cp, list(d))]
+        data_dim = "dp-shards"
+        notes.append(
+            f"context parallel over {cp} (attach(layout=)): data differs only across "
+            f"{groups['dp-shards']}; a cp group's batch and loss are not held"
+        )
+    rules.append(ReplicaRule(phase="data", dim=data_dim, relation="differ"))
+    ignored = sorted({n for v in views for n in v.ddp_ignored})
+    if not ignored:
+        rules += [
+            ReplicaRule(phase=phase, dim="dp", relation="agree")
+            for phase in ("reduce", "clip", "optimizer")
+        ]
+        notes.append(
+            f"DDP over {groups['dp']}: reduced gradients, clip, parameters and optimizer state agree"
+        )
+        return Replicas(groups=groups, rules=rules, inferred={"engine": "DDP", "notes": notes})
+    kept = [_literal(n) for n in sorted({n for v in views for n in v.params}) if n not in ignored]
+    if kept:
+        state = [f"{n}:*" for n in kept]
+        rules += [
+            ReplicaRule(phase="reduce", dim="dp", relation="agree", tensors=kept),
+            ReplicaRule(
+                phase="clip", dim="dp", relation="agree", tensors=kept + SCALARS_AGREE.tensors
+            ),
+            ReplicaRule(
+                phase="optimizer",
+                dim="dp",
+                relation="agree",
+                tensors=kept + state + ["param_groups.*"],
+            ),
+        ]
+    else:
+        rules += [
+            ReplicaRule(phase="clip", dim="dp", relation="agree", tensors=SCALARS_AGREE.tensors),
+            ReplicaRule(phase="optimizer", dim="dp", relation="agree", tensors=["param_groups.*"]),
+        ]
+    notes.append(
+        f"DDP over {groups['dp']}: reduced gradients, clip, parameters and optimizer state agree, but for "
+        f"the {len(ignored)} parameter(s) DDP ignores ({', '.join(ignored)}): each rank's own"
+    )
+    # an ignored parameter identical on several ranks at attach (an expert slice held by its edp group)
+    buckets: dict[tuple[str, str], list[int]] = {}
+    for v in views:
+        for name in ignored:
+            e = v.params.get(name)
+            if e is not None and not e.constant:
+                buckets.setdefault((name, e.digest), []).append(v.rank)
+    by_part: dict[tuple, list[str]] = {}
+    for name in ignored:
+        part = tuple(sorted(tuple(g) for (n, _), g in buckets.items() if n == name and len(g) > 1))
+        if part:
+            by_part.setdefault(part, []).append(name)
+    for n, (part, names) in enumerate(sorted(by_part.items()), 1):
+        dim = "replicas" if n == 1 else f"replicas-{n}"
+        groups[dim] = [list(g) for g in part]
+        tensors = [_literal(x) for x in names]
+        rules += [
+            ReplicaRule(phase="reduce", dim=dim, relation="agree", tensors=tensors),
+            ReplicaRule(
+                phase="optimizer",
+                dim=dim,
+                relation="agree",
+                tensors=tensors + [f"{t}:*" for t in tensors],
+            ),
+        ]
+        notes.append(
+            f"{len(names)} ignored parameter(s) identical across {groups[dim]} at attach ({dim})"
+        )
+    return Replicas(groups=groups, rules=rules, inferred={"engine": "DDP", "notes": notes})
+
+
 def attached_layout(
     kind: str, views: list[AttachView] | list[dict]
 ) -> tuple[list[list[int]], list[list[int]]]:
@@ -169,6 +351,7 @@ def attached_layout(
     (a rank in two groups of one kind) keeps every rank its own tp group."""
     views = views_of(views)
     world = len(views)
+    layout = layout_groups(views)
     if kind in ("DDP", "DeepSpeed"):
         dp = sorted({tuple(v.ddp_group) for v in views})
     else:
@@ -177,7 +360,8 @@ def attached_layout(
     for v in views:
         for entry in v.params.values():
             for dim, gs in (entry.shard or {}).items():
-                by_dim.setdefault(dim, set()).update(tuple(g) for g in gs)
+                if not _not_tp(dim, gs, layout):
+                    by_dim.setdefault(dim, set()).update(tuple(g) for g in gs)
     tp = sorted({g for gs in by_dim.values() if gs != set(dp) for g in gs})
     if not _partition(tp, world):
         tp = [(r,) for r in range(world)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextvars import ContextVar
 from pathlib import Path
 
 import torch
@@ -21,7 +22,12 @@ from disttrace.run.attach.engine import (
     views_of,
 )
 from disttrace.run.attach.manifest import SOURCE, build_manifest, evaluation_section, manifest_id_of
-from disttrace.run.attach.replicas import infer_replicas, topology_doc
+from disttrace.run.attach.replicas import (
+    infer_replicas,
+    layout_groups,
+    parse_layout,
+    topology_doc,
+)
 from disttrace.run.attach.run import AttachedRun
 from disttrace.store.records import ZERO_CODE_SOURCE, Attached, RunInfo
 from disttrace.store.rundir import (
@@ -75,6 +81,20 @@ def _post_order(module: torch.nn.Module, prefix: str = ""):
         yield path, child
 
 
+# "zero-code" while attach_discovered runs attach for a command that never called it (run/zerocode.py)
+_RECORDING: ContextVar[str | None] = ContextVar("recording", default=None)
+
+
+def attach_discovered(model, optimizer) -> AttachedRun:
+    """attach() with its defaults for a command run with no attach call (run/zerocode.py found its model
+    and optimizer); the lock's `source` and the manifest's `record.source` say what was inferred."""
+    token = _RECORDING.set("zero-code")
+    try:
+        return attach(model, optimizer)
+    finally:
+        _RECORDING.reset(token)
+
+
 def attach(
     model,
     optimizer,
@@ -86,6 +106,7 @@ def attach(
     loader=None,
     forward=None,
     evaluation: dict | None = None,
+    layout: dict | None = None,
 ) -> AttachedRun:
     """Attach the recorder to a model and its optimizer; every rank calls it (it is collective).
 
@@ -102,35 +123,21 @@ def attach(
     module paths ("layers.0", "head"), or False for none; the manifest's record.forward says which. evaluation: the gate's evaluation of this run's final checkpoint when it is
     the reference, the policy's `[eval]` keys (command, metric, better, rtol, atol, timeout_s, env, data,
     data_sha256, cwd; docs/gate.md): data and cwd are resolved against the working directory and the data
-    hashed here, by rank 0. Under `disttrace run/inject -- CMD` the run directory (and fault) come from
+    hashed here, by rank 0. layout: what the replica rules cannot see, {"cp": group, "ep": group}, each
+    this rank's ProcessGroup, one-dimensional DeviceMesh or list of global ranks (docs/replicas.md: a
+    context-parallel group's ranks read one batch; an expert-parallel mesh dimension not named "ep" is
+    not tensor parallelism). Under `disttrace run/inject -- CMD` the run directory (and fault) come from
     DISTTRACE_RUN_DIR and `out` is ignored."""
-    return _start(model, optimizer, out, name, seed, edition, config, loader, forward, evaluation)
-
-
-def attach_discovered(model, optimizer) -> AttachedRun:
-    """attach() for a command run with no attach call (run/zerocode.py found its model and optimizer): the
-    defaults, and the manifest's `record.source` saying what was inferred rather than said."""
-    return _start(model, optimizer, recording="zero-code")
-
-
-def _start(
-    model,
-    optimizer,
-    out: str | Path = "runs",
-    name: str = "user-script",
-    seed: int | None = None,
-    edition: str = "user",
-    config: dict | None = None,
-    loader=None,
-    forward=None,
-    evaluation: dict | None = None,
-    recording: str | None = None,
-) -> AttachedRun:
+    recording = _RECORDING.get()
     rank, world = _rank_world()
     optimizer = unwrap_optimizer(optimizer)
     engine = detect_engine(model)
     named = list(enumerate(named_parameters(engine.inner)))
-    views = views_of(_gather(local_view(engine, [(i, n, p) for i, (n, p) in named], rank).wire()))
+    said = parse_layout(layout, rank)
+    views = views_of(
+        _gather(local_view(engine, [(i, n, p) for i, (n, p) in named], rank, said).wire())
+    )
+    layout_groups(views)  # every rank refuses a layout whose groups do not split the world
     eval_section, eval_resolved, eval_error = None, {}, None
     if evaluation is not None:
         if rank == 0:

@@ -13,7 +13,7 @@ empty selection under the strategy, a no-op parameter) is refused before any pro
 the resume step), "refused-at-load", "exit-3", "none" (numerics equal; a straggler is flagged).
 
 The base class, its admission checks and the registry are `base.py`; the entries are one module a family
-(`bits`, `batches`, `reduce`, `optimizer`, `checkpoints`, `job`, `layouts`; `run/module_faults.py` for the faults inside
+(`bits`, `batches`, `reduce`, `optimizer`, `checkpoints`, `job`, `layouts`, and `modules` for the faults inside
 one module), all registered here.
 """
 
@@ -26,6 +26,7 @@ from disttrace.run.faults import (  # noqa: F401
     checkpoints,
     job,
     layouts,
+    modules,
     optimizer,
     reduce,
 )
@@ -80,9 +81,6 @@ CATALOG_ORDER = (
 _entries = {**{n: REGISTRY[n] for n in CATALOG_ORDER}, **REGISTRY}
 REGISTRY.clear()
 REGISTRY.update(_entries)
-
-# faults that act inside one module (what `zoom` names): their own file, registered in the same catalog
-from disttrace.run import module_faults  # noqa: E402, F401
 
 __all__ = [
     "CATALOG_ORDER",

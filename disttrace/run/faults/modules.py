@@ -19,7 +19,14 @@ from dataclasses import dataclass
 
 from disttrace.errors import BadInput
 from disttrace.run import hooks
-from disttrace.run.faults import Capability, Fault, at, capabilities, register, state_digest
+from disttrace.run.faults.base import (
+    Capability,
+    Fault,
+    at,
+    capabilities,
+    register,
+    state_digest,
+)
 from disttrace.run.hooks import Point
 
 
