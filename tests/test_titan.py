@@ -104,8 +104,8 @@ def _disttrace(*args, env=None, check=0) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory) -> dict[str, Path]:
     """torchtitan's own command under `disttrace run -- ...` / `inject -- ...`: dp=1 and TP 2 from one
-    seed checkpoint (clipping left unengaged: see test_tp_and_dp1_are_numerically_equal), FSDP 2 on
-    documents of its own per rank, clean and with the local-clip bug planted."""
+    seed checkpoint, FSDP 2 on documents of its own per rank, clean and with the local-clip bug planted
+    (its clipping engaged throughout: max-norm 1.0)."""
     missing = _titan_missing()
     if missing:
         pytest.skip(f"torchtitan is not installed for these tests: {missing}")
@@ -114,7 +114,7 @@ def recorded(tmp_path_factory) -> dict[str, Path]:
     seed = out / "seed"
     launcher = [str(TITAN_PYTHON), "-m", "torch.distributed.run"]
     same = [*COMMON, "--dataloader.dataset-path", str(TITAN / "assets" / "c4_test")]
-    same += ["--training.local-batch-size", "2", "--training.max-norm", "1e6"]
+    same += ["--training.local-batch-size", "2"]
     subprocess.run(
         [*launcher, "--nproc-per-node", "1", str(TITAN / "titan_train.py"), *same]
         + [
@@ -183,9 +183,9 @@ def test_torchtitan_is_recorded_with_no_code_change(recorded):
 
 
 def test_tp_and_dp1_are_numerically_equal(recorded):
-    """Clipping is left unengaged (max-norm 1e6): with it engaged the derived bound does not yet carry
-    the clip coefficient's difference (the norm of the sharded gradient, within its own bound) into the
-    Adam moments, and this equivalent pair is flagged at step 1's moments (docs/tolerance.md)."""
+    """With clipping engaged: the clip coefficient's difference (the sharded norm's, within its own bound)
+    is carried into the bounds of the gradients it scales and the Adam moments they feed
+    (docs/tolerance.md); without that this equivalent pair was flagged at step 1's moments."""
     _disttrace("diff", recorded["tp"], recorded["one"], "--mode", "numeric", check=0)
 
 
