@@ -1,7 +1,7 @@
 """The package's optional compiled parts: C extensions built at install when a C compiler is there (each
-`optional`: where one cannot be built, the install goes on and the same work is done by numba, where the `fast`
-extra is installed, or by pyarrow and numpy). It also ships the repository's manifests/ inside the wheel.
-Everything else about the package is in pyproject.toml."""
+`optional`: where one cannot be built, the install goes on and the same work is done by pyarrow and numpy).
+It also ships the repository's manifests/ inside the wheel. Everything else about the package is in
+pyproject.toml."""
 
 import shutil
 import sys

@@ -1,10 +1,9 @@
 """What a block of v2 steps costs to decode (store/trajectory.py `decode_steps`): CPU time per step-side,
-in process, the compiled path (store/blockdecode.py) with its C kernels and with numba's, against the
-pyarrow path of this checkout (DISTTRACE_BLOCK=0) and against another checkout's trajectory.py (--against),
-each the minimum of --passes alternating passes over the same blocks; and what each build of the kernels
-costs once a process (the C module's import; numba's import and the kernels loaded from its cache; each
-with store/blockdecode.py's import and its first call, measured in a fresh interpreter), which a short diff
-pays. A build that is not there (the C extension not built, numba not installed) is left out.
+in process, the C kernels (store/blockdecode.py) against the pyarrow path of this checkout (what
+DISTTRACE_NATIVE=0 takes) and against another checkout's trajectory.py (--against), each the minimum of
+--passes alternating passes over the same blocks; and what the C kernels cost once a process (the C
+module's import, store/blockdecode.py's import and its first call, measured in a fresh interpreter), which a
+short diff pays.
 
 Steps are the synthetic stores' (bench/synthetic.py: the writer's own layout, the recorder's record mix),
 cut into blocks of diff's size (analysis/diff/blocks.py BLOCK_ROWS records) or of --block steps.
@@ -54,10 +53,9 @@ def _trajectory_at(checkout: Path):
     return module
 
 
-def _once_cost(native: str) -> tuple[float, float, float, str]:
-    """CPU seconds of the C module's import (DISTTRACE_NATIVE=1) or numba's (=0), of the kernels' import
-    with it (store/blockdecode.py, numba's kernels loaded from its cache), and of their first call (numba's loaded from its cache), in a fresh
-    interpreter (the cache warmed by this process first), after numpy and pyarrow; and which kernels."""
+def _once_cost() -> tuple[float, float, float]:
+    """CPU seconds of the C module's import, of store/blockdecode.py's import with it, and of the first call,
+    in a fresh interpreter, after numpy and pyarrow."""
     code = (
         "import time, sys\n"
         f"sys.path.insert(0, {str(ROOT)!r}); sys.path.insert(0, {str(ROOT / 'bench')!r})\n"
@@ -67,23 +65,19 @@ def _once_cost(native: str) -> tuple[float, float, float, str]:
         "layout = synthetic.Layout(150, w)\n"
         "steps = [w.write_batch(layout.batch(s, 0)) for s in (1, 2, 3)]\n"
         "c0 = time.process_time()\n"
-        f"import {'disttrace.native._blockdecode' if native == '1' else 'numba'}\n"
+        "import disttrace.native._blockdecode\n"
         "cm = time.process_time()\n"
         "from disttrace.store import blockdecode\n"
         "c1 = time.process_time()\n"
         "assert blockdecode.decode(steps) is not None\n"
         "c2 = time.process_time()\n"
-        "print(cm - c0, c1 - c0, c2 - c1, blockdecode.KERNELS)\n"
+        "print(cm - c0, c1 - c0, c2 - c1)\n"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code],
-        check=True,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "DISTTRACE_NATIVE": native},
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True
     ).stdout
-    m, a, b, kind = out.split()
-    return float(m), float(a), float(b), kind
+    m, a, b = out.split()
+    return float(m), float(a), float(b)
 
 
 def _decode_all(module, kernel, blocks, path) -> None:
@@ -105,21 +99,10 @@ def main() -> None:
     )
     args = ap.parse_args()
     if trajectory._compiled() is None:
-        sys.exit(
-            "neither the C kernels nor numba is there, or DISTTRACE_BLOCK=0: nothing to compare"
-        )
+        sys.exit("the C kernels are not built, or DISTTRACE_NATIVE=0: nothing to compare")
     from disttrace.store import blockdecode
 
-    kernels = {}
-    if (c := blockdecode.c_kernels()) is not None:
-        kernels["c"] = partial(blockdecode.decode, kernels=c)
-    try:
-        kernels["numba"] = partial(blockdecode.decode, kernels=blockdecode.numba_kernels())
-    except ImportError:
-        pass
-    # every block of this bench takes the kernels it is given (no threshold, whichever build)
-    trajectory._native = True
-    trajectory.COMPILED_MIN = trajectory.COMPILED_AFTER = 0
+    kernels = {"c": blockdecode.decode}
     other = _trajectory_at(args.against) if args.against else None
     print(f"load: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (1, 5, 15 min)")
     with tempfile.TemporaryDirectory() as d:
@@ -164,17 +147,11 @@ def main() -> None:
                 + "; a record: "
                 + ", ".join(f"{k} {us[k] / records * 1000:.0f} ns" for k in kernels)
             )
-    for native in ("1", "0"):
-        try:
-            module, imp, first, kind = _once_cost(native)
-        except subprocess.CalledProcessError as e:
-            print(f"once a process (DISTTRACE_NATIVE={native}): failed: {e.stderr.strip()[-200:]}")
-            continue
-        print(
-            f"once a process, {kind} kernels (DISTTRACE_NATIVE={native}): "
-            f"{'the C module' if native == '1' else 'numba'}'s import {module * 1000:.1f} ms CPU; with "
-            f"store/blockdecode.py's {imp * 1000:.1f} ms, the kernels' first call {first * 1000:.1f} ms"
-        )
+    module, imp, first = _once_cost()
+    print(
+        f"once a process: the C module's import {module * 1000:.1f} ms CPU; with store/blockdecode.py's "
+        f"{imp * 1000:.1f} ms, the first call {first * 1000:.1f} ms"
+    )
     print(f"load: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (1, 5, 15 min)")
 
 

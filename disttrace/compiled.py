@@ -1,12 +1,10 @@
-"""The optional compiled parts. Two kinds, each imported the first time it is wanted, so a job that never needs
-one never pays for it:
+"""The optional compiled parts, each imported the first time it is wanted, so a job that never needs one never
+pays for it:
 
-- C extensions (`disttrace/native/`, built by setup.py at install where a C compiler is there): they load in
-  about a millisecond, so any block may take them; DISTTRACE_NATIVE=0 leaves them out (numba's kernels, or
-  numpy and pyarrow, then do the same work).
-- numba's kernels (the `fast` extra): numba's import and LLVM's start cost a process ~0.7 s of CPU, so only a
-  large job takes them; each is switched off by its own environment variable set to 0 (the benches' baseline,
-  the tests' oracle)."""
+- C extensions (`disttrace/native/`, built by setup.py at install where a C compiler is there): the readers'
+  block decoder and comparison. They load in about a millisecond, so any block may take them;
+  DISTTRACE_NATIVE=0 leaves them out (pyarrow and numpy then do the same work: the tests' oracle).
+- the recorder's numba pass (`run/fused.py`, the `fast` extra): DISTTRACE_FUSED=0 leaves it out (numpy)."""
 
 from __future__ import annotations
 
@@ -17,8 +15,8 @@ from types import ModuleType
 
 
 def optional(module: str, switch: str) -> ModuleType | None:
-    """`module` imported, or None where `switch` is "0" in the environment or the import fails (no numba, or
-    what the module checks at import does not hold)."""
+    """`module` imported, or None where `switch` is "0" in the environment or the import fails (the extra not
+    installed, or what the module checks at import does not hold)."""
     if os.environ.get(switch) == "0":
         return None
     try:

@@ -1,14 +1,12 @@
-"""Crafted blocks aimed at each size, length, offset and index the compiled block decoder (store/blockdecode.py)
-reads from a step's bytes (its C kernels, or numba's under DISTTRACE_NATIVE=0): a real step of the writer's, its header fields and buffers rewritten to extreme
-values (0, -1, 2^31 - 1, 2^32, 2^61, 2^62, 2^63 - 1: the ones whose products wrap int64) and its LZ4 frames
-replaced by frames that break the format's rules. Each case's outcome is held to the pyarrow path's: the
-kernel declines, or gives the batch the pyarrow path gives; never an IndexError (run under
-NUMBA_BOUNDSCHECK=1), a crash, or a batch where the pyarrow path refuses.
+"""Crafted blocks aimed at each size, length, offset and index the compiled block decoder (store/blockdecode.py,
+the C kernels) reads from a step's bytes: a real step of the writer's, its header fields and buffers
+rewritten to extreme values (0, -1, 2^31 - 1, 2^32, 2^61, 2^62, 2^63 - 1: the ones whose products wrap
+int64) and its LZ4 frames replaced by frames that break the format's rules. Each case's outcome is held to
+the pyarrow path's: the kernel declines, or gives the batch the pyarrow path gives; never a crash (or an
+AddressSanitizer report, in a build with it), or a batch where the pyarrow path refuses.
 
 `python tests/adversarial_block.py DIR [FIRST]` runs the cases from FIRST on, a line per case (START before
-it, flushed, so that a crash names its case); tests/test_block_adversarial.py runs it under both builds.
-NUMBA_BOUNDSCHECK=1 wants a NUMBA_CACHE_DIR of its own: numba's cache index keys a function by its bytecode and
-the machine, not by that flag, so the kernels cached without bounds checks would be loaded unchecked.
+it, flushed, so that a crash names its case); tests/test_block_adversarial.py runs it.
 """
 
 from __future__ import annotations
@@ -334,7 +332,6 @@ def run(tmp: Path, first: int = 0) -> int:
     """Each case from `first` on: a line naming it and its outcome; the count of bugs found."""
     good = good_block(tmp)
     bugs = 0
-    print(f"KERNELS {b.KERNELS}", flush=True)
     for i, (name, block) in enumerate(cases(good)):
         if i < first:
             continue
@@ -362,5 +359,4 @@ def run(tmp: Path, first: int = 0) -> int:
 
 
 if __name__ == "__main__":
-    trajectory.COMPILED_MIN = trajectory.COMPILED_AFTER = 0
     sys.exit(1 if run(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 0) else 0)

@@ -1,15 +1,13 @@
 """The compiled block decoder (store/blockdecode.py) on blocks crafted against each length, size and offset it
 reads from a step (tests/adversarial_block.py): it declines, or decodes as the pyarrow path (the oracle) does.
 
-A length of 2^61 or 2^62 in a field node is the kind numba's unchecked indexing makes dangerous: the kernel's
-size checks multiply lengths by widths, and 8 * 2^61 wraps int64 to 0, which every buffer passes; the
-kernel then read a list's values, a dictionary's offsets or a view's bytes past their buffers (and past the
-scratch array: an IndexError under NUMBA_BOUNDSCHECK=1), and for samples and shard gave a batch of bytes
-read out of bounds where pyarrow refuses the step.
+A length of 2^61 or 2^62 in a field node is the kind unchecked indexing makes dangerous: size checks that
+multiply lengths by widths see 8 * 2^61 wrap int64 to 0, which every buffer passes; a kernel would then read
+a list's values, a dictionary's offsets or a view's bytes past their buffers, and for samples and shard give a
+batch of bytes read out of bounds where pyarrow refuses the step.
 
-Each case runs with the C kernels and with numba's (a build that is not there skips); numba's once more
-with NUMBA_BOUNDSCHECK=1, and the C kernels under AddressSanitizer where they are built with it
-(docs/benchmarks.md says how).
+Each case runs with the C kernels (skipped where they are not built), and under AddressSanitizer where they
+are built with it (docs/benchmarks.md says how).
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("disttrace.store.blockdecode")  # neither C nor numba: skipped
+pytest.importorskip("disttrace.store.blockdecode")  # the C kernels not built: skipped
 import adversarial_block as adv  # noqa: E402
 from test_block_compiled import kernels  # noqa: E402, F401 (the fixture)
 from test_block_decode import block_kernels  # noqa: E402
@@ -66,19 +64,15 @@ def test_the_reemitted_block_still_decodes(crafted):
     assert got.equals(want) and starts.tolist() == want_starts.tolist()
 
 
-def _run_all(tmp_path: Path, kind: str, boundscheck: bool) -> str:
-    """Every crafted case in a fresh interpreter with the `kind` kernels, resumed at the next case after a
-    crash."""
+def _run_all(tmp_path: Path) -> str:
+    """Every crafted case in a fresh interpreter with the C kernels, resumed at the next case after a crash."""
     env = {
         **os.environ,
-        "DISTTRACE_NATIVE": "1" if kind == "c" else "0",
-        "NUMBA_CACHE_DIR": str(tmp_path / f"numba-cache-{int(boundscheck)}"),
+        "DISTTRACE_NATIVE": "1",
         "PYTHONPATH": os.pathsep.join(
             [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
         ),
     }
-    if boundscheck:
-        env["NUMBA_BOUNDSCHECK"] = "1"
     out, first = [], 0
     script = str(Path(__file__).parent / "adversarial_block.py")
     while True:
@@ -97,13 +91,11 @@ def _run_all(tmp_path: Path, kind: str, boundscheck: bool) -> str:
         first = int(started[-1].split()[1]) + 1
 
 
-@pytest.mark.slow  # fresh interpreters, numba's compiling the kernels (once with bounds checks): ~1 min
-@pytest.mark.parametrize("kind, boundscheck", [("c", False), ("numba", False), ("numba", True)])
-def test_every_crafted_block_declines_or_decodes_as_pyarrow(tmp_path, kind, boundscheck):
-    block_kernels(kind)  # skipped where that build is not there
-    log = _run_all(tmp_path, kind, boundscheck)
-    assert f"KERNELS {kind}" in log, log[-3000:]
-    assert "CRASH" not in log and "BUG" not in log and "IndexError" not in log, log[-6000:]
+@pytest.mark.slow  # a fresh interpreter
+def test_every_crafted_block_declines_or_decodes_as_pyarrow(tmp_path):
+    block_kernels()  # skipped where the C kernels are not built
+    log = _run_all(tmp_path)
+    assert "CRASH" not in log and "BUG" not in log, log[-6000:]
     assert log.count("DONE") == len(list(adv.cases(adv.good_block(tmp_path)))), log[-3000:]
     # the controls (the same bytes stored, in a stored LZ4 block, as literals only): not everything declines
     assert log.count("decoded as the pyarrow path") >= 3, log[-3000:]

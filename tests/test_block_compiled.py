@@ -1,12 +1,10 @@
-"""The compiled block decoder (store/blockdecode.py: its kernels in C, or numba's where the C extension is not
-built) against the pyarrow path of store/trajectory.py as the oracle (itself held to pyarrow's reading of the whole file by test_block_decode):
+"""The compiled block decoder (store/blockdecode.py: the C kernels) against the pyarrow path of
+store/trajectory.py as the oracle (itself held to pyarrow's reading of the whole file by test_block_decode):
 on random stores of the writer's steps it decodes the block (it does not decline) into the batch the pyarrow
 path gives; on mutated bytes (anywhere in a step: message headers, buffer descriptors, the LZ4 frames'
 headers, tokens, literals and offsets) it either declines or gives what the pyarrow path gives, never a
 batch where the pyarrow path refuses, and decode_steps' outcome (its batch, or its refusal naming the step)
-is the same with it and without it. Each runs with the C kernels and with numba's (the `kernels` fixture; a
-build that is not there skips), and the two are held to each other: the same status from each kernel and the
-same bytes written, on random stores and mutated blocks.
+is the same with it and without it. Skipped where the C extension is not built (or DISTTRACE_NATIVE=0).
 """
 
 from __future__ import annotations
@@ -20,25 +18,19 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
-import test_diff_synthetic as syn
 from test_block_decode import _steps, block_kernels
 from test_trajectory_format import _realistic, every_kind, write_v2
 
 from disttrace.errors import BadInput
 from disttrace.store import trajectory
 
-blockdecode = pytest.importorskip("disttrace.store.blockdecode")  # neither C nor numba: skipped
+blockdecode = pytest.importorskip("disttrace.store.blockdecode")  # the C kernels not built: skipped
 
 
-@pytest.fixture(params=["c", "numba"])
-def kernels(request, monkeypatch):
-    """blockdecode's kernels for the test: the C build or numba's (skipped where that build is not there),
-    taken by blockdecode.decode and by decode_steps with the thresholds of that build."""
-    k = block_kernels(request.param)
-    monkeypatch.setattr(blockdecode, "_K", k)
-    monkeypatch.setattr(blockdecode, "KERNELS", k.kind)
-    monkeypatch.setattr(trajectory, "_native", k.kind == "c")
-    return k
+@pytest.fixture
+def kernels():
+    """The C kernels, as blockdecode.decode and decode_steps take them."""
+    return block_kernels()
 
 
 def _short_names(records: list[dict]) -> list[dict]:
@@ -96,48 +88,9 @@ def test_random_stores_decode_as_the_pyarrow_path(tmp_path, seed, kernels):
         assert starts.tolist() == want_starts.tolist()
 
 
-def test_numbas_kernels_take_large_blocks_of_a_large_job(tmp_path, monkeypatch):
-    """With numba's kernels decode_steps takes the compiled path for a block of COMPILED_MIN bytes or more
-    once the process has decoded COMPILED_AFTER bytes with pyarrow (numba's import is paid by large jobs
-    only), pyarrow's below."""
-    k = block_kernels("numba")
-    monkeypatch.setattr(blockdecode, "_K", k)
-    monkeypatch.setattr(trajectory, "_native", False)
-    rng = random.Random(9)
-    path = tmp_path / "rank-00000.arrows"
-    parts = _steps(path, write_v2(path, [_realistic(s, rng) for s in range(1, 40)]))
-    # the default bound, also where the suite runs with DISTTRACE_BLOCK=1 (which sets it to 0)
-    monkeypatch.setattr(trajectory, "COMPILED_MIN", 1 << 16)
-    calls = []
-    real = blockdecode.decode
-    monkeypatch.setattr(
-        trajectory, "_kernel", lambda block: calls.append(len(block)) or real(block)
-    )
-    size = sum(len(d) for d, _ in parts)
-    assert size >= trajectory.COMPILED_MIN
-    monkeypatch.setattr(trajectory, "_work", [0])
-    monkeypatch.setattr(trajectory, "COMPILED_AFTER", size)
-    small = parts[:2]
-    assert sum(len(d) for d, _ in small) < trajectory.COMPILED_MIN
-    first, _ = trajectory.decode_steps(path, parts)  # the job's first bytes: pyarrow's
-    assert calls == [] and trajectory._work == [size]
-    for _ in range(2):
-        trajectory.decode_steps(path, small)  # small: pyarrow's, however large the job
-    assert calls == []
-    batch, _ = trajectory.decode_steps(path, parts)
-    assert calls == [len(parts)]
-    assert batch.equals(first)
-
-
 def test_c_kernels_take_every_block_from_the_first(tmp_path, monkeypatch):
-    """With the C kernels (no numba start to earn back) decode_steps takes the compiled path for every block
-    of two steps or more, from the process's first, however small; one step alone stays pyarrow's."""
-    k = block_kernels("c")
-    monkeypatch.setattr(blockdecode, "_K", k)
-    monkeypatch.setattr(trajectory, "_native", True)
-    monkeypatch.setattr(trajectory, "_work", [0])
-    monkeypatch.setattr(trajectory, "COMPILED_MIN", 1 << 16)  # numba's bounds: not the C kernels'
-    monkeypatch.setattr(trajectory, "COMPILED_AFTER", 128 << 20)
+    """decode_steps takes the C kernels for every block of two steps or more, from the process's first,
+    however small; one step alone stays pyarrow's."""
     path = tmp_path / "rank-00000.arrows"
     parts = _steps(path, write_v2(path, [_realistic(s, random.Random(s)) for s in range(1, 5)]))
     calls = []
@@ -146,72 +99,21 @@ def test_c_kernels_take_every_block_from_the_first(tmp_path, monkeypatch):
         trajectory, "_kernel", lambda block: calls.append(len(block)) or real(block)
     )
     small = parts[1:3]
-    assert sum(len(d) for d, _ in small) < trajectory.COMPILED_MIN
     got, _ = trajectory.decode_steps(path, small)
-    assert calls == [2] and trajectory._work == [
-        0
-    ]  # decoded by the kernels: no pyarrow bytes counted
+    assert calls == [2]
     trajectory.decode_steps(path, parts[:1])
     assert calls == [2]
     assert got.equals(trajectory._decode_block([d for d, _ in small])[0])
 
 
-def test_the_switches_in_a_fresh_process():
-    """DISTTRACE_BLOCK=0 keeps pyarrow's path for every block, =1 takes the compiled one at once (numba's
-    thresholds 0); DISTTRACE_NATIVE=0 leaves the C kernels out (numba's are taken, where installed)."""
-    code = (
-        "from disttrace.store import trajectory as t; k = t._compiled();"
-        "print(t.COMPILED_AFTER, t.COMPILED_MIN, k is None, t._native,"
-        " None if k is None else __import__('disttrace.store.blockdecode').store.blockdecode.KERNELS)"
-    )
-    c = blockdecode.c_kernels() is not None
-    for env, want in (
-        ({"DISTTRACE_BLOCK": "0"}, f"{128 << 20} {1 << 16} True False None"),
-        ({"DISTTRACE_BLOCK": "1"}, f"0 0 False {c} {'c' if c else 'numba'}"),
-        ({"DISTTRACE_BLOCK": "1", "DISTTRACE_NATIVE": "0"}, "0 0 False False numba"),
-    ):
-        if "numba" in want and not _has_numba():
-            continue
+def test_the_switch_in_a_fresh_process():
+    """The C kernels decode where built; DISTTRACE_NATIVE=0 leaves them out (the pyarrow path, the oracle)."""
+    code = "from disttrace.store import trajectory as t; print(t._compiled() is None, t.native_decoder())"
+    for env, want in (({}, "False True"), ({"DISTTRACE_NATIVE": "0"}, "True False")):
         out = subprocess.run(
             [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True
         )
         assert out.stdout.split() == want.split(), (env, out.stdout, out.stderr)
-
-
-def _has_numba() -> bool:
-    try:
-        import numba  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@pytest.mark.parametrize("numba_waits", [True, False], ids=["numba", "c"])
-def test_a_numeric_diff_says_how_much_it_will_decode(tmp_path, monkeypatch, numba_waits):
-    """Where numba's kernels would decode (they wait for a large job), a numeric diff of every step tells the
-    decoder the bytes it is about to read: both runs' step ranges where their digests differ (here every step
-    of both trajectories, the files less their end-of-stream markers), and nothing for runs whose steps are
-    all equal (skipped unread). Where the C kernels decode (every block), it counts nothing."""
-    from disttrace.analysis.diff import diff_runs
-
-    m = syn.manifest(**{"training.steps": 4})
-    recs = syn.gen_records(m, range(1, 5))
-    a = syn.write_run(tmp_path / "a", m, recs)
-    same = syn.write_run(tmp_path / "same", m, recs)
-    for rank_recs in recs.values():  # every value rounded differently: every step's digests differ
-        for r in rank_recs:
-            if r["phase"] != "data":
-                r["sum"] *= 1 + 1e-12
-                r["digest"] = syn.digest(r)
-    b = syn.write_run(tmp_path / "b", m, recs)
-    files = [p for run in (a, b) for p in sorted((run / "trajectory").glob("rank-*.arrows"))]
-    told = []
-    monkeypatch.setattr(trajectory, "expect", told.append)
-    monkeypatch.setattr(trajectory, "counts_expected", lambda: numba_waits)
-    diff_runs(a, b, mode="numeric")
-    diff_runs(a, same, mode="numeric")
-    whole = sum(p.stat().st_size - len(trajectory.END_OF_STREAM) for p in files)
-    assert told == ([whole, 0] if numba_waits else [])
 
 
 def _mutate(rng: random.Random, block: list[bytes]) -> list[bytes]:
@@ -275,42 +177,10 @@ def mutation_trials(seed: int, trials: int, tmp: Path) -> tuple[int, int, int]:
     return declined, accepted, changed
 
 
-def test_mutated_blocks_decline_or_decode_as_the_pyarrow_path(tmp_path, monkeypatch, kernels):
-    monkeypatch.setattr(trajectory, "COMPILED_MIN", 0)
-    monkeypatch.setattr(trajectory, "COMPILED_AFTER", 0)
+def test_mutated_blocks_decline_or_decode_as_the_pyarrow_path(tmp_path, kernels):
     declined, accepted, changed = mutation_trials(1, 150, tmp_path)
     # both ways exercised: flipped literals decode (to other values, as pyarrow reads them), the rest declines
     assert declined > 25 and accepted > 10 and changed > 5, (declined, accepted, changed)
-
-
-@pytest.mark.slow  # a fresh interpreter compiling the kernels again with bounds checks: ~30 s
-def test_mutated_blocks_read_nothing_out_of_bounds(tmp_path):
-    pytest.importorskip("numba")
-    """The same trials with numba's bounds checking on (NUMBA_BOUNDSCHECK=1: an index out of any array raises
-    IndexError instead of reading past it), so the kernels' own checks are shown to keep every access in
-    range, not merely to give pyarrow's answer."""
-    env = {
-        **os.environ,
-        "DISTTRACE_NATIVE": "0",  # numba's kernels (the C ones: tests/test_block_adversarial.py, ASan)
-        "NUMBA_BOUNDSCHECK": "1",
-        "NUMBA_CACHE_DIR": str(tmp_path / "numba-cache"),
-        "PYTHONPATH": os.pathsep.join(
-            [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
-        ),
-    }
-    code = (
-        "import sys, pathlib, test_block_compiled as t\n"
-        "from disttrace.store import trajectory\n"
-        "trajectory.COMPILED_MIN = trajectory.COMPILED_AFTER = 0\n"
-        "for seed in (2, 3):\n"
-        "    print(t.mutation_trials(seed, 300, pathlib.Path(sys.argv[1])))\n"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "IndexError" not in proc.stderr
-    assert len(proc.stdout.split("\n")) >= 2
 
 
 def test_a_block_with_long_names_is_left_to_pyarrow(tmp_path, kernels):
@@ -322,12 +192,10 @@ def test_a_block_with_long_names_is_left_to_pyarrow(tmp_path, kernels):
     assert isinstance(_pyarrow(block)[0], pa.RecordBatch)
 
 
-def test_a_shape_dictionary_that_expands_without_bound_declines(tmp_path, monkeypatch, kernels):
+def test_a_shape_dictionary_that_expands_without_bound_declines(tmp_path, kernels):
     """The compiled path holds a step's dimensions to the pyarrow path's bound: it declines the step whose
     records all take one shape of 200 dimensions (36,000 for ~180 records), and decode_steps then refuses it as
     the pyarrow path does."""
-    monkeypatch.setattr(trajectory, "COMPILED_MIN", 0)
-    monkeypatch.setattr(trajectory, "COMPILED_AFTER", 0)
     recs = _realistic(1, random.Random(3))
     path = tmp_path / "rank-00000.arrows"
     long = [[{**r, "step": s, "shape": [1] * 200, "numel": 1} for r in recs] for s in (1, 2)]
@@ -340,80 +208,9 @@ def test_a_shape_dictionary_that_expands_without_bound_declines(tmp_path, monkey
         trajectory.decode_steps(path, parts)
 
 
-# ---------------------------------------------------------------- the C kernels against numba's
-
-
-def _recording(k, log: list):
-    """k's kernels, each call logged: (kernel, what it returned, what it wrote where it succeeded). What a
-    kernel writes is compared only where it returned 0 (a declining kernel leaves its outputs part written,
-    the rest as np.empty left them), and only the bytes it was to write: the scratch's buffers (spos,
-    slen), the arena's output buffers (where), not the padding between them."""
-
-    def scratch_spans(scratch, spos, slen):
-        return [bytes(scratch[p : p + n]) for p, n in zip(spos.flat, slen.flat) if n >= 0]
-
-    def wrap(name, fn, written):
-        def call(*args):
-            got = fn(*args)
-            status = got[0] if isinstance(got, tuple) else got
-            log.append((name, got, written(*args) if status == 0 else None))
-            return got
-
-        return call
-
-    return blockdecode.Kernels(
-        k.kind,
-        wrap("headers", k.headers, lambda *a: [x.tobytes() for x in a[9:12]]),
-        wrap("inflate", k.inflate, lambda raw, buf, sc, spos, slen: [
-            spos.tobytes(), slen.tobytes(), scratch_spans(sc, spos, slen)
-        ]),
-        wrap("check", k.check, lambda *a: [a[9].tobytes(), a[10].tobytes()]),
-        wrap("assemble", k.assemble, lambda *a: [
-            bytes(a[13][at : at + n]) for at, n in a[10].tolist() if at >= 0
-        ]),
-    )  # fmt: skip
-
-
-def _both(block: list[bytes], c, numba) -> int:
-    """The block through both builds, kernel by kernel: the same statuses and the same bytes written.
-    Returns the status."""
-    logs = {}
-    for k in (c, numba):
-        logs[k.kind] = []
-        blockdecode._run(block, _recording(k, logs[k.kind]))
-    assert [x[:2] for x in logs["c"]] == [x[:2] for x in logs["numba"]]
-    for (name, _, a), (_, _, b) in zip(logs["c"], logs["numba"]):
-        assert a == b, name
-    return blockdecode._run(block, c)[0]
-
-
-def test_c_and_numba_kernels_agree_on_random_stores(tmp_path):
-    c, numba = block_kernels("c"), block_kernels("numba")
-    for seed in range(6):
-        rng = random.Random(seed)
-        path = tmp_path / f"rank-{seed:05d}.arrows"
-        parts = _steps(path, write_v2(path, _random_steps(rng, rng.randint(2, 12))))
-        for lo in (0, 1):
-            assert _both([d for d, _ in parts[lo:]], c, numba) == 0
-
-
-def test_c_and_numba_kernels_agree_on_mutated_blocks(tmp_path):
-    c, numba = block_kernels("c"), block_kernels("numba")
-    statuses = set()
-    for seed in (4, 5):
-        rng = random.Random(seed)
-        path = tmp_path / f"rank-{seed:05d}.arrows"
-        good = [d for d, _ in _steps(path, write_v2(path, _random_steps(rng, 5)))[1:]]
-        for _ in range(200):
-            statuses.add(_both(_mutate(rng, good), c, numba))
-    assert 0 in statuses and len(statuses) >= 4, (
-        statuses
-    )  # both ways, and several kernels' declines
-
-
 def _arguments(block: list[bytes]) -> dict:
     """Each C kernel's arguments for a good block, as _run makes them (the calls before it made)."""
-    c = block_kernels("c")
+    c = block_kernels()
     calls = {}
 
     def keep(name, fn):
@@ -424,7 +221,7 @@ def _arguments(block: list[bytes]) -> dict:
         return call
 
     k = blockdecode.Kernels(
-        "c", *(keep(n, getattr(c, n)) for n in ("headers", "inflate", "check", "assemble"))
+        *(keep(n, getattr(c, n)) for n in ("headers", "inflate", "check", "assemble"))
     )
     assert blockdecode._run(block, k)[0] == 0
     return calls
@@ -442,7 +239,7 @@ def _views(args: list, name: str) -> list:
 def test_c_kernels_refuse_arguments_of_another_shape(tmp_path):
     """A wrong dtype, a non-contiguous array, a read-only output or an array too short for the steps raises
     ValueError before anything is read; the same arguments as they should be are taken."""
-    c = block_kernels("c")
+    c = block_kernels()
     rng = random.Random(1)
     path = tmp_path / "rank-00000.arrows"
     block = [d for d, _ in _steps(path, write_v2(path, _random_steps(rng, 4)))[1:]]
@@ -490,7 +287,7 @@ def _short_is_wrong(name: str, i: int) -> bool:
 def test_c_kernels_refuse_arguments_that_point_outside_their_buffers(tmp_path):
     """What one kernel hands the next (buf's positions, spos and slen, where) is held to the buffers it
     points into: ValueError, not a read or write outside them, when it does not fit."""
-    c = block_kernels("c")
+    c = block_kernels()
     rng = random.Random(2)
     path = tmp_path / "rank-00000.arrows"
     block = [d for d, _ in _steps(path, write_v2(path, _random_steps(rng, 3)))[1:]]

@@ -6,9 +6,8 @@ The oracle's conversion to the readers' columns is written here from the layout'
 dtype as strings, shape as a list, numel its product, the shard list cut in half), not taken from the code
 under test.
 
-Each test of decode_steps runs three ways (the `decoder` fixture): the pyarrow path alone, and the compiled
-path (store/blockdecode.py) ahead of it with the C kernels and with numba's, from the first block of two
-steps; a build that is not there skips.
+Each test of decode_steps runs two ways (the `decoder` fixture): the pyarrow path alone, and the C kernels
+(store/blockdecode.py) ahead of it from the first block of two steps, skipped where they are not built.
 """
 
 from __future__ import annotations
@@ -37,33 +36,23 @@ from disttrace.errors import BadInput
 from disttrace.store import trajectory
 
 
-def block_kernels(kind: str):
-    """store/blockdecode.py's kernels of `kind` ("c" or "numba"), or the test skipped where that build is not
-    there (the C extension not built, or DISTTRACE_NATIVE=0; numba not installed)."""
-    blockdecode = pytest.importorskip("disttrace.store.blockdecode")  # neither build: ImportError
-    if kind == "c":
-        k = blockdecode.c_kernels()
-        if k is None:
-            pytest.skip("the C kernels are not built (or DISTTRACE_NATIVE=0)")
-        return k
-    try:
-        return blockdecode.numba_kernels()
-    except ImportError:
-        pytest.skip("numba is not installed")
+def block_kernels():
+    """store/blockdecode.py's C kernels, or the test skipped where they are not built (or DISTTRACE_NATIVE=0)."""
+    blockdecode = pytest.importorskip("disttrace.store.blockdecode")  # not built: ImportError
+    return blockdecode.c_kernels()
 
 
-@pytest.fixture(params=["pyarrow", "c", "numba"])
+@pytest.fixture(params=["pyarrow", "c"])
 def decoder(request, monkeypatch):
-    """decode_steps' decoder: the pyarrow path alone, or the compiled path with the C or numba kernels ahead
-    of it for every block of two steps or more (declining to the pyarrow path as it does)."""
+    """decode_steps' decoder: the pyarrow path alone, or the C kernels ahead of it for every block of two
+    steps or more (declining to the pyarrow path as it does)."""
     if request.param == "pyarrow":
         monkeypatch.setattr(trajectory, "_kernel", False)
         return None
     from disttrace.store import blockdecode
 
-    k = block_kernels(request.param)
+    k = block_kernels()
     monkeypatch.setattr(trajectory, "_kernel", partial(blockdecode.decode, kernels=k))
-    monkeypatch.setattr(trajectory, "_native", True)  # no threshold: every block of two steps
     return k
 
 

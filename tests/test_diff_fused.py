@@ -1,6 +1,7 @@
-"""The compiled comparison of a block (the C kernels, disttrace/native/compare.c; skipped where the extension was
-not built) against the numpy path it replaces (analysis/columnar.py's compare and by_step, the path without the
-extension and under DISTTRACE_NATIVE=0), as the oracle.
+"""The compiled path of a diff (the C kernels: the block decoder, disttrace/native/blockdecode.c, and the
+comparison, disttrace/native/compare.c; skipped where the extensions were not built) against the plain path
+(pyarrow's decoding and analysis/columnar.py's numpy compare and by_step: the path without the extensions and
+under DISTTRACE_NATIVE=0), as the oracle.
 
 Random stores of every phase, float32- and float64-sketched dtypes, scalars, empty tensors and a matrix whose
 statistics round in float32, with B's records perturbed around the bound (bit-equal, digest-only changes,
@@ -23,6 +24,7 @@ import test_diff_synthetic as syn  # noqa: E402
 
 from disttrace.analysis import columnar  # noqa: E402
 from disttrace.analysis.diff import diff_runs  # noqa: E402
+from disttrace.store import trajectory  # noqa: E402
 from disttrace.store.records import PHASES  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
@@ -141,9 +143,10 @@ def _random_runs(seed: int, steps: int = 3):
 
 @pytest.fixture
 def both_paths(monkeypatch):
-    """run(fn) -> (numpy path's document, the C kernels' document, compiled blocks): fn's DiffResult as
-    `--json` bytes under each path (numpy's as under DISTTRACE_NATIVE=0); skips where the C extension was not
-    built."""
+    """run(fn) -> (the plain path's document, the C kernels' document, compiled blocks): fn's DiffResult as
+    `--json` bytes under each path: the plain one as under DISTTRACE_NATIVE=0 (blocks decoded by pyarrow,
+    compared by numpy), the other with the C block decoder and the C comparison (`run.decoded`: the blocks
+    the C decoder took); skips where the C extensions were not built."""
     monkeypatch.setattr(columnar, "_native_module", None)
     kernels = columnar.native_kernels()
     if kernels is None:
@@ -158,14 +161,23 @@ def both_paths(monkeypatch):
         return kernel(*args)
 
     monkeypatch.setattr(kernels, "compare_block", counted)
+    blockdecode = pytest.importorskip(
+        "disttrace.store.blockdecode"
+    )  # the C decoder not built: skipped
+
+    def decode(block):
+        run.decoded.append(len(block))
+        return blockdecode.decode(block)
 
     def run(fn):
         docs = []
-        for module in (False, kernels):
+        for module, decoder in ((False, False), (kernels, decode)):
             monkeypatch.setattr(columnar, "_native_module", module)
+            monkeypatch.setattr(trajectory, "_kernel", decoder)
             docs.append(fn().to_json())
         return docs[0], docs[1], len(calls)
 
+    run.decoded = []
     return run
 
 
@@ -180,6 +192,7 @@ def test_the_compiled_pass_gives_the_numpy_paths_document(tmp_path, seed, both_p
         numpy_doc, fused_doc, n = both_paths(lambda: diff_runs(ra, rb, **kw))  # noqa: B023
         assert n > 0, "the compiled pass did not run"
         assert fused_doc == numpy_doc, kw
+    assert both_paths.decoded, "the C decoder did not run"
     # the comparison had something to find: divergent records, and records within the bound
     r = diff_runs(ra, rb, mode="numeric")
     assert r.first_divergence is not None

@@ -1,18 +1,16 @@
 /* The four kernels of store/blockdecode.py in C (module disttrace.native._blockdecode): a block of v2
- * trajectory steps decoded in four calls, each releasing the GIL. A port, line for line, of the numba kernels
- * in store/blockkernels.py (their docstrings say what each does and why each check is there): the same
- * arguments, the same statuses, the same bytes written. The input is hostile (a run store may come from an
- * attacker): every index into the input, the scratch and the arena is checked before it is used, as the
- * numba code checks it, and values read from the input are int64 with the numba code's overflow-safe bounds
- * (every length below 2^31 before it is multiplied by a width).
+ * trajectory steps decoded in four calls, each releasing the GIL. The comment above each kernel says what it
+ * does and why each check is there. The input is hostile (a run store may come from an attacker): every index
+ * into the input, the scratch and the arena is checked before it is used, and values read from the input are
+ * int64 with overflow-safe bounds (every length below 2^31 before it is multiplied by a width).
  *
- * What C adds: each argument is taken through the buffer protocol and held to the dtype and shape the
+ * Also: each argument is taken through the buffer protocol and held to the dtype and shape the
  * kernel indexes (ValueError otherwise), and the arrays one kernel hands the next (buf, spos and slen, where)
  * are held to the buffers they index, so that no call, however its arguments were made, reads or writes
  * outside them. Loads from the scratch and stores into the arena at positions not known to be aligned go
  * through memcpy (the s16/s32/s64 and a32/a64 arguments must be views of the scratch and the arena: their
  * memory is read and written through the byte arrays). Integers read from the input are assembled from
- * bytes, little-endian, as the numba code's _u32 does; products that may wrap (numel) are taken in uint64. */
+ * bytes, little-endian, as u32 below does; products that may wrap (numel) are taken in uint64. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -93,7 +91,7 @@ static inline int64_t ld64(const uint8_t *p, int64_t i) {
 }
 
 static inline void st32(uint8_t *p, int64_t i, int64_t x) {
-    int32_t v = (int32_t)(uint32_t)(uint64_t)x; /* numba's store into an int32 array: the low 32 bits */
+    int32_t v = (int32_t)(uint32_t)(uint64_t)x; /* an int32 store keeps the low 32 bits */
     memcpy(p + 4 * i, &v, 4);
 }
 
@@ -124,6 +122,10 @@ static inline int64_t length_of(const uint8_t *raw, int64_t *ip, int64_t iend, i
     return n;
 }
 
+/* One LZ4 block raw[ip:iend] decoded into out[ostart:...], at most olimit; its length, or -1. Held to the
+ * format's rules, which LZ4's own decoder relies on: every sequence but the last has a match, of an offset
+ * inside the block's output; the last ends the input exactly; the last match starts 12 bytes or more before
+ * the block's end and ends 5 or more before it. */
 static int64_t lz4_block(const uint8_t *raw, int64_t ip, int64_t iend, uint8_t *out, int64_t ostart,
                          int64_t olimit) {
     int64_t op = ostart;
@@ -163,6 +165,7 @@ static int64_t lz4_block(const uint8_t *raw, int64_t ip, int64_t iend, uint8_t *
     return op - ostart;
 }
 
+/* Whether the LZ4 frame raw[a:b] is the writer's kind and decodes to exactly `size` bytes at out[o:]. */
 static int lz4_frame(const uint8_t *raw, int64_t a, int64_t b, uint8_t *out, int64_t o, int64_t size) {
     if (b - a < 11) return 0;
     if (raw[a] != 0x04 || raw[a + 1] != 0x22 || raw[a + 2] != 0x4D || raw[a + 3] != 0x18) return 0;
@@ -194,6 +197,7 @@ static int lz4_frame(const uint8_t *raw, int64_t a, int64_t b, uint8_t *out, int
 
 /* ---------------------------------------------------------------- bitmaps */
 
+/* The zero bits among the first n of the bitmap at scratch[at:]. */
 static int64_t nulls(const uint8_t *scratch, int64_t at, int64_t n) {
     int64_t ones = 0;
     int64_t full = n >> 3;
@@ -207,6 +211,8 @@ static int64_t nulls(const uint8_t *scratch, int64_t at, int64_t n) {
     return n - ones;
 }
 
+/* Bits row..row+n of the bitmap at arena[base:] from the first n at scratch[at:] (or all set), a byte at a
+ * time; the arena starts zeroed, and the source's bits past n are not read. */
 static void put_bits(uint8_t *arena, int64_t base, int64_t row, const uint8_t *scratch, int64_t at,
                      int64_t n, int all_set) {
     if (n <= 0) return;
@@ -221,6 +227,7 @@ static void put_bits(uint8_t *arena, int64_t base, int64_t row, const uint8_t *s
     }
 }
 
+/* 0 when a step's validity buffer agrees with its node's null count, else a decline code. */
 static int validity(const uint8_t *scratch, int64_t spos, int64_t slen, int64_t nn, int64_t length) {
     if (nn == 0) return slen < 0 ? 0 : 9; /* the writer leaves the bitmap out when nothing is null */
     if (slen < ((length + 7) >> 3)) return 6;
@@ -239,6 +246,11 @@ static int validity(const uint8_t *scratch, int64_t spos, int64_t slen, int64_t 
 #define FIX(c, f) fixed[(c) * fcols + (f)] /* fixed: (node, validity, data, width, ...) a row */
 #define WHERE(o, f) where[(o) * 2 + (f)]
 
+/* Each step's two messages: their headers the writer's templates but for the values that vary, read into bat
+ * (per step: the dictionary's length, the batch's), node (length, null count) and buf (where the buffer's
+ * bytes lie in raw, their length, the size declared, 0 empty / 1 stored / 2 LZ4). raw: the steps' bytes
+ * joined, step s raw[starts[s]:ends[s]] (after any schema message), sizes[s] its whole length. Returns
+ * (status, the scratch bytes the buffers take). */
 static int headers_k(const uint8_t *raw, int64_t n, const int64_t *starts, const int64_t *ends,
                      const int64_t *sizes, const uint8_t *tpl_d, const uint8_t *mask_d, const uint8_t *tpl_b,
                      const uint8_t *mask_b, const int64_t *pos, int64_t *bat, int64_t *node, int64_t *buf,
@@ -311,7 +323,9 @@ static int headers_k(const uint8_t *raw, int64_t n, const int64_t *starts, const
     return 0;
 }
 
-/* raw_len, scratch_len: what buf may point into (not in the numba kernel, which trusts _headers' buf) */
+/* Every buffer decompressed (or copied) into scratch, each at a multiple of 8: spos, slen (-1: an empty
+ * buffer). Returns a status. raw_len, scratch_len: what buf may point into, checked here rather than trusted
+ * from headers_k's buf. */
 static int inflate_k(const uint8_t *raw, int64_t raw_len, int64_t n, const int64_t *buf, uint8_t *scratch,
                      int64_t scratch_len, int64_t *spos, int64_t *slen) {
     int64_t at = 0;
@@ -352,6 +366,10 @@ static int64_t offsets_last(const uint8_t *s32, int64_t o0, int64_t length, int6
     return prev <= limit ? prev : -1;
 }
 
+/* Each step's columns held to what the writer writes and Arrow requires; rows (per step) and totals (rows,
+ * tensor name bytes, phase and dtype bytes, shape values, sample ids, shard values of each half) counted.
+ * s16, s32, s64: scratch seen as int16, int32, int64 (made in Python: C's view costs seconds to compile).
+ * Returns a status. */
 static int check_k(const uint8_t *scratch, int64_t n, const int64_t *bat, const int64_t *node,
                    const int64_t *spos, const int64_t *slen, const int64_t *fixed, int64_t n_fixed, int64_t fcols,
                    int64_t *rows, int64_t *totals) {
@@ -385,8 +403,8 @@ static int check_k(const uint8_t *scratch, int64_t n, const int64_t *bat, const 
                 uint64_t hi = (uint64_t)ld64(s64, w0 + 2 * r + 1);
                 int64_t size = (int64_t)(lo & 0xFFFFFFFFu);
                 if (size > 12) return 9;
-                /* the bytes after the name are zero (numba's arithmetic shifts and these logical ones
-                 * agree on whether the result is 0) */
+                /* the bytes after the name are zero (logical shifts: whether the result is 0 does not
+                 * depend on the sign bit) */
                 if (size < 4) {
                     if ((lo >> (32 + 8 * size)) != 0 || hi != 0) return 9;
                 } else if (size < 12 && (hi >> (8 * (size - 4))) != 0) {
@@ -480,14 +498,16 @@ static int check_k(const uint8_t *scratch, int64_t n, const int64_t *bat, const 
     return 0;
 }
 
-/* The checked steps' columns written into the arena. What the numba kernel takes on trust from _check (the
- * rows and the scratch's contents agree with `where`) is held here at each write into the arena: a write
- * outside its output buffer's span, or a read outside the scratch, returns BAD_ARGS instead. */
+/* assemble_k does not take on trust what check_k found (the rows and the scratch's contents agree with
+ * `where`): each write into the arena outside its output buffer's span, or read outside the scratch, returns
+ * BAD_ARGS instead. */
 #define NEED(cond)                   \
     do {                             \
         if (!(cond)) return BAD_ARGS; \
     } while (0)
 
+/* The checked steps' columns written into the arena, at where[output buffer] (offset, length; -1: absent);
+ * bitmap and offsets say which output buffers are bitmaps and offsets. */
 static int assemble_k(const uint8_t *scratch, int64_t scratch_len, int64_t n, const int64_t *node,
                       const int64_t *spos, const int64_t *slen, const int64_t *rows, const int64_t *fixed,
                       int64_t n_fixed, int64_t fcols, const int64_t *ofixed, const int64_t *where, const uint8_t *bitmap,
@@ -579,7 +599,7 @@ static int assemble_k(const uint8_t *scratch, int64_t scratch_len, int64_t n, co
         for (int64_t r = 0; r < length; r++) {
             int64_t x = ld16(s16, i0 + r);
             NEED(x >= 0 && x < dn);
-            uint64_t prod = 1; /* numba's int64 product, wrapping as it does (check bounds it below 2^62) */
+            uint64_t prod = 1; /* the int64 product, wrapping (check_k bounds it below 2^62) */
             int64_t lo = ld32(s32, d_o + x), hi = ld32(s32, d_o + x + 1);
             NEED(lo >= 0 && lo <= hi && hi <= dv && 8 * (shape_at + hi - lo) <= WHERE(O_SHAPE_V, 1));
             for (int64_t i = lo; i < hi; i++) {
@@ -765,7 +785,7 @@ static int spans_ok(const int64_t *spos, const int64_t *slen, int64_t count, int
     return 0;
 }
 
-/* bat, node: lengths and counts as _headers leaves them, each in [0, 2^31) (the sizes the kernels compute
+/* bat, node: lengths and counts as headers_k leaves them, each in [0, 2^31) (the sizes the kernels compute
  * from them multiply them by widths) */
 static int lengths_ok(const int64_t *x, int64_t count, const char *name) {
     for (int64_t i = 0; i < count; i++) {
@@ -986,14 +1006,14 @@ static PyObject *py_assemble(PyObject *self, PyObject *const *av, Py_ssize_t ac)
 static PyMethodDef methods[] = {
     {"headers", (PyCFunction)(void (*)(void))py_headers, METH_FASTCALL,
      "headers(raw, starts, ends, sizes, tpl_d, mask_d, tpl_b, mask_b, pos, bat, node, buf) -> (status, "
-     "scratch bytes): each step's two message headers read (store/blockkernels.py _headers)"},
+     "scratch bytes): each step's two message headers read (headers_k)"},
     {"inflate", (PyCFunction)(void (*)(void))py_inflate, METH_FASTCALL,
-     "inflate(raw, buf, scratch, spos, slen) -> status: every buffer into the scratch (_inflate)"},
+     "inflate(raw, buf, scratch, spos, slen) -> status: every buffer into the scratch (inflate_k)"},
     {"check", (PyCFunction)(void (*)(void))py_check, METH_FASTCALL,
-     "check(scratch, s16, s32, s64, bat, node, spos, slen, fixed, rows, totals) -> status (_check)"},
+     "check(scratch, s16, s32, s64, bat, node, spos, slen, fixed, rows, totals) -> status (check_k)"},
     {"assemble", (PyCFunction)(void (*)(void))py_assemble, METH_FASTCALL,
      "assemble(scratch, s16, s32, s64, node, spos, slen, rows, fixed, ofixed, where, bitmap, offsets, arena, "
-     "a32, a64) -> 0: the columns written into the arena (_assemble)"},
+     "a32, a64) -> 0: the columns written into the arena (assemble_k)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,8 +1,7 @@
-"""A block of v2 trajectory steps decoded in four compiled calls: C (disttrace/native/blockdecode.c, built at
-install where a compiler is there) or, where that was not built or DISTTRACE_NATIVE=0, numba (the optional
-`fast` extra: store/blockkernels.py, the same kernels). Imported by store/trajectory.py the first time a
-block takes it, where either is there and DISTTRACE_BLOCK is not 0; without both the pyarrow path decodes
-every block (docs/design.md, "The trajectory's format"). `KERNELS` says which: "c" or "numba".
+"""A block of v2 trajectory steps decoded in four compiled calls: the C kernels of disttrace/native/blockdecode.c,
+built at install where a compiler is there. Imported by store/trajectory.py the first time a block takes it;
+where the C extension is not built (or DISTTRACE_NATIVE=0) this module does not import and the pyarrow path
+decodes every block (docs/format.md, "The trajectory's format").
 
 Why. At ~150 records a step a step's cost is fixed, not per record: ~24 LZ4 frames (one per non-empty buffer,
 each its own decompression context), two messages and pyarrow's per-chunk work, ~110 us a step (docs/
@@ -15,7 +14,7 @@ and a record batch message whose flatbuffer headers are byte for byte the writer
 that vary (the body's length, the batch's length, its field nodes and buffer descriptors), so no flatbuffer
 is interpreted here (what Arrow's verifier would accept is what the writer wrote); every buffer an LZ4 frame
 with the writer's frame header (independent 64 KiB blocks, no checksums, no content size) or stored as it
-is; every size, offset and index checked before it is used (numba checks no bounds, nor does C), each block of LZ4 held
+is; every size, offset and index checked before it is used (C checks no bounds of its own), each block of LZ4 held
 to the format's end rules, each step's declared sizes to the bounds store/trajectory.py sets. Anything else,
 and whatever a column holds that the writer never writes (a null where a record always has a value, a string
 view longer than its inline bytes, a shape whose product comes near int64's range), declines: `decode` returns
@@ -148,13 +147,12 @@ def _templates() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.nda
 _TPL_D, _MASK_D, _TPL_B, _MASK_B, _POS = _templates()
 _SCHEMA_MESSAGE = t._SCHEMA_MESSAGES[2]
 
-# ---------------------------------------------------------------- the kernels: C, else numba
+# ---------------------------------------------------------------- the kernels
 
 
 class Kernels(NamedTuple):
-    """The four kernels, as _run calls them (the C module's functions or the numba dispatchers)."""
+    """The four kernels, as _run calls them (the C module's functions, or the tests' wrappers of them)."""
 
-    kind: str  # "c" or "numba"
     headers: Callable
     inflate: Callable
     check: Callable
@@ -167,18 +165,14 @@ def c_kernels() -> Kernels | None:
     m = native("_blockdecode")
     if m is None or getattr(m, "LAYOUT", None) != LAYOUT:
         return None
-    return Kernels("c", m.headers, m.inflate, m.check, m.assemble)
+    return Kernels(m.headers, m.inflate, m.check, m.assemble)
 
 
-def numba_kernels() -> Kernels:
-    """numba's build of the kernels (store/blockkernels.py); ImportError without numba."""
-    from disttrace.store import blockkernels as k
-
-    return Kernels("numba", k._headers, k._inflate, k._check, k._assemble)
-
-
-_K = c_kernels() or numba_kernels()  # ImportError where neither: compiled.optional's None
-KERNELS = _K.kind
+_K = c_kernels()
+if _K is None:
+    raise ImportError(
+        "the C block decoder is not built (or DISTTRACE_NATIVE=0): the pyarrow path decodes"
+    )
 
 
 # ---------------------------------------------------------------- the batch
@@ -244,7 +238,7 @@ def _scratch(size: int) -> np.ndarray:
 
 
 def _run(steps: list[bytes], kernels: Kernels | None = None):
-    """(status, arena, where, null counts, rows per step) of the kernels (KERNELS' unless given) for a
+    """(status, arena, where, null counts, rows per step) of the kernels (the C build's unless given) for a
     block."""
     kern = kernels or _K
     n = len(steps)

@@ -1,8 +1,7 @@
 """The layout store/blockdecode.py's kernels read and write (a v2 step's field nodes and buffers, the output
-buffers of the arena, why a block declines), shared by its two builds of the kernels: C
-(disttrace/native/blockdecode.c, which compiles the same numbers in and exports them as LAYOUT, checked
-against these at import) and numba (store/blockkernels.py, whose kernels take these as compile-time
-constants). Plain numbers: importing it imports neither numba nor pyarrow's writer.
+buffers of the arena, why a block declines), shared by the C kernels (disttrace/native/blockdecode.c, which
+compiles the same numbers in and exports them as LAYOUT, checked against these at import), store/blockdecode.py
+and the tests that craft blocks. Plain numbers: importing it does not import pyarrow's writer.
 """
 
 from __future__ import annotations
@@ -33,10 +32,6 @@ _FIXED = (  # (node, validity buffer, data buffer, width, output column)
     (16, 31, 32, 8, 15),  # nonfinite
     (19, 37, 38, 8, 17),  # tokens
 )
-_REQUIRED_COLUMNS = (
-    0,
-    9,
-)  # step and digest: a null is refused by the pyarrow path (_check_required)
 # output buffers, each a slice of one arena: per SCHEMA column, its validity then its data, offsets or child
 OUT = {
     name: i
@@ -125,14 +120,7 @@ DECLINED = {
     14: "shapes holding more dimensions than a step's records may (the pyarrow path refuses it)",
 }
 
-_LZ4_MAGIC = (0x04, 0x22, 0x4D, 0x18)
-_LZ4_HEADER = (
-    0x60,
-    0x40,
-    0x82,
-)  # FLG: version 1, independent blocks; BD: 64 KiB blocks; its checksum
 _LZ4_BLOCK = 1 << 16
-_BIG = 1 << 62  # a shape's product at or above it declines (the pyarrow path computes it exactly)
 _MAX_OFFSET = (1 << 31) - 1
 _SHAPE_DIMS_PER_RECORD, _SHAPE_DIMS_SLACK = t.SHAPE_DIMS_PER_RECORD, t.SHAPE_DIMS_SLACK
 

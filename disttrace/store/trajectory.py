@@ -46,7 +46,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 
-from disttrace.compiled import native, optional
 from disttrace.errors import BadInput
 from disttrace.store import safeio
 
@@ -418,79 +417,46 @@ def decode_steps(path: Path, steps: list[tuple[bytes, str]]) -> tuple[pa.RecordB
     if len(steps) < 2:
         return _joined([decode_step(path, d, w) for d, w in steps])
     data = [d for d, _ in steps]
-    size = sum(map(len, data))
-    if (kernel := _compiled(size)) is not None:
+    if (kernel := _compiled()) is not None:
         decoded = kernel(data)  # None: declined, for the pyarrow path below to accept or refuse
         if decoded is not None:
             return decoded
     try:
-        out = _decode_block(data)
-        _work[0] += size
-        return out
+        return _decode_block(data)
     except _DECODE_ERRORS:
         pass
     batches = [decode_step(path, d, w) for d, w in steps]  # raises, naming the step
     return _joined(batches)
 
 
-# The compiled block decoder (store/blockdecode.py) has two builds of the same kernels. The C one
-# (disttrace/native/_blockdecode, built at install where a compiler is there) loads in about a millisecond, so
-# every block of two steps or more takes it from a process's first block: NATIVE_MIN bytes, 0, since the C
-# kernels decode even a block of two steps in a fifth of the pyarrow path's CPU (0.20x at 150 records a step,
-# 0.22x at 1,000: bench/block_decode.py --block 2, docs/benchmarks.md). Where it was not built (or
-# DISTTRACE_NATIVE=0), numba's build of them is taken, where numba is installed, only for blocks of at least
-# COMPILED_MIN bytes (~15 steps of 150 records, two of 1,000) in a process whose work is large: COMPILED_AFTER
-# bytes, counting what it has decoded with pyarrow and what a reader said it will decode (`expect`). numba's
-# kernels decode a block in 0.3x pyarrow's CPU time at 150 records a step and 0.5x at 1,000, but numba's import
-# and LLVM's start cost a process ~0.7 s of CPU (bench/block_decode.py): a numeric diff of 42 MiB (600,000
-# records of 150 a step) was 0.9x by CPU time with it, one of 236 MiB (4,000,000 of 1,000) 1.15x.
-# DISTTRACE_BLOCK=1 takes the compiled path (either build) for every block of two steps or more (the tests' way
-# to run every reader through it), DISTTRACE_BLOCK=0 never (the benches' baseline)
-_FORCED = os.environ.get("DISTTRACE_BLOCK") == "1"
-NATIVE_MIN = 0
-COMPILED_MIN = 0 if _FORCED else 1 << 16
-COMPILED_AFTER = 0 if _FORCED else 128 << 20
-_work = [0]  # bytes this process has decoded with pyarrow or been told it will decode
-_kernel = None  # store/blockdecode.decode, False where neither build is there or DISTTRACE_BLOCK=0
-# whether the kernels are C (numba's thresholds apply where not); None: not yet known
-_native = None
+# The compiled block decoder (store/blockdecode.py: the C kernels of disttrace/native/_blockdecode, built at
+# install where a compiler is there) loads in about a millisecond and decodes even a block of two steps in a
+# fifth of the pyarrow path's CPU (bench/block_decode.py --block 2), so every block of two steps or more takes
+# it where it is built. Where it is not (or DISTTRACE_NATIVE=0) every block takes the pyarrow path, which is
+# also the tests' oracle.
+_kernel = (
+    None  # store/blockdecode.decode, False where the C kernels are not there; None: not yet known
+)
 
 
-def expect(nbytes: int) -> None:
-    """A reader's word that this process is about to decode ~nbytes of trajectory (a diff of every step): a
-    large job takes numba's kernels from its first block (the C ones take every block anyway)."""
-    _work[0] += nbytes
+def native_decoder() -> bool:
+    """Whether blocks are decoded by the C kernels."""
+    return _compiled() is not None
 
 
-def _probe_native() -> None:
-    """Whether the C build decodes, known without importing numba (set once a process)."""
-    global _native
-    if _native is None:
-        _native = os.environ.get("DISTTRACE_BLOCK") != "0" and native("_blockdecode") is not None
-
-
-def counts_expected() -> bool:
-    """Whether a reader's `expect` can change anything: only numba's kernels wait for a large job (the C ones
-    take every block, and the estimate is a loop over every rank-step). Imports nothing heavy."""
-    _probe_native()
-    return not _native
-
-
-def _compiled(size: int | None = None):
-    """The compiled block decoder of store/blockdecode.py for a block of `size` bytes (None: whatever its
-    size and the job's), or None. C where built: any block; numba (an optional extra, `pip install
-    disttrace[fast]`) only past COMPILED_MIN and COMPILED_AFTER; each imported the first time it is wanted
-    (whether the C build is there is known without importing numba)."""
-    global _kernel, _native
-    _probe_native()
-    if size is not None and (
-        size < NATIVE_MIN if _native else size < COMPILED_MIN or _work[0] < COMPILED_AFTER
-    ):
-        return None
-    if _kernel is None:  # neither build, or a pyarrow whose writer the templates do not know: None
-        blockdecode = optional("disttrace.store.blockdecode", "DISTTRACE_BLOCK")
-        _kernel = blockdecode.decode if blockdecode is not None else False
-        _native = blockdecode is not None and blockdecode.KERNELS == "c"
+def _compiled():
+    """store/blockdecode.py's decode where the C kernels are built (imported the first time it is wanted), else
+    None."""
+    global _kernel
+    if (
+        _kernel is None
+    ):  # not built, DISTTRACE_NATIVE=0, or a pyarrow whose writer the templates do not know
+        try:
+            from disttrace.store import blockdecode
+        except ImportError:
+            _kernel = False
+        else:
+            _kernel = blockdecode.decode
     return _kernel or None
 
 

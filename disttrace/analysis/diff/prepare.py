@@ -480,11 +480,9 @@ class _Setup:
         reader = (
             readahead.ReadAhead(_blocks_read(plan, self.ranks, side_a, side_b))
             if plan is not None
-            and readahead.worth_it(plan.mean_records(), native=not trajectory.counts_expected())
+            and readahead.worth_it(plan.mean_records(), native=trajectory.native_decoder())
             else None
         )
-        if reader is not None and trajectory.counts_expected():
-            trajectory.expect(_bytes_read(steps, self.ranks, side_a, side_b))
         try:
             yield from self._outcomes(steps, propagate, on_step, reader, plan)
         finally:
@@ -523,21 +521,3 @@ class _Setup:
             # each side's count of the step, handed to the outcome and let go (a dict by step grew with the steps)
             io = (side_a.io.pop(step, nothing), side_b.io.pop(step, nothing))
             yield StepOutcome(step, per_rank, read, io, ev.events, ev.both, tol)
-
-
-def _bytes_read(steps: list[int], ranks, side_a: _Side, side_b: _Side) -> int:
-    """About the trajectory bytes a comparison of every step decodes: both sides' byte ranges of the rank-steps
-    whose index digests differ (those that agree are skipped unread): what
-    tells store/trajectory.py a job is large enough for its compiled path."""
-    total = 0
-    for s in steps:
-        for r in ranks:
-            if side_a.same_digest(r, s, side_b):
-                continue
-            for side in (side_a, side_b):
-                idx = side.index.get(r)
-                try:
-                    total += idx.span(s)[1]
-                except (AttributeError, KeyError):  # a rank or step a side lacks: nothing to decode
-                    pass
-    return total
