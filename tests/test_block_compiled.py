@@ -183,6 +183,43 @@ def test_mutated_blocks_decline_or_decode_as_the_pyarrow_path(tmp_path, kernels)
     assert declined > 25 and accepted > 10 and changed > 5, (declined, accepted, changed)
 
 
+def _large_steps(rng: random.Random, n: int) -> list[list[dict]]:
+    """Steps of ~4,500 records (a 32-layer model's): buffers past one 64 KiB LZ4 block, which the writer
+    compresses as frames of linked blocks."""
+    out = []
+    for s in range(1, n + 1):
+        recs = [r for _ in range(25) for r in _realistic(s, rng)]
+        out.append([{**r, "index": i} for i, r in enumerate(recs)])
+    return out
+
+
+def test_steps_of_linked_lz4_blocks_decode_as_the_pyarrow_path(tmp_path, kernels):
+    """Real runs' steps hold buffers of more than 64 KiB, written as LZ4 frames of linked blocks (a match may
+    reach into the blocks before it): decoded by the kernels (not declined) into the pyarrow path's batch;
+    mutated, declined or decoded as the pyarrow path decodes them, never a batch where it refuses."""
+    rng = random.Random(5)
+    path = tmp_path / "rank-00000.arrows"
+    parts = _steps(path, write_v2(path, _large_steps(rng, 3)))
+    good = [d for d, _ in parts[1:]]
+    assert any(b"\x04\x22\x4d\x18\x40\x40\xc0" in d for d in good)  # a linked frame's descriptor
+    assert blockdecode.kernel_status(good) == 0, blockdecode.DECLINED.get(
+        blockdecode.kernel_status(good)
+    )
+    got, starts = blockdecode.decode(good)
+    want, want_starts = trajectory._decode_block(good)
+    assert got.equals(want) and starts.tolist() == want_starts.tolist()
+    accepted = 0
+    for trial in range(40):
+        block = _mutate(rng, good)
+        got = blockdecode.decode(block)
+        if got is not None:
+            want = _pyarrow(block)
+            assert isinstance(want, tuple), (trial, want)
+            assert _same(got[0], want[0]) and got[1].tolist() == want[1].tolist(), trial
+            accepted += 1
+    assert accepted > 0
+
+
 def test_a_block_with_long_names_is_left_to_pyarrow(tmp_path, kernels):
     """every_kind's phase and dtype longer than 12 bytes: the compiled decoder declines, the block decodes."""
     path = tmp_path / "rank-00000.arrows"

@@ -124,10 +124,11 @@ static inline int64_t length_of(const uint8_t *raw, int64_t *ip, int64_t iend, i
 
 /* One LZ4 block raw[ip:iend] decoded into out[ostart:...], at most olimit; its length, or -1. Held to the
  * format's rules, which LZ4's own decoder relies on: every sequence but the last has a match, of an offset
- * inside the block's output; the last ends the input exactly; the last match starts 12 bytes or more before
- * the block's end and ends 5 or more before it. */
-static int64_t lz4_block(const uint8_t *raw, int64_t ip, int64_t iend, uint8_t *out, int64_t ostart,
-                         int64_t olimit) {
+ * inside the output from `base` on (the block's own output, or in a frame of linked blocks the frame's so
+ * far: base <= ostart); the last ends the input exactly; the last match starts 12 bytes or more before the
+ * block's end and ends 5 or more before it. */
+static int64_t lz4_block(const uint8_t *raw, int64_t ip, int64_t iend, uint8_t *out, int64_t base,
+                         int64_t ostart, int64_t olimit) {
     int64_t op = ostart;
     int64_t last_start = -1;
     int64_t last_end = -1;
@@ -145,7 +146,7 @@ static int64_t lz4_block(const uint8_t *raw, int64_t ip, int64_t iend, uint8_t *
         if (iend - ip < 2) return -1;
         int64_t off = (int64_t)raw[ip] | ((int64_t)raw[ip + 1] << 8);
         ip += 2;
-        if (off == 0 || off > op - ostart) return -1;
+        if (off == 0 || off > op - base) return -1;
         int64_t ml = length_of(raw, &ip, iend, token & 15);
         if (ml < 0) return -1;
         ml += 4;
@@ -165,11 +166,15 @@ static int64_t lz4_block(const uint8_t *raw, int64_t ip, int64_t iend, uint8_t *
     return op - ostart;
 }
 
-/* Whether the LZ4 frame raw[a:b] is the writer's kind and decodes to exactly `size` bytes at out[o:]. */
+/* Whether the LZ4 frame raw[a:b] is the writer's kind and decodes to exactly `size` bytes at out[o:]. The
+ * writer's two frame descriptors: 64 KiB blocks, no checksums, no content size, the blocks independent
+ * (60 40 82) or, for a buffer of more than one block, linked (40 40 C0: a match may reach back into the
+ * blocks before it, which lie just before it in out). */
 static int lz4_frame(const uint8_t *raw, int64_t a, int64_t b, uint8_t *out, int64_t o, int64_t size) {
     if (b - a < 11) return 0;
     if (raw[a] != 0x04 || raw[a + 1] != 0x22 || raw[a + 2] != 0x4D || raw[a + 3] != 0x18) return 0;
-    if (raw[a + 4] != 0x60 || raw[a + 5] != 0x40 || raw[a + 6] != 0x82) return 0;
+    int linked = raw[a + 4] == 0x40 && raw[a + 5] == 0x40 && raw[a + 6] == 0xC0;
+    if (!linked && (raw[a + 4] != 0x60 || raw[a + 5] != 0x40 || raw[a + 6] != 0x82)) return 0;
     int64_t p = a + 7;
     int64_t op = o;
     int64_t oend = o + size;
@@ -186,7 +191,7 @@ static int lz4_frame(const uint8_t *raw, int64_t a, int64_t b, uint8_t *out, int
             copy(out, op, raw, p, bs);
             op += bs;
         } else {
-            int64_t got = lz4_block(raw, p, p + bs, out, op, min64(oend, op + LZ4_BLOCK));
+            int64_t got = lz4_block(raw, p, p + bs, out, linked ? o : op, op, min64(oend, op + LZ4_BLOCK));
             if (got < 0) return 0;
             op += got;
         }
