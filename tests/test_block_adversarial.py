@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("disttrace.store.blockdecode")  # the C kernels not built: skipped
+pytest.importorskip("disttrace.store.blockdecode", exc_type=ImportError)
 import adversarial_block as adv  # noqa: E402
 from test_block_compiled import kernels  # noqa: E402, F401 (the fixture)
 from test_block_decode import block_kernels  # noqa: E402

@@ -24,7 +24,7 @@ from test_trajectory_format import _realistic, every_kind, write_v2
 from disttrace.errors import BadInput
 from disttrace.store import trajectory
 
-blockdecode = pytest.importorskip("disttrace.store.blockdecode")  # the C kernels not built: skipped
+blockdecode = pytest.importorskip("disttrace.store.blockdecode", exc_type=ImportError)
 
 
 @pytest.fixture

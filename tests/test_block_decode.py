@@ -38,7 +38,9 @@ from disttrace.store import trajectory
 
 def block_kernels():
     """store/blockdecode.py's C kernels, or the test skipped where they are not built (or DISTTRACE_NATIVE=0)."""
-    blockdecode = pytest.importorskip("disttrace.store.blockdecode")  # not built: ImportError
+    # the module raises ImportError where the C kernels are not there (pytest skips only a missing module
+    # unless told)
+    blockdecode = pytest.importorskip("disttrace.store.blockdecode", exc_type=ImportError)
     return blockdecode.c_kernels()
 
 
@@ -49,9 +51,9 @@ def decoder(request, monkeypatch):
     if request.param == "pyarrow":
         monkeypatch.setattr(trajectory, "_kernel", False)
         return None
+    k = block_kernels()
     from disttrace.store import blockdecode
 
-    k = block_kernels()
     monkeypatch.setattr(trajectory, "_kernel", partial(blockdecode.decode, kernels=k))
     return k
 

@@ -462,9 +462,7 @@ def test_a_refusal_of_the_c_decoder_declines_to_pyarrow(tmp_path, monkeypatch):
     path decodes it: the same batch."""
     from disttrace.store import trajectory
 
-    blockdecode = pytest.importorskip(
-        "disttrace.store.blockdecode"
-    )  # the C extension not built: skipped
+    blockdecode = pytest.importorskip("disttrace.store.blockdecode", exc_type=ImportError)
     import test_numeric_steps as steps
 
     a, _ = steps._stores(tmp_path, 1, 4, 30)

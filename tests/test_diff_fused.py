@@ -161,9 +161,7 @@ def both_paths(monkeypatch):
         return kernel(*args)
 
     monkeypatch.setattr(kernels, "compare_block", counted)
-    blockdecode = pytest.importorskip(
-        "disttrace.store.blockdecode"
-    )  # the C decoder not built: skipped
+    blockdecode = pytest.importorskip("disttrace.store.blockdecode", exc_type=ImportError)
 
     def decode(block):
         run.decoded.append(len(block))
