@@ -159,7 +159,7 @@ class Magnitudes:
             return None
         rank, entry = got
         norm, coef = math.nan, 1.0
-        for rec in self._run.records_of_step(rank, entry):
+        for rec in self._run.records_of_step(rank, entry, phases=("clip",)):
             if rec.get("phase") != "clip" or rec.get("tensor") not in ("grad_norm", "clip_coef"):
                 continue
             v = rec.get("sum")

@@ -768,17 +768,27 @@ class Run:
                 return trajectory.to_records(trajectory.decode_step(path, data, f"step {step}"))
         return []
 
-    def records_of_step(self, rank: int, entry: StepIndexEntry) -> list[dict]:
-        """Read only the byte range of one step (from the step index): diff seeks, never scans."""
-        return self.records_of_range(rank, entry.offset, entry.length, entry.step)
+    def records_of_step(
+        self, rank: int, entry: StepIndexEntry, phases: tuple[str, ...] | None = None
+    ) -> list[dict]:
+        """Read only the byte range of one step (from the step index): diff seeks, never scans; with
+        `phases`, only those phases' records."""
+        return self.records_of_range(rank, entry.offset, entry.length, entry.step, phases)
 
     def records_of_range(
-        self, rank: int, offset: int, length: int, step: int | None = None
+        self,
+        rank: int,
+        offset: int,
+        length: int,
+        step: int | None = None,
+        phases: tuple[str, ...] | None = None,
     ) -> list[dict]:
         """The records in bytes offset..offset+length of the rank's trajectory (one step's, if `step`)."""
         from disttrace.store.trajectory import records_of_range
 
-        return records_of_range(self.trajectory_path(rank), offset, length, step, root=self.path)
+        return records_of_range(
+            self.trajectory_path(rank), offset, length, step, root=self.path, phases=phases
+        )
 
     def checkpoint_dirs(self) -> list[Path]:
         d = self.path / "checkpoints"

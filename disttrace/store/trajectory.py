@@ -1223,9 +1223,16 @@ def to_records(batch: pa.RecordBatch) -> list[dict]:
 
 
 def records_of_range(
-    path: Path, offset: int, length: int, step: int | None = None, root: Path | None = None
+    path: Path,
+    offset: int,
+    length: int,
+    step: int | None = None,
+    root: Path | None = None,
+    phases: tuple[str, ...] | None = None,
 ) -> list[dict]:
-    """One step's records, read by seeking to its byte range (from the step index)."""
+    """One step's records, read by seeking to its byte range (from the step index); with `phases`, only
+    those phases' records (the step is checked whole all the same; only what is asked for is converted to
+    dicts, a few records of thousands for a reader of the clip scalars)."""
     data = read_range(path, offset, length, root)
     if not is_arrow(path):
         try:
@@ -1238,7 +1245,13 @@ def records_of_range(
             ) from None
         from disttrace.store.records import checked_json_records
 
-        return checked_json_records(
+        recs = checked_json_records(
             recs, f"{path} (step {step}, bytes {offset}..{offset + length})"
         )
-    return to_records(decode_step(path, data, f"step {step} (bytes {offset}..{offset + length})"))
+        return recs if phases is None else [r for r in recs if r.get("phase") in phases]
+    batch = decode_step(path, data, f"step {step} (bytes {offset}..{offset + length})")
+    if phases is not None:
+        batch = batch.filter(
+            pc.is_in(batch.column("phase"), value_set=pa.array(phases, pa.string()))
+        )
+    return to_records(batch)
