@@ -317,6 +317,21 @@ def test_each_v2_step_decodes_alone(tmp_path):
     assert data[ranges[-1][0] + ranges[-1][1] :] == trajectory.END_OF_STREAM
 
 
+def test_a_step_read_for_some_phases_holds_exactly_their_records(tmp_path):
+    """records_of_range with `phases`: the step's records of those phases, in order, as the whole step's
+    records filtered (a v2 stream and a v1 one)."""
+    steps = [every_kind(s) for s in (1, 2)]
+    for write in (write_v2, write_v1):
+        path = tmp_path / f"rank-00000-{write.__name__}.arrows"
+        for (offset, length), recs in zip(write(path, steps), steps):
+            for phases in (("clip",), ("reduce", "optimizer"), ("no such phase",)):
+                got = trajectory.records_of_range(
+                    path, offset, length, recs[0]["step"], phases=phases
+                )
+                assert got == [r for r in recs if r["phase"] in phases]
+            assert any(r["phase"] == "clip" for r in recs)
+
+
 def test_any_arrow_reader_reads_a_v2_stream_as_it_is(tmp_path):
     """pyarrow's own reader over the whole file (DuckDB and Polars read the same way): phase and dtype are
     strings, shape a list, the dictionary re-sent in every step taken as a replacement."""
