@@ -93,15 +93,7 @@ def prepare_replay(
     kind = run.run_info.path
     if kind not in PATH_KINDS or kind == "replay":
         raise BadInput(run_dir / "run.json", f"cannot replay a '{kind}' run", field="path")
-    if depth is not None and depth not in DEPTHS:
-        raise BadInput("--depth", f"'{depth}' is not one of {', '.join(DEPTHS)}")
-    recorded = _recorded_steps(run)
-    if step not in recorded:
-        raise BadInput(
-            "--step",
-            f"step {step} is not a recorded step of {run_dir} (recorded: "
-            f"{_ranges(recorded) or 'none'})",
-        )
+    _check_step_and_depth(run, run_dir, step, depth)
     frozen, ckpt, why = checkpoint_before(run_dir, step - 1)
     world = frozen.model().world_size
     if permute_ranks and world < 2:
@@ -150,15 +142,7 @@ def prepare_attached_replay(
         )
     if not command:
         raise BadInput("--", "no command after '--' (e.g. -- torchrun --nproc-per-node 2 train.py)")
-    if depth is not None and depth not in DEPTHS:
-        raise BadInput("--depth", f"'{depth}' is not one of {', '.join(DEPTHS)}")
-    recorded = _recorded_steps(run)
-    if step not in recorded:
-        raise BadInput(
-            "--step",
-            f"step {step} is not a recorded step of {run_dir} (recorded: "
-            f"{_ranges(recorded) or 'none'})",
-        )
+    _check_step_and_depth(run, run_dir, step, depth)
     here = run_dir.resolve()
     replay_dir = new_run_dir(here.parent.parent, here.parent.name, f"replay-{step}")
     extra = {}
@@ -248,3 +232,16 @@ def replay_run(
     else:
         launch_job(replay_dir)
     return attribute(run_dir, replay_dir, reference)
+
+
+def _check_step_and_depth(run: Run, run_dir: Path, step: int, depth: str | None) -> None:
+    """A replay's --depth is a known level and its --step a step the run recorded (bad input otherwise)."""
+    if depth is not None and depth not in DEPTHS:
+        raise BadInput("--depth", f"'{depth}' is not one of {', '.join(DEPTHS)}")
+    recorded = _recorded_steps(run)
+    if step not in recorded:
+        raise BadInput(
+            "--step",
+            f"step {step} is not a recorded step of {run_dir} (recorded: "
+            f"{_ranges(recorded) or 'none'})",
+        )
