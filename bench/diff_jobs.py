@@ -64,8 +64,8 @@ def run_cli(a: Path, b: Path, extra: list[str]) -> tuple[float, str, int, float]
 def cpu_child(name: str, a: str, b: str, jobs: int) -> None:
     """In this fresh process: CPU seconds of the whole comparison, of each share, of combining them."""
     from disttrace.analysis.diff import diff_runs
-    from disttrace.analysis.partial.merge import _combine, _fold
-    from disttrace.analysis.partial.share import _plan
+    from disttrace.analysis.diff.parallel.merge import _combine, _fold
+    from disttrace.analysis.diff.parallel.share import _plan
 
     kw = {"mode": "numeric"} if name == "numeric" else {}
     c0 = time.process_time()

@@ -19,8 +19,8 @@ from conftest import cli
 from test_diff_synthetic import FORMAT, digest, gen_records, manifest, shard_records, write_run
 from test_json_contract import DIFFS, ZERO1, _golden, _named
 
-from disttrace.analysis import partial
 from disttrace.analysis.diff import diff_runs
+from disttrace.analysis.diff import parallel as partial
 from disttrace.errors import EXIT_PARTIAL, BadInput
 
 STEPS = 8

@@ -211,7 +211,7 @@ def test_peak_does_not_grow_with_the_steps(tmp_path, monkeypatch):
     monkeypatch.setattr(StepEntries, "SPILL_STEPS", 16, raising=False)
     monkeypatch.setattr(StepEntries, "PAGE", 8, raising=False)
     monkeypatch.setattr(tol, "_CACHED", 32, raising=False)
-    real = prepare._Setup.outcomes
+    real = prepare.Setup.outcomes
 
     def outcomes(
         self, *args, **kw
@@ -219,7 +219,7 @@ def test_peak_does_not_grow_with_the_steps(tmp_path, monkeypatch):
         tracemalloc.reset_peak()
         yield from real(self, *args, **kw)
 
-    monkeypatch.setattr(prepare._Setup, "outcomes", outcomes)
+    monkeypatch.setattr(prepare.Setup, "outcomes", outcomes)
     peaks = {}
     for steps in (few, many):
         a, b = _stores(tmp_path / str(steps), ranks, steps, n)

@@ -64,7 +64,7 @@ def test_the_same_result_with_and_without_the_second_thread(
 def _forge(run, rank: int, step: int) -> None:
     """A compressed buffer of the step that claims 2**40 bytes: refused by the decode, naming the step."""
     traj = run / "trajectory" / f"rank-{rank:05d}.arrows"
-    e = side._Side("X", run, True, []).run.step_index_lines(rank).records[step - 1]
+    e = side.Side("X", run, True, []).run.step_index_lines(rank).records[step - 1]
     data = bytearray(traj.read_bytes())
     at = slice(e["offset"], e["offset"] + e["length"])
     data[at] = _forged_size(bytes(data[at]))

@@ -200,14 +200,14 @@ def test_a_sides_index_is_a_few_dozen_bytes_a_rank_step(tmp_path):
     """The index a side holds grows by ~64 bytes a rank-step (the lines as parsed took ~1 KB)."""
     import tracemalloc
 
-    from disttrace.analysis.diff.side import _Side
+    from disttrace.analysis.diff.side import Side
 
     ranks, steps = 2, 800
     m = synthetic.manifest(ranks, steps)
     synthetic.write_shared(tmp_path / "a", m)
     synthetic.write_ranks([synthetic.Variant(str(tmp_path / "a"))], ranks, steps, 6, jobs=1)
     synthetic.complete(tmp_path / "a", None)
-    side = _Side("a", tmp_path / "a", True, [])
+    side = Side("a", tmp_path / "a", True, [])
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]

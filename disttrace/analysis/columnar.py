@@ -349,7 +349,7 @@ def aligned_block(ca: Columns, cb: Columns, starts: np.ndarray) -> bool:
 @dataclass
 class StepSummary:
     """`Compared` of one or several concatenated steps, summed up per step (diff folds it into each step's
-    _RankStep). Per step: inexact, differing and hard counts, and the rows
+    RankStep). Per step: inexact, differing and hard counts, and the rows
     (positions in the concatenation) that the record path must see: special ones and the first divergent one.
     Per (step, phase) group with a relative error: the largest error (first among equals) and its bound, and
     where a bound is positive the largest error-to-bound ratio with its error and bound."""

@@ -176,11 +176,11 @@ def _diff(runs, merge, ranks, steps, share, jobs, opts):
 
     part = None
     if merge:
-        from disttrace.analysis.partial import merge_partials
+        from disttrace.analysis.diff.parallel import merge_partials
 
         result = merge_partials(runs)
     elif ranks is not None or steps is not None or share is not None:
-        from disttrace.analysis.partial import diff_partial, parse_share, parse_spec
+        from disttrace.analysis.diff.parallel import diff_partial, parse_share, parse_spec
 
         part = diff_partial(
             runs[0],

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from disttrace.analysis.diff.fold import _Fold, _result
-from disttrace.analysis.diff.prepare import _Setup
+from disttrace.analysis.diff.fold import Fold, fold_result
+from disttrace.analysis.diff.prepare import Setup
 from disttrace.analysis.result import DiffResult
 from disttrace.errors import BadInput
 
@@ -56,16 +56,16 @@ def diff_runs(
     ones where it has them (each bound in the result says `bound_kind`: derived, calibrated or none). Without
     it, a calibration of A's (else B's) manifest beside the run (`calibrate` writes runs/<id12>/
     calibration.json) is used, unless find_calibration=False.
-    jobs > 1 compares in that many processes (analysis/partial/: ranks split between them where the
+    jobs > 1 compares in that many processes (analysis/diff/parallel/: ranks split between them where the
     topologies are the same, steps across topologies); the result is the one this process would return.
     Raises BadInput (exit 2) for unreadable or incompatible runs.
     """
     if jobs != 1:
-        from disttrace.analysis import partial
+        from disttrace.analysis.diff import parallel
 
         if not propagate:
             raise BadInput("--jobs", "needs the whole propagation (propagate=True)", field="jobs")
-        return partial.diff_jobs(
+        return parallel.diff_jobs(
             a,
             b,
             jobs,
@@ -77,14 +77,14 @@ def diff_runs(
             calibration=calibration,
             find_calibration=find_calibration,
         )
-    st = _Setup(
+    st = Setup(
         a, b, mode, rtol, atol, allow_edition_mismatch, use_index, calibration, find_calibration
     )
-    fold = _Fold(st.mode, st.warnings)
+    fold = Fold(st.mode, st.warnings)
     for o in st.outcomes(st.steps, propagate, on_step):
         if fold.add(o) and not propagate:
             break
-    return _result(
+    return fold_result(
         fold,
         mode=st.mode,
         a=st.side_a.describe(),

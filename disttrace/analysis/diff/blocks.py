@@ -10,19 +10,19 @@ import numpy as np
 
 from disttrace.analysis import columnar, readahead
 from disttrace.analysis.diff.compare import (
+    RankStep,
     _compare_rank_step,
     _compare_rank_step_columns,
     _fold_columns,
-    _RankStep,
 )
-from disttrace.analysis.diff.side import _Side
+from disttrace.analysis.diff.side import Side
 from disttrace.analysis.diff.tol import _Tol
 from disttrace.store import trajectory
 
 # records a block of steps may hold, per side: of one rank where ranks are compared one after another (a few MB
 # of columns), of all ranks where a step's ranks are read together (across topologies)
 BLOCK_ROWS = 1 << 14
-# rank-steps a block may hold the results of (a `_RankStep` each, and its step's entries when folded: ~2 KB a
+# rank-steps a block may hold the results of (a `RankStep` each, and its step's entries when folded: ~2 KB a
 # rank-step): small steps would otherwise make a block of thousands of steps of every rank (16,384 records of a
 # rank are 2,730 steps of 6), and the results, not the records, what it holds
 BLOCK_RANK_STEPS = 1 << 13
@@ -30,7 +30,7 @@ BLOCK_RANK_STEPS = 1 << 13
 _COMPARED = ("sum", "norm", "numel", "nonfinite", "device_digest")
 
 
-def _block(steps: list[int], n: int, ranks, sides: tuple[_Side, _Side], rows: int) -> list[int]:
+def _block(steps: list[int], n: int, ranks, sides: tuple[Side, Side], rows: int) -> list[int]:
     """steps[n:] as far as `rows` records of any one rank of either side reach, and no more than
     BLOCK_RANK_STEPS rank-steps; at least one step."""
     out, total, most = [], 0, _most_steps(ranks)
@@ -50,7 +50,7 @@ class _Plan:
     asks each rank's index for each of them, for every block, and did so twice: for the read-ahead and for
     the comparison)."""
 
-    def __init__(self, steps: list[int], ranks, sides: tuple[_Side, _Side]):
+    def __init__(self, steps: list[int], ranks, sides: tuple[Side, Side]):
         weights = [
             max((int(side.record_count(r, step) or 0) for side in sides for r in ranks), default=0)
             for step in steps
@@ -76,9 +76,9 @@ def _most_steps(ranks) -> int:
 
 
 def _compare_block(
-    block: list[int], ranks, side_a: _Side, side_b: _Side, tol: _Tol, read=None
+    block: list[int], ranks, side_a: Side, side_b: Side, tol: _Tol, read=None
 ) -> dict[int, tuple[dict, int]]:
-    """Same topology, steps `block`, rank by rank: ({rank: _RankStep}, ranks read) per step. A rank whose index
+    """Same topology, steps `block`, rank by rank: ({rank: RankStep}, ranks read) per step. A rank whose index
     digests agree is skipped undecoded when its raw bytes are the same on both sides (each side's bytes also
     checked against the hash it was indexed with): a digest in the index is the writer's word, equal bytes are
     equal records whoever wrote the index. A rank's steps that are read are decoded together (one batch a
@@ -92,7 +92,7 @@ def _compare_block(
         same, todo, pair = read(r) if read is not None else _read_rank(r, block, side_a, side_b)
         for s in block:
             if s in same:
-                per[s][r] = _RankStep(int(side_a.record_count(r, s) or 0))
+                per[s][r] = RankStep(int(side_a.record_count(r, s) or 0))
                 continue
             read_steps[s] += 1
         if not todo:
@@ -103,7 +103,7 @@ def _compare_block(
             continue
         (ba, starts_a), (bb, starts_b), ca, cb, aligned = pair
         if aligned:
-            out = [_RankStep(n) for n in np.diff(np.append(starts_a, ba.num_rows)).tolist()]
+            out = [RankStep(n) for n in np.diff(np.append(starts_a, ba.num_rows)).tolist()]
             _fold_columns(todo, r, ca, cb, starts_a, tol, out)
             for s, rs in zip(todo, out):
                 per[s][r] = rs
@@ -117,7 +117,7 @@ def _compare_block(
     return {s: (per[s], read_steps[s]) for s in block}
 
 
-def _read_rank(r: int, block: list[int], side_a: _Side, side_b: _Side):
+def _read_rank(r: int, block: list[int], side_a: Side, side_b: Side):
     """What comparing rank r's steps of `block` reads: the steps skipped as the same bytes on both sides, the
     steps to compare, and both sides' batches of those (decoded together) with their columns and whether they
     align row by row, or None where they are compared step by step (a JSON-lines side, a step one side
@@ -155,7 +155,7 @@ def _take(reader: readahead.ReadAhead, first: int, r: int):
     return reader.take((first, r))
 
 
-def _blocks_read(plan: _Plan, ranks, side_a: _Side, side_b: _Side):
+def _blocks_read(plan: _Plan, ranks, side_a: Side, side_b: Side):
     """The reads of a comparison that propagates over every step, in its order: (block's first step, rank) and
     the job that reads that rank's block (for readahead.ReadAhead)."""
     n, steps = 0, plan.steps
@@ -166,7 +166,7 @@ def _blocks_read(plan: _Plan, ranks, side_a: _Side, side_b: _Side):
         n += len(block)
 
 
-def _compare_step_alone(s: int, r: int, side_a: _Side, side_b: _Side, tol: _Tol) -> _RankStep:
+def _compare_step_alone(s: int, r: int, side_a: Side, side_b: Side, tol: _Tol) -> RankStep:
     """One rank's step on the record path, where a side is JSON lines (a side decoded is not read again)."""
     ba, bb = side_a.batch(r, s), side_b.batch(r, s)
     if ba is not None and bb is not None:

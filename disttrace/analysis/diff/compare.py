@@ -1,5 +1,5 @@
 """One rank's step compared record by record or column-wise (`_fold_columns`, analysis/columnar.py), and
-what a rank showed at a step (`_RankStep`)."""
+what a rank showed at a step (`RankStep`)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def _phase_order(phase: str) -> int:
     return PHASE_ORDER.get(phase, _UNKNOWN_PHASE)
 
 
-class _RankStep:
+class RankStep:
     """What one rank showed at one step."""
 
     __slots__ = (
@@ -123,12 +123,12 @@ def _keyed(recs: list[dict]) -> dict[tuple, dict]:
 
 def _compare_rank_step(
     step: int, rank: int, recs_a: list[dict], recs_b: list[dict], tol: _Tol
-) -> _RankStep:
+) -> RankStep:
     ka, kb = _keyed(recs_a), _keyed(recs_b)
     keys = sorted(
         ka.keys() | kb.keys()
     )  # in the recorder's order: ties between errors resolve the same every run
-    rs = _RankStep(len(keys))
+    rs = RankStep(len(keys))
     for k in keys:
         ra, rb = ka.get(k), kb.get(k)
         if ra is not None and rb is not None and _same_bits(ra, rb):
@@ -138,7 +138,7 @@ def _compare_rank_step(
     return rs
 
 
-def _compare_rank_step_columns(step: int, rank: int, ba, bb, tol: _Tol) -> _RankStep:
+def _compare_rank_step_columns(step: int, rank: int, ba, bb, tol: _Tol) -> RankStep:
     """_compare_rank_step on two Arrow batches: aligned rows are compared column-wise (analysis/columnar.py),
     the few that need the record path's special cases (and unaligned steps) go through it."""
     ca, cb = columnar.Columns(ba), columnar.Columns(bb)
@@ -146,7 +146,7 @@ def _compare_rank_step_columns(step: int, rank: int, ba, bb, tol: _Tol) -> _Rank
         return _compare_rank_step(
             step, rank, trajectory.to_records(ba), trajectory.to_records(bb), tol
         )
-    rs = _RankStep(ba.num_rows)
+    rs = RankStep(ba.num_rows)
     _fold_columns([step], rank, ca, cb, np.zeros(1, dtype=np.int64), tol, [rs])
     return rs
 
@@ -158,7 +158,7 @@ def _fold_columns(
     cb,
     starts: np.ndarray,
     tol: _Tol,
-    out: list[_RankStep],
+    out: list[RankStep],
     logical: bool = False,
     records=None,
 ) -> None:

@@ -1,12 +1,12 @@
 """Folding compared steps, in step order, into the result: the first divergence, propagation, recovered
-steps, the numeric summary, the counts (`_Fold`), and the `DiffResult` they make (`_result`)."""
+steps, the numeric summary, the counts (`Fold`), and the `DiffResult` they make (`fold_result`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from disttrace.analysis.diff.compare import _phase_order, _RankStep
+from disttrace.analysis.diff.compare import RankStep, _phase_order
 from disttrace.analysis.diff.logical import CROSS_TOPOLOGY_PHASES, Warned
 from disttrace.analysis.diff.tol import _Tol
 from disttrace.analysis.result import (
@@ -62,7 +62,7 @@ class StepOutcome:
     comparison's `_Tol` in the process that compared it, a table of the same answers in a merge)."""
 
     step: int
-    per_rank: dict[int, _RankStep]
+    per_rank: dict[int, RankStep]
     read: int
     io: tuple  # A's (records parsed, ranges hash-checked), B's
     events: list[tuple[str, str]]  # (kind, text), StepWarnings.events
@@ -70,7 +70,7 @@ class StepOutcome:
     look: Any  # _Tol, or partial's table of its answers
 
 
-class _Fold:
+class Fold:
     """The result's step-wise parts, from the compared steps in order: the first divergence, propagation,
     recovered steps, numeric summary, counts, and the comparison's warnings."""
 
@@ -128,8 +128,8 @@ class _Fold:
         return False
 
 
-def _result(
-    fold: _Fold,
+def fold_result(
+    fold: Fold,
     *,
     mode: str,
     a: SideSummary,

@@ -12,12 +12,12 @@ import pyarrow.compute as pc
 
 from disttrace.analysis import columnar, tolerance
 from disttrace.analysis.diff.compare import (
+    RankStep,
     _fold_columns,
     _phase_order,
-    _RankStep,
     _unit,
 )
-from disttrace.analysis.diff.side import _Side
+from disttrace.analysis.diff.side import Side
 from disttrace.analysis.diff.tol import _same_bits, _Tol
 from disttrace.store import trajectory
 from disttrace.store.trajectory import SKETCH_K
@@ -150,7 +150,7 @@ def _logicals(recs_by_rank: dict[int, list[dict]], phases) -> dict[tuple[str, st
     return out
 
 
-def _step_records(side: _Side, step: int) -> tuple[dict[int, list[dict]], dict | None]:
+def _step_records(side: Side, step: int) -> tuple[dict[int, list[dict]], dict | None]:
     """(records by rank, Arrow batches by rank when every rank's trajectory is an Arrow stream)."""
     if side.ranks and all(trajectory.is_arrow(side.traj_path(r)) for r in side.ranks):
         batches = {r: side.batch(r, step) for r in side.ranks if side.has(r, step)}
@@ -159,8 +159,8 @@ def _step_records(side: _Side, step: int) -> tuple[dict[int, list[dict]], dict |
 
 
 def _compare_logical_step(
-    step: int, a: _Side, b: _Side, tol: _Tol, ev: StepWarnings
-) -> dict[int, _RankStep]:
+    step: int, a: Side, b: Side, tol: _Tol, ev: StepWarnings
+) -> dict[int, RankStep]:
     recs_a, batches_a = _step_records(a, step)
     recs_b, batches_b = _step_records(b, step)
     out = _compare_logical_tensors(step, recs_a, batches_a, recs_b, batches_b, tol, ev)
@@ -201,7 +201,7 @@ def _compare_losses(step: int, la: dict, lb: dict, tol: _Tol, out: dict) -> None
         ra = la[key][0]
         for rb in lb[key]:
             rank = rb.get("rank", 0)
-            rs = out.setdefault(rank, _RankStep())
+            rs = out.setdefault(rank, RankStep())
             rs.total += 1
             if _same_bits(ra, rb):
                 continue
@@ -212,7 +212,7 @@ def _compare_losses(step: int, la: dict, lb: dict, tol: _Tol, out: dict) -> None
 
 def _compare_logical_tensors(
     step, recs_a, batches_a, recs_b, batches_b, tol, ev: StepWarnings
-) -> dict[int, _RankStep]:
+) -> dict[int, RankStep]:
     if batches_a is not None and batches_b is not None:
         out = _compare_logical_step_columns(step, batches_a, batches_b, tol, ev)
         if out is not None:
@@ -228,11 +228,11 @@ def _compare_logical_tensors(
     for p in pa ^ pb:  # a phase one side does not record at all: nothing to compare it with
         side = "A" if p not in pa else "B"
         ev.phase(p, f"run {side} records no '{p}' phase: that phase is not compared")
-    out: dict[int, _RankStep] = {}
+    out: dict[int, RankStep] = {}
 
-    def rank_step(r: int) -> _RankStep:
+    def rank_step(r: int) -> RankStep:
         if r not in out:
-            out[r] = _RankStep()
+            out[r] = RankStep()
         return out[r]
 
     for phase, name in sorted(la.keys() | lb.keys(), key=lambda k: (_phase_order(k[0]), k)):
@@ -323,7 +323,7 @@ def _compare_logical_step_columns(
     batches_b: dict,
     tol: _Tol,
     ev: StepWarnings,
-) -> dict[int, _RankStep] | None:
+) -> dict[int, RankStep] | None:
     """_compare_logical_step column-wise: where tensors are whole on every rank, in B's rows' order (replicas:
     A's lowest rank's copy is the logical value, each of B's copies is compared with it); where a tensor is
     sharded on either side, in the record path's order (`_compare_sharded_columns`). None hands the step to
@@ -361,7 +361,7 @@ def _compare_logical_step_columns(
     in_b = np.asarray(
         pc.is_in(logical_a, value_set=key_b).to_numpy(zero_copy_only=False), dtype=bool
     )
-    out: dict[int, _RankStep] = {}
+    out: dict[int, RankStep] = {}
     ranks_b = xb.column("rank").to_numpy(zero_copy_only=False)
     a_row = np.full(xb.num_rows, -1, dtype=np.int64)
     a_row[matched] = first_a[
@@ -370,7 +370,7 @@ def _compare_logical_step_columns(
     for rank in np.unique(ranks_b).tolist():
         rows = np.nonzero(matched & (ranks_b == rank))[0]
         if rows.size:
-            rs = out.setdefault(rank, _RankStep())
+            rs = out.setdefault(rank, RankStep())
             rs.total += len(rows)
             _fold_columns(
                 [step],
@@ -387,7 +387,7 @@ def _compare_logical_step_columns(
 
 
 def _lone_units(
-    step: int, xa, xb, matched, in_b, first_a, tol: _Tol, out: dict[int, _RankStep]
+    step: int, xa, xb, matched, in_b, first_a, tol: _Tol, out: dict[int, RankStep]
 ) -> None:
     """A logical tensor one side lacks, into `out`: the record path's unit (missing_in), at its holder's rank
     (B's lowest rank holding it; A's lowest). `matched`: B's rows whose tensor A holds; `in_b`: A's logical
@@ -410,7 +410,7 @@ def _lone_units(
                 tol,
                 logical=True,
             )
-            rs = out.setdefault(rank, _RankStep())
+            rs = out.setdefault(rank, RankStep())
             rs.total += 1
             rs.add(
                 (
@@ -759,9 +759,9 @@ def _compare_sharded_columns(step: int, xa, xb, tol: _Tol, ev: StepWarnings):
     s = ~a_whole & ~cp
     if s.any():
         same[f[s]] = A.same_shards(u_ga[f[s]], B, u_gb[f[s]])
-    out: dict[int, _RankStep] = {}
+    out: dict[int, RankStep] = {}
     for r in u_rank[np.sort(np.unique(u_rank, return_index=True)[1])].tolist():
-        out[r] = _RankStep()  # in the order the record path meets them
+        out[r] = RankStep()  # in the order the record path meets them
     for r, c in zip(*np.unique(u_rank, return_counts=True)):
         out[int(r)].total += int(c)
     cache_a, cache_b = {}, {}

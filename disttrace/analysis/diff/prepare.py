@@ -1,5 +1,5 @@
 """Before any step is compared: both sides read and held to one experiment, the mode chosen, the steps both
-hold, the step since which the runs agree, the calibration found, the bound settled (`_Setup`)."""
+hold, the step since which the runs agree, the calibration found, the bound settled (`Setup`)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from disttrace.analysis.diff.blocks import (
 )
 from disttrace.analysis.diff.fold import StepOutcome
 from disttrace.analysis.diff.logical import StepWarnings, _compare_logical_step
-from disttrace.analysis.diff.side import _Side
+from disttrace.analysis.diff.side import Side
 from disttrace.analysis.diff.tol import _Tol
 from disttrace.analysis.result import (
     BoundKind,
@@ -71,9 +71,7 @@ def _short(v: Any) -> str:
     return s[:14] + "...'" if isinstance(v, str) and len(v) > 16 else s
 
 
-def _check_compatible(
-    a: _Side, b: _Side, allow_edition_mismatch: bool, warnings: list[str]
-) -> None:
+def _check_compatible(a: Side, b: Side, allow_edition_mismatch: bool, warnings: list[str]) -> None:
     ma, mb = a.manifest, b.manifest
     where = b.path / LOCK
     ea, eb = get_field(ma, "experiment.edition"), get_field(mb, "experiment.edition")
@@ -97,7 +95,7 @@ def _check_compatible(
         raise BadInput(where, f"not the same experiment as {a.path}: {detail}", field=names)
 
 
-def _compared_steps(a: _Side, b: _Side) -> tuple[list[int], ComparedSteps]:
+def compared_steps(a: Side, b: Side) -> tuple[list[int], ComparedSteps]:
     common = sorted(set(a.steps) & set(b.steps))
     n_total = int(get_field(a.manifest, "training.steps") or 0)
     why: list[str] = []
@@ -143,7 +141,7 @@ def _compared_steps(a: _Side, b: _Side) -> tuple[list[int], ComparedSteps]:
     )
 
 
-def _agreed_since(x: _Side, other: _Side) -> int:
+def _agreed_since(x: Side, other: Side) -> int:
     """The step at which x last held the other run's state: its resume step when it resumed from a
     checkpoint inside the other run's directory; else 0 (both started from the same initial state)."""
     if not x.resume_step or not x.resume_checkpoint:
@@ -162,7 +160,7 @@ def _agreed_since(x: _Side, other: _Side) -> int:
     return 0
 
 
-def _shared_projections(side_a: _Side, side_b: _Side, warnings: list[str]) -> int:
+def _shared_projections(side_a: Side, side_b: Side, warnings: list[str]) -> int:
     """How many leading sketch projections the two runs' records share the vectors of
     (store.trajectory.shared_projections): all within one sketch version; fewer between two, and a warning
     says so (the others are not compared; digest, sum and norm are, as always)."""
@@ -181,7 +179,7 @@ def _shared_projections(side_a: _Side, side_b: _Side, warnings: list[str]) -> in
     return shared
 
 
-def _choose_mode(side_a: _Side, side_b: _Side, mode: str | None, rtol, atol, warnings: list[str]):
+def _choose_mode(side_a: Side, side_b: Side, mode: str | None, rtol, atol, warnings: list[str]):
     """bitwise when the topologies are equal and no explicit bound is given, else numeric; refuses a bitwise
     comparison across topologies and bad bounds. Returns (mode, the topology fields that differ)."""
     ma, mb = side_a.manifest, side_b.manifest
@@ -224,7 +222,7 @@ def _choose_mode(side_a: _Side, side_b: _Side, mode: str | None, rtol, atol, war
     return mode, topo
 
 
-def _load_calibration(path, side_a: _Side, side_b: _Side):
+def _load_calibration(path, side_a: Side, side_b: Side):
     from disttrace.analysis.calibration import Calibration
 
     cal = Calibration(path)
@@ -241,7 +239,7 @@ def _load_calibration(path, side_a: _Side, side_b: _Side):
 CALIBRATION = "calibration.json"
 
 
-def _found_calibration(side_a: _Side, side_b: _Side) -> Path | None:
+def _found_calibration(side_a: Side, side_b: Side) -> Path | None:
     """The reference's own measured noise, used by default: `disttrace calibrate` writes calibration.json
     beside the runs of its manifest (runs/<id12>/), so a reference carries it; A's first, then B's. A file
     there that calibrates another manifest is not this run's and is left alone."""
@@ -375,7 +373,7 @@ def _tolerance_doc(
     )
 
 
-class _Setup:
+class Setup:
     """Both sides read and checked, the mode chosen, the steps and the bound settled: what comparing any
     rank's steps needs. `only` restricts the ranks read (a partial diff, one process of `--jobs`)."""
 
@@ -394,8 +392,8 @@ class _Setup:
         compare: bool = True,
     ):
         self.warnings = warnings = []
-        self.side_a = side_a = _Side("A", a, use_index, warnings, only)
-        self.side_b = side_b = _Side("B", b, use_index, warnings, only)
+        self.side_a = side_a = Side("A", a, use_index, warnings, only)
+        self.side_b = side_b = Side("B", b, use_index, warnings, only)
         _check_compatible(side_a, side_b, allow_edition_mismatch, warnings)
         self.n_pre = len(warnings)
         side_a.load()
@@ -421,7 +419,7 @@ class _Setup:
     def _settle(self, rtol, atol, calibration, find_calibration) -> None:
         """The steps both sides hold, the step since which they agree, the calibration and the bound."""
         side_a, side_b, ma, mb, warnings = self.side_a, self.side_b, self.ma, self.mb, self.warnings
-        self.steps, self.compared = _compared_steps(side_a, side_b)
+        self.steps, self.compared = compared_steps(side_a, side_b)
         self.since = since = max(_agreed_since(side_b, side_a), _agreed_since(side_a, side_b))
         found = False
         if (

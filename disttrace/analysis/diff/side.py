@@ -22,7 +22,7 @@ from disttrace.store.rundir import Run
 _SPAN = 64 << 20  # the most bytes read in one range for a block of steps
 
 
-class _Side:
+class Side:
     """One run's trajectory as diff sees it: per rank, an index step -> {offset, length, records, digest}.
 
     With ``use_index`` the index is the recorder's ``rank-NNNNN.steps.jsonl``. Without it (or when a rank
@@ -231,7 +231,7 @@ class _Side:
         idx = self.index.get(rank)
         return None if idx is None else idx.records(step)
 
-    def same_digest(self, rank: int, step: int, other: _Side) -> bool:
+    def same_digest(self, rank: int, step: int, other: Side) -> bool:
         """Both sides' index lines of the rank's step state the same digest of digests and record count."""
         mine, theirs = self.index.get(rank), other.index.get(rank)
         return mine is not None and theirs is not None and mine.same_digest(step, theirs)

@@ -10,9 +10,7 @@ from dataclasses import dataclass
 
 from disttrace import __version__
 from disttrace.analysis import readahead
-from disttrace.analysis.diff.prepare import _Setup
-from disttrace.analysis.diff.side import _Side
-from disttrace.analysis.partial.doc import (
+from disttrace.analysis.diff.parallel.doc import (
     _NOTE,
     _Binding,
     _Covers,
@@ -24,7 +22,9 @@ from disttrace.analysis.partial.doc import (
     _Sides,
     _Tolerance,
 )
-from disttrace.analysis.partial.steps import FORMAT, _spans, _Step
+from disttrace.analysis.diff.parallel.steps import FORMAT, _spans, _Step
+from disttrace.analysis.diff.prepare import Setup
+from disttrace.analysis.diff.side import Side
 from disttrace.errors import BadInput, DisttraceError
 from disttrace.fmt import ranges
 from disttrace.store import safeio
@@ -39,15 +39,15 @@ class WorkerFailed(DisttraceError):
         self.exit_code = exit_code
 
 
-def _seal(side: _Side) -> str | None:
+def _seal(side: Side) -> str | None:
     """sha256 of the side's COMPLETE (it seals the lock, run.json and every rank's files); None if incomplete."""
     if not side.complete:
         return None
     return hashlib.sha256(safeio.read_bytes(side.path / COMPLETE, side.path, "json")).hexdigest()
 
 
-def _setup(a, b, opts: dict, only=None, compare: bool = True) -> _Setup:
-    return _Setup(
+def _setup(a, b, opts: dict, only=None, compare: bool = True) -> Setup:
+    return Setup(
         a,
         b,
         opts.get("mode"),
@@ -62,7 +62,7 @@ def _setup(a, b, opts: dict, only=None, compare: bool = True) -> _Setup:
     )
 
 
-def _payload(st: _Setup, outcomes, ranks: list[int], steps: list[int] | None, opts) -> _Payload:
+def _payload(st: Setup, outcomes, ranks: list[int], steps: list[int] | None, opts) -> _Payload:
     a, b = st.side_a, st.side_b
     return _Payload(
         format=FORMAT,
@@ -132,7 +132,7 @@ def _context():
     methods = multiprocessing.get_all_start_methods()
     if "forkserver" in methods:
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["disttrace.analysis.partial"])
+        ctx.set_forkserver_preload(["disttrace.analysis.diff.parallel"])
         return ctx
     return multiprocessing.get_context("spawn")
 

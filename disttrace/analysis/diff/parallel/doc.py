@@ -12,8 +12,7 @@ from pydantic import (
     StrictInt,
 )
 
-from disttrace.analysis.diff.side import _Side
-from disttrace.analysis.partial.steps import (
+from disttrace.analysis.diff.parallel.steps import (
     _M,
     _S,
     _BoundKind,
@@ -24,6 +23,7 @@ from disttrace.analysis.partial.steps import (
     _Step,
     _unspan,
 )
+from disttrace.analysis.diff.side import Side
 from disttrace.analysis.result import BoundKind, SideSummary, Tolerance
 from disttrace.config.identity import get_field
 from disttrace.store.rundir import MAX_WORLD
@@ -50,7 +50,7 @@ class _SideFacts(_M):
     ]
 
     @classmethod
-    def of(cls, side: _Side) -> _SideFacts:
+    def of(cls, side: Side) -> _SideFacts:
         return cls(
             label=side.label,
             path=str(side.path),

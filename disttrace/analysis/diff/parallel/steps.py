@@ -18,7 +18,7 @@ from pydantic import (
     StrictInt,
 )
 
-from disttrace.analysis.diff.compare import _RankStep
+from disttrace.analysis.diff.compare import RankStep
 from disttrace.analysis.diff.fold import StepOutcome
 from disttrace.analysis.result import BoundKind, RecordStats, Unit
 from disttrace.errors import BadInput
@@ -184,7 +184,7 @@ _Key = Annotated[list[StrictInt | _S | None], Field(min_length=6, max_length=6)]
 
 
 class _Rank(_M):
-    """A rank's result at one step where something was not bit-equal (analysis/diff/compare.py's `_RankStep`): every field
+    """A rank's result at one step where something was not bit-equal (analysis/diff/compare.py's `RankStep`): every field
     the fold reads."""
 
     d: StrictInt  # tensors divergent
@@ -201,7 +201,7 @@ class _Rank(_M):
     f: tuple[_Key, _Unit] | None  # the first divergent unit, with its key
 
     @classmethod
-    def of(cls, rs: _RankStep) -> _Rank:
+    def of(cls, rs: RankStep) -> _Rank:
         return cls(
             d=int(rs.differing),
             t=int(rs.total),
@@ -215,8 +215,8 @@ class _Rank(_M):
             else None,
         )
 
-    def rank_step(self) -> _RankStep:
-        rs = _RankStep(self.t)
+    def rank_step(self) -> RankStep:
+        rs = RankStep(self.t)
         rs.differing, rs.inexact, rs.hard, rs.max_ratio = self.d, self.i, self.h, self.mx
         for p, rel, bnd in self.mr:
             rs.max_rel[p] = rel
@@ -315,7 +315,7 @@ class _Step(_M):
             total,
         ) in self.equal:  # (where nothing differed, the order of ranks does not matter)
             for r in range(lo, hi + 1):
-                per_rank[r] = _RankStep(total)
+                per_rank[r] = RankStep(total)
         return StepOutcome(
             self.step, per_rank, self.read, io, [tuple(x) for x in self.events], self.both, look
         )

@@ -10,17 +10,17 @@ from pydantic import (
     ValidationError,
 )
 
-from disttrace.analysis.diff.fold import _Fold, _result
-from disttrace.analysis.diff.prepare import _compared_steps
-from disttrace.analysis.diff.side import common_steps, side_warnings
-from disttrace.analysis.partial.doc import _Covers, _Payload, _SideFacts, _Sides
-from disttrace.analysis.partial.steps import (
+from disttrace.analysis.diff.fold import Fold, fold_result
+from disttrace.analysis.diff.parallel.doc import _Covers, _Payload, _SideFacts, _Sides
+from disttrace.analysis.diff.parallel.steps import (
     MAX_PARTIAL_BYTES,
     MAX_STEPS_HELD,
     _spans,
     _Step,
     _unspan,
 )
+from disttrace.analysis.diff.prepare import compared_steps
+from disttrace.analysis.diff.side import common_steps, side_warnings
 from disttrace.analysis.result import DiffResult
 from disttrace.errors import BadInput
 from disttrace.fmt import ranges
@@ -61,7 +61,7 @@ def _combine(payloads: list[_Payload]) -> _Payload:
 
 
 class _SideView:
-    """A side as `_compared_steps` reads it, rebuilt from a payload."""
+    """A side as `compared_steps` reads it, rebuilt from a payload."""
 
     def __init__(self, f: _SideFacts, steps: list[int]):
         self.label, self.path, self.kind = f.label, Path(f.path), f.kind
@@ -90,11 +90,11 @@ def _fold(payload: _Payload, whole: bool) -> DiffResult:
         views[label] = _SideView(f, steps)
         summaries[label] = f.summary(steps)
     warnings.extend(run.post)
-    steps, compared = _compared_steps(views["a"], views["b"])
+    steps, compared = compared_steps(views["a"], views["b"])
     have = {e.step: e for e in payload.steps}
     if whole:
         _check_whole(payload, steps, have)
-    fold = _Fold(run.mode, warnings)
+    fold = Fold(run.mode, warnings)
     for s in steps:
         if s in have:
             fold.add(have[s].outcome(run.user))
@@ -102,7 +102,7 @@ def _fold(payload: _Payload, whole: bool) -> DiffResult:
     if not whole and payload.by_rank:  # a share of ranks draws only its own rows
         mine = set(_unspan(payload.covers.ranks))
         grid = [r for r in grid if r in mine]
-    return _result(
+    return fold_result(
         fold,
         mode=run.mode,
         a=summaries["a"],

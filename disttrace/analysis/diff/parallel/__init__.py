@@ -12,10 +12,10 @@ A's lowest rank's copy, replicas of one run are checked against each other and l
 samples of their micro-batch, across ranks: a step's records of every rank are read together, and steps
 are split instead.
 
-How results combine. A process compares its share and returns, per step, each rank's result (`_RankStep`:
+How results combine. A process compares its share and returns, per step, each rank's result (`RankStep`:
 counts, the largest errors and bounds per phase, the first divergent unit with its key), the warnings the
 step raised and where its bounds came from; per rank, the steps its index holds and what reading it warned
-of. The combination replays these in step order through the same fold one process uses (analysis/diff/fold.py's `_Fold`),
+of. The combination replays these in step order through the same fold one process uses (analysis/diff/fold.py's `Fold`),
 and derives what depends on every rank (the steps all ranks hold, the compared steps and why, the
 incomplete-run warnings) from the ranks' steps: so the document is byte for byte the one-process document
 (tests/test_diff_jobs.py compares the bytes).
@@ -36,10 +36,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from disttrace.analysis.diff import diff_runs
-from disttrace.analysis.partial.doc import _Payload
-from disttrace.analysis.partial.merge import _belongs, _check_covers, _combine, _fold, _read_partial
-from disttrace.analysis.partial.share import _plan, _run_shares
-from disttrace.analysis.partial.steps import MAX_PARTIALS, MAX_SPEC_ITEMS, _unspan
+from disttrace.analysis.diff.parallel.doc import _Payload
+from disttrace.analysis.diff.parallel.merge import (
+    _belongs,
+    _check_covers,
+    _combine,
+    _fold,
+    _read_partial,
+)
+from disttrace.analysis.diff.parallel.share import _plan, _run_shares
+from disttrace.analysis.diff.parallel.steps import MAX_PARTIALS, MAX_SPEC_ITEMS, _unspan
 from disttrace.analysis.result import DiffResult
 from disttrace.errors import EXIT_DIVERGED, EXIT_PARTIAL, BadInput
 from disttrace.fmt import ranges
