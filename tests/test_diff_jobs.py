@@ -1,4 +1,4 @@
-"""diff spread over processes and machines (analysis/partial/, docs/scale.md): `--jobs N` and the merge of
+"""diff spread over processes and machines (analysis/diff/parallel/, docs/scale.md): `--jobs N` and the merge of
 `--ranks` / `--steps` partials give the one-process `--json` byte for byte, on stores with a planted
 divergence (whose coordinates are the oracle) and on equal stores, bitwise, numeric and across topologies;
 a partial never claims "equal"; partials of other runs or options, overlapping, incomplete or malformed
