@@ -15,9 +15,9 @@ import time
 import uuid
 from pathlib import Path
 
-from disttrace.config.manifest import Frozen, validate
+from disttrace.config.manifest import Frozen, parse_lock, validate
 from disttrace.errors import JobFailed
-from disttrace.run.worker import LOG_ENV, lock_of, release_space, reserve_space
+from disttrace.run.worker import LOG_ENV, release_space, reserve_space
 from disttrace.store.records import Created, Launched, RankFailed, RunInfo
 from disttrace.store.records import JobFailed as JobFailedEvent
 from disttrace.store.rundir import (
@@ -145,7 +145,9 @@ def launch(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    manifest = validate(lock_of(run_dir).manifest, run_dir / LOCK)  # as each rank will (worker.run)
+    manifest = validate(
+        parse_lock(run_dir / LOCK).manifest, run_dir / LOCK
+    )  # as each rank will (worker.run)
     world = manifest.world_size
     if (run_dir / COMPLETE).exists():
         from disttrace.errors import BadInput

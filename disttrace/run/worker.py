@@ -17,7 +17,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from disttrace.config.manifest import Frozen, Manifest, parse_lock, validate
+from disttrace.config.manifest import Manifest, parse_lock, validate
 from disttrace.errors import EXIT_INTERRUPTED, BadInput, DisttraceError
 from disttrace.run.complete import seal_and_complete
 from disttrace.run.hooks import process_exit
@@ -104,13 +104,8 @@ def pick_backend(manifest: Manifest, torch) -> tuple:
     return backend, torch.device("cpu")
 
 
-def lock_of(run_dir: Path) -> Frozen:
-    """The run's lock as `freeze` wrote it (config.manifest.parse_lock: its shape, not its data again)."""
-    return parse_lock(run_dir / LOCK)
-
-
 def run(run_dir: Path) -> None:
-    lock = lock_of(run_dir)
+    lock = parse_lock(run_dir / LOCK)  # its shape: the launcher checked its data (read_lock)
     info = read_run_info(run_dir)
     if info.resume:  # refused before any process group exists (run.json may come from elsewhere)
         resume_checkpoint(run_dir, info.resume)
