@@ -435,11 +435,11 @@ def _held_optimizers(opt) -> list:
 
     found = []
     for value in vars(opt).values():
-        items = value.values() if isinstance(value, dict) else value
-        if isinstance(items, (list, tuple)) or isinstance(value, dict):
-            found += [v for v in items if isinstance(v, torch.optim.Optimizer) and v is not opt]
-        elif isinstance(value, torch.optim.Optimizer) and value is not opt:
-            found.append(value)
+        if isinstance(value, dict):
+            value = list(value.values())
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(v, torch.optim.Optimizer) and v is not opt:
+                found.append(v)
     return found
 
 
