@@ -19,7 +19,6 @@ columns.
 
 from __future__ import annotations
 
-import math
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -164,25 +163,28 @@ def _legacy(path: Path, data: bytes) -> list[tuple]:
         try:
             doc = orjson.loads(line)
             step, m = int(doc["step"]), doc["m"]
-            rows = [
-                (PHASES.index(str(ph)), int(mb), int(i), float(v))
+            groups = [
+                (PHASES.index(str(ph)), int(mb), idx)
                 for ph, mbs in m.items()
                 for mb, idx in mbs.items()
-                for i, v in idx.items()
             ]
-        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
-            raise BadInput(path, f"line {n} is not a magnitudes line", field="m") from None
-        if any(not math.isfinite(v) or v < 0 for *_, v in rows):
-            raise BadInput(path, f"line {n}: a magnitude is not a finite number >= 0", field="m")
-        cols = list(zip(*rows)) or [(), (), (), ()]
-        out.append(
-            (
-                step,
-                np.array(cols[0], np.int8),
-                np.array(cols[1], np.int64),
-                np.array(cols[2], np.int64),
-                np.array(cols[3], np.float64),
-                None,
+            counts = [len(idx) for *_, idx in groups]
+            index = np.fromiter((int(i) for *_, idx in groups for i in idx), np.int64, sum(counts))
+            value = np.fromiter(
+                (float(v) for *_, idx in groups for v in idx.values()), np.float64, sum(counts)
             )
-        )
+        except (
+            orjson.JSONDecodeError,
+            KeyError,
+            TypeError,
+            ValueError,
+            AttributeError,
+            OverflowError,
+        ):
+            raise BadInput(path, f"line {n} is not a magnitudes line", field="m") from None
+        if not (np.isfinite(value).all() and (value >= 0).all()):
+            raise BadInput(path, f"line {n}: a magnitude is not a finite number >= 0", field="m")
+        phase = np.repeat(np.array([g[0] for g in groups], np.int8), counts)
+        mb = np.repeat(np.array([g[1] for g in groups], np.int64), counts)
+        out.append((step, phase, mb, index, value, None))
     return out
