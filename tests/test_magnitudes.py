@@ -436,3 +436,37 @@ def test_the_clip_scalars_beside_the_magnitudes_are_the_recorded_ones(runs):
         assert want and sorted(got) == sorted(want)
         for step, w in want.items():
             assert got[step] == (w["grad_norm"], w["clip_coef"])
+
+
+def test_the_name_kinds_match_pyarrows_string_kernels():
+    """The tensor-name kinds the magnitudes' lookup asks for, matched on a column's bytes, against
+    pyarrow's own string kernels (equal, starts_with, ends_with, match_substring), nulls as no match, on
+    whole, sliced, taken and empty columns."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from disttrace.analysis.diff.tol import _NameKinds
+
+    words = ["grad_norm", "clip_coef", None, "", "w:exp_avg", "w:exp_avg_sq", "param_groups.0.lr"]
+    words += ["a:b", "exp_avg", "xgrad_norm", "grad_norm2", ":", ":exp_avg", "param_groups.", "é:x"]
+    col = pa.array(words * 3)
+    kernels = {
+        "grad_norm": lambda c: pc.equal(c, "grad_norm"),
+        "clip_coef": lambda c: pc.equal(c, "clip_coef"),
+        "param_groups": lambda c: pc.starts_with(c, "param_groups."),
+        "colon": lambda c: pc.match_substring(c, ":"),
+        "exp_avg": lambda c: pc.ends_with(c, ":exp_avg"),
+        "exp_avg_sq": lambda c: pc.ends_with(c, ":exp_avg_sq"),
+    }
+    for c in (
+        col,
+        col.slice(5, 20),
+        col.slice(0, 0),
+        pa.array([None, None], pa.string()),
+        col.take(pa.array([3, 1, 4, 1, 5, 9, 2, 6])),
+        col.cast(pa.large_string()),
+    ):
+        kinds = _NameKinds(c)
+        for kind, f in kernels.items():
+            want = f(c).fill_null(False).to_numpy(zero_copy_only=False)
+            assert kinds.at(slice(None))(kind).tolist() == want.tolist(), (kind, c)

@@ -22,19 +22,32 @@ _PHASES = pa.array(PHASES, pa.string())
 
 class _NameKinds:
     """What analysis/magnitudes.py's `of` asks of a tensor name, over a column of names: each kind matched
-    once for the whole column (a null name is the empty one)."""
+    once for the whole column, on the column's bytes (a null name is the empty one)."""
 
     _MATCH = {
-        "grad_norm": lambda c: pc.equal(c, "grad_norm"),
-        "clip_coef": lambda c: pc.equal(c, "clip_coef"),
-        "param_groups": lambda c: pc.starts_with(c, "param_groups."),
-        "colon": lambda c: pc.match_substring(c, ":"),
-        "exp_avg": lambda c: pc.ends_with(c, ":exp_avg"),
-        "exp_avg_sq": lambda c: pc.ends_with(c, ":exp_avg_sq"),
+        "grad_norm": ("equal", b"grad_norm"),
+        "clip_coef": ("equal", b"clip_coef"),
+        "param_groups": ("starts", b"param_groups."),
+        "colon": ("contains", b":"),
+        "exp_avg": ("ends", b":exp_avg"),
+        "exp_avg_sq": ("ends", b":exp_avg_sq"),
     }
 
     def __init__(self, names: pa.Array):
-        self.names, self._got = names, {}
+        self._got: dict[str, np.ndarray] = {}
+        names = names.cast(pa.string()) if names.type != pa.string() else names
+        n = len(names)
+        self._n = n
+        validity, offsets, data = names.buffers()
+        self._off = np.frombuffer(offsets, np.int32)[names.offset : names.offset + n + 1].astype(
+            np.int64
+        )
+        self._data = np.frombuffer(data, np.uint8) if data is not None else np.empty(0, np.uint8)
+        self._valid = (
+            np.asarray(names.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+            if names.null_count
+            else np.ones(n, dtype=bool)
+        )
 
     def at(self, sel):
         """The matcher of the rows `sel`."""
@@ -43,11 +56,25 @@ class _NameKinds:
     def _all(self, kind: str) -> np.ndarray:
         got = self._got.get(kind)
         if got is None:
-            got = self._got[kind] = np.asarray(
-                self._MATCH[kind](self.names).fill_null(False).to_numpy(zero_copy_only=False),
-                dtype=bool,
-            )
+            how, word = self._MATCH[kind]
+            got = self._got[kind] = self._match(how, np.frombuffer(word, np.uint8)) & self._valid
         return got
+
+    def _match(self, how: str, word: np.ndarray) -> np.ndarray:
+        lo, hi = self._off[:-1], self._off[1:]
+        if how == "contains":
+            out = np.zeros(self._n, dtype=bool)
+            at = np.flatnonzero(self._data[lo[0] : hi[-1]] == word[0]) + lo[0] if self._n else []
+            out[np.searchsorted(hi, at, side="right")] = True
+            return out
+        k = len(word)
+        fits = (hi - lo == k) if how == "equal" else (hi - lo >= k)
+        out = np.zeros(self._n, dtype=bool)
+        rows = np.flatnonzero(fits)
+        if len(rows):
+            start = (hi[rows] - k) if how == "ends" else lo[rows]
+            out[rows] = (self._data[start[:, None] + np.arange(k)] == word).all(axis=1)
+        return out
 
 
 _CACHED = 1 << 10  # (step, phase, class) bounds held at once: a few blocks' steps, not the run's
