@@ -21,8 +21,8 @@ _PHASES = pa.array(PHASES, pa.string())
 
 
 class _NameKinds:
-    """What analysis/magnitudes.py's `of` asks of a tensor name, over a column of names: each kind matched
-    once for the whole column, on the column's bytes (a null name is the empty one)."""
+    """What analysis/magnitudes.py's `of` asks of a tensor name, over a column of names, matched on the
+    column's bytes (a null name is the empty one)."""
 
     _MATCH = {
         "grad_norm": ("equal", b"grad_norm"),
@@ -34,7 +34,7 @@ class _NameKinds:
     }
 
     def __init__(self, names: pa.Array):
-        self._got: dict[str, np.ndarray] = {}
+        self._contains: np.ndarray | None = None  # the rows holding ":" (the one "contains" kind)
         names = names.cast(pa.string()) if names.type != pa.string() else names
         n = len(names)
         self._n = n
@@ -50,30 +50,27 @@ class _NameKinds:
         )
 
     def at(self, sel):
-        """The matcher of the rows `sel`."""
-        return lambda kind: self._all(kind)[sel]
+        """The matcher of the rows `sel` (each kind matched on those rows' bytes alone)."""
+        return lambda kind: self._match(kind, sel)
 
-    def _all(self, kind: str) -> np.ndarray:
-        got = self._got.get(kind)
-        if got is None:
-            how, word = self._MATCH[kind]
-            got = self._got[kind] = self._match(how, np.frombuffer(word, np.uint8)) & self._valid
-        return got
-
-    def _match(self, how: str, word: np.ndarray) -> np.ndarray:
-        lo, hi = self._off[:-1], self._off[1:]
-        if how == "contains":
-            out = np.zeros(self._n, dtype=bool)
-            at = np.flatnonzero(self._data[lo[0] : hi[-1]] == word[0]) + lo[0] if self._n else []
-            out[np.searchsorted(hi, at, side="right")] = True
-            return out
+    def _match(self, kind: str, sel) -> np.ndarray:
+        how, word = self._MATCH[kind]
+        lo, hi, valid = self._off[:-1][sel], self._off[1:][sel], self._valid[sel]
+        if how == "contains":  # the rows the byte's positions fall in, over the whole column once
+            if self._contains is None:
+                self._contains = np.zeros(self._n, dtype=bool)
+                if self._n:
+                    at = np.flatnonzero(self._data[: self._off[-1]] == word[0])
+                    self._contains[np.searchsorted(self._off[1:], at, side="right")] = True
+            return self._contains[sel] & valid
         k = len(word)
-        fits = (hi - lo == k) if how == "equal" else (hi - lo >= k)
-        out = np.zeros(self._n, dtype=bool)
+        fits = ((hi - lo == k) if how == "equal" else (hi - lo >= k)) & valid
+        out = np.zeros(len(fits), dtype=bool)
         rows = np.flatnonzero(fits)
         if len(rows):
             start = (hi[rows] - k) if how == "ends" else lo[rows]
-            out[rows] = (self._data[start[:, None] + np.arange(k)] == word).all(axis=1)
+            pattern = np.frombuffer(word, np.uint8)
+            out[rows] = (self._data[start[:, None] + np.arange(k)] == pattern).all(axis=1)
         return out
 
 
