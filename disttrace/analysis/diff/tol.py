@@ -8,7 +8,6 @@ import math
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from disttrace.analysis import magnitudes, tolerance
 from disttrace.analysis.result import BoundKind
@@ -17,7 +16,6 @@ from disttrace.store.records import PHASES
 from disttrace.store.trajectory import SKETCH_K
 
 TINY = 1e-300
-_PHASES = pa.array(PHASES, pa.string())
 
 
 class _NameKinds:
@@ -157,29 +155,22 @@ class _Tol:
                 out = max(out, m)
         return out, bounded
 
-    def row_magnitudes(self, step_of_row, batch_a, batch_b, rows) -> tuple[np.ndarray, np.ndarray]:
-        """`magnitude` for rows of two aligned batches: (magnitudes, unbounded) arrays, looked up a step and
-        phase at a time over whole columns (analysis/magnitudes.py's `lookup`)."""
+    def row_magnitudes(self, step_of_row, cols_a, cols_b, rows) -> tuple[np.ndarray, np.ndarray]:
+        """`magnitude` for rows of two aligned steps' columns (analysis/columnar.py's `Columns`, whose numpy
+        columns the fold shares): (magnitudes, unbounded) arrays, looked up a step and phase at a time over
+        whole columns (analysis/magnitudes.py's `lookup`)."""
         n = len(rows)
         extra, unbounded = np.zeros(n), np.zeros(n, dtype=bool)
         if self.mags is None or not n:
             return extra, unbounded
-        take = pa.array(rows, pa.int64())
+        rows = np.asarray(rows, dtype=np.int64)
         steps = np.asarray(step_of_row[rows], dtype=np.int64)
-        for mag, batch in zip(self.mags, (batch_a, batch_b)):
-            order = np.asarray(
-                pc.index_in(batch.column("phase").take(take), value_set=_PHASES)
-                .fill_null(len(PHASES))
-                .to_numpy(zero_copy_only=False),
-                dtype=np.int64,
-            )
+        for mag, cols in zip(self.mags, (cols_a, cols_b)):
+            order = cols["phase_order"][rows]
             index, rank, mb = (
-                np.asarray(
-                    batch.column(c).take(take).to_numpy(zero_copy_only=False), dtype=np.int64
-                )
-                for c in ("index", "rank", "micro_batch")
+                np.asarray(cols[c][rows], dtype=np.int64) for c in ("index", "rank", "micro_batch")
             )
-            names = _NameKinds(batch.column("tensor").take(take))
+            names = _NameKinds(cols.column("tensor"))
             groups, inv = np.unique(steps * (len(PHASES) + 1) + order, return_inverse=True)
             inv = inv.reshape(-1)
             for j, g in enumerate(groups.tolist()):
@@ -188,7 +179,7 @@ class _Tol:
                     continue  # an unknown phase has no magnitude
                 sel = np.flatnonzero(inv == j) if len(groups) > 1 else slice(None)
                 v, ok = magnitudes.lookup(
-                    mag, step, PHASES[o], index[sel], names.at(sel), rank[sel], mb[sel]
+                    mag, step, PHASES[o], index[sel], names.at(rows[sel]), rank[sel], mb[sel]
                 )
                 unbounded[sel] |= ~ok
                 extra[sel] = np.fmax(extra[sel], v)
