@@ -125,7 +125,7 @@ def _losses(recs: dict, batches: dict | None) -> dict[tuple, list[dict]]:
     if batches is not None:
         want = pa.array(["data", "loss"], pa.string())
         recs = {
-            r: trajectory.to_records(b.filter(pc.is_in(b.column("phase"), value_set=want)))
+            r: trajectory.to_records(_of_phases(b, want))
             for r, b in batches.items()
             if b is not None
         }
@@ -246,14 +246,21 @@ _SEP = pa.scalar(
 )  # joins phase and name into one key (typed: no type inference per call)
 
 
+def _of_phases(b: pa.RecordBatch, phases: pa.Array) -> pa.RecordBatch:
+    """The rows of `b` in `phases`, in order: a slice where they lie together (a step's records are
+    written phase by phase: no copy), else taken."""
+    rows = np.flatnonzero(
+        np.asarray(pc.is_in(b.column("phase"), value_set=phases).to_numpy(zero_copy_only=False))
+    )
+    if len(rows) and rows[-1] - rows[0] + 1 == len(rows):
+        return b.slice(int(rows[0]), len(rows))
+    return b.take(pa.array(rows, pa.int64()))
+
+
 def _phase_rows(batches: dict[int, pa.RecordBatch]):
     """One side's records of one step in the cross-topology phases, rank by rank, as one batch; None where a
     name is missing (the record path's)."""
-    parts = [
-        b.filter(pc.is_in(b.column("phase"), value_set=_CROSS))
-        for _, b in sorted(batches.items())
-        if b is not None
-    ]
+    parts = [_of_phases(b, _CROSS) for _, b in sorted(batches.items()) if b is not None]
     x = (
         pa.concat_batches(parts)
         if parts
@@ -292,8 +299,7 @@ def _compare_logical_step_columns(
         )
     if pa_ != pb_:
         both = pa.array(sorted(pa_ & pb_), pa.string())
-        xa = xa.filter(pc.is_in(xa.column("phase"), value_set=both))
-        xb = xb.filter(pc.is_in(xb.column("phase"), value_set=both))
+        xa, xb = _of_phases(xa, both), _of_phases(xb, both)
     if _sharded(xa) or _sharded(xb):
         return _compare_sharded_columns(step, xa, xb, tol, ev)
     key_a = pc.binary_join_element_wise(xa.column("phase"), xa.column("tensor"), _SEP)
