@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from disttrace.analysis import columnar, tolerance
 from disttrace.analysis.diff.compare import RankStep, _fold_columns, _phase_order, _unit
@@ -305,9 +306,10 @@ def _compare_sharded_columns(step: int, xa, xb, tol: _Tol, ev: StepWarnings):
         return None
     names = pa.concat_arrays([xa.column("tensor"), xb.column("tensor")]).dictionary_encode()
     idx = np.asarray(names.indices.to_numpy(zero_copy_only=False), dtype=np.int64)
-    words = names.dictionary.to_pylist()
+    words = names.dictionary
+    # each name's place in sorted order: Arrow sorts UTF-8 bytes, whose order is the code points' (Python's)
     name_rank = np.empty(len(words), dtype=np.int64)
-    name_rank[sorted(range(len(words)), key=words.__getitem__)] = np.arange(len(words))
+    name_rank[np.asarray(pc.array_sort_indices(words), dtype=np.int64)] = np.arange(len(words))
     keys = []
     for x, part in ((xa, idx[: xa.num_rows]), (xb, idx[xa.num_rows :])):
         order = columnar.Columns(x)["phase_order"]
