@@ -535,7 +535,8 @@ def _copies_differing(side: _Values, groups: np.ndarray) -> list[tuple[int, int]
         return []
     r, r0 = rows[cand], ref[cand]
     same = (side.digest[r] == side.digest[r0]).all(axis=1) & (side.device[r] == side.device[r0])
-    cx = columnar.Columns(x.take(pa.array(r, pa.int64())))
-    c0 = columnar.Columns(x.take(pa.array(r0, pa.int64())))
+    kept = x.select(["dtype", "shape"])  # what the comparison reads of the rows taken
+    cx = columnar.Columns(kept.take(pa.array(r, pa.int64())))
+    c0 = columnar.Columns(kept.take(pa.array(r0, pa.int64())))
     same &= columnar.same_dtype_and_shape(cx, c0)
     return [(int(a), int(b)) for a, b in zip(r[~same], r0[~same])]
