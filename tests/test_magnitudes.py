@@ -413,6 +413,11 @@ def test_magnitudes_frames_read_back_torn_rewritten_and_damaged(tmp_path):
     path.write_bytes(frames[0] + b"\x00" * 40)
     with pytest.raises(BadInput, match="not a magnitudes frame"):
         store_scales.read(path)
+    grown = bytearray(frames[0])
+    grown[8:12] = (10**6).to_bytes(4, "little")  # the first frame's entry count damaged
+    path.write_bytes(bytes(grown) + frames[1])
+    with pytest.raises(BadInput, match="runs past the next one"):
+        store_scales.read(path)
     bad = bytearray(frames[1])
     bad[-8:] = np.array([-1.0]).tobytes()  # a negative magnitude
     path.write_bytes(bytes(bad))

@@ -12,7 +12,7 @@ One frame a step, appended and flushed at the step's end, little-endian:
     n x magnitude (float32 where width is 4, float64 where 8)
 
 A frame cut short at the end of the file (the process died while writing it) is left out; anything else
-that is not a frame is refused. A step written twice (a resumed run) keeps its last frame. A store written
+that is not a frame (a frame whose length runs past the next frame's start among them) is refused. A step written twice (a resumed run) keeps its last frame. A store written
 before this file existed holds ``rank-N.scales.jsonl`` (one JSON document a step); it reads into the same
 columns.
 """
@@ -131,7 +131,9 @@ def _frames(path: Path, data: bytes) -> list[tuple]:
         size = _HEAD.size + (_CLIP.size if flags else 0) + groups * _GROUP.itemsize
         size += n * (4 + width)
         if at + size > end:
-            break  # torn: written when the process died
+            if data.find(MAGIC, at + _HEAD.size) >= 0:  # a frame after it: damage, not a torn end
+                raise BadInput(path, f"the frame at byte {at} runs past the next one", field="m")
+            break  # torn: the last frame, cut short when the process died
         p = at + _HEAD.size
         clip = None
         if flags:
