@@ -128,7 +128,9 @@ def main() -> None:
         digests = {r["sha256"] for rs in got.values() for r in rs}
         assert len(digests) == 1, f"{name}: the paths' --json differ"
         n = got["C"][0]["records"]
-        print(f"{name} against dp1xacc4: {n:,} records, --json the same on every path (the runs' paths aside)")
+        print(
+            f"{name} against dp1xacc4: {n:,} records, --json the same on every path (the runs' paths aside)"
+        )
         for p, rs in got.items():
             rate = sorted(n / r["cpu"] / 1e6 for r in rs)
             wall = sorted(n / r["wall"] / 1e6 for r in rs)
