@@ -8,9 +8,12 @@ interleaved with its baselines: the same diff on the plain path (DISTTRACE_NATIV
 kernels) and, with --against, the same diff by another checkout's code. Each child imports disttrace first and
 times the diff alone (the CLI's own call: what follows start-up), so a figure is records read (both runs) per
 second of that call, by CPU time (the machine is shared: wall time is printed beside it) and as a ratio against
-the baseline measured in the same run. The `--json` of every path must be the same bytes.
+the baseline measured in the same run. The `--json` of every path must be the same bytes (but for the runs'
+paths). With --against-dir, the other checkout's code reads its own copies of the runs (written by that code,
+in its store format: runs.json there names them), so a change of format is measured against the format before.
 
-    .venv/bin/python bench/cross_layout.py [--layers 32] [--steps 60] [--repeat 3] [--against ../main] [--dir D]
+    .venv/bin/python bench/cross_layout.py [--layers 32] [--steps 60] [--repeat 3] [--against ../main]
+        [--against-dir D2] [--dir D]
 """
 
 from __future__ import annotations
@@ -47,9 +50,12 @@ with contextlib.redirect_stdout(out):
     except SystemExit:
         pass
 wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-doc = out.getvalue()
-n = sum(json.loads(doc)["records_read"].values())
-print(json.dumps({"wall": wall, "cpu": cpu, "records": n, "sha256": hashlib.sha256(doc.encode()).hexdigest()}))
+doc = json.loads(out.getvalue())
+n = sum(doc["records_read"].values())
+for side in ("a", "b"):  # where the runs lie is the one field two copies of the same runs differ in
+    doc[side].pop("path")
+digest = hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+print(json.dumps({"wall": wall, "cpu": cpu, "records": n, "sha256": digest}))
 """
 
 
@@ -93,6 +99,12 @@ def main() -> None:
         "--against", type=Path, default=None, help="another checkout's code as a baseline"
     )
     ap.add_argument("--dir", type=Path, default=None, help="write (or reuse) the runs here")
+    ap.add_argument(
+        "--against-dir",
+        type=Path,
+        default=None,
+        help="the runs --against's code reads (runs.json there; default: the same runs)",
+    )
     args = ap.parse_args()
     out = args.dir or Path(tempfile.mkdtemp(prefix="cross-layout-"))
     marker = out / "runs.json"  # the runs written so far (a layout's run is reused)
@@ -101,19 +113,24 @@ def main() -> None:
         runs = {k: Path(v) for k, v in json.loads(marker.read_text()).items()}
     runs = write(out, args.layers, args.steps, runs)
     marker.write_text(json.dumps({k: str(v) for k, v in runs.items()}))
-    paths = {"C": (True, ""), "plain": (False, "")}
+    paths = {"C": (True, "", runs), "plain": (False, "", runs)}
     if args.against is not None:
-        paths["against"] = (True, str(args.against.resolve()))
-    ref = runs["dp1xacc4"]
+        theirs = runs
+        if args.against_dir is not None:
+            theirs = json.loads((args.against_dir / "runs.json").read_text())
+            theirs = {k: Path(v) for k, v in theirs.items()}
+        paths["against"] = (True, str(args.against.resolve()), theirs)
     for name in ("dp2xacc2", "zero3", "tp2"):
         got: dict[str, list[dict]] = {p: [] for p in paths}
         for _ in range(args.repeat):
-            for p, (native, code) in paths.items():
-                got[p].append(child(runs[name], ref, native, code))
+            for p, (native, code, rs) in paths.items():
+                got[p].append(child(rs[name], rs["dp1xacc4"], native, code))
         digests = {r["sha256"] for rs in got.values() for r in rs}
         assert len(digests) == 1, f"{name}: the paths' --json differ"
         n = got["C"][0]["records"]
-        print(f"{name} against dp1xacc4: {n:,} records, --json the same bytes on every path")
+        print(
+            f"{name} against dp1xacc4: {n:,} records, --json the same on every path (the runs' paths aside)"
+        )
         for p, rs in got.items():
             rate = sorted(n / r["cpu"] / 1e6 for r in rs)
             wall = sorted(n / r["wall"] / 1e6 for r in rs)

@@ -377,7 +377,7 @@ def main() -> None:
         ):  # the same stores without them, in the same run: what reading them costs
             hidden = []
             for d in (a, dirs["noisy"], dirs["half"]):
-                for f in (d / "trajectory").glob("*.scales.jsonl"):
+                for f in (d / "trajectory").glob("*.scales.*"):
                     hidden.append((f, f.with_suffix(".hidden")))
                     f.rename(hidden[-1][1])
             try:

@@ -2,7 +2,7 @@
 recorder digests every step (each parameter's gradient, the parameter, Adam's exp_avg and exp_avg_sq and
 its step counter), after one real forward/backward/AdamW step so the values are realistic.
 
-    python bench/digest_cost.py [--repeats 15] [--set model.dim=768 ...] [--against REV]
+    python bench/digest_cost.py [--repeats 15] [--set model.dim=768 ...] [--against REV] [--fused]
 
 Models: the tiny default manifest's and a realistic CPU one (dim 512, 4 layers). With and without the
 sketch are interleaved repeat by repeat, so machine noise hits both alike; prints median ms per step and
@@ -10,7 +10,8 @@ the ratio with / without the sketch (the sketch's share of the digest), in one r
 workers run. `--against REV` instead times this checkout's `digest_many` (what the recorder calls) against
 run/digest.py as git revision REV had it, loaded beside it, a step's tensors each, interleaved repeat by
 repeat, in CPU time (time.thread_time: the figure other jobs on shared cores disturb least), and prints the
-ratio.
+ratio. `--fused` times digest_many with run/fused.py's compiled pass (numba, the `fast` extra) against the
+numpy path (DISTTRACE_FUSED=0's) the same way, in one process, and checks the hashes are the same.
 """
 
 from __future__ import annotations
@@ -92,6 +93,41 @@ def against(rev: str, sets: list[str], repeats: int) -> None:
     )
 
 
+def fused_against_numpy(sets: list[str], repeats: int) -> None:
+    """digest_many with run/fused.py's compiled pass (numba) against the numpy path DISTTRACE_FUSED=0 keeps,
+    on the realistic model's step tensors, in one process, interleaved: the hashes must be the same."""
+    import cputime
+
+    from disttrace.run import digest
+
+    kernel = digest._fused()
+    if kernel is None:
+        raise SystemExit("numba is not installed (the `fast` extra): nothing to compare")
+    tensors, what = tensors_of_a_step(sets)
+    items = [(t, None, None) for t in tensors]
+    mb = sum(t.numel() * t.element_size() for t in tensors) / 1e6
+
+    def run(k):
+        def go():
+            digest._kernel = k
+            return digest.digest_many(items)
+
+        return go
+
+    got = {name: run(k)() for name, k in (("numba", kernel), ("numpy", False))}
+    pairs = list(zip(got["numba"], got["numpy"]))
+    assert all(a["digest"] == b["digest"] for a, b in pairs), "the two paths' hashes differ"
+    # the statistics are float32 sums in another order: equal to their rounding, not bit for bit
+    rel = max(abs(a["norm"] - b["norm"]) / max(abs(b["norm"]), 1e-30) for a, b in pairs)
+    med = cputime.medians({"numba": run(kernel), "numpy": run(False)}, repeats)
+    a, b = med["numpy"], med["numba"]
+    print(
+        f"{what}; {len(tensors)} tensors, {mb:.1f} MB a step; {repeats} repeats, CPU time medians: "
+        f"numpy path {a * 1e3:.1f} ms, numba's pass {b * 1e3:.1f} ms, ratio {b / a:.3f}; hashes equal, "
+        f"norms within {rel:.1e} of each other"
+    )
+
+
 def main():
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -104,10 +140,16 @@ def main():
         help="override the realistic model (section.key=value)",
     )
     ap.add_argument("--against", metavar="REV", help="time digest_many against REV's run/digest.py")
+    ap.add_argument(
+        "--fused", action="store_true", help="time run/fused.py's numba pass against the numpy path"
+    )
     args = ap.parse_args()
     import torch
 
     torch.set_num_threads(1)
+    if args.fused:
+        fused_against_numpy(REALISTIC + args.set, max(args.repeats, 25))
+        return
     if args.against:
         against(args.against, REALISTIC + args.set, max(args.repeats, 25))
         return

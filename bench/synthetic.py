@@ -36,6 +36,7 @@ import orjson
 import pyarrow as pa
 import xxhash
 
+from disttrace.store import scales as store_scales
 from disttrace.store import seal
 from disttrace.store.trajectory import SUFFIX, TrajectoryWriter
 
@@ -232,7 +233,7 @@ class RankFiles:
         self.writer.close()
         (self.run / f"trajectory/rank-{self.rank:05d}.steps.jsonl").write_bytes(bytes(self.index))
         if self.scales:
-            (self.run / f"trajectory/rank-{self.rank:05d}.scales.jsonl").write_bytes(
+            (self.run / f"trajectory/rank-{self.rank:05d}{store_scales.SUFFIX}").write_bytes(
                 bytes(self.scales)
             )
         if self.times is not None:
@@ -365,14 +366,14 @@ class Layout:
         cols[at["sketch"]] = pa.FixedSizeListArray.from_arrays(pa.array(sk.ravel()), 4)
         return pa.RecordBatch.from_arrays(cols, schema=self.schema)
 
-    def scales_line(self, step: int, norm: np.ndarray) -> bytes:
+    def scales_frame(self, step: int, norm: np.ndarray) -> bytes:
         """What run/scales.py writes for the step: each gradient's ||X|| ||dY|| (here 10x its norm)."""
-        m: dict = {}
-        for j in np.flatnonzero(np.isin(self.phase, ("backward", "reduce"))):
-            m.setdefault(str(self.phase[j]), {}).setdefault("0", {})[str(self.index[j])] = float(
-                10 * norm[j]
-            )
-        return orjson.dumps({"step": step, "m": m}) + b"\n"
+        groups = []
+        for phase in ("backward", "reduce"):
+            at = np.flatnonzero(self.phase == phase)
+            if len(at):
+                groups.append((phase, 0, np.asarray(self.index)[at], 10 * np.asarray(norm)[at]))
+        return store_scales.encode(step, groups, None)
 
 
 # ---------------------------------------------------------------- whole stores, ranks in processes
@@ -414,7 +415,7 @@ def _write_ranks(variants: list[Variant], ranks: list[int], world: int, steps: i
                 flip = v.flip[1] if v.flip and v.flip[0] == step and rank == at else None
                 f.step(step, layout.batch(step, rank, v.noisy, flip))
                 if v.scales:
-                    f.scales += layout.scales_line(step, layout.values(step, rank, v.noisy)[2])
+                    f.scales += layout.scales_frame(step, layout.values(step, rank, v.noisy)[2])
         for k, f in files.items():
             parts[k][rank] = f.close()
     return parts

@@ -22,6 +22,7 @@ from conftest import ROOT
 
 from disttrace.analysis.diff import diff_runs
 from disttrace.analysis.magnitudes import Magnitudes
+from disttrace.store import scales
 from disttrace.store.rundir import Run
 
 SCRIPT = ROOT / "tests" / "scripts" / "cancel_train.py"
@@ -50,11 +51,11 @@ def _magnitudes_bound_the_gradients(run: Path) -> None:
     dp = r.manifest.parallelism.dp
     mags: dict = {}
     for rank in r.ranks():
-        for line in (run / f"trajectory/rank-{rank:05d}.scales.jsonl").read_bytes().splitlines():
-            doc = orjson.loads(line)
-            for mbs in doc["m"]["reduce"].values():
-                for i, v in mbs.items():
-                    mags[(doc["step"], int(i))] = mags.get((doc["step"], int(i)), 0.0) + v / dp
+        got = scales.read(run / f"trajectory/rank-{rank:05d}{scales.SUFFIX}")
+        rows = zip(got.step.tolist(), got.phase.tolist(), got.index.tolist(), got.m.tolist())
+        for step, phase, i, v in rows:
+            if scales.PHASES[phase] == "reduce":
+                mags[(step, i)] = mags.get((step, i), 0.0) + v / dp
     seen = 0
     for rank in r.ranks():
         for rec in r.records(rank):
@@ -67,7 +68,7 @@ def _magnitudes_bound_the_gradients(run: Path) -> None:
 def _hide_magnitudes(run: Path, into: Path) -> Path:
     copy = into / run.name
     shutil.copytree(run, copy)
-    for p in copy.glob("trajectory/*.scales.jsonl"):
+    for p in copy.glob("trajectory/*.scales.*"):
         p.unlink()
     return copy
 
@@ -78,7 +79,7 @@ def test_a_cancelling_attached_pair_gets_the_sound_bound(tmp_path):
     a = train(tmp_path / "runs", "--mb", "8", "--accum", "2")
     b = train(tmp_path / "runs", "--mb", "4", "--accum", "4")
     for run in (a, b):
-        assert (run / "trajectory/rank-00000.scales.jsonl").is_file()
+        assert (run / f"trajectory/rank-00000{scales.SUFFIX}").is_file()
         _magnitudes_bound_the_gradients(run)
     observed = orjson.loads((a / "manifest.lock.json").read_bytes())["observed"]
     assert (
@@ -108,7 +109,7 @@ def test_ddp_fsdp2_and_plain_scripts_record_them(tmp_path, engine):
     two = train(tmp_path / "runs", "--mb", "4", "--accum", "2", "--engine", engine, ranks=2)
     seal = orjson.loads((two / "COMPLETE").read_bytes())["seal"]["files"]
     for rank in (0, 1):
-        assert f"trajectory/rank-{rank:05d}.scales.jsonl" in seal
+        assert f"trajectory/rank-{rank:05d}{scales.SUFFIX}" in seal
     _magnitudes_bound_the_gradients(two)
     d = diff_runs(one, two, mode="numeric")
     assert d.tolerance.scale == "magnitudes" and d.equal, d.first_divergence
@@ -135,12 +136,15 @@ def test_a_clipped_pair_carries_the_clip_coefficients_difference(tmp_path):
     for step in (1, 2):
         norm, coef = mag._clip_scalars(step)
         assert coef < 1 and norm > 0  # clipping engaged
-        spread = math.sqrt(sum(v * v for v in mag.reduced(step).values())) / norm
+        keys, red = mag.reduced(step)
+        spread = math.sqrt(sum(v * v for v in red.tolist())) / norm
         assert spread > 1e4  # the norm cancels
-        assert mag.clipped(step) == {i: v * (1 + spread) for i, v in mag.reduced(step).items()}
+        got = mag.clipped(step)
+        assert got[0].tolist() == keys.tolist()
+        assert got[1].tolist() == [v * (1 + spread) for v in red.tolist()]
     # each moment is held to its own parameter's magnitude (the recorder numbers state after the parameters)
     states = {r["tensor"]: r["index"] for r in Run(a).records(0) if r["phase"] == "optimizer"}
-    table = mag.state_params(0)
+    table = dict(zip(*(a.tolist() for a in mag.state_params(0))))
     for name in ("proj.weight", "head.weight", "shift.weight"):
         for key in ("exp_avg", "exp_avg_sq"):
             assert table[states[f"{name}:{key}"]] == states[name]

@@ -21,7 +21,7 @@ from conftest import ROOT, cli, last_line
 from launchers import deepspeed_cmd, job_env, launch, need_deepspeed, torchrun_cmd
 
 from disttrace.analysis.diff import diff_runs
-from disttrace.analysis.diff.logical import _Logical
+from disttrace.analysis.diff.shards import _Logical
 from disttrace.run.deepspeed import flat_boxes, pieces
 from disttrace.run.digest import digest_tensor
 from disttrace.store.rundir import Run

@@ -22,6 +22,7 @@ from test_diff_synthetic import manifest, write_run
 
 from disttrace.analysis import tolerance
 from disttrace.analysis.diff import diff_runs
+from disttrace.store import scales as store_scales
 
 torch = pytest.importorskip("torch")
 
@@ -55,15 +56,16 @@ def test_magnitude_bounds_every_gradient_of_a_real_model(tmp_path):
         bus.emit("backward" if mb == 0 else "reduce", grads=grads_of(named))
     bus.emit("step_end")
     mags.close()
-    line = orjson.loads((tmp_path / "trajectory/rank-00000.scales.jsonl").read_bytes())
-    assert line["step"] == 1
-    reduce = line["m"]["reduce"]["1"]
-    assert set(map(int, reduce)) == {i for i, _, _ in named}  # every parameter has its magnitude
+    got = store_scales.read(tmp_path / f"trajectory/rank-00000{store_scales.SUFFIX}", tmp_path)
+    assert set(got.step.tolist()) == {1}
+    table = got.table(1)
+    reduce = table["reduce"][1]
+    assert set(reduce) == {i for i, _, _ in named}  # every parameter has its magnitude
     for i, name, p in named:
         norm = float(p.grad.double().norm())
-        assert norm <= reduce[str(i)] * (1 + 1e-5), name  # ||dW|| <= ||X|| ||dY||
+        assert norm <= reduce[i] * (1 + 1e-5), name  # ||dW|| <= ||X|| ||dY||
         # accumulated like the gradient: after two micro-batches at least the first one's figure
-        assert reduce[str(i)] >= line["m"]["backward"]["0"][str(i)]
+        assert reduce[i] >= table["backward"][0][i]
 
 
 def test_magnitude_bounds_biases_and_layer_norms(tmp_path):
@@ -88,11 +90,11 @@ def test_magnitude_bounds_biases_and_layer_norms(tmp_path):
     bus.emit("reduce", grads=grads_of(named))
     bus.emit("step_end")
     mags.close()
-    line = orjson.loads((tmp_path / "trajectory/rank-00000.scales.jsonl").read_bytes())
-    reduce = line["m"]["reduce"]["0"]
-    assert set(map(int, reduce)) == {i for i, _, _ in named}
+    got = store_scales.read(tmp_path / f"trajectory/rank-00000{store_scales.SUFFIX}", tmp_path)
+    reduce = got.table(1)["reduce"][0]
+    assert set(reduce) == {i for i, _, _ in named}
     for i, name, p in named:
-        assert float(p.grad.double().norm()) <= reduce[str(i)] * (1 + 1e-5), name
+        assert float(p.grad.double().norm()) <= reduce[i] * (1 + 1e-5), name
 
 
 def test_cancelling_gradient_rounds_on_the_scale_of_its_magnitudes():
@@ -145,7 +147,7 @@ def _record(step, rank, index, arr, mb) -> dict:
     }
 
 
-def _layout(tmp_path, name, dp, accum, steps=3, plant=None, blocks=1):
+def _layout(tmp_path, name, dp, accum, steps=3, plant=None, blocks=1, legacy=False):
     """A run of `dp` ranks x `accum` micro-batches over the same 4 micro-batches a step: each rank accumulates
     its micro-batches' gradients (loss / accum) in float32, each summed over the tokens in `blocks` blocks
     (another GEMM shape), the reduce averages the ranks (pairwise); the magnitudes file holds each rank's
@@ -181,9 +183,21 @@ def _layout(tmp_path, name, dp, accum, steps=3, plant=None, blocks=1):
             scales[r].append({"step": step, "m": {"reduce": {str(accum - 1): local_m[r]}}})
     path = write_run(tmp_path / name, m, records)
     for r, lines in scales.items():
-        (path / f"trajectory/rank-{r:05d}.scales.jsonl").write_bytes(
-            b"".join(orjson.dumps(x) + b"\n" for x in lines)
-        )
+        if legacy:  # an older store's JSON-lines file
+            (path / f"trajectory/rank-{r:05d}.scales.jsonl").write_bytes(
+                b"".join(orjson.dumps(x) + b"\n" for x in lines)
+            )
+            continue
+        frames = []
+        for x in lines:
+            ((mb, table),) = x["m"]["reduce"].items()
+            idx = np.array([int(i) for i in table], np.int64)
+            frames.append(
+                store_scales.encode(
+                    x["step"], [("reduce", int(mb), idx, np.array(list(table.values())))], None
+                )
+            )
+        (path / f"trajectory/rank-{r:05d}{store_scales.SUFFIX}").write_bytes(b"".join(frames))
     return path
 
 
@@ -195,7 +209,7 @@ def test_same_mean_in_another_order_is_equal_only_on_the_magnitudes_scale(tmp_pa
     assert d["equal"], d["first_divergence"]
     assert d["stats"]["tensors_compared"] > d["stats"]["bit_equal"]  # it did round differently
     # the same stores without magnitudes: the norm-relative bound calls the cancelling tensor divergent
-    for p in b.glob("trajectory/*.scales.jsonl"):
+    for p in b.glob("trajectory/*.scales.*"):
         p.unlink()
     d = diff_runs(a, b).to_dict()
     assert d["tolerance"]["scale"] == "norm" and not d["equal"]
@@ -279,12 +293,10 @@ def _class_noise(ref, other) -> dict:
 
     def mags(run):
         out: dict = {}
-        for p in sorted(run.glob("trajectory/*.scales.jsonl")):
-            for line in p.read_bytes().splitlines():
-                doc = orjson.loads(line)
-                for mbs in doc["m"]["reduce"].values():
-                    for i, v in mbs.items():
-                        out[(doc["step"], int(i))] = out.get((doc["step"], int(i)), 0.0) + v
+        for p in sorted(run.glob("trajectory/*.scales.*")):
+            got = store_scales.read(p)
+            for step, i, v in zip(got.step.tolist(), got.index.tolist(), got.m.tolist()):
+                out[(step, i)] = out.get((step, i), 0.0) + v
         dp = orjson.loads((run / "manifest.lock.json").read_bytes())["manifest"]["parallelism"][
             "dp"
         ]
@@ -347,8 +359,121 @@ def test_a_calibration_per_tensor_class_both_directions(tmp_path):
     assert f["bound"] == pytest.approx(got[(2, "mlp")]) and f["rel_err"] > f["bound"]
 
     # measured against the magnitudes: it says nothing of a store compared on its norms, and is not used
-    for p in same.glob("trajectory/*.scales.jsonl"):
+    for p in same.glob("trajectory/*.scales.*"):
         p.unlink()
     d = diff_runs(ref, same).to_dict()
     assert d["tolerance"]["kind"] == "derived"
     assert any("calibration" in w and "magnitudes" in w for w in d["warnings"])
+
+
+def test_an_older_stores_json_lines_magnitudes_diff_the_same(tmp_path):
+    """The same magnitudes in the JSON-lines file an older store holds and in the binary frames: the same
+    diff, to the last field."""
+    a = _layout(tmp_path, "a", dp=2, accum=2)
+    b = _layout(tmp_path, "b", dp=1, accum=4, blocks=2)
+    old_a = _layout(tmp_path, "old-a", dp=2, accum=2, legacy=True)
+    old_b = _layout(tmp_path, "old-b", dp=1, accum=4, blocks=2, legacy=True)
+    assert not list(old_a.glob(f"trajectory/*{store_scales.SUFFIX}"))
+    new, old = diff_runs(a, b).to_dict(), diff_runs(old_a, old_b).to_dict()
+    assert new["tolerance"]["scale"] == "magnitudes" and new["equal"]
+    assert str(old).replace("old-", "") == str(new)
+
+
+def test_magnitudes_frames_read_back_torn_rewritten_and_damaged(tmp_path):
+    """Frames read back as written (float32 kept as float32, float64 as float64, the clip scalars); a frame
+    cut short at the end is left out; a step written again keeps its last frame; bytes that are not a
+    frame are refused."""
+    from disttrace.errors import BadInput
+
+    rng = np.random.default_rng(0)
+    path = tmp_path / "run" / f"trajectory/rank-00000{store_scales.SUFFIX}"
+    path.parent.mkdir(parents=True)
+    f32 = rng.random(5).astype(np.float32)
+    f64 = rng.random(3)
+    frames = [
+        store_scales.encode(
+            1,
+            [("backward", 0, np.arange(5), f32), ("reduce", 1, np.arange(5), 2 * f32)],
+            (3.5, 1.0),
+        ),
+        store_scales.encode(2, [("reduce", 1, np.array([7, 2, 9]), f64)], None),
+        store_scales.encode(1, [("reduce", 1, np.array([4]), np.array([0.25]))], (2.0, 0.5)),
+    ]
+    path.write_bytes(b"".join(frames) + frames[1][:-3])  # the last frame torn
+    got = store_scales.read(path)
+    # step 1 rewritten: its last frame, in its first one's place; the torn copy of step 2 left out
+    assert got.step.tolist() == [1, 2, 2, 2]
+    assert got.table(1) == {"reduce": {1: {4: 0.25}}}
+    assert got.table(2) == {"reduce": {1: dict(zip([7, 2, 9], f64.tolist()))}}
+    assert got.clip == {1: (2.0, 0.5)}
+    path.write_bytes(frames[0])
+    got = store_scales.read(path)
+    assert got.table(1)["backward"][0] == dict(enumerate(f32.tolist()))  # float32, exactly
+    assert got.clip == {1: (3.5, 1.0)}
+    path.write_bytes(frames[0] + b"\x00" * 40)
+    with pytest.raises(BadInput, match="not a magnitudes frame"):
+        store_scales.read(path)
+    grown = bytearray(frames[0])
+    grown[8:12] = (10**6).to_bytes(4, "little")  # the first frame's entry count damaged
+    path.write_bytes(bytes(grown) + frames[1])
+    with pytest.raises(BadInput, match="runs past the next one"):
+        store_scales.read(path)
+    bad = bytearray(frames[1])
+    bad[-8:] = np.array([-1.0]).tobytes()  # a negative magnitude
+    path.write_bytes(bytes(bad))
+    with pytest.raises(BadInput, match="finite number >= 0"):
+        store_scales.read(path)
+
+
+def test_the_clip_scalars_beside_the_magnitudes_are_the_recorded_ones(runs):
+    """The magnitudes file's clip scalars of every step and rank are the trajectory's own `clip` records
+    (grad_norm's and clip_coef's values), which the bound read from the trajectory before."""
+    from disttrace.store.rundir import Run
+
+    ref = runs.reference()
+    run = Run(ref)
+    for rank in run.ranks():
+        got = store_scales.read(ref / f"trajectory/rank-{rank:05d}{store_scales.SUFFIX}").clip
+        want: dict = {}
+        for r in run.records(rank):
+            if r["phase"] == "clip" and r["tensor"] in ("grad_norm", "clip_coef"):
+                want.setdefault(r["step"], {})[r["tensor"]] = r["sum"]
+        assert want and sorted(got) == sorted(want)
+        for step, w in want.items():
+            assert got[step] == (w["grad_norm"], w["clip_coef"])
+
+
+def test_the_name_kinds_match_pyarrows_string_kernels():
+    """The tensor-name kinds the magnitudes' lookup asks for, matched on a column's bytes, against
+    pyarrow's own string kernels (equal, starts_with, ends_with, match_substring), nulls as no match, on
+    whole, sliced, taken and empty columns."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from disttrace.analysis.diff.tol import _NameKinds
+
+    words = ["grad_norm", "clip_coef", None, "", "w:exp_avg", "w:exp_avg_sq", "param_groups.0.lr"]
+    words += ["a:b", "exp_avg", "xgrad_norm", "grad_norm2", ":", ":exp_avg", "param_groups.", "é:x"]
+    col = pa.array(words * 3)
+    kernels = {
+        "grad_norm": lambda c: pc.equal(c, "grad_norm"),
+        "clip_coef": lambda c: pc.equal(c, "clip_coef"),
+        "param_groups": lambda c: pc.starts_with(c, "param_groups."),
+        "colon": lambda c: pc.match_substring(c, ":"),
+        "exp_avg": lambda c: pc.ends_with(c, ":exp_avg"),
+        "exp_avg_sq": lambda c: pc.ends_with(c, ":exp_avg_sq"),
+    }
+    for c in (
+        col,
+        col.slice(5, 20),
+        col.slice(0, 0),
+        pa.array([None, None], pa.string()),
+        col.take(pa.array([3, 1, 4, 1, 5, 9, 2, 6])),
+        col.cast(pa.large_string()),
+    ):
+        kinds = _NameKinds(c)
+        some = np.arange(len(c))[::2]
+        for kind, f in kernels.items():
+            want = f(c).fill_null(False).to_numpy(zero_copy_only=False)
+            assert kinds.at(slice(None))(kind).tolist() == want.tolist(), (kind, c)
+            assert kinds.at(some)(kind).tolist() == want[some].tolist(), (kind, c)

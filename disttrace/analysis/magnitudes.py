@@ -1,6 +1,7 @@
 """The magnitudes that bound a record's difference (analysis/tolerance.py, "Magnitudes"), read from the
-``trajectory/rank-N.scales.jsonl`` files run/scales.py writes: per step, phase (backward, reduce),
-micro-batch and parameter index, the accumulated ``||X|| ||dY||`` of that rank.
+magnitudes files run/scales.py writes (store/scales.py: columns of step, phase (backward, reduce),
+micro-batch and parameter index, the accumulated ``||X|| ||dY||`` of that rank), held as arrays: each table
+below is looked up a column at a time.
 
 * ``backward`` (a rank's accumulated local gradient): that rank's own figure.
 * ``reduce`` and ``clip`` (the data-parallel gradient, then the same times a clip coefficient <= 1): the sum
@@ -16,7 +17,7 @@ micro-batch and parameter index, the accumulated ``||X|| ||dY||`` of that rank.
   ``|d||G||| / ||G|| <= eps sqrt(sum_j M_j^2) / ||G|| =: eps R`` (R is the whole gradient's cancellation:
   above 1 where it cancels). So ``|d(c g_i)| <= c (eps M_i + ||g_i|| eps R) <= eps M_i (1 + R)``
   (``c <= 1``, ``||g_i|| <= M_i``): the magnitude of a clipped gradient is ``M_i (1 + R)``, with ||G|| the
-  norm the step recorded (its `clip` scalars, read from the store). A step whose clip scalars are not
+  norm the step recorded (its `clip` scalars: the magnitudes file's, else the trajectory's `clip` records). A step whose clip scalars are not
   there but which may have clipped has no magnitude (the norm's scale, as a step without magnitudes).
 * optimizer state: Adam's moments are running averages of the gradient; a difference of the gradients
   ``|dg| <= eps M_g`` reaches the first moment as ``sum_s beta1^(t-s) (1-beta1) eps_s M_g(s)`` and the second
@@ -35,65 +36,15 @@ No torch: a reader of the run store.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
-import orjson
 
-from disttrace.errors import BadInput
-from disttrace.store import safeio
+from disttrace.store import scales
 from disttrace.store.records import CLIP_GRAD_BASE, clip_param_index
-from disttrace.store.rundir import Run, rank_file
+from disttrace.store.rundir import Run
 
-SUFFIX = ".scales.jsonl"
 GRADIENT_PHASES = ("backward", "reduce", "clip")
-
-
-def _read(path) -> dict[int, dict]:
-    """step -> {phase: {micro-batch: {index: magnitude}}}; a torn last line is left out."""
-    out: dict[int, dict] = {}
-    data = safeio.read_bytes(path, Path(path).parent.parent, "jsonl")  # inside its run, bounded
-    lines = data.split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()
-    elif lines:
-        lines.pop()  # torn last line: written when the process died
-    for n, line in enumerate(lines, 1):
-        try:
-            doc = orjson.loads(line)
-            step, m = int(doc["step"]), doc["m"]
-            parsed = {
-                str(ph): {
-                    int(mb): {int(i): float(v) for i, v in idx.items()} for mb, idx in mbs.items()
-                }
-                for ph, mbs in m.items()
-            }
-        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
-            raise BadInput(path, f"line {n} is not a magnitudes line", field="m") from None
-        if any(
-            not math.isfinite(v) or v < 0
-            for mbs in parsed.values()
-            for idx in mbs.values()
-            for v in idx.values()
-        ):
-            raise BadInput(path, f"line {n}: a magnitude is not a finite number >= 0", field="m")
-        out[step] = parsed
-    return out
-
-
-@dataclass
-class Moments:
-    """Per parameter index, at one step: the magnitudes of Adam's running averages (`exp_avg` M_m,
-    `exp_avg_sq` M_v) and of SGD's parameter (`param` M_p)."""
-
-    exp_avg: dict[int, float] = field(default_factory=dict)
-    exp_avg_sq: dict[int, float] = field(default_factory=dict)
-    param: dict[int, float] = field(default_factory=dict)
-
-    def of(self, state: str) -> dict[int, float]:
-        """The table of an optimizer state by the name a record gives it (exp_avg, exp_avg_sq)."""
-        return self.exp_avg if state == "exp_avg" else self.exp_avg_sq
+_BACKWARD, _REDUCE = (scales.PHASES.index(p) for p in ("backward", "reduce"))
 
 
 def _number(v, default):
@@ -106,14 +57,15 @@ def _number(v, default):
 
 class Magnitudes:
     """One run's magnitudes, as diff asks for them. ``available`` is False for a store without them (written
-    before they existed, or by an attached DeepSpeed engine): diff then keeps the norm-relative bound."""
+    before they existed, or by an attached DeepSpeed engine): diff then keeps the norm-relative bound.
+    Tables are (sorted parameter indices, magnitudes) array pairs."""
 
     def __init__(self, run: Run, since: int = 0):
-        self.by_rank: dict[int, dict[int, dict]] = {}
+        self.by_rank: dict[int, scales.Scales] = {}
         for r in run.ranks():
-            p = run.path / rank_file("trajectory", r, SUFFIX)
-            if p.is_file():
-                self.by_rank[r] = _read(p)
+            p = scales.path_of(run.path, r)
+            if p is not None:
+                self.by_rank[r] = scales.read(p, run.path)
         self.available = bool(self.by_rank) and set(self.by_rank) == set(run.ranks())
         t = run.manifest.training
         self.dp = max(_number(run.manifest.parallelism.dp, 1), 1)
@@ -122,33 +74,59 @@ class Magnitudes:
         self.beta1, self.beta2 = _number(t.beta1, 0.9), _number(t.beta2, 0.95)
         self.lr = _number(t.lr, 0.0)
         self.since = since
-        self._reduce: dict[int, dict[int, float]] = {}
-        self._clipped: dict[int, dict[int, float]] = {}
+        self._spans = {r: _spans(c.step) for r, c in self.by_rank.items()}
+        self._local: dict[int, dict[tuple[int, int], tuple]] = {}  # step -> (rank, mb) -> table
+        self._reduce: dict[int, tuple] = {}
+        self._clipped: dict[int, tuple] = {}
         self._run, self._entries = run, None
-        self._states: dict[int, dict[int, int]] = {}
-        self._state: dict[int, Moments] = {}
-        self._arrays: dict[tuple, tuple] = {}
+        self._states: dict[int, tuple] = {}
+        self._universe: np.ndarray | None = None
+        self._state: dict[int, tuple] = {}  # step -> (exp_avg, exp_avg_sq, param) over the universe
 
-    def local(self, rank: int, step: int, phase: str, mb: int, index: int) -> float | None:
-        return self.by_rank.get(rank, {}).get(step, {}).get(phase, {}).get(mb, {}).get(index)
+    def local(self, rank: int, step: int, mb: int) -> tuple[np.ndarray, np.ndarray]:
+        """The table of `rank`'s accumulated local gradients at the `backward` of micro-batch `mb`."""
+        got = self._local.get(step)
+        if got is None:
+            if len(self._local) >= _CACHED:  # steps come in order: the older half goes
+                for old in list(self._local)[: len(self._local) // 2]:
+                    del self._local[old]
+            got = self._local[step] = {}
+            for r, c in self.by_rank.items():
+                lo, hi = self._spans[r].get(step, (0, 0))
+                sel = np.flatnonzero(c.phase[lo:hi] == _BACKWARD) + lo
+                for m in np.unique(c.mb[sel]).tolist():
+                    at = sel[c.mb[sel] == m]
+                    got[(r, m)] = _as_arrays(c.index[at], c.m[at])
+        return got.get((rank, mb), _NONE)
 
-    def reduced(self, step: int) -> dict[int, float]:
-        """index -> the data-parallel gradient's magnitude at `step` (sum over ranks / dp)."""
+    def reduced(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """The data-parallel gradient's magnitudes at `step` (sum over ranks / dp), every index the files give
+        (sorted)."""
         got = self._reduce.get(step)
         if got is None:
-            got = {}
-            for steps in self.by_rank.values():
-                for mbs in (steps.get(step, {}).get("reduce") or {}).values():
-                    for i, v in mbs.items():
-                        got[i] = got.get(i, 0.0) + v
-            got = {i: v / self.dp for i, v in got.items()}
-            self._reduce[step] = got
+            index, m = [], []
+            for (
+                r,
+                c,
+            ) in self.by_rank.items():  # summed in rank order, then as written: the same float sums
+                lo, hi = self._spans[r].get(step, (0, 0))
+                sel = np.flatnonzero(c.phase[lo:hi] == _REDUCE) + lo
+                index.append(c.index[sel])
+                m.append(c.m[sel])
+            keys, inv = np.unique(np.concatenate(index), return_inverse=True)
+            sums = np.bincount(inv.reshape(-1), weights=np.concatenate(m), minlength=len(keys))
+            got = self._reduce[step] = (keys, sums / self.dp)
         return got
 
     def _clip_scalars(self, step: int) -> tuple[float, float] | None:
-        """(grad_norm, clip_coef) the step recorded (a rank's `clip` scalars; every rank holds the same),
-        (nan, 1.0) where the step recorded no clip coefficient (nothing clipped: the harness records one at
-        every step, an attached run when clip_grad_norm_ ran), None where the step is not in the store."""
+        """(grad_norm, clip_coef) the step recorded (every rank holds the same): the magnitudes file's where it
+        holds them, else the trajectory's `clip` scalars; (nan, 1.0) where the step recorded no clip
+        coefficient (nothing clipped: the harness records one at every step, an attached run when
+        clip_grad_norm_ ran), None where the step is not in the store."""
+        for r in sorted(self.by_rank):
+            got = self.by_rank[r].clip.get(step)
+            if got is not None:
+                return got
         if self._entries is None:
             self._entries = {}
             for r in sorted(self.by_rank):
@@ -170,19 +148,19 @@ class Magnitudes:
                 coef = v
         return norm, coef
 
-    def state_params(self, rank: int | None) -> dict[int, int]:
+    def state_params(self, rank: int | None) -> tuple[np.ndarray, np.ndarray]:
         """An optimizer state record's index -> its parameter's index, on `rank` (the lowest rank for None),
-        by name ("w:exp_avg" is w's): the recorder numbers a rank's state after that rank's parameters
-        (their count, then 4 per parameter), so the index alone does not say whose state it is. Read from
-        the first of the rank's steps that holds optimizer state."""
+        as a table, by name ("w:exp_avg" is w's): the recorder numbers a rank's state after that rank's
+        parameters (their count, then 4 per parameter), so the index alone does not say whose state it is.
+        Read from the first of the rank's steps that holds optimizer state."""
         if rank is None:
             rank = min(self.by_rank, default=0)
         got = self._states.get(rank)
         if got is None:
-            got = self._states[rank] = {}
+            table: dict[int, int] = {}
             for entry in self._run.step_index(rank).records[:4]:
                 params, states = {}, []
-                for rec in self._run.records_of_step(rank, entry):
+                for rec in self._run.records_of_step(rank, entry, phases=("optimizer",)):
                     if rec.get("phase") != "optimizer":
                         continue
                     name, index = str(rec.get("tensor") or ""), int(rec.get("index") or 0)
@@ -190,106 +168,145 @@ class Magnitudes:
                         states.append((name.rsplit(":", 1)[0], index))
                     elif not name.startswith("param_groups."):
                         params[name] = index
-                got.update({i: params[n] for n, i in states if n in params})
-                if got:
+                table.update({i: params[n] for n, i in states if n in params})
+                if table:
                     break
+            keys = sorted(table)
+            got = self._states[rank] = (
+                np.array(keys, dtype=np.int64),
+                np.array([table[k] for k in keys], dtype=np.int64),
+            )
         return got
 
-    def clipped(self, step: int) -> dict[int, float]:
-        """index -> the magnitude of the gradient the optimizer took at `step`: the data-parallel one's, times
-        (1 + R) where the step clipped by a coefficient below 1 (R = sqrt(sum_i M_i^2) / ||G||, the module
+    def clipped(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """The magnitudes of the gradient the optimizer took at `step`: the data-parallel one's, times (1 + R)
+        where the step clipped by a coefficient below 1 (R = sqrt(sum_i M_i^2) / ||G||, the module
         docstring); empty where the step may have clipped and its norm is not known."""
         got = self._clipped.get(step)
         if got is None:
-            red = self.reduced(step)
-            scalars = self._clip_scalars(step) if red else (math.nan, 1.0)
+            keys, red = self.reduced(step)
+            scalars = self._clip_scalars(step) if len(keys) else (math.nan, 1.0)
             if scalars is None:
-                got = {}
+                got = _NONE
             else:
                 norm, coef = scalars
                 if (
                     coef >= 1.0
                 ):  # not clipped: c = 1 on both sides wherever the norm is below max_norm
-                    got = red
+                    got = (keys, red)
                 elif not math.isfinite(coef) or not math.isfinite(norm) or norm <= 0:
-                    got = {}  # clipped by a coefficient whose norm is not known: no sound magnitude
+                    got = _NONE  # clipped by a coefficient whose norm is not known: no sound magnitude
                 else:
-                    spread = math.sqrt(math.fsum(v * v for v in red.values())) / norm
-                    got = {i: v * (1.0 + spread) for i, v in red.items()}
+                    spread = math.sqrt(math.fsum(red * red)) / norm
+                    got = (keys, red * (1.0 + spread))
             self._clipped[step] = got
         return got
 
-    def _moments(self, step: int) -> Moments:
-        """Per parameter index: M_m (exp_avg), M_v (exp_avg_sq), M_p (SGD's parameter) at `step`, from the
-        recursion started at `since` (the moments were equal there); an index leaves the recursion at a step
-        without its magnitude (record.every > 1, a rank's file missing a step)."""
+    def global_norm(self, step: int) -> float | None:
+        """|d ||G||| <= ||dG|| <= eps sqrt(sum_i M_i^2): the global norm's magnitude, on the scale of its parts."""
+        red = self.reduced(step)[1]
+        return math.sqrt(math.fsum(red * red)) if len(red) else None
+
+    def moments(self, step: int) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """(parameter indices, (M_m of exp_avg, M_v of exp_avg_sq, M_p of SGD's parameter)) at `step`, nan
+        where an index has none, from the recursion started at `since` (the moments were equal there); an
+        index leaves the recursion at a step without its magnitude (record.every > 1, a rank's file missing a
+        step)."""
+        universe = self._universe
+        if universe is None:
+            index = [c.index[c.phase == _REDUCE] for c in self.by_rank.values()]
+            universe = np.unique(np.concatenate(index)) if index else _NONE[0]
+            universe = self._universe = universe[(universe >= 0) & (universe < _MAX_INDEX)]
         if step in self._state:
-            return self._state[step]
+            return universe, self._state[step]
         start = max((s for s in self._state if s < step), default=self.since)
-        cur = self._state.get(start) or Moments()
+        none = np.full(len(universe), np.nan)
+        cur = self._state.get(start) or (none, none, none)
+        zero = np.zeros(len(universe))
         for s in range(start + 1, step + 1):
-            g = self.clipped(s)  # what the optimizer took: the clipped gradient
-            first = s == self.since + 1
-            nxt = Moments()
-            for i, mg in g.items():
-                pm = 0.0 if first else cur.exp_avg.get(i)
-                pv = 0.0 if first else cur.exp_avg_sq.get(i)
-                pp = 0.0 if first else cur.param.get(i)
-                if pm is not None:
-                    nxt.exp_avg[i] = self.beta1 * pm + (1 - self.beta1) * mg
-                if pv is not None:
-                    nxt.exp_avg_sq[i] = self.beta2 * pv + (1 - self.beta2) * mg * mg
-                if pp is not None:
-                    nxt.param[i] = pp + self.lr * mg
-            self._state[s] = cur = nxt
-        return cur
+            keys, mg = self.clipped(s)  # what the optimizer took: the clipped gradient
+            g = none.copy()
+            at = np.searchsorted(universe, keys)
+            hit = at < len(universe)
+            hit[hit] = universe[at[hit]] == keys[hit]
+            g[at[hit]] = mg[hit]
+            pm, pv, pp = (zero, zero, zero) if s == self.since + 1 else cur
+            # nan (an index without a magnitude) stays nan: it has left the recursion
+            cur = (
+                self.beta1 * pm + (1 - self.beta1) * g,
+                self.beta2 * pv + (1 - self.beta2) * g * g,
+                pp + self.lr * g,
+            )
+            self._state[s] = cur
+        return universe, cur
 
     def of(self, step: int, phase: str, index: int, name: str | None, rank: int | None, mb: int):
         """(magnitude or None, bounded): the magnitude a record's difference is measured against; bounded False
         where no sound magnitude exists (parameters under Adam)."""
         if phase == "backward":
-            return (self.local(rank, step, phase, mb, index) if rank is not None else None), True
+            return (_get(self.local(rank, step, mb), index) if rank is not None else None), True
         if phase in ("reduce", "clip"):
             red = self.reduced(step)
-            if phase == "clip" and clip_param_index(index) not in red and name == "grad_norm":
-                # |d ||G||| <= ||dG|| <= eps sqrt(sum_i M_i^2): the global norm on the scale of its parts
-                return (math.sqrt(math.fsum(v * v for v in red.values())) if red else None), True
-            if phase == "clip" and clip_param_index(index) not in red and name == "clip_coef":
+            own = _get(red, clip_param_index(index)) is not None
+            if phase == "clip" and not own and name == "grad_norm":
+                return self.global_norm(step), True
+            if phase == "clip" and not own and name == "clip_coef":
                 return None, False  # the clip coefficient: see the note above lookup
             if phase == "clip":  # a clipped gradient carries the coefficient's difference
-                return self.clipped(step).get(clip_param_index(index)), True
-            return red.get(index), True
+                return _get(self.clipped(step), clip_param_index(index)), True
+            return _get(red, index), True
         if phase != "optimizer":
             return None, True
         name = name or ""
-        if name.startswith(
-            "param_groups."
-        ):  # a learning rate an attached run records: an input, no sum
+        if name.startswith("param_groups."):  # a learning rate an attached run records: an input
             return None, True
         key = name.rsplit(":", 1)[1] if ":" in name else None
         if key is None:  # a parameter
-            if self.optimizer == "sgd":
-                return self._moments(step).param.get(index), True
-            return None, False
-        if key in ("exp_avg", "exp_avg_sq"):
-            param = self.state_params(rank).get(index)
-            return (None if param is None else self._moments(step).of(key).get(param)), True
+            if self.optimizer != "sgd":
+                return None, False
+            universe, moments = self.moments(step)
+            return _get((universe, moments[2]), index), True
+        if key in _OPTIMIZER_KEYS[:2]:
+            param = _get(self.state_params(rank), index)
+            if param is None:
+                return None, True
+            universe, moments = self.moments(step)
+            return _get((universe, moments[_OPTIMIZER_KEYS.index(key)]), int(param)), True
         return None, True
 
 
 # an index beyond what a record's uint32 index (or its optimizer state's parameter) can name never matches
 _MAX_INDEX = 1 << 34
 _CACHED = 1 << 12  # tables held as arrays at once: a few blocks' steps, not the run's
-_OPTIMIZER_KEYS = ("exp_avg", "exp_avg_sq", "param")
+_OPTIMIZER_KEYS = ("exp_avg", "exp_avg_sq", "param")  # the order of Magnitudes.moments' arrays
 _NONE = (np.empty(0, dtype=np.int64), np.empty(0))
 
 
-def _as_arrays(table: dict[int, float]) -> tuple[np.ndarray, np.ndarray]:
-    """A table {index: magnitude} as (sorted indices, magnitudes) for np.searchsorted."""
-    keys = sorted(k for k in table if 0 <= k < _MAX_INDEX)
-    if not keys:
-        return _NONE
-    return np.array(keys, dtype=np.int64), np.array([table[k] for k in keys], dtype=np.float64)
+def _spans(step: np.ndarray) -> dict[int, tuple[int, int]]:
+    """step -> (first row, end) of a rank's columns, whose steps' rows lie together."""
+    if not len(step):
+        return {}
+    cut = np.flatnonzero(step[1:] != step[:-1]) + 1
+    lo, hi = np.append(0, cut), np.append(cut, len(step))
+    return dict(zip(step[lo].tolist(), zip(lo.tolist(), hi.tolist())))
+
+
+def _as_arrays(index: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows (index, magnitude) as a table (sorted indices, magnitudes) for np.searchsorted; an index out of
+    what a record can name left out."""
+    keep = (index >= 0) & (index < _MAX_INDEX)
+    order = np.argsort(index[keep], kind="stable")
+    return index[keep][order], m[keep][order].astype(np.float64, copy=False)
+
+
+def _get(table: tuple[np.ndarray, np.ndarray], i: int):
+    """table.get(i) for one index: None where absent (or nan: an index out of the recursion)."""
+    keys, vals = table
+    at = int(np.searchsorted(keys, i))
+    if at < len(keys) and keys[at] == i and not math.isnan(vals[at]):
+        v = vals[at]
+        return v.item() if hasattr(v, "item") else v
+    return None
 
 
 def _lookup(arrays: tuple[np.ndarray, np.ndarray], index: np.ndarray) -> np.ndarray:
@@ -318,45 +335,29 @@ def lookup(
     "grad_norm", "clip_coef", "param_groups", "colon", "exp_avg", "exp_avg_sq")."""
     n = len(index)
     bounded = np.ones(n, dtype=bool)
-    cache = mag._arrays
-    if len(cache) >= _CACHED:  # steps come in order: the older half goes
-        for old in list(cache)[: len(cache) // 2]:
-            del cache[old]
     if phase == "backward":
         out = np.full(n, np.nan)
         pairs, inv = np.unique(rank * (1 << 32) + mb, return_inverse=True)
         inv = inv.reshape(-1)
         for j, p in enumerate(pairs.tolist()):
-            rk, m = p >> 32, p & 0xFFFFFFFF
-            key = ("backward", step, rk, m)
-            arrays = cache.get(key)
-            if arrays is None:
-                table = mag.by_rank.get(rk, {}).get(step, {}).get(phase, {}).get(m, {})
-                arrays = cache[key] = _as_arrays(table)
-            sel = inv == j
-            out[sel] = _lookup(arrays, index[sel])
+            sel = inv == j if len(pairs) > 1 else slice(None)
+            out[sel] = _lookup(mag.local(p >> 32, step, p & 0xFFFFFFFF), index[sel])
         return out, bounded
     if phase in ("reduce", "clip"):
-        key = (phase, step)
-        arrays = cache.get(key)
-        if (
-            arrays is None
-        ):  # a clipped gradient carries the coefficient's difference (Magnitudes.clipped)
-            arrays = cache[key] = _as_arrays(
-                mag.clipped(step) if phase == "clip" else mag.reduced(step)
-            )
+        # a clipped gradient carries the coefficient's difference (Magnitudes.clipped)
+        table = mag.clipped(step) if phase == "clip" else mag.reduced(step)
         if phase == "clip":  # a clipped gradient's magnitude is its parameter's (clip_param_index)
             index = np.where(index >= CLIP_GRAD_BASE, index - CLIP_GRAD_BASE, index)
-        out = _lookup(arrays, index)
+        out = _lookup(table, index)
         if phase == "clip":
-            bounded[np.isnan(out) & names("clip_coef")] = (
-                False  # the clip coefficient: see the note above lookup
+            missing = np.isnan(out)
+            bounded[missing & names("clip_coef")] = (
+                False  # the clip coefficient: see the note above
             )
-            norm = np.isnan(out) & names("grad_norm")
+            norm = missing & names("grad_norm")
             if norm.any():
-                red = mag.reduced(step)
-                # |d ||G||| <= ||dG|| <= eps sqrt(sum_i M_i^2): the global norm on the scale of its parts
-                out[norm] = math.sqrt(math.fsum(v * v for v in red.values())) if red else np.nan
+                got = mag.global_norm(step)
+                out[norm] = np.nan if got is None else got
         return out, bounded
     if phase != "optimizer":
         return np.full(n, np.nan), bounded
@@ -365,15 +366,15 @@ def lookup(
     param = ~inputs & ~names("colon")
     if param.any():
         if mag.optimizer == "sgd":
-            out[param] = _lookup(_moment_arrays(mag, step, "param"), index[param])
+            universe, moments = mag.moments(step)
+            out[param] = _lookup((universe, moments[2]), index[param])
         else:
             bounded[param] = False
-    for state in ("exp_avg", "exp_avg_sq"):
+    for k, state in enumerate(_OPTIMIZER_KEYS[:2]):
         sel = ~inputs & names(state)
         if sel.any():
-            out[sel] = _lookup(
-                _moment_arrays(mag, step, state), _state_params(mag, index, rank, sel)
-            )
+            universe, moments = mag.moments(step)
+            out[sel] = _lookup((universe, moments[k]), _state_params(mag, index, rank, sel))
     return out, bounded
 
 
@@ -382,18 +383,10 @@ def _state_params(mag: Magnitudes, index: np.ndarray, rank: np.ndarray, sel: np.
     out = np.full(int(sel.sum()), -1, dtype=np.int64)
     idx, rk = index[sel], rank[sel]
     for r in np.unique(rk).tolist():
-        table = mag.state_params(int(r))
-        at = rk == r
-        out[at] = [table.get(i, -1) for i in idx[at].tolist()]
+        keys, params = mag.state_params(int(r))
+        at = np.flatnonzero(rk == r)
+        if len(keys):
+            pos = np.minimum(np.searchsorted(keys, idx[at]), len(keys) - 1)
+            hit = keys[pos] == idx[at]
+            out[at[hit]] = params[pos[hit]]
     return out
-
-
-def _moment_arrays(mag: Magnitudes, step: int, state: str):
-    key = ("moments", step)
-    got = mag._arrays.get(key)
-    if got is None:
-        m = mag._moments(step)
-        got = mag._arrays[key] = {
-            k: _as_arrays(t) for k, t in zip(_OPTIMIZER_KEYS, (m.exp_avg, m.exp_avg_sq, m.param))
-        }
-    return got[state]

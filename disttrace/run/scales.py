@@ -11,8 +11,9 @@ micro-batch (an embedding's ``||X||`` is the square root of its token count: one
 weight multiplies ``x / rms(x)``, whose Frobenius norm is at most the square root of its size; a bias's
 gradient sums dY over the positions it is broadcast to, so its ``||X||`` is the square root of their count), accumulated
 over the step's micro-batches the way the gradient accumulates, and writes at each `backward` and `reduce`
-record the value it had then: one line per step in ``trajectory/rank-N.scales.jsonl`` (sealed with the
-rank's other files). Diff sums a reduced gradient's magnitudes over the ranks that contributed to it.
+record the value it had then, with the step's clip scalars (the global norm and the coefficient, which the
+bound of what a coefficient below 1 scales needs): one frame per step in ``trajectory/rank-N.scales.bin``
+(store/scales.py; sealed with the rank's other files). Diff sums a reduced gradient's magnitudes over the ranks that contributed to it.
 
 Cost: one sum of squares over each module's input (shared inputs counted once) and output gradient per
 micro-batch, on the tensors' device, in float32; no collective. A DTensor contributes its local part (the
@@ -25,11 +26,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import orjson
+import numpy as np
 
+from disttrace.store import scales
 from disttrace.store.rundir import rank_file
-
-SUFFIX = ".scales.jsonl"
 
 
 def _local(t):
@@ -58,11 +58,12 @@ class Magnitudes:
 
     def __init__(self, run_dir: Path, rank: int, model, every: int = 1):
         self.rank, self.every = rank, every
-        self.path = Path(run_dir) / rank_file("trajectory", rank, SUFFIX)
+        self.path = Path(run_dir) / rank_file("trajectory", rank, scales.SUFFIX)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._f = open(self.path, "ab")
         self._acc: dict[int, object] = {}  # index -> 0-d tensor (device)
         self._snap: list[tuple[str, int, dict]] = []  # (phase, micro-batch, {index: tensor})
+        self._clip: dict[str, object] = {}  # the step's grad_norm and clip_coef (0-d tensors)
         self._last_in: tuple | None = None
         self._handles = []
         self._on = True
@@ -120,12 +121,17 @@ class Magnitudes:
         bus.on("step_start", self._step_start, self.ORDER)
         bus.on("backward", self._phase("backward"), self.ORDER)
         bus.on("reduce", self._phase("reduce"), self.ORDER)
+        bus.on("clip", self._clip_scalars, self.ORDER)
         bus.on("step_end", self._step_end, self.ORDER)
         return self
 
     def _step_start(self, bus, p):
         self._on = bus.step % self.every == 0
-        self._acc, self._snap, self._last_in = {}, [], None
+        self._acc, self._snap, self._last_in, self._clip = {}, [], None, {}
+
+    def _clip_scalars(self, bus, p):
+        if self._on:
+            self._clip = {n: t for _, n, t in p.scalars if n in ("grad_norm", "clip_coef")}
 
     def _phase(self, phase: str):
         def handler(bus, p):
@@ -141,15 +147,22 @@ class Magnitudes:
             return
         import torch
 
-        flat = [(ph, mb, i, t) for ph, mb, snap in self._snap for i, t in snap.items()]
-        values = torch.stack([t.detach() for *_, t in flat]).cpu().tolist() if flat else []
-        out: dict[str, dict[str, dict[str, float]]] = {}
-        for (ph, mb, i, _), v in zip(flat, values):
-            if math.isfinite(v):
-                out.setdefault(ph, {}).setdefault(str(mb), {})[str(i)] = v
-        self._f.write(orjson.dumps({"step": int(bus.step), "m": out}) + b"\n")
+        flat = [t.detach() for _, _, snap in self._snap for t in snap.values()]
+        values = torch.stack(flat).cpu().numpy() if flat else np.empty(0, np.float32)
+        groups, at = [], 0
+        for ph, mb, snap in self._snap:
+            v = values[at : at + len(snap)]
+            keep = np.isfinite(v)
+            groups.append((ph, mb, np.fromiter(snap, np.int64, len(snap))[keep], v[keep]))
+            at += len(snap)
+        clip = None
+        if self._clip:  # as the recorder's `clip` records give them: a non-finite one is nan
+            got = {n: float(_local(t).detach().double().cpu()) for n, t in self._clip.items()}
+            norm, coef = got.get("grad_norm", math.nan), got.get("clip_coef", 1.0)
+            clip = tuple(v if math.isfinite(v) else math.nan for v in (norm, coef))
+        self._f.write(scales.encode(int(bus.step), groups, clip))
         self._f.flush()
-        self._acc, self._snap, self._last_in = {}, [], None
+        self._acc, self._snap, self._last_in, self._clip = {}, [], None, {}
 
     def close(self) -> None:
         for h in self._handles:

@@ -201,7 +201,7 @@ def _fold_columns(
         bitwise=tol.mode == "bitwise",
         user=(tol.rtol, tol.atol) if tol.user else None,
         base_bound=base_bound,
-        magnitudes=(lambda rows: tol.row_magnitudes(row_step, ca.batch, cb.batch, rows))
+        magnitudes=(lambda rows: tol.row_magnitudes(row_step, ca, cb, rows))
         if tol.mags is not None
         else None,
         projections=tol.projections,

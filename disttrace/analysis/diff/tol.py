@@ -8,7 +8,6 @@ import math
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from disttrace.analysis import magnitudes, tolerance
 from disttrace.analysis.result import BoundKind
@@ -17,37 +16,60 @@ from disttrace.store.records import PHASES
 from disttrace.store.trajectory import SKETCH_K
 
 TINY = 1e-300
-_PHASES = pa.array(PHASES, pa.string())
 
 
 class _NameKinds:
-    """What analysis/magnitudes.py's `of` asks of a tensor name, over a column of names: each kind matched
-    once for the whole column (a null name is the empty one)."""
+    """What analysis/magnitudes.py's `of` asks of a tensor name, over a column of names, matched on the
+    column's bytes (a null name is the empty one)."""
 
     _MATCH = {
-        "grad_norm": lambda c: pc.equal(c, "grad_norm"),
-        "clip_coef": lambda c: pc.equal(c, "clip_coef"),
-        "param_groups": lambda c: pc.starts_with(c, "param_groups."),
-        "colon": lambda c: pc.match_substring(c, ":"),
-        "exp_avg": lambda c: pc.ends_with(c, ":exp_avg"),
-        "exp_avg_sq": lambda c: pc.ends_with(c, ":exp_avg_sq"),
+        "grad_norm": ("equal", b"grad_norm"),
+        "clip_coef": ("equal", b"clip_coef"),
+        "param_groups": ("starts", b"param_groups."),
+        "colon": ("contains", b":"),
+        "exp_avg": ("ends", b":exp_avg"),
+        "exp_avg_sq": ("ends", b":exp_avg_sq"),
     }
 
     def __init__(self, names: pa.Array):
-        self.names, self._got = names, {}
+        self._contains: np.ndarray | None = None  # the rows holding ":" (the one "contains" kind)
+        names = names.cast(pa.string()) if names.type != pa.string() else names
+        n = len(names)
+        self._n = n
+        validity, offsets, data = names.buffers()
+        self._off = np.frombuffer(offsets, np.int32)[names.offset : names.offset + n + 1].astype(
+            np.int64
+        )
+        self._data = np.frombuffer(data, np.uint8) if data is not None else np.empty(0, np.uint8)
+        self._valid = (
+            np.asarray(names.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+            if names.null_count
+            else np.ones(n, dtype=bool)
+        )
 
     def at(self, sel):
-        """The matcher of the rows `sel`."""
-        return lambda kind: self._all(kind)[sel]
+        """The matcher of the rows `sel` (each kind matched on those rows' bytes alone)."""
+        return lambda kind: self._match(kind, sel)
 
-    def _all(self, kind: str) -> np.ndarray:
-        got = self._got.get(kind)
-        if got is None:
-            got = self._got[kind] = np.asarray(
-                self._MATCH[kind](self.names).fill_null(False).to_numpy(zero_copy_only=False),
-                dtype=bool,
-            )
-        return got
+    def _match(self, kind: str, sel) -> np.ndarray:
+        how, word = self._MATCH[kind]
+        lo, hi, valid = self._off[:-1][sel], self._off[1:][sel], self._valid[sel]
+        if how == "contains":  # the rows the byte's positions fall in, over the whole column once
+            if self._contains is None:
+                self._contains = np.zeros(self._n, dtype=bool)
+                if self._n:
+                    at = np.flatnonzero(self._data[: self._off[-1]] == word[0])
+                    self._contains[np.searchsorted(self._off[1:], at, side="right")] = True
+            return self._contains[sel] & valid
+        k = len(word)
+        fits = ((hi - lo == k) if how == "equal" else (hi - lo >= k)) & valid
+        out = np.zeros(len(fits), dtype=bool)
+        rows = np.flatnonzero(fits)
+        if len(rows):
+            start = (hi[rows] - k) if how == "ends" else lo[rows]
+            pattern = np.frombuffer(word, np.uint8)
+            out[rows] = (self._data[start[:, None] + np.arange(k)] == pattern).all(axis=1)
+        return out
 
 
 _CACHED = 1 << 10  # (step, phase, class) bounds held at once: a few blocks' steps, not the run's
@@ -133,29 +155,22 @@ class _Tol:
                 out = max(out, m)
         return out, bounded
 
-    def row_magnitudes(self, step_of_row, batch_a, batch_b, rows) -> tuple[np.ndarray, np.ndarray]:
-        """`magnitude` for rows of two aligned batches: (magnitudes, unbounded) arrays, looked up a step and
-        phase at a time over whole columns (analysis/magnitudes.py's `lookup`)."""
+    def row_magnitudes(self, step_of_row, cols_a, cols_b, rows) -> tuple[np.ndarray, np.ndarray]:
+        """`magnitude` for rows of two aligned steps' columns (analysis/columnar.py's `Columns`, whose numpy
+        columns the fold shares): (magnitudes, unbounded) arrays, looked up a step and phase at a time over
+        whole columns (analysis/magnitudes.py's `lookup`)."""
         n = len(rows)
         extra, unbounded = np.zeros(n), np.zeros(n, dtype=bool)
         if self.mags is None or not n:
             return extra, unbounded
-        take = pa.array(rows, pa.int64())
+        rows = np.asarray(rows, dtype=np.int64)
         steps = np.asarray(step_of_row[rows], dtype=np.int64)
-        for mag, batch in zip(self.mags, (batch_a, batch_b)):
-            order = np.asarray(
-                pc.index_in(batch.column("phase").take(take), value_set=_PHASES)
-                .fill_null(len(PHASES))
-                .to_numpy(zero_copy_only=False),
-                dtype=np.int64,
-            )
+        for mag, cols in zip(self.mags, (cols_a, cols_b)):
+            order = cols["phase_order"][rows]
             index, rank, mb = (
-                np.asarray(
-                    batch.column(c).take(take).to_numpy(zero_copy_only=False), dtype=np.int64
-                )
-                for c in ("index", "rank", "micro_batch")
+                np.asarray(cols[c][rows], dtype=np.int64) for c in ("index", "rank", "micro_batch")
             )
-            names = _NameKinds(batch.column("tensor").take(take))
+            names = _NameKinds(cols.column("tensor"))
             groups, inv = np.unique(steps * (len(PHASES) + 1) + order, return_inverse=True)
             inv = inv.reshape(-1)
             for j, g in enumerate(groups.tolist()):
@@ -164,7 +179,7 @@ class _Tol:
                     continue  # an unknown phase has no magnitude
                 sel = np.flatnonzero(inv == j) if len(groups) > 1 else slice(None)
                 v, ok = magnitudes.lookup(
-                    mag, step, PHASES[o], index[sel], names.at(sel), rank[sel], mb[sel]
+                    mag, step, PHASES[o], index[sel], names.at(rows[sel]), rank[sel], mb[sel]
                 )
                 unbounded[sel] |= ~ok
                 extra[sel] = np.fmax(extra[sel], v)
