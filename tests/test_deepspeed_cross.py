@@ -20,8 +20,8 @@ from conftest import ROOT, cli, last_line
 from launchers import launch, need_deepspeed, torchrun_cmd
 
 from disttrace.config.deepspeed import freeze_from_deepspeed
-from disttrace.config.harness import CLAIM, harness_config, model_tensors
-from disttrace.config.identity import experiment_differences
+from disttrace.config.harness import harness_config
+from disttrace.config.identity import CLAIM, experiment_differences, model_tensors
 from disttrace.config.manifest import read_lock
 from disttrace.errors import BadInput
 from disttrace.store.records import ATTACHED_SOURCE
