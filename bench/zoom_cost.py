@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="the default manifest's tiny model instead")
     args = ap.parse_args()
 
-    from disttrace.config.manifest import freeze
+    from disttrace.config.freezing import freeze
     from disttrace.lab.zoom import deep_run
     from disttrace.run.launch import launch, prepare
 

@@ -70,7 +70,8 @@ def plan(
 
 def _plan_manifest(manifest, sets):
     """A plan needs the shapes, not the data: validate without hashing files."""
-    from disttrace.config.manifest import DEFAULT_MANIFEST, apply_overrides, read_toml, validate
+    from disttrace.config.freezing import apply_overrides, read_toml, validate
+    from disttrace.config.manifest import DEFAULT_MANIFEST
 
     path = Path(manifest) if manifest else DEFAULT_MANIFEST
     return validate(apply_overrides(read_toml(path), sets or []), path).model_dump(mode="json")

@@ -24,8 +24,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from disttrace.config.freezing import Frozen, read_lock
 from disttrace.config.identity import CLAIM, claimed_fields, get_field
-from disttrace.config.manifest import Frozen, read_lock
 
 if TYPE_CHECKING:
     from disttrace.data.windows import TokenData

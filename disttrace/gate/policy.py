@@ -154,7 +154,7 @@ def read_policy(path: Path) -> GatePolicy:
     """A policy TOML file, or BadInput naming the file and the field."""
     import tomllib
 
-    from disttrace.config.manifest import read_text_file
+    from disttrace.config.freezing import read_text_file
 
     text = read_text_file(Path(path), "policy")
     try:

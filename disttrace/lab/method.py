@@ -21,7 +21,7 @@ from disttrace.analysis.lab import (
     judge_prediction,
 )
 from disttrace.analysis.result import DiffResult
-from disttrace.config.manifest import freeze
+from disttrace.config.freezing import freeze
 from disttrace.errors import BadInput, JobFailed
 from disttrace.gate.verdict import gate
 from disttrace.run import faults

@@ -88,7 +88,7 @@ def _copy_checkpoint(src: Path, dst: Path) -> None:
 def _prepare(run: Run, ref: Run, source: int, until: int, root: Path) -> Path:
     """A replay run directory under `root` (the gate's own), resuming from a verified copy of the
     candidate's checkpoint `source` and stopping after step `until`."""
-    from disttrace.config.manifest import Frozen, verified_data
+    from disttrace.config.freezing import Frozen, verified_data
     from disttrace.run.launch import prepare
 
     data_path, tok_path = verified_data(ref)
@@ -195,7 +195,7 @@ def replay_check(
             "manifest"
         )
     try:
-        from disttrace.config.manifest import validate
+        from disttrace.config.freezing import validate
 
         validate(run.manifest_doc, run.path / "manifest.lock.json")
         candidates = replayable(run)

@@ -61,7 +61,7 @@ def _with_depth(frozen, step: int, depth: str):
     data and tokenizer stay the ones RUN's lock resolved and hashed)."""
     import hashlib
 
-    from disttrace.config.manifest import canonical_json, validate
+    from disttrace.config.freezing import canonical_json, validate
 
     manifest = {**frozen.manifest, "record": {**frozen.manifest.get("record", {})}}
     manifest["record"]["depth"] = {"step": step, "level": depth}

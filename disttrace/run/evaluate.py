@@ -10,7 +10,7 @@ from pathlib import Path
 
 import orjson
 
-from disttrace.config.manifest import verified_data
+from disttrace.config.freezing import verified_data
 from disttrace.errors import BadInput, DisttraceError
 from disttrace.store import checkpoints as checkpoint
 from disttrace.store.checkpoints import final_checkpoint

@@ -15,7 +15,7 @@ import time
 import uuid
 from pathlib import Path
 
-from disttrace.config.manifest import Frozen, parse_lock, validate
+from disttrace.config.freezing import Frozen, parse_lock, validate
 from disttrace.errors import JobFailed
 from disttrace.run.worker import LOG_ENV, release_space, reserve_space
 from disttrace.store.records import Created, Launched, RankFailed, RunInfo

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from disttrace.config.manifest import Frozen
+from disttrace.config.freezing import Frozen
 from disttrace.errors import BadInput
 from disttrace.store import checkpoints as checkpoint
 from disttrace.store.paths import contained, inside

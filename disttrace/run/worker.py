@@ -17,7 +17,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from disttrace.config.manifest import Manifest, parse_lock, validate
+from disttrace.config.freezing import parse_lock, validate
+from disttrace.config.manifest import Manifest
 from disttrace.errors import EXIT_INTERRUPTED, BadInput, DisttraceError
 from disttrace.run.complete import seal_and_complete
 from disttrace.run.hooks import process_exit
@@ -345,7 +346,7 @@ def resume(ctx, spec: ResumeSpec) -> int:
     path = resume_checkpoint(ctx.run_dir, spec)  # inside the runs root, or BadInput
     identity = ctx.manifest_id
     if ctx.manifest.record.depth is not None:  # a replay recording at depth
-        from disttrace.config.manifest import checkpoint_identity
+        from disttrace.config.freezing import checkpoint_identity
 
         identity = checkpoint_identity(ctx.manifest)
     progress = checkpoint.load(ctx.strategy, path, ctx.rank, identity)
