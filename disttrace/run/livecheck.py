@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from disttrace.analysis.consistency import rule_applies
+from disttrace.analysis.replica_rules import rule_applies
 from disttrace.run.digest import digest_of_digests
 from disttrace.store.records import LiveCheckFailed, ReplicaRule
 from disttrace.store.rundir import event
