@@ -225,7 +225,7 @@ def build_report(run_dirs: list[Path], output: Path) -> Path:
     ) in run_dirs:  # a path that is not a run directory is bad input, before anything is computed
         Run(p)
     page = render_html(run_dirs, report_facts(run_dirs))
-    from disttrace.store.rundir import write_atomic
+    from disttrace.store.writers import write_atomic
 
     output = Path(output)
     write_atomic(output, page.encode("utf-8"))  # follows no link, replaces only a regular file

@@ -10,7 +10,8 @@ import orjson
 import pytest
 
 from disttrace.store import records as r
-from disttrace.store.rundir import JsonlWriter, Run, event, write_run_info
+from disttrace.store.rundir import Run
+from disttrace.store.writers import JsonlWriter, event, write_run_info
 
 
 def _bytes(obj) -> bytes:

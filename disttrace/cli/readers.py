@@ -88,7 +88,8 @@ def trace(
     """Write a Chrome trace-event timeline (Perfetto, chrome://tracing): one process per rank, compute and
     one track per process group, collectives with their sizes."""
     from disttrace.analysis.timeline import build_trace
-    from disttrace.store.rundir import Run, write_json_atomic
+    from disttrace.store.rundir import Run
+    from disttrace.store.writers import write_json_atomic
 
     doc = build_trace(Run(run_dir))
     write_json_atomic(output, doc)

@@ -34,7 +34,8 @@ from disttrace.gate import binding
 from disttrace.gate.verdict import ReplayOutcome, gate
 from disttrace.store import checkpoints
 from disttrace.store.records import Verdict
-from disttrace.store.rundir import Run, read_run_info, write_run_info
+from disttrace.store.rundir import Run, read_run_info
+from disttrace.store.writers import write_run_info
 
 REPLAY_TIMEOUT_S = 1800
 

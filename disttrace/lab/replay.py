@@ -131,7 +131,7 @@ def prepare_attached_replay(
     import time
 
     from disttrace.store.records import RunInfo
-    from disttrace.store.rundir import new_run_dir, write_run_info
+    from disttrace.store.writers import new_run_dir, write_run_info
 
     run_dir = Path(run_dir)
     run = Run(run_dir)

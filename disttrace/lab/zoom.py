@@ -31,12 +31,8 @@ from disttrace.analysis.zoom import (
 )
 from disttrace.errors import BadInput, JobFailed
 from disttrace.store.depth import find_depth_run, origin
-from disttrace.store.rundir import (
-    LOCK,
-    Run,
-    read_run_info,
-    write_run_info,
-)
+from disttrace.store.rundir import LOCK, Run, read_run_info
+from disttrace.store.writers import write_run_info
 from disttrace.views.lab import markup_safe
 
 PRODUCED_BY = "rerun"

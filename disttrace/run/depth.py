@@ -40,7 +40,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from disttrace.run.digest import digest_tensor
 from disttrace.run.recorder import shard_info
 from disttrace.store.records import DepthRecord
-from disttrace.store.rundir import JsonlWriter, rank_file
+from disttrace.store.rundir import rank_file
+from disttrace.store.writers import JsonlWriter
 
 KIND = "depth"
 LEVELS = ("module", "op")

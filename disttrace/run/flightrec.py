@@ -228,7 +228,7 @@ class FlightRecorderTrace:
             self.capacity <= 0 and rank == 0
         ):  # the user turned the recorder off: say why the trace is empty
             from disttrace.store.records import CollectiveTraceEmpty
-            from disttrace.store.rundir import event
+            from disttrace.store.writers import event
 
             event(
                 run_dir,

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from disttrace.analysis.replica_rules import rule_applies
 from disttrace.run.digest import digest_of_digests
 from disttrace.store.records import LiveCheckFailed, ReplicaRule
-from disttrace.store.rundir import event
+from disttrace.store.writers import event
 
 
 class InconsistentReplicas(RuntimeError):

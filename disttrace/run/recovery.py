@@ -85,7 +85,7 @@ def import_checkpoint(ckpt: Path, run_dir: Path, manifest_id: str) -> Path:
 
     from disttrace.store import safeio
     from disttrace.store.checkpoints import INDEX, verified_index
-    from disttrace.store.rundir import writing
+    from disttrace.store.writers import writing
 
     source_run = ckpt.parent.parent
     index = verified_index(ckpt, manifest_id, source_run)

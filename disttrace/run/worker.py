@@ -33,14 +33,8 @@ from disttrace.store.records import (
     ResumeSpec,
     RunInfo,
 )
-from disttrace.store.rundir import (
-    COMPLETE,
-    LOCK,
-    event,
-    rank_file,
-    read_run_info,
-    write_json_atomic,
-)
+from disttrace.store.rundir import COMPLETE, LOCK, rank_file, read_run_info
+from disttrace.store.writers import event, write_json_atomic
 
 
 @dataclass
@@ -522,7 +516,7 @@ def _path_in_frames(exc: BaseException) -> str | None:
 def failure_note(e: BaseException, run_dir: Path, slot: int) -> dict:
     """What a failed rank says about itself in one JSON line: its error and, when the disk was full, the
     file being written (never None: the run directory if nothing better is known)."""
-    from disttrace.store.rundir import disk_full
+    from disttrace.store.writers import disk_full
 
     full = disk_full(e)
     note = {"slot": slot, "error": " ".join(f"{type(e).__name__}: {e}".split())[:500]}

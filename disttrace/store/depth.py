@@ -8,8 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from disttrace.store import safeio
+from disttrace.store.jsonlines import iter_jsonl
 from disttrace.store.records import DepthRecord
-from disttrace.store.rundir import Run, iter_jsonl
+from disttrace.store.rundir import Run
 
 KIND = "depth"
 

@@ -210,7 +210,7 @@ class StepIndexEntry(_Line):
 
 class EventLine(_Line):
     """A line of events.jsonl: what happened and when. Each kind below states the fields its writer adds, in
-    the order they are written; a writer builds its line with its kind's model (`store.rundir.event`), a
+    the order they are written; a writer builds its line with its kind's model (`store.writers.event`), a
     reader validates each line by the model of its `event` (`parse_event`). The fields are optional: a store
     from another version may leave some out; a field that is there must be of its type."""
 
@@ -595,7 +595,7 @@ class Perturb(_Line):
 
 class RunInfo(_Line):
     """run.json: which path, the fault spec, where it resumed from, and what the command that prepared it
-    adds. Built by every writer (`store.rundir.write_run_info`), validated by every reader (`Run.run_info`).
+    adds. Built by every writer (`store.writers.write_run_info`), validated by every reader (`Run.run_info`).
     `doc()` is what the writer stated: a field passed as None is written as null, one left out is absent."""
 
     model_config = ConfigDict(extra="allow", populate_by_name=True)

@@ -10,7 +10,7 @@ from disttrace.analysis import columnar
 from disttrace.analysis.diff.tol import _same_bits, _Tol
 from disttrace.analysis.result import RankEntry, RecordStats, Unit
 from disttrace.store import trajectory
-from disttrace.store.rundir import PHASE_ORDER, PHASES
+from disttrace.store.records import PHASE_ORDER, PHASES
 
 _UNKNOWN_PHASE = len(PHASES)
 _PHASE_NAMES = (*PHASES, "")  # by phase order (columnar.phase_name)

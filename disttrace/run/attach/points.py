@@ -22,7 +22,7 @@ from disttrace.run.hooks import (
 )
 from disttrace.run.parallel.common import SCALAR_INDEX, optimizer_state_list
 from disttrace.store.records import AttachNote
-from disttrace.store.rundir import event
+from disttrace.store.writers import event
 
 if TYPE_CHECKING:
     from disttrace.run.attach.run import AttachedRun

@@ -31,11 +31,8 @@ from disttrace.store.records import (
     Resumed,
     ResumeSpec,
 )
-from disttrace.store.rundir import (
-    event,
-    read_run_info,
-    write_run_info,
-)
+from disttrace.store.rundir import read_run_info
+from disttrace.store.writers import event, write_run_info
 
 
 class _UserState(Strategy):

@@ -19,7 +19,7 @@ from disttrace.run.deepspeed.pieces import (
 )
 from disttrace.run.parallel.common import SCALAR_INDEX
 from disttrace.store.records import CheckpointSaved
-from disttrace.store.rundir import event
+from disttrace.store.writers import event
 
 
 class DeepSpeedRun(AttachedRun):

@@ -14,7 +14,7 @@ from disttrace.config.manifest import Manifest
 from disttrace.errors import BadInput
 from disttrace.run.hooks import Point
 from disttrace.store.records import FaultEvent
-from disttrace.store.rundir import event
+from disttrace.store.writers import event
 
 AnyManifest = Manifest | AttachedManifest  # the harness's job, or an attached script (run/attach/)
 
