@@ -19,16 +19,10 @@ from disttrace.analysis.result import DiffResult
 from disttrace.analysis.sync import Straggler, SyncResult, check_sync, find_stragglers
 from disttrace.analysis.zoom import ZoomResult
 from disttrace.errors import BadInput
+from disttrace.store.documents import MemoryLine, RunInfo, Topology, Verdict
+from disttrace.store.events import EventLine, FaultEvent
 from disttrace.store.manifest import ExperimentView
-from disttrace.store.records import (
-    FAILURE_EVENTS,
-    EventLine,
-    FaultEvent,
-    MemoryLine,
-    RunInfo,
-    Topology,
-    Verdict,
-)
+from disttrace.store.records import FAILURE_EVENTS
 from disttrace.store.rundir import Run
 from disttrace.views.report import render_html
 

@@ -19,8 +19,9 @@ from disttrace.analysis.paged import Paged
 from disttrace.analysis.replica_rules import Finding, judge, rule_applies
 from disttrace.jsondoc import JsonDoc, omit_none
 from disttrace.store import safeio
+from disttrace.store.documents import Replicas, parse_doc
 from disttrace.store.jsonlines import read_json
-from disttrace.store.records import PHASE_ORDER, Replicas, parse_doc
+from disttrace.store.records import PHASE_ORDER
 from disttrace.store.rundir import Run
 
 

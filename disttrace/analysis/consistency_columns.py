@@ -12,7 +12,7 @@ import pyarrow.compute as pc
 
 from disttrace.analysis.replica_rules import Finding, judge, name_applies
 from disttrace.store import safeio
-from disttrace.store.records import Replicas
+from disttrace.store.documents import Replicas
 from disttrace.store.rundir import Run
 
 BLOCK_ROWS = 1 << 14  # records of one rank decoded together (a block of steps), at least one step

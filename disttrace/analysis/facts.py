@@ -26,17 +26,10 @@ from disttrace.analysis.sync import (
 from disttrace.errors import BadInput
 from disttrace.jsondoc import JsonDoc, as_stored, omit_none
 from disttrace.store import checkpoints as checkpoint
+from disttrace.store.documents import FaultSpec, MemoryLine, ResumeSpec, Topology
+from disttrace.store.events import EventLine, FaultEvent, LiveCheckFailed
 from disttrace.store.manifest import ParallelismView
-from disttrace.store.records import (
-    FAILURE_EVENTS,
-    EventLine,
-    FaultEvent,
-    FaultSpec,
-    LiveCheckFailed,
-    MemoryLine,
-    ResumeSpec,
-    Topology,
-)
+from disttrace.store.records import FAILURE_EVENTS
 from disttrace.store.rundir import Run
 
 VIEWS = ("summary", "checkpoints", "topology", "collectives", "memory", "events", "records")

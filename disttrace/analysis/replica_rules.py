@@ -8,7 +8,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from disttrace.jsondoc import JsonDoc
-from disttrace.store.records import ReplicaRule
+from disttrace.store.documents import ReplicaRule
 
 
 def rule_applies(rule: ReplicaRule, rec: dict) -> bool:

@@ -33,7 +33,7 @@ from disttrace.errors import BadInput
 from disttrace.gate import binding
 from disttrace.gate.verdict import ReplayOutcome, gate
 from disttrace.store import checkpoints
-from disttrace.store.records import Verdict
+from disttrace.store.documents import Verdict
 from disttrace.store.rundir import Run, read_run_info
 from disttrace.store.writers import write_run_info
 

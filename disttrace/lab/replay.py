@@ -17,7 +17,7 @@ from pathlib import Path
 
 from disttrace.analysis.attribution import ReplayResult, attribute
 from disttrace.errors import BadInput
-from disttrace.store.records import FaultSpec, ReplaySpec
+from disttrace.store.documents import FaultSpec, ReplaySpec
 from disttrace.store.rundir import Run
 
 DEPTHS = ("module", "op")
@@ -130,7 +130,7 @@ def prepare_attached_replay(
     import os
     import time
 
-    from disttrace.store.records import RunInfo
+    from disttrace.store.documents import RunInfo
     from disttrace.store.writers import new_run_dir, write_run_info
 
     run_dir = Path(run_dir)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from disttrace.store.records import CollectiveLine
+from disttrace.store.documents import CollectiveLine
 from disttrace.store.rundir import rank_file
 from disttrace.store.writers import JsonlWriter
 

@@ -18,9 +18,10 @@ from pathlib import Path
 from disttrace.config.freezing import Frozen, parse_lock, validate
 from disttrace.errors import JobFailed
 from disttrace.run.worker import LOG_ENV, release_space, reserve_space
+from disttrace.store.documents import RunInfo
+from disttrace.store.events import Created, Launched, RankFailed
+from disttrace.store.events import JobFailed as JobFailedEvent
 from disttrace.store.jsonlines import read_json
-from disttrace.store.records import Created, Launched, RankFailed, RunInfo
-from disttrace.store.records import JobFailed as JobFailedEvent
 from disttrace.store.rundir import COMPLETE, LOCK, RUN_INFO, read_run_info
 from disttrace.store.writers import event, new_run_dir, write_json_atomic, write_run_info, writing
 
@@ -358,8 +359,8 @@ def refused_input(run_dir: Path, failures: dict[int, int]):
 
 def job_events(run_dir: Path) -> list:
     """events.jsonl of the job this launcher ran, each line its kind's model."""
+    from disttrace.store.events import parse_event
     from disttrace.store.jsonlines import read_jsonl
-    from disttrace.store.records import parse_event
 
     p = run_dir / "events.jsonl"
     return [parse_event(e, p, n) for n, e in enumerate(read_jsonl(p, run_dir).records, 1)]

@@ -23,7 +23,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from disttrace.config.manifest import Manifest
-from disttrace.store.records import MemoryGap, MemoryLine, ModelStateBytes
+from disttrace.store.documents import MemoryGap, MemoryLine, ModelStateBytes
 from disttrace.store.rundir import rank_file
 from disttrace.store.writers import JsonlWriter
 

@@ -19,7 +19,8 @@ from pathlib import Path
 import orjson
 
 from disttrace.errors import BadInput, JobFailed
-from disttrace.store.records import Event, RunInfo
+from disttrace.store.documents import RunInfo
+from disttrace.store.records import Event
 from disttrace.store.rundir import COMPLETE, LOCK
 from disttrace.store.writers import new_run_dir, write_run_info
 

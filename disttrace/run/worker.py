@@ -22,17 +22,9 @@ from disttrace.config.manifest import Manifest
 from disttrace.errors import EXIT_INTERRUPTED, BadInput, DisttraceError
 from disttrace.run.complete import seal_and_complete
 from disttrace.run.hooks import process_exit
+from disttrace.store.documents import Replicas, ResumeSpec, RunInfo
+from disttrace.store.events import BadInputNote, CheckpointSaved, EngineFacts, RankFailed, Resumed
 from disttrace.store.paths import resume_checkpoint
-from disttrace.store.records import (
-    BadInputNote,
-    CheckpointSaved,
-    EngineFacts,
-    RankFailed,
-    Replicas,
-    Resumed,
-    ResumeSpec,
-    RunInfo,
-)
 from disttrace.store.rundir import COMPLETE, LOCK, rank_file, read_run_info
 from disttrace.store.writers import event, write_json_atomic
 

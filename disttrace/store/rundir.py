@@ -26,23 +26,19 @@ from pathlib import Path
 
 from disttrace.errors import BadInput
 from disttrace.store import safeio
-from disttrace.store.jsonlines import JsonlRead, iter_jsonl, read_json, read_jsonl
-from disttrace.store.manifest import StoredManifest
-from disttrace.store.records import (
-    ATTACHED_SOURCES,
-    INT64_END,
+from disttrace.store.documents import (
     CollectiveLine,
-    EventLine,
-    FaultEvent,
     MemoryLine,
     RunInfo,
-    StepIndexEntry,
     StepTimes,
     StoredLock,
     Topology,
     parse_doc,
-    parse_event,
 )
+from disttrace.store.events import EventLine, FaultEvent, parse_event
+from disttrace.store.jsonlines import JsonlRead, iter_jsonl, read_json, read_jsonl
+from disttrace.store.manifest import StoredManifest
+from disttrace.store.records import ATTACHED_SOURCES, INT64_END, StepIndexEntry
 
 LOCK = "manifest.lock.json"
 # the most ranks a store is read for: 2^20, far above any job's, small enough for a per-rank list
@@ -463,7 +459,7 @@ class Run:
     def verdict(self):
         """verdict.json as the gate's own model (store/records.py's `Verdict`), None when the gate never
         wrote one; a malformed one is BadInput naming the field."""
-        from disttrace.store.records import Verdict
+        from disttrace.store.documents import Verdict
 
         p = self.path / "verdict.json"
         return Verdict.parse_line(read_json(p, self.path), p, 1) if safeio.present(p) else None

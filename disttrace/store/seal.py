@@ -27,7 +27,7 @@ import orjson
 import xxhash
 
 from disttrace.store import safeio
-from disttrace.store.records import ChainEnd, FileHash, Seal, SealPart
+from disttrace.store.documents import ChainEnd, FileHash, Seal, SealPart
 
 SEAL_VERSION = 1
 SHARED_FILES = ("manifest.lock.json", "run.json", "env.json", "topology.json", "replicas.json")

@@ -13,7 +13,8 @@ from typing import Any
 import orjson
 
 from disttrace.errors import BadInput
-from disttrace.store.records import EventLine, RunInfo
+from disttrace.store.documents import RunInfo
+from disttrace.store.events import EventLine
 from disttrace.store.rundir import COMPLETE, RUN_INFO
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)

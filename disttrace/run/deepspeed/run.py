@@ -18,7 +18,7 @@ from disttrace.run.deepspeed.pieces import (
     pieces,
 )
 from disttrace.run.parallel.common import SCALAR_INDEX
-from disttrace.store.records import CheckpointSaved
+from disttrace.store.events import CheckpointSaved
 from disttrace.store.writers import event
 
 
