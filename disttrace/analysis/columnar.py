@@ -302,14 +302,6 @@ def compare(
     )
 
 
-def concat(batches: list[pa.RecordBatch]) -> tuple[Columns, np.ndarray]:
-    """Several steps' batches of one side as one Columns (one compare for all of them: a step's fixed cost of
-    numpy and Arrow calls is paid once), with each step's first row."""
-    counts = np.array([b.num_rows for b in batches], dtype=np.int64)
-    starts = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
-    return Columns(batches[0] if len(batches) == 1 else pa.concat_batches(batches)), starts
-
-
 def aligned_block(ca: Columns, cb: Columns, starts: np.ndarray) -> bool:
     """`aligned` for concatenated steps (both sides' steps with equal row counts): the same keys in the same
     rows, increasing within each step (each key once per step)."""

@@ -419,7 +419,7 @@ class Run:
             if e.step == step:
                 path = self.trajectory_path(rank)
                 data = trajectory.read_range(path, e.offset, e.length)
-                if seal.step_data_match(data, e.as_read()) is False:
+                if seal.step_data_match_hashes(data, e.length, e.xxh3, e.sha256) is False:
                     raise BadInput(
                         path, f"step {step}: the bytes differ from the hash in the step index"
                     )
