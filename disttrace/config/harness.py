@@ -36,18 +36,20 @@ def harness_config(lock) -> dict:
     dict): the lock's manifest id and experiment fields, and its step count."""
     if isinstance(lock, (str, Path)):
         lock = read_lock(lock)
-    if isinstance(lock, Frozen):
-        lock = lock.model_dump()
-    m = lock["manifest"]
+    elif not isinstance(lock, Frozen):
+        lock = Frozen.model_validate(lock)
     stated: dict[str, Any] = {}
     for f in claimed_fields():
         section, _, key = f.partition(".")
-        v = get_field(m, f)
+        v = get_field(lock.manifest, f)
         if key:
             stated.setdefault(section, {})[key] = v
         else:
             stated[section] = v
-    return {CLAIM: {"manifest_id": lock["manifest_id"], **stated}, "steps": m["training"]["steps"]}
+    return {
+        CLAIM: {"manifest_id": lock.manifest_id, **stated},
+        "steps": lock.model().training.steps,
+    }
 
 
 def harness_windows(lock_path: str | Path) -> TokenData:
