@@ -1,8 +1,8 @@
-"""The job's lines are built with the models the readers validate (store/records.py), and what they write is
-the store's format as it was written by dict literals: the same keys, in the same order, a field stated as
-None written as null, one left out left out. The oracle is each line as its writer spelt it out before the
-models existed (the literal, copied here), compared byte for byte; and every line written is read back by
-the reader's own model."""
+"""The job's lines are built with the models the readers validate (store/events.py, store/documents.py), and
+what they write is the store's format as it was written by dict literals: the same keys, in the same order, a
+field stated as None written as null, one left out left out. The oracle is each line as its writer spelt it
+out before the models existed (the literal, copied here), compared byte for byte; and every line written is
+read back by the reader's own model."""
 
 from __future__ import annotations
 

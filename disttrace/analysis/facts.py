@@ -1,9 +1,9 @@
 """What a run holds, as `disttrace show` reports it: the facts are gathered here, from the run store only;
 views/show.py renders them. Each `*Facts` prints its `show --json` document with `to_json()`.
 
-The store's lines come as the models its readers validate them with (store/records.py: run.json's
-`FaultSpec` and `ResumeSpec`, each event's `EventLine`, the memory ledger's `MemoryLine`); a document echoes
-them as the store holds them (`as_stored()`: every key, in the file's order).
+The store's lines come as the models its readers validate them with (store/documents.py, store/events.py:
+run.json's `FaultSpec` and `ResumeSpec`, each event's `EventLine`, the memory ledger's `MemoryLine`); a
+document echoes them as the store holds them (`as_stored()`: every key, in the file's order).
 """
 
 from __future__ import annotations

@@ -146,7 +146,7 @@ def _check_shape(path: Path, manifest: dict, shape: dict) -> None:
 
 def _check_topology(path: Path, topo: Topology, world: int, wrote: list[int]) -> None:
     """The topology against the lock's world size and the ranks whose trajectories are in the store: the
-    document's own checks (store/records.py) only hold it to itself."""
+    document's own checks (store/documents.py) only hold it to itself."""
     if topo.world_size is not None and topo.world_size != world:
         raise BadInput(
             path, f"{topo.world_size}, but the lock's dp*tp*pp is {world} ranks", field="world_size"
@@ -457,7 +457,7 @@ class Run:
         return sorted(p for p in d.iterdir() if p.is_dir() and re.fullmatch(r"step-\d{6}", p.name))
 
     def verdict(self):
-        """verdict.json as the gate's own model (store/records.py's `Verdict`), None when the gate never
+        """verdict.json as the gate's own model (store/documents.py's `Verdict`), None when the gate never
         wrote one; a malformed one is BadInput naming the field."""
         from disttrace.store.documents import Verdict
 

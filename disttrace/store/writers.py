@@ -228,7 +228,7 @@ class JsonlWriter:
 
 
 def event(run_dir: Path | str, line: EventLine, required: bool = False) -> bool:
-    """Log one event, built with its kind's model (store/records.py), stamped with the time now. Best
+    """Log one event, built with its kind's model (store/events.py), stamped with the time now. Best
     effort: a full disk must not turn a reported failure into a crash. `required`: the OSError is raised
     instead (a run that cannot log its creation is not started)."""
     line.time = time.time()
