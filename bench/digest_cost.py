@@ -32,7 +32,7 @@ REALISTIC = ["model.dim=512", "model.n_layers=4", "model.max_seq_len=256"]
 def tensors_of_a_step(sets: list[str]):
     import torch
 
-    from disttrace.config.manifest import freeze
+    from disttrace.config.freezing import freeze
     from disttrace.model.llama import build_model, lm_loss
 
     m = freeze(ROOT / "manifests" / "default.toml", sets).manifest

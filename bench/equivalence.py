@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from disttrace.analysis.diff import diff_runs  # noqa: E402
-from disttrace.store.rundir import Run, iter_jsonl  # noqa: E402
+from disttrace.store.jsonlines import iter_jsonl  # noqa: E402
+from disttrace.store.rundir import Run  # noqa: E402
 
 B = ["training.micro_batch_size=4"]
 MATRIX = {

@@ -63,7 +63,8 @@ def start(sets: list[str]) -> OneRank:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from disttrace.config.manifest import Manifest, freeze
+    from disttrace.config.freezing import freeze
+    from disttrace.config.manifest import Manifest
     from disttrace.data.windows import TokenData
     from disttrace.model.llama import build_model
     from disttrace.run.hooks import HookBus

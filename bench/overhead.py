@@ -316,7 +316,7 @@ def measure(
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch.multiprocessing as mp
 
-    from disttrace.config.manifest import freeze
+    from disttrace.config.freezing import freeze
     from disttrace.run.launch import free_port
 
     specs = TP_SPECS if tp > 1 else SPECS

@@ -120,7 +120,7 @@ def components(sets: list[str], repeats: int = 5) -> dict[str, float]:
     import xxhash
 
     from disttrace.analysis import tolerance
-    from disttrace.config.manifest import freeze
+    from disttrace.config.freezing import freeze
     from disttrace.model.llama import build_model, lm_loss
     from disttrace.run import digest as D
 

@@ -32,7 +32,7 @@ from onerank import REALISTIC  # noqa: E402
 
 
 def _steps(run: Path) -> dict[int, float]:
-    from disttrace.store.rundir import iter_jsonl
+    from disttrace.store.jsonlines import iter_jsonl
 
     return {
         int(r["step"]): float(r["seconds"]) for r in iter_jsonl(run / "steps" / "rank-00000.jsonl")
@@ -40,7 +40,7 @@ def _steps(run: Path) -> dict[int, float]:
 
 
 def _resident(run: Path, step: int) -> float | None:
-    from disttrace.store.rundir import iter_jsonl
+    from disttrace.store.jsonlines import iter_jsonl
 
     for r in iter_jsonl(run / "memory" / "rank-00000.jsonl"):
         if r.get("step") == step:
@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="the default manifest's tiny model instead")
     args = ap.parse_args()
 
-    from disttrace.config.manifest import freeze
+    from disttrace.config.freezing import freeze
     from disttrace.lab.zoom import deep_run
     from disttrace.run.launch import launch, prepare
 

@@ -37,9 +37,9 @@ def omit_none(default: Any = None) -> Any:
 
 
 def as_stored() -> Any:
-    """A dataclass field holding a line of the run store (a store/records.py model), or a list of them, that
-    the document echoes as the store holds it (`as_read()`: every key, in the file's order), not as the
-    model would write it."""
+    """A dataclass field holding a line of the run store (a model of store/records.py, events.py or
+    documents.py), or a list of them, that the document echoes as the store holds it (`as_read()`: every
+    key, in the file's order), not as the model would write it."""
     return dataclasses.field(metadata={_STORED: True})
 
 

@@ -19,16 +19,10 @@ from disttrace.analysis.result import DiffResult
 from disttrace.analysis.sync import Straggler, SyncResult, check_sync, find_stragglers
 from disttrace.analysis.zoom import ZoomResult
 from disttrace.errors import BadInput
+from disttrace.store.documents import MemoryLine, RunInfo, Topology, Verdict
+from disttrace.store.events import EventLine, FaultEvent
 from disttrace.store.manifest import ExperimentView
-from disttrace.store.records import (
-    FAILURE_EVENTS,
-    EventLine,
-    FaultEvent,
-    MemoryLine,
-    RunInfo,
-    Topology,
-    Verdict,
-)
+from disttrace.store.records import FAILURE_EVENTS
 from disttrace.store.rundir import Run
 from disttrace.views.report import render_html
 
@@ -225,7 +219,7 @@ def build_report(run_dirs: list[Path], output: Path) -> Path:
     ) in run_dirs:  # a path that is not a run directory is bad input, before anything is computed
         Run(p)
     page = render_html(run_dirs, report_facts(run_dirs))
-    from disttrace.store.rundir import write_atomic
+    from disttrace.store.writers import write_atomic
 
     output = Path(output)
     write_atomic(output, page.encode("utf-8"))  # follows no link, replaces only a regular file

@@ -15,7 +15,8 @@ import pytest
 from conftest import ROOT, cli, run_snippet
 
 from disttrace.analysis.diff import diff_runs
-from disttrace.store.rundir import Run, iter_jsonl, read_json
+from disttrace.store.jsonlines import iter_jsonl, read_json
+from disttrace.store.rundir import Run
 
 pytestmark = (
     pytest.mark.slow

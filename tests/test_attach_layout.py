@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from disttrace.analysis.consistency import rule_applies
+from disttrace.analysis.replica_rules import rule_applies
 from disttrace.errors import BadInput
 from disttrace.run.attach import attached_layout, infer_replicas, topology_doc
 from disttrace.run.attach.replicas import layout_groups, parse_layout

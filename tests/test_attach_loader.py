@@ -17,7 +17,8 @@ from conftest import ROOT, cli
 from torch.utils.data import DistributedSampler
 
 from disttrace.analysis.diff import diff_runs
-from disttrace.store.rundir import Run, read_json
+from disttrace.store.jsonlines import read_json
+from disttrace.store.rundir import Run
 
 SCRIPT = ROOT / "tests" / "scripts" / "loader_train.py"
 SAMPLES, BATCH, ACCUM = 32, 4, 2  # as in the script

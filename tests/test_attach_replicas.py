@@ -19,7 +19,8 @@ import pytest
 from conftest import ROOT, cli
 
 from disttrace.analysis.diff import diff_runs
-from disttrace.store.rundir import Run, read_json
+from disttrace.store.jsonlines import read_json
+from disttrace.store.rundir import Run
 
 pytestmark = pytest.mark.slow  # end-to-end jobs of the full tier (`make test-all`)
 

@@ -12,7 +12,7 @@ import orjson
 import pytest
 import test_scale_readers as readers
 
-from disttrace.analysis import consistency
+from disttrace.analysis import consistency, consistency_columns
 from disttrace.analysis.consistency import check_run
 from disttrace.store.rundir import Run
 
@@ -23,7 +23,7 @@ import synthetic  # noqa: E402
 
 def _on_records(run: Path, monkeypatch) -> str:
     with monkeypatch.context() as mp:  # every step as dicts, every rank of it at once
-        mp.setattr(consistency, "_Columns", None)
+        mp.setattr(consistency, "Columns", None)
         mp.setattr(consistency, "_arrow", lambda run, rank: False)
         return check_run(Run(run)).to_json()
 
@@ -50,7 +50,7 @@ def test_rank_by_rank_finds_what_the_records_do(tmp_path, monkeypatch, seed, blo
     a window, a few, all."""
     run = readers._check_store(tmp_path, seed)
     want = _on_records(run, monkeypatch)
-    monkeypatch.setattr(consistency, "BLOCK_ROWS", block)
+    monkeypatch.setattr(consistency_columns, "BLOCK_ROWS", block)
     got, handed = _on_columns(run, monkeypatch)
     assert got == want
     assert handed == 0  # every step judged by the summaries, none by the records
@@ -80,7 +80,7 @@ def test_a_flip_is_found_where_it_was_planted(tmp_path, monkeypatch, block, page
     suspect (the majority of 6 copies trusted), at the step it was planted; on rank 0 too (the first copy
     the summary keeps is the odd one out); and the document is the record path's. Also with each rank's
     index written out in pages of 3 steps (analysis/paged.py)."""
-    monkeypatch.setattr(consistency, "BLOCK_ROWS", block)
+    monkeypatch.setattr(consistency_columns, "BLOCK_ROWS", block)
     if paged:
         monkeypatch.setattr(consistency._Spans, "SPILL_STEPS", 2)
         monkeypatch.setattr(consistency._Spans, "PAGE", 3)
@@ -195,16 +195,16 @@ def test_a_window_holds_at_most_its_rank_steps(tmp_path, monkeypatch):
     ranks, steps, n = 4, 12, 150
     run = _synthetic(tmp_path / "bad", ranks, steps, n, [(7, 2, _reduce_position(n, 2))])
     want = _on_records(run, monkeypatch)
-    monkeypatch.setattr(consistency, "WINDOW_RANK_STEPS", 8)
+    monkeypatch.setattr(consistency_columns, "WINDOW_RANK_STEPS", 8)
     sizes = []
-    real = consistency._Columns._window
+    real = consistency_columns.Columns._window
 
     def counted(self, steps_, n_, indexes):
         out = real(self, steps_, n_, indexes)
         sizes.append(len(out))
         return out
 
-    monkeypatch.setattr(consistency._Columns, "_window", counted)
+    monkeypatch.setattr(consistency_columns.Columns, "_window", counted)
     got, handed = _on_columns(run, monkeypatch)
     assert handed == 0 and got == want
     assert sizes and max(sizes) == 2 and sum(sizes) == steps, sizes

@@ -14,7 +14,7 @@ import numpy as np
 import orjson
 import pytest
 
-from disttrace.analysis import columnar, tolerance
+from disttrace.analysis import block_summary, columnar, tolerance
 from disttrace.analysis.diff import diff_runs
 from disttrace.compiled import native
 
@@ -183,7 +183,7 @@ def test_the_c_module_holds_tolerances_constants():
         tolerance.STAT_CHUNK,
         tolerance.FLOAT64_STATS,
     )
-    assert columnar._CONSTANTS == C.CONSTANTS
+    assert block_summary._CONSTANTS == C.CONSTANTS
 
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered")
@@ -357,7 +357,7 @@ def test_compare_block_refuses_the_wrong_number_of_arguments_or_what_is_not_an_a
 def test_in_set_and_factors_refuse(what):
     rng = np.random.default_rng(3)
     off, data = _strings(rng, 30, WORDS)
-    so, sd = columnar._SET_OFFSETS.copy(), columnar._SET_DATA.copy()
+    so, sd = block_summary._SET_OFFSETS.copy(), block_summary._SET_DATA.copy()
     out_b, out_f = np.zeros(30, dtype=bool), np.zeros(30)
     if what == "dtype":
         off = off.astype(np.int64)
@@ -383,7 +383,7 @@ def test_in_set_and_factors_refuse(what):
         C.in_set(off, data, so, sd, out_b)
     if not set_only:
         with pytest.raises(ValueError):
-            C.factors(off, data, columnar._SQUARED_BYTES, out_f)
+            C.factors(off, data, block_summary._SQUARED_BYTES, out_f)
 
 
 @needs_c
@@ -408,7 +408,7 @@ def test_classify_refuses(what):
 
 
 _CHOSEN = (
-    "import sys; from disttrace.analysis import columnar; m = columnar.native_kernels(); "
+    "import sys; from disttrace.analysis import block_summary; m = block_summary.native_kernels(); "
     "print(m.__name__ if m else None, 'numba' in sys.modules)"
 )
 
@@ -438,7 +438,7 @@ def test_a_refusal_of_the_c_kernels_falls_back_to_numpy_and_the_same_document(
     block is compared by numpy's path: the same `--json`, never an internal error."""
     import test_numeric_steps as steps
 
-    if columnar.native_kernels() is None:
+    if block_summary.native_kernels() is None:
         pytest.skip("the C extension is not built")
     a, b = steps._stores(tmp_path, 2, 5, 30)
     want = diff_runs(a, b, mode="numeric").to_json()
@@ -452,7 +452,7 @@ def test_a_refusal_of_the_c_kernels_falls_back_to_numpy_and_the_same_document(
 
             return refuse
 
-    monkeypatch.setattr(columnar, "native_kernels", lambda: Refusing())
+    monkeypatch.setattr(block_summary, "native_kernels", lambda: Refusing())
     assert diff_runs(a, b, mode="numeric").to_json() == want
     assert refused  # the compiled pass was asked, and refused
 

@@ -14,7 +14,8 @@ from disttrace.config.deepspeed import (
     manifest_from_deepspeed,
     resolve_batch,
 )
-from disttrace.config.manifest import DEFAULT_MANIFEST, freeze, freeze_doc, read_toml
+from disttrace.config.freezing import freeze, freeze_doc, read_toml
+from disttrace.config.manifest import DEFAULT_MANIFEST
 from disttrace.errors import BadInput
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -20,9 +20,9 @@ from conftest import ROOT, cli, last_line
 from launchers import launch, need_deepspeed, torchrun_cmd
 
 from disttrace.config.deepspeed import freeze_from_deepspeed
-from disttrace.config.harness import CLAIM, harness_config, model_tensors
-from disttrace.config.identity import experiment_differences
-from disttrace.config.manifest import read_lock
+from disttrace.config.freezing import read_lock
+from disttrace.config.harness import harness_config
+from disttrace.config.identity import CLAIM, experiment_differences, model_tensors
 from disttrace.errors import BadInput
 from disttrace.store.records import ATTACHED_SOURCE
 from disttrace.store.rundir import Run
@@ -134,7 +134,7 @@ def _write(tmp_path: Path, name: str, cfg: dict) -> Path:
 
 def test_the_harness_model_shapes_are_the_built_models():
     """model_tensors (no torch) against the plain LLaMA itself: names, order and shapes."""
-    from disttrace.config.manifest import freeze
+    from disttrace.config.freezing import freeze
     from disttrace.model.llama import build_model
 
     for sets in ([], ["model.n_kv_heads=4", "model.n_layers=3", "model.ffn_hidden=100"]):

@@ -169,7 +169,7 @@ def test_a_step_awaiting_its_device_digests_is_written_before_a_kill_rank_sigkil
     take it down with the process. Here the copy never reports ready, as a slow GPU's would not."""
     from types import SimpleNamespace
 
-    from disttrace.config.manifest import read_toml, validate
+    from disttrace.config.freezing import read_toml, validate
     from disttrace.run import devdigest, faults
     from disttrace.run.hooks import HookBus
     from disttrace.run.recorder import Recorder

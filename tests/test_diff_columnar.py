@@ -361,8 +361,8 @@ def test_a_block_with_steps_without_records_aligns_and_sums_up_per_step():
         )
 
     for counts in ([0, 2, 3], [2, 0, 3], [2, 3, 0], [0, 0, 1]):
-        ca, starts = columnar.concat([batch(s + 1, n) for s, n in enumerate(counts)])
-        cb, _ = columnar.concat([batch(s + 1, n) for s, n in enumerate(counts)])
+        ca, starts = _concat([batch(s + 1, n) for s, n in enumerate(counts)])
+        cb, _ = _concat([batch(s + 1, n) for s, n in enumerate(counts)])
         assert columnar.aligned_block(ca, cb, starts), counts
         c = columnar.compare(
             ca,
@@ -375,7 +375,7 @@ def test_a_block_with_steps_without_records_aligns_and_sums_up_per_step():
         assert s.inexact.tolist() == [0, 0, 0] and s.first_divergent.tolist() == [-1, -1, -1], (
             counts
         )
-        cb, _ = columnar.concat(
+        cb, _ = _concat(
             [batch(s + 1 + 10 * (s == 2), n) for s, n in enumerate(counts)]
         )  # step 3's digests differ
         c = columnar.compare(
@@ -387,6 +387,18 @@ def test_a_block_with_steps_without_records_aligns_and_sums_up_per_step():
         )
         s = columnar.by_step(c, starts)
         assert s.differing.tolist() == [0, 0, counts[2]], counts
+
+
+def _concat(batches):
+    """Several steps' batches of one side as one Columns, with each step's first row (a block as the diff's
+    block reader hands it to aligned_block and compare)."""
+    import pyarrow as pa
+
+    from disttrace.analysis import columnar
+
+    counts = np.array([b.num_rows for b in batches], dtype=np.int64)
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
+    return columnar.Columns(pa.concat_batches(batches)), starts
 
 
 def test_the_record_path_resolves_tied_errors_the_same_in_every_process(tmp_path):

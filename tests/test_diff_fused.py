@@ -22,7 +22,7 @@ import pytest
 import test_diff_columnar as tdc  # noqa: E402
 import test_diff_synthetic as syn  # noqa: E402
 
-from disttrace.analysis import columnar  # noqa: E402
+from disttrace.analysis import block_summary  # noqa: E402
 from disttrace.analysis.diff import diff_runs  # noqa: E402
 from disttrace.store import trajectory  # noqa: E402
 from disttrace.store.records import PHASES  # noqa: E402
@@ -147,8 +147,8 @@ def both_paths(monkeypatch):
     `--json` bytes under each path: the plain one as under DISTTRACE_NATIVE=0 (blocks decoded by pyarrow,
     compared by numpy), the other with the C block decoder and the C comparison (`run.decoded`: the blocks
     the C decoder took); skips where the C extensions were not built."""
-    monkeypatch.setattr(columnar, "_native_module", None)
-    kernels = columnar.native_kernels()
+    monkeypatch.setattr(block_summary, "_native_module", None)
+    kernels = block_summary.native_kernels()
     if kernels is None:
         pytest.skip(
             "the C extension disttrace.native._compare is not built (or DISTTRACE_NATIVE=0)"
@@ -170,7 +170,7 @@ def both_paths(monkeypatch):
     def run(fn):
         docs = []
         for module, decoder in ((False, False), (kernels, decode)):
-            monkeypatch.setattr(columnar, "_native_module", module)
+            monkeypatch.setattr(block_summary, "_native_module", module)
             monkeypatch.setattr(trajectory, "_kernel", decoder)
             docs.append(fn().to_json())
         return docs[0], docs[1], len(calls)
@@ -209,9 +209,11 @@ def test_the_compiled_pass_gives_the_same_document_in_its_other_branches(
     if variant == "two-projections":
         monkeypatch.setattr(prepare, "_shared_projections", lambda *args: 2)
     else:
-        summarize = columnar.summarize
+        summarize = block_summary.summarize
         monkeypatch.setattr(
-            columnar, "summarize", lambda *a, **kw: summarize(*a, **{**kw, "bound_table": None})
+            block_summary,
+            "summarize",
+            lambda *a, **kw: summarize(*a, **{**kw, "bound_table": None}),
         )
     m, a, b = _random_runs(14)
     ra, rb = syn.write_run(tmp_path / "a", m, a), syn.write_run(tmp_path / "b", m, b)

@@ -25,7 +25,7 @@ import synthetic  # noqa: E402
 from disttrace.analysis import tolerance
 from disttrace.analysis.diff import diff_runs
 from disttrace.errors import BadInput
-from disttrace.store.rundir import PHASE_ORDER
+from disttrace.store.records import PHASE_ORDER
 from disttrace.views.diff import render_md, render_rich
 
 FORMAT = {"suffix": ".arrows"}

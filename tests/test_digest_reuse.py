@@ -19,7 +19,7 @@ from disttrace.run.recorder import Recorder
 def _model():
     from types import SimpleNamespace
 
-    from disttrace.config.manifest import freeze
+    from disttrace.config.freezing import freeze
     from disttrace.model.llama import build_model
 
     m = freeze(DEFAULT, []).manifest["model"]

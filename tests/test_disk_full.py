@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import DEFAULT, cli
 
-from disttrace.store.rundir import (
+from disttrace.store.writers import (
     JsonlWriter,
     append_line,
     disk_full,

@@ -6,7 +6,8 @@ from __future__ import annotations
 import orjson
 from conftest import cli
 
-from disttrace.store.rundir import Run, iter_jsonl
+from disttrace.store.jsonlines import iter_jsonl
+from disttrace.store.rundir import Run
 
 
 def test_trace_sees_every_ddp_bucket_allreduce(runs):

@@ -10,8 +10,9 @@ import orjson
 from conftest import cli
 
 from disttrace.report import build_report
-from disttrace.store.records import EVENT_LINES, FAILURE_EVENTS, Event
-from disttrace.store.rundir import event
+from disttrace.store.events import EVENT_LINES
+from disttrace.store.records import FAILURE_EVENTS, Event
+from disttrace.store.writers import event
 
 # as the writers log them (run/livecheck.py, run/worker.py, run/launch.py)
 WRITTEN = {

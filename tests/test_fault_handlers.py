@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import DEFAULT
 
-from disttrace.config.manifest import read_toml, validate
+from disttrace.config.freezing import read_toml, validate
 from disttrace.run import faults
 from disttrace.run.hooks import (
     Backward,

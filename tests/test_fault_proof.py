@@ -111,7 +111,7 @@ def test_parameter_names_match_the_built_model():
 
     import torch
 
-    from disttrace.config.manifest import freeze
+    from disttrace.config.freezing import freeze
     from disttrace.model.llama import build_model
     from disttrace.model.names import parameter_names
     from disttrace.run.parallel.pp import stage_layers

@@ -11,7 +11,8 @@ from conftest import last_line
 
 from disttrace.analysis.sync import check_sync
 from disttrace.errors import EXIT_JOB_FAILED
-from disttrace.store.rundir import Run, iter_jsonl
+from disttrace.store.jsonlines import iter_jsonl
+from disttrace.store.rundir import Run
 
 
 @pytest.fixture(scope="module")

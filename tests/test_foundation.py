@@ -9,7 +9,8 @@ import orjson
 import pytest
 from conftest import DEFAULT, cli, traj_file
 
-from disttrace.store.rundir import Run, iter_jsonl
+from disttrace.store.jsonlines import iter_jsonl
+from disttrace.store.rundir import Run
 
 
 def all_records(run_dir):

@@ -43,7 +43,8 @@ from disttrace.analysis.consistency import check_run
 from disttrace.analysis.diff import diff_runs
 from disttrace.analysis.timeline import build_trace
 from disttrace.cli import app
-from disttrace.config.manifest import DEFAULT_MANIFEST, freeze
+from disttrace.config.freezing import freeze
+from disttrace.config.manifest import DEFAULT_MANIFEST
 from disttrace.errors import BadInput
 from disttrace.fmt import visible
 from disttrace.gate import verdict as gate_verdict
@@ -432,7 +433,7 @@ def mutated_toml(draw) -> str:
 @st.composite
 def random_manifest_doc(draw) -> str:
     """A manifest-shaped document whose values are drawn at random, written as TOML."""
-    from disttrace.config.manifest import read_toml
+    from disttrace.config.freezing import read_toml
 
     doc = read_toml(DEFAULT_MANIFEST)
     out = []

@@ -496,7 +496,7 @@ def test_a_refusal_inside_a_job_is_exit_2_naming_the_file_and_global(ref, tmp_pa
     run, rel = _protocol0_store(ref, tmp_path, marker)
     code = f"""
 from pathlib import Path
-from disttrace.config.manifest import Frozen
+from disttrace.config.freezing import Frozen
 from disttrace.errors import BadInput
 from disttrace.run.launch import launch, prepare
 from disttrace.run.recovery import resume_spec

@@ -15,7 +15,7 @@ import orjson
 import pytest
 from conftest import ROOT
 
-from disttrace.config.manifest import freeze
+from disttrace.config.freezing import freeze
 from disttrace.lab.curriculum import list_labs
 from disttrace.store.rundir import Run
 

@@ -36,7 +36,7 @@ def _cancelling(rng, tokens=64, d_in=8, d_out=16, spread=1e-3):
 
 
 def test_magnitude_bounds_every_gradient_of_a_real_model(tmp_path):
-    from disttrace.config.manifest import freeze
+    from disttrace.config.freezing import freeze
     from disttrace.model.llama import build_model, lm_loss
     from disttrace.run.hooks import HookBus, grads_of, param_refs
     from disttrace.run.scales import Magnitudes

@@ -12,7 +12,8 @@ from conftest import DEFAULT, ROOT, cli, run_snippet
 from pydantic import BaseModel
 
 from disttrace.config.attached import AttachedManifest
-from disttrace.config.manifest import Manifest, freeze
+from disttrace.config.freezing import freeze
+from disttrace.config.manifest import Manifest
 
 MANIFESTS = [DEFAULT, *sorted((ROOT / "manifests" / "labs").glob("*.toml"))]
 
@@ -87,6 +88,7 @@ def test_descriptions_are_not_part_of_any_manifest_id(tmp_path: Path):
 import json, typing
 from pydantic import BaseModel
 from disttrace.config import manifest as mf
+from disttrace.config.freezing import freeze
 
 def strip(model, seen):
     if model in seen:
@@ -109,7 +111,7 @@ assert not any(
     "description" in str(v) for v in [mf.Manifest.model_json_schema()["$defs"]["Parallelism"]]
 )
 paths = {json.dumps([str(p) for p in MANIFESTS])}
-print(json.dumps({{p: mf.freeze(p).model_dump() for p in paths}}))
+print(json.dumps({{p: freeze(p).model_dump() for p in paths}}))
 """
     proc = run_snippet(code)
     assert proc.returncode == 0, proc.stderr

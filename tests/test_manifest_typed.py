@@ -15,9 +15,12 @@ import pytest
 from conftest import DEFAULT, ROOT, run_snippet
 
 from disttrace.config.attached import AttachedManifest
-from disttrace.config.manifest import Manifest, canonical_json, freeze
+from disttrace.config.freezing import canonical_json, freeze
+from disttrace.config.manifest import Manifest
 from disttrace.errors import BadInput
-from disttrace.store.rundir import LOCK, read_json, write_json_atomic
+from disttrace.store.jsonlines import read_json
+from disttrace.store.rundir import LOCK
+from disttrace.store.writers import write_json_atomic
 
 JOB_MODULES = [
     "worker",

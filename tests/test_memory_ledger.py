@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import DEFAULT, cli
 
-from disttrace.config.manifest import freeze
+from disttrace.config.freezing import freeze
 from disttrace.model.llama import build_model, lm_loss
 from disttrace.run.memory import measure
 

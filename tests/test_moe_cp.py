@@ -23,7 +23,7 @@ from conftest import DEFAULT, ROOT, cli
 
 from disttrace.analysis.diff import diff_runs
 from disttrace.analysis.sync import check_sync, load_traces
-from disttrace.config.manifest import freeze
+from disttrace.config.freezing import freeze
 from disttrace.model.llama import MoE, build_model, load_balance
 from disttrace.model.names import parameter_names
 from disttrace.plan.layout import plan_from_manifest

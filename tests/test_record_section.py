@@ -8,7 +8,8 @@ import pytest
 from conftest import DEFAULT, cli, raw_records
 
 from disttrace.errors import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_OK
-from disttrace.store.rundir import Run, iter_jsonl
+from disttrace.store.jsonlines import iter_jsonl
+from disttrace.store.rundir import Run
 
 EVERY2 = ("--set", "record.every=2")
 

@@ -105,7 +105,7 @@ def test_check_on_columns_finds_what_check_on_records_does(tmp_path, seed, monke
     with (
         monkeypatch.context() as mp
     ):  # the record path: every step as dicts (the code before the columns)
-        mp.setattr(consistency, "_Columns", None)
+        mp.setattr(consistency, "Columns", None)
         mp.setattr(consistency, "_arrow", lambda run, rank: False)
         on_records = check_run(Run(run)).to_json()
     assert on_columns == on_records

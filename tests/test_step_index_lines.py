@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from disttrace.errors import BadInput
-from disttrace.store.records import StepIndexEntry, StepTimes
+from disttrace.store.documents import StepTimes
+from disttrace.store.records import StepIndexEntry
 from disttrace.store.rundir import Run, _plain_index_line
 
 # JSON values of every kind, the ones a field is easily confused with first (a bool for an int, a float for

@@ -1,16 +1,19 @@
-"""The job's lines are built with the models the readers validate (store/records.py), and what they write is
-the store's format as it was written by dict literals: the same keys, in the same order, a field stated as
-None written as null, one left out left out. The oracle is each line as its writer spelt it out before the
-models existed (the literal, copied here), compared byte for byte; and every line written is read back by
-the reader's own model."""
+"""The job's lines are built with the models the readers validate (store/events.py, store/documents.py), and
+what they write is the store's format as it was written by dict literals: the same keys, in the same order, a
+field stated as None written as null, one left out left out. The oracle is each line as its writer spelt it
+out before the models existed (the literal, copied here), compared byte for byte; and every line written is
+read back by the reader's own model."""
 
 from __future__ import annotations
 
 import orjson
 import pytest
 
+from disttrace.store import documents as docs
+from disttrace.store import events as ev
 from disttrace.store import records as r
-from disttrace.store.rundir import JsonlWriter, Run, event, write_run_info
+from disttrace.store.rundir import Run
+from disttrace.store.writers import JsonlWriter, event, write_run_info
 
 
 def _bytes(obj) -> bytes:
@@ -18,26 +21,26 @@ def _bytes(obj) -> bytes:
 
 
 EVENTS = [
-    (r.Created(path="fault"), {"path": "fault"}),
-    (r.Created(path="reference", pid=7), {"path": "reference", "pid": 7}),
+    (ev.Created(path="fault"), {"path": "fault"}),
+    (ev.Created(path="reference", pid=7), {"path": "reference", "pid": 7}),
     (
-        r.Launched(nnodes=1, node_rank=0, nproc_per_node=2, endpoint="127.0.0.1:1"),
+        ev.Launched(nnodes=1, node_rank=0, nproc_per_node=2, endpoint="127.0.0.1:1"),
         {"nnodes": 1, "node_rank": 0, "nproc_per_node": 2, "endpoint": "127.0.0.1:1"},
     ),
     (
-        r.CheckpointSaved(step=2, path="checkpoints/step-000002"),
+        ev.CheckpointSaved(step=2, path="checkpoints/step-000002"),
         {"step": 2, "path": "checkpoints/step-000002"},
     ),
     (
-        r.Resumed(step=2, checkpoint="fault/checkpoints/step-000002", with_optimizer=True),
+        ev.Resumed(step=2, checkpoint="fault/checkpoints/step-000002", with_optimizer=True),
         {"step": 2, "checkpoint": "fault/checkpoints/step-000002", "with_optimizer": True},
     ),
     (
-        r.RankFailed(
+        ev.RankFailed(
             rank=1,
             error="BadInput: x",
             where="tb",
-            bad_input=r.BadInputNote(where="f", field=None, reason="y"),
+            bad_input=ev.BadInputNote(where="f", field=None, reason="y"),
         ),
         {
             "rank": 1,
@@ -46,30 +49,30 @@ EVENTS = [
             "bad_input": {"where": "f", "field": None, "reason": "y"},
         },
     ),
-    (r.RankFailed(rank=0, error="E: e"), {"rank": 0, "error": "E: e"}),
+    (ev.RankFailed(rank=0, error="E: e"), {"rank": 0, "error": "E: e"}),
     (
-        r.JobFailed(failures={"1": -9}, first_failed_rank=1, reason="killed"),
+        ev.JobFailed(failures={"1": -9}, first_failed_rank=1, reason="killed"),
         {"failures": {"1": -9}, "first_failed_rank": 1, "reason": "killed"},
     ),
-    (r.JobFailed(reason="no COMPLETE"), {"reason": "no COMPLETE"}),
+    (ev.JobFailed(reason="no COMPLETE"), {"reason": "no COMPLETE"}),
     (
-        r.LiveCheckFailed(step=3, phase="reduce", group=[0, 1], digests={"0": "a", "1": "b"}),
+        ev.LiveCheckFailed(step=3, phase="reduce", group=[0, 1], digests={"0": "a", "1": "b"}),
         {"step": 3, "phase": "reduce", "group": [0, 1], "digests": {"0": "a", "1": "b"}},
     ),
     (
-        r.EngineFacts(step=1, ddp_bucket_sizes=[656640]),
+        ev.EngineFacts(step=1, ddp_bucket_sizes=[656640]),
         {"step": 1, "ddp_bucket_sizes": [656640]},
     ),
     (
-        r.Attached(engine="DDP", world_size=2, manifest_id="ab", replica_rules=4),
+        ev.Attached(engine="DDP", world_size=2, manifest_id="ab", replica_rules=4),
         {"engine": "DDP", "world_size": 2, "manifest_id": "ab", "replica_rules": 4},
     ),
     (
-        r.FaultRefused(fault="skip-allreduce", where="attach", field=None, reason="no point"),
+        ev.FaultRefused(fault="skip-allreduce", where="attach", field=None, reason="no point"),
         {"fault": "skip-allreduce", "where": "attach", "field": None, "reason": "no point"},
     ),
-    (r.CollectiveTraceEmpty(reason="off"), {"reason": "off"}),
-    (r.AttachNote(note="no DDP comm hook"), {"note": "no DDP comm hook"}),
+    (ev.CollectiveTraceEmpty(reason="off"), {"reason": "off"}),
+    (ev.AttachNote(note="no DDP comm hook"), {"note": "no DDP comm hook"}),
 ]
 
 
@@ -79,12 +82,12 @@ def test_an_event_is_written_as_its_literal_was_and_read_back_by_its_model(tmp_p
     written = (tmp_path / "events.jsonl").read_bytes()
     stamped = orjson.loads(written)["time"]
     assert written == _bytes({"event": line.KIND, "time": stamped, **fields}) + b"\n"
-    read = r.parse_event(orjson.loads(written), tmp_path / "events.jsonl", 1)
+    read = ev.parse_event(orjson.loads(written), tmp_path / "events.jsonl", 1)
     assert type(read) is type(line) and read.as_read() == orjson.loads(written)
 
 
 def test_a_fault_event_leaves_out_details_of_none_as_it_always_did(tmp_path):
-    line = r.FaultEvent(
+    line = ev.FaultEvent(
         fault="bitflip-grad",
         step=3,
         micro_batch=1,
@@ -116,17 +119,17 @@ def test_a_fault_event_leaves_out_details_of_none_as_it_always_did(tmp_path):
 
 
 def test_an_unknown_or_malformed_event_line():
-    read = r.parse_event({"event": "run_started", "time": 1.0, "x": 1}, "events.jsonl", 1)
-    assert type(read) is r.EventLine and read.as_read()["x"] == 1
+    read = ev.parse_event({"event": "run_started", "time": 1.0, "x": 1}, "events.jsonl", 1)
+    assert type(read) is ev.EventLine and read.as_read()["x"] == 1
     from disttrace.errors import BadInput
 
     with pytest.raises(BadInput) as e:
-        r.parse_event({"event": "checkpoint_saved", "step": "2"}, "events.jsonl", 4)
+        ev.parse_event({"event": "checkpoint_saved", "step": "2"}, "events.jsonl", 4)
     assert e.value.field == "step" and "line 4" in e.value.reason
     # a kind that is no string (an object or a list: unhashable, once an internal error) names the field
     for kind in ({}, [1], 3):
         with pytest.raises(BadInput) as e:
-            r.parse_event({"event": kind, "time": 1.0}, "events.jsonl", 2)
+            ev.parse_event({"event": kind, "time": 1.0}, "events.jsonl", 2)
         assert e.value.field == "event" and "line 2" in e.value.reason
 
 
@@ -149,7 +152,7 @@ def test_run_json_is_what_the_writer_stated(tmp_path):
         "stop_after": 4,
         "replay": {"of": "/x", "step": 4, "rank_shift": None, "from": "why", "depth": None},
     }
-    info = r.RunInfo(
+    info = docs.RunInfo(
         path="fault",
         fault={**fault, "expect": "backward"},
         resume=None,
@@ -157,7 +160,7 @@ def test_run_json_is_what_the_writer_stated(tmp_path):
         created=1.5,
         argv=["disttrace", "inject"],
         stop_after=4,
-        replay=r.ReplaySpec(of="/x", step=4, rank_shift=None, from_="why", depth=None).doc(),
+        replay=docs.ReplaySpec(of="/x", step=4, rank_shift=None, from_="why", depth=None).doc(),
     )
     assert info.doc() == literal
     write_run_info(tmp_path, info)
@@ -171,12 +174,12 @@ def test_run_json_is_what_the_writer_stated(tmp_path):
 
 def test_memory_and_collective_lines_keep_their_order(tmp_path):
     w = JsonlWriter(tmp_path / "m.jsonl")
-    pred = r.ModelStateBytes(params=1, grads=1, optimizer=2, total=4)
+    pred = docs.ModelStateBytes(params=1, grads=1, optimizer=2, total=4)
     gaps = [
-        r.MemoryGap(what="model buffers", bytes=8),
-        r.MemoryGap(what="optimizer state vs the formula", bytes=4, why=None),
+        docs.MemoryGap(what="model buffers", bytes=8),
+        docs.MemoryGap(what="optimizer state vs the formula", bytes=4, why=None),
     ]
-    row = r.MemoryLine(
+    row = docs.MemoryLine(
         step=1,
         rank=0,
         params=1,
@@ -206,7 +209,7 @@ def test_memory_and_collective_lines_keep_their_order(tmp_path):
         {"what": "model buffers", "bytes": 8},
         {"what": "optimizer state vs the formula", "bytes": 4, "why": None},
     ]
-    ring = r.CollectiveLine(
+    ring = docs.CollectiveLine(
         seq=0,
         group="0,1",
         op="allgather_",
@@ -233,12 +236,12 @@ def test_memory_and_collective_lines_keep_their_order(tmp_path):
         "done": True,
     }
     assert _bytes(ring.line()) == _bytes(literal)
-    assert _bytes(r.CollectiveLine(seq=0, group="0,1", end=2.0).line()) == _bytes(
+    assert _bytes(docs.CollectiveLine(seq=0, group="0,1", end=2.0).line()) == _bytes(
         {"seq": 0, "group": "0,1", "end": 2.0}
     )
-    lost = r.RingLost(lost=3, after_record=9, step=2).line()
+    lost = docs.RingLost(lost=3, after_record=9, step=2).line()
     assert _bytes(lost) == _bytes({"lost": 3, "after_record": 9, "step": 2})
-    assert r.CollectiveLine.parse_line(lost, "c.jsonl", 1).lost == 3
+    assert docs.CollectiveLine.parse_line(lost, "c.jsonl", 1).lost == 3
 
 
 @pytest.mark.parametrize("field", ["step", "offset", "length", "records"])

@@ -9,8 +9,9 @@ import pytest
 from conftest import cli
 
 from disttrace.analysis.diff import diff_runs
+from disttrace.store.jsonlines import iter_jsonl
 from disttrace.store.records import clip_param_index
-from disttrace.store.rundir import Run, iter_jsonl
+from disttrace.store.rundir import Run
 
 STRATEGIES = {
     "zero1": ["--set", "parallelism.zero_stage=1"],

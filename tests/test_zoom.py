@@ -10,7 +10,7 @@ import orjson
 import pytest
 from conftest import DEFAULT, cli
 
-from disttrace.config.manifest import canonical_json, freeze
+from disttrace.config.freezing import canonical_json, freeze
 from disttrace.errors import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_OK
 
 DEPTH_OP = "record.depth={step = 2, level = 'op'}"

@@ -30,7 +30,8 @@ import orjson
 from disttrace.analysis.result import DiffResult
 from disttrace.errors import BadInput
 from disttrace.jsondoc import JsonDoc, omit_none
-from disttrace.store.records import PHASE_ORDER, ReplaySpec
+from disttrace.store.documents import ReplaySpec
+from disttrace.store.records import PHASE_ORDER
 from disttrace.store.rundir import Run
 
 ATTRIBUTIONS = ("persistent", "transient", "device", "not-replayable", "none")

@@ -1,9 +1,9 @@
 """What a run holds, as `disttrace show` reports it: the facts are gathered here, from the run store only;
 views/show.py renders them. Each `*Facts` prints its `show --json` document with `to_json()`.
 
-The store's lines come as the models its readers validate them with (store/records.py: run.json's
-`FaultSpec` and `ResumeSpec`, each event's `EventLine`, the memory ledger's `MemoryLine`); a document echoes
-them as the store holds them (`as_stored()`: every key, in the file's order).
+The store's lines come as the models its readers validate them with (store/documents.py, store/events.py:
+run.json's `FaultSpec` and `ResumeSpec`, each event's `EventLine`, the memory ledger's `MemoryLine`); a
+document echoes them as the store holds them (`as_stored()`: every key, in the file's order).
 """
 
 from __future__ import annotations
@@ -26,17 +26,10 @@ from disttrace.analysis.sync import (
 from disttrace.errors import BadInput
 from disttrace.jsondoc import JsonDoc, as_stored, omit_none
 from disttrace.store import checkpoints as checkpoint
+from disttrace.store.documents import FaultSpec, MemoryLine, ResumeSpec, Topology
+from disttrace.store.events import EventLine, FaultEvent, LiveCheckFailed
 from disttrace.store.manifest import ParallelismView
-from disttrace.store.records import (
-    FAILURE_EVENTS,
-    EventLine,
-    FaultEvent,
-    FaultSpec,
-    LiveCheckFailed,
-    MemoryLine,
-    ResumeSpec,
-    Topology,
-)
+from disttrace.store.records import FAILURE_EVENTS
 from disttrace.store.rundir import Run
 
 VIEWS = ("summary", "checkpoints", "topology", "collectives", "memory", "events", "records")

@@ -10,7 +10,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from disttrace.jsondoc import JsonDoc, omit_none
-from disttrace.store.records import CollectiveLine
+from disttrace.store.documents import CollectiveLine
 from disttrace.store.rundir import Run
 
 

@@ -33,7 +33,7 @@ from disttrace.analysis.result import (
 from disttrace.errors import BadInput
 from disttrace.jsondoc import JsonDoc, omit_none
 from disttrace.store.depth import read_depth
-from disttrace.store.records import DepthRecord
+from disttrace.store.documents import DepthRecord
 from disttrace.store.rundir import Run
 
 DEPTHS = ("module", "op")

@@ -122,7 +122,7 @@ def handled(fn):
 
 
 def _freeze(manifest: Path | None, sets: list[str] | None):
-    from disttrace.config.manifest import freeze, read_lock
+    from disttrace.config.freezing import freeze, read_lock
 
     if manifest is not None and manifest.suffix == ".json":
         if sets:

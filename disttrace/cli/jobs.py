@@ -109,7 +109,7 @@ def freeze(
     `disttrace freeze --explain` lists every field; `disttrace freeze m.toml -o lock.json` writes the lock,
     which `disttrace run lock.json` runs exactly as frozen. With --from-deepspeed, read a DeepSpeed config:
     batch identity checked with DeepSpeed's own wording, every key it cannot map named."""
-    from disttrace.store.rundir import write_json_atomic
+    from disttrace.store.writers import write_json_atomic
 
     if explain:
         _explain(
@@ -372,7 +372,8 @@ def _calibration(frozen, out: Path, safety: float, reference: Path | None = None
     from disttrace.analysis.calibration import build
     from disttrace.analysis.tolerance import unit_roundoff
     from disttrace.run.launch import launch, prepare
-    from disttrace.store.rundir import read_run_info, write_json_atomic, write_run_info
+    from disttrace.store.rundir import read_run_info
+    from disttrace.store.writers import write_json_atomic, write_run_info
 
     if not (math.isfinite(safety) and safety >= 1):
         raise BadInput("--safety", f"must be a finite number >= 1 (got {safety})")
@@ -413,7 +414,8 @@ def recover(
     from disttrace.run.launch import prepare
     from disttrace.run.recovery import choose_checkpoint, import_checkpoint, resume_spec
     from disttrace.store.paths import inside
-    from disttrace.store.rundir import read_run_info, write_run_info
+    from disttrace.store.rundir import read_run_info
+    from disttrace.store.writers import write_run_info
 
     frozen, ckpt, why = choose_checkpoint(fault_run, from_step)
     cli.err.print(f"resuming from {ckpt} ({why})")

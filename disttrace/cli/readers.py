@@ -70,7 +70,8 @@ def plan(
 
 def _plan_manifest(manifest, sets):
     """A plan needs the shapes, not the data: validate without hashing files."""
-    from disttrace.config.manifest import DEFAULT_MANIFEST, apply_overrides, read_toml, validate
+    from disttrace.config.freezing import apply_overrides, read_toml, validate
+    from disttrace.config.manifest import DEFAULT_MANIFEST
 
     path = Path(manifest) if manifest else DEFAULT_MANIFEST
     return validate(apply_overrides(read_toml(path), sets or []), path).model_dump(mode="json")
@@ -87,7 +88,8 @@ def trace(
     """Write a Chrome trace-event timeline (Perfetto, chrome://tracing): one process per rank, compute and
     one track per process group, collectives with their sizes."""
     from disttrace.analysis.timeline import build_trace
-    from disttrace.store.rundir import Run, write_json_atomic
+    from disttrace.store.rundir import Run
+    from disttrace.store.writers import write_json_atomic
 
     doc = build_trace(Run(run_dir))
     write_json_atomic(output, doc)

@@ -1,11 +1,13 @@
 """What makes two manifests one experiment: the fields that define what is computed (diff and the gate
 refuse a pair that differs in them) and those of its topology (compared numerically), read from the stored
-JSON of each side; an attached run's lock states what it observed, not a default."""
+JSON of each side; an attached run's lock states what it observed, not a default, and may state the harness
+experiment it trains (config/harness.py writes that statement; `claim_differences` holds the run to it)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from disttrace.model.names import parameter_names
 from disttrace.store.records import ATTACHED_SOURCES
 
 # Fields that make two manifests different experiments (diff refuses them) vs a different topology of
@@ -158,10 +160,8 @@ def experiment_differences(
 
 
 def _claimed_pair(lock_a: dict, lock_b: dict) -> list[tuple[str, Any, Any]] | None:
-    """A harness lock and an attached one that states a harness experiment (config/harness.py): the
+    """A harness lock and an attached one that states a harness experiment (claim_of below): the
     fields in which they are not one experiment, as (field, A's, B's); None for any other pair."""
-    from disttrace.config.harness import claim_differences, claim_of
-
     if not _attached(lock_a) and claim_of(lock_b) is not None:
         return claim_differences(lock_a, lock_b)
     if not _attached(lock_b) and claim_of(lock_a) is not None:
@@ -193,3 +193,124 @@ def unknown_line(unknown: list[str]) -> str | None:
 
 def _attached(lock: dict) -> bool:
     return lock.get("source") in ATTACHED_SOURCES
+
+
+# ---- an attached run that states the harness experiment it trains (config/harness.py writes the statement)
+
+CLAIM = "harness_experiment"
+# the harness's AdamW (run/parallel/common.py) is torch.optim.AdamW with torch's eps; SGD is plain SGD
+_ADAM_EPS = 1e-8
+_OPTIMIZERS = {"adamw": "AdamW", "sgd": "SGD"}
+
+
+def claimed_fields() -> tuple[str, ...]:
+    """The experiment fields an attached run states when it claims a harness experiment."""
+    return tuple(
+        f for f in EXPERIMENT_FIELDS if f not in ("experiment.edition", "optimizer", "config")
+    )
+
+
+def model_tensors(model: dict) -> dict[str, list[int]]:
+    """The harness model's parameter shapes by name, in registration order (model/llama.py), from the
+    manifest's model section alone."""
+    dim, hidden, vocab = int(model["dim"]), int(model["ffn_hidden"]), int(model["vocab_size"])
+    kv = int(model["n_kv_heads"]) * (dim // int(model["n_heads"]))
+    block = {
+        "attention_norm.weight": [dim],
+        "attention.wq.weight": [dim, dim],
+        "attention.wk.weight": [kv, dim],
+        "attention.wv.weight": [kv, dim],
+        "attention.wo.weight": [dim, dim],
+        "ffn_norm.weight": [dim],
+        "feed_forward.w1.weight": [hidden, dim],
+        "feed_forward.w2.weight": [dim, hidden],
+        "feed_forward.w3.weight": [hidden, dim],
+    }
+    out = {}
+    for name in parameter_names(model):
+        if name == "tok_embeddings.weight" or name == "output.weight":
+            out[name] = [vocab, dim]
+        elif name == "norm.weight":
+            out[name] = [dim]
+        else:
+            out[name] = block[name.split(".", 2)[2]]
+    return out
+
+
+def claim_of(lock: dict) -> dict | None:
+    """The harness experiment an attached lock states it trains, or None."""
+    if lock.get("source") not in ATTACHED_SOURCES:
+        return None
+    config = (lock.get("manifest") or {}).get("config")
+    claim = config.get(CLAIM) if isinstance(config, dict) else None
+    return claim if isinstance(claim, dict) else None
+
+
+def claim_differences(harness_lock: dict, attached_lock: dict) -> list[tuple[str, Any, Any]]:
+    """(field, the harness's value, the attached run's) for every way the attached run is not the harness
+    lock's experiment: its statement against the lock, what attach observed against the statement's
+    experiment. Empty: the same experiment (the global batch is compared by the caller, as for any pair)."""
+    h = harness_lock.get("manifest") or {}
+    a = attached_lock.get("manifest") or {}
+    claim = claim_of(attached_lock) or {}
+    diffs: list[tuple[str, Any, Any]] = []
+
+    def compare(field: str, want: Any, got: Any) -> None:
+        if want != got or type(want) is bool and type(got) is not bool:
+            diffs.append((field, want, got))
+
+    # what the script states, against the lock it is compared with
+    for f in claimed_fields():
+        want, got = get_field(h, f), get_field(claim, f)
+        if isinstance(want, dict) and isinstance(got, dict):
+            lw, lg = _experiment_leaves(want, f), _experiment_leaves(got, f)
+            for k in sorted(set(lw) | set(lg)):
+                compare(k, lw.get(k), lg.get(k))
+        else:
+            compare(f, want, got)
+    # what attach saw, against the harness's experiment
+    compare("experiment.seed", get_field(h, "experiment.seed"), get_field(a, "experiment.seed"))
+    compare("training.steps", get_field(h, "training.steps"), get_field(a, "training.steps"))
+    want_tensors = model_tensors(h["model"]) if isinstance(h.get("model"), dict) else {}
+    got_tensors = get_field(a, "model.tensors") or {}
+    if list(want_tensors) != list(got_tensors):  # names and registration order (the record indices)
+        missing = [n for n in want_tensors if n not in got_tensors]
+        extra = [n for n in got_tensors if n not in want_tensors]
+        name = (missing or extra or ["order"])[0]
+        compare(
+            f"model.tensors.{name}",
+            want_tensors.get(name),
+            (got_tensors.get(name) or {}).get("shape"),
+        )
+    for n, shape in want_tensors.items():
+        if n in got_tensors:
+            compare(f"model.tensors.{n}.shape", shape, (got_tensors[n] or {}).get("shape"))
+    opt = get_field(h, "training.optimizer")
+    compare("training.optimizer", _OPTIMIZERS.get(opt, opt), get_field(a, "training.optimizer"))
+    groups = get_field(a, "optimizer.param_groups") or {}
+    if not groups:
+        compare("optimizer.param_groups", "one or more", groups)
+    t = h.get("training") or {}
+    for g, group in sorted(groups.items()):
+        group = group if isinstance(group, dict) else {}
+        want = {"lr": t.get("lr"), "weight_decay": t.get("weight_decay")}
+        if opt == "adamw":
+            want |= {
+                "betas": [t.get("beta1"), t.get("beta2")],
+                "eps": _ADAM_EPS,
+                "amsgrad": False,
+            }
+        for key, value in want.items():
+            compare(f"optimizer.param_groups.{g}.{key}", value, group.get(key))
+        for key in ("maximize", "nesterov"):
+            if key in group:
+                compare(f"optimizer.param_groups.{g}.{key}", False, group.get(key))
+        if opt == "sgd":
+            for key in ("momentum", "dampening"):
+                if key in group:
+                    compare(f"optimizer.param_groups.{g}.{key}", 0, group.get(key))
+    for key, value in sorted((a.get("config") or {}).items()):
+        if key not in (CLAIM, "steps"):
+            compare(f"config.{key}", None, value)
+    seen: set[str] = set()  # one entry a field (the seed stated and the seed given to attach, say)
+    return [d for d in diffs if not (d[0] in seen or seen.add(d[0]))]

@@ -22,7 +22,7 @@ import xxhash
 
 from disttrace.errors import BadInput
 from disttrace.fmt import ranges
-from disttrace.store.records import ResumeSpec
+from disttrace.store.documents import ResumeSpec
 from disttrace.store.rundir import Run
 
 FILE_RECORD = "file:"

@@ -20,7 +20,8 @@ from pathlib import Path
 import orjson
 
 from disttrace.store import checkpoints as checkpoint
-from disttrace.store.rundir import Run, write_json_atomic
+from disttrace.store.rundir import Run
+from disttrace.store.writers import write_json_atomic
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 

@@ -154,7 +154,7 @@ def read_policy(path: Path) -> GatePolicy:
     """A policy TOML file, or BadInput naming the file and the field."""
     import tomllib
 
-    from disttrace.config.manifest import read_text_file
+    from disttrace.config.freezing import read_text_file
 
     text = read_text_file(Path(path), "policy")
     try:
@@ -228,7 +228,7 @@ def resolve(
         policy, source = read_policy(policy_file), f"policy file {policy_file}"
         policy = _relative_to(policy, Path(policy_file).resolve().parent)
     elif reference_manifest is not None:
-        from disttrace.store.rundir import read_json
+        from disttrace.store.jsonlines import read_json
 
         lock = Path(reference_dir) / "manifest.lock.json"
         resolved = read_json(lock).get("resolved")

@@ -16,8 +16,9 @@ from disttrace.analysis.sync import check_sync, find_stragglers
 from disttrace.errors import BadInput
 from disttrace.gate import binding
 from disttrace.store import checkpoints as checkpoint
-from disttrace.store.records import Check, Verdict
-from disttrace.store.rundir import Run, write_json_atomic
+from disttrace.store.documents import Check, Verdict
+from disttrace.store.rundir import Run
+from disttrace.store.writers import write_json_atomic
 
 REQUIRED_CONTENTS = {"model", "optim", "progress"}
 

@@ -27,7 +27,7 @@ def header(path: Path) -> dict:
 
 
 def list_labs(directory: Path = LABS_DIR) -> list[dict]:
-    from disttrace.config.manifest import freeze
+    from disttrace.config.freezing import freeze
 
     labs = []
     for path in sorted(directory.glob("*.toml")):

@@ -21,14 +21,15 @@ from disttrace.analysis.lab import (
     judge_prediction,
 )
 from disttrace.analysis.result import DiffResult
-from disttrace.config.manifest import freeze
+from disttrace.config.freezing import freeze
 from disttrace.errors import BadInput, JobFailed
 from disttrace.gate.verdict import gate
 from disttrace.run import faults
 from disttrace.run.launch import launch, prepare
 from disttrace.run.recovery import choose_checkpoint, resume_spec
 from disttrace.store import checkpoints as checkpoint
-from disttrace.store.rundir import PHASES, Run
+from disttrace.store.records import PHASES
+from disttrace.store.rundir import Run
 from disttrace.store.verify import find_reference
 from disttrace.views.lab import markup_safe
 

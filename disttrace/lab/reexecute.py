@@ -33,8 +33,9 @@ from disttrace.errors import BadInput
 from disttrace.gate import binding
 from disttrace.gate.verdict import ReplayOutcome, gate
 from disttrace.store import checkpoints
-from disttrace.store.records import Verdict
-from disttrace.store.rundir import Run, read_run_info, write_run_info
+from disttrace.store.documents import Verdict
+from disttrace.store.rundir import Run, read_run_info
+from disttrace.store.writers import write_run_info
 
 REPLAY_TIMEOUT_S = 1800
 
@@ -88,7 +89,7 @@ def _copy_checkpoint(src: Path, dst: Path) -> None:
 def _prepare(run: Run, ref: Run, source: int, until: int, root: Path) -> Path:
     """A replay run directory under `root` (the gate's own), resuming from a verified copy of the
     candidate's checkpoint `source` and stopping after step `until`."""
-    from disttrace.config.manifest import Frozen, verified_data
+    from disttrace.config.freezing import Frozen, verified_data
     from disttrace.run.launch import prepare
 
     data_path, tok_path = verified_data(ref)
@@ -195,7 +196,7 @@ def replay_check(
             "manifest"
         )
     try:
-        from disttrace.config.manifest import validate
+        from disttrace.config.freezing import validate
 
         validate(run.manifest_doc, run.path / "manifest.lock.json")
         candidates = replayable(run)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from disttrace.analysis.attribution import ReplayResult, attribute
 from disttrace.errors import BadInput
-from disttrace.store.records import FaultSpec, ReplaySpec
+from disttrace.store.documents import FaultSpec, ReplaySpec
 from disttrace.store.rundir import Run
 
 DEPTHS = ("module", "op")
@@ -61,7 +61,7 @@ def _with_depth(frozen, step: int, depth: str):
     data and tokenizer stay the ones RUN's lock resolved and hashed)."""
     import hashlib
 
-    from disttrace.config.manifest import canonical_json, validate
+    from disttrace.config.freezing import canonical_json, validate
 
     manifest = {**frozen.manifest, "record": {**frozen.manifest.get("record", {})}}
     manifest["record"]["depth"] = {"step": step, "level": depth}
@@ -130,8 +130,8 @@ def prepare_attached_replay(
     import os
     import time
 
-    from disttrace.store.records import RunInfo
-    from disttrace.store.rundir import new_run_dir, write_run_info
+    from disttrace.store.documents import RunInfo
+    from disttrace.store.writers import new_run_dir, write_run_info
 
     run_dir = Path(run_dir)
     run = Run(run_dir)

@@ -31,12 +31,8 @@ from disttrace.analysis.zoom import (
 )
 from disttrace.errors import BadInput, JobFailed
 from disttrace.store.depth import find_depth_run, origin
-from disttrace.store.rundir import (
-    LOCK,
-    Run,
-    read_run_info,
-    write_run_info,
-)
+from disttrace.store.rundir import LOCK, Run, read_run_info
+from disttrace.store.writers import write_run_info
 from disttrace.views.lab import markup_safe
 
 PRODUCED_BY = "rerun"
@@ -49,7 +45,7 @@ def _quiet(msg: str) -> None:
 
 def depth_frozen(run: Run, step: int, level: str):
     """`run`'s frozen manifest with record.depth = {step, level}, validated and given its own id."""
-    from disttrace.config.manifest import Frozen, canonical_json, validate
+    from disttrace.config.freezing import Frozen, canonical_json, validate
 
     if run.attached:
         raise BadInput(
@@ -149,7 +145,7 @@ def deep_run(
     """A complete run of `run_dir`'s computation whose `step` is recorded at depth `level`: re-run from the
     start with record.depth set, stopping after `step` (reused when one exists); an attached script's run,
     replayed with its own `command` (attached_deep_run)."""
-    from disttrace.config.manifest import verified_data
+    from disttrace.config.freezing import verified_data
     from disttrace.run.launch import launch, prepare
 
     run = Run(run_dir)

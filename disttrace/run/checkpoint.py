@@ -9,7 +9,7 @@ from pathlib import Path
 
 from disttrace.run.hooks import BeforeCheckpoint, Checkpoint
 from disttrace.store.checkpoints import step_dir, verify, write_index
-from disttrace.store.rundir import writing
+from disttrace.store.writers import writing
 
 
 def save(

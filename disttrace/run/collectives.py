@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from disttrace.store.records import CollectiveLine
-from disttrace.store.rundir import JsonlWriter, rank_file
+from disttrace.store.documents import CollectiveLine
+from disttrace.store.rundir import rank_file
+from disttrace.store.writers import JsonlWriter
 
 # position of the input tensor(s) among each op's arguments (bytes on the wire are the input's)
 INPUT_ARG = {

@@ -11,7 +11,7 @@ from pathlib import Path
 import orjson
 
 from disttrace.store import seal
-from disttrace.store.rundir import mark_complete
+from disttrace.store.writers import mark_complete
 
 
 def seal_and_complete(run_dir: Path, rank: int, recorder, dist, fields: dict) -> None:

@@ -18,7 +18,7 @@ it the gradient of the step's mean loss, whatever the split.
 
 Hooks are installed at the step's start and removed at its end: every other step runs exactly as without
 depth recording, and with `record.depth` unset nothing here is even built (run/worker.py). The records are
-written at the step's end to `depth/rank-NNNNN.jsonl` (one `store.records.DepthRecord` a line), sealed with
+written at the step's end to `depth/rank-NNNNN.jsonl` (one `store.documents.DepthRecord` a line), sealed with
 the rank's other files.
 
 An attached script (run/attach/) is recorded by the same recorder, on its own bus, when its run.json asks
@@ -39,8 +39,9 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from disttrace.run.digest import digest_tensor
 from disttrace.run.recorder import shard_info
-from disttrace.store.records import DepthRecord
-from disttrace.store.rundir import JsonlWriter, rank_file
+from disttrace.store.documents import DepthRecord
+from disttrace.store.rundir import rank_file
+from disttrace.store.writers import JsonlWriter
 
 KIND = "depth"
 LEVELS = ("module", "op")

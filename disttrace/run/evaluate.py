@@ -10,11 +10,12 @@ from pathlib import Path
 
 import orjson
 
-from disttrace.config.manifest import verified_data
+from disttrace.config.freezing import verified_data
 from disttrace.errors import BadInput, DisttraceError
 from disttrace.store import checkpoints as checkpoint
 from disttrace.store.checkpoints import final_checkpoint
-from disttrace.store.rundir import Run, write_json_atomic
+from disttrace.store.rundir import Run
+from disttrace.store.writers import write_json_atomic
 
 
 def model_shape(source: Run):

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from disttrace.config.manifest import Manifest
 from disttrace.run.hooks import HookBus
-from disttrace.store.records import CollectiveLine, RingLost
+from disttrace.store.documents import CollectiveLine, RingLost
 from disttrace.store.rundir import rank_file
 
 DEFAULT_CAPACITY = 2000  # torch's own default ring size; TORCH_FR_BUFFER_SIZE overrides it
@@ -227,8 +227,8 @@ class FlightRecorderTrace:
         if (
             self.capacity <= 0 and rank == 0
         ):  # the user turned the recorder off: say why the trace is empty
-            from disttrace.store.records import CollectiveTraceEmpty
-            from disttrace.store.rundir import event
+            from disttrace.store.events import CollectiveTraceEmpty
+            from disttrace.store.writers import event
 
             event(
                 run_dir,

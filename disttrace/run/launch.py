@@ -15,23 +15,15 @@ import time
 import uuid
 from pathlib import Path
 
-from disttrace.config.manifest import Frozen, parse_lock, validate
+from disttrace.config.freezing import Frozen, parse_lock, validate
 from disttrace.errors import JobFailed
 from disttrace.run.worker import LOG_ENV, release_space, reserve_space
-from disttrace.store.records import Created, Launched, RankFailed, RunInfo
-from disttrace.store.records import JobFailed as JobFailedEvent
-from disttrace.store.rundir import (
-    COMPLETE,
-    LOCK,
-    RUN_INFO,
-    event,
-    new_run_dir,
-    read_json,
-    read_run_info,
-    write_json_atomic,
-    write_run_info,
-    writing,
-)
+from disttrace.store.documents import RunInfo
+from disttrace.store.events import Created, Launched, RankFailed
+from disttrace.store.events import JobFailed as JobFailedEvent
+from disttrace.store.jsonlines import read_json
+from disttrace.store.rundir import COMPLETE, LOCK, RUN_INFO, read_run_info
+from disttrace.store.writers import event, new_run_dir, write_json_atomic, write_run_info, writing
 
 
 def prepare(
@@ -259,7 +251,7 @@ def stopped_reason(e: Exception) -> str:
     launcher writes its own files is named as the ranks' is."""
     import signal
 
-    from disttrace.store.rundir import disk_full
+    from disttrace.store.writers import disk_full
 
     sigval = getattr(e, "sigval", None)
     if sigval is not None:
@@ -324,7 +316,7 @@ def tidy_after_failure(run_dir: Path, lock) -> None:
     import shutil
 
     from disttrace.run.worker import release_space
-    from disttrace.store.rundir import trim_torn_tail
+    from disttrace.store.writers import trim_torn_tail
 
     release_space(lock.fileno())
     for log in (run_dir / "logs").glob(
@@ -367,8 +359,8 @@ def refused_input(run_dir: Path, failures: dict[int, int]):
 
 def job_events(run_dir: Path) -> list:
     """events.jsonl of the job this launcher ran, each line its kind's model."""
-    from disttrace.store.records import parse_event
-    from disttrace.store.rundir import read_jsonl
+    from disttrace.store.events import parse_event
+    from disttrace.store.jsonlines import read_jsonl
 
     p = run_dir / "events.jsonl"
     return [parse_event(e, p, n) for n, e in enumerate(read_jsonl(p, run_dir).records, 1)]

@@ -10,10 +10,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from disttrace.analysis.consistency import rule_applies
+from disttrace.analysis.replica_rules import rule_applies
 from disttrace.run.digest import digest_of_digests
-from disttrace.store.records import LiveCheckFailed, ReplicaRule
-from disttrace.store.rundir import event
+from disttrace.store.documents import ReplicaRule
+from disttrace.store.events import LiveCheckFailed
+from disttrace.store.writers import event
 
 
 class InconsistentReplicas(RuntimeError):
@@ -27,7 +28,7 @@ class LiveCheck:
         self,
         run_dir,
         recorder,
-        rules: list[dict],  # the strategy's replica rules (records.ReplicaRule's shape)
+        rules: list[dict],  # the strategy's replica rules (documents.ReplicaRule's shape)
         groups: dict[str, list[list[int]]],
         rank: int,
         device=None,

@@ -23,8 +23,9 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from disttrace.config.manifest import Manifest
-from disttrace.store.records import MemoryGap, MemoryLine, ModelStateBytes
-from disttrace.store.rundir import JsonlWriter, rank_file
+from disttrace.store.documents import MemoryGap, MemoryLine, ModelStateBytes
+from disttrace.store.rundir import rank_file
+from disttrace.store.writers import JsonlWriter
 
 CATEGORIES = ("params", "grads", "optimizer", "buffers", "unregistered", "engine")
 

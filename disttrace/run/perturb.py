@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from disttrace.store.records import Perturb
+from disttrace.store.documents import Perturb
 
 
 def attach(bus, ctx, spec: Perturb) -> None:

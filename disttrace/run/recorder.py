@@ -27,10 +27,11 @@ import torch
 from disttrace.run import devdigest
 from disttrace.run.digest import Seen, digest_many, digest_of_digests
 from disttrace.run.hooks import HookBus
-from disttrace.store.records import CLIP_GRAD_BASE, StepIndexEntry
-from disttrace.store.rundir import PHASE_ORDER, JsonlWriter, rank_file
+from disttrace.store.records import CLIP_GRAD_BASE, PHASE_ORDER, StepIndexEntry
+from disttrace.store.rundir import rank_file
 from disttrace.store.seal import StepChain
 from disttrace.store.trajectory import SKETCH_VERSION, SUFFIX, TrajectoryWriter
+from disttrace.store.writers import JsonlWriter
 
 
 def _no_dispatch_modes():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from disttrace.config.manifest import Frozen
+from disttrace.config.freezing import Frozen
 from disttrace.errors import BadInput
 from disttrace.store import checkpoints as checkpoint
 from disttrace.store.paths import contained, inside
@@ -85,7 +85,7 @@ def import_checkpoint(ckpt: Path, run_dir: Path, manifest_id: str) -> Path:
 
     from disttrace.store import safeio
     from disttrace.store.checkpoints import INDEX, verified_index
-    from disttrace.store.rundir import writing
+    from disttrace.store.writers import writing
 
     source_run = ckpt.parent.parent
     index = verified_index(ckpt, manifest_id, source_run)

@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 from disttrace.run.hooks import HookBus
-from disttrace.store.rundir import JsonlWriter, rank_file
+from disttrace.store.rundir import rank_file
+from disttrace.store.writers import JsonlWriter
 
 STEP_TIMES = "steps"  # the run-store folder
 

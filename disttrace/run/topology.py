@@ -12,7 +12,7 @@ import socket
 from pydantic import BaseModel
 
 from disttrace.config.manifest import Manifest
-from disttrace.store.records import Groups, Topology, TopologyRank
+from disttrace.store.documents import Groups, Topology, TopologyRank
 
 MESH_DIMS = (
     "pp",

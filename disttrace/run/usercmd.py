@@ -19,8 +19,10 @@ from pathlib import Path
 import orjson
 
 from disttrace.errors import BadInput, JobFailed
-from disttrace.store.records import Event, RunInfo
-from disttrace.store.rundir import COMPLETE, LOCK, new_run_dir, write_run_info
+from disttrace.store.documents import RunInfo
+from disttrace.store.records import Event
+from disttrace.store.rundir import COMPLETE, LOCK
+from disttrace.store.writers import new_run_dir, write_run_info
 
 RUN_DIR_ENV = "DISTTRACE_RUN_DIR"  # the same name disttrace.run.attach reads
 
@@ -101,7 +103,7 @@ def execute(run_dir: Path, command: list[str]) -> None:
 
 
 def _events(run_dir: Path) -> list[dict]:
-    from disttrace.store.rundir import read_jsonl
+    from disttrace.store.jsonlines import read_jsonl
 
     p = run_dir / "events.jsonl"
     return read_jsonl(p).records if p.exists() else []

@@ -17,29 +17,16 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from disttrace.config.manifest import Manifest, parse_lock, validate
+from disttrace.config.freezing import parse_lock, validate
+from disttrace.config.manifest import Manifest
 from disttrace.errors import EXIT_INTERRUPTED, BadInput, DisttraceError
 from disttrace.run.complete import seal_and_complete
 from disttrace.run.hooks import process_exit
+from disttrace.store.documents import Replicas, ResumeSpec, RunInfo
+from disttrace.store.events import BadInputNote, CheckpointSaved, EngineFacts, RankFailed, Resumed
 from disttrace.store.paths import resume_checkpoint
-from disttrace.store.records import (
-    BadInputNote,
-    CheckpointSaved,
-    EngineFacts,
-    RankFailed,
-    Replicas,
-    Resumed,
-    ResumeSpec,
-    RunInfo,
-)
-from disttrace.store.rundir import (
-    COMPLETE,
-    LOCK,
-    event,
-    rank_file,
-    read_run_info,
-    write_json_atomic,
-)
+from disttrace.store.rundir import COMPLETE, LOCK, rank_file, read_run_info
+from disttrace.store.writers import event, write_json_atomic
 
 
 @dataclass
@@ -345,7 +332,7 @@ def resume(ctx, spec: ResumeSpec) -> int:
     path = resume_checkpoint(ctx.run_dir, spec)  # inside the runs root, or BadInput
     identity = ctx.manifest_id
     if ctx.manifest.record.depth is not None:  # a replay recording at depth
-        from disttrace.config.manifest import checkpoint_identity
+        from disttrace.config.freezing import checkpoint_identity
 
         identity = checkpoint_identity(ctx.manifest)
     progress = checkpoint.load(ctx.strategy, path, ctx.rank, identity)
@@ -521,7 +508,7 @@ def _path_in_frames(exc: BaseException) -> str | None:
 def failure_note(e: BaseException, run_dir: Path, slot: int) -> dict:
     """What a failed rank says about itself in one JSON line: its error and, when the disk was full, the
     file being written (never None: the run directory if nothing better is known)."""
-    from disttrace.store.rundir import disk_full
+    from disttrace.store.writers import disk_full
 
     full = disk_full(e)
     note = {"slot": slot, "error": " ".join(f"{type(e).__name__}: {e}".split())[:500]}

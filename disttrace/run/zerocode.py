@@ -255,7 +255,7 @@ class _Discovery:
         step = run.step
         run.checkpoint(step=step)  # the run store's own, verified copy: the recovery evidence
         if run.rank == 0 and path.is_dir():
-            from disttrace.store.rundir import write_json_atomic
+            from disttrace.store.writers import write_json_atomic
 
             mark = {"manifest_id": run.manifest_id, "run": str(run.run_dir), "step": step}
             write_json_atomic(path / CHECKPOINT_MARK, mark)

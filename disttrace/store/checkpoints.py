@@ -15,10 +15,11 @@ from pathlib import Path
 
 from disttrace.errors import BadInput
 from disttrace.store import safeio
+from disttrace.store.documents import CheckpointIndex, FileHash, parse_doc
+from disttrace.store.jsonlines import read_json
 from disttrace.store.pickles import bare_name, scan_checkpoint, scan_deepspeed_checkpoint
-from disttrace.store.records import CheckpointIndex, FileHash, parse_doc
-from disttrace.store.rundir import read_json, write_json_atomic
 from disttrace.store.seal import file_hash
+from disttrace.store.writers import write_json_atomic
 
 INDEX = "INDEX.json"
 

@@ -1,6 +1,6 @@
 """Reading a run's depth records (`depth/rank-NNNNN.jsonl`, written by run/depth.py; docs/zoom.md). No torch.
 
-Each line is validated by `store.records.DepthRecord` before any field of it is used, through the run store's
+Each line is validated by `store.documents.DepthRecord` before any field of it is used, through the run store's
 confined reader (store/safeio.py); a torn last line (a crash mid-write) is reported, not fatal."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from disttrace.store import safeio
-from disttrace.store.records import DepthRecord
-from disttrace.store.rundir import Run, iter_jsonl
+from disttrace.store.documents import DepthRecord
+from disttrace.store.jsonlines import iter_jsonl
+from disttrace.store.rundir import Run
 
 KIND = "depth"
 

@@ -21,11 +21,9 @@ import orjson
 
 from disttrace.errors import BadInput
 from disttrace.store import safeio
-from disttrace.store.records import (
-    FAILURE_EVENTS,
+from disttrace.store.documents import CollectiveLine
+from disttrace.store.events import (
     CheckpointSaved,
-    CollectiveLine,
-    Event,
     FaultEvent,
     JobFailed,
     LiveCheckFailed,
@@ -33,6 +31,7 @@ from disttrace.store.records import (
     Resumed,
     parse_event,
 )
+from disttrace.store.records import FAILURE_EVENTS, Event
 from disttrace.store.rundir import COMPLETE, Run
 
 MIN_STALL_S = 3.0  # a stall is never declared sooner: start-up jitter, a slow checkpoint write

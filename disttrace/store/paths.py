@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 from disttrace.errors import BadInput
-from disttrace.store.records import ResumeSpec
+from disttrace.store.documents import ResumeSpec
 
 CHECKPOINT_NAME = re.compile(r"step-\d{6}")
 

@@ -27,7 +27,7 @@ import orjson
 import xxhash
 
 from disttrace.store import safeio
-from disttrace.store.records import ChainEnd, FileHash, Seal, SealPart
+from disttrace.store.documents import ChainEnd, FileHash, Seal, SealPart
 
 SEAL_VERSION = 1
 SHARED_FILES = ("manifest.lock.json", "run.json", "env.json", "topology.json", "replicas.json")
@@ -146,29 +146,9 @@ def first_chain_break(rank: int, entries: list[dict]) -> int | None:
     return None
 
 
-def step_bytes_match(path: Path, entry: dict, root: Path | None = None) -> bool | None:
-    """Whether a step's raw bytes still hash to its index line's xxh3 (or, in lines written before it, sha256);
-    None: the line holds no hash. The trajectory is read inside `root` (by default its run directory)."""
-    if entry.get("xxh3") is None and entry.get("sha256") is None:
-        return None
-    path = Path(path)
-    data = safeio.read_range(
-        path, path.parent.parent if root is None else root, entry["offset"], entry["length"]
-    )
-    return step_data_match(data, entry)
-
-
-def step_data_match(data: bytes, entry: dict) -> bool | None:
-    """step_bytes_match on a step's bytes already read (a reader that hashes what it then decodes)."""
-    fast, want = entry.get("xxh3"), entry.get("sha256")
-    if fast is None and want is None:
-        return None
-    return step_data_match_hashes(data, entry["length"], fast, want)
-
-
 def step_data_match_hashes(data: bytes, length: int, xxh3, sha256) -> bool | None:
-    """step_data_match on an index line's fields: its length, its xxh3 (the line's hex, or those 16 bytes) and
-    its sha256; None: it holds neither hash."""
+    """Whether a step's bytes hash to its index line's: its length, its xxh3 (the line's hex, or those 16
+    bytes) and, in lines written before xxh3, its sha256; None: it holds neither hash."""
     if xxh3 is None and sha256 is None:
         return None
     if len(data) != length:

@@ -29,10 +29,11 @@ from disttrace.store import safeio, trajectory
 from disttrace.store import seal as sealing
 from disttrace.store.checkpoints import status as checkpoint_status
 from disttrace.store.checkpoints import verify as verify_checkpoint
+from disttrace.store.documents import Complete, FileHash, Seal, parse_doc
+from disttrace.store.jsonlines import read_json
 from disttrace.store.paths import inside
 from disttrace.store.pickles import scan_checkpoint
-from disttrace.store.records import Complete, FileHash, Seal, parse_doc
-from disttrace.store.rundir import COMPLETE, Run, rank_file, read_json
+from disttrace.store.rundir import COMPLETE, Run, rank_file
 
 # written after COMPLETE, or not content: never sealed, never damage
 UNSEALED_BY_DESIGN = re.compile(
@@ -130,7 +131,7 @@ class _Verifier:
 
     def failure(self) -> str | None:
         """Why an unfinished run stopped, as its launcher logged it (the last `job_failed` line)."""
-        from disttrace.store.records import JobFailed
+        from disttrace.store.events import JobFailed
 
         try:
             failed = [e for e in self.run.event_lines() if isinstance(e, JobFailed)]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from disttrace.store.records import Verdict
+from disttrace.store.documents import Verdict
 
 
 def render(verdict: Verdict, console) -> None:

@@ -17,7 +17,7 @@ from disttrace.analysis.facts import (
     TopologyFacts,
     failure_text,
 )
-from disttrace.store.records import MemoryLine, Topology
+from disttrace.store.documents import MemoryLine, Topology
 
 COLOURS = ["cyan", "magenta", "green", "yellow", "blue", "red"]
 
@@ -112,7 +112,7 @@ def mesh_picture(topo: Topology) -> Text:
     data-parallel coordinate (rows) - what crosses nodes is what spans rows or stages. A Text: the ranks'
     fields come from topology.json and are never markup."""
     colours = ["cyan", "magenta", "green", "yellow", "blue", "red"]
-    # a dimension the mesh does not name has size 1 (records.Topology holds the sizes to the ranks listed)
+    # a dimension the mesh does not name has size 1 (documents.Topology holds the sizes to the ranks listed)
     shape = {k: topo.mesh_shape.get(k, 1) for k in ("pp", "dp", "tp")}
     by_coords = {tuple(r.coords.get(k, 0) for k in ("pp", "dp", "tp")): r for r in topo.ranks}
     out = Text()

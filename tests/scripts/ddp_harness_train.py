@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import disttrace.api
+from disttrace.config.freezing import read_lock
 from disttrace.config.harness import harness_config, harness_windows
-from disttrace.config.manifest import read_lock
 from disttrace.model.llama import build_model, lm_loss
 
 

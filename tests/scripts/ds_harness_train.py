@@ -23,8 +23,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import deepspeed  # noqa: E402
 
 import disttrace.api  # noqa: E402
+from disttrace.config.freezing import read_lock  # noqa: E402
 from disttrace.config.harness import harness_config, harness_windows  # noqa: E402
-from disttrace.config.manifest import read_lock  # noqa: E402
 from disttrace.model.llama import build_model, lm_loss  # noqa: E402
 
 

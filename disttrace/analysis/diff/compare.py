@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from disttrace.analysis import columnar
+from disttrace.analysis import block_summary, columnar
 from disttrace.analysis.diff.tol import _same_bits, _Tol
 from disttrace.analysis.result import RankEntry, RecordStats, Unit
 from disttrace.store import trajectory
-from disttrace.store.rundir import PHASE_ORDER, PHASES
+from disttrace.store.records import PHASE_ORDER, PHASES
 
 _UNKNOWN_PHASE = len(PHASES)
 _PHASE_NAMES = (*PHASES, "")  # by phase order (columnar.phase_name)
@@ -194,7 +194,7 @@ def _fold_columns(
         phases = np.flatnonzero(np.bincount(cb["phase_order"], minlength=n_orders))
         return tol.derived_table(steps, phases.tolist(), n_orders)
 
-    summary = columnar.summarize(
+    summary = block_summary.summarize(
         ca,
         cb,
         starts,

@@ -26,13 +26,8 @@ from disttrace.config.deepspeed.sections import (
     _refuse_elasticity,
 )
 from disttrace.config.deepspeed.values import _set, read_ds_config
-from disttrace.config.manifest import (
-    DEFAULT_MANIFEST,
-    Frozen,
-    freeze_doc,
-    read_toml,
-    validate,
-)
+from disttrace.config.freezing import Frozen, freeze_doc, read_toml, validate
+from disttrace.config.manifest import DEFAULT_MANIFEST
 from disttrace.errors import BadInput
 
 
@@ -96,7 +91,7 @@ def freeze_from_deepspeed(
     overrides: list[str] | None = None,
 ) -> tuple[Frozen, list[str]]:
     """Build the manifest from a DeepSpeed config, apply `--set` overrides, and freeze it exactly as
-    `manifest.freeze` does (validation, data and tokenizer hashes, unsupported features). Writes nothing.
+    `freezing.freeze` does (validation, data and tokenizer hashes, unsupported features). Writes nothing.
 
     Errors about a field the DeepSpeed config supplied name the DeepSpeed file and key; the others name the
     base manifest (or `--set`). After the overrides, the frozen manifest must still be what DeepSpeed would

@@ -7,9 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from disttrace.config.manifest import (
-    read_text_file,
-)
+from disttrace.config.freezing import read_text_file
 from disttrace.errors import BadInput
 
 

@@ -108,7 +108,7 @@ def build_manifest(
 
 
 def manifest_id_of(manifest: dict) -> str:
-    from disttrace.config.manifest import canonical_json
+    from disttrace.config.freezing import canonical_json
 
     return hashlib.sha256(
         canonical_json(manifest)

@@ -21,8 +21,8 @@ from disttrace.run.hooks import (
     Reduce,
 )
 from disttrace.run.parallel.common import SCALAR_INDEX, optimizer_state_list
-from disttrace.store.records import AttachNote
-from disttrace.store.rundir import event
+from disttrace.store.events import AttachNote
+from disttrace.store.writers import event
 
 if TYPE_CHECKING:
     from disttrace.run.attach.run import AttachedRun

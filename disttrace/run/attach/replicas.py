@@ -6,7 +6,7 @@ from __future__ import annotations
 from disttrace.errors import BadInput
 from disttrace.run.attach.engine import AttachView, Engine, views_of
 from disttrace.run.parallel.common import SCALARS_AGREE
-from disttrace.store.records import ReplicaRule, Replicas, Topology, TopologyRank
+from disttrace.store.documents import ReplicaRule, Replicas, Topology, TopologyRank
 
 # what attach(layout=) may say: the dimensions attach cannot always see (docs/replicas.md)
 LAYOUT_FIELDS = ("ep", "cp")

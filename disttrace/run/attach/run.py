@@ -24,18 +24,10 @@ from disttrace.run.hooks import Batch, Data, HookBus, Loss, StepStart, process_e
 from disttrace.run.parallel.common import SCALAR_INDEX, Strategy
 from disttrace.run.recorder import Recorder
 from disttrace.run.scales import Magnitudes
-from disttrace.store.records import (
-    CheckpointSaved,
-    FaultRefused,
-    RankFailed,
-    Resumed,
-    ResumeSpec,
-)
-from disttrace.store.rundir import (
-    event,
-    read_run_info,
-    write_run_info,
-)
+from disttrace.store.documents import ResumeSpec
+from disttrace.store.events import CheckpointSaved, FaultRefused, RankFailed, Resumed
+from disttrace.store.rundir import read_run_info
+from disttrace.store.writers import event, write_run_info
 
 
 class _UserState(Strategy):

@@ -29,15 +29,11 @@ from disttrace.run.attach.replicas import (
     topology_doc,
 )
 from disttrace.run.attach.run import AttachedRun
-from disttrace.store.records import ZERO_CODE_SOURCE, Attached, RunInfo
-from disttrace.store.rundir import (
-    LOCK,
-    event,
-    new_run_dir,
-    read_run_info,
-    write_json_atomic,
-    write_run_info,
-)
+from disttrace.store.documents import RunInfo
+from disttrace.store.events import Attached
+from disttrace.store.records import ZERO_CODE_SOURCE
+from disttrace.store.rundir import LOCK, read_run_info
+from disttrace.store.writers import event, new_run_dir, write_json_atomic, write_run_info
 
 RUN_DIR_ENV = "DISTTRACE_RUN_DIR"  # set by `disttrace run -- CMD`: the prepared run directory
 

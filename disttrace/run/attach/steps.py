@@ -7,7 +7,9 @@ import torch
 
 from disttrace.run.complete import gather_released
 from disttrace.run.hooks import StepEnd, StepStart
-from disttrace.store.rundir import LOCK, read_json, write_json_atomic
+from disttrace.store.jsonlines import read_json
+from disttrace.store.rundir import LOCK
+from disttrace.store.writers import write_json_atomic
 
 
 class StepCycle:

@@ -51,7 +51,7 @@ from disttrace.run.deepspeed.pieces import (
 )
 from disttrace.run.deepspeed.run import DeepSpeedRun
 from disttrace.run.parallel.common import SCALARS_AGREE
-from disttrace.store.records import ReplicaRule, Replicas
+from disttrace.store.documents import ReplicaRule, Replicas
 
 KIND = "DeepSpeed"
 # the faults whose hook point an attached DeepSpeed engine offers (the rest are refused, exit 2)

@@ -18,8 +18,8 @@ from disttrace.run.deepspeed.pieces import (
     pieces,
 )
 from disttrace.run.parallel.common import SCALAR_INDEX
-from disttrace.store.records import CheckpointSaved
-from disttrace.store.rundir import event
+from disttrace.store.events import CheckpointSaved
+from disttrace.store.writers import event
 
 
 class DeepSpeedRun(AttachedRun):

@@ -13,8 +13,8 @@ from disttrace.config.attached import AttachedManifest
 from disttrace.config.manifest import Manifest
 from disttrace.errors import BadInput
 from disttrace.run.hooks import Point
-from disttrace.store.records import FaultEvent
-from disttrace.store.rundir import event
+from disttrace.store.events import FaultEvent
+from disttrace.store.writers import event
 
 AnyManifest = Manifest | AttachedManifest  # the harness's job, or an attached script (run/attach/)
 

@@ -7,7 +7,7 @@ import torch
 from disttrace.config.manifest import Manifest
 from disttrace.model.llama import lm_loss
 from disttrace.run.hooks import BeforeClip, BeforeOptimizer, Clip, Optimizer, TensorRef, grads_of
-from disttrace.store.records import ReplicaRule
+from disttrace.store.documents import ReplicaRule
 
 
 def optimizer_class_and_kwargs(manifest: Manifest):

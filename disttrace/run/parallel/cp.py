@@ -29,7 +29,7 @@ from disttrace.config.manifest import Manifest
 from disttrace.run.hooks import Context
 from disttrace.run.parallel.common import SCALARS_AGREE, build_optimizer
 from disttrace.run.parallel.ddp import DataParallel, apply_ddp
-from disttrace.store.records import ReplicaRule
+from disttrace.store.documents import ReplicaRule
 
 
 class _AllGather(torch.autograd.Function):

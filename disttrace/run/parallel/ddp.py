@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from disttrace.config.manifest import Manifest
 from disttrace.run.hooks import Backward, Reduce, TensorRef, grads_of, param_refs
 from disttrace.run.parallel.common import Strategy, build_optimizer
-from disttrace.store.records import ReplicaRule
+from disttrace.store.documents import ReplicaRule
 
 
 def apply_ddp(

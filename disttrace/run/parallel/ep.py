@@ -27,7 +27,7 @@ from disttrace.config.manifest import Manifest
 from disttrace.run.hooks import Backward, Dispatch, Reduce, TensorRef, grads_of
 from disttrace.run.parallel.common import SCALARS_AGREE, build_optimizer
 from disttrace.run.parallel.ddp import DataParallel, apply_ddp
-from disttrace.store.records import ReplicaRule
+from disttrace.store.documents import ReplicaRule
 
 EXPERTS = "*.experts.*"  # the sharded tensors' names (parameters, gradients, optimizer state)
 

@@ -20,7 +20,7 @@ import contextlib
 from disttrace.config.manifest import Manifest
 from disttrace.run.hooks import Reduce, TensorRef, grads_of, param_refs
 from disttrace.run.parallel.common import SCALARS_AGREE, Strategy, build_optimizer
-from disttrace.store.records import ReplicaRule
+from disttrace.store.documents import ReplicaRule
 
 
 def apply_fsdp(model, dp_mesh, reshard_after_forward: bool):

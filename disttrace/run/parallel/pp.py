@@ -28,7 +28,7 @@ from disttrace.run.parallel.common import (
     load_optimizer_bytes,
     optimizer_bytes,
 )
-from disttrace.store.records import ReplicaRule
+from disttrace.store.documents import ReplicaRule
 
 
 def stage_layers(n_layers: int, pp: int, stage: int) -> list[str]:

@@ -35,7 +35,7 @@ from disttrace.run.parallel.common import (
     optimizer_bytes,
     optimizer_state_list,
 )
-from disttrace.store.records import ReplicaRule
+from disttrace.store.documents import ReplicaRule
 
 
 def flat(tensors) -> torch.Tensor:

@@ -26,7 +26,7 @@ from disttrace.run.parallel.common import (
     Strategy,
     build_optimizer,
 )
-from disttrace.store.records import ReplicaRule
+from disttrace.store.documents import ReplicaRule
 
 
 def tp_plan(model) -> dict:

@@ -16,7 +16,7 @@ from disttrace.run.parallel.common import (
     optimizer_class_and_kwargs,
 )
 from disttrace.run.parallel.ddp import DataParallel
-from disttrace.store.records import ReplicaRule
+from disttrace.store.documents import ReplicaRule
 
 
 class ZeroStage1(DataParallel):

@@ -4,7 +4,7 @@ checkpoints and the gate's verdict."""
 from __future__ import annotations
 
 from disttrace.fmt import fmt_number
-from disttrace.store.records import MemoryLine, ModelStateBytes
+from disttrace.store.documents import MemoryLine, ModelStateBytes
 from disttrace.views.report.parts import (
     _R,
     NOT_RECORDED,

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 from disttrace.analysis.result import DiffResult
 from disttrace.errors import BadInput
 from disttrace.fmt import abbrev
-from disttrace.store.records import Topology, TopologyRank
+from disttrace.store.documents import Topology, TopologyRank
 
 if TYPE_CHECKING:
     pass
