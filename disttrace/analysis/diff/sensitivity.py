@@ -1,0 +1,108 @@
+"""What a numeric diff could not have seen: per phase, the smallest relative change it would have flagged
+(docs/tolerance.md, "Sensitivity").
+
+A record is divergent when its rel_err (the difference of a statistic relative to its scale: the larger of
+the records' norms and the magnitudes that produced them) exceeds the bound at its (step, phase). So the
+bound *is* the sensitivity there: a change of relative size below it is accepted as another layout's
+rounding. The fold hands this module the bound of every (step, phase) whose records were held to one (some
+record not bit-equal: the step entry's `bound_by_phase`), which the diff computes anyway; nothing here looks
+at a record. What it keeps is a float a step and phase.
+"""
+
+from __future__ import annotations
+
+import statistics
+from array import array
+
+from disttrace.analysis import tolerance
+from disttrace.analysis.result import BoundKind, PhaseSensitivity
+
+NONE = "none"  # a class no sound bound covers: the diff could not have seen a change there at that phase
+
+
+class Sensitivity:
+    """The bounds a numeric diff held each phase to, step by step; `result` sums them up per phase."""
+
+    __slots__ = ("_phases",)
+
+    def __init__(self):
+        # phase -> (bounds, steps, kinds, whether a bound was a user's atol's: no single figure)
+        self._phases: dict[str, tuple[array, array, list, list]] = {}
+
+    def add(self, step: int, phase: str, bound: float | None, kind: BoundKind) -> None:
+        got = self._phases.get(phase)
+        if got is None:
+            got = self._phases[phase] = (array("d"), array("q"), [], [False])
+        bounds, steps, kinds, scaled = got
+        if (
+            bound is None
+        ):  # a user's atol: rel_err's threshold is rtol + atol / scale, record by record
+            scaled[0] = True
+            bound = 0.0
+        bounds.append(float(bound))
+        steps.append(int(step))
+        kinds.append(kind)
+
+    def result(
+        self, classes: dict[str, dict[str, float | str]] | None = None
+    ) -> dict[str, PhaseSensitivity]:
+        """Per phase (in the order they were first held to a bound): the largest bound over the steps and
+        where, its median, the number of steps; `classes`: per phase, the classes of records held to another
+        figure (`classes` below: a factor on the phase's bound, or NONE)."""
+        out = {}
+        for phase, (bounds, steps, kinds, scaled) in self._phases.items():
+            i = max(range(len(bounds)), key=bounds.__getitem__)
+            worst = None if scaled[0] else bounds[i]
+            median = None if scaled[0] else statistics.median(bounds)
+            own = {
+                cls: f if isinstance(f, str) else (None if worst is None else worst * f)
+                for cls, f in (classes or {}).get(phase, {}).items()
+            }
+            out[phase] = PhaseSensitivity(
+                bound_kind=kinds[i],
+                max=worst,
+                median=median,
+                step=steps[i],
+                steps=len(steps),
+                classes={c: v for c, v in own.items() if v is not None} or None,
+            )
+        return out
+
+
+def classes(tol) -> dict[str, dict[str, float | str]]:
+    """Per phase, the classes of records that a comparison under `tol` (analysis/diff/tol.py) holds to
+    another figure than the phase's bound: Adam's second moment to twice it (tolerance.tensor_factor), and
+    none, on the magnitudes' scale, the clip coefficient (its difference is the norm's, on the parts' scale)
+    and the parameters under Adam (analysis/magnitudes.py's `of`). A user's rtol/atol holds every record
+    alike."""
+    if tol.mode != "numeric" or tol.user:
+        return {}
+    if tol.mags is not None:
+        optimizer = tol.mags[0].optimizer
+    else:
+        training = tol.ma.get("training") if isinstance(tol.ma, dict) else None
+        optimizer = str((training or {}).get("optimizer") or "adamw").lower()
+    adam = optimizer != "sgd"
+    out: dict[str, dict[str, float | str]] = {}
+    if adam:
+        out["optimizer"] = {"exp_avg_sq": tolerance.tensor_factor(":exp_avg_sq")}
+    if tol.mags is not None:
+        out["clip"] = {"clip_coef": NONE}
+        if adam:
+            out["optimizer"]["parameters"] = NONE
+    return out
+
+
+def worst(by_phase: dict[str, PhaseSensitivity]) -> tuple[str, str | None, float | None] | None:
+    """(phase, class or None, figure) of the least sensitive bounded figure of a result; figure None where a
+    user's atol makes it depend on each record's scale; None when no phase was held to a bound."""
+    best = None
+    for phase, s in by_phase.items():
+        figures = [(None, s.max)] + [
+            (c, v) for c, v in (s.classes or {}).items() if not isinstance(v, str)
+        ]
+        for cls, v in figures:
+            key = float("inf") if v is None else v
+            if best is None or key > best[0]:
+                best = (key, (phase, cls, v))
+    return None if best is None else best[1]
