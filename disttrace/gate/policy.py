@@ -16,6 +16,9 @@ defaults when there is neither.
     env = ["PYTHONPATH"]        # the names passed through; otherwise only PATH
     data = "heldout.jsonl"      # relative to this file's directory (the command's working directory)
     data_sha256 = "..."         # checked before the command runs
+    [equivalence]
+    max_sensitivity = 1e-4      # an equal numeric diff must have held each phase to a bound at most this
+    max_sensitivity_by_phase = { reduce = 2e-5 }   # per phase, in place of max_sensitivity there
     [checks]
     required = ["checkpoint_integrity", "eval_metric"]   # default: every check; the others are advisory
     require_all = false         # true: a check that cannot apply (n/a) fails, as `gate --require-all`
@@ -121,6 +124,49 @@ class EvalPolicy(_Strict):
         return (self.loss_rtol if self.rtol is None else self.rtol), self.atol
 
 
+class EquivalencePolicy(_Strict):
+    """What `gradient_equivalence` requires of a numeric diff's sensitivity (docs/gate.md, "How sharp an
+    equivalence must be"): the largest bound a phase's records were held to, over the compared steps."""
+
+    max_sensitivity: float | None = Field(
+        default=None, ge=0, description="the largest bound any phase may have been held to"
+    )
+    max_sensitivity_by_phase: dict[str, float] = Field(
+        default_factory=dict, description="per phase, in place of max_sensitivity"
+    )
+
+    @field_validator("max_sensitivity", mode="before")
+    @classmethod
+    def _finite(cls, v):
+        if isinstance(v, int) and not isinstance(v, bool):
+            v = float(v)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError("must be a finite number")
+        return v
+
+    @field_validator("max_sensitivity_by_phase", mode="before")
+    @classmethod
+    def _phases(cls, v):
+        from disttrace.store.records import PHASES
+
+        if not isinstance(v, dict):
+            return v
+        out = {}
+        for phase, x in v.items():
+            if phase not in PHASES:
+                raise ValueError(f"unknown phase '{phase}'; the phases are: {', '.join(PHASES)}")
+            if isinstance(x, int) and not isinstance(x, bool):
+                x = float(x)
+            if not isinstance(x, float) or not math.isfinite(x) or x < 0:
+                raise ValueError(f"{phase}: {x!r} is not a sensitivity (a finite number >= 0)")
+            out[phase] = x
+        return out
+
+    def required(self, phase: str) -> float | None:
+        """The largest bound the policy accepts at `phase` (None: no requirement)."""
+        return self.max_sensitivity_by_phase.get(phase, self.max_sensitivity)
+
+
 class ChecksPolicy(_Strict):
     required: list[str] | None = Field(
         default=None, description="checks that decide the verdict (default: all)"
@@ -142,6 +188,7 @@ class ChecksPolicy(_Strict):
 
 class GatePolicy(_Strict):
     eval: EvalPolicy = EvalPolicy()
+    equivalence: EquivalencePolicy = EquivalencePolicy()
     checks: ChecksPolicy = ChecksPolicy()
 
     def is_required(self, check: str) -> bool:

@@ -159,8 +159,9 @@ def replica_consistency(run: Run) -> Check:
     )
 
 
-def gradient_equivalence(run: Run, ref: Run | None) -> Check:
-    """The run's trajectory equals the reference's (bitwise, or within the derived bound across topologies)."""
+def gradient_equivalence(run: Run, ref: Run | None, required=None) -> Check:
+    """The run's trajectory equals the reference's (bitwise, or within the derived bound across topologies);
+    `required` (the policy's EquivalencePolicy) bounds how coarse a numeric equality may be."""
     from disttrace.analysis.diff import diff_runs
 
     if ref is None:
@@ -186,10 +187,18 @@ def gradient_equivalence(run: Run, ref: Run | None) -> Check:
                 False,
                 f"{d.mode} equal over steps {cs.first}..{cs.last} only: {missing}",
             )
+        coarse = _too_coarse(d, required)
+        if coarse:
+            return check(
+                "gradient_equivalence",
+                False,
+                f"{d.mode} equal over steps {cs.first}..{cs.last}{how}, but {coarse}",
+            )
+        within = _within(d)
         return check(
             "gradient_equivalence",
             True,
-            f"{d.mode} equal over steps {cs.first}..{cs.last}{how} ({covered})",
+            f"{d.mode} equal over steps {cs.first}..{cs.last}{how}{within} ({covered})",
         )
     return check(
         "gradient_equivalence",
@@ -197,6 +206,42 @@ def gradient_equivalence(run: Run, ref: Run | None) -> Check:
         f"first divergence at step {f.step} micro-batch "
         f"{f.micro_batch} {f.phase} rank {f.rank} tensor {f.tensor}{how}",
     )
+
+
+def _within(d) -> str:
+    """', equal to within X (where)' of a numeric diff that held some phase to a bound."""
+    from disttrace.analysis.diff.sensitivity import worst
+
+    w = worst(d.numeric.sensitivity) if d.numeric is not None else None
+    if w is None:
+        return ""
+    phase, cls, v = w
+    got = "an explicit atol" if v is None else f"{v:.1e}"
+    return f", to within {got} ({phase}{' ' + cls if cls else ''})"
+
+
+def _too_coarse(d, required) -> str | None:
+    """Why an equal diff is coarser than the policy requires (None: it is not, or nothing is required): a
+    phase held to a larger bound than the policy's figure there (its classes' numeric figures count, a class
+    no bound covers does not: docs/gate.md)."""
+    if required is None or d.numeric is None:
+        return None  # bitwise: any bit would have been seen
+    for phase, s in d.numeric.sensitivity.items():
+        need = required.required(phase)
+        if need is None:
+            continue
+        figures = [(None, s.max)] + [
+            (c, v) for c, v in (s.classes or {}).items() if not isinstance(v, str)
+        ]
+        for cls, v in figures:
+            if v is None or v > need:
+                what = f"{phase}{' ' + cls if cls else ''}"
+                got = "an explicit atol's bound" if v is None else f"{v:.2e}"
+                return (
+                    f"only to within {got} at {what} (step {s.step}): the policy requires a "
+                    f"sensitivity of {need:g} there"
+                )
+    return None
 
 
 def eval_metric(
@@ -310,7 +355,7 @@ def gate(
         checkpoint_integrity(run),
         collective_sync(run),
         replica_consistency(run),
-        gradient_equivalence(run, ref),
+        gradient_equivalence(run, ref, policy.equivalence),
     ]
     replayed = None
     if replay is not None:
