@@ -6,7 +6,7 @@ the records' norms and the magnitudes that produced them) exceeds the bound at i
 bound *is* the sensitivity there: a change of relative size below it is accepted as another layout's
 rounding. The fold hands this module the bound of every (step, phase) whose records were held to one (some
 record not bit-equal: the step entry's `bound_by_phase`), which the diff computes anyway; nothing here looks
-at a record. What it keeps is a float a step and phase.
+at a record. What it keeps is a float a step and phase (the median's).
 """
 
 from __future__ import annotations
@@ -26,44 +26,44 @@ class Sensitivity:
     __slots__ = ("_phases",)
 
     def __init__(self):
-        # phase -> (bounds, steps, kinds, whether a bound was a user's atol's: no single figure)
-        self._phases: dict[str, tuple[array, array, list, list]] = {}
+        # phase -> [largest bound, its step, its kind, every bound (for the median: 8 bytes a step), whether
+        # a bound was a user's atol's (no single figure)]
+        self._phases: dict[str, list] = {}
 
     def add(self, step: int, phase: str, bound: float | None, kind: BoundKind) -> None:
         got = self._phases.get(phase)
         if got is None:
-            got = self._phases[phase] = (array("d"), array("q"), [], [False])
-        bounds, steps, kinds, scaled = got
+            got = self._phases[phase] = [-1.0, step, kind, array("d"), False]
         if (
             bound is None
         ):  # a user's atol: rel_err's threshold is rtol + atol / scale, record by record
-            scaled[0] = True
+            got[4] = True
             bound = 0.0
-        bounds.append(float(bound))
-        steps.append(int(step))
-        kinds.append(kind)
+        bound = float(bound)
+        got[3].append(bound)
+        if bound > got[0]:
+            got[:3] = bound, int(step), kind
 
     def result(
         self, classes: dict[str, dict[str, float | str]] | None = None
     ) -> dict[str, PhaseSensitivity]:
         """Per phase (in the order they were first held to a bound): the largest bound over the steps and
-        where, its median, the number of steps; `classes`: per phase, the classes of records held to another
-        figure (`classes` below: a factor on the phase's bound, or NONE)."""
+        where (the first step it was reached at), its median, the number of steps; `classes`: per phase, the
+        classes of records held to another figure (`classes` below: a factor on the phase's bound, or NONE)."""
         out = {}
-        for phase, (bounds, steps, kinds, scaled) in self._phases.items():
-            i = max(range(len(bounds)), key=bounds.__getitem__)
-            worst = None if scaled[0] else bounds[i]
-            median = None if scaled[0] else statistics.median(bounds)
+        for phase, (largest, step, kind, bounds, scaled) in self._phases.items():
+            worst = None if scaled else largest
+            median = None if scaled else statistics.median(bounds)
             own = {
                 cls: f if isinstance(f, str) else (None if worst is None else worst * f)
                 for cls, f in (classes or {}).get(phase, {}).items()
             }
             out[phase] = PhaseSensitivity(
-                bound_kind=kinds[i],
+                bound_kind=kind,
                 max=worst,
                 median=median,
-                step=steps[i],
-                steps=len(steps),
+                step=step,
+                steps=len(bounds),
                 classes={c: v for c, v in own.items() if v is not None} or None,
             )
         return out
