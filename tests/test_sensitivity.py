@@ -159,6 +159,10 @@ def test_the_gate_requires_a_sensitivity(pair, tmp_path):
     text = f"[equivalence]\nmax_sensitivity = {worst / 2!r}\nmax_sensitivity_by_phase = {{ {by_phase} }}"
     rc, check = _gate(b, a, _policy(tmp_path, "phases", text))
     assert rc == 0 and check["passed"] is True, check
+    # a tensor class's figure: under the derived bound every class of a phase has the phase's figure
+    text = f"[equivalence]\nmax_sensitivity_by_class = {{ attention = {worst / 2!r} }}"
+    rc, check = _gate(b, a, _policy(tmp_path, "class", text))
+    assert rc == 1 and check["passed"] is False and " attention " in check["reason"], check
     # bitwise (one layout): any bit would have been seen, so even a sensitivity of 0 is met
     rc, check = _gate(b, b, _policy(tmp_path, "zero", "[equivalence]\nmax_sensitivity = 0.0"))
     assert rc == 0 and check["passed"] is True, check
@@ -171,6 +175,7 @@ def test_the_gate_requires_a_sensitivity(pair, tmp_path):
         ("max_sensitivity_by_phase = { reduction = 1e-5 }", "equivalence.max_sensitivity_by_phase"),
         ("max_sensitivity_by_phase = { reduce = -1e-5 }", "equivalence.max_sensitivity_by_phase"),
         ("max_sensitivity = 1e-5\nmax_sensitivty = 1e-5", "equivalence.max_sensitivty"),
+        ("max_sensitivity_by_class = { attn = 1e-5 }", "equivalence.max_sensitivity_by_class"),
     ],
 )
 def test_a_bad_sensitivity_policy_names_the_field(tmp_path, text, field):
@@ -179,3 +184,26 @@ def test_a_bad_sensitivity_policy_names_the_field(tmp_path, text, field):
     with pytest.raises(BadInput) as e:
         read_policy(p)
     assert e.value.field == field, str(e.value)
+
+
+def test_a_calibration_per_tensor_class_gives_each_class_its_figure(runs):
+    """Under AdamW with the reference's calibration: each tensor class's figure at a phase is the largest of
+    the calibration file's bounds for that class there (read from the file, not from diff), the phase's is
+    the largest class's, and the parameters at the optimizer phase have none."""
+    adam = SMALL[:-4]  # the same model and steps, AdamW at its default learning rate
+    a = runs.get("run", DEFAULT, *adam, *REFERENCE)
+    b = runs.get("run", DEFAULT, *adam)
+    cal = runs.get("calibrate", DEFAULT, *adam, *REFERENCE)
+    assert cal.name == "calibration.json" and cal.parent == a.parent, cal
+    d = diff_runs(a, b)
+    assert d.equal and d.tolerance.kind == "calibrated"
+    by_class = orjson.loads(cal.read_bytes())["bounds_by_class"]
+    for phase, s in d.numeric.sensitivity.items():
+        want: dict[str, float] = {}
+        for step in {e.step for e in d.numeric.by_step}:
+            for cls, v in by_class.get(str(step), {}).get(phase, {}).items():
+                want[cls] = max(want.get(cls, 0.0), v)
+        got = {c: v for c, v in (s.classes or {}).items() if c in want}
+        assert got == pytest.approx(want, rel=1e-12), phase
+        assert s.max == max(want.values())
+    assert d.numeric.sensitivity["optimizer"].classes["parameters"] == "none"

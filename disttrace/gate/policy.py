@@ -19,6 +19,7 @@ defaults when there is neither.
     [equivalence]
     max_sensitivity = 1e-4      # an equal numeric diff must have held each phase to a bound at most this
     max_sensitivity_by_phase = { reduce = 2e-5 }   # per phase, in place of max_sensitivity there
+    max_sensitivity_by_class = { attention = 1e-5 }  # per tensor class (or exp_avg_sq), at every phase
     [checks]
     required = ["checkpoint_integrity", "eval_metric"]   # default: every check; the others are advisory
     require_all = false         # true: a check that cannot apply (n/a) fails, as `gate --require-all`
@@ -124,6 +125,22 @@ class EvalPolicy(_Strict):
         return (self.loss_rtol if self.rtol is None else self.rtol), self.atol
 
 
+def _figures(v, names: tuple[str, ...], what: str):
+    """A table of sensitivities by name: each name one of `names`, each figure a finite number >= 0."""
+    if not isinstance(v, dict):
+        return v
+    out = {}
+    for name, x in v.items():
+        if name not in names:
+            raise ValueError(f"unknown {what} '{name}'; the {what}s are: {', '.join(names)}")
+        if isinstance(x, int) and not isinstance(x, bool):
+            x = float(x)
+        if not isinstance(x, float) or not math.isfinite(x) or x < 0:
+            raise ValueError(f"{name}: {x!r} is not a sensitivity (a finite number >= 0)")
+        out[name] = x
+    return out
+
+
 class EquivalencePolicy(_Strict):
     """What `gradient_equivalence` requires of a numeric diff's sensitivity (docs/gate.md, "How sharp an
     equivalence must be"): the largest bound a phase's records were held to, over the compared steps."""
@@ -133,6 +150,10 @@ class EquivalencePolicy(_Strict):
     )
     max_sensitivity_by_phase: dict[str, float] = Field(
         default_factory=dict, description="per phase, in place of max_sensitivity"
+    )
+    max_sensitivity_by_class: dict[str, float] = Field(
+        default_factory=dict,
+        description="per tensor class (or exp_avg_sq), at every phase, besides the phase's figure",
     )
 
     @field_validator("max_sensitivity", mode="before")
@@ -149,18 +170,14 @@ class EquivalencePolicy(_Strict):
     def _phases(cls, v):
         from disttrace.store.records import PHASES
 
-        if not isinstance(v, dict):
-            return v
-        out = {}
-        for phase, x in v.items():
-            if phase not in PHASES:
-                raise ValueError(f"unknown phase '{phase}'; the phases are: {', '.join(PHASES)}")
-            if isinstance(x, int) and not isinstance(x, bool):
-                x = float(x)
-            if not isinstance(x, float) or not math.isfinite(x) or x < 0:
-                raise ValueError(f"{phase}: {x!r} is not a sensitivity (a finite number >= 0)")
-            out[phase] = x
-        return out
+        return _figures(v, PHASES, "phase")
+
+    @field_validator("max_sensitivity_by_class", mode="before")
+    @classmethod
+    def _classes(cls, v):
+        from disttrace.model.names import CLASSES
+
+        return _figures(v, (*CLASSES, "exp_avg_sq"), "class")
 
     def required(self, phase: str) -> float | None:
         """The largest bound the policy accepts at `phase` (None: no requirement)."""

@@ -222,18 +222,26 @@ def _within(d) -> str:
 
 def _too_coarse(d, required) -> str | None:
     """Why an equal diff is coarser than the policy requires (None: it is not, or nothing is required): a
-    phase held to a larger bound than the policy's figure there (its classes' numeric figures count, a class
-    no bound covers does not: docs/gate.md)."""
+    phase (or tensor class) held to a larger bound than the policy's figure there (a class's numeric figures
+    count, a class no bound covers does not: docs/gate.md)."""
     if required is None or d.numeric is None:
         return None  # bitwise: any bit would have been seen
     for phase, s in d.numeric.sensitivity.items():
+        classes = s.classes or {}
         need = required.required(phase)
-        if need is None:
-            continue
-        figures = [(None, s.max)] + [
-            (c, v) for c, v in (s.classes or {}).items() if not isinstance(v, str)
-        ]
-        for cls, v in figures:
+        figures = (
+            [(None, s.max, need)]
+            + [(c, v, need) for c, v in classes.items() if not isinstance(v, str)]
+            if need is not None
+            else []
+        )
+        for cls, c_need in required.max_sensitivity_by_class.items():
+            # a tensor class not listed is held to the phase's figure; Adam's second moment is listed
+            # wherever it has records
+            v = classes.get(cls, None if cls == "exp_avg_sq" else s.max)
+            if v is not None and not isinstance(v, str):
+                figures.append((cls, v, c_need))
+        for cls, v, need in figures:
             if v is None or v > need:
                 what = f"{phase}{' ' + cls if cls else ''}"
                 got = "an explicit atol's bound" if v is None else f"{v:.2e}"

@@ -59,8 +59,9 @@ class StepOutcome:
     """One compared step as the fold reads it: each rank's result (in the order the comparison produced
     them), the (step, rank) pairs read, each side's [records parsed, ranges hash-checked], the warnings the
     step raised, the phases both runs record (across topologies), and where the bounds come from (`look`:
-    `.user`, `.kind(step, phase, name)`, `.compare_bound(step, phase)`, `.derived(step, phase)`; the
-    comparison's `_Tol` in the process that compared it, a table of the same answers in a merge)."""
+    `.user`, `.kind(step, phase, name)`, `.compare_bound(step, phase)`, `.class_bounds(step, phase)`,
+    `.derived(step, phase)`; the comparison's `_Tol` in the process that compared it, a table of the same
+    answers in a merge)."""
 
     step: int
     per_rank: dict[int, RankStep]
@@ -121,7 +122,13 @@ class Fold:
             entry.bound_by_phase = {p: look.compare_bound(step, p) for p in phases}
             entry.bound_kind_by_phase = {p: look.kind(step, p) for p in phases}
             for p in phases:
-                self.sensitivity.add(step, p, entry.bound_by_phase[p], entry.bound_kind_by_phase[p])
+                self.sensitivity.add(
+                    step,
+                    p,
+                    entry.bound_by_phase[p],
+                    entry.bound_kind_by_phase[p],
+                    look.class_bounds(step, p),
+                )
         if self.first_step is not None:
             self.propagation.append(entry)
             if not diverged_here:

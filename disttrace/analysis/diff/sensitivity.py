@@ -11,6 +11,7 @@ at a record. What it keeps is a float a step and phase (the median's).
 
 from __future__ import annotations
 
+import functools
 import statistics
 from array import array
 
@@ -30,16 +31,30 @@ class Sensitivity:
         # a bound was a user's atol's (no single figure)]
         self._phases: dict[str, list] = {}
 
-    def add(self, step: int, phase: str, bound: float | None, kind: BoundKind) -> None:
+    def add(
+        self,
+        step: int,
+        phase: str,
+        bound: float | None,
+        kind: BoundKind,
+        by_class: dict[str, float] | None = None,
+    ) -> None:
+        """The bound `phase` was held to at `step`; `by_class`: each tensor class's, where a calibration has
+        classes (`class_bounds`): the phase's figure is then the largest of them."""
         got = self._phases.get(phase)
         if got is None:
-            got = self._phases[phase] = [-1.0, step, kind, array("d"), False]
-        if (
-            bound is None
-        ):  # a user's atol: rel_err's threshold is rtol + atol / scale, record by record
+            got = self._phases[phase] = [-1.0, step, kind, array("d"), False, {}]
+        if bound is None:
+            # a user's atol: rel_err's threshold is rtol + atol / scale, record by record
             got[4] = True
             bound = 0.0
         bound = float(bound)
+        if by_class:
+            per_class = got[5]
+            for cls, v in by_class.items():
+                if v > per_class.get(cls, -1.0):
+                    per_class[cls] = v
+            bound = max(bound, *by_class.values())
         got[3].append(bound)
         if bound > got[0]:
             got[:3] = bound, int(step), kind
@@ -48,16 +63,18 @@ class Sensitivity:
         self, classes: dict[str, dict[str, float | str]] | None = None
     ) -> dict[str, PhaseSensitivity]:
         """Per phase (in the order they were first held to a bound): the largest bound over the steps and
-        where (the first step it was reached at), its median, the number of steps; `classes`: per phase, the
-        classes of records held to another figure (`classes` below: a factor on the phase's bound, or NONE)."""
+        where (the first step it was reached at), its median, the number of steps; per tensor class the
+        largest where a calibration has classes; `classes`: per phase, the classes of records held to another
+        figure (`classes` below: a factor on the phase's bound, or NONE)."""
         out = {}
-        for phase, (largest, step, kind, bounds, scaled) in self._phases.items():
+        for phase, (largest, step, kind, bounds, scaled, per_class) in self._phases.items():
             worst = None if scaled else largest
             median = None if scaled else statistics.median(bounds)
-            own = {
-                cls: f if isinstance(f, str) else (None if worst is None else worst * f)
+            own = dict(sorted(per_class.items()))
+            own.update(
+                (cls, f if isinstance(f, str) else (None if worst is None else worst * f))
                 for cls, f in (classes or {}).get(phase, {}).items()
-            }
+            )
             out[phase] = PhaseSensitivity(
                 bound_kind=kind,
                 max=worst,
@@ -67,6 +84,41 @@ class Sensitivity:
                 classes={c: v for c, v in own.items() if v is not None} or None,
             )
         return out
+
+
+def class_bounds(tol, step: int, phase: str) -> dict[str, float] | None:
+    """Per tensor class, the bound a comparison under `tol` holds a record of that class to at (step, phase),
+    where its calibration has classes (None otherwise: one bound holds the whole phase). A class the
+    calibration measured at the phase but not at this step keeps the derived bound, as `_Tol.derived`
+    does."""
+    cal = tol.cal
+    if cal is None or cal.by_class is None or tol.mode != "numeric" or tol.user:
+        return None
+    out, derived = {}, None
+    for cls in _classes(cal, phase):
+        v = cal.by_class.get((int(step), phase, cls))
+        if v is None:
+            if derived is None:
+                derived = tolerance.bound(
+                    tol.ma,
+                    tol.mb,
+                    step,
+                    phase,
+                    since=tol.since,
+                    magnitudes=tol.mags is not None,
+                    observed=tol.observed,
+                    eps=tol._step_bound(phase),
+                )
+            v = derived
+        out[cls] = v
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _classes(cal, phase: str) -> tuple[str, ...]:
+    """The tensor classes a calibration measured at `phase`, at any step: those the phase's records hold (a
+    class whose noise was 0 at every step of it is left out: the perturbation reaches every parameter)."""
+    return tuple(sorted({c for _, p, c in cal.by_class if p == phase}))
 
 
 def classes(tol) -> dict[str, dict[str, float | str]]:
