@@ -277,6 +277,10 @@ def run_snippet(code: str, timeout: int = 120) -> subprocess.CompletedProcess:
 # fault of the same family, a second CLI path): they run in the slow tier, so `make test` stays well under
 # 15 minutes on 2 cores. Matched against each test's node id, parameters included.
 SLOW_TIER = (
+    "test_sensitivity.py::test_the_sensitivity_is_in_the_json_and_the_summary",
+    "test_sensitivity.py::test_a_change_below_the_sensitivity_is_equal_and_one_above_it_is_found",
+    "test_sensitivity.py::test_the_gate_requires_a_sensitivity",
+    "test_sensitivity.py::test_a_calibration_per_tensor_class_gives_each_class_its_figure",
     "test_devdigest.py::test_a_run_on_the_batched_device_path_repeats_bit_for_bit_and_finds_a_fault",
     "test_devdigest.py::test_an_attached_script_that_raises_keeps_its_last_finished_step",
     "test_strategies.py::test_strategy_matches_ddp_numerically_and_is_consistent[dp2xpp2]",

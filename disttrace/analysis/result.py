@@ -461,6 +461,9 @@ class Tolerance(JsonDoc):
     # gradient, when both runs recorded them) or "norm" (each record's own norm)
     scale: str | None = None
     found: bool | None = None  # calibrated: the calibration was found beside the run (not named)
+    # derived, calibrated: per phase, the classes of records held to another figure than the phase's bound (a
+    # factor on it, or "none": analysis/diff/sensitivity.py's `classes`); shown in `numeric.sensitivity`
+    sensitivity_classes: dict[str, dict[str, float | str]] | None = None
 
     @property
     def per_step(self) -> float | None:
@@ -513,8 +516,27 @@ class PhaseWorst(JsonDoc):
 
 
 @dataclass
+class PhaseSensitivity(JsonDoc):
+    """Numeric mode, one phase: the smallest relative change diff would have flagged there, i.e. the bound its
+    rel_err was held to (docs/tolerance.md, "Sensitivity"), over the steps whose records there were held to
+    one (some record not bit-equal)."""
+
+    bound_kind: BoundKind  # where the largest bound came from
+    max: (
+        float | None
+    )  # the largest bound (None: a user's atol, which depends on each record's scale)
+    median: float | None
+    step: int  # where the largest was
+    steps: int  # steps held to a bound
+    # the classes of records whose figure is not the phase's: a number (exp_avg_sq: twice it) or "none" (no
+    # sound bound: the diff could not have seen a change of theirs here)
+    classes: dict[str, float | str] | None = omit_none()
+
+
+@dataclass
 class NumericSummary(JsonDoc):
     by_phase: dict[str, PhaseWorst]
+    sensitivity: dict[str, PhaseSensitivity]
     by_step: Sequence[
         StepEntry
     ]  # steps before the first divergence with some inexact tensor (StepTable)

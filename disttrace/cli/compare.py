@@ -104,6 +104,8 @@ def diff(
     depth: str = _DEPTH,
 ):
     """Find the first divergence (step, micro-batch, phase, rank, tensor) between two runs and how it spread.
+    A numeric diff reports its sensitivity: per phase the largest bound it held records to, so an equal
+    verdict reads "equal to within X" (docs/tolerance.md).
     Exit 0 equal, 1 divergent, 2 incompatible or unreadable runs, 4 a partial diff without divergence."""
     _refuse_combinations(
         jobs, zoom_, merge or not (ranks is None and steps is None and share is None)

@@ -32,7 +32,8 @@ def gate(
         None,
         "--policy",
         help="a gate policy TOML ([eval] loss_rtol, or your own evaluation: command, metric, rtol, "
-        "data, data_sha256 (docs/gate.md); [checks] required / require_all); default: the "
+        "data, data_sha256 (docs/gate.md); [equivalence] max_sensitivity / "
+        "max_sensitivity_by_phase; [checks] required / require_all); default: the "
         "reference's manifest",
     ),
     require_all: bool = typer.Option(

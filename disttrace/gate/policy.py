@@ -16,6 +16,10 @@ defaults when there is neither.
     env = ["PYTHONPATH"]        # the names passed through; otherwise only PATH
     data = "heldout.jsonl"      # relative to this file's directory (the command's working directory)
     data_sha256 = "..."         # checked before the command runs
+    [equivalence]
+    max_sensitivity = 1e-4      # an equal numeric diff must have held each phase to a bound at most this
+    max_sensitivity_by_phase = { reduce = 2e-5 }   # per phase, in place of max_sensitivity there
+    max_sensitivity_by_class = { attention = 1e-5 }  # per tensor class (or exp_avg_sq), at every phase
     [checks]
     required = ["checkpoint_integrity", "eval_metric"]   # default: every check; the others are advisory
     require_all = false         # true: a check that cannot apply (n/a) fails, as `gate --require-all`
@@ -121,6 +125,65 @@ class EvalPolicy(_Strict):
         return (self.loss_rtol if self.rtol is None else self.rtol), self.atol
 
 
+def _figures(v, names: tuple[str, ...], what: str):
+    """A table of sensitivities by name: each name one of `names`, each figure a finite number >= 0."""
+    if not isinstance(v, dict):
+        return v
+    out = {}
+    for name, x in v.items():
+        if name not in names:
+            raise ValueError(f"unknown {what} '{name}'; the {what}s are: {', '.join(names)}")
+        if isinstance(x, int) and not isinstance(x, bool):
+            x = float(x)
+        if not isinstance(x, float) or not math.isfinite(x) or x < 0:
+            raise ValueError(f"{name}: {x!r} is not a sensitivity (a finite number >= 0)")
+        out[name] = x
+    return out
+
+
+class EquivalencePolicy(_Strict):
+    """What `gradient_equivalence` requires of a numeric diff's sensitivity (docs/gate.md, "How sharp an
+    equivalence must be"): the largest bound a phase's records were held to, over the compared steps."""
+
+    max_sensitivity: float | None = Field(
+        default=None, ge=0, description="the largest bound any phase may have been held to"
+    )
+    max_sensitivity_by_phase: dict[str, float] = Field(
+        default_factory=dict, description="per phase, in place of max_sensitivity"
+    )
+    max_sensitivity_by_class: dict[str, float] = Field(
+        default_factory=dict,
+        description="per tensor class (or exp_avg_sq), at every phase, besides the phase's figure",
+    )
+
+    @field_validator("max_sensitivity", mode="before")
+    @classmethod
+    def _finite(cls, v):
+        if isinstance(v, int) and not isinstance(v, bool):
+            v = float(v)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError("must be a finite number")
+        return v
+
+    @field_validator("max_sensitivity_by_phase", mode="before")
+    @classmethod
+    def _phases(cls, v):
+        from disttrace.store.records import PHASES
+
+        return _figures(v, PHASES, "phase")
+
+    @field_validator("max_sensitivity_by_class", mode="before")
+    @classmethod
+    def _classes(cls, v):
+        from disttrace.model.names import CLASSES
+
+        return _figures(v, (*CLASSES, "exp_avg_sq"), "class")
+
+    def required(self, phase: str) -> float | None:
+        """The largest bound the policy accepts at `phase` (None: no requirement)."""
+        return self.max_sensitivity_by_phase.get(phase, self.max_sensitivity)
+
+
 class ChecksPolicy(_Strict):
     required: list[str] | None = Field(
         default=None, description="checks that decide the verdict (default: all)"
@@ -142,6 +205,7 @@ class ChecksPolicy(_Strict):
 
 class GatePolicy(_Strict):
     eval: EvalPolicy = EvalPolicy()
+    equivalence: EquivalencePolicy = EquivalencePolicy()
     checks: ChecksPolicy = ChecksPolicy()
 
     def is_required(self, check: str) -> bool:

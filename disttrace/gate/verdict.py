@@ -160,8 +160,9 @@ def replica_consistency(run: Run) -> Check:
     )
 
 
-def gradient_equivalence(run: Run, ref: Run | None) -> Check:
-    """The run's trajectory equals the reference's (bitwise, or within the derived bound across topologies)."""
+def gradient_equivalence(run: Run, ref: Run | None, required=None) -> Check:
+    """The run's trajectory equals the reference's (bitwise, or within the derived bound across topologies);
+    `required` (the policy's EquivalencePolicy) bounds how coarse a numeric equality may be."""
     from disttrace.analysis.diff import diff_runs
 
     if ref is None:
@@ -187,10 +188,18 @@ def gradient_equivalence(run: Run, ref: Run | None) -> Check:
                 False,
                 f"{d.mode} equal over steps {cs.first}..{cs.last} only: {missing}",
             )
+        coarse = _too_coarse(d, required)
+        if coarse:
+            return check(
+                "gradient_equivalence",
+                False,
+                f"{d.mode} equal over steps {cs.first}..{cs.last}{how}, but {coarse}",
+            )
+        within = _within(d)
         return check(
             "gradient_equivalence",
             True,
-            f"{d.mode} equal over steps {cs.first}..{cs.last}{how} ({covered})",
+            f"{d.mode} equal over steps {cs.first}..{cs.last}{how}{within} ({covered})",
         )
     return check(
         "gradient_equivalence",
@@ -198,6 +207,50 @@ def gradient_equivalence(run: Run, ref: Run | None) -> Check:
         f"first divergence at step {f.step} micro-batch "
         f"{f.micro_batch} {f.phase} rank {f.rank} tensor {f.tensor}{how}",
     )
+
+
+def _within(d) -> str:
+    """', equal to within X (where)' of a numeric diff that held some phase to a bound."""
+    from disttrace.analysis.diff.sensitivity import worst
+
+    w = worst(d.numeric.sensitivity) if d.numeric is not None else None
+    if w is None:
+        return ""
+    phase, cls, v = w
+    got = "an explicit atol" if v is None else f"{v:.1e}"
+    return f", to within {got} ({phase}{' ' + cls if cls else ''})"
+
+
+def _too_coarse(d, required) -> str | None:
+    """Why an equal diff is coarser than the policy requires (None: it is not, or nothing is required): a
+    phase (or tensor class) held to a larger bound than the policy's figure there (a class's numeric figures
+    count, a class no bound covers does not: docs/gate.md)."""
+    if required is None or d.numeric is None:
+        return None  # bitwise: any bit would have been seen
+    for phase, s in d.numeric.sensitivity.items():
+        classes = s.classes or {}
+        need = required.required(phase)
+        figures = (
+            [(None, s.max, need)]
+            + [(c, v, need) for c, v in classes.items() if not isinstance(v, str)]
+            if need is not None
+            else []
+        )
+        for cls, c_need in required.max_sensitivity_by_class.items():
+            # a tensor class not listed is held to the phase's figure; Adam's second moment is listed
+            # wherever it has records
+            v = classes.get(cls, None if cls == "exp_avg_sq" else s.max)
+            if v is not None and not isinstance(v, str):
+                figures.append((cls, v, c_need))
+        for cls, v, need in figures:
+            if v is None or v > need:
+                what = f"{phase}{' ' + cls if cls else ''}"
+                got = "an explicit atol's bound" if v is None else f"{v:.2e}"
+                return (
+                    f"only to within {got} at {what} (step {s.step}): the policy requires a "
+                    f"sensitivity of {need:g} there"
+                )
+    return None
 
 
 def eval_metric(
@@ -311,7 +364,7 @@ def gate(
         checkpoint_integrity(run),
         collective_sync(run),
         replica_consistency(run),
-        gradient_equivalence(run, ref),
+        gradient_equivalence(run, ref, policy.equivalence),
     ]
     replayed = None
     if replay is not None:

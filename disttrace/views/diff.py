@@ -10,6 +10,7 @@ from __future__ import annotations
 from disttrace.analysis.result import DiffResult, RankEntry
 from disttrace.fmt import fmt_number, ranges, where
 from disttrace.views.diffparts import (
+    SENSITIVITY_COLUMNS,
     CellClass,
     ab_rows,
     bound_text,
@@ -17,8 +18,10 @@ from disttrace.views.diffparts import (
     error_text,
     grid_steps,
     propagation_row,
+    sensitivity_rows,
     spread_text,
     tolerance_text,
+    within_text,
 )
 
 GRID_STEPS = (
@@ -102,6 +105,7 @@ def _rich_first(result: DiffResult, console, partial: str | None) -> None:
         )
     elif f is None:
         console.print(Text(f"EQUAL over steps {cs.first}..{cs.last}", style="bold green"))
+        console.print(Text(within_text(result), style="green"))
     else:
         console.print(Text("FIRST DIVERGENCE  " + where(f), style="bold red"))
         t = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
@@ -139,6 +143,19 @@ def _rich_phases(result: DiffResult, console) -> None:
                 Text(f"{fmt_number(e.max_ratio, '.2g')}" + (f" (step {w.step})" if w else "")),
                 style="red" if (e.max_ratio or 0) > 1 else None,
             )
+        console.print(t)
+    rows = sensitivity_rows(result)
+    if rows:
+        t = Table(
+            title="sensitivity: the smallest relative change flagged, per phase",
+            box=None,
+            header_style="bold",
+            title_justify="left",
+        )
+        for c in SENSITIVITY_COLUMNS:
+            t.add_column(c)
+        for row in rows:
+            t.add_row(*map(Text, row), style="yellow" if row[-1] == "none" else None)
         console.print(t)
 
 
@@ -200,6 +217,10 @@ def render_md(result: DiffResult, partial: str | None = None) -> str:
     lines.append("")
     lines.append(f"Held to: {tolerance_text(result.tolerance)}.")
     lines.append("")
+    if f is None and partial is None:
+        within = within_text(result)
+        lines.append(f"{within[:1].upper()}{within[1:]}.")
+        lines.append("")
     if f is not None:
         lines.append(
             f"**First divergence**: {where(f)}"
@@ -258,4 +279,13 @@ def _md_phases(result: DiffResult) -> list[str]:
             f"| {phase} | {fmt_number(e.max_rel_err, '.2e')} | {bound_text(e.bound, e.bound_kind, '.2e')} | "
             f"{fmt_number(e.max_ratio, '.2g')} |"
         )
+    rows = sensitivity_rows(result)
+    if rows:
+        lines.append("")
+        lines.append("Sensitivity (the smallest relative change each phase would have flagged):")
+        lines.append("")
+        lines.append("| " + " | ".join(SENSITIVITY_COLUMNS) + " |")
+        lines.append("|" + " --- |" * len(SENSITIVITY_COLUMNS))
+        for row in rows:
+            lines.append("| " + " | ".join(row) + " |")
     return lines

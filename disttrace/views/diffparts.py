@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from disttrace.analysis.diff import sensitivity
 from disttrace.analysis.result import (
     BoundKind,
     DiffResult,
@@ -37,6 +38,56 @@ def tolerance_text(tol: Tolerance) -> str:
         "norm": ", relative to each record's norm (no magnitudes recorded)",
     }.get(tol.scale or "", "")
     return f"derived bound {per_step} per step × steps since agreement{scale}"
+
+
+def within_text(d: DiffResult) -> str:
+    """What an equal verdict could not have seen (docs/tolerance.md, "Sensitivity"): "bit for bit" in bitwise
+    mode; in numeric mode the largest bound any phase's records were held to, where, and the classes no
+    sound bound covers."""
+    if d.mode == "bitwise":
+        return "bit for bit: any flipped bit would have been seen"
+    by_phase = d.numeric.sensitivity if d.numeric is not None else {}
+    w = sensitivity.worst(by_phase)
+    if w is None:
+        return "every record bit-equal: no bound was needed"
+    phase, cls, v = w
+    s = by_phase[phase]
+    what = f"{phase}{' ' + cls if cls else ''}, step {s.step}"
+    text = (
+        f"equal to within {fmt_number(v, '.1e')} ({what})"
+        if v is not None
+        else f"equal to within the explicit rtol/atol ({what}: relative to each record's scale)"
+    )
+    blind = sorted(
+        f"{p} {c}"
+        for p, e in by_phase.items()
+        for c, x in (e.classes or {}).items()
+        if x == sensitivity.NONE
+    )
+    if blind:
+        text += f"; no bound, so nothing seen there: {', '.join(blind)}"
+    return text
+
+
+SENSITIVITY_COLUMNS = ("phase", "largest bound", "median", "at step", "bound")
+
+
+def sensitivity_rows(d: DiffResult) -> list[tuple[str, str, str, str, str]]:
+    """The sensitivity table: (phase or phase class, largest bound, median, at step, bound kind) a row."""
+    if d.numeric is None:
+        return []
+    rows = []
+    for phase, s in d.numeric.sensitivity.items():
+        kind = s.bound_kind.label
+        rows.append(
+            (phase, fmt_number(s.max, ".2e"), fmt_number(s.median, ".2e"), str(s.step), kind)
+        )
+        for cls, v in (s.classes or {}).items():
+            if isinstance(v, str):
+                rows.append((f"{phase} {cls}", "none (not seen)", "-", "-", "none"))
+            else:
+                rows.append((f"{phase} {cls}", fmt_number(v, ".2e"), "-", str(s.step), kind))
+    return rows
 
 
 def bound_text(bound: float | None, kind: BoundKind, digits: str = ".3e") -> str:

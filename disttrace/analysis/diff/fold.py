@@ -8,6 +8,7 @@ from typing import Any
 
 from disttrace.analysis.diff.compare import RankStep, _phase_order
 from disttrace.analysis.diff.logical import CROSS_TOPOLOGY_PHASES, Warned
+from disttrace.analysis.diff.sensitivity import Sensitivity
 from disttrace.analysis.diff.tol import _Tol
 from disttrace.analysis.result import (
     ComparedSteps,
@@ -58,8 +59,9 @@ class StepOutcome:
     """One compared step as the fold reads it: each rank's result (in the order the comparison produced
     them), the (step, rank) pairs read, each side's [records parsed, ranges hash-checked], the warnings the
     step raised, the phases both runs record (across topologies), and where the bounds come from (`look`:
-    `.user`, `.kind(step, phase, name)`, `.compare_bound(step, phase)`, `.derived(step, phase)`; the
-    comparison's `_Tol` in the process that compared it, a table of the same answers in a merge)."""
+    `.user`, `.kind(step, phase, name)`, `.compare_bound(step, phase)`, `.class_bounds(step, phase)`,
+    `.derived(step, phase)`; the comparison's `_Tol` in the process that compared it, a table of the same
+    answers in a merge)."""
 
     step: int
     per_rank: dict[int, RankStep]
@@ -83,6 +85,7 @@ class Fold:
         # numeric: per-step errors of steps before the first divergence, as columns
         self.by_step = StepTable()
         self.by_phase: dict[str, PhaseWorst] = {}
+        self.sensitivity = Sensitivity()  # numeric: the bound each phase was held to, step by step
         self.n_units = self.n_exact = 0
         self.read_steps = 0
         self.records = [0, 0]
@@ -118,6 +121,14 @@ class Fold:
             phases = sorted({p for rs in per_rank.values() for p in rs.max_rel}, key=_phase_order)
             entry.bound_by_phase = {p: look.compare_bound(step, p) for p in phases}
             entry.bound_kind_by_phase = {p: look.kind(step, p) for p in phases}
+            for p in phases:
+                self.sensitivity.add(
+                    step,
+                    p,
+                    entry.bound_by_phase[p],
+                    entry.bound_kind_by_phase[p],
+                    look.class_bounds(step, p),
+                )
         if self.first_step is not None:
             self.propagation.append(entry)
             if not diverged_here:
@@ -168,6 +179,12 @@ def fold_result(
         else None,
         numeric=NumericSummary(
             by_phase=dict(sorted(fold.by_phase.items(), key=lambda kv: _phase_order(kv[0]))),
+            sensitivity=dict(
+                sorted(
+                    fold.sensitivity.result(tolerance.sensitivity_classes).items(),
+                    key=lambda kv: _phase_order(kv[0]),
+                )
+            ),
             by_step=fold.by_step,
         )
         if mode == "numeric"

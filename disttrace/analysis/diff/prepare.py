@@ -11,6 +11,7 @@ from typing import Any
 import orjson
 
 from disttrace.analysis import readahead, tolerance
+from disttrace.analysis.diff import sensitivity
 from disttrace.analysis.diff.blocks import (
     BLOCK_ROWS,
     _block,
@@ -364,12 +365,14 @@ def _tolerance_doc(
             derivation=tolerance.explain(ma, mb, tol.observed),
             scale="magnitudes" if tol.mags is not None else "norm",
             found=found,
+            sensitivity_classes=sensitivity.classes(tol) or None,
         )
     return Tolerance(
         BoundKind.DERIVED,
         since_step=since,
         derivation=tolerance.explain(ma, mb, tol.observed),
         scale="magnitudes" if tol.mags is not None else "norm",
+        sensitivity_classes=sensitivity.classes(tol) or None,
     )
 
 

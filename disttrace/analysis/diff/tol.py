@@ -10,6 +10,7 @@ import numpy as np
 import pyarrow as pa
 
 from disttrace.analysis import magnitudes, tolerance
+from disttrace.analysis.diff import sensitivity
 from disttrace.analysis.result import BoundKind
 from disttrace.model.names import tensor_class
 from disttrace.store.records import PHASES
@@ -277,6 +278,11 @@ class _Tol:
             if self.cal is not None and self.cal.bound(step, phase, name) is not None
             else BoundKind.DERIVED
         )
+
+    def class_bounds(self, step: int, phase: str) -> dict[str, float] | None:
+        """Per tensor class, the bound at (step, phase) where the calibration has classes (else None): what
+        the diff's sensitivity reports (analysis/diff/sensitivity.py)."""
+        return sensitivity.class_bounds(self, step, phase)
 
     def compare_bound(self, step: int, phase: str) -> float | None:
         """The relative bound at (step, phase); None where a user's atol makes it depend on the scale."""

@@ -10,14 +10,17 @@ from typing import TYPE_CHECKING, Any
 from disttrace.analysis.result import DiffResult, RankEntry
 from disttrace.fmt import fmt_number, where
 from disttrace.views.diffparts import (
+    SENSITIVITY_COLUMNS,
     CellClass,
     ab_rows,
     cell,
     error_text,
     grid_steps,
     propagation_row,
+    sensitivity_rows,
     spread_text,
     tolerance_text,
+    within_text,
     zoom_ab_rows,
     zoom_error_text,
     zoom_headline,
@@ -78,6 +81,7 @@ def _one_diff(d: DiffResult) -> str:
     f = d.first_divergence
     if f is None:
         out.append(f'<p class="verdict ok">EQUAL over steps {e(cs.first)}..{e(cs.last)}</p>')
+        out.append(f'<p class="muted">{e(within_text(d))}</p>')
     else:
         out.append(f'<p class="verdict bad">First divergence: {e(where(f))}</p>')
         rows = [
@@ -114,6 +118,16 @@ def _one_diff(d: DiffResult) -> str:
                 ("step", "ranks differing", "tensors differing", "max rel err", "phases"), rows
             )
             + more
+            + "</details>"
+        )
+    sens = sensitivity_rows(d)
+    if sens:
+        out.append(
+            "<details><summary>sensitivity: the smallest relative change flagged, per phase</summary>"
+            + _table(
+                SENSITIVITY_COLUMNS,
+                [[e(x) for x in row] for row in sens],
+            )
             + "</details>"
         )
     for w in d.warnings:

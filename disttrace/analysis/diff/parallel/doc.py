@@ -103,6 +103,7 @@ class _Tolerance(_M):
     derivation: dict[_S, Any]
     scale: _S | None
     found: StrictBool | None
+    sensitivity_classes: dict[_S, dict[_S, _Num | _S]] | None = Field(default=None, max_length=64)
 
     @classmethod
     def of(cls, t: Tolerance) -> _Tolerance:

@@ -267,6 +267,8 @@ class _Step(_M):
     ranks: Annotated[list[tuple[_RankNo, _Rank]], Field(max_length=MAX_WORLD)]
     kinds: Annotated[list[tuple[_S, _S | None, _BoundKind]], Field(max_length=1 << 20)]
     bounds: Annotated[list[tuple[_S, _Num | None]], Field(max_length=64)]
+    # per (phase, tensor class), the bound where a calibration has classes (the sensitivity's figures)
+    class_bounds: Annotated[list[tuple[_S, _S, _Num]], Field(max_length=4096)] = []
     events: Annotated[list[tuple[_S, _S]], Field(max_length=1024)]
     both: Annotated[list[_S], Field(max_length=64)]
 
@@ -293,6 +295,11 @@ class _Step(_M):
             ranks=[(int(r), _Rank.of(rs)) for r, rs in o.per_rank.items() if not _trivial(rs)],
             kinds=[(p, n, k) for (p, n), k in kinds.items()],
             bounds=[(p, _float(look.compare_bound(o.step, p))) for p in phases],
+            class_bounds=[
+                (p, c, _float(v))
+                for p in phases
+                for c, v in (look.class_bounds(o.step, p) or {}).items()
+            ],
             events=[(k, t) for k, t in o.events],
             both=sorted(o.both),
         )
@@ -306,6 +313,7 @@ class _Step(_M):
             user,
             {(p, n): BoundKind(k) for p, n, k in self.kinds},
             {p: v for p, v in self.bounds},
+            self.class_bounds,
         )
         io = ((self.io[0], self.io[1]), (self.io[2], self.io[3]))
         per_rank = {r: v.rank_step() for r, v in self.ranks}
@@ -339,6 +347,7 @@ class _Step(_M):
                 "equal": equal,
                 "kinds": [x for e in parts for x in e.kinds],
                 "bounds": [x for e in parts for x in e.bounds],
+                "class_bounds": [x for e in parts for x in e.class_bounds],
                 "events": [x for e in parts for x in e.events],
                 "both": sorted({x for e in parts for x in e.both}),
             }
@@ -352,8 +361,11 @@ def _span_ranks(spans) -> list[int]:
 class _Look:
     """The answers a compared step's `_Tol` gave, as the fold asks for them."""
 
-    def __init__(self, user: bool, kinds: dict, bounds: dict):
+    def __init__(self, user: bool, kinds: dict, bounds: dict, class_bounds=()):
         self.user, self.kinds, self.bounds = user, kinds, bounds
+        self.by_class: dict[str, dict[str, float]] = {}
+        for p, c, v in class_bounds:
+            self.by_class.setdefault(p, {})[c] = v
 
     def kind(self, step: int, phase: str, name: str | None = None) -> BoundKind:
         k = self.kinds.get((phase, name))
@@ -367,6 +379,9 @@ class _Look:
         if phase not in self.bounds:
             raise BadInput("--merge", f"step {step}: no bound for {phase}", field="bounds")
         return self.bounds[phase]
+
+    def class_bounds(self, step: int, phase: str) -> dict[str, float] | None:
+        return self.by_class.get(phase)
 
     def derived(self, step: int, phase: str):
         return None  # only a default the fold never takes: every phase's error carries its bound
