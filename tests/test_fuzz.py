@@ -1811,7 +1811,8 @@ def _shape_edit(draw, doc):
 def shape_edited(draw, rel: str, raw: bytes) -> bytes:
     if rel.endswith(".json") or rel == "COMPLETE":
         return dumps(_shape_edit(draw, json.loads(raw))).encode("utf-8", "surrogatepass")
-    framed = rel.endswith(collframes.SUFFIX)  # the Flight Recorder's trace: its lines edited, framed again
+    # the Flight Recorder's trace: its lines edited, then framed again
+    framed = rel.endswith(collframes.SUFFIX)
     if framed:
         raw = b"".join(collframes.frames(Path(rel), raw))
     lines = raw.split(b"\n")[:-1]
