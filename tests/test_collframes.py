@@ -44,6 +44,8 @@ def test_frames_read_back_as_their_lines_and_a_torn_end_is_left_out(tmp_path):
         torn: list = []
         assert list(collframes.records(p, torn)) == want[: 50 + 51]
         assert len(torn) == 1 and "torn" in torn[0]
+        with pytest.raises(BadInput, match="torn"):  # as iter_jsonl: no one to tell, refused
+            list(collframes.records(p))
         assert collframes.last_frame(p) == parts[1]
 
 

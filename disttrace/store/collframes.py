@@ -45,7 +45,7 @@ def records(
     path: Path | str, torn: list | None = None, root: Path | str | None = None
 ) -> Iterator[dict]:
     """Every JSON line of every frame, as an object, in the order written (a torn last frame reported
-    through `torn`, not raised)."""
+    through `torn`, not raised; without `torn`, refused)."""
     path = Path(path)
     data = safeio.read_bytes(path, path.parent.parent if root is None else root, "jsonl")
     n = 0
@@ -103,8 +103,11 @@ def frames(path: Path, data: bytes, torn: list | None = None) -> Iterator[bytes]
 def _torn(path: Path, data: bytes, at: int, torn: list | None) -> None:
     if data.find(MAGIC, at + 1) >= 0:  # a frame after it: damage, not a torn end
         raise BadInput(path, f"the frame at byte {at} runs past the next one")
-    if torn is not None:
-        torn.append(f"{path}: the frame at byte {at} is torn (incomplete write), ignored")
+    if (
+        torn is None
+    ):  # as a torn last line of a JSON-lines file: refused where no one asked to hear of it
+        raise BadInput(path, f"the frame at byte {at} is torn (incomplete write)")
+    torn.append(f"{path}: the frame at byte {at} is torn (incomplete write), ignored")
 
 
 def _decode(path: Path, at: int, stored: bytes, size: int, crc: int) -> bytes:
