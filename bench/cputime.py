@@ -46,31 +46,46 @@ def _load(src: str, name: str):
     return module
 
 
+# the digest's modules, in import order: a later one imports the earlier ones (a revision has some of them)
+_DIGEST_MODULES = ("fused", "sketchplan", "digest", "seen", "digestmany")
+
+
 def digest_at(rev: str):
-    """disttrace/run/digest.py as it was at git revision `rev`, loaded as a module of its own, with that
-    revision's compiled pass (run/fused.py, where it has one and numba is installed): without it the other
-    revision would be timed on the numpy path, or with this checkout's kernel."""
-    module = _load(_source_at(rev, "disttrace/run/digest.py"), "digest_at_rev")
-    src = _source_at(rev, "disttrace/run/fused.py")
-    if src is None or os.environ.get("DISTTRACE_FUSED") == "0":
-        return module
-    try:
-        fused = _load(src, "fused_at_rev")
-    except ImportError:  # no numba: both revisions on the numpy path
-        return module
+    """The digest of git revision `rev` (disttrace/run/digest.py and the modules it was split into, with its
+    compiled pass run/fused.py where numba is installed), loaded beside this checkout's: its `digest_many`
+    and `_fused`. Each of the revision's modules is loaded with the revision's others in place of this
+    checkout's, so that it imports them (without its kernel the revision would be timed on the numpy path,
+    or with this checkout's kernel)."""
+    import types
+
     import disttrace.run as package
 
-    saved = sys.modules.get("disttrace.run.fused"), getattr(package, "fused", None)
-    sys.modules["disttrace.run.fused"] = package.fused = fused
-    try:  # the revision's digest.py imports its kernel now, whichever way it names it
-        module._fused()
+    names = [n for n in _DIGEST_MODULES if n != "fused" or os.environ.get("DISTTRACE_FUSED") != "0"]
+    saved = {n: (sys.modules.get(f"disttrace.run.{n}"), getattr(package, n, None)) for n in names}
+    loaded: dict = {}
+    try:
+        for n in names:
+            src = _source_at(rev, f"disttrace/run/{n}.py")
+            if src is None:
+                continue
+            try:
+                module = _load(src, f"{n}_at_rev")
+            except ImportError:  # no numba: both revisions on the numpy path
+                continue
+            loaded[n] = sys.modules[f"disttrace.run.{n}"] = module
+            setattr(package, n, module)
+        digest = loaded["digest"]
+        digest._fused()  # the revision's digest imports its kernel now, whichever way it names it
+        many = loaded.get("digestmany", digest)
     finally:
-        if saved[0] is None:
-            sys.modules.pop("disttrace.run.fused", None)
-        else:
-            sys.modules["disttrace.run.fused"] = saved[0]
-        if saved[1] is None:
-            del package.fused
-        else:
-            package.fused = saved[1]
-    return module
+        for n, (module, attr) in saved.items():
+            if module is None:
+                sys.modules.pop(f"disttrace.run.{n}", None)
+            else:
+                sys.modules[f"disttrace.run.{n}"] = module
+            if attr is None:
+                if hasattr(package, n):
+                    delattr(package, n)
+            else:
+                setattr(package, n, attr)
+    return types.SimpleNamespace(digest_many=many.digest_many, _fused=digest._fused)

@@ -76,7 +76,7 @@ def against(rev: str, sets: list[str], repeats: int) -> None:
     """This checkout's digest_many against REV's, on the realistic model's step tensors."""
     import cputime
 
-    from disttrace.run import digest as now
+    from disttrace.run import digestmany as now
 
     then = cputime.digest_at(rev)
     tensors, what = tensors_of_a_step(sets)
@@ -98,7 +98,7 @@ def fused_against_numpy(sets: list[str], repeats: int) -> None:
     on the realistic model's step tensors, in one process, interleaved: the hashes must be the same."""
     import cputime
 
-    from disttrace.run import digest
+    from disttrace.run import digest, digestmany
 
     kernel = digest._fused()
     if kernel is None:
@@ -110,7 +110,7 @@ def fused_against_numpy(sets: list[str], repeats: int) -> None:
     def run(k):
         def go():
             digest._kernel = k
-            return digest.digest_many(items)
+            return digestmany.digest_many(items)
 
         return go
 

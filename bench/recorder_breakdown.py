@@ -85,12 +85,14 @@ def _ops(items):
 
     from disttrace.analysis import tolerance
     from disttrace.run import digest as D
+    from disttrace.run.digestmany import SMALL, digest_many
+    from disttrace.run.sketchplan import plan_for
 
     blocks = []
     for t, _, _ in items:
-        if t.dtype.is_floating_point and t.numel() > D.SMALL and t.dim() > 0:
+        if t.dtype.is_floating_point and t.numel() > SMALL and t.dim() > 0:
             x = t.numpy()
-            plan = D._plan(tuple(x.shape), (0,) * x.ndim, tuple(x.shape))
+            plan = plan_for(tuple(x.shape), (0,) * x.ndim, tuple(x.shape))
             x2 = x.reshape(-1, x.shape[-1])
             for r0 in range(0, x2.shape[0], plan.block_rows):
                 blocks.append((x2[r0 : r0 + plan.block_rows], plan.u32[r0 : r0 + plan.block_rows]))
@@ -115,12 +117,12 @@ def _ops(items):
     def numpy_path():
         kernel, D._kernel = D._kernel, False
         try:
-            D.digest_many(items)
+            digest_many(items)
         finally:
             D._kernel = kernel
 
     return {
-        "whole": lambda: D.digest_many(items),
+        "whole": lambda: digest_many(items),
         "whole, numpy": numpy_path,
         "read (xxh3)": lambda: [xxhash.xxh3_128_hexdigest(a) for a in arrays],
         "blocks hashed": over_blocks(lambda b, u: None),
@@ -180,7 +182,7 @@ def against(rev: str, lists, repeats: int) -> None:
     """digest_many of this checkout against REV's on the same lists, interleaved."""
     import cputime
 
-    from disttrace.run import digest as now
+    from disttrace.run import digestmany as now
 
     base = cputime.digest_at(rev)
     items = [it for _, lst in lists for it in lst]

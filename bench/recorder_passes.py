@@ -123,19 +123,21 @@ def components(sets: list[str], repeats: int = 5) -> dict[str, float]:
     from disttrace.config.freezing import freeze
     from disttrace.model.llama import build_model, lm_loss
     from disttrace.run import digest as D
+    from disttrace.run.digestmany import SMALL
+    from disttrace.run.sketchplan import plan_for
 
     m = freeze(ROOT / "manifests" / "default.toml", sets).manifest
     model = build_model(SimpleNamespace(**m["model"]), torch.float32, m["experiment"]["seed"])
     tokens = torch.randint(0, m["model"]["vocab_size"], (4, m["model"]["max_seq_len"] + 1))
     lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
     tensors = [p.grad for p in model.parameters()] + [p.detach() for p in model.parameters()]
-    tensors = [t for t in tensors if t.numel() > D.SMALL]
+    tensors = [t for t in tensors if t.numel() > SMALL]
     gib = sum(t.numel() * t.element_size() for t in tensors) / 2**30
     blocks = []
     rng = np.random.default_rng(0)
     for t in tensors:
         x = t.numpy()
-        plan = D._plan(x.shape, (0,) * x.ndim, x.shape)
+        plan = plan_for(x.shape, (0,) * x.ndim, x.shape)
         x2 = x.reshape(-1, x.shape[-1])
         for r0 in range(0, x2.shape[0], plan.block_rows):
             blk = x2[r0 : r0 + plan.block_rows]

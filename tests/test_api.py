@@ -52,7 +52,6 @@ def test_instrumented_tutorial_is_diffable(tmp_path):
     )  # another learning rate: another experiment, and diff says which field
     proc = cli("diff", a, c)
     assert proc.returncode == 2 and "optimizer.param_groups.0.lr" in proc.stderr, proc.stderr
-    collectives = Run(a).rank_path("collectives", 0).read_text()
-    assert (
-        "allreduce" in collectives
+    assert any(
+        "allreduce" in (x.op or "") for x in Run(a).collectives(0)
     )  # DDP's own C++ reducer, seen through the dispatch-mode tracer

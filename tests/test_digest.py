@@ -42,6 +42,7 @@ def test_digest_many_agrees_with_digest_tensor_one_by_one():
 
     from disttrace.analysis import tolerance
     from disttrace.run import digest as D
+    from disttrace.run import digestmany as M
 
     g = torch.Generator().manual_seed(7)
     items = [
@@ -60,9 +61,9 @@ def test_digest_many_agrees_with_digest_tensor_one_by_one():
     items += [
         (torch.randn(128, 128, generator=g), None, None) for _ in range(20)
     ]  # 20 x 16,384 > one batch
-    many = D.digest_many(items)
+    many = M.digest_many(items)
     assert (
-        sum(1 for t, _, _ in items if D._batchable(t)) > D._GROUP // D.SMALL
+        sum(1 for t, _, _ in items if M._batchable(t)) > M._GROUP // M.SMALL
     )  # several batches were needed
     for (t, off, lshape), m in zip(items, many):
         one = D.digest_tensor(t, off, lshape)

@@ -10,10 +10,12 @@ import torch
 from conftest import DEFAULT, SHORT, cli, last_line, raw_records, traj_file
 
 from disttrace.run import digest as D
+from disttrace.run import digestmany as M
 from disttrace.run.hooks import Batch, HookBus, grads_of, param_refs
 from disttrace.run.loop import emit_module_outputs
 from disttrace.run.parallel.common import clip_gradients, optimizer_state_list
 from disttrace.run.recorder import Recorder
+from disttrace.run.seen import Seen
 
 
 def _model():
@@ -49,7 +51,7 @@ def test_reused_statistics_are_the_full_digests_and_a_hidden_write_is_seen(tmp_p
     reuse = Recorder(tmp_path / "reuse", 0, reuse=True).attach(bus)
     full = Recorder(tmp_path / "full", 0, reuse=False).attach(bus)
     emb = model.tok_embeddings.weight
-    assert emb.numel() > D.SMALL  # digested on its own: the path Seen remembers
+    assert emb.numel() > M.SMALL  # digested on its own: the path Seen remembers
     hidden = {}
 
     def write_through_data(b, p):
@@ -88,7 +90,7 @@ def test_reused_statistics_are_the_full_digests_and_a_hidden_write_is_seen(tmp_p
     assert hidden == {"version moved": False}
     assert _traj(tmp_path / "reuse") == _traj(tmp_path / "full")
     assert _index(tmp_path / "reuse") == _index(tmp_path / "full")
-    big = [p for _, _, p in named if p.numel() > D.SMALL]
+    big = [p for _, _, p in named if p.numel() > M.SMALL]
     # per step at least: reduce and clip reuse the big gradients, the checkpoint the big parameters and
     # their two Adam moments; every step counter after the first
     assert reuse._seen.hits >= 3 * 6 * len(big), reuse._seen.hits
@@ -105,7 +107,7 @@ def test_reused_statistics_are_the_full_digests_and_a_hidden_write_is_seen(tmp_p
 def test_a_changed_storage_or_changed_bytes_are_digested_afresh():
     """Seen against digest_tensor: the same tensor unchanged is reused; multiplied by 1 (its version moves
     on) only with `recheck`; multiplied by 0.5, or a new tensor where a freed one lived, never."""
-    seen = D.Seen()
+    seen = Seen()
     g = torch.Generator().manual_seed(3)
     t = torch.randn(300, 70, generator=g)
     assert seen.digest(t) == D.digest_tensor(t) and seen.hits == 0

@@ -6,7 +6,6 @@ from __future__ import annotations
 import orjson
 from conftest import cli
 
-from disttrace.store.jsonlines import iter_jsonl
 from disttrace.store.rundir import Run
 
 
@@ -25,7 +24,7 @@ def test_trace_sees_every_ddp_bucket_allreduce(runs):
     assert final["step"] == 2 and n_buckets > 3  # rebuilt once after step 1, then stable
     for rank in (0, 1):
         ops = [
-            r for r in iter_jsonl(run.rank_path("collectives", rank)) if r.get("op") == "allreduce_"
+            r for r in (x.as_read() for x in run.collectives(rank)) if r.get("op") == "allreduce_"
         ]
         for step in (2, 3, 4):  # after DDP's bucket rebuild at the end of step 1
             assert sum(1 for r in ops if r["step"] == step) == n_buckets, (rank, step)

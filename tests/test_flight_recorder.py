@@ -11,7 +11,6 @@ from conftest import last_line
 
 from disttrace.analysis.sync import check_sync
 from disttrace.errors import EXIT_JOB_FAILED
-from disttrace.store.jsonlines import iter_jsonl
 from disttrace.store.rundir import Run
 
 
@@ -28,7 +27,7 @@ def test_small_ring_trace_covers_every_ddp_bucket(small_ring):
     buckets = facts[-1]["ddp_bucket_sizes"]  # the oracle: what DDP's reducer handed its comm hook
     assert facts[-1]["step"] == 2 and len(buckets) > 3
     for rank in (0, 1):
-        lines = list(iter_jsonl(run.rank_path("collectives", rank)))
+        lines = [x.as_read() for x in run.collectives(rank)]
         assert not [x for x in lines if "lost" in x]
         assert len(lines) > RING  # more than the ring holds: only copies made in time keep them all
         assert all(
@@ -55,7 +54,7 @@ def test_mismatched_collective_is_named_from_the_dying_ranks_own_ring(runs):
     run = Run(last_line(proc))
     fired = next(e for e in run.events().records if e["event"] == "fault_fired")
     bad = fired["shape"]  # the oracle: the shape the fault itself says it issued
-    last = {r: list(iter_jsonl(run.rank_path("collectives", r)))[-1] for r in (0, 1)}
+    last = {r: list(run.collectives(r))[-1].as_read() for r in (0, 1)}
     assert last[1]["op"] == "allreduce_" and last[1]["shapes"] == [bad] and last[1]["step"] == 2
     assert (
         last[0]["op"] == "allreduce_"

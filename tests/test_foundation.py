@@ -47,7 +47,7 @@ def test_reference_run_is_complete_and_has_the_evidence(runs):
             assert r0[key] == r1[key], key
     assert len(list((run_dir / "checkpoints").iterdir())) == 2
     for rank in (0, 1):
-        assert list(iter_jsonl(run.rank_path("collectives", rank)))
+        assert list(run.collectives(rank))
         assert list(iter_jsonl(run.rank_path("memory", rank)))
 
 

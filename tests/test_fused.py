@@ -18,6 +18,8 @@ from test_sketch_cost import _data, _scale, oracle
 
 from disttrace.analysis import tolerance
 from disttrace.run import digest as D
+from disttrace.run.digestmany import digest_many
+from disttrace.run.sketchplan import plan_for
 
 pytest.importorskip("numba")
 
@@ -36,7 +38,7 @@ def path(request, monkeypatch):
 
 
 def _uses_kernel(shape) -> bool:
-    plan = D._plan(tuple(shape), (0,) * len(shape), tuple(shape))
+    plan = plan_for(tuple(shape), (0,) * len(shape), tuple(shape))
     return plan.block_rows > 1 and math.prod(shape) > D.FUSED_MIN
 
 
@@ -130,18 +132,18 @@ def _list(seed=5):
 
 def test_one_call_for_a_list_records_what_one_tensor_at_a_time_does(monkeypatch):
     ts = _list()
-    got = D.digest_many([(t, None, None) for t in ts])
+    got = digest_many([(t, None, None) for t in ts])
     assert [d["digest"] for d in got] == [xxhash.xxh3_128_hexdigest(t.numpy()) for t in ts]
     assert got == [D.digest_tensor(t) for t in ts]  # one compiled call per tensor
     from disttrace.run import fused
 
     for chunk in (4 << 10, 64 << 10):  # the hashing's pieces take no part in the arithmetic
         monkeypatch.setattr(fused, "CHUNK_BYTES", chunk)
-        assert D.digest_many([(t, None, None) for t in ts]) == got
+        assert digest_many([(t, None, None) for t in ts]) == got
     monkeypatch.setattr(
         D, "_xxh3", None
     )  # xxhash fed from Python a block at a time, one call a block
-    assert D.digest_many([(t, None, None) for t in ts]) == got
+    assert digest_many([(t, None, None) for t in ts]) == got
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -152,21 +154,21 @@ def test_the_sketch_is_the_previous_kernels_to_float64_rounding(shape):
     rounding tolerance.sketch_rounding allows (a change of the float32 order would show here)."""
     t = _data(shape, "normal", seed=3)
     x = t.numpy()
-    plan = D._plan(tuple(shape), (0,) * len(shape), tuple(shape))
+    plan = plan_for(tuple(shape), (0,) * len(shape), tuple(shape))
     x2 = x.reshape(-1, shape[-1])
     m = np.zeros(plan.cols)
     for r0 in range(0, plan.rows, plan.block_rows):
         _previous_block_sketch(x2, plan.u32, r0, min(r0 + plan.block_rows, plan.rows), m)
-    got = np.array(D.digest_many([(t, None, None)])[0]["sketch"])
+    got = np.array(digest_many([(t, None, None)])[0]["sketch"])
     assert np.all(np.abs(got - plan.wt64 @ m) <= 1e-14 * (np.abs(plan.wt64) @ np.abs(m)))
 
 
 def test_a_non_finite_tensor_in_a_list_leaves_the_others_as_they_were():
     ts = _list(seed=8)
-    ref = D.digest_many([(t, None, None) for t in ts])
+    ref = digest_many([(t, None, None) for t in ts])
     bad = [t.clone() for t in ts]
     bad[1][5, 7] = float("nan")
-    got = D.digest_many([(t, None, None) for t in bad])
+    got = digest_many([(t, None, None) for t in bad])
     assert got[1]["nonfinite"] == 1 and got[1]["sum"] is None and got[1]["sketch"] is None
     assert got[1]["digest"] != ref[1]["digest"]
     assert got[:1] + got[2:] == ref[:1] + ref[2:]

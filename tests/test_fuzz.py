@@ -49,7 +49,7 @@ from disttrace.errors import BadInput
 from disttrace.fmt import visible
 from disttrace.gate import verdict as gate_verdict
 from disttrace.report import build_report
-from disttrace.store import trajectory
+from disttrace.store import collframes, trajectory
 from disttrace.store.follow import Follower
 from disttrace.store.rundir import Run
 from disttrace.store.trajectory import END_OF_STREAM, SCHEMA, SUFFIX, TrajectoryWriter
@@ -1759,7 +1759,7 @@ SHAPE_FILES = [
     "checkpoints/step-000002/INDEX.json",
     "events.jsonl",
     "trajectory/rank-00000.steps.jsonl",
-    "collectives/rank-00000.jsonl",
+    "collectives/rank-00000.frames",
     "memory/rank-00000.jsonl",
     "steps/rank-00000.jsonl",
 ]
@@ -1812,12 +1812,17 @@ def _shape_edit(draw, doc):
 def shape_edited(draw, rel: str, raw: bytes) -> bytes:
     if rel.endswith(".json") or rel == "COMPLETE":
         return dumps(_shape_edit(draw, json.loads(raw))).encode("utf-8", "surrogatepass")
+    # the Flight Recorder's trace: its lines edited, then framed again
+    framed = rel.endswith(collframes.SUFFIX)
+    if framed:
+        raw = b"".join(collframes.frames(Path(rel), raw))
     lines = raw.split(b"\n")[:-1]
     for _ in range(draw(st.integers(1, 2))):
         i = draw(st.integers(0, len(lines) - 1))
         line = json.loads(lines[i].decode("utf-8", "surrogatepass"))
         lines[i] = dumps(_shape_edit(draw, line)).encode("utf-8", "surrogatepass")
-    return b"\n".join(lines) + b"\n"
+    out = b"\n".join(lines) + b"\n"
+    return collframes.encode(out) if framed else out
 
 
 def _summary_and_topology(work: Path) -> None:

@@ -16,7 +16,8 @@ from test_diff_synthetic import PARAMS, digest, find, gen_records, manifest, wri
 
 from disttrace.analysis import tolerance
 from disttrace.analysis.diff import diff_runs
-from disttrace.run.digest import SKETCH_K, axis_vectors, digest_tensor, sketch
+from disttrace.run.digest import digest_tensor, sketch
+from disttrace.run.sketchplan import SKETCH_K, axis_vectors
 
 SHAPES = [
     (64,),

@@ -41,7 +41,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from disttrace.run.digest import _M1, _M2, SKETCH_K, _plan
+from disttrace.run.digest import _M1, _M2
+from disttrace.run.sketchplan import SKETCH_K, plan_for
 
 CHUNK = (
     1 << 22
@@ -191,7 +192,7 @@ class DeviceDigests:
         key = (device, shape, off, lshape)
         if key not in self._vectors:
             if shape:
-                plan = _plan(shape, off, lshape)
+                plan = plan_for(shape, off, lshape)
                 ut, wt = plan.ut64, plan.wt64
             else:  # a scalar: every v_k is 1 (digest._stats)
                 ut = wt = np.ones((SKETCH_K, 1))

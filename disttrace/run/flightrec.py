@@ -2,8 +2,9 @@
 
 Every process group already records each collective it issues in one C++ ring buffer per process (op, group,
 sequence number, sizes, dtypes, issue time; start/end times on NCCL): keeping the trace costs nothing per op.
-We copy the ring into `collectives/rank-N.jsonl`, in the record format the dispatch-mode tracer writes
-(`run/collectives.py`, kept for `record.collectives = "values"`), so the readers do not care which wrote it.
+We copy the ring into `collectives/rank-N.frames`, one compressed frame of JSON lines a copy
+(store/collframes.py), in the record format the dispatch-mode tracer writes as JSON lines (`run/collectives.py`,
+kept for `record.collectives = "values"`), so the readers do not care which wrote it.
 
 When the ring is copied, and why:
 * Not every step: a dump serialises the whole ring (~50 us per entry here, so ~0.1 s for torch's default
@@ -37,6 +38,7 @@ from pathlib import Path
 
 from disttrace.config.manifest import Manifest
 from disttrace.run.hooks import HookBus
+from disttrace.store import collframes
 from disttrace.store.documents import CollectiveLine, RingLost
 from disttrace.store.rundir import rank_file
 
@@ -218,10 +220,10 @@ class FlightRecorderTrace:
 
     def __init__(self, run_dir: Path, rank: int, capacity: int | None = None):
         self.rank = rank
-        self.path = Path(run_dir) / rank_file("collectives", rank)
+        self.path = Path(run_dir) / rank_file("collectives", rank, collframes.SUFFIX)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        # a raw append-only descriptor: a dump from a signal handler writes whole lines with one os.write and
-        # never lands in the middle of a half-flushed buffer
+        # a raw append-only descriptor: a dump from a signal handler writes a whole frame with one os.write
+        # and never lands in the middle of a half-flushed buffer
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self.capacity = capacity_from_env() if capacity is None else capacity
         if (
@@ -313,7 +315,8 @@ class FlightRecorderTrace:
             if recs:
                 import orjson
 
-                os.write(self.fd, b"".join(orjson.dumps(r) + b"\n" for r in recs))
+                lines = b"".join(orjson.dumps(r) + b"\n" for r in recs)
+                os.write(self.fd, collframes.encode(lines))
             self._issued_at_dump = issued
             self.dumps += 1
             return len(recs)

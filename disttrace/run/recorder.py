@@ -25,8 +25,10 @@ from typing import NamedTuple
 import torch
 
 from disttrace.run import devdigest
-from disttrace.run.digest import Seen, digest_many, digest_of_digests
+from disttrace.run.digest import digest_of_digests
+from disttrace.run.digestmany import digest_many
 from disttrace.run.hooks import HookBus
+from disttrace.run.seen import Seen
 from disttrace.store.records import CLIP_GRAD_BASE, PHASE_ORDER, StepIndexEntry
 from disttrace.store.rundir import rank_file
 from disttrace.store.seal import StepChain

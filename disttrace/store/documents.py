@@ -270,9 +270,10 @@ class RunInfo(_Line):
 
 
 class CollectiveLine(_Line):
-    """A line of collectives/rank-N.jsonl: one collective (the Flight Recorder's ring, run/flightrec.py,
-    or the dispatch-mode tracer, run/collectives.py), its end, or the entries the ring lost (`RingLost`).
-    The writers build it, fields in the order written (`line()`: what the writer stated)."""
+    """A line of the collective trace (collectives/rank-N.frames or .jsonl): one collective (the Flight
+    Recorder's ring, run/flightrec.py, or the dispatch-mode tracer, run/collectives.py), its end, or the
+    entries the ring lost (`RingLost`). The writers build it, fields in the order written (`line()`: what
+    the writer stated)."""
 
     seq: StrictInt | None = None
     group: StrictStr | None = None

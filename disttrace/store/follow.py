@@ -20,7 +20,7 @@ from pathlib import Path
 import orjson
 
 from disttrace.errors import BadInput
-from disttrace.store import safeio
+from disttrace.store import collframes, safeio
 from disttrace.store.documents import CollectiveLine
 from disttrace.store.events import (
     CheckpointSaved,
@@ -212,14 +212,18 @@ class Tail:
 
 
 def collective_tail(path: Path, now: float | None = None) -> Tail:
-    """The end of one rank's collective trace (only its last TAIL_BYTES are read): for each group, the
-    last collective issued, and `last`, the last one issued on any group. Lines that are not collectives
-    (an end, a torn or edited line) are passed over: progress is best effort."""
+    """The end of one rank's collective trace (only its last TAIL_BYTES are read, or the last frame of the
+    Flight Recorder's: its last copy of the ring): for each group, the last collective issued, and `last`,
+    the last one issued on any group. Lines that are not collectives (an end, a torn or edited line) are
+    passed over: progress is best effort."""
     try:
-        with safeio.open_file(path, Path(path).parent.parent) as f:
-            size = f.seek(0, os.SEEK_END)
-            f.seek(max(0, size - TAIL_BYTES))
-            data = f.read()
+        if Path(path).name.endswith(collframes.SUFFIX):
+            data, size = collframes.last_frame(path), 0
+        else:
+            with safeio.open_file(path, Path(path).parent.parent) as f:
+                size = f.seek(0, os.SEEK_END)
+                f.seek(max(0, size - TAIL_BYTES))
+                data = f.read()
     except (OSError, BadInput):
         return Tail()
     lines = data.split(b"\n")
@@ -438,7 +442,7 @@ class Follower:
 
     def _stall(self, now: float, threshold: float) -> Stall:
         wall = time.time()
-        tails = {r: collective_tail(self.run.rank_path("collectives", r)) for r in self.last}
+        tails = {r: collective_tail(self.run.collectives_path(r)) for r in self.last}
         behind = behind_ranks(self.last, tails)
         states = []
         for r in sorted(self.last):

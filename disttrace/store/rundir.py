@@ -8,7 +8,7 @@ Layout (one run = one directory, docs/design.md, "The run store"):
       env.json  topology.json
       trajectory/rank-00000.arrows       Arrow IPC stream, one record batch per step (store/trajectory.py)
       trajectory/rank-00000.steps.jsonl  per step: byte offset, length, record count, digest of digests
-      collectives/rank-00000.jsonl  memory/rank-00000.jsonl
+      collectives/rank-00000.frames  memory/rank-00000.jsonl
       steps/rank-00000.jsonl  per step: wall time (kept also when record.enabled = false)
       events.jsonl           fault fired, checkpoint saved, crash, resume
       checkpoints/step-000004/  DCP files + INDEX.json
@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from disttrace.errors import BadInput
-from disttrace.store import safeio
+from disttrace.store import collframes, safeio
 from disttrace.store.documents import (
     CollectiveLine,
     MemoryLine,
@@ -276,6 +276,8 @@ class Run:
                 m = re.fullmatch(
                     r"rank-(\d{5})\.(?:jsonl|arrows)"
                     if kind == "trajectory"
+                    else r"rank-(\d{5})\.(?:jsonl|frames)"
+                    if kind == "collectives"
                     else r"rank-(\d{5})\.jsonl",
                     p.name,
                 )
@@ -291,6 +293,11 @@ class Run:
 
     def rank_path(self, kind: str, rank: int, suffix: str = ".jsonl") -> Path:
         return self.path / rank_file(kind, rank, suffix)
+
+    def collectives_path(self, rank: int) -> Path:
+        """The rank's collective trace: its frames where it has them, else its JSON lines."""
+        p = self.rank_path("collectives", rank, collframes.SUFFIX)
+        return p if safeio.present(p) else self.rank_path("collectives", rank)
 
     def event_lines(self) -> list[EventLine]:
         """events.jsonl, each line validated by its kind's model, the one its writer built it with."""
@@ -378,9 +385,16 @@ class Run:
         return read
 
     def collectives(self, rank: int, torn: list | None = None) -> Iterator[CollectiveLine]:
-        """`collectives/rank-N.jsonl`, each line validated (CollectiveLine)."""
-        p = self.rank_path("collectives", rank)
-        for n, rec in enumerate(iter_jsonl(p, torn, self.path), 1):
+        """The rank's collective trace, each line validated (CollectiveLine): the Flight Recorder's frames
+        (`collectives/rank-N.frames`, store/collframes.py), or the JSON lines of the dispatch-mode tracer
+        and of a store written before the frames (`rank-N.jsonl`)."""
+        p = self.collectives_path(rank)
+        lines = (
+            collframes.records(p, torn, self.path)
+            if p.name.endswith(collframes.SUFFIX)
+            else iter_jsonl(p, torn, self.path)
+        )
+        for n, rec in enumerate(lines, 1):
             yield CollectiveLine.parse_line(rec, p, n)
 
     def memory(self, rank: int, torn: list | None = None) -> Iterator[MemoryLine]:
