@@ -202,7 +202,7 @@ def _fold_columns(
         user=(tol.rtol, tol.atol) if tol.user else None,
         base_bound=base_bound,
         magnitudes=(lambda rows: tol.row_magnitudes(row_step, ca.batch, cb.batch, rows))
-        if tol.mags is not None
+        if tol.scaled
         else None,
         projections=tol.projections,
         bound_table=None if tol.cal is not None and tol.cal.by_class is not None else bound_table,

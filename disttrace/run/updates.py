@@ -1,0 +1,92 @@
+"""Each parameter's update at the optimizer step, as one number: the largest element of
+``|p_after - p_before + lr wd p_before|`` (the decoupled weight decay's part added back where the optimizer
+decays decoupled, AdamW's; otherwise ``|p_after - p_before|``). The recorder writes it as the record
+``NAME:update`` (phase ``optimizer``, a float64 scalar) beside the parameter, so diff can hold an Adam step to
+its bound (analysis/updates.py, docs/tolerance.md) where the parameter itself has none.
+
+The value before the step is a copy taken at ``before_optimizer`` (after any fault there: what the optimizer
+stepped from); the one after is what the ``optimizer`` point hands the recorder (after any fault there:
+``bitflip-param`` shows here). A parameter sharded over ranks (a DTensor that is not replicated, a piece an
+integration placed) has no update record: the largest element of the logical tensor is the largest of its
+shards', which diff does not combine (its shards' sums and norms add), so such a parameter keeps the old
+behaviour. Nor has a tensor the ``optimizer`` point hands over that is not the one copied before the step
+(the parameter server's workers receive copies of the server's parameters)."""
+
+from __future__ import annotations
+
+import torch
+
+from disttrace.run.hooks import TensorRef
+
+SUFFIX = ":update"
+SLOT = 3  # the record's index: after its parameter's optimizer state (at most 3 tensors: amsgrad's)
+
+
+def _whole(t) -> bool:
+    """A tensor this rank holds all of (a replicated DTensor counts)."""
+    if getattr(t, "_disttrace_shard", None):
+        return False
+    placements = getattr(t, "placements", None)
+    return placements is None or all(p.is_replicate() for p in placements)
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class Updates:
+    """Copies before the step, the update records after it."""
+
+    def __init__(self):
+        self._before: dict[int, tuple[object, torch.Tensor]] = {}
+
+    def before(self, params: list) -> None:
+        self._before = {}
+        with torch.no_grad():
+            for index, _, p in params:
+                if torch.is_tensor(p) and p.is_floating_point() and _whole(p):
+                    self._before[index] = (p, _local(p).detach().clone())
+
+    def after(self, params: list, optimizer) -> list[TensorRef]:
+        """(index, "NAME:update", the largest |update| as a float64 scalar) for each parameter copied
+        before the step; `index` is its slot among the optimizer state records (base added by the caller)."""
+        before, self._before = self._before, {}
+        if not before:
+            return []
+        decay = _decoupled_decay(optimizer)
+        out = []
+        with torch.no_grad():
+            for index, name, p in params:
+                got = before.get(index)
+                if got is None or got[0] is not p:
+                    continue
+                old, new = got[1], _local(p).detach()
+                if new.shape != old.shape or new.dtype != old.dtype:
+                    continue
+                d = new - old
+                k = decay.get(id(p), 0.0)
+                if k:
+                    d.add_(old, alpha=k)  # AdamW: p <- p (1 - lr wd) - lr r; what is left is lr r
+                top = d.abs().amax() if d.numel() else torch.zeros((), dtype=d.dtype)
+                out.append(TensorRef(index * 4 + SLOT, name + SUFFIX, top.to(torch.float64)))
+        return out
+
+
+def _decoupled_decay(optimizer) -> dict[int, float]:
+    """id(parameter) -> lr * weight_decay of its group, where the group decays decoupled (torch's AdamW, and
+    Adam with ``decoupled_weight_decay``); Adam's and SGD's own weight decay goes through the gradient."""
+    if optimizer is None:
+        return {}
+    # ZeroRedundancyOptimizer: its groups hold every parameter, the optimizer it wraps (`optim`) its shard's
+    local = getattr(optimizer, "optim", optimizer)
+    decoupled_class = isinstance(local, torch.optim.AdamW)
+    out = {}
+    for g in getattr(optimizer, "param_groups", ()):
+        if not (g.get("decoupled_weight_decay") or decoupled_class):
+            continue
+        lr, wd = g.get("lr", 0.0), g.get("weight_decay", 0.0)
+        lr = float(lr) if torch.is_tensor(lr) else lr
+        if isinstance(lr, (int, float)) and isinstance(wd, (int, float)) and lr * wd:
+            for p in g.get("params", ()):
+                out[id(p)] = float(lr * wd)
+    return out
