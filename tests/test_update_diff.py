@@ -66,3 +66,18 @@ def test_a_parameter_moved_at_the_step_is_named_there(runs):
     # err / bound is the fault's size over the Adam step's (the honest run's record is below the bound)
     ratio = first["rel_err"] / first["bound"]
     assert moved / limit - 1 <= ratio * (1 + 1e-6) and ratio <= moved / limit + 1
+
+
+def test_a_run_without_some_update_records_compares_as_before(runs):
+    """Tensor parallel places its parameters as pieces of logical tensors (its replicated norms too): their
+    update records are not made (run/updates.py); the records one run lacks are not compared, and the
+    honest pair stays equal, as a store written before update records does."""
+    reference = runs.get("run", DEFAULT, *MODEL, *DP1)
+    tp = runs.get("run", DEFAULT, *MODEL, "--set", "parallelism.tp=2")
+    updated = lambda run: {  # noqa: E731
+        r["tensor"] for r in Run(run).records(0) if r["tensor"].endswith(":update")
+    }
+    lacking = updated(reference) - updated(tp)
+    assert lacking == updated(reference) and lacking
+    code, doc = _diff(runs, reference, tp)
+    assert code == 0 and doc["first_divergence"] is None, doc.get("first_divergence")

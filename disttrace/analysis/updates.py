@@ -24,8 +24,8 @@ optimizer whose step counter restarted needs its own t.
 
 Each run's record is the largest element of that update over the tensor, so it lies in ``[0, lr C]`` and
 two runs' records differ by at most ``max(lr_a C_a, lr_b C_b)``: the allowance a ``NAME:update`` record is
-held to. The step's own float32 arithmetic (the decay's product rounded, about ``u |p|`` an element) is
-covered by ``SLACK`` while ``|p| < 2^14 lr C``. Where no such bound is sound (SGD, whose update is the
+held to. The step's own rounding (the final subtraction's, at most ``u |p|`` an element; the decay's
+product is rounded by the recorder as torch rounds it) is covered by ``SLACK`` while ``|p| < 2^14 lr C``. Where no such bound is sound (SGD, whose update is the
 gradient's and cancels with it; beta1^2 >= beta2; an attached run, whose lock states its first group's
 learning rate at attach time, before any schedule moves it) the record is reported and never judged.
 

@@ -1,8 +1,11 @@
 """Each parameter's update at the optimizer step, as one number: the largest element of
-``|p_after - p_before + lr wd p_before|`` (the decoupled weight decay's part added back where the optimizer
-decays decoupled, AdamW's; otherwise ``|p_after - p_before|``). The recorder writes it as the record
-``NAME:update`` (phase ``optimizer``, a float64 scalar) beside the parameter, so diff can hold an Adam step to
-its bound (analysis/updates.py, docs/tolerance.md) where the parameter itself has none.
+``|p_after - (1 - lr wd) p_before|`` where the optimizer decays decoupled (AdamW: the decay's product
+rounded as torch rounds it, so what is left is the Adam step ``lr r`` and the final subtraction's
+rounding), otherwise of ``|p_after - p_before|``. Its cost is a copy of each parameter before the step
+and two passes over that copy after it (the difference in place, its largest magnitude). The recorder
+writes it as the record ``NAME:update`` (phase ``optimizer``, a float64 scalar) beside the parameter, so
+diff can hold an Adam step to its bound (analysis/updates.py, docs/tolerance.md) where the parameter
+itself has none.
 
 The value before the step is a copy taken at ``before_optimizer`` (after any fault there: what the optimizer
 stepped from); the one after is what the ``optimizer`` point hands the recorder (after any fault there:
@@ -63,11 +66,12 @@ class Updates:
                 old, new = got[1], _local(p).detach()
                 if new.shape != old.shape or new.dtype != old.dtype:
                     continue
-                d = new - old
                 k = decay.get(id(p), 0.0)
-                if k:
-                    d.add_(old, alpha=k)  # AdamW: p <- p (1 - lr wd) - lr r; what is left is lr r
-                top = d.abs().amax() if d.numel() else torch.zeros((), dtype=d.dtype)
+                if k:  # AdamW: p <- p (1 - lr wd), rounded as torch rounds it, then minus lr r
+                    old.mul_(1 - k)
+                # in the copy's own memory (no allocation); the largest |element| in one pass
+                d = old.sub_(new)
+                top = torch.linalg.vector_norm(d, float("inf")) if d.numel() else d.new_zeros(())
                 out.append(TensorRef(index * 4 + SLOT, name + SUFFIX, top.to(torch.float64)))
         return out
 
