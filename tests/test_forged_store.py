@@ -154,7 +154,8 @@ def test_a_trajectory_cut_to_its_first_step_fails_the_gate(ref, tmp_path):
 
 def claimed(ref: Path, root: Path, **training) -> Path:
     """The reference's own store whose lock states another layout (micro-batch 8 x 1 instead of 4 x 2: the
-    same global batch, so diff compares numerically) and the given training fields, resealed."""
+    same global batch) and the given training fields, resealed. Its records show the reference's layout, so
+    diff compares the two bit for bit unless asked for the numeric mode (analysis/diff/layout.py)."""
 
     def edit(lock):
         lock["manifest"]["training"].update(micro_batch_size=8, grad_accum_steps=1, **training)
@@ -170,7 +171,7 @@ def test_a_candidate_claiming_bfloat16_cannot_loosen_its_bound(ref, tmp_path):
     from disttrace.store.rundir import Run
 
     loose = claimed(ref, tmp_path / "bf16", compute_dtype="bfloat16")
-    diff = orjson.loads(cli("diff", ref, loose, "--json").stdout)
+    diff = orjson.loads(cli("diff", ref, loose, "--json", "--mode", "numeric").stdout)
     # diff does not take its word: its records are float32, and the claim is named
     assert diff["mode"] == "numeric" and diff["tolerance"]["u"] == 2.0**-24
     (said,) = [w for w in diff["warnings"] if "contradict" in w]
@@ -182,7 +183,8 @@ def test_a_candidate_claiming_bfloat16_cannot_loosen_its_bound(ref, tmp_path):
     # the control: the same layout claim without a coarser precision is judged, and equal
     honest = claimed(ref, tmp_path / "fp32", compute_dtype="float32")
     c = gradient_equivalence(Run(honest), Run(ref))
-    assert c.passed is True and c.reason.startswith("numeric equal over steps 1..4"), c
+    # its records show the reference's layout: held to it bit for bit, and equal (they are its bytes)
+    assert c.passed is True and c.reason.startswith("bitwise equal over steps 1..4"), c
 
 
 @pytest.mark.slow
@@ -332,7 +334,7 @@ def test_a_claim_does_not_widen_diffs_bound(runs, ref, tmp_path):
         return copy
 
     liar = forge(fast, tmp_path / "liar")
-    proc = cli("diff", ref, liar, "--json")
+    proc = cli("diff", ref, liar, "--json", "--mode", "numeric")
     doc = orjson.loads(proc.stdout)
     assert proc.returncode == 1 and doc["equal"] is False, doc["first_divergence"]
     assert doc["tolerance"]["u"] == 2.0**-24 and doc["tolerance"]["T"] == 16 * 64
@@ -340,7 +342,35 @@ def test_a_claim_does_not_widen_diffs_bound(runs, ref, tmp_path):
     assert "training.compute_dtype = 'bfloat16'" in said and "float32 at most" in said, said
     assert "micro-batch 8 x accumulation 1" in said and "2 micro-batch(es) of 4" in said, said
     honest = forge(ref, tmp_path / "honest")
-    proc = cli("diff", ref, honest, "--json")
+    proc = cli("diff", ref, honest, "--json", "--mode", "numeric")
     doc = orjson.loads(proc.stdout)
     assert proc.returncode == 0 and doc["equal"] is True, doc["first_divergence"]
     assert any("contradict" in w for w in doc["warnings"])
+
+
+def test_a_claimed_layout_does_not_choose_the_numeric_mode(runs, ref, tmp_path):
+    """A run with one low mantissa bit of a gradient flipped (bit 10: below the numeric bound's noise floor,
+    docs/tolerance.md section 5) whose lock claims another layout (ZeRO-1; the records are DDP's, the
+    reference's layout): believed, diff compared numerically and called the pair EQUAL. The records show
+    one layout, so diff compares bit for bit, says why, and names the flip at its coordinates (the oracle:
+    the fault's own step, rank and phase). Control: a pair whose records show two layouts (the reference
+    and a real ZeRO-1 run) is still compared numerically, and equal."""
+    flipped = runs.fault("bitflip-grad", 3, 1, "--param", "bit=10")
+    run = copy_run(flipped, tmp_path / "claim")
+    edit_lock(run, lambda lock: lock["manifest"]["parallelism"].update(zero_stage=1))
+    reseal(run)
+    assert_intact(run)
+    proc = cli("diff", ref, run, "--json")
+    doc = orjson.loads(proc.stdout)
+    assert proc.returncode == 1 and doc["mode"] == "bitwise"
+    f = doc["first_divergence"]
+    assert (f["step"], f["rank"], f["phase"]) == (3, 1, "backward"), f
+    (said,) = [w for w in doc["warnings"] if "records show the same one" in w]
+    assert "parallelism.zero_stage 0 vs 1" in said and "--mode numeric" in said, said
+    numeric = orjson.loads(cli("diff", ref, run, "--json", "--mode", "numeric").stdout)
+    assert numeric["equal"] is True  # what the claim bought: the flip is below the numeric bound
+    zero1 = runs.reference("--set", "parallelism.zero_stage=1")
+    proc = cli("diff", ref, zero1, "--json")
+    doc = orjson.loads(proc.stdout)
+    assert proc.returncode == 0 and doc["mode"] == "numeric", doc["first_divergence"]
+    assert not [w for w in doc["warnings"] if "records show the same one" in w]

@@ -85,8 +85,9 @@ keep the norm-relative bound, and diff says so (``tolerance.scale: "norm"``).
 Where no sound bound exists: a parameter under Adam moves by ``lr * m / (sqrt(v) + eps)``, a ratio of two
 quantities that may both cancel; when they do, two equivalent runs' updates differ by up to the learning
 rate itself, whatever the magnitudes. Diff gives those records ``bound_kind: "none"`` (their error is
-reported, never called a divergence) and relies for parameters on what is sound: replicas of one run must
-be bit-identical, and a parameter that differs changes the next step's gradients, which are bounded. Under
+reported, never called a divergence) and relies for parameters on what is sound: the step's update is
+bounded (its record ``NAME:update``, analysis/updates.py), replicas of one run must be bit-identical, and
+a parameter that differs changes the next step's gradients, which are bounded. Under
 SGD ``dp = -lr g`` and ``M_p`` is the sum of ``lr M_g``.
 
 Compounding

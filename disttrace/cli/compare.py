@@ -25,7 +25,8 @@ _RUNS = typer.Argument(
 _MODE = typer.Option(
     None,
     "--mode",
-    help="bitwise | numeric (default: bitwise when the topologies are equal, numeric otherwise)",
+    help="bitwise | numeric (default: bitwise when the topologies are equal, or the records show one, "
+    "numeric otherwise)",
 )
 _RTOL = typer.Option(None, "--rtol", help="numeric: override the derived bound (relative)")
 _ATOL = typer.Option(None, "--atol", help="numeric: absolute part of an explicit bound")

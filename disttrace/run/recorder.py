@@ -29,6 +29,7 @@ from disttrace.run.digest import digest_of_digests
 from disttrace.run.digestmany import digest_many
 from disttrace.run.hooks import HookBus
 from disttrace.run.seen import Seen
+from disttrace.run.updates import Updates
 from disttrace.store.records import CLIP_GRAD_BASE, PHASE_ORDER, StepIndexEntry
 from disttrace.store.rundir import rank_file
 from disttrace.store.seal import StepChain
@@ -139,6 +140,7 @@ class Recorder:
         if reuse is None:
             reuse = os.environ.get("DISTTRACE_DIGEST_REUSE") != "0"
         self._seen = Seen() if reuse else None
+        self._updates = Updates()  # each parameter's largest |update| (run/updates.py)
 
     def attach(self, bus: HookBus) -> Recorder:
         bus.on(
@@ -152,6 +154,7 @@ class Recorder:
         bus.on("backward", self._grads("backward"), self.ORDER)
         bus.on("reduce", self._grads("reduce"), self.ORDER)
         bus.on("clip", self._clip, self.ORDER)
+        bus.on("before_optimizer", self._before_optimizer, self.ORDER)
         bus.on("optimizer", self._optimizer, self.ORDER)
         bus.on("before_checkpoint", self._saved_state, self.ORDER)
         bus.on("checkpoint", self._saved_files, self.ORDER)
@@ -270,9 +273,15 @@ class Recorder:
         self.add_all(bus, "clip", p.grads, base=CLIP_GRAD_BASE, recheck=unchanged)
         self.add_all(bus, "clip", p.scalars)
 
+    def _before_optimizer(self, bus, p):
+        if self._on:
+            self._updates.before(p.params)
+
     def _optimizer(self, bus, p):
         self.add_all(bus, "optimizer", p.params)
-        self.add_all(bus, "optimizer", p.state, base=len(p.params))
+        # the updates after the state, each in its parameter's last state slot (run/updates.py)
+        state = [*p.state, *self._updates.after(p.params, p.optimizer)]
+        self.add_all(bus, "optimizer", state, base=len(p.params))
 
     # the `checkpoint` phase: what was saved, so diff sees a checkpoint that differs from the reference's
     def _saved_state(self, bus, p):

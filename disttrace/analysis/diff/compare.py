@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from disttrace.analysis import block_summary, columnar
+from disttrace.analysis import block_summary, columnar, updates
 from disttrace.analysis.diff.tol import _same_bits, _Tol
 from disttrace.analysis.result import RankEntry, RecordStats, Unit
 from disttrace.store import trajectory
@@ -49,6 +49,8 @@ class RankStep:
         self.first: tuple[tuple, Unit] | None = None  # (key, unit)
 
     def add(self, key: tuple, unit: Unit) -> None:
+        if unit.missing_in and not unit.diverged:
+            return  # a record one run need not make (`_unit`): nothing to compare
         self.inexact += 1
         rel, bnd, phase = unit.rel_err, unit.bound, unit.phase
         if rel is not None:
@@ -88,7 +90,10 @@ def _unit(step, rec_a, rec_b, rank, tol: _Tol, logical: bool = False) -> Unit:
     ref = rec_b if rec_b is not None else rec_a
     phase = ref["phase"]
     if rec_a is None or rec_b is None:
-        rel, bnd, diverged, note = None, tol.derived(step, phase), True, None
+        # an update record is the recorder's statistic, not training state: a store written before them, or
+        # a sharded parameter (run/updates.py), has none, and the other run's is then not compared
+        lone = updates.is_update(ref.get("tensor")) and phase == "optimizer"
+        rel, bnd, diverged, note = None, tol.derived(step, phase), not lone, None
     else:
         rel, bnd, diverged, note = tol.compare(step, phase, rec_a, rec_b)
     return Unit(
@@ -202,7 +207,7 @@ def _fold_columns(
         user=(tol.rtol, tol.atol) if tol.user else None,
         base_bound=base_bound,
         magnitudes=(lambda rows: tol.row_magnitudes(row_step, ca, cb, rows))
-        if tol.mags is not None
+        if tol.scaled
         else None,
         projections=tol.projections,
         bound_table=None if tol.cal is not None and tol.cal.by_class is not None else bound_table,

@@ -8,8 +8,9 @@ import math
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from disttrace.analysis import magnitudes, tolerance
+from disttrace.analysis import magnitudes, tolerance, updates
 from disttrace.analysis.diff import sensitivity
 from disttrace.analysis.result import BoundKind
 from disttrace.model.names import tensor_class
@@ -127,6 +128,10 @@ class _Tol:
             and all(m.available for m in magnitudes)
             else None
         )
+        # an update record's own bound (analysis/updates.py), whether or not the runs recorded magnitudes:
+        # `judged` says its records are held to one, `allowed` what it is (None: reported, never judged)
+        self.judged = mode == "numeric" and not self.user
+        self.allowed = updates.allowance(ma, mb) if self.judged else None
         if self.cal is not None and self.cal.scale == "magnitudes" and self.mags is None:
             # its noise was measured against the magnitudes: it says nothing of an error on a norm's scale
             self.ignored_calibration = self.cal
@@ -136,7 +141,11 @@ class _Tol:
 
     def magnitude(self, step: int, ra: dict | None, rb: dict | None) -> tuple[float, bool]:
         """(the larger side's magnitude, 0 if none; False where no sound bound exists) for a pair of records
-        or logical values (analysis/magnitudes.py)."""
+        or logical values (analysis/magnitudes.py; an update record's from analysis/updates.py)."""
+        ref = ra if ra is not None else (rb or {})
+        name = ref.get("logical") or ref.get("tensor")
+        if self.judged and ref.get("phase") == "optimizer" and updates.is_update(name):
+            return self._update_scale(step, name)
         if self.mags is None:
             return 0.0, True
         out, bounded = 0.0, True
@@ -162,10 +171,13 @@ class _Tol:
         whole columns (analysis/magnitudes.py's `lookup`)."""
         n = len(rows)
         extra, unbounded = np.zeros(n), np.zeros(n, dtype=bool)
-        if self.mags is None or not n:
+        if not self.scaled or not n:
             return extra, unbounded
         rows = np.asarray(rows, dtype=np.int64)
         steps = np.asarray(step_of_row[rows], dtype=np.int64)
+        if self.mags is None:  # update records only
+            self._update_rows(steps, cols_b, rows, extra, unbounded)
+            return extra, unbounded
         for mag, cols in zip(self.mags, (cols_a, cols_b)):
             order = cols["phase_order"][rows]
             index, rank, mb = (
@@ -184,7 +196,35 @@ class _Tol:
                 )
                 unbounded[sel] |= ~ok
                 extra[sel] = np.fmax(extra[sel], v)
+        self._update_rows(steps, cols_b, rows, extra, unbounded)
         return extra, unbounded
+
+    @property
+    def scaled(self) -> bool:
+        """Whether a row's scale may be more than its norms: magnitudes, or update records' own bound."""
+        return self.mags is not None or self.judged
+
+    def _update_scale(self, step: int, name: str) -> tuple[float, bool]:
+        """(scale, bounded) of an update record: the scale at which the phase's bound allows the update's."""
+        if self.allowed is None:
+            return 0.0, False
+        return updates.scale(self.allowed, self.derived(step, "optimizer", name)), True
+
+    def _update_rows(self, steps, cols, rows, extra, unbounded) -> None:
+        """The update records among the rows: their scale replaces what the magnitudes said."""
+        if not self.judged:
+            return
+        at = np.flatnonzero(cols["phase_order"][rows] == PHASES.index("optimizer"))
+        if not len(at):
+            return
+        names = cols.column("tensor").take(pa.array(rows[at], pa.int64()))
+        hit = np.asarray(
+            pc.ends_with(names, updates.SUFFIX).fill_null(False).to_numpy(zero_copy_only=False),
+            dtype=bool,
+        )
+        for i, name in zip(at[hit].tolist(), names.filter(pa.array(hit)).to_pylist()):
+            extra[i], ok = self._update_scale(int(steps[i]), name)
+            unbounded[i] = not ok
 
     def _class(self, name: str | None) -> str | None:
         """The calibration's key for a tensor: its class where the calibration has classes, else None."""
@@ -263,6 +303,13 @@ class _Tol:
     def kind(self, step: int, phase: str, name: str | None = None) -> BoundKind:
         """Where the bound at (step, phase) comes from: bitwise, user, calibrated, derived or none (no
         sound bound: a parameter under Adam, analysis/magnitudes.py)."""
+        if (
+            self.judged
+            and phase == "optimizer"
+            and updates.is_update(name)
+            and self.allowed is None
+        ):
+            return BoundKind.NONE
         if (
             self.mags is not None
             and phase == "optimizer"
