@@ -81,3 +81,22 @@ def test_a_run_without_some_update_records_compares_as_before(runs):
     assert lacking == updated(reference) and lacking
     code, doc = _diff(runs, reference, tp)
     assert code == 0 and doc["first_divergence"] is None, doc.get("first_divergence")
+
+
+def test_record_updates_false_frees_the_copy_and_leaves_the_records_out(runs):
+    """`record.updates = false` (memory-tight runs): no update records, and the pair against a run that has
+    them diffs as a store written before them does; the fault then goes back to being found late."""
+    reference = runs.get("run", DEFAULT, *MODEL, *DP1)
+    off = runs.get("run", DEFAULT, *MODEL, *DP2, "--set", "record.updates=false")
+    assert not [r for r in Run(off).records(0) if r["tensor"].endswith(":update")]
+    code, doc = _diff(runs, reference, off)
+    assert code == 0 and doc["first_divergence"] is None, doc.get("first_divergence")
+
+
+def test_record_updates_at_its_default_keeps_the_manifest_id():
+    """The manifest id hashes the dump: a default left out of it keeps every stored run's id."""
+    ids = [
+        json.loads(cli("freeze", DEFAULT, *extra, "--json").stdout)["manifest_id"]
+        for extra in ([], ["--set", "record.updates=true"], ["--set", "record.updates=false"])
+    ]
+    assert ids[0] == ids[1] != ids[2]

@@ -298,6 +298,11 @@ class Record(Section):
     forward: bool = Field(
         default=True, description="record each block's output at the forward point"
     )
+    updates: bool = Field(
+        default=True,
+        description="record each parameter's largest update at the optimizer step (diff bounds Adam's "
+        "step); costs one copy of the parameters this rank holds whole, kept between steps: false frees it",
+    )
     depth: DepthSpec | None = Field(
         default=None,
         description="record one step at depth (every module's output and output gradient, or every op's "
@@ -305,12 +310,14 @@ class Record(Section):
     )
 
     @model_serializer(mode="wrap")
-    def _leave_out_unset_depth(self, handler: SerializerFunctionWrapHandler) -> dict:
-        # The manifest id is the sha256 of this dump: a manifest without depth recording must keep the id it
-        # had before the field existed, or every stored run would stop matching its own manifest.
+    def _leave_out_defaults_added_later(self, handler: SerializerFunctionWrapHandler) -> dict:
+        # The manifest id is the sha256 of this dump: a manifest that leaves these at their defaults must keep
+        # the id it had before the fields existed, or every stored run would stop matching its own manifest.
         doc = handler(self)
         if doc.get("depth") is None:
             doc.pop("depth", None)
+        if doc.get("updates") is True:
+            doc.pop("updates", None)
         return doc
 
 

@@ -116,6 +116,7 @@ class Recorder:
         every: int = 1,
         forward: bool = True,
         reuse: bool | None = None,
+        updates: bool = True,
     ):
         self.rank = rank
         self.every = (
@@ -140,7 +141,8 @@ class Recorder:
         if reuse is None:
             reuse = os.environ.get("DISTTRACE_DIGEST_REUSE") != "0"
         self._seen = Seen() if reuse else None
-        self._updates = Updates()  # each parameter's largest |update| (run/updates.py)
+        # record.updates: each parameter's largest |update| (run/updates.py); a copy of the parameters
+        self._updates = Updates() if updates else None
 
     def attach(self, bus: HookBus) -> Recorder:
         bus.on(
@@ -274,13 +276,14 @@ class Recorder:
         self.add_all(bus, "clip", p.scalars)
 
     def _before_optimizer(self, bus, p):
-        if self._on:
+        if self._on and self._updates is not None:
             self._updates.before(p.params)
 
     def _optimizer(self, bus, p):
         self.add_all(bus, "optimizer", p.params)
         # the updates after the state, each in its parameter's last state slot (run/updates.py)
-        state = [*p.state, *self._updates.after(p.params, p.optimizer)]
+        updates = [] if self._updates is None else self._updates.after(p.params, p.optimizer)
+        state = [*p.state, *updates]
         self.add_all(bus, "optimizer", state, base=len(p.params))
 
     # the `checkpoint` phase: what was saved, so diff sees a checkpoint that differs from the reference's

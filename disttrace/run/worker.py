@@ -137,7 +137,13 @@ def run(run_dir: Path) -> None:
             tracer.attach(bus)
             clock = StepClock(run_dir, rank).attach(bus)  # step wall times, recorded or not
             recorder = (
-                Recorder(run_dir, rank, every=record.every, forward=record.forward).attach(bus)
+                Recorder(
+                    run_dir,
+                    rank,
+                    every=record.every,
+                    forward=record.forward,
+                    updates=record.updates,
+                ).attach(bus)
                 if record.enabled
                 else None
             )
