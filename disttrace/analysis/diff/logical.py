@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from disttrace.analysis import columnar
+from disttrace.analysis import columnar, updates
 from disttrace.analysis.diff.compare import (
     RankStep,
     _fold_columns,
@@ -269,6 +269,23 @@ def _phase_rows(batches: dict[int, pa.RecordBatch]):
     return x if x.column("tensor").null_count == 0 else None
 
 
+def _paired_updates(
+    xa: pa.RecordBatch, xb: pa.RecordBatch
+) -> tuple[pa.RecordBatch, pa.RecordBatch]:
+    """The two sides without the update records (run/updates.py) the other side does not make (a sharded
+    parameter's, a store's written before them): those are not compared, and are left out here as whole
+    columns rather than met one record at a time."""
+    ua, ub = (pc.ends_with(x.column("tensor"), updates.SUFFIX).fill_null(False) for x in (xa, xb))
+    if not (pc.any(ua).as_py() or pc.any(ub).as_py()):
+        return xa, xb
+    names_a, names_b = (pc.unique(x.column("tensor").filter(u)) for x, u in ((xa, ua), (xb, ub)))
+    out = []
+    for x, u, other in ((xa, ua, names_b), (xb, ub, names_a)):
+        keep = pc.or_(pc.invert(u), pc.is_in(x.column("tensor"), value_set=other)).fill_null(True)
+        out.append(x if pc.all(keep).as_py() else x.filter(keep))
+    return out[0], out[1]
+
+
 def _sharded(x: pa.RecordBatch) -> bool:
     return x.column("shard_offset").null_count != x.num_rows
 
@@ -287,6 +304,7 @@ def _compare_logical_step_columns(
     xa, xb = _phase_rows(batches_a), _phase_rows(batches_b)
     if xa is None or xb is None:
         return None
+    xa, xb = _paired_updates(xa, xb)
     pa_, pb_ = (
         set(pc.unique(xa.column("phase")).to_pylist()),
         set(pc.unique(xb.column("phase")).to_pylist()),
