@@ -47,28 +47,36 @@ def _load(src: str, name: str):
 
 
 def digest_at(rev: str):
-    """disttrace/run/digest.py as it was at git revision `rev`, loaded as a module of its own, with that
-    revision's compiled pass (run/fused.py, where it has one and numba is installed): without it the other
-    revision would be timed on the numpy path, or with this checkout's kernel."""
-    module = _load(_source_at(rev, "disttrace/run/digest.py"), "digest_at_rev")
-    src = _source_at(rev, "disttrace/run/fused.py")
+    """The recorder's digest.py as it was at git revision `rev`, loaded as a module of its own, with that
+    revision's compiled pass (fused.py beside it, where it has one and numba is installed): without it the other
+    revision would be timed on the numpy path, or with this checkout's kernel. The package the two lived in
+    moved (run/ -> run/record/); a revision is read in its own layout."""
+    package_name = next(
+        name
+        for name in ("disttrace.run.record", "disttrace.run")
+        if _source_at(rev, name.replace(".", "/") + "/digest.py") is not None
+    )
+    where = package_name.replace(".", "/")
+    module = _load(_source_at(rev, f"{where}/digest.py"), "digest_at_rev")
+    src = _source_at(rev, f"{where}/fused.py")
     if src is None or os.environ.get("DISTTRACE_FUSED") == "0":
         return module
     try:
         fused = _load(src, "fused_at_rev")
     except ImportError:  # no numba: both revisions on the numpy path
         return module
-    import disttrace.run as package
+    package = importlib.import_module(package_name)
+    key = f"{package_name}.fused"
 
-    saved = sys.modules.get("disttrace.run.fused"), getattr(package, "fused", None)
-    sys.modules["disttrace.run.fused"] = package.fused = fused
+    saved = sys.modules.get(key), getattr(package, "fused", None)
+    sys.modules[key] = package.fused = fused
     try:  # the revision's digest.py imports its kernel now, whichever way it names it
         module._fused()
     finally:
         if saved[0] is None:
-            sys.modules.pop("disttrace.run.fused", None)
+            sys.modules.pop(key, None)
         else:
-            sys.modules["disttrace.run.fused"] = saved[0]
+            sys.modules[key] = saved[0]
         if saved[1] is None:
             del package.fused
         else:

@@ -233,7 +233,7 @@ def main() -> None:
     ap.add_argument(
         "--magnitudes",
         action="store_true",
-        help="also write the gradient magnitudes (run/scales.py) the numeric bound reads",
+        help="also write the gradient magnitudes (run/record/scales.py) the numeric bound reads",
     )
     ap.add_argument(
         "--modes",

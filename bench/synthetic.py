@@ -175,7 +175,7 @@ def complete(run: Path, parts: list | None) -> None:
 
 
 def digest_of_digests(digests: Iterable[str]) -> str:
-    """The step index's `digest` (run/digest.py's, which imports torch: the readers' tests import none)."""
+    """The step index's `digest` (run/record/digest.py's, which imports torch: the readers' tests import none)."""
     h = xxhash.xxh3_128()
     for d in digests:
         h.update(d.encode())
@@ -184,7 +184,7 @@ def digest_of_digests(digests: Iterable[str]) -> str:
 
 class RankFiles:
     """One rank's files of one store as the recorder writes them: the trajectory, its step index (each line
-    sealed), the step times, optionally the gradient magnitudes (run/scales.py's lines)."""
+    sealed), the step times, optionally the gradient magnitudes (run/record/scales.py's lines)."""
 
     def __init__(self, run: Path, rank: int, sealed: bool = True, times: bool = True):
         self.run, self.rank = Path(run), rank
@@ -367,7 +367,7 @@ class Layout:
         return pa.RecordBatch.from_arrays(cols, schema=self.schema)
 
     def scales_frame(self, step: int, norm: np.ndarray) -> bytes:
-        """What run/scales.py writes for the step: each gradient's ||X|| ||dY|| (here 10x its norm)."""
+        """What run/record/scales.py writes for the step: each gradient's ||X|| ||dY|| (here 10x its norm)."""
         groups = []
         for phase in ("backward", "reduce"):
             at = np.flatnonzero(self.phase == phase)

@@ -585,7 +585,7 @@ def write_trajectory(path: Path, rank: int, steps: dict[int, list[dict]], fmt: s
 
 
 def digest_of_digests(digests: list[str]) -> str:
-    h = xxhash.xxh3_128()  # run/digest.py's, without importing torch
+    h = xxhash.xxh3_128()  # run/record/digest.py's, without importing torch
     for d in digests:
         h.update(d.encode())
     return h.hexdigest()

@@ -15,7 +15,7 @@ from test_diff_synthetic import find, gen_records, manifest, write_run
 
 from disttrace.analysis import calibration, tolerance
 from disttrace.analysis.diff import diff_runs
-from disttrace.run.digest import axis_vectors, digest_tensor, sketch
+from disttrace.run.record.digest import axis_vectors, digest_tensor, sketch
 
 STEP, RANK, INDEX = 2, 0, 1  # the optimizer record of layers.0.attention.wq.weight (64 x 64)
 

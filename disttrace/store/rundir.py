@@ -360,7 +360,7 @@ class Run:
         return {e.sketch or 1 for rank in self.ranks() for e in self.step_index(rank).records}
 
     def step_times(self, rank: int) -> JsonlRead:
-        """`steps/rank-N.jsonl` (run/stepclock.py): one line per step, kept whether the run records or not."""
+        """`steps/rank-N.jsonl` (run/job/stepclock.py): one line per step, kept whether the run records or not."""
         p = self.rank_path("steps", rank)
         if not safeio.present(p):
             return JsonlRead([], None)

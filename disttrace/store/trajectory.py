@@ -58,11 +58,11 @@ LEGACY_SUFFIX = ".jsonl"
 COMPRESSION = "lz4"
 END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # what the stream writer appends at close
 
-# dtypes whose sketch is computed in float32 (run/digest.py) and therefore stored in float32: storing it in
+# dtypes whose sketch is computed in float32 (run/record/digest.py) and therefore stored in float32: storing it in
 # float64 would keep digits the computation never had (tolerance.sketch_rounding counts the storage rounding)
 SKETCH_FLOAT32 = ("float32", "float16", "bfloat16")
 SKETCH_K = 4
-# the sketch's definition (run/digest.py): 1, K leading factors per projection (stores before 2026-12-01,
+# the sketch's definition (run/record/digest.py): 1, K leading factors per projection (stores before 2026-12-01,
 # whose step index lines have no `sketch`); 2, one leading factor shared by the K projections. Sketches of
 # two versions are other projections of the tensor but the first (v_0's factors are a_{0,d} on every axis in
 # both): diff compares every projection within one version, the first between 1 and 2
@@ -98,7 +98,7 @@ SCHEMA = pa.schema(
         (
             "device_digest",
             pa.bool_(),
-        ),  # the digest is the device checksum (run/digest.py), not xxh3 of the bytes
+        ),  # the digest is the device checksum (run/record/digest.py), not xxh3 of the bytes
         ("sum", pa.float64()),  # null: not finite
         ("norm", pa.float64()),
         (

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from disttrace.config.manifest import Manifest
-from disttrace.run.hooks import HookBus
+from disttrace.run.job.hooks import HookBus
 from disttrace.store.documents import CollectiveLine, RingLost
 from disttrace.store.rundir import rank_file
 
@@ -407,7 +407,7 @@ def build_trace(mode: str, run_dir: Path, rank: int):
     if mode == "metadata":
         return FlightRecorderTrace(run_dir, rank)
     if mode in ("values", "dispatch"):
-        from disttrace.run.collectives import CollectiveTracer
+        from disttrace.run.record.collectives import CollectiveTracer
 
         return CollectiveTracer(run_dir, rank, values=mode == "values")
     return NoTrace()

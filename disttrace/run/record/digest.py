@@ -203,7 +203,7 @@ def _fused():
     baseline)."""
     global _kernel, _xxh3
     if _kernel is None:
-        fused = optional("disttrace.run.fused", "DISTTRACE_FUSED")
+        fused = optional("disttrace.run.record.fused", "DISTTRACE_FUSED")
         if fused is not None:
             _xxh3 = fused.Xxh3.load()
         _kernel = fused or False

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from disttrace.run.digest import _M1, _M2, SKETCH_K, _plan
+from disttrace.run.record.digest import _M1, _M2, SKETCH_K, _plan
 
 CHUNK = (
     1 << 22

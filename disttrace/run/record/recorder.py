@@ -24,9 +24,9 @@ from typing import NamedTuple
 
 import torch
 
-from disttrace.run import devdigest
-from disttrace.run.digest import Seen, digest_many, digest_of_digests
-from disttrace.run.hooks import HookBus
+from disttrace.run.job.hooks import HookBus
+from disttrace.run.record import devdigest
+from disttrace.run.record.digest import Seen, digest_many, digest_of_digests
 from disttrace.store.records import CLIP_GRAD_BASE, PHASE_ORDER, StepIndexEntry
 from disttrace.store.rundir import rank_file
 from disttrace.store.seal import StepChain
