@@ -1,7 +1,7 @@
 """Synthetic run stores in the recorder's format, fast enough for 10^8 records a run (bench/scale.py,
 bench/diff_speed.py, bench/diff_jobs.py and tests/test_diff_synthetic.py write theirs here).
 
-What the readers see is what a recorder writes: each rank's trajectory through store/trajectory.py's
+What the readers see is what a recorder writes: each rank's trajectory through store/trajectory_write.py's
 TrajectoryWriter (the layout, the per-step stream, the LZ4 framing), each step's index line sealed by
 store/seal.py's StepChain (sha256, xxh3, the chain), COMPLETE holding the seal `verify` checks. A rank-step is
 handed to the writer as one record batch (`TrajectoryWriter.write_batch`, the same encoding `write_step` ends
@@ -38,7 +38,8 @@ import xxhash
 
 from disttrace.store import scales as store_scales
 from disttrace.store import seal
-from disttrace.store.trajectory import SUFFIX, TrajectoryWriter
+from disttrace.store.trajectory import SUFFIX
+from disttrace.store.trajectory_write import TrajectoryWriter
 
 # per 1,000 records of a rank-step, the default run's mix
 PHASE_PLAN = [

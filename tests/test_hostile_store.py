@@ -110,7 +110,7 @@ def _bomb(run: Path) -> None:
     """The trajectory of rank 0 as four steps of one data record each, whose sample ids are 8M zeros: 64 MB a
     step once decoded, from ~256 KB of LZ4 (every buffer within LZ4's ~255-fold bound); with a step index
     (offsets and lengths right, no hashes: a writer that leaves them out is read the same way)."""
-    from disttrace.store.trajectory import TrajectoryWriter
+    from disttrace.store.trajectory_write import TrajectoryWriter
 
     rec = next(r for r in raw_records(run, 0) if r["phase"] == "data")
     (run / TRAJ).unlink()

@@ -9,7 +9,7 @@ import pyarrow as pa
 from disttrace.analysis import block_summary, columnar
 from disttrace.analysis.diff.tol import _same_bits, _Tol
 from disttrace.analysis.result import RankEntry, RecordStats, Unit
-from disttrace.store import trajectory
+from disttrace.store import trajectory_read
 from disttrace.store.records import PHASE_ORDER, PHASES
 
 _UNKNOWN_PHASE = len(PHASES)
@@ -144,7 +144,7 @@ def _compare_rank_step_columns(step: int, rank: int, ba, bb, tol: _Tol) -> RankS
     ca, cb = columnar.Columns(ba), columnar.Columns(bb)
     if not columnar.aligned(ca, cb):
         return _compare_rank_step(
-            step, rank, trajectory.to_records(ba), trajectory.to_records(bb), tol
+            step, rank, trajectory_read.to_records(ba), trajectory_read.to_records(bb), tol
         )
     rs = RankStep(ba.num_rows)
     _fold_columns([step], rank, ca, cb, np.zeros(1, dtype=np.int64), tol, [rs])
@@ -238,8 +238,8 @@ def _fold_columns(
         ra, rb = records(rows)
     else:
         take = pa.array(rows, pa.int64())
-        ra = trajectory.to_records(ca.batch.take(take))
-        rb = trajectory.to_records(cb.batch.take(take))
+        ra = trajectory_read.to_records(ca.batch.take(take))
+        rb = trajectory_read.to_records(cb.batch.take(take))
     for row, x, y in zip(rows, ra, rb):
         j = int(np.searchsorted(starts, row, side="right")) - 1
         rs, step = out[j], steps[j]

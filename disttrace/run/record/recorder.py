@@ -30,7 +30,8 @@ from disttrace.run.record.digest import Seen, digest_many, digest_of_digests
 from disttrace.store.records import CLIP_GRAD_BASE, PHASE_ORDER, StepIndexEntry
 from disttrace.store.rundir import rank_file
 from disttrace.store.seal import StepChain
-from disttrace.store.trajectory import SKETCH_VERSION, SUFFIX, TrajectoryWriter
+from disttrace.store.trajectory import SKETCH_VERSION, SUFFIX
+from disttrace.store.trajectory_write import TrajectoryWriter
 from disttrace.store.writers import JsonlWriter
 
 
