@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml setup.py $(wildcard disttrace/native/*.c)
 	$(BIN)/pip install -q -c $(VENV)/torch-pin.txt -e '.[hf,lightning]' || echo "disttrace: the hf/lightning extras could not be installed; their tests will skip" >&2
 	@# DeepSpeed on its own line: a failed DeepSpeed install (it builds from source) never costs the others
 	$(BIN)/pip install -q -c $(VENV)/torch-pin.txt -e '.[deepspeed]' || echo "disttrace: the deepspeed extra could not be installed; its tests will skip" >&2
-	@# the recorder's compiled statistics pass (run/fused.py); without it the same statistics come from numpy
+	@# the recorder's compiled statistics pass (run/record/fused.py); without it the same statistics come from numpy
 	$(BIN)/pip install -q -c $(VENV)/torch-pin.txt -e '.[fast]' || echo "disttrace: the fast extra could not be installed; the recorder uses numpy" >&2
 	touch $(STAMP)
 

@@ -1,6 +1,6 @@
-"""What a block of v2 steps costs to decode (store/trajectory.py `decode_steps`): CPU time per step-side,
+"""What a block of v2 steps costs to decode (store/trajectory_decode.py `decode_steps`): CPU time per step-side,
 in process, the C kernels (store/blockdecode.py) against the pyarrow path of this checkout (what
-DISTTRACE_NATIVE=0 takes) and against another checkout's trajectory.py (--against), each the minimum of
+DISTTRACE_NATIVE=0 takes) and against another checkout's decoder (--against), each the minimum of
 --passes alternating passes over the same blocks; and what the C kernels cost once a process (the C
 module's import, store/blockdecode.py's import and its first call, measured in a fresh interpreter), which a
 short diff pays.
@@ -31,12 +31,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 import synthetic  # noqa: E402
 
 from disttrace.analysis.diff.blocks import BLOCK_ROWS  # noqa: E402
-from disttrace.store import trajectory  # noqa: E402
+from disttrace.store import trajectory_decode, trajectory_write  # noqa: E402
 
 
 def _store(d: Path, records: int, steps: int) -> list[bytes]:
     path = d / f"rank-00000-{records}.arrows"
-    w = trajectory.TrajectoryWriter(path)
+    w = trajectory_write.TrajectoryWriter(path)
     layout = synthetic.Layout(records, w)
     out = [w.write_batch(layout.batch(s, 0)) for s in range(1, steps + 1)]
     w.close()
@@ -44,9 +44,12 @@ def _store(d: Path, records: int, steps: int) -> list[bytes]:
 
 
 def _trajectory_at(checkout: Path):
-    """Another checkout's store/trajectory.py as a module of its own (its other imports are this one's)."""
+    """Another checkout's decoder as a module of its own (its other imports are this one's): its
+    store/trajectory_decode.py, or store/trajectory.py in a checkout from before the decoder had a module."""
+    store = checkout / "disttrace" / "store"
+    path = store / "trajectory_decode.py"
     spec = importlib.util.spec_from_file_location(
-        "trajectory_against", checkout / "disttrace" / "store" / "trajectory.py"
+        "trajectory_against", path if path.exists() else store / "trajectory.py"
     )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -60,8 +63,8 @@ def _once_cost() -> tuple[float, float, float]:
         "import time, sys\n"
         f"sys.path.insert(0, {str(ROOT)!r}); sys.path.insert(0, {str(ROOT / 'bench')!r})\n"
         "import pathlib, tempfile, synthetic\n"
-        "from disttrace.store import trajectory\n"
-        "w = trajectory.TrajectoryWriter(pathlib.Path(tempfile.mkdtemp()) / 'r.arrows')\n"
+        "from disttrace.store import trajectory_write\n"
+        "w = trajectory_write.TrajectoryWriter(pathlib.Path(tempfile.mkdtemp()) / 'r.arrows')\n"
         "layout = synthetic.Layout(150, w)\n"
         "steps = [w.write_batch(layout.batch(s, 0)) for s in (1, 2, 3)]\n"
         "c0 = time.process_time()\n"
@@ -81,7 +84,7 @@ def _once_cost() -> tuple[float, float, float]:
 
 
 def _decode_all(module, kernel, blocks, path) -> None:
-    """Every block through `module`'s decode_steps; kernel: what trajectory._kernel is set to (None: left)."""
+    """Every block through `module`'s decode_steps; kernel: what trajectory_decode._kernel is set to (None: left)."""
     if kernel is not None:
         module._kernel = kernel
     for b in blocks:
@@ -98,7 +101,7 @@ def main() -> None:
         "--against", type=Path, help="another checkout (e.g. `git archive main` unpacked)"
     )
     args = ap.parse_args()
-    if trajectory._compiled() is None:
+    if trajectory_decode._compiled() is None:
         sys.exit("the C kernels are not built, or DISTTRACE_NATIVE=0: nothing to compare")
     from disttrace.store import blockdecode
 
@@ -115,8 +118,11 @@ def main() -> None:
             ]
             path = Path(d) / "x.arrows"
 
-            ops = {k: partial(_decode_all, trajectory, f, blocks, path) for k, f in kernels.items()}
-            ops["pyarrow"] = partial(_decode_all, trajectory, False, blocks, path)
+            ops = {
+                k: partial(_decode_all, trajectory_decode, f, blocks, path)
+                for k, f in kernels.items()
+            }
+            ops["pyarrow"] = partial(_decode_all, trajectory_decode, False, blocks, path)
             if other is not None:
                 ops["against"] = partial(_decode_all, other, None, blocks, path)
             for f in ops.values():  # warm: the kernels loaded, pyarrow's pools filled
@@ -128,11 +134,11 @@ def main() -> None:
                     f()
                     best[k] = min(best[k], time.process_time() - c)
             for k, f in kernels.items():  # the same batch every way
-                trajectory._kernel = f
+                trajectory_decode._kernel = f
                 for b in blocks:
                     data = [s for s, _ in b]
-                    got = trajectory.decode_steps(path, b)[0]
-                    want = trajectory._decode_block(data)[0]
+                    got = trajectory_decode.decode_steps(path, b)[0]
+                    want = trajectory_decode._decode_block(data)[0]
                     assert repr(got.to_pylist()) == repr(want.to_pylist()), k
             us = {k: v / len(steps) * 1e6 for k, v in best.items()}
             line = f"{records:>5} records a step, {per} steps a block, us a step-side: pyarrow {us['pyarrow']:.1f}"

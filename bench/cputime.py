@@ -51,28 +51,34 @@ _DIGEST_MODULES = ("fused", "sketchplan", "digest", "seen", "digestmany")
 
 
 def digest_at(rev: str):
-    """The digest of git revision `rev` (disttrace/run/digest.py and the modules it was split into, with its
-    compiled pass run/fused.py where numba is installed), loaded beside this checkout's: its `digest_many`
-    and `_fused`. Each of the revision's modules is loaded with the revision's others in place of this
-    checkout's, so that it imports them (without its kernel the revision would be timed on the numpy path,
-    or with this checkout's kernel)."""
+    """The digest of git revision `rev` (digest.py and the modules it was split into, with its compiled pass
+    fused.py where numba is installed), loaded beside this checkout's: its `digest_many` and `_fused`. Each
+    of the revision's modules is loaded with the revision's others in place of this checkout's, so that it
+    imports them (without its kernel the revision would be timed on the numpy path, or with this checkout's
+    kernel). The package they live in moved (run/ -> run/record/): a revision is read in its own layout."""
     import types
 
-    import disttrace.run as package
+    package_name = next(
+        name
+        for name in ("disttrace.run.record", "disttrace.run")
+        if _source_at(rev, name.replace(".", "/") + "/digest.py") is not None
+    )
+    where = package_name.replace(".", "/")
+    package = importlib.import_module(package_name)
 
     names = [n for n in _DIGEST_MODULES if n != "fused" or os.environ.get("DISTTRACE_FUSED") != "0"]
-    saved = {n: (sys.modules.get(f"disttrace.run.{n}"), getattr(package, n, None)) for n in names}
+    saved = {n: (sys.modules.get(f"{package_name}.{n}"), getattr(package, n, None)) for n in names}
     loaded: dict = {}
     try:
         for n in names:
-            src = _source_at(rev, f"disttrace/run/{n}.py")
+            src = _source_at(rev, f"{where}/{n}.py")
             if src is None:
                 continue
             try:
                 module = _load(src, f"{n}_at_rev")
             except ImportError:  # no numba: both revisions on the numpy path
                 continue
-            loaded[n] = sys.modules[f"disttrace.run.{n}"] = module
+            loaded[n] = sys.modules[f"{package_name}.{n}"] = module
             setattr(package, n, module)
         digest = loaded["digest"]
         digest._fused()  # the revision's digest imports its kernel now, whichever way it names it
@@ -80,9 +86,9 @@ def digest_at(rev: str):
     finally:
         for n, (module, attr) in saved.items():
             if module is None:
-                sys.modules.pop(f"disttrace.run.{n}", None)
+                sys.modules.pop(f"{package_name}.{n}", None)
             else:
-                sys.modules[f"disttrace.run.{n}"] = module
+                sys.modules[f"{package_name}.{n}"] = module
             if attr is None:
                 if hasattr(package, n):
                     delattr(package, n)

@@ -1,7 +1,7 @@
 """diff throughput: records per second to the first divergence on a large trajectory (docs/design.md; figures in docs/benchmarks.md).
 
 Writes synthetic run stores (default 2 ranks x 500 steps x 1000 records = 1,000,000 records each) in the
-recorder's format (bench/synthetic.py: store/trajectory.py's writer, an Arrow stream per rank + step index with
+recorder's format (bench/synthetic.py: store/trajectory_write.py's writer, an Arrow stream per rank + step index with
 byte offsets, digest of digests and the chained sha256 of each step's bytes, COMPLETE's seal): a reference, a fault run identical except one record's
 digest (bits changed, statistics equal) near the end, a noisy run, and a run of another topology (half the
 ranks, twice the accumulation). Then, each in a fresh process:
@@ -233,7 +233,7 @@ def main() -> None:
     ap.add_argument(
         "--magnitudes",
         action="store_true",
-        help="also write the gradient magnitudes (run/scales.py) the numeric bound reads",
+        help="also write the gradient magnitudes (run/record/scales.py) the numeric bound reads",
     )
     ap.add_argument(
         "--modes",
@@ -264,9 +264,9 @@ def main() -> None:
     against = args.against.resolve() if args.against else None
 
     if args.layout is not None:
-        from disttrace.store import trajectory
+        from disttrace.store import trajectory_write
 
-        trajectory.VERSION = args.layout  # what a new stream is written in
+        trajectory_write.VERSION = args.layout  # what a new stream is written in
     plant_step = args.plant_step or max(1, args.steps - 10)
     plant = (plant_step, args.ranks - 1, args.records // 2)
     root = Path(args.dir or tempfile.mkdtemp(prefix="disttrace-bench-"))

@@ -8,9 +8,9 @@ Models: the tiny default manifest's and a realistic CPU one (dim 512, 4 layers).
 sketch are interleaved repeat by repeat, so machine noise hits both alike; prints median ms per step and
 the ratio with / without the sketch (the sketch's share of the digest), in one run. One thread, as the
 workers run. `--against REV` instead times this checkout's `digest_many` (what the recorder calls) against
-run/digest.py as git revision REV had it, loaded beside it, a step's tensors each, interleaved repeat by
+run/record/digest.py as git revision REV had it, loaded beside it, a step's tensors each, interleaved repeat by
 repeat, in CPU time (time.thread_time: the figure other jobs on shared cores disturb least), and prints the
-ratio. `--fused` times digest_many with run/fused.py's compiled pass (numba, the `fast` extra) against the
+ratio. `--fused` times digest_many with run/record/fused.py's compiled pass (numba, the `fast` extra) against the
 numpy path (DISTTRACE_FUSED=0's) the same way, in one process, and checks the hashes are the same.
 """
 
@@ -54,7 +54,7 @@ def tensors_of_a_step(sets: list[str]):
 
 
 def measure(tensors, repeats: int) -> dict[str, float]:
-    from disttrace.run.digest import digest_tensor
+    from disttrace.run.record.digest import digest_tensor
 
     times: dict[bool, list[float]] = {True: [], False: []}
     for _ in range(repeats):
@@ -76,7 +76,7 @@ def against(rev: str, sets: list[str], repeats: int) -> None:
     """This checkout's digest_many against REV's, on the realistic model's step tensors."""
     import cputime
 
-    from disttrace.run import digestmany as now
+    from disttrace.run.record import digestmany as now
 
     then = cputime.digest_at(rev)
     tensors, what = tensors_of_a_step(sets)
@@ -94,11 +94,11 @@ def against(rev: str, sets: list[str], repeats: int) -> None:
 
 
 def fused_against_numpy(sets: list[str], repeats: int) -> None:
-    """digest_many with run/fused.py's compiled pass (numba) against the numpy path DISTTRACE_FUSED=0 keeps,
+    """digest_many with run/record/fused.py's compiled pass (numba) against the numpy path DISTTRACE_FUSED=0 keeps,
     on the realistic model's step tensors, in one process, interleaved: the hashes must be the same."""
     import cputime
 
-    from disttrace.run import digest, digestmany
+    from disttrace.run.record import digest, digestmany
 
     kernel = digest._fused()
     if kernel is None:
@@ -139,9 +139,13 @@ def main():
         default=[],
         help="override the realistic model (section.key=value)",
     )
-    ap.add_argument("--against", metavar="REV", help="time digest_many against REV's run/digest.py")
     ap.add_argument(
-        "--fused", action="store_true", help="time run/fused.py's numba pass against the numpy path"
+        "--against", metavar="REV", help="time digest_many against REV's run/record/digest.py"
+    )
+    ap.add_argument(
+        "--fused",
+        action="store_true",
+        help="time run/record/fused.py's numba pass against the numpy path",
     )
     args = ap.parse_args()
     import torch

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # For a machine with a GPU (CI stays CPU), in a few minutes:
 #  1. what recording costs on the GPU: bench/overhead.py with NCCL, every variant against record.enabled=false
-#     (the realistic model; the digests take the batched device path, run/devdigest.py);
+#     (the realistic model; the digests take the batched device path, run/record/devdigest.py);
 #  2. the default lab on one GPU with NCCL: a world of 1 (dp=1, accumulation 4 keeps the default's global batch).
 set -euo pipefail
 cd "$(dirname "$0")/.."

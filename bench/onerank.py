@@ -1,5 +1,5 @@
 """One rank of a real job in this process (a gloo world of 1): the manifest's model, data, strategy and hook
-bus, and its training step emitted through the bus as run/loop.py emits it. For the benches that time the
+bus, and its training step emitted through the bus as run/job/loop.py emits it. For the benches that time the
 recorder's hooks on a real step's hook lists (bench/recorder_breakdown.py, bench/recorder_passes.py)."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ REALISTIC = [
 class OneRank:
     manifest: dict  # the frozen manifest as a plain document
     data: Any  # disttrace.data.windows.TokenData
-    bus: Any  # disttrace.run.hooks.HookBus
+    bus: Any  # disttrace.run.job.hooks.HookBus
     model: Any
     strategy: Any  # disttrace.run.parallel.common.Strategy
     params: int  # the parameters' bytes
@@ -33,7 +33,7 @@ class OneRank:
         """One training step through the bus: step_start, every micro-batch's data, forward, loss and
         backward, the optimizer step, then `before_end()` (e.g. a checkpoint's point) and step_end."""
         from disttrace.model.llama import lm_loss
-        from disttrace.run.hooks import Batch, Data, Loss
+        from disttrace.run.job.hooks import Batch, Data, Loss
 
         bus, strategy = self.bus, self.strategy
         accum = self.manifest["training"]["grad_accum_steps"]
@@ -56,7 +56,7 @@ class OneRank:
 def start(sets: list[str]) -> OneRank:
     """The default manifest with `sets` (dp = 1 added first), on a fresh gloo world of one rank."""
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", OMP_NUM_THREADS="1")
-    from disttrace.run.launch import free_port
+    from disttrace.run.job.launch import free_port
 
     os.environ["MASTER_PORT"] = str(free_port())
     import torch
@@ -67,8 +67,8 @@ def start(sets: list[str]) -> OneRank:
     from disttrace.config.manifest import Manifest
     from disttrace.data.windows import TokenData
     from disttrace.model.llama import build_model
-    from disttrace.run.hooks import HookBus
-    from disttrace.run.loop import emit_module_outputs
+    from disttrace.run.job.hooks import HookBus
+    from disttrace.run.job.loop import emit_module_outputs
     from disttrace.run.parallel import build_strategy
 
     torch.set_num_threads(1)

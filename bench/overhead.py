@@ -16,8 +16,8 @@ small, so the Python cost per tensor is the largest share). Variants:
   recorder+ledger          trajectory digests every step, memory ledger, no collective trace
   default                  + the Flight Recorder collective trace (record.collectives = "metadata")
   default, full digests    the same, every tensor digested in full (Recorder(reuse=False): the recorder
-                           before run/digest.py's `Seen`, which hashes only the bytes it digested lately)
-  default+magnitudes       + the gradient magnitudes the numeric bound reads (run/scales.py: one sum of
+                           before run/record/digest.py's `Seen`, which hashes only the bytes it digested lately)
+  default+magnitudes       + the gradient magnitudes the numeric bound reads (run/record/scales.py: one sum of
                            squares per module input and output gradient; the job records them whenever
                            it records)
   default+live check       + debug.live_check (one 16-byte-per-rule all-gather per step)
@@ -62,7 +62,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 # name -> what runs in that variant: the recorder (digesting every tensor in full with reuse=False: the
-# recorder before run/digest.py's `Seen`; without forward records with forward=False), the memory ledger,
+# recorder before run/record/digest.py's `Seen`; without forward records with forward=False), the memory ledger,
 # the Flight Recorder trace, the magnitudes, the live check (its rules: "all" the strategy's, or "no tp
 # rules": without the rules a tp group's replicated activations, loss, reduced norm gradients and clip
 # scalars add), the dispatch-mode tracer with payload digests
@@ -135,18 +135,18 @@ def worker(rank, world, port, frozen_doc, steps, out, q, device_type="cpu", spec
     from disttrace.config.manifest import Manifest
     from disttrace.data.windows import TokenData
     from disttrace.model.llama import build_model, lm_loss
-    from disttrace.run.collectives import CollectiveTracer
-    from disttrace.run.flightrec import FlightRecorderTrace
-    from disttrace.run.hooks import Batch, Data, HookBus, Loss
-    from disttrace.run.livecheck import LiveCheck
-    from disttrace.run.loop import emit_module_outputs
-    from disttrace.run.memory import MemoryLedger
+    from disttrace.run.job.hooks import Batch, Data, HookBus, Loss
+    from disttrace.run.job.loop import emit_module_outputs
+    from disttrace.run.job.stepclock import StepClock
+    from disttrace.run.job.topology import groups_of
     from disttrace.run.parallel import build_strategy
     from disttrace.run.parallel.common import SCALARS_AGREE, TP_ACTIVATIONS_AGREE
-    from disttrace.run.recorder import Recorder
-    from disttrace.run.scales import Magnitudes
-    from disttrace.run.stepclock import StepClock
-    from disttrace.run.topology import groups_of
+    from disttrace.run.record.collectives import CollectiveTracer
+    from disttrace.run.record.flightrec import FlightRecorderTrace
+    from disttrace.run.record.livecheck import LiveCheck
+    from disttrace.run.record.memory import MemoryLedger
+    from disttrace.run.record.recorder import Recorder
+    from disttrace.run.record.scales import Magnitudes
 
     specs = specs or SPECS
     torch.set_num_threads(1)
@@ -317,7 +317,7 @@ def measure(
     import torch.multiprocessing as mp
 
     from disttrace.config.freezing import freeze
-    from disttrace.run.launch import free_port
+    from disttrace.run.job.launch import free_port
 
     specs = TP_SPECS if tp > 1 else SPECS
     if only:

@@ -7,7 +7,7 @@ whole and operation by operation:
     python bench/recorder_breakdown.py [--repeats 7] [--set model.dim=768 ...] [--against REV]
 
   whole          digest_many on the hook's list: what the recorder pays for it
-  whole, numpy   the same without run/fused.py's compiled pass (numba absent, or DISTTRACE_FUSED=0);
+  whole, numpy   the same without run/record/fused.py's compiled pass (numba absent, or DISTTRACE_FUSED=0);
                  the columns after it are that path's operations
   read (xxh3)    one-shot xxh3-128 of each tensor's bytes: one pass over them from memory
   + sum          every cache-sized block of the large float32 tensors hashed, then its float32 runs'
@@ -18,12 +18,12 @@ whole and operation by operation:
                  batched path, the placement plans, the float64 fallbacks
 
 and the step's write (the records sorted, encoded as one Arrow batch, written, the step index line sealed).
-`--against REV` times digest_many of run/digest.py as git revision REV had it (loaded beside this
+`--against REV` times digest_many of run/record/digest.py as git revision REV had it (loaded beside this
 checkout's) on the same lists, interleaved, and prints both wholes and their ratio.
 
 `--own STEPS` instead runs STEPS real steps with the recorder as a job has it (digest.Seen included) and
 prints the CPU time of the rank's thread in all its hook handlers per step (median of the steps after two
-of warm-up), and of it the compiled call (run/fused.py's many_stats: the hash and the statistics), the
+of warm-up), and of it the compiled call (run/record/fused.py's many_stats: the hash and the statistics), the
 step's write, and the rest (the recorder's and digest_many's Python, the small tensors' batches): what
 bench/overhead.py's own time is made of, one rank in this process.
 """
@@ -48,7 +48,7 @@ def capture(sets: list[str], steps: int = 2):
     step's records as the recorder wrote them, and the parameters' bytes."""
     import onerank
 
-    from disttrace.run.recorder import Recorder
+    from disttrace.run.record.recorder import Recorder
 
     job = onerank.start([f"training.steps={steps}", *sets])
     m, bus = job.manifest, job.bus
@@ -84,9 +84,9 @@ def _ops(items):
     import xxhash
 
     from disttrace.analysis import tolerance
-    from disttrace.run import digest as D
-    from disttrace.run.digestmany import SMALL, digest_many
-    from disttrace.run.sketchplan import plan_for
+    from disttrace.run.record import digest as D
+    from disttrace.run.record.digestmany import SMALL, digest_many
+    from disttrace.run.record.sketchplan import plan_for
 
     blocks = []
     for t, _, _ in items:
@@ -163,7 +163,7 @@ def breakdown(lists, repeats: int) -> dict:
 
 def write_cost(last, repeats: int) -> dict:
     """CPU seconds of the step's write: encode, write, the index line (a fresh trajectory each repeat)."""
-    from disttrace.run.recorder import Recorder
+    from disttrace.run.record.recorder import Recorder
 
     step, records, t = last
     times = []
@@ -182,7 +182,7 @@ def against(rev: str, lists, repeats: int) -> None:
     """digest_many of this checkout against REV's on the same lists, interleaved."""
     import cputime
 
-    from disttrace.run import digestmany as now
+    from disttrace.run.record import digestmany as now
 
     base = cputime.digest_at(rev)
     items = [it for _, lst in lists for it in lst]
@@ -236,8 +236,8 @@ def own(sets: list[str], steps: int, warmup: int = 2) -> None:
     """The recorder's own CPU time per step in a real job, whole and in parts (`--own`)."""
     import onerank
 
-    from disttrace.run import digest as D
-    from disttrace.run.recorder import Recorder
+    from disttrace.run.record import digest as D
+    from disttrace.run.record.recorder import Recorder
 
     job = onerank.start([f"training.steps={steps}", *sets])
     spent = {"hooks": 0.0, "compiled": 0.0, "write": 0.0}
@@ -256,7 +256,7 @@ def own(sets: list[str], steps: int, warmup: int = 2) -> None:
         def on(self, point, fn, order=50):
             job.bus.on(point, timed("hooks", fn), order)
 
-    class Kernel:  # run/fused.py, its many_stats timed
+    class Kernel:  # run/record/fused.py, its many_stats timed
         def __init__(self, module):
             self.module, self.many_stats = module, timed("compiled", module.many_stats)
 
@@ -294,7 +294,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--set", action="append", default=[], help="override the model")
     ap.add_argument(
-        "--against", default=None, help="a git revision whose run/digest.py to time too"
+        "--against", default=None, help="a git revision whose run/record/digest.py to time too"
     )
     ap.add_argument(
         "--own", type=int, default=0, metavar="STEPS", help="the recorder's own time in a real job"

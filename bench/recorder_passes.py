@@ -7,7 +7,7 @@ of every rank of a larger world; bench/overhead.py measures the world of two).
     python bench/recorder_passes.py [--steps 6] [--set model.dim=768 ...] [--clip] [--checkpoint]
 
 Two recorders listen, one step each in turn (warm-up steps left out): the recorder as it is (host tensors
-whose bytes it digested lately are hashed only: run/digest.py, `Seen`) and the same recorder digesting every
+whose bytes it digested lately are hashed only: run/record/digest.py, `Seen`) and the same recorder digesting every
 tensor in full (`reuse=False`, the recorder before `Seen`). `--clip` sets training.max_grad_norm high enough
 that the clip coefficient is 1 (the clipped gradients are the reduced ones); `--checkpoint` hands the
 strategy's state dict to `before_checkpoint` every step, as a checkpoint step does (no files written).
@@ -37,8 +37,8 @@ WARMUP = 2
 def run(steps: int, sets: list[str], clip: bool, checkpoint: bool) -> dict:
     import onerank
 
-    from disttrace.run.hooks import BeforeCheckpoint
-    from disttrace.run.recorder import Recorder
+    from disttrace.run.job.hooks import BeforeCheckpoint
+    from disttrace.run.record.recorder import Recorder
 
     extra = ["training.max_grad_norm=1e9"] if clip else []
     job = onerank.start([f"training.steps={steps}", *sets, *extra])
@@ -122,9 +122,9 @@ def components(sets: list[str], repeats: int = 5) -> dict[str, float]:
     from disttrace.analysis import tolerance
     from disttrace.config.freezing import freeze
     from disttrace.model.llama import build_model, lm_loss
-    from disttrace.run import digest as D
-    from disttrace.run.digestmany import SMALL
-    from disttrace.run.sketchplan import plan_for
+    from disttrace.run.record import digest as D
+    from disttrace.run.record.digestmany import SMALL
+    from disttrace.run.record.sketchplan import plan_for
 
     m = freeze(ROOT / "manifests" / "default.toml", sets).manifest
     model = build_model(SimpleNamespace(**m["model"]), torch.float32, m["experiment"]["seed"])

@@ -1,7 +1,7 @@
 """The readers' cost at scale: how `diff`, `check`, `verify`, `show` and `report` grow with ranks, steps and
 records a rank-step (docs/benchmarks.md, "Where the readers' cost goes", and its figures).
 
-Synthetic run stores in the recorder's format (bench/synthetic.py: store/trajectory.py's TrajectoryWriter, each
+Synthetic run stores in the recorder's format (bench/synthetic.py: store/trajectory_write.py's TrajectoryWriter, each
 step index line sealed by store/seal.py's StepChain, COMPLETE holding the seal `verify` checks, replicas.json for
 `check`, a step-time line per step for `show`; a rank-step built from arrays, ranks written in 2 processes:
 ~0.8 ms of CPU a 1,000-record rank-step); per point (ranks x steps x records):

@@ -1,7 +1,7 @@
 """Synthetic run stores in the recorder's format, fast enough for 10^8 records a run (bench/scale.py,
 bench/diff_speed.py, bench/diff_jobs.py and tests/test_diff_synthetic.py write theirs here).
 
-What the readers see is what a recorder writes: each rank's trajectory through store/trajectory.py's
+What the readers see is what a recorder writes: each rank's trajectory through store/trajectory_write.py's
 TrajectoryWriter (the layout, the per-step stream, the LZ4 framing), each step's index line sealed by
 store/seal.py's StepChain (sha256, xxh3, the chain), COMPLETE holding the seal `verify` checks. A rank-step is
 handed to the writer as one record batch (`TrajectoryWriter.write_batch`, the same encoding `write_step` ends
@@ -38,7 +38,8 @@ import xxhash
 
 from disttrace.store import scales as store_scales
 from disttrace.store import seal
-from disttrace.store.trajectory import SUFFIX, TrajectoryWriter
+from disttrace.store.trajectory import SUFFIX
+from disttrace.store.trajectory_write import TrajectoryWriter
 
 # per 1,000 records of a rank-step, the default run's mix
 PHASE_PLAN = [
@@ -175,7 +176,7 @@ def complete(run: Path, parts: list | None) -> None:
 
 
 def digest_of_digests(digests: Iterable[str]) -> str:
-    """The step index's `digest` (run/digest.py's, which imports torch: the readers' tests import none)."""
+    """The step index's `digest` (run/record/digest.py's, which imports torch: the readers' tests import none)."""
     h = xxhash.xxh3_128()
     for d in digests:
         h.update(d.encode())
@@ -184,7 +185,7 @@ def digest_of_digests(digests: Iterable[str]) -> str:
 
 class RankFiles:
     """One rank's files of one store as the recorder writes them: the trajectory, its step index (each line
-    sealed), the step times, optionally the gradient magnitudes (run/scales.py's lines)."""
+    sealed), the step times, optionally the gradient magnitudes (run/record/scales.py's lines)."""
 
     def __init__(self, run: Path, rank: int, sealed: bool = True, times: bool = True):
         self.run, self.rank = Path(run), rank
@@ -367,7 +368,7 @@ class Layout:
         return pa.RecordBatch.from_arrays(cols, schema=self.schema)
 
     def scales_frame(self, step: int, norm: np.ndarray) -> bytes:
-        """What run/scales.py writes for the step: each gradient's ||X|| ||dY|| (here 10x its norm)."""
+        """What run/record/scales.py writes for the step: each gradient's ||X|| ||dY|| (here 10x its norm)."""
         groups = []
         for phase in ("backward", "reduce"):
             at = np.flatnonzero(self.phase == phase)

@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from diff_speed import step_records  # noqa: E402
 
-from disttrace.store import trajectory  # noqa: E402
+from disttrace.store import trajectory, trajectory_write  # noqa: E402
 
 
 def main() -> None:
@@ -33,7 +33,7 @@ def main() -> None:
     args = ap.parse_args()
     batches = [
         pa.RecordBatch.from_arrays(
-            trajectory._columns(step_records(s, 0, args.records)), schema=trajectory.SCHEMA
+            trajectory_write._columns(step_records(s, 0, args.records)), schema=trajectory.SCHEMA
         )
         for s in range(1, args.steps + 1)
     ]

@@ -1,6 +1,6 @@
-"""What the update records cost the recorder (run/updates.py): a copy of each parameter before the optimizer
+"""What the update records cost the recorder (run/record/updates.py): a copy of each parameter before the optimizer
 step and two passes over it after, against what the recorder already does with the same parameters at that
-point (digesting them: run/digest.py's digest_many). In one process, CPU time of this thread, the median of
+point (digesting them: run/record/digest.py's digest_many). In one process, CPU time of this thread, the median of
 `--repeats` steps, so other jobs on the machine disturb it less than a step time.
 
     python bench/update_cost.py [--set model.dim=256 --set model.max_seq_len=128 ...] [--repeats 15]
@@ -14,12 +14,12 @@ import time
 
 import torch
 
-from disttrace.config.manifest import apply_overrides, read_toml, validate
+from disttrace.config.freezing import apply_overrides, read_toml, validate
 from disttrace.model.llama import build_model
-from disttrace.run.digest import digest_many
-from disttrace.run.hooks import param_refs
+from disttrace.run.job.hooks import param_refs
 from disttrace.run.parallel.common import build_optimizer
-from disttrace.run.updates import Updates
+from disttrace.run.record.digestmany import digest_many
+from disttrace.run.record.updates import Updates
 
 
 def main():

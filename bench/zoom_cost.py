@@ -68,7 +68,7 @@ def main() -> None:
 
     from disttrace.config.freezing import freeze
     from disttrace.lab.zoom import deep_run
-    from disttrace.run.launch import launch, prepare
+    from disttrace.run.job.launch import launch, prepare
 
     sets = ([] if args.tiny else REALISTIC) + args.set
     sets += [f"training.steps={args.step}", "checkpoint.interval=0"]

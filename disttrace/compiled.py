@@ -4,7 +4,7 @@ pays for it:
 - C extensions (`disttrace/native/`, built by setup.py at install where a C compiler is there): the readers'
   block decoder and comparison. They load in about a millisecond, so any block may take them;
   DISTTRACE_NATIVE=0 leaves them out (pyarrow and numpy then do the same work: the tests' oracle).
-- the recorder's numba pass (`run/fused.py`, the `fast` extra): DISTTRACE_FUSED=0 leaves it out (numpy)."""
+- the recorder's numba pass (`run/record/fused.py`, the `fast` extra): DISTTRACE_FUSED=0 leaves it out (numpy)."""
 
 from __future__ import annotations
 

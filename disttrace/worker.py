@@ -1,10 +1,10 @@
-"""`python -m disttrace.worker --run-dir DIR`: one rank of a job (the body lives in disttrace.run.worker).
+"""`python -m disttrace.worker --run-dir DIR`: one rank of a job (the body lives in disttrace.run.job.worker).
 The name is a public contract: torchrun users and our own launcher start workers by it."""
 
 import os
 import sys
 
-from disttrace.run.worker import main
+from disttrace.run.job.worker import main
 
 if __name__ == "__main__":
     code = main()

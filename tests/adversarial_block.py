@@ -26,7 +26,7 @@ from test_block_decode import _steps  # noqa: E402
 from test_trajectory_format import write_v2  # noqa: E402
 
 from disttrace.store import blockdecode as b  # noqa: E402
-from disttrace.store import trajectory  # noqa: E402
+from disttrace.store import trajectory_decode  # noqa: E402
 
 _LZ4 = pa.Codec("lz4")
 _FRAME_HEADER = bytes([0x04, 0x22, 0x4D, 0x18, 0x60, 0x40, 0x82])
@@ -343,7 +343,7 @@ def run(tmp: Path, first: int = 0) -> int:
             print(f"BUG {i} {name}: the kernel raised\n{traceback.format_exc()}", flush=True)
             bugs += 1
             continue
-        want = _outcome(trajectory._decode_block, block)
+        want = _outcome(trajectory_decode._decode_block, block)
         if got is None:
             verdict = f"declined ({b.DECLINED.get(status, status)})"
         elif not isinstance(want, tuple):

@@ -247,7 +247,7 @@ def tear_trajectory(run: Path, rank: int) -> None:
 def rewrite_trajectory(run: Path, rank: int, records: list[dict]) -> None:
     """What another writer of a run store could put there: these records as the rank's Arrow stream, one batch
     per step, and no step index (readers then rebuild one from the stream)."""
-    from disttrace.store.trajectory import TrajectoryWriter
+    from disttrace.store.trajectory_write import TrajectoryWriter
 
     path = traj_file(run, rank)
     path.unlink()

@@ -400,7 +400,6 @@ KNOWN_CIRCLES = (
         "run.deepspeed.pieces",
         "run.deepspeed.run",
     },
-    {"store.blockdecode", "store.blocklayout", "store.trajectory"},
 )
 
 

@@ -73,7 +73,7 @@ def test_the_seal_gather_leaves_no_tensor_to_the_backend_thread(tmp_path):
     code = (
         PROLOGUE.format(tmp=tmp_path)
         + """
-from disttrace.run.complete import gather_released
+from disttrace.run.job.complete import gather_released
 
 class Watching:
     def __init__(self):

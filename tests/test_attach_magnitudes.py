@@ -1,4 +1,4 @@
-"""Attached runs record the magnitudes the numeric bound scales each gradient by (run/scales.py, through the
+"""Attached runs record the magnitudes the numeric bound scales each gradient by (run/record/scales.py, through the
 attach API's module hooks), so a pair of user scripts whose weight gradient cancels gets the sound bound
 instead of a false divergence. tests/scripts/cancel_train.py: a projection of inputs that are nearly one
 vector, whose output gradient sums to zero over the tokens (dW cancels to ~1e-3 of its terms), the same 16

@@ -24,7 +24,7 @@ import adversarial_block as adv  # noqa: E402
 from test_block_compiled import kernels  # noqa: E402, F401 (the fixture)
 from test_block_decode import block_kernels  # noqa: E402
 
-from disttrace.store import blockdecode, trajectory  # noqa: E402
+from disttrace.store import blockdecode, trajectory_decode  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +50,8 @@ def test_a_length_whose_sizes_wrap_declines_at_the_header(crafted, name):
         blockdecode.kernel_status(block) == 5
     )  # field nodes out of bounds, before any buffer is read
     assert blockdecode.decode(block) is None
-    with pytest.raises(trajectory._DECODE_ERRORS):  # the oracle: pyarrow refuses the step
-        trajectory._decode_block(block)
+    with pytest.raises(trajectory_decode._DECODE_ERRORS):  # the oracle: pyarrow refuses the step
+        trajectory_decode._decode_block(block)
 
 
 @pytest.mark.usefixtures("kernels")
@@ -60,7 +60,7 @@ def test_the_reemitted_block_still_decodes(crafted):
     block = crafted["reemitted, every buffer stored"]
     assert blockdecode.kernel_status(block) == 0
     got, starts = blockdecode.decode(block)
-    want, want_starts = trajectory._decode_block(block)
+    want, want_starts = trajectory_decode._decode_block(block)
     assert got.equals(want) and starts.tolist() == want_starts.tolist()
 
 

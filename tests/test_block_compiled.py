@@ -1,5 +1,5 @@
 """The compiled block decoder (store/blockdecode.py: the C kernels) against the pyarrow path of
-store/trajectory.py as the oracle (itself held to pyarrow's reading of the whole file by test_block_decode):
+store/trajectory_decode.py as the oracle (itself held to pyarrow's reading of the whole file by test_block_decode):
 on random stores of the writer's steps it decodes the block (it does not decline) into the batch the pyarrow
 path gives; on mutated bytes (anywhere in a step: message headers, buffer descriptors, the LZ4 frames'
 headers, tokens, literals and offsets) it either declines or gives what the pyarrow path gives, never a
@@ -22,7 +22,7 @@ from test_block_decode import _steps, block_kernels
 from test_trajectory_format import _realistic, every_kind, write_v2
 
 from disttrace.errors import BadInput
-from disttrace.store import trajectory
+from disttrace.store import trajectory, trajectory_decode
 
 blockdecode = pytest.importorskip("disttrace.store.blockdecode", exc_type=ImportError)
 
@@ -58,7 +58,7 @@ def _random_steps(rng: random.Random, n: int) -> list[list[dict]]:
 def _outcome(fn, *args):
     try:
         return fn(*args)
-    except (BadInput, *trajectory._DECODE_ERRORS) as e:
+    except (BadInput, *trajectory_decode._DECODE_ERRORS) as e:
         return e
 
 
@@ -68,7 +68,7 @@ def _same(a: pa.RecordBatch, b: pa.RecordBatch) -> bool:
 
 
 def _pyarrow(block: list[bytes]):
-    return _outcome(trajectory._decode_block, block)
+    return _outcome(trajectory_decode._decode_block, block)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -82,7 +82,7 @@ def test_random_stores_decode_as_the_pyarrow_path(tmp_path, seed, kernels):
             blockdecode.kernel_status(block)
         )
         got, starts = blockdecode.decode(block)
-        want, want_starts = trajectory._decode_block(block)
+        want, want_starts = trajectory_decode._decode_block(block)
         assert got.schema.equals(trajectory.SCHEMA)
         assert got.equals(want), seed
         assert starts.tolist() == want_starts.tolist()
@@ -96,19 +96,19 @@ def test_c_kernels_take_every_block_from_the_first(tmp_path, monkeypatch):
     calls = []
     real = blockdecode.decode
     monkeypatch.setattr(
-        trajectory, "_kernel", lambda block: calls.append(len(block)) or real(block)
+        trajectory_decode, "_kernel", lambda block: calls.append(len(block)) or real(block)
     )
     small = parts[1:3]
-    got, _ = trajectory.decode_steps(path, small)
+    got, _ = trajectory_decode.decode_steps(path, small)
     assert calls == [2]
-    trajectory.decode_steps(path, parts[:1])
+    trajectory_decode.decode_steps(path, parts[:1])
     assert calls == [2]
-    assert got.equals(trajectory._decode_block([d for d, _ in small])[0])
+    assert got.equals(trajectory_decode._decode_block([d for d, _ in small])[0])
 
 
 def test_the_switch_in_a_fresh_process():
     """The C kernels decode where built; DISTTRACE_NATIVE=0 leaves them out (the pyarrow path, the oracle)."""
-    code = "from disttrace.store import trajectory as t; print(t._compiled() is None, t.native_decoder())"
+    code = "from disttrace.store import trajectory_decode as t; print(t._compiled() is None, t.native_decoder())"
     for env, want in (({}, "False True"), ({"DISTTRACE_NATIVE": "0"}, "True False")):
         out = subprocess.run(
             [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True
@@ -148,7 +148,7 @@ def mutation_trials(seed: int, trials: int, tmp: Path) -> tuple[int, int, int]:
     steps = _random_steps(rng, 5)
     parts = _steps(path, write_v2(path, steps))[1:]
     good = [d for d, _ in parts]
-    reference = trajectory._decode_block(good)[0]
+    reference = trajectory_decode._decode_block(good)[0]
     declined = accepted = changed = 0
     for trial in range(trials):
         block = _mutate(rng, good)
@@ -162,14 +162,14 @@ def mutation_trials(seed: int, trials: int, tmp: Path) -> tuple[int, int, int]:
             accepted += 1
             changed += not _same(got[0], reference)
         named = [(d, w) for d, (_, w) in zip(block, parts)]
-        old = trajectory._kernel
+        old = trajectory_decode._kernel
         try:
-            trajectory._kernel = blockdecode.decode
-            with_it = _outcome(trajectory.decode_steps, path, named)
-            trajectory._kernel = False
-            without = _outcome(trajectory.decode_steps, path, named)
+            trajectory_decode._kernel = blockdecode.decode
+            with_it = _outcome(trajectory_decode.decode_steps, path, named)
+            trajectory_decode._kernel = False
+            without = _outcome(trajectory_decode.decode_steps, path, named)
         finally:
-            trajectory._kernel = old
+            trajectory_decode._kernel = old
         if isinstance(without, tuple):
             assert _same(with_it[0], without[0]), trial
         else:
@@ -206,7 +206,7 @@ def test_steps_of_linked_lz4_blocks_decode_as_the_pyarrow_path(tmp_path, kernels
         blockdecode.kernel_status(good)
     )
     got, starts = blockdecode.decode(good)
-    want, want_starts = trajectory._decode_block(good)
+    want, want_starts = trajectory_decode._decode_block(good)
     assert got.equals(want) and starts.tolist() == want_starts.tolist()
     accepted = 0
     for trial in range(40):
@@ -242,7 +242,7 @@ def test_a_shape_dictionary_that_expands_without_bound_declines(tmp_path, kernel
         blockdecode.kernel_status(block)
     )
     with pytest.raises(BadInput, match="dimensions in all"):
-        trajectory.decode_steps(path, parts)
+        trajectory_decode.decode_steps(path, parts)
 
 
 def _arguments(block: list[bytes]) -> dict:

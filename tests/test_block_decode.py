@@ -1,4 +1,4 @@
-"""Several steps of a trajectory decoded as one block (store/trajectory.py, `decode_steps`), against pyarrow's
+"""Several steps of a trajectory decoded as one block (store/trajectory_decode.py, `decode_steps`), against pyarrow's
 own reading of the whole file as the oracle, and against each step decoded alone; a malformed step inside a
 block is refused, named, as it is alone, and `disttrace diff` exits 2 on it.
 
@@ -33,7 +33,7 @@ from test_trajectory_format import (
 )
 
 from disttrace.errors import BadInput
-from disttrace.store import trajectory
+from disttrace.store import trajectory, trajectory_decode, trajectory_frames, trajectory_read
 
 
 def block_kernels():
@@ -49,12 +49,12 @@ def decoder(request, monkeypatch):
     """decode_steps' decoder: the pyarrow path alone, or the C kernels ahead of it for every block of two
     steps or more (declining to the pyarrow path as it does)."""
     if request.param == "pyarrow":
-        monkeypatch.setattr(trajectory, "_kernel", False)
+        monkeypatch.setattr(trajectory_decode, "_kernel", False)
         return None
     k = block_kernels()
     from disttrace.store import blockdecode
 
-    monkeypatch.setattr(trajectory, "_kernel", partial(blockdecode.decode, kernels=k))
+    monkeypatch.setattr(trajectory_decode, "_kernel", partial(blockdecode.decode, kernels=k))
     return k
 
 
@@ -89,12 +89,12 @@ def test_a_block_decodes_as_pyarrow_reads_the_file(tmp_path, layout, decoder):
     steps = _mixed_steps()
     path = tmp_path / "rank-00000.arrows"
     ranges = (write_v1 if layout == 1 else write_v2)(path, steps)
-    batch, starts = trajectory.decode_steps(path, _steps(path, ranges))
+    batch, starts = trajectory_decode.decode_steps(path, _steps(path, ranges))
     assert batch.schema.equals(trajectory.SCHEMA)
     assert batch.to_pylist() == _oracle(path)
     assert starts.tolist() == [sum(map(len, steps[:i])) for i in range(len(steps))]
     # any part of the file's steps, not only from its first (which holds the schema message)
-    tail, tail_starts = trajectory.decode_steps(path, _steps(path, ranges)[2:])
+    tail, tail_starts = trajectory_decode.decode_steps(path, _steps(path, ranges)[2:])
     assert tail.to_pylist() == _oracle(path)[starts[2] :]
     assert tail_starts.tolist() == (starts[2:] - starts[2]).tolist()
 
@@ -103,12 +103,12 @@ def test_a_block_equals_its_steps_decoded_alone(tmp_path, monkeypatch, decoder):
     steps = _mixed_steps()
     path = tmp_path / "rank-00000.arrows"
     parts = _steps(path, write_v2(path, steps))
-    alone = [trajectory.decode_step(path, d, w) for d, w in parts]
+    alone = [trajectory_decode.decode_step(path, d, w) for d, w in parts]
     with monkeypatch.context() as mp:  # decoded as a block, not step by step (the refusal's path)
-        mp.setattr(trajectory, "decode_step", lambda *a: pytest.fail("decoded step by step"))
-        batch, _ = trajectory.decode_steps(path, parts)
+        mp.setattr(trajectory_decode, "decode_step", lambda *a: pytest.fail("decoded step by step"))
+        batch, _ = trajectory_decode.decode_steps(path, parts)
     assert batch.equals(pa.concat_batches(alone))
-    assert [trajectory.to_records(b) for b in alone] == steps  # the records as written
+    assert [trajectory_read.to_records(b) for b in alone] == steps  # the records as written
 
 
 def test_every_rank_of_a_real_store_decodes_as_pyarrow_reads_it(runs, decoder):
@@ -121,7 +121,7 @@ def test_every_rank_of_a_real_store_decodes_as_pyarrow_reads_it(runs, decoder):
         ]
         assert len(index) >= 2
         parts = _steps(path, [(e["offset"], e["length"]) for e in index])
-        batch, starts = trajectory.decode_steps(path, parts)
+        batch, starts = trajectory_decode.decode_steps(path, parts)
         assert batch.to_pylist() == _oracle(path)
         assert (starts[1:] - starts[:-1]).tolist() == [e["records"] for e in index[:-1]]
 
@@ -171,10 +171,10 @@ def test_a_malformed_step_inside_a_block_is_refused_and_named(tmp_path, case, de
     parts = _steps(path, write_v2(path, [every_kind(s) for s in (1, 2, 3, 4)]))
     bad, message = _crafted()[case]
     with pytest.raises(BadInput, match=message) as alone:
-        trajectory.decode_step(path, bad, "step 3")
+        trajectory_decode.decode_step(path, bad, "step 3")
     parts[2] = (bad, "step 3")
     with pytest.raises(BadInput) as block:
-        trajectory.decode_steps(path, parts)
+        trajectory_decode.decode_steps(path, parts)
     assert str(block.value) == str(alone.value) and "step 3" in str(block.value)
     assert str(path) in str(block.value)
 
@@ -214,13 +214,13 @@ def test_null_shapes_and_null_indices_decode_as_pyarrow_reads_them(tmp_path, dec
     """The writer never stores a null shape, but a reader must not stumble on one: a null dictionary entry
     and a null index both read as a null shape without numel, alone and inside a block."""
     crafted = _v2_step({"shape": _shapes([0, None, 1], [[2, 3], None])}, 3)
-    batch = trajectory.decode_step(tmp_path / "x.arrows", crafted, "step 1")
+    batch = trajectory_decode.decode_step(tmp_path / "x.arrows", crafted, "step 1")
     assert batch.column("shape").to_pylist() == [[2, 3], None, None]
     assert batch.column("numel").to_pylist() == [6, None, None]
     path = tmp_path / "rank-00000.arrows"
     parts = _steps(path, write_v2(path, [every_kind(1), every_kind(2)]))
     parts.insert(1, (_without_schema(crafted), "step 9"))
-    block, starts = trajectory.decode_steps(path, parts)
+    block, starts = trajectory_decode.decode_steps(path, parts)
     rows = block.slice(int(starts[1]), 3)
     assert rows.column("shape").to_pylist() == [[2, 3], None, None]
     assert rows.column("numel").to_pylist() == [6, None, None]
@@ -239,8 +239,8 @@ def test_the_block_checks_refuse_on_their_own(tmp_path):
         ),
     ):
         with pytest.raises(ValueError, match=message):
-            trajectory._decode_block([good[0], bad, good[2]])
-    trajectory._decode_block(good)  # and the honest block passes them
+            trajectory_decode._decode_block([good[0], bad, good[2]])
+    trajectory_decode._decode_block(good)  # and the honest block passes them
 
 
 def _list_array(entries: list, gaps: bool) -> pa.ListArray:
@@ -274,9 +274,9 @@ def test_shape_products_are_math_prod(size):
         overflow = any(w is not None and not -(2**63) <= w < 2**63 for w in want)
         if overflow:
             with pytest.raises(ValueError, match="overflows int64"):
-                trajectory._products(arr)
+                trajectory_decode._products(arr)
             continue
-        numel, known = trajectory._products(arr)
+        numel, known = trajectory_decode._products(arr)
         assert [int(v) if k else None for v, k in zip(numel, known)] == want
 
 
@@ -293,7 +293,7 @@ def _headers_of(step: bytes) -> list[tuple[int, int]]:
 def _outcome(fn, *args):
     try:
         return fn(*args)
-    except (BadInput, *trajectory._DECODE_ERRORS) as e:
+    except (BadInput, *trajectory_decode._DECODE_ERRORS) as e:
         return e
 
 
@@ -313,7 +313,7 @@ def test_the_block_framing_reads_what_the_message_loop_reads(
     steps += [every_kind(s, seed=s) for s in range(5, 9)]
     parts = _steps(path, (write_v1 if layout == 1 else write_v2)(path, steps))[1:]
     good = [d for d, _ in parts]
-    fast, slow = trajectory._frame_block(good), trajectory._frame_steps(good)
+    fast, slow = trajectory_frames._frame_block(good), trajectory_frames._frame_steps(good)
     assert fast is not None, "the writer's block takes the fast framing"
     assert fast[:2] == slow[:2] and fast[2].tolist() == slow[2].tolist()
     assert fast[0] == layout
@@ -325,8 +325,8 @@ def test_the_block_framing_reads_what_the_message_loop_reads(
             a, b = rng.choice(_headers_of(good[i]))
             block[i][rng.randrange(a, b)] = rng.choice([0, 0xFF, rng.randrange(256)])
         block = [bytes(x) for x in block]
-        f = _outcome(trajectory._frame_block, block)
-        s = _outcome(trajectory._frame_steps, block)
+        f = _outcome(trajectory_frames._frame_block, block)
+        s = _outcome(trajectory_frames._frame_steps, block)
         if isinstance(f, Exception):  # the declared sizes refused: the loop refuses too
             assert isinstance(s, Exception), (trial, f)
             refused += 1
@@ -338,10 +338,10 @@ def test_the_block_framing_reads_what_the_message_loop_reads(
             assert f[:2] == s[:2] and f[2].tolist() == s[2].tolist(), trial
             agreed += 1
         named = [(d, w) for d, (_, w) in zip(block, parts)]
-        with_fast = _outcome(trajectory.decode_steps, path, named)
+        with_fast = _outcome(trajectory_decode.decode_steps, path, named)
         with monkeypatch.context() as mp:
-            mp.setattr(trajectory, "_frame_block", lambda _: None)
-            without = _outcome(trajectory.decode_steps, path, named)
+            mp.setattr(trajectory_frames, "_frame_block", lambda _: None)
+            without = _outcome(trajectory_decode.decode_steps, path, named)
         if isinstance(without, tuple):
             assert isinstance(with_fast, tuple), (trial, with_fast)
             assert with_fast[0].equals(without[0]) and with_fast[1].tolist() == without[1].tolist()
@@ -359,12 +359,12 @@ def test_a_shape_dictionary_that_expands_without_bound_is_refused(tmp_path, deco
     ok, bomb = tmp_path / "ok.arrows", tmp_path / "bomb.arrows"
     wide = [[{**r, "step": s, "shape": [1] * 20, "numel": 1} for r in recs] for s in (1, 2)]
     parts = _steps(ok, write_v2(ok, wide))
-    batch, _ = trajectory.decode_steps(ok, parts)
+    batch, _ = trajectory_decode.decode_steps(ok, parts)
     assert batch.num_rows == 2 * len(recs) and set(map(len, batch["shape"].to_pylist())) == {20}
     long = [[{**r, "step": s, "shape": [1] * 10_000, "numel": 1} for r in recs] for s in (1, 2)]
     parts = _steps(bomb, write_v2(bomb, long))
     assert bomb.stat().st_size < 64 << 10
     for block in (parts, parts[1:]):
         with pytest.raises(BadInput, match="dimensions in all") as e:
-            trajectory.decode_steps(bomb, block)
+            trajectory_decode.decode_steps(bomb, block)
         assert block[0][1] in str(e.value)

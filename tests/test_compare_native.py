@@ -460,7 +460,7 @@ def test_a_refusal_of_the_c_kernels_falls_back_to_numpy_and_the_same_document(
 def test_a_refusal_of_the_c_decoder_declines_to_pyarrow(tmp_path, monkeypatch):
     """Where a C decoder function refuses what it is handed (ValueError), the block declines and the pyarrow
     path decodes it: the same batch."""
-    from disttrace.store import trajectory
+    from disttrace.store import trajectory_decode
 
     blockdecode = pytest.importorskip("disttrace.store.blockdecode", exc_type=ImportError)
     import test_numeric_steps as steps
@@ -472,12 +472,12 @@ def test_a_refusal_of_the_c_decoder_declines_to_pyarrow(tmp_path, monkeypatch):
     ]
     data = path.read_bytes()
     block = [(data[e["offset"] : e["offset"] + e["length"]], f"step {e['step']}") for e in lines]
-    want, _ = trajectory.decode_steps(path, block)
+    want, _ = trajectory_decode.decode_steps(path, block)
 
     def refuse(*args, **kw):
         raise ValueError("outside its buffer")
 
     monkeypatch.setattr(blockdecode, "_run", refuse)
     assert blockdecode.decode([d for d, _ in block]) is None
-    got, _ = trajectory.decode_steps(path, block)
+    got, _ = trajectory_decode.decode_steps(path, block)
     assert got.equals(want)

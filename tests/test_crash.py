@@ -162,7 +162,7 @@ def test_killing_the_gate_leaves_no_half_verdict(runs):
     deadline = time.time() + 60
     while time.time() < deadline and proc.poll() is None:
         if subprocess.run(
-            ["pgrep", "-f", "disttrace.run.evaluate"], capture_output=True
+            ["pgrep", "-f", "disttrace.run.evaluation.evaluate"], capture_output=True
         ).stdout.strip():
             break  # the fresh evaluation process is running
         time.sleep(0.01)

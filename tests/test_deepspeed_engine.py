@@ -23,7 +23,7 @@ from launchers import deepspeed_cmd, job_env, launch, need_deepspeed, torchrun_c
 from disttrace.analysis.diff import diff_runs
 from disttrace.analysis.diff.shards import _Logical
 from disttrace.run.deepspeed import flat_boxes, pieces
-from disttrace.run.digest import digest_tensor
+from disttrace.run.record.digest import digest_tensor
 from disttrace.store.rundir import Run
 
 SCRIPT = str(ROOT / "tests" / "scripts" / "ds_train.py")

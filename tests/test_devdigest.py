@@ -1,4 +1,4 @@
-"""Batched device digests (run/devdigest.py). No GPU here: the same torch kernels run on CPU tensors, with
+"""Batched device digests (run/record/devdigest.py). No GPU here: the same torch kernels run on CPU tensors, with
 `digest._digest_on_device` (one tensor at a time, the path GPUs took before) as the oracle; the CUDA side
 stream, pinned copy and event are the only parts these tests cannot reach (bench/gpu_check.sh does, on a
 GPU)."""
@@ -13,9 +13,9 @@ import pytest
 import torch
 from conftest import DEFAULT, SHORT, cli, last_line, raw_records, traj_file
 
-from disttrace.run.devdigest import DeviceDigests
-from disttrace.run.digest import _digest_on_device
 from disttrace.run.faults import flip_bit
+from disttrace.run.record.devdigest import DeviceDigests
+from disttrace.run.record.digest import _digest_on_device
 
 
 def _items():
@@ -170,9 +170,10 @@ def test_a_step_awaiting_its_device_digests_is_written_before_a_kill_rank_sigkil
     from types import SimpleNamespace
 
     from disttrace.config.freezing import read_toml, validate
-    from disttrace.run import devdigest, faults
-    from disttrace.run.hooks import HookBus
-    from disttrace.run.recorder import Recorder
+    from disttrace.run import faults
+    from disttrace.run.job.hooks import HookBus
+    from disttrace.run.record import devdigest
+    from disttrace.run.record.recorder import Recorder
 
     monkeypatch.setenv("DISTTRACE_DEVICE_DIGESTS", "1")
     monkeypatch.setattr(devdigest.Fetch, "ready", lambda self: False)
@@ -213,7 +214,7 @@ import os
 os.environ["DISTTRACE_DEVICE_DIGESTS"] = "1"
 import torch, torch.distributed as dist
 import disttrace.api
-from disttrace.run import devdigest
+from disttrace.run.record import devdigest
 devdigest.Fetch.ready = lambda self: False  # as a busy GPU's copy would not be, at the next step's start
 dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
 model = torch.nn.Linear(4, 2)

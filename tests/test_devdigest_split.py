@@ -1,4 +1,4 @@
-"""Batched device digests (run/devdigest.py): long rows and tensors on several devices, on CPU tensors with
+"""Batched device digests (run/record/devdigest.py): long rows and tensors on several devices, on CPU tensors with
 `digest._digest_on_device` as the oracle (see tests/test_devdigest.py).
 
 Long rows: a row longer than the chunk (any 1-D tensor longer than it) is split along its columns, so the
@@ -18,10 +18,10 @@ from test_devdigest import _check_against_oracle, _items
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from disttrace.run import devdigest
-from disttrace.run.devdigest import DeviceDigests, Fetch
-from disttrace.run.digest import _digest_on_device
 from disttrace.run.faults import flip_bit
+from disttrace.run.record import devdigest
+from disttrace.run.record.devdigest import DeviceDigests, Fetch
+from disttrace.run.record.digest import _digest_on_device
 
 
 class _Largest(TorchDispatchMode):

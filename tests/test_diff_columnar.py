@@ -332,7 +332,7 @@ def test_a_block_with_steps_without_records_aligns_and_sums_up_per_step():
     import pyarrow as pa
 
     from disttrace.analysis import columnar
-    from disttrace.store import trajectory
+    from disttrace.store import trajectory, trajectory_write
 
     def batch(step, n):
         recs = [
@@ -355,7 +355,7 @@ def test_a_block_with_steps_without_records_aligns_and_sums_up_per_step():
             for i in range(n)
         ]
         return (
-            pa.RecordBatch.from_arrays(trajectory._columns(recs), schema=trajectory.SCHEMA)
+            pa.RecordBatch.from_arrays(trajectory_write._columns(recs), schema=trajectory.SCHEMA)
             if recs
             else pa.RecordBatch.from_pylist([], schema=trajectory.SCHEMA)
         )

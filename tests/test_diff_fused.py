@@ -24,7 +24,7 @@ import test_diff_synthetic as syn  # noqa: E402
 
 from disttrace.analysis import block_summary  # noqa: E402
 from disttrace.analysis.diff import diff_runs  # noqa: E402
-from disttrace.store import trajectory  # noqa: E402
+from disttrace.store import trajectory_decode  # noqa: E402
 from disttrace.store.records import PHASES  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
@@ -171,7 +171,7 @@ def both_paths(monkeypatch):
         docs = []
         for module, decoder in ((False, False), (kernels, decode)):
             monkeypatch.setattr(block_summary, "_native_module", module)
-            monkeypatch.setattr(trajectory, "_kernel", decoder)
+            monkeypatch.setattr(trajectory_decode, "_kernel", decoder)
             docs.append(fn().to_json())
         return docs[0], docs[1], len(calls)
 

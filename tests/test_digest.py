@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from disttrace.run.digest import device_digest, digest_tensor
 from disttrace.run.faults import flip_bit
+from disttrace.run.record.digest import device_digest, digest_tensor
 
 
 def test_every_single_bit_flip_changes_both_digests():
@@ -41,8 +41,8 @@ def test_digest_many_agrees_with_digest_tensor_one_by_one():
     import math
 
     from disttrace.analysis import tolerance
-    from disttrace.run import digest as D
-    from disttrace.run import digestmany as M
+    from disttrace.run.record import digest as D
+    from disttrace.run.record import digestmany as M
 
     g = torch.Generator().manual_seed(7)
     items = [

@@ -1,4 +1,4 @@
-"""The recorder hashes only the bytes it digested lately (run/digest.py, `Seen`) and still writes exactly the
+"""The recorder hashes only the bytes it digested lately (run/record/digest.py, `Seen`) and still writes exactly the
 records a full digest of every tensor writes: the oracle is the same recorder with `reuse=False`, which
 digests each tensor with digest_tensor as the recorder always did, listening to the same step."""
 
@@ -9,13 +9,13 @@ import pytest
 import torch
 from conftest import DEFAULT, SHORT, cli, last_line, raw_records, traj_file
 
-from disttrace.run import digest as D
-from disttrace.run import digestmany as M
-from disttrace.run.hooks import Batch, HookBus, grads_of, param_refs
-from disttrace.run.loop import emit_module_outputs
+from disttrace.run.job.hooks import Batch, HookBus, grads_of, param_refs
+from disttrace.run.job.loop import emit_module_outputs
 from disttrace.run.parallel.common import clip_gradients, optimizer_state_list
-from disttrace.run.recorder import Recorder
-from disttrace.run.seen import Seen
+from disttrace.run.record import digest as D
+from disttrace.run.record import digestmany as M
+from disttrace.run.record.recorder import Recorder
+from disttrace.run.record.seen import Seen
 
 
 def _model():

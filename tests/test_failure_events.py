@@ -14,7 +14,7 @@ from disttrace.store.events import EVENT_LINES
 from disttrace.store.records import FAILURE_EVENTS, Event
 from disttrace.store.writers import event
 
-# as the writers log them (run/livecheck.py, run/worker.py, run/launch.py)
+# as the writers log them (run/record/livecheck.py, run/job/worker.py, run/job/launch.py)
 WRITTEN = {
     Event.LIVE_CHECK_FAILED: (
         {"step": 3, "phase": "reduce", "group": [0, 1], "digests": {"0": "aa", "1": "bb"}},

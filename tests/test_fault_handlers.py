@@ -14,7 +14,7 @@ from conftest import DEFAULT
 
 from disttrace.config.freezing import read_toml, validate
 from disttrace.run import faults
-from disttrace.run.hooks import (
+from disttrace.run.job.hooks import (
     Backward,
     Batch,
     BeforeCheckpoint,

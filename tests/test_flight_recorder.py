@@ -1,4 +1,4 @@
-"""The default collective trace is read from torch's Flight Recorder (run/flightrec.py), not by a dispatch
+"""The default collective trace is read from torch's Flight Recorder (run/record/flightrec.py), not by a dispatch
 mode: it must still hold every collective DDP issued (counted against DDP's own buckets) when its ring is
 far smaller than the run and has to be copied as it fills, and a rank that gloo aborts on a mismatched
 collective must still leave the op it died in, so the desync is named."""
@@ -94,7 +94,7 @@ def test_converter_steps_bytes_scatter_done_and_lost_entries():
     it): each entry once across dumps, its step from the step starts, bytes from sizes x dtype, a scatter's
     size from its output, `done` from the group's last completed sequence number, and a wrapped ring's lost
     record ids said as such."""
-    from disttrace.run.flightrec import Converter
+    from disttrace.run.record.flightrec import Converter
 
     c = Converter()
     groups = {"0": "0,1"}

@@ -1,4 +1,4 @@
-"""The compiled pass over a float32 tensor's blocks (run/fused.py, the optional numba extra) records what
+"""The compiled pass over a float32 tensor's blocks (run/record/fused.py, the optional numba extra) records what
 the numpy path records: the same digest (the one-shot xxh3 of the raw bytes), and a sum, norm and sketch
 within the rounding tolerance.py derives of an independent float64 oracle, for every block layout a
 model's tensors take (rows a multiple of the block or not, rows shorter or longer than a run, more than
@@ -17,9 +17,9 @@ import xxhash
 from test_sketch_cost import _data, _scale, oracle
 
 from disttrace.analysis import tolerance
-from disttrace.run import digest as D
-from disttrace.run.digestmany import digest_many
-from disttrace.run.sketchplan import plan_for
+from disttrace.run.record import digest as D
+from disttrace.run.record.digestmany import digest_many
+from disttrace.run.record.sketchplan import plan_for
 
 pytest.importorskip("numba")
 
@@ -101,7 +101,7 @@ def test_two_processes_record_the_same_bits():
     import sys
 
     code = (
-        "import torch, orjson; from disttrace.run import digest as D; "
+        "import torch, orjson; from disttrace.run.record import digest as D; "
         "g = torch.Generator().manual_seed(9); t = torch.randn(1376, 512, generator=g); "
         "assert D._fused() is not None; print(orjson.dumps(D.digest_tensor(t)).decode())"
     )
@@ -135,7 +135,7 @@ def test_one_call_for_a_list_records_what_one_tensor_at_a_time_does(monkeypatch)
     got = digest_many([(t, None, None) for t in ts])
     assert [d["digest"] for d in got] == [xxhash.xxh3_128_hexdigest(t.numpy()) for t in ts]
     assert got == [D.digest_tensor(t) for t in ts]  # one compiled call per tensor
-    from disttrace.run import fused
+    from disttrace.run.record import fused
 
     for chunk in (4 << 10, 64 << 10):  # the hashing's pieces take no part in the arithmetic
         monkeypatch.setattr(fused, "CHUNK_BYTES", chunk)

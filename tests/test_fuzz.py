@@ -49,10 +49,11 @@ from disttrace.errors import BadInput
 from disttrace.fmt import visible
 from disttrace.gate import verdict as gate_verdict
 from disttrace.report import build_report
-from disttrace.store import collframes, trajectory
+from disttrace.store import collframes, trajectory_decode, trajectory_read
 from disttrace.store.follow import Follower
 from disttrace.store.rundir import Run
-from disttrace.store.trajectory import END_OF_STREAM, SCHEMA, SUFFIX, TrajectoryWriter
+from disttrace.store.trajectory import END_OF_STREAM, SCHEMA, SUFFIX
+from disttrace.store.trajectory_write import TrajectoryWriter
 from disttrace.store.verify import verify_run
 
 SCALE = float(os.environ.get("DISTTRACE_FUZZ_SCALE", "1"))
@@ -585,7 +586,7 @@ def write_trajectory(path: Path, rank: int, steps: dict[int, list[dict]], fmt: s
 
 
 def digest_of_digests(digests: list[str]) -> str:
-    h = xxhash.xxh3_128()  # run/digest.py's, without importing torch
+    h = xxhash.xxh3_128()  # run/record/digest.py's, without importing torch
     for d in digests:
         h.update(d.encode())
     return h.hexdigest()
@@ -1273,7 +1274,7 @@ def test_arrow_regressions(runs, name, without_index):
     _read_mutated("Arrow regression inputs", runs, rel, raw, name, without_index)
     first_step = raw[: arrow_messages(raw)[1].end]  # the schema message and the first record batch
     with pytest.raises(BadInput, match="not a trajectory record batch"):
-        trajectory.decode_step(ref / rel, first_step, "step 1")
+        trajectory_decode.decode_step(ref / rel, first_step, "step 1")
 
 
 def test_a_restarted_jobs_steps_after_the_end_of_stream_marker_are_read(tmp_path):
@@ -1285,7 +1286,10 @@ def test_a_restarted_jobs_steps_after_the_end_of_stream_marker_are_read(tmp_path
         w.write_step([_rec(step, 0, "loss", 0, 0, "loss", [], 6.0 - step, tokens=8)])
         w.close()
     torn: list = []
-    assert [trajectory.step_of(b) for _, _, b in trajectory.scan(path, torn)] == [1, 2] and not torn
+    assert [trajectory_read.step_of(b) for _, _, b in trajectory_read.scan(path, torn)] == [
+        1,
+        2,
+    ] and not torn
 
 
 # -- files missing, empty, or replaced by a directory

@@ -110,7 +110,7 @@ def _bomb(run: Path) -> None:
     """The trajectory of rank 0 as four steps of one data record each, whose sample ids are 8M zeros: 64 MB a
     step once decoded, from ~256 KB of LZ4 (every buffer within LZ4's ~255-fold bound); with a step index
     (offsets and lengths right, no hashes: a writer that leaves them out is read the same way)."""
-    from disttrace.store.trajectory import TrajectoryWriter
+    from disttrace.store.trajectory_write import TrajectoryWriter
 
     rec = next(r for r in raw_records(run, 0) if r["phase"] == "data")
     (run / TRAJ).unlink()
@@ -466,7 +466,7 @@ def test_a_refusal_inside_a_rank_reaches_the_cli_as_bad_input(tmp_path):
     """A rank that refuses its input records it (the worker's rank_failed event carries `bad_input`); the
     launcher turns a rank's exit 2 with it into the same BadInput, exit 2, not 'the job failed'."""
     from disttrace.errors import BadInput
-    from disttrace.run.launch import refused_input
+    from disttrace.run.job.launch import refused_input
 
     line = {
         "event": "rank_failed",
@@ -498,8 +498,8 @@ def test_a_refusal_inside_a_job_is_exit_2_naming_the_file_and_global(ref, tmp_pa
 from pathlib import Path
 from disttrace.config.freezing import Frozen
 from disttrace.errors import BadInput
-from disttrace.run.launch import launch, prepare
-from disttrace.run.recovery import resume_spec
+from disttrace.run.job.launch import launch, prepare
+from disttrace.run.job.recovery import resume_spec
 from disttrace.store.rundir import Run
 run = Path({str(run)!r})
 frozen = Frozen.model_validate(Run(run).lock)

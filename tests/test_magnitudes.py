@@ -1,4 +1,4 @@
-"""The magnitudes the numeric bound scales gradients by (run/scales.py, analysis/magnitudes.py): recorded
+"""The magnitudes the numeric bound scales gradients by (run/record/scales.py, analysis/magnitudes.py): recorded
 figures against a formula, and diff on pairs whose true answer is known.
 
 * The recorder's ``||X|| ||dY||`` bounds every gradient it is recorded for (Cauchy-Schwarz), on a real model.
@@ -38,8 +38,8 @@ def _cancelling(rng, tokens=64, d_in=8, d_out=16, spread=1e-3):
 def test_magnitude_bounds_every_gradient_of_a_real_model(tmp_path):
     from disttrace.config.freezing import freeze
     from disttrace.model.llama import build_model, lm_loss
-    from disttrace.run.hooks import HookBus, grads_of, param_refs
-    from disttrace.run.scales import Magnitudes
+    from disttrace.run.job.hooks import HookBus, grads_of, param_refs
+    from disttrace.run.record.scales import Magnitudes
 
     m = freeze(None, ["model.dim=32", "model.n_layers=2", "model.max_seq_len=16"]).model()
     model = build_model(m.model, torch.float32, 0)
@@ -73,8 +73,8 @@ def test_magnitude_bounds_biases_and_layer_norms(tmp_path):
     parameter's gradient, biases included (dB sums dY over positions: ||dB|| <= sqrt(positions) ||dY||),
     within its recorded magnitude (Cauchy-Schwarz), with the biases' inputs centred so that a bias bounded
     by ||X|| ||dY|| would not hold."""
-    from disttrace.run.hooks import HookBus, grads_of, param_refs
-    from disttrace.run.scales import Magnitudes
+    from disttrace.run.job.hooks import HookBus, grads_of, param_refs
+    from disttrace.run.record.scales import Magnitudes
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(

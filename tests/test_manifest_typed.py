@@ -23,20 +23,21 @@ from disttrace.store.rundir import LOCK
 from disttrace.store.writers import write_json_atomic
 
 JOB_MODULES = [
-    "worker",
-    "launch",
-    "loop",
-    "memory",
-    "topology",
-    "flightrec",
-    "perturb",
-    "checkpoint",
-    "recovery",
-    "livecheck",
-    "usercmd",
+    "job/worker",
+    "job/launch",
+    "job/loop",
+    "record/memory",
+    "job/topology",
+    "record/flightrec",
+    "job/checkpoint",
+    "job/recovery",
+    "record/livecheck",
+    "job/usercmd",
 ]
 JOB_FILES = [ROOT / "disttrace" / "run" / f"{m}.py" for m in JOB_MODULES] + sorted(
-    p for pkg in ("parallel", "faults") for p in (ROOT / "disttrace" / "run" / pkg).glob("*.py")
+    p
+    for pkg in ("parallel", "faults")  # faults/ holds perturb.py too
+    for p in (ROOT / "disttrace" / "run" / pkg).glob("*.py")
 )
 SECTIONS = set(Manifest.model_fields)
 
@@ -81,7 +82,9 @@ def test_job_modules_read_the_manifest_by_attribute_only():
 def test_a_misspelt_field_is_an_error_not_a_default(manifest):
     with pytest.raises(AttributeError):
         manifest.training.max_grad_nrom  # noqa: B018 (a typo a dict's .get would have hidden)
-    from disttrace.run import faults, flightrec, topology
+    from disttrace.run import faults
+    from disttrace.run.job import topology
+    from disttrace.run.record import flightrec
 
     assert topology.mesh_shape(manifest) == ((1, 2, 1), ("pp", "dp", "tp"))
     assert flightrec.trace_mode(manifest, "gloo") == "metadata"
@@ -89,7 +92,7 @@ def test_a_misspelt_field_is_an_error_not_a_default(manifest):
 
 
 def test_worker_refuses_a_lock_the_model_refuses_naming_file_and_field(tmp_path):
-    from disttrace.run.launch import prepare
+    from disttrace.run.job.launch import prepare
 
     run_dir = prepare(freeze(DEFAULT), tmp_path, "reference")
     lock = read_json(run_dir / LOCK)
@@ -109,7 +112,7 @@ def test_worker_refuses_a_lock_the_model_refuses_naming_file_and_field(tmp_path)
 
 
 def test_memory_ledger_layout_reads_a_manifest_and_the_attached_ledger_dict(manifest):
-    from disttrace.run.memory import LedgerLayout
+    from disttrace.run.record.memory import LedgerLayout
 
     typed = LedgerLayout.model_validate(manifest)
     assert (typed.parallelism.dp, typed.parallelism.zero_stage, typed.training.optimizer) == (

@@ -13,7 +13,7 @@ from conftest import DEFAULT, cli
 
 from disttrace.config.freezing import freeze
 from disttrace.model.llama import build_model, lm_loss
-from disttrace.run.memory import measure
+from disttrace.run.record.memory import measure
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 from conftest import DEFAULT, ROOT, cli, last_line
 
 from disttrace.analysis.diff import diff_runs
-from disttrace.run.launch import free_port
+from disttrace.run.job.launch import free_port
 from disttrace.store.rundir import Run
 
 pytestmark = (

@@ -107,8 +107,8 @@ def test_recorder_every_and_forward_in_process(tmp_path):
     index line; step 2 and 4 hold the loss but no forward (block output) records."""
     import torch
 
-    from disttrace.run.hooks import HookBus
-    from disttrace.run.recorder import Recorder
+    from disttrace.run.job.hooks import HookBus
+    from disttrace.run.record.recorder import Recorder
 
     bus = HookBus(0)
     rec = Recorder(tmp_path, 0, every=2, forward=False).attach(bus)

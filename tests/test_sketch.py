@@ -15,8 +15,8 @@ from test_diff_synthetic import find, gen_records, manifest, write_run
 
 from disttrace.analysis import calibration, tolerance
 from disttrace.analysis.diff import diff_runs
-from disttrace.run.digest import digest_tensor, sketch
-from disttrace.run.sketchplan import axis_vectors
+from disttrace.run.record.digest import digest_tensor, sketch
+from disttrace.run.record.sketchplan import axis_vectors
 
 STEP, RANK, INDEX = 2, 0, 1  # the optimizer record of layers.0.attention.wq.weight (64 x 64)
 

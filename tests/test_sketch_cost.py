@@ -1,5 +1,5 @@
 """The sketch computed cheaply (float32 GEMVs per cache-sized block, one pass that also hashes and sums; see
-run/digest.py) stays the sketch: against an independent float64 oracle of the same vectors it is within the
+run/record/digest.py) stays the sketch: against an independent float64 oracle of the same vectors it is within the
 rounding that tolerance.sketch_rounding derives, shards still add up to the whole tensor within it, the
 digest is still the one-shot xxh3 of the raw bytes, and diff does not call identical values divergent
 on the sketch's rounding (it did at a tight tolerance before the rounding term)."""
@@ -16,8 +16,8 @@ from test_diff_synthetic import PARAMS, digest, find, gen_records, manifest, wri
 
 from disttrace.analysis import tolerance
 from disttrace.analysis.diff import diff_runs
-from disttrace.run.digest import digest_tensor, sketch
-from disttrace.run.sketchplan import SKETCH_K, axis_vectors
+from disttrace.run.record.digest import digest_tensor, sketch
+from disttrace.run.record.sketchplan import SKETCH_K, axis_vectors
 
 SHAPES = [
     (64,),
@@ -34,7 +34,7 @@ SHAPES = [
 
 
 def oracle(x: np.ndarray, offset=None, logical_shape=None) -> np.ndarray:
-    """<x, v_k> in float64 with the vectors spelled out from their definition (run/digest.py, version 2):
+    """<x, v_k> in float64 with the vectors spelled out from their definition (run/record/digest.py, version 2):
     the leading axes' first factors (one for all K projections) multiplied in axis order and rounded to
     float32 once, times the last axis' K factors."""
     shape = x.shape

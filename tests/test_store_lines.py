@@ -134,7 +134,7 @@ def test_an_unknown_or_malformed_event_line():
 
 
 def test_run_json_is_what_the_writer_stated(tmp_path):
-    # the launcher's literal (run/launch.py prepare), a replay's extras, and a read back by Run.run_info
+    # the launcher's literal (run/job/launch.py prepare), a replay's extras, and a read back by Run.run_info
     fault = {
         "name": "bitflip-grad",
         "step": 3,

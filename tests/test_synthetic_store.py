@@ -15,21 +15,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import synthetic  # noqa: E402
 
 from disttrace.analysis.diff import diff_runs  # noqa: E402
-from disttrace.store import trajectory  # noqa: E402
+from disttrace.store import trajectory_decode, trajectory_read, trajectory_write  # noqa: E402
 from disttrace.store.rundir import Run  # noqa: E402
 from disttrace.store.verify import verify_run  # noqa: E402
 
 
 @pytest.fixture(params=[2, 1], ids=["v2", "v1"])
 def layout_version(request, monkeypatch):
-    monkeypatch.setattr(trajectory, "VERSION", request.param)
+    monkeypatch.setattr(trajectory_write, "VERSION", request.param)
     return request.param
 
 
 @pytest.mark.parametrize("n", [6, 7, 150, 1000])
 def test_write_batch_gives_write_steps_bytes(tmp_path, layout_version, n):
-    by_records = trajectory.TrajectoryWriter(tmp_path / "records.arrows")
-    by_batch = trajectory.TrajectoryWriter(tmp_path / "batch.arrows")
+    by_records = trajectory_write.TrajectoryWriter(tmp_path / "records.arrows")
+    by_batch = trajectory_write.TrajectoryWriter(tmp_path / "batch.arrows")
     assert by_records.version == by_batch.version == layout_version
     layout = synthetic.Layout(n, by_batch)
     for step in range(1, 5):
@@ -43,11 +43,11 @@ def test_write_batch_gives_write_steps_bytes(tmp_path, layout_version, n):
 
 
 def test_write_batch_refuses_another_layout(tmp_path, monkeypatch):
-    monkeypatch.setattr(trajectory, "VERSION", 1)
-    v1 = trajectory.TrajectoryWriter(tmp_path / "v1.arrows")
+    monkeypatch.setattr(trajectory_write, "VERSION", 1)
+    v1 = trajectory_write.TrajectoryWriter(tmp_path / "v1.arrows")
     batch = synthetic.Layout(10, v1).batch(1, 0)
-    monkeypatch.setattr(trajectory, "VERSION", 2)
-    v2 = trajectory.TrajectoryWriter(tmp_path / "v2.arrows")
+    monkeypatch.setattr(trajectory_write, "VERSION", 2)
+    v2 = trajectory_write.TrajectoryWriter(tmp_path / "v2.arrows")
     with pytest.raises(ValueError, match="layout"):
         v2.write_batch(batch)
     assert v2.offset == 0  # nothing written
@@ -72,11 +72,13 @@ def test_a_store_written_in_processes_reads_back(tmp_path):
     layout = synthetic.Layout(n)
     run = Run(ref)
     for rank in range(ranks):
-        path = trajectory.trajectory_path(ref, rank)
+        path = trajectory_read.trajectory_path(ref, rank)
         got = []
         for e in run.step_index(rank).records:
-            data = trajectory.read_range(path, e.offset, e.length)
-            got += trajectory.to_records(trajectory.decode_step(path, data, f"step {e.step}"))
+            data = trajectory_read.read_range(path, e.offset, e.length)
+            got += trajectory_read.to_records(
+                trajectory_decode.decode_step(path, data, f"step {e.step}")
+            )
         want = [r for s in range(1, steps + 1) for r in layout.records(s, rank)]
         assert len(got) == len(want) == steps * n
         for g, w in zip(got, want):

@@ -1,7 +1,7 @@
-"""The trajectory's own format limits (store/trajectory.py), against pyarrow's reader as the oracle.
+"""The trajectory's own format limits (store/trajectory*.py), against pyarrow's reader as the oracle.
 
 Two layouts are read: v1 (the first Arrow layout) and v2 (the one written). The v1 writer below is a
-frozen copy of the code that wrote v1 stores, kept here so a change to store/trajectory.py cannot change what
+frozen copy of the code that wrote v1 stores, kept here so a change to store/trajectory_write.py cannot change what
 "a v1 stream" means to these tests.
 """
 
@@ -18,7 +18,7 @@ import pyarrow.ipc as ipc
 import pytest
 
 from disttrace.errors import BadInput
-from disttrace.store import trajectory
+from disttrace.store import trajectory, trajectory_decode, trajectory_read, trajectory_write
 
 
 def _records(n: int) -> list[dict]:
@@ -122,7 +122,7 @@ def write_v1(path: Path, steps: list[list[dict]]) -> list[tuple[int, int]]:
 
 
 def write_v2(path: Path, steps: list[list[dict]]) -> list[tuple[int, int]]:
-    w = trajectory.TrajectoryWriter(path)
+    w = trajectory_write.TrajectoryWriter(path)
     ranges = []
     for recs in steps:
         offset = w.offset
@@ -234,7 +234,7 @@ def every_kind(step: int, rank: int = 0, seed: int = 0) -> list[dict]:
 
 def _read_all(path: Path) -> list[list[dict]]:
     torn: list = []
-    out = [trajectory.to_records(b) for _, _, b in trajectory.scan(path, torn)]
+    out = [trajectory_read.to_records(b) for _, _, b in trajectory_read.scan(path, torn)]
     assert not torn
     return out
 
@@ -245,17 +245,17 @@ def _read_all(path: Path) -> list[list[dict]]:
 def test_a_large_step_of_constant_columns_decodes(tmp_path):
     """5,000 records whose null float64 sketches are 160 KB of zeros: LZ4 compresses them near its limit,
     and the reader's check of declared sizes must still let our own writer's step through."""
-    w = trajectory.TrajectoryWriter(tmp_path / "rank-00000.arrows")
+    w = trajectory_write.TrajectoryWriter(tmp_path / "rank-00000.arrows")
     data = w.write_step(_records(5000))
     w.close()
-    ours = trajectory.decode_step(tmp_path, data, "step 1")
+    ours = trajectory_decode.decode_step(tmp_path, data, "step 1")
     assert ours.equals(pa.RecordBatch.from_arrays(_v1_columns(_records(5000)), schema=V1_SCHEMA))
     assert ipc.open_stream(data).read_next_batch().num_rows == 5000  # pyarrow's own reader
 
 
 def test_a_zstd_step_is_refused():
     batch = pa.RecordBatch.from_arrays(
-        trajectory._columns(_records(1000)), schema=trajectory.SCHEMA
+        trajectory_write._columns(_records(1000)), schema=trajectory.SCHEMA
     )
     sink = pa.BufferOutputStream()
     w = ipc.new_stream(sink, trajectory.SCHEMA, options=ipc.IpcWriteOptions(compression="zstd"))
@@ -264,7 +264,7 @@ def test_a_zstd_step_is_refused():
     data = sink.getvalue().to_pybytes()
     assert ipc.open_stream(data).read_next_batch().num_rows == 1000  # a valid Arrow stream
     with pytest.raises(BadInput, match="zstd"):
-        trajectory.decode_step(Path("x.arrows"), data, "step 1")
+        trajectory_decode.decode_step(Path("x.arrows"), data, "step 1")
 
 
 def test_the_readers_schema_is_v1():
@@ -277,14 +277,14 @@ def test_a_v1_stream_still_reads(tmp_path):
     path = tmp_path / "rank-00000.arrows"
     ranges = write_v1(path, steps)
     assert _read_all(path) == [
-        trajectory.to_records(pa.RecordBatch.from_arrays(_v1_columns(s), schema=V1_SCHEMA))
+        trajectory_read.to_records(pa.RecordBatch.from_arrays(_v1_columns(s), schema=V1_SCHEMA))
         for s in steps
     ]
     assert (
         _read_all(path)[1] == steps[1]
     )  # the records as written, optional fields absent where unset
     for (offset, length), recs in zip(ranges, steps):  # each step alone, by its byte range
-        assert trajectory.records_of_range(path, offset, length, recs[0]["step"]) == recs
+        assert trajectory_read.records_of_range(path, offset, length, recs[0]["step"]) == recs
 
 
 def test_v2_reads_back_what_v1_did(tmp_path):
@@ -294,8 +294,8 @@ def test_v2_reads_back_what_v1_did(tmp_path):
     v1, v2 = tmp_path / "v1.arrows", tmp_path / "v2.arrows"
     write_v1(v1, steps)
     write_v2(v2, steps)
-    b1 = [b for _, _, b in trajectory.scan(v1)]
-    b2 = [b for _, _, b in trajectory.scan(v2)]
+    b1 = [b for _, _, b in trajectory_read.scan(v1)]
+    b2 = [b for _, _, b in trajectory_read.scan(v2)]
     assert len(b2) == 3 and all(x.equals(y) for x, y in zip(b1, b2))
     assert _read_all(v2) == _read_all(v1) and _read_all(v2)[2] == steps[2]
     assert ipc.open_stream(v2.read_bytes()).schema.equals(trajectory.SCHEMA_V2)
@@ -310,8 +310,8 @@ def test_each_v2_step_decodes_alone(tmp_path):
     data = path.read_bytes()
     for i, ((offset, length), recs) in enumerate(zip(ranges, steps)):
         step = data[offset : offset + length]
-        batch = trajectory.decode_step(tmp_path / "elsewhere.arrows", step, f"step {i + 1}")
-        assert trajectory.to_records(batch) == recs
+        batch = trajectory_decode.decode_step(tmp_path / "elsewhere.arrows", step, f"step {i + 1}")
+        assert trajectory_read.to_records(batch) == recs
         first = ipc.read_message(pa.BufferReader(step))
         assert first.type == ("schema" if i == 0 else "dictionary")
     assert data[ranges[-1][0] + ranges[-1][1] :] == trajectory.END_OF_STREAM
@@ -325,7 +325,7 @@ def test_a_step_read_for_some_phases_holds_exactly_their_records(tmp_path):
         path = tmp_path / f"rank-00000-{write.__name__}.arrows"
         for (offset, length), recs in zip(write(path, steps), steps):
             for phases in (("clip",), ("reduce", "optimizer"), ("no such phase",)):
-                got = trajectory.records_of_range(
+                got = trajectory_read.records_of_range(
                     path, offset, length, recs[0]["step"], phases=phases
                 )
                 assert got == [r for r in recs if r["phase"] in phases]
@@ -347,7 +347,7 @@ def test_any_arrow_reader_reads_a_v2_stream_as_it_is(tmp_path):
     # all-inline string views carry no empty data buffer (Polars 2.1 panics on an empty LZ4 buffer there)
     batch = ipc.open_stream(path.read_bytes()).read_next_batch()
     small = pa.array(["data", "loss"], pa.string_view())
-    assert len(trajectory._view(small.to_pylist()).buffers()) == 2
+    assert len(trajectory_write._view(small.to_pylist()).buffers()) == 2
     assert (
         len(batch.column("dtype").buffers()) == 3
     )  # float8_e4m3fnuz is longer than 12 bytes: one data buffer
@@ -429,10 +429,10 @@ def test_a_torn_v2_step_is_reported_and_left_out(tmp_path, where):
     }[where]
     path.write_bytes(data[:cut])
     torn: list = []
-    assert [trajectory.step_of(b) for _, _, b in trajectory.scan(path, torn)] == [1, 2]
+    assert [trajectory_read.step_of(b) for _, _, b in trajectory_read.scan(path, torn)] == [1, 2]
     assert len(torn) == 1 and "torn" in torn[0]
     with pytest.raises(BadInput):
-        list(trajectory.scan(path))
+        list(trajectory_read.scan(path))
 
 
 def _shapes(
@@ -445,7 +445,7 @@ def _shapes(
 
 def _v2_step(cols: dict, n: int, options=None) -> bytes:
     """One step's bytes (schema, dictionary, batch) of a v2 stream whose columns are `cols` over the writer's."""
-    arrays = dict(zip(trajectory.SCHEMA_V2.names, trajectory._columns_v2(_records(n))))
+    arrays = dict(zip(trajectory.SCHEMA_V2.names, trajectory_write._columns_v2(_records(n))))
     arrays.update(cols)
     batch = pa.RecordBatch.from_arrays(
         [arrays[f.name] for f in trajectory.SCHEMA_V2], schema=trajectory.SCHEMA_V2
@@ -461,7 +461,7 @@ def _v2_step(cols: dict, n: int, options=None) -> bytes:
 
 
 def test_our_own_crafted_step_decodes():  # the helper below is sound: what the crafted cases change is what fails
-    assert trajectory.decode_step(Path("x.arrows"), _v2_step({}, 3), "step 1").num_rows == 3
+    assert trajectory_decode.decode_step(Path("x.arrows"), _v2_step({}, 3), "step 1").num_rows == 3
 
 
 @pytest.mark.parametrize(
@@ -476,7 +476,7 @@ def test_a_crafted_v2_column_is_refused(case):
     else:
         cols = {"shape": _shapes([0, 0, 0], [[2**40, 2**40]])}
     with pytest.raises(BadInput, match="not a trajectory record batch"):
-        trajectory.decode_step(Path("x.arrows"), _v2_step(cols, n), "step 1")
+        trajectory_decode.decode_step(Path("x.arrows"), _v2_step(cols, n), "step 1")
 
 
 def test_a_forged_size_in_the_dictionary_message_is_refused_before_decoding():
@@ -493,7 +493,7 @@ def test_a_forged_size_in_the_dictionary_message_is_refused_before_decoding():
     assert start < frame < r.tell()
     data[frame - 8 : frame] = (2**40).to_bytes(8, "little")
     with pytest.raises(BadInput, match="says it holds"):
-        trajectory.decode_step(Path("x.arrows"), bytes(data), "step 1")
+        trajectory_decode.decode_step(Path("x.arrows"), bytes(data), "step 1")
 
 
 def test_a_step_of_other_messages_is_refused():
@@ -511,8 +511,10 @@ def test_a_step_of_other_messages_is_refused():
         dictionary + batch + batch,
     ):
         with pytest.raises(BadInput, match="not a trajectory record batch"):
-            trajectory.decode_step(Path("x.arrows"), bad, "step 1")
-    assert trajectory.decode_step(Path("x.arrows"), dictionary + batch, "step 2").num_rows == 3
+            trajectory_decode.decode_step(Path("x.arrows"), bad, "step 1")
+    assert (
+        trajectory_decode.decode_step(Path("x.arrows"), dictionary + batch, "step 2").num_rows == 3
+    )
 
 
 def test_a_delta_dictionary_is_refused():
@@ -520,7 +522,7 @@ def test_a_delta_dictionary_is_refused():
     opts = ipc.IpcWriteOptions(compression="lz4", emit_dictionary_deltas=True)
     sink = io.BytesIO()
     w = ipc.new_stream(sink, trajectory.SCHEMA_V2, options=opts)
-    cols = dict(zip(trajectory.SCHEMA_V2.names, trajectory._columns_v2(_records(2))))
+    cols = dict(zip(trajectory.SCHEMA_V2.names, trajectory_write._columns_v2(_records(2))))
     for dictionary in ([[4]], [[4], [5]]):
         cols["shape"] = _shapes([0, 0], dictionary)
         w.write_batch(
@@ -533,13 +535,13 @@ def test_a_delta_dictionary_is_refused():
     second = sink.getvalue()[first:]
     assert ipc.read_message(pa.BufferReader(second)).type == "dictionary"
     with pytest.raises(BadInput, match="dictionary message other than"):
-        trajectory.decode_step(Path("x.arrows"), second, "step 2")
+        trajectory_decode.decode_step(Path("x.arrows"), second, "step 2")
 
 
 def test_the_writer_refuses_a_numel_that_is_not_the_shapes_product(tmp_path):
     """v2 does not store numel (readers compute it from the shape): a record where it differs would be read
     back changed, so it is refused when written."""
-    w = trajectory.TrajectoryWriter(tmp_path / "rank-00000.arrows")
+    w = trajectory_write.TrajectoryWriter(tmp_path / "rank-00000.arrows")
     with pytest.raises(ValueError, match="numel"):
         w.write_step([dict(_records(1)[0], numel=5)])
     w.close()
@@ -551,12 +553,12 @@ def test_a_restarted_job_appending_to_a_v1_stream_keeps_it_v1(tmp_path):
     path = tmp_path / "rank-00000.arrows"
     steps = [every_kind(s) for s in (1, 2, 3)]
     write_v1(path, steps[:2])
-    w = trajectory.TrajectoryWriter(path)
+    w = trajectory_write.TrajectoryWriter(path)
     assert w.version == 1
     w.write_step(steps[2])
     w.close()
     assert _read_all(path) == steps
     assert ipc.open_stream(path.read_bytes()).schema.equals(V1_SCHEMA)
-    w = trajectory.TrajectoryWriter(tmp_path / "new.arrows")
-    assert w.version == trajectory.VERSION == 2
+    w = trajectory_write.TrajectoryWriter(tmp_path / "new.arrows")
+    assert w.version == trajectory_write.VERSION == 2
     w.close()

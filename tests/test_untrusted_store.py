@@ -149,7 +149,7 @@ def test_a_crafted_metadata_is_refused_by_every_command(ref, tmp_path):
 def test_our_loader_refuses_the_payload_without_the_scan(ref, tmp_path):
     """The runtime guard alone (no INDEX check, no opcode scan): the allowlisting unpickler names the global."""
     from disttrace.errors import BadInput
-    from disttrace.run import safeload
+    from disttrace.run.job import safeload
 
     marker = tmp_path / "MARKER"
     run = _crafted_metadata_store(ref, tmp_path / "runs", marker)
@@ -172,7 +172,7 @@ def _dcp_items_store(tmp_path: Path, value) -> Path:
 
 def test_a_crafted_non_tensor_item_is_read_weights_only(tmp_path):
     from disttrace.errors import BadInput
-    from disttrace.run import safeload
+    from disttrace.run.job import safeload
     from disttrace.store.pickles import scan_checkpoint
 
     marker = tmp_path / "MARKER"
@@ -269,7 +269,7 @@ def test_a_resume_path_outside_the_runs_root_is_refused(ref, tmp_path, where):
     (run_dir / "run.json").write_bytes(orjson.dumps(info))
 
     from disttrace.errors import BadInput
-    from disttrace.run.launch import launch
+    from disttrace.run.job.launch import launch
 
     with pytest.raises(BadInput, match="resume.checkpoint"):
         launch(run_dir)  # before any rank starts
@@ -317,7 +317,7 @@ def test_a_checkpoint_linked_out_of_the_run_is_refused(ref, tmp_path):
 
 
 # Calls that unpickle whatever bytes they are given, by fully qualified name (aliases and `from` imports
-# resolved). torch.load is allowed only with weights_only=True; DCP's load only in run/safeload.py, with our
+# resolved). torch.load is allowed only with weights_only=True; DCP's load only in run/job/safeload.py, with our
 # reader and planner; an Unpickler subclass only with its own find_class.
 FREE_UNPICKLERS = {
     "pickle.load",
@@ -399,7 +399,8 @@ def unpickling_offenders(source: str, rel: str) -> list[str]:
             if not (isinstance(wo, ast.Constant) and wo.value is True):
                 out.append(f"{rel}:{node.lineno}: torch.load without weights_only=True")
         elif called in DCP_LOADS and (
-            rel != "disttrace/run/safeload.py" or not {"storage_reader", "planner"} <= set(keywords)
+            rel != "disttrace/run/job/safeload.py"
+            or not {"storage_reader", "planner"} <= set(keywords)
         ):
             out.append(f"{rel}:{node.lineno}: {called} outside safeload's reader and planner")
         elif (

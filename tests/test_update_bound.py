@@ -1,7 +1,7 @@
 """The Adam step's bound (analysis/updates.py) against torch's own AdamW: no sequence of gradients moves an
 element further than it, the worst case (gradients growing by beta2 / beta1 a step, the Cauchy-Schwarz
 equality) reaches it, and the Adam paper's figure is exceeded there; the recorder's statistic
-(run/updates.py) stays inside it under decoupled weight decay and names a planted jump."""
+(run/record/updates.py) stays inside it under decoupled weight decay and names a planted jump."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from disttrace.analysis.updates import SLACK, adam_step_bound, allowance, step_allowance
-from disttrace.run.updates import SUFFIX, Updates
+from disttrace.run.record.updates import SUFFIX, Updates
 
 
 def _steps(grads, betas, lr=1.0, wd=0.0, p0=None, dtype=torch.float64):

@@ -1,5 +1,5 @@
 """A parameter corrupted at the optimizer step, across layouts, is named at its own step, phase and tensor by
-`diff --mode numeric` through its update record (run/updates.py, analysis/updates.py): the parameter itself
+`diff --mode numeric` through its update record (run/record/updates.py, analysis/updates.py): the parameter itself
 has no sound bound under Adam, its update has. The oracle is the planted fault's coordinates; the control is
 the honest pair of layouts, equal under the same bound, with clipping engaged and weight decay on."""
 
@@ -70,7 +70,7 @@ def test_a_parameter_moved_at_the_step_is_named_there(runs):
 
 def test_a_run_without_some_update_records_compares_as_before(runs):
     """Tensor parallel places its parameters as pieces of logical tensors (its replicated norms too): their
-    update records are not made (run/updates.py); the records one run lacks are not compared, and the
+    update records are not made (run/record/updates.py); the records one run lacks are not compared, and the
     honest pair stays equal, as a store written before update records does."""
     reference = runs.get("run", DEFAULT, *MODEL, *DP1)
     tp = runs.get("run", DEFAULT, *MODEL, "--set", "parallelism.tp=2")

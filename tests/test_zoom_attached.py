@@ -49,7 +49,7 @@ def _json(proc) -> dict:
 
 
 def test_a_depth_request_in_run_json_is_checked_naming_the_field():
-    from disttrace.run.depth import attached_spec
+    from disttrace.run.record.depth import attached_spec
 
     assert attached_spec({}, "run.json") is None
     ok = attached_spec({"depth": {"step": 2, "level": "op"}}, "run.json")

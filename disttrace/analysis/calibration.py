@@ -1,7 +1,7 @@
 """Measured run-to-run noise (`disttrace calibrate MANIFEST`, or `disttrace run --calibrate`): where the
 derived bound of tolerance.py is in doubt, measure instead, the way TTrace sets its thresholds: perturb,
 measure, multiply by a stated safety factor. The reference runs twice (same bits expected: determinism) and
-once with its initial parameters perturbed by one unit in the last place (run/perturb.py); the largest
+once with its initial parameters perturbed by one unit in the last place (run/faults/perturb.py); the largest
 relative error between the reference and the perturbed run, per step, phase and tensor class (embedding,
 attention, mlp, norm, output, other: model/names.py's `tensor_class`), is the noise, and `safety` times it
 is the calibrated bound diff and gate use (where the perturbation never reached, noise 0, the derived bound

@@ -140,9 +140,9 @@ def _check_step(step: int, by_rank: dict[int, list[dict]], rules: Replicas) -> t
 
 
 def _arrow(run: Run, rank: int) -> bool:
-    from disttrace.store import trajectory
+    from disttrace.store import trajectory_read
 
-    return trajectory.is_arrow(run.trajectory_path(rank))
+    return trajectory_read.is_arrow(run.trajectory_path(rank))
 
 
 class _Span(NamedTuple):

@@ -152,7 +152,7 @@ class Columns:
     """The check on Arrow columns, one rank at a time, so that what it holds is bounded by a rank's block and
     by what each comparison needs, not by the number of ranks (one step of every rank at once was ~550 MiB
     at 1,024 ranks x 1,000 records). Steps go a window at a time: each rank's steps of the window are decoded
-    together (trajectory.decode_steps, at most BLOCK_ROWS records), each rule's rows selected (its tensor
+    together (trajectory_decode.decode_steps, at most BLOCK_ROWS records), each rule's rows selected (its tensor
     patterns matched once per distinct name), and its copies folded into the step's summary (`_Agree`: the
     first digest of each key and whether another differs; `_Differ`: the copies' digests). A step whose
     summaries find no broken key is consistent and counted without more; a step with broken keys is read
@@ -267,7 +267,7 @@ class Columns:
         """The steps' records, decoded together, and where each step's rows begin (and the last ends). Steps
         that lie one after another in the file are read as one range (the file opened once a window, not
         once a step; a range no longer than a step may be)."""
-        from disttrace.store import trajectory
+        from disttrace.store import trajectory_decode, trajectory_read
 
         path = self.run.trajectory_path(rank)
         parts, i = [], 0
@@ -280,7 +280,7 @@ class Columns:
             ):
                 j += 1
             end = entries[j - 1].offset + entries[j - 1].length
-            data = trajectory.read_range(path, first.offset, end - first.offset, self.run.path)
+            data = trajectory_read.read_range(path, first.offset, end - first.offset, self.run.path)
             for e in entries[i:j]:
                 at = e.offset - first.offset
                 parts.append(
@@ -290,7 +290,7 @@ class Columns:
                     )
                 )
             i = j
-        batch, starts = trajectory.decode_steps(path, parts)
+        batch, starts = trajectory_decode.decode_steps(path, parts)
         return batch, [*starts.tolist(), batch.num_rows]
 
     def _window(self, steps: list[int], n: int, indexes: dict) -> dict[int, tuple | None]:

@@ -1,5 +1,5 @@
 """The magnitudes that bound a record's difference (analysis/tolerance.py, "Magnitudes"), read from the
-magnitudes files run/scales.py writes (store/scales.py: columns of step, phase (backward, reduce),
+magnitudes files run/record/scales.py writes (store/scales.py: columns of step, phase (backward, reduce),
 micro-batch and parameter index, the accumulated ``||X|| ||dY||`` of that rank), held as arrays: each table
 below is looked up a column at a time.
 

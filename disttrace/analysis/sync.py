@@ -25,7 +25,7 @@ def load_traces(run: Run) -> tuple[dict[int, dict[str, list[CollectiveLine]]], l
         seen_fr: set = set()
         for rec in run.collectives(rank, torn):
             if rec.lost is not None:
-                # the Flight Recorder's ring wrapped past entries not yet copied (run/flightrec.py)
+                # the Flight Recorder's ring wrapped past entries not yet copied (run/record/flightrec.py)
                 warnings.append(
                     f"rank {rank}: {rec.lost} collective(s) lost from the trace near step "
                     f"{rec.step} (Flight Recorder ring overwritten before it was copied)"

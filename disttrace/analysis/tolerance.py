@@ -70,7 +70,7 @@ The scale that does: a parameter's gradient is a bilinear form in what its modul
 (embedding). Elementwise ``|dW| <= |dY|^T |X|`` and ``|| |dY|^T |X| ||_F <= ||X||_F ||dY||_F =: M``
 (Cauchy-Schwarz). A relative error eps in X and in dY -- rounding, or a state that has drifted -- moves dW by
 at most ``(2 eps + eps^2) M`` however much the sum cancels, and the GEMM's own rounding adds ``gamma_T M``.
-run/scales.py records M per parameter and micro-batch (an RMSNorm's ``||xhat|| <= sqrt(numel)``; an
+run/record/scales.py records M per parameter and micro-batch (an RMSNorm's ``||xhat|| <= sqrt(numel)``; an
 embedding's ``||onehot|| = sqrt(tokens)``), accumulated like the gradient; analysis/magnitudes.py turns it
 into the scale of each record: a rank's accumulated gradient (``backward``) its own M, the reduced and the
 clipped gradient (``reduce``, ``clip``; clipping multiplies by a coefficient <= 1) the sum over ranks / dp,
@@ -241,7 +241,7 @@ def projection_terms(
     ra: dict, rb: dict, scale: float, projections: int | None = None
 ) -> list[float]:
     """|<x_a - x_b, v>| / scale for v = the all-ones vector (the sum) and each random projection of the
-    records' sketches (run/digest.py). Every v has ||v|| = sqrt(numel), so one scale (norm * sqrt(numel))
+    records' sketches (run/record/digest.py). Every v has ||v|| = sqrt(numel), so one scale (norm * sqrt(numel))
     and one bound serve them all: with |dx_i| <= eps |x_i|, |<dx, v>| <= eps ||x|| ||v||. A record without
     a sketch (written before it existed) compares on the sum alone; `projections`: only that many leading
     projections have the same vectors in both records (sketches of two versions:
@@ -258,7 +258,7 @@ def projection_terms(
     return out
 
 
-# run/digest.py contracts a float32 tensor's sketch in float32 over at most this many rows at a time (one
+# run/record/digest.py contracts a float32 tensor's sketch in float32 over at most this many rows at a time (one
 # GEMV per cache-sized block, accumulated in float64); float64 tensors and integers in float64
 SKETCH_ROWS = 512
 # dtypes whose sketch is computed (and stored) in float32: defined with the trajectory format
@@ -267,7 +267,7 @@ from disttrace.store.trajectory import SKETCH_FLOAT32  # noqa: E402
 
 def sketch_rounding(dtype, shape) -> float:
     """The rounding of a recorded sketch projection, relative to norm * sqrt(numel) (the scale of
-    projection_terms). run/digest.py computes sketch_k = sum_c W[c,k] * sum_r U[r,k] X[r,c] (X: rows = the
+    projection_terms). run/record/digest.py computes sketch_k = sum_c W[c,k] * sum_r U[r,k] X[r,c] (X: rows = the
     leading axes, R of them; columns = the last axis, C; U[r,k] = u[r] for every k in the sketch's version
     2, a GEMV, and a factor per k in version 1, a GEMM: the same sums): the inner sums in float32 over
     n <= min(R, SKETCH_ROWS) rows, the rest in float64. An inner sum of n terms is off by at most gamma_n = n*u times
@@ -295,16 +295,16 @@ def sketch_rounding(dtype, shape) -> float:
     return u * math.sqrt(min(rows, SKETCH_ROWS)) + U64 * math.sqrt(rows + cols) + stored
 
 
-# run/digest.py reduces a float32 tensor of more than FLOAT64_STATS elements to its sum and sum of squares in
+# run/record/digest.py reduces a float32 tensor of more than FLOAT64_STATS elements to its sum and sum of squares in
 # groups of at most STAT_CHUNK elements (numpy: runs of consecutive elements, one float32 dot product each;
-# run/fused.py: a column's elements in up to STAT_CHUNK consecutive rows), the groups added in float64;
+# run/record/fused.py: a column's elements in up to STAT_CHUNK consecutive rows), the groups added in float64;
 # smaller tensors, float64 and integer ones in float64, whose rounding diff neglects (as it always has)
 STAT_CHUNK = 128
 FLOAT64_STATS = 1 << 14
 
 
 def _in_float32(dtype, numel: int) -> bool:
-    """Whether run/digest.py takes a tensor's sum and sum of squares in float32 runs: float32 and the
+    """Whether run/record/digest.py takes a tensor's sum and sum of squares in float32 runs: float32 and the
     narrower floats (converted to float32 exactly) of more than FLOAT64_STATS elements."""
     return str(dtype).removeprefix("torch.") in SKETCH_FLOAT32 and numel > FLOAT64_STATS
 
@@ -318,8 +318,8 @@ def _numel(shape) -> int | None:
 
 def sum_rounding(dtype, shape) -> float:
     """The rounding of a recorded sum, relative to norm * sqrt(numel) (the scale of projection_terms: the sum
-    is <x, 1>). run/digest.py sums a float32 tensor in groups of n <= STAT_CHUNK elements in float32 (runs
-    of consecutive elements, a dot product with ones in whatever order the BLAS takes; in run/fused.py a
+    is <x, 1>). run/record/digest.py sums a float32 tensor in groups of n <= STAT_CHUNK elements in float32 (runs
+    of consecutive elements, a dot product with ones in whatever order the BLAS takes; in run/record/fused.py a
     column's elements in up to STAT_CHUNK consecutive rows), the groups' sums added in float64. A
     group's sum is off by at most gamma_n times its sum of magnitudes (Higham Thm 3.1), u sqrt(n) in the
     probabilistic model the sketch's rounding uses, and sum |x| <= ||x|| sqrt(numel) (Cauchy-Schwarz);
@@ -335,7 +335,7 @@ def sum_rounding(dtype, shape) -> float:
 
 
 def norm_rounding(dtype, shape) -> float:
-    """The rounding of a recorded norm, relative to the norm. run/digest.py adds a float32 tensor's squares
+    """The rounding of a recorded norm, relative to the norm. run/record/digest.py adds a float32 tensor's squares
     in the same runs (a dot product: gamma_n of the run's sum, every term positive, plus u for the squares
     themselves when the products are not fused), the runs in float64 (u64 sqrt(numel) covers any float64
     order); the square root halves a relative error and rounds once more. 0 where the sum is (float64

@@ -3,7 +3,7 @@
 A parameter under Adam has no sound bound across layouts (its update ``lr m / (sqrt(v) + eps)`` is a ratio
 of two quantities that may both cancel), but the update itself has one, whatever cancels. torch's Adam and
 AdamW move element i at step t by ``lr * (m_t / bc1) / (sqrt(v_t / bc2) + eps)`` (plus AdamW's decoupled
-decay ``lr wd p``, which the record leaves out: run/updates.py), ``bc1 = 1 - beta1^t``,
+decay ``lr wd p``, which the record leaves out: run/record/updates.py), ``bc1 = 1 - beta1^t``,
 ``bc2 = 1 - beta2^t``, from moments started at zero:
 
     m_t = (1 - beta1) sum_{s<=t} beta1^(t-s) g_s,     v_t = (1 - beta2) sum_{s<=t} beta2^(t-s) g_s^2

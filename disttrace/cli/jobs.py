@@ -60,7 +60,7 @@ def _run_job_and_report(
 def _launch_and_report(
     run_dir: Path, json_: bool, nnodes=1, node_rank=0, rdzv_endpoint=None, quiet=False
 ):
-    from disttrace.run.launch import launch
+    from disttrace.run.job.launch import launch
     from disttrace.views.progress import LiveProgress
 
     def job():
@@ -203,7 +203,7 @@ def run(
     Multi-node: start one `disttrace run` per node with the same --nnodes, --rdzv-endpoint and --run-id.
     Your own script: `disttrace run -- torchrun --nproc-per-node 2 train.py` (it calls disttrace.api.attach;
     the prepared run dir reaches it in DISTTRACE_RUN_DIR; its stdout goes to stderr)."""
-    from disttrace.run.launch import prepare, prepare_shared
+    from disttrace.run.job.launch import prepare, prepare_shared
 
     if calibrate_ and (cli.USER_COMMAND is not None or nnodes > 1 or prepare_only):
         raise BadInput(
@@ -247,7 +247,7 @@ def _launch_and_calibrate(
     frozen, run_dir: Path, out: Path, safety: float, json_: bool, quiet: bool
 ):
     """`run --calibrate`: the reference, then its calibration beside it, reported as one run."""
-    from disttrace.run.launch import launch
+    from disttrace.run.job.launch import launch
     from disttrace.views.progress import LiveProgress
 
     extra: dict = {}
@@ -284,10 +284,10 @@ def inject(
     Your own script: `disttrace inject --fault NAME --step S --rank R -- CMD ARGS...` fires the catalog entry at
     its hook point inside the attached script; a fault needing a point the script lacks is refused (exit 2)."""
     from disttrace.run import faults
-    from disttrace.run.launch import prepare
+    from disttrace.run.job.launch import prepare
 
     if cli.USER_COMMAND is not None:
-        from disttrace.run.usercmd import fault_spec
+        from disttrace.run.job.usercmd import fault_spec
 
         run_dir = _user_command(
             manifest, out, json_, "fault", fault_spec(fault, step, rank, parse_params(param))
@@ -302,7 +302,7 @@ def inject(
 
 
 def _user_command(manifest, out: Path, json_: bool, path_kind: str, fault: dict | None) -> Path:
-    from disttrace.run import usercmd
+    from disttrace.run.job import usercmd
 
     if manifest is not None:
         raise BadInput(str(manifest), "give a manifest or a command after '--', not both")
@@ -371,7 +371,7 @@ def _calibration(frozen, out: Path, safety: float, reference: Path | None = None
 
     from disttrace.analysis.calibration import build
     from disttrace.analysis.tolerance import unit_roundoff
-    from disttrace.run.launch import launch, prepare
+    from disttrace.run.job.launch import launch, prepare
     from disttrace.store.rundir import read_run_info
     from disttrace.store.writers import write_json_atomic, write_run_info
 
@@ -411,8 +411,8 @@ def recover(
     copied into the recovered run and verified again, and run.json names the run it came from."""
     import shutil
 
-    from disttrace.run.launch import prepare
-    from disttrace.run.recovery import choose_checkpoint, import_checkpoint, resume_spec
+    from disttrace.run.job.launch import prepare
+    from disttrace.run.job.recovery import choose_checkpoint, import_checkpoint, resume_spec
     from disttrace.store.paths import inside
     from disttrace.store.rundir import read_run_info
     from disttrace.store.writers import write_run_info
@@ -478,11 +478,11 @@ def replay(
             Text(f"replaying step {step} of {run_dir} into {replay_dir} ...", style="dim")
         )
         if cli.USER_COMMAND is not None:
-            from disttrace.run import usercmd
+            from disttrace.run.job import usercmd
 
             return usercmd.execute(replay_dir, cli.USER_COMMAND)
         with LiveProgress(replay_dir, cli.err, enabled=not quiet):
-            from disttrace.run.launch import launch
+            from disttrace.run.job.launch import launch
 
             launch(replay_dir)
 

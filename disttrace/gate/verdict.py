@@ -56,7 +56,13 @@ def run_eval(run: Run, data_from: Run | None = None) -> dict:
         )  # a stale or forged eval.json must not stand in for a failed evaluation
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         proc = subprocess.run(
-            [sys.executable, "-m", "disttrace.run.evaluate", str(run.path), str(data_from.path)],
+            [
+                sys.executable,
+                "-m",
+                "disttrace.run.evaluation.evaluate",
+                str(run.path),
+                str(data_from.path),
+            ],
             capture_output=True,
             text=True,
             env=env,

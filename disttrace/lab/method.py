@@ -25,8 +25,8 @@ from disttrace.config.freezing import freeze
 from disttrace.errors import BadInput, JobFailed
 from disttrace.gate.verdict import gate
 from disttrace.run import faults
-from disttrace.run.launch import launch, prepare
-from disttrace.run.recovery import choose_checkpoint, resume_spec
+from disttrace.run.job.launch import launch, prepare
+from disttrace.run.job.recovery import choose_checkpoint, resume_spec
 from disttrace.store import checkpoints as checkpoint
 from disttrace.store.records import PHASES
 from disttrace.store.rundir import Run

@@ -90,7 +90,7 @@ def _prepare(run: Run, ref: Run, source: int, until: int, root: Path) -> Path:
     """A replay run directory under `root` (the gate's own), resuming from a verified copy of the
     candidate's checkpoint `source` and stopping after step `until`."""
     from disttrace.config.freezing import Frozen, verified_data
-    from disttrace.run.launch import prepare
+    from disttrace.run.job.launch import prepare
 
     data_path, tok_path = verified_data(ref)
     frozen = Frozen(
@@ -289,7 +289,7 @@ def _checkpoint_difference(run: Run, again: Run, step: int) -> str | None:
 def main(argv=None) -> int:
     """The replay job itself: launch the prepared run directory (torch is imported here only)."""
     from disttrace.errors import DisttraceError
-    from disttrace.run.launch import launch
+    from disttrace.run.job.launch import launch
 
     argv = sys.argv[1:] if argv is None else argv
     try:

@@ -78,8 +78,8 @@ def prepare_replay(
     run_dir: Path, step: int, *, depth: str | None = None, permute_ranks: bool = False
 ) -> Path:
     """Create the replay's run directory (nothing launched): lock, run.json with resume, stop and link."""
-    from disttrace.run.launch import prepare
-    from disttrace.run.recovery import checkpoint_before, resume_spec
+    from disttrace.run.job.launch import prepare
+    from disttrace.run.job.recovery import checkpoint_before, resume_spec
     from disttrace.store.records import PATH_KINDS
 
     run_dir = Path(run_dir)
@@ -147,7 +147,7 @@ def prepare_attached_replay(
     replay_dir = new_run_dir(here.parent.parent, here.parent.name, f"replay-{step}")
     extra = {}
     if depth is not None:
-        # what the script's attach reads (run/depth.py attached_spec): the step, the level, and the global
+        # what the script's attach reads (run/record/depth.py attached_spec): the step, the level, and the global
         # batch RUN counted, which places each micro-batch's records in the step's logical batch
         batch = (run.lock_info.observed or {}).get("global_batch")
         extra["depth"] = {"step": step, "level": depth, "global_batch": batch}
@@ -199,7 +199,7 @@ def replay_run(
     bad input or when no reference is found, JobFailed (exit 3) when the replay's job fails.
     `command`: an attached run's script (`disttrace replay RUN --step S -- CMD`), run with the replay's
     directory in DISTTRACE_RUN_DIR (usercmd.execute). `launch_job(run_dir)`, if given, runs the job (a
-    caller's live progress); else run/launch.py's launch, or usercmd.execute with a command."""
+    caller's live progress); else run/job/launch.py's launch, or usercmd.execute with a command."""
     run_dir = Path(run_dir)
     if reference is None:
         reference = default_reference(run_dir)
@@ -219,14 +219,14 @@ def replay_run(
                 "--permute-ranks",
                 "an attached script's launcher places its ranks: a replay with a command is not permuted",
             )
-        from disttrace.run import usercmd
+        from disttrace.run.job import usercmd
 
         replay_dir = prepare_attached_replay(run_dir, step, command, depth=depth)
         (launch_job or (lambda d: usercmd.execute(d, command)))(replay_dir)
         return attribute(run_dir, replay_dir, reference)
     replay_dir = prepare_replay(run_dir, step, depth=depth, permute_ranks=permute_ranks)
     if launch_job is None:
-        from disttrace.run.launch import launch
+        from disttrace.run.job.launch import launch
 
         launch(replay_dir)
     else:

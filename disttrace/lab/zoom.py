@@ -99,7 +99,7 @@ def attached_deep_run(
             "after '--' (disttrace zoom A B -- CMD, for one attached side)",
         )
     from disttrace.lab.replay import prepare_attached_replay
-    from disttrace.run import usercmd
+    from disttrace.run.job import usercmd
 
     replay_dir = prepare_attached_replay(run.path, step, command, depth=level)
     progress(
@@ -146,7 +146,7 @@ def deep_run(
     start with record.depth set, stopping after `step` (reused when one exists); an attached script's run,
     replayed with its own `command` (attached_deep_run)."""
     from disttrace.config.freezing import verified_data
-    from disttrace.run.launch import launch, prepare
+    from disttrace.run.job.launch import launch, prepare
 
     run = Run(run_dir)
     if run.attached:

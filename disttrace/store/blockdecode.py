@@ -1,5 +1,5 @@
 """A block of v2 trajectory steps decoded in four compiled calls: the C kernels of disttrace/native/blockdecode.c,
-built at install where a compiler is there. Imported by store/trajectory.py the first time a block takes it;
+built at install where a compiler is there. Imported by store/trajectory_decode.py the first time a block takes it;
 where the C extension is not built (or DISTTRACE_NATIVE=0) this module does not import and the pyarrow path
 decodes every block (docs/format.md, "The trajectory's format").
 
@@ -15,7 +15,7 @@ that vary (the body's length, the batch's length, its field nodes and buffer des
 is interpreted here (what Arrow's verifier would accept is what the writer wrote); every buffer an LZ4 frame
 with the writer's frame header (independent 64 KiB blocks, no checksums, no content size) or stored as it
 is; every size, offset and index checked before it is used (C checks no bounds of its own), each block of LZ4 held
-to the format's end rules, each step's declared sizes to the bounds store/trajectory.py sets. Anything else,
+to the format's end rules, each step's declared sizes to the bounds store/trajectory_frames.py sets. Anything else,
 and whatever a column holds that the writer never writes (a null where a record always has a value, a string
 view longer than its inline bytes, a shape whose product comes near int64's range), declines: `decode` returns
 None and the block takes the pyarrow path, which accepts it or names the step it refuses. What is returned is
@@ -34,7 +34,6 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from disttrace.compiled import native
-from disttrace.store import trajectory as t
 from disttrace.store.blocklayout import (  # noqa: F401 (_BUFFERS, _NODES, OUT: for the tests' crafting)
     _BUFFERS,
     _DICT_BUFFERS,
@@ -73,6 +72,9 @@ from disttrace.store.blocklayout import (  # noqa: F401 (_BUFFERS, _NODES, OUT: 
     LAYOUT,
     OUT,
 )
+from disttrace.store.trajectory import _SCHEMA_MESSAGES, SCHEMA, SCHEMA_V2, _ints
+from disttrace.store.trajectory_frames import _fb_fields, _u32
+from disttrace.store.trajectory_write import _OPTIONS, _columns_v2
 
 # ---------------------------------------------------------------- the writer's headers, as templates
 
@@ -83,7 +85,7 @@ def _templates() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.nda
     step to step, and where those values lie: per message (its length, the body length's position, the
     batch length's, the nodes' vector's, the buffers' vector's)."""
     batch = pa.RecordBatch.from_arrays(
-        t._columns_v2(
+        _columns_v2(
             [
                 {
                     "step": 1,
@@ -103,10 +105,10 @@ def _templates() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.nda
                 }
             ]
         ),
-        schema=t.SCHEMA_V2,
+        schema=SCHEMA_V2,
     )
     sink = pa.BufferOutputStream()
-    with ipc.new_stream(sink, t.SCHEMA_V2, options=t._OPTIONS) as w:
+    with ipc.new_stream(sink, SCHEMA_V2, options=_OPTIONS) as w:
         w.write_batch(batch)
     data = sink.getvalue().to_pybytes()
     r = pa.BufferReader(data)
@@ -124,16 +126,16 @@ def _templates() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.nda
         size = 8 + m.metadata.size
         tpl = np.frombuffer(data, dtype=np.uint8, count=size, offset=at).copy()
         mask = np.zeros(size, dtype=np.uint8)
-        root = t._u32(fb, 0)
-        _, _, header, body = t._fb_fields(fb, root, (0, 1, 2, 3))
-        h = header + t._u32(fb, header)
+        root = _u32(fb, 0)
+        _, _, header, body = _fb_fields(fb, root, (0, 1, 2, 3))
+        h = header + _u32(fb, header)
         if kind == "dictionary":
-            (data_at,) = t._fb_fields(fb, h, (1,))
-            h = data_at + t._u32(fb, data_at)
-        length, nodes_at, buffers_at = t._fb_fields(fb, h, (0, 1, 2))
-        nodes_at += t._u32(fb, nodes_at)
-        buffers_at += t._u32(fb, buffers_at)
-        if t._u32(fb, nodes_at) != nodes or t._u32(fb, buffers_at) != buffers:
+            (data_at,) = _fb_fields(fb, h, (1,))
+            h = data_at + _u32(fb, data_at)
+        length, nodes_at, buffers_at = _fb_fields(fb, h, (0, 1, 2))
+        nodes_at += _u32(fb, nodes_at)
+        buffers_at += _u32(fb, buffers_at)
+        if _u32(fb, nodes_at) != nodes or _u32(fb, buffers_at) != buffers:
             raise ImportError("the writer's step has other field nodes or buffers than SCHEMA_V2's")
         pos = [size, 8 + body, 8 + length, 8 + nodes_at + 4, 8 + buffers_at + 4]
         for p, n in ((pos[1], 8), (pos[2], 8), (pos[3], 16 * nodes), (pos[4], 16 * buffers)):
@@ -145,7 +147,7 @@ def _templates() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.nda
 
 
 _TPL_D, _MASK_D, _TPL_B, _MASK_B, _POS = _templates()
-_SCHEMA_MESSAGE = t._SCHEMA_MESSAGES[2]
+_SCHEMA_MESSAGE = _SCHEMA_MESSAGES[2]
 
 # ---------------------------------------------------------------- the kernels
 
@@ -359,7 +361,7 @@ def _batch(arena, where, nulls, rows) -> tuple[pa.RecordBatch, np.ndarray]:
 
     def lists(name: str, values: pa.Array, v: str, o: str):
         return pa.Array.from_buffers(
-            t._ints, total, [b(v), b(o)], null_count=counts[OUT[v]], children=[values]
+            _ints, total, [b(v), b(o)], null_count=counts[OUT[v]], children=[values]
         )
 
     def sketch(name: str, typ, value_type):
@@ -386,7 +388,7 @@ def _batch(arena, where, nulls, rows) -> tuple[pa.RecordBatch, np.ndarray]:
         string("tensor"),
         string("dtype"),
         pa.Array.from_buffers(
-            t._ints,
+            _ints,
             total,
             [None, b("shape.o")],
             null_count=0,
@@ -397,15 +399,15 @@ def _batch(arena, where, nulls, rows) -> tuple[pa.RecordBatch, np.ndarray]:
         pa.Array.from_buffers(pa.bool_(), total, [None, b("device_digest")], null_count=0),
         fixed("sum", pa.float64()),
         fixed("norm", pa.float64()),
-        sketch("sketch", t.SCHEMA.field("sketch").type, pa.float32()),
-        sketch("sketch64", t.SCHEMA.field("sketch64").type, pa.float64()),
+        sketch("sketch", SCHEMA.field("sketch").type, pa.float32()),
+        sketch("sketch64", SCHEMA.field("sketch64").type, pa.float64()),
         fixed("nonfinite", _I64),
         lists("samples", int64s("samples.child", samples_values), "samples.v", "samples.o"),
         fixed("tokens", _I64),
         lists("shard_offset", int64s("shard_offset.child", shard_values), "shard.v", "shard.o"),
         lists("shard_shape", int64s("shard_shape.child", shard_values), "shard.v", "shard.o"),
     ]
-    batch = pa.RecordBatch.from_arrays(columns, schema=t.SCHEMA)
+    batch = pa.RecordBatch.from_arrays(columns, schema=SCHEMA)
     batch.validate(
         full=True
     )  # what pyarrow checks of any batch: UTF-8, offsets, sizes, null counts

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from disttrace.store import trajectory as t
+from disttrace.store.trajectory_frames import SHAPE_DIMS_PER_RECORD, SHAPE_DIMS_SLACK
 
 # the record batch's field nodes (format/Schema: a node per field, children after their parent) and buffers
 # (validity first, then offsets or data; children after), in SCHEMA_V2's order
@@ -122,7 +122,7 @@ DECLINED = {
 
 _LZ4_BLOCK = 1 << 16
 _MAX_OFFSET = (1 << 31) - 1
-_SHAPE_DIMS_PER_RECORD, _SHAPE_DIMS_SLACK = t.SHAPE_DIMS_PER_RECORD, t.SHAPE_DIMS_SLACK
+_SHAPE_DIMS_PER_RECORD, _SHAPE_DIMS_SLACK = SHAPE_DIMS_PER_RECORD, SHAPE_DIMS_SLACK
 
 # what the C build compiles in (disttrace/native/blockdecode.c, LAYOUT): store/blockdecode.py takes the C
 # kernels only where the two agree (a build from another checkout's layout is not used)

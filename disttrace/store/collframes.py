@@ -1,12 +1,12 @@
 """The Flight Recorder's collective trace as compressed frames: `collectives/rank-N.frames`.
 
-Each copy of the ring (run/flightrec.py's dump: every few steps, at the end, or from a signal handler as the
+Each copy of the ring (run/record/flightrec.py's dump: every few steps, at the end, or from a signal handler as the
 process dies) is one frame, written with one os.write: a header (MAGIC, the bytes of its JSON lines, the
 bytes stored, their CRC-32) and its JSON lines, one CollectiveLine each, compressed with zstd. The lines
 repeat their keys, groups, ops and shapes: compressed, the trace of a tp=2 run is 17.5 times smaller (2.9
 bytes a trajectory record, from 50.9; bench/store_size.py, docs/benchmarks.md), where the JSON lines were
 the largest part of a run directory without checkpoints. A reader yields the lines as the JSON-lines file
-held them, so what it makes of them is the same. The dispatch-mode tracer (run/collectives.py) keeps
+held them, so what it makes of them is the same. The dispatch-mode tracer (run/record/collectives.py) keeps
 writing `rank-N.jsonl`, a line flushed before each op runs; a store written before frames existed holds
 `rank-N.jsonl` too, and reads as it did.
 

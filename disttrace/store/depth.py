@@ -1,4 +1,4 @@
-"""Reading a run's depth records (`depth/rank-NNNNN.jsonl`, written by run/depth.py; docs/zoom.md). No torch.
+"""Reading a run's depth records (`depth/rank-NNNNN.jsonl`, written by run/record/depth.py; docs/zoom.md). No torch.
 
 Each line is validated by `store.documents.DepthRecord` before any field of it is used, through the run store's
 confined reader (store/safeio.py); a torn last line (a crash mid-write) is reported, not fatal."""
@@ -91,7 +91,7 @@ def depth_replays(run: Run, step: int, level: str) -> list[Run]:
             doc, spec = r.run_info.replay, r.run_info.depth
             if doc is None or not isinstance(
                 spec, dict
-            ):  # depth: free-form, run/depth.py checks it
+            ):  # depth: free-form, run/record/depth.py checks it
                 continue
             if (doc.of, doc.step, spec.get("step"), spec.get("level")) != (
                 here,

@@ -83,7 +83,7 @@ class TopologyRank(_Line):
 
 
 class Topology(_Line):
-    """topology.json: the mesh and where each rank ran (run/topology.py)."""
+    """topology.json: the mesh and where each rank ran (run/job/topology.py)."""
 
     groups: Groups = Field(default_factory=dict)
     mesh_dims: list[StrictStr] = Field(default_factory=list)
@@ -249,7 +249,7 @@ class RunInfo(_Line):
     replay: ReplaySpec | None = None
     replay_of: StrictStr | None = None  # `gate --replay`: the run it re-executes
     perturb: Perturb | None = None
-    depth: Any = None  # an attached replay at depth: checked by run/depth.py's attached_spec
+    depth: Any = None  # an attached replay at depth: checked by run/record/depth.py's attached_spec
 
     @model_validator(mode="wrap")
     @classmethod
@@ -271,7 +271,7 @@ class RunInfo(_Line):
 
 class CollectiveLine(_Line):
     """A line of the collective trace (collectives/rank-N.frames or .jsonl): one collective (the Flight
-    Recorder's ring, run/flightrec.py, or the dispatch-mode tracer, run/collectives.py), its end, or the
+    Recorder's ring, run/record/flightrec.py, or the dispatch-mode tracer, run/record/collectives.py), its end, or the
     entries the ring lost (`RingLost`). The writers build it, fields in the order written (`line()`: what
     the writer stated)."""
 
@@ -332,7 +332,7 @@ class MemoryGap(_Line):
 
 
 class MemoryLine(_Line):
-    """A line of memory/rank-N.jsonl: one step's memory ledger of one rank (run/memory.py builds it, in
+    """A line of memory/rank-N.jsonl: one step's memory ledger of one rank (run/record/memory.py builds it, in
     this order; `allocated` and `peak_allocator` only on a GPU). Readers rely on step and rank; the
     other fields are optional, for stores from other versions."""
 
@@ -396,7 +396,7 @@ class DepthShard(_Line):
 
 
 class DepthRecord(_Line):
-    """A line of depth/rank-N.jsonl (run/depth.py): one tensor inside the step recorded at depth.
+    """A line of depth/rank-N.jsonl (run/record/depth.py): one tensor inside the step recorded at depth.
 
     `module`: a module's forward output (direction forward) or the gradient with respect to it (backward),
     `module` its path in the plain model and `call` which of its calls in the micro-batch; `op`: an aten op's

@@ -275,7 +275,7 @@ def stall_threshold(step_times: list[float], collective_timeout_s: float | None)
 
 def writer_alive(run_dir: Path | str) -> bool | None:
     """Does a launcher still hold this run directory? Each launcher holds an flock on
-    `.launcher-node<K>.lock` while its job runs (run/launch.py). None when no launcher ever took one (the
+    `.launcher-node<K>.lock` while its job runs (run/job/launch.py). None when no launcher ever took one (the
     ranks were started by hand with torchrun): then only events and a timeout tell."""
     locks = sorted(Path(run_dir).glob(".launcher-node*.lock"))
     if not locks:

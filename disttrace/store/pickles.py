@@ -10,7 +10,7 @@ naming only known, harmless globals is the property to check.
 This module checks it with `pickletools` opcodes: the stack is simulated just far enough to know the two
 strings a `STACK_GLOBAL` takes, and nothing is ever constructed from the file. The allowlists were learnt
 by scanning the checkpoints every strategy writes (DDP, ZeRO-1/2/3, TP, PP, dp x pp, parameter server);
-`disttrace.run.safeload` enforces the same `METADATA_GLOBALS` when it really loads a `.metadata`.
+`disttrace.run.job.safeload` enforces the same `METADATA_GLOBALS` when it really loads a `.metadata`.
 
 No torch here: `disttrace verify` runs on a laptop without it.
 """

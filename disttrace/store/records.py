@@ -56,7 +56,7 @@ FAILURE_EVENTS = (Event.RANK_FAILED, Event.JOB_FAILED, Event.LIVE_CHECK_FAILED)
 
 # the lock's `source` of a run a user's own script wrote through disttrace.api (attach)
 ATTACHED_SOURCE = "disttrace.api"
-# the lock's source of a run recorded with no attach call (run/zerocode.py); readers treat it as attached
+# the lock's source of a run recorded with no attach call (run/zerocode/recording.py); readers treat it as attached
 ZERO_CODE_SOURCE = "zero-code"
 ATTACHED_SOURCES = (ATTACHED_SOURCE, ZERO_CODE_SOURCE)
 

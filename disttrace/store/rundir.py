@@ -367,7 +367,7 @@ class Run:
         return {e.sketch or 1 for rank in self.ranks() for e in self.step_index(rank).records}
 
     def step_times(self, rank: int) -> JsonlRead:
-        """`steps/rank-N.jsonl` (run/stepclock.py): one line per step, kept whether the run records or not."""
+        """`steps/rank-N.jsonl` (run/job/stepclock.py): one line per step, kept whether the run records or not."""
         p = self.rank_path("steps", rank)
         if not safeio.present(p):
             return JsonlRead([], None)
@@ -405,41 +405,43 @@ class Run:
 
     def trajectory_path(self, rank: int) -> Path:
         """The rank's trajectory file: the Arrow stream, or the JSON lines of a store written before it."""
-        from disttrace.store.trajectory import trajectory_path
+        from disttrace.store.trajectory_read import trajectory_path
 
         return trajectory_path(self.path, rank)
 
     def records(self, rank: int, torn: list | None = None) -> Iterator[dict]:
         """Every trajectory record of the rank, step by step (a torn last step reported through `torn`)."""
-        from disttrace.store import trajectory
+        from disttrace.store import trajectory_read
 
         path = self.trajectory_path(rank)
-        if not trajectory.is_arrow(path):
+        if not trajectory_read.is_arrow(path):
             from disttrace.store.records import JsonRecord
 
             for n, rec in enumerate(iter_jsonl(path, torn, self.path), 1):
                 JsonRecord.parse_line(rec, path, n)
                 yield rec
             return
-        for _, _, batch in trajectory.scan(path, torn, self.path):
-            yield from trajectory.to_records(batch)
+        for _, _, batch in trajectory_read.scan(path, torn, self.path):
+            yield from trajectory_read.to_records(batch)
 
     def checked_step_records(self, rank: int, step: int) -> list[dict]:
         """One step's records of one rank, from the bytes its step index names, checked against the index's
         hash (the same bytes diff judged); [] when the rank has no such step."""
-        from disttrace.store import seal, trajectory
+        from disttrace.store import seal, trajectory_decode, trajectory_read
 
         for e in self.step_index(rank).records:
             if e.step == step:
                 path = self.trajectory_path(rank)
-                data = trajectory.read_range(path, e.offset, e.length)
+                data = trajectory_read.read_range(path, e.offset, e.length)
                 if seal.step_data_match_hashes(data, e.length, e.xxh3, e.sha256) is False:
                     raise BadInput(
                         path, f"step {step}: the bytes differ from the hash in the step index"
                     )
-                if not trajectory.is_arrow(path):
+                if not trajectory_read.is_arrow(path):
                     return self.records_of_step(rank, e)
-                return trajectory.to_records(trajectory.decode_step(path, data, f"step {step}"))
+                return trajectory_read.to_records(
+                    trajectory_decode.decode_step(path, data, f"step {step}")
+                )
         return []
 
     def records_of_step(
@@ -458,7 +460,7 @@ class Run:
         phases: tuple[str, ...] | None = None,
     ) -> list[dict]:
         """The records in bytes offset..offset+length of the rank's trajectory (one step's, if `step`)."""
-        from disttrace.store.trajectory import records_of_range
+        from disttrace.store.trajectory_read import records_of_range
 
         return records_of_range(
             self.trajectory_path(rank), offset, length, step, root=self.path, phases=phases

@@ -1,4 +1,4 @@
-"""The magnitudes side file, ``trajectory/rank-N.scales.bin`` (written by run/scales.py, read by
+"""The magnitudes side file, ``trajectory/rank-N.scales.bin`` (written by run/record/scales.py, read by
 analysis/magnitudes.py; docs/format.md, "The magnitudes"): per step, each parameter's accumulated
 ``||X|| ||dY||`` at each `backward` and `reduce` of the step, and the step's clip scalars where the rank saw
 them, as columns a reader takes in one pass (no document to parse per step).

@@ -17,7 +17,7 @@ from disttrace.analysis.diff.compare import (
 )
 from disttrace.analysis.diff.side import Side
 from disttrace.analysis.diff.tol import _Tol
-from disttrace.store import trajectory
+from disttrace.store import trajectory_read
 
 # records a block of steps may hold, per side: of one rank where ranks are compared one after another (a few MB
 # of columns), of all ranks where a step's ranks are read together (across topologies)
@@ -131,7 +131,7 @@ def _read_rank(r: int, block: list[int], side_a: Side, side_b: Side):
                 same.add(s)
     todo = [s for s in block if s not in same]
     if not todo or not all(
-        trajectory.is_arrow(x.traj_path(r)) and all(x.has(r, s) for s in todo)
+        trajectory_read.is_arrow(x.traj_path(r)) and all(x.has(r, s) for s in todo)
         for x in (side_a, side_b)
     ):
         return same, todo, None
@@ -174,7 +174,7 @@ def _compare_step_alone(s: int, r: int, side_a: Side, side_b: Side, tol: _Tol) -
     return _compare_rank_step(
         s,
         r,
-        trajectory.to_records(ba) if ba is not None else side_a.records(r, s),
-        trajectory.to_records(bb) if bb is not None else side_b.records(r, s),
+        trajectory_read.to_records(ba) if ba is not None else side_a.records(r, s),
+        trajectory_read.to_records(bb) if bb is not None else side_b.records(r, s),
         tol,
     )

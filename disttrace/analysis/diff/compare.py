@@ -9,7 +9,7 @@ import pyarrow as pa
 from disttrace.analysis import block_summary, columnar, updates
 from disttrace.analysis.diff.tol import _same_bits, _Tol
 from disttrace.analysis.result import RankEntry, RecordStats, Unit
-from disttrace.store import trajectory
+from disttrace.store import trajectory_read
 from disttrace.store.records import PHASE_ORDER, PHASES
 
 _UNKNOWN_PHASE = len(PHASES)
@@ -91,7 +91,7 @@ def _unit(step, rec_a, rec_b, rank, tol: _Tol, logical: bool = False) -> Unit:
     phase = ref["phase"]
     if rec_a is None or rec_b is None:
         # an update record is the recorder's statistic, not training state: a store written before them, or
-        # a sharded parameter (run/updates.py), has none, and the other run's is then not compared
+        # a sharded parameter (run/record/updates.py), has none, and the other run's is then not compared
         lone = updates.is_update(ref.get("tensor")) and phase == "optimizer"
         rel, bnd, diverged, note = None, tol.derived(step, phase), not lone, None
     else:
@@ -149,7 +149,7 @@ def _compare_rank_step_columns(step: int, rank: int, ba, bb, tol: _Tol) -> RankS
     ca, cb = columnar.Columns(ba), columnar.Columns(bb)
     if not columnar.aligned(ca, cb):
         return _compare_rank_step(
-            step, rank, trajectory.to_records(ba), trajectory.to_records(bb), tol
+            step, rank, trajectory_read.to_records(ba), trajectory_read.to_records(bb), tol
         )
     rs = RankStep(ba.num_rows)
     _fold_columns([step], rank, ca, cb, np.zeros(1, dtype=np.int64), tol, [rs])
@@ -243,8 +243,8 @@ def _fold_columns(
         ra, rb = records(rows)
     else:
         take = pa.array(rows, pa.int64())
-        ra = trajectory.to_records(ca.batch.take(take))
-        rb = trajectory.to_records(cb.batch.take(take))
+        ra = trajectory_read.to_records(ca.batch.take(take))
+        rb = trajectory_read.to_records(cb.batch.take(take))
     for row, x, y in zip(rows, ra, rb):
         j = int(np.searchsorted(starts, row, side="right")) - 1
         rs, step = out[j], steps[j]

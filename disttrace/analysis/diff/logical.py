@@ -19,7 +19,7 @@ from disttrace.analysis.diff.compare import (
 from disttrace.analysis.diff.shards import _compare_sharded_columns, _Logical
 from disttrace.analysis.diff.side import Side
 from disttrace.analysis.diff.tol import _same_bits, _Tol
-from disttrace.store import trajectory
+from disttrace.store import trajectory, trajectory_read
 
 # Across topologies only these phases hold the same logical tensors: the global (reduced) gradient, the
 # clipped gradient, and parameters + optimizer state after the step. Per-micro-batch activations and
@@ -101,7 +101,7 @@ def _logicals(recs_by_rank: dict[int, list[dict]], phases) -> dict[tuple[str, st
 
 def _step_records(side: Side, step: int) -> tuple[dict[int, list[dict]], dict | None]:
     """(records by rank, Arrow batches by rank when every rank's trajectory is an Arrow stream)."""
-    if side.ranks and all(trajectory.is_arrow(side.traj_path(r)) for r in side.ranks):
+    if side.ranks and all(trajectory_read.is_arrow(side.traj_path(r)) for r in side.ranks):
         batches = {r: side.batch(r, step) for r in side.ranks if side.has(r, step)}
         return {}, batches
     return {r: side.records(r, step) for r in side.ranks}, None
@@ -125,7 +125,7 @@ def _losses(recs: dict, batches: dict | None) -> dict[tuple, list[dict]]:
     if batches is not None:
         want = pa.array(["data", "loss"], pa.string())
         recs = {
-            r: trajectory.to_records(_of_phases(b, want))
+            r: trajectory_read.to_records(_of_phases(b, want))
             for r, b in batches.items()
             if b is not None
         }
@@ -167,9 +167,9 @@ def _compare_logical_tensors(
         if out is not None:
             return out
     if batches_a is not None:
-        recs_a = {r: trajectory.to_records(x) for r, x in batches_a.items()}
+        recs_a = {r: trajectory_read.to_records(x) for r, x in batches_a.items()}
     if batches_b is not None:
-        recs_b = {r: trajectory.to_records(x) for r, x in batches_b.items()}
+        recs_b = {r: trajectory_read.to_records(x) for r, x in batches_b.items()}
     la = _logicals(recs_a, CROSS_TOPOLOGY_PHASES)
     lb = _logicals(recs_b, CROSS_TOPOLOGY_PHASES)
     pa, pb = {p for p, _ in la}, {p for p, _ in lb}
@@ -272,7 +272,7 @@ def _phase_rows(batches: dict[int, pa.RecordBatch]):
 def _paired_updates(
     xa: pa.RecordBatch, xb: pa.RecordBatch
 ) -> tuple[pa.RecordBatch, pa.RecordBatch]:
-    """The two sides without the update records (run/updates.py) the other side does not make (a sharded
+    """The two sides without the update records (run/record/updates.py) the other side does not make (a sharded
     parameter's, a store's written before them): those are not compared, and are left out here as whole
     columns rather than met one record at a time."""
     ua, ub = (pc.ends_with(x.column("tensor"), updates.SUFFIX).fill_null(False) for x in (xa, xb))
@@ -373,7 +373,7 @@ def _lone_units(
     if (~in_b).any():
         lone.append(("a", xa.take(pa.array(first_a[~in_b]))))
     for side, recs in lone:
-        for r in trajectory.to_records(recs):
+        for r in trajectory_read.to_records(recs):
             rank = r["rank"]
             u = _unit(
                 step,
@@ -418,7 +418,8 @@ def _replica_mismatch_rows(side: str, x, keys) -> list[tuple]:
         return []
     out = []
     for r, r0 in zip(
-        trajectory.to_records(x.take(pa.array(odd))), trajectory.to_records(ref.take(pa.array(odd)))
+        trajectory_read.to_records(x.take(pa.array(odd))),
+        trajectory_read.to_records(ref.take(pa.array(odd))),
     ):
         out.append(
             (

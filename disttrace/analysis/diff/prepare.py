@@ -39,7 +39,7 @@ from disttrace.config.identity import (
 )
 from disttrace.errors import BadInput
 from disttrace.fmt import ranges
-from disttrace.store import safeio, trajectory
+from disttrace.store import safeio, trajectory, trajectory_decode
 from disttrace.store.rundir import LOCK
 
 MODES = ("bitwise", "numeric")
@@ -497,7 +497,7 @@ class Setup:
         reader = (
             readahead.ReadAhead(_blocks_read(plan, self.ranks, side_a, side_b))
             if plan is not None
-            and readahead.worth_it(plan.mean_records(), native=trajectory.native_decoder())
+            and readahead.worth_it(plan.mean_records(), native=trajectory_decode.native_decoder())
             else None
         )
         try:

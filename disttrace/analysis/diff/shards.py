@@ -14,7 +14,7 @@ import pyarrow.compute as pc
 from disttrace.analysis import columnar, tolerance
 from disttrace.analysis.diff.compare import RankStep, _fold_columns, _phase_order, _unit
 from disttrace.analysis.diff.tol import _same_bits, _Tol
-from disttrace.store import trajectory
+from disttrace.store import trajectory, trajectory_read
 from disttrace.store.trajectory import SKETCH_K
 
 if TYPE_CHECKING:
@@ -265,7 +265,7 @@ class _Values:
         if got is None:
             lg = _Logical()
             rows = self.perm[self.heads[g] : self.heads[g] + self.size[g]]
-            lg.recs = trajectory.to_records(self.x.take(pa.array(rows, pa.int64())))
+            lg.recs = trajectory_read.to_records(self.x.take(pa.array(rows, pa.int64())))
             got = cache[g] = lg.value()
         return got
 
@@ -372,7 +372,7 @@ def _compare_sharded_columns(step: int, xa, xb, tol: _Tol, ev: StepWarnings):
 
     def value_b(u):
         if u_copy[u]:
-            rec = trajectory.to_records(xb.take(pa.array([int(b_row[u])], pa.int64())))[0]
+            rec = trajectory_read.to_records(xb.take(pa.array([int(b_row[u])], pa.int64())))[0]
             return rec, rec.get("rank", 0), True
         return B.value_dict(int(u_gb[u]), cache_b)
 

@@ -16,7 +16,7 @@ from disttrace.analysis.result import (
     SideSummary,
 )
 from disttrace.errors import BadInput
-from disttrace.store import safeio, seal, trajectory
+from disttrace.store import safeio, seal, trajectory_decode, trajectory_read
 from disttrace.store.rundir import Run
 
 _SPAN = 64 << 20  # the most bytes read in one range for a block of steps
@@ -114,7 +114,7 @@ class Side:
     def _load_index(self, rank: int, use_index: bool) -> dict[int, dict]:
         traj = self.run.trajectory_path(rank)
         size = safeio.size(traj, self.run.path)  # a regular file inside the run, or BadInput
-        if size and not trajectory.is_arrow(traj):
+        if size and not trajectory_read.is_arrow(traj):
             with safeio.open_file(traj, self.run.path) as f:
                 f.seek(size - 1)
                 if f.read(1) != b"\n":
@@ -140,8 +140,8 @@ class Side:
             out = _plain_entries(lines, size)
             if out is None:
                 out = self._entries(lines, size, rank, steps_path, traj)
-            if trajectory.is_arrow(traj):
-                tail = trajectory.unindexed_tail(
+            if trajectory_read.is_arrow(traj):
+                tail = trajectory_read.unindexed_tail(
                     traj, max((e["offset"] + e["length"] for e in out.values()), default=0)
                 )
                 if tail:
@@ -154,7 +154,7 @@ class Side:
             self.warnings.append(
                 f"run {self.label}: rank {rank} has no step index; scanned {traj.name} instead"
             )
-        if trajectory.is_arrow(traj):
+        if trajectory_read.is_arrow(traj):
             return self._scan_arrow(traj)
         return _scan_index(traj)
 
@@ -181,8 +181,8 @@ class Side:
         """Rebuild a step index (without digests) from the stream's record batches, one per step."""
         out: dict[int, dict] = {}
         torn: list[str] = []
-        for offset, length, batch in trajectory.scan(traj, torn):
-            step = trajectory.step_of(batch)
+        for offset, length, batch in trajectory_read.scan(traj, torn):
+            step = trajectory_read.step_of(batch)
             if step is None:
                 continue
             if step in out:
@@ -244,7 +244,7 @@ class Side:
         if not self.has(rank, step):
             return None
         idx = self.index[rank]
-        data = trajectory.read_range(self.traj_path(rank), *idx.span(step))
+        data = trajectory_read.read_range(self.traj_path(rank), *idx.span(step))
         self._hash_checked(rank, step, idx.hash_match(step, data))
         self._last_bytes = ((rank, step), data)
         return data
@@ -293,7 +293,7 @@ class Side:
         """The step's Arrow record batch (hash-checked), or None for a JSON-lines store or a missing step.
         With `read_ahead`, the rank's following steps are decoded with it (a block) and kept for their turn."""
         path = self.traj_path(rank)
-        if not self.has(rank, step) or not trajectory.is_arrow(path):
+        if not self.has(rank, step) or not trajectory_read.is_arrow(path):
             return None
         kept = self._ahead.pop((rank, step), None)
         if kept is not None:
@@ -308,16 +308,18 @@ class Side:
                 return self._ahead.pop((rank, step))
         data = self.step_bytes(rank, step)  # the bytes decoded are the bytes hashed
         offset, length = self.index[rank].span(step)
-        b = trajectory.decode_step(path, data, f"step {step} (bytes {offset}..{offset + length})")
+        b = trajectory_decode.decode_step(
+            path, data, f"step {step} (bytes {offset}..{offset + length})"
+        )
         self._count(step, records=b.num_rows)
         return b
 
     def batches(self, rank: int, steps: list[int]):
         """Several steps' records (hash-checked) as one Arrow batch, the steps one after the other, with each
         step's first row; None for a JSON-lines store. Steps that lie one after the other in the file are read
-        in one range and decoded together (trajectory.decode_steps: a step's fixed cost paid once a block)."""
+        in one range and decoded together (trajectory_decode.decode_steps: a step's fixed cost paid once a block)."""
         path = self.traj_path(rank)
-        if not trajectory.is_arrow(path) or not all(self.has(rank, s) for s in steps):
+        if not trajectory_read.is_arrow(path) or not all(self.has(rank, s) for s in steps):
             return None
         idx = self.index[rank]
         spans = [idx.span(s) for s in steps]
@@ -331,7 +333,7 @@ class Side:
             (data, f"step {s} (bytes {offset}..{offset + length})")
             for s, (offset, length), data in zip(steps, spans, datas)
         ]
-        batch, starts = trajectory.decode_steps(path, parts)
+        batch, starts = trajectory_decode.decode_steps(path, parts)
         # counted per step, as a step read alone is: results of ranks or steps read elsewhere then combine
         self._count_block(steps, np.diff(np.append(starts, batch.num_rows)).tolist(), matched)
         return batch, starts
@@ -383,9 +385,9 @@ class Side:
                 span += spans[j][1]
                 j += 1
             if j == i + 1:
-                out.append(trajectory.read_range(path, first, first_len))
+                out.append(trajectory_read.read_range(path, first, first_len))
             else:
-                data = memoryview(trajectory.read_range(path, first, span))
+                data = memoryview(trajectory_read.read_range(path, first, span))
                 for offset, length in spans[i:j]:
                     at = offset - first
                     out.append(bytes(data[at : at + length]))

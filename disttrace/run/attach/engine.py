@@ -173,7 +173,7 @@ def local_view(engine: Engine, named, rank: int, layout: dict | None = None) -> 
     the groups attach(layout=) names (checked by check_layout)."""
     import socket
 
-    from disttrace.run.digest import digest_tensor
+    from disttrace.run.record.digest import digest_tensor
 
     params = {}
     for _, name, p in named:

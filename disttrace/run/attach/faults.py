@@ -21,7 +21,7 @@ class FaultGroup:
 
 @dataclass(frozen=True)
 class FaultContext:
-    """What a fault may see of an attached run: the fields of the worker's Context (run/worker.py) the
+    """What a fault may see of an attached run: the fields of the worker's Context (run/job/worker.py) the
     faults read. An attached rank is its own data-parallel coordinate."""
 
     run_dir: Path

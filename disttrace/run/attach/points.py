@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from disttrace.run.attach.loader import first_tensor
-from disttrace.run.hooks import (
+from disttrace.run.job.hooks import (
     Backward,
     Batch,
     BeforeOptimizer,

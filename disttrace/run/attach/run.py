@@ -18,12 +18,12 @@ from disttrace.run.attach.loader import LoaderWatch
 from disttrace.run.attach.manifest import SOURCE
 from disttrace.run.attach.points import _ACTIVE, HookPoints, patch_clip
 from disttrace.run.attach.steps import StepCycle
-from disttrace.run.collectives import CollectiveTracer
-from disttrace.run.complete import seal_and_complete
-from disttrace.run.hooks import Batch, Data, HookBus, Loss, StepStart, process_exit
+from disttrace.run.job.complete import seal_and_complete
+from disttrace.run.job.hooks import Batch, Data, HookBus, Loss, StepStart, process_exit
 from disttrace.run.parallel.common import SCALAR_INDEX, Strategy
-from disttrace.run.recorder import Recorder
-from disttrace.run.scales import Magnitudes
+from disttrace.run.record.collectives import CollectiveTracer
+from disttrace.run.record.recorder import Recorder
+from disttrace.run.record.scales import Magnitudes
 from disttrace.store.documents import ResumeSpec
 from disttrace.store.events import CheckpointSaved, FaultRefused, RankFailed, Resumed
 from disttrace.store.rundir import read_run_info
@@ -31,7 +31,7 @@ from disttrace.store.writers import event, write_run_info
 
 
 class _UserState(Strategy):
-    """The model and optimizer as a Strategy for run/checkpoint.py (DCP's state-dict helpers), or the
+    """The model and optimizer as a Strategy for run/job/checkpoint.py (DCP's state-dict helpers), or the
     user's own state dict when one is passed."""
 
     def __init__(self, model, optimizer, state: dict | None = None):
@@ -59,7 +59,7 @@ class AttachedRun(LoaderWatch, HookPoints, StepCycle):
         manifest_id: str,
         fault_spec: dict | None,
         blocks: list[tuple[str, torch.nn.Module]] = (),
-        depth=None,  # run/depth.py's DepthRequest
+        depth=None,  # run/record/depth.py's DepthRequest
     ):
         self.run_dir, self.rank = run_dir, rank
         self.model, self.engine, self.manifest, self.manifest_id = (
@@ -122,7 +122,7 @@ class AttachedRun(LoaderWatch, HookPoints, StepCycle):
                 strategy=FaultGroup(group=getattr(engine.ddp, "process_group", None)),
             )
             self.fault.attach(self.bus, ctx)
-        # the magnitudes the numeric bound scales each gradient by (run/scales.py), from module hooks on the
+        # the magnitudes the numeric bound scales each gradient by (run/record/scales.py), from module hooks on the
         # model as trained: DDP's, FSDP2's and a plain script's modules alike (the HF and Lightning callbacks
         # reach this run too); after the fault check, which would leave them on the model when it refuses.
         # Not under DeepSpeed, whose engine owns the backward: its stores keep the norm's scale, diff says so
@@ -134,7 +134,7 @@ class AttachedRun(LoaderWatch, HookPoints, StepCycle):
         # one step recorded at depth (run.json's `depth`: a replay for `zoom`, docs/zoom.md); else nothing
         self.depth = None
         if depth is not None:
-            from disttrace.run.depth import DepthRecorder
+            from disttrace.run.record.depth import DepthRecorder
 
             self.depth = DepthRecorder(
                 run_dir,
@@ -190,7 +190,7 @@ class AttachedRun(LoaderWatch, HookPoints, StepCycle):
         """Write a DCP checkpoint of `state` (default: the model and optimizer, through DCP's state-dict
         helpers) with disttrace's sha256 INDEX.json, at `step` (default: the last completed step).
         Collective: every rank calls it."""
-        from disttrace.run import checkpoint as ckpt
+        from disttrace.run.job import checkpoint as ckpt
 
         if initialized_dist() is None:
             raise BadInput(
@@ -224,7 +224,7 @@ class AttachedRun(LoaderWatch, HookPoints, StepCycle):
         """Load a verified checkpoint (every file's sha256 against its INDEX; refused if it belongs to
         another experiment) into the model and optimizer (or `state`, in place); returns its step. Later
         steps are numbered from it, and the run becomes a recovered path that diff compares from there."""
-        from disttrace.run import checkpoint as ckpt
+        from disttrace.run.job import checkpoint as ckpt
 
         path = Path(checkpoint).resolve()
         holder = _UserState(self.model, self.optimizer, state)
@@ -311,7 +311,7 @@ class AttachedRun(LoaderWatch, HookPoints, StepCycle):
 
     # ---------------------------------------------------------- hook points
     def _memory_ledger(self):
-        from disttrace.run.memory import (
+        from disttrace.run.record.memory import (
             LedgerLayout,
             LedgerParallelism,
             LedgerTraining,

@@ -77,12 +77,12 @@ def _post_order(module: torch.nn.Module, prefix: str = ""):
         yield path, child
 
 
-# "zero-code" while attach_discovered runs attach for a command that never called it (run/zerocode.py)
+# "zero-code" while attach_discovered runs attach for a command that never called it (run/zerocode/recording.py)
 _RECORDING: ContextVar[str | None] = ContextVar("recording", default=None)
 
 
 def attach_discovered(model, optimizer) -> AttachedRun:
-    """attach() with its defaults for a command run with no attach call (run/zerocode.py found its model
+    """attach() with its defaults for a command run with no attach call (run/zerocode/recording.py found its model
     and optimizer); the lock's `source` and the manifest's `record.source` say what was inferred."""
     token = _RECORDING.set("zero-code")
     try:
@@ -208,7 +208,7 @@ def _depth_request(info: RunInfo, run_dir: Path, rank: int, engine: Engine, view
     """run.json's `depth` (a replay recording one step at depth, docs/zoom.md), with this rank's place in
     the data-parallel layout the records are placed by; None when there is none."""
     from disttrace.run.attach.replicas import attached_layout
-    from disttrace.run.depth import DepthRequest, attached_spec
+    from disttrace.run.record.depth import DepthRequest, attached_spec
 
     spec = attached_spec(info.doc(), run_dir / "run.json")
     if spec is None:
@@ -230,7 +230,7 @@ def _prepare_dir(
 ) -> str:
     """Rank 0: the run directory (prepared by the CLI, or a new one) with the lock, run.json, env.json,
     topology.json and replicas.json."""
-    from disttrace.run.worker import environment
+    from disttrace.run.job.worker import environment
 
     if prepared:
         run_dir = Path(prepared)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from disttrace.run.complete import gather_released
-from disttrace.run.hooks import StepEnd, StepStart
+from disttrace.run.job.complete import gather_released
+from disttrace.run.job.hooks import StepEnd, StepStart
 from disttrace.store.jsonlines import read_json
 from disttrace.store.rundir import LOCK
 from disttrace.store.writers import write_json_atomic

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 from disttrace.config.attached import AttachedManifest
 from disttrace.config.manifest import Manifest
 from disttrace.errors import BadInput
-from disttrace.run.hooks import Point
+from disttrace.run.job.hooks import Point
 from disttrace.store.events import FaultEvent
 from disttrace.store.writers import event
 
@@ -186,7 +186,7 @@ class Fault:
                 f"'{cls.name}' must target --rank 0",
             )
         if par.pp > 1 and cls.point == Point.LOSS:
-            from disttrace.run.topology import coords_of, mesh_shape
+            from disttrace.run.job.topology import coords_of, mesh_shape
 
             if coords_of(rank, mesh_shape(manifest)[0])["pp"] != par.pp - 1:
                 raise BadInput(
@@ -460,7 +460,7 @@ def state_digest(*tensors) -> str:
     """xxh3-128 of the raw bytes of the tensors this rank holds (a DTensor: its shard): a fault's proof."""
     import xxhash
 
-    from disttrace.run.digest import raw_bytes
+    from disttrace.run.record.digest import raw_bytes
 
     h = xxhash.xxh3_128()
     for t in tensors:

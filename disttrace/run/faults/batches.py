@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from disttrace.errors import BadInput
-from disttrace.run import hooks
 from disttrace.run.faults.base import AnyManifest, Capability, Fault, at, register, state_digest
-from disttrace.run.hooks import Point
+from disttrace.run.job import hooks
+from disttrace.run.job.hooks import Point
 
 
 def _check_mb(args, manifest: AnyManifest):

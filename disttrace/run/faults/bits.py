@@ -7,10 +7,10 @@ import os
 from dataclasses import dataclass
 
 from disttrace.errors import BadInput
-from disttrace.run import hooks
 from disttrace.run.faults.base import Capability, Fault, at, register, state_digest
 from disttrace.run.faults.targets import _check_bit, _ParamFault, _TensorFault, pick
-from disttrace.run.hooks import Point
+from disttrace.run.job import hooks
+from disttrace.run.job.hooks import Point
 
 
 def flip_bit(t, element: int, bit: int) -> dict:

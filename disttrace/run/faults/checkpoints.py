@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from disttrace.errors import BadInput
-from disttrace.run import hooks
 from disttrace.run.faults.base import Fault, at, register
-from disttrace.run.hooks import Point
+from disttrace.run.job import hooks
+from disttrace.run.job.hooks import Point
 
 
 @register

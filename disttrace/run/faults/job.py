@@ -9,9 +9,9 @@ import time
 from dataclasses import dataclass
 
 from disttrace.errors import BadInput
-from disttrace.run import hooks
 from disttrace.run.faults.base import Capability, Fault, at, register
-from disttrace.run.hooks import Point, ProcessExit
+from disttrace.run.job import hooks
+from disttrace.run.job.hooks import Point, ProcessExit
 
 
 @register

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 import torch
 
 from disttrace.errors import BadInput
-from disttrace.run import hooks
 from disttrace.run.faults.base import Capability, Fault, at, register, state_digest
 from disttrace.run.faults.batches import _check_mb
-from disttrace.run.hooks import Point
+from disttrace.run.job import hooks
+from disttrace.run.job.hooks import Point
 
 
 def _check_layer(args, manifest) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from disttrace.errors import BadInput
-from disttrace.run import hooks
 from disttrace.run.faults.base import (
     Capability,
     Fault,
@@ -27,7 +26,8 @@ from disttrace.run.faults.base import (
     register,
     state_digest,
 )
-from disttrace.run.hooks import Point
+from disttrace.run.job import hooks
+from disttrace.run.job.hooks import Point
 
 
 def _module_paths(manifest) -> set[str]:

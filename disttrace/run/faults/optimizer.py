@@ -7,10 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from disttrace.errors import BadInput
-from disttrace.run import hooks
 from disttrace.run.faults.base import Capability, Fault, at, register
 from disttrace.run.faults.targets import _ParamFault
-from disttrace.run.hooks import Point
+from disttrace.run.job import hooks
+from disttrace.run.job.hooks import Point
 
 
 @register

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from disttrace.run import hooks
 from disttrace.run.faults.base import Capability, Fault, at, register, state_digest
 from disttrace.run.faults.targets import _TensorFault
-from disttrace.run.hooks import Point
+from disttrace.run.job import hooks
+from disttrace.run.job.hooks import Point
 
 
 @register

@@ -6,7 +6,7 @@ from __future__ import annotations
 from disttrace.config.manifest import Manifest
 from disttrace.errors import BadInput
 from disttrace.run.faults.base import AnyManifest, Fault
-from disttrace.run.hooks import Point
+from disttrace.run.job.hooks import Point
 
 
 def pick(grads, tensor: str):
@@ -30,7 +30,7 @@ def _check_tensor(cls, rank: int, args, manifest: Manifest) -> None:
     par = manifest.parallelism
     stage = 0
     if par.pp > 1:
-        from disttrace.run.topology import coords_of, mesh_shape
+        from disttrace.run.job.topology import coords_of, mesh_shape
 
         stage = coords_of(rank, mesh_shape(manifest)[0])["pp"]
     names = parameter_names(manifest.model.model_dump(), par.pp, stage)

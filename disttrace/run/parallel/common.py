@@ -6,7 +6,14 @@ import torch
 
 from disttrace.config.manifest import Manifest
 from disttrace.model.llama import lm_loss
-from disttrace.run.hooks import BeforeClip, BeforeOptimizer, Clip, Optimizer, TensorRef, grads_of
+from disttrace.run.job.hooks import (
+    BeforeClip,
+    BeforeOptimizer,
+    Clip,
+    Optimizer,
+    TensorRef,
+    grads_of,
+)
 from disttrace.store.documents import ReplicaRule
 
 

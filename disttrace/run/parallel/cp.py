@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from disttrace.config.manifest import Manifest
-from disttrace.run.hooks import Context
+from disttrace.run.job.hooks import Context
 from disttrace.run.parallel.common import SCALARS_AGREE, build_optimizer
 from disttrace.run.parallel.ddp import DataParallel, apply_ddp
 from disttrace.store.documents import ReplicaRule
@@ -101,7 +101,7 @@ class ContextParallel(DataParallel):
         par = manifest.parallelism
         self.plain, self.bus, self.dp, self.cp = model, bus, par.dp, par.cp
         self.max_grad_norm = manifest.training.max_grad_norm
-        from disttrace.run.hooks import param_refs
+        from disttrace.run.job.hooks import param_refs
 
         self.named = param_refs(model)
         self.cp_group = mesh.get_group("cp")

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from disttrace.config.manifest import Manifest
-from disttrace.run.hooks import Backward, Reduce, TensorRef, grads_of, param_refs
+from disttrace.run.job.hooks import Backward, Reduce, TensorRef, grads_of, param_refs
 from disttrace.run.parallel.common import Strategy, build_optimizer
 from disttrace.store.documents import ReplicaRule
 

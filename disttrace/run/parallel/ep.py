@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from disttrace.config.manifest import Manifest
-from disttrace.run.hooks import Backward, Dispatch, Reduce, TensorRef, grads_of
+from disttrace.run.job.hooks import Backward, Dispatch, Reduce, TensorRef, grads_of
 from disttrace.run.parallel.common import SCALARS_AGREE, build_optimizer
 from disttrace.run.parallel.ddp import DataParallel, apply_ddp
 from disttrace.store.documents import ReplicaRule

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 
 from disttrace.config.manifest import Manifest
-from disttrace.run.hooks import Reduce, TensorRef, grads_of, param_refs
+from disttrace.run.job.hooks import Reduce, TensorRef, grads_of, param_refs
 from disttrace.run.parallel.common import SCALARS_AGREE, Strategy, build_optimizer
 from disttrace.store.documents import ReplicaRule
 

@@ -18,7 +18,7 @@ import torch
 
 from disttrace.config.manifest import Manifest
 from disttrace.model.llama import lm_loss
-from disttrace.run.hooks import Backward, Batch, Loss, Reduce, TensorRef, grads_of
+from disttrace.run.job.hooks import Backward, Batch, Loss, Reduce, TensorRef, grads_of
 from disttrace.run.parallel.common import (
     OPTIMIZER_BLOB_TEMPLATE,
     SCALARS_AGREE,

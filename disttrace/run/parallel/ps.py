@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from disttrace.config.manifest import Manifest
-from disttrace.run.hooks import (
+from disttrace.run.job.hooks import (
     Backward,
     BeforeOptimizer,
     Optimizer,

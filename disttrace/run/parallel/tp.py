@@ -19,7 +19,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from disttrace.config.manifest import Manifest
-from disttrace.run.hooks import Backward, Reduce, TensorRef, grads_of
+from disttrace.run.job.hooks import Backward, Reduce, TensorRef, grads_of
 from disttrace.run.parallel.common import (
     SCALARS_AGREE,
     TP_ACTIVATIONS_AGREE,

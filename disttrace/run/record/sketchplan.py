@@ -1,6 +1,6 @@
 """The sketch's random projections (docs/format.md): the vectors of a tensor or shard, by its shape and its
-place in the logical tensor, built once (`plan_for`). run/digest.py (host tensors), run/digestmany.py (small
-tensors in batches) and run/devdigest.py (device tensors) reduce with them."""
+place in the logical tensor, built once (`plan_for`). run/record/digest.py (host tensors), run/record/digestmany.py (small
+tensors in batches) and run/record/devdigest.py (device tensors) reduce with them."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ from disttrace.analysis import tolerance
 # ||x|| sqrt(numel) (tolerance.sketch_rounding, which diff adds to the bound of the sketch terms): the GEMV's
 # column sums are those rows, as the GEMM's were. float64 tensors (and integers) use the same vectors in
 # float64.
-# With numba installed (the `fast` extra), a float32 tensor of more than FUSED_MIN elements takes run/fused.py
+# With numba installed (the `fast` extra), a float32 tensor of more than FUSED_MIN elements takes run/record/fused.py
 # instead, where numpy's three calls a block each cost about what the hash does
 # (bench/recorder_breakdown.py): digest_many hands a hook list's such tensors to one compiled call, which
 # feeds xxh3 (xxhash's own C function) a few rows at a time and reduces them from L1: the sums and squares

@@ -20,8 +20,8 @@ from typing import Any
 from disttrace.config.freezing import parse_lock, validate
 from disttrace.config.manifest import Manifest
 from disttrace.errors import EXIT_INTERRUPTED, BadInput, DisttraceError
-from disttrace.run.complete import seal_and_complete
-from disttrace.run.hooks import process_exit
+from disttrace.run.job.complete import seal_and_complete
+from disttrace.run.job.hooks import process_exit
 from disttrace.store.documents import Replicas, ResumeSpec, RunInfo
 from disttrace.store.events import BadInputNote, CheckpointSaved, EngineFacts, RankFailed, Resumed
 from disttrace.store.paths import resume_checkpoint
@@ -43,12 +43,12 @@ class Context:
     strategy: Any  # a run/parallel Strategy
     data: Any  # the rank's token windows (data/windows.py's TokenData)
     bus: Any  # the HookBus
-    tracer: Any  # the collective tracer (run/flightrec.py or run/collectives.py)
+    tracer: Any  # the collective tracer (run/record/flightrec.py or run/record/collectives.py)
     start_step: int = 0  # the step a resumed run starts after
     stop_after: int | None = None  # `gate --replay`: the last step to run
 
     def save_checkpoint(self, step: int) -> None:
-        from disttrace.run import checkpoint
+        from disttrace.run.job import checkpoint
 
         path = checkpoint.save(
             self.strategy,
@@ -104,12 +104,12 @@ def run(run_dir: Path) -> None:
 
     from disttrace.data.windows import TokenData
     from disttrace.model.llama import build_model
-    from disttrace.run import flightrec
-    from disttrace.run.hooks import HookBus
-    from disttrace.run.loop import emit_module_outputs, train
+    from disttrace.run.job.hooks import HookBus
+    from disttrace.run.job.loop import emit_module_outputs, train
+    from disttrace.run.job.stepclock import StepClock
     from disttrace.run.parallel import build_strategy
-    from disttrace.run.recorder import Recorder
-    from disttrace.run.stepclock import StepClock
+    from disttrace.run.record import flightrec
+    from disttrace.run.record.recorder import Recorder
 
     backend, device = pick_backend(manifest, torch)
     record = manifest.record
@@ -204,7 +204,7 @@ def lay_out(run_dir: Path, manifest: Manifest, rank: int, world: int, device, ba
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from disttrace.run import topology
+    from disttrace.run.job import topology
 
     shape, dims = topology.mesh_shape(manifest)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=dims)
@@ -228,12 +228,12 @@ def attach_model_observers(
     magnitudes (to close)."""
     magnitudes = None
     if recorded:
-        from disttrace.run.scales import Magnitudes
+        from disttrace.run.record.scales import Magnitudes
 
         magnitudes = Magnitudes(run_dir, rank, model, every=manifest.record.every).attach(bus)
     depth = manifest.record.depth
     if depth is not None:
-        from disttrace.run.depth import DepthRecorder
+        from disttrace.run.record.depth import DepthRecorder
 
         DepthRecorder(
             run_dir,
@@ -257,7 +257,7 @@ def attach_perturbation(bus, ctx: Context, info: RunInfo) -> None:
     if fault is not None:
         fault.attach(bus, ctx)
     if info.perturb:
-        from disttrace.run import perturb
+        from disttrace.run.faults import perturb
 
         perturb.attach(bus, ctx, info.perturb)
 
@@ -300,7 +300,7 @@ def refuse_a_second_attempt(run_dir: Path, rank: int) -> None:
 def attach_observers(run_dir, rank, manifest: Manifest, strategy, recorder, bus, groups, device):
     """Everything that watches the job besides the recorder: the memory ledger, the replica map (and the
     live check of it, if asked), and what the engine reports of itself. Returns the ledger (to close)."""
-    from disttrace.run.memory import MemoryLedger
+    from disttrace.run.record.memory import MemoryLedger
 
     if rank == 0:
         doc = Replicas(
@@ -308,7 +308,7 @@ def attach_observers(run_dir, rank, manifest: Manifest, strategy, recorder, bus,
         )
         write_json_atomic(run_dir / "replicas.json", doc.doc())
     if manifest.debug.live_check:
-        from disttrace.run.livecheck import LiveCheck
+        from disttrace.run.record.livecheck import LiveCheck
 
         LiveCheck(run_dir, recorder, strategy.replicas(), groups, rank, device).attach(bus)
     if rank == 0:
@@ -333,7 +333,7 @@ def attach_observers(run_dir, rank, manifest: Manifest, strategy, recorder, bus,
 
 def resume(ctx, spec: ResumeSpec) -> int:
     """Load the checkpoint named in run.json (relative to the runs/<id12>/ directory) and return its step."""
-    from disttrace.run import checkpoint
+    from disttrace.run.job import checkpoint
 
     path = resume_checkpoint(ctx.run_dir, spec)  # inside the runs root, or BadInput
     identity = ctx.manifest_id

@@ -3,7 +3,7 @@
 Every process group already records each collective it issues in one C++ ring buffer per process (op, group,
 sequence number, sizes, dtypes, issue time; start/end times on NCCL): keeping the trace costs nothing per op.
 We copy the ring into `collectives/rank-N.frames`, one compressed frame of JSON lines a copy
-(store/collframes.py), in the record format the dispatch-mode tracer writes as JSON lines (`run/collectives.py`,
+(store/collframes.py), in the record format the dispatch-mode tracer writes as JSON lines (`run/record/collectives.py`,
 kept for `record.collectives = "values"`), so the readers do not care which wrote it.
 
 When the ring is copied, and why:
@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 from disttrace.config.manifest import Manifest
-from disttrace.run.hooks import HookBus
+from disttrace.run.job.hooks import HookBus
 from disttrace.store import collframes
 from disttrace.store.documents import CollectiveLine, RingLost
 from disttrace.store.rundir import rank_file
@@ -410,7 +410,7 @@ def build_trace(mode: str, run_dir: Path, rank: int):
     if mode == "metadata":
         return FlightRecorderTrace(run_dir, rank)
     if mode in ("values", "dispatch"):
-        from disttrace.run.collectives import CollectiveTracer
+        from disttrace.run.record.collectives import CollectiveTracer
 
         return CollectiveTracer(run_dir, rank, values=mode == "values")
     return NoTrace()

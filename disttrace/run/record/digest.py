@@ -15,7 +15,7 @@ import xxhash
 
 from disttrace.analysis import tolerance
 from disttrace.compiled import optional
-from disttrace.run.sketchplan import BLOCK, SKETCH_K, Plan, plan_for
+from disttrace.run.record.sketchplan import BLOCK, SKETCH_K, Plan, plan_for
 
 
 def raw_bytes(t: torch.Tensor) -> memoryview:
@@ -84,22 +84,22 @@ def _sums(flat: np.ndarray) -> tuple[float, float]:
     return s, ss
 
 
-# float32 tensors of more elements than this (256 KiB) take run/fused.py where numba is installed: the
+# float32 tensors of more elements than this (256 KiB) take run/record/fused.py where numba is installed: the
 # dim-512 model's matrices and activations; a small model's tensors (the default manifest's are at most
 # 32 Ki elements) stay with numpy and never import numba
 FUSED_MIN = 1 << 16
-_kernel = None  # run/fused.py (the module), False where numba is absent or DISTTRACE_FUSED=0
+_kernel = None  # run/record/fused.py (the module), False where numba is absent or DISTTRACE_FUSED=0
 _xxh3 = None  # fused.Xxh3: xxhash's C functions for the kernel, or None (xxhash fed from Python)
 
 
 def _fused():
-    """run/fused.py, whose compiled pass takes float32 tensors of more than FUSED_MIN elements, or None:
+    """run/record/fused.py, whose compiled pass takes float32 tensors of more than FUSED_MIN elements, or None:
     numba is an optional extra (`pip install disttrace[fast]`), imported the first time such a tensor is
     digested (a tiny model never pays its import). DISTTRACE_FUSED=0 keeps the numpy path (the benches'
     baseline)."""
     global _kernel, _xxh3
     if _kernel is None:
-        fused = optional("disttrace.run.fused", "DISTTRACE_FUSED")
+        fused = optional("disttrace.run.record.fused", "DISTTRACE_FUSED")
         if fused is not None:
             _xxh3 = fused.Xxh3.load()
         _kernel = fused or False
@@ -122,7 +122,7 @@ def _stats64(x: np.ndarray) -> tuple[float, float]:
 
 
 def _fused_stats(x: np.ndarray, plan: Plan, hasher):
-    """_stats of a float32 array of more than FUSED_MIN elements in run/fused.py's compiled pass, hashed
+    """_stats of a float32 array of more than FUSED_MIN elements in run/record/fused.py's compiled pass, hashed
     on the way (its digest returned, `hasher` fed nothing) where xxhash's C functions could be bound,
     else each block fed to `hasher` and then reduced while it is in cache (the same statistics)."""
     kernel, xxh3 = _kernel, _xxh3
@@ -303,7 +303,7 @@ def digest_tensor(
     """{'digest','sum','norm','sketch','nonfinite','dtype','shape','numel'} of one (local) tensor; `offset`
     and `logical_shape` place a shard in its logical tensor (for the sketch). On a GPU the digest and the
     float64 statistics are computed on the device, waiting for it (the recorder batches device tensors
-    instead: run/devdigest.py); on the CPU, xxh3 over the raw bytes. `with_sketch=False`
+    instead: run/record/devdigest.py); on the CPU, xxh3 over the raw bytes. `with_sketch=False`
     leaves the sketch out (bench/digest_cost.py's baseline)."""
     t = t.detach()
     if hasattr(t, "to_local"):  # a DTensor: the digest is of the shard this rank holds

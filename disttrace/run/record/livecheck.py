@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from disttrace.analysis.replica_rules import rule_applies
-from disttrace.run.digest import digest_of_digests
+from disttrace.run.record.digest import digest_of_digests
 from disttrace.store.documents import ReplicaRule
 from disttrace.store.events import LiveCheckFailed
 from disttrace.store.writers import event

@@ -3,7 +3,7 @@
 At `module` depth every module of the plain model gives a record when its forward returns (its output, as
 its caller receives it: after the module's own hooks, a tensor-parallel style's redistribution included) and
 one when the gradient with respect to that output arrives in backward, each with its module path, in
-execution order. At `op` depth a dispatch mode (as `record.collectives = "values"` uses, run/collectives.py)
+execution order. At `op` depth a dispatch mode (as `record.collectives = "values"` uses, run/record/collectives.py)
 adds every aten op's output inside the model's forward (labelled by the innermost module running it) and
 inside backward (labelled by the module whose output gradient arrived last, "" before the first), each with
 its index among that module call's ops.
@@ -11,13 +11,13 @@ its index among that module call's ops.
 Records are placed in the step's logical tensor, so runs of different layouts compare: the batch dimension
 over the step's micro-batches and data-parallel ranks (data/windows.py hands micro-batch `mb` of dp rank `r`
 the samples at `(mb * dp + r) * micro_batch_size` of the step), a DTensor's shard over its mesh as the
-trajectory's records carry it (run/recorder.py's `shard_info`). A tensor-parallel style hands its caller a
+trajectory's records carry it (run/record/recorder.py's `shard_info`). A tensor-parallel style hands its caller a
 local tensor (`use_local_output`): the placement is read from the DTensor the module itself returned, before
 the style's hooks converted it. An output gradient is that of this rank's mean loss; `weight` = 1 / dp makes
 it the gradient of the step's mean loss, whatever the split.
 
 Hooks are installed at the step's start and removed at its end: every other step runs exactly as without
-depth recording, and with `record.depth` unset nothing here is even built (run/worker.py). The records are
+depth recording, and with `record.depth` unset nothing here is even built (run/job/worker.py). The records are
 written at the step's end to `depth/rank-NNNNN.jsonl` (one `store.documents.DepthRecord` a line), sealed with
 the rank's other files.
 
@@ -37,8 +37,8 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from disttrace.run.digest import digest_tensor
-from disttrace.run.recorder import shard_info
+from disttrace.run.record.digest import digest_tensor
+from disttrace.run.record.recorder import shard_info
 from disttrace.store.documents import DepthRecord
 from disttrace.store.rundir import rank_file
 from disttrace.store.writers import JsonlWriter
@@ -321,7 +321,7 @@ class DepthRecorder:
             if not s and raw is not None and tuple(t.shape) == tuple(raw[3]):
                 shape, mesh, placements, _ = raw
                 if not any(pl.is_partial() for pl in placements):
-                    from disttrace.run.recorder import _shard_info
+                    from disttrace.run.record.recorder import _shard_info
 
                     s = _shard_info(shape, mesh, placements)["shard"]
         offset = list(s.get("offset") or [0] * t.dim())

@@ -3,7 +3,7 @@ user's own training command (e.g. `torchrun --nproc-per-node 2 train.py`) with a
 
 The directory is handed to the command in DISTTRACE_RUN_DIR; `disttrace.api.attach` inside the script picks
 it up (and, for inject, the fault in its run.json, checked there against the points the script offers), or,
-in a script that never calls it, zero-code recording does the same from torch's own hooks (run/zerocode.py).
+in a script that never calls it, zero-code recording does the same from torch's own hooks (run/zerocode/recording.py).
 The command's stdout goes to our stderr: our stdout carries only the run directory (or --json).
 """
 
@@ -61,10 +61,10 @@ def fault_spec(name: str, step: int, rank: int, params: dict) -> dict:
 
 def execute(run_dir: Path, command: list[str]) -> None:
     """Run the command attached to `run_dir`: its own attach call, or else zero-code recording (every Python
-    process it starts loads run/zerocode_site/sitecustomize.py first). Raises BadInput (exit 2) when the
+    process it starts loads run/zerocode/site/sitecustomize.py first). Raises BadInput (exit 2) when the
     script refused the fault or trained nothing that could be recorded, JobFailed (exit 3) when the command
     failed."""
-    from disttrace.run.zerocode import SITE_DIR, ZERO_CODE_ENV
+    from disttrace.run.zerocode.recording import SITE_DIR, ZERO_CODE_ENV
 
     python_path = os.pathsep.join(p for p in (SITE_DIR, os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, RUN_DIR_ENV: str(run_dir), ZERO_CODE_ENV: "1", "PYTHONPATH": python_path}

@@ -1,5 +1,5 @@
 """Loaded by every Python process `disttrace run -- CMD` starts (this directory is first on its PYTHONPATH):
-arms zero-code recording (disttrace/run/zerocode.py), then runs the sitecustomize this one shadows, if any."""
+arms zero-code recording (disttrace/run/zerocode/recording.py), then runs the sitecustomize this one shadows, if any."""
 
 import os
 import sys
@@ -9,7 +9,7 @@ def _arm() -> None:
     if not (os.environ.get("DISTTRACE_RUN_DIR") and os.environ.get("DISTTRACE_ZERO_CODE") == "1"):
         return
     try:
-        from disttrace.run.zerocode import arm
+        from disttrace.run.zerocode.recording import arm
     except (
         ImportError
     ) as e:  # the command runs a Python without disttrace: nothing is recorded, and why

@@ -41,8 +41,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from disttrace.run.digest import _M1, _M2
-from disttrace.run.sketchplan import SKETCH_K, plan_for
+from disttrace.run.record.digest import _M1, _M2
+from disttrace.run.record.sketchplan import SKETCH_K, plan_for
 
 CHUNK = (
     1 << 22

@@ -8,7 +8,7 @@ import torch
 import xxhash
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from disttrace.run.digest import _digest_host, digest_tensor, raw_bytes
+from disttrace.run.record.digest import _digest_host, digest_tensor, raw_bytes
 
 # ---------------------------------------------------------------- bytes digested once
 # A step's phases often hand over tensors an earlier phase of the step (or the step before) already handed:

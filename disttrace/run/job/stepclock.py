@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from disttrace.run.hooks import HookBus
+from disttrace.run.job.hooks import HookBus
 from disttrace.store.rundir import rank_file
 from disttrace.store.writers import JsonlWriter
 

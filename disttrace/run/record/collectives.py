@@ -83,7 +83,7 @@ def _payload_digests(tensors) -> list[str]:
     import xxhash
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from disttrace.run.digest import raw_bytes
+    from disttrace.run.record.digest import raw_bytes
 
     with _disable_current_modes():
         return [xxhash.xxh3_64_hexdigest(raw_bytes(t)) for t in tensors]

@@ -8,7 +8,7 @@ the metric line the gate reads.
     dt.print_metric(eval_loss=score(model, sys.argv[2]))
 
 Nothing in a checkpoint runs: a disttrace checkpoint is verified against its INDEX and read through the
-project's DCP loader (run/safeload.py: allowlisted metadata, weights_only items); safetensors files are
+project's DCP loader (run/job/safeload.py: allowlisted metadata, weights_only items); safetensors files are
 read as tensors; torch pickles (`pytorch_model.bin`, a Lightning `.ckpt`) load with weights_only=True.
 """
 
@@ -63,7 +63,7 @@ def print_metric(**metrics) -> None:
 
 
 def _load_dcp(path: Path, model, strict: bool) -> dict:
-    from disttrace.run import safeload
+    from disttrace.run.job import safeload
     from disttrace.store import checkpoints
 
     index = checkpoints.verify(path)  # every file's sha256 against the INDEX, every pickle scanned

@@ -8,7 +8,7 @@ identical computations. After each step a line goes to the step index: byte offs
 step's records and a digest of their digests, so diff can skip equal steps without reading them, and the
 sha256 of those bytes chained to the previous step's (`disttrace verify`, and diff checks what it skips).
 
-Tensors on an accelerator are digested in batches on the device (run/devdigest.py): their numbers reach
+Tensors on an accelerator are digested in batches on the device (run/record/devdigest.py): their numbers reach
 the host a step later, so such a step is written when the next one ends (or at the next step's start if
 they have arrived, or at close): the host never waits for the device to write a record.
 """
@@ -24,16 +24,17 @@ from typing import NamedTuple
 
 import torch
 
-from disttrace.run import devdigest
-from disttrace.run.digest import digest_of_digests
-from disttrace.run.digestmany import digest_many
-from disttrace.run.hooks import HookBus
-from disttrace.run.seen import Seen
-from disttrace.run.updates import Updates
+from disttrace.run.job.hooks import HookBus
+from disttrace.run.record import devdigest
+from disttrace.run.record.digest import digest_of_digests
+from disttrace.run.record.digestmany import digest_many
+from disttrace.run.record.seen import Seen
+from disttrace.run.record.updates import Updates
 from disttrace.store.records import CLIP_GRAD_BASE, PHASE_ORDER, StepIndexEntry
 from disttrace.store.rundir import rank_file
 from disttrace.store.seal import StepChain
-from disttrace.store.trajectory import SKETCH_VERSION, SUFFIX, TrajectoryWriter
+from disttrace.store.trajectory import SKETCH_VERSION, SUFFIX
+from disttrace.store.trajectory_write import TrajectoryWriter
 from disttrace.store.writers import JsonlWriter
 
 
@@ -129,7 +130,7 @@ class Recorder:
         self._buf: list[dict] = []
         self._t: dict[str, float] = {}
         self.chain = StepChain(rank)
-        # device tensors: digested in batches on the device and written a step late (run/devdigest.py)
+        # device tensors: digested in batches on the device and written a step late (run/record/devdigest.py)
         self._device = devdigest.DeviceDigests()
         self._force_device = devdigest.forced()
         self._waiting: list[tuple[dict, int]] = []  # (record, row of this step's device digests)
@@ -141,7 +142,7 @@ class Recorder:
         if reuse is None:
             reuse = os.environ.get("DISTTRACE_DIGEST_REUSE") != "0"
         self._seen = Seen() if reuse else None
-        # record.updates: each parameter's largest |update| (run/updates.py); a copy of the parameters
+        # record.updates: each parameter's largest |update| (run/record/updates.py); a copy of the parameters
         self._updates = Updates() if updates else None
 
     def attach(self, bus: HookBus) -> Recorder:
@@ -281,7 +282,7 @@ class Recorder:
 
     def _optimizer(self, bus, p):
         self.add_all(bus, "optimizer", p.params)
-        # the updates after the state, each in its parameter's last state slot (run/updates.py)
+        # the updates after the state, each in its parameter's last state slot (run/record/updates.py)
         updates = [] if self._updates is None else self._updates.after(p.params, p.optimizer)
         state = [*p.state, *updates]
         self.add_all(bus, "optimizer", state, base=len(p.params))

@@ -1,7 +1,7 @@
 """Zero-code recording: `disttrace run -- CMD` records a training command that never calls
 `disttrace.api.attach`, through torch's own process-wide hooks (docs/attach.md, "Zero-code recording").
 
-`disttrace run|inject|replay|zoom -- CMD` puts `zerocode_site/` first on the command's PYTHONPATH, so every
+`disttrace run|inject|replay|zoom -- CMD` puts `site/` first on the command's PYTHONPATH, so every
 Python process the command starts (torchrun's workers, `mp.spawn`'s children) runs its `sitecustomize`,
 which calls `arm()` when the CLI prepared a run directory for it. Importing this module imports no torch: a
 process that never imports torch (a shell tool the command runs) pays nothing, and one that does gets the
@@ -39,7 +39,7 @@ from pathlib import Path
 ZERO_CODE_ENV = "DISTTRACE_ZERO_CODE"  # "1": record the command without an attach call
 # left in a checkpoint directory the script saved during a recorded run: the step it holds
 CHECKPOINT_MARK = "disttrace-step.json"
-SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zerocode_site")
+SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "site")
 
 _armed = False
 _state: _Discovery | None = None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from disttrace.model.llama import aux_loss
-from disttrace.run.hooks import Batch, Data, Forward, Loss, StepEnd, StepStart
+from disttrace.run.job.hooks import Batch, Data, Forward, Loss, StepEnd, StepStart
 
 
 def emit_module_outputs(model, bus) -> list:

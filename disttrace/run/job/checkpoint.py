@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from disttrace.run.hooks import BeforeCheckpoint, Checkpoint
+from disttrace.run.job.hooks import BeforeCheckpoint, Checkpoint
 from disttrace.store.checkpoints import step_dir, verify, write_index
 from disttrace.store.writers import writing
 
@@ -65,7 +65,7 @@ def load(strategy, ckpt: Path, rank: int, manifest_id: str) -> Loaded:
     """Load a verified checkpoint into the strategy; returns where it leaves the run."""
     import torch
 
-    from disttrace.run import safeload
+    from disttrace.run.job import safeload
 
     index = verify(ckpt, manifest_id)
     with_optim = "optim" in index.get("contents", [])

@@ -1,4 +1,4 @@
-"""The gate's independent evaluation, run as a fresh single process (`python -m disttrace.run.evaluate RUN`):
+"""The gate's independent evaluation, run as a fresh single process (`python -m disttrace.run.evaluation.evaluate RUN`):
 not the training job, no process group. It verifies and consolidates the run's final checkpoint into the
 plain model, and scores the held-out split the manifest fixed before training."""
 
@@ -57,7 +57,7 @@ def evaluate(run_dir: Path, data_dir: Path | None = None) -> dict:
     dtype = getattr(torch, run.manifest.training.dtype)
     model = build_model(model_shape(source), dtype, seed=0)  # weights come from the checkpoint
     state = {"model": model.state_dict()}
-    from disttrace.run import safeload
+    from disttrace.run.job import safeload
 
     safeload.load(
         state, ckpt, no_dist=True

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from disttrace.run.hooks import TensorRef
+from disttrace.run.job.hooks import TensorRef
 
 SUFFIX = ":update"
 SLOT = 3  # the record's index: after its parameter's optimizer state (at most 3 tensors: amsgrad's)

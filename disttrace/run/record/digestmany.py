@@ -1,6 +1,6 @@
 """A hook's list of tensors digested together (`digest_many`): the small float32 host tensors in batches,
-the large float32 ones in one call of run/fused.py's compiled pass, the others one by one through
-run/digest.py; each record the one digest_tensor gives (docs/format.md)."""
+the large float32 ones in one call of run/record/fused.py's compiled pass, the others one by one through
+run/record/digest.py; each record the one digest_tensor gives (docs/format.md)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import torch
 import xxhash
 
 from disttrace.analysis import tolerance
-from disttrace.run import digest as core
-from disttrace.run.seen import Seen
-from disttrace.run.sketchplan import SKETCH_K, Plan, plan_for
+from disttrace.run.record import digest as core
+from disttrace.run.record.seen import Seen
+from disttrace.run.record.sketchplan import SKETCH_K, Plan, plan_for
 
 # ---------------------------------------------------------------- many small tensors at once
 # A hook hands the recorder a list of tensors (every parameter's gradient, every optimizer state). On a small

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from disttrace.config.freezing import Frozen, parse_lock, validate
 from disttrace.errors import JobFailed
-from disttrace.run.worker import LOG_ENV, release_space, reserve_space
+from disttrace.run.job.worker import LOG_ENV, release_space, reserve_space
 from disttrace.store.documents import RunInfo
 from disttrace.store.events import Created, Launched, RankFailed
 from disttrace.store.events import JobFailed as JobFailedEvent
@@ -271,7 +271,7 @@ def failure_notes(run_dir: Path, failures: dict[int, int]) -> dict[int, dict]:
     slot; a rank killed before it could say anything, or whose log is on another node's disk, has none."""
     import json
 
-    from disttrace.run.worker import FAILURE_NOTE, log_path
+    from disttrace.run.job.worker import FAILURE_NOTE, log_path
 
     notes = {}
     for slot in failures:
@@ -315,7 +315,7 @@ def tidy_after_failure(run_dir: Path, lock) -> None:
     after it would be glued to it). Published files, and every other run, are left as they are."""
     import shutil
 
-    from disttrace.run.worker import release_space
+    from disttrace.run.job.worker import release_space
     from disttrace.store.writers import trim_torn_tail
 
     release_space(lock.fileno())

@@ -1,4 +1,4 @@
-"""One compiled pass over a float32 tensor for the digest and statistics of run/digest.py (the optional
+"""One compiled pass over a float32 tensor for the digest and statistics of run/record/digest.py (the optional
 `fast` extra: numba). Imported by digest.py only when numba is installed and a tensor of more than
 digest.FUSED_MIN elements is digested; without it digest.py computes the same statistics with numpy, in
 three calls a block.
