@@ -186,7 +186,11 @@ def worker(rank, world, port, frozen_doc, steps, out, q, device_type="cpu", spec
         if not spec.get("recorder"):
             continue
         rec = Recorder(
-            base / v, rank, forward=spec.get("forward", True), reuse=spec.get("reuse", True)
+            base / v,
+            rank,
+            forward=spec.get("forward", True),
+            reuse=spec.get("reuse", True),
+            updates=typed.record.updates,
         ).attach(Gated(bus, flag, {v}, spent, f"recorder {v}"))
         closing.append(rec)
         recorders[v] = rec
