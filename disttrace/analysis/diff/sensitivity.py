@@ -94,24 +94,7 @@ def class_bounds(tol, step: int, phase: str) -> dict[str, float] | None:
     cal = tol.cal
     if cal is None or cal.by_class is None or tol.mode != "numeric" or tol.user:
         return None
-    out, derived = {}, None
-    for cls in _classes(cal, phase):
-        v = cal.by_class.get((int(step), phase, cls))
-        if v is None:
-            if derived is None:
-                derived = tolerance.bound(
-                    tol.ma,
-                    tol.mb,
-                    step,
-                    phase,
-                    since=tol.since,
-                    magnitudes=tol.mags is not None,
-                    observed=tol.observed,
-                    eps=tol._step_bound(phase),
-                )
-            v = derived
-        out[cls] = v
-    return out
+    return {cls: tol.class_bound(step, phase, cls) for cls in _classes(cal, phase)}
 
 
 @functools.lru_cache(maxsize=64)

@@ -247,7 +247,10 @@ class _Tol:
         (per tensor class where it has classes), else derived."""
         if self.mode == "bitwise":
             return 0.0
-        cls = None if name is None else self._class(name)
+        return self.class_bound(step, phase, None if name is None else self._class(name))
+
+    def class_bound(self, step: int, phase: str, cls: str | None) -> float:
+        """`derived` for a tensor of calibration class `cls` (None: the phase's one bound)."""
         k = (step, phase, cls)
         got = self._cache.get(k)
         if got is not None:
