@@ -387,7 +387,6 @@ def module_circles(imports: list[Import]) -> list[set[str]]:
 KNOWN_CIRCLES = (
     {"analysis.diff", "analysis.diff.parallel"},
     {"cli", "cli.compare", "cli.jobs", "cli.look", "cli.readers", "cli.verdicts"},
-    {"gate.usereval", "gate.verdict"},
     {
         "run.attach",
         "run.attach.engine",
