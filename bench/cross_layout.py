@@ -39,7 +39,7 @@ import contextlib, hashlib, io, json, sys, time
 code = sys.argv[3]
 if code:
     sys.path.insert(0, code)
-from disttrace.cli import app
+from disttrace.cli.shared import app
 import disttrace.analysis.diff  # noqa: F401  (start-up: the imports the diff needs)
 sys.argv = ["disttrace", "diff", sys.argv[1], sys.argv[2], "--mode", "numeric", "--json"]
 out = io.StringIO()

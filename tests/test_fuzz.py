@@ -42,7 +42,7 @@ from disttrace.analysis import facts as run_facts
 from disttrace.analysis.consistency import check_run
 from disttrace.analysis.diff import diff_runs
 from disttrace.analysis.timeline import build_trace
-from disttrace.cli import app
+from disttrace.cli.shared import app
 from disttrace.config.freezing import freeze
 from disttrace.config.manifest import DEFAULT_MANIFEST
 from disttrace.errors import BadInput
@@ -1487,9 +1487,9 @@ def test_fuzz_deepspeed_config(manifest_dir, data, world):
 
 import html  # noqa: E402
 
-from disttrace import cli as cli_mod  # noqa: E402
 from disttrace.analysis import lab as lab_types  # noqa: E402
 from disttrace.analysis.result import BoundKind, Divergence  # noqa: E402
+from disttrace.cli import shared as cli_shared  # noqa: E402
 from disttrace.views.lab import render as render_lab  # noqa: E402
 
 MARKUP = [
@@ -1604,10 +1604,10 @@ def human(tmp_path_factory):
     """A wide console for the CLI's human output, so that a line is a line (the check is that text is
     printed as written, not how rich wraps it)."""
     root = tmp_path_factory.mktemp("human")
-    saved = cli_mod.err
-    cli_mod.err = Console(stderr=True, width=1000, no_color=True, highlight=False, emoji=False)
+    saved = cli_shared.err
+    cli_shared.err = Console(stderr=True, width=1000, no_color=True, highlight=False, emoji=False)
     yield root, freeze(None).model_dump()
-    cli_mod.err = saved
+    cli_shared.err = saved
 
 
 def _lab_result(name: str, ref: Path, work: Path):
@@ -1681,7 +1681,7 @@ def _human_case(
         (["diff", ref, work], {1}, []),
         (["report", ref, work, "-o", out], {0}, []),
     ):
-        result = runner.invoke(cli_mod.app, [str(a) for a in args], env={"NO_COLOR": "1"})
+        result = runner.invoke(cli_shared.app, [str(a) for a in args], env={"NO_COLOR": "1"})
         COUNTS[("human output", f"{args[0]} exit {result.exit_code}")] += 1
         try:
             assert result.exception is None or isinstance(result.exception, SystemExit), (

@@ -52,7 +52,7 @@ COMMANDS = {
 DRIVER = r"""
 import json, os, resource, signal, sys
 from typer.testing import CliRunner
-from disttrace.cli import app
+from disttrace.cli.shared import app
 
 cases = json.loads(open(sys.argv[1]).read())
 runner = CliRunner()

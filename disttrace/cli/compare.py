@@ -9,8 +9,8 @@ from pathlib import Path
 import typer
 from rich.text import Text
 
-from disttrace import cli
-from disttrace.cli import JsonOpt, app, emit_json, handled
+from disttrace.cli import shared
+from disttrace.cli.shared import JsonOpt, app, emit_json, handled
 from disttrace.errors import BadInput, verdict_exit
 from disttrace.fmt import visible
 from disttrace.views.console import SafeConsole
@@ -154,7 +154,7 @@ def _refuse_combinations(jobs: int, zoom_: bool, partial_or_merged: bool) -> Non
         raise BadInput("--jobs", f"must be at least 1 (got {jobs})")
     if zoom_ and partial_or_merged:
         raise BadInput("--zoom", "zooms into two whole runs, not a partial or merged diff")
-    if cli.USER_COMMAND is not None and not zoom_:
+    if shared.USER_COMMAND is not None and not zoom_:
         raise BadInput(
             "--", "a command after '--' replays an attached side at depth: it needs --zoom"
         )
@@ -200,7 +200,7 @@ def _diff(runs, merge, ranks, steps, share, jobs, opts):
     else:
         from disttrace.views.progress import StepBar
 
-        with StepBar(cli.err, "diff") as on_step:  # a terminal only; a pipe or CI sees nothing
+        with StepBar(shared.err, "diff") as on_step:  # a terminal only; a pipe or CI sees nothing
             result = diff_runs(runs[0], runs[1], on_step=on_step, **opts)
     return part, result
 
@@ -222,7 +222,7 @@ def _print_and_exit(part, result, json_: bool, md: bool) -> None:
             partial=what,
         )
     if part is not None:
-        cli.err.print(
+        shared.err.print(
             Text(
                 f"partial diff of {what}: "
                 + (
@@ -244,7 +244,7 @@ def _zoom_and_exit(a, b, json_: bool, md: bool, **options) -> None:
     from disttrace.lab.zoom import zoom as zoom_runs
     from disttrace.views.zoom import render_md, render_rich
 
-    z = zoom_runs(a, b, progress=cli.err.print, command=cli.USER_COMMAND, **options)
+    z = zoom_runs(a, b, progress=shared.err.print, command=shared.USER_COMMAND, **options)
     if json_:
         emit_json(z)
     elif md:

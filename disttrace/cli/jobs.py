@@ -10,8 +10,8 @@ import typer
 from rich.markup import escape
 from rich.text import Text
 
-from disttrace import cli
-from disttrace.cli import (
+from disttrace.cli import shared
+from disttrace.cli.shared import (
     JsonOpt,
     ManifestArg,
     OutOpt,
@@ -35,7 +35,7 @@ def _run_job_and_report(
     from disttrace.analysis.facts import summary
     from disttrace.views.show import render_summary
 
-    cli.err.print(Text(f"{what} ...", style="dim"))
+    shared.err.print(Text(f"{what} ...", style="dim"))
     try:
         job()
     except JobFailed:
@@ -52,7 +52,7 @@ def _run_job_and_report(
     if json_:
         emit_json({"run_dir": str(run_dir), **summary(run_dir).to_dict(), **(extra or {})})
     else:
-        render_summary(summary(run_dir), cli.err)
+        render_summary(summary(run_dir), shared.err)
         print(run_dir)
     return run_dir
 
@@ -65,7 +65,7 @@ def _launch_and_report(
 
     def job():
         with LiveProgress(
-            run_dir, cli.err, enabled=not quiet
+            run_dir, shared.err, enabled=not quiet
         ):  # stderr only: --json and stdout are unchanged
             launch(run_dir, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
 
@@ -122,7 +122,7 @@ def freeze(
 
         frozen, warnings = freeze_from_deepspeed(from_deepspeed, manifest, world_size, set_ or [])
         for w in warnings:
-            cli.err.print(Text("deepspeed: ", style="yellow") + Text(w))
+            shared.err.print(Text("deepspeed: ", style="yellow") + Text(w))
     else:
         frozen = _freeze(manifest, set_)
     doc = frozen.model_dump()
@@ -132,12 +132,12 @@ def freeze(
         emit_json(doc)
     else:
         m = frozen.manifest
-        cli.err.print(
+        shared.err.print(
             f"[bold]{escape(m['experiment']['name'])}[/bold] edition {escape(m['experiment']['edition'])}  "
             f"world {m['parallelism']['world_size']} (dp={m['parallelism']['dp']} tp={m['parallelism']['tp']} "
             f"pp={m['parallelism']['pp']} zero={m['parallelism']['zero_stage']})"
         )
-        cli.err.print(
+        shared.err.print(
             f"data sha256 {m['data']['sha256']}\ntokenizer sha256 {m['tokenizer']['sha256']}"
         )
         print(frozen.manifest_id)
@@ -158,7 +158,7 @@ def _explain(json_: bool, with_manifest: bool) -> None:
     else:
         from disttrace.views.manifest import render_manifest_fields
 
-        render_manifest_fields(doc, cli.err)
+        render_manifest_fields(doc, shared.err)
 
 
 _RUN_ID = typer.Option(
@@ -205,13 +205,13 @@ def run(
     the prepared run dir reaches it in DISTTRACE_RUN_DIR; its stdout goes to stderr)."""
     from disttrace.run.job.launch import prepare, prepare_shared
 
-    if calibrate_ and (cli.USER_COMMAND is not None or nnodes > 1 or prepare_only):
+    if calibrate_ and (shared.USER_COMMAND is not None or nnodes > 1 or prepare_only):
         raise BadInput(
             "--calibrate",
             "calibrates a reference this command launches on one node (not a user's command, "
             "--nnodes or --prepare-only); run `disttrace calibrate` there instead",
         )
-    if cli.USER_COMMAND is not None:
+    if shared.USER_COMMAND is not None:
         return _user_command(manifest, out, json_, "reference", None)
 
     frozen = _freeze(manifest, set_)
@@ -229,7 +229,7 @@ def run(
     else:
         run_dir = prepare(frozen, out, "reference")
     if prepare_only:
-        cli.err.print(
+        shared.err.print(
             Text(
                 f"prepared; start the ranks yourself: torchrun --nproc-per-node N [--nnodes ...] "
                 f"-m disttrace.worker --run-dir {run_dir}"
@@ -253,14 +253,14 @@ def _launch_and_calibrate(
     extra: dict = {}
 
     def job():
-        with LiveProgress(run_dir, cli.err, enabled=not quiet):
+        with LiveProgress(run_dir, shared.err, enabled=not quiet):
             launch(run_dir)
         path, doc = _calibration(frozen, out, safety, reference=run_dir)
         extra["calibration"] = str(path)
         if not json_:
             from disttrace.views.calibration import render_calibration
 
-            render_calibration(doc, path, cli.err)
+            render_calibration(doc, path, shared.err)
 
     _run_job_and_report(run_dir, json_, job, f"launching {run_dir}", extra=extra)
 
@@ -286,7 +286,7 @@ def inject(
     from disttrace.run import faults
     from disttrace.run.job.launch import prepare
 
-    if cli.USER_COMMAND is not None:
+    if shared.USER_COMMAND is not None:
         from disttrace.run.job.usercmd import fault_spec
 
         run_dir = _user_command(
@@ -306,12 +306,12 @@ def _user_command(manifest, out: Path, json_: bool, path_kind: str, fault: dict 
 
     if manifest is not None:
         raise BadInput(str(manifest), "give a manifest or a command after '--', not both")
-    run_dir = usercmd.prepare(out, cli.USER_COMMAND, path_kind, fault)
+    run_dir = usercmd.prepare(out, shared.USER_COMMAND, path_kind, fault)
     return _run_job_and_report(
         run_dir,
         json_,
-        lambda: usercmd.execute(run_dir, cli.USER_COMMAND),
-        f"running {' '.join(cli.USER_COMMAND)} attached to {run_dir}",
+        lambda: usercmd.execute(run_dir, shared.USER_COMMAND),
+        f"running {' '.join(shared.USER_COMMAND)} attached to {run_dir}",
         summarize_failure=False,
     )
 
@@ -321,7 +321,7 @@ def _warn_if_not_fired(run_dir: Path) -> None:
 
     fired = Run(run_dir).fault_events()
     if not fired:
-        cli.err.print(
+        shared.err.print(
             Text(
                 "warning: the fault never fired (its hook point was not reached on that rank and step); "
                 "this run is a second reference, not a fault run",
@@ -329,7 +329,7 @@ def _warn_if_not_fired(run_dir: Path) -> None:
             )
         )
     elif any(e.changed is False for e in fired):
-        cli.err.print(
+        shared.err.print(
             Text(
                 "warning: the fault fired but changed nothing (its digest before and after are equal, see "
                 "events.jsonl); this run is a second reference, not a fault run",
@@ -360,7 +360,7 @@ def calibrate(
         return
     from disttrace.views.calibration import render_calibration
 
-    render_calibration(doc, path, cli.err)
+    render_calibration(doc, path, shared.err)
     print(path)
 
 
@@ -386,7 +386,7 @@ def _calibration(frozen, out: Path, safety: float, reference: Path | None = None
         if label == "perturbed":
             info = read_run_info(run_dir).updated(perturb={"relative": relative, "seed": 1})
             write_run_info(run_dir, info)
-        cli.err.print(Text(f"calibrate: {label} run {run_dir} ...", style="dim"))
+        shared.err.print(Text(f"calibrate: {label} run {run_dir} ...", style="dim"))
         launch(run_dir)
         dirs[label] = str(run_dir)
     doc = build(frozen.manifest_id, dirs, relative, safety)
@@ -418,7 +418,7 @@ def recover(
     from disttrace.store.writers import write_run_info
 
     frozen, ckpt, why = choose_checkpoint(fault_run, from_step)
-    cli.err.print(f"resuming from {ckpt} ({why})")
+    shared.err.print(f"resuming from {ckpt} ({why})")
     root = out if out is not None else fault_run.resolve().parent.parent
     if inside(ckpt, root):  # read where it lies
         resume = resume_spec(frozen, root, ckpt, fault_run)
@@ -434,7 +434,7 @@ def recover(
         ):  # no rank has run in it: a recovered run without its start is not kept
             shutil.rmtree(run_dir, ignore_errors=True)
             raise
-        cli.err.print(Text(f"copied into {copy} and verified", style="dim"))
+        shared.err.print(Text(f"copied into {copy} and verified", style="dim"))
     _launch_and_report(run_dir, json_, quiet=quiet)
 
 
@@ -474,14 +474,14 @@ def replay(
     from disttrace.views.replay import render
 
     def job(replay_dir):
-        cli.err.print(
+        shared.err.print(
             Text(f"replaying step {step} of {run_dir} into {replay_dir} ...", style="dim")
         )
-        if cli.USER_COMMAND is not None:
+        if shared.USER_COMMAND is not None:
             from disttrace.run.job import usercmd
 
-            return usercmd.execute(replay_dir, cli.USER_COMMAND)
-        with LiveProgress(replay_dir, cli.err, enabled=not quiet):
+            return usercmd.execute(replay_dir, shared.USER_COMMAND)
+        with LiveProgress(replay_dir, shared.err, enabled=not quiet):
             from disttrace.run.job.launch import launch
 
             launch(replay_dir)
@@ -492,11 +492,11 @@ def replay(
         depth=depth,
         reference=reference,
         permute_ranks=permute_ranks,
-        command=cli.USER_COMMAND,
+        command=shared.USER_COMMAND,
         launch_job=job,
     )
     if json_:
         emit_json(result)
     else:
-        render(result, cli.err)
+        render(result, shared.err)
         print(result.replay)

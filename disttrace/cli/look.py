@@ -9,8 +9,8 @@ from pathlib import Path
 import typer
 from rich.text import Text
 
-from disttrace import cli
-from disttrace.cli import JsonOpt, app, emit_json, handled
+from disttrace.cli import shared
+from disttrace.cli.shared import JsonOpt, app, emit_json, handled
 from disttrace.errors import BadInput, verdict_exit
 from disttrace.views.console import SafeConsole
 
@@ -42,10 +42,10 @@ def show(
             raise BadInput("--jsonl", "only the `records` view exports JSON lines")
         n = run_facts.export_records(Run(run_dir), sys.stdout.buffer)
         sys.stdout.buffer.flush()
-        cli.err.print(Text(f"{n} records", style="dim"))
+        shared.err.print(Text(f"{n} records", style="dim"))
         return
     result = run_facts.gather(run_dir, view)
-    render(result, cli.err, Run(run_dir).topology() if view == "summary" else None)
+    render(result, shared.err, Run(run_dir).topology() if view == "summary" else None)
     if json_:
         emit_json(result)
     if view == "checkpoints":
@@ -71,7 +71,7 @@ def watch(
     failed, or its launcher is gone before the run was complete, or --timeout), 2 not a run."""
     from disttrace.views.progress import watch as watch_run
 
-    raise typer.Exit(watch_run(run_dir, cli.err, timeout_s=timeout))
+    raise typer.Exit(watch_run(run_dir, shared.err, timeout_s=timeout))
 
 
 @app.command("faults")

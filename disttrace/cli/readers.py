@@ -8,8 +8,8 @@ from pathlib import Path
 import typer
 from rich.text import Text
 
-from disttrace import cli
-from disttrace.cli import JsonOpt, SetOpt, app, emit_json, handled
+from disttrace.cli import shared
+from disttrace.cli.shared import JsonOpt, SetOpt, app, emit_json, handled
 from disttrace.errors import EXIT_BAD_INPUT, verdict_exit
 
 
@@ -65,7 +65,7 @@ def plan(
     else:
         from disttrace.views.plan import render_plan
 
-        render_plan(result, cli.err)
+        render_plan(result, shared.err)
 
 
 def _plan_manifest(manifest, sets):
@@ -93,7 +93,7 @@ def trace(
 
     doc = build_trace(Run(run_dir))
     write_json_atomic(output, doc)
-    cli.err.print(f"{len(doc['traceEvents'])} events -> {output}")
+    shared.err.print(f"{len(doc['traceEvents'])} events -> {output}")
     print(output)
 
 
@@ -112,16 +112,16 @@ def check(run_dir: Path = typer.Argument(..., help="a run directory"), json_: bo
     else:
         f = res.first
         if res.consistent is None:
-            cli.err.print(
+            shared.err.print(
                 Text(str(res.reason), style="yellow")
             )  # Text: run-store strings are never markup
         elif f is None:
-            cli.err.print(
+            shared.err.print(
                 Text("consistent", style="green")
                 + Text(f": {res.steps_checked} steps, every replica group agrees")
             )
         else:
-            cli.err.print(
+            shared.err.print(
                 Text("inconsistent", style="red")
                 + Text(
                     f" at step {f.step} micro-batch {f.micro_batch} {f.phase} tensor {f.tensor}: "
@@ -130,7 +130,7 @@ def check(run_dir: Path = typer.Argument(..., help="a run directory"), json_: bo
                 soft_wrap=True,
             )
             for s in res.spread[:20]:
-                cli.err.print(
+                shared.err.print(
                     Text(
                         f"  step {s.step}: {s.inconsistent} inconsistent, minority {s.minority_ranks}"
                     )
@@ -157,7 +157,7 @@ def verify(run_dir: Path = typer.Argument(..., help="a run directory"), json_: b
         style = {"intact": "green", "damaged": "red"}.get(v.status, "yellow")
         line = summary_line(v)
         head, _, rest = line.partition(":")
-        cli.err.print(Text(head, style=style) + Text(":" + rest), soft_wrap=True)
+        shared.err.print(Text(head, style=style) + Text(":" + rest), soft_wrap=True)
     raise typer.Exit(verdict_exit(v.exit_ok))
 
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import typer
 
-from disttrace import cli
-from disttrace.cli import (
+from disttrace.cli import shared
+from disttrace.cli.shared import (
     JsonOpt,
     ManifestArg,
     OutOpt,
@@ -71,7 +71,7 @@ def gate(
     if json_:
         emit_json(verdict)
     else:
-        render(verdict, cli.err)
+        render(verdict, shared.err)
     raise typer.Exit(verdict_exit(verdict.passed))
 
 
@@ -114,7 +114,7 @@ def lab(
         from disttrace.views.lab import render_labs
 
         labs = list_labs()
-        emit_json(labs) if json_ else render_labs(labs, cli.err)
+        emit_json(labs) if json_ else render_labs(labs, shared.err)
         return
     if fault is None or step is None or rank is None:
         raise BadInput("lab", "--fault, --step and --rank are required (or --list)")
@@ -130,8 +130,10 @@ def lab(
         set_ or [],
         out,
         predict,
-        progress=lambda msg: cli.err.print(msg, soft_wrap=True),
-        follow=lambda run_dir, path: LiveProgress(run_dir, cli.err, label=path, enabled=not quiet),
+        progress=lambda msg: shared.err.print(msg, soft_wrap=True),
+        follow=lambda run_dir, path: LiveProgress(
+            run_dir, shared.err, label=path, enabled=not quiet
+        ),
         zoom_depth=depth if zoom_ else None,
     )
     if json_:
@@ -139,6 +141,6 @@ def lab(
     else:
         from disttrace.views.lab import render
 
-        render(result, cli.err)
+        render(result, shared.err)
         print(result.paths.fault.run_dir)
     raise typer.Exit(verdict_exit(result.accepted))

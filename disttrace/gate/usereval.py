@@ -40,6 +40,7 @@ import orjson
 
 from disttrace.errors import BadInput
 from disttrace.store import checkpoints as checkpoint
+from disttrace.store.documents import Check
 from disttrace.store.rundir import Run
 
 PLACEHOLDERS = ("{checkpoint}", "{data}", "{run}")
@@ -278,21 +279,27 @@ def compare(score: float, ref: float, ev) -> tuple[bool, str]:
     )
 
 
-def eval_metric(run: Run, ref: Run | None, ev) -> tuple[list[dict], dict | None, dict | None]:
+def eval_metric(run: Run, ref: Run | None, ev) -> tuple[list[Check], dict | None, dict | None]:
     """The eval_metric check by the policy's command; returns the check and both evaluations."""
-    from disttrace.gate.verdict import check
-
     try:
         evaluation = evaluate(run, ev)
     except EvalFailure as e:
-        return [check("eval_metric", False, f"the candidate cannot be scored: {e}")], None, None
+        return (
+            [
+                Check(
+                    name="eval_metric", passed=False, reason=f"the candidate cannot be scored: {e}"
+                )
+            ],
+            None,
+            None,
+        )
     if ref is None:
         return (
             [
-                check(
-                    "eval_metric",
-                    True,
-                    f"{ev.metric} {evaluation['score']:.6g} (finite; no reference to compare with)",
+                Check(
+                    name="eval_metric",
+                    passed=True,
+                    reason=f"{ev.metric} {evaluation['score']:.6g} (finite; no reference to compare with)",
                 )
             ],
             evaluation,
@@ -302,12 +309,16 @@ def eval_metric(run: Run, ref: Run | None, ev) -> tuple[list[dict], dict | None,
         ref_eval = evaluate(ref, ev)
     except EvalFailure as e:
         return (
-            [check("eval_metric", False, f"the reference cannot be scored: {e}")],
+            [
+                Check(
+                    name="eval_metric", passed=False, reason=f"the reference cannot be scored: {e}"
+                )
+            ],
             evaluation,
             None,
         )
     ok, reason = compare(evaluation["score"], ref_eval["score"], ev)
-    return [check("eval_metric", ok, reason)], evaluation, ref_eval
+    return [Check(name="eval_metric", passed=ok, reason=reason)], evaluation, ref_eval
 
 
 def candidate_differences(policy, run: Run) -> dict:

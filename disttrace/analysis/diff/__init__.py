@@ -24,8 +24,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from disttrace.analysis.diff.fold import Fold, fold_result
-from disttrace.analysis.diff.prepare import Setup
+from disttrace.analysis.diff.serial import diff_serial
 from disttrace.analysis.result import DiffResult
 from disttrace.errors import BadInput
 
@@ -77,23 +76,16 @@ def diff_runs(
             calibration=calibration,
             find_calibration=find_calibration,
         )
-    st = Setup(
-        a, b, mode, rtol, atol, allow_edition_mismatch, use_index, calibration, find_calibration
-    )
-    fold = Fold(st.mode, st.warnings)
-    for o in st.outcomes(st.steps, propagate, on_step):
-        if fold.add(o) and not propagate:
-            break
-    return fold_result(
-        fold,
-        mode=st.mode,
-        a=st.side_a.describe(),
-        b=st.side_b.describe(),
-        topo_differs=[k for k, _, _ in st.topo],
-        compared=st.compared,
-        ranks=st.grid_ranks,
-        tolerance=st.tolerance,
+    return diff_serial(
+        a,
+        b,
+        mode,
+        rtol,
+        atol,
+        allow_edition_mismatch,
         use_index=use_index,
-        warnings=st.warnings,
-        logical=st.logical,
+        propagate=propagate,
+        on_step=on_step,
+        calibration=calibration,
+        find_calibration=find_calibration,
     )

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from disttrace.analysis.diff import diff_runs
 from disttrace.analysis.diff.parallel.doc import _Payload
 from disttrace.analysis.diff.parallel.merge import (
     _belongs,
@@ -46,6 +45,7 @@ from disttrace.analysis.diff.parallel.merge import (
 )
 from disttrace.analysis.diff.parallel.share import _plan, _run_shares
 from disttrace.analysis.diff.parallel.steps import MAX_PARTIALS, MAX_SPEC_ITEMS, _unspan
+from disttrace.analysis.diff.serial import diff_serial
 from disttrace.analysis.result import DiffResult
 from disttrace.errors import EXIT_DIVERGED, EXIT_PARTIAL, BadInput
 from disttrace.fmt import ranges
@@ -94,7 +94,7 @@ def diff_jobs(a, b, jobs: int, **opts) -> DiffResult:
         raise BadInput("--jobs", f"must be at least 1 (got {jobs})", field="jobs")
     tasks = _plan(a, b, opts, jobs, None, None)
     if len(tasks) <= 1 and tasks and tasks[0].part is None:
-        return diff_runs(a, b, **opts)
+        return diff_serial(a, b, **opts)
     return _fold(_combine(_run_shares(tasks, jobs)), whole=True)
 
 
