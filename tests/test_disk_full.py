@@ -109,3 +109,23 @@ def test_the_cli_says_a_full_disk_in_one_line_exit_3(tiny):
     assert sorted(p.name for p in tiny.iterdir()) == [
         "filler"
     ]  # nothing half-written, no temporary
+
+
+def test_a_rank_stopped_by_a_full_disk_is_said_once_by_the_launcher_not_per_rank():
+    """The event line says the disk was full as a field (not by matching the error's words): live progress
+    leaves each such rank's line out when the launcher will say it once, and shows any other failure."""
+    import io
+
+    from rich.console import Console
+
+    from disttrace.store.events import RankFailed
+    from disttrace.store.follow import Progress, _notice
+    from disttrace.views.progress import Display
+
+    full = _notice(RankFailed(rank=1, error="OSError: quota", disk_full=True).line())
+    other = _notice(RankFailed(rank=0, error="RuntimeError: No space left on device?").line())
+    assert full.disk_full and not other.disk_full  # the field decides, not the words
+    out = io.StringIO()
+    display = Display(Console(file=out, width=200), plain=True, show_job_failed=False)
+    display.update(Progress(2, 0, 0, {}, None, None, False, True, notices=[full, other]))
+    assert "rank 0 failed" in out.getvalue() and "rank 1 failed" not in out.getvalue()

@@ -21,6 +21,9 @@ from pathlib import Path
 import pytest
 from conftest import DEFAULT, ROOT, cli, raw_records
 
+from disttrace.store.events import RankFailed
+from disttrace.store.rundir import Run
+
 pytestmark = pytest.mark.slow  # end-to-end jobs of the full tier (`make test-all`)
 
 LONG = ["--set", "training.steps=40", "--set", "checkpoint.interval=2"]
@@ -197,6 +200,9 @@ def test_a_full_disk_ends_in_one_line_and_recovers_into_another_root(runs, tmp_p
         # incomplete, with the reason, as the readers say it
         assert not (run_dir / "COMPLETE").exists()
         assert any(full in r.lower() for r in job_failed_reasons(run_dir))
+        # each rank's own line that reached the disk says so as a field (live progress leaves those out)
+        failed = [e for e in Run(run_dir).event_lines() if isinstance(e, RankFailed)]
+        assert failed and all(e.disk_full for e in failed), failed
         show = cli("show", run_dir, "--json", check=0)
         assert json.loads(show.stdout)["complete"] is False
         verify = cli("verify", run_dir)

@@ -78,6 +78,7 @@ class RankFailed(EventLine):
     error: StrictStr | None = None
     where: StrictStr | None = None  # the traceback's last lines
     bad_input: BadInputNote | None = None
+    disk_full: StrictBool | None = None  # it stopped on a full disk (ENOSPC or a quota's EDQUOT)
 
 
 class JobFailed(EventLine):

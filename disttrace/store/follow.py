@@ -48,6 +48,9 @@ class Notice:
     text: str
     step: int | None = None
     rank: int | None = None
+    disk_full: bool = (
+        False  # a rank that stopped on a full disk (the launcher's last line says it once)
+    )
 
 
 @dataclass
@@ -178,7 +181,10 @@ def _notice(obj: dict) -> Notice | None:
         return Notice(Event.RESUMED, f"resumed from the checkpoint of step {e.step}", step=e.step)
     if isinstance(e, RankFailed):
         return Notice(
-            Event.RANK_FAILED, f"rank {e.rank} failed: {_first_line(e.error)}", rank=e.rank
+            Event.RANK_FAILED,
+            f"rank {e.rank} failed: {_first_line(e.error)}",
+            rank=e.rank,
+            disk_full=bool(e.disk_full),
         )
     if isinstance(e, LiveCheckFailed):
         return Notice(

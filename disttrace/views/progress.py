@@ -95,7 +95,7 @@ class Display:
                 continue
             # a full disk is said once, by the launcher's own last line (the rank, the file, the log):
             # each rank's line would repeat it
-            if n.kind == Event.RANK_FAILED and not self.show_job_failed and _disk_full(n.text):
+            if n.kind == Event.RANK_FAILED and not self.show_job_failed and n.disk_full:
                 continue
             self._line(
                 n.text,
@@ -284,8 +284,3 @@ class StepBar:
     def __exit__(self, *exc) -> None:
         if self._bar is not None:
             self._bar.stop()
-
-
-def _disk_full(text: str) -> bool:
-    """A rank's failure line that is an out-of-space error (ENOSPC 28, or a quota's EDQUOT 122)."""
-    return "[Errno 28]" in text or "[Errno 122]" in text or "No space left on device" in text

@@ -27,7 +27,7 @@ from disttrace.run.record.scales import Magnitudes
 from disttrace.store.documents import ResumeSpec
 from disttrace.store.events import CheckpointSaved, FaultRefused, RankFailed, Resumed
 from disttrace.store.rundir import read_run_info
-from disttrace.store.writers import event, write_run_info
+from disttrace.store.writers import disk_full, event, write_run_info
 
 
 class _UserState(Strategy):
@@ -306,7 +306,11 @@ class AttachedRun(LoaderWatch, HookPoints, StepCycle):
             process_exit(self.bus, exc)
             event(
                 self.run_dir,
-                RankFailed(rank=self.rank, error=f"{exc_type.__name__}: {exc}"[:2000]),
+                RankFailed(
+                    rank=self.rank,
+                    error=f"{exc_type.__name__}: {exc}"[:2000],
+                    **({"disk_full": True} if disk_full(exc) is not None else {}),
+                ),
             )
 
     # ---------------------------------------------------------- hook points

@@ -26,7 +26,7 @@ from disttrace.store.documents import Replicas, ResumeSpec, RunInfo
 from disttrace.store.events import BadInputNote, CheckpointSaved, EngineFacts, RankFailed, Resumed
 from disttrace.store.paths import resume_checkpoint
 from disttrace.store.rundir import COMPLETE, LOCK, rank_file, read_run_info
-from disttrace.store.writers import event, write_json_atomic
+from disttrace.store.writers import disk_full, event, write_json_atomic
 
 
 @dataclass
@@ -514,8 +514,6 @@ def _path_in_frames(exc: BaseException) -> str | None:
 def failure_note(e: BaseException, run_dir: Path, slot: int) -> dict:
     """What a failed rank says about itself in one JSON line: its error and, when the disk was full, the
     file being written (never None: the run directory if nothing better is known)."""
-    from disttrace.store.writers import disk_full
-
     full = disk_full(e)
     note = {"slot": slot, "error": " ".join(f"{type(e).__name__}: {e}".split())[:500]}
     if full is not None:
@@ -564,6 +562,7 @@ def main(argv=None) -> int:
                     error=f"{type(e).__name__}: {e}"[:2000],
                     where=traceback.format_exc(limit=3)[-1500:],
                     **({"bad_input": bad} if bad else {}),
+                    **({"disk_full": True} if disk_full(e) is not None else {}),
                 ),
             )
         import json
