@@ -55,5 +55,11 @@ setup(
             extra_compile_args=ARGS,
             optional=True,
         ),
+        Extension(
+            "disttrace.native._updates",
+            ["disttrace/native/updates.c"],
+            extra_compile_args=ARGS,
+            optional=True,
+        ),
     ],
 )

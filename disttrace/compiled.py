@@ -2,8 +2,9 @@
 pays for it:
 
 - C extensions (`disttrace/native/`, built by setup.py at install where a C compiler is there): the readers'
-  block decoder and comparison. They load in about a millisecond, so any block may take them;
-  DISTTRACE_NATIVE=0 leaves them out (pyarrow and numpy then do the same work: the tests' oracle).
+  block decoder and comparison, and the recorder's update reduction. They load in about a millisecond, so
+  any block may take them; DISTTRACE_NATIVE=0 leaves them out (pyarrow, numpy and torch then do the same
+  work: the tests' oracle).
 - the recorder's numba pass (`run/record/fused.py`, the `fast` extra): DISTTRACE_FUSED=0 leaves it out (numpy)."""
 
 from __future__ import annotations

@@ -6,11 +6,14 @@ equality) reaches it, and the Adam paper's figure is exceeded there; the recorde
 from __future__ import annotations
 
 import math
+import struct
 
 import pytest
 import torch
 
 from disttrace.analysis.updates import SLACK, adam_step_bound, allowance, step_allowance
+from disttrace.compiled import native
+from disttrace.run.record import updates
 from disttrace.run.record.updates import SUFFIX, Updates
 
 
@@ -108,3 +111,46 @@ def test_sharded_and_replaced_parameters_have_no_record():
     opt.step()
     other = torch.nn.Parameter(p.detach().clone())
     assert rec.after([(0, "p", other), (1, "q", q)], opt) == []
+
+
+def _bits(x: float) -> bytes:
+    return struct.pack("<d", x)
+
+
+@pytest.mark.parametrize("factor", [1.0, 1 - 3e-3 * 0.1, 1 - 1e-12])
+def test_the_compiled_pass_gives_torchs_bits(factor, monkeypatch):
+    """The C kernel (disttrace/native/updates.c) and the torch path against torch's own float32 operations, bit
+    for bit: the decay's product rounded, then the difference; lengths that are not a vector's multiple; an
+    infinity; a NaN (the quiet NaN whichever payload); no difference at all (+0)."""
+    kernel = native("_updates")
+    if kernel is None:
+        pytest.skip("the C extensions were not built")
+    g = torch.Generator().manual_seed(1)
+    cases = []
+    for n in (0, 1, 7, 1000, 65_537):
+        old = 50 + torch.randn(n, generator=g)
+        cases.append((old, old * factor - 1e-3 * torch.randn(n, generator=g)))
+    old = torch.randn(33, generator=g)
+    cases.append((old, (old * factor).clone()))  # no difference: +0
+    inf = torch.randn(33, generator=g)
+    inf[5] = float("inf")
+    cases.append((inf, inf.clone()))  # inf - inf: NaN
+    cases.append((old, torch.where(torch.arange(33) == 9, float("inf"), old)))
+    nan = old.clone()
+    nan.view(torch.int32)[3] = 0x7FC00123  # a NaN with a payload
+    cases.append((old, nan))
+    for before, after in cases:
+        expected = (after - before * factor).abs().max().item() if before.numel() else 0.0
+        if math.isnan(expected):
+            expected = float("nan")
+        got_c = kernel.largest_update(before.numpy(), after.numpy(), factor)
+        monkeypatch.setenv("DISTTRACE_NATIVE", "0")
+        updates._kernel.cache_clear()
+        got_torch = float(updates._largest(before.clone(), after, factor))
+        monkeypatch.delenv("DISTTRACE_NATIVE")
+        updates._kernel.cache_clear()
+        assert _bits(got_c) == _bits(expected) == _bits(got_torch), (
+            before.numel(),
+            got_c,
+            got_torch,
+        )

@@ -2,7 +2,8 @@
 ``|p_after - (1 - lr wd) p_before|`` where the optimizer decays decoupled (AdamW: the decay's product
 rounded as torch rounds it, so what is left is the Adam step ``lr r`` and the final subtraction's
 rounding), otherwise of ``|p_after - p_before|``. Its cost is a copy of each parameter before the step
-and two passes over that copy after it (the difference in place, its largest magnitude). The recorder
+and one pass over the copy and the parameter after it (a C kernel for float32 host tensors, else torch's
+operations in the copy's memory). The recorder
 writes it as the record ``NAME:update`` (phase ``optimizer``, a float64 scalar) beside the parameter, so
 diff can hold an Adam step to its bound (analysis/updates.py, docs/tolerance.md) where the parameter
 itself has none.
@@ -17,8 +18,11 @@ behaviour. Nor has a tensor the ``optimizer`` point hands over that is not the o
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from disttrace.compiled import native
 from disttrace.run.job.hooks import TensorRef
 
 SUFFIX = ":update"
@@ -80,19 +84,41 @@ class Updates:
                 old, new = got[1], _local(p).detach()
                 if new.shape != old.shape or new.dtype != old.dtype:
                     continue
-                k = decay.get(id(p), 0.0)
-                if k:  # AdamW: p <- p (1 - lr wd), rounded as torch rounds it, then minus lr r
-                    old.mul_(1 - k)
-                # in the copy's own memory (no allocation); the largest |element| from one min-max pass
-                # (an infinity-norm took 10x as long on the CPU)
-                d = old.sub_(new)
-                if d.numel():
-                    lo, hi = torch.aminmax(d)
-                    top = torch.maximum(hi, -lo)
-                else:
-                    top = d.new_zeros(())
-                out.append(TensorRef(index * 4 + SLOT, name + SUFFIX, top.to(torch.float64)))
+                # AdamW: p <- p (1 - lr wd), rounded as torch rounds it, then minus lr r
+                top = _largest(old, new, 1.0 - decay.get(id(p), 0.0))
+                out.append(TensorRef(index * 4 + SLOT, name + SUFFIX, top))
         return out
+
+
+def _largest(old: torch.Tensor, new: torch.Tensor, factor: float) -> torch.Tensor:
+    """The largest element of |new - old * factor| (float32 arithmetic for float32 tensors: the product
+    rounded, then the difference) as a float64 scalar on the tensors' device; `old` may be written over.
+    One compiled pass that writes nothing (disttrace/native/updates.c) for float32 host tensors where it was
+    built; otherwise torch in the copy's own memory. Both give the same bits: a NaN is the quiet NaN
+    0x7ff8000000000000 whatever payload it came from, no difference at all is +0."""
+    kernel = _kernel() if old.device.type == "cpu" and old.dtype == torch.float32 else None
+    if kernel is not None:
+        value = kernel.largest_update(old.reshape(-1).numpy(), new.reshape(-1).numpy(), factor)
+        return torch.tensor(value, dtype=torch.float64)
+    if factor != 1.0:
+        old.mul_(factor)
+    # the largest |element| from one min-max pass (an infinity-norm took 10x as long on the CPU)
+    d = old.sub_(new)
+    if not d.numel():
+        return d.new_zeros((), dtype=torch.float64)
+    lo, hi = torch.aminmax(d)
+    top = torch.maximum(hi, -lo).abs().to(torch.float64)  # abs: +0 where every difference is 0
+    return torch.where(top.isnan(), _NAN, top)
+
+
+_NAN = float(
+    "nan"
+)  # the quiet NaN 0x7ff8000000000000 (Python's, whatever the platform's operations give)
+
+
+@functools.cache
+def _kernel():
+    return native("_updates")
 
 
 def _decoupled_decay(optimizer) -> dict[int, float]:
