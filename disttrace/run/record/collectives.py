@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from disttrace.run.record.recorder import tensor_leaves
 from disttrace.store.documents import CollectiveLine
 from disttrace.store.rundir import rank_file
 from disttrace.store.writers import JsonlWriter
@@ -49,14 +50,6 @@ INPUT_ARG = {
     "broadcast": 0,
 }
 SKIP = {"wait_tensor"}  # completion of a functional op, not a new collective
-
-
-def _tensors(x):
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, (list, tuple)):
-        for y in x:
-            yield from _tensors(y)
 
 
 def _group_ranks(args, kwargs) -> tuple[list[int] | None, str]:
@@ -120,7 +113,9 @@ class CollectiveTracer(TorchDispatchMode):
         seq = self.seq.get(group, 0)
         self.seq[group] = seq + 1
         pos = INPUT_ARG.get(op.removesuffix(".default"))
-        inputs = list(_tensors(args[pos])) if pos is not None and pos < len(args) else []
+        inputs = (
+            [t for _, t in tensor_leaves(args[pos])] if pos is not None and pos < len(args) else []
+        )
         shapes = [list(t.shape) for t in inputs]
         nbytes = sum(t.numel() * t.element_size() for t in inputs)
         rec = CollectiveLine(

@@ -38,7 +38,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from disttrace.run.record.digest import digest_tensor
-from disttrace.run.record.recorder import shard_info
+from disttrace.run.record.recorder import shard_info, tensor_leaves
 from disttrace.store.documents import DepthRecord
 from disttrace.store.rundir import rank_file
 from disttrace.store.writers import JsonlWriter
@@ -80,14 +80,7 @@ def attached_spec(info: dict, where) -> dict | None:
 
 
 def _tensors(x):
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, (list, tuple)):
-        for y in x:
-            yield from _tensors(y)
-    elif isinstance(x, dict):
-        for y in x.values():
-            yield from _tensors(y)
+    return (t for _, t in tensor_leaves(x))
 
 
 def _in_backward() -> bool:

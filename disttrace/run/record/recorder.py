@@ -78,18 +78,17 @@ def _shard_info(shape: tuple, mesh, placements: tuple) -> dict:
     return {"shard": {"offset": list(offset), "logical_shape": list(shape)}}
 
 
-def _tensor_leaves(obj, prefix: str = ""):
-    """(dotted name, tensor) for every tensor in a nested state dict, in its (deterministic) order."""
-    import torch
-
+def tensor_leaves(obj, prefix: str = ""):
+    """(dotted name, tensor) for every tensor in nested dicts, lists and tuples (a state dict, a module's
+    output, a collective's argument), in their (deterministic) order."""
     if isinstance(obj, torch.Tensor):
         yield prefix, obj
     elif isinstance(obj, dict):
         for k, v in obj.items():
-            yield from _tensor_leaves(v, f"{prefix}.{k}" if prefix else str(k))
+            yield from tensor_leaves(v, f"{prefix}.{k}" if prefix else str(k))
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
-            yield from _tensor_leaves(v, f"{prefix}.{i}" if prefix else str(i))
+            yield from tensor_leaves(v, f"{prefix}.{i}" if prefix else str(i))
 
 
 # checkpoint files' records sort after every saved tensor and keep their index whatever was saved, so a
@@ -292,7 +291,7 @@ class Recorder:
         """Each tensor handed to DCP (after any fault at before_checkpoint); per-rank RNG entries are left
         out (they are not the experiment's state)."""
         n = 0
-        for name, t in _tensor_leaves(p.state):
+        for name, t in tensor_leaves(p.state):
             if not name.startswith("rng/"):
                 self.add(bus, "checkpoint", n, name, t)
                 n += 1
