@@ -619,3 +619,24 @@ def test_human_units():
     assert human_bytes(5 * 2**20) == "5.00 MiB"
     assert human_bytes(12) == "12 B"
     assert human_bytes(None) == "-"
+
+
+def test_the_update_copy_is_the_recorders_own():
+    """A manifest's plan counts the update records' copy of the parameters held whole: the bytes the
+    recorder's Updates really keeps for the model the manifest builds; none where it keeps none."""
+    torch = pytest.importorskip("torch")
+    from disttrace.config.freezing import apply_overrides, read_toml, validate
+    from disttrace.model.llama import build_model
+    from disttrace.run.job.hooks import param_refs
+    from disttrace.run.record.updates import Updates
+
+    path = "manifests/default.toml"
+    manifest = validate(read_toml(path), path)
+    model = build_model(manifest.model, dtype=torch.float32)
+    kept = Updates()
+    kept.before(param_refs(model))
+    copied = sum(t.numel() * t.element_size() for t in kept._copies.values())
+    assert PL.plan_from_manifest(manifest).update_copy_bytes_per_device == copied > 0
+    for sets in (["record.updates=false"], ["record.enabled=false"], ["parallelism.zero_stage=3"]):
+        other = validate(apply_overrides(read_toml(path), sets), path)
+        assert PL.plan_from_manifest(other).update_copy_bytes_per_device == 0, sets

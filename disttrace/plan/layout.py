@@ -117,6 +117,11 @@ class Plan(JsonDoc):
     # figures above count the dense model replicated over dp; these are the layout's own
     experts: dict[str, int] | None = omit_none()
     context: dict[str, int] | None = omit_none()
+    # planned from a manifest: the recorder's copy of the parameters a rank holds whole, kept between steps for
+    # the update records (run/record/updates.py); 0 where record.updates or record.enabled is off, or every
+    # parameter is sharded (ZeRO-3; tensor parallel, which shards over dp too, copies only its replicated
+    # norm weights, left out here), or the workers hold copies of a server's parameters
+    update_copy_bytes_per_device: int | None = omit_none()
 
 
 def plan(req: PlanRequest) -> Plan:
@@ -291,7 +296,26 @@ def plan_from_manifest(manifest: Any) -> Plan:
     result.model = shape
     result.inputs.dtype = dtype
     _experts_and_context(result, model, par, req)
+    result.update_copy_bytes_per_device = _update_copy(manifest, par, result)
     return result
+
+
+def _update_copy(manifest: dict, par: dict, result: Plan) -> int:
+    """The bytes of the update records' copy of the parameters on each device (Plan's field)."""
+    record = manifest.get("record") or {}
+    if (
+        not isinstance(record, dict)
+        or record.get("enabled") is False
+        or record.get("updates") is False
+    ):
+        return 0
+    if (
+        result.zero_stage == 3
+        or result.inputs.tp > 1
+        or par.get("architecture") == "parameter-server"
+    ):
+        return 0
+    return result.params_per_model_parallel_rank * result.bytes_per_param.weights
 
 
 def _experts_and_context(result: Plan, model: dict, par: dict, req: PlanRequest) -> None:

@@ -73,6 +73,11 @@ def _model_states(result: Plan, console) -> None:
             style="bold" if s == selected else None,
         )
     console.print(t)
+    if result.update_copy_bytes_per_device:
+        console.print(
+            f"recording: + {human_bytes(result.update_copy_bytes_per_device)} per device beside the model "
+            "states, the update records' copy of the parameters (record.updates = false frees it)"
+        )
 
 
 def _activations(result: Plan, console) -> None:
@@ -156,3 +161,8 @@ def _traffic(result: Plan, console) -> None:
             style="bold" if s == selected else None,
         )
     console.print(t)
+    if result.update_copy_bytes_per_device:
+        console.print(
+            f"recording: + {human_bytes(result.update_copy_bytes_per_device)} per device beside the model "
+            "states, the update records' copy of the parameters (record.updates = false frees it)"
+        )
