@@ -19,7 +19,7 @@ small, so the Python cost per tensor is the largest share). Variants:
                            before run/record/digest.py's `Seen`, which hashes only the bytes it digested lately)
   default+magnitudes       + the gradient magnitudes the numeric bound reads (run/record/scales.py: one sum of
                            squares per module input and output gradient; the job records them whenever
-                           it records)
+                           it records); their own time counts their module and tensor hooks too
   default+live check       + debug.live_check (one 16-byte-per-rule all-gather per step)
   values                   recorder + ledger + the dispatch-mode tracer with payload digests ("values")
 
@@ -117,6 +117,20 @@ class Gated:
     def listening(self, point):
         return self.bus.listening(point)
 
+    def timed(self, fn):
+        """`fn` with its calls' seconds added to this observer's (a method its module or tensor hooks call,
+        outside the bus: the magnitudes' forward and gradient hooks)."""
+
+        def call(*a, **k):
+            t, c = time.perf_counter(), time.thread_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.spent[self.label + CPU] += time.thread_time() - c
+                self.spent[self.label] += time.perf_counter() - t
+
+        return call
+
 
 def worker(rank, world, port, frozen_doc, steps, out, q, device_type="cpu", specs=None):
     os.environ.update(
@@ -212,9 +226,11 @@ def worker(rank, world, port, frozen_doc, steps, out, q, device_type="cpu", spec
     magnified = [v for v, spec in specs.items() if spec.get("magnitudes")]
     mags = None
     if magnified:
-        mags = Magnitudes(base / magnified[0], rank, model).attach(
-            Gated(bus, flag, set(magnified), spent, "magnitudes")
-        )
+        gated = Gated(bus, flag, set(magnified), spent, "magnitudes")
+        # its module hooks (each input's norm) and tensor hooks (each output gradient's) timed as its own
+        for name in ("_input", "_grad"):
+            setattr(Magnitudes, name, gated.timed(getattr(Magnitudes, name)))
+        mags = Magnitudes(base / magnified[0], rank, model).attach(gated)
         closing.append(mags)
     tracer = CollectiveTracer(base / "values", rank, values=True)
     times = {v: [] for v in specs}

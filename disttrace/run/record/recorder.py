@@ -38,7 +38,7 @@ from disttrace.store.trajectory_write import TrajectoryWriter
 from disttrace.store.writers import JsonlWriter
 
 
-def _no_dispatch_modes():
+def no_dispatch_modes():
     """The dispatch modes (the collective tracer's) left while the digests' own tensor ops run. With none to
     leave, as in a run without the tracer, a null context after two counts: torch's context manager imports
     and pops on every call (a step's hundred calls cost about two milliseconds)."""
@@ -200,7 +200,7 @@ class Recorder:
     ) -> None:
         # the digest's own tensor ops are not the job's: keep them out of the collective tracer's mode
         # (which otherwise sees, and costs, every one of them)
-        with _no_dispatch_modes():
+        with no_dispatch_modes():
             shards, places = [], []
             for _, _, t in refs:
                 s = shard_info(t)

@@ -23,11 +23,13 @@ the host in one copy at the step's end.
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
 import numpy as np
 
+from disttrace.run.record.recorder import no_dispatch_modes
 from disttrace.store import scales
 from disttrace.store.rundir import rank_file
 
@@ -43,12 +45,6 @@ def _sq(t):
     # float32 or wider: the figure scales a bound, its own rounding is irrelevant (float64 stays float64)
     wide = t.dtype if t.dtype == torch.float64 else torch.float32
     return torch.linalg.vector_norm(t, dtype=wide) ** 2
-
-
-def _no_dispatch_modes():
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    return _disable_current_modes()
 
 
 class Magnitudes:
@@ -85,37 +81,37 @@ class Magnitudes:
 
         embedding = isinstance(module, torch.nn.Embedding)
         # an RMSNorm's weight multiplies x / rms(x), whose rows have RMS <= 1: ||x_hat|| <= sqrt(numel)
-        normalised = not isinstance(module, torch.nn.Linear) and hasattr(module, "eps")
+        counted = embedding or (not isinstance(module, torch.nn.Linear) and hasattr(module, "eps"))
 
         def hook(_mod, inputs, out):
-            if (
-                not self._on
-                or not torch.is_grad_enabled()
-                or not getattr(out, "requires_grad", False)
-            ):
-                return
-            with _no_dispatch_modes():
-                x = inputs[0] if inputs else None
-                if embedding or normalised or x is None or not torch.is_floating_point(_local(x)):
-                    sx = torch.tensor(float(_local(x).numel()) if x is not None else 0.0)
-                elif self._last_in is not None and self._last_in[0] is x:
-                    sx = self._last_in[1]  # q, k, v projections read one input: counted once
-                else:
-                    sx = _sq(x)
-                    self._last_in = (x, sx)
-
-            def on_grad(g, sx=sx):
-                with _no_dispatch_modes():
-                    sg = _sq(g)
-                    m = (sx.to(sg.device) * sg).sqrt()
-                    for i, bias in own:
-                        mi = m if not bias else (sg * (g.numel() / bias)).sqrt()
-                        prev = self._acc.get(i)
-                        self._acc[i] = mi if prev is None else prev + mi
-
-            out.register_hook(on_grad)
+            if self._on and torch.is_grad_enabled() and getattr(out, "requires_grad", False):
+                self._input(own, counted, inputs[0] if inputs else None, out)
 
         return hook
+
+    def _input(self, own: list[tuple[int, int]], counted: bool, x, out) -> None:
+        """A module's forward: ||X||^2 now (its input is gone by the backward), dY's when it arrives."""
+        import torch
+
+        with no_dispatch_modes():
+            if counted or x is None or not torch.is_floating_point(_local(x)):
+                sx = torch.tensor(float(_local(x).numel()) if x is not None else 0.0)
+            elif self._last_in is not None and self._last_in[0] is x:
+                sx = self._last_in[1]  # q, k, v projections read one input: counted once
+            else:
+                sx = _sq(x)
+                self._last_in = (x, sx)
+        out.register_hook(functools.partial(self._grad, own, sx))
+
+    def _grad(self, own: list[tuple[int, int]], sx, g) -> None:
+        """The module's output gradient: each of its parameters' ``||X|| ||dY||`` added to the step's."""
+        with no_dispatch_modes():
+            sg = _sq(g)
+            m = (sx.to(sg.device) * sg).sqrt()
+            for i, bias in own:
+                mi = m if not bias else (sg * (g.numel() / bias)).sqrt()
+                prev = self._acc.get(i)
+                self._acc[i] = mi if prev is None else prev + mi
 
     def attach(self, bus) -> Magnitudes:
         bus.on("step_start", self._step_start, self.ORDER)
