@@ -49,9 +49,21 @@ class _NameKinds:
             else np.ones(n, dtype=bool)
         )
 
-    def at(self, sel):
-        """The matcher of the rows `sel` (each kind matched on those rows' bytes alone)."""
-        return lambda kind: self._match(kind, sel)
+    def over(self, rows):
+        """at(sel) -> the matcher of rows[sel], each kind matched once over all of `rows` (the steps and
+        phases of a window ask for the same kinds of the same rows)."""
+        masks: dict[str, np.ndarray] = {}
+
+        def at(sel):
+            def kind_of(kind: str) -> np.ndarray:
+                got = masks.get(kind)
+                if got is None:
+                    got = masks[kind] = self._match(kind, rows)
+                return got[sel]
+
+            return kind_of
+
+        return at
 
     def _match(self, kind: str, sel) -> np.ndarray:
         how, word = self._MATCH[kind]
@@ -183,7 +195,7 @@ class _Tol:
             index, rank, mb = (
                 np.asarray(cols[c][rows], dtype=np.int64) for c in ("index", "rank", "micro_batch")
             )
-            names = _NameKinds(cols.column("tensor"))
+            names = _NameKinds(cols.column("tensor")).over(rows)
             groups, inv = np.unique(steps * (len(PHASES) + 1) + order, return_inverse=True)
             inv = inv.reshape(-1)
             for j, g in enumerate(groups.tolist()):
@@ -192,7 +204,7 @@ class _Tol:
                     continue  # an unknown phase has no magnitude
                 sel = np.flatnonzero(inv == j) if len(groups) > 1 else slice(None)
                 v, ok = magnitudes.lookup(
-                    mag, step, PHASES[o], index[sel], names.at(rows[sel]), rank[sel], mb[sel]
+                    mag, step, PHASES[o], index[sel], names(sel), rank[sel], mb[sel]
                 )
                 unbounded[sel] |= ~ok
                 extra[sel] = np.fmax(extra[sel], v)
