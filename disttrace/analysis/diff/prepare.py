@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pyarrow.compute as pc
 
 from disttrace.analysis import readahead, tolerance
 from disttrace.analysis.diff import sensitivity
@@ -40,7 +41,7 @@ from disttrace.config.identity import (
 )
 from disttrace.errors import BadInput
 from disttrace.fmt import ranges
-from disttrace.store import safeio, trajectory, trajectory_decode
+from disttrace.store import safeio, trajectory, trajectory_decode, trajectory_read
 from disttrace.store.rundir import LOCK
 
 MODES = ("bitwise", "numeric")
@@ -287,13 +288,14 @@ def _shown(run) -> tuple[str | None, int | None, dict]:
         entries = run.step_index(rank).records
         if not entries:
             continue
-        for rec in run.records_of_step(rank, entries[0]):
+        dtypes, data = _first_step(run, rank, entries[0])
+        for dtype in dtypes:
+            dtype = str(dtype or "").removeprefix("torch.")
+            u = tolerance.UNIT_ROUNDOFF.get(dtype)
+            if u is not None and (coarsest is None or u > tolerance.UNIT_ROUNDOFF[coarsest]):
+                coarsest = dtype
+        for rec in data:
             dtype = str(rec.get("dtype") or "").removeprefix("torch.")
-            if rec.get("phase") != "data":
-                u = tolerance.UNIT_ROUNDOFF.get(dtype)
-                if u is not None and (coarsest is None or u > tolerance.UNIT_ROUNDOFF[coarsest]):
-                    coarsest = dtype
-                continue
             shape = rec.get("shape") or []
             per_rank.setdefault(rank, {})[int(rec.get("micro_batch") or 0)] = (
                 shape[0] if shape else 1
@@ -306,6 +308,22 @@ def _shown(run) -> tuple[str | None, int | None, dict]:
             seen.add(key)
             tokens += math.prod(shape)
     return coarsest, (tokens if counted and tokens else None), per_rank
+
+
+def _first_step(run, rank: int, entry) -> tuple[list, list[dict]]:
+    """What _shown reads of a step: the dtypes of its records outside the data phase (each once, in order of
+    first appearance) and its data records (an Arrow step's other records are not made dicts)."""
+    path = run.trajectory_path(rank)
+    if not trajectory_read.is_arrow(path):
+        recs = run.records_of_step(rank, entry)
+        rest = dict.fromkeys(r.get("dtype") for r in recs if r.get("phase") != "data")
+        return list(rest), [r for r in recs if r.get("phase") == "data"]
+    where = f"step {entry.step} (bytes {entry.offset}..{entry.offset + entry.length})"
+    data = trajectory_read.read_range(path, entry.offset, entry.length, run.path)
+    batch = trajectory_decode.decode_step(path, data, where)
+    is_data = pc.equal(batch.column("phase"), "data").fill_null(False)
+    rest = pc.unique(batch.column("dtype").filter(pc.invert(is_data))).to_pylist()
+    return rest, trajectory_read.to_records(batch.filter(is_data))
 
 
 def _as_shown(side_a, side_b, ma: dict, mb: dict, observed: tuple, warnings: list):

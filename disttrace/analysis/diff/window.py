@@ -28,8 +28,10 @@ from disttrace.analysis.diff.tol import _Tol
 from disttrace.store import trajectory, trajectory_read
 from disttrace.store.records import PHASES
 
-_CROSS = pa.array(CROSS_TOPOLOGY_PHASES, pa.string())
-_LOSSES = pa.array(["data", "loss"], pa.string())  # what the losses are matched by, and the losses
+_CROSS_ORDERS = np.array([PHASES.index(p) for p in CROSS_TOPOLOGY_PHASES])
+_LOSS_ORDERS = np.array(
+    [PHASES.index("data"), PHASES.index("loss")]
+)  # the losses, and their samples
 _ORDERS = len(PHASES) + 1  # phase orders (columnar's "phase_order": an unknown phase is the last)
 
 Compared = dict[int, tuple[dict[int, RankStep], StepWarnings]]
@@ -73,48 +75,81 @@ def _record_step(step: int, a: Side, b: Side, tol: _Tol, ev: StepWarnings) -> di
     return out
 
 
-def _rows_in(batch: pa.RecordBatch, phases: pa.Array) -> np.ndarray:
-    return np.flatnonzero(
-        np.asarray(
-            pc.is_in(batch.column("phase"), value_set=phases).to_numpy(zero_copy_only=False),
-            dtype=bool,
-        )
-    )
+def _mask(arr) -> np.ndarray:
+    return np.asarray(arr.to_numpy(zero_copy_only=False), dtype=bool)
 
 
 class _Read:
     """One side's steps of a window, read and decoded a rank at a time (hash-checked, counted per step as a
-    step read alone is): `x` the rows in the cross-topology phases, rank by rank, each rank's in step order,
-    `pos` each row's step position; `losses[j]` the data and loss records of step position j by rank."""
+    step read alone is). Its rows in the cross-topology phases, rank by rank, each rank's in step order, as
+    arrays (each row's `pos` step position, phase `order`, whether it has a `name`, is an `update` record,
+    holds a shard), taken as one batch by `take`; `losses[j]` the data and loss records of step position j by
+    rank."""
 
     def __init__(self, side: Side, steps: list[int]):
         at = {s: j for j, s in enumerate(steps)}
         self.parts: dict[int, tuple[pa.RecordBatch, list[int], list[int]]] = {}
         self.losses: list[dict[int, list[dict]]] = [{} for _ in steps]
-        xs, pos = [], []
+        self.batches: list[pa.RecordBatch] = []
+        cols: dict[str, list[np.ndarray]] = {
+            k: [] for k in ("part", "row", "pos", "order", "name", "update", "shard")
+        }
+        update_names = []
         for r in sorted(side.ranks):
             have = [s for s in steps if side.has(r, s)]
             if not have:
                 continue
             batch, starts = side.batches(r, have)
+            held = [at[s] for s in have]
             counts = np.diff(np.append(starts, batch.num_rows))
-            row_pos = np.repeat(np.array([at[s] for s in have], dtype=np.int64), counts)
-            self.parts[r] = (batch, starts.tolist(), [at[s] for s in have])
-            rows = _rows_in(batch, _CROSS)
-            xs.append(batch.take(pa.array(rows, pa.int64())))
-            pos.append(row_pos[rows])
-            for j in self.parts[r][2]:
+            row_pos = np.repeat(np.array(held, dtype=np.int64), counts)
+            self.parts[r] = (batch, starts.tolist(), held)
+            order = columnar.Columns(batch)["phase_order"]
+            rows = np.flatnonzero(np.isin(order, _CROSS_ORDERS))
+            names = batch.column("tensor")
+            update = _mask(pc.ends_with(names, updates.SUFFIX).fill_null(False))[rows]
+            got = {
+                "part": np.full(len(rows), len(self.batches), dtype=np.int64),
+                "row": rows,
+                "pos": row_pos[rows],
+                "order": order[rows],
+                "name": _mask(names.is_valid())[rows],
+                "update": update,
+                "shard": _mask(batch.column("shard_offset").is_valid())[rows],
+            }
+            for k, v in got.items():
+                cols[k].append(v)
+            update_names.append(names.take(pa.array(rows[update], pa.int64())))
+            self.batches.append(batch)
+            for j in held:
                 self.losses[j][r] = []
-            rows = _rows_in(batch, _LOSSES)
+            rows = np.flatnonzero(np.isin(order, _LOSS_ORDERS))
             recs = trajectory_read.to_records(batch.take(pa.array(rows, pa.int64())))
             for j, rec in zip(row_pos[rows].tolist(), recs):
                 self.losses[j][r].append(rec)
-        self.x = (
-            pa.concat_batches(xs)
-            if xs
+        self.part, self.row, self.pos, self.order, self.name, self.update, self.shard = (
+            np.concatenate(cols[k]) if cols[k] else np.empty(0, dtype=np.int64 if i < 4 else bool)
+            for i, k in enumerate(("part", "row", "pos", "order", "name", "update", "shard"))
+        )
+        # the update records' names, in row order
+        self.update_names = (
+            pa.concat_arrays(update_names) if update_names else pa.array([], pa.string())
+        )
+
+    def take(self, sel: np.ndarray) -> pa.RecordBatch:
+        """The rows `sel` (positions in the arrays, in order) as one batch."""
+        parts = []
+        for k, batch in enumerate(self.batches):
+            mine = sel[self.part[sel] == k]
+            if len(mine):
+                parts.append(batch.take(pa.array(self.row[mine], pa.int64())))
+        if len(parts) == 1:
+            return parts[0]
+        return (
+            pa.concat_batches(parts)
+            if parts
             else pa.RecordBatch.from_pylist([], schema=trajectory.SCHEMA)
         )
-        self.pos = np.concatenate(pos) if pos else np.empty(0, dtype=np.int64)
 
     def records(self, j: int) -> dict[int, list[dict]]:
         """Step position j's records by rank (the record path's)."""
@@ -127,10 +162,11 @@ class _Read:
         return out
 
 
-def _keys(xa, sa, xb, sb) -> tuple[np.ndarray, np.ndarray, int]:
+def _keys(xa, sa, oa, xb, sb, ob) -> tuple[np.ndarray, np.ndarray, int]:
     """Each row's logical tensor of a window as one integer in the record path's order: (its step position
-    `sa`/`sb`, phase order, name), names numbered over both sides by sorted order (Arrow sorts UTF-8 bytes,
-    whose order is the code points', Python's). -> (A's keys, B's keys, the keys a step position spans)."""
+    `sa`/`sb`, phase order `oa`/`ob`, name), names numbered over both sides by sorted order (Arrow sorts UTF-8
+    bytes, whose order is the code points', Python's). -> (A's keys, B's keys, the keys a step position
+    spans)."""
     names = pa.concat_arrays([xa.column("tensor"), xb.column("tensor")]).dictionary_encode()
     idx = np.asarray(names.indices.to_numpy(zero_copy_only=False), dtype=np.int64)
     words = names.dictionary
@@ -138,8 +174,7 @@ def _keys(xa, sa, xb, sb) -> tuple[np.ndarray, np.ndarray, int]:
     rank[np.asarray(pc.array_sort_indices(words), dtype=np.int64)] = np.arange(len(words))
     n = max(len(words), 1)
     out = []
-    for x, s, part in ((xa, sa, idx[: xa.num_rows]), (xb, sb, idx[xa.num_rows :])):
-        order = columnar.Columns(x)["phase_order"]
+    for s, order, part in ((sa, oa, idx[: xa.num_rows]), (sb, ob, idx[xa.num_rows :])):
         out.append((s * _ORDERS + order) * n + rank[part])
     return out[0], out[1], _ORDERS * n
 
@@ -148,20 +183,10 @@ def _update_keep(ra: _Read, rb: _Read, keep_a: np.ndarray, keep_b: np.ndarray) -
     """Leave out (in keep_a, keep_b) the update records (run/record/updates.py) the other side does not make
     at that step (a sharded parameter's, a store's written before them): those are not compared, and are left
     out as whole columns rather than met one record at a time."""
-    ua, ub = (
-        np.asarray(
-            pc.ends_with(r.x.column("tensor"), updates.SUFFIX)
-            .fill_null(False)
-            .to_numpy(zero_copy_only=False),
-            dtype=bool,
-        )
-        for r in (ra, rb)
-    )
+    ua, ub = ra.update, rb.update
     if not (ua.any() or ub.any()):
         return
-    names = pa.concat_arrays(
-        [ra.x.column("tensor").filter(pa.array(ua)), rb.x.column("tensor").filter(pa.array(ub))]
-    ).dictionary_encode()
+    names = pa.concat_arrays([ra.update_names, rb.update_names]).dictionary_encode()
     idx = np.asarray(names.indices.to_numpy(zero_copy_only=False), dtype=np.int64)
     n = max(len(names.dictionary), 1)
     ka = ra.pos[ua] * n + idx[: int(ua.sum())]
@@ -180,18 +205,13 @@ def _compare_columns(
         W, dtype=bool
     )  # a step with a record without a name: its logical tensors are keyed by it
     for r in (ra, rb):
-        names = r.x.column("tensor")
-        if names.null_count:
-            valid = np.asarray(names.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
-            bad[r.pos[~valid]] = True
+        bad[r.pos[~r.name]] = True
     keep_a, keep_b = ~bad[ra.pos], ~bad[rb.pos]
     _update_keep(ra, rb, keep_a, keep_b)
-    order_a = columnar.Columns(ra.x)["phase_order"]
-    order_b = columnar.Columns(rb.x)["phase_order"]
     present = []
-    for r, order, keep in ((ra, order_a, keep_a), (rb, order_b, keep_b)):
+    for r, keep in ((ra, keep_a), (rb, keep_b)):
         got = np.zeros((W, _ORDERS), dtype=bool)
-        got[r.pos[keep], order[keep]] = True
+        got[r.pos[keep], r.order[keep]] = True
         present.append(got)
     for j in np.flatnonzero(
         ~bad
@@ -205,14 +225,11 @@ def _compare_columns(
                 f"run {'A' if p not in pa_ else 'B'} records no '{p}' phase: that phase is not compared",
             )
     both = present[0] & present[1]
-    keep_a &= both[ra.pos, order_a]
-    keep_b &= both[rb.pos, order_b]
+    keep_a &= both[ra.pos, ra.order]
+    keep_b &= both[rb.pos, rb.order]
     sharded = np.zeros(W, dtype=bool)  # a step where a tensor is sharded on either side
     for r, keep in ((ra, keep_a), (rb, keep_b)):
-        has = np.asarray(
-            r.x.column("shard_offset").is_valid().to_numpy(zero_copy_only=False), dtype=bool
-        )
-        sharded[r.pos[keep & has]] = True
+        sharded[r.pos[keep & r.shard]] = True
     outs: dict[int, dict[int, RankStep]] = {}
     for which in (np.flatnonzero(~bad & ~sharded), np.flatnonzero(~bad & sharded)):
         if len(which):
@@ -227,10 +244,10 @@ def _compare_part(steps, which, ra: _Read, rb: _Read, keep_a, keep_b, tol, evs):
     part[which] = True
     rows_a = np.flatnonzero(keep_a & part[ra.pos])
     rows_b = np.flatnonzero(keep_b & part[rb.pos])
-    xa, xb = ra.x.take(pa.array(rows_a, pa.int64())), rb.x.take(pa.array(rows_b, pa.int64()))
+    xa, xb = ra.take(rows_a), rb.take(rows_b)
     sa, sb = ra.pos[rows_a], rb.pos[rows_b]
-    ka, kb, span = _keys(xa, sa, xb, sb)
-    sharded = any(x.column("shard_offset").null_count != x.num_rows for x in (xa, xb))
+    ka, kb, span = _keys(xa, sa, ra.order[rows_a], xb, sb, rb.order[rows_b])
+    sharded = bool(ra.shard[rows_a].any() or rb.shard[rows_b].any())
     if not sharded:
         return _compare_whole_columns(steps, which, sa, sb, ka, kb, xa, xb, tol, evs)
     got = _compare_sharded_columns(steps, which, span, ka, kb, xa, xb, tol, evs)
