@@ -50,20 +50,16 @@ class _NameKinds:
         )
 
     def over(self, rows):
-        """at(sel) -> the matcher of rows[sel], each kind matched once over all of `rows` (the steps and
-        phases of a window ask for the same kinds of the same rows)."""
+        """The matcher of the rows `rows` (kind -> a mask over them), each kind matched once."""
         masks: dict[str, np.ndarray] = {}
 
-        def at(sel):
-            def kind_of(kind: str) -> np.ndarray:
-                got = masks.get(kind)
-                if got is None:
-                    got = masks[kind] = self._match(kind, rows)
-                return got[sel]
+        def kind_of(kind: str) -> np.ndarray:
+            got = masks.get(kind)
+            if got is None:
+                got = masks[kind] = self._match(kind, rows)
+            return got
 
-            return kind_of
-
-        return at
+        return kind_of
 
     def _match(self, kind: str, sel) -> np.ndarray:
         how, word = self._MATCH[kind]
@@ -195,16 +191,20 @@ class _Tol:
             index, rank, mb = (
                 np.asarray(cols[c][rows], dtype=np.int64) for c in ("index", "rank", "micro_batch")
             )
-            names = _NameKinds(cols.column("tensor")).over(rows)
-            groups, inv = np.unique(steps * (len(PHASES) + 1) + order, return_inverse=True)
-            inv = inv.reshape(-1)
-            for j, g in enumerate(groups.tolist()):
-                step, o = divmod(g, len(PHASES) + 1)
+            names = _NameKinds(cols.column("tensor"))
+            phases = np.unique(order)
+            for o in phases.tolist():  # a phase's rows of every step together
                 if o >= len(PHASES):
                     continue  # an unknown phase has no magnitude
-                sel = np.flatnonzero(inv == j) if len(groups) > 1 else slice(None)
+                sel = np.flatnonzero(order == o) if len(phases) > 1 else slice(None)
                 v, ok = magnitudes.lookup(
-                    mag, step, PHASES[o], index[sel], names(sel), rank[sel], mb[sel]
+                    mag,
+                    steps[sel],
+                    PHASES[o],
+                    index[sel],
+                    names.over(rows[sel]),
+                    rank[sel],
+                    mb[sel],
                 )
                 unbounded[sel] |= ~ok
                 extra[sel] = np.fmax(extra[sel], v)
