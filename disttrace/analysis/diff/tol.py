@@ -67,18 +67,25 @@ class _NameKinds:
         if how == "contains":  # the rows the byte's positions fall in, over the whole column once
             if self._contains is None:
                 self._contains = np.zeros(self._n, dtype=bool)
-                if self._n:
-                    at = np.flatnonzero(self._data[: self._off[-1]] == word[0])
+                if (
+                    self._n
+                ):  # the column's own bytes (a slice's lie after those of the rows before it)
+                    first = int(self._off[0])
+                    at = np.flatnonzero(self._data[first : self._off[-1]] == word[0]) + first
                     self._contains[np.searchsorted(self._off[1:], at, side="right")] = True
             return self._contains[sel] & valid
         k = len(word)
         fits = ((hi - lo == k) if how == "equal" else (hi - lo >= k)) & valid
         out = np.zeros(len(fits), dtype=bool)
         rows = np.flatnonzero(fits)
-        if len(rows):
-            start = (hi[rows] - k) if how == "ends" else lo[rows]
-            pattern = np.frombuffer(word, np.uint8)
-            out[rows] = (self._data[start[:, None] + np.arange(k)] == pattern).all(axis=1)
+        start = (hi[rows] - k) if how == "ends" else lo[rows]
+        # a byte at a time, from the word's end (names share their beginnings), over the rows still matching
+        for i in reversed(range(k)):
+            if not len(rows):
+                break
+            same = self._data[start + i] == word[i]
+            rows, start = rows[same], start[same]
+        out[rows] = True
         return out
 
 
