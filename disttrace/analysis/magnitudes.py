@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pyarrow.compute as pc
 
 from disttrace.store import scales
 from disttrace.store.records import CLIP_GRAD_BASE, clip_param_index
@@ -160,10 +161,8 @@ class Magnitudes:
             table: dict[int, int] = {}
             for entry in self._run.step_index(rank).records[:4]:
                 params, states = {}, []
-                for rec in self._run.records_of_step(rank, entry, phases=("optimizer",)):
-                    if rec.get("phase") != "optimizer":
-                        continue
-                    name, index = str(rec.get("tensor") or ""), int(rec.get("index") or 0)
+                for tensor, index in _optimizer_records(self._run, rank, entry):
+                    name, index = str(tensor or ""), int(index or 0)
                     if ":" in name:
                         states.append((name.rsplit(":", 1)[0], index))
                     elif not name.startswith("param_groups."):
@@ -273,6 +272,16 @@ class Magnitudes:
             universe, moments = self.moments(step)
             return _get((universe, moments[_OPTIMIZER_KEYS.index(key)]), int(param)), True
         return None, True
+
+
+def _optimizer_records(run: Run, rank: int, entry) -> list[tuple]:
+    """(tensor, index) of each of a step's optimizer records, in order (an Arrow step's from its columns)."""
+    batch = run.step_batch(rank, entry)
+    if batch is None:  # a JSON-lines store
+        recs = run.records_of_step(rank, entry, phases=("optimizer",))
+        return [(r.get("tensor"), r.get("index")) for r in recs if r.get("phase") == "optimizer"]
+    mine = batch.filter(pc.equal(batch.column("phase"), "optimizer").fill_null(False))
+    return list(zip(mine.column("tensor").to_pylist(), mine.column("index").to_pylist()))
 
 
 # an index beyond what a record's uint32 index (or its optimizer state's parameter) can name never matches

@@ -313,14 +313,11 @@ def _shown(run) -> tuple[str | None, int | None, dict]:
 def _first_step(run, rank: int, entry) -> tuple[list, list[dict]]:
     """What _shown reads of a step: the dtypes of its records outside the data phase (each once, in order of
     first appearance) and its data records (an Arrow step's other records are not made dicts)."""
-    path = run.trajectory_path(rank)
-    if not trajectory_read.is_arrow(path):
+    batch = run.step_batch(rank, entry)
+    if batch is None:  # a JSON-lines store
         recs = run.records_of_step(rank, entry)
         rest = dict.fromkeys(r.get("dtype") for r in recs if r.get("phase") != "data")
         return list(rest), [r for r in recs if r.get("phase") == "data"]
-    where = f"step {entry.step} (bytes {entry.offset}..{entry.offset + entry.length})"
-    data = trajectory_read.read_range(path, entry.offset, entry.length, run.path)
-    batch = trajectory_decode.decode_step(path, data, where)
     is_data = pc.equal(batch.column("phase"), "data").fill_null(False)
     rest = pc.unique(batch.column("dtype").filter(pc.invert(is_data))).to_pylist()
     return rest, trajectory_read.to_records(batch.filter(is_data))
