@@ -521,6 +521,11 @@ def _warn_columns(steps, pos_of, ga, gb, copies, A: _Values, B: _Values, evs) ->
 def _copies_differing(side: _Values, groups: np.ndarray) -> list[tuple[int, int]]:
     """(row, its lowest rank's copy's row) in the groups marked, for copies (same shard offset, none for a
     whole tensor) whose digest, dtype or shape differ."""
+    # a group whose rows all have distinct offsets as values() told them apart holds no copies (values() keys a
+    # whole copy by its shape's zeros: two whole copies of a sharded tensor are counted as possible copies)
+    wholes = np.bincount(side.group[~side.has_shard], minlength=len(side.keys))
+    possible = np.where(side.sharded, (side.size > side.shard_count) | (wholes > 1), side.size > 1)
+    groups = groups & possible
     rows = np.flatnonzero(groups[side.group]) if len(side.group) else np.empty(0, np.int64)
     if not len(rows):
         return []
