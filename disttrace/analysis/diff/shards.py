@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from disttrace.analysis import columnar, tolerance
 from disttrace.analysis.diff.compare import RankStep, _fold_columns, _phase_order, _unit
@@ -442,15 +443,25 @@ def _unit_batches(f, u_ga, u_gb, u_copy, b_row, u_rank, same, A: _Values, B: _Va
         gg = np.maximum(g, 0)
 
         def pick(whole, row, copy=copy, rows=rows, gg=gg):
+            if not copy.any():  # every unit the logical value (A's side, or a sharded B)
+                return whole[gg]
+            if copy.all():  # every unit one of B's whole copies
+                return row[rows]
             return np.where(copy.reshape((-1,) + (1,) * (whole.ndim - 1)), row[rows], whole[gg])
 
         sketch = pick(side.v_sketch, side.sketch)
         x = side.x
         cols = {c: x.column(c).take(pa.array(rows, pa.int64())) for c in _ROW_COLUMNS}
+        # the value's shape: a copy's own, else the logical shape (a shard's logical shape where the group
+        # combines shards, `_Values.shape_src`: a row of the shard_shape column past the rows' count)
         shape_src = np.where(copy, rows, side.shape_src[gg])
-        cols["shape"] = pa.concat_arrays([x.column("shape"), x.column("shard_shape")]).take(
-            pa.array(shape_src, pa.int64())
-        )
+        logical = shape_src >= x.num_rows
+        at = pa.array(np.where(logical, shape_src - x.num_rows, shape_src), pa.int64())
+        cols["shape"] = x.column("shape").take(at)
+        if logical.any():
+            cols["shape"] = pc.if_else(
+                pa.array(logical), x.column("shard_shape").take(at), cols["shape"]
+            )
         cols["rank"] = pa.array(u_rank[f].astype(np.uint32))
         cols["numel"] = pa.array(pick(side.v_numel, side.numel))
         digest = np.zeros((n, 16), dtype=np.uint8)
