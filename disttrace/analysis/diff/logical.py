@@ -213,9 +213,8 @@ def _compare_whole_columns(
     tensor (window.py's `_keys`). -> each position's results by rank, in the order the record path meets them."""
     outs: dict[int, dict[int, RankStep]] = {int(j): {} for j in which}
     uniq, first = np.unique(ka, return_index=True)
-    by_first = np.argsort(
-        first, kind="stable"
-    )  # first appearance: rank order, so each key's lowest rank
+    # in order of first appearance: rank order, so each key's lowest rank
+    by_first = np.argsort(first, kind="stable")
     logical_a, first_a = uniq[by_first], first[by_first]
     _replica_warnings(xa, sa, ka, xb, sb, kb, uniq, evs)
     matched = np.zeros(xb.num_rows, dtype=bool)

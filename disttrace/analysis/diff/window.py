@@ -29,9 +29,8 @@ from disttrace.store import trajectory, trajectory_read
 from disttrace.store.records import PHASES
 
 _CROSS_ORDERS = np.array([PHASES.index(p) for p in CROSS_TOPOLOGY_PHASES])
-_LOSS_ORDERS = np.array(
-    [PHASES.index("data"), PHASES.index("loss")]
-)  # the losses, and their samples
+# the losses, and the data records that say which samples each micro-batch held
+_LOSS_ORDERS = np.array([PHASES.index("data"), PHASES.index("loss")])
 _ORDERS = len(PHASES) + 1  # phase orders (columnar's "phase_order": an unknown phase is the last)
 
 Compared = dict[int, tuple[dict[int, RankStep], StepWarnings]]
@@ -201,9 +200,8 @@ def _compare_columns(
     """The window's steps column-wise: step position -> results by rank; a position left out is the record
     path's (a record without a name at that step, or values only the record path combines)."""
     W = len(steps)
-    bad = np.zeros(
-        W, dtype=bool
-    )  # a step with a record without a name: its logical tensors are keyed by it
+    # a step with a record without a name (its logical tensors are keyed by it): the record path's
+    bad = np.zeros(W, dtype=bool)
     for r in (ra, rb):
         bad[r.pos[~r.name]] = True
     keep_a, keep_b = ~bad[ra.pos], ~bad[rb.pos]
@@ -213,9 +211,8 @@ def _compare_columns(
         got = np.zeros((W, _ORDERS), dtype=bool)
         got[r.pos[keep], r.order[keep]] = True
         present.append(got)
-    for j in np.flatnonzero(
-        ~bad
-    ).tolist():  # a phase one side does not record: not compared at that step
+    # a phase one side does not record: not compared at that step
+    for j in np.flatnonzero(~bad).tolist():
         pa_ = {PHASES[o] for o in np.flatnonzero(present[0][j]).tolist()}
         pb_ = {PHASES[o] for o in np.flatnonzero(present[1][j]).tolist()}
         evs[j].both.update(pa_ & pb_)
