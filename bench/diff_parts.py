@@ -17,7 +17,7 @@ from disttrace.analysis.diff import diff_runs, logical, prepare, shards, side, t
 # (module or class, function names, modules that imported the function by name)
 WATCHED = [
     (window, ["compare_logical_steps", "_compare_columns"], [prepare]),
-    (window._Read, ["__init__"], []),
+    (window._Read, ["__init__", "take"], []),
     (logical, ["_compare_whole_columns", "_losses"], [window]),
     (shards, ["_compare_sharded_columns", "_unit_batches", "_warn_columns"], [window]),
     (block_summary, ["summarize"], []),
