@@ -11,18 +11,20 @@ import argparse
 import time
 from collections import Counter
 
-from disttrace.analysis import columnar, magnitudes
-from disttrace.analysis.diff import diff_runs, logical, prepare, shards, side, tol
+from disttrace.analysis import block_summary, magnitudes
+from disttrace.analysis.diff import diff_runs, logical, prepare, shards, side, tol, window
 
 # (module or class, function names, modules that imported the function by name)
 WATCHED = [
-    (logical, ["_compare_logical_step", "_step_records", "_phase_rows", "_losses"], [prepare]),
-    (shards, ["_compare_sharded_columns", "_unit_batches", "_warn_columns"], [logical]),
-    (columnar, ["summarize"], []),
+    (window, ["compare_logical_steps", "_compare_columns"], [prepare]),
+    (window._Read, ["__init__", "take"], []),
+    (logical, ["_compare_whole_columns", "_losses"], [window]),
+    (shards, ["_compare_sharded_columns", "_unit_batches", "_warn_columns"], [window]),
+    (block_summary, ["summarize"], []),
     (magnitudes, ["lookup"], []),
     (tol._Tol, ["row_magnitudes"], []),
     (shards._Values, ["__init__", "values"], []),
-    (side.Side, ["batch"], []),
+    (side.Side, ["batches"], []),
     (magnitudes.Magnitudes, ["__init__"], []),
 ]
 

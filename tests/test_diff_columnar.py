@@ -447,3 +447,54 @@ def test_the_record_path_resolves_tied_errors_the_same_in_every_process(tmp_path
             assert out.returncode == 0, out.stderr[-2000:]
             bounds.add(out.stdout.strip())
     assert len(bounds) == 1, bounds
+
+
+@pytest.mark.parametrize("window", [None, 1], ids=["one-window", "a-window-a-step"])
+def test_a_window_of_mixed_steps_gives_each_step_its_own_result(tmp_path, monkeypatch, window):
+    """One window of steps compared together across topologies (analysis/diff/window.py) holding steps
+    where a tensor is sharded, one where every tensor is whole, and one with a record that lacks a value the
+    columns read (that step alone through the record path): the same document and warnings as the record
+    path's on the same records (the JSON-lines store), and the same whether the steps share a window or
+    each has its own."""
+    from disttrace.analysis.diff import prepare
+    from disttrace.analysis.diff import window as window_mod
+
+    if window is not None:
+        monkeypatch.setattr(prepare, "WINDOW_ROWS", window)
+    by_records = []  # the steps the record path compared
+    record_path = window_mod._compare_logical_records
+
+    def spied(step, *args):
+        by_records.append(step)
+        return record_path(step, *args)
+
+    monkeypatch.setattr(window_mod, "_compare_logical_records", spied)
+    ma, mb, a, b = _sharded_runs(10)
+    ma = syn.manifest(**{"training.steps": 4, "parallelism.tp": 2})
+    mb = syn.manifest(**{"training.steps": 4})
+    for r in a:  # step 4: every tensor whole on every rank (B's values, one bit off here and there)
+        a[r] += [
+            {**x, "step": 4, "rank": r} for x in b[r % 2] if x["step"] == 1 and "shard" not in x
+        ]
+    for r in b:
+        b[r] += [{**x, "step": 4} for x in b[r] if x["step"] == 1 and "shard" not in x]
+    odd = next(i for i, x in enumerate(a[1]) if x["step"] == 2 and x["phase"] == "reduce")
+    del a[1][odd]["nonfinite"]  # a value the columns read, absent
+    docs = {}
+    for fmt in (".arrows", ".jsonl"):
+        syn.FORMAT["suffix"] = fmt
+        try:
+            ra = syn.write_run(tmp_path / f"{fmt[1:]}-a", ma, a)
+            rb = syn.write_run(tmp_path / f"{fmt[1:]}-b", mb, b)
+        finally:
+            syn.FORMAT["suffix"] = ".arrows"
+        by_records.clear()
+        docs[fmt] = diff_runs(ra, rb)
+        if fmt == ".arrows":
+            assert by_records == [2]  # that step alone; the others column-wise
+    arrow, jsonl = docs[".arrows"], docs[".jsonl"]
+    assert not arrow.topology.same
+    assert _comparable(arrow) == _comparable(jsonl)
+    assert arrow.warnings == jsonl.warnings
+    assert any("do not cover" in w for w in arrow.warnings)
+    assert [e.step for e in arrow.propagation] == [1, 2, 3, 4]

@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pyarrow.compute as pc
 
 from disttrace.store import scales
 from disttrace.store.records import CLIP_GRAD_BASE, clip_param_index
@@ -160,10 +161,8 @@ class Magnitudes:
             table: dict[int, int] = {}
             for entry in self._run.step_index(rank).records[:4]:
                 params, states = {}, []
-                for rec in self._run.records_of_step(rank, entry, phases=("optimizer",)):
-                    if rec.get("phase") != "optimizer":
-                        continue
-                    name, index = str(rec.get("tensor") or ""), int(rec.get("index") or 0)
+                for tensor, index in _optimizer_records(self._run, rank, entry):
+                    name, index = str(tensor or ""), int(index or 0)
                     if ":" in name:
                         states.append((name.rsplit(":", 1)[0], index))
                     elif not name.startswith("param_groups."):
@@ -275,6 +274,16 @@ class Magnitudes:
         return None, True
 
 
+def _optimizer_records(run: Run, rank: int, entry) -> list[tuple]:
+    """(tensor, index) of each of a step's optimizer records, in order (an Arrow step's from its columns)."""
+    batch = run.step_batch(rank, entry)
+    if batch is None:  # a JSON-lines store
+        recs = run.records_of_step(rank, entry, phases=("optimizer",))
+        return [(r.get("tensor"), r.get("index")) for r in recs if r.get("phase") == "optimizer"]
+    mine = batch.filter(pc.equal(batch.column("phase"), "optimizer").fill_null(False))
+    return list(zip(mine.column("tensor").to_pylist(), mine.column("index").to_pylist()))
+
+
 # an index beyond what a record's uint32 index (or its optimizer state's parameter) can name never matches
 _MAX_INDEX = 1 << 34
 _CACHED = 1 << 12  # tables held as arrays at once: a few blocks' steps, not the run's
@@ -327,28 +336,41 @@ def _lookup(arrays: tuple[np.ndarray, np.ndarray], index: np.ndarray) -> np.ndar
 # still shows, in the clipped gradients that follow it.
 
 
+def _by_step(step: np.ndarray) -> list[tuple[int, np.ndarray | slice]]:
+    """(step, its rows) for each step of the rows, in order; every row as a slice where there is one step."""
+    steps = np.unique(step)
+    if len(steps) == 1:
+        return [(int(steps[0]), slice(None))]
+    return [(int(s), np.flatnonzero(step == s)) for s in steps.tolist()]
+
+
 def lookup(
-    mag: Magnitudes, step: int, phase: str, index, names, rank, mb
+    mag: Magnitudes, step, phase: str, index, names, rank, mb
 ) -> tuple[np.ndarray, np.ndarray]:
-    """`mag.of` for rows of one step and phase, as (magnitudes, nan where None; bounded) arrays. index, rank,
-    mb: int64 arrays; names: a bool-returning matcher over the rows' tensor names (`names(kind)` for kind in
-    "grad_norm", "clip_coef", "param_groups", "colon", "exp_avg", "exp_avg_sq")."""
+    """`mag.of` for rows of one phase, as (magnitudes, nan where None; bounded) arrays. step, index, rank, mb:
+    int64 arrays (the rows of several steps are looked up together: a step's tables, the rest once); names: a
+    bool-returning matcher over the rows' tensor names (`names(kind)` for kind in "grad_norm", "clip_coef",
+    "param_groups", "colon", "exp_avg", "exp_avg_sq")."""
     n = len(index)
     bounded = np.ones(n, dtype=bool)
+    out = np.full(n, np.nan)
     if phase == "backward":
-        out = np.full(n, np.nan)
-        pairs, inv = np.unique(rank * (1 << 32) + mb, return_inverse=True)
-        inv = inv.reshape(-1)
-        for j, p in enumerate(pairs.tolist()):
-            sel = inv == j if len(pairs) > 1 else slice(None)
-            out[sel] = _lookup(mag.local(p >> 32, step, p & 0xFFFFFFFF), index[sel])
+        for s, at in _by_step(step):
+            r, m = rank[at], mb[at]
+            pairs, inv = np.unique(r * (1 << 32) + m, return_inverse=True)
+            inv = inv.reshape(-1)
+            got = np.full(len(r), np.nan)
+            for j, p in enumerate(pairs.tolist()):
+                sel = inv == j if len(pairs) > 1 else slice(None)
+                got[sel] = _lookup(mag.local(p >> 32, s, p & 0xFFFFFFFF), index[at][sel])
+            out[at] = got
         return out, bounded
     if phase in ("reduce", "clip"):
-        # a clipped gradient carries the coefficient's difference (Magnitudes.clipped)
-        table = mag.clipped(step) if phase == "clip" else mag.reduced(step)
         if phase == "clip":  # a clipped gradient's magnitude is its parameter's (clip_param_index)
             index = np.where(index >= CLIP_GRAD_BASE, index - CLIP_GRAD_BASE, index)
-        out = _lookup(table, index)
+        for s, at in _by_step(step):
+            # a clipped gradient carries the coefficient's difference (Magnitudes.clipped)
+            out[at] = _lookup(mag.clipped(s) if phase == "clip" else mag.reduced(s), index[at])
         if phase == "clip":
             missing = np.isnan(out)
             bounded[missing & names("clip_coef")] = (
@@ -356,25 +378,30 @@ def lookup(
             )
             norm = missing & names("grad_norm")
             if norm.any():
-                got = mag.global_norm(step)
-                out[norm] = np.nan if got is None else got
+                for s, at in _by_step(step[norm]):
+                    got = mag.global_norm(s)
+                    out[np.flatnonzero(norm)[at]] = np.nan if got is None else got
         return out, bounded
     if phase != "optimizer":
-        return np.full(n, np.nan), bounded
-    out = np.full(n, np.nan)
+        return out, bounded
     inputs = names("param_groups")  # a learning rate an attached run records: an input, no sum
     param = ~inputs & ~names("colon")
     if param.any():
         if mag.optimizer == "sgd":
-            universe, moments = mag.moments(step)
-            out[param] = _lookup((universe, moments[2]), index[param])
+            rows = np.flatnonzero(param)
+            for s, at in _by_step(step[rows]):
+                universe, moments = mag.moments(s)
+                out[rows[at]] = _lookup((universe, moments[2]), index[rows[at]])
         else:
             bounded[param] = False
     for k, state in enumerate(_OPTIMIZER_KEYS[:2]):
         sel = ~inputs & names(state)
         if sel.any():
-            universe, moments = mag.moments(step)
-            out[sel] = _lookup((universe, moments[k]), _state_params(mag, index, rank, sel))
+            rows = np.flatnonzero(sel)
+            params = _state_params(mag, index, rank, sel)
+            for s, at in _by_step(step[rows]):
+                universe, moments = mag.moments(s)
+                out[rows[at]] = _lookup((universe, moments[k]), params[at])
     return out, bounded
 
 

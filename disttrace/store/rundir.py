@@ -187,6 +187,7 @@ class Run:
         _check_shape(self.path / LOCK, self.lock_info.manifest, LOCK_SHAPE)
         self._manifest: StoredManifest | None = None
         self._info: RunInfo | None = None
+        self._step_batch: dict[int, tuple[tuple[int, int], object]] = {}  # rank -> (range, batch)
 
     # -- identity
     @property
@@ -450,6 +451,25 @@ class Run:
         """Read only the byte range of one step (from the step index): diff seeks, never scans; with
         `phases`, only those phases' records."""
         return self.records_of_range(rank, entry.offset, entry.length, entry.step, phases)
+
+    def step_batch(self, rank: int, entry: StepIndexEntry):
+        """One step's records as an Arrow batch, read by its byte range (None for a JSON-lines store); the
+        last step read of each rank is kept, as the readers of a run's first step (the bound's inputs, the
+        optimizer state's parameters) ask for the same one."""
+        from disttrace.store import trajectory_decode, trajectory_read
+
+        path = self.trajectory_path(rank)
+        if not trajectory_read.is_arrow(path):
+            return None
+        span = (entry.offset, entry.length)
+        kept = self._step_batch.get(rank)
+        if kept is not None and kept[0] == span:
+            return kept[1]
+        data = trajectory_read.read_range(path, entry.offset, entry.length, self.path)
+        where = f"step {entry.step} (bytes {entry.offset}..{entry.offset + entry.length})"
+        batch = trajectory_decode.decode_step(path, data, where)
+        self._step_batch[rank] = (span, batch)
+        return batch
 
     def records_of_range(
         self,

@@ -19,9 +19,13 @@ from disttrace.analysis.diff.side import Side
 from disttrace.analysis.diff.tol import _Tol
 from disttrace.store import trajectory_read
 
-# records a block of steps may hold, per side: of one rank where ranks are compared one after another (a few MB
-# of columns), of all ranks where a step's ranks are read together (across topologies)
+# records a block of steps may hold, per side, of one rank: ranks are compared one after another (a few MB of
+# columns)
 BLOCK_ROWS = 1 << 14
+# across topologies, records a window of steps may hold, per side, of all its ranks: a step's ranks are read
+# and combined together (~200 bytes a decoded record: ~14 MB a side), and a window's pyarrow and numpy calls
+# are paid once for its steps (analysis/diff/window.py)
+WINDOW_ROWS = 1 << 16
 # rank-steps a block may hold the results of (a `RankStep` each, and its step's entries when folded: ~2 KB a
 # rank-step): small steps would otherwise make a block of thousands of steps of every rank (16,384 records of a
 # rank are 2,730 steps of 6), and the results, not the records, what it holds
@@ -50,11 +54,20 @@ class _Plan:
     asks each rank's index for each of them, for every block, and did so twice: for the read-ahead and for
     the comparison)."""
 
-    def __init__(self, steps: list[int], ranks, sides: tuple[Side, Side]):
-        weights = [
-            max((int(side.record_count(r, step) or 0) for side in sides for r in ranks), default=0)
-            for step in steps
-        ]
+    def __init__(self, steps: list[int], ranks, sides: tuple[Side, Side], together: bool = False):
+        if together:  # across topologies: a step's ranks are read and compared together
+            weights = [
+                max(sum(int(side.record_count(r, step) or 0) for r in ranks) for side in sides)
+                for step in steps
+            ]
+        else:
+            weights = [
+                max(
+                    (int(side.record_count(r, step) or 0) for side in sides for r in ranks),
+                    default=0,
+                )
+                for step in steps
+            ]
         self.steps = steps
         self.cum = np.cumsum(np.array(weights, dtype=np.int64))
         self.most = _most_steps(ranks)

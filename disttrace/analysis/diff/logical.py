@@ -7,19 +7,17 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
-from disttrace.analysis import columnar, updates
+from disttrace.analysis import columnar
 from disttrace.analysis.diff.compare import (
     RankStep,
     _fold_columns,
     _phase_order,
     _unit,
 )
-from disttrace.analysis.diff.shards import _compare_sharded_columns, _Logical
-from disttrace.analysis.diff.side import Side
+from disttrace.analysis.diff.shards import _Logical
 from disttrace.analysis.diff.tol import _same_bits, _Tol
-from disttrace.store import trajectory, trajectory_read
+from disttrace.store import trajectory_read
 
 # Across topologies only these phases hold the same logical tensors: the global (reduced) gradient, the
 # clipped gradient, and parameters + optimizer state after the step. Per-micro-batch activations and
@@ -99,36 +97,10 @@ def _logicals(recs_by_rank: dict[int, list[dict]], phases) -> dict[tuple[str, st
     return out
 
 
-def _step_records(side: Side, step: int) -> tuple[dict[int, list[dict]], dict | None]:
-    """(records by rank, Arrow batches by rank when every rank's trajectory is an Arrow stream)."""
-    if side.ranks and all(trajectory_read.is_arrow(side.traj_path(r)) for r in side.ranks):
-        batches = {r: side.batch(r, step) for r in side.ranks if side.has(r, step)}
-        return {}, batches
-    return {r: side.records(r, step) for r in side.ranks}, None
-
-
-def _compare_logical_step(
-    step: int, a: Side, b: Side, tol: _Tol, ev: StepWarnings
-) -> dict[int, RankStep]:
-    recs_a, batches_a = _step_records(a, step)
-    recs_b, batches_b = _step_records(b, step)
-    out = _compare_logical_tensors(step, recs_a, batches_a, recs_b, batches_b, tol, ev)
-    if tol.mode == "numeric":
-        _compare_losses(step, _losses(recs_a, batches_a), _losses(recs_b, batches_b), tol, out)
-    return out
-
-
-def _losses(recs: dict, batches: dict | None) -> dict[tuple, list[dict]]:
+def _losses(recs: dict) -> dict[tuple, list[dict]]:
     """A side's loss records keyed by the samples of their micro-batch (the `data` record's sample ids at
     the same rank and micro-batch), in rank order: the same samples under the same parameters give the
     same loss in any layout, so micro-batches that hold the same samples compare across topologies."""
-    if batches is not None:
-        want = pa.array(["data", "loss"], pa.string())
-        recs = {
-            r: trajectory_read.to_records(_of_phases(b, want))
-            for r, b in batches.items()
-            if b is not None
-        }
     out: dict[tuple, list[dict]] = {}
     for rank in sorted(recs):
         samples, losses = {}, {}
@@ -159,17 +131,9 @@ def _compare_losses(step: int, la: dict, lb: dict, tol: _Tol, out: dict) -> None
             rs.add(key_, u)
 
 
-def _compare_logical_tensors(
-    step, recs_a, batches_a, recs_b, batches_b, tol, ev: StepWarnings
-) -> dict[int, RankStep]:
-    if batches_a is not None and batches_b is not None:
-        out = _compare_logical_step_columns(step, batches_a, batches_b, tol, ev)
-        if out is not None:
-            return out
-    if batches_a is not None:
-        recs_a = {r: trajectory_read.to_records(x) for r, x in batches_a.items()}
-    if batches_b is not None:
-        recs_b = {r: trajectory_read.to_records(x) for r, x in batches_b.items()}
+def _compare_logical_records(step, recs_a, recs_b, tol, ev: StepWarnings) -> dict[int, RankStep]:
+    """One step's logical tensors record by record (records by rank): the tests' oracle, and the path of a
+    JSON-lines store and of a step whose rows the columns cannot hold."""
     la = _logicals(recs_a, CROSS_TOPOLOGY_PHASES)
     lb = _logicals(recs_b, CROSS_TOPOLOGY_PHASES)
     pa, pb = {p for p, _ in la}, {p for p, _ in lb}
@@ -240,190 +204,111 @@ def _warn_copies(where: str, logicals, values, b_compared: bool, ev: StepWarning
             ev.capped("cover", f"run {side}: {where}: the shards do not cover the logical shape")
 
 
-_CROSS = pa.array(CROSS_TOPOLOGY_PHASES, pa.string())
-_SEP = pa.scalar(
-    "\x00", pa.string()
-)  # joins phase and name into one key (typed: no type inference per call)
-
-
-def _of_phases(b: pa.RecordBatch, phases: pa.Array) -> pa.RecordBatch:
-    """The rows of `b` in `phases`, in order: a slice where they lie together (a step's records are
-    written phase by phase: no copy), else taken."""
-    rows = np.flatnonzero(
-        np.asarray(pc.is_in(b.column("phase"), value_set=phases).to_numpy(zero_copy_only=False))
-    )
-    if len(rows) and rows[-1] - rows[0] + 1 == len(rows):
-        return b.slice(int(rows[0]), len(rows))
-    return b.take(pa.array(rows, pa.int64()))
-
-
-def _phase_rows(batches: dict[int, pa.RecordBatch]):
-    """One side's records of one step in the cross-topology phases, rank by rank, as one batch; None where a
-    name is missing (the record path's)."""
-    parts = [_of_phases(b, _CROSS) for _, b in sorted(batches.items()) if b is not None]
-    x = (
-        pa.concat_batches(parts)
-        if parts
-        else pa.RecordBatch.from_pylist([], schema=trajectory.SCHEMA)
-    )
-    return x if x.column("tensor").null_count == 0 else None
-
-
-def _paired_updates(
-    xa: pa.RecordBatch, xb: pa.RecordBatch
-) -> tuple[pa.RecordBatch, pa.RecordBatch]:
-    """The two sides without the update records (run/record/updates.py) the other side does not make (a sharded
-    parameter's, a store's written before them): those are not compared, and are left out here as whole
-    columns rather than met one record at a time."""
-    ua, ub = (pc.ends_with(x.column("tensor"), updates.SUFFIX).fill_null(False) for x in (xa, xb))
-    if not (pc.any(ua).as_py() or pc.any(ub).as_py()):
-        return xa, xb
-    names_a, names_b = (pc.unique(x.column("tensor").filter(u)) for x, u in ((xa, ua), (xb, ub)))
-    out = []
-    for x, u, other in ((xa, ua, names_b), (xb, ub, names_a)):
-        keep = pc.or_(pc.invert(u), pc.is_in(x.column("tensor"), value_set=other)).fill_null(True)
-        out.append(x if pc.all(keep).as_py() else x.filter(keep))
-    return out[0], out[1]
-
-
-def _sharded(x: pa.RecordBatch) -> bool:
-    return x.column("shard_offset").null_count != x.num_rows
-
-
-def _compare_logical_step_columns(
-    step: int,
-    batches_a: dict,
-    batches_b: dict,
-    tol: _Tol,
-    ev: StepWarnings,
-) -> dict[int, RankStep] | None:
-    """_compare_logical_step column-wise: where tensors are whole on every rank, in B's rows' order (replicas:
-    A's lowest rank's copy is the logical value, each of B's copies is compared with it); where a tensor is
-    sharded on either side, in the record path's order (`_compare_sharded_columns`). None hands the step to
-    the record path (a value only it reads)."""
-    xa, xb = _phase_rows(batches_a), _phase_rows(batches_b)
-    if xa is None or xb is None:
-        return None
-    xa, xb = _paired_updates(xa, xb)
-    pa_, pb_ = (
-        set(pc.unique(xa.column("phase")).to_pylist()),
-        set(pc.unique(xb.column("phase")).to_pylist()),
-    )
-    ev.both.update(pa_ & pb_)
-    for p in sorted(pa_ ^ pb_, key=lambda p: (_phase_order(p), p)):
-        ev.phase(
-            p,
-            f"run {'A' if p not in pa_ else 'B'} records no '{p}' phase: that phase is not compared",
-        )
-    if pa_ != pb_:
-        both = pa.array(sorted(pa_ & pb_), pa.string())
-        xa, xb = _of_phases(xa, both), _of_phases(xb, both)
-    if _sharded(xa) or _sharded(xb):
-        return _compare_sharded_columns(step, xa, xb, tol, ev)
-    key_a = pc.binary_join_element_wise(xa.column("phase"), xa.column("tensor"), _SEP)
-    key_b = pc.binary_join_element_wise(xb.column("phase"), xb.column("tensor"), _SEP)
-    logical_a = pc.unique(
-        key_a
-    )  # in order of first appearance: rank order, so each key's lowest rank
-    first_a = np.asarray(
-        pc.index_in(logical_a, value_set=key_a).to_numpy(zero_copy_only=False), dtype=np.int64
-    )
-    _replica_warnings(xa, key_a, xb, key_b, logical_a, ev)
-    match = pc.index_in(key_b, value_set=logical_a)
-    matched = np.asarray(match.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
-    in_b = np.asarray(
-        pc.is_in(logical_a, value_set=key_b).to_numpy(zero_copy_only=False), dtype=bool
-    )
-    out: dict[int, RankStep] = {}
-    ranks_b = xb.column("rank").to_numpy(zero_copy_only=False)
+def _compare_whole_columns(
+    steps: list[int], which, sa, sb, ka, kb, xa, xb, tol: _Tol, evs: list[StepWarnings]
+) -> dict[int, dict[int, RankStep]]:
+    """The steps of a window at positions `which`, where every tensor is whole on both sides, column-wise in
+    B's rows' order: replicas held to A's lowest rank's copy (the logical value), each of B's copies compared
+    with it. sa, sb: each row's step position (rows rank by rank, a rank's in step order); ka, kb: its logical
+    tensor (window.py's `_keys`). -> each position's results by rank, in the order the record path meets them."""
+    outs: dict[int, dict[int, RankStep]] = {int(j): {} for j in which}
+    uniq, first = np.unique(ka, return_index=True)
+    # in order of first appearance: rank order, so each key's lowest rank
+    by_first = np.argsort(first, kind="stable")
+    logical_a, first_a = uniq[by_first], first[by_first]
+    _replica_warnings(xa, sa, ka, xb, sb, kb, uniq, evs)
+    matched = np.zeros(xb.num_rows, dtype=bool)
+    at = np.zeros(xb.num_rows, dtype=np.int64)
+    if len(uniq):
+        at = np.minimum(np.searchsorted(uniq, kb), len(uniq) - 1)
+        matched = uniq[at] == kb
+    in_b = np.isin(logical_a, kb)
+    ranks_b = np.asarray(xb.column("rank").to_numpy(zero_copy_only=False), dtype=np.int64)
     a_row = np.full(xb.num_rows, -1, dtype=np.int64)
-    a_row[matched] = first_a[
-        np.asarray(match.filter(match.is_valid()).to_numpy(zero_copy_only=False), dtype=np.int64)
-    ]
+    a_row[matched] = first[at[matched]]
     for rank in np.unique(ranks_b).tolist():
-        rows = np.nonzero(matched & (ranks_b == rank))[0]
-        if rows.size:
-            rs = out.setdefault(rank, RankStep())
-            rs.total += len(rows)
-            _fold_columns(
-                [step],
-                rank,
-                columnar.Columns(xa.take(pa.array(a_row[rows]))),
-                columnar.Columns(xb.take(pa.array(rows))),
-                np.zeros(1, dtype=np.int64),
-                tol,
-                [rs],
-                logical=True,
-            )
-    _lone_units(step, xa, xb, matched, in_b, first_a, tol, out)
-    return out
+        rows = np.flatnonzero(matched & (ranks_b == rank))
+        if not rows.size:
+            continue
+        rows = rows[np.argsort(sb[rows], kind="stable")]  # step by step, each step's in B's order
+        pos = sb[rows]
+        cut = np.flatnonzero(np.concatenate(([True], pos[1:] != pos[:-1])))
+        held = pos[cut].tolist()
+        out = []
+        for j, c in zip(held, np.diff(np.append(cut, rows.size)).tolist()):
+            rs = outs[j].setdefault(rank, RankStep())
+            rs.total += c
+            out.append(rs)
+        _fold_columns(
+            [steps[j] for j in held],
+            rank,
+            columnar.Columns(xa.take(pa.array(a_row[rows]))),
+            columnar.Columns(xb.take(pa.array(rows))),
+            cut,
+            tol,
+            out,
+            logical=True,
+        )
+    _lone_units(steps, sa, sb, xa, xb, kb, matched, in_b, first_a, tol, outs)
+    return outs
 
 
-def _lone_units(
-    step: int, xa, xb, matched, in_b, first_a, tol: _Tol, out: dict[int, RankStep]
-) -> None:
-    """A logical tensor one side lacks, into `out`: the record path's unit (missing_in), at its holder's rank
-    (B's lowest rank holding it; A's lowest). `matched`: B's rows whose tensor A holds; `in_b`: A's logical
-    tensors B holds; `first_a`: each of A's logical tensors' first row."""
-    lone = []
+def _lone_units(steps, sa, sb, xa, xb, kb, matched, in_b, first_a, tol: _Tol, outs) -> None:
+    """A logical tensor one side lacks, into `outs`: the record path's unit (missing_in), at its holder's
+    rank (B's lowest rank holding it; A's lowest), step by step B's before A's. `matched`: B's rows whose
+    tensor A holds; `in_b`: A's logical tensors B holds; `first_a`: each of A's logical tensors' first row."""
+    lone = []  # (step position, B's first, rows in first appearance, side, batch)
     if (~matched).any():  # one unit per logical tensor, at B's lowest rank holding it
-        only_b = xb.take(pa.array(np.nonzero(~matched)[0]))
-        keys = pc.binary_join_element_wise(only_b.column("phase"), only_b.column("tensor"), _SEP)
-        lone.append(("b", only_b.take(pc.index_in(pc.unique(keys), value_set=keys))))
+        rows = np.flatnonzero(~matched)
+        _, fi = np.unique(kb[rows], return_index=True)
+        lone.append((0, rows[np.sort(fi)], sb, "b", xb))
     if (~in_b).any():
-        lone.append(("a", xa.take(pa.array(first_a[~in_b]))))
-    for side, recs in lone:
-        for r in trajectory_read.to_records(recs):
-            rank = r["rank"]
-            u = _unit(
-                step,
-                r if side == "a" else None,
-                r if side == "b" else None,
+        lone.append((1, first_a[~in_b], sa, "a", xa))
+    units = []
+    for order, rows, pos, side, x in lone:
+        for n, r in enumerate(trajectory_read.to_records(x.take(pa.array(rows)))):
+            units.append(((int(pos[rows[n]]), order, n), side, r))
+    for (j, _, _), side, r in sorted(units, key=lambda u: u[0]):
+        rank, step = r["rank"], steps[j]
+        u = _unit(
+            step, r if side == "a" else None, r if side == "b" else None, rank, tol, logical=True
+        )
+        rs = outs[j].setdefault(rank, RankStep())
+        rs.total += 1
+        rs.add(
+            (
+                r.get("micro_batch", 0),
+                _phase_order(r["phase"]),
+                r["phase"],
                 rank,
-                tol,
-                logical=True,
-            )
-            rs = out.setdefault(rank, RankStep())
-            rs.total += 1
-            rs.add(
-                (
-                    r.get("micro_batch", 0),
-                    _phase_order(r["phase"]),
-                    r["phase"],
-                    rank,
-                    r.get("index", 0),
-                    r["tensor"],
-                ),
-                u,
-            )
+                r.get("index", 0),
+                r["tensor"],
+            ),
+            u,
+        )
 
 
-def _replica_mismatch_rows(side: str, x, keys) -> list[tuple]:
+def _replica_mismatch_rows(side: str, x, pos, keys) -> list[tuple]:
     """Copies of one tensor in `x` (rank order) that differ from its lowest rank's copy (replicas must be
-    bit-identical): (sort key, warning) each, the record path's order and wording."""
-    logical = pc.unique(keys)
-    if x.num_rows == len(logical):
+    bit-identical): (sort key, warning) each, by step position `pos`, then the record path's order and
+    wording."""
+    uniq, first, inv = np.unique(keys, return_index=True, return_inverse=True)
+    if x.num_rows == len(uniq):
         return []
-    first = np.asarray(
-        pc.index_in(logical, value_set=keys).to_numpy(zero_copy_only=False), dtype=np.int64
-    )
-    of_key = np.asarray(
-        pc.index_in(keys, value_set=logical).to_numpy(zero_copy_only=False), dtype=np.int64
-    )
-    ref = x.take(pa.array(first[of_key]))
-    cx, cr = columnar.Columns(x), columnar.Columns(ref)
-    same = columnar.same_bits(cx, cr)
-    odd = np.nonzero(~same)[0]
+    ref = x.take(pa.array(first[inv.reshape(-1)]))
+    same = columnar.same_bits(columnar.Columns(x), columnar.Columns(ref))
+    odd = np.flatnonzero(~same)
     if not odd.size:
         return []
     out = []
-    for r, r0 in zip(
+    for i, r, r0 in zip(
+        odd.tolist(),
         trajectory_read.to_records(x.take(pa.array(odd))),
         trajectory_read.to_records(ref.take(pa.array(odd))),
     ):
         out.append(
             (
-                (_phase_order(r["phase"]), r["phase"], r["tensor"], side, r["rank"]),
+                (int(pos[i]), _phase_order(r["phase"]), r["phase"], r["tensor"], side, r["rank"]),
                 f"run {side}: step {r['step']} {r['phase']} {r['tensor']}: rank {r.get('rank')}'s copy differs "
                 f"from rank {r0.get('rank')}'s (replicas should be bit-identical)",
             )
@@ -431,15 +316,15 @@ def _replica_mismatch_rows(side: str, x, keys) -> list[tuple]:
     return out
 
 
-def _replica_warnings(xa, key_a, xb, key_b, logical_a, ev: StepWarnings) -> None:
-    """A's replicas, and B's of the tensors A lacks (B's other copies are each compared with A's value)."""
-    found = _replica_mismatch_rows("A", xa, key_a)
-    only_b = ~np.asarray(
-        pc.is_in(key_b, value_set=logical_a).to_numpy(zero_copy_only=False), dtype=bool
-    )
+def _replica_warnings(xa, sa, ka, xb, sb, kb, uniq_a, evs: list[StepWarnings]) -> None:
+    """A's replicas, and B's of the tensors A lacks (B's other copies are each compared with A's value),
+    step by step."""
+    found = _replica_mismatch_rows("A", xa, sa, ka)
+    only_b = ~np.isin(kb, uniq_a)
     if only_b.any():
-        rows = pa.array(np.nonzero(only_b)[0])
-        found += _replica_mismatch_rows("B", xb.take(rows), key_b.take(rows))
-    for _, text in sorted(found, key=lambda f: f[0]):
+        rows = np.flatnonzero(only_b)
+        found += _replica_mismatch_rows("B", xb.take(pa.array(rows)), sb[rows], kb[rows])
+    for key, text in sorted(found, key=lambda f: f[0]):
+        ev = evs[key[0]]
         if ev.wants("replica"):
             ev.capped("replica", text)

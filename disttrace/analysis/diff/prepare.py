@@ -9,11 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pyarrow.compute as pc
 
 from disttrace.analysis import readahead, tolerance
 from disttrace.analysis.diff import sensitivity
 from disttrace.analysis.diff.blocks import (
     BLOCK_ROWS,
+    WINDOW_ROWS,
     _block,
     _blocks_read,
     _compare_block,
@@ -22,9 +24,9 @@ from disttrace.analysis.diff.blocks import (
 )
 from disttrace.analysis.diff.fold import StepOutcome
 from disttrace.analysis.diff.layout import same_shown
-from disttrace.analysis.diff.logical import StepWarnings, _compare_logical_step
 from disttrace.analysis.diff.side import Side
 from disttrace.analysis.diff.tol import _Tol
+from disttrace.analysis.diff.window import compare_logical_steps
 from disttrace.analysis.result import (
     BoundKind,
     ComparedSteps,
@@ -39,7 +41,7 @@ from disttrace.config.identity import (
 )
 from disttrace.errors import BadInput
 from disttrace.fmt import ranges
-from disttrace.store import safeio, trajectory, trajectory_decode
+from disttrace.store import safeio, trajectory, trajectory_decode, trajectory_read
 from disttrace.store.rundir import LOCK
 
 MODES = ("bitwise", "numeric")
@@ -286,13 +288,14 @@ def _shown(run) -> tuple[str | None, int | None, dict]:
         entries = run.step_index(rank).records
         if not entries:
             continue
-        for rec in run.records_of_step(rank, entries[0]):
+        dtypes, data = _first_step(run, rank, entries[0])
+        for dtype in dtypes:
+            dtype = str(dtype or "").removeprefix("torch.")
+            u = tolerance.UNIT_ROUNDOFF.get(dtype)
+            if u is not None and (coarsest is None or u > tolerance.UNIT_ROUNDOFF[coarsest]):
+                coarsest = dtype
+        for rec in data:
             dtype = str(rec.get("dtype") or "").removeprefix("torch.")
-            if rec.get("phase") != "data":
-                u = tolerance.UNIT_ROUNDOFF.get(dtype)
-                if u is not None and (coarsest is None or u > tolerance.UNIT_ROUNDOFF[coarsest]):
-                    coarsest = dtype
-                continue
             shape = rec.get("shape") or []
             per_rank.setdefault(rank, {})[int(rec.get("micro_batch") or 0)] = (
                 shape[0] if shape else 1
@@ -305,6 +308,19 @@ def _shown(run) -> tuple[str | None, int | None, dict]:
             seen.add(key)
             tokens += math.prod(shape)
     return coarsest, (tokens if counted and tokens else None), per_rank
+
+
+def _first_step(run, rank: int, entry) -> tuple[list, list[dict]]:
+    """What _shown reads of a step: the dtypes of its records outside the data phase (each once, in order of
+    first appearance) and its data records (an Arrow step's other records are not made dicts)."""
+    batch = run.step_batch(rank, entry)
+    if batch is None:  # a JSON-lines store
+        recs = run.records_of_step(rank, entry)
+        rest = dict.fromkeys(r.get("dtype") for r in recs if r.get("phase") != "data")
+        return list(rest), [r for r in recs if r.get("phase") == "data"]
+    is_data = pc.equal(batch.column("phase"), "data").fill_null(False)
+    rest = pc.unique(batch.column("dtype").filter(pc.invert(is_data))).to_pylist()
+    return rest, trajectory_read.to_records(batch.filter(is_data))
 
 
 def _as_shown(side_a, side_b, ma: dict, mb: dict, observed: tuple, warnings: list):
@@ -481,22 +497,16 @@ class Setup:
         self.tolerance = _tolerance_doc(self.mode, tol, tol.cal, since, ma, mb, rtol, atol, found)
 
     def outcomes(self, steps: list[int], propagate: bool = True, on_step=None):
-        """StepOutcome of each of `steps`, in order, computed as they are asked for (a block of steps at once
-        where the topologies are the same; one at a time when the first divergent step ends the comparison).
-        Where every step will be read (same topology, propagating), the next blocks are read and decoded in a
-        second thread while this one compares (analysis/readahead.py)."""
+        """StepOutcome of each of `steps`, in order, computed as they are asked for (a block of steps at once;
+        one at a time when the first divergent step ends the comparison). Where every step will be read (same
+        topology, propagating), the next blocks are read and decoded in a second thread while this one
+        compares (analysis/readahead.py)."""
         side_a, side_b = self.side_a, self.side_b
-        if (
-            self.logical and propagate
-        ):  # every step read, every rank of a step: a block of steps a rank
-            side_a.read_along(steps, BLOCK_ROWS)
-            side_b.read_along(steps, BLOCK_ROWS)
-        plan = (
-            _Plan(steps, self.ranks, (side_a, side_b)) if propagate and not self.logical else None
-        )
+        plan = _Plan(steps, self.ranks, (side_a, side_b), self.logical) if propagate else None
         reader = (
             readahead.ReadAhead(_blocks_read(plan, self.ranks, side_a, side_b))
             if plan is not None
+            and not self.logical
             and readahead.worth_it(plan.mean_records(), native=trajectory_decode.native_decoder())
             else None
         )
@@ -513,19 +523,15 @@ class Setup:
         for n, step in enumerate(steps):
             if on_step is not None:
                 on_step(n, len(steps))
-            ev = StepWarnings()
-            if self.logical:
-                per_rank = _compare_logical_step(step, side_a, side_b, tol, ev)
-                read = 1
-            else:
-                if step not in ahead:
-                    block = (
-                        plan.block(n, BLOCK_ROWS)
-                        if plan is not None
-                        else _block(
-                            steps, n, ranks, (side_a, side_b), BLOCK_ROWS if propagate else 0
-                        )
-                    )
+            if step not in ahead:
+                block = (
+                    plan.block(n, WINDOW_ROWS if self.logical else BLOCK_ROWS)
+                    if plan is not None
+                    else _block(steps, n, ranks, (side_a, side_b), BLOCK_ROWS if propagate else 0)
+                )
+                if self.logical:  # a window of steps, every rank of each
+                    ahead = compare_logical_steps(block, side_a, side_b, tol)
+                else:
                     ahead = _compare_block(
                         block,
                         ranks,
@@ -534,7 +540,11 @@ class Setup:
                         tol,
                         read=None if reader is None else functools.partial(_take, reader, block[0]),
                     )
-                per_rank, read = ahead.pop(step)
+            if self.logical:
+                (per_rank, ev), read = ahead.pop(step), 1
+                events, both = ev.events, ev.both
+            else:
+                (per_rank, read), events, both = ahead.pop(step), [], set()
             # each side's count of the step, handed to the outcome and let go (a dict by step grew with the steps)
             io = (side_a.io.pop(step, nothing), side_b.io.pop(step, nothing))
-            yield StepOutcome(step, per_rank, read, io, ev.events, ev.both, tol)
+            yield StepOutcome(step, per_rank, read, io, events, both, tol)

@@ -296,25 +296,20 @@ def _whole_columns(x: pa.RecordBatch) -> bool:
     return all(x.column(c).null_count == 0 for c in _NEEDED)
 
 
-def _compare_sharded_columns(step: int, xa, xb, tol: _Tol, ev: StepWarnings):
-    """_compare_logical_tensors' record path on whole columns, for steps where a tensor is sharded on either
-    side: each side's logical tensors combined as arrays (`_Values`), the units in the record path's order
-    (by phase, then name; B's whole copies each against A's value, in rank order), compared per rank by
-    `_fold_columns`; units without a counterpart or with shards that do not cover the tensor (rare) through
-    the record path's own `_unit`. None: the record path decides (a value it alone reads)."""
+def _compare_sharded_columns(
+    steps: list[int], which, span: int, ka, kb, xa, xb, tol: _Tol, evs: list[StepWarnings]
+):
+    """The record path of logical tensors on whole columns, for the steps of a window at positions `which`,
+    where a tensor is sharded on either side: each side's logical tensors combined as arrays (`_Values`), the
+    units in the record path's order (step by step, by phase, then name; B's whole copies each against A's
+    value, in rank order), compared per rank by `_fold_columns` (a rank's steps in one call); units without a
+    counterpart or with shards that do not cover the tensor (rare) through the record path's own `_unit`.
+    ka, kb: each row's logical tensor in key order (window.py's `_keys`: step position, phase order, name), a
+    step position `span` keys wide. -> each position's results by rank; None: the record path decides (a value
+    it alone reads)."""
     if not (_whole_columns(xa) and _whole_columns(xb)):
         return None
-    names = pa.concat_arrays([xa.column("tensor"), xb.column("tensor")]).dictionary_encode()
-    idx = np.asarray(names.indices.to_numpy(zero_copy_only=False), dtype=np.int64)
-    words = names.dictionary
-    # each name's place in sorted order: Arrow sorts UTF-8 bytes, whose order is the code points' (Python's)
-    name_rank = np.empty(len(words), dtype=np.int64)
-    name_rank[np.asarray(pc.array_sort_indices(words), dtype=np.int64)] = np.arange(len(words))
-    keys = []
-    for x, part in ((xa, idx[: xa.num_rows]), (xb, idx[xa.num_rows :])):
-        order = columnar.Columns(x)["phase_order"]
-        keys.append(order * len(words) + name_rank[part])
-    A, B = _Values(xa, keys[0]), _Values(xb, keys[1])
+    A, B = _Values(xa, ka), _Values(xb, kb)
     if not (A.values() and B.values()):
         return None
     union = np.union1d(A.keys, B.keys)
@@ -325,12 +320,14 @@ def _compare_sharded_columns(step: int, xa, xb, tol: _Tol, ev: StepWarnings):
     has_b = gb < len(B.keys)
     has_b[has_b] = B.keys[gb[has_b]] == union[has_b]
     ga, gb = np.where(has_a, ga, -1), np.where(has_b, gb, -1)
+    pos_of = union // span  # each logical tensor's step position
     # the units: B's whole copies each against A's value; else one unit a logical tensor
     copies = has_a & has_b
     copies[copies] = ~B.sharded[gb[copies]]
     count = np.where(copies, B.size[np.maximum(gb, 0)], 1)
     u_key = np.repeat(np.arange(len(union)), count)
     u_ga, u_gb, u_copy = ga[u_key], gb[u_key], copies[u_key]
+    u_pos = pos_of[u_key]
     b_row = np.full(len(u_key), -1, dtype=np.int64)
     j = np.flatnonzero(u_copy)
     if len(j):
@@ -360,11 +357,12 @@ def _compare_sharded_columns(step: int, xa, xb, tol: _Tol, ev: StepWarnings):
     s = ~a_whole & ~cp
     if s.any():
         same[f[s]] = A.same_shards(u_ga[f[s]], B, u_gb[f[s]])
-    out: dict[int, RankStep] = {}
-    for r in u_rank[np.sort(np.unique(u_rank, return_index=True)[1])].tolist():
-        out[r] = RankStep()  # in the order the record path meets them
-    for r, c in zip(*np.unique(u_rank, return_counts=True)):
-        out[int(r)].total += int(c)
+    outs: dict[int, dict[int, RankStep]] = {int(j): {} for j in which}
+    # each step's ranks in the order the record path meets them (units are in step order), with their counts
+    at_rank = u_pos * (int(u_rank.max(initial=0)) + 1) + u_rank
+    held, first_unit, n_units = np.unique(at_rank, return_index=True, return_counts=True)
+    for u, c in sorted(zip(first_unit.tolist(), n_units.tolist())):
+        outs[int(u_pos[u])].setdefault(int(u_rank[u]), RankStep()).total += c
     cache_a, cache_b = {}, {}
 
     def value_a(u):
@@ -376,15 +374,18 @@ def _compare_sharded_columns(step: int, xa, xb, tol: _Tol, ev: StepWarnings):
             return rec, rec.get("rank", 0), True
         return B.value_dict(int(u_gb[u]), cache_b)
 
-    _warn_columns(step, union, ga, gb, copies, A, B, ev)
+    _warn_columns(steps, pos_of, ga, gb, copies, A, B, evs)
     if len(f):
-        ca, cb = _unit_batches(step, f, u_ga, u_gb, u_copy, b_row, u_rank, same, A, B)
-        by_rank = np.argsort(u_rank[f], kind="stable")
-        ranks_f = u_rank[f][by_rank]
+        # rank by rank, a rank's units step by step (each step's in unit order)
+        f = f[np.lexsort((u_pos[f], u_rank[f]))]
+        ranks_f, pos_f = u_rank[f], u_pos[f]
         edges = np.flatnonzero(np.concatenate(([True], ranks_f[1:] != ranks_f[:-1], [True])))
-        ca, cb = ca.take(pa.array(by_rank)), cb.take(pa.array(by_rank))
+        ca, cb = _unit_batches(f, u_ga, u_gb, u_copy, b_row, u_rank, same, A, B)
         for lo, hi in zip(edges[:-1].tolist(), edges[1:].tolist()):
-            units = f[by_rank[lo:hi]]
+            units = f[lo:hi]
+            rank, pos = int(ranks_f[lo]), pos_f[lo:hi]
+            cut = np.flatnonzero(np.concatenate(([True], pos[1:] != pos[:-1])))
+            held = pos[cut].tolist()
 
             def records(rows, units=units):
                 return (
@@ -393,13 +394,13 @@ def _compare_sharded_columns(step: int, xa, xb, tol: _Tol, ev: StepWarnings):
                 )
 
             _fold_columns(
-                [step],
-                int(ranks_f[lo]),
+                [steps[j] for j in held],
+                rank,
                 columnar.Columns(ca.slice(lo, hi - lo)),
                 columnar.Columns(cb.slice(lo, hi - lo)),
-                np.zeros(1, dtype=np.int64),
+                cut,
                 tol,
-                [out[int(ranks_f[lo])]],
+                [outs[j][rank] for j in held],
                 logical=True,
                 records=records,
             )
@@ -409,7 +410,7 @@ def _compare_sharded_columns(step: int, xa, xb, tol: _Tol, ev: StepWarnings):
         va = value_a(u) if u_ga[u] >= 0 else None
         vb = value_b(u) if u_gb[u] >= 0 else None
         ra, rb = (va[0] if va else None), (vb[0] if vb else None)
-        rank = int(u_rank[u])
+        rank, step = int(u_rank[u]), steps[int(u_pos[u])]
         if ra is not None and rb is not None and _same_bits(ra, rb):
             continue
         unit = _unit(step, ra, rb, rank, tol, logical=True)
@@ -426,11 +427,11 @@ def _compare_sharded_columns(step: int, xa, xb, tol: _Tol, ev: StepWarnings):
             ref.get("index", 0),
             name,
         )
-        out[rank].add(key, unit)
-    return out
+        outs[int(u_pos[u])][rank].add(key, unit)
+    return outs
 
 
-def _unit_batches(step, f, u_ga, u_gb, u_copy, b_row, u_rank, same, A: _Values, B: _Values):
+def _unit_batches(f, u_ga, u_gb, u_copy, b_row, u_rank, same, A: _Values, B: _Values):
     """The folded units' two sides as batches of SCHEMA's columns: A's logical value, B's logical value or
     whole copy; their digests stand for whether the two are the same (`same`), the rest is the value's."""
     n = len(f)
@@ -442,15 +443,25 @@ def _unit_batches(step, f, u_ga, u_gb, u_copy, b_row, u_rank, same, A: _Values, 
         gg = np.maximum(g, 0)
 
         def pick(whole, row, copy=copy, rows=rows, gg=gg):
+            if not copy.any():  # every unit the logical value (A's side, or a sharded B)
+                return whole[gg]
+            if copy.all():  # every unit one of B's whole copies
+                return row[rows]
             return np.where(copy.reshape((-1,) + (1,) * (whole.ndim - 1)), row[rows], whole[gg])
 
         sketch = pick(side.v_sketch, side.sketch)
         x = side.x
         cols = {c: x.column(c).take(pa.array(rows, pa.int64())) for c in _ROW_COLUMNS}
+        # the value's shape: a copy's own, else the logical shape (a shard's logical shape where the group
+        # combines shards, `_Values.shape_src`: a row of the shard_shape column past the rows' count)
         shape_src = np.where(copy, rows, side.shape_src[gg])
-        cols["shape"] = pa.concat_arrays([x.column("shape"), x.column("shard_shape")]).take(
-            pa.array(shape_src, pa.int64())
-        )
+        logical = shape_src >= x.num_rows
+        at = pa.array(np.where(logical, shape_src - x.num_rows, shape_src), pa.int64())
+        cols["shape"] = x.column("shape").take(at)
+        if logical.any():
+            cols["shape"] = pc.if_else(
+                pa.array(logical), x.column("shard_shape").take(at), cols["shape"]
+            )
         cols["rank"] = pa.array(u_rank[f].astype(np.uint32))
         cols["numel"] = pa.array(pick(side.v_numel, side.numel))
         digest = np.zeros((n, 16), dtype=np.uint8)
@@ -480,10 +491,11 @@ def _unit_batches(step, f, u_ga, u_gb, u_copy, b_row, u_rank, same, A: _Values, 
     return sides
 
 
-def _warn_columns(step, union, ga, gb, copies, A: _Values, B: _Values, ev: StepWarnings) -> None:
-    """_warn_copies for every logical tensor of the step, in the record path's order: each side's copies
-    (same offset) that differ from the lowest rank's, where that side's copies are not compared one by one,
-    then shards that do not cover the logical tensor."""
+def _warn_columns(steps, pos_of, ga, gb, copies, A: _Values, B: _Values, evs) -> None:
+    """The record path's _warn_copies for every logical tensor of the window (`pos_of`: each one's step
+    position), step by step in the record path's order: each side's copies (same offset) that differ from the
+    lowest rank's, where that side's copies are not compared one by one, then shards that do not cover the
+    logical tensor."""
     found = []
     for side, g, label, sub in ((A, ga, "A", 0), (B, gb, "B", 1)):
         checked = g >= 0
@@ -501,11 +513,12 @@ def _warn_columns(step, union, ga, gb, copies, A: _Values, B: _Values, ev: StepW
         incomplete[present] = ~side.complete[g[present]]
         for u in np.flatnonzero(incomplete).tolist():
             found.append(((u, 2 + sub, 0), "cover", (label, side, int(side.first[g[u]]), None)))
-    for _, kind, (label, side, r, r0) in sorted(found, key=lambda x: x[0]):
+    for (u, _, _), kind, (label, side, r, r0) in sorted(found, key=lambda x: x[0]):
+        ev = evs[int(pos_of[u])]
         if not ev.wants(kind):
             continue
         phase, name = side.x.column("phase")[r].as_py(), side.x.column("tensor")[r].as_py()
-        where = f"step {step} {phase} {name}"
+        where = f"step {steps[int(pos_of[u])]} {phase} {name}"
         if kind == "cover":
             ev.capped("cover", f"run {label}: {where}: the shards do not cover the logical shape")
         else:
@@ -519,6 +532,11 @@ def _warn_columns(step, union, ga, gb, copies, A: _Values, B: _Values, ev: StepW
 def _copies_differing(side: _Values, groups: np.ndarray) -> list[tuple[int, int]]:
     """(row, its lowest rank's copy's row) in the groups marked, for copies (same shard offset, none for a
     whole tensor) whose digest, dtype or shape differ."""
+    # a group whose rows all have distinct offsets as values() told them apart holds no copies (values() keys a
+    # whole copy by its shape's zeros: two whole copies of a sharded tensor are counted as possible copies)
+    wholes = np.bincount(side.group[~side.has_shard], minlength=len(side.keys))
+    possible = np.where(side.sharded, (side.size > side.shard_count) | (wholes > 1), side.size > 1)
+    groups = groups & possible
     rows = np.flatnonzero(groups[side.group]) if len(side.group) else np.empty(0, np.int64)
     if not len(rows):
         return []

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import orjson
-import pyarrow as pa
 
 from disttrace.analysis.diff.stepentries import StepEntries
 from disttrace.analysis.result import (
@@ -63,12 +62,6 @@ class Side:
         self.rank_warnings: dict[int, list[str]] = {}  # what reading each rank's index said
         self._paths: dict[int, Path] = {}
         self._last_bytes: tuple[tuple[int, int], bytes] | None = None
-        # records of all ranks that batch() may decode ahead of the step asked for (0: one step at a time): a
-        # reader that then asks for the following steps in order gets them from one decode
-        self.read_ahead = 0
-        self._order: dict[int, int] = {}  # the steps it reads ahead along, and their positions
-        self._order_steps: list[int] = []
-        self._ahead: dict[tuple[int, int], pa.RecordBatch] = {}
         self._counting = threading.Lock()
         # the versions of its records' sketches (store.trajectory.SKETCH_VERSION; None: not known)
         self.sketch_versions: set[int | None] = set()
@@ -290,22 +283,10 @@ class Side:
         return self._paths[rank]
 
     def batch(self, rank: int, step: int):
-        """The step's Arrow record batch (hash-checked), or None for a JSON-lines store or a missing step.
-        With `read_ahead`, the rank's following steps are decoded with it (a block) and kept for their turn."""
+        """The step's Arrow record batch (hash-checked), or None for a JSON-lines store or a missing step."""
         path = self.traj_path(rank)
         if not self.has(rank, step) or not trajectory_read.is_arrow(path):
             return None
-        kept = self._ahead.pop((rank, step), None)
-        if kept is not None:
-            return kept
-        if self.read_ahead:
-            block = self._following(rank, step)
-            if len(block) > 1:
-                batch, starts = self.batches(rank, block)
-                ends = np.append(starts[1:], batch.num_rows)
-                for s, a, b in zip(block, starts.tolist(), ends.tolist()):
-                    self._ahead[(rank, s)] = batch.slice(a, b - a)
-                return self._ahead.pop((rank, step))
         data = self.step_bytes(rank, step)  # the bytes decoded are the bytes hashed
         offset, length = self.index[rank].span(step)
         b = trajectory_decode.decode_step(
@@ -346,27 +327,6 @@ class Side:
                 self._count_locked(
                     s, records[j] if records is not None else 0, int(hashed[j] is True)
                 )
-
-    def read_along(self, steps: list[int], rows: int) -> None:
-        """Let batch() decode ahead, along `steps` (the steps the comparison will ask for, in its order), as
-        far as `rows` records over all ranks reach: each step decoded ahead is one it will ask for."""
-        self.read_ahead, self._order_steps = rows, list(steps)
-        self._order = {s: i for i, s in enumerate(self._order_steps)}
-
-    def _following(self, rank: int, step: int) -> list[int]:
-        """`step` and the rank's steps after it, as far as read_ahead records over all ranks reach."""
-        at = self._order.get(step)
-        if at is None:
-            return [step]
-        out, rows, width = [], 0, max(1, len(self.ranks))
-        for s in self._order_steps[at:]:
-            if not self.has(rank, s):
-                break
-            rows += width * int(self.index[rank].records(s) or 0)
-            if out and rows > self.read_ahead:
-                break
-            out.append(s)
-        return out
 
     def _ranges(self, rank: int, path: Path, spans: list[tuple[int, int]]) -> list[bytes]:
         """Each (offset, length)'s bytes; a run of spans that follow one another in the file in one read."""

@@ -49,9 +49,17 @@ class _NameKinds:
             else np.ones(n, dtype=bool)
         )
 
-    def at(self, sel):
-        """The matcher of the rows `sel` (each kind matched on those rows' bytes alone)."""
-        return lambda kind: self._match(kind, sel)
+    def over(self, rows):
+        """The matcher of the rows `rows` (kind -> a mask over them), each kind matched once."""
+        masks: dict[str, np.ndarray] = {}
+
+        def kind_of(kind: str) -> np.ndarray:
+            got = masks.get(kind)
+            if got is None:
+                got = masks[kind] = self._match(kind, rows)
+            return got
+
+        return kind_of
 
     def _match(self, kind: str, sel) -> np.ndarray:
         how, word = self._MATCH[kind]
@@ -59,18 +67,25 @@ class _NameKinds:
         if how == "contains":  # the rows the byte's positions fall in, over the whole column once
             if self._contains is None:
                 self._contains = np.zeros(self._n, dtype=bool)
-                if self._n:
-                    at = np.flatnonzero(self._data[: self._off[-1]] == word[0])
+                if (
+                    self._n
+                ):  # the column's own bytes (a slice's lie after those of the rows before it)
+                    first = int(self._off[0])
+                    at = np.flatnonzero(self._data[first : self._off[-1]] == word[0]) + first
                     self._contains[np.searchsorted(self._off[1:], at, side="right")] = True
             return self._contains[sel] & valid
         k = len(word)
         fits = ((hi - lo == k) if how == "equal" else (hi - lo >= k)) & valid
         out = np.zeros(len(fits), dtype=bool)
         rows = np.flatnonzero(fits)
-        if len(rows):
-            start = (hi[rows] - k) if how == "ends" else lo[rows]
-            pattern = np.frombuffer(word, np.uint8)
-            out[rows] = (self._data[start[:, None] + np.arange(k)] == pattern).all(axis=1)
+        start = (hi[rows] - k) if how == "ends" else lo[rows]
+        # a byte at a time, from the word's end (names share their beginnings), over the rows still matching
+        for i in reversed(range(k)):
+            if not len(rows):
+                break
+            same = self._data[start + i] == word[i]
+            rows, start = rows[same], start[same]
+        out[rows] = True
         return out
 
 
@@ -184,15 +199,19 @@ class _Tol:
                 np.asarray(cols[c][rows], dtype=np.int64) for c in ("index", "rank", "micro_batch")
             )
             names = _NameKinds(cols.column("tensor"))
-            groups, inv = np.unique(steps * (len(PHASES) + 1) + order, return_inverse=True)
-            inv = inv.reshape(-1)
-            for j, g in enumerate(groups.tolist()):
-                step, o = divmod(g, len(PHASES) + 1)
+            phases = np.unique(order)
+            for o in phases.tolist():  # a phase's rows of every step together
                 if o >= len(PHASES):
                     continue  # an unknown phase has no magnitude
-                sel = np.flatnonzero(inv == j) if len(groups) > 1 else slice(None)
+                sel = np.flatnonzero(order == o) if len(phases) > 1 else slice(None)
                 v, ok = magnitudes.lookup(
-                    mag, step, PHASES[o], index[sel], names.at(rows[sel]), rank[sel], mb[sel]
+                    mag,
+                    steps[sel],
+                    PHASES[o],
+                    index[sel],
+                    names.over(rows[sel]),
+                    rank[sel],
+                    mb[sel],
                 )
                 unbounded[sel] |= ~ok
                 extra[sel] = np.fmax(extra[sel], v)
