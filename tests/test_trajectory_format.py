@@ -465,11 +465,23 @@ def test_our_own_crafted_step_decodes():  # the helper below is sound: what the 
 
 
 @pytest.mark.parametrize(
-    "case", ["index out of the dictionary", "odd shard", "shape product overflows"]
+    "case",
+    [
+        "index out of the dictionary",
+        "odd shard",
+        "shape product overflows",
+        "a record without a tensor name",
+        "a record without a phase",
+    ],
 )
 def test_a_crafted_v2_column_is_refused(case):
     n = 3
-    if case == "index out of the dictionary":
+    if case == "a record without a tensor name":
+        field = trajectory.SCHEMA_V2.field("tensor")
+        cols = {"tensor": pa.array(["a", None, "c"]).cast(field.type)}
+    elif case == "a record without a phase":
+        cols = {"phase": pa.array(["data", None, "loss"], pa.string_view())}
+    elif case == "index out of the dictionary":
         cols = {"shape": _shapes([0, 0, 5], [[4]], safe=False)}
     elif case == "odd shard":
         cols = {"shard": pa.array([[1, 2, 3], None, None], pa.list_(pa.int64()))}

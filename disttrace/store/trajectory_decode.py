@@ -352,9 +352,11 @@ def _split_shard(arr: pa.ListArray) -> tuple[pa.Array, pa.Array]:
 
 _REQUIRED = (
     "step",
+    "phase",
+    "tensor",
     "digest",
     "device_digest",
-)  # every record has them; readers index and hash them
+)  # every record has them; readers index, key and hash them
 
 
 def _check_shape_dims(shapes: pa.ListArray, indices: pa.Array, base, counts: np.ndarray) -> None:

@@ -3,8 +3,8 @@
 lacks and the phases it does not record left out step by step, then the logical tensors compared as whole
 columns over the window (logical.py where every tensor is whole, shards.py where one is sharded). A step's
 pyarrow and numpy calls are paid once a window, not once a step, and each step's result is what it would be
-alone. A step whose rows the columns cannot hold (a record without a name, offsets of many dimensions) and a
-JSON-lines store go through the record path, one step at a time."""
+alone. A step whose rows the columns cannot hold (offsets of many dimensions) and a JSON-lines store go
+through the record path, one step at a time."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def _mask(arr) -> np.ndarray:
 class _Read:
     """One side's steps of a window, read and decoded a rank at a time (hash-checked, counted per step as a
     step read alone is). Its rows in the cross-topology phases, rank by rank, each rank's in step order, as
-    arrays (each row's `pos` step position, phase `order`, whether it has a `name`, is an `update` record,
+    arrays (each row's `pos` step position, phase `order`, whether it is an `update` record,
     holds a shard), taken as one batch by `take`; `losses[j]` the data and loss records of step position j by
     rank."""
 
@@ -91,7 +91,7 @@ class _Read:
         self.losses: list[dict[int, list[dict]]] = [{} for _ in steps]
         self.batches: list[pa.RecordBatch] = []
         cols: dict[str, list[np.ndarray]] = {
-            k: [] for k in ("part", "row", "pos", "order", "name", "update", "shard")
+            k: [] for k in ("part", "row", "pos", "order", "update", "shard")
         }
         update_names = []
         for r in sorted(side.ranks):
@@ -112,7 +112,6 @@ class _Read:
                 "row": rows,
                 "pos": row_pos[rows],
                 "order": order[rows],
-                "name": _mask(names.is_valid())[rows],
                 "update": update,
                 "shard": _mask(batch.column("shard_offset").is_valid())[rows],
             }
@@ -126,9 +125,9 @@ class _Read:
             recs = trajectory_read.to_records(batch.take(pa.array(rows, pa.int64())))
             for j, rec in zip(row_pos[rows].tolist(), recs):
                 self.losses[j][r].append(rec)
-        self.part, self.row, self.pos, self.order, self.name, self.update, self.shard = (
+        self.part, self.row, self.pos, self.order, self.update, self.shard = (
             np.concatenate(cols[k]) if cols[k] else np.empty(0, dtype=np.int64 if i < 4 else bool)
-            for i, k in enumerate(("part", "row", "pos", "order", "name", "update", "shard"))
+            for i, k in enumerate(("part", "row", "pos", "order", "update", "shard"))
         )
         # the update records' names, in row order
         self.update_names = (
@@ -198,13 +197,9 @@ def _compare_columns(
     steps: list[int], ra: _Read, rb: _Read, tol: _Tol, evs: list[StepWarnings]
 ) -> dict[int, dict[int, RankStep]]:
     """The window's steps column-wise: step position -> results by rank; a position left out is the record
-    path's (a record without a name at that step, or values only the record path combines)."""
+    path's (values only the record path combines)."""
     W = len(steps)
-    # a step with a record without a name (its logical tensors are keyed by it): the record path's
-    bad = np.zeros(W, dtype=bool)
-    for r in (ra, rb):
-        bad[r.pos[~r.name]] = True
-    keep_a, keep_b = ~bad[ra.pos], ~bad[rb.pos]
+    keep_a, keep_b = np.ones(len(ra.pos), dtype=bool), np.ones(len(rb.pos), dtype=bool)
     _update_keep(ra, rb, keep_a, keep_b)
     present = []
     for r, keep in ((ra, keep_a), (rb, keep_b)):
@@ -212,7 +207,7 @@ def _compare_columns(
         got[r.pos[keep], r.order[keep]] = True
         present.append(got)
     # a phase one side does not record: not compared at that step
-    for j in np.flatnonzero(~bad).tolist():
+    for j in range(W):
         pa_ = {PHASES[o] for o in np.flatnonzero(present[0][j]).tolist()}
         pb_ = {PHASES[o] for o in np.flatnonzero(present[1][j]).tolist()}
         evs[j].both.update(pa_ & pb_)
@@ -228,7 +223,7 @@ def _compare_columns(
     for r, keep in ((ra, keep_a), (rb, keep_b)):
         sharded[r.pos[keep & r.shard]] = True
     outs: dict[int, dict[int, RankStep]] = {}
-    for which in (np.flatnonzero(~bad & ~sharded), np.flatnonzero(~bad & sharded)):
+    for which in (np.flatnonzero(~sharded), np.flatnonzero(sharded)):
         if len(which):
             outs.update(_compare_part(steps, which, ra, rb, keep_a, keep_b, tol, evs))
     return outs
