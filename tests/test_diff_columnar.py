@@ -196,11 +196,9 @@ def _cross_topology_runs(seed: int):
     return ma, mb, a, b
 
 
-@pytest.mark.parametrize("seed", [4, 5])
-@pytest.mark.parametrize("kw", [{}, {"rtol": 2e-6, "atol": 1e-9}], ids=["derived", "user"])
-def test_cross_topology_columns_and_records_give_the_same_result(tmp_path, seed, kw):
-    ma, mb, a, b = _cross_topology_runs(seed)
-    docs = {}
+def _in_both_formats(tmp_path, ma, a, mb, b):
+    """(suffix, run A, run B): the records written as Arrow stores, then as JSON-lines stores (whose diff
+    takes the record path: the columns' oracle)."""
     for fmt in (".arrows", ".jsonl"):
         syn.FORMAT["suffix"] = fmt
         try:
@@ -208,6 +206,15 @@ def test_cross_topology_columns_and_records_give_the_same_result(tmp_path, seed,
             rb = syn.write_run(tmp_path / f"{fmt[1:]}-b", mb, b)
         finally:
             syn.FORMAT["suffix"] = ".arrows"
+        yield fmt, ra, rb
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+@pytest.mark.parametrize("kw", [{}, {"rtol": 2e-6, "atol": 1e-9}], ids=["derived", "user"])
+def test_cross_topology_columns_and_records_give_the_same_result(tmp_path, seed, kw):
+    ma, mb, a, b = _cross_topology_runs(seed)
+    docs = {}
+    for fmt, ra, rb in _in_both_formats(tmp_path, ma, a, mb, b):
         docs[fmt] = diff_runs(ra, rb, **kw)
     arrow, jsonl = docs[".arrows"], docs[".jsonl"]
     assert arrow.mode == "numeric" and not arrow.topology.same
@@ -309,13 +316,7 @@ def test_sharded_columns_and_records_give_the_same_result(tmp_path, seed, kw, re
     `_Logical.value` (the JSON-lines store): the same document, the same warnings, in both directions."""
     ma, mb, a, b = _sharded_runs(seed)
     docs = {}
-    for fmt in (".arrows", ".jsonl"):
-        syn.FORMAT["suffix"] = fmt
-        try:
-            ra = syn.write_run(tmp_path / f"{fmt[1:]}-a", ma, a)
-            rb = syn.write_run(tmp_path / f"{fmt[1:]}-b", mb, b)
-        finally:
-            syn.FORMAT["suffix"] = ".arrows"
+    for fmt, ra, rb in _in_both_formats(tmp_path, ma, a, mb, b):
         docs[fmt] = diff_runs(rb, ra, **kw) if reverse else diff_runs(ra, rb, **kw)
     arrow, jsonl = docs[".arrows"], docs[".jsonl"]
     assert arrow.mode == "numeric" and not arrow.topology.same
@@ -481,13 +482,7 @@ def test_a_window_of_mixed_steps_gives_each_step_its_own_result(tmp_path, monkey
     odd = next(i for i, x in enumerate(a[1]) if x["step"] == 2 and x["phase"] == "reduce")
     del a[1][odd]["nonfinite"]  # a value the columns read, absent
     docs = {}
-    for fmt in (".arrows", ".jsonl"):
-        syn.FORMAT["suffix"] = fmt
-        try:
-            ra = syn.write_run(tmp_path / f"{fmt[1:]}-a", ma, a)
-            rb = syn.write_run(tmp_path / f"{fmt[1:]}-b", mb, b)
-        finally:
-            syn.FORMAT["suffix"] = ".arrows"
+    for fmt, ra, rb in _in_both_formats(tmp_path, ma, a, mb, b):
         by_records.clear()
         docs[fmt] = diff_runs(ra, rb)
         if fmt == ".arrows":
