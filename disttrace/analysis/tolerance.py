@@ -154,10 +154,10 @@ def tokens_per_step(manifest: dict, observed: dict | None = None) -> int:
 
 
 def _stated_tokens(manifest: dict, observed: dict | None) -> int:
-    from disttrace.config.identity import global_batch, known_global_batch
+    from disttrace.config.identity import global_batch, harness_manifest, known_global_batch
 
     seq = int((manifest.get("model", {}) or {}).get("max_seq_len", 1) or 1)
-    if manifest.get("data") is not None or not isinstance(observed, dict):
+    if harness_manifest(manifest) or not isinstance(observed, dict):
         return global_batch(manifest) * seq
     tokens = observed.get("tokens")
     if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 1:

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import math
 
+from disttrace.config.identity import harness_manifest
+
 SUFFIX = ":update"
 SLACK = 2.0**-10  # the step's own rounding, relative to the allowance (see the docstring)
 _HORIZON = 1 << 16  # steps taken exactly; beyond them C_t <= C_inf / (1 - beta1^_HORIZON)
@@ -67,7 +69,7 @@ def step_allowance(manifest: dict) -> float | None:
     """The most one run's ``NAME:update`` record may be: ``lr C`` for the harness's AdamW (a constant lr,
     the manifest's betas), None where no bound is sound (the module docstring)."""
     t = manifest.get("training", {}) or {}
-    if manifest.get("data") is None or t.get("optimizer", "adamw") != "adamw":
+    if not harness_manifest(manifest) or t.get("optimizer", "adamw") != "adamw":
         return None  # an attached run (its lr is its writer's word at attach time), or SGD
     lr, b1, b2 = t.get("lr"), t.get("beta1", 0.9), t.get("beta2", 0.95)
     if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (lr, b1, b2)):

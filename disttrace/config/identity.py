@@ -57,6 +57,12 @@ def global_batch(manifest: dict) -> int:
     )
 
 
+def harness_manifest(manifest: dict) -> bool:
+    """Whether the harness's trainer froze this manifest (it names its data); an attached run's states what
+    attach saw of a script, and no data section."""
+    return manifest.get("data") is not None
+
+
 def known_global_batch(manifest: dict, observed: dict | None = None) -> tuple[int | None, str]:
     """(samples per optimizer step summed over the world, where that number comes from), or (None, why not).
 
@@ -65,7 +71,7 @@ def known_global_batch(manifest: dict, observed: dict | None = None) -> tuple[in
     run.batch's or the forward's first tensor's leading dimension); failing that, the user's config when it
     states both the micro-batch size and the accumulation count. Never a factor defaulted to 1."""
     p, t = manifest.get("parallelism", {}) or {}, manifest.get("training", {}) or {}
-    if manifest.get("data") is not None:  # the harness's own manifest: frozen with every factor
+    if harness_manifest(manifest):  # frozen with every factor
         return global_batch(manifest), "stated"
     obs = observed if isinstance(observed, dict) else {}
     if _count(obs.get("global_batch")):

@@ -15,6 +15,7 @@ round differently; such a pair keeps the numeric mode its locks state."""
 
 from __future__ import annotations
 
+from disttrace.config.identity import harness_manifest
 from disttrace.store.rundir import Run
 
 
@@ -43,9 +44,7 @@ def _shown(run: Run) -> dict[int, list[tuple]] | None:
 def same_shown(a: Run, b: Run) -> bool:
     """Whether the two stores' records show one layout, for two runs of the harness's trainer (the module
     docstring); False for any other pair."""
-    if any(
-        run.manifest_doc.get("data") is None for run in (a, b)
-    ):  # an attached run states no data
+    if not all(harness_manifest(run.manifest_doc) for run in (a, b)):
         return False
     shown_a = _shown(a)
     return shown_a is not None and shown_a == _shown(b)

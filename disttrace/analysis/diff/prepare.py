@@ -36,6 +36,7 @@ from disttrace.config.identity import (
     TOPOLOGY_FIELDS,
     experiment_differences,
     get_field,
+    harness_manifest,
     observed_topology_differences,
     unknown_line,
 )
@@ -352,7 +353,7 @@ def _as_shown(side_a, side_b, ma: dict, mb: dict, observed: tuple, warnings: lis
             obs = {**(obs if isinstance(obs, dict) else {}), "tokens_shown": tokens}
         size, accum = t.get("micro_batch_size"), t.get("grad_accum_steps")
         if (
-            m.get("data") is not None
+            harness_manifest(m)
             and per_rank
             and any(
                 len(v) != accum or any(n != size for n in v.values()) for v in per_rank.values()
